@@ -1,0 +1,134 @@
+"""The daemon's journal: jobs and their events in SQLite (WAL mode) in the state directory.
+
+Everything the daemon must not forget across a restart lives here: each submitted job
+(with the idempotency key of its submit and its spec), its state and progress summary, and
+an append-only event log (submitted, started, step checkpoints, cancelled, ended ...).
+A submit is committed before it is acknowledged. Per-step metrics live in the job's own
+JSONL file, not here. Single-threaded use by the daemon's loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from plexctl.protocol import JobInfo
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT UNIQUE NOT NULL,
+    submit_id TEXT UNIQUE NOT NULL,
+    name TEXT NOT NULL,
+    user TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    step INTEGER NOT NULL DEFAULT 0,
+    steps INTEGER NOT NULL DEFAULT 0,
+    reward REAL,
+    eval_first REAL,
+    eval_last REAL,
+    policy_version INTEGER NOT NULL DEFAULT 0,
+    engine TEXT NOT NULL DEFAULT '',
+    error TEXT NOT NULL DEFAULT '',
+    priority INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    t REAL NOT NULL,
+    kind TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+"""
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+UPDATABLE = {"state", "started_at", "ended_at", "step", "reward", "eval_first", "eval_last",
+             "policy_version", "engine", "error", "restarts"}
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.db = sqlite3.connect(path, isolation_level=None)  # explicit transactions
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def submit(self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int,
+               priority: int) -> tuple[str, bool]:
+        """Insert a job unless this submit_id was seen; (job_id, created)."""
+        row = self.db.execute("SELECT job_id FROM jobs WHERE submit_id=?", (submit_id,)).fetchone()
+        if row:
+            return row["job_id"], False
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+            job_id = f"j{seq:04d}"
+            self.db.execute(
+                "INSERT INTO jobs (seq, job_id, submit_id, name, user, spec, state, submitted_at, steps, priority)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (seq, job_id, submit_id, name, user, json.dumps(spec), "queued", now, steps, priority),
+            )
+            self.db.execute("INSERT INTO events (job_id, t, kind) VALUES (?,?,?)", (job_id, now, "submitted"))
+        return job_id, True
+
+    def update(self, job_id: str, **fields: Any) -> None:
+        bad = set(fields) - UPDATABLE
+        if bad:
+            raise ValueError(f"not updatable: {bad}")
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self.db.execute(f"UPDATE jobs SET {cols} WHERE job_id=?", (*fields.values(), job_id))
+
+    def event(self, job_id: str, kind: str, detail: str = "") -> None:
+        self.db.execute("INSERT INTO events (job_id, t, kind, detail) VALUES (?,?,?,?)",
+                        (job_id, time.time(), kind, detail))
+
+    def events(self, job_id: str) -> list[tuple[float, str, str]]:
+        rows = self.db.execute("SELECT t, kind, detail FROM events WHERE job_id=? ORDER BY id", (job_id,))
+        return [(r["t"], r["kind"], r["detail"]) for r in rows]
+
+    def spec(self, job_id: str) -> dict[str, Any]:
+        row = self.db.execute("SELECT spec FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return json.loads(row["spec"])
+
+    def find(self, ref: str) -> str | None:
+        """A job id from an id or a name (the newest job of that name)."""
+        row = self.db.execute("SELECT job_id FROM jobs WHERE job_id=?", (ref,)).fetchone()
+        if row is None:
+            row = self.db.execute("SELECT job_id FROM jobs WHERE name=? ORDER BY seq DESC LIMIT 1", (ref,)).fetchone()
+        return row["job_id"] if row else None
+
+    def jobs(self, states: tuple[str, ...] | None = None) -> list[JobInfo]:
+        q = "SELECT * FROM jobs"
+        args: tuple = ()
+        if states:
+            q += f" WHERE state IN ({','.join('?' * len(states))})"
+            args = states
+        return [self._info(r) for r in self.db.execute(q + " ORDER BY seq", args)]
+
+    def job(self, job_id: str) -> JobInfo | None:
+        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return self._info(row) if row else None
+
+    @staticmethod
+    def _info(r: sqlite3.Row) -> JobInfo:
+        return JobInfo(
+            job_id=r["job_id"], name=r["name"], user=r["user"], state=r["state"], step=r["step"],
+            steps=r["steps"], reward=r["reward"], eval_first=r["eval_first"], eval_last=r["eval_last"],
+            policy_version=r["policy_version"], engine=r["engine"], submitted_at=r["submitted_at"],
+            started_at=r["started_at"], ended_at=r["ended_at"], error=r["error"], priority=r["priority"],
+            restarts=r["restarts"],
+        )

@@ -1,0 +1,611 @@
+"""plexd: the daemon of one cluster — broker, scheduler host, job lifecycle and journal.
+
+One ROUTER socket serves every peer: CLI clients (submit, status, cancel, logs, down),
+job drivers (service calls, progress reports) and workers (register, heartbeat, results).
+One poll loop dispatches messages, purges dead workers, reaps drivers, admits queued jobs
+and asks the scheduler core for placements. Service calls become tasks on engines; bulk
+state (adapters, checkpoints) moves through files in the job's directory, never through
+this process. In ``--local-worker`` mode the daemon also starts and stops its workers as
+child processes (the embedded single-machine cluster).
+
+Deliberately not here yet: CURVE authentication, state swapping between tiers, worker
+loss recovery beyond re-queueing calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from daemon.journal import TERMINAL, Journal
+from daemon.scheduler import Engine, Scheduler, Task
+from plexctl import protocol as P
+from plexctl.atomic import write_json_atomic
+from plexctl.cluster import Endpoint, endpoint_path
+from plexctl.spec import JobSpec, spec_from_wire
+
+log = logging.getLogger("plexd")
+
+VERSION = "0.1.0"
+HEARTBEAT_S = 1.0
+WORKER_LIVENESS = 5  # heartbeats missed before a worker is declared dead
+CANCEL_GRACE_S = 30.0
+DRIVER_EXIT_CANCELLED = 3
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TRAINER_METHODS = {"train_step", "publish", "checkpoint", "restore"}
+ROLLOUT_METHODS = {"generate"}
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    identity: bytes
+    node: str
+    last_seen: float
+    engines: list[P.EngineDecl]
+    ready: bool
+    error: str = ""
+
+
+@dataclass
+class JobRuntime:
+    """What the daemon keeps in memory for a running job."""
+
+    job_id: str
+    spec: JobSpec
+    job_dir: Path
+    proc: subprocess.Popen | None = None
+    driver_identity: bytes = b""
+    policy_version: int = 0
+    adapter: P.AdapterRef | None = None
+    cancel_requested_at: float | None = None
+    failure: str = ""
+    engines: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PendingCall:
+    job_id: str
+    identity: bytes
+    msg_id: int
+    method: str
+    context: dict[str, Any]
+
+
+class Daemon:
+    def __init__(self, state_dir: Path, models: list[str], local_workers: list[list[str]],
+                 host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local") -> None:
+        self.state_dir = state_dir
+        self.jobs_dir = state_dir / "jobs"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.models = {os.path.realpath(m) for m in models}
+        self.max_running = max_running
+        self.mode = mode
+        self.started_at = time.time()
+        self.journal = Journal(state_dir / "journal.db")
+        self.sched = Scheduler()
+        self.workers: dict[str, WorkerState] = {}
+        self.worker_procs: dict[str, subprocess.Popen] = {}
+        self.runtimes: dict[str, JobRuntime] = {}
+        self.calls: dict[int, PendingCall] = {}
+        self.task_ids = itertools.count(1)
+        self.stopping = False
+        self.problems: list[str] = []
+        self.rejected_peers: set[bytes] = set()
+
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        connect_host = "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname()
+        self.address = f"tcp://{connect_host}:{port}"
+
+        self._recover_jobs()
+        for i, engines in enumerate(local_workers):
+            self._spawn_local_worker(f"w{i}", engines, models[0])
+        write_json_atomic(endpoint_path(state_dir), msgspec.to_builtins(
+            Endpoint(address=self.address, pid=os.getpid(), started_at=self.started_at, mode=mode,
+                     host=socket.gethostname())))
+        log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _recover_jobs(self) -> None:
+        """Jobs that were running when the last daemon stopped are queued again; they
+        resume from their last checkpoint."""
+        for info in self.journal.jobs(("running", "interrupted")):
+            self.journal.update(info.job_id, state="queued", restarts=info.restarts + 1)
+            self.journal.event(info.job_id, "recovered", f"was {info.state}")
+
+    def _spawn_local_worker(self, worker_id: str, engines: list[str], model: str) -> None:
+        logs = self.state_dir / "workers"
+        logs.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "worker.main", "--endpoint", self.address, "--worker-id", worker_id,
+               "--engines", ",".join(engines), "--model", model,
+               "--scratch", str(self.state_dir / "nodes" / worker_id)]
+        with open(logs / f"{worker_id}.log", "ab") as out:
+            self.worker_procs[worker_id] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=_child_env(), cwd=REPO_ROOT)
+        log.info("started local worker %s (%s) pid %d", worker_id, ",".join(engines),
+                 self.worker_procs[worker_id].pid)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        last_beat = 0.0
+        while not self.stopping:
+            if self.sock.poll(50):
+                for _ in range(1000):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+            now = time.time()
+            if now - last_beat >= HEARTBEAT_S:
+                last_beat = now
+                self._heartbeat_workers(now)
+            self._reap_drivers(now)
+            self._admit(now)
+            self._place(now)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        log.info("shutting down")
+        for rt in list(self.runtimes.values()):
+            if rt.proc and rt.proc.poll() is None:
+                rt.proc.terminate()
+        for rt in list(self.runtimes.values()):
+            if rt.proc:
+                _wait_or_kill(rt.proc, 10)
+            info = self.journal.job(rt.job_id)
+            if info and info.state == "running":
+                self.journal.update(rt.job_id, state="interrupted")
+                self.journal.event(rt.job_id, "interrupted", "cluster went down")
+        for proc in self.worker_procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.worker_procs.values():
+            _wait_or_kill(proc, 15)
+        endpoint_path(self.state_dir).unlink(missing_ok=True)
+        self.journal.close()
+        self.sock.close(linger=0)
+
+    # ------------------------------------------------------------------ messaging
+
+    def _send(self, identity: bytes, op: bytes, body: Any, in_reply_to: int = 0) -> None:
+        frames, _ = P.encode(op, body, in_reply_to)
+        try:
+            self.sock.send_multipart([identity, *frames])
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY)
+            log.warning("cannot send to %r: %s", identity, exc)
+
+    def _error(self, identity: bytes, msg_id: int, code: str, message: str) -> None:
+        self._send(identity, P.Op.ERROR, P.ErrorBody(code, message), msg_id)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        try:
+            op, header, body = P.decode(rest)
+        except P.ProtocolError as exc:
+            if identity not in self.rejected_peers:
+                self.rejected_peers.add(identity)
+                log.warning("rejected message from %r: %s", identity, exc)
+            return
+        handler = self.HANDLERS.get(op)
+        if handler is None:
+            self._error(identity, header.msg_id, "bad_request", f"opcode {op!r} is not a request")
+            return
+        try:
+            handler(self, identity, header, body)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the daemon
+            log.exception("error handling %r", op)
+            self._error(identity, header.msg_id, "internal", f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ client requests
+
+    def on_ping(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
+        decls = [e for w in self.workers.values() for e in w.engines]
+        ready = sum(1 for w in self.workers.values() if w.ready for _ in w.engines)
+        total = max(len(decls), sum(1 for _ in self.worker_procs))
+        self._send(identity, P.Op.REPLY, P.Pong(
+            version=VERSION, pid=os.getpid(), started_at=self.started_at, workers=len(self.workers),
+            engines_ready=ready, engines_total=total, problems=list(self.problems)), header.msg_id)
+
+    def on_submit(self, identity: bytes, header: P.Header, body: P.SubmitReq) -> None:
+        try:
+            spec = spec_from_wire(body.spec)
+        except Exception as exc:  # noqa: BLE001
+            self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {exc}")
+            return
+        if os.path.realpath(spec.model.path) not in self.models:
+            self._error(identity, header.msg_id, "refused",
+                        f"model.path {spec.model.path!r} is not served by this cluster "
+                        f"(it serves: {', '.join(sorted(self.models))})")
+            return
+        job_id, created = self.journal.submit(body.submit_id, spec.name, body.user, body.spec,
+                                              spec.algo.steps, spec.priority)
+        if created:
+            log.info("job %s (%s) submitted by %s", job_id, spec.name, body.user)
+        self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created), header.msg_id)
+
+    def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
+        if body.job_id:
+            job_id = self.journal.find(body.job_id)
+            if job_id is None:
+                self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
+                return
+            jobs = [self.journal.job(job_id)]
+        else:
+            jobs = self.journal.jobs()
+        now = time.time()
+        engines = []
+        for w in self.workers.values():
+            for decl in w.engines:
+                eng = self.sched.engines.get(decl.engine_id)
+                busy = 0.0
+                if eng is not None:
+                    busy = eng.busy_seconds + (now - eng.busy_since if eng.busy_since else 0.0)
+                engines.append(P.EngineInfo(
+                    engine_id=decl.engine_id, worker_id=w.worker_id, kind=decl.kind, model=decl.model,
+                    ready=w.ready, running=sorted({t.job_id for t in eng.running.values()}) if eng else [],
+                    resident=sorted(j for j, h in self.sched.home.items() if h == decl.engine_id),
+                    busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0))
+        self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now), header.msg_id)
+
+    def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
+        job_id = self.journal.find(body.job_id)
+        if job_id is None:
+            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
+            return
+        info = self.journal.job(job_id)
+        if info.state == "queued" or info.state == "interrupted":
+            self.journal.update(job_id, state="cancelled", ended_at=time.time())
+            self.journal.event(job_id, "cancelled", "before it started")
+        elif info.state == "running":
+            rt = self.runtimes.get(job_id)
+            if rt is not None and rt.cancel_requested_at is None:
+                rt.cancel_requested_at = time.time()
+                self.journal.event(job_id, "cancel_requested")
+        self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
+
+    def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
+        job_id = self.journal.find(body.job_id)
+        if job_id is None:
+            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
+            return
+        name = {"log": "driver.log", "metrics": "metrics.jsonl"}.get(body.kind)
+        if name is None:
+            self._error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
+            return
+        data, offset = b"", body.offset
+        path = self.jobs_dir / job_id / name
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(body.offset)
+                data = f.read(256 * 1024)
+            offset = body.offset + len(data)
+        finished = self.journal.job(job_id).state in TERMINAL and (not path.exists() or offset >= path.stat().st_size)
+        self._send(identity, P.Op.REPLY, P.LogsRep(data=data.decode(errors="replace"), offset=offset,
+                                                   finished=finished), header.msg_id)
+
+    def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
+        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
+        self.stopping = True
+
+    # ------------------------------------------------------------------ workers
+
+    def on_register(self, identity: bytes, header: P.Header, body: P.RegisterReq) -> None:
+        now = time.time()
+        old = self.workers.get(body.worker_id)
+        if old is not None and old.identity != identity:
+            self._worker_lost(body.worker_id, "re-registered")
+        self.workers[body.worker_id] = WorkerState(body.worker_id, identity, body.node, now, body.engines,
+                                                   body.ready, body.error)
+        if body.error:
+            self.problems.append(f"worker {body.worker_id}: {body.error}")
+            log.error("worker %s failed: %s", body.worker_id, body.error)
+        if body.ready:
+            for decl in body.engines:
+                if decl.engine_id not in self.sched.engines:
+                    self.sched.engine_up(Engine(decl.engine_id, body.worker_id, decl.kind,
+                                                os.path.realpath(decl.model), decl.capacity))
+                    self.models.add(os.path.realpath(decl.model))
+            log.info("worker %s ready on %s: %s", body.worker_id, body.node,
+                     ", ".join(f"{e.engine_id}({e.model})" for e in body.engines))
+        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
+
+    def on_heartbeat(self, identity: bytes, header: P.Header, body: P.HeartbeatBody) -> None:
+        w = self.workers.get(body.worker_id)
+        if w is not None and w.identity == identity:
+            w.last_seen = time.time()
+
+    def _heartbeat_workers(self, now: float) -> None:
+        for wid, w in list(self.workers.items()):
+            if now - w.last_seen > HEARTBEAT_S * WORKER_LIVENESS:
+                self._worker_lost(wid, f"no heartbeat for {now - w.last_seen:.1f} s")
+            else:
+                self._send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
+        for wid, proc in self.worker_procs.items():
+            rc = proc.poll()
+            if rc is not None and not any(wid in p for p in self.problems):
+                self.problems.append(f"worker {wid} exited with code {rc} "
+                                     f"(see {self.state_dir / 'workers' / (wid + '.log')})")
+                log.error(self.problems[-1])
+                if wid in self.workers:
+                    self._worker_lost(wid, f"process exited with code {rc}")
+
+    def _worker_lost(self, worker_id: str, why: str) -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        log.error("worker %s lost: %s", worker_id, why)
+        for decl in w.engines:
+            for task in self.sched.engine_down(decl.engine_id):
+                log.warning("re-queued %s of job %s", task.method, task.job_id)
+
+    def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
+        now = time.time()
+        self.sched.done(body.task_id, now, body.seconds if body.ok else None)
+        call = self.calls.pop(body.task_id, None)
+        if call is None:
+            return  # a control task (release), or a call whose job has gone
+        rt = self.runtimes.get(call.job_id)
+        if rt is None:
+            return
+        if not body.ok:
+            self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
+            return
+        value = body.value
+        if call.method == "publish":
+            rt.policy_version = call.context["version"]
+            rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
+            self.journal.update(rt.job_id, policy_version=rt.policy_version)
+            self._prune(rt.job_dir / "adapters", keep=rt.spec.algo.max_staleness + 2)
+            value = {"version": rt.policy_version}
+        elif call.method == "checkpoint":
+            ckpt = call.context["out_dir"]
+            write_json_atomic(rt.job_dir / "ckpt" / "latest.json",
+                              {"dir": ckpt, "step": call.context["step"], "policy_version": rt.policy_version,
+                               "manifest": value})
+            self.journal.event(rt.job_id, "checkpoint", f"step {call.context['step']}")
+            self._prune(rt.job_dir / "ckpt", keep=2)
+            value = {"path": ckpt}
+        self._send(call.identity, P.Op.REPLY, value, call.msg_id)
+
+    @staticmethod
+    def _prune(parent: Path, keep: int) -> None:
+        dirs = sorted((d for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                      key=lambda d: d.name)
+        for d in dirs[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ drivers
+
+    def on_call(self, identity: bytes, header: P.Header, body: P.CallReq) -> None:
+        rt = self.runtimes.get(body.job_id)
+        if rt is None:
+            self._error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
+            return
+        rt.driver_identity = identity
+        if rt.cancel_requested_at is not None:
+            self._error(identity, header.msg_id, "cancelled", "the job was cancelled")
+            return
+        spec = rt.spec
+        trainer_ctx = {"lora": msgspec.to_builtins(spec.lora), "seed": spec.seed,
+                       "weight_decay": 0.0}
+        context: dict[str, Any] = {}
+        if body.method == "generate":
+            req = P.GenRequest(job_id=rt.job_id, prompts=body.args["prompts"],
+                               sampling=msgspec.convert(body.args["sampling"], P.Sampling), adapter=rt.adapter)
+            args = {"request": req}
+        elif body.method == "train_step":
+            args = {**trainer_ctx, "batch": body.args["batch"], "hp": body.args["hp"]}
+        elif body.method == "publish":
+            version = rt.policy_version + 1
+            out_dir = str(rt.job_dir / "adapters" / f"v{version:06d}")
+            context = {"version": version, "out_dir": out_dir}
+            args = {**trainer_ctx, "out_dir": out_dir}
+        elif body.method == "checkpoint":
+            step = int(body.args["step"])
+            out_dir = str(rt.job_dir / "ckpt" / f"step-{step:06d}")
+            context = {"step": step, "out_dir": out_dir}
+            args = {**trainer_ctx, "out_dir": out_dir, "extra": body.args.get("extra", {})}
+        elif body.method == "restore":
+            latest = rt.job_dir / "ckpt" / "latest.json"
+            if not latest.exists():
+                self._send(identity, P.Op.REPLY, None, header.msg_id)
+                return
+            info = json.loads(latest.read_text())
+            rt.policy_version = max(rt.policy_version, int(info.get("policy_version", 0)))
+            args = {**trainer_ctx, "ckpt_dir": info["dir"]}
+        else:
+            self._error(identity, header.msg_id, "bad_request", f"unknown service call {body.method!r}")
+            return
+        kind = "rollout" if body.method in ROLLOUT_METHODS else "trainer"
+        task = Task(next(self.task_ids), rt.job_id, kind, body.method, os.path.realpath(spec.model.path),
+                    time.time(), spec.priority)
+        self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
+                                               {**context, "args": args})
+        self.sched.submit(task)
+
+    def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
+        rt = self.runtimes.get(body.job_id)
+        if rt is None:
+            return
+        m = body.metrics
+        if body.event == "step":
+            fields: dict[str, Any] = {"step": body.step}
+            if "reward_mean" in m:
+                fields["reward"] = m["reward_mean"]
+            self.journal.update(body.job_id, **fields)
+        elif body.event == "eval":
+            info = self.journal.job(body.job_id)
+            fields = {"eval_last": m["eval_reward"]}
+            if info.eval_first is None:
+                fields["eval_first"] = m["eval_reward"]
+            self.journal.update(body.job_id, **fields)
+            self.journal.event(body.job_id, "eval", f"step {body.step}: {m['eval_reward']:.4f}")
+        elif body.event == "failed":
+            rt.failure = body.message
+        elif body.event == "note":
+            self.journal.event(body.job_id, "note", body.message)
+
+    def _place(self, now: float) -> None:
+        for placement in self.sched.tick(now):
+            task = placement.task
+            call = self.calls.get(task.task_id)
+            if call is None:
+                self.sched.done(task.task_id, now)
+                continue
+            engine = self.sched.engines[placement.engine_id]
+            worker = self.workers.get(engine.worker_id)
+            if worker is None:
+                continue
+            rt = self.runtimes.get(task.job_id)
+            if rt is not None and placement.engine_id not in rt.engines:
+                rt.engines.add(placement.engine_id)
+                self.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
+            self._send(worker.identity, P.Op.TASK,
+                       P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, call.context["args"]))
+
+    def _admit(self, now: float) -> None:
+        running = sum(1 for rt in self.runtimes.values())
+        if running >= self.max_running:
+            return
+        ready_models = {(e.kind, e.model) for e in self.sched.engines.values()}
+        for info in self.journal.jobs(("queued",)):
+            if running >= self.max_running:
+                break
+            spec = spec_from_wire(self.journal.spec(info.job_id))
+            model = os.path.realpath(spec.model.path)
+            if ("rollout", model) not in ready_models or ("trainer", model) not in ready_models:
+                continue
+            self._start_driver(info.job_id, spec, now)
+            running += 1
+
+    def _start_driver(self, job_id: str, spec: JobSpec, now: float) -> None:
+        job_dir = self.jobs_dir / job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(job_dir / "spec.json", self.journal.spec(job_id))
+        info = self.journal.job(job_id)
+        cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address, "--job-id", job_id,
+               "--job-dir", str(job_dir)]
+        with open(job_dir / "driver.log", "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=_child_env(), cwd=REPO_ROOT)
+        self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version)
+        self.journal.update(job_id, state="running", started_at=info.started_at or now)
+        self.journal.event(job_id, "started", f"driver pid {proc.pid}")
+        log.info("job %s started (driver pid %d)", job_id, proc.pid)
+
+    def _reap_drivers(self, now: float) -> None:
+        for job_id, rt in list(self.runtimes.items()):
+            rc = rt.proc.poll() if rt.proc else None
+            if rc is None:
+                if rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
+                    rt.proc.kill()
+                continue
+            if rt.cancel_requested_at is not None:
+                state, error = "cancelled", ""
+            elif rc == 0:
+                state, error = "succeeded", ""
+            else:
+                state = "failed"
+                error = rt.failure or _last_line(rt.job_dir / "driver.log") or f"driver exited with code {rc}"
+            self.journal.update(job_id, state=state, ended_at=now, error=error)
+            self.journal.event(job_id, state, error)
+            log.info("job %s %s%s", job_id, state, f": {error}" if error else "")
+            self._end_job(rt)
+
+    def _end_job(self, rt: JobRuntime) -> None:
+        del self.runtimes[rt.job_id]
+        for task in self.sched.forget_job(rt.job_id):
+            self.calls.pop(task.task_id, None)
+        for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
+            del self.calls[tid]
+        for engine_id in rt.engines:  # free the job's state on the engines that held it
+            engine = self.sched.engines.get(engine_id)
+            worker = self.workers.get(engine.worker_id) if engine else None
+            if worker is not None:
+                self._send(worker.identity, P.Op.TASK, P.TaskBody(0, rt.job_id, engine_id, "release", {}))
+
+    HANDLERS = {
+        P.Op.PING: on_ping,
+        P.Op.SUBMIT: on_submit,
+        P.Op.STATUS: on_status,
+        P.Op.CANCEL: on_cancel,
+        P.Op.LOGS: on_logs,
+        P.Op.DOWN: on_down,
+        P.Op.REGISTER: on_register,
+        P.Op.HEARTBEAT: on_heartbeat,
+        P.Op.RESULT: on_result,
+        P.Op.CALL: on_call,
+        P.Op.REPORT: on_report,
+    }
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _wait_or_kill(proc: subprocess.Popen, seconds: float) -> None:
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="plexd", description="PlexRL daemon (started by `plexctl up`).")
+    ap.add_argument("--state-dir", required=True, type=Path)
+    ap.add_argument("--model", action="append", default=[], help="base model the engines serve")
+    ap.add_argument("--local-worker", action="append", default=[],
+                    help="start a local worker hosting these engines (comma list: rollout,trainer)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--mode", default="local")
+    args = ap.parse_args(argv)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
+                    args.port, args.max_running, args.mode)
+    daemon.run()
+
+
+if __name__ == "__main__":
+    main()

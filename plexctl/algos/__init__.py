@@ -1,0 +1,1 @@
+"""Built-in RL algorithms, each written against the service API in ``plexctl.rl``."""

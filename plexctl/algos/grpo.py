@@ -1,0 +1,154 @@
+"""GRPO (group relative policy optimisation) as a job's control loop.
+
+Per step: take ``prompts_per_step`` prompts, ``generate`` ``group_size`` samples each with
+the current (or, under ``max_staleness`` >= 1, a slightly older) policy, score them with the
+job's reward, normalise rewards within each group into advantages, ``train_step`` one
+clipped policy-gradient update, ``publish`` the new adapter to the rollout engine, report
+metrics, and ``checkpoint`` every N steps. The reward is computed here, in the driver: that
+CPU time is one of the gaps other jobs fill on the engines.
+
+Simplifications, stated up front: one optimizer step per batch (no PPO epochs), the
+staleness pipeline overlaps at most one generate with one train step, evaluation is the
+mean reward over a fixed prompt set with a fixed sampling seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from plexctl.data import PromptCursor, load_records
+from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
+from plexctl.rewards import load_reward, safe_reward
+from plexctl.rl import JobClient
+from plexctl.spec import JobSpec
+
+EVAL_SEED = 12345
+
+
+def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
+    """(r - mean) / (std + eps) within each consecutive group of ``group_size`` samples."""
+    out: list[float] = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g:g + group_size]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
+        out.extend((r - mean) / (std + eps) for r in group)
+    return out
+
+
+def build_batch(comps: list[Completion], advantages: list[float]) -> TrainBatch:
+    input_ids, mask, old = [], [], []
+    for c in comps:
+        n_prompt = len(c.prompt_token_ids)
+        input_ids.append(list(c.prompt_token_ids) + list(c.token_ids))
+        mask.append([0] * n_prompt + [1] * len(c.token_ids))
+        old.append([0.0] * n_prompt + list(c.logprobs))
+    return TrainBatch(input_ids=input_ids, loss_mask=mask, old_logprobs=old, advantages=advantages)
+
+
+class GRPO:
+    def __init__(self, client: JobClient, spec: JobSpec, job_dir: Path, log: Callable[[str], None] = print) -> None:
+        self.client = client
+        self.spec = spec
+        self.job_dir = job_dir
+        self.log = log
+        d = spec.data
+        self.records = load_records(d.path, d.prompt_field, d.answer_field)
+        self.eval_records = load_records(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else None
+        self.reward = safe_reward(load_reward(spec.reward), spec.reward.failure_reward)
+        a = spec.algo
+        self.hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
+                               kl_coef=a.kl_coef, loss_agg=a.loss_agg)
+        self.metrics_path = job_dir / "metrics.jsonl"
+
+    # -- pieces
+
+    def sampling(self, step: int, n: int, seed: int | None = None) -> Sampling:
+        s = self.spec.sampling
+        return Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, n=n,
+                        seed=seed if seed is not None else self.spec.seed * 1_000_003 + step)
+
+    def score(self, records: list[dict], comps: list[Completion], n: int) -> list[float]:
+        d = self.spec.data
+        return [self.reward(c.text, str(records[i // n][d.answer_field]), records[i // n])
+                for i, c in enumerate(comps)]
+
+    def evaluate(self, step: int) -> float | None:
+        if not self.eval_records:
+            return None
+        n = self.spec.algo.eval_samples
+        prompts = [r[self.spec.data.prompt_field] for r in self.eval_records]
+        comps = self.client.generate(prompts, self.sampling(step, n, seed=EVAL_SEED))
+        value = sum(self.score(self.eval_records, comps, n)) / len(comps)
+        self.client.report("eval", step, {"eval_reward": value})
+        self.write_metrics({"step": step, "eval_reward": value})
+        self.log(f"eval at step {step}: reward {value:.4f} over {len(comps)} samples")
+        return value
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    # -- the loop
+
+    def run(self) -> None:
+        a, c = self.spec.algo, self.client
+        restored = c.restore()
+        if restored:
+            start = int(restored["step"])
+            cursor = PromptCursor.from_state(self.records, restored["cursor"])
+            version = c.publish()
+            self.log(f"resumed from checkpoint at step {start} (policy version {version})")
+        else:
+            start = 0
+            cursor = PromptCursor(self.records, seed=self.spec.data.shuffle_seed)
+            self.evaluate(0)
+
+        def next_generate(step: int) -> tuple[list[dict], int]:
+            recs = cursor.next_batch(a.prompts_per_step)
+            return recs, c.generate_async([r[self.spec.data.prompt_field] for r in recs],
+                                          self.sampling(step, a.group_size))
+
+        pending = next_generate(start) if start < a.steps else None
+        for step in range(start, a.steps):
+            t0 = time.perf_counter()
+            recs, msg_id = pending
+            comps = c.completions(c.wait(msg_id))
+            t_gen = time.perf_counter() - t0
+            rewards = self.score(recs, comps, a.group_size)
+            adv = group_advantages(rewards, a.group_size)
+            batch = build_batch(comps, adv)
+            last = step + 1 == a.steps
+            if a.max_staleness > 0 and not last:
+                pending = next_generate(step + 1)  # overlaps this step's training
+            train = c.train_step(batch, self.hp)
+            version = c.publish()
+            if a.max_staleness == 0 and not last:
+                pending = next_generate(step + 1)
+            row = {
+                "step": step + 1,
+                "reward_mean": sum(rewards) / len(rewards),
+                "reward_max": max(rewards),
+                "response_len": sum(len(x.token_ids) for x in comps) / len(comps),
+                "policy_version": version,
+                "reward_errors": getattr(self.reward, "errors", 0),
+                "generate_s": t_gen,
+                "step_s": time.perf_counter() - t0,
+                **{f"train/{k}": v for k, v in train.items()},
+            }
+            self.write_metrics(row)
+            c.report("step", step + 1, {k: float(v) for k, v in row.items()})
+            self.log(f"step {step + 1}/{a.steps} reward {row['reward_mean']:.3f} "
+                     f"loss {train.get('loss', float('nan')):.4f} v{version} {row['step_s']:.2f}s")
+            if a.eval_every and (step + 1) % a.eval_every == 0 and not last:
+                self.evaluate(step + 1)
+            every = self.spec.checkpoint.every
+            if every and (step + 1) % every == 0 and not last:
+                c.checkpoint(step + 1, {"step": step + 1, "cursor": cursor.state()})
+        self.evaluate(a.steps)
+        c.checkpoint(a.steps, {"step": a.steps, "cursor": cursor.state()})
+        self.log("done")

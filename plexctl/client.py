@@ -1,0 +1,95 @@
+"""The client library: one request/reply to the daemon over a ZeroMQ DEALER socket.
+
+Requests carry a msg_id; the reply names it in ``in_reply_to``. Idempotent requests are
+retried on a fresh socket after a timeout (the "lazy pirate" pattern); submit is made
+idempotent by its client-chosen ``submit_id``. Errors from the daemon arrive as
+``{code, message}`` and are raised as ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from plexctl import protocol as P
+from plexctl.errors import DaemonUnreachable, RemoteError
+
+
+def current_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        return "unknown"
+
+
+class Client:
+    def __init__(self, address: str, timeout: float = 10.0, retries: int = 2) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.address)
+            self._sock = s
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        self._reset()
+
+    def request(self, op: bytes, body: Any, timeout: float | None = None, retries: int | None = None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        retries = self.retries if retries is None else retries
+        for _attempt in range(retries + 1):
+            sock = self._socket()
+            frames, msg_id = P.encode(op, body)
+            sock.send_multipart(frames)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(left * 1000) + 1):
+                    break
+                try:
+                    rop, header, rbody = P.decode(sock.recv_multipart())
+                except P.ProtocolError:
+                    continue
+                if header.in_reply_to != msg_id:
+                    continue  # a late reply to an earlier, retried request
+                if rop == P.Op.ERROR:
+                    raise RemoteError(rbody.code, rbody.message)
+                return rbody
+            self._reset()
+        raise DaemonUnreachable(f"no reply from the daemon at {self.address} after {retries + 1} tries")
+
+    # -- typed helpers
+
+    def ping(self, timeout: float = 2.0, retries: int = 0) -> P.Pong:
+        return msgspec.convert(self.request(P.Op.PING, P.Empty(), timeout, retries), P.Pong)
+
+    def submit(self, spec: dict[str, Any], submit_id: str, user: str | None = None) -> P.SubmitRep:
+        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user())
+        return msgspec.convert(self.request(P.Op.SUBMIT, req), P.SubmitRep)
+
+    def status(self, job_id: str | None = None) -> P.StatusRep:
+        return msgspec.convert(self.request(P.Op.STATUS, P.StatusReq(job_id)), P.StatusRep)
+
+    def cancel(self, job_id: str) -> P.JobInfo:
+        return msgspec.convert(self.request(P.Op.CANCEL, P.JobRef(job_id)), P.JobInfo)
+
+    def logs(self, job_id: str, kind: str = "log", offset: int = 0) -> P.LogsRep:
+        return msgspec.convert(self.request(P.Op.LOGS, P.LogsReq(job_id, kind, offset)), P.LogsRep)
+
+    def down(self) -> None:
+        self.request(P.Op.DOWN, P.Empty(), retries=0)

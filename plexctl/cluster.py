@@ -1,0 +1,62 @@
+"""Where a cluster lives on disk, and how a client finds its daemon.
+
+A cluster is a state directory (``$PLEXRL_HOME/clusters/NAME``, ``PLEXRL_HOME`` defaulting
+to ``~/.plexrl``) holding the daemon's journal, logs, job directories and ``endpoint.json``
+(address, pid, start time), which the daemon writes atomically once its socket is bound and
+removes on a clean exit. This module only reads and names things; it starts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+
+from plexctl.errors import DaemonUnreachable, NotFound
+
+DEFAULT_CLUSTER = "default"
+
+
+class Endpoint(msgspec.Struct):
+    address: str
+    pid: int
+    started_at: float
+    mode: str  # local | slurm
+    host: str = ""
+
+
+def plexrl_home() -> Path:
+    return Path(os.environ.get("PLEXRL_HOME", Path.home() / ".plexrl")).expanduser()
+
+
+def cluster_dir(name: str | None = None) -> Path:
+    name = name or os.environ.get("PLEXRL_CLUSTER") or DEFAULT_CLUSTER
+    return plexrl_home() / "clusters" / name
+
+
+def endpoint_path(state_dir: Path) -> Path:
+    return state_dir / "endpoint.json"
+
+
+def read_endpoint(state_dir: Path) -> Endpoint:
+    path = endpoint_path(state_dir)
+    if not state_dir.exists():
+        raise NotFound(f"no cluster at {state_dir} (start one with `plexctl up --local`)")
+    try:
+        return msgspec.convert(json.loads(path.read_text()), Endpoint)
+    except FileNotFoundError:
+        raise DaemonUnreachable(f"cluster at {state_dir} is not running (start it with `plexctl up --local`)") from None
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

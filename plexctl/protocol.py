@@ -1,0 +1,331 @@
+"""The PlexRL wire protocol: opcodes, message structs and framing shared by every process.
+
+Frames on the wire (ZeroMQ ROUTER/DEALER)::
+
+    [identity (ROUTER side only), b"PLX1", opcode (1 byte), header, body]
+
+``header`` and ``body`` are msgpack-encoded msgspec structs. Nothing is pickled. The body
+type is fixed by the opcode (``BODY_TYPES``); a frame whose magic, opcode or body does not
+decode is rejected as a ``ProtocolError``.
+
+This module also holds the data types that cross process boundaries inside a call
+(``GenRequest``, ``Completion``, ``TrainBatch`` ...), so that the driver, the daemon and the
+engines agree on them without importing each other. It deliberately imports neither torch
+nor vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import msgspec
+
+MAGIC = b"PLX1"
+
+
+class Op:
+    """One-byte opcodes."""
+
+    # client -> daemon
+    SUBMIT = b"S"
+    STATUS = b"Q"
+    CANCEL = b"C"
+    LOGS = b"L"
+    DOWN = b"D"
+    PING = b"P"
+    # driver -> daemon: a service call (generate, train_step, publish, checkpoint, ...)
+    CALL = b"K"
+    # driver -> daemon: progress of a job (step metrics)
+    REPORT = b"M"
+    # worker -> daemon
+    REGISTER = b"R"
+    HEARTBEAT = b"H"
+    RESULT = b"r"
+    # daemon -> worker
+    TASK = b"T"
+    # daemon -> anyone: reply to a request (body depends on the request)
+    REPLY = b"A"
+    ERROR = b"E"
+
+
+class Header(msgspec.Struct, frozen=True):
+    msg_id: int
+    in_reply_to: int = 0
+    sent_at: float = 0.0
+    sender_epoch: int = 0
+
+
+class ErrorBody(msgspec.Struct):
+    code: str
+    message: str
+
+
+# ---------------------------------------------------------------- engine data types
+
+
+class Sampling(msgspec.Struct):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+
+
+class AdapterRef(msgspec.Struct):
+    """A published adapter version of a job, loadable by the rollout engine."""
+
+    job_id: str
+    version: int
+    path: str
+
+
+class GenRequest(msgspec.Struct):
+    job_id: str
+    prompts: list[str]
+    sampling: Sampling
+    adapter: AdapterRef | None = None  # None: the base model (policy version 0)
+
+
+class Completion(msgspec.Struct):
+    prompt_index: int
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the behaviour policy
+    finish_reason: str
+
+
+class TrainBatch(msgspec.Struct):
+    """One GRPO batch. Row i is prompt + completion tokens of one sample.
+
+    ``loss_mask[i][t]`` is 1 where token t is a generated (trainable) token;
+    ``old_logprobs[i][t]`` is the behaviour log-prob of token t (0 where masked);
+    ``advantages[i]`` is the sequence-level advantage of sample i.
+    """
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[float]
+
+
+class TrainHParams(msgspec.Struct):
+    lr: float = 1e-4
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+
+
+class LoraConfig(msgspec.Struct):
+    rank: int = 8
+    alpha: int = 16
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    dropout: float = 0.0
+
+
+# ---------------------------------------------------------------- message bodies
+
+
+class Empty(msgspec.Struct):
+    pass
+
+
+class SubmitReq(msgspec.Struct):
+    submit_id: str  # client-chosen: a retried submit returns the same job
+    spec: dict[str, Any]
+    user: str
+
+
+class SubmitRep(msgspec.Struct):
+    job_id: str
+    created: bool
+
+
+class JobInfo(msgspec.Struct):
+    job_id: str
+    name: str
+    user: str
+    state: str  # queued | running | succeeded | failed | cancelled | interrupted
+    step: int
+    steps: int
+    reward: float | None
+    eval_first: float | None
+    eval_last: float | None
+    policy_version: int
+    engine: str
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    error: str
+    priority: int
+    restarts: int = 0
+
+
+class EngineInfo(msgspec.Struct):
+    engine_id: str
+    worker_id: str
+    kind: str  # rollout | trainer
+    model: str
+    ready: bool
+    running: list[str]  # job ids being served now
+    resident: list[str]  # job ids whose state lives here
+    busy_seconds: float
+    tasks_done: int
+
+
+class StatusReq(msgspec.Struct):
+    job_id: str | None = None
+
+
+class StatusRep(msgspec.Struct):
+    jobs: list[JobInfo]
+    engines: list[EngineInfo]
+    now: float
+
+
+class JobRef(msgspec.Struct):
+    job_id: str
+
+
+class LogsReq(msgspec.Struct):
+    job_id: str
+    kind: str = "log"  # log | metrics
+    offset: int = 0
+
+
+class LogsRep(msgspec.Struct):
+    data: str
+    offset: int
+    finished: bool  # the job has ended: no more data will come
+
+
+class Pong(msgspec.Struct):
+    version: str
+    pid: int
+    started_at: float
+    workers: int
+    engines_ready: int
+    engines_total: int
+    problems: list[str] = msgspec.field(default_factory=list)
+
+
+class EngineDecl(msgspec.Struct):
+    engine_id: str
+    kind: str
+    model: str
+    capacity: int = 1
+
+
+class RegisterReq(msgspec.Struct):
+    worker_id: str
+    node: str
+    pid: int
+    engines: list[EngineDecl]
+    ready: bool
+    mem_bytes: int = 0
+    devices: list[str] = msgspec.field(default_factory=list)
+    error: str = ""
+
+
+class HeartbeatBody(msgspec.Struct):
+    worker_id: str
+
+
+class CallReq(msgspec.Struct):
+    job_id: str
+    method: str
+    args: dict[str, Any]
+
+
+class TaskBody(msgspec.Struct):
+    task_id: int
+    job_id: str
+    engine_id: str
+    method: str
+    args: dict[str, Any]
+
+
+class ResultBody(msgspec.Struct):
+    task_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    seconds: float = 0.0
+
+
+class ReportBody(msgspec.Struct):
+    job_id: str
+    event: str  # step | eval | note
+    step: int
+    metrics: dict[str, float]
+    message: str = ""
+
+
+BODY_TYPES: dict[bytes, type] = {
+    Op.SUBMIT: SubmitReq,
+    Op.STATUS: StatusReq,
+    Op.CANCEL: JobRef,
+    Op.LOGS: LogsReq,
+    Op.DOWN: Empty,
+    Op.PING: Empty,
+    Op.CALL: CallReq,
+    Op.REPORT: ReportBody,
+    Op.REGISTER: RegisterReq,
+    Op.HEARTBEAT: HeartbeatBody,
+    Op.RESULT: ResultBody,
+    Op.TASK: TaskBody,
+    Op.ERROR: ErrorBody,
+}
+# REPLY bodies are typed by the request they answer; the receiver decodes them.
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid PlexRL message."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+_body_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in BODY_TYPES.items()}
+_ids = itertools.count(1)
+EPOCH = int(time.time() * 1000) ^ os.getpid()
+
+
+def encode(op: bytes, body: Any, in_reply_to: int = 0) -> tuple[list[bytes], int]:
+    """Frames for one message (without the ROUTER identity) and its msg_id."""
+    msg_id = next(_ids)
+    header = Header(msg_id=msg_id, in_reply_to=in_reply_to, sent_at=time.time(), sender_epoch=EPOCH)
+    return [MAGIC, op, _encoder.encode(header), _encoder.encode(body)], msg_id
+
+
+def decode(frames: list[bytes]) -> tuple[bytes, Header, Any]:
+    """(opcode, header, body) of a message; REPLY bodies come back as msgpack builtins."""
+    if len(frames) != 4 or frames[0] != MAGIC:
+        raise ProtocolError(f"bad frame layout ({len(frames)} frames)")
+    op = bytes(frames[1])
+    try:
+        header = _header_decoder.decode(frames[2])
+        if op == Op.REPLY:
+            body = msgspec.msgpack.decode(frames[3])
+        elif op in _body_decoders:
+            body = _body_decoders[op].decode(frames[3])
+        else:
+            raise ProtocolError(f"unknown opcode {op!r}")
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"invalid body for opcode {op!r}: {exc}") from None
+    return op, header, body
+
+
+def to_builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)
+
+
+def convert(obj: Any, typ: type) -> Any:
+    return msgspec.convert(obj, typ)

@@ -1,0 +1,528 @@
+"""The job spec: one typed schema for a PlexRL job, loaded from YAML with precise errors.
+
+This module owns the ``JobSpec`` structs (whose ``msgspec.Meta`` annotations are the
+reference documentation of every field), ``load_spec`` (YAML + ``--set`` overrides ->
+validated ``JobSpec`` with absolute paths) and the wire form of a spec.
+
+Validation walks the struct fields itself instead of converting the whole document with
+msgspec, because msgspec stops at the first error and knows nothing of YAML lines: every
+problem in a file is collected as a ``SpecIssue`` (file, line, dotted YAML path, one-line
+message) and raised together as a ``SpecError``. With ``check_files`` it also checks what the
+spec points at: the model directory, the data files (first record only) and the reward
+function (imported).
+
+It deliberately does not schedule, size or run anything, does not read a whole dataset, and
+never imports torch, transformers or vLLM (plexctl must start fast on a login node).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+import os
+import re
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from plexctl.data import DataError, first_record
+from plexctl.errors import PlexError
+from plexctl.rewards import RewardLoadError, load_reward
+
+NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+FULL_FINETUNE_REFUSED = "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
+OVERRIDE_FILE = "--set"
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"))
+
+
+def _doc(description: str, **constraints: Any) -> Meta:
+    return Meta(description=description, **constraints)
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelSpec(_Section, kw_only=True):
+    """The base model every engine holds resident."""
+
+    path: Annotated[str, _doc("Hugging Face model directory (with config.json); relative to the YAML file")]
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], _doc("Weight dtype of the engines")] = "float32"
+
+
+class LoraSpec(_Section, kw_only=True):
+    """The LoRA adapter that is trained (the base model stays frozen)."""
+
+    rank: Annotated[int, _doc("LoRA rank r", ge=1, le=256)] = 8
+    alpha: Annotated[int, _doc("LoRA scaling alpha (the update is scaled by alpha / rank)", ge=1)] = 16
+    target_modules: Annotated[list[str], _doc("Names of the linear modules that get adapters", min_length=1)] = (
+        msgspec.field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    )
+    dropout: Annotated[float, _doc("Dropout on the adapter input", ge=0, lt=1)] = 0.0
+
+
+class DataSpec(_Section, kw_only=True):
+    """The prompts: JSONL or Parquet records with a prompt and a reference answer."""
+
+    path: Annotated[str, _doc("Training prompts (JSONL or Parquet); relative to the YAML file")]
+    eval_path: Annotated[str | None, _doc("Fixed evaluation prompts, same format; null for none")] = None
+    prompt_field: Annotated[str, _doc("Record field holding the prompt text", min_length=1)] = "prompt"
+    answer_field: Annotated[str, _doc("Record field holding the reference answer", min_length=1)] = "answer"
+    shuffle_seed: Annotated[int, _doc("Seed of the per-epoch prompt shuffle")] = 0
+
+
+class RewardSpec(_Section, kw_only=True):
+    """How completions are scored. Set exactly one of ``name`` and ``fn``."""
+
+    name: Annotated[
+        Literal["arith", "math"] | None, _doc("Built-in reward: arith (exact match) or math (math_verify)")
+    ] = None
+    fn: Annotated[
+        Annotated[str, Meta(pattern=FN_PATTERN)] | None,
+        _doc("Custom reward `module:function(completion, answer, record) -> float`"),
+    ] = None
+    path: Annotated[
+        str | None, _doc("Directory put first on sys.path to import `fn`; relative to the YAML file")
+    ] = None
+    failure_reward: Annotated[
+        float, _doc("Reward given when the reward function raises or returns a non-finite value")
+    ] = 0.0
+
+
+class AlgoSpec(_Section, kw_only=True):
+    """The RL algorithm and its hyperparameters."""
+
+    name: Annotated[Literal["grpo"], _doc("Algorithm (only grpo for now)")] = "grpo"
+    group_size: Annotated[int, _doc("Completions sampled per prompt", ge=2)] = 8
+    prompts_per_step: Annotated[int, _doc("Prompts per optimizer step", ge=1)] = 8
+    steps: Annotated[int, _doc("Optimizer steps to run", ge=1)] = 100
+    lr: Annotated[float, _doc("Adam learning rate of the adapter", gt=0)] = 1e-4
+    clip_range: Annotated[float, _doc("PPO ratio clip epsilon (low side)", gt=0)] = 0.2
+    clip_range_high: Annotated[
+        Annotated[float, Meta(gt=0)] | None, _doc("PPO ratio clip epsilon (high side); null: clip_range")
+    ] = None
+    kl_coef: Annotated[float, _doc("Weight of the KL penalty to the base model", ge=0)] = 0.0
+    loss_agg: Annotated[
+        Literal["token-mean", "seq-mean-token-mean"], _doc("How token losses are averaged")
+    ] = "token-mean"
+    max_staleness: Annotated[int, _doc("Policy versions a rollout may lag behind the trainer", ge=0)] = 0
+    eval_every: Annotated[int, _doc("Evaluate on data.eval_path every N steps (0: only at start and end)", ge=0)] = 0
+    eval_samples: Annotated[int, _doc("Samples per evaluation prompt", ge=1)] = 4
+
+
+class SamplingSpec(_Section, kw_only=True):
+    """Rollout sampling parameters."""
+
+    temperature: Annotated[float, _doc("Sampling temperature", gt=0)] = 1.0
+    top_p: Annotated[float, _doc("Nucleus sampling mass", gt=0, le=1)] = 1.0
+    max_tokens: Annotated[int, _doc("Maximum completion length in tokens", ge=1)] = 8
+
+
+class CheckpointSpec(_Section, kw_only=True):
+    """When the adapter and optimizer state are saved."""
+
+    every: Annotated[int, _doc("Checkpoint every N steps (0: only at the end)", ge=0)] = 10
+
+
+class JobSpec(_Section, kw_only=True):
+    """One RL fine-tuning job."""
+
+    name: Annotated[str, _doc("Job name, 1-64 of A-Z a-z 0-9 . _ -", pattern=NAME_PATTERN)]
+    model: ModelSpec
+    lora: Annotated[LoraSpec | None, _doc("LoRA adapter; required (full fine-tuning is not supported yet)")] = None
+    data: DataSpec
+    reward: RewardSpec
+    algo: AlgoSpec = msgspec.field(default_factory=AlgoSpec)
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
+    priority: Annotated[int, _doc("Scheduling priority; higher runs first")] = 0
+    seed: Annotated[int, _doc("Seed of sampling and initialisation")] = 0
+
+
+# ---------------------------------------------------------------- errors
+
+
+class SpecIssue(msgspec.Struct):
+    """One problem in a spec: where (file, line, dotted YAML path) and what."""
+
+    file: str
+    line: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class SpecError(PlexError):
+    """A spec that cannot be used (exit code: usage); ``issues`` lists every problem found."""
+
+    def __init__(self, issues: list[SpecIssue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(issue) for issue in issues))
+
+
+Key = tuple[str | int, ...]
+
+
+def dotted(path: Key) -> str:
+    """``("lora", "target_modules", 2)`` -> ``lora.target_modules[2]``."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+class _Issues:
+    """Collects issues, locating each by YAML line or marking it as coming from ``--set``."""
+
+    def __init__(self, file: str, lines: dict[Key, int], overridden: dict[Key, str]) -> None:
+        self.file, self.lines, self.overridden = file, lines, overridden
+        self.found: list[SpecIssue] = []
+
+    def add(self, path: Key, message: str) -> None:
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.overridden:
+                self.found.append(SpecIssue(self.overridden[path[:n]], None, dotted(path), message))
+                return
+        line = next((self.lines[path[:n]] for n in range(len(path), 0, -1) if path[:n] in self.lines), None)
+        self.found.append(SpecIssue(self.file, line, dotted(path), message))
+
+
+# ---------------------------------------------------------------- schema walk
+
+_INVALID = object()
+_KIND = {int: "an integer", float: "a float", str: "a string", bool: "a boolean"}
+_BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt), ("le", "<=", operator.le), ("lt", "<", operator.lt))
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unwrap(tp: Any) -> tuple[Any, list[Meta], bool]:
+    """(base type, Meta constraints, whether null is allowed) of a field type."""
+    metas: list[Meta] = []
+    optional = False
+    while True:
+        if get_origin(tp) is Annotated:
+            tp, *extra = get_args(tp)
+            metas += [m for m in extra if isinstance(m, Meta)]
+        elif get_origin(tp) in (Union, types.UnionType):
+            members = [a for a in get_args(tp) if a is not type(None)]
+            optional = optional or len(members) < len(get_args(tp))
+            if len(members) > 1:
+                return Union[tuple(members)], metas, optional
+            tp = members[0]
+        else:
+            return tp, metas, optional
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _unknown_key_message(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(valid)}"
+    return f"unknown key `{key}` ({hint})"
+
+
+def _constraint_violation(meta: Meta, value: Any, written: Any) -> str | None:
+    """Why ``value`` (converted from ``written``, as the user wrote it) breaks ``meta``, or None."""
+    shown = _show(written if isinstance(written, (int, float)) else value)
+    for attr, symbol, holds in _BOUNDS:
+        bound = getattr(meta, attr)
+        if bound is not None and not holds(value, bound):
+            return f"must be {symbol} {bound}, got {shown}"
+    if meta.pattern is not None and not re.search(meta.pattern, value):
+        return f"must match {meta.pattern}, got {_show(value)}"
+    if meta.min_length is not None and len(value) < meta.min_length:
+        return f"must have at least {meta.min_length} {'item' if isinstance(value, list) else 'character'}(s)"
+    return None
+
+
+class _SchemaWalk:
+    """Converts a YAML document to struct-shaped builtins, collecting every issue."""
+
+    def __init__(self, issues: _Issues) -> None:
+        self.issues = issues
+
+    def struct(self, cls: type[msgspec.Struct], value: Any, path: Key) -> Any:
+        if not isinstance(value, dict):
+            self.issues.add(path, f"expected a mapping, got {_show(value)}")
+            return _INVALID
+        fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            key = str(key)
+            if key not in fields:
+                self.issues.add(path + (key,), _unknown_key_message(key, list(fields)))
+                continue
+            converted = self.value(fields[key].type, item, path + (key,))
+            if converted is not _INVALID:
+                out[key] = converted
+        for name, field in fields.items():
+            if field.required and name not in value:
+                self.issues.add(path + (name,), f"missing required key `{name}`")
+        return out
+
+    def value(self, tp: Any, value: Any, path: Key) -> Any:
+        base, metas, optional = _unwrap(tp)
+        if value is None:
+            if optional:
+                return None
+            self.issues.add(path, f"expected {self._kind(base)}, got null")
+            return _INVALID
+        if _is_struct(base):
+            return self.struct(base, value, path)
+        if get_origin(base) is list:
+            converted = self.sequence(get_args(base)[0], value, path)
+        elif get_origin(base) is Literal:
+            converted = self.choice(get_args(base), value, path)
+        else:
+            converted = self.scalar(base, value, path)
+        if converted is _INVALID:
+            return _INVALID
+        for meta in metas:
+            problem = _constraint_violation(meta, converted, value)
+            if problem:
+                self.issues.add(path, problem)
+                return _INVALID
+        return converted
+
+    def sequence(self, item_type: Any, value: Any, path: Key) -> Any:
+        if not isinstance(value, list):
+            self.issues.add(path, f"expected a list, got {_show(value)}")
+            return _INVALID
+        items = [self.value(item_type, item, path + (i,)) for i, item in enumerate(value)]
+        return _INVALID if any(item is _INVALID for item in items) else items
+
+    def choice(self, choices: tuple[Any, ...], value: Any, path: Key) -> Any:
+        if isinstance(value, str) and value in choices:
+            return value
+        self.issues.add(path, f"must be one of {', '.join(map(str, choices))}; got {_show(value)}")
+        return _INVALID
+
+    def scalar(self, tp: type, value: Any, path: Key) -> Any:
+        if isinstance(value, bool) and tp is not bool:
+            converted: Any = _INVALID
+        else:
+            try:  # strict=False: "1e-4" (a string to YAML) is a float, 8.0 an int
+                converted = msgspec.convert(value, tp, strict=False)
+            except msgspec.ValidationError:
+                converted = _INVALID
+        if converted is _INVALID:
+            self.issues.add(path, f"expected {self._kind(tp)}, got {_show(value)}")
+        elif tp is float and not math.isfinite(converted):
+            self.issues.add(path, f"must be a finite number, got {_show(value)}")
+            return _INVALID
+        return converted
+
+    @staticmethod
+    def _kind(tp: Any) -> str:
+        if _is_struct(tp):
+            return "a mapping"
+        if get_origin(tp) is list:
+            return "a list"
+        if get_origin(tp) is Literal:
+            return "one of " + ", ".join(map(str, get_args(tp)))
+        return _KIND.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+# ---------------------------------------------------------------- rules across fields
+
+
+def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
+    """Rules across fields, judged on what the user wrote (``doc`` before conversion)."""
+    if "lora" not in doc:
+        issues.add(("lora",), FULL_FINETUNE_REFUSED)
+    elif doc["lora"] is None:
+        hint = "an empty `lora:` is null in YAML; write `lora: {}` for the defaults"
+        issues.add(("lora",), f"{FULL_FINETUNE_REFUSED} ({hint})")
+    reward = doc.get("reward")
+    if isinstance(reward, dict):
+        has_name, has_fn = reward.get("name") is not None, reward.get("fn") is not None
+        if has_name == has_fn:
+            got = "both" if has_name else "neither"
+            issues.add(("reward",), f"set exactly one of `name` (built-in: arith, math) or `fn` (module:function); "
+                                    f"got {got}")
+        elif has_name and reward.get("path") is not None:
+            issues.add(("reward", "path"), "`path` only applies to a custom `fn`, not to a built-in reward")
+
+
+def _resolve_paths(doc: dict[str, Any], base_dir: Path) -> None:
+    for section, key in PATH_FIELDS:
+        part = doc.get(section)
+        if isinstance(part, dict) and isinstance(part.get(key), str):
+            part[key] = os.path.normpath(base_dir / os.path.expanduser(part[key]))
+
+
+def _check_files(doc: dict[str, Any], issues: _Issues) -> None:
+    model = doc.get("model") or {}
+    if "path" in model:
+        model_dir = Path(model["path"])
+        if not model_dir.is_dir():
+            issues.add(("model", "path"), f"model directory not found: {model_dir}")
+        elif not (model_dir / "config.json").is_file():
+            issues.add(("model", "path"), f"no config.json in {model_dir} (expected a Hugging Face model directory)")
+    data = doc.get("data") or {}
+    for key in ("path", "eval_path"):
+        if data.get(key) is not None:
+            fields = (data.get("prompt_field", "prompt"), data.get("answer_field", "answer"))
+            _check_data_file(data[key], fields, ("data", key), issues)
+    _check_reward_import(doc.get("reward"), issues)
+
+
+def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues) -> None:
+    if not Path(path).exists():
+        issues.add(where, f"data file not found: {path}")
+        return
+    try:
+        record = first_record(path)
+    except DataError as e:
+        issues.add(where, str(e))
+        return
+    for field in fields:
+        if field not in record:
+            present = ", ".join(f"`{k}`" for k in list(record)[:10]) or "none"
+            issues.add(where, f"first record of {path} has no field `{field}` (fields present: {present})")
+
+
+def _check_reward_import(reward: Any, issues: _Issues) -> None:
+    if not isinstance(reward, dict) or reward.get("fn") is None or reward.get("name") is not None:
+        return
+    path = reward.get("path")
+    if path is not None and not Path(path).is_dir():
+        issues.add(("reward", "path"), f"reward directory not found: {path}")
+        return
+    try:
+        load_reward(msgspec.convert(reward, RewardSpec))
+    except RewardLoadError as e:
+        issues.add(("reward", "fn"), str(e))
+
+
+# ---------------------------------------------------------------- YAML and overrides
+
+
+def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int]) -> None:
+    """Map every key / list item path of a composed YAML document to its 1-based line."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = path + (str(key_node.value),)
+            lines[child] = key_node.start_mark.line + 1
+            _record_lines(value_node, child, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[path + (i,)] = item.start_mark.line + 1
+            _record_lines(item, path + (i,), lines)
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        line = mark.line + 1 if mark else None
+        raise SpecError([SpecIssue(file, line, "", f"YAML syntax error: {problem}")]) from None
+    lines: dict[Key, int] = {}
+    if node is not None:
+        _record_lines(node, (), lines)
+    return doc, lines
+
+
+def _apply_override(doc: dict[str, Any], text: str, overridden: dict[Key, str]) -> SpecIssue | None:
+    """Set ``a.b.c=value`` (value parsed as YAML) in ``doc``, creating sections as needed."""
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        return SpecIssue(OVERRIDE_FILE, None, key.strip(), f"expected KEY=VALUE (e.g. algo.lr=3e-4), got {text!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        return SpecIssue(OVERRIDE_FILE, None, key.strip(), f"cannot parse value {raw!r}: {getattr(e, 'problem', e)}")
+    section = doc
+    for n, part in enumerate(parts[:-1], start=1):
+        if section.get(part) is None:
+            section[part] = {}
+            overridden[tuple(parts[:n])] = OVERRIDE_FILE
+        section = section[part]
+        if not isinstance(section, dict):
+            return SpecIssue(OVERRIDE_FILE, None, ".".join(parts[:n]), f"is not a mapping, cannot set `{key.strip()}`")
+    section[parts[-1]] = value
+    overridden[tuple(parts)] = OVERRIDE_FILE
+    return None
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_spec(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    name: str | None = None,
+    check_files: bool = True,
+) -> JobSpec:
+    """Read, override, validate and resolve a job spec; raise ``SpecError`` listing every problem.
+
+    ``overrides`` are ``a.b=value`` strings (value parsed as YAML), ``name`` replaces the job
+    name. Relative paths (model.path, data.path, data.eval_path, reward.path), including
+    overridden ones, are made absolute against the YAML file's directory. ``check_files``
+    also checks the files the spec points at and imports a custom reward function.
+    """
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise SpecError([SpecIssue(file, None, "", "spec file not found")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError([SpecIssue(file, None, "", f"cannot read spec file: {e}")]) from None
+    doc, lines = _parse_yaml(text, file)
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise SpecError([SpecIssue(file, 1, "", f"expected a mapping at the top level, got {_show(doc)}")])
+    overridden: dict[Key, str] = {}
+    problems = [p for p in (_apply_override(doc, o, overridden) for o in overrides) if p is not None]
+    if name is not None:
+        doc["name"] = name
+        overridden[("name",)] = "--name"
+    issues = _Issues(file, lines, overridden)
+    issues.found += problems
+    converted = _SchemaWalk(issues).struct(JobSpec, doc, ())
+    _check_rules(doc, issues)
+    _resolve_paths(converted, Path(os.path.abspath(path)).parent)
+    if check_files:
+        _check_files(converted, issues)
+    if issues.found:
+        raise SpecError(issues.found)
+    return msgspec.convert(converted, JobSpec)
+
+
+def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
+    return msgspec.to_builtins(spec)
+
+
+def spec_from_wire(d: dict[str, Any]) -> JobSpec:
+    """A ``JobSpec`` from its wire form (no file checks); ``SpecError`` if it does not fit."""
+    try:
+        return msgspec.convert(d, JobSpec)
+    except msgspec.ValidationError as e:
+        message, _, where = str(e).partition(" - at `$")
+        raise SpecError([SpecIssue("<wire>", None, where.rstrip("`").lstrip("."), message)]) from None

@@ -1,0 +1,101 @@
+"""How jobs and engines look in the terminal: rich tables, plain text and JSON rows.
+
+Pure rendering: every function takes the daemon's ``StatusRep`` (or parts of it) and returns
+something printable. The CLI decides where it goes (live view on a TTY, plain otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+
+STATE_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red",
+               "cancelled": "magenta", "interrupted": "yellow"}
+
+
+def fmt_reward(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def elapsed(job: JobInfo, now: float) -> float | None:
+    if job.started_at is None:
+        return None
+    return (job.ended_at or now) - job.started_at
+
+
+def job_row(job: JobInfo, now: float) -> dict[str, Any]:
+    """The JSON form of a job (what ``--json`` prints)."""
+    return {**msgspec.to_builtins(job), "elapsed_s": elapsed(job, now)}
+
+
+def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
+    now = now or time.time()
+    t = Table(title="jobs", title_justify="left", expand=False)
+    for col in ("JOB", "NAME", "USER", "STATE", "STEP", "", "REWARD", "EVAL first→last", "POLICY", "ENGINE",
+                "ELAPSED"):
+        t.add_column(col, no_wrap=True)
+    for j in jobs:
+        frac = j.step / j.steps if j.steps else 0.0
+        state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
+        if j.error:
+            state.append(f" ({j.error[:60]})", style="dim")
+        t.add_row(j.job_id, j.name, j.user, state, f"{j.step}/{j.steps}",
+                  ProgressBar(total=1.0, completed=frac, width=16),
+                  fmt_reward(j.reward), f"{fmt_reward(j.eval_first)} → {fmt_reward(j.eval_last)}",
+                  f"v{j.policy_version}", j.engine or "-", fmt_duration(elapsed(j, now)))
+    return t
+
+
+def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
+    t = Table(title="engines", title_justify="left")
+    for col in ("ENGINE", "KIND", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS"):
+        t.add_column(col, no_wrap=True)
+    for e in engines:
+        busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
+        t.add_row(e.engine_id, e.kind, "yes" if e.ready else "starting", ",".join(e.running) or "-",
+                  ",".join(e.resident) or "-", busy, str(e.tasks_done))
+    return t
+
+
+def status_view(rep: StatusRep, uptime: float) -> Group:
+    return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime))
+
+
+def plain_jobs(jobs: list[JobInfo], now: float) -> str:
+    lines = [f"{'JOB':<6} {'NAME':<20} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} {'POLICY':>6}  ENGINE"]
+    for j in jobs:
+        lines.append(f"{j.job_id:<6} {j.name[:20]:<20} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
+                     f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
+                     f"{'v' + str(j.policy_version):>6}  {j.engine or '-'}"
+                     + (f"  error: {j.error}" if j.error else ""))
+    return "\n".join(lines)
+
+
+def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
+    lines = [f"{'ENGINE':<14} {'KIND':<8} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
+    for e in engines:
+        busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
+        lines.append(f"{e.engine_id:<14} {e.kind:<8} {'yes' if e.ready else 'starting':<8} {busy:>5} "
+                     f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}")
+    return "\n".join(lines)
+
+
+def plain_status(rep: StatusRep, uptime: float) -> str:
+    return plain_jobs(rep.jobs, rep.now) + "\n\n" + plain_engines(rep.engines, uptime)

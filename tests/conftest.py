@@ -1,0 +1,69 @@
+"""Session fixtures: the tiny model (built once, cached in .plexrl) and one local cluster.
+
+The cluster is real: ``plexctl up --local`` starts the daemon and two worker processes
+(vLLM on CPU, torch + peft) on loopback ZeroMQ sockets, in a temporary PLEXRL_HOME. It is
+started once per session, since engine start-up dominates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_ROOT = REPO / ".plexrl"
+PLEXCTL = [sys.executable, "-m", "plexctl.cli"]
+
+
+class Cluster:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO)}
+        self.state_dir = home / "clusters" / "default"
+
+    def run(self, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*PLEXCTL, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"plexctl {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def status(self, job: str | None = None) -> dict:
+        return json.loads(self.run("status", *([job] if job else []), "--json", check=True).stdout)
+
+    def job(self, job: str) -> dict:
+        return self.status(job)["jobs"][0]
+
+    def wait_for(self, job: str, pred, timeout: float = 600, what: str = "") -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job)
+            if pred(info):
+                return info
+            time.sleep(1.0)
+        raise AssertionError(f"timed out waiting for {job}: {what} (last: {info})")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT)], cwd=REPO, check=True)
+    return TINY_ROOT / "models" / "tiny-arith"
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("plexrl-home"))
+    t0 = time.monotonic()
+    up = c.run("up", "--local", "--model", str(tiny_model), timeout=900)
+    if up.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
+        raise AssertionError(f"plexctl up failed ({up.returncode}): {up.stderr}\n{logs}")
+    c.cold_start_s = time.monotonic() - t0
+    yield c
+    c.run("down", timeout=120)

@@ -1,0 +1,126 @@
+"""End to end through the CLI, the daemon, two workers, real vLLM (CPU) and real torch + peft.
+
+One local cluster serves the whole module (see conftest.py). The learning job and the job
+that gets cancelled run at the same time on the same engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from plexctl.client import Client
+from plexctl.cluster import read_endpoint
+from plexctl.spec import load_spec, spec_to_wire
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny-arith.yaml")
+# Learning recipe for the test, and the margin it must clear; see README ("Learning check")
+# for the repeated runs this margin comes from.
+LEARN_SET = ["--set", "algo.steps=200", "--set", "algo.prompts_per_step=16", "--set", "algo.lr=2e-3"]
+LEARN_MARGIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def learning_job(cluster) -> str:
+    proc = cluster.run("submit", TINY, *LEARN_SET, "--name", "learn", "-q", check=True)
+    return proc.stdout.strip()
+
+
+def test_cancel_stops_at_a_call_boundary_and_keeps_the_checkpoint(cluster, learning_job):
+    job = cluster.run("submit", TINY, "--set", "algo.steps=100000", "--set", "checkpoint.every=5",
+                      "--name", "to-cancel", "-q", check=True).stdout.strip()
+    info = cluster.wait_for(job, lambda j: j["step"] >= 7, timeout=300, what="7 steps")
+    assert info["state"] == "running"
+    assert cluster.run("cancel", job, check=True).returncode == 0
+    waited = cluster.run("wait", job, "--timeout", "120")
+    assert waited.returncode == 5, waited.stdout + waited.stderr  # 5: cancelled
+    info = cluster.job(job)
+    assert info["state"] == "cancelled"
+    stopped_at = info["step"]
+    time.sleep(2.0)
+    assert cluster.job(job)["step"] == stopped_at  # nothing runs after the cancel
+
+    job_dir = cluster.state_dir / "jobs" / info["job_id"]
+    latest = json.loads((job_dir / "ckpt" / "latest.json").read_text())
+    ckpt = Path(latest["dir"])
+    assert latest["step"] % 5 == 0 and 5 <= latest["step"] <= stopped_at
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    files = manifest["files"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "extra.json"} <= set(files)
+    for name, meta in files.items():  # the checkpoint is whole: every file matches its checksum
+        assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == meta["sha256"]
+    assert json.loads((ckpt / "extra.json").read_text())["step"] == latest["step"]
+    assert not any(p.name.startswith(".") for p in (job_dir / "ckpt").iterdir()), "temp dirs left behind"
+    assert "cancelled" in cluster.run("logs", job, check=True).stdout
+
+
+def test_a_job_learns_end_to_end(cluster, learning_job):
+    waited = cluster.run("wait", learning_job, "--timeout", "900", timeout=960)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    info = cluster.job(learning_job)
+    assert info["state"] == "succeeded"
+    assert info["step"] == 200 and info["policy_version"] >= 200
+    gain = info["eval_last"] - info["eval_first"]
+    print(f"eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} (gain {gain:+.3f}), "
+          f"{info['elapsed_s']:.0f} s, cold start {cluster.cold_start_s:.1f} s")
+    assert gain >= LEARN_MARGIN
+
+    metrics = [json.loads(line) for line in cluster.run("logs", learning_job, "--metrics", check=True).stdout.splitlines()]
+    steps = [m for m in metrics if "reward_mean" in m]
+    assert [m["step"] for m in steps] == list(range(1, 201))
+    assert [m["step"] for m in metrics if "eval_reward" in m] == [0, 200]
+    log = cluster.run("logs", learning_job, check=True).stdout
+    assert "step 200/200" in log and log.rstrip().endswith("done")
+
+
+def test_status_json_reports_jobs_and_engines(cluster, learning_job):
+    rep = cluster.status()
+    job = next(j for j in rep["jobs"] if j["job_id"] == learning_job)
+    for key in ("state", "step", "steps", "reward", "eval_first", "eval_last", "policy_version", "engine",
+                "user", "elapsed_s"):
+        assert key in job
+    assert job["steps"] == 200 and job["name"] == "learn"
+    kinds = sorted(e["kind"] for e in rep["engines"])
+    assert kinds == ["rollout", "trainer"] and all(e["ready"] for e in rep["engines"])
+    assert "w0/rollout" in job["engine"] or job["state"] == "queued"
+    ids = cluster.run("ls", "-q", check=True).stdout.split()
+    assert learning_job in ids
+
+
+def test_bad_spec_is_refused_and_nothing_is_queued(cluster, tmp_path):
+    before = cluster.run("ls", "-q", check=True).stdout.split()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "configs" / "tiny-arith.yaml").read_text().replace("lr:", "lrr:"))
+    proc = cluster.run("submit", str(bad))
+    assert proc.returncode == 2
+    assert "algo.lrr" in proc.stderr and "did you mean `lr`" in proc.stderr
+    proc = cluster.run("submit", TINY, "--set", "algo.group_size=1")
+    assert proc.returncode == 2 and "algo.group_size" in proc.stderr
+    assert cluster.run("ls", "-q", check=True).stdout.split() == before
+
+
+def test_submit_is_idempotent_and_unknown_models_are_refused(cluster):
+    client = Client(read_endpoint(cluster.state_dir).address)
+    spec = spec_to_wire(load_spec(TINY, ["algo.steps=1"], name="idem"))
+    a = client.submit(spec, submit_id="same-id")
+    b = client.submit(spec, submit_id="same-id")
+    assert a.job_id == b.job_id and a.created and not b.created
+    other = dict(spec, model={**spec["model"], "path": "/nonexistent/model"})
+    proc_err = None
+    try:
+        client.submit(other, submit_id="other-id")
+    except Exception as exc:  # noqa: BLE001
+        proc_err = exc
+    assert proc_err is not None and "not served by this cluster" in str(proc_err)
+    assert cluster.run("wait", a.job_id, "--timeout", "300").returncode == 0
+
+
+def test_unknown_job_and_unreachable_daemon_exit_codes(cluster, tmp_path):
+    assert cluster.run("status", "nope").returncode == 4
+    other = cluster.run("--state-dir", str(tmp_path / "none"), "status")
+    assert other.returncode == 4 and "no cluster" in other.stderr

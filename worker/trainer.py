@@ -1,0 +1,807 @@
+"""The trainer engine: one resident base model, many jobs' LoRA adapters and AdamW states.
+
+What it owns. ``TrainerEngine`` loads a base model once (transformers) and keeps, per job, a
+LoRA adapter, an AdamW optimizer and the job's own RNG state. ``train_step`` runs one GRPO
+optimizer step (PPO clipped objective with asymmetric clip, optional k3 KL to the base model,
+``token-mean`` or ``seq-mean-token-mean`` aggregation, gradient clipping) on the adapter of
+the job it names. It also computes current-policy log-probs, writes adapters in the exact
+PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
+writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
+``extra``, with a sha256 manifest), atomically.
+
+How jobs share it. One ``peft.PeftModel`` holds every resident job's adapter side by side
+(``add_adapter`` once per job, under a name derived from the job id). A call activates the
+job's adapter with ``set_adapter``: inactive adapters are skipped by peft's LoRA forward and
+marked ``requires_grad=False``, so they take no part in the computation graph; each job's
+AdamW only ever sees that job's parameters. Randomness is per job too: an adapter is
+initialised under ``torch.manual_seed(seed)`` inside ``torch.random.fork_rng`` (so its
+initial weights depend on the seed only, never on which jobs already exist), and a job with
+LoRA dropout trains under its own saved RNG state. The result, asserted by the tests: the
+update a job gets is bit-for-bit (on CPU) the update it would get alone on the engine,
+whatever other jobs' steps are interleaved.
+
+What it deliberately does not do. No scheduling, no moving state between memory tiers (the
+state manager does that, reading ``state_bytes`` / ``adapter_state_dict`` /
+``optimizer_state_dict``), no sockets, no rollout. Rows of different jobs are not mixed in
+one forward yet (peft's per-row ``adapter_names`` routing is the road to that). Full
+fine-tunes are not handled here. The engine is not thread-safe: the worker calls it from one
+thread. Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import msgspec
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
+
+PAD_ID = 0
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| and |ref - logp| are clamped here (verl)
+KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TRAINER_STATE = "trainer_state.pt"
+EXTRA = "extra.json"
+MANIFEST = "manifest.json"
+CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, EXTRA)  # checksummed by MANIFEST
+CHECKPOINT_FORMAT = "plexrl.trainer-checkpoint/1"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class TrainerError(Exception):
+    """Base of the trainer engine's errors; the message is one line for the user."""
+
+
+class UnknownJobError(TrainerError, LookupError):
+    """The call names a job that is not resident on this engine."""
+
+
+class JobConfigError(TrainerError, ValueError):
+    """``ensure_job`` for a resident job with a different LoRA configuration."""
+
+
+class BatchError(TrainerError, ValueError):
+    """A malformed ``TrainBatch`` or hyper-parameter (ragged rows, no trainable token ...)."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that is missing, corrupt, or written for another adapter shape."""
+
+
+# ---------------------------------------------------------------- per-job state
+
+
+@dataclass
+class _JobState:
+    job_id: str
+    adapter_name: str  # the adapter's key inside the shared PeftModel
+    lora: LoraConfig
+    seed: int
+    params: dict[str, torch.nn.Parameter]  # PEFT-file key -> live parameter, in module order
+    optimizer: torch.optim.AdamW
+    rng_state: dict[str, torch.Tensor]  # the job's own RNG (only consumed by LoRA dropout)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Rows right-padded to one length, with targets aligned to the logits that predict them.
+
+    ``loss_mask`` / ``old_logprobs`` have one column less than ``input_ids``: column t refers
+    to token t + 1, predicted by the logits at position t.
+    """
+
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] bool
+    lengths: list[int]
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class TrainerEngine:
+    """One resident base model; per-job LoRA adapters and AdamW states; GRPO steps on demand."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int | None = None,
+        micro_batch_rows: int | None = None,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.micro_batch_rows = micro_batch_rows
+        self._base = _load_base_model(model_path, DTYPES[dtype], self.device)
+        self._peft: PeftModel | None = None  # created with the first job's adapter
+        self._jobs: dict[str, _JobState] = {}
+
+    # ------------------------------------------------------------ job lifecycle
+
+    def ensure_job(self, job_id: str, lora: LoraConfig, seed: int, weight_decay: float = 0.0) -> None:
+        """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent."""
+        existing = self._jobs.get(job_id)
+        if existing is not None:
+            if _lora_signature(existing.lora) != _lora_signature(lora):
+                raise JobConfigError(
+                    f"job {job_id!r} is resident with LoRA {_lora_signature(existing.lora)}, "
+                    f"not {_lora_signature(lora)}"
+                )
+            return
+        adapter_name = _adapter_name(job_id)
+        with self._forked_rng():
+            torch.manual_seed(seed)
+            self._attach_adapter(adapter_name, _peft_config(lora, self.model_path))
+            rng_state = self._capture_rng()
+        params = self._adapter_parameters(adapter_name)
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
+        self._jobs[job_id] = _JobState(job_id, adapter_name, lora, seed, params, optimizer, rng_state)
+
+    def release(self, job_id: str) -> None:
+        """Drop the job's adapter and optimizer state."""
+        job = self._job(job_id)
+        del self._jobs[job_id]
+        job.optimizer.state.clear()
+        assert self._peft is not None
+        with warnings.catch_warnings():  # "adapter was active ... setting active adapter to ..."
+            warnings.simplefilter("ignore", UserWarning)
+            self._peft.delete_adapter(job.adapter_name)
+
+    def jobs(self) -> list[str]:
+        """Resident jobs, in the order they were created."""
+        return list(self._jobs)
+
+    def state_bytes(self, job_id: str) -> int:
+        """Bytes of the job's adapter plus its optimizer moments."""
+        job = self._job(job_id)
+        adapter = sum(_tensor_bytes(p) for p in job.params.values())
+        moments = sum(
+            _tensor_bytes(value)
+            for state in job.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return adapter + moments
+
+    def adapter_state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The job's adapter weights under their PEFT-file keys: live tensors, not copies."""
+        return {key: param.detach() for key, param in self._job(job_id).params.items()}
+
+    def optimizer_state_dict(self, job_id: str) -> dict[str, Any]:
+        """The job's AdamW ``state_dict()`` (its tensors are live, not copies)."""
+        return self._job(job_id).optimizer.state_dict()
+
+    # ------------------------------------------------------------ training
+
+    def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """One GRPO optimizer step on the job's adapter; returns the step's metrics.
+
+        The AdamW ``lr`` and ``weight_decay`` are taken from ``hp`` on every step (the
+        ``weight_decay`` given to ``ensure_job`` is only the param group's initial value). A
+        non-finite gradient norm skips the update (``skipped`` = 1.0) instead of poisoning it.
+        """
+        started = time.perf_counter()
+        job = self._job(job_id)
+        metrics = self._forward_backward(job, batch, hp)
+        grad_norm = self._clip_gradients(job, hp.max_grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            _set_optimizer_hparams(job.optimizer, hp)
+            job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
+        return metrics
+
+    def loss_gradients(
+        self, job_id: str, batch: TrainBatch, hp: TrainHParams
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The loss gradient (before clipping) under PEFT-file keys, without stepping.
+
+        For diagnostics and tests; the adapter and optimizer are left untouched.
+        """
+        job = self._job(job_id)
+        metrics = self._forward_backward(job, batch, hp)
+        grads = {key: _grad_or_zeros(param) for key, param in job.params.items()}
+        job.optimizer.zero_grad(set_to_none=True)
+        return grads, metrics
+
+    def logprobs(self, job_id: str, input_ids: list[list[int]], loss_mask: list[list[int]]) -> list[list[float]]:
+        """Current-policy log-prob of every token (eval mode, no dropout); 0 where masked."""
+        job = self._job(job_id)
+        _check_token_rows(input_ids, loss_mask)
+        rows = _pad_rows(input_ids, loss_mask, self.device)
+        model = self._activate(job, train=False)
+        columns: list[torch.Tensor] = []
+        with torch.no_grad():
+            for part in self._micro_batches(rows):
+                logits = _forward_logits(model, part.input_ids, part.attention_mask)
+                logp = _token_logprobs(logits, part.input_ids)
+                columns.extend(torch.where(part.loss_mask, logp, 0.0).cpu())
+        return [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
+
+    # ------------------------------------------------------------ adapters and checkpoints
+
+    def save_adapter(self, job_id: str, out_dir: str) -> None:
+        """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically."""
+        job = self._job(job_id)
+        _write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp))
+
+    def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
+        """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically."""
+        job = self._job(job_id)
+        return _write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, extra))
+
+    def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
+        """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
+        directory = Path(ckpt_dir)
+        manifest = _read_manifest(directory)
+        _verify_checksums(directory, manifest)
+        if manifest.get("lora") != _lora_signature(lora):
+            raise CheckpointError(
+                f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {_lora_signature(lora)}"
+            )
+        tensors, trainer_state, extra = _read_checkpoint_payload(directory)
+        created = job_id not in self._jobs
+        self.ensure_job(job_id, lora, seed)
+        try:
+            _restore_job_state(self._jobs[job_id], tensors, trainer_state, directory)
+        except BaseException:
+            if created:
+                self.release(job_id)
+            raise
+        return extra
+
+    # ------------------------------------------------------------ internals: model and adapters
+
+    def _job(self, job_id: str) -> _JobState:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"job {job_id!r} is not resident on this trainer engine")
+        return job
+
+    def _attach_adapter(self, adapter_name: str, config: PeftLoraConfig) -> None:
+        if self._peft is None:
+            self._peft = get_peft_model(self._base, config, adapter_name=adapter_name)
+        else:
+            self._peft.add_adapter(adapter_name, config)
+
+    def _adapter_parameters(self, adapter_name: str) -> dict[str, torch.nn.Parameter]:
+        assert self._peft is not None
+        params = {
+            _peft_file_key(name, adapter_name): param
+            for name, param in self._peft.named_parameters()
+            if _belongs_to_adapter(name, adapter_name)
+        }
+        if not params:
+            raise JobConfigError(f"adapter {adapter_name!r} has no parameters (do target_modules match the model?)")
+        return params
+
+    def _activate(self, job: _JobState, train: bool) -> PeftModel:
+        """Make the job's adapter the only active (and trainable) one; set train/eval mode."""
+        assert self._peft is not None
+        self._peft.set_adapter(job.adapter_name)
+        self._peft.train(train)
+        return self._peft
+
+    def _micro_batches(self, rows: _Rows) -> Iterator[_Rows]:
+        size = self.micro_batch_rows or len(rows.lengths)
+        for start in range(0, len(rows.lengths), size):
+            yield _slice_rows(rows, start, start + size)
+
+    # ------------------------------------------------------------ internals: the loss
+
+    def _forward_backward(self, job: _JobState, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters."""
+        _check_batch(batch)
+        _check_hparams(hp)
+        rows = _pad_rows(batch.input_ids, batch.loss_mask, self.device)
+        old_logprobs = _pad_old_logprobs(batch.old_logprobs, rows)
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
+        weights = _aggregation_weights(rows.loss_mask, hp.loss_agg)
+        tokens = int(rows.loss_mask.sum().item())
+        if tokens == 0:
+            raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
+        job.optimizer.zero_grad(set_to_none=True)
+        sums = _MetricSums()
+        start = 0
+        with self._job_rng(job):
+            for part in self._micro_batches(rows):
+                stop = start + len(part.lengths)
+                width = part.loss_mask.shape[1]
+                self._accumulate_micro_batch(
+                    job,
+                    part,
+                    old_logprobs[start:stop, :width],
+                    advantages[start:stop],
+                    weights[start:stop, :width],
+                    hp,
+                    sums,
+                )
+                start = stop
+        return sums.metrics(tokens)
+
+    def _accumulate_micro_batch(
+        self,
+        job: _JobState,
+        part: _Rows,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        hp: TrainHParams,
+        sums: _MetricSums,
+    ) -> None:
+        ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
+        model = self._activate(job, train=job.lora.dropout > 0)
+        logits = _forward_logits(model, part.input_ids, part.attention_mask)
+        logp = _token_logprobs(logits, part.input_ids)
+        terms = _grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+        loss = (terms.loss * weights).sum()
+        loss.backward()
+        sums.add(part.loss_mask, weights, terms, loss, _token_entropy(logits.detach()))
+
+    def _reference_logprobs(self, job: _JobState, part: _Rows) -> torch.Tensor:
+        """Log-probs under the base model (every adapter disabled), no gradient."""
+        model = self._activate(job, train=False)
+        with torch.no_grad(), model.disable_adapter():
+            logits = _forward_logits(model, part.input_ids, part.attention_mask)
+            return _token_logprobs(logits, part.input_ids)
+
+    def _clip_gradients(self, job: _JobState, max_grad_norm: float) -> float:
+        max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+        params = list(job.params.values())
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm).item())
+
+    # ------------------------------------------------------------ internals: randomness
+
+    @contextlib.contextmanager
+    def _forked_rng(self) -> Iterator[None]:
+        """Global RNG changes inside the block are undone after it."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            yield
+
+    @contextlib.contextmanager
+    def _job_rng(self, job: _JobState) -> Iterator[None]:
+        """Run the block on the job's own RNG stream (only LoRA dropout consumes it)."""
+        if job.lora.dropout <= 0:
+            yield
+            return
+        with self._forked_rng():
+            torch.set_rng_state(job.rng_state["cpu"])
+            if "cuda" in job.rng_state:
+                torch.cuda.set_rng_state(job.rng_state["cuda"], self.device)
+            yield
+            job.rng_state = self._capture_rng()
+
+    def _capture_rng(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    # ------------------------------------------------------------ internals: files
+
+    def _write_adapter_files(self, job: _JobState, directory: Path) -> None:
+        config = _peft_config(job.lora, self.model_path)
+        config.inference_mode = True
+        config.save_pretrained(str(directory))
+        tensors = {key: param.detach().to("cpu").contiguous() for key, param in job.params.items()}
+        save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+    def _write_checkpoint_files(self, job: _JobState, directory: Path, extra: dict) -> dict:
+        self._write_adapter_files(job, directory)
+        trainer_state = {
+            "optimizer": job.optimizer.state_dict(),
+            "rng": job.rng_state,
+            "param_keys": list(job.params),
+        }
+        torch.save(trainer_state, directory / TRAINER_STATE)
+        with open(directory / EXTRA, "w") as f:
+            json.dump(extra, f, sort_keys=True)
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "job_id": job.job_id,
+            "seed": job.seed,
+            "lora": _lora_signature(job.lora),
+            "base_model": self.model_path,
+            "files": {name: _file_record(directory / name) for name in CHECKPOINT_FILES},
+        }
+        with open(directory / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+        return manifest
+
+
+# ---------------------------------------------------------------- the GRPO loss, per token
+
+
+@dataclass(frozen=True)
+class _TokenTerms:
+    loss: torch.Tensor  # pg + kl_coef * kl, [B, L-1]
+    pg: torch.Tensor
+    kl: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor  # bool: the clipped branch was the binding one
+
+
+def _grpo_token_terms(
+    logp: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    hp: TrainHParams,
+) -> _TokenTerms:
+    """PPO clipped objective with asymmetric clip, plus the k3 KL to the reference policy."""
+    ratio = torch.exp((logp - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    adv = advantages.unsqueeze(1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
+    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, ratio, clipped > unclipped)
+
+
+def _k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1 (verl low_var_kl)."""
+    delta = (ref_logprobs - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(delta) - delta - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+
+
+def _aggregation_weights(loss_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """Per-token weights w so that the aggregated loss is sum(w * token_loss)."""
+    mask = loss_mask.float()
+    if loss_agg == "token-mean":
+        return mask / mask.sum().clamp(min=1.0)
+    row_tokens = mask.sum(dim=1, keepdim=True)
+    rows_with_tokens = (row_tokens > 0).sum().clamp(min=1)
+    return mask / (row_tokens.clamp(min=1.0) * rows_with_tokens)
+
+
+class _MetricSums:
+    """Running sums over micro-batches; token-mean metrics except the (weighted) losses."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.pg_loss = 0.0
+        self.kl = 0.0
+        self.clipped = 0.0
+        self.ratio = 0.0
+        self.entropy = 0.0
+
+    def add(
+        self,
+        mask: torch.Tensor,
+        weights: torch.Tensor,
+        terms: _TokenTerms,
+        loss: torch.Tensor,
+        entropy: torch.Tensor,
+    ) -> None:
+        with torch.no_grad():
+            values = torch.stack(
+                [
+                    loss,
+                    (terms.pg * weights).sum(),
+                    terms.kl[mask].sum(),
+                    terms.clipped[mask].sum().float(),
+                    terms.ratio[mask].sum(),
+                    entropy[mask].sum(),
+                ]
+            ).tolist()  # one device sync per micro-batch
+        self.loss += values[0]
+        self.pg_loss += values[1]
+        self.kl += values[2]
+        self.clipped += values[3]
+        self.ratio += values[4]
+        self.entropy += values[5]
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        return {
+            "loss": self.loss,
+            "pg_loss": self.pg_loss,
+            "kl": self.kl / tokens,
+            "clip_frac": self.clipped / tokens,
+            "ratio_mean": self.ratio / tokens,
+            "entropy": self.entropy / tokens,
+            "tokens": float(tokens),
+        }
+
+
+# ---------------------------------------------------------------- model helpers
+
+
+def _load_base_model(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _peft_config(lora: LoraConfig, base_model_path: str) -> PeftLoraConfig:
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=list(lora.target_modules),
+        lora_dropout=lora.dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_path,
+    )
+
+
+def _lora_signature(lora: LoraConfig) -> dict[str, Any]:
+    """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able."""
+    fields = msgspec.to_builtins(lora)
+    fields["target_modules"] = sorted(fields["target_modules"])
+    return fields
+
+
+def _adapter_name(job_id: str) -> str:
+    """A peft-safe adapter key for a job id (no dots; never contains the 'lora_' prefix)."""
+    return "job_" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
+
+
+def _belongs_to_adapter(param_name: str, adapter_name: str) -> bool:
+    return f".{adapter_name}." in param_name or param_name.endswith(f".{adapter_name}")
+
+
+def _peft_file_key(param_name: str, adapter_name: str) -> str:
+    """``...q_proj.lora_A.<adapter>.weight`` -> ``...q_proj.lora_A.weight`` (the saved-file key)."""
+    if param_name.endswith(f".{adapter_name}"):
+        return param_name[: -len(adapter_name) - 1]
+    return param_name.replace(f".{adapter_name}.", ".")
+
+
+def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+
+
+def _token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(token t | tokens < t) for t >= 1, from the logits at t - 1: shape [B, L-1]."""
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the predictive distribution at each position that predicts a token: [B, L-1]."""
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    return param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+
+
+def _set_optimizer_hparams(optimizer: torch.optim.Optimizer, hp: TrainHParams) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = hp.lr
+        group["weight_decay"] = hp.weight_decay
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _check_token_rows(input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
+    if not input_ids:
+        raise BatchError("batch has no rows")
+    if len(loss_mask) != len(input_ids):
+        raise BatchError(f"loss_mask has {len(loss_mask)} rows, input_ids {len(input_ids)}")
+    for i, (ids, mask) in enumerate(zip(input_ids, loss_mask)):
+        if not ids:
+            raise BatchError(f"row {i} is empty")
+        if len(mask) != len(ids):
+            raise BatchError(f"row {i}: loss_mask has {len(mask)} entries, input_ids {len(ids)}")
+        if mask[0]:
+            raise BatchError(f"row {i}: the first token cannot be trained (no logits predict it)")
+
+
+def _check_batch(batch: TrainBatch) -> None:
+    _check_token_rows(batch.input_ids, batch.loss_mask)
+    if len(batch.old_logprobs) != len(batch.input_ids) or len(batch.advantages) != len(batch.input_ids):
+        raise BatchError(
+            f"batch has {len(batch.input_ids)} rows but {len(batch.old_logprobs)} old_logprobs rows "
+            f"and {len(batch.advantages)} advantages"
+        )
+    for i, (ids, old) in enumerate(zip(batch.input_ids, batch.old_logprobs)):
+        if len(old) != len(ids):
+            raise BatchError(f"row {i}: old_logprobs has {len(old)} entries, input_ids {len(ids)}")
+    if not all(math.isfinite(a) for a in batch.advantages):
+        raise BatchError("advantages must be finite")
+
+
+def _check_hparams(hp: TrainHParams) -> None:
+    if hp.loss_agg not in LOSS_AGGREGATIONS:
+        raise BatchError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {hp.loss_agg!r}")
+
+
+def _pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: torch.device) -> _Rows:
+    """Right-pad rows with PAD_ID; shift the mask so column t refers to token t + 1."""
+    lengths = [len(row) for row in input_ids]
+    width = max(lengths)
+    ids = torch.full((len(input_ids), width), PAD_ID, dtype=torch.long)
+    attention = torch.zeros((len(input_ids), width), dtype=torch.long)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.bool)
+    for i, (row, row_mask) in enumerate(zip(input_ids, loss_mask)):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[i, : len(row)] = 1
+        mask[i, : len(row)] = torch.tensor(row_mask, dtype=torch.bool)
+    return _Rows(ids.to(device), attention.to(device), mask[:, 1:].to(device), lengths)
+
+
+def _pad_old_logprobs(old_logprobs: list[list[float]], rows: _Rows) -> torch.Tensor:
+    """Old log-probs aligned with ``rows.loss_mask``; masked entries are forced to 0."""
+    width = rows.input_ids.shape[1]
+    old = torch.zeros((len(old_logprobs), width), dtype=torch.float32)
+    for i, row in enumerate(old_logprobs):
+        old[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    old = old[:, 1:].to(rows.loss_mask.device)
+    old = torch.where(rows.loss_mask, old, 0.0)
+    if not torch.isfinite(old).all():
+        raise BatchError("old_logprobs must be finite where loss_mask is 1")
+    return old
+
+
+def _slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
+    """Rows [start, stop), trimmed to their own longest row."""
+    lengths = rows.lengths[start:stop]
+    width = max(lengths)
+    return _Rows(
+        rows.input_ids[start:stop, :width],
+        rows.attention_mask[start:stop, :width],
+        rows.loss_mask[start:stop, : width - 1],
+        lengths,
+    )
+
+
+# ---------------------------------------------------------------- atomic directories
+
+
+def _write_dir_atomically(out_dir: Path, write: Callable[[Path], T]) -> T:
+    """Fill a temp dir next to ``out_dir``, fsync it, rename it onto ``out_dir``.
+
+    A reader sees either the previous complete ``out_dir`` or the new complete one (an existing
+    ``out_dir`` is renamed aside first, then removed); a failure removes the temp dir.
+    """
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    try:
+        result = write(tmp)
+        os.chmod(tmp, 0o755)
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_path(parent)
+    return result
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(new, target)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        _fsync_path(path)
+    _fsync_path(directory)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- checkpoint reading
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {directory}: unreadable {MANIFEST} ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
+    return manifest
+
+
+def _verify_checksums(directory: Path, manifest: dict[str, Any]) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES):
+        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} does not list the expected files")
+    for name, record in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing")
+        if _sha256(path) != record.get("sha256"):
+            raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
+
+
+def _read_checkpoint_payload(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
+    try:
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+        trainer_state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=True)
+        extra = json.loads((directory / EXTRA).read_text())
+    except Exception as exc:  # checksums matched, so the writer itself was broken
+        raise CheckpointError(f"checkpoint {directory}: unreadable payload ({type(exc).__name__}: {exc})") from None
+    return tensors, trainer_state, extra
+
+
+def _restore_job_state(
+    job: _JobState, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any], directory: Path
+) -> None:
+    if set(tensors) != set(job.params) or trainer_state.get("param_keys") != list(job.params):
+        raise CheckpointError(f"checkpoint {directory}: adapter keys do not match the job's adapter")
+    for key, param in job.params.items():
+        if tensors[key].shape != param.shape:
+            raise CheckpointError(f"checkpoint {directory}: {key} has shape {tuple(tensors[key].shape)}")
+    try:
+        job.optimizer.load_state_dict(trainer_state["optimizer"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {directory}: optimizer state does not fit ({exc})") from None
+    with torch.no_grad():
+        for key, param in job.params.items():
+            param.copy_(tensors[key])
+    job.rng_state = dict(trainer_state["rng"])
