@@ -142,8 +142,8 @@ def test_example_configs_are_what_the_brief_says() -> None:
     assert a.model.path == str(REPO / ".plexrl" / "models" / "tiny-arith")
     assert a.data.path == str(REPO / ".plexrl" / "data" / "arith" / "train.jsonl")
     assert a.data.eval_path == str(REPO / ".plexrl" / "data" / "arith" / "eval.jsonl")
-    assert (a.name, a.seed, a.algo.lr, a.algo.steps, a.sampling.max_tokens) == ("tiny-arith", 0, 2e-4, 60, 4)
-    assert (b.name, b.seed, b.algo.lr, b.algo.steps) == ("tiny-arith-b", 1, 3e-4, 60)
+    assert (a.name, a.seed, a.algo.lr, a.algo.steps, a.sampling.max_tokens) == ("tiny-arith", 0, 2e-3, 200, 4)
+    assert (b.name, b.seed, b.algo.lr, b.algo.steps) == ("tiny-arith-b", 1, 1.5e-3, 200)
     assert a.reward.name == b.reward.name == "arith"
     small = load_spec(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml", check_files=False)
     large = load_spec(CONFIGS / "qwen2.5-7b-math.yaml", check_files=False)
@@ -155,8 +155,7 @@ def test_example_configs_are_what_the_brief_says() -> None:
         assert (spec.algo.kl_coef, spec.algo.steps) == (0.001, 200)
 
 
-@pytest.mark.skipif(not (REPO / ".plexrl" / "models" / "tiny-arith").is_dir(), reason="tiny assets not generated")
-def test_tiny_configs_validate_with_files() -> None:
+def test_tiny_configs_validate_with_files(tiny_model: Path) -> None:
     load_spec(CONFIGS / "tiny-arith.yaml")
     load_spec(CONFIGS / "tiny-arith-b.yaml")
 
