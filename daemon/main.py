@@ -33,7 +33,8 @@ import msgspec
 import zmq
 
 from daemon.journal import TERMINAL, Journal
-from daemon.scheduler import Engine, Scheduler, Task
+from daemon.scheduler import POLICIES, Engine, Scheduler, Task
+from plexctl.state_size import job_state_bytes, model_config
 from plexctl import protocol as P
 from plexctl.atomic import write_json_atomic
 from plexctl.cluster import Endpoint, endpoint_path
@@ -90,7 +91,8 @@ class PendingCall:
 
 class Daemon:
     def __init__(self, state_dir: Path, models: list[str], local_workers: list[list[str]],
-                 host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local") -> None:
+                 host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local",
+                 policy: str = "spread+backfill", worker_args: list[str] | None = None) -> None:
         self.state_dir = state_dir
         self.jobs_dir = state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +101,12 @@ class Daemon:
         self.mode = mode
         self.started_at = time.time()
         self.journal = Journal(state_dir / "journal.db")
-        self.sched = Scheduler()
+        self.sched = Scheduler(policy=policy)
+        self.policy = policy
+        self.worker_args = worker_args or []
+        self.reasons: dict[str, str] = {}  # queued job -> why it is not running yet
+        self.engine_stats: dict[str, dict[str, Any]] = {}  # engine -> its latest tier inventory
+        self.prefetched: dict[str, str] = {}  # trainer engine -> job whose prefetch was last asked
         self.workers: dict[str, WorkerState] = {}
         self.worker_procs: dict[str, subprocess.Popen] = {}
         self.runtimes: dict[str, JobRuntime] = {}
@@ -143,7 +150,7 @@ class Daemon:
         logs.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "worker.main", "--endpoint", self.address, "--worker-id", worker_id,
                "--engines", ",".join(engines), "--model", model,
-               "--scratch", str(self.state_dir / "nodes" / worker_id)]
+               "--scratch", str(self.state_dir / "nodes" / worker_id), *self.worker_args]
         with open(logs / f"{worker_id}.log", "ab") as out:
             self.worker_procs[worker_id] = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -259,6 +266,7 @@ class Daemon:
             jobs = [self.journal.job(job_id)]
         else:
             jobs = self.journal.jobs()
+        jobs = [self._with_live_fields(j) for j in jobs]
         now = time.time()
         engines = []
         for w in self.workers.values():
@@ -271,8 +279,22 @@ class Daemon:
                     engine_id=decl.engine_id, worker_id=w.worker_id, kind=decl.kind, model=decl.model,
                     ready=w.ready, running=sorted({t.job_id for t in eng.running.values()}) if eng else [],
                     resident=sorted(j for j, h in self.sched.home.items() if h == decl.engine_id),
-                    busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0))
-        self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now), header.msg_id)
+                    busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
+                    tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
+                    swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {})))
+        bubble = self.sched.bubble_ratio(now, self.started_at) if self.sched.engines else None
+        self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now, policy=self.policy,
+                                                     bubble_ratio=bubble), header.msg_id)
+
+    def _with_live_fields(self, job: P.JobInfo) -> P.JobInfo:
+        """Add what only the running daemon knows: why a job waits, where its state lives."""
+        reason = self.reasons.get(job.job_id, "") if job.state == "queued" else ""
+        tier = ""
+        home = self.sched.home_of(job.job_id, "trainer")
+        if home and job.state == "running":
+            where = self.engine_stats.get(home, {}).get("where", {})
+            tier = f"{home}:{where.get(job.job_id, 'device')}" if where else home
+        return msgspec.structs.replace(job, reason=reason, state_tier=tier)
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
         job_id = self.journal.find(body.job_id)
@@ -330,7 +352,8 @@ class Daemon:
             for decl in body.engines:
                 if decl.engine_id not in self.sched.engines:
                     self.sched.engine_up(Engine(decl.engine_id, body.worker_id, decl.kind,
-                                                os.path.realpath(decl.model), decl.capacity))
+                                                os.path.realpath(decl.model), decl.capacity,
+                                                state_capacity_bytes=decl.state_capacity_bytes), now=now)
                     self.models.add(os.path.realpath(decl.model))
             log.info("worker %s ready on %s: %s", body.worker_id, body.node,
                      ", ".join(f"{e.engine_id}({e.model})" for e in body.engines))
@@ -368,6 +391,8 @@ class Daemon:
     def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
         now = time.time()
         self.sched.done(body.task_id, now, body.seconds if body.ok else None)
+        if "inventory" in body.info:  # a worker hosts at most one trainer engine
+            self._record_inventory(self._trainer_of(identity), body.info["inventory"])
         call = self.calls.pop(body.task_id, None)
         if call is None:
             return  # a control task (release), or a call whose job has gone
@@ -393,6 +418,30 @@ class Daemon:
             self._prune(rt.job_dir / "ckpt", keep=2)
             value = {"path": ckpt}
         self._send(call.identity, P.Op.REPLY, value, call.msg_id)
+
+    def _trainer_of(self, identity: bytes) -> str:
+        for w in self.workers.values():
+            if w.identity == identity:
+                return next((d.engine_id for d in w.engines if d.kind == "trainer"), "")
+        return ""
+
+    def _record_inventory(self, engine_id: str, inv: dict[str, Any]) -> None:
+        """Keep a trainer's tier inventory for `status`, and tell the scheduler where state lives."""
+        tiers = {t: inv[t] for t in ("device", "host", "nvme") if t in inv}
+        where = {job: tier for tier, info in tiers.items() for job in info.get("jobs", [])}
+        self.engine_stats[engine_id] = {"tiers": tiers, "swaps": inv.get("swaps", {}), "where": where}
+        for job, tier in where.items():
+            if job in self.runtimes:
+                self.sched.state_location(job, engine_id, tier)
+
+    def _prefetch(self, engine_id: str, worker: WorkerState) -> None:
+        """Ask the trainer to bring the next job's state up from NVMe while it serves another."""
+        job = self.sched.next_job(engine_id)
+        where = self.engine_stats.get(engine_id, {}).get("where", {})
+        if job is None or where.get(job) != "nvme" or self.prefetched.get(engine_id) == job:
+            return
+        self.prefetched[engine_id] = job
+        self._send(worker.identity, P.Op.TASK, P.TaskBody(0, job, engine_id, "prefetch", {}))
 
     @staticmethod
     def _prune(parent: Path, keep: int) -> None:
@@ -487,8 +536,13 @@ class Daemon:
             if rt is not None and placement.engine_id not in rt.engines:
                 rt.engines.add(placement.engine_id)
                 self.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
+            args = call.context["args"]
+            if task.kind == "trainer":
+                args = {**args, "upcoming": self.sched.upcoming(placement.engine_id)}
             self._send(worker.identity, P.Op.TASK,
-                       P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, call.context["args"]))
+                       P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
+            if task.kind == "trainer":
+                self._prefetch(placement.engine_id, worker)
 
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
@@ -502,8 +556,21 @@ class Daemon:
             model = os.path.realpath(spec.model.path)
             if ("rollout", model) not in ready_models or ("trainer", model) not in ready_models:
                 continue
+            adm = self.sched.admit(info.job_id, model, now, state_bytes=self._state_bytes(spec),
+                                   priority=spec.priority, user=info.user)
+            if not adm.ok:
+                self.reasons[info.job_id] = adm.reason
+                continue
+            self.reasons.pop(info.job_id, None)
             self._start_driver(info.job_id, spec, now)
             running += 1
+
+    @staticmethod
+    def _state_bytes(spec: JobSpec) -> int:
+        try:
+            return job_state_bytes(spec.lora.rank, list(spec.lora.target_modules), model_config(spec.model.path))
+        except (OSError, KeyError, ValueError):
+            return 0  # unknown architecture: admit, the worker's store enforces its tiers
 
     def _start_driver(self, job_id: str, spec: JobSpec, now: float) -> None:
         job_dir = self.jobs_dir / job_id
@@ -541,7 +608,7 @@ class Daemon:
 
     def _end_job(self, rt: JobRuntime) -> None:
         del self.runtimes[rt.job_id]
-        for task in self.sched.forget_job(rt.job_id):
+        for task in self.sched.release(rt.job_id):
             self.calls.pop(task.task_id, None)
         for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
             del self.calls[tid]
@@ -599,11 +666,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--mode", default="local")
+    ap.add_argument("--policy", default="spread+backfill", choices=POLICIES)
+    ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for local workers")
     args = ap.parse_args(argv)
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
-                    args.port, args.max_running, args.mode)
+                    args.port, args.max_running, args.mode, args.policy, args.worker_arg)
     daemon.run()
 
 

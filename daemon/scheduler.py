@@ -1,19 +1,64 @@
-"""The task scheduler: a pure core that places jobs' service calls on engines.
+"""The task scheduler: a pure core that admits jobs and places their service calls on engines.
 
 The unit of scheduling is one *call* of one job (``generate`` on a rollout engine,
 ``train_step`` / ``publish`` / ``checkpoint`` / ``restore`` on a trainer engine), never a
-whole job. The core owns no sockets and no clock: the daemon (and later the simulator)
-feeds it ``submit``, ``engine_up`` / ``engine_down`` and ``done`` events and asks
-``tick(now)`` for placements. Ordering within an engine kind is by job priority, then
-response ratio ``(wait + estimate) / estimate`` with estimates learned per (job, method),
-so a long call cannot starve short ones. Trainer calls keep affinity to the engine that
-holds the job's state (its adapter and optimizer moments); moving state between trainer
-engines is the state manager's business and is not done here.
+whole job. The core owns no sockets and no clock: the daemon (and the simulator) feed it
+``engine_up`` / ``engine_down``, ``admit`` / ``release``, ``submit``, ``done`` and
+``state_location`` events and ask ``tick(now)`` for placements.
+
+What it decides, per cluster placement policy (``POLICIES``):
+
+- **Admission and homes.** ``admit`` gives a job one *home* rollout engine and one home
+  trainer engine among the ready engines serving its model: ``isolated`` wants engines no
+  other job owns; ``pack`` the fullest engine below ``jobs_per_engine``; ``spread`` and
+  ``spread+backfill`` the emptiest. A job whose state exceeds every trainer's
+  ``state_capacity_bytes`` is refused. A job that submits without ``admit`` gets its home of
+  a kind chosen by the same rule when its first task of that kind is queued.
+- **Placement.** A task runs on its job's home engine of its kind. Under
+  ``spread+backfill`` only, a task whose home is full may run on another engine of the same
+  kind and model that is *idle* (free capacity, nothing queued for it): a rollout task always
+  (its state is an adapter file, loaded anywhere; its home stays), a trainer task only when
+  the job's state is not on its home's device (``state_location``), and then the job's
+  trainer home moves to that engine (fewest jobs first, within ``jobs_per_engine`` and its
+  state capacity). Until told otherwise, a job's state is taken to be on the device of the
+  trainer engine that last started one of its tasks (a safe default for a daemon without a
+  state manager); a job that never trained has no state and may go anywhere.
+- **Order on an engine.** Priority first; then per-user weighted fair share (lowest
+  ``(served + running estimate) engine-seconds / weight`` first, taken when a tick orders an
+  engine's queue); then response ratio ``(wait + estimate) / estimate`` with estimates learned
+  per (job, method); then submission. A job's trainer calls run one at a time in submission
+  order (they mutate one state). Switch bound, on trainer engines: if the job of the task the
+  engine started last has a task queued for it, of the same priority as the best one, and
+  the engine has started fewer than ``max_switches`` consecutive tasks of that job, that task
+  goes first (it avoids a state swap); after ``max_switches`` in a row, the usual order
+  decides again, so a job cannot hold an engine while others wait.
+- **Hints and accounting.** ``upcoming(engine)`` lists the jobs homed on an engine in the
+  order their queued tasks would run there (the state manager prefetches the first and
+  evicts the last). Each finished task adds an ``Interval`` (the last ``INTERVALS_KEPT``
+  are kept) and counts towards its engine's ``busy_seconds`` (union of busy time),
+  ``busy_by_job`` and its user's served engine-seconds (task seconds / engine capacity);
+  ``utilization`` and ``bubble_ratio`` read a window of that timeline.
+
+Cost: ``tick`` looks only at engines whose queue or capacity changed since the last tick,
+and at the backfill candidates of a (kind, model) when an engine of it became idle or a task
+became movable, so a call is O(changed engines + their queues), bounded by O(queued +
+engines). It deliberately does not move state, prefetch or evict (the state manager does,
+using ``upcoming``), and does not preempt running tasks.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+POLICIES = ("isolated", "pack", "spread", "spread+backfill")
+DEFAULT_ESTIMATE = 1.0
+EMA = 0.3
+INTERVALS_KEPT = 100_000
+SERIAL_KINDS = frozenset({"trainer"})  # a job's tasks of these kinds run one at a time, in order
+
+Key = tuple[str, str]  # (kind, model)
 
 
 @dataclass
@@ -34,14 +79,24 @@ class Engine:
     kind: str
     model: str
     capacity: int = 1
+    state_capacity_bytes: int = 0  # most job state one engine can hold on any tier; 0 = unknown
     running: dict[int, Task] = field(default_factory=dict)
+    started_at: dict[int, float] = field(default_factory=dict)  # task_id -> start
     busy_since: float | None = None
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # union of busy time (tasks overlap when capacity > 1)
+    busy_by_job: dict[str, float] = field(default_factory=dict)  # task seconds per job (slots overlap)
     tasks_done: int = 0
+    up_at: float | None = None
+    last_job: str | None = None  # job of the task started last
+    streak: int = 0  # consecutive tasks of last_job started
 
     @property
     def free(self) -> int:
         return self.capacity - len(self.running)
+
+    @property
+    def key(self) -> Key:
+        return (self.kind, self.model)
 
 
 @dataclass(frozen=True)
@@ -50,62 +105,288 @@ class Placement:
     engine_id: str
 
 
-DEFAULT_ESTIMATE = 1.0
-EMA = 0.3
+@dataclass(frozen=True)
+class Admission:
+    ok: bool
+    reason: str
+    rollout: str | None = None
+    trainer: str | None = None
+
+
+class Interval(NamedTuple):
+    engine_id: str
+    job_id: str
+    method: str
+    start: float
+    end: float
+
+
+@dataclass
+class Job:
+    job_id: str
+    model: str
+    user: str = ""
+    priority: int = 0
+    state_bytes: int = 0
+    admitted_at: float | None = None  # None: known only from its tasks
+    homes: dict[str, str] = field(default_factory=dict)  # kind -> engine_id
+    state_engine: str | None = None
+    state_tier: str | None = None  # device | host | nvme | ... | None (no copy known)
+    queued: dict[int, Task] = field(default_factory=dict)
+    serial: dict[str, deque[Task]] = field(default_factory=dict)  # kind -> queued, in order
+    running: dict[str, int] = field(default_factory=dict)  # kind -> tasks running
+    methods: set[str] = field(default_factory=set)
+
+    @property
+    def pinned(self) -> bool:
+        """Its trainer state is on its home trainer's device: its trainer tasks stay there."""
+        return self.state_tier == "device" and self.state_engine is not None \
+            and self.state_engine == self.homes.get("trainer")
+
+
+@dataclass
+class Running:
+    engine_id: str
+    job: Job  # the record it was started for (a job id may be released and reused)
+    user: str
+    charge: float  # estimated engine-seconds charged to the user's fair share until done
 
 
 class Scheduler:
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if jobs_per_engine < 1:
+            raise ValueError(f"jobs_per_engine must be >= 1, not {jobs_per_engine}")
+        if max_switches < 0:
+            raise ValueError(f"max_switches must be >= 0, not {max_switches}")
+        self.policy = policy
+        self.jobs_per_engine = jobs_per_engine
+        self.max_switches = max_switches
         self.engines: dict[str, Engine] = {}
-        self.queue: dict[int, Task] = {}
-        self.home: dict[str, str] = {}  # job_id -> trainer engine holding its state
+        self.queue: dict[int, Task] = {}  # every queued (not running) task
+        self.jobs: dict[str, Job] = {}
+        self.home: dict[str, str] = {}  # job_id -> home trainer engine (holds its state)
+        self.rollout_home: dict[str, str] = {}  # job_id -> home rollout engine
         self.estimates: dict[tuple[str, str], float] = {}
+        self.shares: dict[str, float] = {}  # user -> weight (default 1)
+        self.served: dict[str, float] = {}  # user -> engine-seconds of finished tasks
+        self.charged: dict[str, float] = {}  # user -> estimated engine-seconds of running tasks
+        self.intervals: deque[Interval] = deque(maxlen=INTERVALS_KEPT)
+        self.now = 0.0  # the clock of the last tick
+        # indexes, all kept in step by the event methods
+        self._by_key: dict[Key, dict[str, None]] = {}
+        self._buckets: dict[Key, dict[int, dict[str, None]]] = {}  # jobs homed -> engines
+        self._homed: dict[str, dict[str, None]] = {}  # engine -> jobs it is home to
+        self._free: dict[Key, dict[str, None]] = {}  # engines with a free slot
+        self._pending: dict[str, dict[int, Task]] = {}  # engine -> eligible tasks homed there
+        self._where: dict[int, str | None] = {}  # eligible task -> engine (None: homeless)
+        self._homeless: dict[int, Task] = {}  # eligible tasks whose job has no home yet
+        self._waiting: dict[Key, dict[int, Task]] = {}  # movable tasks on full homes
+        self._running: dict[int, Running] = {}
+        self._dirty: dict[str, None] = {}  # engines to fill at the next tick
+        self._bf_dirty: dict[Key, None] = {}  # keys whose backfill may have changed
+        self._homeless_dirty = False
 
-    # -- events
+    # -- engines
 
-    def engine_up(self, engine: Engine) -> None:
-        self.engines[engine.engine_id] = engine
+    def engine_up(self, engine: Engine, now: float | None = None) -> None:
+        if engine.engine_id in self.engines:
+            self.engine_down(engine.engine_id)
+        eid, key = engine.engine_id, engine.key
+        if now is not None:
+            engine.up_at = now
+        self.engines[eid] = engine
+        self._by_key.setdefault(key, {})[eid] = None
+        self._homed[eid] = {}
+        self._buckets.setdefault(key, {}).setdefault(0, {})[eid] = None
+        self._pending[eid] = {}
+        if engine.free > 0:
+            self._free.setdefault(key, {})[eid] = None
+        self._bf_dirty[key] = None
+        self._homeless_dirty = True
 
     def engine_down(self, engine_id: str) -> list[Task]:
-        """Remove an engine; its running tasks return to the queue (returned for logging)."""
+        """Remove an engine; its running tasks return to the queue (returned for logging;
+        those of released jobs are dropped).
+
+        Jobs homed there lose that home (and any state the core believed was on it) and get
+        a new one by the policy's rule when they next have a task of that kind.
+        """
         engine = self.engines.pop(engine_id, None)
         if engine is None:
             return []
-        for job, home in list(self.home.items()):
-            if home == engine_id:
-                del self.home[job]
+        key = engine.key
+        del self._by_key[key][engine_id]
+        self._buckets[key][len(self._homed[engine_id])].pop(engine_id, None)
+        self._free.get(key, {}).pop(engine_id, None)
+        self._dirty.pop(engine_id, None)
+        requeued = []  # the running tasks of jobs still known (a released job's are dropped)
         for task in engine.running.values():
+            run = self._running.pop(task.task_id)
+            self.charged[run.user] = self.charged.get(run.user, 0.0) - run.charge
+            job = run.job
+            if self.jobs.get(task.job_id) is not job:
+                continue  # released (perhaps re-submitted since under the same id)
+            requeued.append(task)
             self.queue[task.task_id] = task
-        return list(engine.running.values())
+            job.queued[task.task_id] = task
+            job.running[task.kind] = max(0, job.running.get(task.kind, 0) - 1)
+            if task.kind in SERIAL_KINDS:
+                job.serial.setdefault(task.kind, deque()).appendleft(task)
+        engine.running.clear()
+        engine.started_at.clear()
+        stranded = list(self._pending.pop(engine_id).values())
+        for task in stranded:
+            self._where.pop(task.task_id, None)
+            self._waiting.get(key, {}).pop(task.task_id, None)
+        for job_id in list(self._homed.pop(engine_id)):
+            job = self.jobs[job_id]
+            if job.state_engine == engine_id:
+                job.state_engine, job.state_tier = None, None
+            for kind, home in list(job.homes.items()):
+                if home == engine_id:
+                    del job.homes[kind]
+                    (self.home if kind == "trainer" else self.rollout_home).pop(job_id, None)
+        for task in stranded:
+            self._enqueue(task)
+        for task in requeued:
+            if self._eligible(self.jobs[task.job_id], task):
+                self._enqueue(task)
+        self._homeless_dirty = True
+        return requeued
+
+    def serves(self, kind: str, model: str) -> bool:
+        return bool(self._by_key.get((kind, model)))
+
+    # -- jobs
+
+    def admit(self, job_id: str, model: str, now: float, state_bytes: int = 0, priority: int = 0,
+              user: str = "") -> Admission:
+        """Give a job its home rollout and trainer engines, or say why it must wait."""
+        job = self.jobs.get(job_id)
+        rollouts = self._by_key.get(("rollout", model), {})
+        trainers = self._by_key.get(("trainer", model), {})
+        if not rollouts or not trainers:
+            missing = " and ".join(k for k, e in (("rollout", rollouts), ("trainer", trainers)) if not e)
+            return Admission(False, f"no ready engine serves {model} (no {missing} engine)")
+        caps = [self.engines[e].state_capacity_bytes for e in trainers]
+        if state_bytes > 0 and all(c > 0 for c in caps) and state_bytes > max(caps):
+            return Admission(False, f"state {_mb(state_bytes)} MB does not fit any tier "
+                                    f"(largest: {_mb(max(caps))} MB)")
+        rollout = job.homes.get("rollout") if job else None
+        trainer = job.homes.get("trainer") if job else None
+        rollout = rollout or self._pick_home("rollout", model, 0)
+        trainer = trainer or self._pick_home("trainer", model, state_bytes)
+        if rollout is None or trainer is None:
+            return Admission(False, self._full_reason(model, state_bytes, rollout is None, trainer is None))
+        if job is None:
+            job = self.jobs[job_id] = Job(job_id, model)
+        job.model, job.user, job.priority, job.state_bytes = model, user, priority, state_bytes
+        if job.admitted_at is None:
+            job.admitted_at = now
+        self._set_home(job, "rollout", rollout)
+        self._set_home(job, "trainer", trainer)
+        return Admission(True, "admitted", rollout, trainer)
+
+    def release(self, job_id: str) -> list[Task]:
+        """Forget a job (it ended): free its homes, drop its queued tasks (returned) and estimates.
+
+        Its running tasks finish normally; ``done`` still accounts for them.
+        """
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return []
+        dropped = list(job.queued.values())
+        for task in dropped:
+            self._dequeue(task)
+            del self.queue[task.task_id]
+        job.queued.clear()
+        job.serial.clear()
+        for kind in list(job.homes):
+            self._set_home(job, kind, None, requeue=False)
+        for method in job.methods:
+            self.estimates.pop((job_id, method), None)
+        return dropped
+
+    forget_job = release
+
+    def home_of(self, job_id: str, kind: str) -> str | None:
+        job = self.jobs.get(job_id)
+        return job.homes.get(kind) if job else None
+
+    def state_location(self, job_id: str, engine_id: str | None, tier: str | None) -> None:
+        """The state manager says where a job's trainer state lives now.
+
+        ``tier == "device"`` pins the job to that trainer engine (it becomes its home);
+        ``"host"``, ``"nvme"``, other tiers, or ``None`` (no copy) let a trainer task move.
+        """
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        job.state_engine, job.state_tier = engine_id, tier
+        engine = self.engines.get(engine_id) if engine_id is not None else None
+        if tier == "device" and engine is not None and engine.kind == "trainer":
+            self._set_home(job, "trainer", engine_id)
+        head = self._serial_head(job, "trainer")
+        engine_id = self._where.get(head.task_id) if head is not None else None
+        if head is not None and engine_id is not None:
+            self._mark_waiting(head, job, self.engines[engine_id])
+
+    def set_share(self, user: str, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError(f"share weight must be > 0, not {weight}")
+        self.shares[user] = weight
+
+    # -- tasks
 
     def submit(self, task: Task) -> None:
+        if task.task_id in self.queue or task.task_id in self._running:
+            return
+        job = self.jobs.get(task.job_id)
+        if job is None:
+            job = self.jobs[task.job_id] = Job(task.job_id, task.model, priority=task.priority)
         self.queue[task.task_id] = task
+        job.queued[task.task_id] = task
+        job.methods.add(task.method)
+        if task.kind in SERIAL_KINDS:
+            job.serial.setdefault(task.kind, deque()).append(task)
+        if self._eligible(job, task):
+            self._enqueue(task)
 
     def done(self, task_id: int, now: float, seconds: float | None = None) -> Task | None:
-        for engine in self.engines.values():
-            task = engine.running.pop(task_id, None)
-            if task is None:
-                continue
-            engine.tasks_done += 1
-            if not engine.running and engine.busy_since is not None:
-                engine.busy_seconds += now - engine.busy_since
-                engine.busy_since = None
+        run = self._running.pop(task_id, None)
+        if run is None:
+            return None
+        engine_id, user = run.engine_id, run.user
+        engine = self.engines[engine_id]
+        was_full = engine.free <= 0
+        task = engine.running.pop(task_id)
+        start = engine.started_at.pop(task_id)
+        engine.tasks_done += 1
+        if not engine.running and engine.busy_since is not None:
+            engine.busy_seconds += now - engine.busy_since
+            engine.busy_since = None
+        took = max(0.0, now - start)
+        engine.busy_by_job[task.job_id] = engine.busy_by_job.get(task.job_id, 0.0) + took
+        self.intervals.append(Interval(engine_id, task.job_id, task.method, start, now))
+        self.served[user] = self.served.get(user, 0.0) + took / engine.capacity
+        self.charged[user] = self.charged.get(user, 0.0) - run.charge
+        job = run.job
+        if self.jobs.get(task.job_id) is job:  # not released meanwhile
+            job.running[task.kind] = max(0, job.running.get(task.kind, 0) - 1)
             if seconds is not None:
                 key = (task.job_id, task.method)
                 old = self.estimates.get(key)
                 self.estimates[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-            return task
-        return None
+            head = self._serial_head(job, task.kind)
+            if head is not None and self._eligible(job, head):
+                self._enqueue(head)
+        if was_full:
+            self._engine_freed(engine)
+        return task
 
-    def forget_job(self, job_id: str) -> list[Task]:
-        """Drop a job's queued tasks and its affinity (the job ended)."""
-        dropped = [t for t in self.queue.values() if t.job_id == job_id]
-        for t in dropped:
-            del self.queue[t.task_id]
-        self.home.pop(job_id, None)
-        return dropped
-
-    # -- decisions
+    # -- ordering
 
     def estimate(self, task: Task) -> float:
         return self.estimates.get((task.job_id, task.method), DEFAULT_ESTIMATE)
@@ -114,35 +395,339 @@ class Scheduler:
         est = max(self.estimate(task), 1e-3)
         return (now - task.submitted_at + est) / est
 
+    def share_score(self, user: str) -> float:
+        """Engine-seconds served (plus estimates of running tasks) per unit of share weight."""
+        return (self.served.get(user, 0.0) + self.charged.get(user, 0.0)) / self.shares.get(user, 1.0)
+
+    def _order_key(self, task: Task, now: float) -> tuple[int, float, float, int]:
+        job = self.jobs.get(task.job_id)
+        user = job.user if job else ""
+        return (-task.priority, self.share_score(user), -self.response_ratio(task, now), task.task_id)
+
+    def _switch_first(self, engine: Engine, order: list[Task]) -> list[Task]:
+        """Apply the switch bound: continue the engine's last job if it may (see module doc)."""
+        if (engine.kind not in SERIAL_KINDS or engine.last_job is None or not order
+                or engine.streak >= self.max_switches or order[0].job_id == engine.last_job):
+            return order
+        for i, task in enumerate(order):
+            if task.job_id == engine.last_job:
+                if task.priority == order[0].priority:
+                    return [task, *order[:i], *order[i + 1:]]
+                break
+        return order
+
+    # -- decisions
+
     def tick(self, now: float) -> list[Placement]:
-        order = sorted(self.queue.values(), key=lambda t: (-t.priority, -self.response_ratio(t, now), t.task_id))
+        self.now = now
         placements: list[Placement] = []
-        for task in order:
-            engine = self._pick(task)
-            if engine is None:
-                continue
-            del self.queue[task.task_id]
-            if not engine.running:
-                engine.busy_since = now
-            engine.running[task.task_id] = task
-            if task.kind == "trainer":
-                self.home.setdefault(task.job_id, engine.engine_id)
-            placements.append(Placement(task, engine.engine_id))
+        if self._homeless and self._homeless_dirty:
+            self._homeless_dirty = False
+            for task in list(self._homeless.values()):
+                job = self.jobs[task.job_id]
+                if self._home_or_assign(job, task) is not None:
+                    self._dequeue(task)
+                    self._enqueue(task)
+        while self._dirty or self._bf_dirty:
+            dirty, self._dirty = self._dirty, {}
+            for engine_id in dirty:
+                engine = self.engines.get(engine_id)
+                if engine is not None and engine.free > 0 and self._pending.get(engine_id):
+                    self._fill(engine, now, placements)
+            bf_dirty, self._bf_dirty = self._bf_dirty, {}
+            if self.policy == "spread+backfill":
+                for key in bf_dirty:
+                    self._backfill(key, now, placements)
         return placements
 
-    def _pick(self, task: Task) -> Engine | None:
-        if task.kind == "trainer" and task.job_id in self.home:
-            engine = self.engines.get(self.home[task.job_id])
-            return engine if engine is not None and engine.free > 0 else None
-        candidates = [e for e in self.engines.values()
-                      if e.kind == task.kind and e.model == task.model and e.free > 0]
-        if task.kind == "trainer":  # a new job's state goes where the fewest jobs live
-            load = {e.engine_id: 0 for e in candidates}
-            for home in self.home.values():
-                if home in load:
-                    load[home] += 1
-            return min(candidates, key=lambda e: (load[e.engine_id], e.engine_id), default=None)
-        return max(candidates, key=lambda e: (e.free, e.engine_id), default=None)
+    def _fill(self, engine: Engine, now: float, placements: list[Placement]) -> None:
+        pending = self._pending[engine.engine_id]
+        order = sorted(pending.values(), key=lambda t: self._order_key(t, now))
+        for task in self._switch_first(engine, order)[:engine.free]:
+            self._dequeue(task)
+            self._start(task, engine, now, placements)
 
-    def serves(self, kind: str, model: str) -> bool:
-        return any(e.kind == kind and e.model == model for e in self.engines.values())
+    def _backfill(self, key: Key, now: float, placements: list[Placement]) -> None:
+        free, waiting = self._free.get(key), self._waiting.get(key)
+        if not free or not waiting:
+            return
+        candidates = sorted(waiting.values(), key=lambda t: self._order_key(t, now))
+        if key[0] in SERIAL_KINDS:
+            for task in candidates:
+                job = self.jobs[task.job_id]
+                target = self._trainer_to_move_to(job, key)
+                if target is not None:
+                    self._dequeue(task)
+                    self._set_home(job, task.kind, target.engine_id)
+                    self._start(task, target, now, placements)
+            return
+        idle = iter(list(free))  # rollout: the idle engines in turn, each until it is full
+        engine: Engine | None = None
+        for task in candidates:
+            while engine is None or engine.free <= 0:
+                engine_id = next(idle, None)
+                if engine_id is None:
+                    return
+                engine = self.engines[engine_id]
+                if engine.free <= 0 or self._pending[engine_id]:
+                    engine = None
+            self._dequeue(task)
+            self._start(task, engine, now, placements)
+
+    def _trainer_to_move_to(self, job: Job, key: Key) -> Engine | None:
+        """The idle trainer with the fewest jobs that has room for this job and its state."""
+        limit, home = self._limit(), job.homes.get(key[0])
+        best: Engine | None = None
+        for engine_id in self._free[key]:
+            load = len(self._homed[engine_id])
+            engine = self.engines[engine_id]
+            if (engine_id == home or load >= limit or self._pending[engine_id]
+                    or not self._fits(engine, job.state_bytes)):
+                continue
+            if best is None or load < len(self._homed[best.engine_id]):
+                best = engine
+                if load == 0:
+                    break
+        return best
+
+    def _start(self, task: Task, engine: Engine, now: float, placements: list[Placement]) -> None:
+        del self.queue[task.task_id]
+        job = self.jobs[task.job_id]
+        del job.queued[task.task_id]
+        if task.kind in SERIAL_KINDS:
+            job.serial[task.kind].popleft()
+            job.state_engine, job.state_tier = engine.engine_id, "device"
+        job.running[task.kind] = job.running.get(task.kind, 0) + 1
+        if not engine.running:
+            engine.busy_since = now
+        engine.running[task.task_id] = task
+        engine.started_at[task.task_id] = now
+        if engine.last_job == task.job_id:
+            engine.streak += 1
+        else:
+            engine.last_job, engine.streak = task.job_id, 1
+        charge = self.estimate(task) / engine.capacity
+        self.charged[job.user] = self.charged.get(job.user, 0.0) + charge
+        self._running[task.task_id] = Running(engine.engine_id, job, job.user, charge)
+        placements.append(Placement(task, engine.engine_id))
+        if engine.free <= 0:
+            self._engine_filled(engine)
+
+    # -- hints for the state manager
+
+    def upcoming(self, engine_id: str, now: float | None = None) -> list[str]:
+        """Jobs homed on an engine, in the order their queued tasks would run there.
+
+        For a trainer engine: the least-soon-needed job is last (evict it first), the first
+        is the one to prefetch. ``now`` defaults to the last tick's clock.
+        """
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return []
+        now = self.now if now is None else now
+        best: list[tuple[tuple[int, float, float, int], Task]] = []
+        for job_id in self._homed[engine_id]:
+            job = self.jobs[job_id]
+            if engine.kind in SERIAL_KINDS:
+                head = self._serial_head(job, engine.kind)
+                tasks: Iterable[Task] = () if head is None else (head,)
+            else:
+                tasks = (t for t in job.queued.values() if t.kind == engine.kind)
+            keys = [(self._order_key(t, now), t) for t in tasks]
+            if keys:
+                best.append(min(keys, key=lambda kt: kt[0]))
+        best.sort(key=lambda kt: kt[0])
+        return [t.job_id for t in self._switch_first(engine, [t for _, t in best])]
+
+    def next_job(self, engine_id: str) -> str | None:
+        jobs = self.upcoming(engine_id)
+        return jobs[0] if jobs else None
+
+    # -- accounting
+
+    def utilization(self, engine_id: str, now: float, since: float) -> float:
+        """Busy share of one engine's time in [since, now] (or since it came up, if later)."""
+        return self.utilizations(now, since, (engine_id,)).get(engine_id, 0.0)
+
+    def utilizations(self, now: float, since: float, engine_ids: Iterable[str] | None = None) -> dict[str, float]:
+        """Busy share per engine in [since, now], in one pass over the kept intervals."""
+        busy, spans = self._busy_in(now, since, engine_ids)
+        return {e: (b / spans[e] if spans[e] > 0 else 0.0) for e, b in busy.items()}
+
+    def bubble_ratio(self, now: float, since: float) -> float:
+        """Idle share of engine time in [since, now], over the engines up now."""
+        busy, spans = self._busy_in(now, since, None)
+        total = sum(spans.values())
+        return 1.0 - sum(busy.values()) / total if total > 0 else 0.0
+
+    def _busy_in(self, now: float, since: float,
+                 engine_ids: Iterable[str] | None) -> tuple[dict[str, float], dict[str, float]]:
+        """Busy seconds (union over slots) and window length per engine up now.
+
+        Finished tasks come from ``intervals`` (the last ``INTERVALS_KEPT``; a window reaching
+        further back under-counts), running tasks count up to ``now``.
+        """
+        wanted = [e for e in (self.engines if engine_ids is None else engine_ids) if e in self.engines]
+        starts = {e: since if self.engines[e].up_at is None else max(since, self.engines[e].up_at)
+                  for e in wanted}
+        runs: dict[str, list[tuple[float, float]]] = {e: [] for e in wanted}
+        for i in self.intervals:
+            if i.engine_id in runs and i.end > since:
+                runs[i.engine_id].append((i.start, i.end))
+        busy, spans = {}, {}
+        for e in wanted:
+            runs[e].extend((s, now) for s in self.engines[e].started_at.values())
+            spans[e] = max(0.0, now - starts[e])
+            busy[e] = _union(runs[e], starts[e], now) if spans[e] > 0 else 0.0
+        return busy, spans
+
+    # -- internals: homes
+
+    def _limit(self) -> int:
+        return 1 if self.policy == "isolated" else self.jobs_per_engine
+
+    @staticmethod
+    def _fits(engine: Engine, state_bytes: int) -> bool:
+        return engine.state_capacity_bytes <= 0 or state_bytes <= engine.state_capacity_bytes
+
+    def _pick_home(self, kind: str, model: str, state_bytes: int) -> str | None:
+        buckets = self._buckets.get((kind, model))
+        if not buckets:
+            return None
+        limit = self._limit()
+        loads = range(limit - 1, -1, -1) if self.policy == "pack" else range(limit)
+        for load in loads:
+            for engine_id in buckets.get(load, ()):
+                if kind != "trainer" or self._fits(self.engines[engine_id], state_bytes):
+                    return engine_id
+        return None
+
+    def _full_reason(self, model: str, state_bytes: int, rollout_full: bool, trainer_full: bool) -> str:
+        if self.policy == "isolated":
+            counts = []
+            for kind in ("rollout", "trainer"):
+                engines = self._by_key[(kind, model)]
+                free = sum(1 for e in engines if not self._homed[e]
+                           and (kind != "trainer" or self._fits(self.engines[e], state_bytes)))
+                counts.append(f"{free} of {len(engines)} {kind}")
+            return f"waiting for dedicated engines (isolated: {' / '.join(counts)} free)"
+        kinds = [k for k, full in (("rollout", rollout_full), ("trainer", trainer_full)) if full]
+        return (f"waiting for room: every {' and '.join(kinds)} engine of {model} holds "
+                f"{self.jobs_per_engine} jobs (jobs_per_engine)"
+                + (f" or cannot hold {_mb(state_bytes)} MB of state" if trainer_full and state_bytes else ""))
+
+    def _set_home(self, job: Job, kind: str, engine_id: str | None, requeue: bool = True) -> None:
+        old = job.homes.get(kind)
+        if old == engine_id:
+            return
+        if old is not None and old in self.engines:
+            self._homed[old].pop(job.job_id, None)
+            self._load_changed(old, +1)
+            self._homeless_dirty = True
+            self._bf_dirty[self.engines[old].key] = None
+        mirror = self.home if kind == "trainer" else self.rollout_home
+        if engine_id is None:
+            job.homes.pop(kind, None)
+            mirror.pop(job.job_id, None)
+        else:
+            job.homes[kind] = engine_id
+            mirror[job.job_id] = engine_id
+            self._homed[engine_id][job.job_id] = None
+            self._load_changed(engine_id, -1)
+        if requeue:
+            for task in [t for t in job.queued.values() if t.kind == kind and t.task_id in self._where]:
+                self._dequeue(task)
+                self._enqueue(task)
+
+    def _load_changed(self, engine_id: str, delta_before: int) -> None:
+        """Move an engine between load buckets; ``delta_before``: old load minus new load."""
+        buckets = self._buckets[self.engines[engine_id].key]
+        load = len(self._homed[engine_id])
+        buckets.get(load + delta_before, {}).pop(engine_id, None)
+        buckets.setdefault(load, {})[engine_id] = None
+
+    def _home_or_assign(self, job: Job, task: Task) -> str | None:
+        home = job.homes.get(task.kind)
+        if home is not None:
+            return home
+        home = self._pick_home(task.kind, task.model, job.state_bytes)
+        if home is not None:
+            self._set_home(job, task.kind, home, requeue=False)
+        return home
+
+    # -- internals: queues
+
+    @staticmethod
+    def _serial_head(job: Job, kind: str) -> Task | None:
+        queue = job.serial.get(kind)
+        return queue[0] if queue else None
+
+    def _eligible(self, job: Job, task: Task) -> bool:
+        if task.kind not in SERIAL_KINDS:
+            return True
+        return not job.running.get(task.kind) and self._serial_head(job, task.kind) is task
+
+    def _movable(self, task: Task, job: Job) -> bool:
+        if self.policy != "spread+backfill":
+            return False
+        return task.kind not in SERIAL_KINDS or not job.pinned
+
+    def _enqueue(self, task: Task) -> None:
+        """Make an eligible task pending on its job's home (or homeless until one is found)."""
+        job = self.jobs[task.job_id]
+        engine_id = self._home_or_assign(job, task)
+        self._where[task.task_id] = engine_id
+        if engine_id is None:
+            self._homeless[task.task_id] = task
+            return
+        self._pending[engine_id][task.task_id] = task
+        engine = self.engines[engine_id]
+        if engine.free > 0:
+            self._dirty[engine_id] = None
+        else:
+            self._mark_waiting(task, job, engine)
+
+    def _mark_waiting(self, task: Task, job: Job, engine: Engine) -> None:
+        waiting = self._waiting.setdefault(engine.key, {})
+        if engine.free <= 0 and self._movable(task, job):
+            if task.task_id not in waiting:
+                waiting[task.task_id] = task
+                self._bf_dirty[engine.key] = None
+        else:
+            waiting.pop(task.task_id, None)
+
+    def _dequeue(self, task: Task) -> None:
+        engine_id = self._where.pop(task.task_id, "")
+        if engine_id is None:
+            self._homeless.pop(task.task_id, None)
+        elif engine_id:
+            self._pending[engine_id].pop(task.task_id, None)
+            self._waiting.get((task.kind, task.model), {}).pop(task.task_id, None)
+
+    def _engine_filled(self, engine: Engine) -> None:
+        self._free[engine.key].pop(engine.engine_id, None)
+        for task in self._pending[engine.engine_id].values():
+            self._mark_waiting(task, self.jobs[task.job_id], engine)
+
+    def _engine_freed(self, engine: Engine) -> None:
+        self._free.setdefault(engine.key, {})[engine.engine_id] = None
+        waiting = self._waiting.get(engine.key, {})
+        for task_id in self._pending[engine.engine_id]:
+            waiting.pop(task_id, None)
+        self._dirty[engine.engine_id] = None
+        self._bf_dirty[engine.key] = None
+
+
+def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of spans, clipped to [lo, hi]."""
+    total, end = 0.0, lo
+    for s, e in sorted(spans):
+        s, e = max(s, end), min(e, hi)
+        if e > s:
+            total += e - s
+            end = e
+    return total
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}".rstrip("0").rstrip(".")

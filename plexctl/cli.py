@@ -25,11 +25,13 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
+from daemon.scheduler import POLICIES
 from plexctl import views
 from plexctl.client import Client
 from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, read_endpoint
 from plexctl.errors import DaemonUnreachable, ExitCode, NotFound, PlexError, Timeout, UsageError
 from plexctl.protocol import JobInfo
+from plexctl.sizes import parse_bytes
 from plexctl.spec import SpecError, load_spec, spec_to_wire
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -70,10 +72,24 @@ def up(ctx: typer.Context,
        slurm: Annotated[bool, typer.Option("--slurm", help="a Slurm allocation")] = False,
        model: Annotated[Optional[Path], typer.Option(help="base model the engines serve")] = None,
        workers: Annotated[int, typer.Option(min=1, max=8, help="local workers (1: both engines in one)")] = 2,
+       policy: Annotated[str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")]
+       = "spread+backfill",
+       max_loras: Annotated[int, typer.Option(min=1, help="adapter slots in the rollout engine")] = 4,
+       device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state the trainer keeps on device")] = 4,
+       host_mem: Annotated[str, typer.Option(help="host-memory tier for swapped-out job state")] = "8G",
+       nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")]
+       = None,
+       nvme_bytes: Annotated[str, typer.Option(help="capacity of the NVMe tier")] = "64G",
        timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
     if slurm:
         raise UsageError("--slurm is not available in this version; use --local")
+    if policy not in POLICIES:
+        raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    try:
+        sizes = {"--host-mem": parse_bytes(host_mem), "--nvme-bytes": parse_bytes(nvme_bytes)}
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     c: Ctx = ctx.obj
     model = (model or _local_model_default()).resolve()
     if not (model / "config.json").exists():
@@ -88,6 +104,13 @@ def up(ctx: typer.Context,
     cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir), "--model", str(model)]
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
+    cmd += ["--policy", policy]
+    threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
+    worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}", f"--threads={threads}",
+                   *(f"{k}={v}" for k, v in sizes.items())]
+    if nvme_dir is not None:
+        worker_args.append(f"--nvme-dir={nvme_dir.resolve()}")
+    cmd += [f"--worker-arg={a}" for a in worker_args]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     t0 = time.monotonic()
@@ -117,7 +140,7 @@ def up(ctx: typer.Context,
                         break
             time.sleep(0.5)
     console.print(f"cluster up in {time.monotonic() - t0:.1f} s: {len(layouts)} workers, "
-                  f"model {model.name}, state {c.state_dir}")
+                  f"model {model.name}, policy {policy}, state {c.state_dir}")
 
 
 def _alive(state_dir: Path) -> bool:

@@ -167,6 +167,8 @@ class JobInfo(msgspec.Struct):
     error: str
     priority: int
     restarts: int = 0
+    reason: str = ""  # why a queued job is not running yet
+    state_tier: str = ""  # where a running job's trainer state lives (engine:tier)
 
 
 class EngineInfo(msgspec.Struct):
@@ -179,6 +181,8 @@ class EngineInfo(msgspec.Struct):
     resident: list[str]  # job ids whose state lives here
     busy_seconds: float
     tasks_done: int
+    tiers: dict[str, Any] = msgspec.field(default_factory=dict)  # state tiers: capacity, used, jobs
+    swaps: dict[str, Any] = msgspec.field(default_factory=dict)  # per direction: count, bytes, seconds
 
 
 class StatusReq(msgspec.Struct):
@@ -189,6 +193,8 @@ class StatusRep(msgspec.Struct):
     jobs: list[JobInfo]
     engines: list[EngineInfo]
     now: float
+    policy: str = ""
+    bubble_ratio: float | None = None  # idle share of engine time since the daemon started
 
 
 class JobRef(msgspec.Struct):
@@ -222,6 +228,7 @@ class EngineDecl(msgspec.Struct):
     kind: str
     model: str
     capacity: int = 1
+    state_capacity_bytes: int = 0  # most job state this engine can hold on any tier (0: unknown)
 
 
 class RegisterReq(msgspec.Struct):
@@ -259,6 +266,7 @@ class ResultBody(msgspec.Struct):
     value: Any = None
     error: str = ""
     seconds: float = 0.0
+    info: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. the trainer's tier inventory
 
 
 class ReportBody(msgspec.Struct):

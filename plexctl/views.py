@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+from plexctl.sizes import fmt_bytes
 
 STATE_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red",
                "cancelled": "magenta", "interrupted": "yellow"}
@@ -54,28 +55,56 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
     for j in jobs:
         frac = j.step / j.steps if j.steps else 0.0
         state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
-        if j.error:
-            state.append(f" ({j.error[:60]})", style="dim")
+        if j.error or j.reason:
+            state.append(f" ({(j.error or j.reason)[:60]})", style="dim")
         t.add_row(j.job_id, j.name, j.user, state, f"{j.step}/{j.steps}",
                   ProgressBar(total=1.0, completed=frac, width=16),
                   fmt_reward(j.reward), f"{fmt_reward(j.eval_first)} → {fmt_reward(j.eval_last)}",
-                  f"v{j.policy_version}", j.engine or "-", fmt_duration(elapsed(j, now)))
+                  f"v{j.policy_version}", j.state_tier or j.engine or "-", fmt_duration(elapsed(j, now)))
     return t
 
 
 def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
     t = Table(title="engines", title_justify="left")
-    for col in ("ENGINE", "KIND", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS"):
+    for col in ("ENGINE", "KIND", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS", "SWAPS"):
         t.add_column(col, no_wrap=True)
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
         t.add_row(e.engine_id, e.kind, "yes" if e.ready else "starting", ",".join(e.running) or "-",
-                  ",".join(e.resident) or "-", busy, str(e.tasks_done))
+                  ",".join(e.resident) or "-", busy, str(e.tasks_done), tiers_text(e), swaps_text(e))
     return t
 
 
+def tiers_text(e: EngineInfo) -> str:
+    """``device 2/2 · host 3 (1.2 MiB) · nvme 0`` for a trainer; ``-`` otherwise."""
+    if not e.tiers:
+        return "-"
+    parts = []
+    for tier, info in e.tiers.items():
+        jobs = len(info.get("jobs", []))
+        if info.get("unit") == "slots":
+            parts.append(f"{tier} {jobs}/{info.get('capacity')}")
+        else:
+            parts.append(f"{tier} {jobs} ({fmt_bytes(info.get('used_bytes', 0))})")
+    return " · ".join(parts)
+
+
+def swaps_text(e: EngineInfo) -> str:
+    if not e.swaps:
+        return "-"
+    count = sum(s.get("count", 0) for s in e.swaps.values())
+    nbytes = sum(s.get("bytes", 0) for s in e.swaps.values())
+    seconds = sum(s.get("seconds", 0.0) for s in e.swaps.values())
+    return f"{count} ({fmt_bytes(nbytes)}, {seconds:.2f} s)"
+
+
+def cluster_line(rep: StatusRep) -> str:
+    bubble = "-" if rep.bubble_ratio is None else f"{rep.bubble_ratio:.0%}"
+    return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
+
+
 def status_view(rep: StatusRep, uptime: float) -> Group:
-    return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime))
+    return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), Text(cluster_line(rep)))
 
 
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
@@ -83,8 +112,8 @@ def plain_jobs(jobs: list[JobInfo], now: float) -> str:
     for j in jobs:
         lines.append(f"{j.job_id:<6} {j.name[:20]:<20} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
                      f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
-                     f"{'v' + str(j.policy_version):>6}  {j.engine or '-'}"
-                     + (f"  error: {j.error}" if j.error else ""))
+                     f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
+                     + (f"  error: {j.error}" if j.error else "") + (f"  waiting: {j.reason}" if j.reason else ""))
     return "\n".join(lines)
 
 
@@ -93,9 +122,10 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
         lines.append(f"{e.engine_id:<14} {e.kind:<8} {'yes' if e.ready else 'starting':<8} {busy:>5} "
-                     f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}")
+                     f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
+                     + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else ""))
     return "\n".join(lines)
 
 
 def plain_status(rep: StatusRep, uptime: float) -> str:
-    return plain_jobs(rep.jobs, rep.now) + "\n\n" + plain_engines(rep.engines, uptime)
+    return plain_jobs(rep.jobs, rep.now) + "\n\n" + plain_engines(rep.engines, uptime) + "\n" + cluster_line(rep)

@@ -50,6 +50,19 @@ class Cluster:
         raise AssertionError(f"timed out waiting for {job}: {what} (last: {info})")
 
 
+def random_tiny_qwen2(path: Path, **overrides) -> str:
+    """A randomly initialised tiny Qwen2 (hidden 128, 2 layers, 2 heads, float32) in HF format."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fields = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, torch_dtype="float32")
+    fields.update(overrides)
+    torch.manual_seed(1234)
+    Qwen2ForCausalLM(Qwen2Config(**fields)).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT)], cwd=REPO, check=True)
@@ -60,7 +73,7 @@ def tiny_model() -> Path:
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("plexrl-home"))
     t0 = time.monotonic()
-    up = c.run("up", "--local", "--model", str(tiny_model), timeout=900)
+    up = c.run("up", "--local", "--model", str(tiny_model), "--device-slots", "2", "--max-loras", "2", timeout=900)
     if up.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
         raise AssertionError(f"plexctl up failed ({up.returncode}): {up.stderr}\n{logs}")

@@ -1,6 +1,14 @@
-"""The scheduler core with an injected clock: placement, capacity, affinity, fairness."""
+"""The scheduler core with an injected clock: admission, placement policies, capacity, affinity,
+backfill, ordering and fairness, hints for the state manager, accounting, and a scale run."""
 
-from daemon.scheduler import Engine, Scheduler, Task
+import heapq
+import random
+import statistics
+import time
+
+import pytest
+
+from daemon.scheduler import POLICIES, Admission, Engine, Scheduler, Task
 
 
 def task(tid: int, job: str, kind: str = "rollout", method: str = "generate", t: float = 0.0, prio: int = 0) -> Task:
@@ -96,3 +104,515 @@ def test_busy_seconds_accumulate_on_the_injected_clock():
     s.done(2, 13.0)
     assert s.engines["e"].busy_seconds == 3.0
     assert s.engines["e"].tasks_done == 2
+
+
+# -- policies, admission, backfill, fairness, hints, accounting, scale
+
+
+def cluster(policy: str, rollouts: int, trainers: int, **kw) -> Scheduler:
+    s = Scheduler(policy, **kw)
+    for i in range(rollouts):
+        s.engine_up(Engine(f"r{i}", f"w{i}", "rollout", "m"), now=0.0)
+    for i in range(trainers):
+        s.engine_up(Engine(f"t{i}", f"w{i}", "trainer", "m"), now=0.0)
+    return s
+
+
+def test_unknown_policy_is_refused():
+    assert POLICIES == ("isolated", "pack", "spread", "spread+backfill")
+    with pytest.raises(ValueError, match="unknown policy"):
+        Scheduler("round-robin")
+
+
+def test_isolated_admits_one_job_per_dedicated_pair():
+    s = cluster("isolated", 1, 1)
+    results = [s.admit(f"j{i}", "m", now=0.0) for i in range(4)]
+    assert results[0] == Admission(True, "admitted", "r0", "t0")
+    for r in results[1:]:
+        assert not r.ok
+        assert r.reason == "waiting for dedicated engines (isolated: 0 of 1 rollout / 0 of 1 trainer free)"
+    # the first job ends: its engines go to the next one
+    s.release("j0")
+    assert s.admit("j1", "m", now=1.0).ok
+
+    s = cluster("isolated", 4, 4)
+    homes = [s.admit(f"j{i}", "m", now=0.0) for i in range(4)]
+    assert all(a.ok for a in homes)
+    assert len({a.rollout for a in homes}) == 4 and len({a.trainer for a in homes}) == 4
+    assert not s.admit("j4", "m", now=0.0).ok
+
+
+def test_isolated_tasks_only_run_on_their_own_engines():
+    s = cluster("isolated", 2, 2)
+    s.admit("a", "m", 0.0)
+    s.admit("b", "m", 0.0)
+    s.submit(task(1, "a"))
+    s.submit(task(2, "a"))
+    assert [p.engine_id for p in s.tick(0.0)] == ["r0"]  # r1 is b's, even though idle
+
+
+def test_admission_reasons_no_engine_and_full():
+    s = Scheduler()
+    a = s.admit("j", "m", now=0.0)
+    assert not a.ok and a.reason.startswith("no ready engine serves m")
+    s = cluster("spread", 1, 1, jobs_per_engine=2)
+    assert s.admit("a", "m", 0.0).ok and s.admit("b", "m", 0.0).ok
+    full = s.admit("c", "m", 0.0)
+    assert not full.ok and "jobs_per_engine" in full.reason
+
+
+def test_pack_fills_one_engine_first_and_spread_alternates():
+    packed = cluster("pack", 2, 2, jobs_per_engine=2)
+    assert [packed.admit(f"j{i}", "m", 0.0).rollout for i in range(4)] == ["r0", "r0", "r1", "r1"]
+    assert [packed.home_of(f"j{i}", "trainer") for i in range(4)] == ["t0", "t0", "t1", "t1"]
+    for policy in ("spread", "spread+backfill"):
+        spread = cluster(policy, 2, 2)
+        assert [spread.admit(f"j{i}", "m", 0.0).trainer for i in range(4)] == ["t0", "t1", "t0", "t1"]
+    # a released job's slot is the emptiest again
+    spread.release("j0")
+    assert spread.admit("j4", "m", 0.0).trainer == "t0"
+
+
+def test_spread_keeps_tasks_home_but_backfill_uses_an_idle_rollout_engine():
+    for policy, expected in (("spread", ["r0"]), ("spread+backfill", ["r0", "r1"])):
+        s = cluster(policy, 2, 2)
+        s.admit("a", "m", 0.0)
+        s.admit("b", "m", 0.0)  # b's home r1 is idle: nothing queued for it
+        s.submit(task(1, "a"))
+        s.submit(task(2, "a"))
+        assert sorted(p.engine_id for p in s.tick(0.0)) == expected
+        assert s.home_of("a", "rollout") == "r0"  # a rollout backfill does not move the home
+
+
+def test_backfill_never_moves_a_device_resident_trainer_task_but_moves_one_on_host():
+    s = cluster("spread+backfill", 1, 2)
+    for j in ("a", "b", "c"):  # spread: a -> t0, b -> t1, c -> t0
+        s.admit(j, "m", 0.0)
+    assert s.home_of("c", "trainer") == "t0"
+    s.submit(task(1, "c", "trainer", "train_step"))
+    assert [(p.task.job_id, p.engine_id) for p in s.tick(0.0)] == [("c", "t0")]
+    s.state_location("a", "t0", "device")
+    s.submit(task(2, "a", "trainer", "train_step"))
+    assert s.tick(1.0) == []  # t1 is idle, but a's state is on t0's device
+    s.state_location("a", "t0", "host")  # the state manager swapped it out
+    assert [(p.task.job_id, p.engine_id) for p in s.tick(2.0)] == [("a", "t1")]
+    assert s.home_of("a", "trainer") == "t1" and s.home["a"] == "t1"
+    assert s.upcoming("t1") == [] and "a" not in s.upcoming("t0")
+
+
+def test_after_a_trainer_task_its_state_is_assumed_on_that_device():
+    s = cluster("spread+backfill", 1, 2)
+    for j in ("a", "b", "c"):  # a and c share t0
+        s.admit(j, "m", 0.0)
+    s.submit(task(1, "a", "trainer", "train_step"))
+    s.submit(task(2, "c", "trainer", "train_step"))
+    s.tick(0.0)  # a runs on t0; c has never trained (no state): it moves to the idle t1
+    assert s.home_of("c", "trainer") == "t1"
+    s.done(1, 1.0, 1.0)
+    s.done(2, 1.0, 1.0)
+    s.submit(task(3, "b", "trainer", "train_step", t=1.0, prio=1))  # b's home t1 is now c's too
+    s.submit(task(4, "c", "trainer", "publish", t=1.0))
+    s.submit(task(5, "a", "trainer", "publish", t=1.0))
+    placed = s.tick(1.0)
+    assert sorted((p.task.job_id, p.engine_id) for p in placed) == [("a", "t0"), ("b", "t1")]
+    s.done(5, 2.0, 1.0)
+    assert s.tick(2.0) == []  # t0 is idle, but c's state is on t1's device: it waits for t1
+    s.done(3, 3.0, 1.0)
+    assert [(p.task.job_id, p.engine_id) for p in s.tick(3.0)] == [("c", "t1")]
+    # a job that never trained has no state and may move
+    s2 = cluster("spread+backfill", 1, 2)
+    for j in ("a", "b", "c"):
+        s2.admit(j, "m", 0.0)
+    s2.submit(task(1, "c", "trainer", "train_step"))
+    s2.submit(task(2, "a", "trainer", "restore"))
+    assert sorted(p.engine_id for p in s2.tick(0.0)) == ["t0", "t1"]
+
+
+def test_trainer_backfill_only_moves_to_a_trainer_with_room_for_the_state():
+    s = Scheduler()
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("big", "w0", "trainer", "m", state_capacity_bytes=200_000_000))
+    s.engine_up(Engine("small", "w1", "trainer", "m", state_capacity_bytes=100_000_000))
+    s.engine_up(Engine("big2", "w2", "trainer", "m", state_capacity_bytes=200_000_000))
+    assert s.admit("x", "m", 0.0, state_bytes=150_000_000).trainer == "big"
+    assert s.admit("u", "m", 0.0, state_bytes=1_000_000).trainer == "small"
+    assert s.admit("v", "m", 0.0, state_bytes=1_000_000).trainer == "big2"
+    assert s.admit("q", "m", 0.0, state_bytes=1_000_000).trainer == "big"
+    s.release("u")  # small is now the emptiest trainer, but too small for x
+    s.submit(task(1, "q", "trainer", "train_step"))
+    s.submit(task(2, "v", "trainer", "train_step"))
+    s.tick(0.0)  # q holds big, v holds big2
+    s.state_location("x", "big", "host")
+    s.submit(task(3, "x", "trainer", "train_step"))
+    assert s.tick(1.0) == []  # only small is idle
+    s.done(2, 2.0, 2.0)
+    assert [(p.task.job_id, p.engine_id) for p in s.tick(2.0)] == [("x", "big2")]
+    assert s.home_of("x", "trainer") == "big2"
+
+
+def test_admission_by_tier_capacity():
+    s = Scheduler()
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t1", "w", "trainer", "m", state_capacity_bytes=100_000_000))
+    s.engine_up(Engine("t2", "w", "trainer", "m", state_capacity_bytes=200_000_000))
+    refused = s.admit("huge", "m", 0.0, state_bytes=300_000_000)
+    assert refused == Admission(False, "state 300 MB does not fit any tier (largest: 200 MB)", None, None)
+    assert s.admit("mid", "m", 0.0, state_bytes=150_000_000).trainer == "t2"  # t1 is emptier but too small
+    assert s.admit("tiny", "m", 0.0, state_bytes=1_000_000).trainer == "t1"
+    # unknown capacity (0) means no limit
+    s.engine_up(Engine("t3", "w", "trainer", "m"))
+    assert s.admit("huge", "m", 0.0, state_bytes=300_000_000).trainer == "t3"
+
+
+def run_contention(s: Scheduler, jobs: dict[str, str], n_tasks: int, seconds: float = 1.0) -> dict[str, float]:
+    """One rollout engine, every job keeps one task queued; returns engine-seconds per user."""
+    served: dict[str, float] = {}
+    tid = 0
+    now = 0.0
+    for job in jobs:
+        tid += 1
+        s.submit(task(tid, job, t=now))
+    for _ in range(n_tasks):
+        (p,) = s.tick(now)
+        now += seconds
+        s.done(p.task.task_id, now, seconds)
+        served[jobs[p.task.job_id]] = served.get(jobs[p.task.job_id], 0.0) + seconds
+        tid += 1
+        s.submit(task(tid, p.task.job_id, t=now))
+    return served
+
+
+def test_fair_share_follows_user_weights():
+    s = Scheduler("spread")
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    s.admit("a1", "m", 0.0, user="alice")
+    s.admit("a2", "m", 0.0, user="alice")  # alice has two jobs, bob one
+    s.admit("b1", "m", 0.0, user="bob")
+    even = run_contention(s, {"a1": "alice", "a2": "alice", "b1": "bob"}, 40)
+    assert abs(even["alice"] - even["bob"]) <= 2.0  # per user, not per job
+
+    s = Scheduler("spread")
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    s.admit("a", "m", 0.0, user="alice")
+    s.admit("b", "m", 0.0, user="bob")
+    s.set_share("alice", 3.0)
+    weighted = run_contention(s, {"a": "alice", "b": "bob"}, 40)
+    assert abs(weighted["alice"] - 30.0) <= 2.0 and abs(weighted["bob"] - 10.0) <= 2.0
+
+
+def test_fair_share_comes_after_priority_and_before_response_ratio():
+    s = Scheduler()
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    s.admit("a", "m", 0.0, user="alice")
+    s.admit("b", "m", 0.0, user="bob")
+    s.served["alice"] = 10.0
+    s.submit(task(1, "a", t=0.0))  # waited longer: higher response ratio
+    s.submit(task(2, "b", t=5.0))
+    assert s.tick(5.0)[0].task.job_id == "b"
+    s.done(2, 6.0, 1.0)
+    s.submit(task(3, "a", t=6.0, prio=1))
+    s.submit(task(4, "b", t=6.0))
+    assert s.tick(6.0)[0].task.task_id == 3
+    with pytest.raises(ValueError):
+        s.set_share("bob", 0)
+
+
+def test_a_jobs_trainer_calls_run_one_at_a_time_in_order():
+    s = Scheduler()
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m", capacity=2))
+    s.estimates[("a", "train_step")] = 10.0
+    s.estimates[("a", "publish")] = 0.1
+    s.submit(task(1, "a", "trainer", "train_step"))
+    s.submit(task(2, "a", "trainer", "publish"))
+    assert [p.task.task_id for p in s.tick(1.0)] == [1]  # publish neither passes nor joins it
+    s.done(1, 2.0, 10.0)
+    assert [p.task.task_id for p in s.tick(2.0)] == [2]
+
+
+def switch_run(max_switches: int) -> list[str]:
+    """One trainer engine; b waits from t=0, a submits its next call half-way through each one."""
+    s = Scheduler("spread", max_switches=max_switches)
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    s.admit("a", "m", 0.0)
+    s.admit("b", "m", 0.0)
+    s.submit(task(1, "a", "trainer", "train_step", t=0.0))
+    order = [p.task.job_id for p in s.tick(0.0)]
+    s.submit(task(100, "b", "trainer", "train_step", t=0.0))
+    now, next_a = 0.0, 2
+    while s.engines["t"].running:
+        if next_a <= 6:  # a's next call arrives while its previous one runs
+            s.submit(task(next_a, "a", "trainer", "publish" if next_a % 2 else "train_step", t=now + 0.5))
+            next_a += 1
+        (running,) = s.engines["t"].running
+        now += 1.0
+        s.done(running, now, 1.0)
+        order += [p.task.job_id for p in s.tick(now)]
+    return order
+
+
+def test_switch_bound_continues_a_job_for_at_most_max_switches_tasks():
+    # by response ratio alone b (waiting since t=0) cuts in as soon as a's first call ends
+    assert switch_run(0) == ["a", "b", "a", "a", "a", "a", "a"]
+    assert switch_run(2) == ["a", "a", "b", "a", "a", "a", "a"]
+    assert switch_run(4) == ["a", "a", "a", "a", "b", "a", "a"]
+
+
+def test_switch_bound_never_overrides_priority():
+    s = Scheduler("spread", max_switches=4)
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    s.admit("a", "m", 0.0)
+    s.admit("b", "m", 0.0)
+    s.submit(task(1, "a", "trainer", "train_step"))
+    s.submit(task(2, "a", "trainer", "publish"))
+    s.tick(0.0)
+    s.submit(task(3, "b", "trainer", "train_step", prio=1))
+    s.done(1, 1.0, 1.0)
+    assert s.tick(1.0)[0].task.job_id == "b"
+
+
+def test_upcoming_lists_a_trainers_jobs_in_run_order():
+    s = Scheduler("spread", max_switches=1)
+    s.engine_up(Engine("r", "w", "rollout", "m"))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    for j in ("a", "b", "c", "d"):
+        s.admit(j, "m", 0.0)
+    assert s.upcoming("t") == [] and s.next_job("t") is None
+    s.submit(task(1, "d", "trainer", "train_step", t=0.0))
+    s.tick(0.0)  # d runs; the others queue behind it
+    s.submit(task(2, "a", "trainer", "train_step", t=3.0))
+    s.submit(task(3, "b", "trainer", "train_step", t=1.0))
+    s.submit(task(4, "c", "trainer", "train_step", t=2.0, prio=1))
+    s.submit(task(5, "b", "trainer", "publish", t=1.0))
+    assert s.upcoming("t", now=4.0) == ["c", "b", "a"]  # priority, then longest wait
+    assert s.next_job("t") == "c"
+    s.done(1, 4.0, 1.0)
+    assert [p.task.job_id for p in s.tick(4.0)] == ["c"]
+    s.done(4, 5.0, 1.0)
+    assert [p.task.job_id for p in s.tick(5.0)] == ["b"]
+    # b's publish (queued since t=1, behind its running train_step) waited longer than a's call
+    assert s.upcoming("t") == ["b", "a"]
+    assert s.upcoming("r") == []
+
+
+def test_bubble_ratio_and_utilization_on_a_hand_computed_timeline():
+    s = Scheduler()
+    s.engine_up(Engine("r", "w", "rollout", "m", capacity=2), now=0.0)
+    s.engine_up(Engine("t", "w", "trainer", "m"), now=0.0)
+    # r: [0, 4] and [2, 6] overlap -> busy 6; t: [4, 6] -> busy 2
+    s.submit(task(1, "a", t=0.0))
+    s.tick(0.0)
+    s.submit(task(2, "b", t=2.0))
+    s.tick(2.0)
+    s.done(1, 4.0)
+    s.submit(task(3, "a", "trainer", "train_step", t=4.0))
+    s.tick(4.0)
+    s.done(2, 6.0)
+    s.done(3, 6.0)
+    assert s.engines["r"].busy_seconds == 6.0
+    assert s.engines["r"].busy_by_job == {"a": 4.0, "b": 4.0}
+    assert list(s.intervals) == [("r", "a", "generate", 0.0, 4.0), ("r", "b", "generate", 2.0, 6.0),
+                                 ("t", "a", "train_step", 4.0, 6.0)]
+    assert s.utilization("r", now=10.0, since=0.0) == pytest.approx(0.6)
+    assert s.utilization("t", now=10.0, since=0.0) == pytest.approx(0.2)
+    assert s.utilizations(now=10.0, since=0.0) == pytest.approx({"r": 0.6, "t": 0.2})
+    assert s.bubble_ratio(now=10.0, since=0.0) == pytest.approx(1 - 8 / 20)
+    assert s.bubble_ratio(now=10.0, since=5.0) == pytest.approx(1 - 2 / 10)  # r 5-6, t 5-6
+    # a running task counts up to now
+    s.submit(task(4, "a", "trainer", "publish", t=8.0))
+    s.tick(8.0)
+    assert s.bubble_ratio(now=10.0, since=0.0) == pytest.approx(1 - 10 / 20)
+    # an engine counts only from when it came up
+    s.engine_up(Engine("late", "w", "rollout", "m"), now=9.0)
+    assert s.bubble_ratio(now=10.0, since=0.0) == pytest.approx(1 - 10 / 21)
+
+
+def test_release_frees_homes_and_drops_queued_tasks_and_estimates():
+    s = cluster("spread", 1, 1)
+    s.admit("a", "m", 0.0)
+    s.submit(task(1, "a", "trainer", "train_step"))
+    s.submit(task(2, "a", "trainer", "publish"))
+    s.tick(0.0)
+    s.done(1, 1.0, 1.0)
+    dropped = s.release("a")
+    assert [t.task_id for t in dropped] == [2]
+    assert s.queue == {} and "a" not in s.home and s.home_of("a", "trainer") is None
+    assert ("a", "train_step") not in s.estimates
+    assert s.forget_job("a") == []
+
+
+def test_engine_loss_rehomes_jobs():
+    s = cluster("spread", 2, 2)
+    s.admit("a", "m", 0.0)
+    s.submit(task(1, "a", "trainer", "train_step"))
+    s.tick(0.0)
+    s.state_location("a", "t0", "device")
+    assert [t.task_id for t in s.engine_down("t0")] == [1]
+    assert s.home_of("a", "trainer") == "t1"  # its task needed a home again
+    assert [(p.task.task_id, p.engine_id) for p in s.tick(1.0)] == [(1, "t1")]
+
+
+def test_scale_1000_jobs_on_2048_engines():
+    """10,000 calls of 1,000 jobs through submit/tick/done on a simulated clock.
+
+    Each job loops: two generate calls at once (a group split in two), reward time, then
+    train_step and publish; after 30 % of publishes its state is offloaded to host memory.
+    1,536 one-slot rollout engines and 512 trainers (two jobs each), spread+backfill.
+    """
+    rng = random.Random(7)
+    s = Scheduler()
+    for i in range(1536):
+        s.engine_up(Engine(f"r{i}", f"w{i // 6}", "rollout", "m"), now=0.0)
+    for i in range(512):
+        s.engine_up(Engine(f"t{i}", f"w{i // 2}", "trainer", "m"), now=0.0)
+    for j in range(1000):
+        assert s.admit(f"j{j}", "m", 0.0, user=f"u{j % 10}").ok
+    phase = {f"j{j}": "generate" for j in range(1000)}
+    outstanding = dict.fromkeys(phase, 0)
+    events: list[tuple[float, int, str, object]] = []
+    seq = tids = finished = backfilled = moved = 0
+    trainer_home = {j: s.home_of(j, "trainer") for j in phase}
+    latencies = []
+
+    def push(at: float, kind: str, what: object) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (at, seq, kind, what))
+
+    for j in phase:
+        push(rng.uniform(0.0, 5.0), "submit", j)
+    while events:
+        now, _, kind, what = heapq.heappop(events)
+        if kind == "submit":
+            calls = 2 if phase[what] == "generate" else 1
+            for _ in range(min(calls, 10_000 - tids)):
+                tids += 1
+                outstanding[what] += 1
+                method = phase[what]
+                s.submit(Task(tids, what, "rollout" if method == "generate" else "trainer", method, "m", now))
+        else:
+            t, took = what
+            s.done(t.task_id, now, took)
+            finished += 1
+            outstanding[t.job_id] -= 1
+            if outstanding[t.job_id] == 0:
+                nxt = {"generate": "train_step", "train_step": "publish", "publish": "generate"}
+                phase[t.job_id] = nxt[t.method]
+                if t.method == "publish" and rng.random() < 0.3:
+                    s.state_location(t.job_id, s.home_of(t.job_id, "trainer"), "host")  # offloaded
+                think = rng.expovariate(1 / 2.0) if t.method == "generate" else 0.05  # rewards, tools
+                push(now + think, "submit", t.job_id)
+        t0 = time.perf_counter()
+        placed = s.tick(now)
+        latencies.append(time.perf_counter() - t0)
+        for p in placed:
+            if p.task.kind == "rollout":
+                backfilled += p.engine_id != s.home_of(p.task.job_id, "rollout")
+            else:
+                moved += p.engine_id != trainer_home[p.task.job_id]
+                trainer_home[p.task.job_id] = p.engine_id
+            took = {"generate": rng.uniform(2, 20), "train_step": rng.uniform(1, 4), "publish": 0.3}[p.task.method]
+            push(now + took, "done", (p.task, took))
+    assert tids == finished == 10_000 and not s.queue
+    assert backfilled > 0 and moved > 0  # the run exercised both kinds of backfill
+    q = statistics.quantiles(latencies, n=100)
+    print(f"\ntick latency over {len(latencies)} ticks at 1,000 jobs / 2,048 engines: "
+          f"p50 {q[49] * 1e6:.0f} us, p99 {q[98] * 1e6:.0f} us, max {max(latencies) * 1e6:.0f} us; "
+          f"{backfilled} rollout calls backfilled, {moved} trainer homes moved; "
+          f"bubble ratio {s.bubble_ratio(now, 0.0):.2f}")
+
+
+def check_indexes(s: Scheduler) -> None:
+    """The incremental indexes agree with a from-scratch view (white-box)."""
+    queued = {tid for job in s.jobs.values() for tid in job.queued}
+    assert queued == set(s.queue)
+    assert not set(s.queue) & set(s._running)
+    for job in s.jobs.values():
+        for kind, home in job.homes.items():
+            assert job.job_id in s._homed[home] and s.engines[home].kind == kind
+        assert job.running.get("trainer", 0) <= 1
+    for eid, engine in s.engines.items():
+        assert all(s.jobs[j].homes.get(engine.kind) == eid for j in s._homed[eid])
+        assert eid in s._buckets[engine.key][len(s._homed[eid])]
+        assert (eid in s._free.get(engine.key, {})) == (engine.free > 0)
+        if engine.free > 0:
+            assert not s._pending[eid], "a free engine left tasks queued for it"
+        for tid, t in s._pending[eid].items():
+            job = s.jobs[t.job_id]
+            assert s._where[tid] == eid and job.homes[t.kind] == eid
+            movable = s.policy == "spread+backfill" and (t.kind == "rollout" or not job.pinned)
+            assert (tid in s._waiting.get(engine.key, {})) == (engine.free <= 0 and movable)
+    if s.policy == "isolated":
+        assert all(len(h) <= 1 for h in s._homed.values())
+    else:
+        assert all(len(h) <= s.jobs_per_engine for h in s._homed.values())
+    assert {j: e for j in s.jobs for k, e in s.jobs[j].homes.items() if k == "trainer"} == s.home
+    running = sum(len(e.running) for e in s.engines.values())
+    assert running == len(s._running)
+    for tid, t in s.queue.items():  # every queued task is either eligible or behind its job's call
+        job = s.jobs[t.job_id]
+        eligible = t.kind == "rollout" or (not job.running.get(t.kind) and job.serial[t.kind][0] is t)
+        assert (tid in s._where) == eligible
+    limit = 1 if s.policy == "isolated" else s.jobs_per_engine
+    if s.policy == "spread+backfill":  # nothing movable waits while a suitable engine is idle
+        for key, waiting in s._waiting.items():
+            idle = [e for e in s._by_key.get(key, ()) if s.engines[e].free > 0]
+            for t in waiting.values():
+                job = s.jobs[t.job_id]
+                assert not [e for e in idle if t.kind == "rollout" or (
+                    len(s._homed[e]) < limit and s._fits(s.engines[e], job.state_bytes))], (t, idle)
+    for t in s._homeless.values():  # a task lacks a home only while no engine has room
+        assert all(len(s._homed[e]) >= limit for e in s._by_key.get((t.kind, t.model), ()))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_indexes_stay_consistent_under_random_events(policy):
+    rng = random.Random(policy)
+    s = Scheduler(policy, jobs_per_engine=3, max_switches=2)
+    engines = 0
+
+    def add_engine(kind: str) -> None:
+        nonlocal engines
+        engines += 1
+        s.engine_up(Engine(f"{kind}{engines}", "w", kind, "m", capacity=rng.choice([1, 1, 2])), now=0.0)
+
+    for _ in range(3):
+        add_engine("rollout")
+        add_engine("trainer")
+    jobs = [f"j{i}" for i in range(12)]
+    now, tid = 0.0, 0
+    for _ in range(3000):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.35:
+            tid += 1
+            kind = rng.choice(["rollout", "trainer"])
+            s.submit(Task(tid, rng.choice(jobs), kind, "generate" if kind == "rollout" else "train_step",
+                          "m", now, rng.choice([0, 0, 1])))
+        elif op < 0.65:
+            running = [t for e in s.engines.values() for t in e.running]
+            if running:
+                s.done(rng.choice(running), now, rng.random() * 3)
+        elif op < 0.72:
+            s.admit(rng.choice(jobs), "m", now, user=rng.choice(["x", "y"]))
+        elif op < 0.77:
+            s.release(rng.choice(jobs))
+        elif op < 0.85:
+            job = s.jobs.get(rng.choice(jobs))
+            if job is not None and job.homes.get("trainer"):
+                # the state manager only loads state where the core left room for it
+                limit = 1 if policy == "isolated" else s.jobs_per_engine
+                room = [e for e in s.engines if len(s._homed[e]) < limit]
+                s.state_location(job.job_id, rng.choice([job.homes["trainer"], *room]),
+                                 rng.choice(["device", "host", "nvme", None]))
+        elif op < 0.88 and len(s.engines) > 2:
+            s.engine_down(rng.choice(list(s.engines)))
+        elif op < 0.91:
+            add_engine(rng.choice(["rollout", "trainer"]))
+        s.tick(now)
+        check_indexes(s)

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import random_tiny_qwen2
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from worker.trainer import (
@@ -42,18 +43,7 @@ HP_B = TrainHParams(lr=5e-3, loss_agg="seq-mean-token-mean", max_grad_norm=0.5)
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random tiny Qwen2 (hidden 128, 2 layers, 2 heads, vocab 64, float32) in HF format."""
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    config = Qwen2Config(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(1234)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    random_tiny_qwen2(path, vocab_size=VOCAB)
     return str(path)
 
 

@@ -21,6 +21,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -31,12 +32,14 @@ import msgspec
 import zmq
 
 from plexctl import protocol as P
+from plexctl.sizes import parse_bytes
 
 log = logging.getLogger("plexw")
 
 HEARTBEAT_S = 1.0
 DAEMON_LIVENESS = 5
 OUTBOX = "inproc://plexw-outbox"
+PREFETCH = "prefetch"  # queue of state prefetches, served beside the trainer
 
 
 class WorkerIO(threading.Thread):
@@ -105,6 +108,9 @@ class WorkerIO(threading.Thread):
             log.warning("dropped bad message from daemon: %s", exc)
             return
         if op == P.Op.TASK:
+            if body.method == "prefetch":
+                self.queues[PREFETCH].put(body)
+                return
             q = self.queues.get(body.engine_id)
             if q is None:
                 log.error("task %d for unknown engine %s", body.task_id, body.engine_id)
@@ -119,8 +125,9 @@ class Outbox:
         self.sock = zmq.Context.instance().socket(zmq.PUSH)
         self.sock.connect(OUTBOX)
 
-    def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0) -> None:
-        body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds)
+    def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0,
+               info: dict[str, Any] | None = None) -> None:
+        body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds, info=info or {})
         self.sock.send_multipart(P.encode(P.Op.RESULT, body)[0])
 
     def register(self, req: P.RegisterReq) -> None:
@@ -163,8 +170,11 @@ def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -
             out.result(t.task_id, True, {"completions": comps}, seconds=seconds / len(gens))
 
 
-def trainer_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+    """Serve trainer tasks one at a time; before each, the store makes the job's state resident
+    (swapping another job's state out to host or NVMe when the device tier is full)."""
     out = Outbox()
+    engine = store.trainer
     handlers: dict[str, Callable[[P.TaskBody], Any]] = {
         "train_step": lambda t: engine.train_step(
             t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch), msgspec.convert(t.args["hp"], P.TrainHParams)),
@@ -178,18 +188,33 @@ def trainer_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
         t0 = time.perf_counter()
         try:
             if t.method == "release":
-                engine.release(t.job_id)
+                store.drop(t.job_id)
                 value = None
             else:
-                if t.method != "restore":
-                    engine.ensure_job(t.job_id, msgspec.convert(t.args["lora"], P.LoraConfig),
-                                      int(t.args["seed"]), float(t.args.get("weight_decay", 0.0)))
+                store.set_upcoming(list(t.args.get("upcoming", [])))
+                moved = store.ensure_resident(t.job_id, msgspec.convert(t.args["lora"], P.LoraConfig),
+                                              int(t.args["seed"]), float(t.args.get("weight_decay", 0.0)))
                 value = handlers[t.method](t)
+                if t.method == "train_step":
+                    value = {**value, "swap_bytes": float(moved.get("bytes", 0)),
+                             "swap_seconds": float(moved.get("seconds", 0.0)),
+                             "swap_evicted": float(len(moved.get("evicted", [])))}
         except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
             log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
-            out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0)
+            out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0,
+                       info={"inventory": store.inventory()})
             continue
-        out.result(t.task_id, True, value, seconds=time.perf_counter() - t0)
+        out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info={"inventory": store.inventory()})
+
+
+def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+    """Bring jobs' state from NVMe to host memory ahead of need, overlapping other jobs' steps."""
+    while True:
+        t = tasks.get()
+        try:
+            store.prefetch(t.job_id)
+        except Exception:  # noqa: BLE001 - a failed prefetch only means a slower swap-in later
+            log.warning("prefetch of %s failed: %s", t.job_id, traceback.format_exc())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,6 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
     ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
+    ap.add_argument("--max-loras", type=int, default=4, help="adapter slots in the rollout engine")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
+    ap.add_argument("--device-slots", type=int, default=4, help="jobs whose trainer state stays on device")
+    ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
+    ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
+    ap.add_argument("--nvme-bytes", type=parse_bytes, default=64 << 30, help="capacity of the NVMe tier")
     ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -211,11 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not kinds:
         ap.error(f"--engines: unknown engine kinds {sorted(unknown)}")
     model = os.path.realpath(args.model)
-    decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1)
+    decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1,
+                          state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0)
              for k in kinds]
     register = P.RegisterReq(worker_id=args.worker_id, node=socket.gethostname(), pid=os.getpid(),
                              engines=decls, ready=False, mem_bytes=_mem_bytes())
     queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
+    queues[PREFETCH] = queue.Queue()
     io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None)
     io.start()
     io.bound.wait()
@@ -225,13 +258,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     try:
         if "trainer" in kinds:
+            from worker.state_store import StateStore
             from worker.trainer import TrainerEngine
 
-            engines["trainer"] = TrainerEngine(model, dtype=args.dtype, threads=args.threads)
+            nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+            engines["trainer"] = StateStore(TrainerEngine(model, dtype=args.dtype, threads=args.threads),
+                                            device_slots=args.device_slots, host_bytes=args.host_mem,
+                                            nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes)
         if "rollout" in kinds:
             from worker.rollout import RolloutEngine
 
-            engines["rollout"] = RolloutEngine(model, dtype=args.dtype)
+            engines["rollout"] = RolloutEngine(model, dtype=args.dtype, max_loras=args.max_loras,
+                                               max_cpu_loras=max(args.max_cpu_loras or 2 * args.max_loras,
+                                                                 args.max_loras))
     except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
         log.error("engine start failed: %s", traceback.format_exc())
         outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))
@@ -243,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer_id = f"{args.worker_id}/trainer"
     rollout_id = f"{args.worker_id}/rollout"
+    if "trainer" in engines:
+        threading.Thread(target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]),
+                         name="plexw-prefetch", daemon=True).start()
     if "rollout" in engines:
         if "trainer" in engines:
             threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id]),

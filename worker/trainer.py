@@ -10,7 +10,7 @@ writes / verifies / restores durable checkpoints (adapter + optimizer + the driv
 ``extra``, with a sha256 manifest), atomically.
 
 How jobs share it. One ``peft.PeftModel`` holds every resident job's adapter side by side
-(``add_adapter`` once per job, under a name derived from the job id). A call activates the
+(``add_adapter`` once per job, under an engine-unique name). A call activates the
 job's adapter with ``set_adapter``: inactive adapters are skipped by peft's LoRA forward and
 marked ``requires_grad=False``, so they take no part in the computation graph; each job's
 AdamW only ever sees that job's parameters. Randomness is per job too: an adapter is
@@ -20,9 +20,18 @@ LoRA dropout trains under its own saved RNG state. The result, asserted by the t
 update a job gets is bit-for-bit (on CPU) the update it would get alone on the engine,
 whatever other jobs' steps are interleaved.
 
-What it deliberately does not do. No scheduling, no moving state between memory tiers (the
-state manager does that, reading ``state_bytes`` / ``adapter_state_dict`` /
-``optimizer_state_dict``), no sockets, no rollout. Rows of different jobs are not mixed in
+Moving a job off the device. ``export_state`` returns a ``JobStateCopy``: a detached host copy
+of the job's adapter, AdamW state (step counts and moments), RNG state and LoRA config / seed /
+weight decay, packed per kind and dtype into a few flat buffers (pinned, and copied on a side
+CUDA stream, when the engine runs on CUDA). ``release`` then frees the device copy, and
+``import_state`` later recreates the adapter and optimizer from the copy exactly: training goes
+on bit-for-bit as if the job had never left. A released job's adapter modules stay attached
+with their parameters swapped for meta-device placeholders (no memory), so that importing a job
+of the same LoRA shape skips peft's add_adapter (about 0.7 ms per wrapped module on CPU).
+
+What it deliberately does not do. No scheduling, no deciding which job lives on which memory
+tier or writing copies to disk (``worker.state_store`` does that with ``export_state`` /
+``import_state``), no sockets, no rollout. Rows of different jobs are not mixed in
 one forward yet (peft's per-row ``adapter_names`` routing is the road to that). Full
 fine-tunes are not handled here. The engine is not thread-safe: the worker calls it from one
 thread. Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic kernels.
@@ -40,6 +49,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -65,6 +75,12 @@ EXTRA = "extra.json"
 MANIFEST = "manifest.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, EXTRA)  # checksummed by MANIFEST
 CHECKPOINT_FORMAT = "plexrl.trainer-checkpoint/1"
+
+ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
+OPTIM_PREFIX = "optim/"
+RNG_PREFIX = "rng/"
+STAGING_CHUNK_BYTES = 64 << 20  # device-side staging per transfer when copying to / from CUDA
+PARKED_ADAPTERS_MAX = 4  # released adapters kept (parameters freed) for import_state to reuse
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -98,6 +114,10 @@ class CheckpointError(TrainerError):
     """A checkpoint that is missing, corrupt, or written for another adapter shape."""
 
 
+class StateCopyError(TrainerError, ValueError):
+    """``import_state`` of a copy that does not fit the job's adapter (keys, shapes, layout)."""
+
+
 # ---------------------------------------------------------------- per-job state
 
 
@@ -110,6 +130,69 @@ class _JobState:
     params: dict[str, torch.nn.Parameter]  # PEFT-file key -> live parameter, in module order
     optimizer: torch.optim.AdamW
     rng_state: dict[str, torch.Tensor]  # the job's own RNG (only consumed by LoRA dropout)
+    homes: dict[str, _Home]  # PEFT-file key -> where the parameter lives (for swapping it out)
+
+
+_Home = tuple[torch.nn.Module, str]  # (module, attribute) holding one adapter parameter
+
+
+@dataclass
+class _ParkedAdapter:
+    """A released job's adapter modules, parameters swapped for meta placeholders."""
+
+    adapter_name: str
+    signature: dict[str, Any]  # lora_signature of the job it was made for
+    homes: dict[str, _Home]
+
+
+@dataclass
+class JobStateCopy:
+    """A detached host copy of one job's trainer state, as ``export_state`` returns it.
+
+    ``tensors`` names every tensor: ``adapter/<peft-file key>``, ``optim/<peft-file key>/<name>``
+    (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) and ``rng/<device>``, in a fixed order. Most
+    of them are views into ``buffers``, flat 1-D tensors (one per kind and dtype, e.g.
+    ``adapter.float32``) whose members ``layout`` lists in storage order, so that a copy moves
+    in a few large transfers. Tensors not in a buffer (RNG states, CPU step counts of a CUDA
+    job) stand alone. The copy shares no memory with the engine.
+    """
+
+    job_id: str
+    lora: LoraConfig
+    seed: int
+    weight_decay: float  # the AdamW param group's value when exported
+    param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order
+    tensors: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    layout: dict[str, list[str]]  # buffer name -> names of its members, in storage order
+    param_groups: list[dict[str, Any]]  # ``optimizer.state_dict()["param_groups"]``
+    state_values: dict[str, Any]  # non-tensor optimizer state values, ``optim/<key>/<name>`` -> value
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all its tensors (buffers hold exactly their members' bytes)."""
+        return sum(_tensor_bytes(t) for t in self.tensors.values())
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        """The adapter weights under their PEFT-file keys (views into the copy)."""
+        return {key: self.tensors[ADAPTER_PREFIX + key] for key in self.param_keys}
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The AdamW ``state_dict()`` the copy was taken from (tensors are views into the copy)."""
+        index = {key: i for i, key in enumerate(self.param_keys)}
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in [*self.tensors.items(), *self.state_values.items()]:
+            if name.startswith(OPTIM_PREFIX):
+                key, state_name = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
+                state.setdefault(index[key], {})[state_name] = value
+        return {"state": state, "param_groups": deepcopy(self.param_groups)}
+
+    def __repr__(self) -> str:
+        return f"JobStateCopy(job_id={self.job_id!r}, nbytes={self.nbytes}, buffers={list(self.buffers)})"
+
+    def buffer_members(self) -> set[str]:
+        """Names of the tensors that live in ``buffers`` (the others stand alone)."""
+        return {name for members in self.layout.values() for name in members}
 
 
 @dataclass(frozen=True)
@@ -150,6 +233,9 @@ class TrainerEngine:
         self._base = _load_base_model(model_path, DTYPES[dtype], self.device)
         self._peft: PeftModel | None = None  # created with the first job's adapter
         self._jobs: dict[str, _JobState] = {}
+        self._side_stream: Any = None  # torch.cuda.Stream for state copies, made on first use
+        self._adapters_made = 0
+        self._parked: list[_ParkedAdapter] = []  # oldest first
 
     # ------------------------------------------------------------ job lifecycle
 
@@ -157,30 +243,32 @@ class TrainerEngine:
         """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent."""
         existing = self._jobs.get(job_id)
         if existing is not None:
-            if _lora_signature(existing.lora) != _lora_signature(lora):
+            if lora_signature(existing.lora) != lora_signature(lora):
                 raise JobConfigError(
-                    f"job {job_id!r} is resident with LoRA {_lora_signature(existing.lora)}, "
-                    f"not {_lora_signature(lora)}"
+                    f"job {job_id!r} is resident with LoRA {lora_signature(existing.lora)}, "
+                    f"not {lora_signature(lora)}"
                 )
             return
-        adapter_name = _adapter_name(job_id)
+        adapter_name = self._new_adapter_name()
         with self._forked_rng():
             torch.manual_seed(seed)
             self._attach_adapter(adapter_name, _peft_config(lora, self.model_path))
             rng_state = self._capture_rng()
-        params = self._adapter_parameters(adapter_name)
-        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
-        self._jobs[job_id] = _JobState(job_id, adapter_name, lora, seed, params, optimizer, rng_state)
+        self._register_job(job_id, adapter_name, lora, seed, weight_decay, rng_state)
 
     def release(self, job_id: str) -> None:
-        """Drop the job's adapter and optimizer state."""
+        """Drop the job's adapter and optimizer state (their memory is freed).
+
+        The adapter's modules are kept, parameter-less, for a later ``import_state`` of the same
+        LoRA shape to reuse; at most ``PARKED_ADAPTERS_MAX`` are kept, the oldest are deleted.
+        """
         job = self._job(job_id)
         del self._jobs[job_id]
         job.optimizer.state.clear()
-        assert self._peft is not None
-        with warnings.catch_warnings():  # "adapter was active ... setting active adapter to ..."
-            warnings.simplefilter("ignore", UserWarning)
-            self._peft.delete_adapter(job.adapter_name)
+        _empty_adapter(job.homes)
+        self._parked.append(_ParkedAdapter(job.adapter_name, lora_signature(job.lora), job.homes))
+        while len(self._parked) > PARKED_ADAPTERS_MAX:
+            self._delete_adapter(self._parked.pop(0).adapter_name)
 
     def jobs(self) -> list[str]:
         """Resident jobs, in the order they were created."""
@@ -205,6 +293,80 @@ class TrainerEngine:
     def optimizer_state_dict(self, job_id: str) -> dict[str, Any]:
         """The job's AdamW ``state_dict()`` (its tensors are live, not copies)."""
         return self._job(job_id).optimizer.state_dict()
+
+    # ------------------------------------------------------------ moving state off and back
+
+    def export_state(self, job_id: str) -> JobStateCopy:
+        """A detached host copy of the job's adapter, optimizer and RNG; the job stays resident.
+
+        Complete when this returns (the side-stream copies are synchronised). Follow it with
+        ``release`` to free the device copy.
+        """
+        job = self._job(job_id)
+        names, members, standalone, state_values = _job_tensors(job)
+        buffers, views = _pack_to_host(members, self._copy_stream())
+        standalone_copies = {name: t.detach().to("cpu", copy=True) for name, t in standalone.items()}
+        tensors = {name: views[name] if name in views else standalone_copies[name] for name in names}
+        param_groups = deepcopy(job.optimizer.state_dict()["param_groups"])
+        return JobStateCopy(
+            job_id=job.job_id,
+            lora=job.lora,
+            seed=job.seed,
+            weight_decay=float(job.optimizer.param_groups[0]["weight_decay"]),
+            param_keys=list(job.params),
+            tensors=tensors,
+            buffers=buffers,
+            layout={buffer: [name for name, _ in group] for buffer, group in members.items()},
+            param_groups=param_groups,
+            state_values=state_values,
+        )
+
+    def import_state(self, job_id: str, copy: JobStateCopy) -> None:
+        """Recreate the job's adapter, AdamW state and RNG exactly from ``copy``.
+
+        The job must not be resident. The adapter is created empty (peft's meta-device path, no
+        random init) and its parameters become views of one fresh device buffer filled from the
+        copy; the AdamW moments likewise. The engine keeps no reference to the copy's memory.
+        """
+        if job_id in self._jobs:
+            raise JobConfigError(f"job {job_id!r} is already resident; release it before import_state")
+        _check_copy_layout(copy)
+        adapter = self._unpark_adapter(copy.lora) or self._attach_empty_adapter(copy.lora)
+        try:
+            on_device = _unpack_to_device(copy, self.device, self._copy_stream())
+            self._fill_empty_adapter(adapter, copy, on_device)
+            job = self._register_job(
+                job_id, adapter.adapter_name, copy.lora, copy.seed, copy.weight_decay, {}, adapter.homes
+            )
+            _load_optimizer_state(job, copy, on_device)
+        except BaseException:
+            self._jobs.pop(job_id, None)
+            self._delete_adapter(adapter.adapter_name)
+            raise
+
+    def _fill_empty_adapter(
+        self, adapter: _ParkedAdapter, copy: JobStateCopy, on_device: dict[str, torch.Tensor]
+    ) -> None:
+        """Replace the empty adapter's meta placeholders by parameters over the copy's device views."""
+        if list(adapter.homes) != copy.param_keys:
+            raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
+        for key, (module, attribute) in adapter.homes.items():
+            placeholder = getattr(module, attribute)
+            value = on_device[ADAPTER_PREFIX + key]
+            if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
+                raise StateCopyError(
+                    f"state copy of job {copy.job_id!r}: {key} has {value.dtype} {tuple(value.shape)}, "
+                    f"the adapter {placeholder.dtype} {tuple(placeholder.shape)}"
+                )
+            setattr(module, attribute, torch.nn.Parameter(value, requires_grad=placeholder.requires_grad))
+
+    def _copy_stream(self) -> Any:
+        """The side CUDA stream state copies run on (``None`` for a CPU engine)."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        return self._side_stream
 
     # ------------------------------------------------------------ training
 
@@ -259,21 +421,21 @@ class TrainerEngine:
     def save_adapter(self, job_id: str, out_dir: str) -> None:
         """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically."""
         job = self._job(job_id)
-        _write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp))
+        write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp))
 
     def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
         """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically."""
         job = self._job(job_id)
-        return _write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, extra))
+        return write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, extra))
 
     def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
         directory = Path(ckpt_dir)
         manifest = _read_manifest(directory)
         _verify_checksums(directory, manifest)
-        if manifest.get("lora") != _lora_signature(lora):
+        if manifest.get("lora") != lora_signature(lora):
             raise CheckpointError(
-                f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {_lora_signature(lora)}"
+                f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(lora)}"
             )
         tensors, trainer_state, extra = _read_checkpoint_payload(directory)
         created = job_id not in self._jobs
@@ -294,22 +456,73 @@ class TrainerEngine:
             raise UnknownJobError(f"job {job_id!r} is not resident on this trainer engine")
         return job
 
-    def _attach_adapter(self, adapter_name: str, config: PeftLoraConfig) -> None:
+    def _attach_adapter(self, adapter_name: str, config: PeftLoraConfig, empty: bool = False) -> None:
+        """Add an adapter to the PeftModel; ``empty``: parameters on the meta device, no init."""
         if self._peft is None:
-            self._peft = get_peft_model(self._base, config, adapter_name=adapter_name)
+            self._peft = get_peft_model(self._base, config, adapter_name=adapter_name, low_cpu_mem_usage=empty)
         else:
-            self._peft.add_adapter(adapter_name, config)
+            self._peft.add_adapter(adapter_name, config, low_cpu_mem_usage=empty)
 
-    def _adapter_parameters(self, adapter_name: str) -> dict[str, torch.nn.Parameter]:
+    def _new_adapter_name(self) -> str:
+        """A fresh peft-safe adapter key (no dots, never the 'lora_' prefix), never reused."""
+        self._adapters_made += 1
+        return f"adapter_{self._adapters_made}"
+
+    def _unpark_adapter(self, lora: LoraConfig) -> _ParkedAdapter | None:
+        """A parked adapter of the same LoRA shape, taken off the parked list, or None."""
+        signature = lora_signature(lora)
+        for i, parked in enumerate(self._parked):
+            if parked.signature == signature:
+                return self._parked.pop(i)
+        return None
+
+    def _attach_empty_adapter(self, lora: LoraConfig) -> _ParkedAdapter:
+        """A new adapter with meta placeholders for parameters (peft's low_cpu_mem_usage path)."""
+        adapter_name = self._new_adapter_name()
+        self._attach_adapter(adapter_name, _peft_config(lora, self.model_path), empty=True)
+        return _ParkedAdapter(adapter_name, lora_signature(lora), self._adapter_homes(adapter_name))
+
+    @property
+    def attached_adapters(self) -> int:
+        """Adapters in the PeftModel: the resident jobs' plus the parked ones."""
+        return len(self._peft.peft_config) if self._peft is not None else 0
+
+    def _delete_adapter(self, adapter_name: str) -> None:
         assert self._peft is not None
-        params = {
-            _peft_file_key(name, adapter_name): param
-            for name, param in self._peft.named_parameters()
-            if _belongs_to_adapter(name, adapter_name)
-        }
-        if not params:
+        with warnings.catch_warnings():  # "adapter was active ... setting active adapter to ..."
+            warnings.simplefilter("ignore", UserWarning)
+            self._peft.delete_adapter(adapter_name)
+
+    def _register_job(
+        self,
+        job_id: str,
+        adapter_name: str,
+        lora: LoraConfig,
+        seed: int,
+        weight_decay: float,
+        rng_state: dict[str, torch.Tensor],
+        homes: dict[str, _Home] | None = None,
+    ) -> _JobState:
+        """Give an attached adapter its AdamW and make it a resident job."""
+        if homes is None:
+            homes = self._adapter_homes(adapter_name)
+        params = {key: getattr(module, attribute) for key, (module, attribute) in homes.items()}
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
+        job = _JobState(job_id, adapter_name, lora, seed, params, optimizer, rng_state, homes)
+        self._jobs[job_id] = job
+        return job
+
+    def _adapter_homes(self, adapter_name: str) -> dict[str, _Home]:
+        """PEFT-file key -> (module, attribute) of each adapter parameter, in module order."""
+        assert self._peft is not None
+        homes: dict[str, _Home] = {}
+        for name, _ in self._peft.named_parameters():
+            if _belongs_to_adapter(name, adapter_name):
+                module_name, attribute = name.rsplit(".", 1)
+                homes[_peft_file_key(name, adapter_name)] = (self._peft.get_submodule(module_name), attribute)
+        if not homes:
             raise JobConfigError(f"adapter {adapter_name!r} has no parameters (do target_modules match the model?)")
-        return params
+        return homes
 
     def _activate(self, job: _JobState, train: bool) -> PeftModel:
         """Make the job's adapter the only active (and trainable) one; set train/eval mode."""
@@ -437,7 +650,7 @@ class TrainerEngine:
             "format": CHECKPOINT_FORMAT,
             "job_id": job.job_id,
             "seed": job.seed,
-            "lora": _lora_signature(job.lora),
+            "lora": lora_signature(job.lora),
             "base_model": self.model_path,
             "files": {name: _file_record(directory / name) for name in CHECKPOINT_FILES},
         }
@@ -563,16 +776,18 @@ def _peft_config(lora: LoraConfig, base_model_path: str) -> PeftLoraConfig:
     )
 
 
-def _lora_signature(lora: LoraConfig) -> dict[str, Any]:
+def lora_signature(lora: LoraConfig) -> dict[str, Any]:
     """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able."""
     fields = msgspec.to_builtins(lora)
     fields["target_modules"] = sorted(fields["target_modules"])
     return fields
 
 
-def _adapter_name(job_id: str) -> str:
-    """A peft-safe adapter key for a job id (no dots; never contains the 'lora_' prefix)."""
-    return "job_" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
+def _empty_adapter(homes: dict[str, _Home]) -> None:
+    """Swap an adapter's parameters for meta-device placeholders (frees their memory)."""
+    for module, attribute in homes.values():
+        placeholder = torch.empty_like(getattr(module, attribute), device="meta")
+        setattr(module, attribute, torch.nn.Parameter(placeholder, requires_grad=False))
 
 
 def _belongs_to_adapter(param_name: str, adapter_name: str) -> bool:
@@ -614,6 +829,164 @@ def _set_optimizer_hparams(optimizer: torch.optim.Optimizer, hp: TrainHParams) -
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# ---------------------------------------------------------------- state copies
+
+
+def _job_tensors(
+    job: _JobState,
+) -> tuple[list[str], dict[str, list[tuple[str, torch.Tensor]]], dict[str, torch.Tensor], dict[str, Any]]:
+    """Name every piece of a job's state: (all tensor names in order, buffer groups, standalone
+    tensors, non-tensor optimizer values). Tensors on their parameter's device go into the
+    ``<kind>.<dtype>`` buffer groups; the RNG and off-device tensors stand alone."""
+    names: list[str] = []
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    standalone: dict[str, torch.Tensor] = {}
+    state_values: dict[str, Any] = {}
+
+    def add(kind: str, name: str, tensor: torch.Tensor) -> None:
+        names.append(name)
+        groups.setdefault(f"{kind}.{_dtype_name(tensor.dtype)}", []).append((name, tensor.detach()))
+
+    for key, param in job.params.items():
+        add("adapter", ADAPTER_PREFIX + key, param)
+    for key, param in job.params.items():
+        for state_name, value in job.optimizer.state.get(param, {}).items():
+            name = f"{OPTIM_PREFIX}{key}/{state_name}"
+            if not isinstance(value, torch.Tensor):
+                state_values[name] = deepcopy(value)
+            elif value.device == param.device:
+                add("optim", name, value)
+            else:
+                names.append(name)
+                standalone[name] = value
+    for device, rng in job.rng_state.items():
+        names.append(RNG_PREFIX + device)
+        standalone[RNG_PREFIX + device] = rng
+    return names, groups, standalone, state_values
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _pack_to_host(
+    groups: dict[str, list[tuple[str, torch.Tensor]]], stream: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Copy each group into one flat host buffer; return (buffers, name -> view into its buffer)."""
+    buffers: dict[str, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
+    for buffer_name, members in groups.items():
+        tensors = [t for _, t in members]
+        if stream is None:
+            buffer = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+        else:
+            buffer = _gather_from_cuda(tensors, stream)
+        buffers[buffer_name] = buffer
+        views.update(zip([name for name, _ in members], _split_views(buffer, tensors)))
+    return buffers, views
+
+
+def _gather_from_cuda(tensors: list[torch.Tensor], stream: Any) -> torch.Tensor:
+    """Device tensors -> one pinned host buffer: staged in <= 64 MiB chunks, copied on ``stream``."""
+    total = sum(t.numel() for t in tensors)
+    buffer = torch.empty(total, dtype=tensors[0].dtype, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    staged: list[torch.Tensor] = []  # kept alive until the stream is synchronised
+    offset = 0
+    with torch.cuda.stream(stream):
+        for chunk in _chunks(tensors, STAGING_CHUNK_BYTES):
+            flat = torch.cat([t.reshape(-1) for t in chunk])
+            buffer[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
+            staged.append(flat)
+            offset += flat.numel()
+    stream.synchronize()
+    return buffer
+
+
+def _chunks(tensors: list[torch.Tensor], limit_bytes: int) -> Iterator[list[torch.Tensor]]:
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        if chunk and size + _tensor_bytes(tensor) > limit_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(tensor)
+        size += _tensor_bytes(tensor)
+    if chunk:
+        yield chunk
+
+
+def _split_views(buffer: torch.Tensor, shaped_like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of a flat buffer, one per tensor of ``shaped_like`` (same shapes)."""
+    views, offset = [], 0
+    for tensor in shaped_like:
+        views.append(buffer[offset : offset + tensor.numel()].view(tensor.shape))
+        offset += tensor.numel()
+    return views
+
+
+def _unpack_to_device(state: JobStateCopy, device: torch.device, stream: Any) -> dict[str, torch.Tensor]:
+    """Fresh device copies of a copy's buffers; return member name -> view (no host aliasing)."""
+    views: dict[str, torch.Tensor] = {}
+    for buffer_name, members in state.layout.items():
+        host = state.buffers[buffer_name]
+        if stream is None:
+            on_device = host.to(device, copy=True)
+        else:
+            on_device = _scatter_to_cuda(host, device, stream)
+        views.update(zip(members, _split_views(on_device, [state.tensors[name] for name in members])))
+    return views
+
+
+def _scatter_to_cuda(host: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
+    """One host buffer -> a new device buffer, copied on ``stream``; complete on return."""
+    on_device = torch.empty(host.shape, dtype=host.dtype, device=device)  # allocated on the current stream
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        on_device.copy_(host, non_blocking=host.is_pinned())
+    stream.synchronize()
+    return on_device
+
+
+def _check_copy_layout(state: JobStateCopy) -> None:
+    """Buffers hold exactly their members, in order: a copy read back from disk must too."""
+    for buffer_name, members in state.layout.items():
+        buffer = state.buffers.get(buffer_name)
+        if buffer is None or buffer.dim() != 1:
+            raise StateCopyError(f"state copy of job {state.job_id!r}: buffer {buffer_name!r} is missing")
+        size = 0
+        for name in members:
+            tensor = state.tensors.get(name)
+            if tensor is None or tensor.dtype != buffer.dtype:
+                raise StateCopyError(
+                    f"state copy of job {state.job_id!r}: {name!r} does not fit buffer {buffer_name!r}"
+                )
+            size += tensor.numel()
+        if size != buffer.numel():
+            raise StateCopyError(
+                f"state copy of job {state.job_id!r}: buffer {buffer_name!r} has {buffer.numel()} elements, "
+                f"its members {size}"
+            )
+
+
+def _load_optimizer_state(job: _JobState, copy: JobStateCopy, on_device: dict[str, torch.Tensor]) -> None:
+    """Give the job's fresh AdamW the copy's state (device views, or clones: never the copy's
+    own memory) and the job its RNG state."""
+    state_dict = copy.optimizer_state_dict()
+    index = {key: i for i, key in enumerate(job.params)}
+    for name, tensor in copy.tensors.items():
+        if name.startswith(OPTIM_PREFIX):
+            key, state_name = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
+            state_dict["state"][index[key]][state_name] = on_device[name] if name in on_device else tensor.clone()
+    try:
+        job.optimizer.load_state_dict(state_dict)
+    except (KeyError, ValueError) as exc:
+        raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit ({exc})") from None
+    job.rng_state = {
+        name[len(RNG_PREFIX) :]: tensor.clone() for name, tensor in copy.tensors.items() if name.startswith(RNG_PREFIX)
+    }
 
 
 # ---------------------------------------------------------------- batches
@@ -694,7 +1067,7 @@ def _slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
 # ---------------------------------------------------------------- atomic directories
 
 
-def _write_dir_atomically(out_dir: Path, write: Callable[[Path], T]) -> T:
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], T]) -> T:
     """Fill a temp dir next to ``out_dir``, fsync it, rename it onto ``out_dir``.
 
     A reader sees either the previous complete ``out_dir`` or the new complete one (an existing

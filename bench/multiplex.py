@@ -1,0 +1,164 @@
+"""Benchmark: the same mixed set of tiny jobs run ``isolated`` and shared, in one run.
+
+Each mode starts its own local cluster of one rollout engine and one trainer engine (real
+vLLM on CPU, real torch + peft) and submits the same jobs:
+
+- ``isolated``: every job owns the engine pair while it runs (today's frameworks), so jobs
+  queue; each job is billed 2 engines x its own run time;
+- ``spread+backfill`` (shared): all jobs at once on the same pair; billed 2 engines x the
+  makespan.
+
+Reported per mode: engine-seconds per effective training step, makespan, bubble ratio
+(idle share of engine time while jobs ran), each job's reward curve; and the shared /
+isolated ratios, plus how far each job's per-step reward curve moved between the modes
+(the same seeds give the same samples, so a correct runtime gives identical curves).
+
+Usage: ``python bench/multiplex.py [--quick] [--steps N]``; writes
+``bench/results/multiplex.json`` (``multiplex-quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from plexctl.atomic import write_json_atomic  # noqa: E402
+from plexctl.client import Client  # noqa: E402
+from plexctl.cluster import read_endpoint  # noqa: E402
+from plexctl.spec import load_spec, spec_to_wire  # noqa: E402
+
+CONFIG = REPO / "configs" / "tiny-arith.yaml"
+BENCH = str(REPO / "bench")
+
+# name -> overrides on configs/tiny-arith.yaml: four different shapes of job
+JOBS: dict[str, list[str]] = {
+    "reward-wait": [f"reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null",
+                    "seed=1"],
+    "reward-cpu": [f"reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null",
+                   "seed=2"],
+    "long-tail": ["sampling.max_tokens=24", "sampling.temperature=1.3", "seed=3"],
+    "train-heavy": ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"],
+}
+
+console = Console()
+
+
+def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -> dict:
+    home = Path(tempfile.mkdtemp(prefix=f"plexrl-bench-{policy.replace('+', '-')}-"))
+    up = plexctl(home, "up", "--local", "--model", str(model), "--policy", policy)
+    if up.returncode != 0:
+        raise SystemExit(f"plexctl up --policy {policy} failed: {up.stderr}")
+    state_dir = home / "clusters" / "default"
+    client = Client(read_endpoint(state_dir).address)
+    try:
+        ids = {}
+        for name, overrides in jobs.items():
+            spec = load_spec(CONFIG, [*overrides, f"algo.steps={steps}", "checkpoint.every=0"], name=name)
+            ids[name] = client.submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex).job_id
+        busy0 = {e.engine_id: e.busy_seconds for e in client.status().engines}
+        with console.status(f"{policy}: running {len(jobs)} jobs") as spinner:
+            while True:
+                rep = client.status()
+                mine = [j for j in rep.jobs if j.job_id in ids.values()]
+                done = [j for j in mine if j.state in ("succeeded", "failed", "cancelled")]
+                spinner.update(f"{policy}: {len(done)}/{len(mine)} jobs done, "
+                               f"steps {sum(j.step for j in mine)}/{steps * len(mine)}")
+                if len(done) == len(mine):
+                    break
+                time.sleep(0.5)
+        failed = [j for j in mine if j.state != "succeeded"]
+        if failed:
+            raise SystemExit(f"{policy}: jobs did not succeed: {[(j.name, j.state, j.error) for j in failed]}")
+        engines = rep.engines
+        busy = sum(e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines)
+    finally:
+        plexctl(home, "down")
+    start = min(j.started_at for j in mine)
+    end = max(j.ended_at for j in mine)
+    makespan = end - start
+    n_engines = len(engines)
+    if policy == "isolated":
+        engine_seconds = sum(n_engines * (j.ended_at - j.started_at) for j in mine)
+    else:
+        engine_seconds = n_engines * makespan
+    total_steps = sum(j.step for j in mine)
+    curves = {}
+    for j in mine:
+        rows = [json.loads(line) for line in open(state_dir / "jobs" / j.job_id / "metrics.jsonl")]
+        curves[j.name] = {
+            "reward": [r["reward_mean"] for r in rows if "reward_mean" in r],
+            "eval_first": j.eval_first, "eval_last": j.eval_last,
+            "run_s": j.ended_at - j.started_at,
+        }
+    return {
+        "policy": policy, "engines": n_engines, "makespan_s": makespan, "engine_seconds": engine_seconds,
+        "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
+        "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 jobs x 5 steps: keeps the benchmark working")
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    jobs = dict(list(JOBS.items())[:2]) if args.quick else JOBS
+    steps = 5 if args.quick else args.steps
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
+                   stdout=subprocess.DEVNULL)
+    model = REPO / ".plexrl" / "models" / "tiny-arith"
+    results = {mode: run_mode(mode, jobs, steps, model) for mode in ("isolated", "spread+backfill")}
+    iso, shared = results["isolated"], results["spread+backfill"]
+    curve_diff = {name: max((abs(a - b) for a, b in zip(iso["jobs"][name]["reward"],
+                                                      shared["jobs"][name]["reward"])), default=0.0)
+                  for name in jobs}
+    summary = {
+        "engine_s_per_step_ratio": shared["engine_s_per_step"] / iso["engine_s_per_step"],
+        "makespan_ratio": shared["makespan_s"] / iso["makespan_s"],
+        "max_reward_curve_diff": curve_diff,
+        "target_engine_s_per_step_ratio": 0.55,
+    }
+    table = Table(title=f"multiplex: {len(jobs)} jobs x {steps} steps, 1 rollout + 1 trainer engine")
+    for col in ("mode", "engine-s/step", "makespan s", "bubble", "steps"):
+        table.add_column(col, justify="right")
+    for mode, r in results.items():
+        table.add_row(mode, f"{r['engine_s_per_step']:.3f}", f"{r['makespan_s']:.1f}", f"{r['bubble_ratio']:.0%}",
+                      str(r["steps"]))
+    table.add_row("shared/isolated", f"{summary['engine_s_per_step_ratio']:.2f}", f"{summary['makespan_ratio']:.2f}",
+                  "", "")
+    console.print(table)
+    jt = Table(title="per job: eval reward first → last, and per-step reward curve difference")
+    for col in ("job", "isolated", "shared", "max |Δ reward| per step"):
+        jt.add_column(col)
+    for name in jobs:
+        a, b = iso["jobs"][name], shared["jobs"][name]
+        jt.add_row(name, f"{a['eval_first']:.3f} → {a['eval_last']:.3f}", f"{b['eval_first']:.3f} → {b['eval_last']:.3f}",
+                   f"{curve_diff[name]:.4f}")
+    console.print(jt)
+    out = REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
+    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": steps, "summary": summary,
+                            "modes": results})
+    console.print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
