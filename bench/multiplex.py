@@ -116,11 +116,12 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 jobs x 5 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/...)")
+    args = ap.parse_args(argv)
     jobs = dict(list(JOBS.items())[:2]) if args.quick else JOBS
     steps = 5 if args.quick else args.steps
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
@@ -154,10 +155,10 @@ def main() -> None:
         jt.add_row(name, f"{a['eval_first']:.3f} → {a['eval_last']:.3f}", f"{b['eval_first']:.3f} → {b['eval_last']:.3f}",
                    f"{curve_diff[name]:.4f}")
     console.print(jt)
-    out = REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
+    out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
     write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": steps, "summary": summary,
                             "modes": results})
-    console.print(f"wrote {out.relative_to(REPO)}")
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

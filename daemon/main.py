@@ -403,7 +403,9 @@ class Daemon:
             self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
             return
         value = body.value
-        if call.method == "publish":
+        if call.method == "generate":
+            value = {**value, "policy_version": call.context["version"]}
+        elif call.method == "publish":
             rt.policy_version = call.context["version"]
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
@@ -469,6 +471,7 @@ class Daemon:
             req = P.GenRequest(job_id=rt.job_id, prompts=body.args["prompts"],
                                sampling=msgspec.convert(body.args["sampling"], P.Sampling), adapter=rt.adapter)
             args = {"request": req}
+            context = {"version": rt.policy_version}  # the policy the samples come from
         elif body.method == "train_step":
             args = {**trainer_ctx, "batch": body.args["batch"], "hp": body.args["hp"]}
         elif body.method == "publish":

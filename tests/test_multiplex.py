@@ -31,7 +31,9 @@ def metrics(cluster: Cluster, job: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def isolated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("plexrl-isolated"))
-    up = c.run("up", "--local", "--model", str(tiny_model), "--policy", "isolated", timeout=900)
+    # small tiers: a job whose state fits none of them must wait, with the reason shown
+    up = c.run("up", "--local", "--model", str(tiny_model), "--policy", "isolated", "--host-mem", "1M",
+               "--nvme-bytes", "2M", timeout=900)
     assert up.returncode == 0, up.stderr
     yield c
     c.run("down", timeout=120)
@@ -82,11 +84,33 @@ def test_more_jobs_than_slots_all_finish_learning_and_swap(cluster, shared_jobs)
 
 
 def test_shared_learning_curve_equals_alone(isolated, cluster, shared_jobs):
-    alone_job = isolated.status()["jobs"][0]
-    assert alone_job["name"] == "alone" and alone_job["state"] == "succeeded"
-    alone = [m["reward_mean"] for m in metrics(isolated, alone_job["job_id"]) if "reward_mean" in m]
-    shared = [m["reward_mean"] for m in metrics(cluster, shared_jobs[0]) if "reward_mean" in m][:ALONE_STEPS]
+    alone_job = next(j for j in isolated.status()["jobs"] if j["name"] == "alone")
+    assert alone_job["state"] == "succeeded"
+    keys = ("reward_mean", "train/loss", "train/grad_norm", "train/ratio_mean")
+    alone = [[m[k] for k in keys] for m in metrics(isolated, alone_job["job_id"]) if "reward_mean" in m]
+    shared = [[m[k] for k in keys] for m in metrics(cluster, shared_jobs[0]) if "reward_mean" in m][:ALONE_STEPS]
     # Same seed, same data order, per-sample sampling seeds, batch-invariant CPU kernels and a
-    # trainer that is bit-exact per job: sharing the engines changes nothing, to the last bit.
+    # trainer that is bit-exact per job (swaps included): sharing the engines changes nothing,
+    # to the last bit, in the samples (rewards) and in each step's update (loss, gradient norm).
     assert len(alone) == ALONE_STEPS
     assert shared == alone
+
+
+def test_a_job_whose_state_fits_no_tier_waits_with_the_reason(isolated):
+    job = isolated.run("submit", TINY, "--set", "lora.rank=256", "--name", "too-big", "-q",
+                       check=True).stdout.strip()
+    info = isolated.wait_for(job, lambda j: "does not fit any tier" in j["reason"], timeout=60,
+                             what="admission refusal")
+    assert info["state"] == "queued"
+    assert "waiting: " in isolated.run("status", check=True).stdout  # the plain view shows why
+    assert isolated.run("cancel", job, check=True).returncode == 0
+    assert isolated.job(job)["state"] == "cancelled"
+
+
+def test_stale_rollouts_stay_within_max_staleness(cluster):
+    job = cluster.run("submit", TINY, "--set", "algo.max_staleness=1", "--set", "algo.steps=12",
+                      "--name", "stale", "-q", check=True).stdout.strip()
+    assert cluster.run("wait", job, "--timeout", "600").returncode == 0
+    rows = [m for m in metrics(cluster, job) if "reward_mean" in m]
+    staleness = [m["staleness"] for m in rows]
+    assert len(rows) == 12 and max(staleness) == 1 and min(staleness) >= 0  # generation overlapped training

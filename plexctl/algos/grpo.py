@@ -104,7 +104,7 @@ class GRPO:
             version = c.publish()
             self.log(f"resumed from checkpoint at step {start} (policy version {version})")
         else:
-            start = 0
+            start, version = 0, 0
             cursor = PromptCursor(self.records, seed=self.spec.data.shuffle_seed)
             self.evaluate(0)
 
@@ -117,7 +117,9 @@ class GRPO:
         for step in range(start, a.steps):
             t0 = time.perf_counter()
             recs, msg_id = pending
-            comps = c.completions(c.wait(msg_id))
+            reply = c.wait(msg_id)
+            comps = c.completions(reply)
+            staleness = version - int(reply.get("policy_version", version))  # policy versions behind
             t_gen = time.perf_counter() - t0
             rewards = self.score(recs, comps, a.group_size)
             adv = group_advantages(rewards, a.group_size)
@@ -135,6 +137,7 @@ class GRPO:
                 "reward_max": max(rewards),
                 "response_len": sum(len(x.token_ids) for x in comps) / len(comps),
                 "policy_version": version,
+                "staleness": staleness,
                 "reward_errors": getattr(self.reward, "errors", 0),
                 "generate_s": t_gen,
                 "step_s": time.perf_counter() - t0,

@@ -1,0 +1,24 @@
+"""Keeps bench/multiplex.py working: its --quick mode once (two small clusters); no timing asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
+    out = tmp_path / "multiplex.json"
+    proc = subprocess.run([sys.executable, "bench/multiplex.py", "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"isolated", "spread+backfill"}
+    for mode in result["modes"].values():
+        assert mode["steps"] == 10 and mode["engine_s_per_step"] > 0 and 0 <= mode["bubble_ratio"] <= 1
+    assert result["summary"]["engine_s_per_step_ratio"] > 0
+    # the same seeds give the same samples in both modes
+    assert all(diff == 0.0 for diff in result["summary"]["max_reward_curve_diff"].values())
