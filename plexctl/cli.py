@@ -365,8 +365,8 @@ def demo(ctx: typer.Context,
     minutes = (time.monotonic() - t0) / 60
     console.rule("result")
     for j in final:
-        console.print(f"{j.job_id} {j.name:<14} {j.state:<10} eval reward: start {views.fmt_reward(j.eval_first)}"
-                      f" → end {views.fmt_reward(j.eval_last)}   ({j.step} steps, {j.step / minutes:.0f} steps/min)")
+        console.print(f"{j.job_id} {j.name:<13} {j.state:<9} reward {views.fmt_reward(j.eval_first)} → "
+                      f"{views.fmt_reward(j.eval_last)}  ({j.step} steps, {j.step / minutes:.0f}/min)")
     if not keep:
         ctx.invoke(down, ctx=ctx)
     if any(j.state != "succeeded" for j in final):

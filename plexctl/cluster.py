@@ -53,10 +53,15 @@ def read_endpoint(state_dir: Path) -> Endpoint:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether the process runs (an exited child not yet reaped by its parent does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
