@@ -105,6 +105,7 @@ class Daemon:
         self.policy = policy
         self.worker_args = worker_args or []
         self.reasons: dict[str, str] = {}  # queued job -> why it is not running yet
+        self.specs: dict[str, JobSpec] = {}  # parsed specs of queued jobs
         self.engine_stats: dict[str, dict[str, Any]] = {}  # engine -> its latest tier inventory
         self.prefetched: dict[str, str] = {}  # trainer engine -> job whose prefetch was last asked
         self.workers: dict[str, WorkerState] = {}
@@ -304,6 +305,8 @@ class Daemon:
         info = self.journal.job(job_id)
         if info.state == "queued" or info.state == "interrupted":
             self.journal.update(job_id, state="cancelled", ended_at=time.time())
+            self.specs.pop(job_id, None)
+            self.reasons.pop(job_id, None)
             self.journal.event(job_id, "cancelled", "before it started")
         elif info.state == "running":
             rt = self.runtimes.get(job_id)
@@ -555,7 +558,7 @@ class Daemon:
         for info in self.journal.jobs(("queued",)):
             if running >= self.max_running:
                 break
-            spec = spec_from_wire(self.journal.spec(info.job_id))
+            spec = self._spec(info.job_id)
             model = os.path.realpath(spec.model.path)
             if ("rollout", model) not in ready_models or ("trainer", model) not in ready_models:
                 continue
@@ -565,8 +568,15 @@ class Daemon:
                 self.reasons[info.job_id] = adm.reason
                 continue
             self.reasons.pop(info.job_id, None)
+            self.specs.pop(info.job_id, None)
             self._start_driver(info.job_id, spec, now)
             running += 1
+
+    def _spec(self, job_id: str) -> JobSpec:
+        spec = self.specs.get(job_id)
+        if spec is None:
+            spec = self.specs[job_id] = spec_from_wire(self.journal.spec(job_id))
+        return spec
 
     @staticmethod
     def _state_bytes(spec: JobSpec) -> int:
