@@ -104,8 +104,11 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -
     curves = {}
     for j in mine:
         rows = [json.loads(line) for line in open(state_dir / "jobs" / j.job_id / "metrics.jsonl")]
+        steps_rows = [r for r in rows if "reward_mean" in r]
         curves[j.name] = {
-            "reward": [r["reward_mean"] for r in rows if "reward_mean" in r],
+            "reward": [r["reward_mean"] for r in steps_rows],
+            "generate_s": sum(r["generate_s"] for r in steps_rows) / len(steps_rows),
+            "train_s": sum(r["train/seconds"] for r in steps_rows) / len(steps_rows),
             "eval_first": j.eval_first, "eval_last": j.eval_last,
             "run_s": j.ended_at - j.started_at,
         }

@@ -29,7 +29,7 @@ from daemon.scheduler import POLICIES
 from plexctl import views
 from plexctl.client import Client
 from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, read_endpoint
-from plexctl.errors import DaemonUnreachable, ExitCode, NotFound, PlexError, Timeout, UsageError
+from plexctl.errors import DaemonUnreachable, ExitCode, PlexError, Timeout, UsageError
 from plexctl.protocol import JobInfo
 from plexctl.sizes import parse_bytes
 from plexctl.spec import SpecError, load_spec, spec_to_wire
@@ -385,6 +385,21 @@ def _poll_plain(client: Client, ids: list[str]) -> list[JobInfo]:
         if all(j.state in TERMINAL for j in jobs):
             return jobs
         time.sleep(2.0)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def simulate(ctx: typer.Context,
+             trace: Annotated[Optional[Path], typer.Argument(help="trace file (.json/.jsonl); default: generated")]
+             = None) -> None:
+    """Replay a job trace on the daemon's own scheduler with a simulated clock, under every policy.
+
+    Extra options go to the simulator (see `plexctl simulate --help-sim`), e.g. --quick, --jobs N, --gpus G.
+    """
+    args = [str(trace)] if trace else []
+    extra = ["--help" if a == "--help-sim" else a for a in ctx.args]
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "simulate.py"), *args, *extra], cwd=REPO_ROOT)
+    if proc.returncode:
+        raise typer.Exit(proc.returncode)
 
 
 # ------------------------------------------------------------------------------ entry

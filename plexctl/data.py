@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from plexctl.user_code import one_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
@@ -126,7 +127,7 @@ def _read_parquet(path: str) -> list[tuple[dict[str, Any], int | None]]:
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several unrelated types for a bad file
-        raise DataError(path, f"cannot read Parquet: {_one_line(e)}") from None
+        raise DataError(path, f"cannot read Parquet: {one_line(e)}") from None
     return [(row, None) for row in rows]
 
 
@@ -138,13 +139,9 @@ def _first_parquet_record(path: str) -> dict[str, Any]:
             if rows:
                 return rows[0]
     except Exception as e:
-        raise DataError(path, f"cannot read Parquet: {_one_line(e)}") from None
+        raise DataError(path, f"cannot read Parquet: {one_line(e)}") from None
     raise DataError(path, "empty dataset (no records)")
 
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 # ---------------------------------------------------------------- the prompt cursor

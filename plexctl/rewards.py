@@ -17,14 +17,13 @@ not isolate two different modules that share a name: the second one is refused.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
-import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
+
+from plexctl.user_code import import_object, one_line
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -146,47 +145,7 @@ def load_reward(reward_spec: RewardSource) -> RewardFn:
 
 def load_custom_reward(target: str, path: str | None) -> RewardFn:
     """Import ``module:function`` (``function`` may be dotted) with ``path`` first on sys.path."""
-    module_name, sep, attr_path = target.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise RewardLoadError(f"reward fn must look like `module:function`, got {target!r}")
-    if path is not None:
-        if not Path(path).is_dir():
-            raise RewardLoadError(f"reward path {path} is not a directory")
-        _refuse_shadowed_module(module_name, path)
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    where = f" from {path}" if path else ""
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may raise anything while importing
-        raise RewardLoadError(f"cannot import `{module_name}`{where}: {type(e).__name__}: {_one_line(e)}") from None
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise RewardLoadError(f"`{module_name}`{where} has no attribute `{attr_path}`")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardLoadError(f"reward `{target}` is not callable (it is a {type(obj).__name__})")
-    return obj
-
-
-def _refuse_shadowed_module(module_name: str, path: str) -> None:
-    """Refuse to hand back an already-imported module of the same name from somewhere else."""
-    top = module_name.split(".")[0]
-    loaded = sys.modules.get(top)
-    candidate = Path(path) / top
-    if loaded is None or not (candidate.is_dir() or candidate.with_suffix(".py").is_file()):
-        return
-    loaded_file = getattr(loaded, "__file__", None) or ""
-    if not Path(loaded_file).resolve().is_relative_to(Path(path).resolve()):
-        raise RewardLoadError(
-            f"a different module `{top}` is already imported (from {loaded_file or 'a built-in'}); "
-            "give the reward module a unique name"
-        )
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else ""
+    return import_object(target, path, "reward fn", RewardLoadError)
 
 
 # ---------------------------------------------------------------- failure handling
@@ -205,7 +164,7 @@ class SafeReward:
         try:
             value = float(self.fn(completion, answer, record))
         except Exception as e:
-            return self._failed(f"{type(e).__name__}: {_one_line(e)}")
+            return self._failed(f"{type(e).__name__}: {one_line(e)}")
         if not math.isfinite(value):
             return self._failed(f"non-finite reward {value}")
         return value

@@ -9,7 +9,6 @@ it runs, so jobs queue, and a job's learning curve there is the curve it has alo
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest

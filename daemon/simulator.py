@@ -1,0 +1,664 @@
+"""The trace simulator: the daemon's own scheduler core on a simulated clock, fed by a job trace.
+
+``simulate(trace, policy, gpus)`` replays a ``Trace`` (``daemon/trace.py``) on a cluster of
+``gpus`` GPUs through ``daemon.scheduler.Scheduler`` (the same code the daemon runs), with a
+discrete-event heap instead of sleeps, and returns a ``SimResult``: makespan, GPU-hours per
+training step, queueing delay, bubble ratio, swap traffic, and the wall time of every
+``tick`` (the scheduler's decision latency).
+
+Cluster mapping. An *engine* is one 8-GPU node serving one base model (``gpus_per_engine``):
+a rollout engine (vLLM, ``rollout_slots`` concurrent generate chunks) or a trainer engine
+(capacity 1). The cluster is ``gpus / 16`` engine *pairs* (one rollout + one trainer), split
+between model classes in proportion to their isolated GPU-time in the trace (each class gets
+at least as many pairs as its largest job needs). A job on ``g`` GPUs is ``g / 16`` *shards*,
+each one scheduler job (``"<job>#<i>"``) with a home rollout and a home trainer engine: run
+``isolated`` a shard owns its pair, so a job holds exactly its ``g`` GPUs; shared, a shard is a
+tenant of up to ``jobs_per_engine`` on each engine. Admission is first come, first served per
+model class (a job waits until all its shards fit: dedicated pairs for ``isolated``, free
+tenant slots otherwise), under every policy alike.
+
+A job's step, per shard: for each turn, ``rollout_slots`` generate tasks (chunks of the
+rollout batch: one as long as the turn's rollout phase, the others shorter, so their mean
+is ``tail_share`` of it: the long tail), then a tool stall (a reward stall after the last
+turn), then one trainer task (train_step + publish). The next phase starts when every shard
+finished (a barrier), so a slow shard stalls its job. Isolated, the tail and the stalls idle
+the job's own engines; shared, the core places other jobs' tasks into them.
+
+Coarsening (``macro_steps``): a job runs at most that many simulated steps, each standing
+for ``steps / macro_steps`` real steps with its phases that many times longer. This keeps
+one task per chunk per phase instead of one per request or token and bounds the events of a
+1,000-job trace; phase ratios, and so bubbles, are unchanged, but jobs interleave at a
+coarser grain than they would step by step.
+
+State swaps (the state manager's part; it is not a socket-free core in this repository, so
+its policy is mirrored here): a trainer keeps at most ``device_slots`` shard states on its
+device (and at most ``device_state_gb``). A trainer task whose state is elsewhere is charged
+its swap-in before it runs: host -> device at ``h2d_gbps``, NVMe -> device at ``nvme_gbps``,
+from another node at ``net_gbps`` (the copy moves with the job, e.g. after a trainer
+backfill). Room is made by evicting the resident state needed least soon (by the core's
+``upcoming``; ties: least recently used) to host memory (``host_gb``; the least recently
+used host copies go down to NVMe when it is full); evictions are copies that overlap the
+next task and are counted, not charged. When a trainer task starts, the next job in its
+engine's ``upcoming`` that sits on NVMe is prefetched to host. The core is told each
+eviction through ``state_location`` so that a backfill can move an evicted job.
+
+Accounting. Busy time is slot-weighted (a generate chunk occupies ``1 / rollout_slots`` of
+its engine), so the long tail counts as idle. An engine is *held* while a shard is homed on
+it or a task runs on it (a backfilled one, say); GPU-hours are held engine-hours x
+``gpus_per_engine`` (isolated: each job's GPUs x its run time, as the multiplex benchmark
+bills it), and the bubble ratio is the idle share of held time. Queueing delay runs from
+arrival to admission. Decision latency is the wall time of each ``tick`` call alone.
+
+What it deliberately does not model: different models sharing one engine (vLLM sleep/wake),
+gang scheduling of a job's trainer shards (they run whenever placed; the step waits for all),
+interference between tasks sharing an engine beyond its slots, per-task dispatch overhead,
+failures, checkpoints, and the first load of a job's weights.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from daemon.scheduler import POLICIES, Engine, Scheduler, Task
+from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
+
+GB = 1e9
+ROLLOUT, TRAINER = "rollout", "trainer"
+DEVICE, HOST, NVME = "device", "host", "nvme"
+_ARRIVE, _DONE, _PHASE = 0, 1, 2
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    gpus_per_engine: int = 8
+    rollout_slots: int = 4  # concurrent generate chunks per rollout engine = chunks per shard and turn
+    macro_steps: int = 8  # at most this many simulated steps per job (coarsening)
+    device_slots: int = 4  # shard states resident on one trainer's device
+    device_state_gb: float = 320.0  # and at most this many GB of them
+    host_gb: float = 1000.0  # pinned host memory for states, per trainer node
+    nvme_gb: float = 15000.0  # node-local NVMe for states, per trainer node
+    h2d_gbps: float = 25.0  # pinned host <-> device, as a swap benchmark measures on a PCIe GPU node
+    nvme_gbps: float = 5.0  # NVMe sequential
+    net_gbps: float = 25.0  # node to node (200 Gb/s)
+
+
+class SwapStats(msgspec.Struct, kw_only=True):
+    swap_ins: int = 0
+    seconds: float = 0.0  # charged to trainer tasks
+    bytes: dict[str, int] = msgspec.field(default_factory=dict)  # direction -> bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+class JobOutcome(msgspec.Struct, array_like=True):
+    job_id: str
+    arrival_s: float
+    admitted_s: float
+    finished_s: float
+    steps: int
+
+
+class SimResult(msgspec.Struct, kw_only=True):
+    policy: str
+    jobs_per_engine: int
+    max_switches: int
+    gpus: int
+    engines: int
+    pools: dict[str, int]  # model class -> engine pairs
+    jobs: int
+    steps: int  # real training steps run
+    makespan_s: float  # first arrival to last finish
+    gpu_hours: float  # held
+    busy_gpu_hours: float
+    gpu_hours_per_step: float
+    bubble_ratio: float  # idle share of held GPU time
+    queue_p50_s: float
+    queue_p99_s: float
+    queue_mean_s: float
+    swaps: SwapStats
+    ticks: int
+    tick_p50_us: float
+    tick_p99_us: float
+    tick_p999_us: float
+    tick_max_us: float  # on a shared machine, dominated by the OS descheduling the process
+    tasks: int
+    wall_s: float
+    engine_busy_s: dict[str, float]  # slot-weighted busy seconds per engine
+    outcomes: list[JobOutcome]
+    intervals: list[tuple[str, str, float, float]] = []  # (engine, job, start, end) when recorded
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, without per-engine and per-job detail."""
+        out = msgspec.to_builtins(self)
+        for k in ("engine_busy_s", "outcomes", "intervals"):
+            out.pop(k)
+        out["swap_bytes"] = self.swaps.total_bytes
+        return out
+
+
+@dataclass(eq=False)
+class _Shard:
+    core_id: str
+    job: "_Job"
+    state_bytes: int
+    rollout: str = ""
+    trainer: str = ""  # home trainer as last seen (moves with a trainer backfill)
+    tier: str | None = None  # where its state lives: device | host | nvme | None (none yet)
+    node: str | None = None  # the trainer engine whose node holds it
+    ready_at: float = 0.0  # a host copy being prefetched is complete at
+
+
+@dataclass(eq=False)
+class _Job:
+    tj: TraceJob
+    rng: random.Random
+    plan: list[int]  # real steps per simulated step
+    shards: list[_Shard] = field(default_factory=list)
+    step: int = 0
+    turn: int = 0
+    outstanding: int = 0
+    admitted_at: float = -1.0
+    finished_at: float = -1.0
+
+
+@dataclass
+class _Node:
+    """One trainer's state tiers."""
+    device: dict[str, _Shard] = field(default_factory=dict)  # core_id -> shard, least recent first
+    device_bytes: int = 0
+    host: dict[str, _Shard] = field(default_factory=dict)
+    host_bytes: int = 0
+    nvme_bytes: int = 0
+
+
+def partition(trace: Trace, gpus: int) -> dict[str, int]:
+    """Engine pairs per model class: proportional to isolated GPU-time, at least the largest job."""
+    pairs = gpus // GPUS_PER_SHARD
+    demand: dict[str, float] = {}
+    need: dict[str, int] = {}
+    for j in trace.jobs:
+        demand[j.model] = demand.get(j.model, 0.0) + j.isolated_gpu_s
+        need[j.model] = max(need.get(j.model, 0), j.shards)
+    if sum(need.values()) > pairs:
+        raise ValueError(f"{gpus} GPUs ({pairs} engine pairs) cannot hold the largest job of every model "
+                         f"class at once ({need})")
+    total = sum(demand.values()) or 1.0
+    share = {m: max(need[m], pairs * demand[m] / total) for m in demand}
+    alloc = {m: max(need[m], int(share[m])) for m in demand}
+    while sum(alloc.values()) > pairs:  # the minimums pushed it over: take from the largest surplus
+        m = max(alloc, key=lambda k: alloc[k] - need[k])
+        alloc[m] -= 1
+    for m in sorted(demand, key=lambda k: share[k] - int(share[k]), reverse=True):
+        if sum(alloc.values()) >= pairs:
+            break
+        alloc[m] += 1
+    while sum(alloc.values()) < pairs:
+        alloc[max(alloc, key=lambda k: share[k] - alloc[k])] += 1
+    return alloc
+
+
+def _step_plan(steps: int, macro: int) -> list[int]:
+    n = max(1, min(steps, macro))
+    base, extra = divmod(steps, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
+        return 0.0
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+class Simulation:
+    """One replay; ``simulate`` is the entry point."""
+
+    def __init__(self, trace: Trace, policy: str, gpus: int, jobs_per_engine: int = 4, max_switches: int = 4,
+                 config: SimConfig | None = None, record_intervals: bool = False) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.cfg = cfg = config or SimConfig()
+        self.trace, self.policy, self.gpus = trace, policy, gpus
+        self.jpe, self.max_switches = jobs_per_engine, max_switches
+        self.sched = Scheduler(policy, jobs_per_engine, max_switches)
+        self.record = record_intervals
+        self.pools = partition(trace, gpus)
+        state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
+        self.nodes: dict[str, _Node] = {}
+        for model, pairs in self.pools.items():
+            for i in range(pairs):
+                w = f"{model}/n{i}"
+                self.sched.engine_up(Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots), now=0.0)
+                self.sched.engine_up(Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap), now=0.0)
+                self.nodes[f"{w}/t"] = _Node()
+        self.limit = 1 if policy == "isolated" else jobs_per_engine
+        self.slots_free = {m: p * self.limit for m, p in self.pools.items()}  # tenant slots per kind
+        self.waiting: dict[str, deque[_Job]] = {m: deque() for m in self.pools}
+        self.shard_of: dict[str, _Shard] = {}
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.tid = 0
+        self.tasks: dict[int, tuple[_Shard, str, float]] = {}  # running task -> shard, engine, start
+        self.durations: dict[int, float] = {}  # queued task -> seconds of work (swap excluded)
+        self.refs: dict[str, int] = {}  # engine -> shards homed + tasks running
+        self.held = 0  # engines with a shard homed or a task running
+        self.held_s = 0.0
+        self.held_since = 0.0
+        self.busy: dict[str, float] = dict.fromkeys(self.sched.engines, 0.0)
+        self.swaps = SwapStats()
+        self.latencies: list[float] = []
+        self.intervals: list[tuple[str, str, float, float]] = []
+        self.outcomes: list[JobOutcome] = []
+        self.n_tasks = 0
+        self.jobs = []
+        for tj in trace.jobs:
+            if tj.model not in self.pools:
+                raise ValueError(f"{tj.job_id}: no engines for model {tj.model!r}")
+            job = _Job(tj, random.Random(tj.seed), _step_plan(tj.steps, cfg.macro_steps))
+            per_shard = tj.state_bytes // tj.shards if tj.full_weights else tj.state_bytes
+            job.shards = [_Shard(f"{tj.job_id}#{i}", job, per_shard) for i in range(tj.shards)]
+            self.jobs.append(job)
+            self._push(tj.arrival_s, _ARRIVE, job)
+
+    # -- the event loop
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        heap, sched, latencies = self.heap, self.sched, self.latencies
+        perf = time.perf_counter
+        now = 0.0
+        while heap:
+            now = heap[0][0]
+            while heap and heap[0][0] == now:
+                _, _, kind, what = heapq.heappop(heap)
+                if kind == _DONE:
+                    self._done(what, now)
+                elif kind == _PHASE:
+                    self._next_phase(what, now)
+                else:
+                    self._arrive(what, now)
+            t0 = perf()
+            placements = sched.tick(now)
+            latencies.append(perf() - t0)
+            for p in placements:
+                self._start(p.task, p.engine_id, now)
+        return self._result(time.perf_counter() - wall0)
+
+    def _push(self, at: float, kind: int, what: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (at, self.seq, kind, what))
+
+    # -- admission
+
+    def _arrive(self, job: _Job, now: float) -> None:
+        self.waiting[job.tj.model].append(job)
+        self._admit(job.tj.model, now)
+
+    def _admit(self, model: str, now: float) -> None:
+        queue = self.waiting[model]
+        while queue and queue[0].tj.shards <= self.slots_free[model]:
+            job = queue.popleft()
+            tj = job.tj
+            self.slots_free[model] -= tj.shards
+            for shard in job.shards:
+                a = self.sched.admit(shard.core_id, model, now, shard.state_bytes, tj.priority, tj.user)
+                if not a.ok:  # the slot count above says it fits: the core disagrees
+                    raise RuntimeError(f"admission of {shard.core_id} refused with free slots: {a.reason}")
+                shard.rollout, shard.trainer = a.rollout or "", a.trainer or ""
+                self.shard_of[shard.core_id] = shard
+                self._hold(shard.rollout, +1, now)
+                self._hold(shard.trainer, +1, now)
+            job.admitted_at = now
+            self._submit_rollout(job, now)
+
+    def _hold(self, engine_id: str, delta: int, now: float) -> None:
+        """Count a home or a running task on an engine; it is held while it has either."""
+        before = self.refs.get(engine_id, 0)
+        after = self.refs[engine_id] = before + delta
+        if (before == 0) != (after == 0):
+            self.held_s += self.held * (now - self.held_since)
+            self.held_since = now
+            self.held += 1 if after else -1
+
+    # -- a job's phases
+
+    def _noise(self, job: _Job) -> float:
+        sigma = job.tj.jitter
+        return math.exp(job.rng.gauss(-sigma * sigma / 2, sigma)) if sigma > 0 else 1.0
+
+    def _submit_rollout(self, job: _Job, now: float) -> None:
+        tj, slots = job.tj, self.cfg.rollout_slots
+        longest = tj.generate_s / tj.turns * job.plan[job.step]
+        # the other chunks are shorter, so that the mean chunk is tail_share of the longest
+        rest = (slots * tj.tail_share - 1) / (slots - 1) if slots > 1 else 1.0
+        rest = min(1.0, max(0.0, rest))
+        for shard in job.shards:
+            d = longest * self._noise(job)
+            for c in range(slots):
+                self._submit(shard, ROLLOUT, "generate", d if c == 0 else d * rest, now)
+        job.outstanding = slots * len(job.shards)
+
+    def _submit_train(self, job: _Job, now: float) -> None:
+        seconds = job.tj.train_s * job.plan[job.step]
+        for shard in job.shards:
+            self._submit(shard, TRAINER, "train_step", seconds * self._noise(job), now)
+        job.outstanding = len(job.shards)
+
+    def _submit(self, shard: _Shard, kind: str, method: str, seconds: float, now: float) -> None:
+        self.tid += 1
+        self.durations[self.tid] = seconds
+        self.sched.submit(Task(self.tid, shard.core_id, kind, method, shard.job.tj.model, now, shard.job.tj.priority))
+
+    def _done(self, task_id: int, now: float) -> None:
+        shard, engine_id, started = self.tasks.pop(task_id)
+        self.sched.done(task_id, now, now - started)
+        self._hold(engine_id, -1, now)
+        job = shard.job
+        job.outstanding -= 1
+        if job.outstanding:
+            return
+        tj = job.tj
+        if job.turn >= 0:  # a rollout turn ended: stall, then the next turn or training
+            last = job.turn == tj.turns - 1
+            stall = (tj.reward_s if last else tj.tool_s / max(1, tj.turns - 1)) * job.plan[job.step]
+            job.turn = -1 if last else job.turn + 1  # -1: training next
+            if stall > 0:
+                self._push(now + stall * self._noise(job), _PHASE, job)
+            else:
+                self._next_phase(job, now)
+            return
+        job.step += 1  # a training phase ended
+        job.turn = 0
+        if job.step < len(job.plan):
+            self._submit_rollout(job, now)
+        else:
+            self._finish(job, now)
+
+    def _next_phase(self, job: _Job, now: float) -> None:
+        if job.turn < 0:
+            self._submit_train(job, now)
+        else:
+            self._submit_rollout(job, now)
+
+    def _finish(self, job: _Job, now: float) -> None:
+        job.finished_at = now
+        model = job.tj.model
+        for shard in job.shards:
+            self.sched.release(shard.core_id)
+            self._hold(shard.rollout, -1, now)
+            self._hold(shard.trainer, -1, now)
+            self._drop_state(shard)
+            del self.shard_of[shard.core_id]
+        self.slots_free[model] += job.tj.shards
+        self.outcomes.append(JobOutcome(job.tj.job_id, job.tj.arrival_s, job.admitted_at, now, sum(job.plan)))
+        self._admit(model, now)
+
+    # -- starting a task, with its swap
+
+    def _start(self, task: Task, engine_id: str, now: float) -> None:
+        shard = self.shard_of[task.job_id]
+        seconds = self.durations.pop(task.task_id)
+        took = seconds
+        if task.kind == TRAINER:
+            if engine_id != shard.trainer:  # a trainer backfill moved its home
+                self._hold(shard.trainer, -1, now)
+                self._hold(engine_id, +1, now)
+                shard.trainer = engine_id
+            took += self._swap_in(shard, engine_id, now)
+            self._prefetch(engine_id, shard, now)
+            self.busy[engine_id] += took
+        else:
+            self.busy[engine_id] += took / self.cfg.rollout_slots
+        self.tasks[task.task_id] = (shard, engine_id, now)
+        self._hold(engine_id, +1, now)
+        self.n_tasks += 1
+        if self.record:
+            self.intervals.append((engine_id, shard.job.tj.job_id, now, now + took))
+        self._push(now + took, _DONE, task.task_id)
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        self.swaps.bytes[direction] = self.swaps.bytes.get(direction, 0) + nbytes
+
+    def _swap_in(self, shard: _Shard, engine_id: str, now: float) -> float:
+        """Make the shard's state resident on this trainer's device; the seconds it costs."""
+        node = self.nodes[engine_id]
+        if shard.tier == DEVICE and shard.node == engine_id:
+            node.device[shard.core_id] = node.device.pop(shard.core_id)  # most recently used
+            return 0.0
+        cfg, n = self.cfg, shard.state_bytes
+        self._make_room(node, engine_id, shard, now)
+        seconds = 0.0
+        if shard.tier is not None:
+            self.swaps.swap_ins += 1
+            if shard.node != engine_id:  # its copy is on another node: it travels over the network
+                seconds = n / (min(cfg.net_gbps, cfg.nvme_gbps if shard.tier == NVME else cfg.net_gbps) * GB)
+                self._count("node->node", n)
+            elif shard.tier == HOST:
+                seconds = max(0.0, shard.ready_at - now) + n / (cfg.h2d_gbps * GB)
+                self._count("host->device", n)
+            else:
+                seconds = n / (cfg.nvme_gbps * GB)
+                self._count("nvme->device", n)
+            self._drop_state(shard)
+        self.swaps.seconds += seconds
+        shard.tier, shard.node = DEVICE, engine_id
+        node.device[shard.core_id] = shard
+        node.device_bytes += n
+        return seconds
+
+    def _make_room(self, node: _Node, engine_id: str, incoming: _Shard, now: float) -> None:
+        cfg = self.cfg
+        while node.device and (len(node.device) >= cfg.device_slots
+                               or node.device_bytes + incoming.state_bytes > cfg.device_state_gb * GB):
+            soon = {j: i for i, j in enumerate(self.sched.upcoming(engine_id, now))}
+            # least soon needed: the least recently used state not upcoming, else the last upcoming
+            victim = next((s for s in node.device.values() if s.core_id not in soon), None) \
+                or max(node.device.values(), key=lambda s: soon[s.core_id])
+            del node.device[victim.core_id]
+            node.device_bytes -= victim.state_bytes
+            tier = self._to_host(node, victim)
+            self._count(f"device->{tier}", victim.state_bytes)
+            self.sched.state_location(victim.core_id, engine_id, tier)
+
+    def _to_host(self, node: _Node, shard: _Shard) -> str:
+        """Put an evicted state in host memory (demoting least recently used copies), else NVMe."""
+        cap = self.cfg.host_gb * GB
+        while node.host and node.host_bytes + shard.state_bytes > cap:
+            old = next(iter(node.host.values()))
+            del node.host[old.core_id]
+            node.host_bytes -= old.state_bytes
+            node.nvme_bytes += old.state_bytes
+            old.tier = NVME
+            self._count("host->nvme", old.state_bytes)
+            self.sched.state_location(old.core_id, old.node, NVME)
+        if node.host_bytes + shard.state_bytes <= cap:
+            node.host[shard.core_id] = shard
+            node.host_bytes += shard.state_bytes
+            shard.tier, shard.ready_at = HOST, 0.0
+        else:
+            node.nvme_bytes += shard.state_bytes
+            shard.tier = NVME
+        return shard.tier
+
+    def _prefetch(self, engine_id: str, running: _Shard, now: float) -> None:
+        """Bring the next job of this trainer up from NVMe to host while the current one runs."""
+        node = self.nodes[engine_id]
+        for core_id in self.sched.upcoming(engine_id, now)[:2]:
+            shard = self.shard_of.get(core_id)
+            if shard is None or shard is running:
+                continue
+            if shard.tier == NVME and shard.node == engine_id \
+                    and node.host_bytes + shard.state_bytes <= self.cfg.host_gb * GB:
+                node.nvme_bytes -= shard.state_bytes
+                node.host[shard.core_id] = shard
+                node.host_bytes += shard.state_bytes
+                shard.tier, shard.ready_at = HOST, now + shard.state_bytes / (self.cfg.nvme_gbps * GB)
+                self._count("nvme->host", shard.state_bytes)
+                self.sched.state_location(core_id, engine_id, HOST)
+            break
+
+    def _drop_state(self, shard: _Shard) -> None:
+        """Forget the shard's copy on its current tier (it moved up, or its job ended)."""
+        if shard.tier is None or shard.node is None:
+            return
+        node = self.nodes[shard.node]
+        if shard.tier == DEVICE and node.device.pop(shard.core_id, None) is not None:
+            node.device_bytes -= shard.state_bytes
+        elif shard.tier == HOST and node.host.pop(shard.core_id, None) is not None:
+            node.host_bytes -= shard.state_bytes
+        elif shard.tier == NVME:
+            node.nvme_bytes -= shard.state_bytes
+        shard.tier = shard.node = None
+
+    # -- results
+
+    def _result(self, wall_s: float) -> SimResult:
+        unfinished = [j.tj.job_id for j in self.jobs if j.finished_at < 0]
+        if unfinished:
+            raise RuntimeError(f"{len(unfinished)} jobs never finished (first: {unfinished[0]})")
+        start = min((j.tj.arrival_s for j in self.jobs), default=0.0)
+        end = max((j.finished_at for j in self.jobs), default=0.0)
+        self._hold_flush(end)
+        gpe = self.cfg.gpus_per_engine
+        held_h = self.held_s * gpe / 3600
+        busy_h = sum(self.busy.values()) * gpe / 3600
+        steps = sum(o.steps for o in self.outcomes)
+        delays = sorted(o.admitted_s - o.arrival_s for o in self.outcomes)
+        lat = sorted(self.latencies)
+        return SimResult(
+            policy=self.policy, jobs_per_engine=self.jpe, max_switches=self.max_switches, gpus=self.gpus,
+            engines=len(self.sched.engines), pools=self.pools, jobs=len(self.outcomes), steps=steps,
+            makespan_s=end - start, gpu_hours=held_h, busy_gpu_hours=busy_h,
+            gpu_hours_per_step=held_h / steps if steps else 0.0,
+            bubble_ratio=1.0 - busy_h / held_h if held_h > 0 else 0.0,
+            queue_p50_s=_quantile(delays, 0.5), queue_p99_s=_quantile(delays, 0.99),
+            queue_mean_s=sum(delays) / len(delays) if delays else 0.0,
+            swaps=self.swaps, ticks=len(lat), tick_p50_us=_quantile(lat, 0.5) * 1e6,
+            tick_p99_us=_quantile(lat, 0.99) * 1e6, tick_p999_us=_quantile(lat, 0.999) * 1e6,
+            tick_max_us=(lat[-1] if lat else 0.0) * 1e6,
+            tasks=self.n_tasks, wall_s=wall_s, engine_busy_s=self.busy,
+            outcomes=sorted(self.outcomes, key=lambda o: o.job_id), intervals=self.intervals,
+        )
+
+    def _hold_flush(self, now: float) -> None:
+        self.held_s += self.held * (now - self.held_since)
+        self.held_since = now
+
+
+def simulate(trace: Trace, policy: str, gpus: int | None = None, *, jobs_per_engine: int = 4,
+             max_switches: int = 4, config: SimConfig | None = None, record_intervals: bool = False) -> SimResult:
+    """Replay ``trace`` under ``policy`` on ``gpus`` GPUs (default: the trace's) with the daemon's core."""
+    gpus = gpus or trace.gpus
+    if not gpus:
+        raise ValueError("the trace names no cluster size: pass gpus")
+    return Simulation(trace, policy, gpus, jobs_per_engine, max_switches, config, record_intervals).run()
+
+
+# -- calibration against the real-engine benchmark (bench/multiplex.py)
+
+TRAIN_SHARE = 0.34  # trainer share of busy engine time in bench/multiplex.py's isolated run (metrics)
+
+
+class PhaseJob(msgspec.Struct, frozen=True):
+    name: str
+    steps: int
+    generate_s: float  # per step, on the rollout engine
+    stall_s: float  # per step, engines idle (reward, driver, dispatch)
+    train_s: float  # per step, on the trainer (train_step + publish)
+
+
+class PhaseModel(msgspec.Struct, kw_only=True):
+    """Per-step phases of the benchmark's jobs on this machine, inferred from its isolated run.
+
+    ``trace()`` turns them into a trace of the same jobs on the same engines (``pairs``
+    rollout + trainer pairs, ``rollout_slots`` concurrent generate calls), so the simulator
+    can predict what the shared run measured.
+    """
+    jobs: list[PhaseJob]
+    pairs: int = 1
+    rollout_slots: int = 1
+    busy_share: float  # engine-busy share of an isolated step's wall time
+    train_share: float  # trainer share of the busy time
+    measured: dict[str, float] = {}  # the benchmark's own numbers
+
+    def trace(self) -> Trace:
+        jobs = [TraceJob(job_id=j.name, model="tiny", gpus=GPUS_PER_SHARD * self.pairs, arrival_s=i * 1e-3,
+                         steps=j.steps, generate_s=j.generate_s, tail_share=1.0, tool_s=0.0, reward_s=j.stall_s,
+                         train_s=j.train_s, state_bytes=1 << 20, jitter=0.0, seed=i)
+                for i, j in enumerate(self.jobs)]
+        return Trace(jobs=jobs, gpus=GPUS_PER_SHARD * self.pairs, name="multiplex-calibration")
+
+    def config(self) -> SimConfig:
+        return SimConfig(rollout_slots=self.rollout_slots, macro_steps=1 << 30)
+
+
+def calibrate_from(multiplex_json: str | Path | dict[str, Any], train_share: float = TRAIN_SHARE,
+                   rollout_slots: int = 1) -> PhaseModel:
+    """A ``PhaseModel`` from ``bench/results/multiplex.json`` (a path or its loaded dict).
+
+    Only the ``isolated`` mode is used (the shared one is what the model must predict):
+    each job's step wall time is its run time / steps; the engines' busy share of it follows
+    from the measured bubble ratio (busy engine-seconds = (1 - bubble) x engines x makespan,
+    spread over the jobs in proportion to their run time, since an isolated job keeps at most
+    one of its engines busy at a time); the rest of a step is a stall (reward, driver,
+    dispatch). The benchmark's JSON does not record how busy time splits between generate
+    and train, so ``train_share`` is an assumption (default: the share measured once from the
+    per-step ``generate_s`` and ``train/seconds`` metrics of the run behind
+    ``bench/results/multiplex.json``); if a job records per-step ``generate_s`` and
+    ``train_s`` means they are used instead, job by job. ``rollout_slots=1``: on this machine's two cores
+    concurrent generate calls share the same CPUs, so a call is taken to own the engine.
+    """
+    data = json.loads(Path(multiplex_json).read_text()) if not isinstance(multiplex_json, dict) else multiplex_json
+    modes = data["modes"]
+    iso = modes["isolated"]
+    engines = int(iso.get("engines", 2))
+    pairs = max(1, engines // 2)
+    run_total = sum(j["run_s"] for j in iso["jobs"].values())
+    busy = (1.0 - iso["bubble_ratio"]) * engines * iso["makespan_s"]
+    busy_share = min(1.0, busy / run_total) if run_total > 0 else 0.0
+    default_steps = int(data.get("steps", 0)) or iso["steps"] // max(1, len(iso["jobs"]))
+    jobs = []
+    for name, j in iso["jobs"].items():
+        steps = int(j.get("steps") or len(j.get("reward", ())) or default_steps)
+        wall = j["run_s"] / steps
+        if "generate_s" in j and "train_s" in j:
+            gen, train = float(j["generate_s"]), float(j["train_s"])
+        else:
+            gen, train = wall * busy_share * (1 - train_share), wall * busy_share * train_share
+        jobs.append(PhaseJob(name, steps, gen, max(0.0, wall - gen - train), train))
+    measured = {"isolated_bubble_ratio": iso["bubble_ratio"],
+                "isolated_engine_s_per_step": iso["engine_s_per_step"]}
+    shared = next((m for p, m in modes.items() if p != "isolated"), None)
+    if shared is not None:
+        measured["shared_engine_s_per_step"] = shared["engine_s_per_step"]
+        measured["shared_bubble_ratio"] = shared["bubble_ratio"]
+        measured["ratio"] = shared["engine_s_per_step"] / iso["engine_s_per_step"]
+    return PhaseModel(jobs=jobs, pairs=pairs, rollout_slots=rollout_slots, busy_share=busy_share,
+                      train_share=train_share, measured=measured)
+
+
+def predict(model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine: int = 8,
+            max_switches: int = 4) -> dict[str, float]:
+    """Simulate the model's jobs isolated and shared; the predicted shared / isolated ratio of
+    engine-seconds per step, beside the measured one (the daemon's defaults: 8 jobs per engine)."""
+    trace, cfg = model.trace(), model.config()
+    iso = simulate(trace, "isolated", config=cfg)
+    shared = simulate(trace, policy, jobs_per_engine=jobs_per_engine, max_switches=max_switches, config=cfg)
+    out = {"isolated_engine_s_per_step": iso.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
+           "shared_engine_s_per_step": shared.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
+           "isolated_bubble_ratio": iso.bubble_ratio, "shared_bubble_ratio": shared.bubble_ratio}
+    out["ratio"] = out["shared_engine_s_per_step"] / out["isolated_engine_s_per_step"]
+    if "ratio" in model.measured:
+        out["measured_ratio"] = model.measured["ratio"]
+        out["error"] = out["ratio"] - model.measured["ratio"]
+    return out

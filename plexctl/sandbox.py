@@ -1,0 +1,630 @@
+"""Run untrusted Python (model-written code, tests, tool calls) in its own contained process.
+
+This module owns ``run_python`` (one program, one result), ``SandboxPool`` (many programs at
+once, bounded, never raising) and ``isolation()`` / ``network_isolation()`` (which protection
+holds on this machine). Each run gets:
+
+- its own process in a new session (``start_new_session``), started by ``python -I -S`` (no
+  user site, no ``site``, no ``PYTHON*`` variables) with a minimal environment (the driver's
+  variables, which may hold credentials, are not passed), stdin from a file holding the
+  ``stdin`` text (empty by default: end of file at once);
+- a fresh empty working directory, removed afterwards;
+- resource limits (``Limits``): CPU seconds, address space, file size, process count, open
+  files, no core files; a wall-clock timeout after which the whole process group (and in
+  ``namespaces`` mode every process of the run's own uid) is killed with SIGKILL;
+- stdout and stderr read concurrently and kept up to ``Limits.output_bytes`` each.
+
+Isolation, strongest first; ``isolation()`` probes once per process and says which holds:
+
+- ``namespaces`` (the driver runs as root): new mount, network and IPC namespaces; the whole
+  file tree is re-mounted read-only and nosuid except the working directory; the network
+  namespace has only a down loopback, so every connection fails; the program then drops to a
+  uid of its own (leased from ``SANDBOX_UID_BASE``, one per concurrent run, so
+  ``RLIMIT_NPROC`` counts only that run's processes and leftovers are found and killed by uid)
+  with ``no_new_privs``. The interpreter's standard library is bind-mounted into the run
+  directory, so an interpreter in a private home (e.g. /root/.pyenv) still imports.
+- ``userns`` (unprivileged, where the kernel allows user namespaces): the same namespaces and
+  read-only tree inside a new user namespace, plus a PID namespace whose init is the program
+  (so every process it leaves dies with it, or with its supervisor, the group leader that a
+  timeout kills); all capabilities are dropped after set-up. As pid 1 the program ignores
+  SIGXCPU: the CPU limit ends it with SIGKILL one second later.
+- ``guard`` (neither is permitted): an audit hook (``sys.addaudithook``, which Python code
+  cannot remove) refuses sockets, ``fork``, process spawning (``exec``/``subprocess``),
+  ``ctypes`` and writes outside the working directory. It is an in-process guard: native code
+  could get around it. ``RLIMIT_NPROC`` then counts all of the driver user's processes (set
+  to what exists plus the budget; root is exempt from it, hence the refused ``fork``).
+
+It deliberately does not: limit what the program may *read* (world-readable files stay
+readable; in ``namespaces`` mode other runs' directories are not), give the program
+third-party packages (only the standard library: ``-S``), hide other processes (/proc stays
+the host's), or run anything but Python. ``run_python`` never raises for what the program does: every failure is a
+``SandboxResult`` with ``ok=False``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+SANDBOX_UID_BASE = 1_500_000  # namespaces mode: runs use uids [BASE, BASE + SANDBOX_UIDS)
+SANDBOX_UIDS = 4096
+USERNS_INNER_UID = 1000  # userns mode: the driver's uid appears as this (not 0: no caps on exec)
+SETUP_FAILED_EXIT = 121  # the boot could not apply the isolation it was asked for
+MODES = ("namespaces", "userns", "guard")
+_READ_CHUNK = 65536
+_DRAIN_AFTER_EXIT_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one run may use. Sizes in bytes, times in seconds."""
+
+    cpu_seconds: int = 5
+    wall_seconds: float = 10.0
+    memory_bytes: int = 512 * 2**20  # RLIMIT_AS: address space, not resident memory
+    file_bytes: int = 16 * 2**20  # largest file the program may write
+    processes: int = 16  # RLIMIT_NPROC: processes and threads of the run
+    open_files: int = 64
+    output_bytes: int = 64 * 2**10  # kept of stdout and of stderr each; the rest is dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """What one run did. ``ok``: exited 0 within its limits.
+
+    ``limit_hit`` names the limit that ended or hurt the run, where it can be told:
+    wall | cpu | memory | file_size | processes | output | setup | crash (None: none).
+    ``killed_by`` is the signal that ended the program (e.g. ``SIGKILL``), or None.
+    """
+
+    ok: bool
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool
+    killed_by: str | None
+    seconds: float
+    limit_hit: str | None
+    truncated: bool = False
+    error: str | None = None  # one line, when the sandbox itself failed (not the program)
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """Which protections hold for sandboxed runs on this machine."""
+
+    mode: str  # namespaces | userns | guard
+    network: str
+    filesystem: str
+    processes: str
+
+
+# ---------------------------------------------------------------- the boot (runs in the child)
+
+# Passed to ``python -I -S -c`` with a JSON config as argv[1]. It applies the isolation of its
+# mode, then runs main.py in a fresh ``__main__`` module. Any failure of its own exits with
+# SETUP_FAILED_EXIT and one ``plexrl-sandbox:`` line on stderr: a run never silently gets a
+# weaker isolation than it was asked for.
+_BOOT = r"""
+import os, sys
+def _plexrl_boot():
+    cfg = eval(sys.argv[1], {"__builtins__": {}})
+    mode, base = cfg["mode"], cfg["base"]
+    work = base + "/work"
+    stage = "start"
+    try:
+        with open(base + "/main.py", "rb") as f:
+            source = f.read()
+        if mode != "guard":
+            stage = "namespaces"
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+            libc.syscall.restype = ctypes.c_long
+            class MountAttr(ctypes.Structure):
+                _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64),
+                            ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+            def check(ret, what):
+                if ret != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, what + ": " + os.strerror(err))
+            def mount(src, dst, flags):
+                check(libc.mount(src and src.encode(), dst.encode(), None, flags, None), "mount " + dst)
+            def setattr_(path, flags, set_, clr):
+                attr = MountAttr(set_, clr, 0, 0)
+                check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path.encode()),
+                                   ctypes.c_long(flags), ctypes.byref(attr), ctypes.c_long(ctypes.sizeof(attr))),
+                      "mount_setattr " + path)
+            uid, gid = os.getuid(), os.getgid()
+            flags = 0x00020000 | 0x40000000 | 0x08000000  # CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
+            if mode == "userns":
+                flags |= 0x10000000 | 0x20000000  # CLONE_NEWUSER | CLONE_NEWPID
+            check(libc.unshare(flags), "unshare")
+            if mode == "userns":
+                stage = "user namespace"
+                for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (cfg["inner_uid"], uid)),
+                                   ("gid_map", "%d %d 1" % (cfg["inner_uid"], gid))):
+                    with open("/proc/self/" + name, "w") as f:
+                        f.write(text)
+            stage = "mounts"
+            mount(None, "/", 0x4000 | 0x40000)  # MS_REC | MS_PRIVATE
+            if mode == "namespaces":  # the stdlib, reachable for the sandbox uid
+                moved = {}
+                for i, p in enumerate(sys.path):
+                    if os.path.isdir(p):
+                        moved[p] = "%s/py/%d" % (base, i)
+                        os.mkdir(moved[p])
+                        mount(p, moved[p], 0x1000 | 0x4000)  # MS_BIND | MS_REC
+                def rebase(path):
+                    old = max((o for o in moved if path == o or path.startswith(o + "/")), key=len, default=None)
+                    return path if old is None else moved[old] + path[len(old):]
+                sys.path[:] = list(moved.values())
+                for module in list(sys.modules.values()):  # packages imported so far find their submodules
+                    search = getattr(module, "__path__", None)
+                    if isinstance(search, list):
+                        search[:] = [rebase(p) for p in search]
+                sys.path_importer_cache.clear()
+            setattr_("/", 0x8000, 0x1 | 0x2, 0)  # AT_RECURSIVE; MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
+            mount(work, work, 0x1000)
+            setattr_(work, 0, 0, 0x1)  # the working directory alone is writable
+            if mode == "userns":
+                stage = "pid namespace"
+                _supervise_pid_namespace()
+        stage = "limits"
+        import resource
+        for name, value in cfg["rlimits"]:
+            resource.setrlimit(getattr(resource, name), tuple(value))
+        os.chdir(work)
+        if mode == "namespaces":
+            stage = "drop privileges"
+            os.setgroups([])
+            os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        if mode != "guard":
+            check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+        if mode == "userns":
+            class CapHeader(ctypes.Structure):
+                _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+            data = (ctypes.c_uint32 * 6)()
+            check(libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), data), "drop capabilities")
+        if mode == "guard":
+            stage = "guard"
+            _install_guard(os.path.realpath(work))
+    except BaseException as e:
+        os.write(2, ("plexrl-sandbox: setup failed at %s: %s: %s\n" % (stage, type(e).__name__, e)).encode())
+        os._exit(121)
+    return source
+
+def _supervise_pid_namespace():
+    # The program runs as pid 1 of a new PID namespace: when it dies, or when this supervisor
+    # (the process group leader the driver kills) takes it down, every process it left dies.
+    pid = os.fork()
+    if pid == 0:
+        return
+    import signal
+    for sig in (signal.SIGXCPU, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)  # the supervisor idles; only the program has limits
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+def _install_guard(work):
+    def inside(path):
+        if isinstance(path, int):
+            return True
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        real = os.path.realpath(os.fspath(path))
+        return real == work or real.startswith(work + os.sep) or real == "/dev/null"
+    refused = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.fork",
+               "ctypes.", "pty.", "os.forkpty", "winreg.", "_posixsubprocess.")
+    path_events = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod",
+                   "os.chown", "os.truncate", "os.utime", "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree"}
+    def hook(event, args):
+        if event.startswith(refused) and event not in ("socket.gethostname",):
+            raise PermissionError("plexrl-sandbox: %s refused" % event)
+        if event == "open" and len(args) >= 3 and args[0] is not None:
+            mode, flags = args[1], args[2] or 0
+            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            if writing and not inside(args[0]):
+                raise PermissionError("plexrl-sandbox: write outside the working directory refused: %r" % (args[0],))
+        elif event in path_events:
+            for arg in args[:2]:
+                if isinstance(arg, (str, bytes, os.PathLike)) and not inside(arg):
+                    raise PermissionError("plexrl-sandbox: %s outside the working directory refused" % event)
+    sys.addaudithook(hook)
+
+_source = _plexrl_boot()
+del _plexrl_boot, _install_guard, _supervise_pid_namespace
+_main = type(sys)("__main__")
+_main.__file__ = "main.py"
+sys.modules["__main__"] = _main
+sys.argv[:] = ["main.py"]
+_code = compile(_source, "main.py", "exec")
+del _source
+exec(_code, _main.__dict__)
+"""
+
+
+# ---------------------------------------------------------------- isolation
+
+
+_PROBE = "import collections.abc, json, socket, os\nassert os.getcwd().endswith('work')\n"
+
+
+_probe_lock = threading.Lock()
+
+
+def isolation() -> Isolation:
+    """The strongest isolation that works here (probed once per process with a real run).
+
+    ``PLEXRL_SANDBOX_MODE`` (namespaces | userns | guard) forces a mode, e.g. to test the
+    weaker ones on a machine that allows the stronger.
+    """
+    with _probe_lock:
+        return _probe_isolation()
+
+
+@functools.cache
+def _probe_isolation() -> Isolation:
+    for mode in _candidate_modes():
+        try:
+            result = _run(mode, _PROBE, "", Limits(wall_seconds=20))
+        except Exception:  # e.g. no uid lease directory: this mode is not available
+            continue
+        if result.ok:
+            return _describe(mode)
+    return _describe("guard")
+
+
+def network_isolation() -> str:
+    """How sandboxed runs are kept off the network here: ``netns``, ``userns+netns`` or ``audit-guard``."""
+    return isolation().network
+
+
+def _candidate_modes() -> list[str]:
+    forced = os.environ.get("PLEXRL_SANDBOX_MODE")
+    if forced in MODES:
+        return [forced]
+    modes = ["namespaces"] if os.geteuid() == 0 else []
+    return modes + ["userns", "guard"]
+
+
+def _describe(mode: str) -> Isolation:
+    if mode == "namespaces":
+        return Isolation(mode, "netns", "read-only root, writable working directory, own uid",
+                         "RLIMIT_NPROC per run uid; leftovers killed by uid")
+    if mode == "userns":
+        return Isolation(mode, "userns+netns", "read-only root, writable working directory",
+                         "RLIMIT_NPROC per user namespace; PID namespace killed as a whole")
+    return Isolation(mode, "audit-guard", "audit guard refuses writes outside the working directory",
+                     "RLIMIT_NPROC over the driver user's processes (not enforced for root)")
+
+
+# ---------------------------------------------------------------- running one program
+
+
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> SandboxResult:
+    """Run ``code`` as a Python program in the sandbox; never raises for what the program does."""
+    try:
+        return _run(isolation().mode, code, stdin, limits)
+    except Exception as e:  # the sandbox machinery itself failed: that run's failure only
+        return _failed(f"sandbox error: {type(e).__name__}: {e}", limit_hit="crash")
+
+
+def _failed(error: str, limit_hit: str | None = None, seconds: float = 0.0) -> SandboxResult:
+    return SandboxResult(ok=False, stdout="", stderr="", exit_code=None, timed_out=False, killed_by=None,
+                         seconds=seconds, limit_hit=limit_hit, error=error)
+
+
+def _run(mode: str, code: str, stdin: str, limits: Limits) -> SandboxResult:
+    t0 = time.perf_counter()
+    with _uid_lease() if mode == "namespaces" else contextlib.nullcontext() as uid:
+        base = Path(tempfile.mkdtemp(prefix="plexrl-sbx-"))
+        try:
+            _fill_run_dir(base, uid, code, stdin)
+            return _spawn_and_collect(mode, uid, base, limits, t0)
+        finally:
+            if uid is not None:
+                _kill_uid(uid)
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _fill_run_dir(base: Path, uid: int | None, code: str, stdin: str) -> None:
+    """``base/`` (0711) gets ``main.py``, ``stdin``, ``py/`` (stdlib mount points) and ``work/``."""
+    (base / "main.py").write_text(code, encoding="utf-8")
+    (base / "stdin").write_text(stdin, encoding="utf-8")
+    (base / "py").mkdir()
+    work = base / "work"
+    work.mkdir(mode=0o700)
+    if uid is not None:
+        os.chown(work, uid, uid)
+        base.chmod(0o711)
+
+
+def _rlimits(mode: str, limits: Limits) -> list[tuple[str, tuple[int, int]]]:
+    processes = limits.processes
+    if mode == "guard":  # RLIMIT_NPROC counts every process of the user here
+        processes += len(_processes_of_uid(os.getuid()))
+    cpu = max(1, int(limits.cpu_seconds))
+    return [
+        ("RLIMIT_CPU", (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL a second later
+        ("RLIMIT_AS", (limits.memory_bytes, limits.memory_bytes)),
+        ("RLIMIT_FSIZE", (limits.file_bytes, limits.file_bytes)),
+        ("RLIMIT_NPROC", (processes, processes)),
+        ("RLIMIT_NOFILE", (limits.open_files, limits.open_files)),
+        ("RLIMIT_CORE", (0, 0)),
+    ]
+
+
+def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float) -> SandboxResult:
+    config = {"mode": mode, "base": str(base), "uid": uid, "inner_uid": USERNS_INNER_UID,
+              "rlimits": _rlimits(mode, limits)}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "work"), "TMPDIR": str(base / "work"),
+           "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    with open(base / "stdin", "rb") as stdin:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
+            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=base, env=env,
+            start_new_session=True, close_fds=True,
+        )
+    try:
+        out, err, timed_out = _collect(proc, t0 + limits.wall_seconds, limits.output_bytes, uid)
+    except BaseException:
+        _kill_run(proc.pid, uid)
+        proc.wait()
+        raise
+    returncode = proc.wait()
+    return _result(out, err, returncode, timed_out, time.perf_counter() - t0)
+
+
+class _Stream:
+    """One pipe's bytes, kept up to a bound; the rest is read and dropped."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.data = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.bound - len(self.data)
+        self.data += chunk[:max(room, 0)]
+        self.dropped += max(len(chunk) - max(room, 0), 0)
+
+
+def _collect(proc: subprocess.Popen, deadline: float, bound: int, uid: int | None) -> tuple[_Stream, _Stream, bool]:
+    """Read both pipes until the program exits (then kill what it left) or the deadline passes."""
+    pipes = {proc.stdout: _Stream(bound), proc.stderr: _Stream(bound)}
+    exit_fd = _pidfd(proc.pid)
+    timed_out, exited, drain_until = False, False, 0.0
+    with selectors.DefaultSelector() as sel:
+        for pipe in pipes:
+            sel.register(pipe, selectors.EVENT_READ)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)
+        while True:
+            now = time.perf_counter()
+            if not exited and now >= deadline:
+                timed_out = True
+                exited, drain_until = True, _end_run(proc.pid, uid)
+            open_pipes = [k.fileobj for k in sel.get_map().values() if k.fileobj in pipes]
+            if exited and (not open_pipes or now >= drain_until):
+                break
+            wait = (drain_until if exited else deadline) - now
+            if exit_fd is None and not exited:
+                wait = min(wait, 0.05)  # no pidfd: poll for the exit
+            for key, _ in sel.select(timeout=max(wait, 0.0)):
+                if key.fileobj is exit_fd:
+                    sel.unregister(exit_fd)
+                    exited, drain_until = True, _end_run(proc.pid, uid)
+                    continue
+                chunk = os.read(key.fd, _READ_CHUNK)
+                if chunk:
+                    pipes[key.fileobj].add(chunk)
+                else:
+                    sel.unregister(key.fileobj)
+            if not exited and exit_fd is None and _has_exited(proc.pid):
+                exited, drain_until = True, _end_run(proc.pid, uid)
+    if exit_fd is not None:
+        os.close(exit_fd)
+    proc.stdout.close()
+    proc.stderr.close()
+    return pipes[proc.stdout], pipes[proc.stderr], timed_out
+
+
+def _end_run(pid: int, uid: int | None) -> float:
+    """Kill what is left of the run (leftovers would hold the pipes open); the drain deadline."""
+    _kill_run(pid, uid)
+    return time.perf_counter() + _DRAIN_AFTER_EXIT_S
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the program has exited, without reaping it (so its pid cannot be reused yet)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_run(pid: int, uid: int | None) -> None:
+    """SIGKILL the run's process group, and in namespaces mode every process of its uid."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if uid is not None:
+        _kill_uid(uid)
+
+
+def _result(out: _Stream, err: _Stream, returncode: int, timed_out: bool, seconds: float) -> SandboxResult:
+    stdout = bytes(out.data).decode("utf-8", errors="replace")
+    stderr = bytes(err.data).decode("utf-8", errors="replace")
+    killed_by = signal.Signals(-returncode).name if returncode < 0 else None
+    truncated = bool(out.dropped or err.dropped)
+    error = None
+    if returncode == SETUP_FAILED_EXIT and stderr.startswith("plexrl-sandbox: setup failed"):
+        error = stderr.strip().splitlines()[0]
+    limit_hit = _limit_hit(stderr, killed_by, timed_out, truncated, error)
+    return SandboxResult(ok=returncode == 0 and not timed_out, stdout=stdout, stderr=stderr, exit_code=returncode,
+                         timed_out=timed_out, killed_by=killed_by, seconds=seconds, limit_hit=limit_hit,
+                         truncated=truncated, error=error)
+
+
+def _limit_hit(stderr: str, killed_by: str | None, timed_out: bool, truncated: bool, error: str | None) -> str | None:
+    """Which limit ended the run, told from how it ended (stderr is only a hint: the program writes it)."""
+    if error is not None:
+        return "setup"
+    if timed_out:
+        return "wall"
+    if killed_by in ("SIGXCPU", "SIGKILL"):
+        return "cpu"
+    if killed_by == "SIGXFSZ" or "File too large" in stderr:
+        return "file_size"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return "memory"
+    if "Resource temporarily unavailable" in stderr:
+        return "processes"
+    if truncated:
+        return "output"
+    return None
+
+
+# ---------------------------------------------------------------- run uids (namespaces mode)
+
+
+class _uid_lease:
+    """One uid of [SANDBOX_UID_BASE, +SANDBOX_UIDS) held for a run, across processes (flock)."""
+
+    _dir = Path(tempfile.gettempdir()) / "plexrl-sandbox-uids"
+
+    def __enter__(self) -> int:
+        self._dir.mkdir(mode=0o700, exist_ok=True)
+        for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS):  # lowest free first
+            fd = os.open(self._dir / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.fd, self.uid = fd, uid
+            _kill_uid(uid)  # a crashed earlier holder may have left processes
+            return uid
+        raise RuntimeError(f"all {SANDBOX_UIDS} sandbox uids are in use")
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _processes_of_uid(uid: int) -> list[int]:
+    """Live (not zombie) pids whose real uid is ``uid``, read from /proc/<pid>/status."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and _status_uid(entry.name) == uid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _status_uid(pid: str) -> int | None:
+    """The real uid of a live process; None for a zombie or a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _kill_uid(uid: int, rounds: int = 100) -> None:
+    """SIGKILL every process of ``uid`` until none is left (a fork bomb refills for a few rounds)."""
+    for _ in range(rounds):
+        pids = _processes_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
+
+
+# ---------------------------------------------------------------- the pool
+
+
+class SandboxPool:
+    """A bounded pool of threads, each waiting on one sandboxed run (or one piece of driver work).
+
+    ``submit``/``map`` run programs with ``run_python``; their futures never raise: a crash
+    becomes that sample's failed ``SandboxResult``. ``call`` runs any function (an environment
+    step, a reward) on the same threads; its future raises what the function raised. A task
+    must not wait on another task of the same pool (it could wait for a thread that never frees).
+    """
+
+    def __init__(self, max_workers: int | None = None, limits: Limits = Limits()) -> None:
+        self.max_workers = max_workers or max(4, 2 * (os.cpu_count() or 1))
+        self.limits = limits
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="sandbox")
+
+    def submit(self, code: str, stdin: str = "", limits: Limits | None = None) -> concurrent.futures.Future[SandboxResult]:
+        return self._executor.submit(_never_raises, code, stdin, limits or self.limits)
+
+    def map(self, codes: Iterable[str], stdins: Iterable[str] | None = None,
+            limits: Limits | None = None) -> list[SandboxResult]:
+        codes = list(codes)
+        stdins = list(stdins) if stdins is not None else [""] * len(codes)
+        if len(stdins) != len(codes):
+            raise ValueError(f"{len(codes)} programs but {len(stdins)} stdins")
+        futures = [self.submit(c, s, limits) for c, s in zip(codes, stdins)]
+        return [f.result() for f in futures]
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _never_raises(code: str, stdin: str, limits: Limits) -> SandboxResult:
+    try:
+        return run_python(code, stdin, limits)
+    except BaseException as e:  # noqa: BLE001 - a sample's crash must stay that sample's
+        return _failed(f"sandbox crashed: {type(e).__name__}: {e}", limit_hit="crash")
+

@@ -1,0 +1,190 @@
+"""The sandbox contains hostile programs: each is that sample's failure, and the machine goes on.
+
+Real subprocesses under the isolation this machine allows (``sandbox.isolation()``); nothing
+is mocked. Every test ends by checking that the sandbox still runs a normal program.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from plexctl import sandbox
+from plexctl.sandbox import Limits, SandboxPool, run_python
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = Limits(cpu_seconds=2, wall_seconds=3.0)
+
+
+def still_works() -> None:
+    result = run_python("print(6 * 7)")
+    assert result.ok and result.stdout == "42\n", result
+
+
+def leftover_sandbox_processes() -> list[int]:
+    """Live processes of the sandbox uid range (namespaces mode leases those uids)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        uid = sandbox._status_uid(entry.name) if entry.name.isdigit() else None
+        if uid is not None and sandbox.SANDBOX_UID_BASE <= uid < sandbox.SANDBOX_UID_BASE + sandbox.SANDBOX_UIDS:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_isolation_is_reported() -> None:
+    iso = sandbox.isolation()
+    assert iso.mode in sandbox.MODES
+    assert sandbox.network_isolation() == iso.network
+    if os.geteuid() == 0 and "PLEXRL_SANDBOX_MODE" not in os.environ:
+        assert iso.mode == "namespaces" and iso.network == "netns"
+
+
+def test_a_normal_program_runs_in_an_empty_private_directory() -> None:
+    result = run_python("import os, sys\nprint(os.listdir('.'), sys.stdin.read())\nopen('f.txt', 'w').write('x')",
+                        stdin="hello")
+    assert result.ok, result
+    assert result.stdout == "[] hello\n"
+    assert (result.exit_code, result.timed_out, result.killed_by, result.limit_hit) == (0, False, None, None)
+
+
+def test_environment_of_the_driver_is_not_passed() -> None:
+    os.environ["PLEXRL_TEST_SECRET"] = "hunter2"
+    try:
+        result = run_python("import os; print(os.environ.get('PLEXRL_TEST_SECRET'))")
+    finally:
+        del os.environ["PLEXRL_TEST_SECRET"]
+    assert result.stdout == "None\n"
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit() -> None:
+    result = run_python("while True:\n    pass", limits=Limits(cpu_seconds=1, wall_seconds=10))
+    assert not result.ok and result.limit_hit == "cpu" and result.killed_by in ("SIGXCPU", "SIGKILL")
+    assert result.seconds < 5
+    still_works()
+
+
+def test_a_sleeping_program_is_killed_at_the_wall_clock_timeout_with_its_children() -> None:
+    code = ("import os, time\n"
+            "try:\n"
+            "    if os.fork() == 0:\n"
+            "        os.setsid()\n"
+            "except PermissionError:\n"
+            "    pass  # the guard refuses fork\n"
+            "time.sleep(60)")
+    t0 = time.monotonic()
+    result = run_python(code, limits=Limits(wall_seconds=1.0))
+    assert time.monotonic() - t0 < 4
+    assert result.timed_out and result.limit_hit == "wall" and not result.ok
+    if sandbox.isolation().mode == "namespaces":
+        assert leftover_sandbox_processes() == []  # the child that left the session died too
+    still_works()
+
+
+def test_fork_bomb_is_contained() -> None:
+    code = ("import os\n"
+            "while True:\n"
+            "    try:\n"
+            "        os.fork()\n"
+            "    except OSError:\n"
+            "        pass\n")
+    result = run_python(code, limits=Limits(cpu_seconds=2, wall_seconds=2.0, processes=8))
+    assert not result.ok
+    assert result.limit_hit in ("wall", "cpu", "processes") or "refused" in result.stderr
+    if sandbox.isolation().mode == "namespaces":
+        assert leftover_sandbox_processes() == []
+    still_works()
+
+
+def test_ten_gib_allocation_fails_with_memory_error() -> None:
+    result = run_python("data = bytearray(10 * 2**30)\nprint('allocated')", limits=FAST)
+    assert not result.ok and "allocated" not in result.stdout
+    assert result.limit_hit == "memory" and "MemoryError" in result.stderr
+    still_works()
+
+
+@pytest.mark.parametrize("where", ["tmp", "repo"])
+def test_write_outside_the_working_directory_fails(where: str) -> None:
+    target = (Path("/tmp") if where == "tmp" else REPO) / f"plexrl-escape-{uuid.uuid4().hex}"
+    result = run_python(f"open({str(target)!r}, 'w').write('escaped')\nprint('wrote')", limits=FAST)
+    try:
+        assert not result.ok and "wrote" not in result.stdout
+        assert "Read-only file system" in result.stderr or "refused" in result.stderr, result.stderr
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+    still_works()
+
+
+def test_file_size_limit() -> None:
+    code = "open('big', 'wb').write(b'x' * (4 * 2**20))"
+    result = run_python(code, limits=Limits(file_bytes=2**20, wall_seconds=5))
+    assert not result.ok and result.limit_hit == "file_size"
+
+
+def test_network_connection_to_a_listening_server_fails() -> None:
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted: list[object] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        result = run_python(code, limits=FAST)
+        # the server is really there: the driver itself can connect
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert not result.ok and "connected" not in result.stdout
+    assert "Network is unreachable" in result.stderr or "refused" in result.stderr, result.stderr
+    assert len(accepted) == 1  # only the driver's own connection
+    still_works()
+
+
+def test_stdout_is_bounded() -> None:
+    result = run_python("import sys\nsys.stdout.write('x' * 5_000_000)\nprint('done', file=sys.stderr)",
+                        limits=Limits(output_bytes=1000, wall_seconds=10))
+    assert result.ok and len(result.stdout) == 1000 and result.truncated
+    assert result.limit_hit == "output" and result.stderr == "done\n"
+
+
+def test_pool_runs_concurrently_and_survives_crashing_samples() -> None:
+    programs = [
+        "import time; time.sleep(0.5); print('slept')",
+        "import ctypes; ctypes.string_at(0)",  # segfault (or refused by the guard)
+        "\ud800",  # not encodable: the machinery itself fails for this sample
+        "raise SystemExit(3)",
+        "print(sum(range(10)))",
+    ] + ["import time; time.sleep(0.5); print('slept')"] * 5
+    with SandboxPool(max_workers=6) as pool:
+        t0 = time.monotonic()
+        results = pool.map(programs, limits=FAST)
+        took = time.monotonic() - t0
+        assert pool.submit("print('after')").result().stdout == "after\n"
+    assert len(results) == len(programs)
+    assert [r.stdout for r in results if r.stdout == "slept\n"] == ["slept\n"] * 6
+    assert results[1].killed_by == "SIGSEGV" or "refused" in results[1].stderr
+    assert not results[2].ok and results[2].limit_hit == "crash" and results[2].error
+    assert results[3].exit_code == 3 and not results[3].ok
+    assert results[4].stdout == "45\n"
+    assert took < 2.5, f"6 half-second sleeps on 6 workers took {took:.2f}s"

@@ -1,0 +1,254 @@
+"""The trace generator and the simulator that replays traces through the daemon's scheduler core:
+trace shapes and files, conservation of work, isolation, sharing, swaps, calibration, and the
+benchmark's quick mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from daemon.scheduler import POLICIES
+from daemon.simulator import (PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict,
+                              simulate)
+from daemon.trace import DAY_S, GPUS_PER_SHARD, Trace, TraceJob, generate_trace, read_trace, write_trace
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(n_jobs=40, gpus=256, days=10.0, seed=5)
+
+
+@pytest.fixture(scope="module")
+def small() -> Trace:
+    return generate_trace(**SMALL)
+
+
+def test_trace_is_deterministic_and_has_the_published_shapes():
+    a, b = generate_trace(300, 2048, seed=3), generate_trace(300, 2048, seed=3)
+    assert msgspec.json.encode(a) == msgspec.json.encode(b)
+    assert msgspec.json.encode(generate_trace(300, 2048, seed=4)) != msgspec.json.encode(a)
+    jobs = a.jobs
+    assert len(jobs) == 300 and len({j.job_id for j in jobs}) == 300
+    assert {j.model for j in jobs} == {"7B", "30B", "235B"}
+    for j in jobs:
+        assert 0.70 <= j.bubble_ratio <= 0.81, j
+        assert 16 <= j.gpus <= 192 and j.gpus % GPUS_PER_SHARD == 0
+        assert 0.0 <= j.arrival_s <= 90 * DAY_S
+        assert j.steps >= 10 and j.state_bytes > 0 and 0 < j.tail_share <= 1
+        assert min(j.generate_s, j.reward_s, j.train_s) > 0 and (j.tool_s > 0) == (j.turns > 1)
+    assert [j.arrival_s for j in jobs] == sorted(j.arrival_s for j in jobs)
+    assert max(j.gpus for j in jobs) == 192 and min(j.gpus for j in jobs) == 16
+    # full fine-tunes carry weights + optimizer: far more state than any LoRA job of their class
+    for model in ("7B", "30B"):
+        full = [j.state_bytes for j in jobs if j.model == model and j.full_weights]
+        lora = [j.state_bytes for j in jobs if j.model == model and not j.full_weights]
+        assert full and lora and min(full) > 10 * max(lora)
+    # step counts are scaled so that isolated demand is `load` x the cluster over the window
+    demand = sum(j.isolated_gpu_s for j in jobs)
+    assert demand == pytest.approx(a.load * 2048 * 90 * DAY_S, rel=0.02)
+    # arrivals are bursty: the busiest day sees several times the mean
+    per_day = defaultdict(int)
+    for j in jobs:
+        per_day[int(j.arrival_s // DAY_S)] += 1
+    assert max(per_day.values()) > 3 * len(jobs) / 90
+
+
+def test_a_small_cluster_caps_job_size():
+    trace = generate_trace(50, 128, seed=1)
+    assert max(j.gpus for j in trace.jobs) <= 32
+    assert sum(partition(trace, 128).values()) == 128 // GPUS_PER_SHARD
+
+
+def test_trace_files_round_trip(tmp_path, small):
+    for name in ("t.json", "t.jsonl"):
+        write_trace(tmp_path / name, small)
+        back = read_trace(tmp_path / name)
+        assert back.jobs == small.jobs
+    assert read_trace(tmp_path / "t.json") == small  # the whole document keeps the cluster fields
+    (tmp_path / "bad.json").write_text('{"jobs": [{"job_id": 3}]}')
+    with pytest.raises(ValueError, match="not a trace"):
+        read_trace(tmp_path / "bad.json")
+
+
+def test_partition_gives_every_model_class_room_for_its_largest_job(small):
+    pools = partition(small, 256)
+    assert sum(pools.values()) == 256 // GPUS_PER_SHARD
+    for model in pools:
+        assert pools[model] >= max(j.shards for j in small.jobs if j.model == model)
+    with pytest.raises(ValueError, match="cannot hold"):
+        partition(small, 64)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_job_runs_all_its_steps_and_engines_never_exceed_capacity(small, policy):
+    r = simulate(small, policy, jobs_per_engine=3)
+    assert r.jobs == len(small.jobs) and r.steps == small.steps
+    by_id = {j.job_id: j for j in small.jobs}
+    for o in r.outcomes:
+        assert o.steps == by_id[o.job_id].steps
+        assert o.arrival_s <= o.admitted_s < o.finished_s
+        assert o.finished_s - o.admitted_s >= by_id[o.job_id].steps * by_id[o.job_id].step_s * 0.7  # jitter aside
+    assert r.engines == 2 * sum(r.pools.values())
+    for engine, busy in r.engine_busy_s.items():  # slot-weighted: at most one engine's worth at a time
+        assert 0.0 <= busy <= r.makespan_s * (1 + 1e-9), engine
+    assert sum(r.engine_busy_s.values()) <= r.engines * r.makespan_s
+    assert 0.0 < r.busy_gpu_hours <= r.gpu_hours
+    assert 0.0 < r.bubble_ratio < 1.0
+    assert r.ticks > 0 and r.tick_p50_us <= r.tick_p99_us <= r.tick_max_us
+
+
+def test_the_work_done_is_the_same_under_every_policy(small):
+    """Durations are drawn per job in a fixed order, so only swap time differs between policies."""
+    work = {}
+    for policy in POLICIES:
+        r = simulate(small, policy, jobs_per_engine=3)
+        work[policy] = r.busy_gpu_hours - r.swaps.seconds * 8 / 3600
+    assert max(work.values()) == pytest.approx(min(work.values()), rel=1e-9)
+
+
+def test_isolated_never_runs_two_jobs_on_one_engine_at_once(small):
+    r = simulate(small, "isolated", record_intervals=True)
+    assert r.swaps.swap_ins == 0 and r.swaps.total_bytes == 0
+    by_engine = defaultdict(list)
+    for engine, job, start, end in r.intervals:
+        by_engine[engine].append((start, end, job))
+    for engine, spans in by_engine.items():
+        spans.sort()
+        ends: dict[str, float] = {}
+        for start, end, job in spans:
+            assert all(start >= e - 1e-9 for other, e in ends.items() if other != job), (engine, job, start)
+            ends[job] = max(end, ends.get(job, 0.0))
+    # and isolated holds exactly each job's GPUs for its run time
+    by_id = {j.job_id: j for j in small.jobs}
+    held = sum(by_id[o.job_id].gpus * (o.finished_s - o.admitted_s) for o in r.outcomes) / 3600
+    assert r.gpu_hours == pytest.approx(held, rel=1e-9)
+
+
+def burst(n: int = 16) -> Trace:
+    """n two-pair jobs arriving within an hour: isolated, they queue for the 4 pairs."""
+    jobs = [TraceJob(job_id=f"b{i}", model="7B", gpus=32, arrival_s=i * 200.0, steps=40, generate_s=60.0,
+                     tail_share=0.6, tool_s=30.0 if i % 2 else 0.0, reward_s=40.0, train_s=30.0,
+                     turns=2 if i % 2 else 1, state_bytes=2 << 30, user=f"u{i % 3}", seed=i)
+            for i in range(n)]
+    return Trace(jobs=jobs, gpus=128)
+
+
+@pytest.mark.parametrize("trace", [burst(), generate_trace(**SMALL)], ids=["burst", "generated"])
+def test_sharing_finishes_a_bursty_trace_no_later_than_isolated(trace):
+    iso = simulate(trace, "isolated")
+    assert iso.queue_p99_s > 0  # the burst really queues
+    for policy in ("pack", "spread", "spread+backfill"):
+        shared = simulate(trace, policy, jobs_per_engine=4)
+        assert shared.makespan_s <= iso.makespan_s, policy
+        assert shared.queue_p50_s <= iso.queue_p50_s
+        assert shared.bubble_ratio < iso.bubble_ratio
+    best = simulate(trace, "spread+backfill", jobs_per_engine=4)
+    assert best.gpu_hours_per_step < iso.gpu_hours_per_step
+
+
+def test_more_tenants_than_device_slots_swap_state_and_count_it():
+    trace = burst(16)  # 32 shards on 8 trainers: 4 tenants each
+    cfg = SimConfig(device_slots=1, host_gb=2.5)  # one state on the device, one in host memory
+    r = simulate(trace, "spread", jobs_per_engine=4, config=cfg)
+    assert r.swaps.swap_ins > 0 and r.swaps.seconds > 0
+    assert r.swaps.bytes["device->host"] > 0 and r.swaps.bytes["host->device"] > 0
+    assert r.swaps.bytes.get("host->nvme", 0) > 0  # host memory overflowed to NVMe
+    # each swap-in moves one 2 GiB state; a swap-in costs at least its host -> device copy
+    assert r.swaps.seconds >= r.swaps.swap_ins * (2 << 30) / (cfg.h2d_gbps * 1e9) * 0.999
+    roomy = simulate(trace, "spread", jobs_per_engine=4, config=SimConfig(device_slots=4))
+    assert roomy.swaps.swap_ins == 0
+    # backfill may move an evicted job's trainer elsewhere: its state then crosses nodes
+    moved = simulate(trace, "spread+backfill", jobs_per_engine=4, config=cfg)
+    assert moved.swaps.bytes.get("node->node", 0) > 0
+
+
+def multiplex_json(model: PhaseModel, with_phases: bool) -> dict:
+    """What bench/multiplex.py would measure if the real engines behaved like the simulator."""
+    cfg = model.config()
+    iso = simulate(model.trace(), "isolated", config=cfg)
+    shared = simulate(model.trace(), "spread+backfill", jobs_per_engine=8, config=cfg)
+    jobs = {}
+    for o, j in zip(sorted(iso.outcomes, key=lambda o: o.arrival_s), model.jobs):
+        jobs[j.name] = {"run_s": o.finished_s - o.admitted_s, "reward": [0.0] * j.steps}
+        if with_phases:
+            jobs[j.name].update(generate_s=j.generate_s, train_s=j.train_s)
+    eps = lambda r: r.gpu_hours_per_step * 3600 / cfg.gpus_per_engine  # noqa: E731
+    return {"steps": model.jobs[0].steps, "modes": {
+        "isolated": {"engines": 2, "bubble_ratio": iso.bubble_ratio, "makespan_s": iso.makespan_s,
+                     "engine_s_per_step": eps(iso), "steps": sum(j.steps for j in model.jobs), "jobs": jobs},
+        "spread+backfill": {"engines": 2, "bubble_ratio": shared.bubble_ratio, "makespan_s": shared.makespan_s,
+                            "engine_s_per_step": eps(shared), "jobs": {}}}}
+
+
+def test_calibration_round_trip():
+    # every job busy 60 % of its step, a third of that on the trainer: the fallback's assumptions hold
+    truth = PhaseModel(jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4),
+                             PhaseJob("c", 12, 0.2, 0.2, 0.1)], busy_share=0.6, train_share=1 / 3)
+    for with_phases in (True, False):
+        data = multiplex_json(truth, with_phases)
+        model = calibrate_from(data, train_share=1 / 3)
+        assert model.busy_share == pytest.approx(0.6, rel=1e-3)
+        for got, want in zip(model.jobs, truth.jobs):
+            assert (got.name, got.steps) == (want.name, want.steps)
+            assert (got.generate_s, got.stall_s, got.train_s) == pytest.approx(
+                (want.generate_s, want.stall_s, want.train_s), rel=1e-3, abs=1e-6)
+        out = predict(model)
+        assert out["measured_ratio"] == pytest.approx(data["modes"]["spread+backfill"]["engine_s_per_step"]
+                                                      / data["modes"]["isolated"]["engine_s_per_step"])
+        assert abs(out["error"]) < 0.01
+        assert out["isolated_bubble_ratio"] == pytest.approx(0.7, abs=0.01)
+
+
+def test_calibrates_from_the_benchmark_file(tmp_path):
+    path = REPO / "bench" / "results" / "multiplex.json"
+    if not path.exists():
+        truth = PhaseModel(jobs=[PhaseJob("a", 6, 0.4, 0.4, 0.2)], busy_share=0.6, train_share=1 / 3)
+        path = tmp_path / "multiplex.json"
+        path.write_text(json.dumps(multiplex_json(truth, with_phases=False)))
+    model = calibrate_from(path)
+    iso = json.loads(path.read_text())["modes"]["isolated"]
+    assert [j.name for j in model.jobs] == list(iso["jobs"])
+    assert 0.0 < model.busy_share <= 1.0
+    for j in model.jobs:  # the phases add up to the measured step time
+        assert j.generate_s + j.stall_s + j.train_s == pytest.approx(iso["jobs"][j.name]["run_s"] / j.steps)
+    out = predict(model)
+    assert out["isolated_bubble_ratio"] == pytest.approx(iso["bubble_ratio"], abs=0.01)
+    assert 0.0 < out["ratio"] < 1.0
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_simulate", REPO / "bench" / "simulate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_benchmark_writes_its_json(tmp_path):
+    truth = PhaseModel(jobs=[PhaseJob("a", 5, 0.4, 0.4, 0.2), PhaseJob("b", 5, 0.8, 0.8, 0.4)],
+                       busy_share=0.6, train_share=1 / 3)
+    mux = tmp_path / "multiplex.json"
+    mux.write_text(json.dumps(multiplex_json(truth, with_phases=True)))
+    out = tmp_path / "simulate.json"
+    bench = load_bench()
+    assert bench.main(["--quick", "--workers", "1", "--multiplex", str(mux), "--out", str(out),
+                       "--save-trace", str(tmp_path / "trace.jsonl")]) == 0
+    data = json.loads(out.read_text())
+    labels = set(data["policies"])
+    assert {"isolated", "pack", "spread", "spread+backfill", data["best"]["label"]} == labels
+    assert data["best"]["label"].startswith("best: spread+backfill")
+    assert data["policies"]["isolated"]["makespan_vs_isolated"] == 1.0
+    for row in data["policies"].values():
+        assert row["jobs"] == 50 and row["gpus"] == 128 and row["tick_p99_us"] > 0
+        assert {"makespan_s", "gpu_hours_per_step", "queue_p50_s", "queue_p99_s", "swap_bytes",
+                "bubble_ratio", "tick_p50_us"} <= set(row)
+    assert data["calibration"]["phases"].startswith("measured") and abs(data["calibration"]["error"]) < 0.01
+    assert len(data["tuning"]) >= 2
+    # the saved trace replays through the same entry point (`plexctl simulate TRACE`)
+    out2 = tmp_path / "replay.json"
+    assert bench.main([str(tmp_path / "trace.jsonl"), "--gpus", "128", "--workers", "1", "--macro-steps", "4",
+                       "--multiplex", str(tmp_path / "absent.json"), "--out", str(out2)]) == 0
+    replay = json.loads(out2.read_text())
+    assert replay["trace"]["jobs"] == 50 and replay["calibration"] is None
