@@ -40,7 +40,7 @@ FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 FULL_FINETUNE_REFUSED = "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
 OVERRIDE_FILE = "--set"
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"))
+PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"))
 
 
 def _doc(description: str, **constraints: Any) -> Meta:
@@ -97,6 +97,31 @@ class RewardSpec(_Section, kw_only=True):
     ] = 0.0
 
 
+class EnvSpec(_Section, kw_only=True):
+    """A multi-turn environment with tools. When set, each sample is an episode (tool calls and
+    observations between turns) and the environment scores it; ``reward.failure_reward`` is
+    given when a step fails. Set exactly one of ``name`` and ``cls``."""
+
+    name: Annotated[
+        Literal["math", "code", "python_tool", "search"] | None, _doc("Built-in environment")
+    ] = None
+    cls: Annotated[
+        Annotated[str, Meta(pattern=FN_PATTERN)] | None, _doc("Custom environment `module:Class`")
+    ] = None
+    path: Annotated[str | None, _doc("Directory put first on sys.path to import `cls`; relative to the YAML file")] = None
+    config: Annotated[dict[str, Any], _doc("Keyword arguments of the environment class")] = msgspec.field(
+        default_factory=dict)
+    max_turns: Annotated[int, _doc("Model turns per episode", ge=1)] = 4
+    max_total_tokens: Annotated[
+        Annotated[int, Meta(ge=1)] | None, _doc("Token budget of a whole episode (prompt included)")
+    ] = None
+    step_timeout_s: Annotated[
+        Annotated[float, Meta(gt=0)] | None, _doc("Seconds a tool or scoring step may take")
+    ] = None
+    truncated_reward: Annotated[float, _doc("Reward of an episode cut by the turn or token limit")] = 0.0
+    workers: Annotated[int, _doc("Sandboxed processes running tools and scoring concurrently", ge=1)] = 4
+
+
 class AlgoSpec(_Section, kw_only=True):
     """The RL algorithm and its hyperparameters."""
 
@@ -140,6 +165,7 @@ class JobSpec(_Section, kw_only=True):
     lora: Annotated[LoraSpec | None, _doc("LoRA adapter; required (full fine-tuning is not supported yet)")] = None
     data: DataSpec
     reward: RewardSpec
+    env: Annotated[EnvSpec | None, _doc("Multi-turn environment with tools (null: single-turn)")] = None
     algo: AlgoSpec = msgspec.field(default_factory=AlgoSpec)
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
@@ -386,6 +412,7 @@ def _check_files(doc: dict[str, Any], issues: _Issues) -> None:
             fields = (data.get("prompt_field", "prompt"), data.get("answer_field", "answer"))
             _check_data_file(data[key], fields, ("data", key), issues)
     _check_reward_import(doc.get("reward"), issues)
+    _check_env_import(doc.get("env"), issues)
 
 
 def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues) -> None:
@@ -414,6 +441,19 @@ def _check_reward_import(reward: Any, issues: _Issues) -> None:
         load_reward(msgspec.convert(reward, RewardSpec))
     except RewardLoadError as e:
         issues.add(("reward", "fn"), str(e))
+
+
+def _check_env_import(env: Any, issues: _Issues) -> None:
+    if not isinstance(env, dict):
+        return
+    from plexctl.envs import ENVS, EnvLoadError, load_env  # only specs with an env pay for the import
+
+    if any(issue.path.startswith("env.") for issue in issues.found):
+        return  # the schema check already reported what is wrong with the section
+    try:
+        load_env({k: env.get(k) for k in ("name", "cls", "path", "config")})
+    except EnvLoadError as e:
+        issues.add(("env", "cls" if env.get("cls") else "name"), str(e))
 
 
 # ---------------------------------------------------------------- YAML and overrides

@@ -150,3 +150,25 @@ def test_down_then_up_resumes_from_the_last_checkpoint(tiny_model, tmp_path):
         assert after == list(range(at + 1, 61))  # the run continues right after its checkpoint
     finally:
         c.run("down", timeout=120)
+
+
+def test_a_multi_turn_tool_job_runs_through_the_daemon(cluster, tmp_path):
+    from plexctl.envs import python_tool_tiny_dataset
+
+    data = tmp_path / "tool.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in python_tool_tiny_dataset(64, seed=0)))
+    job = cluster.run("submit", TINY, "--name", "tool", "-q",
+                      "--set", f"data.path={data}", "--set", "data.eval_path=null",
+                      "--set", "env.name=python_tool", "--set", "env.max_turns=3",
+                      "--set", "env.max_total_tokens=48", "--set", "sampling.max_tokens=12",
+                      "--set", "algo.steps=3", "--set", "algo.prompts_per_step=4", "--set", "algo.group_size=4",
+                      check=True).stdout.strip()
+    waited = cluster.run("wait", job, "--timeout", "600")
+    assert waited.returncode == 0, waited.stdout + cluster.run("logs", job).stdout[-3000:]
+    rows = [json.loads(line) for line in cluster.run("logs", job, "--metrics", check=True).stdout.splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:  # episode accounting reaches the job's metrics
+        for key in ("env/turns_mean", "env/tool_calls", "env/malformed_calls", "env/tool_timeouts"):
+            assert key in r, sorted(r)
+        assert r["train/tokens"] > 0

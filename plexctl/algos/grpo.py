@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
+
 from plexctl.data import PromptCursor, load_records
+from plexctl.envs.base import episode_batch, episode_metrics
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import load_reward, safe_reward
 from plexctl.rl import JobClient
@@ -64,6 +67,14 @@ class GRPO:
         self.hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
                                kl_coef=a.kl_coef, loss_agg=a.loss_agg)
         self.metrics_path = job_dir / "metrics.jsonl"
+        self.env_factory = None
+        if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
+            from plexctl.envs import load_env
+            from plexctl.sandbox import SandboxPool
+
+            e = spec.env
+            self.env_factory = load_env({"name": e.name, "cls": e.cls, "path": e.path, "config": e.config})
+            self.pool = SandboxPool(max_workers=e.workers)
 
     # -- pieces
 
@@ -77,16 +88,32 @@ class GRPO:
         return [self.reward(c.text, str(records[i // n][d.answer_field]), records[i // n])
                 for i, c in enumerate(comps)]
 
+    def episodes(self, records: list[dict], n: int, sampling: Sampling) -> list:
+        """Run ``n`` multi-turn episodes per record; each turn of all of them is one generate call."""
+        from plexctl.envs import run_episodes
+
+        e = self.spec.env
+        samples = [r for r in records for _ in range(n)]
+        envs = [self.env_factory() for _ in samples]
+        return run_episodes(self.client.generate, envs, samples, msgspec.structs.replace(sampling, n=1),
+                            e.max_turns, self.pool, failure_reward=self.spec.reward.failure_reward,
+                            truncated_reward=e.truncated_reward, step_timeout_s=e.step_timeout_s,
+                            max_total_tokens=e.max_total_tokens)
+
     def evaluate(self, step: int) -> float | None:
         if not self.eval_records:
             return None
         n = self.spec.algo.eval_samples
-        prompts = [r[self.spec.data.prompt_field] for r in self.eval_records]
-        comps = self.client.generate(prompts, self.sampling(step, n, seed=EVAL_SEED))
-        value = sum(self.score(self.eval_records, comps, n)) / len(comps)
+        sampling = self.sampling(step, n, seed=EVAL_SEED)
+        if self.env_factory is not None:
+            rewards = [ep.reward for ep in self.episodes(self.eval_records, n, sampling)]
+        else:
+            prompts = [r[self.spec.data.prompt_field] for r in self.eval_records]
+            rewards = self.score(self.eval_records, self.client.generate(prompts, sampling), n)
+        value = sum(rewards) / len(rewards)
         self.client.report("eval", step, {"eval_reward": value})
         self.write_metrics({"step": step, "eval_reward": value})
-        self.log(f"eval at step {step}: reward {value:.4f} over {len(comps)} samples")
+        self.log(f"eval at step {step}: reward {value:.4f} over {len(rewards)} samples")
         return value
 
     def write_metrics(self, row: dict[str, Any]) -> None:
@@ -113,35 +140,49 @@ class GRPO:
             return recs, c.generate_async([r[self.spec.data.prompt_field] for r in recs],
                                           self.sampling(step, a.group_size))
 
-        pending = next_generate(start) if start < a.steps else None
+        multi_turn = self.env_factory is not None
+        pending = next_generate(start) if start < a.steps and not multi_turn else None
         for step in range(start, a.steps):
             t0 = time.perf_counter()
-            recs, msg_id = pending
-            reply = c.wait(msg_id)
-            comps = c.completions(reply)
-            staleness = version - int(reply.get("policy_version", version))  # policy versions behind
-            t_gen = time.perf_counter() - t0
-            rewards = self.score(recs, comps, a.group_size)
-            adv = group_advantages(rewards, a.group_size)
-            batch = build_batch(comps, adv)
+            extra: dict[str, float] = {}
+            if multi_turn:  # episodes: one generate per turn, tools between turns (no overlap)
+                recs = cursor.next_batch(a.prompts_per_step)
+                episodes = self.episodes(recs, a.group_size, self.sampling(step, a.group_size))
+                staleness, t_gen = 0, time.perf_counter() - t0
+                rewards = [ep.reward for ep in episodes]
+                adv = group_advantages(rewards, a.group_size)
+                batch = episode_batch(episodes, adv)
+                lengths = [sum(ep.loss_mask) for ep in episodes]
+                extra = episode_metrics(episodes)
+            else:
+                recs, msg_id = pending
+                reply = c.wait(msg_id)
+                comps = c.completions(reply)
+                staleness = version - int(reply.get("policy_version", version))  # policy versions behind
+                t_gen = time.perf_counter() - t0
+                rewards = self.score(recs, comps, a.group_size)
+                adv = group_advantages(rewards, a.group_size)
+                batch = build_batch(comps, adv)
+                lengths = [len(x.token_ids) for x in comps]
             last = step + 1 == a.steps
-            if a.max_staleness > 0 and not last:
+            if a.max_staleness > 0 and not last and not multi_turn:
                 pending = next_generate(step + 1)  # overlaps this step's training
             train = c.train_step(batch, self.hp)
             version = c.publish()
-            if a.max_staleness == 0 and not last:
+            if a.max_staleness == 0 and not last and not multi_turn:
                 pending = next_generate(step + 1)
             row = {
                 "step": step + 1,
                 "reward_mean": sum(rewards) / len(rewards),
                 "reward_max": max(rewards),
-                "response_len": sum(len(x.token_ids) for x in comps) / len(comps),
+                "response_len": sum(lengths) / len(lengths),
                 "policy_version": version,
                 "staleness": staleness,
                 "reward_errors": getattr(self.reward, "errors", 0),
                 "generate_s": t_gen,
                 "step_s": time.perf_counter() - t0,
                 **{f"train/{k}": v for k, v in train.items()},
+                **{f"env/{k}": v for k, v in extra.items()},
             }
             self.write_metrics(row)
             c.report("step", step + 1, {k: float(v) for k, v in row.items()})
