@@ -185,12 +185,21 @@ def _load(file: Path, overrides: list[str], name: str | None):
 
 
 @app.command()
-def validate(files: Annotated[list[Path], typer.Argument(help="job spec YAML files")],
+def validate(files: Annotated[Optional[list[Path]], typer.Argument(help="job spec YAML files")] = None,
+             explain: Annotated[Optional[str], typer.Option("--explain", help="describe a spec key, e.g. algo.lr")]
+             = None,
              set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c")] = None,
              schema_only: Annotated[bool, typer.Option("--schema-only",
                                                        help="skip file checks (specs for another machine)")] = False,
              ) -> None:
-    """Check job specs without queueing anything."""
+    """Check job specs without queueing anything (or explain a spec key)."""
+    if explain:
+        from plexctl.spec_doc import explain as explain_key
+
+        console.print(explain_key(explain), markup=False, highlight=False)
+        return
+    if not files:
+        raise UsageError("give job spec files to validate, or --explain KEY")
     bad = False
     for f in files:
         try:
