@@ -1,0 +1,59 @@
+"""The swap and daemon benchmarks still run, in ``--quick`` mode, and write JSON of the shape
+README's results table is generated from. Benchmarks are programs, not tests: nothing here
+asserts on a time, a throughput figure or whether a target was met, only that the numbers
+are there and sane."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PATHS = {"device->host", "host->device", "host->nvme", "nvme->host"}
+
+
+def run_quick(script: str, out: Path, timeout: float = 900) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"bench/{script} --quick -> {proc.returncode}\n{tail}"
+    return json.loads(out.read_text())
+
+
+def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> None:
+    result = run_quick("swap.py", tmp_path / "swap.json")
+    assert result["quick"] is True
+    sizes = {s["size"]: s for s in result["sizes"]}
+    assert list(sizes) == ["adapter", "optimizer", "full"]
+    assert sizes["adapter"]["bytes"] < sizes["optimizer"]["bytes"] < sizes["full"]["bytes"]
+    assert sizes["full"]["bytes"] == pytest.approx(256 << 20, rel=0.05)
+    for size in sizes.values():
+        paths = {p["path"]: p for p in size["paths"]}
+        assert set(paths) == PATHS
+        for row in paths.values():
+            assert row["gbps"] > 0 and row["raw_gbps"] > 0, row
+            assert row["pct_of_raw"] == pytest.approx(row["gbps"] / row["raw_gbps"])
+            assert row["meets_target"] == (row["pct_of_raw"] >= result["target_pct_of_raw"])
+    summary = result["summary"]
+    assert len(summary["meets_target"]) + len(summary["below_target"]) == 3 * len(PATHS)
+    hidden = result["hidden_behind_compute"]
+    assert hidden["available"] or hidden["missing"]  # a share per mode, or what the multiplex JSON lacks
+
+
+def test_daemon_quick_reports_round_trip_and_throughput(tmp_path: Path) -> None:
+    result = run_quick("daemon_rtt.py", tmp_path / "daemon.json")
+    assert result["quick"] is True
+    rtt = result["round_trip"]
+    assert rtt["requests"] > 0
+    assert 0 < rtt["p50_ms"] <= rtt["p90_ms"] <= rtt["p99_ms"] <= rtt["max_ms"]
+    load = result["throughput"]
+    assert load["clients"] == 100
+    assert load["replies"] > 0 and load["msgs_per_s"] > 0
+    assert load["errors"] == 0
+    assert set(result["met"]) == {"p50", "msgs_per_s"}
+    if result["profile"] is not None:  # only when a target was missed
+        assert result["profile"]["top_by_self_time"]
