@@ -45,9 +45,9 @@ BENCH = str(REPO / "bench")
 
 # name -> overrides on configs/tiny-arith.yaml: four different shapes of job
 JOBS: dict[str, list[str]] = {
-    "reward-wait": [f"reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null",
+    "reward-wait": ["reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null",
                     "seed=1"],
-    "reward-cpu": [f"reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null",
+    "reward-cpu": ["reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null",
                    "seed=2"],
     "long-tail": ["sampling.max_tokens=24", "sampling.temperature=1.3", "seed=3"],
     "train-heavy": ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"],

@@ -10,7 +10,6 @@ pure Python.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import msgspec
@@ -94,12 +93,3 @@ class JobClient:
 
     def restore(self) -> dict[str, Any] | None:
         return self.call("restore")
-
-
-class Stopwatch:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def lap(self) -> float:
-        t, self.t0 = self.t0, time.perf_counter()
-        return self.t0 - t

@@ -446,7 +446,7 @@ def _check_reward_import(reward: Any, issues: _Issues) -> None:
 def _check_env_import(env: Any, issues: _Issues) -> None:
     if not isinstance(env, dict):
         return
-    from plexctl.envs import ENVS, EnvLoadError, load_env  # only specs with an env pay for the import
+    from plexctl.envs import EnvLoadError, load_env  # only specs with an env pay for the import
 
     if any(issue.path.startswith("env.") for issue in issues.found):
         return  # the schema check already reported what is wrong with the section
