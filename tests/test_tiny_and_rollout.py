@@ -261,3 +261,12 @@ def test_adapter_registry_ids_are_stable_and_versions_retire() -> None:
     assert reg.key_of(a2) == AdapterKey("a", 2)
     reg.forget_job("a")
     assert reg.jobs() == ["b"] and reg.job_ids("a") == []
+
+
+def test_one_large_seeded_call_is_served_whole(engine: RolloutEngine) -> None:
+    # 300 prompts of ~20 tokens (> vLLM's default 4,096-token step budget): a seeded call must not
+    # have a prompt split across engine steps, which fails on CPU
+    prompt = "12*7=call:12*7;=84;"
+    req = GenRequest(job_id="big", prompts=[prompt] * 300, sampling=Sampling(max_tokens=3, n=1, seed=5))
+    (out,) = engine.generate([req])
+    assert len(out) == 300 and all(len(c.prompt_token_ids) >= 19 for c in out)

@@ -82,6 +82,7 @@ from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
 
 log = logging.getLogger("plexrl.worker.rollout")
 
+MAX_NUM_SEQS = 256  # sequences per engine step
 GiB = 1 << 30
 ENGINE_THREADS = 1
 WARMUP_PROMPT = "0+0="  # any short text: unknown characters still tokenize (to <unk>)
@@ -398,6 +399,10 @@ class RolloutEngine:
                     dtype=dtype,
                     seed=seed,
                     max_model_len=max_model_len,
+                    # a whole batch of full-length prompts fits one step: vLLM then never splits a
+                    # prompt across steps, which a seeded sampler cannot do on CPU
+                    max_num_seqs=MAX_NUM_SEQS,
+                    max_num_batched_tokens=MAX_NUM_SEQS * max_model_len,
                     enable_lora=True,
                     max_lora_rank=max_lora_rank,
                     max_loras=max_loras,
