@@ -95,6 +95,10 @@ class RewardSpec(_Section, kw_only=True):
     failure_reward: Annotated[
         float, _doc("Reward given when the reward function raises or returns a non-finite value")
     ] = 0.0
+    max_error_rate: Annotated[
+        float, _doc("The job fails when more than this share of a step's samples hit a reward error or "
+                    "tool timeout", ge=0, le=1)
+    ] = 1.0
 
 
 class EnvSpec(_Section, kw_only=True):

@@ -172,3 +172,15 @@ def test_a_multi_turn_tool_job_runs_through_the_daemon(cluster, tmp_path):
         for key in ("env/turns_mean", "env/tool_calls", "env/malformed_calls", "env/tool_timeouts"):
             assert key in r, sorted(r)
         assert r["train/tokens"] > 0
+
+
+def test_a_job_whose_reward_keeps_failing_stops_with_the_reason(cluster, tmp_path):
+    (tmp_path / "broken_reward.py").write_text(
+        "def score(completion, answer, sample):\n    raise ValueError('verifier down')\n")
+    job = cluster.run("submit", TINY, "--name", "broken", "-q", "--set", "reward.name=null",
+                      "--set", "reward.fn=broken_reward:score", "--set", f"reward.path={tmp_path}",
+                      "--set", "reward.max_error_rate=0.5", "--set", "algo.steps=20", check=True).stdout.strip()
+    waited = cluster.run("wait", job, "--timeout", "300")
+    assert waited.returncode == 1  # failed
+    info = cluster.job(job)
+    assert info["state"] == "failed" and "max_error_rate" in info["error"] and info["step"] == 0

@@ -32,6 +32,10 @@ from plexctl.spec import JobSpec
 EVAL_SEED = 12345
 
 
+class ErrorRateExceeded(Exception):
+    """Too many of a step's samples failed in reward or tool code: the job stops."""
+
+
 def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
     """(r - mean) / (std + eps) within each consecutive group of ``group_size`` samples."""
     out: list[float] = []
@@ -67,6 +71,7 @@ class GRPO:
         self.hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
                                kl_coef=a.kl_coef, loss_agg=a.loss_agg)
         self.metrics_path = job_dir / "metrics.jsonl"
+        self._errors_seen = 0  # reward errors and tool timeouts so far
         self.env_factory = None
         if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
             from plexctl.envs import load_env
@@ -164,6 +169,15 @@ class GRPO:
                 adv = group_advantages(rewards, a.group_size)
                 batch = build_batch(comps, adv)
                 lengths = [len(x.token_ids) for x in comps]
+            errors_before = self._errors_seen
+            errors_now = (int(extra.get("reward_errors", 0) + extra.get("tool_timeouts", 0)) + errors_before
+                          if multi_turn else int(getattr(self.reward, "errors", 0)))
+            self._errors_seen = errors_now
+            error_rate = (errors_now - errors_before) / len(rewards)
+            if error_rate > self.spec.reward.max_error_rate:
+                raise ErrorRateExceeded(
+                    f"{error_rate:.0%} of step {step + 1}'s samples hit a reward error or tool timeout "
+                    f"(reward.max_error_rate {self.spec.reward.max_error_rate:.0%})")
             last = step + 1 == a.steps
             if a.max_staleness > 0 and not last and not multi_turn:
                 pending = next_generate(step + 1)  # overlaps this step's training
@@ -179,6 +193,7 @@ class GRPO:
                 "policy_version": version,
                 "staleness": staleness,
                 "reward_errors": getattr(self.reward, "errors", 0),
+                "error_rate": error_rate,
                 "generate_s": t_gen,
                 "step_s": time.perf_counter() - t0,
                 **{f"train/{k}": v for k, v in train.items()},
