@@ -244,7 +244,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unwrap(tp: Any) -> tuple[Any, list[Meta], bool]:
+def unwrap_type(tp: Any) -> tuple[Any, list[Meta], bool]:
     """(base type, Meta constraints, whether null is allowed) of a field type."""
     metas: list[Meta] = []
     optional = False
@@ -312,7 +312,7 @@ class _SchemaWalk:
         return out
 
     def value(self, tp: Any, value: Any, path: Key) -> Any:
-        base, metas, optional = _unwrap(tp)
+        base, metas, optional = unwrap_type(tp)
         if value is None:
             if optional:
                 return None

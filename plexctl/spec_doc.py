@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import inspect
 import math
-import operator
 import sys
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import msgspec
 import yaml
 from msgspec import Meta
 
 from plexctl.errors import UsageError
-from plexctl.spec import JobSpec
+from plexctl.spec import JobSpec, unwrap_type
 
 REGENERATE = "python -m plexctl.spec_doc > docs/spec-reference.md"
 CHECK = "python -m plexctl.spec_doc --check docs/spec-reference.md"
@@ -80,24 +78,6 @@ class SectionDoc:
     fields: tuple[FieldDoc, ...]
 
 
-def _unwrap(tp: Any) -> tuple[Any, list[Meta], bool]:
-    """(base type, every Meta on the way down, whether null is allowed) of a field type."""
-    metas: list[Meta] = []
-    nullable = False
-    while True:
-        if get_origin(tp) is Annotated:
-            tp, *extra = get_args(tp)
-            metas += [m for m in extra if isinstance(m, Meta)]
-        elif get_origin(tp) in (Union, types.UnionType):
-            members = [a for a in get_args(tp) if a is not type(None)]
-            nullable = nullable or len(members) < len(get_args(tp))
-            if len(members) > 1:
-                return functools.reduce(operator.or_, members), metas, nullable
-            tp = members[0]
-        else:
-            return tp, metas, nullable
-
-
 def _is_struct(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
@@ -123,7 +103,7 @@ def _bounds(kind: str, metas: list[Meta]) -> str:
 
 def _describe_type(tp: Any) -> tuple[str, list[str]]:
     """How a user reads a field type, and its constraints one phrase each."""
-    base, metas, nullable = _unwrap(tp)
+    base, metas, nullable = unwrap_type(tp)
     text, constraints = _describe_base(base, metas)
     if nullable:
         return f"null or {text}", constraints + ["may be null"]
@@ -144,7 +124,7 @@ def _describe_base(base: Any, metas: list[Meta]) -> tuple[str, list[str]]:
         return f"one of {choices}", [f"one of {choices}"]
     if get_origin(base) is list:
         item, item_constraints = _describe_type(get_args(base)[0])
-        item_base = _unwrap(get_args(base)[0])[0]
+        item_base = unwrap_type(get_args(base)[0])[0]
         items = _PLURAL.get(item_base, item) if not item_constraints else f"({item})"
         text = f"list of {items}"
         constraints += [f"items: {c}" for c in item_constraints]
@@ -192,7 +172,7 @@ def _markdown(doc: str | None) -> str:
 
 def _field_doc(prefix: str, field: msgspec.structs.FieldInfo) -> FieldDoc:
     type_text, constraints = _describe_type(field.type)
-    base, metas, _ = _unwrap(field.type)
+    base, metas, _ = unwrap_type(field.type)
     meaning = _merged(metas, "description") or ""
     if _is_struct(base) and not meaning:
         meaning = _markdown(base.__doc__).split("\n\n")[0].replace("\n", " ")

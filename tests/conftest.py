@@ -34,6 +34,16 @@ class Cluster:
             raise AssertionError(f"plexctl {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
+    def up(self, model: Path, *args: str) -> "Cluster":
+        """`plexctl up --local` on ``model``; on failure, the error carries the daemon and worker logs."""
+        t0 = time.monotonic()
+        up = self.run("up", "--local", "--model", str(model), *args, timeout=900)
+        if up.returncode != 0:
+            logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(self.state_dir.rglob("*.log")))
+            raise AssertionError(f"plexctl up failed ({up.returncode}): {up.stderr}\n{logs}")
+        self.cold_start_s = time.monotonic() - t0
+        return self
+
     def status(self, job: str | None = None) -> dict:
         return json.loads(self.run("status", *([job] if job else []), "--json", check=True).stdout)
 
@@ -71,12 +81,6 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(tmp_path_factory.mktemp("plexrl-home"))
-    t0 = time.monotonic()
-    up = c.run("up", "--local", "--model", str(tiny_model), "--device-slots", "2", "--max-loras", "2", timeout=900)
-    if up.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
-        raise AssertionError(f"plexctl up failed ({up.returncode}): {up.stderr}\n{logs}")
-    c.cold_start_s = time.monotonic() - t0
+    c = Cluster(tmp_path_factory.mktemp("plexrl-home")).up(tiny_model, "--device-slots", "2", "--max-loras", "2")
     yield c
     c.run("down", timeout=120)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,13 +41,7 @@ def tool_model() -> Path:
 
 @pytest.fixture(scope="module")
 def tool_cluster(tool_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(tmp_path_factory.mktemp("plexrl-tool-home"))
-    t0 = time.monotonic()
-    up = c.run("up", "--local", "--model", str(tool_model), timeout=900)
-    if up.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
-        raise AssertionError(f"plexctl up failed ({up.returncode}): {up.stderr}\n{logs}")
-    c.cold_start_s = time.monotonic() - t0
+    c = Cluster(tmp_path_factory.mktemp("plexrl-tool-home")).up(tool_model)
     yield c
     c.run("down", timeout=120)
 

@@ -54,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -404,34 +404,42 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def build(root: Path) -> TinyPaths:
     """Build everything into temp dirs beside the targets, then rename into place."""
+    def fill(model_tmp: Path, data_tmp: Path) -> dict[str, Any]:
+        write_data(data_tmp)
+        with torch_threads(1):
+            result = write_model(model_tmp)
+        return {
+            "recipe_hash": recipe_hash(),
+            "warm_start_accuracy": result.expected_accuracy,
+            "sampled_accuracy": result.sampled_accuracy,
+            "sft_steps": result.steps,
+        }
+
+    return paths_from_marker(root, build_atomically(*tiny_paths(root), fill))
+
+
+def build_atomically(model_dir: Path, data_dir: Path, fill: Callable[[Path, Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``fill(model_tmp, data_tmp)`` in temp dirs beside the targets, write its marker info
+    into the model dir, then rename data and model into place (the marker lands last: a model
+    dir with a marker is a complete build). Returns the marker info."""
     t0 = time.perf_counter()
-    model_dir, data_dir = tiny_paths(root)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     model_tmp = make_temp_dir_beside(model_dir)
     data_tmp = make_temp_dir_beside(data_dir)
     try:
-        write_data(data_tmp)
-        with torch_threads(1):
-            result = write_model(model_tmp)
-        info = {
-            "recipe_hash": recipe_hash(),
-            "warm_start_accuracy": result.expected_accuracy,
-            "sampled_accuracy": result.sampled_accuracy,
-            "sft_steps": result.steps,
-            "build_seconds": time.perf_counter() - t0,
-        }
+        info = {**fill(model_tmp, data_tmp), "build_seconds": time.perf_counter() - t0}
         (model_tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
         replace_dir(data_tmp, data_dir)
-        replace_dir(model_tmp, model_dir)  # the marker lands last: the build is complete
+        replace_dir(model_tmp, model_dir)
     finally:
         shutil.rmtree(model_tmp, ignore_errors=True)
         shutil.rmtree(data_tmp, ignore_errors=True)
-    return paths_from_marker(root, info)
+    return info
 
 
-def build_tiny(root: Path, force: bool = False) -> TinyPaths:
-    """Build (or return the cached) tiny model and arithmetic data under ``root``."""
+def cached_build(root: Path, force: bool, read_cached: Callable[[Path], Any], build: Callable[[Path], Any]) -> Any:
+    """The cached build under ``root`` if its recipe matches, else build it under the build lock."""
     root = Path(root).resolve()
     if not force and (cached := read_cached(root)) is not None:
         return cached
@@ -439,6 +447,11 @@ def build_tiny(root: Path, force: bool = False) -> TinyPaths:
         if not force and (cached := read_cached(root)) is not None:
             return cached
         return build(root)
+
+
+def build_tiny(root: Path, force: bool = False) -> TinyPaths:
+    """Build (or return the cached) tiny model and arithmetic data under ``root``."""
+    return cached_build(root, force, read_cached, build)
 
 
 # ---------------------------------------------------------------- the tiny-tool recipe
@@ -776,13 +789,7 @@ def build_tool(root: Path) -> ToolPaths:
     """Build the tiny-tool model and data into temp dirs beside the targets, then rename."""
     from transformers.utils import logging as hf_logging
 
-    t0 = time.perf_counter()
-    model_dir, data_dir = tool_paths(root)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    model_tmp = make_temp_dir_beside(model_dir)
-    data_tmp = make_temp_dir_beside(data_dir)
-    try:
+    def fill(model_tmp: Path, data_tmp: Path) -> dict[str, Any]:
         train, evals = tool_records()
         write_records(data_tmp / "train.jsonl", train)
         write_records(data_tmp / "eval.jsonl", evals)
@@ -796,7 +803,7 @@ def build_tool(root: Path) -> ToolPaths:
             tokenizer.save_pretrained(model_tmp)
         for f in model_tmp.iterdir():
             f.chmod(0o644)
-        info = {
+        return {
             "recipe_hash": tool_recipe_hash(),
             "expected_reward": result.measure.expected_reward,
             "tool_share": result.measure.tool_share,
@@ -804,26 +811,14 @@ def build_tool(root: Path) -> ToolPaths:
             "sampled_reward": result.sampled_reward,
             "sampled_tool_calls": result.sampled_tool_calls,
             "sft_steps": result.steps,
-            "build_seconds": time.perf_counter() - t0,
         }
-        (model_tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        replace_dir(data_tmp, data_dir)
-        replace_dir(model_tmp, model_dir)  # the marker lands last: the build is complete
-    finally:
-        shutil.rmtree(model_tmp, ignore_errors=True)
-        shutil.rmtree(data_tmp, ignore_errors=True)
-    return tool_paths_from_marker(root, info)
+
+    return tool_paths_from_marker(root, build_atomically(*tool_paths(root), fill))
 
 
 def build_tiny_tool(root: Path, force: bool = False) -> ToolPaths:
     """Build (or return the cached) tiny-tool model and python_tool data under ``root``."""
-    root = Path(root).resolve()
-    if not force and (cached := read_cached_tool(root)) is not None:
-        return cached
-    with build_lock(root):
-        if not force and (cached := read_cached_tool(root)) is not None:
-            return cached
-        return build_tool(root)
+    return cached_build(root, force, read_cached_tool, build_tool)
 
 
 # ---------------------------------------------------------------- CLI
