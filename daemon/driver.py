@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from_wire(json.loads((args.job_dir / "spec.json").read_text()))
         log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.name}, {spec.algo.steps} steps")
-        GRPO(client, spec, args.job_dir, log).run()
+        algo = GRPO(client, spec, args.job_dir, log)
+        try:
+            algo.run()
+        finally:
+            algo.close()
         return EXIT_OK
     except JobCancelled:
         log("cancelled: stopping at a call boundary; the last checkpoint is kept")

@@ -10,17 +10,30 @@ reference answer and the whole sample record, and returns a float. This module o
 * ``safe_reward``, which turns a reward that raises or returns a non-finite value into the
   job's ``failure_reward`` and counts how often that happened.
 
-It deliberately does not sandbox user code, run rewards in parallel or with a time limit
-(``math`` uses math_verify's own signal-based timeouts on the main thread only), and it does
-not isolate two different modules that share a name: the second one is refused.
+* ``SandboxedReward``, which runs a user's ``module:function`` (never the driver's own
+  interpreter) in the sandbox's bounded pool of contained processes, a step's samples split
+  over the pool's workers, each sample under its own time limit. The user's directory is
+  staged once (its Python and small data files, copied world-readable) so the sandbox's own
+  uid can read it; the driver's site-packages are readable too, so the function may import
+  what is installed (math_verify, numpy, ...).
+
+Built-in rewards are the project's own code and run in the driver's threads. Importing the
+same module name from two different directories in one process is refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import shutil
+import site
+import sys
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from plexctl.user_code import import_object, one_line
@@ -177,3 +190,166 @@ class SafeReward:
 
 def safe_reward(fn: RewardFn, failure_reward: float) -> SafeReward:
     return SafeReward(fn, failure_reward)
+
+
+class Scorer(Protocol):
+    """What the algorithms hold: scores many samples at once, never raises, counts failures."""
+
+    errors: int
+    last_error: str | None
+
+    def score_many(self, items: list[tuple[str, str, dict]]) -> list[float]: ...
+
+
+def _score_many(self: SafeReward, items: list[tuple[str, str, dict]]) -> list[float]:
+    return [self(c, a, r) for c, a, r in items]
+
+
+SafeReward.score_many = _score_many  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- user rewards in the sandbox
+
+# Runs inside the sandbox: stdin is {"target", "timeout_s", "items"}; stdout one JSON list of
+# [value, error] per item. Each item has its own alarm, so one hanging sample fails alone.
+_REWARD_PROGRAM = r"""
+import importlib, json, math, signal, sys
+job = json.loads(sys.stdin.read())
+module_name, _, attr_path = job["target"].partition(":")
+class _Timeout(BaseException):
+    pass
+def _alarm(signum, frame):
+    raise _Timeout()
+signal.signal(signal.SIGALRM, _alarm)
+try:
+    fn = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        fn = getattr(fn, part)
+    load_error = None
+except BaseException as e:
+    load_error = "cannot import %s: %s: %s" % (job["target"], type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+out = []
+for completion, answer, record in job["items"]:
+    if load_error:
+        out.append([None, load_error])
+        continue
+    signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
+    try:
+        value = float(fn(completion, answer, record))
+        out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
+    except _Timeout:
+        out.append([None, "timed out after %ss" % job["timeout_s"]])
+    except BaseException as e:
+        text = str(e).strip()
+        out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+sys.stdout.write("\nPLEXRL-REWARDS " + json.dumps(out) + "\n")
+"""
+
+_STAGE_SUFFIXES = {".py", ".json", ".jsonl", ".txt", ".yaml", ".yml", ".csv", ".tsv"}
+_STAGE_MAX_BYTES = 64 * 2**20
+_STAGE_SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
+
+
+def stage_user_dir(path: str) -> Path:
+    """A world-readable copy of ``path``'s Python and small data files (what the sandbox imports)."""
+    src = Path(path).resolve()
+    dst = Path(tempfile.mkdtemp(prefix="plexrl-user-"))
+    dst.chmod(0o755)
+    total = 0
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if d not in _STAGE_SKIP_DIRS)
+        rel = Path(root).relative_to(src)
+        (dst / rel).mkdir(mode=0o755, exist_ok=True)
+        (dst / rel).chmod(0o755)
+        for name in sorted(files):
+            f = Path(root) / name
+            if f.suffix not in _STAGE_SUFFIXES or not f.is_file():
+                continue
+            total += f.stat().st_size
+            if total > _STAGE_MAX_BYTES:
+                shutil.rmtree(dst, ignore_errors=True)
+                raise RewardLoadError(f"reward path {path} holds more than {_STAGE_MAX_BYTES >> 20} MiB of "
+                                      "Python and data files; point `path` at the reward's own directory")
+            shutil.copyfile(f, dst / rel / name)
+            (dst / rel / name).chmod(0o644)
+    return dst
+
+
+def _import_paths() -> list[str]:
+    """The driver's installed packages and the project itself, for the sandboxed program."""
+    paths = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
+    project = str(Path(__file__).resolve().parents[1])
+    return [p for p in dict.fromkeys([project, *paths, *[q for q in sys.path if q.endswith("site-packages")]])]
+
+
+class SandboxedReward:
+    """A user's reward function run in the sandbox pool; same counters as ``SafeReward``."""
+
+    def __init__(self, target: str, path: str | None, failure_reward: float, pool,
+                 timeout_s: float = 10.0, memory_bytes: int = 4 * 2**30) -> None:
+        from plexctl.sandbox import Limits
+
+        self.target = target
+        self.failure_reward = failure_reward
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.errors = 0
+        self.last_error: str | None = None
+        self._staged = stage_user_dir(path) if path else None
+        self.paths = tuple(([str(self._staged)] if self._staged else []) + _import_paths())
+        self._limits = Limits(cpu_seconds=10**6, wall_seconds=timeout_s, memory_bytes=memory_bytes,
+                              processes=64, open_files=256, output_bytes=4 * 2**20)
+
+    def close(self) -> None:
+        if self._staged is not None:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._staged = None
+
+    def score_many(self, items: list[tuple[str, str, dict]]) -> list[float]:
+        """Score ``items`` over the pool's workers; a failed sample gets ``failure_reward``."""
+        if not items:
+            return []
+        chunks = min(len(items), self.pool.max_workers)
+        bounds = [round(i * len(items) / chunks) for i in range(chunks + 1)]
+        futures = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = items[lo:hi]
+            stdin = json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": part})
+            wall = self.timeout_s * len(part) + 20.0  # per-sample alarms inside; this bounds imports
+            limits = type(self._limits)(**{**self._limits.__dict__, "wall_seconds": wall,
+                                           "cpu_seconds": int(wall) + 1})
+            futures.append((len(part), self.pool.submit(_REWARD_PROGRAM, stdin, limits, self.paths)))
+        values: list[float] = []
+        for n, future in futures:
+            values.extend(self._collect(n, future.result()))
+        return values
+
+    def _collect(self, n: int, result) -> list[float]:
+        marker = result.stdout.rfind("PLEXRL-REWARDS ")
+        rows = None
+        if marker >= 0:
+            try:
+                rows = json.loads(result.stdout[marker + len("PLEXRL-REWARDS "):].splitlines()[0])
+            except (ValueError, IndexError):
+                rows = None
+        if not isinstance(rows, list) or len(rows) != n:
+            why = result.error or result.limit_hit or (result.stderr.strip().splitlines() or ["no result"])[-1]
+            return [self._failed(f"reward process failed: {why}") for _ in range(n)]
+        out = []
+        for value, error in rows:
+            out.append(self._failed(error) if error is not None else float(value))
+        return out
+
+    def _failed(self, reason: str) -> float:
+        self.errors += 1
+        self.last_error = reason
+        return self.failure_reward
+
+
+def make_scorer(reward_spec: RewardSource, failure_reward: float, pool=None, timeout_s: float = 10.0) -> Scorer:
+    """Built-ins run in the driver; a user's ``fn`` runs in the sandbox ``pool``."""
+    if reward_spec.fn and pool is not None:
+        return SandboxedReward(reward_spec.fn, reward_spec.path, failure_reward, pool, timeout_s)
+    return safe_reward(load_reward(reward_spec), failure_reward)

@@ -132,6 +132,7 @@ def _plexrl_boot():
     try:
         with open(base + "/main.py", "rb") as f:
             source = f.read()
+        sys.path[:0] = cfg.get("paths", [])  # read-only import paths (bind-mounted below)
         if mode != "guard":
             stage = "namespaces"
             import ctypes
@@ -325,10 +326,16 @@ def _describe(mode: str) -> Isolation:
 # ---------------------------------------------------------------- running one program
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> SandboxResult:
-    """Run ``code`` as a Python program in the sandbox; never raises for what the program does."""
+def run_python(code: str, stdin: str = "", limits: Limits = Limits(),
+               paths: tuple[str, ...] = ()) -> SandboxResult:
+    """Run ``code`` as a Python program in the sandbox; never raises for what the program does.
+
+    ``paths`` are directories put first on the program's ``sys.path`` (e.g. the user's reward
+    module and the driver's site-packages); they stay read-only and, in ``namespaces`` mode,
+    are bind-mounted so the run's uid can read them, so they must be world-readable.
+    """
     try:
-        return _run(isolation().mode, code, stdin, limits)
+        return _run(isolation().mode, code, stdin, limits, paths)
     except Exception as e:  # the sandbox machinery itself failed: that run's failure only
         return _failed(f"sandbox error: {type(e).__name__}: {e}", limit_hit="crash")
 
@@ -338,13 +345,13 @@ def _failed(error: str, limit_hit: str | None = None, seconds: float = 0.0) -> S
                          seconds=seconds, limit_hit=limit_hit, error=error)
 
 
-def _run(mode: str, code: str, stdin: str, limits: Limits) -> SandboxResult:
+def _run(mode: str, code: str, stdin: str, limits: Limits, paths: tuple[str, ...] = ()) -> SandboxResult:
     t0 = time.perf_counter()
     with _uid_lease() if mode == "namespaces" else contextlib.nullcontext() as uid:
         base = Path(tempfile.mkdtemp(prefix="plexrl-sbx-"))
         try:
             _fill_run_dir(base, uid, code, stdin)
-            return _spawn_and_collect(mode, uid, base, limits, t0)
+            return _spawn_and_collect(mode, uid, base, limits, t0, paths)
         finally:
             if uid is not None:
                 _kill_uid(uid)
@@ -378,9 +385,10 @@ def _rlimits(mode: str, limits: Limits) -> list[tuple[str, tuple[int, int]]]:
     ]
 
 
-def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float) -> SandboxResult:
+def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float,
+                       paths: tuple[str, ...] = ()) -> SandboxResult:
     config = {"mode": mode, "base": str(base), "uid": uid, "inner_uid": USERNS_INNER_UID,
-              "rlimits": _rlimits(mode, limits)}
+              "rlimits": _rlimits(mode, limits), "paths": [str(p) for p in paths]}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "work"), "TMPDIR": str(base / "work"),
            "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
     with open(base / "stdin", "rb") as stdin:
@@ -597,8 +605,9 @@ class SandboxPool:
         self.limits = limits
         self._executor = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="sandbox")
 
-    def submit(self, code: str, stdin: str = "", limits: Limits | None = None) -> concurrent.futures.Future[SandboxResult]:
-        return self._executor.submit(_never_raises, code, stdin, limits or self.limits)
+    def submit(self, code: str, stdin: str = "", limits: Limits | None = None,
+               paths: tuple[str, ...] = ()) -> concurrent.futures.Future[SandboxResult]:
+        return self._executor.submit(_never_raises, code, stdin, limits or self.limits, paths)
 
     def map(self, codes: Iterable[str], stdins: Iterable[str] | None = None,
             limits: Limits | None = None) -> list[SandboxResult]:
@@ -622,9 +631,9 @@ class SandboxPool:
         self.close()
 
 
-def _never_raises(code: str, stdin: str, limits: Limits) -> SandboxResult:
+def _never_raises(code: str, stdin: str, limits: Limits, paths: tuple[str, ...] = ()) -> SandboxResult:
     try:
-        return run_python(code, stdin, limits)
+        return run_python(code, stdin, limits, paths)
     except BaseException as e:  # noqa: BLE001 - a sample's crash must stay that sample's
         return _failed(f"sandbox crashed: {type(e).__name__}: {e}", limit_hit="crash")
 

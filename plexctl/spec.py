@@ -99,6 +99,10 @@ class RewardSpec(_Section, kw_only=True):
         float, _doc("The job fails when more than this share of a step's samples hit a reward error or "
                     "tool timeout", ge=0, le=1)
     ] = 1.0
+    timeout_s: Annotated[
+        float, _doc("Time limit per sample for a custom `fn` (run in the sandbox); past it the sample "
+                    "gets `failure_reward`", gt=0)
+    ] = 10.0
 
 
 class EnvSpec(_Section, kw_only=True):

@@ -148,6 +148,70 @@ def test_safe_reward_turns_failures_into_failure_reward_and_counts_them() -> Non
     assert reward("ok", "", {}) == 0.75 and reward.errors == 4
 
 
+SANDBOXED_REWARD = """
+import os, socket, time
+import numpy  # installed packages are importable in the sandbox
+from helpers_rw import expected
+
+def score(completion, answer, record):
+    if completion == "pid":
+        return float(os.getpid())
+    if completion == "hang":
+        while True:
+            pass
+    if completion == "sleep":
+        time.sleep(60)
+    if completion == "net":
+        socket.create_connection(("10.255.255.1", 80), timeout=2)
+    if completion == "write":
+        with open(record["outside"], "w") as f:
+            f.write("escaped")
+    if completion == "raise":
+        raise ValueError("bad completion")
+    if completion == "nan":
+        return float("nan")
+    if completion == "exit":
+        os._exit(3)
+    return float(numpy.float64(expected(completion, answer)))
+"""
+
+
+def test_a_custom_reward_runs_in_the_sandbox_pool_and_each_failure_stays_its_samples(tmp_path: Path) -> None:
+    from plexctl.rewards import SandboxedReward, make_scorer
+    from plexctl.sandbox import SandboxPool
+
+    repo = tmp_path / "repo"
+    repo.mkdir(mode=0o700)  # private to the driver's user, as a home directory is
+    (repo / "rw_sandboxed.py").write_text(SANDBOXED_REWARD)
+    (repo / "helpers_rw.py").write_text("def expected(c, a):\n    return 1.0 if c.strip() == a else 0.0\n")
+    outside = tmp_path / "outside.txt"
+    with SandboxPool(max_workers=3) as pool:
+        reward = make_scorer(RewardSpec(fn="rw_sandboxed:score", path=str(repo)), -1.0, pool, timeout_s=2)
+        assert isinstance(reward, SandboxedReward)
+        try:
+            items = [("4", "4", {}), ("5", "4", {}), ("pid", "", {}), ("hang", "", {}), ("net", "", {}),
+                     ("write", "", {"outside": str(outside)}), ("raise", "", {}), ("nan", "", {}),
+                     ("sleep", "", {}), (" 4 ", "4", {})]
+            values = reward.score_many(items)
+            assert values[:2] == [1.0, 0.0] and values[-1] == 1.0
+            assert values[2] not in (-1.0, float(__import__("os").getpid()))  # another process scored it
+            assert values[3:9] == [-1.0] * 6
+            assert reward.errors == 6 and not outside.exists()
+            # a process that dies fails its own chunk's samples only
+            assert reward.score_many([("exit", "", {}), ("4", "4", {})]) == [-1.0, 1.0]
+            assert reward.errors == 7 and "reward process failed" in reward.last_error
+        finally:
+            reward.close()
+    assert "rw_sandboxed" not in sys.modules  # never imported into this process
+
+
+def test_a_builtin_reward_scores_many_in_process() -> None:
+    from plexctl.rewards import make_scorer
+
+    reward = make_scorer(RewardSpec(name="arith"), -1.0)
+    assert reward.score_many([("4", "4", {}), ("5", "4", {})]) == [1.0, 0.0]
+
+
 # ---------------------------------------------------------------- data
 
 

@@ -25,7 +25,7 @@ import msgspec
 from plexctl.data import PromptCursor, load_records
 from plexctl.envs.base import episode_batch, episode_metrics
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
-from plexctl.rewards import load_reward, safe_reward
+from plexctl.rewards import make_scorer
 from plexctl.rl import JobClient
 from plexctl.spec import JobSpec
 
@@ -66,7 +66,12 @@ class GRPO:
         d = spec.data
         self.records = load_records(d.path, d.prompt_field, d.answer_field)
         self.eval_records = load_records(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else None
-        self.reward = safe_reward(load_reward(spec.reward), spec.reward.failure_reward)
+        self.reward_pool = None
+        if spec.reward.fn:  # a user's reward runs in the sandbox pool, never in this process
+            from plexctl.sandbox import SandboxPool
+
+            self.reward_pool = SandboxPool()
+        self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
         a = spec.algo
         self.hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
                                kl_coef=a.kl_coef, loss_agg=a.loss_agg)
@@ -81,6 +86,14 @@ class GRPO:
             self.env_factory = load_env({"name": e.name, "cls": e.cls, "path": e.path, "config": e.config})
             self.pool = SandboxPool(max_workers=e.workers)
 
+    def close(self) -> None:
+        """Stop the sandbox pools and remove the staged copy of the user's reward directory."""
+        if hasattr(self.reward, "close"):
+            self.reward.close()
+        for pool in (self.reward_pool, getattr(self, "pool", None)):
+            if pool is not None:
+                pool.close(wait=False)
+
     # -- pieces
 
     def sampling(self, step: int, n: int, seed: int | None = None) -> Sampling:
@@ -90,8 +103,8 @@ class GRPO:
 
     def score(self, records: list[dict], comps: list[Completion], n: int) -> list[float]:
         d = self.spec.data
-        return [self.reward(c.text, str(records[i // n][d.answer_field]), records[i // n])
-                for i, c in enumerate(comps)]
+        return self.reward.score_many([(c.text, str(records[i // n][d.answer_field]), records[i // n])
+                                       for i, c in enumerate(comps)])
 
     def episodes(self, records: list[dict], n: int, sampling: Sampling) -> list:
         """Run ``n`` multi-turn episodes per record; each turn of all of them is one generate call."""
