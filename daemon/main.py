@@ -8,8 +8,16 @@ state (adapters, checkpoints) moves through files in the job's directory, never 
 this process. In ``--local-worker`` mode the daemon also starts and stops its workers as
 child processes (the embedded single-machine cluster).
 
-Deliberately not here yet: CURVE authentication, state swapping between tiers, worker
-loss recovery beyond re-queueing calls.
+Stopping drains: on ``plexctl down``, SIGTERM or SIGUSR1 (a Slurm allocation's signal ahead
+of preemption or its time limit) the daemon admits nothing more, tells each running job's
+driver (in its next ``publish`` reply) to checkpoint at the end of its current step and exit,
+waits for them up to ``--drain-timeout``, marks them ``interrupted`` in the journal (they resume
+from that checkpoint when a daemon next starts on this state directory), tells every worker
+to exit, and exits. A second signal stops at once (drivers still running are interrupted and
+resume from their last periodic checkpoint).
+
+Deliberately not here yet: CURVE authentication, worker loss recovery beyond re-queueing
+calls.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ HEARTBEAT_S = 1.0
 WORKER_LIVENESS = 5  # heartbeats missed before a worker is declared dead
 CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_CANCELLED = 3
+DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
+DRAIN_TIMEOUT_S = 120.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER_METHODS = {"train_step", "publish", "checkpoint", "restore"}
@@ -78,6 +88,7 @@ class JobRuntime:
     cancel_requested_at: float | None = None
     failure: str = ""
     engines: set[str] = field(default_factory=set)
+    user: str = ""  # who submitted it
 
 
 @dataclass
@@ -92,7 +103,9 @@ class PendingCall:
 class Daemon:
     def __init__(self, state_dir: Path, models: list[str], local_workers: list[list[str]],
                  host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local",
-                 policy: str = "spread+backfill", worker_args: list[str] | None = None) -> None:
+                 policy: str = "spread+backfill", worker_args: list[str] | None = None,
+                 advertise_host: str | None = None, drain_timeout: float = DRAIN_TIMEOUT_S,
+                 trusted_users: list[str] | None = None) -> None:
         self.state_dir = state_dir
         self.jobs_dir = state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +117,7 @@ class Daemon:
         self.sched = Scheduler(policy=policy)
         self.policy = policy
         self.worker_args = worker_args or []
+        self.trusted_users = set(trusted_users or [])  # may run their own code in the trainer (algo.loss_fn)
         self.reasons: dict[str, str] = {}  # queued job -> why it is not running yet
         self.specs: dict[str, JobSpec] = {}  # parsed specs of queued jobs
         self.engine_stats: dict[str, dict[str, Any]] = {}  # engine -> its latest tier inventory
@@ -114,6 +128,9 @@ class Daemon:
         self.calls: dict[int, PendingCall] = {}
         self.task_ids = itertools.count(1)
         self.stopping = False
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None  # set once a drain starts
+        self.drain_reason = ""
         self.problems: list[str] = []
         self.rejected_peers: set[bytes] = set()
 
@@ -126,7 +143,8 @@ class Daemon:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        connect_host = "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname()
+        connect_host = advertise_host or (
+            "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname())
         self.address = f"tcp://{connect_host}:{port}"
 
         self._recover_jobs()
@@ -155,12 +173,31 @@ class Daemon:
         with open(logs / f"{worker_id}.log", "ab") as out:
             self.worker_procs[worker_id] = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=_child_env(), cwd=REPO_ROOT)
+                env=child_env(), cwd=REPO_ROOT)
         log.info("started local worker %s (%s) pid %d", worker_id, ",".join(engines),
                  self.worker_procs[worker_id].pid)
 
+    def drain(self, reason: str, urgent: bool = True) -> None:
+        """Stop admitting; running jobs checkpoint at their step's end and exit; then stop.
+
+        A second urgent request (SIGTERM, SIGINT) while draining stops at once; repeated
+        allocation signals (SIGUSR1/2 reach every process of a Slurm step) do not."""
+        if self.drain_deadline is not None:
+            if urgent:
+                log.warning("%s while draining: stopping now", reason)
+                self.stopping = True
+            return
+        self.drain_reason = reason
+        self.drain_deadline = time.time() + self.drain_timeout
+        log.info("draining (%s): %d running jobs checkpoint and stop", reason, len(self.runtimes))
+        for rt in self.runtimes.values():
+            self.journal.event(rt.job_id, "draining", reason)
+
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        for sig, why, urgent in ((signal.SIGTERM, "SIGTERM", True), (signal.SIGINT, "SIGINT", True),
+                                 (signal.SIGUSR1, "SIGUSR1 (allocation ending)", False),
+                                 (signal.SIGUSR2, "SIGUSR2 (allocation ending)", False)):
+            signal.signal(sig, lambda *_, why=why, urgent=urgent: self.drain(why, urgent))
         last_beat = 0.0
         while not self.stopping:
             if self.sock.poll(50):
@@ -175,7 +212,11 @@ class Daemon:
                 last_beat = now
                 self._heartbeat_workers(now)
             self._reap_drivers(now)
-            self._admit(now)
+            if self.drain_deadline is not None:
+                if not self.runtimes or now > self.drain_deadline:
+                    self.stopping = True
+            else:
+                self._admit(now)
             self._place(now)
         self.shutdown()
 
@@ -186,19 +227,22 @@ class Daemon:
                 rt.proc.terminate()
         for rt in list(self.runtimes.values()):
             if rt.proc:
-                _wait_or_kill(rt.proc, 10)
+                wait_or_kill(rt.proc, 10)
             info = self.journal.job(rt.job_id)
             if info and info.state == "running":
                 self.journal.update(rt.job_id, state="interrupted")
-                self.journal.event(rt.job_id, "interrupted", "cluster went down")
+                self.journal.event(rt.job_id, "interrupted", "cluster went down before the job checkpointed; "
+                                   "it resumes from its last periodic checkpoint")
+        for w in self.workers.values():  # remote workers (another node, another allocation) exit too
+            self._send(w.identity, P.Op.TASK, P.TaskBody(0, "", "", "shutdown", {}))
         for proc in self.worker_procs.values():
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.worker_procs.values():
-            _wait_or_kill(proc, 15)
+            wait_or_kill(proc, 15)
         endpoint_path(self.state_dir).unlink(missing_ok=True)
         self.journal.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # let the workers' shutdown messages out
 
     # ------------------------------------------------------------------ messaging
 
@@ -251,6 +295,12 @@ class Daemon:
             self._error(identity, header.msg_id, "refused",
                         f"model.path {spec.model.path!r} is not served by this cluster "
                         f"(it serves: {', '.join(sorted(self.models))})")
+            return
+        if spec.algo.loss_fn and body.user not in self.trusted_users:
+            self._error(identity, header.msg_id, "untrusted",
+                        f"algo.loss_fn: user {body.user!r} may not run code in this cluster's trainer "
+                        f"(it would run beside other users' state); the cluster's owner can allow it "
+                        f"with `plexctl up --trust-user-code {body.user}`")
             return
         job_id, created = self.journal.submit(body.submit_id, spec.name, body.user, body.spec,
                                               spec.algo.steps, spec.priority)
@@ -336,8 +386,8 @@ class Daemon:
                                                    finished=finished), header.msg_id)
 
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
-        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
-        self.stopping = True
+        self._send(identity, P.Op.REPLY, {"ok": True, "running": len(self.runtimes)}, header.msg_id)
+        self.drain("plexctl down")
 
     # ------------------------------------------------------------------ workers
 
@@ -366,6 +416,11 @@ class Daemon:
         w = self.workers.get(body.worker_id)
         if w is not None and w.identity == identity:
             w.last_seen = time.time()
+
+    def on_leave(self, identity: bytes, header: P.Header, body: P.HeartbeatBody) -> None:
+        w = self.workers.get(body.worker_id)
+        if w is not None and w.identity == identity:
+            self._worker_lost(body.worker_id, "left the cluster (its allocation is ending)")
 
     def _heartbeat_workers(self, now: float) -> None:
         for wid, w in list(self.workers.items()):
@@ -414,6 +469,8 @@ class Daemon:
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
             self._prune(rt.job_dir / "adapters", keep=rt.spec.algo.max_staleness + 2)
             value = {"version": rt.policy_version}
+            if self.drain_deadline is not None:  # checkpoint at the end of this step, then exit
+                value["drain"] = self.drain_reason
         elif call.method == "checkpoint":
             ckpt = call.context["out_dir"]
             write_json_atomic(rt.job_dir / "ckpt" / "latest.json",
@@ -476,7 +533,8 @@ class Daemon:
             args = {"request": req}
             context = {"version": rt.policy_version}  # the policy the samples come from
         elif body.method == "train_step":
-            args = {**trainer_ctx, "batch": body.args["batch"], "hp": body.args["hp"]}
+            hp = {**body.args["hp"], "user_code_trusted": rt.user in self.trusted_users}  # the trainer re-checks
+            args = {**trainer_ctx, "batch": body.args["batch"], "hp": hp}
         elif body.method == "publish":
             version = rt.policy_version + 1
             out_dir = str(rt.job_dir / "adapters" / f"v{version:06d}")
@@ -594,8 +652,9 @@ class Daemon:
                "--job-dir", str(job_dir)]
         with open(job_dir / "driver.log", "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_child_env(), cwd=REPO_ROOT)
-        self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version)
+                                    env=child_env(), cwd=REPO_ROOT)
+        self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version,
+                                           user=info.user)
         self.journal.update(job_id, state="running", started_at=info.started_at or now)
         self.journal.event(job_id, "started", f"driver pid {proc.pid}")
         log.info("job %s started (driver pid %d)", job_id, proc.pid)
@@ -611,6 +670,17 @@ class Daemon:
                 state, error = "cancelled", ""
             elif rc == 0:
                 state, error = "succeeded", ""
+            elif rc == DRIVER_EXIT_DRAINED or (self.drain_deadline is not None and not rt.failure):
+                state, error = "interrupted", ""
+                self.journal.update(job_id, state=state)
+                self.journal.event(job_id, "interrupted", (
+                    f"drained ({self.drain_reason}): checkpointed at a step boundary, resumes from there"
+                    if rc == DRIVER_EXIT_DRAINED else
+                    f"stopped with the cluster ({self.drain_reason}, driver exit {rc}): "
+                    "resumes from its last checkpoint"))
+                log.info("job %s drained", job_id)
+                self._end_job(rt)
+                continue
             else:
                 state = "failed"
                 error = rt.failure or _last_line(rt.job_dir / "driver.log") or f"driver exited with code {rc}"
@@ -640,20 +710,21 @@ class Daemon:
         P.Op.DOWN: on_down,
         P.Op.REGISTER: on_register,
         P.Op.HEARTBEAT: on_heartbeat,
+        P.Op.LEAVE: on_leave,
         P.Op.RESULT: on_result,
         P.Op.CALL: on_call,
         P.Op.REPORT: on_report,
     }
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def _wait_or_kill(proc: subprocess.Popen, seconds: float) -> None:
+def wait_or_kill(proc: subprocess.Popen, seconds: float) -> None:
     try:
         proc.wait(seconds)
     except subprocess.TimeoutExpired:
@@ -681,11 +752,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", default="local")
     ap.add_argument("--policy", default="spread+backfill", choices=POLICIES)
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for local workers")
+    ap.add_argument("--advertise-host", default=None, help="address peers on other nodes connect to")
+    ap.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                    help="seconds running jobs get to checkpoint when the daemon stops")
+    ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
+                    help="a user whose jobs may run their own loss code in the trainer")
     args = ap.parse_args(argv)
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
-                    args.port, args.max_running, args.mode, args.policy, args.worker_arg)
+                    args.port, args.max_running, args.mode, args.policy, args.worker_arg,
+                    args.advertise_host, args.drain_timeout, args.trust_user_code)
     daemon.run()
 
 

@@ -28,7 +28,8 @@ from rich.live import Live
 from daemon.scheduler import POLICIES
 from plexctl import views
 from plexctl.client import Client
-from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, read_endpoint
+from plexctl import slurm as S
+from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, plexrl_home, read_endpoint
 from plexctl.errors import DaemonUnreachable, ExitCode, PlexError, Timeout, UsageError
 from plexctl.protocol import JobInfo
 from plexctl.sizes import parse_bytes
@@ -45,11 +46,20 @@ WAIT_EXIT = {"succeeded": ExitCode.OK, "failed": ExitCode.JOB_FAILED, "cancelled
 
 class Ctx:
     def __init__(self, cluster: str | None, state_dir: Path | None) -> None:
-        self.state_dir = state_dir or cluster_dir(cluster)
+        self.named = cluster is not None or state_dir is not None
+        self.state_dir = state_dir or cluster_dir(cluster or _only_cluster())
 
     def client(self, timeout: float = 10.0) -> Client:
         ep = read_endpoint(self.state_dir)
         return Client(ep.address, timeout=timeout)
+
+
+def _only_cluster() -> str | None:
+    """With no --cluster: the one cluster that exists, if the default one does not."""
+    if os.environ.get("PLEXRL_CLUSTER") or cluster_dir(None).exists():
+        return None
+    clusters = [d.name for d in (plexrl_home() / "clusters").glob("*") if d.is_dir()]
+    return clusters[0] if len(clusters) == 1 else None
 
 
 @app.callback()
@@ -80,10 +90,37 @@ def up(ctx: typer.Context,
        nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")]
        = None,
        nvme_bytes: Annotated[str, typer.Option(help="capacity of the NVMe tier")] = "64G",
-       timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0) -> None:
+       timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0,
+       drain_timeout: Annotated[Optional[float], typer.Option(
+           help="seconds running jobs get to checkpoint when the cluster stops (default: 30 local; "
+                "--slurm: the signal grace less a margin)")] = None,
+       name: Annotated[Optional[str], typer.Option(help="--slurm: the cluster's name (its state directory)")]
+       = None,
+       nodes: Annotated[int, typer.Option(min=1, help="--slurm: nodes, one worker each")] = 1,
+       gpus_per_node: Annotated[int, typer.Option(min=0, help="--slurm: GPUs per node")] = 0,
+       time_limit: Annotated[str, typer.Option("--time", help="--slurm: time limit (minutes, HH:MM:SS, D-HH:MM:SS)")]
+       = "24:00:00",
+       partition: Annotated[Optional[str], typer.Option(help="--slurm: partition")] = None,
+       account: Annotated[Optional[str], typer.Option(help="--slurm: account")] = None,
+       qos: Annotated[Optional[str], typer.Option(help="--slurm: quality of service")] = None,
+       exclusive: Annotated[bool, typer.Option("--exclusive", help="--slurm: whole nodes")] = False,
+       constraint: Annotated[Optional[str], typer.Option(help="--slurm: node features")] = None,
+       cpus_per_task: Annotated[Optional[int], typer.Option(min=1, help="--slurm: CPUs per node's task")] = None,
+       mem: Annotated[Optional[str], typer.Option(help="--slurm: memory per node, e.g. 200G")] = None,
+       signal_grace: Annotated[int, typer.Option(min=10, help="--slurm: seconds between the drain signal and "
+                                                  "the end of the allocation")] = 300,
+       engines: Annotated[Optional[list[str]], typer.Option(help="--slurm: engines of node i, cycled "
+                                                           "(default rollout,trainer on each)")] = None,
+       scratch: Annotated[Optional[str], typer.Option(help="--slurm: node-local directory for the NVMe tier "
+                                                     "(default $SLURM_TMPDIR, $TMPDIR)")] = None,
+       join: Annotated[Optional[str], typer.Option(help="--slurm: add workers to the running cluster NAME")]
+       = None,
+       submit_with: Annotated[str, typer.Option(help="--slurm: submitit | sbatch")] = "submitit",
+       no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm: return once submitted")] = False,
+       trust_user_code: Annotated[Optional[list[str]], typer.Option(
+           "--trust-user-code", metavar="USER", help="a user whose jobs may run their own loss code "
+           "(algo.loss_fn) in the trainer; repeat for several")] = None) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
-    if slurm:
-        raise UsageError("--slurm is not available in this version; use --local")
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
     try:
@@ -95,6 +132,21 @@ def up(ctx: typer.Context,
     if not (model / "config.json").exists():
         raise UsageError(f"--model {model}: not a Hugging Face model directory (no config.json); "
                          "build the tiny one with `python -m worker.tiny`")
+    if slurm or join:
+        state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
+        worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}",
+                       *(f"{k}={v}" for k, v in sizes.items())]
+        if nvme_dir is not None:
+            worker_args.append(f"--nvme-dir={nvme_dir}")
+        spec = S.SlurmSpec(name=join or name or state_dir.name, state_dir=str(state_dir.resolve()), model=str(model),
+                           nodes=nodes, gpus_per_node=gpus_per_node, time=time_limit, partition=partition,
+                           account=account, qos=qos, exclusive=exclusive, constraint=constraint,
+                           cpus_per_task=cpus_per_task, mem=mem, signal_grace=signal_grace,
+                           engines=engines or ["rollout,trainer"], scratch=scratch, policy=policy,
+                           join=join is not None, worker_args=worker_args, drain_timeout=drain_timeout,
+                           trusted_users=list(trust_user_code or []))
+        _up_slurm(spec, submit_with, timeout, no_wait)
+        return
     if _alive(c.state_dir):
         console.print(f"cluster at {c.state_dir} is already up")
         return
@@ -104,7 +156,8 @@ def up(ctx: typer.Context,
     cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir), "--model", str(model)]
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
-    cmd += ["--policy", policy]
+    cmd += ["--policy", policy, "--drain-timeout", str(30.0 if drain_timeout is None else drain_timeout)]
+    cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
     threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
     worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}", f"--threads={threads}",
                    *(f"{k}={v}" for k, v in sizes.items())]
@@ -143,6 +196,83 @@ def up(ctx: typer.Context,
                   f"model {model.name}, policy {policy}, state {c.state_dir}")
 
 
+def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
+    if via not in ("submitit", "sbatch"):
+        raise UsageError(f"--submit-with {via!r}: choose submitit or sbatch")
+    S.time_minutes(spec.time)
+    state_dir = Path(spec.state_dir)
+    alive = _alive(state_dir)
+    if spec.join and not alive:
+        raise DaemonUnreachable(f"--join {spec.name}: no running cluster at {state_dir}")
+    if not spec.join:
+        if alive:
+            console.print(f"cluster at {state_dir} is already up")
+            return
+        waiting = [a for a in S.read_allocations(state_dir)
+                   if not a.join and S.job_state(a.job_id)[0] in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED")]
+        if waiting:
+            console.print(f"cluster {spec.name} already has Slurm job {waiting[0].job_id}; "
+                          f"`plexctl --state-dir {state_dir} status` follows it")
+            return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    before = _ping_or_none(state_dir)
+    workers_before = before.workers if (before and spec.join) else 0
+    job_id = S.submit_submitit(spec) if via == "submitit" else S.submit_sbatch(spec)
+    S.record_allocation(state_dir, S.Allocation(job_id, spec.nodes, spec.join, time.time(), via))
+    console.print(f"submitted Slurm job {job_id} ({spec.nodes} node{'s' * (spec.nodes > 1)}, via {via}); "
+                  f"state {state_dir}")
+    if no_wait:
+        return
+    t0 = time.monotonic()
+    with console.status("waiting for Slurm") as spinner:
+        while True:
+            elapsed = time.monotonic() - t0
+            state, reason = S.job_state(job_id)
+            if state in ("GONE", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "COMPLETED"):
+                raise DaemonUnreachable(f"Slurm job {job_id} ended ({state}) before the cluster was up "
+                                        f"(see {state_dir}/slurm/, {state_dir}/daemon.log)")
+            if elapsed > timeout:
+                raise Timeout(f"cluster not ready after {timeout:.0f} s: Slurm job {job_id} is {state}"
+                              + (f" ({reason})" if reason and reason != "None" else "")
+                              + "; it stays submitted (`plexctl down` cancels it)")
+            pong = _ping_or_none(state_dir) if state == "RUNNING" else None
+            if pong is None:
+                spinner.update(f"Slurm job {job_id}: {state}" + (f" ({reason})" if reason and reason != "None" else "")
+                               + f" ({elapsed:.0f} s)")
+            else:
+                if pong.problems:
+                    raise DaemonUnreachable(f"cluster failed to start: {pong.problems[0]}")
+                spinner.update(f"starting engines: {pong.engines_ready}/{pong.engines_total} ready, "
+                               f"{pong.workers - workers_before}/{spec.nodes} workers ({elapsed:.0f} s)")
+                if pong.workers - workers_before >= spec.nodes and pong.engines_ready == pong.engines_total:
+                    break
+            time.sleep(1.0)
+    console.print(f"cluster {spec.name} up in {time.monotonic() - t0:.1f} s on Slurm job {job_id}: "
+                  f"{spec.nodes} node{'s' * (spec.nodes > 1)}" + (" joined" if spec.join else ""))
+
+
+def _ping_or_none(state_dir: Path):
+    try:
+        return Client(read_endpoint(state_dir).address).ping(timeout=2.0, retries=0)
+    except PlexError:
+        return None
+
+
+def _slurm_note(state_dir: Path) -> str | None:
+    """What Slurm says of this cluster's allocation while its daemon does not answer."""
+    for alloc in reversed(S.read_allocations(state_dir)):
+        if alloc.join:
+            continue
+        state, reason = S.job_state(alloc.job_id)
+        if state in ("", "GONE"):
+            return None
+        why = f" ({reason})" if reason and reason != "None" else ""
+        if state == "PENDING":
+            return f"cluster {state_dir.name}: pending in Slurm as job {alloc.job_id}{why}"
+        return f"cluster {state_dir.name}: Slurm job {alloc.job_id} is {state}{why}; the daemon is not up yet"
+    return None
+
+
 def _alive(state_dir: Path) -> bool:
     try:
         ep = read_endpoint(state_dir)
@@ -162,13 +292,33 @@ def down(ctx: typer.Context,
          timeout: Annotated[float, typer.Option(help="seconds to wait for the daemon to exit")] = 60.0) -> None:
     """Stop the cluster: running jobs are interrupted (they resume from their checkpoint at the next `up`)."""
     c: Ctx = ctx.obj
-    ep = read_endpoint(c.state_dir)
-    Client(ep.address).down()
+    allocations = [a for a in S.read_allocations(c.state_dir) if S.job_state(a.job_id)[0] not in ("", "GONE")]
+    try:
+        ep = read_endpoint(c.state_dir)
+    except PlexError:
+        if not allocations:
+            raise
+        ep = None
     deadline = time.monotonic() + timeout
-    while pid_alive(ep.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if pid_alive(ep.pid):
-        raise Timeout(f"daemon pid {ep.pid} still running after {timeout:.0f} s")
+    if ep is not None:
+        try:
+            Client(ep.address).down()
+        except DaemonUnreachable:
+            if not allocations:
+                raise
+        if ep.mode == "slurm":  # the daemon runs on another node: wait until it no longer answers
+            while _ping_or_none(c.state_dir) is not None and time.monotonic() < deadline:
+                time.sleep(0.5)
+        else:
+            while pid_alive(ep.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if pid_alive(ep.pid):
+                raise Timeout(f"daemon pid {ep.pid} still running after {timeout:.0f} s")
+    for alloc in allocations:  # the allocation ends once its tasks exit; cancel what does not
+        if not S.wait_gone(alloc.job_id, max(5.0, deadline - time.monotonic())):
+            S.cancel(alloc.job_id)
+            S.wait_gone(alloc.job_id, 30.0)
+        console.print(f"Slurm job {alloc.job_id} ended")
     console.print("cluster down")
 
 
@@ -243,6 +393,14 @@ def status(ctx: typer.Context,
            interval: Annotated[float, typer.Option(help="refresh seconds with --watch")] = 1.0) -> None:
     """Jobs (state, step, reward, policy version, engine) and engines."""
     c: Ctx = ctx.obj
+    if (c.state_dir / S.SLURM_FILE).exists() and _ping_or_none(c.state_dir) is None:
+        note = _slurm_note(c.state_dir)
+        if note is not None:
+            if as_json:
+                print(json.dumps({"jobs": [], "engines": [], "slurm": note}, indent=2))
+            else:
+                print(note)
+            return
     client = c.client()
     if watch and not as_json and console.is_terminal:
         _live(c, client, job, interval, until_done=False)

@@ -17,6 +17,7 @@ class ExitCode:
     TIMEOUT = 6  # `wait --timeout` ran out, or `up` did not become ready
     REFUSED = 7  # the daemon refused the request (e.g. no engine for this model)
     INTERRUPTED = 8  # `wait`: the job was interrupted (cluster went down)
+    UNTRUSTED = 9  # the job runs code in the trainer and its user is not trusted (`up --trust-user-code`)
 
 
 class PlexError(Exception):
@@ -46,7 +47,8 @@ class Timeout(PlexError):
 class RemoteError(PlexError):
     """An error returned by the daemon as ``{code, message}``."""
 
-    CODES = {"not_found": ExitCode.NOT_FOUND, "refused": ExitCode.REFUSED, "bad_request": ExitCode.USAGE}
+    CODES = {"not_found": ExitCode.NOT_FOUND, "refused": ExitCode.REFUSED, "bad_request": ExitCode.USAGE,
+             "untrusted": ExitCode.UNTRUSTED}
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

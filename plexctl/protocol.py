@@ -44,6 +44,7 @@ class Op:
     REGISTER = b"R"
     HEARTBEAT = b"H"
     RESULT = b"r"
+    LEAVE = b"X"  # the worker is going away (its allocation ends): re-queue its calls
     # daemon -> worker
     TASK = b"T"
     # daemon -> anyone: reply to a request (body depends on the request)
@@ -112,14 +113,40 @@ class TrainBatch(msgspec.Struct):
     advantages: list[float]
 
 
+LOSSES = ("pg-clip", "pg-tis")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
 class TrainHParams(msgspec.Struct):
+    """How one ``train_step`` turns a batch into an update: the loss by name, its parameters.
+
+    Losses (per token t of sample i, ``r = pi_theta / pi_behaviour``, ``A`` the sample's
+    advantage; ``kl_coef`` > 0 adds the k3 KL to the base model):
+
+    * ``pg-clip``: PPO's clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+    * ``pg-tis``: truncated importance sampling for stale samples: the trainer's own log-probs
+      at the step are the proximal policy, each token is weighted by ``min(pi_theta /
+      pi_behaviour, loss_params["cap"])`` (default 2), detached: ``-A w log pi_theta``.
+    * ``loss_fn`` (``module:function``): a trusted user's per-token loss, loaded in the trainer.
+
+    Aggregations (``loss_agg``), the weight of a token loss: ``token-mean`` 1 / all tokens;
+    ``seq-mean-token-mean`` 1 / (its row's tokens x rows); ``seq-mean-token-sum`` 1 / rows;
+    ``seq-mean-token-sum-norm`` 1 / (``loss_agg_len`` x rows), Dr. GRPO's constant normaliser.
+    """
+
     lr: float = 1e-4
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
-    loss_agg: str = "token-mean"  # or "seq-mean-token-mean"
+    loss_agg: str = "token-mean"  # one of LOSS_AGGREGATIONS
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    loss: str = "pg-clip"  # one of LOSSES
+    loss_params: dict[str, float] = msgspec.field(default_factory=dict)
+    loss_agg_len: int = 0  # seq-mean-token-sum-norm's constant (0: the batch's longest trainable row)
+    loss_fn: str = ""  # "module:function": a trusted user's own token loss, replaces ``loss``
+    loss_path: str = ""  # directory holding loss_fn's module
+    user_code_trusted: bool = False  # set by the daemon from the job's submitter, never by the driver
 
 
 class LoraConfig(msgspec.Struct):
@@ -288,6 +315,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.REPORT: ReportBody,
     Op.REGISTER: RegisterReq,
     Op.HEARTBEAT: HeartbeatBody,
+    Op.LEAVE: HeartbeatBody,
     Op.RESULT: ResultBody,
     Op.TASK: TaskBody,
     Op.ERROR: ErrorBody,

@@ -1,21 +1,58 @@
-"""The service API a job's control loop calls: generate, train_step, publish, checkpoint.
+"""The library a job's RL loop is written against: the service calls and the job around them.
 
-A ``JobClient`` is what an RL algorithm holds. Each call names the job and goes to the
-daemon, which schedules it on a shared engine; the reply comes back on the same socket.
-Calls may be issued asynchronously (``call_async`` + ``wait``) to overlap generation with
-training under ``max_staleness``. Importable without torch or vLLM: the caller's side is
-pure Python.
+The runtime owns the plumbing (placement on shared engines, state swaps, batching, adapter
+publishing); a loop owns only its control logic. This module is all a loop needs:
+
+* ``JobClient``: the service calls, each scheduled by the daemon on a shared engine.
+  ``generate(prompts, sampling)`` returns ``Completion``s (token ids, behaviour log-probs);
+  ``sampling.n`` samples per prompt, ``sampling.seed`` makes them reproducible.
+  ``train_step(batch, hp, **changes)`` runs one optimizer step with a loss named in
+  ``TrainHParams`` (``pg-clip``, ``pg-tis``, their aggregation and parameters) and returns
+  its metrics. ``publish()`` makes the trained adapter the rollout policy (returns its
+  version); ``checkpoint`` / ``restore`` save and reload adapter, optimizer and a JSON
+  ``extra``; ``report`` tells the daemon about progress. ``generate_async`` / ``call_async``
+  return a call id to ``wait`` on later: generation of the next batch overlaps training of
+  this one, as ``algo.max_staleness`` allows.
+* ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (the data iterator,
+  a ``PromptCursor``), ``rng`` (a ``random.Random`` seeded by ``spec.seed``, saved in
+  checkpoints), ``reward`` (the job's scorer: built-ins in this process, a custom ``fn`` in the
+  sandbox pool), ``log``; and helpers that compose the calls: ``rollout`` (generate + score,
+  or multi-turn episodes when the spec has an ``env``), ``rollout_async`` / ``wait``,
+  ``train``, ``publish``, ``evaluate``, ``record`` (metrics), ``end_step`` (periodic
+  checkpoints; when the cluster stops, checkpoint and ``JobDrained``), ``checkpoint`` / ``resume``.
+* ``Rollout``: a step's samples, prompt-major in groups of ``n``, with their rewards; it
+  becomes a ``TrainBatch`` once the loop has computed one advantage per sample.
+
+The built-in algorithms (``plexctl/algos``) use nothing else; a user's ``algo.loop``
+(``module:function(job)``) gets a ``Job`` and runs in the job's driver process. The module is
+pure Python: importable without torch or vLLM. It deliberately computes no advantages (the
+loop's job) and no losses (named, in the trainer).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
 from plexctl import protocol as P
+from plexctl.data import PromptCursor, load_records
+from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
+from plexctl.rewards import make_scorer
+from plexctl.spec import JobSpec
+
+__all__ = ["CallFailed", "Completion", "Job", "JobCancelled", "JobClient", "JobDrained", "Rollout", "Sampling", "TrainBatch",
+           "TrainHParams", "build_batch"]
+
+EVAL_SEED = 12345
 
 
 class JobCancelled(Exception):
@@ -26,7 +63,16 @@ class CallFailed(Exception):
     """A service call failed on the engine side."""
 
 
+class JobDrained(Exception):
+    """The cluster is stopping: the job checkpointed at a step boundary and exits; it resumes there."""
+
+
+# ---------------------------------------------------------------- the service calls
+
+
 class JobClient:
+    """The service calls of one job, over one ZeroMQ socket to the daemon."""
+
     def __init__(self, endpoint: str, job_id: str, parent_pid: int | None = None) -> None:
         self.job_id = job_id
         self.parent_pid = parent_pid
@@ -35,6 +81,7 @@ class JobClient:
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.connect(endpoint)
         self._replies: dict[int, tuple[bytes, Any]] = {}
+        self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by ``publish``)
 
     def close(self) -> None:
         self._sock.close()
@@ -42,11 +89,13 @@ class JobClient:
     # -- transport
 
     def call_async(self, method: str, args: dict[str, Any] | None = None) -> int:
+        """Send a service call; return its id for ``wait``."""
         frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}))
         self._sock.send_multipart(frames)
         return msg_id
 
     def wait(self, msg_id: int) -> Any:
+        """The reply of call ``msg_id``; ``JobCancelled`` or ``CallFailed`` when it failed."""
         while msg_id not in self._replies:
             if not self._sock.poll(1000):
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -68,28 +117,328 @@ class JobClient:
         return self.wait(self.call_async(method, args))
 
     def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
+        """Progress for the daemon: ``step`` (reward_mean), ``eval`` (eval_reward) or ``note``."""
         frames, _ = P.encode(P.Op.REPORT, P.ReportBody(self.job_id, event, step, metrics, message))
         self._sock.send_multipart(frames)
 
     # -- the service calls
 
-    def generate_async(self, prompts: list[str], sampling: P.Sampling) -> int:
+    def generate_async(self, prompts: list[str], sampling: Sampling) -> int:
+        """Start generating ``sampling.n`` samples per prompt; ``completions(wait(id))`` later."""
         return self.call_async("generate", {"prompts": prompts, "sampling": sampling})
 
-    def completions(self, reply: Any) -> list[P.Completion]:
-        return msgspec.convert(reply["completions"], list[P.Completion])
+    def completions(self, reply: Any) -> list[Completion]:
+        return msgspec.convert(reply["completions"], list[Completion])
 
-    def generate(self, prompts: list[str], sampling: P.Sampling) -> list[P.Completion]:
+    def generate(self, prompts: list[str], sampling: Sampling) -> list[Completion]:
+        """``sampling.n`` completions per prompt, prompt-major, from the job's current policy."""
         return self.completions(self.wait(self.generate_async(prompts, sampling)))
 
-    def train_step(self, batch: P.TrainBatch, hp: P.TrainHParams) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, hp: TrainHParams | None = None, **changes: Any) -> dict[str, float]:
+        """One optimizer step on the job's adapter; ``changes`` override fields of ``hp``,
+        e.g. ``loss="pg-tis", loss_params={"cap": 2.0}, loss_agg="seq-mean-token-sum"``."""
+        hp = hp or TrainHParams()
+        if changes:
+            hp = msgspec.structs.replace(hp, **changes)
         return self.call("train_step", {"batch": batch, "hp": hp})
 
     def publish(self) -> int:
-        return int(self.call("publish")["version"])
+        """Make the trained adapter the rollout policy; return its policy version. When the
+        daemon is stopping, the reply says so and ``drain`` holds why."""
+        reply = self.call("publish")
+        self.drain = reply.get("drain") or self.drain
+        return int(reply["version"])
 
     def checkpoint(self, step: int, extra: dict[str, Any]) -> str:
+        """Save adapter, optimizer and ``extra`` (JSON) durably, atomically; return the directory."""
         return self.call("checkpoint", {"step": step, "extra": extra})["path"]
 
     def restore(self) -> dict[str, Any] | None:
+        """Reload the latest checkpoint into the trainer; return its ``extra`` (None: none yet)."""
         return self.call("restore")
+
+
+# ---------------------------------------------------------------- a step's samples
+
+
+def build_batch(comps: list[Completion], advantages: list[float]) -> TrainBatch:
+    """One row per completion: prompt tokens (mask 0) then generated tokens (mask 1)."""
+    input_ids, mask, old = [], [], []
+    for c in comps:
+        n_prompt = len(c.prompt_token_ids)
+        input_ids.append(list(c.prompt_token_ids) + list(c.token_ids))
+        mask.append([0] * n_prompt + [1] * len(c.token_ids))
+        old.append([0.0] * n_prompt + list(c.logprobs))
+    return TrainBatch(input_ids=input_ids, loss_mask=mask, old_logprobs=old, advantages=advantages)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """Samples of ``records`` (``n`` per record, prompt-major) with their rewards.
+
+    ``samples`` are ``Completion``s, or ``Episode``s for a multi-turn job. ``errors`` counts
+    the reward errors and tool timeouts met while scoring them.
+    """
+
+    records: list[dict]
+    n: int
+    samples: list[Any]
+    rewards: list[float]
+    policy_version: int
+    errors: int = 0
+    generate_s: float = 0.0
+    multi_turn: bool = False
+
+    @property
+    def lengths(self) -> list[int]:
+        """Generated (trainable) tokens per sample."""
+        if self.multi_turn:
+            return [sum(ep.loss_mask) for ep in self.samples]
+        return [len(c.token_ids) for c in self.samples]
+
+    def groups(self) -> list[list[float]]:
+        """Rewards per record."""
+        return [self.rewards[g * self.n:(g + 1) * self.n] for g in range(len(self.records))]
+
+    def keep(self, groups: Iterable[int]) -> Rollout:
+        """Only the given groups (records), in that order."""
+        groups = list(groups)
+        index = [g * self.n + k for g in groups for k in range(self.n)]
+        return dataclasses.replace(self, records=[self.records[g] for g in groups],
+                                   samples=[self.samples[i] for i in index], rewards=[self.rewards[i] for i in index])
+
+    def __add__(self, other: Rollout) -> Rollout:
+        """Both rollouts' groups (the older policy version is kept: staleness is a maximum)."""
+        if other.n != self.n or other.multi_turn != self.multi_turn:
+            raise ValueError("cannot join rollouts of different group sizes or kinds")
+        return Rollout(self.records + other.records, self.n, self.samples + other.samples,
+                       self.rewards + other.rewards, min(self.policy_version, other.policy_version),
+                       self.errors + other.errors, self.generate_s + other.generate_s, self.multi_turn)
+
+    def batch(self, advantages: list[float]) -> TrainBatch:
+        """The ``TrainBatch`` of these samples with one advantage each."""
+        if len(advantages) != len(self.samples):
+            raise ValueError(f"{len(self.samples)} samples but {len(advantages)} advantages")
+        if self.multi_turn:
+            from plexctl.envs.base import episode_batch
+
+            return episode_batch(self.samples, advantages)
+        return build_batch(self.samples, advantages)
+
+    def env_metrics(self) -> dict[str, float]:
+        """Episode accounting of a multi-turn rollout (turns, tool calls, failures); else {}."""
+        if not self.multi_turn:
+            return {}
+        from plexctl.envs.base import episode_metrics
+
+        return episode_metrics(self.samples)
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    """A rollout on its way: a generate call in flight, or episodes to run when waited on."""
+
+    records: list[dict]
+    n: int
+    sampling: Sampling
+    msg_id: int | None  # None: multi-turn, run by ``Job.wait``
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclasses.dataclass
+class Job:
+    """One job as its loop sees it; the driver builds it and passes it to the algorithm."""
+
+    client: JobClient
+    spec: JobSpec
+    job_dir: Path
+    log: Callable[[str], None] = print
+    version: int = 0  # the policy version last published
+    restored: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint ``extra`` resumed from
+
+    def __post_init__(self) -> None:
+        d, spec = self.spec.data, self.spec
+        self.records = load_records(d.path, d.prompt_field, d.answer_field)
+        self.eval_records = load_records(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else None
+        self.prompts = PromptCursor(self.records, seed=d.shuffle_seed)
+        self.rng = random.Random(spec.seed)
+        self.reward_pool = None
+        if spec.reward.fn:  # a user's reward runs in the sandbox pool, never in this process
+            from plexctl.sandbox import SandboxPool
+
+            self.reward_pool = SandboxPool()
+        self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
+        self.metrics_path = self.job_dir / "metrics.jsonl"
+        self.env_factory = None
+        self.env_pool = None
+        if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
+            from plexctl.envs import load_env
+            from plexctl.sandbox import SandboxPool
+
+            e = spec.env
+            self.env_factory = load_env({"name": e.name, "cls": e.cls, "path": e.path, "config": e.config})
+            self.env_pool = SandboxPool(max_workers=e.workers)
+
+    def close(self) -> None:
+        """Stop the sandbox pools and remove the staged copy of the user's reward directory."""
+        if hasattr(self.reward, "close"):
+            self.reward.close()
+        for pool in (self.reward_pool, self.env_pool):
+            if pool is not None:
+                pool.close(wait=False)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env_factory is not None
+
+    # -- sampling and rollouts
+
+    def sampling(self, step: int, n: int, seed: int | None = None) -> Sampling:
+        """The spec's sampling with ``n`` samples per prompt; the seed defaults to one per step."""
+        s = self.spec.sampling
+        return Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, n=n,
+                        seed=seed if seed is not None else self.spec.seed * 1_000_003 + step)
+
+    def score(self, records: list[dict], comps: list[Completion], n: int) -> list[float]:
+        """The job's reward of each completion (``n`` per record); failures give failure_reward."""
+        d = self.spec.data
+        return self.reward.score_many([(c.text, str(records[i // n][d.answer_field]), records[i // n])
+                                       for i, c in enumerate(comps)])
+
+    def episodes(self, records: list[dict], n: int, sampling: Sampling) -> list:
+        """Run ``n`` multi-turn episodes per record; each turn of all of them is one generate call."""
+        from plexctl.envs import run_episodes
+
+        e = self.spec.env
+        samples = [r for r in records for _ in range(n)]
+        envs = [self.env_factory() for _ in samples]
+        return run_episodes(self.client.generate, envs, samples, msgspec.structs.replace(sampling, n=1),
+                            e.max_turns, self.env_pool, failure_reward=self.spec.reward.failure_reward,
+                            truncated_reward=e.truncated_reward, step_timeout_s=e.step_timeout_s,
+                            max_total_tokens=e.max_total_tokens)
+
+    def rollout_async(self, records: list[dict], n: int, sampling: Sampling) -> PendingRollout:
+        """Start generating ``n`` samples per record. Multi-turn episodes cannot run ahead (each
+        turn waits on the last one's tools): they run when waited on."""
+        msg_id = None
+        if not self.multi_turn:
+            prompts = [r[self.spec.data.prompt_field] for r in records]
+            msg_id = self.client.generate_async(prompts, msgspec.structs.replace(sampling, n=n))
+        return PendingRollout(records, n, sampling, msg_id)
+
+    def wait(self, pending: PendingRollout) -> Rollout:
+        """The scored ``Rollout`` of ``pending``; ``generate_s`` is the time spent generating."""
+        t0 = time.perf_counter()
+        if pending.msg_id is None:
+            episodes = self.episodes(pending.records, pending.n, pending.sampling)
+            rewards = [ep.reward for ep in episodes]
+            rollout = Rollout(pending.records, pending.n, episodes, rewards, self.version, multi_turn=True,
+                              generate_s=time.perf_counter() - t0)
+            env = rollout.env_metrics()
+            rollout.errors = int(env.get("reward_errors", 0) + env.get("tool_timeouts", 0))
+            return rollout
+        reply = self.client.wait(pending.msg_id)
+        comps = self.client.completions(reply)
+        version = int(reply.get("policy_version", self.version))
+        generate_s = time.perf_counter() - t0
+        errors_before = getattr(self.reward, "errors", 0)
+        rewards = self.score(pending.records, comps, pending.n)
+        return Rollout(pending.records, pending.n, comps, rewards, version,
+                       errors=getattr(self.reward, "errors", 0) - errors_before, generate_s=generate_s)
+
+    def rollout(self, records: list[dict], n: int, sampling: Sampling) -> Rollout:
+        """Generate ``n`` samples per record and score them (or run episodes), now."""
+        return self.wait(self.rollout_async(records, n, sampling))
+
+    # -- training and publishing
+
+    def hparams(self, **changes: Any) -> TrainHParams:
+        """The spec's loss and optimizer settings as ``TrainHParams``; ``changes`` override them."""
+        a = self.spec.algo
+        hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
+                          kl_coef=a.kl_coef, loss_agg=a.loss_agg, loss=a.loss, loss_params=dict(a.loss_params))
+        if a.loss_fn:
+            hp = msgspec.structs.replace(hp, loss_fn=a.loss_fn, loss_path=a.path or "")
+        hp = msgspec.structs.replace(hp, **changes) if changes else hp
+        if hp.loss_agg == "seq-mean-token-sum-norm" and hp.loss_agg_len == 0:
+            hp = msgspec.structs.replace(hp, loss_agg_len=self.max_response_tokens())
+        return hp
+
+    def max_response_tokens(self) -> int:
+        """Most trainable tokens a sample can have (a multi-turn episode: every turn's budget)."""
+        turns = self.spec.env.max_turns if self.spec.env is not None else 1
+        return self.spec.sampling.max_tokens * turns
+
+    def train(self, rollout: Rollout, advantages: list[float], hp: TrainHParams) -> dict[str, float]:
+        """One optimizer step on ``rollout`` with one advantage per sample."""
+        return self.client.train_step(rollout.batch(advantages), hp)
+
+    def publish(self) -> int:
+        """Make the trained adapter the rollout policy; ``version`` follows."""
+        self.version = self.client.publish()
+        return self.version
+
+    # -- evaluation, metrics, checkpoints
+
+    def evaluate(self, step: int) -> float | None:
+        """Mean reward on the fixed evaluation prompts (fixed sampling seed); None without them."""
+        if not self.eval_records:
+            return None
+        n = self.spec.algo.eval_samples
+        sampling = self.sampling(step, n, seed=EVAL_SEED)
+        if self.multi_turn:
+            rewards = [ep.reward for ep in self.episodes(self.eval_records, n, sampling)]
+        else:
+            prompts = [r[self.spec.data.prompt_field] for r in self.eval_records]
+            rewards = self.score(self.eval_records, self.client.generate(prompts, sampling), n)
+        value = sum(rewards) / len(rewards)
+        self.client.report("eval", step, {"eval_reward": value})
+        self.write_metrics({"step": step, "eval_reward": value})
+        self.log(f"eval at step {step}: reward {value:.4f} over {len(rewards)} samples")
+        return value
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    def record(self, step: int, row: dict[str, Any]) -> None:
+        """Append a step's metrics to ``metrics.jsonl`` and report them (``reward_mean`` shows in
+        ``plexctl status``)."""
+        row = {"step": step, **row}
+        self.write_metrics(row)
+        self.client.report("step", step, {k: float(v) for k, v in row.items()})
+
+    def checkpoint(self, step: int, **extra: Any) -> str:
+        """Save the trainer state with the data cursor, the RNG and ``extra`` (JSON values)."""
+        version, state, gauss = self.rng.getstate()
+        return self.client.checkpoint(step, {"step": step, "cursor": self.prompts.state(),
+                                             "rng": [version, list(state), gauss], **extra})
+
+    def end_step(self, step: int, **extra: Any) -> None:
+        """Call after step ``step`` (1-based): checkpoints (with ``extra``) every
+        ``checkpoint.every`` steps before the last; when the daemon is stopping, checkpoints now
+        and raises ``JobDrained``."""
+        if self.client.drain:
+            self.checkpoint(step, **extra)
+            raise JobDrained(self.client.drain)
+        every = self.spec.checkpoint.every
+        if every and step % every == 0 and step < self.spec.algo.steps:
+            self.checkpoint(step, **extra)
+
+    def resume(self) -> int:
+        """Reload the latest checkpoint, if any: trainer state, cursor, RNG, then publish it.
+        Return the step to continue from (0: a fresh start); ``restored`` holds its ``extra``."""
+        restored = self.client.restore()
+        if not restored:
+            return 0
+        self.restored = restored
+        start = int(restored["step"])
+        self.prompts = PromptCursor.from_state(self.records, restored["cursor"])
+        if "rng" in restored:
+            version, state, gauss = restored["rng"]
+            self.rng.setstate((version, tuple(state), gauss))
+        self.publish()
+        self.log(f"resumed from checkpoint at step {start} (policy version {self.version})")
+        return start

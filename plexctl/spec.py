@@ -18,6 +18,7 @@ never imports torch, transformers or vLLM (plexctl must start fast on a login no
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import operator
 import os
@@ -40,7 +41,12 @@ FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 FULL_FINETUNE_REFUSED = "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
 OVERRIDE_FILE = "--set"
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"))
+PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"),
+               ("algo", "path"))
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo")
+DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
+DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
+LOSS_PARAM_NAMES = {"pg-clip": (), "pg-tis": ("cap",)}
 
 
 def _doc(description: str, **constraints: Any) -> Meta:
@@ -131,24 +137,65 @@ class EnvSpec(_Section, kw_only=True):
 
 
 class AlgoSpec(_Section, kw_only=True):
-    """The RL algorithm and its hyperparameters."""
+    """The RL algorithm and its hyperparameters: a built-in ``name``, or your own ``loop``."""
 
-    name: Annotated[Literal["grpo"], _doc("Algorithm (only grpo for now)")] = "grpo"
+    name: Annotated[
+        Literal["grpo", "dr_grpo", "dapo", "rloo"],
+        _doc("Built-in algorithm: grpo, dr_grpo (no std or length normalisation), dapo (clip-higher, "
+             "dynamic sampling, overlong penalty), rloo (leave-one-out baseline)"),
+    ] = "grpo"
+    loop: Annotated[
+        Annotated[str, Meta(pattern=FN_PATTERN)] | None,
+        _doc("Your own algorithm `module:function(job)`, run in the job's driver with the `plexctl.rl` "
+             "library (instead of `name`)"),
+    ] = None
+    path: Annotated[
+        str | None, _doc("Directory put first on sys.path to import `loop` and `loss_fn`; relative to the YAML file")
+    ] = None
     group_size: Annotated[int, _doc("Completions sampled per prompt", ge=2)] = 8
     prompts_per_step: Annotated[int, _doc("Prompts per optimizer step", ge=1)] = 8
     steps: Annotated[int, _doc("Optimizer steps to run", ge=1)] = 100
     lr: Annotated[float, _doc("Adam learning rate of the adapter", gt=0)] = 1e-4
     clip_range: Annotated[float, _doc("PPO ratio clip epsilon (low side)", gt=0)] = 0.2
     clip_range_high: Annotated[
-        Annotated[float, Meta(gt=0)] | None, _doc("PPO ratio clip epsilon (high side); null: clip_range")
+        Annotated[float, Meta(gt=0)] | None,
+        _doc("PPO ratio clip epsilon (high side); null: clip_range (dapo: 0.28, its clip-higher)"),
     ] = None
     kl_coef: Annotated[float, _doc("Weight of the KL penalty to the base model", ge=0)] = 0.0
+    loss: Annotated[
+        Literal["pg-clip", "pg-tis"],
+        _doc("Trainer loss: pg-clip (PPO clipped ratio to the behaviour policy) or pg-tis (truncated "
+             "importance sampling for stale samples, weight capped at loss_params.cap, default 2)"),
+    ] = "pg-clip"
+    loss_params: Annotated[dict[str, float], _doc("Parameters of the loss (pg-tis: cap)")] = msgspec.field(
+        default_factory=dict)
+    loss_fn: Annotated[
+        Annotated[str, Meta(pattern=FN_PATTERN)] | None,
+        _doc("Your own per-token loss `module:function(logp, old_logprobs, advantages, mask, params)`, "
+             "run in the trainer: only for users the cluster trusts (`plexctl up --trust-user-code`)"),
+    ] = None
     loss_agg: Annotated[
-        Literal["token-mean", "seq-mean-token-mean"], _doc("How token losses are averaged")
+        Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
+        _doc("How token losses are averaged; seq-mean-token-sum-norm divides each sequence's sum by "
+             "sampling.max_tokens (dr_grpo's, set for it when not written)"),
     ] = "token-mean"
     max_staleness: Annotated[int, _doc("Policy versions a rollout may lag behind the trainer", ge=0)] = 0
     eval_every: Annotated[int, _doc("Evaluate on data.eval_path every N steps (0: only at start and end)", ge=0)] = 0
     eval_samples: Annotated[int, _doc("Samples per evaluation prompt", ge=1)] = 4
+    dynamic_sampling: Annotated[
+        bool, _doc("(dapo) Drop groups whose rewards are all equal and refill the batch with new prompts")
+    ] = True
+    max_gen_batches: Annotated[
+        int, _doc("(dapo) Most generate rounds of prompts_per_step prompts per step when refilling", ge=1)
+    ] = 3
+    overlong_buffer: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _doc("(dapo) Soft overlong punishment: over the last N tokens before sampling.max_tokens the "
+             "penalty ramps from 0 to overlong_penalty; null: max_tokens // 5 (the paper's 4096 of 20480); "
+             "0: off"),
+    ] = None
+    overlong_penalty: Annotated[float, _doc("(dapo) Reward penalty of a completion at sampling.max_tokens",
+                                            ge=0)] = 1.0
 
 
 class SamplingSpec(_Section, kw_only=True):
@@ -397,6 +444,50 @@ def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
                                     f"got {got}")
         elif has_name and reward.get("path") is not None:
             issues.add(("reward", "path"), "`path` only applies to a custom `fn`, not to a built-in reward")
+    algo = doc.get("algo")
+    if isinstance(algo, dict):
+        _check_algo_rules(algo, doc, issues)
+
+
+def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues) -> None:
+    """Keys that belong to one algorithm, loss or loop are refused elsewhere, with the reason."""
+    name = algo.get("name", "grpo")
+    if algo.get("loop") is not None and "name" in algo:
+        issues.add(("algo", "loop"), "set either `name` (a built-in algorithm) or `loop` (your own), not both")
+    if algo.get("path") is not None and algo.get("loop") is None and algo.get("loss_fn") is None:
+        issues.add(("algo", "path"), "`path` only applies to a custom `loop` or `loss_fn`")
+    owner = "your own loop" if algo.get("loop") is not None else name
+    if owner != "dapo" and owner in ALGORITHMS + ("your own loop",):
+        for key in DAPO_KEYS:
+            if key in algo:
+                issues.add(("algo", key), f"only applies to algo.name dapo (this job runs {owner})")
+    if name == "dr_grpo" and algo.get("loop") is None and algo.get("loss_agg", DR_GRPO_LOSS_AGG) != DR_GRPO_LOSS_AGG:
+        issues.add(("algo", "loss_agg"), f"dr_grpo aggregates with {DR_GRPO_LOSS_AGG} (no length normalisation); "
+                                         "drop the key or use algo.name grpo")
+    if algo.get("loss_fn") is not None and "loss" in algo:
+        issues.add(("algo", "loss"), "set either `loss` (a built-in loss) or `loss_fn` (your own), not both")
+    params = algo.get("loss_params")
+    loss = algo.get("loss", "pg-clip")
+    if isinstance(params, dict) and algo.get("loss_fn") is None and loss in LOSS_PARAM_NAMES:
+        for key in params:
+            if key not in LOSS_PARAM_NAMES[loss]:
+                takes = ", ".join(LOSS_PARAM_NAMES[loss]) or "no parameters"
+                issues.add(("algo", "loss_params", str(key)), f"loss {loss} takes {takes}")
+    buffer, sampling = algo.get("overlong_buffer"), doc.get("sampling")
+    max_tokens = sampling.get("max_tokens", 8) if isinstance(sampling, dict) else 8
+    if isinstance(buffer, int) and isinstance(max_tokens, int) and buffer >= max_tokens > 0:
+        issues.add(("algo", "overlong_buffer"), f"must be < sampling.max_tokens ({max_tokens}), got {buffer}")
+    if buffer and doc.get("env") is not None:
+        issues.add(("algo", "overlong_buffer"), "applies to single-turn jobs; a multi-turn episode cut by its "
+                                                "limits gets env.truncated_reward")
+
+
+def _algorithm_defaults(converted: dict[str, Any], doc: dict[str, Any]) -> None:
+    """Fill what an algorithm fixes and the user left unwritten, so the spec says what runs."""
+    algo, written = converted.get("algo"), doc.get("algo")
+    if isinstance(algo, dict) and algo.get("name") == "dr_grpo" and algo.get("loop") is None:
+        if not (isinstance(written, dict) and "loss_agg" in written):
+            algo["loss_agg"] = DR_GRPO_LOSS_AGG
 
 
 def _resolve_paths(doc: dict[str, Any], base_dir: Path) -> None:
@@ -421,6 +512,26 @@ def _check_files(doc: dict[str, Any], issues: _Issues) -> None:
             _check_data_file(data[key], fields, ("data", key), issues)
     _check_reward_import(doc.get("reward"), issues)
     _check_env_import(doc.get("env"), issues)
+    algo = doc.get("algo") or {}
+    for key in ("loop", "loss_fn"):
+        if isinstance(algo, dict) and isinstance(algo.get(key), str):
+            _check_module_file(algo[key], algo.get("path"), ("algo", key), issues)
+
+
+def _check_module_file(target: str, path: str | None, where: Key, issues: _Issues) -> None:
+    """The module of ``target`` exists in ``path`` (not imported: a loss imports torch, and user
+    code runs in the driver or the trainer, not in the CLI)."""
+    module = target.partition(":")[0]
+    if path is None:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            issues.add(where, f"cannot find module `{module}` (set algo.path to the directory that holds it)")
+        return
+    if not Path(path).is_dir():
+        issues.add(("algo", "path"), f"directory not found: {path}")
+        return
+    base = Path(path).joinpath(*module.split("."))
+    if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+        issues.add(where, f"no module `{module}` in {path}")
 
 
 def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues) -> None:
@@ -555,6 +666,7 @@ def load_spec(
     issues.found += problems
     converted = _SchemaWalk(issues).struct(JobSpec, doc, ())
     _check_rules(doc, issues)
+    _algorithm_defaults(converted, doc)
     _resolve_paths(converted, Path(os.path.abspath(path)).parent)
     if check_files:
         _check_files(converted, issues)

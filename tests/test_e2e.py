@@ -125,7 +125,7 @@ def test_unknown_job_and_unreachable_daemon_exit_codes(cluster, tmp_path):
     assert other.returncode == 4 and "no cluster" in other.stderr
 
 
-def test_down_then_up_resumes_from_the_last_checkpoint(tiny_model, tmp_path):
+def test_down_drains_and_up_resumes_from_where_the_job_stopped(tiny_model, tmp_path):
     from conftest import Cluster
 
     c = Cluster(tmp_path / "home")
@@ -134,7 +134,7 @@ def test_down_then_up_resumes_from_the_last_checkpoint(tiny_model, tmp_path):
         job = c.run("submit", TINY, "--set", "algo.steps=60", "--set", "checkpoint.every=10", "-q",
                     check=True).stdout.strip()
         c.wait_for(job, lambda j: j["step"] >= 25, timeout=300, what="25 steps")
-        assert c.run("down", timeout=120).returncode == 0
+        assert c.run("down", timeout=120).returncode == 0  # drains: the job checkpoints at its step's end
         assert c.run("status").returncode == 3  # the daemon is gone
         assert c.run("up", "--local", "--model", str(tiny_model), timeout=900).returncode == 0
         assert c.run("wait", job, "--timeout", "600").returncode == 0
@@ -144,10 +144,9 @@ def test_down_then_up_resumes_from_the_last_checkpoint(tiny_model, tmp_path):
         resumed = [line for line in log.splitlines() if "resumed from checkpoint at step" in line]
         assert len(resumed) == 1
         at = int(resumed[0].split("at step ")[1].split()[0])
-        assert at >= 20 and at % 10 == 0
+        assert at >= 25  # not the last periodic checkpoint (20): the drain's own, at the step it reached
         rows = [json.loads(line) for line in c.run("logs", job, "--metrics", check=True).stdout.splitlines()]
-        after = [r["step"] for r in rows if "reward_mean" in r][-(60 - at):]
-        assert after == list(range(at + 1, 61))  # the run continues right after its checkpoint
+        assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, 61))  # none lost or repeated
     finally:
         c.run("down", timeout=120)
 

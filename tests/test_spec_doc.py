@@ -61,7 +61,8 @@ def test_reference_reads_as_a_user_would_write_it() -> None:
     text = render_reference()
     assert "python -m plexctl.spec_doc > docs/spec-reference.md" in text
     assert "| `algo.lr` | float > 0 | `0.0001` | Adam learning rate of the adapter |" in text
-    assert "| `algo.loss_agg` | one of token-mean, seq-mean-token-mean | `token-mean` |" in text
+    assert ("| `algo.loss_agg` | one of token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+            "seq-mean-token-sum-norm | `token-mean` |") in text
     assert "| `lora.rank` | 1 <= int <= 256 | `8` |" in text
     assert "| `lora.target_modules` | non-empty list of strings | `[q_proj, k_proj," in text
     assert "| `env.step_timeout_s` | null or float > 0 | `null` |" in text

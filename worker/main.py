@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import tempfile
@@ -108,6 +109,10 @@ class WorkerIO(threading.Thread):
             log.warning("dropped bad message from daemon: %s", exc)
             return
         if op == P.Op.TASK:
+            if body.method == "shutdown":  # the daemon is stopping: its jobs have checkpointed
+                log.info("the daemon is stopping; exiting")
+                logging.shutdown()
+                os._exit(0)
             if body.method == "prefetch":
                 self.queues[PREFETCH].put(body)
                 return
@@ -221,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--worker-id", default=socket.gethostname())
+    ap.add_argument("--node", default=socket.gethostname(), help="node name shown in status")
     ap.add_argument("--engines", default="rollout,trainer")
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
@@ -236,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
+        signal.signal(sig, signal.SIG_IGN)
 
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
     unknown = set(kinds) - {"rollout", "trainer"}
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1,
                           state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0)
              for k in kinds]
-    register = P.RegisterReq(worker_id=args.worker_id, node=socket.gethostname(), pid=os.getpid(),
+    register = P.RegisterReq(worker_id=args.worker_id, node=args.node, pid=os.getpid(),
                              engines=decls, ready=False, mem_bytes=_mem_bytes())
     queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
     queues[PREFETCH] = queue.Queue()
@@ -280,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 
+    signal.signal(signal.SIGTERM, lambda *_: _leave(args.worker_id))
     trainer_id = f"{args.worker_id}/trainer"
     rollout_id = f"{args.worker_id}/rollout"
     if "trainer" in engines:
@@ -292,6 +301,17 @@ def main(argv: list[str] | None = None) -> None:
         rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity)
     else:
         trainer_loop(engines["trainer"], queues[trainer_id])
+
+
+def _leave(worker_id: str) -> None:
+    """SIGTERM: tell the daemon this worker leaves (its calls run again elsewhere), then exit."""
+    log.info("leaving the cluster")
+    try:
+        Outbox().sock.send_multipart(P.encode(P.Op.LEAVE, P.HeartbeatBody(worker_id))[0])
+        time.sleep(0.5)  # the I/O thread forwards it
+    finally:
+        logging.shutdown()
+        os._exit(0)
 
 
 def _mem_bytes() -> int:

@@ -1,10 +1,13 @@
 """The trainer engine: one resident base model, many jobs' LoRA adapters and AdamW states.
 
 What it owns. ``TrainerEngine`` loads a base model once (transformers) and keeps, per job, a
-LoRA adapter, an AdamW optimizer and the job's own RNG state. ``train_step`` runs one GRPO
-optimizer step (PPO clipped objective with asymmetric clip, optional k3 KL to the base model,
-``token-mean`` or ``seq-mean-token-mean`` aggregation, gradient clipping) on the adapter of
-the job it names. It also computes current-policy log-probs, writes adapters in the exact
+LoRA adapter, an AdamW optimizer and the job's own RNG state. ``train_step`` runs one
+policy-gradient optimizer step on the adapter of the job it names, with the loss the call
+names (``TrainHParams``): PPO's clipped surrogate with asymmetric clip (``pg-clip``) or
+truncated importance sampling for stale samples (``pg-tis``), optional k3 KL to the base model,
+token-, sequence- or Dr. GRPO constant-length aggregation, gradient clipping. A trusted user's
+own per-token loss (``loss_fn``, ``module:function``) is imported here, and only when the
+daemon has marked the call's job as submitted by a user it trusts. It also computes current-policy log-probs, writes adapters in the exact
 PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
 writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
 ``extra``, with a sha256 manifest), atomically.
@@ -61,10 +64,11 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.protocol import LOSS_AGGREGATIONS, LOSSES, LoraConfig, TrainBatch, TrainHParams
+from plexctl.user_code import import_object
 
 PAD_ID = 0
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+LOSS_PARAMS = {"pg-clip": {}, "pg-tis": {"cap": 2.0}}  # each named loss's parameters and defaults
 LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| and |ref - logp| are clamped here (verl)
 KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
 
@@ -116,6 +120,14 @@ class CheckpointError(TrainerError):
 
 class StateCopyError(TrainerError, ValueError):
     """``import_state`` of a copy that does not fit the job's adapter (keys, shapes, layout)."""
+
+
+class UntrustedCodeError(TrainerError, PermissionError):
+    """A custom loss for a job whose submitter the cluster does not trust with code in the trainer."""
+
+
+class LossLoadError(TrainerError):
+    """A custom loss ``module:function`` that cannot be imported, or returns the wrong shape."""
 
 
 # ---------------------------------------------------------------- per-job state
@@ -236,6 +248,7 @@ class TrainerEngine:
         self._side_stream: Any = None  # torch.cuda.Stream for state copies, made on first use
         self._adapters_made = 0
         self._parked: list[_ParkedAdapter] = []  # oldest first
+        self._user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
 
     # ------------------------------------------------------------ job lifecycle
 
@@ -542,10 +555,11 @@ class TrainerEngine:
         """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters."""
         _check_batch(batch)
         _check_hparams(hp)
+        user_loss = self._user_loss(hp) if hp.loss_fn else None
         rows = _pad_rows(batch.input_ids, batch.loss_mask, self.device)
         old_logprobs = _pad_old_logprobs(batch.old_logprobs, rows)
         advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
-        weights = _aggregation_weights(rows.loss_mask, hp.loss_agg)
+        weights = _aggregation_weights(rows.loss_mask, hp.loss_agg, hp.loss_agg_len)
         tokens = int(rows.loss_mask.sum().item())
         if tokens == 0:
             raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
@@ -564,6 +578,7 @@ class TrainerEngine:
                     weights[start:stop, :width],
                     hp,
                     sums,
+                    user_loss,
                 )
                 start = stop
         return sums.metrics(tokens)
@@ -577,15 +592,32 @@ class TrainerEngine:
         weights: torch.Tensor,
         hp: TrainHParams,
         sums: _MetricSums,
+        user_loss: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
         model = self._activate(job, train=job.lora.dropout > 0)
         logits = _forward_logits(model, part.input_ids, part.attention_mask)
         logp = _token_logprobs(logits, part.input_ids)
-        terms = _grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+        if user_loss is not None:
+            terms = _user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
+        elif hp.loss == "pg-tis":
+            terms = _tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+        else:
+            terms = _grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
         loss = (terms.loss * weights).sum()
         loss.backward()
         sums.add(part.loss_mask, weights, terms, loss, _token_entropy(logits.detach()))
+
+    def _user_loss(self, hp: TrainHParams) -> Callable[..., torch.Tensor]:
+        """The trusted user's ``loss_fn``, imported once per (target, path)."""
+        if not hp.user_code_trusted:
+            raise UntrustedCodeError(
+                f"custom loss `{hp.loss_fn}` refused: this cluster does not trust the job's submitter with "
+                "code in the trainer (plexctl up --trust-user-code USER)")
+        key = (hp.loss_fn, hp.loss_path)
+        if key not in self._user_losses:
+            self._user_losses[key] = import_object(hp.loss_fn, hp.loss_path or None, "loss fn", LossLoadError)
+        return self._user_losses[key]
 
     def _reference_logprobs(self, job: _JobState, part: _Rows) -> torch.Tensor:
         """Log-probs under the base model (every adapter disabled), no gradient."""
@@ -688,19 +720,76 @@ def _grpo_token_terms(
     return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, ratio, clipped > unclipped)
 
 
+def _tis_token_terms(
+    logp: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    hp: TrainHParams,
+) -> _TokenTerms:
+    """Truncated importance sampling: -A * min(pi_theta / pi_behaviour, cap) * log pi_theta.
+
+    With one optimizer step per batch the proximal policy of decoupled PPO is the adapter as
+    it stands at this step, so its ratio is 1 and its clip never binds; what corrects for
+    stale (or engine-mismatched) samples is the detached behaviour weight, truncated at
+    ``cap``. ``clipped`` counts the truncated tokens, ``ratio`` is the weight before truncation.
+    """
+    cap = hp.loss_params.get("cap", LOSS_PARAMS["pg-tis"]["cap"])
+    behaviour_ratio = torch.exp((logp.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = behaviour_ratio.clamp(max=cap)
+    proximal_ratio = torch.exp(logp - logp.detach())  # 1, with the gradient of log pi_theta
+    pg = -advantages.unsqueeze(1) * weight * proximal_ratio
+    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
+    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, behaviour_ratio, behaviour_ratio > cap)
+
+
+def _user_token_terms(
+    fn: Callable[..., torch.Tensor],
+    hp: TrainHParams,
+    logp: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> _TokenTerms:
+    """A user's ``fn(logp, old_logprobs, advantages, mask, params) -> [B, T]`` per-token loss.
+
+    ``logp`` carries the gradient; the trainer aggregates the result with ``loss_agg`` and
+    adds ``kl_coef`` times the k3 KL, as for a built-in loss.
+    """
+    try:
+        pg = fn(logp, old_logprobs, advantages, mask, dict(hp.loss_params))
+    except Exception as e:  # the user's code may raise anything
+        raise LossLoadError(f"loss fn `{hp.loss_fn}` raised {type(e).__name__}: {e}".splitlines()[0]) from None
+    if not isinstance(pg, torch.Tensor) or pg.shape != logp.shape:
+        got = tuple(pg.shape) if isinstance(pg, torch.Tensor) else type(pg).__name__
+        raise LossLoadError(f"loss fn `{hp.loss_fn}` must return a tensor of shape {tuple(logp.shape)}, got {got}")
+    ratio = torch.exp((logp.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
+    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, ratio, torch.zeros_like(mask))
+
+
 def _k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1 (verl low_var_kl)."""
     delta = (ref_logprobs - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(delta) - delta - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
 
 
-def _aggregation_weights(loss_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """Per-token weights w so that the aggregated loss is sum(w * token_loss)."""
+def _aggregation_weights(loss_mask: torch.Tensor, loss_agg: str, norm_len: int = 0) -> torch.Tensor:
+    """Per-token weights w so that the aggregated loss is sum(w * token_loss).
+
+    ``norm_len`` is the constant of ``seq-mean-token-sum-norm`` (0: the longest row's tokens).
+    """
     mask = loss_mask.float()
     if loss_agg == "token-mean":
         return mask / mask.sum().clamp(min=1.0)
     row_tokens = mask.sum(dim=1, keepdim=True)
     rows_with_tokens = (row_tokens > 0).sum().clamp(min=1)
+    if loss_agg == "seq-mean-token-sum":
+        return mask / rows_with_tokens
+    if loss_agg == "seq-mean-token-sum-norm":
+        length = float(norm_len) if norm_len > 0 else float(row_tokens.max().clamp(min=1.0))
+        return mask / (length * rows_with_tokens)
     return mask / (row_tokens.clamp(min=1.0) * rows_with_tokens)
 
 
@@ -1023,6 +1112,18 @@ def _check_batch(batch: TrainBatch) -> None:
 def _check_hparams(hp: TrainHParams) -> None:
     if hp.loss_agg not in LOSS_AGGREGATIONS:
         raise BatchError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {hp.loss_agg!r}")
+    if hp.loss_agg_len < 0:
+        raise BatchError(f"loss_agg_len must be >= 0, got {hp.loss_agg_len}")
+    if hp.loss_fn:
+        return  # a user's loss takes whatever loss_params it documents
+    if hp.loss not in LOSSES:
+        raise BatchError(f"loss must be one of {LOSSES} (or a trusted loss_fn), got {hp.loss!r}")
+    unknown = sorted(set(hp.loss_params) - set(LOSS_PARAMS[hp.loss]))
+    if unknown:
+        takes = ", ".join(LOSS_PARAMS[hp.loss]) or "no parameters"
+        raise BatchError(f"loss {hp.loss} takes {takes}; got loss_params {', '.join(unknown)}")
+    if hp.loss == "pg-tis" and not hp.loss_params.get("cap", 1.0) > 0:
+        raise BatchError(f"pg-tis cap must be > 0, got {hp.loss_params['cap']}")
 
 
 def _pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: torch.device) -> _Rows:

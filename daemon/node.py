@@ -1,0 +1,200 @@
+"""What runs on each node of a Slurm allocation (one task per node, under ``srun``).
+
+The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then a worker;
+every other task starts a worker once the daemon's endpoint answers. A task of a joining
+allocation (``--join``) starts a worker only, against the daemon that already runs.
+
+Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``):
+on the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop,
+the workers are told to exit); once it has exited, the allocation is requeued with
+``scontrol requeue`` so that it comes back, and the daemon, started again on the same state
+directory, resumes every job from its checkpoint. On other tasks of the allocation the signal
+is ignored: their workers serve the drain and exit when the daemon tells them. A joining
+allocation's workers leave at once (the daemon re-queues their calls). When the daemon stops
+on its own (``plexctl down``) nothing is requeued and the allocation ends.
+
+Exit codes: 0 clean (down or drained), else the code of the daemon or worker that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemon.main import REPO_ROOT, child_env, wait_or_kill
+from plexctl.client import Client
+from plexctl.cluster import endpoint_path, read_endpoint
+from plexctl.errors import PlexError
+
+log = logging.getLogger("plexrl-node")
+
+DRAIN_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+def slurm_env() -> dict[str, str]:
+    """The allocation as Slurm describes it to this task (defaults for a run outside Slurm)."""
+    e = os.environ
+    return {
+        "job_id": e.get("SLURM_JOB_ID", "0"),
+        "procid": e.get("SLURM_PROCID", "0"),
+        "node": e.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0],
+        "restart_count": e.get("SLURM_RESTART_COUNT", "0"),
+    }
+
+
+def node_scratch(configured: str | None, job_id: str, node: str) -> Path:
+    """The node-local directory for the NVMe tier: configured, else the job's scratch, else /tmp."""
+    if configured:
+        return Path(configured)
+    base = os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return Path(base) / f"plexrl-{job_id}-{node}"
+
+
+def advertise_address() -> str:
+    """An address of this node that the other nodes can reach."""
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return name
+    return addr
+
+
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env(), cwd=REPO_ROOT)
+
+
+def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen | None) -> str:
+    """The address of the daemon once it answers (a stale endpoint file never does)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon is not None and daemon.poll() is not None:
+            raise RuntimeError(f"the daemon exited with code {daemon.returncode} (see {state_dir}/daemon.log)")
+        if endpoint_path(state_dir).exists():
+            try:
+                ep = read_endpoint(state_dir)
+                Client(ep.address).ping(timeout=2.0, retries=1)
+                return ep.address
+            except PlexError:
+                pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no daemon answered at {endpoint_path(state_dir)} within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait: float = 30.0) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        wait_or_kill(proc, wait)
+
+
+def requeue(job_id: str) -> bool:
+    scontrol = shutil.which("scontrol")
+    if scontrol is None or job_id == "0":
+        return False
+    result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True)
+    if result.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="plexrl-node", description="One PlexRL task of a Slurm allocation.")
+    ap.add_argument("--state-dir", required=True, type=Path)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--engines", action="append", default=[],
+                    help="engines of node i: the (i mod n)-th value, e.g. rollout,trainer (default: both)")
+    ap.add_argument("--join", action="store_true", help="workers only, for a daemon that already runs")
+    ap.add_argument("--scratch", default=None, help="node-local directory (default: $SLURM_TMPDIR, $TMPDIR)")
+    ap.add_argument("--policy", default="spread+backfill")
+    ap.add_argument("--drain-timeout", type=float, default=120.0)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--wait-daemon", type=float, default=600.0, help="seconds a worker waits for the daemon")
+    ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
+    ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
+                    help="a user whose jobs may run their own loss code in the trainer")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    env = slurm_env()
+    state_dir = args.state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    first = env["procid"] == "0" and not args.join
+    node_index = int(os.environ.get("SLURM_NODEID", env["procid"]))
+    engines = (args.engines or ["rollout,trainer"])[node_index % max(1, len(args.engines or [1]))]
+    worker_id = env["node"] if not args.join else f"{env['node']}-{env['job_id']}"
+    log.info("task %s of Slurm job %s on %s (restart %s): %s", env["procid"], env["job_id"], env["node"],
+             env["restart_count"], "daemon + worker" if first else "worker")
+
+    signalled: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if signalled:
+            return
+        signalled.append(name)
+        log.info("got %s", name)
+        if first and daemon is not None and daemon.poll() is None:
+            daemon.send_signal(signal.SIGUSR1)  # drain: checkpoint every job, stop the workers
+        elif args.join and worker is not None and worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)  # it tells the daemon it leaves, then exits
+
+    daemon: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None
+    for sig in DRAIN_SIGNALS:
+        signal.signal(sig, on_signal)
+
+    if first:
+        endpoint_path(state_dir).unlink(missing_ok=True)  # a previous run's, on this node: its daemon is gone
+        daemon = _spawn([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", args.model,
+                         "--host", "0.0.0.0", "--port", str(args.port), "--mode", "slurm",
+                         "--advertise-host", advertise_address(), "--policy", args.policy,
+                         "--drain-timeout", str(args.drain_timeout),
+                         *(f"--trust-user-code={u}" for u in args.trust_user_code)], state_dir / "daemon.log")
+    try:
+        address = _wait_for_daemon(state_dir, args.wait_daemon, daemon)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        _stop(daemon)
+        return 1
+    scratch = node_scratch(args.scratch, env["job_id"], env["node"])
+    worker = _spawn([sys.executable, "-m", "worker.main", "--endpoint", address, "--worker-id", worker_id,
+                     "--node", env["node"], "--engines", engines, "--model", args.model,
+                     "--scratch", str(scratch), *args.worker_arg],
+                    state_dir / "workers" / f"{worker_id}.log")
+    log.info("worker %s (%s) pid %d, daemon at %s", worker_id, engines, worker.pid, address)
+
+    code, worker_reported = 0, False
+    while True:
+        if daemon is not None and daemon.poll() is not None:
+            code = daemon.returncode
+            log.info("daemon exited with code %d", code)
+            _stop(worker, wait=15)
+            break
+        if worker.poll() is not None and not worker_reported:
+            worker_reported, code = True, worker.returncode
+            log.info("worker exited with code %d", code)
+            if daemon is None:
+                break
+            if not signalled:  # the daemon goes on without this node's engines
+                log.error("worker %s failed; see %s", worker_id, state_dir / "workers" / f"{worker_id}.log")
+        time.sleep(0.2)
+    shutil.rmtree(scratch, ignore_errors=True)
+    if first and signalled and code == 0:
+        ok = requeue(env["job_id"])
+        log.info("drained on %s; %s", signalled[0], "requeued" if ok else "not requeued")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""A cluster on a Slurm allocation: the batch script, the submission, and what Slurm says of it.
+
+``plexctl up --slurm`` submits one allocation (through submitit by default, or the same
+batch script through ``sbatch``): ``srun`` starts one task per node running
+``daemon.node`` — the daemon and a worker on the first node, a worker on every other — and
+the allocation is asked for ``--requeue`` and a signal ``signal_grace`` seconds ahead of its
+end, so the daemon drains and the allocation comes back. ``slurm/plexrl.sbatch`` is
+``render_sbatch`` in template form for those who call ``sbatch`` themselves.
+
+The cluster's state directory (on the shared filesystem) holds ``slurm.json``: which Slurm
+jobs are this cluster's allocations, so ``status`` can say what Slurm says while the daemon
+is not up (pending, with Slurm's reason) and ``down`` can end them. Nothing here imports
+torch or vLLM; submitit is imported only when submitting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from plexctl.atomic import write_json_atomic
+from plexctl.errors import PlexError, UsageError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SLURM_FILE = "slurm.json"
+SIGNAL = "USR1"
+
+
+class SlurmUnavailable(PlexError):
+    """No Slurm commands here, or Slurm refused the submission."""
+
+    exit_code = 7
+
+
+class SlurmSpec(msgspec.Struct, kw_only=True):
+    """One allocation of a cluster, as ``plexctl up --slurm`` was asked for it."""
+
+    name: str
+    state_dir: str
+    model: str
+    nodes: int = 1
+    gpus_per_node: int = 0
+    time: str = "24:00:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    exclusive: bool = False
+    constraint: str | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    signal_grace: int = 300
+    drain_timeout: float | None = None  # default: signal_grace minus a margin for the requeue
+    engines: list[str] = msgspec.field(default_factory=lambda: ["rollout,trainer"])
+    scratch: str | None = None
+    policy: str = "spread+backfill"
+    join: bool = False
+    worker_args: list[str] = msgspec.field(default_factory=list)
+    trusted_users: list[str] = msgspec.field(default_factory=list)  # may run their own loss code
+    python: str = sys.executable
+
+
+class Allocation(msgspec.Struct):
+    job_id: str
+    nodes: int
+    join: bool
+    submitted_at: float
+    via: str  # submitit | sbatch
+
+
+# ---------------------------------------------------------------- parsing user input
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+
+
+def time_minutes(text: str) -> int:
+    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in whole minutes."""
+    m = _TIME.match(text.strip())
+    if not m:
+        raise UsageError(f"--time {text!r}: use minutes, HH:MM:SS or D-HH:MM:SS")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = int(a), int(b or 0), int(c or 0)
+    elif c is not None:  # HH:MM:SS
+        hours, minutes, seconds = int(a), int(b), int(c)
+    else:  # MM or MM:SS
+        hours, minutes, seconds = 0, int(a), int(b or 0)
+    total = (int(days or 0) * 24 + hours) * 60 + minutes + (1 if seconds else 0)
+    if total <= 0:
+        raise UsageError(f"--time {text!r}: must be more than 0")
+    return total
+
+
+def drain_timeout(spec: SlurmSpec) -> float:
+    """How long jobs get to checkpoint after the signal: what the grace leaves after a margin."""
+    if spec.drain_timeout is not None:
+        return spec.drain_timeout
+    return max(10.0, spec.signal_grace - max(15.0, spec.signal_grace * 0.2))
+
+
+# ---------------------------------------------------------------- the batch script
+
+
+def node_command(spec: SlurmSpec) -> list[str]:
+    """The command each task runs (``python -m daemon.node ...``), unquoted."""
+    cmd = [spec.python, "-m", "daemon.node", "--state-dir", spec.state_dir, "--model", spec.model,
+           "--policy", spec.policy, "--drain-timeout", f"{drain_timeout(spec):g}"]
+    for e in spec.engines:
+        cmd += ["--engines", e]
+    if spec.scratch:
+        cmd += ["--scratch", spec.scratch]
+    if spec.join:
+        cmd.append("--join")
+    cmd += [f"--trust-user-code={u}" for u in spec.trusted_users]
+    cmd += [f"--worker-arg={a}" for a in spec.worker_args]
+    return cmd
+
+
+def sbatch_options(spec: SlurmSpec) -> list[tuple[str, str | None]]:
+    opts: list[tuple[str, str | None]] = [
+        ("job-name", f"plexrl-{spec.name}" + ("-join" if spec.join else "")),
+        ("nodes", str(spec.nodes)),
+        ("ntasks-per-node", "1"),
+    ]
+    if spec.gpus_per_node:
+        opts.append(("gpus-per-node", str(spec.gpus_per_node)))
+    if spec.cpus_per_task:
+        opts.append(("cpus-per-task", str(spec.cpus_per_task)))
+    if spec.mem:
+        opts.append(("mem", spec.mem))
+    opts.append(("time", spec.time))
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(spec, key)
+        if value:
+            opts.append((key, value))
+    if spec.exclusive:
+        opts.append(("exclusive", None))
+    opts += [("requeue", None), ("signal", f"{SIGNAL}@{spec.signal_grace}"), ("open-mode", "append"),
+             ("output", f"{spec.state_dir}/slurm/%j.out")]
+    return opts
+
+
+def render_sbatch(spec: SlurmSpec) -> str:
+    """The batch script of one allocation (pure: the same spec gives the same text)."""
+    lines = ["#!/bin/bash",
+             f"# PlexRL cluster {spec.name!r}: " + ("workers joining its daemon" if spec.join else
+                                                   "the daemon on the first node, one worker per node") + ".",
+             "# Written by `plexctl up --slurm`; see slurm/plexrl.sbatch to submit it with plain sbatch."]
+    lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sbatch_options(spec)]
+    lines += ["set -euo pipefail",
+              f"mkdir -p {shlex.quote(spec.state_dir)}/slurm",
+              "# one task per node; the signal reaches every task, the first drains the daemon and requeues",
+              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(node_command(spec)),
+              ""]
+    return "\n".join(lines)
+
+
+TEMPLATE_HEADER = """\
+#!/bin/bash
+# PlexRL on a Slurm allocation, for plain `sbatch` (what `plexctl up --slurm` submits).
+#
+#   PLEXRL_STATE_DIR=/shared/$USER/.plexrl/clusters/NAME PLEXRL_MODEL=/shared/models/qwen2.5-7b \\
+#       sbatch --nodes=4 --gpus-per-node=8 --time=2-00:00:00 --partition=gpu slurm/plexrl.sbatch
+#
+# Environment (set when calling sbatch; the job inherits it):
+#   PLEXRL_STATE_DIR     required; the cluster's state directory on the shared filesystem
+#                        (journal, job directories, checkpoints, endpoint.json). `plexctl
+#                        --state-dir DIR status` (or PLEXRL_HOME + --cluster NAME) finds it.
+#   PLEXRL_MODEL         required; the base model (Hugging Face directory) the engines serve
+#   PLEXRL_PYTHON        the Python of an environment with PlexRL installed (default: python3)
+#   PLEXRL_ENGINES       engines per node: "rollout,trainer" on every node (default), or a
+#                        space-separated list cycled over the nodes, e.g. "rollout trainer"
+#   PLEXRL_SCRATCH       node-local directory for the NVMe tier (default: $SLURM_TMPDIR, $TMPDIR)
+#   PLEXRL_POLICY        placement policy (default: spread+backfill)
+#   PLEXRL_DRAIN_TIMEOUT seconds jobs get to checkpoint after the signal (default: 240; keep it
+#                        below the signal's lead time)
+#   PLEXRL_JOIN          set to 1 for workers that join a daemon already running on the state dir
+#
+# The allocation asks for --requeue and SIGUSR1 300 s before its end: the first task then drains
+# the daemon (every job checkpoints at a step boundary) and requeues the allocation, which
+# resumes every job from its checkpoint. `plexctl down` drains and ends the allocation.
+"""
+
+
+def render_template() -> str:
+    """``slurm/plexrl.sbatch``: the same script with its values taken from the environment."""
+    spec = SlurmSpec(name="plexrl", state_dir="$PLEXRL_STATE_DIR", model="$PLEXRL_MODEL", nodes=2,
+                     time="24:00:00", signal_grace=300)
+    opts = [(k, v) for k, v in sbatch_options(spec) if k not in ("job-name", "nodes", "output")]
+    lines = [TEMPLATE_HEADER.rstrip("\n"), "#SBATCH --job-name=plexrl", "#SBATCH --nodes=2"]
+    lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in opts]
+    lines += ["#SBATCH --output=plexrl-%j.out",
+              "set -euo pipefail",
+              ': "${PLEXRL_STATE_DIR:?set PLEXRL_STATE_DIR to the cluster state directory}"',
+              ': "${PLEXRL_MODEL:?set PLEXRL_MODEL to the base model directory}"',
+              'engines=()',
+              'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines+=(--engines "$e"); done',
+              'extra=()',
+              '[ -n "${PLEXRL_SCRATCH:-}" ] && extra+=(--scratch "$PLEXRL_SCRATCH")',
+              '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
+              'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
+              'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
+              '    --state-dir "$PLEXRL_STATE_DIR" --model "$PLEXRL_MODEL" \\',
+              '    --policy "${PLEXRL_POLICY:-spread+backfill}" --drain-timeout "${PLEXRL_DRAIN_TIMEOUT:-240}" \\',
+              '    "${engines[@]}" "${extra[@]}"',
+              ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- submitting
+
+
+def _need(command: str) -> str:
+    path = shutil.which(command)
+    if path is None:
+        raise SlurmUnavailable(f"`{command}` not found: run this on a Slurm login node (or install slurm-client)")
+    return path
+
+
+def submit_sbatch(spec: SlurmSpec) -> str:
+    """Write the batch script into the state directory and submit it; the Slurm job id."""
+    sbatch = _need("sbatch")
+    slurm_dir = Path(spec.state_dir) / "slurm"
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    script = slurm_dir / ("join.sbatch" if spec.join else "plexrl.sbatch")
+    tmp = script.with_suffix(".tmp")
+    tmp.write_text(render_sbatch(spec))
+    tmp.replace(script)
+    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
+                            cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise SlurmUnavailable(f"sbatch refused the allocation: {_first_line(result.stderr)}")
+    return result.stdout.strip().split(";")[0]
+
+
+def node_entry(argv: list[str]) -> int:
+    """What submitit runs on every task: ``daemon.node`` (imported there, on the node)."""
+    from daemon.node import main
+
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+def submit_submitit(spec: SlurmSpec) -> str:
+    """Submit the allocation through submitit (one task per node, each runs ``node_entry``)."""
+    _need("sbatch")
+    import submitit
+
+    folder = Path(spec.state_dir) / "slurm" / "submitit"
+    executor = submitit.SlurmExecutor(folder=str(folder), python=spec.python)
+    additional: dict[str, object] = {"requeue": True, "open-mode": "append"}
+    for key in ("account", "qos", "constraint"):
+        if getattr(spec, key):
+            additional[key] = getattr(spec, key)
+    if spec.exclusive:
+        additional["exclusive"] = True
+    params: dict[str, object] = dict(job_name=f"plexrl-{spec.name}" + ("-join" if spec.join else ""),
+                                     nodes=spec.nodes, ntasks_per_node=1, time=time_minutes(spec.time),
+                                     signal_delay_s=spec.signal_grace, additional_parameters=additional)
+    if spec.gpus_per_node:
+        params["gpus_per_node"] = spec.gpus_per_node
+    if spec.cpus_per_task:
+        params["cpus_per_task"] = spec.cpus_per_task
+    if spec.mem:
+        params["mem"] = spec.mem
+    if spec.partition:
+        params["partition"] = spec.partition
+    executor.update_parameters(**params)
+    argv = node_command(spec)[3:]  # after `python -m daemon.node`
+    try:
+        job = executor.submit(node_entry, argv)
+    except Exception as exc:  # noqa: BLE001 - submitit raises sbatch's failure as a plain error
+        raise SlurmUnavailable(f"Slurm refused the allocation: {_first_line(str(exc))}") from None
+    return str(job.job_id)
+
+
+def record_allocation(state_dir: Path, alloc: Allocation) -> None:
+    allocations = [a for a in read_allocations(state_dir) if a.job_id != alloc.job_id]
+    if not alloc.join:  # a new main allocation replaces the previous one (its joins end with it)
+        allocations = [a for a in allocations if a.join and job_state(a.job_id)[0] not in ("", "GONE")]
+    allocations.append(alloc)
+    write_json_atomic(state_dir / SLURM_FILE, {"allocations": msgspec.to_builtins(allocations)})
+
+
+def read_allocations(state_dir: Path) -> list[Allocation]:
+    try:
+        data = json.loads((state_dir / SLURM_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return msgspec.convert(data.get("allocations", []), list[Allocation])
+
+
+# ---------------------------------------------------------------- what Slurm says
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    """(state, reason) of a Slurm job: ``PENDING``/``RUNNING``/... or ``GONE`` once it left the queue."""
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        return "", "squeue not found"
+    result = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
+    if result.returncode != 0 or not result.stdout.strip():
+        return "GONE", ""
+    state, _, reason = result.stdout.strip().splitlines()[0].partition("|")
+    return state, reason
+
+
+def cancel(job_id: str) -> None:
+    scancel = shutil.which("scancel")
+    if scancel is not None:
+        subprocess.run([scancel, job_id], capture_output=True)
+
+
+def wait_gone(job_id: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job_state(job_id)[0] in ("GONE", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL"):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+if __name__ == "__main__":  # python -m plexctl.slurm > slurm/plexrl.sbatch
+    sys.stdout.write(render_template())

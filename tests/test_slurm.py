@@ -1,0 +1,121 @@
+"""The whole system on a real Slurm cluster: two virtual nodes on this host (slurmctld, two
+slurmd, munge; tests/slurm/start-cluster.sh), real sbatch/srun through submitit.
+
+One allocation serves the module: two jobs finish on workers of both nodes; a job survives
+the allocation's preemption signal (drain, checkpoint, requeue, resume) without losing or
+repeating a step, learning exactly what the uninterrupted job learned; ``down`` leaves no
+process and no Slurm job behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Cluster
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny-arith.yaml")
+STEPS = 24
+JOB_ARGS = ("--set", f"algo.steps={STEPS}", "--set", "checkpoint.every=1000", "--set", "algo.eval_every=0")
+
+
+def slurm(*args: str) -> str:
+    return subprocess.run(list(args), capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (it installs and starts slurmctld/slurmd)")
+    start = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "start-cluster.sh")], capture_output=True,
+                           text=True, timeout=600)
+    assert start.returncode == 0, start.stdout + start.stderr
+    c = Cluster(tmp_path_factory.mktemp("plexrl-slurm-home"))
+    c.state_dir = c.home / "clusters" / "ci"
+    up = c.run("up", "--slurm", "--name", "ci", "--nodes", "2", "--engines", "rollout", "--engines", "trainer",
+               "--time", "60", "--signal-grace", "60", "--model", str(tiny_model), timeout=900)
+    if up.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
+        raise AssertionError(f"plexctl up --slurm failed ({up.returncode}): {up.stdout}{up.stderr}\n{logs}")
+    c.slurm_job = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
+    yield c
+    c.run("down", timeout=180)
+
+
+def metrics(c: Cluster, job: str) -> list[dict]:
+    path = c.state_dir / "jobs" / job / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "reward_mean" in r]
+
+
+def events(c: Cluster, job: str) -> list[tuple[str, str]]:
+    with sqlite3.connect(c.state_dir / "journal.db") as db:
+        return db.execute("select kind, detail from events where job_id = ? order by id", (job,)).fetchall()
+
+
+@pytest.fixture(scope="module")
+def reference_job(slurm_cluster) -> str:
+    """A job run without interruption, beside another one, on the allocation."""
+    c = slurm_cluster
+    a = c.run("submit", TINY, "--name", "ref", "-q", *JOB_ARGS, check=True).stdout.strip()
+    b = c.run("submit", TINY, "--name", "other", "-q", *JOB_ARGS, "--set", "seed=7", check=True).stdout.strip()
+    for job in (a, b):
+        assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+    c.other_job = b
+    return a
+
+
+def test_two_jobs_finish_on_workers_of_both_nodes(slurm_cluster, reference_job):
+    c = slurm_cluster
+    status = c.status()
+    assert {e["engine_id"] for e in status["engines"]} == {"n1/rollout", "n2/trainer"}
+    for job in (reference_job, c.other_job):
+        info = c.job(job)
+        assert info["state"] == "succeeded" and info["step"] == STEPS
+        assert set(info["engine"].split(",")) == {"n1/rollout", "n2/trainer"}  # served on both nodes
+    workers = {p.name for p in (c.state_dir / "workers").glob("*.log")}
+    assert workers == {"n1.log", "n2.log"}
+    assert "n[1-2]" in slurm("squeue", "-h", "-j", c.slurm_job, "-o", "%N")
+
+
+def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_step(slurm_cluster, reference_job):
+    c = slurm_cluster
+    job = c.run("submit", TINY, "--name", "preempted", "-q", *JOB_ARGS, check=True).stdout.strip()
+    c.wait_for(job, lambda j: j["step"] >= 8, timeout=300, what="8 steps")
+    slurm("scancel", "--signal=USR1", c.slurm_job)  # what Slurm sends --signal-grace s before the end
+
+    deadline = time.monotonic() + 300  # the daemon drains, the allocation is requeued and comes back
+    while "recovered" not in [k for k, _ in events(c, job)]:
+        assert time.monotonic() < deadline, events(c, job)
+        time.sleep(1.0)
+    assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+
+    kinds = [k for k, _ in events(c, job)]
+    drained = [m for k, m in events(c, job) if k == "interrupted"]
+    assert kinds.index("draining") < kinds.index("interrupted") < kinds.index("recovered")
+    assert len(drained) == 1 and "checkpointed at a step boundary" in drained[0]
+    info = c.job(job)
+    assert info["state"] == "succeeded" and info["restarts"] == 1
+    assert "Restarts=1" in slurm("scontrol", "show", "job", c.slurm_job)
+
+    rows = metrics(c, job)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # none lost, none applied twice
+    ref = metrics(c, reference_job)  # the same spec and seed, never interrupted
+    for key in ("reward_mean", "train/loss", "train/grad_norm"):
+        assert [r[key] for r in rows] == [r[key] for r in ref], key
+
+
+def test_down_drains_and_leaves_no_process_or_slurm_job(slurm_cluster):
+    c = slurm_cluster
+    down = c.run("down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert slurm("squeue", "-h", "-j", c.slurm_job, "-o", "%T").strip() in ("", "COMPLETED", "COMPLETING")
+    left = subprocess.run(["pgrep", "-f", str(c.state_dir)], capture_output=True, text=True).stdout.split()
+    assert left == [], subprocess.run(["ps", "-fp", ",".join(left)], capture_output=True, text=True).stdout
+    assert c.run("status").returncode == 3  # the cluster is down: unreachable
