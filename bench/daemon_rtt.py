@@ -20,7 +20,7 @@ reads in-memory counters and answers a small ``Pong``. When a target is missed (
 cProfile, and the functions that take its time are printed; the daemon is not changed.
 
 What it deliberately does not do: no workers, jobs or service calls (those are the other
-benchmarks), no remote hosts (loopback only), no CURVE. Clients share this machine's cores
+benchmarks), no remote hosts (loopback only); CURVE on, as in every cluster. Clients share this machine's cores
 with the daemon, so the throughput is this machine's, clients included.
 
 Usage: ``python bench/daemon_rtt.py [--quick] [--clients N] [--procs N] [--depth N] [--profile]
@@ -57,8 +57,9 @@ sys.path.insert(0, str(REPO))
 
 from plexctl import protocol as P  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.client import Client  # noqa: E402
-from plexctl.cluster import endpoint_path, read_endpoint  # noqa: E402
+from plexctl import auth  # noqa: E402
+from plexctl.client import Client, current_user  # noqa: E402
+from plexctl.cluster import endpoint_path, plexrl_home, read_endpoint  # noqa: E402
 
 TARGET_P50_MS = 1.0
 TARGET_MSGS_PER_S = 20_000
@@ -175,7 +176,7 @@ def percentile(sorted_samples: list[float], q: float) -> float:
 
 
 def client_process(address: str, sockets: int, depth: int, start_at: float, end_at: float,
-                   results: multiprocessing.Queue) -> None:
+                   results: multiprocessing.Queue, keys: auth.CurveKeys | None = None) -> None:
     """``sockets`` DEALERs, each keeping ``depth`` PINGs in flight; counts replies in [start, end).
 
     Kept cheap, since the clients share the machine's cores with the daemon: the request is
@@ -188,6 +189,8 @@ def client_process(address: str, sockets: int, depth: int, start_at: float, end_
     for _ in range(sockets):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:  # the daemon lets in only known CURVE keys
+            keys.apply(sock)
         sock.connect(address)
         poller.register(sock, zmq.POLLIN)
         socks.append(sock)
@@ -236,7 +239,8 @@ def run_load(address: str, load: Load, daemon_pid: int | None) -> dict[str, Any]
     start_at = time.time() + 2.0 + load.warmup_s  # spawned interpreters take a moment to start
     end_at = start_at + load.window_s
     per_proc = [load.clients // load.procs + (i < load.clients % load.procs) for i in range(load.procs)]
-    procs = [spawn.Process(target=client_process, args=(address, n, load.depth, start_at, end_at, results))
+    keys = auth.client_keys(address, plexrl_home(), current_user())
+    procs = [spawn.Process(target=client_process, args=(address, n, load.depth, start_at, end_at, results, keys))
              for n in per_proc if n]
     for proc in procs:
         proc.start()
@@ -275,6 +279,7 @@ def profile_daemon(load: Load, top: int = 15) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         daemon = Daemon(state_dir, [], [])
+        read_endpoint(state_dir)  # the clients learn the daemon's public key from it
         outcome: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: outcome.update(run_load(daemon.address, load, None)), daemon=True)
         loader.start()

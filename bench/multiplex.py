@@ -13,8 +13,18 @@ Reported per mode: engine-seconds per effective training step, makespan, bubble 
 isolated ratios, plus how far each job's per-step reward curve moved between the modes
 (the same seeds give the same samples, so a correct runtime gives identical curves).
 
-Usage: ``python bench/multiplex.py [--quick] [--steps N]``; writes
-``bench/results/multiplex.json`` (``multiplex-quick.json`` with ``--quick``).
+State swaps: the trainer keeps ``--device-slots`` jobs' state on its device (default 2,
+fewer than the jobs) and ``--host-mem`` of swapped-out state in host memory (default 512K:
+one tiny job's state; 0 with ``--quick``), so sharing swaps states device <-> host <-> NVMe. Per mode it records
+the trainer's swap counters (``plexctl status``: ``engines[].swaps``, per direction) and each
+job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step`` calls), and reports
+the share of swap time hidden behind other jobs' compute: ``(overlap_s - stalled_s) /
+seconds``, where ``overlap_s`` is time of moves made off the trainer's critical path (the
+worker's prefetch thread) while the trainer's thread was computing, and ``stalled_s`` the
+time a swap-in then waited for such a move (see ``worker/state_store.py``).
+
+Usage: ``python bench/multiplex.py [--quick] [--steps N] [--device-slots N] [--host-mem SIZE]``;
+writes ``bench/results/multiplex.json`` (``multiplex-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ JOBS: dict[str, list[str]] = {
     "train-heavy": ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"],
 }
 
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=140)  # a log keeps the tables whole
 
 
 def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -62,9 +72,9 @@ def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.Complete
                           capture_output=True, timeout=timeout)
 
 
-def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -> dict:
+def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, tiers: list[str]) -> dict:
     home = Path(tempfile.mkdtemp(prefix=f"plexrl-bench-{policy.replace('+', '-')}-"))
-    up = plexctl(home, "up", "--local", "--model", str(model), "--policy", policy)
+    up = plexctl(home, "up", "--local", "--model", str(model), "--policy", policy, *tiers)
     if up.returncode != 0:
         raise SystemExit(f"plexctl up --policy {policy} failed: {up.stderr}")
     state_dir = home / "clusters" / "default"
@@ -90,6 +100,7 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -
             raise SystemExit(f"{policy}: jobs did not succeed: {[(j.name, j.state, j.error) for j in failed]}")
         engines = rep.engines
         busy = sum(e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines)
+        swaps = {e.engine_id: e.swaps for e in client.status().engines if e.kind == "trainer"}
     finally:
         plexctl(home, "down")
     start = min(j.started_at for j in mine)
@@ -111,12 +122,28 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path) -
             "train_s": sum(r["train/seconds"] for r in steps_rows) / len(steps_rows),
             "eval_first": j.eval_first, "eval_last": j.eval_last,
             "run_s": j.ended_at - j.started_at,
+            # ensure_resident's wall time in its train_step calls (its first also creates the adapter)
+            "ensure_resident_s": sum(r.get("train/swap_seconds", 0.0) for r in steps_rows),
+            "swap_evicted": int(sum(r.get("train/swap_evicted", 0.0) for r in steps_rows)),
         }
     return {
         "policy": policy, "engines": n_engines, "makespan_s": makespan, "engine_seconds": engine_seconds,
         "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
         "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
+        "swaps": swaps, "swap": swap_summary(swaps),
     }
+
+
+def swap_summary(swaps: dict[str, dict[str, dict]]) -> dict:
+    """The trainer's swap counters summed over directions (and trainers), and the share of swap
+    time hidden behind other jobs' compute: (overlap_s - stalled_s) / seconds."""
+    total = {key: 0.0 for key in ("count", "bytes", "seconds", "critical_s", "overlap_s", "stalled_s")}
+    for per_direction in swaps.values():
+        for stats in per_direction.values():
+            for key in total:
+                total[key] += stats.get(key, 0.0)
+    hidden = max(0.0, total["overlap_s"] - total["stalled_s"])
+    return {**total, "hidden_s": hidden, "hidden_share": hidden / total["seconds"] if total["seconds"] else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,13 +151,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="2 jobs x 5 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/...)")
+    ap.add_argument("--device-slots", type=int, default=None,
+                    help="trainer device slots, fewer than the jobs so states swap (default: jobs / 2)")
+    ap.add_argument("--host-mem", default=None,
+                    help="host tier of the trainer (default 512K: one tiny job's state; --quick: 0, all to NVMe)")
     args = ap.parse_args(argv)
     jobs = dict(list(JOBS.items())[:2]) if args.quick else JOBS
+    args.device_slots = args.device_slots or max(1, len(jobs) // 2)
+    args.host_mem = args.host_mem or ("0" if args.quick else "512K")
+    tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)
     model = REPO / ".plexrl" / "models" / "tiny-arith"
-    results = {mode: run_mode(mode, jobs, steps, model) for mode in ("isolated", "spread+backfill")}
+    results = {mode: run_mode(mode, jobs, steps, model, tiers) for mode in ("isolated", "spread+backfill")}
     iso, shared = results["isolated"], results["spread+backfill"]
     curve_diff = {name: max((abs(a - b) for a, b in zip(iso["jobs"][name]["reward"],
                                                       shared["jobs"][name]["reward"])), default=0.0)
@@ -140,15 +174,20 @@ def main(argv: list[str] | None = None) -> None:
         "makespan_ratio": shared["makespan_s"] / iso["makespan_s"],
         "max_reward_curve_diff": curve_diff,
         "target_engine_s_per_step_ratio": 0.55,
+        "trainer_tiers": {"device_slots": args.device_slots, "host_mem": args.host_mem},
+        "swap_hidden_share": shared["swap"]["hidden_share"],
     }
     table = Table(title=f"multiplex: {len(jobs)} jobs x {steps} steps, 1 rollout + 1 trainer engine")
-    for col in ("mode", "engine-s/step", "makespan s", "bubble", "steps"):
+    for col in ("mode", "engine-s/step", "makespan s", "bubble", "steps", "swaps", "swap s", "critical s",
+                "hidden"):
         table.add_column(col, justify="right")
     for mode, r in results.items():
+        sw = r["swap"]
+        hidden = "-" if sw["hidden_share"] is None else f"{sw['hidden_share']:.0%}"
         table.add_row(mode, f"{r['engine_s_per_step']:.3f}", f"{r['makespan_s']:.1f}", f"{r['bubble_ratio']:.0%}",
-                      str(r["steps"]))
+                      str(r["steps"]), str(int(sw["count"])), f"{sw['seconds']:.3f}", f"{sw['critical_s']:.3f}", hidden)
     table.add_row("shared/isolated", f"{summary['engine_s_per_step_ratio']:.2f}", f"{summary['makespan_ratio']:.2f}",
-                  "", "")
+                  "", "", "", "", "", "")
     console.print(table)
     jt = Table(title="per job: eval reward first → last, and per-step reward curve difference")
     for col in ("job", "isolated", "shared", "max |Δ reward| per step"):
@@ -160,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(jt)
     out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
     write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": steps, "summary": summary,
+                            "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),
                             "modes": results})
     console.print(f"wrote {out}")
 

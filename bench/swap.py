@@ -2,43 +2,56 @@
 
 A job's trainer state moves between three tiers (``worker/state_store.py``): the device (live
 in the ``TrainerEngine``), host memory (a ``JobStateCopy``) and NVMe (the store's checksummed
-copy directory). This script times each move on real states of three sizes and, in the same
-run and on the same sizes, the raw figure of the hardware underneath:
+copy directory). This script moves real states of three sizes through a real ``StateStore``
+with the calls the worker makes (``ensure_resident``, ``prefetch``, ``set_upcoming``) and
+reads each move's seconds from the store's own swap counters (``inventory()["swaps"]``, what
+``plexctl status`` shows); in the same run, interleaved, on the same sizes, it measures the
+raw figure of the hardware underneath:
 
 ======================  =========================================  ===============================
-path                    what is timed                              raw figure it is held against
+path                    what is timed (the store's own counter)    raw figure it is held against
 ======================  =========================================  ===============================
-device->host            ``TrainerEngine.export_state``             CUDA: pinned device->host copy;
+device->host            eviction: ``TrainerEngine.export_state``   CUDA: pinned device->host copy;
                                                                    CPU: memcpy into a preallocated
                                                                    buffer (clone shown beside it)
-host->device            ``release`` then ``import_state``          CUDA: pinned host->device copy;
-                        (import timed)                             CPU: as above
-host->nvme              the store's copy writer (temp dir,         sequential write + fsync of one
-                        sha256 per 8 MiB chunk, fsync, rename)     file (best of buffered / O_DIRECT)
-nvme->host              the store's verified reader, cold          sequential read, cold (best of
-                        (page cache dropped with                   buffered / O_DIRECT)
-                        ``posix_fadvise(DONTNEED)``)
+host->device            swap-in from host: ``import_state``        CUDA: pinned host->device copy;
+                                                                   CPU: as above
+host->nvme              demotion: the copy writer (temp dir,       write + fdatasync of one file
+                        crc32 per 8 MiB, one fdatasync, rename)    of the same size
+nvme->host              ``prefetch``: the verified reader          read of that file, cold
 ======================  =========================================  ===============================
+
+The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
+O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
+store uses (``state_store.IO_DEPTH``). Same conditions on both sides: one file per copy, the
+same bytes (rounded up to 4 KiB), the same number of repetitions interleaved; every write
+ends with ``fdatasync``; every read is cold (the file's pages are dropped from the page cache
+with ``posix_fadvise(DONTNEED)`` first, or O_DIRECT bypasses it); reads land in a reused,
+already faulted-in, page-aligned buffer of the full size (the store reads into its host
+buffer pool, warm after the first round, which is not timed).
 
 Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
 model, about 0.4 MB with its AdamW moments); ``optimizer`` (128 MiB) and ``full`` (1 GiB,
 256 MiB with ``--quick``) are reached by raising the LoRA rank on the same tiny model, so
 the bytes go through exactly the code a real state takes (the adapter, the two AdamW moments
-and the step counts, packed into a few flat buffers) while the model stays small. Every job
-trains one step first, so its optimizer moments exist. Each figure is the best of a few runs,
-for the paths and the raw figures alike, with torch on ``--threads`` threads (default 1, as
-``plexctl up --local`` runs each worker on this 2-core machine; torch's 2-thread pool stalls
-when other processes hold a core). Target: every path at >= 80 % of its raw figure.
+and the step counts, packed into a few flat buffers) while the model stays small. The state
+cycles device -> host -> nvme -> host -> device beside two tiny filler jobs that force those
+moves (``device_slots=1``, host room for exactly one state). Each figure is the best of a few
+runs, for the paths and the raw figures alike, with torch on ``--threads`` threads (default
+1, as ``plexctl up --local`` runs each worker on this 2-core machine). Target: every path at
+>= 80 % of its raw figure.
+
+Without CUDA the "device" is host memory too: device->host is ``export_state`` copying the
+live tensors into fresh host buffers and host->device is ``import_state`` copying them back
+into fresh tensors; the raw figure is memcpy into a preallocated, faulted-in buffer, and
+``% of clone`` compares with allocate-and-copy (what the trainer's export and import do).
 
 It also reports the share of swap time hidden behind other jobs' compute in the multiplex
-benchmark (``bench/results/multiplex.json``), when that file holds the trainer's swap
-counters, and says what is missing when it does not.
+benchmark (``bench/results/multiplex.json``): from the trainer's swap counters per mode,
+``(overlap_s - stalled_s) / seconds`` (see ``worker/state_store.py``).
 
-What it deliberately does not do: no end-to-end ``ensure_resident`` timing (the store's
-bookkeeping is microseconds; the copies are the cost), no GPU-direct storage, no
-concurrency between swaps and training (that is the multiplex benchmark's hidden share).
-The NVMe path calls the store's own copy writer and reader (``StateStore._write_nvme``,
-``state_store._read_copy``): the exact code a demotion and a prefetch run.
+What it deliberately does not do: no GPU-direct storage, no concurrency between swaps and
+training (that is the multiplex benchmark's hidden share).
 
 Usage: ``python bench/swap.py [--quick] [--out FILE] [--nvme-dir DIR] [--reps N] [--threads N]``; writes
 ``bench/results/swap.json`` (``swap-quick.json`` with ``--quick``).
@@ -58,6 +71,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -75,7 +89,7 @@ from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
 from plexctl.state_size import job_state_bytes, model_config  # noqa: E402
 from worker import state_store  # noqa: E402
 from worker.state_store import StateStore  # noqa: E402
-from worker.trainer import JobStateCopy, TrainerEngine  # noqa: E402
+from worker.trainer import TrainerEngine  # noqa: E402
 
 MODEL = REPO / ".plexrl" / "models" / "tiny-arith"
 MULTIPLEX_JSON = REPO / "bench" / "results" / "multiplex.json"
@@ -84,9 +98,8 @@ TARGET = 0.80
 MiB, GiB = 1 << 20, 1 << 30
 SIZES = {"optimizer": 128 * MiB, "full": 1 * GiB}
 SIZES_QUICK = {"optimizer": 32 * MiB, "full": 256 * MiB}
-IO_CHUNK = 8 * MiB  # raw file I/O moves this much per system call
-IO_BLOCK = 64 * MiB  # the raw file I/O's source / destination block, reused across the file
-DIRECT_ALIGN = 4096
+IO_CHUNK = state_store.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
+DIRECT_ALIGN = state_store.DIRECT_ALIGN
 SMALL_BYTES = 16 * MiB  # states below this are timed 5x as often
 
 T = TypeVar("T")
@@ -164,62 +177,68 @@ class RawMemory:
 
 
 class RawDisk:
-    """Sequential file write + fsync and cold read of ``nbytes`` (rounded up to 4 KiB) in
-    ``directory``, buffered and with O_DIRECT where the filesystem takes it. The bytes come
-    from (and land in) one reused, page-aligned block of random data."""
+    """Sequential write + fdatasync and cold read of ``nbytes`` (rounded up to 4 KiB) as one
+    file in ``directory``: buffered, O_DIRECT serially, and O_DIRECT with ``depth`` requests
+    in flight (where the filesystem takes O_DIRECT). The bytes come from and land in one
+    page-aligned, faulted-in buffer of the full size."""
 
-    def __init__(self, directory: Path, nbytes: int) -> None:
+    def __init__(self, directory: Path, nbytes: int, depth: int = state_store.IO_DEPTH) -> None:
         self.path = directory / "raw.bin"
         self.nbytes = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
-        self.block = mmap.mmap(-1, min(IO_BLOCK, self.nbytes))  # anonymous: page aligned
-        self.block.write(os.urandom(len(self.block)))
+        self.depth = depth
+        self.block = mmap.mmap(-1, self.nbytes)  # anonymous: page aligned
+        seed = os.urandom(min(IO_CHUNK, self.nbytes))
+        for offset in range(0, self.nbytes, len(seed)):
+            self.block[offset : offset + len(seed)] = seed[: self.nbytes - offset]
         self.view = memoryview(self.block)
         self.direct = hasattr(os, "O_DIRECT") and self._direct_works()
+        self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="raw-io")
 
     def _chunks(self) -> list[tuple[int, memoryview]]:
-        """(file offset, block slice) for every chunk of the file."""
-        chunks = []
-        for offset in range(0, self.nbytes, IO_CHUNK):
-            size = min(IO_CHUNK, self.nbytes - offset)
-            start = offset % len(self.block)
-            if start + size > len(self.block):
-                start = 0
-            chunks.append((offset, self.view[start : start + size]))
-        return chunks
+        return [(offset, self.view[offset : offset + IO_CHUNK]) for offset in range(0, self.nbytes, IO_CHUNK)]
 
-    def write(self, direct: bool = False) -> float:
+    def write(self, direct: bool = False, parallel: bool = False) -> float:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         started = time.perf_counter()
         fd = os.open(self.path, flags, 0o644)
         try:
-            for _, chunk in self._chunks():
-                written = 0
-                while written < len(chunk):
-                    written += os.write(fd, chunk[written:])
-            os.fsync(fd)
+            if parallel:
+                os.ftruncate(fd, self.nbytes)
+                for future in [self.pool.submit(_pwrite_all, fd, chunk, offset) for offset, chunk in self._chunks()]:
+                    future.result()
+            else:
+                for offset, chunk in self._chunks():
+                    _pwrite_all(fd, chunk, offset)
+            os.fdatasync(fd)
         finally:
             os.close(fd)
         return time.perf_counter() - started
 
-    def read_cold(self, direct: bool = False) -> float:
+    def read_cold(self, direct: bool = False, parallel: bool = False) -> float:
         drop_page_cache(self.path)
-        return self.read_warm(direct)
-
-    def read_warm(self, direct: bool = False) -> float:
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         started = time.perf_counter()
         fd = os.open(self.path, flags)
         try:
-            for _, chunk in self._chunks():
-                done = 0
-                while done < len(chunk):
-                    count = os.readv(fd, [chunk[done:]])
-                    if not count:
-                        raise OSError(f"{self.path} ended early")
-                    done += count
+            if parallel:
+                for future in [self.pool.submit(_pread_all, fd, chunk, offset) for offset, chunk in self._chunks()]:
+                    future.result()
+            else:
+                for offset, chunk in self._chunks():
+                    _pread_all(fd, chunk, offset)
         finally:
             os.close(fd)
         return time.perf_counter() - started
+
+    def variants(self) -> dict[str, Callable[[], float]]:
+        """name -> one timed run, for every way this filesystem takes."""
+        runs: dict[str, Callable[[], float]] = {"raw_write": self.write, "raw_read": self.read_cold}
+        if self.direct:
+            runs.update(raw_write_direct=partial(self.write, direct=True),
+                        raw_write_direct_par=partial(self.write, direct=True, parallel=True),
+                        raw_read_direct=partial(self.read_cold, direct=True),
+                        raw_read_direct_par=partial(self.read_cold, direct=True, parallel=True))
+        return runs
 
     def _direct_works(self) -> bool:
         probe = self.path.with_name("direct-probe.bin")
@@ -236,9 +255,24 @@ class RawDisk:
             probe.unlink(missing_ok=True)
 
     def close(self) -> None:
+        self.pool.shutdown()
         self.path.unlink(missing_ok=True)
         self.view.release()
         self.block.close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _pread_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        count = os.preadv(fd, [data], offset)
+        if not count:
+            raise OSError(f"file ended early at {offset}")
+        data, offset = data[count:], offset + count
 
 
 def drop_page_cache(path: Path) -> None:
@@ -262,85 +296,105 @@ def lora_for_bytes(target_bytes: int, config: dict[str, Any]) -> LoraConfig:
     return LoraConfig(rank=max(1, round((target_bytes - base) / per_rank)), target_modules=modules)
 
 
-def train_once(trainer: TrainerEngine, job_id: str, lora: LoraConfig) -> None:
-    """Create the job and take one optimizer step, so its AdamW moments exist."""
-    trainer.ensure_job(job_id, lora, seed=0)
+def train_once(trainer: TrainerEngine, job_id: str) -> None:
+    """One optimizer step of a resident job, so its AdamW moments exist."""
     rows = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 12, 13, 2]]
     batch = TrainBatch(input_ids=rows, loss_mask=[[0, 0, 0, 1, 1, 1]] * 2, old_logprobs=[[0.0] * 6] * 2,
                        advantages=[1.0, -1.0])
     trainer.train_step(job_id, batch, TrainHParams())
 
 
-def device_tier(trainer: TrainerEngine, job_id: str, reps: int) -> dict[str, Samples]:
-    """Export, release, import, ``reps`` times after one untimed warm-up round (pinned pools,
-    allocator, the parked adapter), each round beside the raw copies of the same size."""
-    raw: RawMemory | None = None
-    out: dict[str, Samples] = {}
-    for rep in range(reps + 1):
-        copy, export_s = timed(partial(trainer.export_state, job_id), cuda_sync)
-        trainer.release(job_id)
-        _, import_s = timed(partial(trainer.import_state, job_id, copy), cuda_sync)
-        nbytes = copy.nbytes
-        del copy
-        raw = raw or RawMemory(nbytes)
-        raw_s = {"memcpy": raw.memcpy(), "clone": raw.clone()}
-        if raw.cuda:
-            raw_s.update(h2d=raw.host_to_device(), d2h=raw.device_to_host())
-        if rep == 0:
-            continue
-        for name, seconds in {"export": export_s, "import": import_s, **raw_s}.items():
-            out.setdefault(name, Samples(nbytes)).seconds.append(seconds)
-    return out
+FILLER = LoraConfig(rank=1)  # two tiny untrained jobs that push the measured state around
 
 
-def nvme_tier(store: StateStore, copy: JobStateCopy, raw: RawDisk, reps: int) -> dict[str, Samples]:
-    """The store's write and cold verified read of ``copy``, interleaved with the raw file I/O."""
-    names = ["write", "read", "raw_write", "raw_read", "raw_read_warm"]
-    if raw.direct:
-        names += ["raw_write_direct", "raw_read_direct"]
-    out = {name: Samples(copy.nbytes if name in ("write", "read") else raw.nbytes) for name in names}
-    job_dir = store._job_dir(copy.job_id)
-    for _ in range(reps):
-        out["raw_write"].seconds.append(raw.write())
-        out["write"].seconds.append(store._write_nvme(copy.job_id, copy))
-        out["raw_read"].seconds.append(raw.read_cold())
-        out["raw_read_warm"].seconds.append(raw.read_warm())
-        for path in job_dir.iterdir():
-            drop_page_cache(path)
-        back, read_s = timed(partial(state_store._read_copy, job_dir, copy.job_id))
-        out["read"].seconds.append(read_s)
-        if back.nbytes != copy.nbytes:
-            raise SystemExit(f"read back {back.nbytes} bytes of {copy.job_id}, wrote {copy.nbytes}")
-        del back
-        store._delete_nvme(copy.job_id)
-        if raw.direct:
-            out["raw_write_direct"].seconds.append(raw.write(direct=True))
-            out["raw_read_direct"].seconds.append(raw.read_cold(direct=True))
-    return out
+class SwapCycle:
+    """One state of a given size moved through every tier by the store's own calls.
+
+    ``device_slots=1`` and host room for exactly the state: with two tiny filler jobs, each
+    round is (1) ``ensure_resident(f1)``: the state is evicted to host (device->host), the
+    filler on host demoted for it; (2) ``ensure_resident(f2)``: the state, needed last, is
+    demoted to nvme (host->nvme) to make room for f1; (3) ``prefetch(state)``: read back to
+    host (nvme->host), f1 demoted for it; (4) ``ensure_resident(state)``: swapped in from host
+    (host->device). Each step's seconds are the delta of that direction in the store's swap
+    counters, checked to be one move of exactly the state's bytes.
+    """
+
+    def __init__(self, trainer: TrainerEngine, lora: LoraConfig, config: dict[str, Any], nvme_dir: Path,
+                 name: str) -> None:
+        self.job = f"swap-{name}"
+        self.lora = lora
+        self.nbytes = StateStore.job_bytes(lora, config)
+        self.store = StateStore(trainer, device_slots=1, host_bytes=self.nbytes, nvme_dir=nvme_dir)
+        self.f1, self.f2 = f"{self.job}-f1", f"{self.job}-f2"
+        for job in (self.f1, self.f2):
+            self.store.ensure_resident(job, FILLER, seed=1)
+        self.store.ensure_resident(self.job, lora, seed=0)
+        train_once(trainer, self.job)
+
+    def round(self) -> dict[str, float]:
+        """One round; direction -> seconds of the state's move."""
+        store, job = self.store, self.job
+        steps = [
+            ("device->host", [self.f1, job, self.f2], lambda: store.ensure_resident(self.f1, FILLER, seed=1)),
+            ("host->nvme", [self.f2, self.f1, job], lambda: store.ensure_resident(self.f2, FILLER, seed=1)),
+            ("nvme->host", [job, self.f2, self.f1], lambda: store.prefetch(job)),
+            ("host->device", [job, self.f1, self.f2], lambda: store.ensure_resident(job, self.lora, seed=0)),
+        ]
+        seconds = {}
+        for direction, upcoming, call in steps:
+            store.set_upcoming(upcoming)
+            before = store.inventory()["swaps"][direction]
+            call()
+            after = store.inventory()["swaps"][direction]
+            moved = (after["count"] - before["count"], after["bytes"] - before["bytes"])
+            if moved != (1, self.nbytes) or store.where(job) != direction.split("->")[1]:
+                raise SystemExit(f"{self.job}: expected one {direction} move of {self.nbytes} bytes, "
+                                 f"got {moved}; the state is on {store.where(job)}")
+            seconds[direction] = after["seconds"] - before["seconds"]
+        return seconds
+
+    def close(self) -> None:
+        for job in (self.job, self.f1, self.f2):
+            self.store.drop(job)
 
 
 # ---------------------------------------------------------------- one size through every tier
 
 
-def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, store: StateStore, nvme_dir: Path,
+def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[str, Any], nvme_dir: Path,
              reps: int) -> dict[str, Any]:
-    job_id = f"swap-{name}"
-    train_once(trainer, job_id, lora)
-    small = trainer.state_bytes(job_id) < SMALL_BYTES  # cheap and noisy: repeat more
-    device = device_tier(trainer, job_id, reps * (5 if small else 1))
-    copy = trainer.export_state(job_id)
-    trainer.release(job_id)
-    gc.collect()
-    raw_disk = RawDisk(nvme_dir, copy.nbytes)
+    """``reps`` rounds of the cycle (after one untimed warm-up round: the host buffer pool,
+    the allocator, the parked adapters), each beside the raw memory and file figures."""
+    cycle = SwapCycle(trainer, lora, config, nvme_dir / "store", name)
+    small = cycle.nbytes < SMALL_BYTES  # cheap and noisy: repeat more
+    raw_mem = RawMemory(cycle.nbytes)
+    raw_disk = RawDisk(nvme_dir, cycle.nbytes)
+    samples: dict[str, Samples] = {}
+
+    def add(key: str, nbytes: int, seconds: float) -> None:
+        samples.setdefault(key, Samples(nbytes)).seconds.append(seconds)
+
     try:
-        nvme = nvme_tier(store, copy, raw_disk, reps * (5 if small else 1))
+        for rep in range(reps * (5 if small else 1) + 1):
+            moves = cycle.round()
+            raw = {"device.memcpy": raw_mem.memcpy(), "device.clone": raw_mem.clone()}
+            if raw_mem.cuda:
+                raw.update({"device.h2d": raw_mem.host_to_device(), "device.d2h": raw_mem.device_to_host()})
+            raw.update({f"nvme.{key}": run() for key, run in raw_disk.variants().items()})
+            if rep == 0:
+                continue
+            for direction, seconds in moves.items():
+                add(f"store.{direction}", cycle.nbytes, seconds)
+            for key, seconds in raw.items():
+                add(key, raw_disk.nbytes if key.startswith("nvme.") else cycle.nbytes, seconds)
     finally:
         raw_disk.close()
-    nbytes = copy.nbytes
-    del copy
+        cycle.close()
+    del raw_mem
     gc.collect()
-    samples = {**{f"device.{k}": v for k, v in device.items()}, **{f"nvme.{k}": v for k, v in nvme.items()}}
-    return {"size": name, "lora_rank": lora.rank, "bytes": nbytes, "paths": paths_of(samples),
+    pool = cycle.store._pool
+    return {"size": name, "lora_rank": lora.rank, "bytes": cycle.nbytes, "paths": paths_of(samples),
+            "host_pool": {"allocated": pool.allocated, "reused": pool.reused},
             "samples": {key: s.to_json() for key, s in samples.items()}}
 
 
@@ -348,27 +402,23 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
     """Each swap path's throughput next to its raw figure (the best raw variant measured)."""
     cuda = "device.h2d" in samples
 
-    def best(*keys: str) -> tuple[str, float]:
-        found = [(k, samples[k].gbps) for k in keys if k in samples]
+    def best(*prefixes: str) -> tuple[str, float]:
+        found = [(k, s.gbps) for k, s in samples.items() if any(k == p or k.startswith(p + "_") for p in prefixes)]
         return max(found, key=lambda kv: kv[1])
 
     plan = [
-        ("device->host", "device.export", "TrainerEngine.export_state",
-         best("device.d2h") if cuda else best("device.memcpy")),
-        ("host->device", "device.import", "TrainerEngine.import_state",
-         best("device.h2d") if cuda else best("device.memcpy")),
-        ("host->nvme", "nvme.write", "StateStore copy write (sha256, fsync, rename)",
-         best("nvme.raw_write", "nvme.raw_write_direct")),
-        ("nvme->host", "nvme.read", "StateStore copy read, cold (verified)",
-         best("nvme.raw_read", "nvme.raw_read_direct")),
+        ("device->host", "TrainerEngine.export_state (eviction)", best("device.d2h" if cuda else "device.memcpy")),
+        ("host->device", "TrainerEngine.import_state (swap-in)", best("device.h2d" if cuda else "device.memcpy")),
+        ("host->nvme", "StateStore demotion (crc32, fdatasync, rename)", best("nvme.raw_write")),
+        ("nvme->host", "StateStore.prefetch, cold (verified)", best("nvme.raw_read")),
     ]
     rows = []
-    for path, key, via, (raw_key, raw_gbps) in plan:
-        gbps = samples[key].gbps
-        row = {"path": path, "via": via, "gbps": gbps, "seconds": samples[key].best_s, "raw": raw_key,
-               "raw_gbps": raw_gbps, "pct_of_raw": gbps / raw_gbps, "meets_target": gbps >= TARGET * raw_gbps}
+    for path, via, (raw_key, raw_gbps) in plan:
+        got = samples[f"store.{path}"]
+        row = {"path": path, "via": via, "gbps": got.gbps, "seconds": got.best_s, "raw": raw_key,
+               "raw_gbps": raw_gbps, "pct_of_raw": got.gbps / raw_gbps, "meets_target": got.gbps >= TARGET * raw_gbps}
         if not cuda and path in ("device->host", "host->device"):
-            row["pct_of_clone"] = gbps / samples["device.clone"].gbps
+            row["pct_of_clone"] = got.gbps / samples["device.clone"].gbps
         rows.append(row)
     return rows
 
@@ -377,15 +427,14 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
 
 
 def hidden_share(path: Path) -> dict[str, Any]:
-    """Share of the multiplex run's swap seconds spent off the trainer's critical path.
+    """Share of the multiplex run's swap seconds hidden behind other jobs' compute, per mode.
 
-    A trainer's swaps inside ``ensure_resident`` (every direction but ``nvme->host``) run on
-    the trainer's own thread before the job's call, so they stall it; ``nvme->host`` only
-    happens in ``prefetch``, which the worker serves on a side thread while the trainer
-    computes other jobs' steps. So hidden share = prefetch seconds / all swap seconds: an
-    upper bound, since a swap-in that waits on an unfinished prefetch is not subtracted.
-    Needs, per mode, ``swaps``: the trainer's swap counters as ``plexctl status`` shows them
-    (direction -> count / bytes / seconds, optionally keyed by engine first).
+    From the trainer's swap counters (``plexctl status``'s ``engines[].swaps``, which
+    bench/multiplex.py saves per mode): ``critical_s`` ran inside ``ensure_resident`` on the
+    trainer's thread (the job's call waited for it); ``overlap_s`` ran off it (``prefetch``
+    and the demotions it makes, on the worker's prefetch thread) while the trainer's thread
+    was computing; ``stalled_s`` is time ``ensure_resident`` then waited for such a move to
+    land, so it was not hidden after all. hidden = (overlap_s - stalled_s) / seconds.
     """
     if not path.exists():
         return {"available": False, "missing": f"{_rel(path)} does not exist (run bench/multiplex.py)"}
@@ -397,22 +446,19 @@ def hidden_share(path: Path) -> dict[str, Any]:
             missing.append(mode)
             continue
         totals = _swap_totals(record["swaps"])
-        swap_s = sum(t["seconds"] for t in totals.values())
-        hidden_s = totals.get("nvme->host", {}).get("seconds", 0.0)
+        swap_s = sum(t.get("seconds", 0.0) for t in totals.values())
+        critical_s = sum(t.get("critical_s", 0.0) for t in totals.values())
+        overlap_s = sum(t.get("overlap_s", 0.0) for t in totals.values())
+        stalled_s = sum(t.get("stalled_s", 0.0) for t in totals.values())
+        hidden_s = max(0.0, overlap_s - stalled_s)
         result["modes"][mode] = {
-            "swaps": sum(t["count"] for t in totals.values()), "swap_s": swap_s, "hidden_s": hidden_s,
+            "swaps": sum(t.get("count", 0) for t in totals.values()), "swap_s": swap_s, "critical_s": critical_s,
+            "overlap_s": overlap_s, "stalled_s": stalled_s, "hidden_s": hidden_s,
             "hidden_share": hidden_s / swap_s if swap_s else None,
         }
     result["available"] = bool(result["modes"])
-    if missing and not result["modes"]:
-        result["missing"] = (
-            f"{_rel(path)} holds no per-direction swap counters: bench/multiplex.py does not save the "
-            "trainer's `swaps` (StatusRep.engines[].swaps) per mode; and its 4 jobs fit the trainer's 4 "
-            "device slots, so that run never swaps (it needs more jobs than --device-slots to exercise "
-            "the host and NVMe tiers)"
-        )
-    elif missing:
-        result["missing"] = f"modes {missing} of {_rel(path)} hold no `swaps` counters"
+    if missing:
+        result["missing"] = f"modes {missing} of {_rel(path)} hold no `swaps` counters (rerun bench/multiplex.py)"
     return result
 
 
@@ -423,9 +469,9 @@ def _swap_totals(swaps: dict[str, Any]) -> dict[str, dict[str, float]]:
     totals: dict[str, dict[str, float]] = {}
     for per_engine in swaps.values():
         for direction, stats in (per_engine or {}).items():
-            total = totals.setdefault(direction, {"count": 0, "bytes": 0, "seconds": 0.0})
-            for key in total:
-                total[key] += stats.get(key, 0)
+            total = totals.setdefault(direction, {})
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
     return totals
 
 
@@ -485,15 +531,25 @@ def print_report(results: list[dict[str, Any]], hidden: dict[str, Any], info: di
     if hidden.get("available"):
         for mode, h in hidden["modes"].items():
             share = "n/a (no swaps)" if h["hidden_share"] is None else f"{h['hidden_share']:.0%}"
-            console.print(f"multiplex {mode}: {h['swaps']} swaps, {h['swap_s']:.2f} s, hidden behind compute: {share}")
+            console.print(f"multiplex {mode}: {h['swaps']} swaps, {h['swap_s']:.3f} s "
+                          f"({h['critical_s']:.3f} s on the trainer's critical path), hidden behind compute: {share}")
     if hidden.get("missing"):
         console.print(f"hidden share: {hidden['missing']}")
 
 
+CONDITIONS = (
+    "same bytes per copy (raw file rounded up to 4 KiB), one file per copy, repetitions interleaved; "
+    "writes end with fdatasync; reads cold (posix_fadvise DONTNEED first, or O_DIRECT); reads land in a "
+    "reused faulted-in page-aligned full-size buffer (the store: its host buffer pool); raw = best of buffered, "
+    "O_DIRECT serial, O_DIRECT with the store's request depth; device tier on CPU: memcpy into a "
+    "preallocated faulted-in buffer (clone beside it)"
+)
 RAW_LABELS = {
     "device.memcpy": "memcpy", "device.d2h": "pinned D2H", "device.h2d": "pinned H2D",
-    "nvme.raw_write": "write+fsync", "nvme.raw_write_direct": "write+fsync, O_DIRECT",
-    "nvme.raw_read": "read, cold", "nvme.raw_read_direct": "read, O_DIRECT",
+    "nvme.raw_write": "write+fdatasync", "nvme.raw_write_direct": "O_DIRECT write+fdatasync",
+    "nvme.raw_write_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} write+fdatasync",
+    "nvme.raw_read": "read, cold", "nvme.raw_read_direct": "O_DIRECT read",
+    "nvme.raw_read_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} read",
 }
 
 
@@ -522,12 +578,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller states (full = 256 MiB), fewer repetitions")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/swap[-quick].json)")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="directory on the NVMe tier (default: a temp dir)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per transfer (default 5, quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per transfer (default 8, quick 2)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: what `plexctl up --local` gives each worker on 2 cores)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps or (2 if args.quick else 8)
     out = args.out or REPO / "bench" / "results" / ("swap-quick.json" if args.quick else "swap.json")
     model = build_tiny_model()
     config = model_config(str(model))
@@ -536,12 +592,11 @@ def main() -> None:
     nvme_dir = Path(tempfile.mkdtemp(prefix="plexrl-swap-", dir=args.nvme_dir))
     try:
         trainer = TrainerEngine(str(model), device="cuda" if torch.cuda.is_available() else "cpu")
-        store = StateStore(trainer, device_slots=1, nvme_dir=nvme_dir / "store")
         info = machine(nvme_dir, trainer)
         results = []
         for name, lora in loras.items():
             with console.status(f"swap: {name} state (LoRA rank {lora.rank})"):
-                results.append(run_size(name, lora, trainer, store, nvme_dir, reps))
+                results.append(run_size(name, lora, trainer, config, nvme_dir, reps))
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     hidden = hidden_share(MULTIPLEX_JSON)
@@ -549,7 +604,8 @@ def main() -> None:
     rows = [p for r in results for p in r["paths"]]
     write_json_atomic(out, {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": args.quick, "reps": reps, "target_pct_of_raw": TARGET,
-        "machine": info, "sizes": results, "hidden_behind_compute": hidden,
+        "command": " ".join(["python", _rel(Path(sys.argv[0])), *sys.argv[1:]]),
+        "conditions": CONDITIONS, "machine": info, "sizes": results, "hidden_behind_compute": hidden,
         "summary": {
             "meets_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if p["meets_target"]],
             "below_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if not p["meets_target"]],

@@ -16,7 +16,11 @@ from that checkpoint when a daemon next starts on this state directory), tells e
 to exit, and exits. A second signal stops at once (drivers still running are interrupted and
 resume from their last periodic checkpoint).
 
-Deliberately not here yet: CURVE authentication, worker loss recovery beyond re-queueing
+Only known keys get in (CURVE, ``daemon.auth``); each message carries its sender's user, and
+a user sees and cancels only their own jobs, the cluster's owner all of them; only the internal
+identity (drivers, workers) sends their operations, only the owner stops the cluster.
+
+Deliberately not here yet: worker loss recovery beyond re-queueing
 calls.
 """
 
@@ -40,19 +44,24 @@ from typing import Any
 import msgspec
 import zmq
 
+from daemon.auth import secure
 from daemon.journal import TERMINAL, Journal
+from daemon import metrics as M
 from daemon.scheduler import POLICIES, Engine, Scheduler, Task
 from plexctl.state_size import job_state_bytes, model_config
 from plexctl import protocol as P
+from plexctl import auth
 from plexctl.atomic import write_json_atomic
-from plexctl.cluster import Endpoint, endpoint_path
+from plexctl.client import current_user
+from plexctl.cluster import Endpoint, endpoint_path, plexrl_home
 from plexctl.spec import JobSpec, spec_from_wire
 
 log = logging.getLogger("plexd")
 
 VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
-WORKER_LIVENESS = 5  # heartbeats missed before a worker is declared dead
+WORKER_LIVENESS = 3  # heartbeats missed before a worker is declared dead
+LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_CANCELLED = 3
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
@@ -61,6 +70,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER_METHODS = {"train_step", "publish", "checkpoint", "restore"}
 ROLLOUT_METHODS = {"generate"}
+INTERNAL_OPS = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.RESULT, P.Op.LEAVE, P.Op.CALL, P.Op.REPORT}  # drivers, workers
 
 
 @dataclass
@@ -86,6 +96,7 @@ class JobRuntime:
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
     cancel_requested_at: float | None = None
+    rolled_back: str = ""  # why the job's state was lost: its driver is stopped and the job resumes from its checkpoint
     failure: str = ""
     engines: set[str] = field(default_factory=set)
     user: str = ""  # who submitted it
@@ -105,8 +116,10 @@ class Daemon:
                  host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local",
                  policy: str = "spread+backfill", worker_args: list[str] | None = None,
                  advertise_host: str | None = None, drain_timeout: float = DRAIN_TIMEOUT_S,
-                 trusted_users: list[str] | None = None) -> None:
+                 trusted_users: list[str] | None = None, metrics_port: int | None = None) -> None:
         self.state_dir = state_dir
+        self.telemetry = M.Telemetry()  # call latencies, swap marks; /metrics when metrics_port is set
+        self.metrics_port: int | None = None
         self.jobs_dir = state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.models = {os.path.realpath(m) for m in models}
@@ -124,21 +137,29 @@ class Daemon:
         self.prefetched: dict[str, str] = {}  # trainer engine -> job whose prefetch was last asked
         self.workers: dict[str, WorkerState] = {}
         self.worker_procs: dict[str, subprocess.Popen] = {}
+        self.local_layouts: dict[str, tuple[list[str], str]] = {}  # local worker -> (engines, model)
+        self.respawns: dict[str, int] = {}
         self.runtimes: dict[str, JobRuntime] = {}
         self.calls: dict[int, PendingCall] = {}
-        self.task_ids = itertools.count(1)
+        # task ids never repeat across daemon restarts: a late result for a task of the previous daemon
+        # (its workers live on) cannot be taken for the reply to a new call
+        self.task_ids = itertools.count(int(self.started_at * 1000) * 1000)
         self.stopping = False
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None  # set once a drain starts
         self.drain_reason = ""
         self.problems: list[str] = []
         self.rejected_peers: set[bytes] = set()
+        self.owner = auth.set_up_cluster(state_dir, plexrl_home(), current_user(), replace_key=False)
+        self.sender = ""  # the authenticated user of the message being handled (its User-Id)
+        os.environ[auth.KEYS_ENV] = str(auth.keys_dir(state_dir))  # drivers and workers present the internal key
 
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
+        self.authenticator = secure(self.sock, state_dir)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -146,13 +167,19 @@ class Daemon:
         connect_host = advertise_host or (
             "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname())
         self.address = f"tcp://{connect_host}:{port}"
+        if metrics_port is not None:
+            self.metrics_port = self.telemetry.serve(host, metrics_port)
+            url = f"http://{connect_host}:{self.metrics_port}/metrics"
+            write_json_atomic(state_dir / M.METRICS_FILE, {"url": url, "pid": os.getpid()})
+            log.info("Prometheus metrics on %s", url)
 
         self._recover_jobs()
         for i, engines in enumerate(local_workers):
             self._spawn_local_worker(f"w{i}", engines, models[0])
         write_json_atomic(endpoint_path(state_dir), msgspec.to_builtins(
             Endpoint(address=self.address, pid=os.getpid(), started_at=self.started_at, mode=mode,
-                     host=socket.gethostname())))
+                     host=socket.gethostname(),
+                     server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode())))
         log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,6 +192,7 @@ class Daemon:
             self.journal.event(info.job_id, "recovered", f"was {info.state}")
 
     def _spawn_local_worker(self, worker_id: str, engines: list[str], model: str) -> None:
+        self.local_layouts[worker_id] = (engines, model)
         logs = self.state_dir / "workers"
         logs.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "worker.main", "--endpoint", self.address, "--worker-id", worker_id,
@@ -198,19 +226,23 @@ class Daemon:
                                  (signal.SIGUSR1, "SIGUSR1 (allocation ending)", False),
                                  (signal.SIGUSR2, "SIGUSR2 (allocation ending)", False)):
             signal.signal(sig, lambda *_, why=why, urgent=urgent: self.drain(why, urgent))
-        last_beat = 0.0
+        last_beat = last_gauges = 0.0
         while not self.stopping:
             if self.sock.poll(50):
                 for _ in range(1000):
                     try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._dispatch(frames)
+                    user = parts[1].get("User-Id") if len(parts) > 1 else ""
+                    self._dispatch([p.bytes for p in parts], user)
             now = time.time()
             if now - last_beat >= HEARTBEAT_S:
                 last_beat = now
                 self._heartbeat_workers(now)
+            if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
+                last_gauges = now
+                self._snapshot_gauges(now)
             self._reap_drivers(now)
             if self.drain_deadline is not None:
                 if not self.runtimes or now > self.drain_deadline:
@@ -241,8 +273,11 @@ class Daemon:
         for proc in self.worker_procs.values():
             wait_or_kill(proc, 15)
         endpoint_path(self.state_dir).unlink(missing_ok=True)
+        (self.state_dir / M.METRICS_FILE).unlink(missing_ok=True)
         self.journal.close()
+        self.telemetry.close()
         self.sock.close(linger=500)  # let the workers' shutdown messages out
+        self.authenticator.stop()
 
     # ------------------------------------------------------------------ messaging
 
@@ -256,7 +291,7 @@ class Daemon:
     def _error(self, identity: bytes, msg_id: int, code: str, message: str) -> None:
         self._send(identity, P.Op.ERROR, P.ErrorBody(code, message), msg_id)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[bytes], user: str = "") -> None:
         identity, rest = frames[0], frames[1:]
         try:
             op, header, body = P.decode(rest)
@@ -269,11 +304,28 @@ class Daemon:
         if handler is None:
             self._error(identity, header.msg_id, "bad_request", f"opcode {op!r} is not a request")
             return
+        refusal = self._refusal(op, user)
+        if refusal:
+            self._error(identity, header.msg_id, "forbidden", refusal)
+            return
+        self.sender = user
         try:
             handler(self, identity, header, body)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the daemon
             log.exception("error handling %r", op)
             self._error(identity, header.msg_id, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _refusal(self, op: bytes, user: str) -> str:
+        """Why ``user`` may not send ``op`` ("" if they may)."""
+        if op in INTERNAL_OPS and user != auth.INTERNAL_USER:
+            return f"{user or 'this client'} may not send {op.decode(errors='replace')}: it is for the cluster's own processes"
+        if op == P.Op.DOWN and user != self.owner:
+            return f"only the cluster's owner ({self.owner}) may stop it"
+        return ""
+
+    def _visible(self, job_user: str) -> bool:
+        """Whether the current sender may see and act on a job of ``job_user``."""
+        return self.sender in (job_user, self.owner, auth.INTERNAL_USER)
 
     # ------------------------------------------------------------------ client requests
 
@@ -296,27 +348,28 @@ class Daemon:
                         f"model.path {spec.model.path!r} is not served by this cluster "
                         f"(it serves: {', '.join(sorted(self.models))})")
             return
-        if spec.algo.loss_fn and body.user not in self.trusted_users:
+        user = body.user if self.sender == auth.INTERNAL_USER else self.sender  # who the key says, not the body
+        if spec.algo.loss_fn and user not in self.trusted_users:
             self._error(identity, header.msg_id, "untrusted",
-                        f"algo.loss_fn: user {body.user!r} may not run code in this cluster's trainer "
+                        f"algo.loss_fn: user {user!r} may not run code in this cluster's trainer "
                         f"(it would run beside other users' state); the cluster's owner can allow it "
-                        f"with `plexctl up --trust-user-code {body.user}`")
+                        f"with `plexctl up --trust-user-code {user}`")
             return
-        job_id, created = self.journal.submit(body.submit_id, spec.name, body.user, body.spec,
+        job_id, created = self.journal.submit(body.submit_id, spec.name, user, body.spec,
                                               spec.algo.steps, spec.priority)
         if created:
-            log.info("job %s (%s) submitted by %s", job_id, spec.name, body.user)
+            log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
         self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created), header.msg_id)
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
         if body.job_id:
-            job_id = self.journal.find(body.job_id)
+            job_id = self._find(body.job_id)
             if job_id is None:
                 self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
                 return
             jobs = [self.journal.job(job_id)]
         else:
-            jobs = self.journal.jobs()
+            jobs = [j for j in self.journal.jobs() if self._visible(j.user)]
         jobs = [self._with_live_fields(j) for j in jobs]
         now = time.time()
         engines = []
@@ -334,8 +387,29 @@ class Daemon:
                     tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
                     swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {})))
         bubble = self.sched.bubble_ratio(now, self.started_at) if self.sched.engines else None
+        timeline = M.busy_spans(self.sched, now) if body.timeline else []
+        marks = self.telemetry.marks_since(self.started_at) if body.timeline else []
         self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now, policy=self.policy,
-                                                     bubble_ratio=bubble), header.msg_id)
+                                                     bubble_ratio=bubble, started_at=self.started_at,
+                                                     timeline=timeline, swap_marks=marks), header.msg_id)
+
+    def _snapshot_gauges(self, now: float) -> None:
+        """Refresh what a Prometheus scrape sees (cheap sums; the HTTP thread only renders them)."""
+        by_state: dict[str, int] = {}
+        for j in self.journal.jobs():
+            by_state[j.state] = by_state.get(j.state, 0) + 1
+        swaps = {e: st.get("swaps", {}) for e, st in self.engine_stats.items()}
+        engines = M.engine_gauges(self.sched, swaps, now)
+        self.telemetry.set_gauges(M.Gauges(jobs_by_state=by_state, engines=engines, bubble_ratio=M.bubble_of(engines),
+                                           uptime_s=now - self.started_at))
+
+    def _find(self, ref: str) -> str | None:
+        """A job id the sender may see, from an id or a name (their newest job of that name)."""
+        job_id = self.journal.find(ref)
+        if job_id is not None and self._visible(self.journal.job(job_id).user):
+            return job_id
+        mine = [j for j in self.journal.jobs() if j.name == ref and self._visible(j.user)]
+        return mine[-1].job_id if mine else None
 
     def _with_live_fields(self, job: P.JobInfo) -> P.JobInfo:
         """Add what only the running daemon knows: why a job waits, where its state lives."""
@@ -348,7 +422,7 @@ class Daemon:
         return msgspec.structs.replace(job, reason=reason, state_tier=tier)
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
-        job_id = self.journal.find(body.job_id)
+        job_id = self._find(body.job_id)
         if job_id is None:
             self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
@@ -366,7 +440,7 @@ class Daemon:
         self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
 
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
-        job_id = self.journal.find(body.job_id)
+        job_id = self._find(body.job_id)
         if job_id is None:
             self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
@@ -428,14 +502,21 @@ class Daemon:
                 self._worker_lost(wid, f"no heartbeat for {now - w.last_seen:.1f} s")
             else:
                 self._send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
-        for wid, proc in self.worker_procs.items():
+        for wid, proc in list(self.worker_procs.items()):
             rc = proc.poll()
-            if rc is not None and not any(wid in p for p in self.problems):
+            if rc is None:
+                continue
+            if wid in self.workers:
+                self._worker_lost(wid, f"process exited with code {rc}")
+            reported = any(wid in p for p in self.problems)  # it failed to start: not retried
+            if not reported and not self.stopping and self.respawns.get(wid, 0) < LOCAL_WORKER_RESPAWNS:
+                self.respawns[wid] = self.respawns.get(wid, 0) + 1
+                log.warning("starting local worker %s again (%d/%d)", wid, self.respawns[wid], LOCAL_WORKER_RESPAWNS)
+                self._spawn_local_worker(wid, *self.local_layouts[wid])
+            elif not reported:
                 self.problems.append(f"worker {wid} exited with code {rc} "
                                      f"(see {self.state_dir / 'workers' / (wid + '.log')})")
                 log.error(self.problems[-1])
-                if wid in self.workers:
-                    self._worker_lost(wid, f"process exited with code {rc}")
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
         w = self.workers.pop(worker_id, None)
@@ -445,10 +526,32 @@ class Daemon:
         for decl in w.engines:
             for task in self.sched.engine_down(decl.engine_id):
                 log.warning("re-queued %s of job %s", task.method, task.job_id)
+            self.engine_stats.pop(decl.engine_id, None)
+        trainers = {d.engine_id for d in w.engines if d.kind == "trainer"}
+        for rt in list(self.runtimes.values()):  # their adapter and optimizer state lived there
+            if rt.engines & trainers and not rt.rolled_back and rt.cancel_requested_at is None:
+                self._roll_back(rt, f"worker {worker_id} lost ({why})")
+
+    def _roll_back(self, rt: JobRuntime, why: str) -> None:
+        """The job's trainer state is gone: stop its driver; it resumes from its last checkpoint."""
+        rt.rolled_back = why
+        for task in self.sched.release(rt.job_id):
+            self.calls.pop(task.task_id, None)
+        for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
+            del self.calls[tid]
+        rt.engines.clear()
+        if rt.proc is not None and rt.proc.poll() is None:
+            rt.proc.terminate()
+        log.warning("job %s rolls back to its last checkpoint: %s", rt.job_id, why)
 
     def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
         now = time.time()
-        self.sched.done(body.task_id, now, body.seconds if body.ok else None)
+        task = self.sched.done(body.task_id, now, body.seconds if body.ok else None)
+        if task is not None:
+            self.telemetry.task_done(task.method, body.ok, body.seconds, now - task.submitted_at)
+            if isinstance(body.value, dict) and body.value.get("swap_bytes"):
+                self.telemetry.swapped(self._trainer_of(identity), task.job_id, now - body.seconds,
+                                       int(body.value["swap_bytes"]), float(body.value.get("swap_seconds", 0.0)))
         if "inventory" in body.info:  # a worker hosts at most one trainer engine
             self._record_inventory(self._trainer_of(identity), body.info["inventory"])
         call = self.calls.pop(body.task_id, None)
@@ -496,9 +599,11 @@ class Daemon:
             if job in self.runtimes:
                 self.sched.state_location(job, engine_id, tier)
 
-    def _prefetch(self, engine_id: str, worker: WorkerState) -> None:
-        """Ask the trainer to bring the next job's state up from NVMe while it serves another."""
-        job = self.sched.next_job(engine_id)
+    def _prefetch(self, engine_id: str, worker: WorkerState, job: str | None = None) -> None:
+        """Ask the trainer to bring a job's state up from NVMe while it serves another: the job
+        queued next on it, or ``job``, whose generate call was just dispatched (its train_step
+        follows once the samples are scored)."""
+        job = job or self.sched.next_job(engine_id)
         where = self.engine_stats.get(engine_id, {}).get("where", {})
         if job is None or where.get(job) != "nvme" or self.prefetched.get(engine_id) == job:
             return
@@ -607,6 +712,11 @@ class Daemon:
                        P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
             if task.kind == "trainer":
                 self._prefetch(placement.engine_id, worker)
+            elif rt is not None:  # generating: its state will be needed on its trainer soon
+                for engine_id in rt.engines:
+                    trainer = self.sched.engines.get(engine_id)
+                    if trainer is not None and trainer.kind == "trainer" and trainer.worker_id in self.workers:
+                        self._prefetch(engine_id, self.workers[trainer.worker_id], job=task.job_id)
 
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
@@ -668,6 +778,11 @@ class Daemon:
                 continue
             if rt.cancel_requested_at is not None:
                 state, error = "cancelled", ""
+            elif rt.rolled_back and rc != 0:
+                self.journal.update(job_id, state="queued")
+                self.journal.event(job_id, "rolled back", f"{rt.rolled_back}; resumes from its last checkpoint")
+                self._end_job(rt)
+                continue
             elif rc == 0:
                 state, error = "succeeded", ""
             elif rc == DRIVER_EXIT_DRAINED or (self.drain_deadline is not None and not rt.failure):
@@ -684,6 +799,18 @@ class Daemon:
             else:
                 state = "failed"
                 error = rt.failure or _last_line(rt.job_dir / "driver.log") or f"driver exited with code {rc}"
+                if not rt.failure:  # the driver crashed (killed, out of memory) without reporting why
+                    how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+                    crashes = sum(1 for _, kind, _ in self.journal.events(job_id) if kind == "restarting")
+                    limit = rt.spec.checkpoint.max_restarts
+                    if crashes < limit:
+                        self.journal.update(job_id, state="queued")
+                        self.journal.event(job_id, "restarting", f"driver crashed ({how}); restart {crashes + 1}"
+                                           f"/{limit} from the last checkpoint")
+                        log.warning("job %s: driver crashed (%s); restarting from its checkpoint", job_id, how)
+                        self._end_job(rt)
+                        continue
+                    error = f"driver crashed ({how}) {crashes + 1} times (checkpoint.max_restarts {limit}): {error}"
             self.journal.update(job_id, state=state, ended_at=now, error=error)
             self.journal.event(job_id, state, error)
             log.info("job %s %s%s", job_id, state, f": {error}" if error else "")
@@ -757,12 +884,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="seconds running jobs get to checkpoint when the daemon stops")
     ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
                     help="a user whose jobs may run their own loss code in the trainer")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus metrics on this port (0: a free one; default: off)")
     args = ap.parse_args(argv)
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
-                    args.port, args.max_running, args.mode, args.policy, args.worker_arg,
-                    args.advertise_host, args.drain_timeout, args.trust_user_code)
+    try:
+        daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
+                        args.port, args.max_running, args.mode, args.policy, args.worker_arg,
+                        args.advertise_host, args.drain_timeout, args.trust_user_code,
+                        metrics_port=args.metrics_port)
+    except auth.AuthError as exc:
+        print(f"plexd: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     daemon.run()
 
 

@@ -7,11 +7,15 @@ allocation (``--join``) starts a worker only, against the daemon that already ru
 Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``):
 on the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop,
 the workers are told to exit); once it has exited, the allocation is requeued with
-``scontrol requeue`` so that it comes back, and the daemon, started again on the same state
+``scontrol requeue`` (for SIGUSR1/SIGUSR2, the allocation's own ``--signal``; not for the
+SIGTERM of ``scancel``, which ends it) so that it comes back, and the daemon, started again on the same state
 directory, resumes every job from its checkpoint. On other tasks of the allocation the signal
 is ignored: their workers serve the drain and exit when the daemon tells them. A joining
 allocation's workers leave at once (the daemon re-queues their calls). When the daemon stops
 on its own (``plexctl down``) nothing is requeued and the allocation ends.
+
+A daemon that crashes is started again (up to ``DAEMON_RESTARTS`` times) on the same port and
+state directory: the workers reconnect and every job resumes from its last checkpoint.
 
 Exit codes: 0 clean (down or drained), else the code of the daemon or worker that failed.
 """
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 from daemon.main import REPO_ROOT, child_env, wait_or_kill
+from plexctl import auth
 from plexctl.client import Client
 from plexctl.cluster import endpoint_path, read_endpoint
 from plexctl.errors import PlexError
@@ -37,6 +42,8 @@ from plexctl.errors import PlexError
 log = logging.getLogger("plexrl-node")
 
 DRAIN_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2")  # the allocation's --signal: it ends soon, come back after
+DAEMON_RESTARTS = 3  # a daemon that crashes is started again this many times
 
 
 def slurm_env() -> dict[str, str]:
@@ -84,7 +91,7 @@ def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen |
         if endpoint_path(state_dir).exists():
             try:
                 ep = read_endpoint(state_dir)
-                Client(ep.address).ping(timeout=2.0, retries=1)
+                Client(ep.address, keys=auth.internal_keys(auth.keys_dir(state_dir))).ping(timeout=2.0, retries=1)
                 return ep.address
             except PlexError:
                 pass
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     env = slurm_env()
     state_dir = args.state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[auth.KEYS_ENV] = str(auth.keys_dir(state_dir))  # this task and its worker present the internal key
     first = env["procid"] == "0" and not args.join
     node_index = int(os.environ.get("SLURM_NODEID", env["procid"]))
     engines = (args.engines or ["rollout,trainer"])[node_index % max(1, len(args.engines or [1]))]
@@ -154,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, on_signal)
 
-    if first:
+    def start_daemon(port: int) -> subprocess.Popen:
         endpoint_path(state_dir).unlink(missing_ok=True)  # a previous run's, on this node: its daemon is gone
-        daemon = _spawn([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", args.model,
-                         "--host", "0.0.0.0", "--port", str(args.port), "--mode", "slurm",
-                         "--advertise-host", advertise_address(), "--policy", args.policy,
-                         "--drain-timeout", str(args.drain_timeout),
-                         *(f"--trust-user-code={u}" for u in args.trust_user_code)], state_dir / "daemon.log")
+        return _spawn([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", args.model,
+                       "--host", "0.0.0.0", "--port", str(port), "--mode", "slurm",
+                       "--advertise-host", advertise_address(), "--policy", args.policy,
+                       "--drain-timeout", str(args.drain_timeout),
+                       *(f"--trust-user-code={u}" for u in args.trust_user_code)], state_dir / "daemon.log")
+
+    if first:
+        daemon = start_daemon(args.port)
     try:
         address = _wait_for_daemon(state_dir, args.wait_daemon, daemon)
     except RuntimeError as exc:
@@ -174,11 +185,18 @@ def main(argv: list[str] | None = None) -> int:
                     state_dir / "workers" / f"{worker_id}.log")
     log.info("worker %s (%s) pid %d, daemon at %s", worker_id, engines, worker.pid, address)
 
-    code, worker_reported = 0, False
+    code, worker_reported, daemon_restarts = 0, False, 0
     while True:
         if daemon is not None and daemon.poll() is not None:
             code = daemon.returncode
             log.info("daemon exited with code %d", code)
+            if code != 0 and not signalled and daemon_restarts < DAEMON_RESTARTS:
+                # it crashed: start it again on the same port and state; the workers here and on the
+                # other nodes reconnect, and every job resumes from its checkpoint (the journal says which)
+                daemon_restarts += 1
+                log.warning("restarting the daemon (%d/%d)", daemon_restarts, DAEMON_RESTARTS)
+                daemon = start_daemon(int(address.rsplit(":", 1)[1]))
+                continue
             _stop(worker, wait=15)
             break
         if worker.poll() is not None and not worker_reported:
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("worker %s failed; see %s", worker_id, state_dir / "workers" / f"{worker_id}.log")
         time.sleep(0.2)
     shutil.rmtree(scratch, ignore_errors=True)
-    if first and signalled and code == 0:
+    if first and signalled and signalled[0] in REQUEUE_SIGNALS and code == 0:
         ok = requeue(env["job_id"])
         log.info("drained on %s; %s", signalled[0], "requeued" if ok else "not requeued")
     return code

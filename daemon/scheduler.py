@@ -578,7 +578,7 @@ class Scheduler:
         for e in wanted:
             runs[e].extend((s, now) for s in self.engines[e].started_at.values())
             spans[e] = max(0.0, now - starts[e])
-            busy[e] = _union(runs[e], starts[e], now) if spans[e] > 0 else 0.0
+            busy[e] = union_length(runs[e], starts[e], now) if spans[e] > 0 else 0.0
         return busy, spans
 
     # -- internals: homes
@@ -718,7 +718,7 @@ class Scheduler:
         self._bf_dirty[engine.key] = None
 
 
-def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+def union_length(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Length of the union of spans, clipped to [lo, hi]."""
     total, end = 0.0, lo
     for s, e in sorted(spans):

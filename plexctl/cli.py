@@ -1,7 +1,8 @@
 """plexctl: the command line of a PlexRL cluster.
 
 Verbs: ``up`` / ``down`` (a cluster), ``validate`` / ``submit`` (job specs), ``status``,
-``ls``, ``logs``, ``cancel``, ``wait`` (jobs), and ``demo`` (the tiny end-to-end run).
+``ls``, ``logs``, ``cancel``, ``wait`` (jobs), ``keygen`` / ``share`` (keys; see ``plexctl.auth``)
+and ``demo`` (the tiny end-to-end run).
 Listing commands take ``--json``; ``ls -q`` prints bare ids for piping. Known errors become
 one line on stderr and a distinct exit code (``plexctl.errors.ExitCode``); a traceback only
 with ``PLEXRL_DEBUG=1``. This module never imports torch or vLLM: building the tiny model
@@ -26,11 +27,12 @@ from rich.console import Console
 from rich.live import Live
 
 from daemon.scheduler import POLICIES
+from plexctl import auth
 from plexctl import views
-from plexctl.client import Client
+from plexctl.client import Client, current_user
 from plexctl import slurm as S
 from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, plexrl_home, read_endpoint
-from plexctl.errors import DaemonUnreachable, ExitCode, PlexError, Timeout, UsageError
+from plexctl.errors import DaemonUnreachable, ExitCode, KeyRefused, PlexError, Timeout, UsageError
 from plexctl.protocol import JobInfo
 from plexctl.sizes import parse_bytes
 from plexctl.spec import SpecError, load_spec, spec_to_wire
@@ -119,7 +121,9 @@ def up(ctx: typer.Context,
        no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm: return once submitted")] = False,
        trust_user_code: Annotated[Optional[list[str]], typer.Option(
            "--trust-user-code", metavar="USER", help="a user whose jobs may run their own loss code "
-           "(algo.loss_fn) in the trainer; repeat for several")] = None) -> None:
+           "(algo.loss_fn) in the trainer; repeat for several")] = None,
+       metrics_port: Annotated[Optional[int], typer.Option(
+           min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")] = None) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -147,10 +151,11 @@ def up(ctx: typer.Context,
                            trusted_users=list(trust_user_code or []))
         _up_slurm(spec, submit_with, timeout, no_wait)
         return
+    c.state_dir.mkdir(parents=True, exist_ok=True)
+    auth.set_up_cluster(c.state_dir, plexrl_home(), current_user())
     if _alive(c.state_dir):
         console.print(f"cluster at {c.state_dir} is already up")
         return
-    c.state_dir.mkdir(parents=True, exist_ok=True)
     endpoint_path(c.state_dir).unlink(missing_ok=True)
     layouts = [["rollout", "trainer"]] if workers == 1 else [["rollout"]] + [["trainer"]] * (workers - 1)
     cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir), "--model", str(model)]
@@ -158,6 +163,8 @@ def up(ctx: typer.Context,
         cmd += ["--local-worker", ",".join(engines)]
     cmd += ["--policy", policy, "--drain-timeout", str(30.0 if drain_timeout is None else drain_timeout)]
     cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
     worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}", f"--threads={threads}",
                    *(f"{k}={v}" for k, v in sizes.items())]
@@ -174,8 +181,10 @@ def up(ctx: typer.Context,
         while True:
             elapsed = time.monotonic() - t0
             if proc.poll() is not None:
-                raise DaemonUnreachable(f"the daemon exited with code {proc.returncode} "
-                                        f"(see {c.state_dir / 'daemon.log'})")
+                last = _last_line(c.state_dir / "daemon.log")
+                raise DaemonUnreachable(f"the daemon exited with code {proc.returncode}"
+                                        + (f": {last}" if last.startswith("plexd: ") else "")
+                                        + f" (see {c.state_dir / 'daemon.log'})")
             if elapsed > timeout:
                 raise Timeout(f"engines not ready after {timeout:.0f} s (see {c.state_dir}/workers/*.log)")
             if endpoint_path(c.state_dir).exists():
@@ -194,6 +203,8 @@ def up(ctx: typer.Context,
             time.sleep(0.5)
     console.print(f"cluster up in {time.monotonic() - t0:.1f} s: {len(layouts)} workers, "
                   f"model {model.name}, policy {policy}, state {c.state_dir}")
+    if metrics_port is not None and (c.state_dir / "metrics.json").exists():
+        console.print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")
 
 
 def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
@@ -201,6 +212,9 @@ def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> Non
         raise UsageError(f"--submit-with {via!r}: choose submitit or sbatch")
     S.time_minutes(spec.time)
     state_dir = Path(spec.state_dir)
+    if not spec.join:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        auth.set_up_cluster(state_dir, plexrl_home(), current_user())
     alive = _alive(state_dir)
     if spec.join and not alive:
         raise DaemonUnreachable(f"--join {spec.name}: no running cluster at {state_dir}")
@@ -283,14 +297,24 @@ def _alive(state_dir: Path) -> bool:
     try:
         Client(ep.address).ping(timeout=2.0, retries=1)
         return True
+    except KeyRefused:
+        raise  # it runs, but not for this user
     except DaemonUnreachable:
         return False
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
 
 
 @app.command()
 def down(ctx: typer.Context,
          timeout: Annotated[float, typer.Option(help="seconds to wait for the daemon to exit")] = 60.0) -> None:
-    """Stop the cluster: running jobs are interrupted (they resume from their checkpoint at the next `up`)."""
+    """Stop the cluster: each running job checkpoints at the end of its step (it resumes there at the next `up`)."""
     c: Ctx = ctx.obj
     allocations = [a for a in S.read_allocations(c.state_dir) if S.job_state(a.job_id)[0] not in ("", "GONE")]
     try:
@@ -320,6 +344,33 @@ def down(ctx: typer.Context,
             S.wait_gone(alloc.job_id, 30.0)
         console.print(f"Slurm job {alloc.job_id} ended")
     console.print("cluster down")
+
+
+@app.command()
+def keygen() -> None:
+    """Make your own key pair (if missing) and print the public file to give a cluster's owner."""
+    user = current_user()
+    public = auth.ensure_user_keys(plexrl_home(), user)
+    print(public)  # not wrapped: scripts take the path from the first line
+    print(f"ask the cluster's owner to run: plexctl share {user} --key {public}")
+
+
+@app.command()
+def share(ctx: typer.Context,
+          user: Annotated[str, typer.Argument(help="the user to let in")],
+          key: Annotated[Path, typer.Option("--key", help="their public key file (`plexctl keygen` makes it)")]
+          ) -> None:
+    """Let another user's key into this cluster (owner only): they see and cancel their own jobs."""
+    c: Ctx = ctx.obj
+    if not (auth.keys_dir(c.state_dir) / "owner").exists():
+        raise UsageError(f"no cluster keys at {auth.keys_dir(c.state_dir)} (start the cluster with `plexctl up`)")
+    owner = auth.owner_of(c.state_dir)
+    if current_user() != owner:
+        raise UsageError(f"only the cluster's owner ({owner}) may share it")
+    if user == owner:
+        raise UsageError(f"{user} owns this cluster: `plexctl up` lets their key in")
+    auth.grant(c.state_dir, user, key)
+    console.print(f"{user} may now use the cluster at {c.state_dir}", markup=False, highlight=False)
 
 
 # ------------------------------------------------------------------------------ specs
@@ -429,6 +480,62 @@ def _live(c: Ctx, client: Client, job: str | None, interval: float, until_done: 
             if until_done and all(j.state in TERMINAL for j in jobs):
                 return jobs
             time.sleep(interval)
+
+
+@app.command()
+def top(ctx: typer.Context,
+        job: Annotated[Optional[str], typer.Argument(help="job id or name (default: all)")] = None,
+        interval: Annotated[Optional[float], typer.Option(
+            help="refresh seconds (live view: default 2; plain text: one frame unless given)")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="one JSON frame")] = False) -> None:
+    """Live view: jobs (progress, ETA, reward sparkline, staleness) and engines (utilization, swaps, tiers)."""
+    from plexctl import top as T
+
+    c: Ctx = ctx.obj
+    feed = T.Top(c.client(), job, uptime_fallback=_uptime(c))
+    if as_json:
+        print(json.dumps(T.top_json(feed.frame()), indent=2))
+    elif console.is_terminal:
+        with Live(console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                live.update(T.top_view(feed.frame()))
+                time.sleep(interval or 2.0)
+    else:
+        T.watch_plain(feed, interval)
+
+
+@app.command()
+def report(ctx: typer.Context,
+           job: Annotated[Optional[str], typer.Argument(help="job id or name")] = None,
+           vs: Annotated[Optional[str], typer.Option("--vs", help="a second job, overlaid")] = None,
+           cluster: Annotated[bool, typer.Option("--cluster", help="the engine timeline")] = False,
+           out: Annotated[Path, typer.Option(help="directory for the PNG files")] = Path("plexrl-report"),
+           last: Annotated[Optional[float], typer.Option(help="--cluster: only the last SECONDS")] = None) -> None:
+    """PNG plots: a job's reward and loss curves (--vs: two jobs overlaid), or the engine timeline (--cluster)."""
+    from plexctl import report as R
+
+    if job is None and not cluster:
+        raise UsageError("give a JOB (and --vs OTHER) or --cluster")
+    R.pyplot()  # a missing matplotlib fails here, before any request
+    client = ctx.obj.client()
+    paths = []
+    if job is not None:
+        runs, ids = {}, []
+        for ref in [job] + ([vs] if vs else []):
+            info = client.status(ref).jobs[0]
+            text, offset = "", 0
+            while True:
+                rep = client.logs(info.job_id, "metrics", offset)
+                text, offset = text + rep.data, rep.offset
+                if not rep.data:
+                    break
+            runs[f"{info.job_id} {info.name}"] = R.parse_metrics(text)
+            ids.append(info.job_id)
+        paths += R.job_plots(runs, out, "-vs-".join(ids))
+    if cluster:
+        paths.append(R.cluster_timeline(client.status(timeline=True), out / "cluster-timeline.png", last))
+    for path in paths:
+        print(path)
 
 
 @app.command("ls")

@@ -4,6 +4,11 @@ Requests carry a msg_id; the reply names it in ``in_reply_to``. Idempotent reque
 retried on a fresh socket after a timeout (the "lazy pirate" pattern); submit is made
 idempotent by its client-chosen ``submit_id``. Errors from the daemon arrive as
 ``{code, message}`` and are raised as ``RemoteError``.
+
+The socket is a CURVE client (``plexctl.auth``): given keys, or this user's own pair and the
+daemon's public key from the endpoint file that named its address. A daemon that refuses the
+key drops the connection; a socket monitor sees that and raises ``KeyRefused`` at once
+instead of waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
+from plexctl import auth
 from plexctl import protocol as P
-from plexctl.errors import DaemonUnreachable, RemoteError
+from plexctl.cluster import plexrl_home
+from plexctl.errors import DaemonUnreachable, KeyRefused, RemoteError
 
 
 def current_user() -> str:
@@ -27,25 +35,50 @@ def current_user() -> str:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float = 10.0, retries: int = 2) -> None:
+    def __init__(self, address: str, timeout: float = 10.0, retries: int = 2,
+                 keys: auth.CurveKeys | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
+        self.keys = keys
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+
+    def _curve_keys(self) -> auth.CurveKeys | None:
+        if self.keys is None:
+            self.keys = auth.client_keys(self.address, plexrl_home(), current_user())
+        return self.keys
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
+            keys = self._curve_keys()
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                keys.apply(s)
+                self._monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             s.connect(self.address)
             self._sock = s
         return self._sock
 
     def _reset(self) -> None:
         if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
+
+    def _check_refused(self) -> None:
+        while self._monitor is not None and self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._reset()
+                raise KeyRefused(f"the daemon at {self.address} refused this client's key (ask the cluster's "
+                                 f"owner: plexctl share {current_user()} --key "
+                                 f"{auth.user_keys_dir(plexrl_home()) / (current_user() + '.key')})")
 
     def close(self) -> None:
         self._reset()
@@ -59,8 +92,9 @@ class Client:
             sock.send_multipart(frames)
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
-                if not sock.poll(int(left * 1000) + 1):
-                    break
+                if not sock.poll(min(int(left * 1000) + 1, 100)):
+                    self._check_refused()
+                    continue
                 try:
                     rop, header, rbody = P.decode(sock.recv_multipart())
                 except P.ProtocolError:
@@ -82,8 +116,8 @@ class Client:
         req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user())
         return msgspec.convert(self.request(P.Op.SUBMIT, req), P.SubmitRep)
 
-    def status(self, job_id: str | None = None) -> P.StatusRep:
-        return msgspec.convert(self.request(P.Op.STATUS, P.StatusReq(job_id)), P.StatusRep)
+    def status(self, job_id: str | None = None, timeline: bool = False) -> P.StatusRep:
+        return msgspec.convert(self.request(P.Op.STATUS, P.StatusReq(job_id, timeline)), P.StatusRep)
 
     def cancel(self, job_id: str) -> P.JobInfo:
         return msgspec.convert(self.request(P.Op.CANCEL, P.JobRef(job_id)), P.JobInfo)

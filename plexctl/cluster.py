@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from plexctl.auth import remember_server
 from plexctl.errors import DaemonUnreachable, NotFound
 
 DEFAULT_CLUSTER = "default"
@@ -25,6 +26,7 @@ class Endpoint(msgspec.Struct):
     started_at: float
     mode: str  # local | slurm
     host: str = ""
+    server_key: str = ""  # the daemon's CURVE public key (z85); clients need it to connect
 
 
 def plexrl_home() -> Path:
@@ -45,11 +47,13 @@ def read_endpoint(state_dir: Path) -> Endpoint:
     if not state_dir.exists():
         raise NotFound(f"no cluster at {state_dir} (start one with `plexctl up --local`)")
     try:
-        return msgspec.convert(json.loads(path.read_text()), Endpoint)
+        ep = msgspec.convert(json.loads(path.read_text()), Endpoint)
     except FileNotFoundError:
         raise DaemonUnreachable(f"cluster at {state_dir} is not running (start it with `plexctl up --local`)") from None
     except (ValueError, msgspec.ValidationError) as exc:
         raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
+    remember_server(ep.address, ep.server_key, state_dir)
+    return ep
 
 
 def pid_alive(pid: int) -> bool:

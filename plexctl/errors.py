@@ -18,6 +18,7 @@ class ExitCode:
     REFUSED = 7  # the daemon refused the request (e.g. no engine for this model)
     INTERRUPTED = 8  # `wait`: the job was interrupted (cluster went down)
     UNTRUSTED = 9  # the job runs code in the trainer and its user is not trusted (`up --trust-user-code`)
+    KEY_REFUSED = 10  # the daemon refused this client's key (`plexctl share` grants one)
 
 
 class PlexError(Exception):
@@ -30,6 +31,12 @@ class UsageError(PlexError):
 
 class DaemonUnreachable(PlexError):
     exit_code = ExitCode.UNREACHABLE
+
+
+class KeyRefused(DaemonUnreachable):
+    """The daemon answered the connection but refused this client's CURVE key."""
+
+    exit_code = ExitCode.KEY_REFUSED
 
 
 class NotFound(PlexError):
@@ -48,7 +55,7 @@ class RemoteError(PlexError):
     """An error returned by the daemon as ``{code, message}``."""
 
     CODES = {"not_found": ExitCode.NOT_FOUND, "refused": ExitCode.REFUSED, "bad_request": ExitCode.USAGE,
-             "untrusted": ExitCode.UNTRUSTED}
+             "untrusted": ExitCode.UNTRUSTED, "forbidden": ExitCode.REFUSED}
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -214,6 +214,7 @@ class EngineInfo(msgspec.Struct):
 
 class StatusReq(msgspec.Struct):
     job_id: str | None = None
+    timeline: bool = False  # also send the engines' busy spans and swaps (``plexctl report --cluster``)
 
 
 class StatusRep(msgspec.Struct):
@@ -222,6 +223,29 @@ class StatusRep(msgspec.Struct):
     now: float
     policy: str = ""
     bubble_ratio: float | None = None  # idle share of engine time since the daemon started
+    started_at: float = 0.0  # when the daemon started
+    timeline: list[BusySpan] = msgspec.field(default_factory=list)  # only when asked (StatusReq.timeline)
+    swap_marks: list[SwapMark] = msgspec.field(default_factory=list)  # idem
+
+
+class BusySpan(msgspec.Struct, array_like=True):
+    """One finished or running task on an engine: who occupied it, doing what, when."""
+
+    engine_id: str
+    job_id: str
+    method: str
+    start: float
+    end: float
+
+
+class SwapMark(msgspec.Struct, array_like=True):
+    """A job's trainer state moved in before one of its calls (``bytes`` over ``seconds``)."""
+
+    engine_id: str
+    job_id: str
+    at: float
+    bytes: int
+    seconds: float
 
 
 class JobRef(msgspec.Struct):

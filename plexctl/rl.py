@@ -43,8 +43,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from plexctl import auth
 from plexctl import protocol as P
+from plexctl.atomic import write_bytes_atomic
 from plexctl.data import PromptCursor, load_records
+from plexctl.metric_sinks import MetricSinks
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import make_scorer
 from plexctl.spec import JobSpec
@@ -73,12 +76,16 @@ class JobDrained(Exception):
 class JobClient:
     """The service calls of one job, over one ZeroMQ socket to the daemon."""
 
-    def __init__(self, endpoint: str, job_id: str, parent_pid: int | None = None) -> None:
+    def __init__(self, endpoint: str, job_id: str, parent_pid: int | None = None,
+                 keys: auth.CurveKeys | None = None) -> None:
         self.job_id = job_id
         self.parent_pid = parent_pid
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"drv:{job_id}".encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
+        keys = keys or auth.internal_keys_from_env()  # the daemon names its keys in the driver's environment
+        if keys is not None:
+            keys.apply(self._sock)
         self._sock.connect(endpoint)
         self._replies: dict[int, tuple[bytes, Any]] = {}
         self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by ``publish``)
@@ -271,6 +278,7 @@ class Job:
             self.reward_pool = SandboxPool()
         self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
         self.metrics_path = self.job_dir / "metrics.jsonl"
+        self.sinks = MetricSinks(self.job_dir, spec.name, self.log)  # TensorBoard / wandb copies, when installed
         self.env_factory = None
         self.env_pool = None
         if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
@@ -285,6 +293,7 @@ class Job:
         """Stop the sandbox pools and remove the staged copy of the user's reward directory."""
         if hasattr(self.reward, "close"):
             self.reward.close()
+        self.sinks.close()
         for pool in (self.reward_pool, self.env_pool):
             if pool is not None:
                 pool.close(wait=False)
@@ -400,8 +409,10 @@ class Job:
         return value
 
     def write_metrics(self, row: dict[str, Any]) -> None:
+        row = {"time": time.time(), **row}
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+            f.write(json.dumps(row) + "\n")
+        self.sinks.write(row)
 
     def record(self, step: int, row: dict[str, Any]) -> None:
         """Append a step's metrics to ``metrics.jsonl`` and report them (``reward_mean`` shows in
@@ -431,7 +442,8 @@ class Job:
         """Reload the latest checkpoint, if any: trainer state, cursor, RNG, then publish it.
         Return the step to continue from (0: a fresh start); ``restored`` holds its ``extra``."""
         restored = self.client.restore()
-        if not restored:
+        if not restored:  # a fresh start (perhaps again, after a crash before any checkpoint)
+            self.metrics_path.unlink(missing_ok=True)
             return 0
         self.restored = restored
         start = int(restored["step"])
@@ -440,5 +452,15 @@ class Job:
             version, state, gauss = restored["rng"]
             self.rng.setstate((version, tuple(state), gauss))
         self.publish()
+        self._forget_metrics_after(start)
         self.log(f"resumed from checkpoint at step {start} (policy version {self.version})")
         return start
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """Drop metrics of steps past the checkpoint: they run again, and are recorded again."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            write_bytes_atomic(self.metrics_path, "".join(kept).encode())

@@ -210,6 +210,8 @@ class CheckpointSpec(_Section, kw_only=True):
     """When the adapter and optimizer state are saved."""
 
     every: Annotated[int, _doc("Checkpoint every N steps (0: only at the end)", ge=0)] = 10
+    max_restarts: Annotated[int, _doc("Times the job restarts from its last checkpoint after its driver "
+                                      "crashes (killed, out of memory) before it fails", ge=0)] = 2
 
 
 class JobSpec(_Section, kw_only=True):

@@ -100,10 +100,12 @@ def test_a_custom_loss_is_refused_for_untrusted_users_and_runs_for_trusted_ones(
     (tmp_path / "my_losses_learn.py").write_text(LOSS_MODULE)
     sets = ["--set", "algo.loss_fn=my_losses_learn:reinforce", "--set", f"algo.path={tmp_path}",
             "--set", "algo.steps=3", "--set", "checkpoint.every=0", "--set", "data.eval_path=null"]
-    mallory = Cluster(trusting.home)
-    mallory.env = {**trusting.env, "LOGNAME": "mallory", "USER": "mallory"}  # the submitter the daemon sees
+    mallory = Cluster(tmp_path / "mallory-home")  # another user, with her own key, let in by the owner
+    mallory.env = {**mallory.env, "LOGNAME": "mallory", "USER": "mallory"}
+    key = mallory.run("keygen", check=True).stdout.splitlines()[0]
+    trusting.run("share", "mallory", "--key", key, check=True)
     before = trusting.run("ls", "-q", check=True).stdout.split()
-    refused = mallory.run("submit", TINY, *sets, "--name", "untrusted-loss")
+    refused = mallory.run("--state-dir", str(trusting.state_dir), "submit", TINY, *sets, "--name", "untrusted-loss")
     assert refused.returncode == 9, refused.stdout + refused.stderr  # 9: untrusted user code
     message = refused.stderr.strip()
     assert len(message.splitlines()) == 1

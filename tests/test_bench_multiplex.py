@@ -20,5 +20,13 @@ def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     for mode in result["modes"].values():
         assert mode["steps"] == 10 and mode["engine_s_per_step"] > 0 and 0 <= mode["bubble_ratio"] <= 1
     assert result["summary"]["engine_s_per_step_ratio"] > 0
-    # the same seeds give the same samples in both modes
+    # the same seeds give the same samples in both modes, swaps included
     assert all(diff == 0.0 for diff in result["summary"]["max_reward_curve_diff"].values())
+    # shared, the 2 jobs take turns on 1 device slot with no host room: states go through NVMe
+    shared = result["modes"]["spread+backfill"]
+    (swaps,) = shared["swaps"].values()  # one trainer
+    assert swaps["device->nvme"]["count"] > 0 and swaps["nvme->device"]["count"] + swaps["nvme->host"]["count"] > 0
+    summary = shared["swap"]
+    assert summary["count"] == sum(s["count"] for s in swaps.values())
+    assert 0 <= summary["critical_s"] <= summary["seconds"]
+    assert summary["hidden_share"] is None or 0 <= summary["hidden_share"] <= 1

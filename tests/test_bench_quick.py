@@ -40,6 +40,7 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
             assert row["meets_target"] == (row["pct_of_raw"] >= result["target_pct_of_raw"])
     summary = result["summary"]
     assert len(summary["meets_target"]) + len(summary["below_target"]) == 3 * len(PATHS)
+    assert result["conditions"]  # the raw figures' conditions are stated beside them
     hidden = result["hidden_behind_compute"]
     assert hidden["available"] or hidden["missing"]  # a share per mode, or what the multiplex JSON lacks
 
@@ -57,3 +58,11 @@ def test_daemon_quick_reports_round_trip_and_throughput(tmp_path: Path) -> None:
     assert set(result["met"]) == {"p50", "msgs_per_s"}
     if result["profile"] is not None:  # only when a target was missed
         assert result["profile"]["top_by_self_time"]
+
+
+def test_overhead_quick_runs_the_same_job_in_process_and_through_the_daemon(tmp_path: Path) -> None:
+    result = run_quick("overhead.py", tmp_path / "overhead.json")
+    assert result["quick"] is True and result["steps"] == 6
+    assert result["in_process_step_s"] > 0 and result["daemon_step_s"] > 0
+    assert result["overhead"] == pytest.approx(result["daemon_step_s"] / result["in_process_step_s"] - 1)
+    assert result["same_rewards"] is True  # the same loop on the same engines learns the same

@@ -183,3 +183,37 @@ def test_a_job_whose_reward_keeps_failing_stops_with_the_reason(cluster, tmp_pat
     assert waited.returncode == 1  # failed
     info = cluster.job(job)
     assert info["state"] == "failed" and "max_error_rate" in info["error"] and info["step"] == 0
+
+
+def _driver_pid(cluster, job: str) -> int:
+    import sqlite3
+
+    with sqlite3.connect(cluster.state_dir / "journal.db") as db:
+        rows = db.execute("select detail from events where job_id = ? and kind = 'started' order by id",
+                          (job,)).fetchall()
+    return int(rows[-1][0].split("driver pid ")[1])
+
+
+def test_a_crashed_driver_restarts_from_its_checkpoint_then_fails_past_the_limit(cluster):
+    import os
+    import signal
+
+    job = cluster.run("submit", TINY, "--name", "crashy", "-q", "--set", "algo.steps=30",
+                      "--set", "checkpoint.every=5", "--set", "checkpoint.max_restarts=1", check=True).stdout.strip()
+    cluster.wait_for(job, lambda j: j["step"] >= 8, timeout=300, what="8 steps")
+    os.kill(_driver_pid(cluster, job), signal.SIGKILL)
+    assert cluster.run("wait", job, "--timeout", "600").returncode == 0, cluster.run("logs", job).stdout[-2000:]
+    log = cluster.run("logs", job, check=True).stdout
+    resumed = [line for line in log.splitlines() if "resumed from checkpoint at step" in line]
+    assert len(resumed) == 1 and int(resumed[0].split("at step ")[1].split()[0]) in (5, 10, 15)
+    rows = [json.loads(line) for line in cluster.run("logs", job, "--metrics", check=True).stdout.splitlines()]
+    assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, 31))  # steps past the checkpoint: once
+
+    # past checkpoint.max_restarts the job fails, with the reason in status
+    job = cluster.run("submit", TINY, "--name", "crashy2", "-q", "--set", "algo.steps=10000",
+                      "--set", "checkpoint.max_restarts=0", check=True).stdout.strip()
+    cluster.wait_for(job, lambda j: j["step"] >= 2, timeout=300, what="2 steps")
+    os.kill(_driver_pid(cluster, job), signal.SIGKILL)
+    assert cluster.run("wait", job, "--timeout", "120").returncode == 1
+    info = cluster.job(job)
+    assert info["state"] == "failed" and "driver crashed (killed by SIGKILL)" in info["error"]

@@ -23,6 +23,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from plexctl import auth
 from plexctl import protocol as P
 from plexctl.client import Client
 from plexctl.cluster import read_endpoint
@@ -33,20 +34,25 @@ TINY = REPO / "configs" / "tiny-arith.yaml"
 
 
 class BareDaemon:
-    def __init__(self, state_dir: Path, model: Path) -> None:
+    """A daemon and its own PLEXRL_HOME; ``keys`` is the cluster's internal key (every operation)."""
+
+    def __init__(self, state_dir: Path, model: Path, env: dict[str, str] | None = None) -> None:
         self.state_dir = state_dir
         self.log_path = state_dir / "daemon.log"
-        state_dir.mkdir(parents=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        env = env or {**os.environ, "PLEXRL_HOME": str(state_dir.parent / "home")}
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir),
-                                          "--model", str(model)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+                                          "--model", str(model)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                         env=env)
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()
             assert time.monotonic() < deadline, "daemon did not start"
             try:
                 self.address = read_endpoint(state_dir).address
-                Client(self.address).ping(timeout=1.0, retries=0)
+                self.keys = auth.internal_keys(auth.keys_dir(state_dir))
+                Client(self.address, keys=self.keys).ping(timeout=1.0, retries=0)
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(0.2)
@@ -104,12 +110,13 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: Bar
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, f"fuzz-{i}".encode())
         s.setsockopt(zmq.LINGER, 0)
+        daemon.keys.apply(s)  # a peer that got in: the internal key reaches every handler
         s.connect(daemon.address)
         peers.append(s)
     stop, served, failures = threading.Event(), [0], []
 
     def correct_client() -> None:  # pings and status calls throughout, each must be answered
-        client = Client(daemon.address, timeout=5.0, retries=1)
+        client = Client(daemon.address, timeout=5.0, retries=1, keys=daemon.keys)
         while not stop.is_set():
             try:
                 client.ping(timeout=5.0, retries=1)
@@ -143,6 +150,7 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: Bar
     # an oversized frame (over the socket's 256 MiB limit) only drops that peer's connection
     big = ctx.socket(zmq.DEALER)
     big.setsockopt(zmq.LINGER, 0)
+    daemon.keys.apply(big)
     big.connect(daemon.address)
     big.send_multipart([P.MAGIC, P.Op.PING, HEADER, b"\0" * (257 * 2**20)])
     big.close()
@@ -153,7 +161,7 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: Bar
     assert sent[0] >= MESSAGES
     assert daemon.proc.poll() is None, "the daemon died"
     assert failures == [] and served[0] > 10
-    Client(daemon.address).ping()
+    Client(daemon.address, keys=daemon.keys).ping()
     rejections = Counter(re.findall(r"rejected message from (b'[^']*')", daemon.log_path.read_text()))
     assert rejections and max(rejections.values()) == 1  # logged once per peer, not per message
     assert set(rejections) <= {repr(f"fuzz-{i}".encode()) for i in range(8)}
@@ -172,7 +180,7 @@ def test_500_submits_from_20_clients_with_retries_and_duplicates_make_exactly_50
 
     def submitter(n: int) -> None:
         rnd = random.Random(n)
-        client = Client(daemon.address, timeout=10.0, retries=3)
+        client = Client(daemon.address, timeout=10.0, retries=3, keys=daemon.keys)  # internal: may name the user
         ctx = zmq.Context.instance()
         for k in range(per_client):
             submit_id = uuid.UUID(int=rnd.getrandbits(128)).hex
@@ -180,6 +188,7 @@ def test_500_submits_from_20_clients_with_retries_and_duplicates_make_exactly_50
                 if rnd.random() < 0.3:  # a request whose reply is lost: the socket closes first
                     lost = ctx.socket(zmq.DEALER)
                     lost.setsockopt(zmq.LINGER, 1000)
+                    daemon.keys.apply(lost)
                     lost.connect(daemon.address)
                     lost.send_multipart(P.encode(P.Op.SUBMIT, P.SubmitReq(submit_id, {**spec, "name": f"c{n}-{k}"},
                                                                           f"user{n % 4}"))[0])
@@ -198,7 +207,7 @@ def test_500_submits_from_20_clients_with_retries_and_duplicates_make_exactly_50
         t.join(300)
     assert errors == []
     assert len(ids) == 500 and all(len(v) == 1 for v in ids.values())  # one job per submit, whatever retried
-    jobs = Client(daemon.address).status().jobs
+    jobs = Client(daemon.address, keys=daemon.keys).status().jobs
     assert len(jobs) == 500
     assert sorted(j.job_id for j in jobs) == sorted(next(iter(v)) for v in ids.values())
     assert Counter(j.user for j in jobs) == {f"user{u}": 125 for u in range(4)}

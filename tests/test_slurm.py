@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import time
@@ -28,6 +29,12 @@ JOB_ARGS = ("--set", f"algo.steps={STEPS}", "--set", "checkpoint.every=1000", "-
 
 def slurm(*args: str) -> str:
     return subprocess.run(list(args), capture_output=True, text=True, check=True).stdout
+
+
+def squeue_state(job_id: str) -> str:
+    """The Slurm job's state, "" once it has left the queue."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +118,65 @@ def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_st
         assert [r[key] for r in rows] == [r[key] for r in ref], key
 
 
+def test_a_killed_daemon_is_restarted_and_every_job_resumes(slurm_cluster):
+    import signal
+
+    c = slurm_cluster
+    job = c.run("submit", TINY, "--name", "daemon-killed", "-q", *JOB_ARGS, "--set", "checkpoint.every=4",
+                check=True).stdout.strip()
+    c.wait_for(job, lambda j: j["step"] >= 6, timeout=300, what="6 steps")
+    os.kill(json.loads((c.state_dir / "endpoint.json").read_text())["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 180  # the first node starts it again; the workers reconnect
+    while "recovered" not in [k for k, _ in events(c, job)]:
+        assert time.monotonic() < deadline, (c.state_dir / "daemon.log").read_text()[-3000:]
+        time.sleep(1.0)
+    assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+    assert c.job(job)["restarts"] == 1
+    assert [r["step"] for r in metrics(c, job)] == list(range(1, STEPS + 1))  # none lost, none twice
+    assert {e["engine_id"] for e in c.status()["engines"]} == {"n1/rollout", "n2/trainer"}
+    assert squeue_state(c.slurm_job) == "RUNNING"  # same allocation
+
+
+def test_a_joining_allocation_adds_workers_that_leave_cleanly(slurm_cluster, tiny_model):
+    c = slurm_cluster
+    up = c.run("up", "--slurm", "--join", "ci", "--nodes", "1", "--engines", "trainer", "--time", "30",
+               "--model", str(tiny_model), timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    join_id = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
+    joined = {e["engine_id"] for e in c.status()["engines"]} - {"n1/rollout", "n2/trainer"}
+    assert len(joined) == 1 and re.fullmatch(rf"n[12]-{join_id}/trainer", joined.pop())  # same daemon
+    job = c.run("submit", TINY, "--name", "beside-join", "-q", *JOB_ARGS, check=True).stdout.strip()
+    assert c.run("wait", job, "--timeout", "600").returncode == 0
+    slurm("scancel", join_id)  # that allocation ends: its worker tells the daemon it leaves
+    deadline = time.monotonic() + 60
+    while {e["engine_id"] for e in c.status()["engines"]} != {"n1/rollout", "n2/trainer"}:
+        assert time.monotonic() < deadline, c.status()["engines"]
+        time.sleep(0.5)
+    assert "left the cluster" in (c.state_dir / "daemon.log").read_text()
+    assert squeue_state(c.slurm_job) == "RUNNING"  # the first allocation goes on
+
+
 def test_down_drains_and_leaves_no_process_or_slurm_job(slurm_cluster):
     c = slurm_cluster
     down = c.run("down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert slurm("squeue", "-h", "-j", c.slurm_job, "-o", "%T").strip() in ("", "COMPLETED", "COMPLETING")
+    assert squeue_state(c.slurm_job) in ("", "COMPLETED", "COMPLETING")
     left = subprocess.run(["pgrep", "-f", str(c.state_dir)], capture_output=True, text=True).stdout.split()
     assert left == [], subprocess.run(["ps", "-fp", ",".join(left)], capture_output=True, text=True).stdout
     assert c.run("status").returncode == 3  # the cluster is down: unreachable
+
+
+def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_model):
+    c = slurm_cluster
+    up = c.run("up", "--slurm", "--name", "ci", "--nodes", "2", "--engines", "rollout", "--engines", "trainer",
+               "--time", "60", "--submit-with", "sbatch", "--model", str(tiny_model), timeout=900)
+    assert up.returncode == 0, up.stdout + up.stderr  # the plain sbatch path this time
+    assert (c.state_dir / "slurm" / "plexrl.sbatch").read_text().startswith("#!/bin/bash")
+    job_id = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
+    assert job_id != c.slurm_job
+    slurm("scancel", job_id)  # SIGTERM: drain and end; only the allocation's own --signal requeues
+    deadline = time.monotonic() + 120
+    while (state := squeue_state(job_id)) not in ("", "COMPLETED"):
+        assert state not in ("PENDING", "REQUEUED"), f"requeued after scancel ({state})"
+        assert time.monotonic() < deadline, state
+        time.sleep(1.0)

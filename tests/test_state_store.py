@@ -25,7 +25,8 @@ from transformers import Qwen2Config
 
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
-from worker.state_store import CorruptCopyError, StateStore, TierFullError
+from worker import state_store
+from worker.state_store import CorruptCopyError, HostBufferPool, StateStore, TierFullError
 from worker.trainer import PARKED_ADAPTERS_MAX, JobConfigError, TrainerEngine
 
 VOCAB = 64
@@ -40,6 +41,7 @@ JOBS: dict[str, tuple[LoraConfig, int, TrainHParams]] = {
     "j4": (LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], dropout=0.05), 55, HP_KL),
 }
 ALONE_STEPS = 3
+COPY_LISTING = ["manifest.json", "tensors.safetensors"]  # one nvme copy's files
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -173,9 +175,7 @@ def test_round_trips_through_a_tier_are_bit_exact(model_dir: str, alone: dict, t
     assert [r["swap_in"] for r in reports] == [None, None, tier, tier, tier, tier]
     assert all(r["evicted"] == (["idle"] if i % 2 == 0 else ["j0"]) for i, r in enumerate(reports) if i > 0)
     if tier == "nvme":
-        assert nvme_listing(tmp_path / "nvme") == {
-            name: ["manifest.json", "state.pt", "tensors.safetensors"] for name in os.listdir(tmp_path / "nvme")
-        }
+        assert nvme_listing(tmp_path / "nvme") == {name: COPY_LISTING for name in os.listdir(tmp_path / "nvme")}
         assert len(os.listdir(tmp_path / "nvme")) == 1  # idle's copy; j0's was deleted when it came back
     store.drop("j0")
     store.drop("idle")
@@ -235,7 +235,7 @@ def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) ->
     for tier in ("host", "nvme"):  # every job here has trained: its copy is exactly job_bytes
         assert inventory[tier]["used_bytes"] == sum(sizes[j] for j in tiers[tier]) <= inventory[tier]["capacity"]
     listing = nvme_listing(nvme_dir)
-    assert all(files == ["manifest.json", "state.pt", "tensors.safetensors"] for files in listing.values())
+    assert all(files == COPY_LISTING for files in listing.values())
     assert sorted(json.loads((nvme_dir / d / "manifest.json").read_text())["job_id"] for d in listing) == tiers["nvme"]
 
 
@@ -280,7 +280,7 @@ def test_eviction_follows_upcoming_then_least_recently_used(model_dir: str, tmp_
 # ---------------------------------------------------------------- failures
 
 
-@pytest.mark.parametrize("victim", ["tensors.safetensors", "state.pt", "manifest.json", "missing manifest"])
+@pytest.mark.parametrize("victim", ["tensors.safetensors", "manifest.json", "missing manifest", "truncated tensors"])
 def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: str) -> None:
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme")
@@ -289,6 +289,8 @@ def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: st
     (copy_dir,) = (tmp_path / "nvme").iterdir()
     if victim == "missing manifest":
         (copy_dir / "manifest.json").unlink()
+    elif victim == "truncated tensors":
+        os.truncate(copy_dir / "tensors.safetensors", (copy_dir / "tensors.safetensors").stat().st_size - 1)
     else:
         data = bytearray((copy_dir / victim).read_bytes())
         data[len(data) // 2] ^= 0x01
@@ -355,6 +357,14 @@ def test_prefetch_from_another_thread_while_training(model_dir: str, alone: dict
     swaps = store.inventory()["swaps"]
     assert (swaps["nvme->host"]["count"], swaps["nvme->host"]["bytes"]) == (1, size)
     assert swaps["host->nvme"]["count"] == 2
+    # where the seconds fell: the prefetch (and the demotion it made) ran off the trainer's
+    # critical path, everything ensure_resident moved on it
+    prefetched = swaps["nvme->host"]
+    assert prefetched["critical_s"] == 0 and 0 <= prefetched["overlap_s"] <= prefetched["seconds"]
+    for direction in ("device->host", "host->device"):
+        assert swaps[direction]["critical_s"] == swaps[direction]["seconds"] and swaps[direction]["overlap_s"] == 0
+    demoted = swaps["host->nvme"]
+    assert 0 < demoted["critical_s"] < demoted["seconds"]  # one demotion by ensure_resident, one by the prefetch
 
 
 def test_concurrent_prefetches_and_swaps_never_lose_state(model_dir: str, tmp_path: Path) -> None:
@@ -402,6 +412,80 @@ def test_concurrent_prefetches_and_swaps_never_lose_state(model_dir: str, tmp_pa
     copies = list((tmp_path / "nvme").iterdir())  # no temp dirs, no stale copies
     assert not any(d.name.startswith(".") for d in copies)
     assert sorted(json.loads((d / "manifest.json").read_text())["job_id"] for d in copies) == inventory["nvme"]["jobs"]
+
+
+# ---------------------------------------------------------------- the copy format and its I/O
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_multi_chunk_copies_round_trip_and_reject_a_flipped_byte(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """Small chunks, so a tiny state spans many requests (in flight on the I/O threads, the
+    last one padded for O_DIRECT); both with O_DIRECT (writes and reads) and buffered."""
+    monkeypatch.setattr(state_store, "IO_CHUNK_BYTES", 2 * state_store.DIRECT_ALIGN)
+    monkeypatch.setattr(state_store, "READ_DIRECT", direct)
+    if not direct:
+        monkeypatch.setattr(state_store, "_direct_io_works", lambda directory: False)
+    trainer = engine(model_dir)
+    trainer.ensure_job("j0", *JOBS["j0"][:2])
+    train(trainer, "j0", 0)
+    copy = trainer.export_state("j0")
+    pool = HostBufferPool()
+    state_store._write_copy_dir(tmp_path / "j0", copy)
+    manifest = json.loads((tmp_path / "j0" / "manifest.json").read_text())
+    assert len(manifest["files"]["tensors.safetensors"]["crc32_chunks"]) > 10
+    back, buffer = state_store._read_copy(tmp_path / "j0", "j0", pool)
+    assert back.nbytes == copy.nbytes and back.param_groups == copy.param_groups
+    assert_exactly_equal(copy.tensors, back.tensors, "tensors")
+    assert buffer.data_ptr() % state_store.DIRECT_ALIGN == 0
+
+    tensors = tmp_path / "j0" / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[5 * state_store.IO_CHUNK_BYTES + 3] ^= 0x40
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(CorruptCopyError, match="does not match its checksums"):
+        state_store._read_copy(tmp_path / "j0", "j0", pool)
+
+
+def test_host_buffer_pool_reuses_buffers_of_a_fitting_size() -> None:
+    pool = HostBufferPool(keep=2)
+    kib = 1024
+    big = pool.take(100 * kib)
+    assert big.numel() >= 100 * kib and big.data_ptr() % state_store.DIRECT_ALIGN == 0
+    pool.give(big)
+    assert pool.take(60 * kib) is big  # fits, and not more than twice the size asked for
+    pool.give(big)
+    small = pool.take(10 * kib)  # would waste the big one: a new buffer
+    assert small is not big and (pool.allocated, pool.reused) == (2, 1)
+    pool.give(small)
+    pool.give(pool.take(300 * kib))
+    assert pool.free_bytes() == big.numel() + 300 * kib  # keeps the two largest
+
+
+def test_pooled_buffers_carry_copies_of_different_sizes_exactly(model_dir: str, tmp_path: Path) -> None:
+    """Copies read from nvme land in pool buffers that earlier copies of other sizes used:
+    every job still comes back exactly as it left, and the buffers are reused."""
+    loras = {"r3": LoraConfig(rank=3), "r4": LoraConfig(rank=4), "r5": LoraConfig(rank=5)}
+    trainer = engine(model_dir)
+    size = max(StateStore.job_bytes(lora, config_json(model_dir)) for lora in loras.values())
+    store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme")
+    saved = {}
+    for job_id, lora in loras.items():
+        store.ensure_resident(job_id, lora, seed=7)
+        trainer.train_step(job_id, make_batch(len(saved), rows=2), HP_SEQ)
+        saved[job_id] = job_state(trainer, job_id)
+    rng = random.Random(0)
+    for i in range(12):
+        on_nvme = store.inventory()["nvme"]["jobs"]
+        first = on_nvme[0] if on_nvme and i % 3 else rng.choice(list(loras))
+        order = [first, *rng.sample([j for j in loras if j != first], 2)]
+        store.set_upcoming(order)
+        store.prefetch(order[0])  # nvme -> host into a pool buffer, if it was on nvme
+        store.ensure_resident(order[0], loras[order[0]], seed=7)
+        assert_like_alone(trainer, order[0], saved[order[0]])
+    assert store.inventory()["swaps"]["nvme->host"]["count"] > 0
+    assert store._pool.reused > 0
 
 
 # ---------------------------------------------------------------- sizing

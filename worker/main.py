@@ -32,6 +32,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from plexctl import auth
 from plexctl import protocol as P
 from plexctl.sizes import parse_bytes
 
@@ -62,6 +63,9 @@ class WorkerIO(threading.Thread):
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, f"wrk:{self.worker_id}".encode())
         dealer.setsockopt(zmq.LINGER, 1000)
+        keys = auth.internal_keys_from_env()  # the daemon (or the Slurm node task) names the cluster's keys
+        if keys is not None:
+            keys.apply(dealer)
         dealer.connect(self.endpoint)
         outbox = self.ctx.socket(zmq.PULL)
         outbox.bind(OUTBOX)

@@ -9,13 +9,27 @@ exactly one of three tiers:
 - ``host``: a ``JobStateCopy`` in host memory (pinned when CUDA is available), up to
   ``host_bytes`` in all;
 - ``nvme``: the same copy in a node-local directory, one sub-directory per job holding
-  ``tensors.safetensors`` (every tensor), ``state.pt`` (the optimizer's hyper-parameters and
-  the copy's layout) and ``manifest.json`` (LoRA config, seed, sizes, the sha256 of
-  ``state.pt``, of each 8 MiB chunk of the tensor file, and of the manifest itself), up to
-  ``nvme_bytes`` in all. A copy is written into a temp directory beside its final name,
-  fsync'ed and renamed, so it exists only once complete; it is verified when read (chunks are
-  hashed on a few threads while the file is written or read), and a corrupt copy raises
-  ``CorruptCopyError`` and is never imported.
+  ``tensors.safetensors`` (every tensor, a valid safetensors file) and ``manifest.json`` (LoRA
+  config, seed, sizes, the optimizer's hyper-parameters and the copy's layout, a crc32 of each
+  8 MiB chunk of the tensor file, and the sha256 of the manifest itself), up to ``nvme_bytes``
+  in all. A copy is written into a temp directory beside
+  its final name and renamed, so it exists only once complete; it is verified when read, and a
+  corrupt copy raises ``CorruptCopyError`` and is never imported.
+
+How a copy moves fast (``bench/swap.py`` holds it against raw sequential file I/O). The tensor
+file is one stream of the copy's buffers' bytes (no serialisation) cut into 8 MiB chunks, each
+with its own crc32 (zlib's, which releases the GIL and is about twice as fast as sha256 here:
+a 2-core machine cannot sha256 at disk speed). Writes: ``WRITE_BOUNCES`` requests in flight
+on the copy-I/O threads, each gathering its chunk into a reused page-aligned bounce buffer,
+checksumming it and writing it with O_DIRECT where the filesystem takes it (buffered
+elsewhere, e.g. tmpfs, and then dropped from the page cache). Reads: one sequential buffered
+reader (the kernel's readahead keeps the disk busy; on the disk this was measured on it beat
+O_DIRECT reads, ``READ_DIRECT`` switches to those) with the checksums on a side thread,
+into a reused page-aligned host buffer (``HostBufferPool``, pinned when CUDA is available)
+that becomes the host copy's memory and goes back to the pool once the copy is imported,
+demoted or dropped. A copy costs one ``fdatasync``, of the tensor file: nvme copies are
+scratch that never outlives the process (see below), so the manifest and the directory are
+not synced; the sync is there so that a demoted copy really left host memory.
 
 ``ensure_resident`` (called before each trainer call of a job) makes room on the device by
 evicting the resident job needed least soon according to the latest ``set_upcoming`` (ties:
@@ -24,8 +38,13 @@ An evicted job goes to host if it fits; host copies needed later than it are dem
 (least soon needed first) to make it fit; otherwise it goes straight to nvme; if nvme cannot
 take what must go there, ``TierFullError`` is raised and the job stays on the device.
 ``prefetch`` brings a job from nvme to host ahead of need. ``inventory`` reports each tier's capacity, use
-and jobs, and swap counts / bytes / seconds per direction (bytes are ``JobStateCopy.nbytes``;
-a device job's bytes are its adapter + optimizer bytes as of the last ``ensure_resident``).
+and jobs, and per swap direction: ``count``, ``bytes`` (``JobStateCopy.nbytes``; a device job's
+bytes are its adapter + optimizer bytes as of the last ``ensure_resident``), ``seconds``, and
+where those seconds fell: ``critical_s`` inside ``ensure_resident`` (the trainer's thread, so
+the job's call waits), ``overlap_s`` off it (``prefetch`` on another thread) while the trainer's
+thread was computing (its CPU time over the move's interval, capped by the move's length), and
+``stalled_s``, time ``ensure_resident`` waited for another thread's move of this direction to
+land. So ``overlap_s - stalled_s`` is swap time hidden behind compute.
 
 Threads. ``ensure_resident`` and ``drop`` touch the trainer: call them from the trainer's
 thread (they are serialised among themselves anyway). ``prefetch``, ``set_upcoming``,
@@ -46,17 +65,26 @@ the evicted job's copy.
 
 from __future__ import annotations
 
+import base64
+import bisect
+import errno
 import hashlib
 import io
 import json
+import math
 import os
+import queue
 import re
 import shutil
 import struct
+import tempfile
 import threading
 import time
+import uuid
+import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -66,19 +94,22 @@ import torch
 
 from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
-from worker.trainer import JobConfigError, JobStateCopy, TrainerEngine, lora_signature, write_dir_atomically
+from worker.trainer import JobConfigError, JobStateCopy, TrainerEngine, lora_signature
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
 _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
-COPY_FORMAT = "plexrl.job-state/1"
+COPY_FORMAT = "plexrl.job-state/2"
 TENSORS_FILE = "tensors.safetensors"
-META_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
-COPY_FILES = (TENSORS_FILE, META_FILE)  # checksummed by MANIFEST_FILE
-HASH_CHUNK_BYTES = 8 << 20  # the tensor file is checksummed per chunk, so hashing spreads over cores
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+COPY_FILES = (TENSORS_FILE,)  # checksummed by MANIFEST_FILE
+IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of the tensor file
+IO_DEPTH = 8  # file requests in flight (the copy-I/O threads): a chunk's checksum holds its slot
+WRITE_BOUNCES = 4  # page-aligned chunk buffers that writes stream through (so <= 4 writes in flight)
+DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+READ_DIRECT = False  # reads: buffered and sequential (see _read_verified_tensor), not O_DIRECT
+POOL_KEEP = 2  # free host buffers the pool keeps for the next reads from nvme
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -123,6 +154,7 @@ class _Record:
     nbytes: int
     last_used: int  # store tick of its last ensure_resident
     host_copy: JobStateCopy | None = field(default=None, repr=False)  # set while tier == HOST
+    host_buffer: torch.Tensor | None = field(default=None, repr=False)  # the pool's memory under host_copy
     moving_to: str | None = None  # set while a thread moves it: others wait, plans skip it
 
 
@@ -137,11 +169,22 @@ class _SwapStats:
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    critical_s: float = 0.0  # of ``seconds``: inside ensure_resident, on the trainer's thread
+    overlap_s: float = 0.0  # of ``seconds``: off it, while the trainer's thread computed
+    stalled_s: float = 0.0  # ensure_resident waiting for another thread's move to land
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, critical: bool = True, overlap_s: float = 0.0) -> None:
         self.count += 1
         self.bytes += nbytes
         self.seconds += seconds
+        if critical:
+            self.critical_s += seconds
+        else:
+            self.overlap_s += min(overlap_s, seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds, "critical_s": self.critical_s,
+                "overlap_s": self.overlap_s, "stalled_s": self.stalled_s}
 
 
 @dataclass
@@ -196,6 +239,8 @@ class StateStore:
         self._upcoming: dict[str, int] = {}
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
+        self._pool = HostBufferPool(pinned=_pin_if_cuda())
+        self._trainer_thread: int | None = None  # the thread that calls ensure_resident
 
     # ------------------------------------------------------------ the public operations
 
@@ -206,6 +251,7 @@ class StateStore:
         "seconds": s}``: ``bytes`` counts every copy this call moved.
         """
         started = self._clock()
+        self._trainer_thread = threading.get_ident()
         with self._serial:
             self._refresh_device_bytes()
             with self._cond:
@@ -218,10 +264,12 @@ class StateStore:
                     record.moving_to = DEVICE
             moves = _Moves()
             try:
-                incoming, read_seconds = self._take_incoming(record)
+                incoming, read_seconds, buffer = self._take_incoming(record)
                 credit = record.nbytes if record is not None and record.tier == HOST else 0
                 self._make_room(job_id, credit, moves)
                 self._swap_in(job_id, record, incoming, read_seconds, lora, seed, weight_decay, moves)
+                if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
+                    self._pool.give(buffer)
             except BaseException:
                 self._unmark([record] if record is not None else [])
                 raise
@@ -254,17 +302,17 @@ class StateStore:
                 demoted.moving_to = NVME
         try:
             for demoted in placement.demote:
-                self._demote(demoted)
-            started = self._clock()
-            state = self._read_nvme(record)
-            seconds = self._clock() - started
+                self._demote(demoted, critical=False)
+            started, trainer_cpu = self._clock(), self._trainer_cpu()
+            state, buffer = self._read_nvme(record)
+            seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
             self._delete_nvme(job_id)
         except BaseException:
             self._unmark([record, *placement.demote])
             raise
         with self._cond:
-            record.tier, record.host_copy, record.moving_to = HOST, state, None
-            self._swaps["nvme->host"].add(state.nbytes, seconds)
+            record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
+            self._swaps["nvme->host"].add(state.nbytes, seconds, critical=False, overlap_s=overlap)
             self._cond.notify_all()
         return True
 
@@ -281,6 +329,9 @@ class StateStore:
                     self.trainer.release(job_id)
                 elif record.tier == NVME:
                     self._delete_nvme(job_id)
+                elif record.host_buffer is not None:
+                    self._pool.give(record.host_buffer)
+                    record.host_copy = record.host_buffer = None
             finally:
                 with self._cond:
                     del self._records[job_id]
@@ -309,7 +360,7 @@ class StateStore:
                 for r in self._records.values()
                 if r.moving_to in (DEVICE, HOST, NVME)
             }
-            swaps = {d: {"count": s.count, "bytes": s.bytes, "seconds": s.seconds} for d, s in self._swaps.items()}
+            swaps = {d: s.to_json() for d, s in self._swaps.items()}
             return {**tiers, "in_flight": in_flight, "swaps": swaps}
 
     @staticmethod
@@ -322,16 +373,17 @@ class StateStore:
 
     # ------------------------------------------------------------ swapping in
 
-    def _take_incoming(self, record: _Record | None) -> tuple[JobStateCopy | None, float]:
-        """The copy to import (read and verified if on nvme) and the seconds the read took."""
+    def _take_incoming(self, record: _Record | None) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
+        """The copy to import (read and verified if on nvme), the seconds the read took, and
+        the pool buffer under the copy (to give back once imported), if any."""
         if record is None:
-            return None, 0.0
+            return None, 0.0, None
         if record.tier == HOST:
             assert record.host_copy is not None
-            return record.host_copy, 0.0
+            return record.host_copy, 0.0, record.host_buffer
         started = self._clock()
-        state = self._read_nvme(record)
-        return state, self._clock() - started
+        state, buffer = self._read_nvme(record)
+        return state, self._clock() - started, buffer
 
     def _swap_in(
         self,
@@ -359,6 +411,7 @@ class StateStore:
                 record = _Record(job_id, lora, seed, weight_decay, DEVICE, device_bytes, 0)
                 self._records[job_id] = record
             record.tier, record.host_copy, record.moving_to, record.nbytes = DEVICE, None, None, device_bytes
+            record.host_buffer = None
             self._touch(record)
             if incoming is not None:
                 self._swaps[f"{source}->device"].add(incoming.nbytes, seconds)
@@ -403,20 +456,26 @@ class StateStore:
         with self._cond:
             victim.tier, victim.moving_to, victim.nbytes = placement.tier, None, state.nbytes
             victim.host_copy = state if placement.tier == HOST else None
+            victim.host_buffer = None  # export_state's own memory, not the pool's
             self._swaps[f"device->{placement.tier}"].add(state.nbytes, export_seconds + write_seconds)
             self._cond.notify_all()
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
 
-    def _demote(self, record: _Record) -> None:
-        """Write a host copy (marked moving to nvme) to nvme, then let go of it."""
+    def _demote(self, record: _Record, critical: bool = True) -> None:
+        """Write a host copy (marked moving to nvme) to nvme, then let go of it (its pool
+        buffer, if any, goes back to the pool). ``critical``: called by ensure_resident."""
         assert record.host_copy is not None
-        state = record.host_copy
+        state, buffer = record.host_copy, record.host_buffer
+        trainer_cpu = None if critical else self._trainer_cpu()
         seconds = self._write_nvme(record.job_id, state)
+        overlap = self._trainer_cpu_since(trainer_cpu)
         with self._cond:
-            record.tier, record.host_copy, record.moving_to = NVME, None, None
-            self._swaps["host->nvme"].add(state.nbytes, seconds)
+            record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
+            self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
             self._cond.notify_all()
+        if buffer is not None:
+            self._pool.give(buffer)
 
     # ------------------------------------------------------------ planning (callers hold the lock)
 
@@ -491,12 +550,32 @@ class StateStore:
     # ------------------------------------------------------------ bookkeeping helpers
 
     def _settled(self, job_id: str) -> _Record | None:
-        """The job's record once no other thread is moving it (caller holds the lock)."""
+        """The job's record once no other thread is moving it (caller holds the lock); the
+        wait counts as ``stalled_s`` of the move's direction."""
         while True:
             record = self._records.get(job_id)
             if record is None or record.moving_to is None:
                 return record
+            direction = f"{record.tier}->{record.moving_to}"
+            started = self._clock()
             self._cond.wait()
+            if direction in self._swaps:
+                self._swaps[direction].stalled_s += self._clock() - started
+
+    def _trainer_cpu(self) -> float | None:
+        """CPU seconds of the trainer's thread so far; None from that thread itself (or if unknown)."""
+        ident = self._trainer_thread
+        if ident is None or ident == threading.get_ident():
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError):  # no such clock here, or the thread has ended
+            return None
+
+    def _trainer_cpu_since(self, before: float | None) -> float:
+        """The trainer thread's CPU seconds since ``before`` (0.0 when not measurable)."""
+        after = self._trainer_cpu() if before is not None else None
+        return max(0.0, after - before) if before is not None and after is not None else 0.0
 
     def _unmark(self, records: list[_Record]) -> None:
         """After a failed move: what did not land stays where it was."""
@@ -529,13 +608,14 @@ class StateStore:
         return self.nvme_dir / f"{slug}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
 
     def _write_nvme(self, job_id: str, state: JobStateCopy) -> float:
-        """Write a copy atomically (temp dir, fsync, rename); return the seconds it took."""
+        """Write a copy atomically (temp dir, one fdatasync, rename); return the seconds it took."""
         started = self._clock()
-        write_dir_atomically(self._job_dir(job_id), lambda tmp: _write_copy_files(tmp, state))
+        _write_copy_dir(self._job_dir(job_id), state)
         return self._clock() - started
 
-    def _read_nvme(self, record: _Record) -> JobStateCopy:
-        return _read_copy(self._job_dir(record.job_id), record.job_id)
+    def _read_nvme(self, record: _Record) -> tuple[JobStateCopy, torch.Tensor]:
+        """The verified copy and the pool buffer holding it."""
+        return _read_copy(self._job_dir(record.job_id), record.job_id, self._pool)
 
     def _delete_nvme(self, job_id: str) -> None:
         shutil.rmtree(self._job_dir(job_id), ignore_errors=True)
@@ -555,7 +635,168 @@ def _pin_if_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# ---------------------------------------------------------------- host buffers
+
+
+class HostBufferPool:
+    """Reusable page-aligned host buffers (pinned when CUDA is available) that copies read
+    from nvme land in, so a swap neither allocates (nor pins) nor faults in fresh pages.
+
+    ``take(n)`` returns a free buffer of at least ``n`` bytes (at most twice that, so a small
+    copy does not sit on a big buffer) or a new one; ``give`` takes it back once nothing views
+    it any more. It keeps at most ``keep`` free buffers (the largest), outside the host tier's
+    accounting: at most ``keep`` times the largest state. Thread-safe.
+    """
+
+    def __init__(self, pinned: bool = False, keep: int = POOL_KEEP) -> None:
+        self.pinned = pinned
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers made, for tests and benchmarks
+        self.reused = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 buffer of at least ``nbytes`` (a multiple of DIRECT_ALIGN), page-aligned."""
+        size = _round_up(max(nbytes, 1), DIRECT_ALIGN)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if size <= b.numel() <= 2 * size]
+            if fits:
+                self.reused += 1
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            self.allocated += 1
+        return _aligned_empty(size, self.pinned)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if any(b is buffer for b in self._free):
+                return
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: -b.numel())
+            del self._free[self.keep :]
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+
+def _aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:
+    """Uninitialised uint8 host memory whose first byte is DIRECT_ALIGN-aligned."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+_io_pool: ThreadPoolExecutor | None = None
+_bounces: queue.Queue[torch.Tensor] | None = None
+_direct_ok: dict[int, bool] = {}  # st_dev -> O_DIRECT works there
+_io_lock = threading.Lock()
+
+
+def _io_threads() -> ThreadPoolExecutor:
+    """The process's copy-I/O threads (shared by all stores), started on first use."""
+    global _io_pool
+    with _io_lock:
+        if _io_pool is None:
+            _io_pool = ThreadPoolExecutor(max_workers=IO_DEPTH, thread_name_prefix="plexrl-copy-io")
+        return _io_pool
+
+
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_thread() -> ThreadPoolExecutor:
+    """One thread that checksums what a sequential reader has read (one, so the reader keeps a core)."""
+    global _crc_pool
+    with _io_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-crc32")
+        return _crc_pool
+
+
+def _bounce_buffers() -> queue.Queue[torch.Tensor]:
+    """WRITE_BOUNCES page-aligned chunk buffers that writes stream through (O_DIRECT needs
+    aligned memory; a copy's own buffers are not), reused by every write in the process."""
+    global _bounces
+    with _io_lock:
+        if _bounces is None:
+            _bounces = queue.Queue()
+            for _ in range(WRITE_BOUNCES):
+                _bounces.put(_aligned_empty(IO_CHUNK_BYTES, pinned=False))
+        return _bounces
+
+
+def _direct_io_works(directory: Path) -> bool:
+    """Whether O_DIRECT reads and writes work on ``directory``'s filesystem (probed once per
+    filesystem: tmpfs refuses the flag, some filesystems accept it but fail the I/O)."""
+    device = os.stat(directory).st_dev
+    if device in _direct_ok:
+        return _direct_ok[device]
+    probe = directory / f".direct-probe-{uuid.uuid4().hex[:8]}"
+    block = _aligned_empty(DIRECT_ALIGN, pinned=False).fill_(0)
+    works = hasattr(os, "O_DIRECT")
+    try:
+        if works:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+            try:
+                view = memoryview(block.numpy())
+                works = os.pwrite(fd, view, 0) == DIRECT_ALIGN and os.preadv(fd, [view], 0) == DIRECT_ALIGN
+            finally:
+                os.close(fd)
+    except OSError:
+        works = False
+    finally:
+        probe.unlink(missing_ok=True)
+    _direct_ok[device] = works
+    return works
+
+
+def _open_copy_file(path: Path, write: bool) -> tuple[int, bool]:
+    """An fd for a copy's tensor file and whether it is O_DIRECT."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
+    direct = _direct_io_works(path.parent)
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def _finish(futures: list[Future[Any]]) -> list[Any]:
+    """Every request's result in order, after all have ended (so none still uses the fd)."""
+    wait_all(futures)
+    return [future.result() for future in futures]
+
+
 # ---------------------------------------------------------------- writing a copy
+
+
+def _write_copy_dir(job_dir: Path, state: JobStateCopy) -> None:
+    """Fill a temp dir beside ``job_dir`` with the copy's files and rename it onto ``job_dir``.
+
+    Only the tensor file is synced (once): the copy is scratch that never outlives the process,
+    so the rename need not be durable, only atomic for the store's own readers."""
+    job_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{job_dir.name}.tmp-", dir=job_dir.parent))
+    try:
+        _write_copy_files(tmp, state)
+        os.chmod(tmp, 0o755)
+        if job_dir.exists():  # not expected: copies are deleted when they leave nvme
+            old = job_dir.with_name(f".{job_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(job_dir, old)
+            os.rename(tmp, job_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, job_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_copy_files(directory: Path, state: JobStateCopy) -> None:
@@ -567,11 +808,6 @@ def _write_copy_files(directory: Path, state: JobStateCopy) -> None:
         "param_groups": state.param_groups,
         "state_values": state.state_values,
     }
-    buffer = io.BytesIO()
-    torch.save(meta, buffer)
-    data = buffer.getvalue()
-    (directory / META_FILE).write_bytes(data)
-    files[META_FILE] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest = {
         "format": COPY_FORMAT,
         "job_id": state.job_id,
@@ -580,9 +816,42 @@ def _write_copy_files(directory: Path, state: JobStateCopy) -> None:
         "weight_decay": state.weight_decay,
         "nbytes": state.nbytes,
         "files": files,
+        "meta": _to_json(meta),
     }
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, sort_keys=True))
+
+
+def _to_json(value: Any) -> Any:
+    """The copy's metadata as JSON that ``_from_json`` turns back into equal values: tuples
+    are tagged; anything JSON cannot hold exactly (a tensor-valued hyper-parameter, say) is
+    embedded as ``torch.save`` bytes (its load is slow, so plain values avoid it)."""
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [_to_json(v) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _to_json(v) for k, v in value.items()}}
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return {"torch": base64.b64encode(buffer.getvalue()).decode()}
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (tag, body), = value.items()
+    if tag == "tuple":
+        return tuple(_from_json(v) for v in body)
+    if tag == "dict":
+        return {k: _from_json(v) for k, v in body.items()}
+    if tag == "torch":
+        return torch.load(io.BytesIO(base64.b64decode(body)), map_location="cpu", weights_only=True)
+    raise ValueError(f"unknown tag {tag!r} in the copy's metadata")
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:
@@ -601,8 +870,8 @@ def _file_segments(state: JobStateCopy) -> list[tuple[list[str], torch.Tensor]]:
 
 
 def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
-    """A valid safetensors file written from the copy's buffers without staging copies; its
-    sha256 is computed on the bytes as they are written."""
+    """A valid safetensors file written from the copy's buffers as one stream (their bytes,
+    viewed, not serialised); its crc32 per chunk is computed as it is written."""
     segments = _file_segments(state)
     header: dict[str, Any] = {"__metadata__": {"format": COPY_FORMAT}}
     offset = 0
@@ -618,93 +887,112 @@ def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
             offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # keeps the data section 8-byte aligned
-    hasher = _ChunkHasher(HASH_CHUNK_BYTES)
-    written = 0
-    with open(path, "wb") as f:
-        pieces = [memoryview(struct.pack("<Q", len(header_bytes))), memoryview(header_bytes)]
-        for piece in [*pieces, *(_raw_bytes(t) for _, t in segments)]:
-            hasher.add(piece)  # hashed on the pool while this thread writes
-            f.write(piece)
-            written += len(piece)
-    return {"bytes": written, "chunk_bytes": HASH_CHUNK_BYTES, "sha256_chunks": hasher.hexdigests()}
+    head = torch.frombuffer(bytearray(struct.pack("<Q", len(header_bytes)) + header_bytes), dtype=torch.uint8)
+    pieces = [head, *(_byte_view(t) for _, t in segments)]
+    crcs, written = _write_stream(path, pieces)
+    return {"bytes": written, "chunk_bytes": IO_CHUNK_BYTES, "crc32_chunks": crcs}
 
 
-class _ChunkHasher:
-    """sha256 of each ``chunk_bytes`` chunk of a byte stream, computed on a small thread pool
-    while the caller goes on writing or reading the stream (hashlib releases the GIL)."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self._chunk_bytes = chunk_bytes
-        self._pieces: list[memoryview] = []
-        self._filled = 0
-        self._digests: list[Future[str]] = []
-
-    def add(self, data: memoryview) -> None:
-        """Queue the next bytes of the stream (they must stay unchanged until ``hexdigests``)."""
-        while len(data):
-            take = min(len(data), self._chunk_bytes - self._filled)
-            self._pieces.append(data[:take])
-            self._filled += take
-            data = data[take:]
-            if self._filled == self._chunk_bytes:
-                self._submit()
-
-    def hexdigests(self) -> list[str]:
-        if self._pieces:
-            self._submit()
-        return [digest.result() for digest in self._digests]
-
-    def _submit(self) -> None:
-        self._digests.append(_hash_pool().submit(_sha256_hex, self._pieces))
-        self._pieces, self._filled = [], 0
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view, without a copy (it is contiguous host memory)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _sha256_hex(pieces: list[memoryview]) -> str:
-    digest = hashlib.sha256()
+def _write_stream(path: Path, pieces: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Write the concatenation of ``pieces`` (flat uint8 host tensors) as a new file, in
+    IO_CHUNK_BYTES requests with WRITE_BOUNCES in flight, then fdatasync it (and drop it from the
+    page cache when written buffered, so it does not stay in host memory). Returns the crc32
+    of each chunk and the file's size."""
+    ends = [0]
     for piece in pieces:
-        digest.update(piece)
-    return digest.hexdigest()
+        ends.append(ends[-1] + piece.numel())
+    total = ends[-1]
+    fd, direct = _open_copy_file(path, write=True)
+    futures: list[Future[int]] = []
+    try:
+        if direct:
+            os.ftruncate(fd, _round_up(total, DIRECT_ALIGN))  # requests within the size run in parallel
+        bounces = _bounce_buffers()
+        starts = range(0, total, IO_CHUNK_BYTES)
+        last: list[int] = []
+        for start in starts:
+            end = min(start + IO_CHUNK_BYTES, total)
+            request = (fd, direct, bounces.get(), _pieces_between(pieces, ends, start, end), start, end - start)
+            if start == starts[-1]:  # the last on this thread: a one-chunk copy needs no thread hop
+                last.append(_write_chunk(*request))
+            else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
+                futures.append(_io_threads().submit(_write_chunk, *request))
+        crcs = _finish(futures) + last
+        if direct:
+            os.ftruncate(fd, total)  # the last request was padded to the alignment
+        os.fdatasync(fd)
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        wait_all(futures)
+        os.close(fd)
+    return crcs, total
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end: int) -> list[torch.Tensor]:
+    """Slices of ``pieces`` that make up bytes [start, end) of their concatenation."""
+    parts = []
+    index = bisect.bisect_right(ends, start) - 1
+    while start < end:
+        piece, piece_start = pieces[index], ends[index]
+        take = min(end, ends[index + 1]) - start
+        if take > 0:
+            parts.append(piece[start - piece_start : start - piece_start + take])
+            start += take
+        index += 1
+    return parts
 
 
-def _hash_pool() -> ThreadPoolExecutor:
-    """The process's sha256 threads, started on first use and shared by all stores."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="plexrl-sha256")
-        return _pool
+def _write_chunk(fd: int, direct: bool, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int,
+                 nbytes: int) -> int:
+    """Gather ``parts`` into the bounce buffer, checksum them, write them at ``offset``."""
+    try:
+        at = 0
+        for part in parts:
+            bounce[at : at + part.numel()].copy_(part)
+            at += part.numel()
+        view = memoryview(bounce.numpy())
+        crc = zlib.crc32(view[:nbytes])
+        _pwrite_all(fd, view[: _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes], offset)
+        return crc
+    finally:
+        _bounce_buffers().put(bounce)
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes, without a copy (it is contiguous host memory)."""
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 # ---------------------------------------------------------------- reading a copy back
 
 
-def _read_copy(directory: Path, job_id: str) -> JobStateCopy:
-    """Read and verify a copy; every failure is a one-line CorruptCopyError."""
+def _read_copy(directory: Path, job_id: str, pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
+    """Read and verify a copy into a pool buffer; every failure is a one-line CorruptCopyError
+    (and the buffer goes back to the pool)."""
     where = f"nvme copy of job {job_id!r} at {directory}"
     manifest = _read_manifest(directory, where)
     if manifest.get("job_id") != job_id:
         raise CorruptCopyError(f"{where}: manifest is for job {manifest.get('job_id')!r}")
-    meta_bytes = _read_verified_bytes(directory / META_FILE, manifest["files"][META_FILE], where)
-    raw = _read_verified_tensor(directory / TENSORS_FILE, manifest["files"][TENSORS_FILE], where)
+    buffer, size = _read_verified_tensor(directory / TENSORS_FILE, manifest["files"][TENSORS_FILE], where, pool)
     try:
-        meta = torch.load(io.BytesIO(meta_bytes), map_location="cpu", weights_only=True)
-        state = _copy_from_file(raw, meta, manifest)
+        meta = _from_json(manifest["meta"])
+        state = _copy_from_file(buffer[:size], meta, manifest)
+        if state.nbytes != manifest.get("nbytes"):
+            raise CorruptCopyError(f"{where}: holds {state.nbytes} bytes, manifest says {manifest.get('nbytes')}")
     except CorruptCopyError:
+        pool.give(buffer)
         raise
     except Exception as exc:  # checksums matched: the writer or the format is at fault
+        pool.give(buffer)
         raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
-    if state.nbytes != manifest.get("nbytes"):
-        raise CorruptCopyError(f"{where}: holds {state.nbytes} bytes, manifest says {manifest.get('nbytes')}")
-    return state
+    return state, buffer
 
 
 def _read_manifest(directory: Path, where: str) -> dict[str, Any]:
@@ -724,42 +1012,72 @@ def _read_manifest(directory: Path, where: str) -> dict[str, Any]:
     return manifest
 
 
-def _read_verified_bytes(path: Path, record: dict[str, Any], where: str) -> bytes:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror})") from None
-    if len(data) != record.get("bytes") or hashlib.sha256(data).hexdigest() != record.get("sha256"):
-        raise CorruptCopyError(f"{where}: {path.name} does not match its sha256 (corrupt)")
-    return data
-
-
-def _read_verified_tensor(path: Path, record: dict[str, Any], where: str) -> torch.Tensor:
-    """The whole file in one uint8 tensor (pinned when CUDA is available), each chunk hashed
-    on the pool while the next one is read."""
-    chunk_bytes = record.get("chunk_bytes")
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or not isinstance(record.get("sha256_chunks"), list):
+def _read_verified_tensor(path: Path, record: dict[str, Any], where: str,
+                          pool: HostBufferPool) -> tuple[torch.Tensor, int]:
+    """The whole file in a pool buffer and its size, each chunk's crc32 checked: read by this
+    thread sequentially (checksums on the crc thread), or with READ_DIRECT as IO_DEPTH
+    O_DIRECT requests in flight that each check their own chunk."""
+    chunk_bytes, expected = record.get("chunk_bytes"), record.get("crc32_chunks")
+    if chunk_bytes != IO_CHUNK_BYTES or not isinstance(expected, list):
         raise CorruptCopyError(f"{where}: {MANIFEST_FILE} has no chunk checksums for {path.name}")
-    hasher = _ChunkHasher(chunk_bytes)
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != record.get("bytes"):
-                raise CorruptCopyError(f"{where}: {path.name} has {size} bytes, manifest says {record.get('bytes')}")
-            raw = torch.empty(size, dtype=torch.uint8, pin_memory=_pin_if_cuda())
-            view = memoryview(raw.numpy())
-            position = 0
-            while position < size:
-                count = f.readinto(view[position : position + chunk_bytes])
-                if not count:
-                    raise CorruptCopyError(f"{where}: {path.name} ended early")
-                hasher.add(view[position : position + count])
-                position += count
+        fd, direct = _open_copy_file(path, write=False) if READ_DIRECT else (os.open(path, os.O_RDONLY), False)
     except OSError as exc:
         raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror})") from None
-    if hasher.hexdigests() != record["sha256_chunks"]:
-        raise CorruptCopyError(f"{where}: {path.name} does not match its sha256 (corrupt)")
-    return raw
+    buffer = None
+    futures: list[Future[int]] = []
+    try:
+        size = os.fstat(fd).st_size
+        if size != record.get("bytes"):
+            raise CorruptCopyError(f"{where}: {path.name} has {size} bytes, manifest says {record.get('bytes')}")
+        buffer = pool.take(size)
+        view = memoryview(buffer.numpy())
+        starts = range(0, size, IO_CHUNK_BYTES)
+        if direct:  # requests in flight, each checksums its chunk
+            for start in starts[:-1]:
+                futures.append(_io_threads().submit(_read_chunk, fd, direct, view, start, IO_CHUNK_BYTES))
+            last = [_read_chunk(fd, direct, view, starts[-1], size - starts[-1])]  # no thread hop for one chunk
+        else:  # one sequential reader (the kernel's readahead keeps the disk busy), checksums on the threads
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for start in starts[:-1]:
+                _read_span(fd, view, start, IO_CHUNK_BYTES, IO_CHUNK_BYTES)
+                futures.append(_crc_thread().submit(zlib.crc32, view[start : start + IO_CHUNK_BYTES]))
+            _read_span(fd, view, starts[-1], size - starts[-1], size - starts[-1])
+            last = [zlib.crc32(view[starts[-1] : size])]
+        crcs = [*_finish(futures), *last]
+    except OSError as exc:
+        if buffer is not None:
+            pool.give(buffer)
+        raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror or exc})") from None
+    except BaseException:
+        if buffer is not None:
+            wait_all(futures)
+            pool.give(buffer)
+        raise
+    finally:
+        wait_all(futures)
+        os.close(fd)
+    if crcs != expected:
+        pool.give(buffer)
+        raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
+    return buffer, size
+
+
+def _read_chunk(fd: int, direct: bool, view: memoryview, offset: int, nbytes: int) -> int:
+    """Read bytes [offset, offset + nbytes) of the file into the same span of ``view``; their crc32."""
+    _read_span(fd, view, offset, nbytes, _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes)
+    return zlib.crc32(view[offset : offset + nbytes])
+
+
+def _read_span(fd: int, view: memoryview, offset: int, nbytes: int, request: int) -> None:
+    """Read bytes [offset, offset + nbytes) of the file into the same span of ``view``, asking
+    for ``request`` bytes (O_DIRECT: rounded up; the buffer has room for the padding)."""
+    done = 0
+    while done < nbytes:
+        count = os.preadv(fd, [view[offset + done : offset + request]], offset + done)
+        if not count:
+            raise OSError(errno.EIO, "the file ended early")
+        done += count
 
 
 def _copy_from_file(raw: torch.Tensor, meta: dict[str, Any], manifest: dict[str, Any]) -> JobStateCopy:
@@ -777,13 +1095,21 @@ def _copy_from_file(raw: torch.Tensor, meta: dict[str, Any], manifest: dict[str,
         entry = header[name]
         return data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
 
-    tensors = {name: view(name) for name in meta["names"]}
+    tensors: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for buffer_name, members in meta["layout"].items():
+    for buffer_name, members in meta["layout"].items():  # one split per buffer: cheaper than a view per member
         spans = [span(name) for name in members]
         if any(prev[1] != nxt[0] for prev, nxt in zip(spans, spans[1:])):
             raise ValueError(f"buffer {buffer_name!r} is not contiguous in the file")
-        buffers[buffer_name] = data[spans[0][0] : spans[-1][1]].view(tensors[members[0]].dtype)
+        dtype = TORCH_DTYPES[header[members[0]]["dtype"]]
+        if any(TORCH_DTYPES[header[name]["dtype"]] != dtype for name in members):
+            raise ValueError(f"buffer {buffer_name!r} mixes dtypes")
+        buffer = data[spans[0][0] : spans[-1][1]].view(dtype)
+        sizes = [(end - begin) // buffer.element_size() for begin, end in spans]
+        for name, part in zip(members, buffer.split(sizes)):
+            tensors[name] = part.view(header[name]["shape"])
+        buffers[buffer_name] = buffer
+    tensors = {name: tensors[name] if name in tensors else view(name) for name in meta["names"]}
     return JobStateCopy(
         job_id=manifest["job_id"],
         lora=msgspec.convert(manifest["lora"], LoraConfig),

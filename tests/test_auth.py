@@ -1,0 +1,185 @@
+"""No one let in: CURVE keys on the daemon's socket, users' jobs kept apart, internal operations
+kept to the cluster's own processes. A real plexd on loopback with no workers (as in
+test_robustness), real key files, the real CLI for what a user runs; other users are simulated
+by their own PLEXRL_HOME and user name (LOGNAME/USER), as on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import zmq
+
+from plexctl import auth
+from plexctl import protocol as P
+from plexctl.client import Client, current_user
+from plexctl.cluster import read_endpoint
+from plexctl.errors import ExitCode, RemoteError
+from plexctl.spec import load_spec, spec_to_wire
+from tests.test_robustness import TINY, BareDaemon
+
+REPO = Path(__file__).resolve().parents[1]
+OWNER = current_user()
+
+
+class Cluster:
+    """A bare daemon owned by this user, and a home (PLEXRL_HOME) per simulated user."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.daemon = BareDaemon(self.state, model, env=self.env(OWNER))
+        self.server = read_endpoint(self.state).server_key.encode()
+        self.spec = spec_to_wire(load_spec(TINY, [f"model.path={model}"], None))
+
+    def home(self, user: str) -> Path:
+        return self.root / f"home-{user}"
+
+    def env(self, user: str) -> dict[str, str]:
+        return {**os.environ, "PLEXRL_HOME": str(self.home(user)), "LOGNAME": user, "USER": user,
+                "PYTHONPATH": str(REPO)}
+
+    def cli(self, user: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "plexctl.cli", "--state-dir", str(self.state), *args],
+                              cwd=REPO, env=self.env(user), capture_output=True, text=True, timeout=60)
+
+    def keygen(self, user: str) -> Path:
+        out = self.cli(user, "keygen")
+        assert out.returncode == 0, out.stderr
+        return self.home(user) / "keys" / f"{user}.key"
+
+    def client(self, user: str) -> Client:
+        return Client(self.daemon.address, timeout=3.0, retries=0,
+                      keys=auth.user_keys(self.home(user), user, self.server))
+
+    def submit(self, user: str, name: str) -> str:
+        return self.client(user).submit({**self.spec, "name": name}, uuid.uuid4().hex, user="mallory").job_id
+
+
+@pytest.fixture
+def cluster(tiny_model: Path, tmp_path: Path):
+    c = Cluster(tmp_path, tiny_model)
+    yield c
+    c.daemon.stop()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_key_files_are_private_and_a_readable_secret_stops_the_daemon(cluster: Cluster, tiny_model: Path) -> None:
+    keys = cluster.state / "keys"
+    assert _mode(keys) == 0o700
+    for name in ("server", "internal"):
+        assert _mode(keys / f"{name}.key_secret") == 0o600
+    assert _mode(cluster.home(OWNER) / "keys" / f"{OWNER}.key_secret") == 0o600
+    assert _mode(cluster.keygen("bob").with_suffix(".key_secret")) == 0o600
+
+    cluster.daemon.stop()
+    os.chmod(keys / "server.key_secret", 0o644)
+    proc = subprocess.run([sys.executable, "-m", "daemon.main", "--state-dir", str(cluster.state),
+                           "--model", str(tiny_model)], cwd=REPO, env=cluster.env(OWNER), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        f"plexd: refusing to use {keys / 'server.key_secret'}: it is readable by others (mode 644); "
+        f"`chmod 600 {keys / 'server.key_secret'}`"]
+    os.chmod(keys / "server.key_secret", 0o600)
+    cluster.daemon = BareDaemon(cluster.state, tiny_model, env=cluster.env(OWNER))  # and it starts again
+
+
+def test_an_unknown_key_is_refused_at_the_connection_and_others_are_still_served(cluster: Cluster) -> None:
+    cluster.keygen("bob")
+    out = cluster.cli("bob", "status")
+    assert out.returncode == ExitCode.KEY_REFUSED, out
+    line, = out.stderr.strip().splitlines()
+    assert f"the daemon at {cluster.daemon.address} refused this client's key" in line
+    assert "plexctl share bob --key" in line
+
+    ctx = zmq.Context.instance()
+    strangers = []
+    for keys in (auth.user_keys(cluster.home("bob"), "bob", cluster.server), None):  # unknown key; no CURVE
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(s)
+        s.connect(cluster.daemon.address)
+        s.send_multipart(P.encode(P.Op.STATUS, P.StatusReq(None))[0])
+        strangers.append(s)
+    assert cluster.client(OWNER).ping().pid == cluster.daemon.proc.pid  # served meanwhile
+    time.sleep(1.0)
+    assert not any(s.poll(0) for s in strangers), "a stranger got a reply"
+    for s in strangers:
+        s.close()
+    assert cluster.client(OWNER).status().jobs == []
+    assert cluster.daemon.proc.poll() is None
+
+    share = cluster.cli(OWNER, "share", "bob", "--key", str(cluster.home("bob") / "keys" / "bob.key"))
+    assert share.returncode == 0, share.stderr
+    assert cluster.cli("bob", "status").returncode == 0  # no restart needed
+    assert _mode(cluster.state / "keys" / "clients" / "bob.key") == 0o644
+    refused = cluster.cli("bob", "share", "carol", "--key", str(cluster.home("bob") / "keys" / "bob.key"))
+    assert refused.returncode == ExitCode.USAGE and f"only the cluster's owner ({OWNER})" in refused.stderr
+
+
+def test_users_see_and_cancel_only_their_own_jobs_and_the_owner_all(cluster: Cluster) -> None:
+    for user in ("alice", "bob"):
+        assert cluster.cli(OWNER, "share", user, "--key", str(cluster.keygen(user))).returncode == 0
+    a = cluster.submit("alice", "alice-job")
+    b = cluster.submit("bob", "bob-job")
+    mine = cluster.submit(OWNER, "owner-job")
+
+    def ls(user: str) -> dict[str, str]:
+        out = cluster.cli(user, "ls", "--json")
+        assert out.returncode == 0, out.stderr
+        return {j["job_id"]: j["user"] for j in json.loads(out.stdout)}
+
+    assert ls("alice") == {a: "alice"}  # the key's user, whatever the request said ("mallory")
+    assert ls("bob") == {b: "bob"}
+    assert ls(OWNER) == {a: "alice", b: "bob", mine: OWNER}
+    for verb in (("status", a), ("logs", a), ("cancel", a), ("status", "alice-job"), ("cancel", "alice-job")):
+        out = cluster.cli("bob", *verb)
+        assert out.returncode == ExitCode.NOT_FOUND, (verb, out)
+    assert cluster.client("alice").status(a).jobs[0].state == "queued"
+    with pytest.raises(RemoteError) as err:
+        cluster.client("alice").cancel(mine)
+    assert err.value.code == "not_found"
+
+    assert cluster.client("bob").cancel(b).state == "cancelled"
+    out = cluster.cli(OWNER, "cancel", a)
+    assert out.returncode == 0 and "cancelled" in out.stdout
+    assert cluster.client("alice").status(a).jobs[0].state == "cancelled"
+
+
+def test_internal_operations_and_down_are_refused_to_user_keys(cluster: Cluster) -> None:
+    assert cluster.cli(OWNER, "share", "bob", "--key", str(cluster.keygen("bob"))).returncode == 0
+    forged = [
+        (P.Op.REGISTER, P.RegisterReq("w9", "node", 1, [], True)),
+        (P.Op.HEARTBEAT, P.HeartbeatBody("w9")),
+        (P.Op.LEAVE, P.HeartbeatBody("w9")),
+        (P.Op.RESULT, P.ResultBody(task_id=1, ok=True, value={})),
+        (P.Op.CALL, P.CallReq("j0001", "train_step", {})),
+        (P.Op.REPORT, P.ReportBody("j0001", "step", 1, {}, "")),
+    ]
+    for user in (OWNER, "bob"):
+        client = cluster.client(user)
+        for op, body in forged:
+            with pytest.raises(RemoteError) as err:
+                client.request(op, body, retries=0)
+            assert err.value.code == "forbidden", (user, op)
+    out = cluster.cli("bob", "down")
+    assert out.returncode == ExitCode.REFUSED and f"only the cluster's owner ({OWNER})" in out.stderr
+    assert cluster.daemon.proc.poll() is None
+    # the internal key may (a forged heartbeat of an unknown worker is ignored: no reply)
+    internal = Client(cluster.daemon.address, timeout=0.5, retries=0, keys=cluster.daemon.keys)
+    with pytest.raises(Exception, match="no reply"):
+        internal.request(P.Op.HEARTBEAT, P.HeartbeatBody("w9"))
+    assert internal.ping().pid == cluster.daemon.proc.pid

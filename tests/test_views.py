@@ -1,0 +1,173 @@
+"""What users watch: `plexctl top` (text and JSON), Prometheus metrics, TensorBoard events, completion.
+
+Pure renderings are checked on a made-up status; the rest on the session's real cluster (one
+small job of this module's own) and on a bare daemon started with ``--metrics-port``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon.metrics import Telemetry
+from plexctl.metric_sinks import MetricSinks
+from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+from plexctl.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_json, top_view
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny-arith.yaml")
+METRIC_NAMES = ("plexrl_jobs", "plexrl_engine_utilization", "plexrl_bubble_ratio", "plexrl_swap_bytes_total",
+                "plexrl_swap_seconds_total", "plexrl_task_seconds", "plexrl_call_latency_seconds")
+
+
+def made_up_frame() -> TopFrame:
+    now = 1000.0
+    job = JobInfo("j0001", "arith", "alice", "running", 30, 40, 0.41, 0.37, None, 30, "w0/rollout,w1/trainer",
+                  900.0, 910.0, None, "", 0, state_tier="w1/trainer:host")
+    engine = EngineInfo("w1/trainer", "w1", "trainer", "m", True, ["j0001"], ["j0001"], 45.0, 120,
+                        tiers={"device": {"unit": "slots", "capacity": 1, "jobs": []},
+                               "host": {"unit": "bytes", "used_bytes": 4096, "jobs": ["j0001"]}},
+                        swaps={"host->device": {"count": 3, "bytes": 3 << 20, "seconds": 0.1}})
+    hist = JobHistory()
+    for step in range(21, 31):
+        hist.add({"time": 900.0 + 3 * step, "step": step, "reward_mean": step / 40, "staleness": 1,
+                  "train/loss": 0.01})
+    rep = StatusRep(jobs=[job], engines=[engine], now=now, policy="spread+backfill", bubble_ratio=0.25,
+                    started_at=now - 90.0)
+    return TopFrame(rep, {"j0001": hist}, uptime=90.0, busy_delta={"w1/trainer": 0.5})
+
+
+def test_sparkline_scales_between_min_and_max():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([0.3, 0.3]) == "▄▄"
+    assert sparkline([]) == ""
+    assert len(sparkline(list(range(100)), width=24)) == 24
+
+
+def test_top_renders_progress_eta_sparkline_staleness_and_tiers():
+    frame = made_up_frame()
+    job = frame.rep.jobs[0]
+    # 3 s per step over the last 10 steps, 10 steps left, the last step 10 s ago: 20 s left
+    assert eta(job, frame.history["j0001"], frame.rep.now) == pytest.approx(20.0)
+    text = plain_top(frame)
+    assert "30/40" in text and "75%" in text and "20s" in text and "v30" in text
+    assert sparkline(frame.history["j0001"].rewards) in text
+    assert "w1/trainer:host" in text and "50%" in text  # where the state lives; utilization (45 s of 90)
+    assert "3 (3.0 MiB, 0.10 s)" in text and "host 1 (4.0 KiB)" in text
+    data = top_json(frame)
+    assert json.loads(json.dumps(data)) == data
+    j = data["jobs"][0]
+    assert j["eta_s"] == pytest.approx(20.0) and j["progress"] == 0.75 and j["staleness"] == 1
+    assert len(j["recent_rewards"]) == 10
+    assert data["engines"][0]["utilization"] == 0.5 and data["engines"][0]["utilization_now"] == 0.5
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(top_view(frame))
+    rendered = console.export_text()
+    assert "RECENT STEPS" in rendered and "MEMORY PER TIER" in rendered and "w1/trainer:host" in rendered
+
+
+def test_prometheus_text_has_every_family():
+    t = Telemetry()
+    t.task_done("generate", True, 0.2, 0.3)
+    t.task_done("train_step", False, 1.5, None)
+    text = t.render()
+    for name in METRIC_NAMES:
+        assert f"# TYPE {name} " in text
+    assert 'plexrl_task_seconds_bucket{method="generate",outcome="ok",le="0.25"} 1' in text
+    assert 'plexrl_task_seconds_count{method="train_step",outcome="error"} 1' in text
+
+
+def test_tensorboard_events_mirror_the_metrics_rows(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    sinks = MetricSinks(tmp_path / "j9", "x", log=lambda line: None)
+    for step in (1, 2, 3):
+        sinks.write({"time": 100.0 + step, "step": step, "reward_mean": step / 10, "train/loss": 1.0 / step})
+    sinks.close()
+    ea = event_accumulator.EventAccumulator(str(tmp_path / "j9" / "tb"))
+    ea.Reload()
+    assert set(ea.Tags()["scalars"]) == {"reward_mean", "train/loss"}
+    assert [(e.step, round(e.value, 4)) for e in ea.Scalars("reward_mean")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+@pytest.fixture(scope="module")
+def small_job(cluster) -> str:
+    job = cluster.run("submit", TINY, "--set", "algo.steps=6", "--set", "algo.eval_every=0", "--name", "top-me",
+                      "-q", check=True).stdout.strip()
+    cluster.run("wait", job, "--timeout", "300", check=True)
+    return job
+
+
+def test_top_plain_and_json_on_a_real_cluster(cluster, small_job):
+    text = cluster.run("top", small_job, check=True).stdout  # not a TTY: one plain frame
+    line = next(ln for ln in text.splitlines() if ln.startswith(small_job))
+    assert "succeeded" in line and "6/6" in line and "100%" in line
+    assert any(ch in line for ch in "▁▂▃▄▅▆▇█")  # the reward sparkline
+    assert "ENGINE" in text and "rollout" in text and "trainer" in text and "bubble" in text
+    data = json.loads(cluster.run("top", small_job, "--json", check=True).stdout)
+    job = data["jobs"][0]
+    assert job["job_id"] == small_job and job["progress"] == 1.0 and job["eta_s"] is None
+    assert len(job["recent_rewards"]) == 6 and job["staleness"] == 0
+    kinds = {e["kind"] for e in data["engines"]}
+    assert kinds == {"rollout", "trainer"}
+    assert all(0.0 <= e["utilization"] <= 1.0 for e in data["engines"])
+
+
+def test_tensorboard_events_are_written_by_the_driver(cluster, small_job):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    tb = cluster.state_dir / "jobs" / small_job / "tb"
+    assert list(tb.glob("events.out.tfevents.*")), f"no event file in {tb}"
+    ea = event_accumulator.EventAccumulator(str(tb))
+    ea.Reload()
+    assert {"reward_mean", "train/loss", "staleness"} <= set(ea.Tags()["scalars"])
+    assert [e.step for e in ea.Scalars("reward_mean")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_daemon_serves_prometheus_metrics(tmp_path):
+    """A bare daemon (no workers) with --metrics-port 0 writes its URL and serves every family."""
+    state = tmp_path / "state"
+    env = {**os.environ, "PLEXRL_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state), "--metrics-port", "0"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "metrics.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.2)
+        url = json.loads((state / "metrics.json").read_text())["url"]
+        time.sleep(2.5)  # one gauge snapshot
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        for name in METRIC_NAMES:
+            assert f"# TYPE {name} " in text
+        assert 'plexrl_jobs{state="running"} 0' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert not (state / "metrics.json").exists()
+
+
+def test_shell_completion_script():
+    plexctl = Path(sys.executable).with_name("plexctl")
+    if not plexctl.exists():
+        pytest.skip("the plexctl entry point is not installed in this environment")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(plexctl), "--show-completion", "bash"], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "_plexctl_completion()" in proc.stdout and "complete -o default -F _plexctl_completion plexctl" in proc.stdout
+    # what bash then asks for: the commands that start with "to"
+    proc = subprocess.run([str(plexctl)], capture_output=True, text=True, timeout=60,
+                          env={**env, "_PLEXCTL_COMPLETE": "complete_bash", "COMP_WORDS": "plexctl to",
+                               "COMP_CWORD": "1"})
+    assert "top" in proc.stdout.split()
