@@ -599,11 +599,9 @@ class Daemon:
             if job in self.runtimes:
                 self.sched.state_location(job, engine_id, tier)
 
-    def _prefetch(self, engine_id: str, worker: WorkerState, job: str | None = None) -> None:
-        """Ask the trainer to bring a job's state up from NVMe while it serves another: the job
-        queued next on it, or ``job``, whose generate call was just dispatched (its train_step
-        follows once the samples are scored)."""
-        job = job or self.sched.next_job(engine_id)
+    def _prefetch(self, engine_id: str, worker: WorkerState) -> None:
+        """Ask the trainer to bring the next job's state up from NVMe while it serves another."""
+        job = self.sched.next_job(engine_id)
         where = self.engine_stats.get(engine_id, {}).get("where", {})
         if job is None or where.get(job) != "nvme" or self.prefetched.get(engine_id) == job:
             return
@@ -712,11 +710,6 @@ class Daemon:
                        P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
             if task.kind == "trainer":
                 self._prefetch(placement.engine_id, worker)
-            elif rt is not None:  # generating: its state will be needed on its trainer soon
-                for engine_id in rt.engines:
-                    trainer = self.sched.engines.get(engine_id)
-                    if trainer is not None and trainer.kind == "trainer" and trainer.worker_id in self.workers:
-                        self._prefetch(engine_id, self.workers[trainer.worker_id], job=task.job_id)
 
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())

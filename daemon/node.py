@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--wait-daemon", type=float, default=600.0, help="seconds a worker waits for the daemon")
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
+    ap.add_argument("--metrics-port", type=int, default=None, help="the daemon's Prometheus port (0: any)")
     ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
                     help="a user whose jobs may run their own loss code in the trainer")
     args = ap.parse_args(argv)
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                        "--host", "0.0.0.0", "--port", str(port), "--mode", "slurm",
                        "--advertise-host", advertise_address(), "--policy", args.policy,
                        "--drain-timeout", str(args.drain_timeout),
-                       *(f"--trust-user-code={u}" for u in args.trust_user_code)], state_dir / "daemon.log")
+                       *(f"--trust-user-code={u}" for u in args.trust_user_code),
+                       *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else [])],
+                      state_dir / "daemon.log")
 
     if first:
         daemon = start_daemon(args.port)

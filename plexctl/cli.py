@@ -148,7 +148,7 @@ def up(ctx: typer.Context,
                            cpus_per_task=cpus_per_task, mem=mem, signal_grace=signal_grace,
                            engines=engines or ["rollout,trainer"], scratch=scratch, policy=policy,
                            join=join is not None, worker_args=worker_args, drain_timeout=drain_timeout,
-                           trusted_users=list(trust_user_code or []))
+                           trusted_users=list(trust_user_code or []), metrics_port=metrics_port)
         _up_slurm(spec, submit_with, timeout, no_wait)
         return
     c.state_dir.mkdir(parents=True, exist_ok=True)

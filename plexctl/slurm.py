@@ -64,6 +64,7 @@ class SlurmSpec(msgspec.Struct, kw_only=True):
     join: bool = False
     worker_args: list[str] = msgspec.field(default_factory=list)
     trusted_users: list[str] = msgspec.field(default_factory=list)  # may run their own loss code
+    metrics_port: int | None = None  # Prometheus metrics of the daemon, on the first node
     python: str = sys.executable
 
 
@@ -120,6 +121,8 @@ def node_command(spec: SlurmSpec) -> list[str]:
     if spec.join:
         cmd.append("--join")
     cmd += [f"--trust-user-code={u}" for u in spec.trusted_users]
+    if spec.metrics_port is not None and not spec.join:
+        cmd += ["--metrics-port", str(spec.metrics_port)]
     cmd += [f"--worker-arg={a}" for a in spec.worker_args]
     return cmd
 

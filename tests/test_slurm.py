@@ -98,9 +98,13 @@ def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_st
     slurm("scancel", "--signal=USR1", c.slurm_job)  # what Slurm sends --signal-grace s before the end
 
     deadline = time.monotonic() + 300  # the daemon drains, the allocation is requeued and comes back
+    said = set()
     while "recovered" not in [k for k, _ in events(c, job)]:
         assert time.monotonic() < deadline, events(c, job)
-        time.sleep(1.0)
+        said.add((c.run("status").stdout.strip().splitlines() or [""])[0])
+        time.sleep(0.5)
+    # while requeued, status says what Slurm says (requeued jobs wait for their BeginTime)
+    assert any(line.startswith(f"cluster ci: pending in Slurm as job {c.slurm_job} (") for line in said), said
     assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
 
     kinds = [k for k, _ in events(c, job)]

@@ -38,6 +38,11 @@ def test_trusted_users_reach_the_daemon() -> None:
     assert "--trust-user-code=alice --trust-user-code=bob" in text
 
 
+def test_the_metrics_port_reaches_the_daemon_of_the_first_allocation_only() -> None:
+    assert "--metrics-port 9400" in S.render_sbatch(two_node_spec(metrics_port=9400))
+    assert "--metrics-port" not in S.render_sbatch(two_node_spec(metrics_port=9400, join=True))
+
+
 def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
     text = S.render_sbatch(two_node_spec(state_dir="/shared/my cluster"))
     assert "--state-dir '/shared/my cluster'" in text
