@@ -17,6 +17,7 @@ over a fixed prompt set with a fixed sampling seed.
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ class ErrorRateExceeded(Exception):
     """Too many of a step's samples failed in reward or tool code: the job stops."""
 
 
-class GroupLoop:
+class GroupLoop(abc.ABC):
     """Group sampling + one policy-gradient update per step; subclasses say how to learn."""
 
     def __init__(self, job: Job) -> None:
@@ -42,9 +43,9 @@ class GroupLoop:
         """The loss of each update (default: the spec's ``algo`` section)."""
         return self.job.hparams()
 
+    @abc.abstractmethod
     def advantages(self, rollout: Rollout) -> list[float]:
         """One advantage per sample of ``rollout``."""
-        raise NotImplementedError
 
     def collect(self, step: int, rollout: Rollout) -> tuple[Rollout, Rollout]:
         """(what to train on, everything sampled this step) from the step's first rollout."""
