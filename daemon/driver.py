@@ -4,8 +4,10 @@ It loads the job's spec from its directory, connects to the daemon as that job a
 job's algorithm (a built-in by ``algo.name``, or the user's ``algo.loop``) on the
 ``plexctl.rl`` library. Exit codes: 0 finished, 3 cancelled (stopped at a call boundary; its
 last checkpoint is kept), 75 drained (the cluster is stopping: checkpointed at a step
-boundary, resumes there), 1 failed (the reason is reported to the daemon and printed as the
-log's last line).
+boundary, resumes there), 74 stopped with the cluster but its checkpoint found no disk space
+(resumes from its last good one), 1 failed (the reason is reported to the daemon and printed as the
+log's last line). The code is also written to ``driver.exit`` in the job's directory: a driver
+outlives a daemon that dies, and the daemon that adopts it is not its parent.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import time
 import traceback
 from pathlib import Path
 
+from daemon.procs import write_exit
 from plexctl.algos import run_algorithm
-from plexctl.rl import Job, JobCancelled, JobClient, JobDrained
+from plexctl.cluster import endpoint_path
+from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
 from plexctl.spec import spec_from_wire
 
-EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DRAINED = 0, 1, 3, 75
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DRAIN_UNSAVED, EXIT_DRAINED = 0, 1, 3, 74, 75
 
 
 def log(msg: str) -> None:
@@ -32,13 +36,24 @@ def log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plexrl-driver")
+    ap.add_argument("--job-dir", required=True, type=Path)
+    args, _ = ap.parse_known_args(argv)
+    rc = run(argv)
+    write_exit(args.job_dir / "driver.exit", rc)
+    return rc
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="plexrl-driver")
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--job-dir", required=True, type=Path)
     args = ap.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal: the daemon tells us
         signal.signal(sig, signal.SIG_IGN)
-    client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid())
+    state_dir = args.job_dir.resolve().parents[1]
+    client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_path(state_dir),
+                       log=log)
     try:
         spec = spec_from_wire(json.loads((args.job_dir / "spec.json").read_text()))
         log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, "
@@ -49,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             job.close()
         return EXIT_OK
+    except DrainCheckpointFailed as failed:
+        log(f"stopping with the cluster: {failed}")
+        return EXIT_DRAIN_UNSAVED
     except JobDrained as drained:
         log(f"stopping with the cluster ({drained}): checkpointed, resumes from this step")
         return EXIT_DRAINED
     except JobCancelled:
         log("cancelled: stopping at a call boundary; the last checkpoint is kept")
         return EXIT_CANCELLED
+    except DaemonLost as lost:
+        log(f"stopping: {lost}; the job resumes from its last checkpoint when the cluster is up again")
+        return EXIT_DRAINED
     except Exception as exc:  # noqa: BLE001 - reported, then the process fails
         traceback.print_exc()
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -20,8 +20,11 @@ Only known keys get in (CURVE, ``daemon.auth``); each message carries its sender
 a user sees and cancels only their own jobs, the cluster's owner all of them; only the internal
 identity (drivers, workers) sends their operations, only the owner stops the cluster.
 
-Deliberately not here yet: worker loss recovery beyond re-queueing
-calls.
+A daemon that dies does not take its jobs with it: drivers and local workers outlive it, and
+the next daemon on the same state directory binds the same port and adopts them
+(``daemon.procs``): a job whose driver still runs goes on where it was (its calls in flight
+arrive again; ``worker.main`` applies a repeated trainer call once); the others resume from
+their last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from daemon import procs
 from daemon.auth import secure
 from daemon.journal import TERMINAL, Journal
 from daemon import metrics as M
@@ -51,7 +55,7 @@ from daemon.scheduler import POLICIES, Engine, Scheduler, Task
 from plexctl.state_size import job_state_bytes, model_config
 from plexctl import protocol as P
 from plexctl import auth
-from plexctl.atomic import write_json_atomic
+from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import current_user
 from plexctl.cluster import Endpoint, endpoint_path, plexrl_home
 from plexctl.spec import JobSpec, spec_from_wire
@@ -66,6 +70,7 @@ CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_CANCELLED = 3
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
 DRAIN_TIMEOUT_S = 120.0
+ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER_METHODS = {"train_step", "publish", "checkpoint", "restore"}
@@ -100,6 +105,7 @@ class JobRuntime:
     failure: str = ""
     engines: set[str] = field(default_factory=set)
     user: str = ""  # who submitted it
+    calls_seen: dict[int, None] = field(default_factory=dict)  # the driver's latest call ids, oldest first
 
 
 @dataclass
@@ -141,6 +147,8 @@ class Daemon:
         self.respawns: dict[str, int] = {}
         self.runtimes: dict[str, JobRuntime] = {}
         self.calls: dict[int, PendingCall] = {}
+        self.adopting: dict[str, float] = {}  # adopted job -> when to give up waiting for engines
+        self.resident: dict[str, str] = {}  # job -> trainer engine that holds its state (workers' word)
         # task ids never repeat across daemon restarts: a late result for a task of the previous daemon
         # (its workers live on) cannot be taken for the reply to a new call
         self.task_ids = itertools.count(int(self.started_at * 1000) * 1000)
@@ -160,10 +168,7 @@ class Daemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
         self.authenticator = secure(self.sock, state_dir)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        port = self._bind(host, port)
         connect_host = advertise_host or (
             "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname())
         self.address = f"tcp://{connect_host}:{port}"
@@ -184,10 +189,42 @@ class Daemon:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _bind(self, host: str, port: int) -> int:
+        """Bind the socket; a local daemon takes its predecessor's port when it is free, so the
+        drivers and workers that outlived it find it where they left it."""
+        port_file = self.state_dir / "daemon.port"
+        if not port and self.mode == "local":
+            try:
+                port = int(port_file.read_text())
+                self.sock.bind(f"tcp://{host}:{port}")
+            except (OSError, ValueError, zmq.ZMQError):
+                port = 0
+        elif port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        if not port:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        write_bytes_atomic(port_file, f"{port}\n".encode())
+        return port
+
     def _recover_jobs(self) -> None:
-        """Jobs that were running when the last daemon stopped are queued again; they
-        resume from their last checkpoint."""
+        """Jobs that were running when the last daemon stopped: a job whose driver outlived
+        that daemon is adopted and goes on where it was (the driver sends its calls again);
+        the others are queued again and resume from their last checkpoint."""
         for info in self.journal.jobs(("running", "interrupted")):
+            job_dir = self.jobs_dir / info.job_id
+            proc = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir)) \
+                if info.state == "running" else None
+            if proc is not None:
+                spec = spec_from_wire(self.journal.spec(info.job_id))
+                rt = self.runtimes[info.job_id] = JobRuntime(info.job_id, spec, job_dir, proc,
+                                                             policy_version=info.policy_version, user=info.user)
+                adapter_dir = job_dir / "adapters" / f"v{info.policy_version:06d}"
+                if info.policy_version and adapter_dir.is_dir():
+                    rt.adapter = P.AdapterRef(info.job_id, info.policy_version, str(adapter_dir))
+                self.adopting[info.job_id] = time.time() + ADOPT_TIMEOUT_S
+                self.journal.event(info.job_id, "reattached", f"driver pid {proc.pid} outlived the daemon")
+                log.info("job %s: adopted its driver (pid %d)", info.job_id, proc.pid)
+                continue
             self.journal.update(info.job_id, state="queued", restarts=info.restarts + 1)
             self.journal.event(info.job_id, "recovered", f"was {info.state}")
 
@@ -197,13 +234,21 @@ class Daemon:
         logs.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "worker.main", "--endpoint", self.address, "--worker-id", worker_id,
                "--engines", ",".join(engines), "--model", model,
-               "--scratch", str(self.state_dir / "nodes" / worker_id), *self.worker_args]
+               "--scratch", str(self.state_dir / "nodes" / worker_id),
+               "--endpoint-file", str(endpoint_path(self.state_dir)), *self.worker_args]
+        pid_file = logs / f"{worker_id}.pid"
+        argv = [a for a in cmd[1:] if a != self.address]  # a survivor follows the daemon's address
+        survivor = procs.find(pid_file, argv)
+        if survivor is not None:  # it outlived the last daemon: its engines are loaded, keep it
+            self.worker_procs[worker_id] = survivor
+            log.info("adopted local worker %s (%s) pid %d", worker_id, ",".join(engines), survivor.pid)
+            return
         with open(logs / f"{worker_id}.log", "ab") as out:
-            self.worker_procs[worker_id] = subprocess.Popen(
+            proc = self.worker_procs[worker_id] = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=child_env(), cwd=REPO_ROOT)
-        log.info("started local worker %s (%s) pid %d", worker_id, ",".join(engines),
-                 self.worker_procs[worker_id].pid)
+        procs.record(pid_file, proc, argv)
+        log.info("started local worker %s (%s) pid %d", worker_id, ",".join(engines), proc.pid)
 
     def drain(self, reason: str, urgent: bool = True) -> None:
         """Stop admitting; running jobs checkpoint at their step's end and exit; then stop.
@@ -244,6 +289,8 @@ class Daemon:
                 last_gauges = now
                 self._snapshot_gauges(now)
             self._reap_drivers(now)
+            if self.adopting:
+                self._admit_adopted(now)
             if self.drain_deadline is not None:
                 if not self.runtimes or now > self.drain_deadline:
                     self.stopping = True
@@ -472,6 +519,7 @@ class Daemon:
             self._worker_lost(body.worker_id, "re-registered")
         self.workers[body.worker_id] = WorkerState(body.worker_id, identity, body.node, now, body.engines,
                                                    body.ready, body.error)
+        self.resident.update(body.resident)
         if body.error:
             self.problems.append(f"worker {body.worker_id}: {body.error}")
             log.error("worker %s failed: %s", body.worker_id, body.error)
@@ -623,6 +671,11 @@ class Daemon:
             self._error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
             return
         rt.driver_identity = identity
+        if header.msg_id in rt.calls_seen:  # sent again by a driver that reconnected: already in hand
+            return
+        rt.calls_seen[header.msg_id] = None
+        while len(rt.calls_seen) > 256:
+            del rt.calls_seen[next(iter(rt.calls_seen))]
         if rt.cancel_requested_at is not None:
             self._error(identity, header.msg_id, "cancelled", "the job was cancelled")
             return
@@ -660,6 +713,8 @@ class Daemon:
             self._error(identity, header.msg_id, "bad_request", f"unknown service call {body.method!r}")
             return
         kind = "rollout" if body.method in ROLLOUT_METHODS else "trainer"
+        if kind == "trainer" and rt.proc is not None:  # a repeated call is applied once (worker.main)
+            args["call_key"] = f"{rt.proc.pid}:{header.msg_id}"
         task = Task(next(self.task_ids), rt.job_id, kind, body.method, os.path.realpath(spec.model.path),
                     time.time(), spec.priority)
         self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
@@ -711,6 +766,26 @@ class Daemon:
             if task.kind == "trainer":
                 self._prefetch(placement.engine_id, worker)
 
+    def _admit_adopted(self, now: float) -> None:
+        """Give adopted jobs their homes once engines for them are back: the trainer that holds
+        the job's state when a worker says so. Past ``ADOPT_TIMEOUT_S`` the job restarts."""
+        for job_id, deadline in list(self.adopting.items()):
+            rt = self.runtimes.get(job_id)
+            if rt is None:
+                del self.adopting[job_id]
+                continue
+            holder = self.resident.get(job_id)
+            adm = self.sched.admit(job_id, os.path.realpath(rt.spec.model.path), now,
+                                   state_bytes=self._state_bytes(rt.spec), priority=rt.spec.priority,
+                                   user=rt.user, trainer=holder if holder in self.sched.engines else None)
+            if adm.ok:
+                del self.adopting[job_id]
+                log.info("job %s placed again on %s, %s", job_id, adm.rollout, adm.trainer)
+            elif now > deadline:
+                del self.adopting[job_id]
+                self._roll_back(rt, f"its engines did not come back within {ADOPT_TIMEOUT_S:.0f} s "
+                                    "of the daemon's restart")
+
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
         if running >= self.max_running:
@@ -751,16 +826,22 @@ class Daemon:
         job_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(job_dir / "spec.json", self.journal.spec(job_id))
         info = self.journal.job(job_id)
-        cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address, "--job-id", job_id,
-               "--job-dir", str(job_dir)]
+        cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address,
+               *self._driver_argv(job_id, job_dir)]
         with open(job_dir / "driver.log", "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=child_env(), cwd=REPO_ROOT)
+        procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir))
         self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version,
                                            user=info.user)
         self.journal.update(job_id, state="running", started_at=info.started_at or now)
         self.journal.event(job_id, "started", f"driver pid {proc.pid}")
         log.info("job %s started (driver pid %d)", job_id, proc.pid)
+
+    @staticmethod
+    def _driver_argv(job_id: str, job_dir: Path) -> list[str]:
+        """What identifies a job's driver process (its address aside: a driver follows the daemon's)."""
+        return ["--job-id", job_id, "--job-dir", str(job_dir)]
 
     def _reap_drivers(self, now: float) -> None:
         for job_id, rt in list(self.runtimes.items()):

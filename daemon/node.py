@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("daemon exited with code %d", code)
             if code != 0 and not signalled and daemon_restarts < DAEMON_RESTARTS:
                 # it crashed: start it again on the same port and state; the workers here and on the
-                # other nodes reconnect, and every job resumes from its checkpoint (the journal says which)
+                # other nodes reconnect, and so do the jobs' drivers (the new daemon adopts them)
                 daemon_restarts += 1
                 log.warning("restarting the daemon (%d/%d)", daemon_restarts, DAEMON_RESTARTS)
                 daemon = start_daemon(int(address.rsplit(":", 1)[1]))

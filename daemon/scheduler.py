@@ -262,8 +262,9 @@ class Scheduler:
     # -- jobs
 
     def admit(self, job_id: str, model: str, now: float, state_bytes: int = 0, priority: int = 0,
-              user: str = "") -> Admission:
-        """Give a job its home rollout and trainer engines, or say why it must wait."""
+              user: str = "", trainer: str | None = None) -> Admission:
+        """Give a job its home rollout and trainer engines, or say why it must wait. ``trainer``
+        names the engine that already holds the job's state (a job adopted after a restart)."""
         job = self.jobs.get(job_id)
         rollouts = self._by_key.get(("rollout", model), {})
         trainers = self._by_key.get(("trainer", model), {})
@@ -275,7 +276,7 @@ class Scheduler:
             return Admission(False, f"state {_mb(state_bytes)} MB does not fit any tier "
                                     f"(largest: {_mb(max(caps))} MB)")
         rollout = job.homes.get("rollout") if job else None
-        trainer = job.homes.get("trainer") if job else None
+        trainer = (job.homes.get("trainer") if job else None) or (trainer if trainer in trainers else None)
         rollout = rollout or self._pick_home("rollout", model, 0)
         trainer = trainer or self._pick_home("trainer", model, state_bytes)
         if rollout is None or trainer is None:

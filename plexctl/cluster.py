@@ -18,6 +18,8 @@ from plexctl.auth import remember_server
 from plexctl.errors import DaemonUnreachable, NotFound
 
 DEFAULT_CLUSTER = "default"
+ORPHAN_GRACE_ENV = "PLEXRL_ORPHAN_GRACE_S"
+ORPHAN_GRACE_S = 120.0  # how long drivers and local workers wait for a restarted daemon to adopt them
 
 
 class Endpoint(msgspec.Struct):
@@ -54,6 +56,21 @@ def read_endpoint(state_dir: Path) -> Endpoint:
         raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
     remember_server(ep.address, ep.server_key, state_dir)
     return ep
+
+
+def orphan_grace() -> float:
+    try:
+        return float(os.environ.get(ORPHAN_GRACE_ENV, ORPHAN_GRACE_S))
+    except ValueError:
+        return ORPHAN_GRACE_S
+
+
+def endpoint_address(path: Path) -> str | None:
+    """The address in an endpoint file, None while there is none (a daemon starting or gone)."""
+    try:
+        return str(json.loads(path.read_text())["address"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def pid_alive(pid: int) -> bool:

@@ -291,6 +291,7 @@ class RegisterReq(msgspec.Struct):
     mem_bytes: int = 0
     devices: list[str] = msgspec.field(default_factory=list)
     error: str = ""
+    resident: dict[str, str] = msgspec.field(default_factory=dict)  # job -> trainer engine holding its state
 
 
 class HeartbeatBody(msgspec.Struct):

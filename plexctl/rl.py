@@ -19,7 +19,8 @@ publishing); a loop owns only its control logic. This module is all a loop needs
   sandbox pool), ``log``; and helpers that compose the calls: ``rollout`` (generate + score,
   or multi-turn episodes when the spec has an ``env``), ``rollout_async`` / ``wait``,
   ``train``, ``publish``, ``evaluate``, ``record`` (metrics), ``end_step`` (periodic
-  checkpoints; when the cluster stops, checkpoint and ``JobDrained``), ``checkpoint`` / ``resume``.
+  checkpoints, one that finds no disk space noted and skipped; when the cluster stops,
+  checkpoint and ``JobDrained``), ``checkpoint`` / ``resume``.
 * ``Rollout``: a step's samples, prompt-major in groups of ``n``, with their rewards; it
   becomes a ``TrainBatch`` once the loop has computed one advantage per sample.
 
@@ -42,20 +43,23 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from plexctl import auth
 from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic
+from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.data import PromptCursor, load_records
 from plexctl.metric_sinks import MetricSinks
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import make_scorer
 from plexctl.spec import JobSpec
 
-__all__ = ["CallFailed", "Completion", "Job", "JobCancelled", "JobClient", "JobDrained", "Rollout", "Sampling", "TrainBatch",
+__all__ = ["CallFailed", "Completion", "DaemonLost", "Job", "JobCancelled", "JobClient", "JobDrained", "Rollout", "Sampling", "TrainBatch",
            "TrainHParams", "build_batch"]
 
 EVAL_SEED = 12345
+NO_SPACE = "no space left"  # how a checkpoint fails when its filesystem is full (worker.trainer.NoSpaceError)
 
 
 class JobCancelled(Exception):
@@ -70,27 +74,55 @@ class JobDrained(Exception):
     """The cluster is stopping: the job checkpointed at a step boundary and exits; it resumes there."""
 
 
+class DrainCheckpointFailed(JobDrained):
+    """The cluster is stopping but the job's checkpoint found no disk space: the job exits and
+    resumes from its last good checkpoint (the message says which)."""
+
+
 # ---------------------------------------------------------------- the service calls
 
 
+class DaemonLost(CallFailed):
+    """No daemon came back within the orphan grace after this job's daemon went away."""
+
+
 class JobClient:
-    """The service calls of one job, over one ZeroMQ socket to the daemon."""
+    """The service calls of one job, over one ZeroMQ socket to the daemon.
+
+    The job outlives its daemon: when the connection drops (or the daemon that started this
+    driver dies) the client keeps its calls in flight and waits, up to ``PLEXRL_ORPHAN_GRACE_S``,
+    for a daemon to come back on the same state directory (at the address in
+    ``endpoint_file`` if it moved); once connected again it sends those calls again. The new
+    daemon adopted this job, and a repeated trainer call is applied once (worker.main).
+    """
 
     def __init__(self, endpoint: str, job_id: str, parent_pid: int | None = None,
-                 keys: auth.CurveKeys | None = None) -> None:
+                 keys: auth.CurveKeys | None = None, endpoint_file: Path | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.job_id = job_id
         self.parent_pid = parent_pid
+        self.endpoint = endpoint
+        self.endpoint_file = endpoint_file
+        self.log = log or (lambda _msg: None)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"drv:{job_id}".encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off while the daemon is away
         keys = keys or auth.internal_keys_from_env()  # the daemon names its keys in the driver's environment
         if keys is not None:
             keys.apply(self._sock)
+        self._back_event = zmq.EVENT_HANDSHAKE_SUCCEEDED if keys is not None else zmq.EVENT_CONNECTED
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | self._back_event)
         self._sock.connect(endpoint)
         self._replies: dict[int, tuple[bytes, Any]] = {}
+        self._in_flight: dict[int, list[bytes]] = {}  # call id -> its frames, until the reply
+        self._lost_since: float | None = None  # when the daemon went away
+        self._connected_once = False
         self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by ``publish``)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close()
 
     # -- transport
@@ -98,21 +130,57 @@ class JobClient:
     def call_async(self, method: str, args: dict[str, Any] | None = None) -> int:
         """Send a service call; return its id for ``wait``."""
         frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}))
+        self._in_flight[msg_id] = frames
         self._sock.send_multipart(frames)
         return msg_id
+
+    def _watch_daemon(self) -> None:
+        """Notice the daemon going away and coming back; send the calls in flight again."""
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED and self._lost_since is None:
+                self._lost(f"lost the daemon at {self.endpoint}")
+            elif event == self._back_event:
+                if self._lost_since is not None or self._connected_once and self._in_flight:
+                    self.log(f"reconnected to the daemon at {self.endpoint}: sending "
+                             f"{len(self._in_flight)} calls in flight again")
+                    for frames in list(self._in_flight.values()):
+                        self._sock.send_multipart(frames)
+                self._lost_since, self._connected_once = None, True
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.parent_pid = None
+            if self._lost_since is None:
+                self._lost("the daemon that started this driver is gone")
+        if self._lost_since is None:
+            return
+        if time.monotonic() - self._lost_since > orphan_grace():
+            raise DaemonLost(f"no daemon came back within {orphan_grace():.0f} s")
+        self._follow_endpoint()
+
+    def _lost(self, why: str) -> None:
+        self._lost_since = time.monotonic()
+        self.log(f"{why}: waiting up to {orphan_grace():.0f} s for it to come back")
+
+    def _follow_endpoint(self) -> None:
+        address = endpoint_address(self.endpoint_file) if self.endpoint_file else None
+        if address and address != self.endpoint:
+            self.log(f"the daemon moved to {address}")
+            self._sock.disconnect(self.endpoint)
+            self._sock.connect(address)
+            self.endpoint = address
 
     def wait(self, msg_id: int) -> Any:
         """The reply of call ``msg_id``; ``JobCancelled`` or ``CallFailed`` when it failed."""
         while msg_id not in self._replies:
-            if not self._sock.poll(1000):
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                    raise CallFailed("the daemon went away")
+            self._watch_daemon()
+            if not self._sock.poll(200):
                 continue
             try:
                 op, header, body = P.decode(self._sock.recv_multipart())
             except P.ProtocolError:
                 continue
-            self._replies[header.in_reply_to] = (op, body)
+            if self._in_flight.pop(header.in_reply_to, None) is not None:  # not a repeated reply
+                self._replies[header.in_reply_to] = (op, body)
         op, body = self._replies.pop(msg_id)
         if op == P.Op.ERROR:
             if body.code == "cancelled":
@@ -264,6 +332,7 @@ class Job:
     log: Callable[[str], None] = print
     version: int = 0  # the policy version last published
     restored: dict[str, Any] = dataclasses.field(default_factory=dict)  # the checkpoint ``extra`` resumed from
+    checkpoint_step: int = 0  # the step of the last checkpoint written or resumed from (0: none)
 
     def __post_init__(self) -> None:
         d, spec = self.spec.data, self.spec
@@ -424,19 +493,46 @@ class Job:
     def checkpoint(self, step: int, **extra: Any) -> str:
         """Save the trainer state with the data cursor, the RNG and ``extra`` (JSON values)."""
         version, state, gauss = self.rng.getstate()
-        return self.client.checkpoint(step, {"step": step, "cursor": self.prompts.state(),
+        path = self.client.checkpoint(step, {"step": step, "cursor": self.prompts.state(),
                                              "rng": [version, list(state), gauss], **extra})
+        self.checkpoint_step = step
+        return path
 
     def end_step(self, step: int, **extra: Any) -> None:
         """Call after step ``step`` (1-based): checkpoints (with ``extra``) every
         ``checkpoint.every`` steps before the last; when the daemon is stopping, checkpoints now
-        and raises ``JobDrained``."""
+        and raises ``JobDrained``. A checkpoint that finds no disk space does not end the job:
+        one line is logged and noted in the journal, training goes on and the next checkpoint
+        tries again; when stopping, ``DrainCheckpointFailed`` (the job resumes from the last good one)."""
         if self.client.drain:
-            self.checkpoint(step, **extra)
+            try:
+                self.checkpoint(step, **extra)
+            except CallFailed as exc:
+                if NO_SPACE not in str(exc):
+                    raise
+                then = (f"the job resumes from step {self.checkpoint_step}" if self.checkpoint_step
+                        else "the job starts again from the beginning")
+                line = self._checkpoint_skipped(step, exc, then)
+                raise DrainCheckpointFailed(f"{self.client.drain}; {line}") from None
             raise JobDrained(self.client.drain)
         every = self.spec.checkpoint.every
         if every and step % every == 0 and step < self.spec.algo.steps:
-            self.checkpoint(step, **extra)
+            try:
+                self.checkpoint(step, **extra)
+            except CallFailed as exc:
+                if NO_SPACE not in str(exc):
+                    raise
+                self._checkpoint_skipped(step, exc, "training goes on, the next checkpoint tries again")
+
+    def _checkpoint_skipped(self, step: int, exc: CallFailed, then: str) -> str:
+        """Log and note (in the journal) a checkpoint that found no disk space; return that line."""
+        text = str(exc)
+        last = (f"the last good checkpoint (step {self.checkpoint_step}) is kept" if self.checkpoint_step
+                else "there is no checkpoint yet")
+        line = f"{text[text.index(NO_SPACE):]}; {last}; {then}"
+        self.log(line)
+        self.client.report("note", step, {}, line)
+        return line
 
     def resume(self) -> int:
         """Reload the latest checkpoint, if any: trainer state, cursor, RNG, then publish it.
@@ -446,7 +542,7 @@ class Job:
             self.metrics_path.unlink(missing_ok=True)
             return 0
         self.restored = restored
-        start = int(restored["step"])
+        start = self.checkpoint_step = int(restored["step"])
         self.prompts = PromptCursor.from_state(self.records, restored["cursor"])
         if "rng" in restored:
             version, state, gauss = restored["rng"]

@@ -76,7 +76,8 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
 
 
 def tiers_text(e: EngineInfo) -> str:
-    """``device 2/2 · host 3 (1.2 MiB) · nvme 0`` for a trainer; ``-`` otherwise."""
+    """``device 2/2 · host 3 (1.2 MiB) · nvme 0`` for a trainer (``nvme 1 (4.0 MiB, full)`` when its
+    disk ran out of space); ``-`` otherwise."""
     if not e.tiers:
         return "-"
     parts = []
@@ -85,7 +86,8 @@ def tiers_text(e: EngineInfo) -> str:
         if info.get("unit") == "slots":
             parts.append(f"{tier} {jobs}/{info.get('capacity')}")
         else:
-            parts.append(f"{tier} {jobs} ({fmt_bytes(info.get('used_bytes', 0))})")
+            full = ", full" if info.get("full") else ""
+            parts.append(f"{tier} {jobs} ({fmt_bytes(info.get('used_bytes', 0))}{full})")
     return " · ".join(parts)
 
 

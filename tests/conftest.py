@@ -22,9 +22,9 @@ PLEXCTL = [sys.executable, "-m", "plexctl.cli"]
 
 
 class Cluster:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
         self.home = home
-        self.env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO)}
+        self.env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO), **(env or {})}
         self.state_dir = home / "clusters" / "default"
 
     def run(self, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -379,7 +379,8 @@ def test_corrupt_checkpoint_is_rejected(model_dir: str, tmp_path: Path, victim: 
     fresh = TrainerEngine(model_dir, threads=2)
     with pytest.raises(CheckpointError) as error:
         fresh.load_checkpoint("A", str(ckpt), LoraConfig(rank=2), seed=1)
-    assert "\n" not in str(error.value)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {ckpt}: ") and victim in message
     assert fresh.jobs() == []
 
 

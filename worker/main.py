@@ -4,9 +4,13 @@ Threads:
 - the **I/O thread** owns the DEALER socket to the daemon: it registers, sends a heartbeat
   every second whatever the engines are doing (so a long step never looks like a death),
   routes incoming tasks to the engine they name and forwards results the engine threads
-  push to it over an inproc socket;
-- one **engine loop** per engine: the rollout engine (vLLM) runs on the main thread, since
-  vLLM installs signal handlers; the trainer engine (torch + peft) runs on its own thread.
+  push to it over an inproc socket. When the daemon falls silent it registers again (naming
+  the jobs whose state it holds) until a daemon answers, following the address in
+  ``--endpoint-file`` if a restarted daemon moved; a local worker whose daemon died waits
+  ``PLEXRL_ORPHAN_GRACE_S`` for the next one to adopt it, then exits;
+- the **engine loops**: the rollout engine (vLLM) runs on the main thread, since vLLM
+  installs signal handlers; the trainer engine (torch + peft) on its own thread, or, on CPU,
+  on the main thread too (``shared_loop``: one OpenMP team instead of two on the same cores).
 
 The rollout loop drains every generate task waiting for it and serves them as one batch,
 whatever jobs they belong to (one adapter per job, mixed in the same vLLM batch).
@@ -33,13 +37,14 @@ import msgspec
 import zmq
 
 from plexctl import auth
+from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl import protocol as P
 from plexctl.sizes import parse_bytes
 
 log = logging.getLogger("plexw")
 
 HEARTBEAT_S = 1.0
-DAEMON_LIVENESS = 5
+DAEMON_LIVENESS = 2.5  # heartbeats of silence before registering again
 OUTBOX = "inproc://plexw-outbox"
 PREFETCH = "prefetch"  # queue of state prefetches, served beside the trainer
 
@@ -48,9 +53,12 @@ class WorkerIO(threading.Thread):
     """Socket I/O, heartbeats and task routing, on its own thread."""
 
     def __init__(self, endpoint: str, worker_id: str, register: P.RegisterReq,
-                 queues: dict[str, "queue.Queue[P.TaskBody]"], parent_pid: int | None) -> None:
+                 queues: dict[str, "queue.Queue[P.TaskBody]"], parent_pid: int | None,
+                 endpoint_file: Path | None = None) -> None:
         super().__init__(name="plexw-io", daemon=True)
         self.endpoint = endpoint
+        self.endpoint_file = endpoint_file
+        self.resident: Callable[[], dict[str, str]] = dict  # job -> trainer engine, for registering again
         self.worker_id = worker_id
         self.register = register
         self.queues = queues
@@ -74,7 +82,7 @@ class WorkerIO(threading.Thread):
         poller.register(dealer, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
         dealer.send_multipart(P.encode(P.Op.REGISTER, self.register)[0])
-        last_beat = last_daemon = time.monotonic()
+        last_beat = last_daemon = heard = time.monotonic()
         while not self.stop.is_set():
             events = dict(poller.poll(200))
             if outbox in events:
@@ -90,21 +98,37 @@ class WorkerIO(threading.Thread):
                         frames = dealer.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    last_daemon = time.monotonic()
+                    last_daemon = heard = time.monotonic()
                     self._route(frames)
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_S:
                 last_beat = now
                 dealer.send_multipart(P.encode(P.Op.HEARTBEAT, P.HeartbeatBody(self.worker_id))[0])
                 if now - last_daemon > HEARTBEAT_S * DAEMON_LIVENESS:
-                    # the daemon went away (or restarted): register again when it is back
-                    dealer.send_multipart(P.encode(P.Op.REGISTER, self.register)[0])
+                    # the daemon went away (or restarted): register again until one answers
+                    self._follow_endpoint(dealer)
+                    register = msgspec.structs.replace(self.register, resident=self.resident())
+                    dealer.send_multipart(P.encode(P.Op.REGISTER, register)[0])
                     last_daemon = now
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                log.error("parent daemon %d is gone; exiting", self.parent_pid)
+                log.warning("the daemon (pid %d) is gone; waiting up to %.0f s for the next one",
+                            self.parent_pid, orphan_grace())
+                self.parent_pid = 0  # a local worker: it leaves when no daemon is heard for the grace
+            if self.parent_pid == 0 and now - heard > orphan_grace():
+                log.error("no daemon heard for %.0f s; exiting", orphan_grace())
+                logging.shutdown()
                 os._exit(1)
         dealer.close()
         outbox.close()
+
+    def _follow_endpoint(self, dealer: zmq.Socket) -> None:
+        """Connect to the address a restarted daemon wrote, if it moved."""
+        address = endpoint_address(self.endpoint_file) if self.endpoint_file else None
+        if address and address != self.endpoint:
+            log.info("the daemon moved to %s", address)
+            dealer.disconnect(self.endpoint)
+            dealer.connect(address)
+            self.endpoint = address
 
     def _route(self, frames: list[bytes]) -> None:
         try:
@@ -147,63 +171,75 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
-    out = Outbox()
-    while True:
-        batch = [tasks.get()]
-        while len(batch) < capacity:
-            try:
-                batch.append(tasks.get_nowait())
-            except queue.Empty:
-                break
+class RolloutServer:
+    """Serves generate tasks: every generate in a batch runs as one vLLM batch, whatever jobs
+    they belong to (one adapter per job)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def serve(self, batch: list[P.TaskBody], out: Outbox) -> None:
         gens = [t for t in batch if t.method == "generate"]
         for t in batch:
             if t.method == "release":
-                engine.drop_job(t.job_id)
+                self.engine.drop_job(t.job_id)
                 out.result(t.task_id, True)
             elif t.method != "generate":
                 out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
         if not gens:
-            continue
+            return
         t0 = time.perf_counter()
         try:
             requests = [msgspec.convert(t.args["request"], P.GenRequest) for t in gens]
-            results = engine.generate(requests)
+            results = self.engine.generate(requests)
         except Exception as exc:  # noqa: BLE001 - reported to each job, the engine stays up
             log.error("generate failed: %s", traceback.format_exc())
             for t in gens:
                 out.result(t.task_id, False, error=_error_text(exc))
-            continue
+            return
         seconds = time.perf_counter() - t0
         for t, comps in zip(gens, results):
             out.result(t.task_id, True, {"completions": comps}, seconds=seconds / len(gens))
 
 
-def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
-    """Serve trainer tasks one at a time; before each, the store makes the job's state resident
-    (swapping another job's state out to host or NVMe when the device tier is full)."""
-    out = Outbox()
-    engine = store.trainer
-    handlers: dict[str, Callable[[P.TaskBody], Any]] = {
-        "train_step": lambda t: engine.train_step(
-            t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch), msgspec.convert(t.args["hp"], P.TrainHParams)),
-        "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
-        "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
-        "restore": lambda t: engine.load_checkpoint(
-            t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
-    }
-    while True:
-        t = tasks.get()
+class TrainerServer:
+    """Serves trainer tasks one at a time; before each, the store makes the job's state resident
+    (swapping another job's state out to host or NVMe when the device tier is full).
+
+    A task that carries the ``call_key`` of the job's last stateful call is a repeat (a driver
+    sent its calls again after its daemon restarted): it gets that call's result, unapplied."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        engine = store.trainer
+        self.handlers: dict[str, Callable[[P.TaskBody], Any]] = {
+            "train_step": lambda t: engine.train_step(
+                t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch),
+                msgspec.convert(t.args["hp"], P.TrainHParams)),
+            "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
+            "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
+            "restore": lambda t: engine.load_checkpoint(
+                t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
+        }
+        self.done: dict[str, tuple[str, Any]] = {}  # job -> (call key, value) of its last stateful call
+
+    def serve(self, t: P.TaskBody, out: Outbox) -> None:
+        store = self.store
         t0 = time.perf_counter()
+        key = t.args.get("call_key", "") if t.method != "release" else ""
+        if key and self.done.get(t.job_id, ("", None))[0] == key:
+            out.result(t.task_id, True, self.done[t.job_id][1], seconds=0.0, info={"inventory": store.inventory()})
+            return
         try:
             if t.method == "release":
                 store.drop(t.job_id)
+                self.done.pop(t.job_id, None)
                 value = None
             else:
                 store.set_upcoming(list(t.args.get("upcoming", [])))
                 moved = store.ensure_resident(t.job_id, msgspec.convert(t.args["lora"], P.LoraConfig),
                                               int(t.args["seed"]), float(t.args.get("weight_decay", 0.0)))
-                value = handlers[t.method](t)
+                value = self.handlers[t.method](t)
                 if t.method == "train_step":
                     value = {**value, "swap_bytes": float(moved.get("bytes", 0)),
                              "swap_seconds": float(moved.get("seconds", 0.0)),
@@ -212,8 +248,53 @@ def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
             log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
             out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0,
                        info={"inventory": store.inventory()})
-            continue
+            return
+        if key:
+            self.done[t.job_id] = (key, value)
         out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info={"inventory": store.inventory()})
+
+
+def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
+    """The next task (waiting for it) and those already queued behind it, up to ``limit``."""
+    batch = [tasks.get()]
+    while len(batch) < limit:
+        try:
+            batch.append(tasks.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+    server, out = RolloutServer(engine), Outbox()
+    while True:
+        server.serve(_take(tasks, capacity), out)
+
+
+def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+    server, out = TrainerServer(store), Outbox()
+    while True:
+        server.serve(tasks.get(), out)
+
+
+def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+    """Both engines of this worker served from one thread, from one queue: the generates
+    waiting are one batch, trainer tasks run in the order they came, whichever kind came first
+    goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
+    per calling thread: two engine threads mean two teams spinning on the same cores."""
+    rollout, trainer, out = RolloutServer(engine), TrainerServer(store), Outbox()
+    while True:
+        batch = _take(tasks, 1 << 10)
+        gens = [t for t in batch if t.engine_id.endswith("/rollout")]
+        train = [t for t in batch if not t.engine_id.endswith("/rollout")]
+        if batch[0] in train:
+            for t in train:
+                trainer.serve(t, out)
+        for i in range(0, len(gens), capacity):
+            rollout.serve(gens[i:i + capacity], out)
+        if batch[0] not in train:
+            for t in train:
+                trainer.serve(t, out)
 
 
 def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
@@ -243,7 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
     ap.add_argument("--nvme-bytes", type=parse_bytes, default=64 << 30, help="capacity of the NVMe tier")
-    ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True,
+                    help="exit when the daemon that started this worker is gone and no other adopts it")
+    ap.add_argument("--engine-threads", choices=["auto", "one", "own"], default="auto",
+                    help="a worker with both engines serves them from one thread or each from its own "
+                         "(auto: one on CPU, own with CUDA)")
+    ap.add_argument("--endpoint-file", type=Path, default=None,
+                    help="the cluster's endpoint.json: where a restarted daemon is")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
@@ -259,9 +346,13 @@ def main(argv: list[str] | None = None) -> None:
              for k in kinds]
     register = P.RegisterReq(worker_id=args.worker_id, node=args.node, pid=os.getpid(),
                              engines=decls, ready=False, mem_bytes=_mem_bytes())
+    shared = args.engine_threads == "one" or (args.engine_threads == "auto" and not _cuda())
     queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
+    if shared and len(decls) == 2:  # one thread serves both engines, from one queue
+        queues[decls[1].engine_id] = queues[decls[0].engine_id]
     queues[PREFETCH] = queue.Queue()
-    io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None)
+    io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None,
+                  args.endpoint_file)
     io.start()
     io.bound.wait()
     outbox = Outbox()
@@ -289,6 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         time.sleep(1.0)
         sys.exit(1)
     log.info("engines %s ready in %.1f s", ",".join(kinds), time.perf_counter() - t0)
+    if "trainer" in engines:
+        store, trainer_engine = engines["trainer"], f"{args.worker_id}/trainer"
+        io.resident = lambda: {job: trainer_engine for tier in ("device", "host", "nvme")
+                               for job in store.inventory().get(tier, {}).get("jobs", [])}
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 
@@ -298,7 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     if "trainer" in engines:
         threading.Thread(target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]),
                          name="plexw-prefetch", daemon=True).start()
-    if "rollout" in engines:
+    if "rollout" in engines and "trainer" in engines and shared:
+        shared_loop(engines["rollout"], engines["trainer"], queues[rollout_id], args.rollout_capacity)
+    elif "rollout" in engines:
         if "trainer" in engines:
             threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id]),
                              name="plexw-trainer", daemon=True).start()
@@ -316,6 +413,14 @@ def _leave(worker_id: str) -> None:
     finally:
         logging.shutdown()
         os._exit(0)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _mem_bytes() -> int:

@@ -46,6 +46,20 @@ thread was computing (its CPU time over the move's interval, capped by the move'
 ``stalled_s``, time ``ensure_resident`` waited for another thread's move of this direction to
 land. So ``overlap_s - stalled_s`` is swap time hidden behind compute.
 
+A full disk. ``nvme_bytes`` is a budget, not a measurement: the disk may fill first (other
+users of a node-local disk, a quota); the store learns it from a write, it does not poll free
+space. A copy whose write fails with ENOSPC or EDQUOT has its temp directory removed and is
+not counted on nvme; the store logs one warning line naming the directory and marks the tier
+out of space: for ``NVME_FULL_RETRY_S`` it takes only copies that fit in what the store has
+deleted there since, so it does not keep writing into a disk it knows is full; then it tries
+again. Meanwhile a copy leaving the device that nvme cannot take stays in host memory, over
+``host_bytes`` by at most ``host_spill_bytes`` (default a quarter of ``host_bytes``; the copy
+is in host memory already and its device memory is freed); host copies that failed to go down
+stay on host; a ``prefetch`` that would need nvme room does nothing. Only when host cannot
+take it either is ``TierFullError`` raised, and the job stays on the device.
+``inventory()["nvme"]`` shows ``nospace`` (writes that failed so), ``full`` (marked now) and
+``error`` (the latest, one line).
+
 Threads. ``ensure_resident`` and ``drop`` touch the trainer: call them from the trainer's
 thread (they are serialised among themselves anyway). ``prefetch``, ``set_upcoming``,
 ``where`` and ``inventory`` may be called from any thread. One condition variable guards the
@@ -71,6 +85,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import queue
@@ -94,7 +109,17 @@ import torch
 
 from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
-from worker.trainer import JobConfigError, JobStateCopy, TrainerEngine, lora_signature
+from worker.trainer import (
+    NO_SPACE_ERRNOS,
+    JobConfigError,
+    JobStateCopy,
+    TrainerEngine,
+    free_bytes,
+    lora_signature,
+    no_space_reason,
+)
+
+log = logging.getLogger(__name__)
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
@@ -110,6 +135,7 @@ WRITE_BOUNCES = 4  # page-aligned chunk buffers that writes stream through (so <
 DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 READ_DIRECT = False  # reads: buffered and sequential (see _read_verified_tensor), not O_DIRECT
 POOL_KEEP = 2  # free host buffers the pool keeps for the next reads from nvme
+NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -139,6 +165,10 @@ class TierFullError(StateStoreError):
 
 class CorruptCopyError(StateStoreError):
     """An nvme copy that is incomplete, fails its sha256, or cannot be read back."""
+
+
+class _NoSpace(Exception):
+    """An nvme write ran out of disk space or quota (logged and counted); the caller falls back."""
 
 
 # ---------------------------------------------------------------- records
@@ -220,7 +250,10 @@ class StateStore:
         nvme_dir: Path | None = None,
         nvme_bytes: int = 64 << 30,
         clock: Callable[[], float] = time.perf_counter,
+        host_spill_bytes: int | None = None,
     ) -> None:
+        """``host_spill_bytes``: how far host copies may exceed ``host_bytes`` while nvme is out
+        of space (default a quarter of ``host_bytes``)."""
         if device_slots < 1:
             raise ValueError(f"device_slots must be >= 1, got {device_slots}")
         if host_bytes < 0 or nvme_bytes < 0:
@@ -228,6 +261,7 @@ class StateStore:
         self.trainer = trainer
         self.device_slots = device_slots
         self.host_bytes = host_bytes
+        self.host_spill_bytes = host_bytes // 4 if host_spill_bytes is None else max(0, host_spill_bytes)
         self.nvme_dir = Path(nvme_dir) if nvme_dir is not None else None
         self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
         if self.nvme_dir is not None:
@@ -241,6 +275,10 @@ class StateStore:
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
         self._pool = HostBufferPool(pinned=_pin_if_cuda())
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
+        self._nvme_nospace = 0  # nvme writes that failed for lack of space
+        self._nvme_full_at: float | None = None  # clock time of the latest such failure
+        self._nvme_room = 0  # bytes the store held on nvme then: all it may hold while marked full
+        self._nvme_error = ""  # the latest such failure, one line
 
     # ------------------------------------------------------------ the public operations
 
@@ -294,21 +332,26 @@ class StateStore:
             record = self._records.get(job_id)
             if record is None or record.tier != NVME or record.moving_to is not None:
                 return False
-            placement = self._plan_placement(record, record.nbytes, host_credit=0)
+            placement = self._plan_placement(record, record.nbytes, host_credit=0, spill=False)
             if placement is None or placement.tier != HOST:
                 return False
             record.moving_to = HOST
             for demoted in placement.demote:
                 demoted.moving_to = NVME
+        pending = [record, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
             for demoted in placement.demote:
                 self._demote(demoted, critical=False)
+                pending.remove(demoted)
             started, trainer_cpu = self._clock(), self._trainer_cpu()
             state, buffer = self._read_nvme(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
             self._delete_nvme(job_id)
+        except _NoSpace:  # host copies that did not go down stay; so does the job, on nvme
+            self._unmark(pending)
+            return False
         except BaseException:
-            self._unmark([record, *placement.demote])
+            self._unmark(pending)
             raise
         with self._cond:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
@@ -344,13 +387,15 @@ class StateStore:
             return record.tier if record is not None else None
 
     def inventory(self) -> dict[str, Any]:
-        """Per tier: capacity, unit, used bytes (moving copies count on both tiers), job ids;
-        the jobs in flight; and swap count / bytes / seconds per direction."""
+        """Per tier: capacity, unit, used bytes (moving copies count on both tiers), job ids
+        (nvme: also ``nospace``, ``full``, ``error``, see the module docstring); the jobs in
+        flight; and swap count / bytes / seconds per direction."""
         with self._cond:
             tiers = {
                 DEVICE: {"capacity": self.device_slots, "unit": "slots"},
                 HOST: {"capacity": self.host_bytes, "unit": "bytes"},
-                NVME: {"capacity": self.nvme_bytes, "unit": "bytes", "dir": str(self.nvme_dir or "") or None},
+                NVME: {"capacity": self.nvme_bytes, "unit": "bytes", "dir": str(self.nvme_dir or "") or None,
+                       "nospace": self._nvme_nospace, "full": self._nvme_full(), "error": self._nvme_error or None},
             }
             for tier, info in tiers.items():
                 info["used_bytes"] = self._used(tier)
@@ -443,24 +488,43 @@ class StateStore:
             victim.moving_to, victim.nbytes = placement.tier, state.nbytes  # reserve the copy's size
             for demoted in placement.demote:
                 demoted.moving_to = NVME
+        tier, write_seconds = placement.tier, 0.0
+        pending = [victim, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
-            for demoted in placement.demote:
-                self._demote(demoted)
-                moves.demoted.append(demoted.job_id)
-                moves.bytes += demoted.nbytes
-            write_seconds = self._write_nvme(victim.job_id, state) if placement.tier == NVME else 0.0
+            try:
+                for demoted in placement.demote:
+                    self._demote(demoted)
+                    pending.remove(demoted)
+                    moves.demoted.append(demoted.job_id)
+                    moves.bytes += demoted.nbytes
+                if tier == NVME:
+                    write_seconds = self._write_nvme(victim.job_id, state)
+            except _NoSpace:  # host copies that did not go down stay there; the victim spills to host
+                self._unmark(pending[1:])
+                pending = [victim]
+                tier = self._spill_to_host(victim, state.nbytes)
         except BaseException:
-            self._unmark([victim, *placement.demote])
+            self._unmark(pending)
             raise
         self.trainer.release(victim.job_id)
         with self._cond:
-            victim.tier, victim.moving_to, victim.nbytes = placement.tier, None, state.nbytes
-            victim.host_copy = state if placement.tier == HOST else None
+            victim.tier, victim.moving_to, victim.nbytes = tier, None, state.nbytes
+            victim.host_copy = state if tier == HOST else None
             victim.host_buffer = None  # export_state's own memory, not the pool's
-            self._swaps[f"device->{placement.tier}"].add(state.nbytes, export_seconds + write_seconds)
+            self._swaps[f"device->{tier}"].add(state.nbytes, export_seconds + write_seconds)
             self._cond.notify_all()
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
+
+    def _spill_to_host(self, victim: _Record, nbytes: int) -> str:
+        """After nvme ran out of space for the victim's copy or for the demotions that made room:
+        HOST if host takes it within its spill allowance; else TierFullError (it stays on the device)."""
+        with self._cond:
+            victim.moving_to = None
+            if self._used(HOST) + nbytes > self.host_bytes + self.host_spill_bytes:
+                raise TierFullError(self._tier_full_message(victim.job_id, nbytes))
+            victim.moving_to = HOST
+            return HOST
 
     def _demote(self, record: _Record, critical: bool = True) -> None:
         """Write a host copy (marked moving to nvme) to nvme, then let go of it (its pool
@@ -490,9 +554,10 @@ class StateStore:
                 raise TierFullError(self._tier_full_message(record.job_id, nbytes))
             self._cond.wait()
 
-    def _plan_placement(self, record: _Record, nbytes: int, host_credit: int) -> _Placement | None:
+    def _plan_placement(self, record: _Record, nbytes: int, host_credit: int, spill: bool = True) -> _Placement | None:
         """Host if it fits, after demoting host copies needed later than ``record`` (least soon
-        first) if that makes it fit and nvme takes them; else nvme if it fits; else None.
+        first) if that makes it fit and nvme takes them; else nvme if it fits; else, with
+        ``spill`` and nvme out of space, host within its spill allowance; else None.
         ``host_credit``: host bytes the caller is about to free (a copy it is swapping in)."""
         free_host = self.host_bytes - self._used(HOST) + host_credit
         if nbytes <= free_host:
@@ -511,10 +576,20 @@ class StateStore:
                     break
         if self._nvme_fits(nbytes):
             return _Placement(NVME, [])
+        spill_room = self.host_bytes + self.host_spill_bytes - self._used(HOST) + host_credit
+        if spill and self._nvme_full() and nbytes <= spill_room:
+            return _Placement(HOST, [])
         return None
 
     def _nvme_fits(self, nbytes: int) -> bool:
-        return self.nvme_dir is not None and self._used(NVME) + nbytes <= self.nvme_bytes
+        if self.nvme_dir is None:
+            return False
+        capacity = min(self.nvme_bytes, self._nvme_room) if self._nvme_full() else self.nvme_bytes
+        return self._used(NVME) + nbytes <= capacity
+
+    def _nvme_full(self) -> bool:
+        """Whether a write ran out of space on nvme less than NVME_FULL_RETRY_S ago."""
+        return self._nvme_full_at is not None and self._clock() - self._nvme_full_at < NVME_FULL_RETRY_S
 
     def _used(self, tier: str) -> int:
         """Bytes on ``tier``, counting reservations of copies moving there (not for device)."""
@@ -525,14 +600,17 @@ class StateStore:
         )
 
     def _tier_full_message(self, job_id: str, nbytes: int) -> str:
+        full = self._nvme_full()
+        out_of_space = f", out of space ({self._nvme_error})" if full else ""
         nvme = (
-            f"nvme {self._used(NVME)}/{self.nvme_bytes} bytes used"
+            f"nvme {self._used(NVME)}/{self.nvme_bytes} bytes used{out_of_space}"
             if self.nvme_dir is not None
             else "nvme tier off (no nvme_dir)"
         )
+        spill = f" (+{self.host_spill_bytes} allowed while nvme is out of space)" if full else ""
         return (
             f"no room for job {job_id!r}'s state ({nbytes} bytes) off the device: "
-            f"host {self._used(HOST)}/{self.host_bytes} bytes used, {nvme}"
+            f"host {self._used(HOST)}/{self.host_bytes} bytes used{spill}, {nvme}"
         )
 
     def _rank(self, job_id: str) -> int:
@@ -608,10 +686,35 @@ class StateStore:
         return self.nvme_dir / f"{slug}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
 
     def _write_nvme(self, job_id: str, state: JobStateCopy) -> float:
-        """Write a copy atomically (temp dir, one fdatasync, rename); return the seconds it took."""
+        """Write a copy atomically (temp dir, one fdatasync, rename); return the seconds it took.
+        Out of disk space or quota: ``_NoSpace``, the temp dir removed, the tier marked full."""
         started = self._clock()
-        _write_copy_dir(self._job_dir(job_id), state)
+        try:
+            _write_copy_dir(self._job_dir(job_id), state)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE_ERRNOS:
+                raise
+            self._mark_nvme_full(job_id, state.nbytes, exc)
+            raise _NoSpace() from None
         return self._clock() - started
+
+    def _mark_nvme_full(self, job_id: str, nbytes: int, exc: OSError) -> None:
+        """Count the failure; until NVME_FULL_RETRY_S passes, nvme takes only room the store frees.
+        One warning line when the tier was not marked full already."""
+        free = free_bytes(self.nvme_dir) if self.nvme_dir is not None else None
+        error = (f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}"
+                 + (f", {free} bytes free" if free is not None else ""))
+        with self._cond:
+            was_full = self._nvme_full()
+            self._nvme_nospace += 1
+            self._nvme_full_at = self._clock()
+            self._nvme_room = sum(r.nbytes for r in self._records.values()
+                                  if r.tier == NVME and r.moving_to != _DROPPING)
+            self._nvme_error = error
+        if not was_full:
+            log.warning("nvme tier full: %s; copies stay in host memory (up to %d bytes over its budget) or on the "
+                        "device, nvme takes only what the store frees for %.0f s", error, self.host_spill_bytes,
+                        NVME_FULL_RETRY_S)
 
     def _read_nvme(self, record: _Record) -> tuple[JobStateCopy, torch.Tensor]:
         """The verified copy and the pool buffer holding it."""
@@ -747,7 +850,9 @@ def _direct_io_works(directory: Path) -> bool:
                 works = os.pwrite(fd, view, 0) == DIRECT_ALIGN and os.preadv(fd, [view], 0) == DIRECT_ALIGN
             finally:
                 os.close(fd)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in NO_SPACE_ERRNOS:  # a full disk says nothing about O_DIRECT: ask again next time
+            raise
         works = False
     finally:
         probe.unlink(missing_ok=True)

@@ -10,7 +10,9 @@ own per-token loss (``loss_fn``, ``module:function``) is imported here, and only
 daemon has marked the call's job as submitted by a user it trusts. It also computes current-policy log-probs, writes adapters in the exact
 PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
 writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
-``extra``, with a sha256 manifest), atomically.
+``extra``, with a sha256 manifest), atomically. A write that runs out of disk space or quota
+(ENOSPC, EDQUOT) removes its temp dir, leaves the previous checkpoint as it was and raises
+``NoSpaceError``, one line with the directory, the bytes it needed and the bytes free.
 
 How jobs share it. One ``peft.PeftModel`` holds every resident job's adapter side by side
 (``add_adapter`` once per job, under an engine-unique name). A call activates the
@@ -43,7 +45,9 @@ thread. Bit-exactness is a CPU guarantee; on GPU it additionally needs determini
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -61,7 +65,8 @@ import msgspec
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 
 from plexctl.protocol import LOSS_AGGREGATIONS, LOSSES, LoraConfig, TrainBatch, TrainHParams
@@ -79,6 +84,7 @@ EXTRA = "extra.json"
 MANIFEST = "manifest.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, EXTRA)  # checksummed by MANIFEST
 CHECKPOINT_FORMAT = "plexrl.trainer-checkpoint/1"
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write failed for lack of disk space or quota
 
 ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
 OPTIM_PREFIX = "optim/"
@@ -116,6 +122,10 @@ class BatchError(TrainerError, ValueError):
 
 class CheckpointError(TrainerError):
     """A checkpoint that is missing, corrupt, or written for another adapter shape."""
+
+
+class NoSpaceError(CheckpointError):
+    """A checkpoint or adapter not written for lack of disk space or quota; the previous one is kept."""
 
 
 class StateCopyError(TrainerError, ValueError):
@@ -432,14 +442,24 @@ class TrainerEngine:
     # ------------------------------------------------------------ adapters and checkpoints
 
     def save_adapter(self, job_id: str, out_dir: str) -> None:
-        """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically."""
+        """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically
+        (``NoSpaceError`` when its filesystem is full)."""
         job = self._job(job_id)
-        write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp))
+        weights = self._adapter_weights(job)
+        write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp, weights),
+                             what=f"adapter of job {job_id!r}", nbytes=len(weights))
 
     def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
-        """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically."""
+        """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically.
+
+        Everything is serialised before the first byte is written; ``NoSpaceError`` when the
+        filesystem is full (the temp dir is removed, an earlier checkpoint is untouched)."""
         job = self._job(job_id)
-        return write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, extra))
+        payload = self._checkpoint_payload(job, extra)
+        step = extra.get("step") if isinstance(extra, dict) else None
+        what = f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
+        return write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, payload),
+                                    what=what, nbytes=sum(len(data) for data in payload.values()))
 
     def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
@@ -661,23 +681,39 @@ class TrainerEngine:
 
     # ------------------------------------------------------------ internals: files
 
-    def _write_adapter_files(self, job: _JobState, directory: Path) -> None:
+    @staticmethod
+    def _adapter_weights(job: _JobState) -> bytes:
+        """The adapter's safetensors file, in memory (written by ``_write_file``, whose errors
+        keep their errno, unlike safetensors' own writer)."""
+        tensors = {key: param.detach().to("cpu").contiguous() for key, param in job.params.items()}
+        return safetensors_bytes(tensors, metadata={"format": "pt"})
+
+    def _write_adapter_files(self, job: _JobState, directory: Path, weights: bytes) -> None:
         config = _peft_config(job.lora, self.model_path)
         config.inference_mode = True
         config.save_pretrained(str(directory))
-        tensors = {key: param.detach().to("cpu").contiguous() for key, param in job.params.items()}
-        save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        _write_file(directory / ADAPTER_WEIGHTS, weights)
 
-    def _write_checkpoint_files(self, job: _JobState, directory: Path, extra: dict) -> dict:
-        self._write_adapter_files(job, directory)
+    def _checkpoint_payload(self, job: _JobState, extra: dict) -> dict[str, bytes]:
+        """The checkpoint's files but the adapter config, serialised in memory: nothing is written
+        for an ``extra`` that is not JSON, and the bytes a checkpoint needs are known up front."""
         trainer_state = {
             "optimizer": job.optimizer.state_dict(),
             "rng": job.rng_state,
             "param_keys": list(job.params),
         }
-        torch.save(trainer_state, directory / TRAINER_STATE)
-        with open(directory / EXTRA, "w") as f:
-            json.dump(extra, f, sort_keys=True)
+        buffer = io.BytesIO()
+        torch.save(trainer_state, buffer)  # into memory: torch's own file writer loses the errno
+        return {
+            ADAPTER_WEIGHTS: self._adapter_weights(job),
+            TRAINER_STATE: buffer.getvalue(),
+            EXTRA: json.dumps(extra, sort_keys=True).encode(),
+        }
+
+    def _write_checkpoint_files(self, job: _JobState, directory: Path, payload: dict[str, bytes]) -> dict:
+        self._write_adapter_files(job, directory, payload[ADAPTER_WEIGHTS])
+        for name in (TRAINER_STATE, EXTRA):
+            _write_file(directory / name, payload[name])
         manifest = {
             "format": CHECKPOINT_FORMAT,
             "job_id": job.job_id,
@@ -1168,22 +1204,28 @@ def _slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
 # ---------------------------------------------------------------- atomic directories
 
 
-def write_dir_atomically(out_dir: Path, write: Callable[[Path], T]) -> T:
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], T], what: str = "directory", nbytes: int = 0) -> T:
     """Fill a temp dir next to ``out_dir``, fsync it, rename it onto ``out_dir``.
 
     A reader sees either the previous complete ``out_dir`` or the new complete one (an existing
-    ``out_dir`` is renamed aside first, then removed); a failure removes the temp dir.
+    ``out_dir`` is renamed aside first, then removed); a failure removes the temp dir. Out of
+    disk space or quota, ``NoSpaceError`` names ``what``, ``out_dir`` and ``nbytes`` (about
+    what the files need).
     """
     parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    tmp: Path | None = None
     try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
         result = write(tmp)
         os.chmod(tmp, 0o755)
         _fsync_tree(tmp)
         _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            raise NoSpaceError(_no_space_message(exc, what, out_dir, nbytes)) from None
         raise
     _fsync_path(parent)
     return result
@@ -1195,8 +1237,46 @@ def _replace_dir(new: Path, target: Path) -> None:
         return
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(target, old)
-    os.rename(new, target)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)  # the previous one stays where readers look for it
+        raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def no_space_reason(exc: OSError) -> str:
+    """``no space left on device`` (ENOSPC) or ``no space left in the disk quota`` (EDQUOT)."""
+    return "no space left in the disk quota" if exc.errno == errno.EDQUOT else "no space left on device"
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged writer can still use on ``directory``'s filesystem (None: unknown)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _no_space_message(exc: OSError, what: str, out_dir: Path, nbytes: int) -> str:
+    """One line: ``no space left on device writing checkpoint step 12 to DIR (needs ~3.1 MB,
+    0.2 MB free); nothing was written``, or ``...; the previous one there is kept``."""
+    free = free_bytes(out_dir.parent)
+    sizes = [f"needs ~{_megabytes(nbytes)}"] if nbytes else []
+    sizes += [f"{_megabytes(free)} free"] if free is not None else []
+    detail = f" ({', '.join(sizes)})" if sizes else ""
+    kept = "the previous one there is kept" if out_dir.exists() else "nothing was written"
+    return f"{no_space_reason(exc)} writing {what} to {out_dir}{detail}; {kept}"
+
+
+def _megabytes(nbytes: int) -> str:
+    mb = nbytes / 1e6
+    return f"{mb:.1f} MB" if mb < 100 else f"{mb:.0f} MB"
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -1,0 +1,99 @@
+"""Processes a daemon started, and adopts again after it was restarted.
+
+A job's driver and a local worker are the daemon's children, but they outlive it: when the
+daemon is killed they wait for a daemon on the same state directory (``plexctl.cluster.orphan_grace``),
+and the next daemon adopts them instead of starting new ones, so engines stay loaded and jobs
+go on from where they were instead of from their last checkpoint.
+
+The daemon records each child in a pid file (pid, kernel start time, argv) when it starts it;
+an adopting daemon trusts a pid only if the process still runs with the same start time and
+argv (pids are reused). An adopted process is not its child, so its exit status is unknown to
+the kernel's ``wait``: a driver writes its exit code to ``driver.exit`` before it exits
+(``write_exit``), which ``Adopted.poll`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from plexctl.atomic import write_json_atomic
+from plexctl.cluster import pid_alive
+
+KILLED = -signal.SIGKILL  # the exit code of an adopted process that left no exit file
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def record(path: Path, proc: subprocess.Popen, argv: list[str]) -> None:
+    write_json_atomic(path, {"pid": proc.pid, "start_time": start_time(proc.pid), "argv": argv})
+
+
+def find(path: Path, argv: list[str]) -> "Adopted | None":
+    """The process recorded at ``path`` if it still runs with this ``argv``, else None (a
+    process recorded there that runs with another ``argv`` is killed)."""
+    try:
+        rec = json.loads(path.read_text())
+        pid, started = int(rec["pid"]), rec["start_time"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not pid_alive(pid) or start_time(pid) != started:
+        return None
+    if rec.get("argv") != argv:  # ours, but started for another layout: it goes
+        Adopted(pid, path.with_suffix(".exit")).kill()
+        return None
+    return Adopted(pid, path.with_suffix(".exit"))
+
+
+def write_exit(path: Path, rc: int) -> None:
+    write_json_atomic(path, {"pid": os.getpid(), "rc": rc})
+
+
+class Adopted:
+    """A ``subprocess.Popen``-like handle on a process this daemon did not start."""
+
+    def __init__(self, pid: int, exit_file: Path) -> None:
+        self.pid = pid
+        self.exit_file = exit_file
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not pid_alive(self.pid):
+            try:
+                rec = json.loads(self.exit_file.read_text())
+                self.returncode = int(rec["rc"]) if rec.get("pid") == self.pid else KILLED
+            except (OSError, ValueError, KeyError, TypeError):
+                self.returncode = KILLED
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

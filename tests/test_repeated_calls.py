@@ -1,0 +1,57 @@
+"""A trainer call that arrives twice is applied once.
+
+A driver whose daemon died sends its calls in flight again to the daemon that adopts it; the
+first copy may already have run on the worker (its result went to the dead daemon). The
+worker's trainer loop (real, on a real StateStore and TrainerEngine) answers the repeat with
+the first result and leaves the job's state as one step left it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from plexctl import protocol as P
+from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
+from worker import main as worker_main
+from worker.state_store import StateStore
+
+
+def test_a_repeated_train_step_is_applied_once(tmp_path) -> None:
+    model_dir = tiny_qwen2(tmp_path / "model")
+    lora, seed, hp = JOBS["j0"]
+    reference = engine(model_dir)  # the job alone, each step once
+    reference.ensure_job("j0", lora, seed)
+    once = []
+    for step in range(2):
+        reference.train_step("j0", batch_for("j0", step), hp)
+        once.append(job_state(reference, "j0"))
+    outbox = zmq.Context.instance().socket(zmq.PULL)
+    outbox.bind(worker_main.OUTBOX)
+    try:
+        store = StateStore(engine(model_dir), device_slots=1, host_bytes=1 << 30)
+        tasks: queue.Queue[P.TaskBody] = queue.Queue()
+        threading.Thread(target=worker_main.trainer_loop, args=(store, tasks), daemon=True).start()
+
+        def train(task_id: int, step: int, key: str) -> dict[str, Any]:
+            args = {"lora": msgspec.to_builtins(lora), "seed": seed, "weight_decay": hp.weight_decay,
+                    "batch": msgspec.to_builtins(batch_for("j0", step)), "hp": msgspec.to_builtins(hp),
+                    "call_key": key}
+            tasks.put(P.TaskBody(task_id, "j0", "w/trainer", "train_step", args))
+            assert outbox.poll(120_000), "no result from the trainer loop"
+            _op, _header, result = P.decode(outbox.recv_multipart())
+            assert result.task_id == task_id and result.ok, result.error
+            return result.value
+
+        first = train(1, 0, "4242:7")
+        again = train(2, 0, "4242:7")  # the same call, sent again after a reconnect
+        assert again == first
+        assert_like_alone(store.trainer, "j0", once[0])  # one step applied, not two
+        train(3, 1, "4242:9")  # the next call is applied as usual
+        assert_like_alone(store.trainer, "j0", once[1])
+    finally:
+        outbox.close(linger=0)
