@@ -5,6 +5,10 @@ Everything the daemon must not forget across a restart lives here: each submitte
 an append-only event log (submitted, started, step checkpoints, cancelled, ended ...).
 A submit is committed before it is acknowledged. Per-step metrics live in the job's own
 JSONL file, not here. Single-threaded use by the daemon's loop.
+
+Reads of the jobs table are served from memory (a copy loaded at open and kept in step by
+``submit`` and ``update``, which write SQLite first): ``status`` is asked for a thousand
+times a second while the table only changes at a job's steps.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import sqlite3
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from plexctl.protocol import JobInfo
 
@@ -62,6 +68,9 @@ class Journal:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        self._jobs: dict[str, JobInfo] = {  # job_id -> its row, in submit order; never mutated in place
+            r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")}
+        self._names: dict[str, str] = {info.name: job_id for job_id, info in self._jobs.items()}  # newest
 
     def close(self) -> None:
         self.db.close()
@@ -83,6 +92,9 @@ class Journal:
                 (seq, job_id, submit_id, name, user, json.dumps(spec), "queued", now, steps, priority),
             )
             self.db.execute("INSERT INTO events (job_id, t, kind) VALUES (?,?,?)", (job_id, now, "submitted"))
+        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        self._jobs[job_id] = self._info(row)
+        self._names[name] = job_id
         return job_id, True
 
     def update(self, job_id: str, **fields: Any) -> None:
@@ -91,6 +103,8 @@ class Journal:
             raise ValueError(f"not updatable: {bad}")
         cols = ", ".join(f"{k}=?" for k in fields)
         self.db.execute(f"UPDATE jobs SET {cols} WHERE job_id=?", (*fields.values(), job_id))
+        if job_id in self._jobs:
+            self._jobs[job_id] = msgspec.structs.replace(self._jobs[job_id], **fields)
 
     def event(self, job_id: str, kind: str, detail: str = "") -> None:
         self.db.execute("INSERT INTO events (job_id, t, kind, detail) VALUES (?,?,?,?)",
@@ -106,22 +120,15 @@ class Journal:
 
     def find(self, ref: str) -> str | None:
         """A job id from an id or a name (the newest job of that name)."""
-        row = self.db.execute("SELECT job_id FROM jobs WHERE job_id=?", (ref,)).fetchone()
-        if row is None:
-            row = self.db.execute("SELECT job_id FROM jobs WHERE name=? ORDER BY seq DESC LIMIT 1", (ref,)).fetchone()
-        return row["job_id"] if row else None
+        return ref if ref in self._jobs else self._names.get(ref)
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobInfo]:
-        q = "SELECT * FROM jobs"
-        args: tuple = ()
-        if states:
-            q += f" WHERE state IN ({','.join('?' * len(states))})"
-            args = states
-        return [self._info(r) for r in self.db.execute(q + " ORDER BY seq", args)]
+        if not states:
+            return list(self._jobs.values())
+        return [info for info in self._jobs.values() if info.state in states]
 
     def job(self, job_id: str) -> JobInfo | None:
-        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return self._info(row) if row else None
+        return self._jobs.get(job_id)
 
     @staticmethod
     def _info(r: sqlite3.Row) -> JobInfo:

@@ -64,6 +64,7 @@ log = logging.getLogger("plexd")
 
 VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
+CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
 WORKER_LIVENESS = 3  # heartbeats missed before a worker is declared dead
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 CANCEL_GRACE_S = 30.0
@@ -271,7 +272,7 @@ class Daemon:
                                  (signal.SIGUSR1, "SIGUSR1 (allocation ending)", False),
                                  (signal.SIGUSR2, "SIGUSR2 (allocation ending)", False)):
             signal.signal(sig, lambda *_, why=why, urgent=urgent: self.drain(why, urgent))
-        last_beat = last_gauges = 0.0
+        last_beat = last_gauges = last_chores = 0.0
         while not self.stopping:
             if self.sock.poll(50):
                 for _ in range(1000):
@@ -288,14 +289,16 @@ class Daemon:
             if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
                 last_gauges = now
                 self._snapshot_gauges(now)
-            self._reap_drivers(now)
-            if self.adopting:
-                self._admit_adopted(now)
-            if self.drain_deadline is not None:
-                if not self.runtimes or now > self.drain_deadline:
-                    self.stopping = True
-            else:
-                self._admit(now)
+            if now - last_chores >= CHORES_S:  # not on every message: a status storm wakes the loop 1000x/s
+                last_chores = now
+                self._reap_drivers(now)
+                if self.adopting:
+                    self._admit_adopted(now)
+                if self.drain_deadline is not None:
+                    if not self.runtimes or now > self.drain_deadline:
+                        self.stopping = True
+                else:
+                    self._admit(now)
             self._place(now)
         self.shutdown()
 
@@ -420,12 +423,15 @@ class Daemon:
         jobs = [self._with_live_fields(j) for j in jobs]
         now = time.time()
         engines = []
+        busy_total = span_total = 0.0
         for w in self.workers.values():
             for decl in w.engines:
                 eng = self.sched.engines.get(decl.engine_id)
                 busy = 0.0
                 if eng is not None:
                     busy = eng.busy_seconds + (now - eng.busy_since if eng.busy_since else 0.0)
+                    busy_total += busy
+                    span_total += now - max(self.started_at, eng.up_at or self.started_at)
                 engines.append(P.EngineInfo(
                     engine_id=decl.engine_id, worker_id=w.worker_id, kind=decl.kind, model=decl.model,
                     ready=w.ready, running=sorted({t.job_id for t in eng.running.values()}) if eng else [],
@@ -433,7 +439,8 @@ class Daemon:
                     busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
                     tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
                     swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {})))
-        bubble = self.sched.bubble_ratio(now, self.started_at) if self.sched.engines else None
+        # idle share of engine time since this daemon started (running totals: no scan of past tasks)
+        bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
         marks = self.telemetry.marks_since(self.started_at) if body.timeline else []
         self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now, policy=self.policy,

@@ -1,7 +1,7 @@
-"""The swap and daemon benchmarks still run, in ``--quick`` mode, and write JSON of the shape
-README's results table is generated from. Benchmarks are programs, not tests: nothing here
-asserts on a time, a throughput figure or whether a target was met, only that the numbers
-are there and sane."""
+"""The swap, daemon, overhead and status-load benchmarks still run, in ``--quick`` mode, and
+write JSON of the shape README's results table is generated from. Benchmarks are programs,
+not tests: nothing here asserts on a time, a throughput figure or whether a target was met,
+only that the numbers are there and sane."""
 
 from __future__ import annotations
 
@@ -66,3 +66,28 @@ def test_overhead_quick_runs_the_same_job_in_process_and_through_the_daemon(tmp_
     assert result["in_process_step_s"] > 0 and result["daemon_step_s"] > 0
     assert result["overhead"] == pytest.approx(result["daemon_step_s"] / result["in_process_step_s"] - 1)
     assert result["same_rewards"] is True  # the same loop on the same engines learns the same
+
+
+def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path) -> None:
+    result = run_quick("status_load.py", tmp_path / "status_load.json")
+    assert result["quick"] is True and result["rounds"] == 1
+    phases = result["phases"]
+    assert [(p["phase"], p["status_load"]) for p in phases] == [
+        ("baseline-1", False), ("load-1", True), ("baseline-2", False)]
+    for phase in phases:
+        assert set(phase["jobs"]) == set(result["jobs"])
+        for job in phase["jobs"].values():
+            assert job["steps"] == result["steps"] and job["timed_steps"] == result["steps"] - result["warmup"]
+            assert job["step_s_mean"] > 0
+    status = result["status"]
+    assert status["reported_procs"] == status["procs"] == 8  # every client process reported
+    assert status["ok"] > 0 and status["errors"] == 0 and status["timeouts"] == 0
+    assert status["ok"] <= status["sent"] and status["missed"] == status["offered"] - status["ok"]
+    lat = status["latency_ms"]
+    assert lat["count"] == status["ok"] and 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert all(s["count"] > 0 for s in status["latency_ms_by_call"].values())  # status() and status(NAME)
+    summary = result["summary"]
+    assert summary["ratio"] > 0 and summary["control_ratio"] >= 1
+    assert set(result["met"]) == {"rate", "no_errors", "bound", "fixed_bound"}
+    assert result["met"]["no_errors"] is True
+    assert summary["same_rewards"] is True  # the status load does not change what the jobs learn

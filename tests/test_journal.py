@@ -20,3 +20,18 @@ def test_submit_is_idempotent_and_durable(tmp_path):
     assert [x.job_id for x in j2.jobs(("queued",))] == [c]
     mode = j2.db.execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+
+
+def test_reads_served_from_memory_match_the_database(tmp_path):
+    j = Journal(tmp_path / "journal.db")
+    ids = [j.submit(f"s{i}", f"n{i % 3}", "alice", {"i": i}, steps=5, priority=i)[0] for i in range(7)]
+    j.update(ids[2], state="running", step=2, reward=0.25)
+    j.update(ids[5], state="failed", error="boom", ended_at=1.0)
+    fresh = Journal(tmp_path / "journal.db")  # reads SQLite only
+    assert j.jobs() == fresh.jobs() and len(j.jobs()) == 7
+    assert j.jobs(("running", "failed")) == fresh.jobs(("running", "failed")) == [j.job(ids[2]), j.job(ids[5])]
+    assert j.find("n1") == fresh.find("n1") == ids[4]
+    assert j.find(ids[3]) == ids[3] and j.find("nope") is None
+    before = j.job(ids[0])
+    j.update(ids[0], state="running")
+    assert before.state == "queued"  # a row handed out earlier does not change under its reader
