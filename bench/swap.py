@@ -23,12 +23,13 @@ nvme->host              ``prefetch``: the verified reader          read of that 
 
 The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
 O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
-store uses (``state_store.IO_DEPTH``). Same conditions on both sides: one file per copy, the
-same bytes (rounded up to 4 KiB), the same number of repetitions interleaved; every write
-ends with ``fdatasync``; every read is cold (the file's pages are dropped from the page cache
-with ``posix_fadvise(DONTNEED)`` first, or O_DIRECT bypasses it); reads land in a reused,
-already faulted-in, page-aligned buffer of the full size (the store reads into its host
-buffer pool, warm after the first round, which is not timed).
+store's writes use (``state_store.IO_DEPTH``; its reads keep ``READ_AHEAD`` in flight). Same
+conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
+number of repetitions interleaved; every write ends with ``fdatasync``; every read is cold
+(the file's pages are dropped from the page cache with ``posix_fadvise(DONTNEED)`` first, or
+O_DIRECT bypasses it); reads land in a reused, already faulted-in, page-aligned buffer of the
+full size (the store reads into its host buffer pool, warm after the first round, which is
+not timed).
 
 Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
 model, about 0.4 MB with its AdamW moments); ``optimizer`` (128 MiB) and ``full`` (1 GiB,
@@ -42,9 +43,12 @@ runs, for the paths and the raw figures alike, with torch on ``--threads`` threa
 >= 80 % of its raw figure.
 
 Without CUDA the "device" is host memory too: device->host is ``export_state`` copying the
-live tensors into fresh host buffers and host->device is ``import_state`` copying them back
-into fresh tensors; the raw figure is memcpy into a preallocated, faulted-in buffer, and
-``% of clone`` compares with allocate-and-copy (what the trainer's export and import do).
+live tensors into a host buffer from the store's pool and host->device is ``import_state``
+copying them back into a device buffer from the engine's pool (both reused from the previous
+round); the raw figure is memcpy into a preallocated, faulted-in buffer, and ``% of clone``
+compares with allocate-and-copy (what a swap into fresh memory would cost). ``host_pool`` and
+``device_pool`` in the JSON count the buffers each pool made (and their bytes: the two tiny
+filler jobs' buffers come and go, the state's are made once) and reused.
 
 It also reports the share of swap time hidden behind other jobs' compute in the multiplex
 benchmark (``bench/results/multiplex.json``): from the trainer's swap counters per mode,
@@ -365,6 +369,8 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
              reps: int) -> dict[str, Any]:
     """``reps`` rounds of the cycle (after one untimed warm-up round: the host buffer pool,
     the allocator, the parked adapters), each beside the raw memory and file figures."""
+    device_pool = trainer._device_pool  # the trainer's, shared by the sizes: counted for this one
+    device_before = (device_pool.allocated, device_pool.allocated_bytes, device_pool.reused)
     cycle = SwapCycle(trainer, lora, config, nvme_dir / "store", name)
     small = cycle.nbytes < SMALL_BYTES  # cheap and noisy: repeat more
     raw_mem = RawMemory(cycle.nbytes)
@@ -394,7 +400,10 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
     gc.collect()
     pool = cycle.store._pool
     return {"size": name, "lora_rank": lora.rank, "bytes": cycle.nbytes, "paths": paths_of(samples),
-            "host_pool": {"allocated": pool.allocated, "reused": pool.reused},
+            "host_pool": {"allocated": pool.allocated, "allocated_bytes": pool.allocated_bytes, "reused": pool.reused},
+            "device_pool": {"allocated": device_pool.allocated - device_before[0],
+                            "allocated_bytes": device_pool.allocated_bytes - device_before[1],
+                            "reused": device_pool.reused - device_before[2]},
             "samples": {key: s.to_json() for key, s in samples.items()}}
 
 

@@ -10,6 +10,7 @@ another thread is safe; and the inventory and swap statistics add up to the copi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -486,6 +487,91 @@ def test_pooled_buffers_carry_copies_of_different_sizes_exactly(model_dir: str, 
         assert_like_alone(trainer, order[0], saved[order[0]])
     assert store.inventory()["swaps"]["nvme->host"]["count"] > 0
     assert store._pool.reused > 0
+
+
+def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_dir: str) -> None:
+    """A copy is one flat buffer that the caller's pool gives (every tensor a view into it), and
+    on CPU a job imported after another was released lands in that job's device buffer."""
+    trainer = engine(model_dir)
+    pool = HostBufferPool()
+    for job_id in ("j0", "j3"):
+        trainer.ensure_job(job_id, *JOBS[job_id][:2])
+        train(trainer, job_id, 0)
+    saved = {job_id: job_state(trainer, job_id) for job_id in ("j0", "j3")}
+    copies = {}
+    for job_id in ("j0", "j3"):
+        copies[job_id] = trainer.export_state(job_id, pool.take)
+        memory = copies[job_id].memory
+        start, end = memory.data_ptr(), memory.data_ptr() + memory.numel()
+        assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end for t in copies[job_id].tensors.values())
+        trainer.release(job_id)
+    trainer.import_state("j0", copies["j0"])
+    trainer.release("j0")  # j0's device buffer goes to the engine's pool
+    trainer.import_state("j3", copies["j3"])  # same LoRA shape: same size, so it lands there
+    trainer.import_state("j0", copies["j0"])
+    assert trainer._device_pool.reused >= 1
+    for job_id in ("j0", "j3"):
+        assert_like_alone(trainer, job_id, saved[job_id])
+        pool.give(copies[job_id].memory)
+    assert pool.allocated == 2
+
+
+def test_repeated_swaps_reuse_pooled_buffers(model_dir: str, tmp_path: Path) -> None:
+    """Three jobs of one size on one device slot, host room for one copy: every round each job
+    comes back from host or nvme and the one it evicts goes to host or nvme. After the first
+    round no swap allocates a buffer (the store's host pool and the engine's device pool serve
+    them all), and every job still comes back exactly as it left."""
+    lora = LoraConfig(rank=4, alpha=8)
+    size = StateStore.job_bytes(lora, config_json(model_dir))
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme")
+    jobs = ["p", "q", "r"]
+    saved = {}
+    for i, job_id in enumerate(jobs):
+        store.ensure_resident(job_id, lora, seed=i)
+        trainer.train_step(job_id, make_batch(i, rows=2), HP_SEQ)
+        saved[job_id] = job_state(trainer, job_id)
+
+    def pools() -> dict[str, int]:
+        counts = store.inventory()["swaps"]
+        return {
+            "host buffers made": store._pool.allocated,
+            "device buffers made": trainer._device_pool.allocated,
+            "host buffers reused - copies made": store._pool.reused
+            - sum(counts[d]["count"] for d in ("device->host", "device->nvme", "nvme->device")),
+            "device buffers reused - imports": trainer._device_pool.reused
+            - sum(counts[d]["count"] for d in ("host->device", "nvme->device")),
+        }
+
+    for round_ in range(4):
+        if round_ == 1:
+            after_first = pools()
+        for i, job_id in enumerate(jobs):
+            store.set_upcoming(jobs[i:] + jobs[:i])
+            store.ensure_resident(job_id, lora, seed=jobs.index(job_id))
+            assert_like_alone(trainer, job_id, saved[job_id])
+    swaps = store.inventory()["swaps"]
+    assert all(swaps[d]["count"] >= 4 for d in ("device->host", "device->nvme", "host->device", "nvme->device"))
+    assert pools() == after_first  # since: nothing made, every copy and import in a reused buffer
+    for job_id in jobs:
+        store.drop(job_id)
+
+
+def test_a_copy_over_other_memory_is_written_through_bounce_buffers(model_dir: str, tmp_path: Path) -> None:
+    """A copy whose tensors are not laid out as its file (no one buffer under them) is
+    gathered chunk by chunk and reads back exactly."""
+    trainer = engine(model_dir)
+    trainer.ensure_job("j0", *JOBS["j0"][:2])
+    train(trainer, "j0", 0)
+    copy = trainer.export_state("j0")
+    buffers = {name: buffer.clone() for name, buffer in copy.buffers.items()}
+    tensors = {name: t.clone() for name, t in copy.tensors.items()}  # not views of the buffers: still a copy
+    elsewhere = dataclasses.replace(copy, tensors=tensors, buffers=buffers, memory=None)
+    assert state_store._file_image(elsewhere, elsewhere.segments(), elsewhere.nbytes) is None
+    state_store._write_copy_dir(tmp_path / "j0", elsewhere)
+    back, buffer = state_store._read_copy(tmp_path / "j0", "j0", HostBufferPool())
+    assert_exactly_equal(copy.tensors, back.tensors, "tensors")
+    assert back.memory is buffer
 
 
 # ---------------------------------------------------------------- sizing

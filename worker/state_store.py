@@ -9,27 +9,38 @@ exactly one of three tiers:
 - ``host``: a ``JobStateCopy`` in host memory (pinned when CUDA is available), up to
   ``host_bytes`` in all;
 - ``nvme``: the same copy in a node-local directory, one sub-directory per job holding
-  ``tensors.safetensors`` (every tensor, a valid safetensors file) and ``manifest.json`` (LoRA
-  config, seed, sizes, the optimizer's hyper-parameters and the copy's layout, a crc32 of each
-  8 MiB chunk of the tensor file, and the sha256 of the manifest itself), up to ``nvme_bytes``
-  in all. A copy is written into a temp directory beside
-  its final name and renamed, so it exists only once complete; it is verified when read, and a
-  corrupt copy raises ``CorruptCopyError`` and is never imported.
+  ``tensors.safetensors`` (every tensor, a valid safetensors file whose data section starts on
+  a page) and ``manifest.json`` (LoRA config, seed, sizes, the optimizer's hyper-parameters and
+  the copy's layout, a crc32 of the tensor file's head and of each 8 MiB chunk of its data
+  section; its first field is the sha256 of the rest, as written), up to ``nvme_bytes`` in
+  all. A copy is written into a temp directory beside its final name and renamed, so it exists
+  only once complete; it is verified when read, and a corrupt copy raises
+  ``CorruptCopyError`` and is never imported.
 
-How a copy moves fast (``bench/swap.py`` holds it against raw sequential file I/O). The tensor
-file is one stream of the copy's buffers' bytes (no serialisation) cut into 8 MiB chunks, each
-with its own crc32 (zlib's, which releases the GIL and is about twice as fast as sha256 here:
-a 2-core machine cannot sha256 at disk speed). Writes: ``WRITE_BOUNCES`` requests in flight
-on the copy-I/O threads, each gathering its chunk into a reused page-aligned bounce buffer,
-checksumming it and writing it with O_DIRECT where the filesystem takes it (buffered
-elsewhere, e.g. tmpfs, and then dropped from the page cache). Reads: one sequential buffered
-reader (the kernel's readahead keeps the disk busy; on the disk this was measured on it beat
-O_DIRECT reads, ``READ_DIRECT`` switches to those) with the checksums on a side thread,
-into a reused page-aligned host buffer (``HostBufferPool``, pinned when CUDA is available)
-that becomes the host copy's memory and goes back to the pool once the copy is imported,
-demoted or dropped. A copy costs one ``fdatasync``, of the tensor file: nvme copies are
-scratch that never outlives the process (see below), so the manifest and the directory are
-not synced; the sync is there so that a demoted copy really left host memory.
+How a copy moves fast (``bench/swap.py`` holds it against memcpy and raw sequential file I/O).
+A host copy is one flat page-aligned buffer from the store's ``HostBufferPool`` (pinned when
+CUDA is available) holding the copy's tensors back to back exactly as the tensor file's data
+section does: ``export_state`` copies a leaving job into one, a read from nvme lands in one,
+and it goes back to the pool once the copy is imported, demoted or dropped (on CPU the engine
+likewise reuses released jobs' device buffers), so a swap neither allocates nor faults in fresh
+pages. The data section is cut into 8 MiB chunks, each with its own crc32 (zlib's, which
+releases the GIL and is about twice as fast as sha256 here: a 2-core machine cannot sha256 at
+disk speed). Files are read and written with O_DIRECT where the filesystem takes it (buffered
+elsewhere, e.g. tmpfs, a written file then dropped from the page cache). Writes: straight from
+the copy's buffer, the file's head in front of the first chunk, one request per chunk on the
+copy-I/O threads, each checksumming its chunk; the calling thread writes the last chunk while
+the crc thread checksums it (a copy over other memory is gathered through ``WRITE_BOUNCES``
+bounce buffers). Reads: the head with the first chunk, then, once the head is checked and the
+copy laid over a pool buffer, the other chunks in order, ``READ_AHEAD`` in flight on the
+copy-I/O threads, each one's checksum on the crc thread as it lands (the reader takes over
+those not started when all have landed). Reading with O_DIRECT (``READ_DIRECT``) keeps no
+page-cache copy of a file that is deleted once read; on the VM disk this was measured on,
+buffered reads of a 1 GiB copy ran at 55-75 % of raw whenever the page cache's pages had to be
+faulted back in. A copy costs one ``fdatasync``, of the tensor file: nvme copies are scratch
+that never outlives the process (see below), so the manifest and the directory are not synced;
+the sync is there so that a demoted copy really left host memory. The manifest is encoded once
+(msgspec) and its sha256 checked over the bytes read, nothing encoded again: a small copy's
+fixed cost is mostly file-system calls and a few microseconds per tensor.
 
 ``ensure_resident`` (called before each trainer call of a job) makes room on the device by
 evicting the resident job needed least soon according to the latest ``set_upcoming`` (ties:
@@ -81,10 +92,10 @@ from __future__ import annotations
 
 import base64
 import bisect
+import contextlib
 import errno
 import hashlib
 import io
-import json
 import logging
 import math
 import os
@@ -92,7 +103,6 @@ import queue
 import re
 import shutil
 import struct
-import tempfile
 import threading
 import time
 import uuid
@@ -101,6 +111,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -111,9 +122,12 @@ from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
 from worker.trainer import (
     NO_SPACE_ERRNOS,
+    PAGE_BYTES,
+    BufferPool,
     JobConfigError,
     JobStateCopy,
     TrainerEngine,
+    aligned_host_buffer,
     free_bytes,
     lora_signature,
     no_space_reason,
@@ -125,16 +139,17 @@ DEVICE, HOST, NVME = "device", "host", "nvme"
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
 _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
-COPY_FORMAT = "plexrl.job-state/2"
+COPY_FORMAT = "plexrl.job-state/3"
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
+MANIFEST_HEAD = b'{"manifest_sha256":"'  # how a manifest starts: its sha256 comes first
 COPY_FILES = (TENSORS_FILE,)  # checksummed by MANIFEST_FILE
-IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of the tensor file
-IO_DEPTH = 8  # file requests in flight (the copy-I/O threads): a chunk's checksum holds its slot
-WRITE_BOUNCES = 4  # page-aligned chunk buffers that writes stream through (so <= 4 writes in flight)
-DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
-READ_DIRECT = False  # reads: buffered and sequential (see _read_verified_tensor), not O_DIRECT
-POOL_KEEP = 2  # free host buffers the pool keeps for the next reads from nvme
+IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of the tensor file's data section
+IO_DEPTH = 8  # requests in flight (the copy-I/O threads); a write's checksum holds its slot
+WRITE_BOUNCES = 4  # page-aligned chunk buffers a copy over other memory is written through (<= 4 in flight)
+DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+READ_AHEAD = 4  # chunk reads in flight on the copy-I/O threads, ahead of their checksums
+READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the module docstring), else buffered
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -273,7 +288,7 @@ class StateStore:
         self._upcoming: dict[str, int] = {}
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
-        self._pool = HostBufferPool(pinned=_pin_if_cuda())
+        self._pool = HostBufferPool(pinned=_pin_if_cuda())  # host copies: exported, or read from nvme
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
         self._nvme_nospace = 0  # nvme writes that failed for lack of space
         self._nvme_full_at: float | None = None  # clock time of the latest such failure
@@ -479,15 +494,20 @@ class StateStore:
             host_credit = 0
 
     def _evict(self, victim: _Record, host_credit: int, moves: _Moves) -> None:
-        """Copy the victim off the device, place the copy (demoting others if needed), release it."""
+        """Copy the victim off the device into a pool buffer, place the copy (demoting others if
+        needed), release it."""
         started = self._clock()
-        state = self.trainer.export_state(victim.job_id)
+        state = self.trainer.export_state(victim.job_id, self._pool.take)
         export_seconds = self._clock() - started
-        with self._cond:
-            placement = self._place_or_wait(victim, state.nbytes, host_credit)
-            victim.moving_to, victim.nbytes = placement.tier, state.nbytes  # reserve the copy's size
-            for demoted in placement.demote:
-                demoted.moving_to = NVME
+        try:
+            with self._cond:
+                placement = self._place_or_wait(victim, state.nbytes, host_credit)
+                victim.moving_to, victim.nbytes = placement.tier, state.nbytes  # reserve the copy's size
+                for demoted in placement.demote:
+                    demoted.moving_to = NVME
+        except BaseException:
+            self._give_back(state)
+            raise
         tier, write_seconds = placement.tier, 0.0
         pending = [victim, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
@@ -505,16 +525,24 @@ class StateStore:
                 tier = self._spill_to_host(victim, state.nbytes)
         except BaseException:
             self._unmark(pending)
+            self._give_back(state)
             raise
         self.trainer.release(victim.job_id)
         with self._cond:
             victim.tier, victim.moving_to, victim.nbytes = tier, None, state.nbytes
             victim.host_copy = state if tier == HOST else None
-            victim.host_buffer = None  # export_state's own memory, not the pool's
+            victim.host_buffer = state.memory if tier == HOST else None
             self._swaps[f"device->{tier}"].add(state.nbytes, export_seconds + write_seconds)
             self._cond.notify_all()
+        if tier == NVME:  # written: its buffer is free again
+            self._give_back(state)
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
+
+    def _give_back(self, state: JobStateCopy) -> None:
+        """An exported copy that is not kept: its buffer goes back to the pool."""
+        if state.memory is not None:
+            self._pool.give(state.memory)
 
     def _spill_to_host(self, victim: _Record, nbytes: int) -> str:
         """After nvme ran out of space for the victim's copy or for the demotions that made room:
@@ -721,7 +749,7 @@ class StateStore:
         return _read_copy(self._job_dir(record.job_id), record.job_id, self._pool)
 
     def _delete_nvme(self, job_id: str) -> None:
-        shutil.rmtree(self._job_dir(job_id), ignore_errors=True)
+        _delete_copy_dir(self._job_dir(job_id))
 
 
 # ---------------------------------------------------------------- module helpers
@@ -738,56 +766,10 @@ def _pin_if_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# ---------------------------------------------------------------- host buffers
+HostBufferPool = BufferPool  # the store's host copies live in its buffers (pinned when CUDA is available)
 
 
-class HostBufferPool:
-    """Reusable page-aligned host buffers (pinned when CUDA is available) that copies read
-    from nvme land in, so a swap neither allocates (nor pins) nor faults in fresh pages.
-
-    ``take(n)`` returns a free buffer of at least ``n`` bytes (at most twice that, so a small
-    copy does not sit on a big buffer) or a new one; ``give`` takes it back once nothing views
-    it any more. It keeps at most ``keep`` free buffers (the largest), outside the host tier's
-    accounting: at most ``keep`` times the largest state. Thread-safe.
-    """
-
-    def __init__(self, pinned: bool = False, keep: int = POOL_KEEP) -> None:
-        self.pinned = pinned
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        self.allocated = 0  # buffers made, for tests and benchmarks
-        self.reused = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 buffer of at least ``nbytes`` (a multiple of DIRECT_ALIGN), page-aligned."""
-        size = _round_up(max(nbytes, 1), DIRECT_ALIGN)
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if size <= b.numel() <= 2 * size]
-            if fits:
-                self.reused += 1
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            self.allocated += 1
-        return _aligned_empty(size, self.pinned)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            if any(b is buffer for b in self._free):
-                return
-            self._free.append(buffer)
-            self._free.sort(key=lambda b: -b.numel())
-            del self._free[self.keep :]
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() for b in self._free)
-
-
-def _aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:
-    """Uninitialised uint8 host memory whose first byte is DIRECT_ALIGN-aligned."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pinned)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[skip : skip + nbytes]
+# ---------------------------------------------------------------- file I/O
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -829,7 +811,7 @@ def _bounce_buffers() -> queue.Queue[torch.Tensor]:
         if _bounces is None:
             _bounces = queue.Queue()
             for _ in range(WRITE_BOUNCES):
-                _bounces.put(_aligned_empty(IO_CHUNK_BYTES, pinned=False))
+                _bounces.put(aligned_host_buffer(IO_CHUNK_BYTES))
         return _bounces
 
 
@@ -840,7 +822,7 @@ def _direct_io_works(directory: Path) -> bool:
     if device in _direct_ok:
         return _direct_ok[device]
     probe = directory / f".direct-probe-{uuid.uuid4().hex[:8]}"
-    block = _aligned_empty(DIRECT_ALIGN, pinned=False).fill_(0)
+    block = aligned_host_buffer(DIRECT_ALIGN).fill_(0)
     works = hasattr(os, "O_DIRECT")
     try:
         if works:
@@ -888,10 +870,10 @@ def _write_copy_dir(job_dir: Path, state: JobStateCopy) -> None:
     Only the tensor file is synced (once): the copy is scratch that never outlives the process,
     so the rename need not be durable, only atomic for the store's own readers."""
     job_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{job_dir.name}.tmp-", dir=job_dir.parent))
+    tmp = job_dir.with_name(f".{job_dir.name}.tmp-{uuid.uuid4().hex[:12]}")
+    os.mkdir(tmp, 0o755)  # a fresh name: it fails rather than reuse anything
     try:
         _write_copy_files(tmp, state)
-        os.chmod(tmp, 0o755)
         if job_dir.exists():  # not expected: copies are deleted when they leave nvme
             old = job_dir.with_name(f".{job_dir.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(job_dir, old)
@@ -923,8 +905,7 @@ def _write_copy_files(directory: Path, state: JobStateCopy) -> None:
         "files": files,
         "meta": _to_json(meta),
     }
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, sort_keys=True))
+    (directory / MANIFEST_FILE).write_bytes(_encode_manifest(manifest))
 
 
 def _to_json(value: Any) -> Any:
@@ -959,25 +940,35 @@ def _from_json(value: Any) -> Any:
     raise ValueError(f"unknown tag {tag!r} in the copy's metadata")
 
 
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    """sha256 of the manifest's own fields (all but this one), so it is checked like the files."""
-    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+def _encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The manifest as one JSON object whose first field, ``manifest_sha256``, is the sha256 of
+    the others as written (``{`` and the bytes after that field), so a reader checks the bytes
+    it read without encoding anything again."""
+    body = msgspec.json.encode(manifest)
+    return b"%s%s\",%s" % (MANIFEST_HEAD, hashlib.sha256(body).hexdigest().encode(), body[1:])
 
 
-def _file_segments(state: JobStateCopy) -> list[tuple[list[str], torch.Tensor]]:
-    """What the data section holds, in order: each buffer (its members back to back), then
-    each standalone tensor; widest dtypes first, so every tensor stays aligned."""
-    segments = [(members, state.buffers[name]) for name, members in state.layout.items()]
-    in_buffers = state.buffer_members()
-    segments += [([name], t) for name, t in state.tensors.items() if name not in in_buffers]
-    return sorted(segments, key=lambda segment: -segment[1].element_size())
+def _decode_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest's fields (without the digest), once the digest matches; else CorruptCopyError."""
+    digest_end = len(MANIFEST_HEAD) + 64
+    if not data.startswith(MANIFEST_HEAD) or data[digest_end : digest_end + 2] != b'",':
+        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
+    body = b"{" + data[digest_end + 2 :]
+    if hashlib.sha256(body).hexdigest().encode() != data[len(MANIFEST_HEAD) : digest_end]:
+        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} does not match its sha256 (corrupt)")
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise CorruptCopyError(f"{where}: unreadable {MANIFEST_FILE} ({exc})".replace("\n", " ")) from None
 
 
 def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
-    """A valid safetensors file written from the copy's buffers as one stream (their bytes,
-    viewed, not serialised); its crc32 per chunk is computed as it is written."""
-    segments = _file_segments(state)
+    """A valid safetensors file of the copy: its head (size, JSON header padded with spaces so
+    that the data section starts on a page), then the data section, the copy's segments back
+    to back (their bytes, not serialised). Returns the file's manifest record: its size, the
+    head's size and crc32, and the crc32 of each IO_CHUNK_BYTES chunk of the data section,
+    computed as it is written."""
+    segments = state.segments()
     header: dict[str, Any] = {"__metadata__": {"format": COPY_FORMAT}}
     offset = 0
     for members, _ in segments:
@@ -990,12 +981,12 @@ def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
                 "data_offsets": [offset, offset + size],
             }
             offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # keeps the data section 8-byte aligned
-    head = torch.frombuffer(bytearray(struct.pack("<Q", len(header_bytes)) + header_bytes), dtype=torch.uint8)
-    pieces = [head, *(_byte_view(t) for _, t in segments)]
-    crcs, written = _write_stream(path, pieces)
-    return {"bytes": written, "chunk_bytes": IO_CHUNK_BYTES, "crc32_chunks": crcs}
+    header_bytes = msgspec.json.encode(header)
+    header_bytes += b" " * (-(8 + len(header_bytes)) % DIRECT_ALIGN)
+    head = struct.pack("<Q", len(header_bytes)) + header_bytes
+    crcs = _write_stream(path, head, [_byte_view(t) for _, t in segments], _file_image(state, segments, offset))
+    return {"bytes": len(head) + offset, "data_offset": len(head), "header_crc32": zlib.crc32(head),
+            "chunk_bytes": IO_CHUNK_BYTES, "crc32_chunks": crcs}
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -1003,11 +994,28 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _write_stream(path: Path, pieces: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Write the concatenation of ``pieces`` (flat uint8 host tensors) as a new file, in
-    IO_CHUNK_BYTES requests with WRITE_BOUNCES in flight, then fdatasync it (and drop it from the
-    page cache when written buffered, so it does not stay in host memory). Returns the crc32
-    of each chunk and the file's size."""
+def _file_image(state: JobStateCopy, segments: list[tuple[list[str], torch.Tensor]],
+                nbytes: int) -> torch.Tensor | None:
+    """The copy's memory when it holds the data section as it is (its segments back to back
+    from its first byte, page-aligned, with room for O_DIRECT's padding), else None."""
+    memory = state.memory
+    if memory is None or memory.data_ptr() % DIRECT_ALIGN or memory.numel() < _round_up(nbytes, DIRECT_ALIGN):
+        return None
+    at = memory.data_ptr()
+    for _, segment in segments:
+        if segment.data_ptr() != at:
+            return None
+        at += segment.numel() * segment.element_size()
+    return memory
+
+
+def _write_stream(path: Path, head: bytes, pieces: list[torch.Tensor], image: torch.Tensor | None) -> list[int]:
+    """Write ``head`` (whole pages) then the concatenation of ``pieces`` (flat uint8 host tensors)
+    as a new file, and fdatasync it (and drop it from the page cache when written buffered, so
+    it does not stay in host memory). The data goes in IO_CHUNK_BYTES requests (the first one
+    with the head in front), straight from ``image`` (the pieces' own memory, see
+    ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers in
+    flight. Returns the crc32 of each chunk of the data."""
     ends = [0]
     for piece in pieces:
         ends.append(ends[-1] + piece.numel())
@@ -1016,27 +1024,47 @@ def _write_stream(path: Path, pieces: list[torch.Tensor]) -> tuple[list[int], in
     futures: list[Future[int]] = []
     try:
         if direct:
-            os.ftruncate(fd, _round_up(total, DIRECT_ALIGN))  # requests within the size run in parallel
-        bounces = _bounce_buffers()
-        starts = range(0, total, IO_CHUNK_BYTES)
+            os.ftruncate(fd, len(head) + _round_up(total, DIRECT_ALIGN))  # requests within the size run in parallel
+        if direct and image is not None:
+            image[total : _round_up(total, DIRECT_ALIGN)].zero_()  # the last request's padding
+        image_view = memoryview(image.numpy()) if image is not None else None
+        head_view = _page_aligned(head) if direct else memoryview(head)
+        starts = _chunk_starts(total)
         last: list[int] = []
         for start in starts:
             end = min(start + IO_CHUNK_BYTES, total)
-            request = (fd, direct, bounces.get(), _pieces_between(pieces, ends, start, end), start, end - start)
-            if start == starts[-1]:  # the last on this thread: a one-chunk copy needs no thread hop
-                last.append(_write_chunk(*request))
+            if image_view is not None:
+                write = partial(_write_span, fd, direct, image_view[start:])
             else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
-                futures.append(_io_threads().submit(_write_chunk, *request))
+                write = partial(_write_chunk, fd, direct, _bounce_buffers().get(),
+                                _pieces_between(pieces, ends, start, end))
+            args = (len(head) + start, end - start, head_view if start == 0 else None)
+            if start == starts[-1]:  # the last on this thread (a one-chunk copy needs no I/O thread)
+                last.append(write(*args, crc_aside=True))
+            else:
+                futures.append(_io_threads().submit(write, *args))
         crcs = _finish(futures) + last
-        if direct:
-            os.ftruncate(fd, total)  # the last request was padded to the alignment
+        if direct and total % DIRECT_ALIGN:
+            os.ftruncate(fd, len(head) + total)  # the last request was padded to the alignment
         os.fdatasync(fd)
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         wait_all(futures)
         os.close(fd)
-    return crcs, total
+    return crcs
+
+
+def _chunk_starts(nbytes: int) -> range:
+    """Where the checksummed chunks of a data section of ``nbytes`` start (one, empty, if none)."""
+    return range(0, max(nbytes, 1), IO_CHUNK_BYTES)
+
+
+def _page_aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned memory (what O_DIRECT writes from)."""
+    view = memoryview(aligned_host_buffer(len(data)).numpy())
+    view[:] = data
+    return view
 
 
 def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end: int) -> list[torch.Tensor]:
@@ -1054,176 +1082,242 @@ def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end
 
 
 def _write_chunk(fd: int, direct: bool, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int,
-                 nbytes: int) -> int:
-    """Gather ``parts`` into the bounce buffer, checksum them, write them at ``offset``."""
+                 nbytes: int, head: memoryview | None = None, crc_aside: bool = False) -> int:
+    """Gather ``parts`` into the bounce buffer, then ``_write_span`` it at ``offset``."""
     try:
         at = 0
         for part in parts:
             bounce[at : at + part.numel()].copy_(part)
             at += part.numel()
-        view = memoryview(bounce.numpy())
-        crc = zlib.crc32(view[:nbytes])
-        _pwrite_all(fd, view[: _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes], offset)
-        return crc
+        return _write_span(fd, direct, memoryview(bounce.numpy()), offset, nbytes, head, crc_aside)
     finally:
         _bounce_buffers().put(bounce)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+def _write_span(fd: int, direct: bool, view: memoryview, offset: int, nbytes: int, head: memoryview | None = None,
+                crc_aside: bool = False) -> int:
+    """Write the first ``nbytes`` of ``view`` at ``offset`` (O_DIRECT: padded to the alignment,
+    ``view`` has the room), behind ``head`` when given (it ends at ``offset``: one request);
+    return their crc32. ``crc_aside``: the checksum runs on the crc thread while this one writes
+    (or here after all, if that thread has not started it by then)."""
+    data = view[:nbytes]
+    pending = _crc_thread().submit(zlib.crc32, data) if crc_aside else None
+    try:
+        crc = zlib.crc32(data) if pending is None else 0
+        buffers = [view[: _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes]]
+        if head is not None:
+            buffers.insert(0, head)
+            offset -= len(head)
+        _pwrite_all(fd, buffers, offset)
+        if pending is None:
+            return crc
+        return zlib.crc32(data) if pending.cancel() else pending.result()
+    finally:
+        if pending is not None:
+            wait_all([pending])  # it reads ``view``
+
+
+def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """Write ``buffers`` back to back at ``offset`` (one request when the kernel takes it whole)."""
+    while buffers:
+        written = os.pwritev(fd, buffers, offset)
+        offset += written
+        while buffers and written >= len(buffers[0]):
+            written -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and written:
+            buffers = [buffers[0][written:], *buffers[1:]]
+
+
+def _delete_copy_dir(job_dir: Path) -> None:
+    """Delete a copy's files and its directory (anything else in it too, by the slower way)."""
+    try:
+        for name in (TENSORS_FILE, MANIFEST_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(job_dir / name)
+        os.rmdir(job_dir)
+    except OSError:
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- reading a copy back
 
 
 def _read_copy(directory: Path, job_id: str, pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
-    """Read and verify a copy into a pool buffer; every failure is a one-line CorruptCopyError
-    (and the buffer goes back to the pool)."""
+    """Read and verify a copy into a pool buffer (its data section, which becomes the copy's
+    memory); every failure is a one-line CorruptCopyError (and the buffer goes back to the
+    pool). The copy's tensors are laid over the buffer before its bytes are read; it is
+    returned once every chunk's checksum matched."""
     where = f"nvme copy of job {job_id!r} at {directory}"
     manifest = _read_manifest(directory, where)
     if manifest.get("job_id") != job_id:
         raise CorruptCopyError(f"{where}: manifest is for job {manifest.get('job_id')!r}")
-    buffer, size = _read_verified_tensor(directory / TENSORS_FILE, manifest["files"][TENSORS_FILE], where, pool)
-    try:
-        meta = _from_json(manifest["meta"])
-        state = _copy_from_file(buffer[:size], meta, manifest)
-        if state.nbytes != manifest.get("nbytes"):
-            raise CorruptCopyError(f"{where}: holds {state.nbytes} bytes, manifest says {manifest.get('nbytes')}")
-    except CorruptCopyError:
-        pool.give(buffer)
-        raise
-    except Exception as exc:  # checksums matched: the writer or the format is at fault
-        pool.give(buffer)
-        raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
-    return state, buffer
+    return _read_tensor_file(directory / TENSORS_FILE, manifest, where, pool)
 
 
 def _read_manifest(directory: Path, where: str) -> dict[str, Any]:
     try:
-        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        data = (directory / MANIFEST_FILE).read_bytes()
     except FileNotFoundError:
         raise CorruptCopyError(f"{where}: no {MANIFEST_FILE} (missing or incomplete copy)") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CorruptCopyError(f"{where}: unreadable {MANIFEST_FILE} ({exc})".replace("\n", " ")) from None
+    manifest = _decode_manifest(data, where)
     if not isinstance(manifest, dict) or manifest.get("format") != COPY_FORMAT:
         raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
-    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} does not match its sha256 (corrupt)")
     files = manifest.get("files")
     if not isinstance(files, dict) or set(files) != set(COPY_FILES):
         raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
     return manifest
 
 
-def _read_verified_tensor(path: Path, record: dict[str, Any], where: str,
-                          pool: HostBufferPool) -> tuple[torch.Tensor, int]:
-    """The whole file in a pool buffer and its size, each chunk's crc32 checked: read by this
-    thread sequentially (checksums on the crc thread), or with READ_DIRECT as IO_DEPTH
-    O_DIRECT requests in flight that each check their own chunk."""
-    chunk_bytes, expected = record.get("chunk_bytes"), record.get("crc32_chunks")
-    if chunk_bytes != IO_CHUNK_BYTES or not isinstance(expected, list):
+def _read_tensor_file(path: Path, manifest: dict[str, Any], where: str,
+                      pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
+    """The copy in ``path``, verified, and the pool buffer that holds its data section, read
+    with O_DIRECT where the filesystem takes it (READ_DIRECT): the head with the first chunk
+    by this thread, then, once the head is checked and the copy laid over the buffer, the other
+    chunks in order, READ_AHEAD of them in flight on the copy-I/O threads, each one's checksum
+    handed to the crc thread as it lands (the last one's computed here)."""
+    record = manifest["files"][TENSORS_FILE]
+    expected, data_offset = record.get("crc32_chunks"), record.get("data_offset")
+    if record.get("chunk_bytes") != IO_CHUNK_BYTES or not isinstance(expected, list) \
+            or not isinstance(data_offset, int) or data_offset % DIRECT_ALIGN:
         raise CorruptCopyError(f"{where}: {MANIFEST_FILE} has no chunk checksums for {path.name}")
     try:
         fd, direct = _open_copy_file(path, write=False) if READ_DIRECT else (os.open(path, os.O_RDONLY), False)
     except OSError as exc:
         raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror})") from None
-    buffer = None
-    futures: list[Future[int]] = []
+    buffer = checksums = None
+    reads: list[Future[None]] = []  # chunks after the first, READ_AHEAD in flight
     try:
         size = os.fstat(fd).st_size
-        if size != record.get("bytes"):
+        if size != record.get("bytes") or size < data_offset:
             raise CorruptCopyError(f"{where}: {path.name} has {size} bytes, manifest says {record.get('bytes')}")
-        buffer = pool.take(size)
+        nbytes = size - data_offset
+        head, buffer = aligned_host_buffer(data_offset), pool.take(nbytes)
         view = memoryview(buffer.numpy())
-        starts = range(0, size, IO_CHUNK_BYTES)
-        if direct:  # requests in flight, each checksums its chunk
-            for start in starts[:-1]:
-                futures.append(_io_threads().submit(_read_chunk, fd, direct, view, start, IO_CHUNK_BYTES))
-            last = [_read_chunk(fd, direct, view, starts[-1], size - starts[-1])]  # no thread hop for one chunk
-        else:  # one sequential reader (the kernel's readahead keeps the disk busy), checksums on the threads
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for start in starts[:-1]:
-                _read_span(fd, view, start, IO_CHUNK_BYTES, IO_CHUNK_BYTES)
-                futures.append(_crc_thread().submit(zlib.crc32, view[start : start + IO_CHUNK_BYTES]))
-            _read_span(fd, view, starts[-1], size - starts[-1], size - starts[-1])
-            last = [zlib.crc32(view[starts[-1] : size])]
-        crcs = [*_finish(futures), *last]
-    except OSError as exc:
+        checksums = _Checksums(view)
+        starts = _chunk_starts(nbytes)
+        first = min(IO_CHUNK_BYTES, nbytes)  # read with the head: one request
+        _read_into(fd, [memoryview(head.numpy()), view[: _round_up(first, DIRECT_ALIGN) if direct else first]], 0,
+                   data_offset + first)
+        if zlib.crc32(memoryview(head.numpy())) != record.get("header_crc32"):
+            raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
+        try:  # the head matched: a failure here is the writer's or the format's
+            state = _copy_from_file(head, buffer, _from_json(manifest["meta"]), manifest)
+        except Exception as exc:
+            raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+        spans = [(start, min(start + IO_CHUNK_BYTES, nbytes)) for start in starts]
+        for index, (start, end) in enumerate(spans):
+            while len(reads) < min(index + READ_AHEAD, len(spans) - 1):  # reads[i]: spans[i + 1]
+                ahead, ahead_end = spans[len(reads) + 1]
+                request = _round_up(ahead_end - ahead, DIRECT_ALIGN) if direct else ahead_end - ahead
+                reads.append(_io_threads().submit(_read_into, fd, [view[ahead : ahead + request]], data_offset + ahead,
+                                                  ahead_end - ahead))
+            if index:  # (the first came with the head)
+                reads[index - 1].result()
+            if index == len(spans) - 1:
+                checksums.add_here(start, end)
+            else:
+                checksums.add_aside(start, end)
+        if checksums.result() != expected:
+            raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
+        if state.nbytes != manifest.get("nbytes"):
+            raise CorruptCopyError(f"{where}: holds {state.nbytes} bytes, manifest says {manifest.get('nbytes')}")
+    except BaseException as exc:
+        wait_all(reads)
+        if checksums is not None:
+            checksums.wait()  # no thread uses the buffer once it is back in the pool
         if buffer is not None:
             pool.give(buffer)
-        raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror or exc})") from None
-    except BaseException:
-        if buffer is not None:
-            wait_all(futures)
-            pool.give(buffer)
+        if isinstance(exc, OSError):
+            raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror or exc})") from None
         raise
     finally:
-        wait_all(futures)
         os.close(fd)
-    if crcs != expected:
-        pool.give(buffer)
-        raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
-    return buffer, size
+    return state, buffer
 
 
-def _read_chunk(fd: int, direct: bool, view: memoryview, offset: int, nbytes: int) -> int:
-    """Read bytes [offset, offset + nbytes) of the file into the same span of ``view``; their crc32."""
-    _read_span(fd, view, offset, nbytes, _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes)
-    return zlib.crc32(view[offset : offset + nbytes])
+class _Checksums:
+    """The crc32 of each chunk of a buffer: computed on the crc thread (``add_aside``) or here
+    (``add_here``), when ``result`` is asked for."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self._jobs: list[tuple[Future[int] | None, tuple[int, int]]] = []  # (pending on the crc thread, span)
+
+    def add_aside(self, start: int, end: int) -> None:
+        self._jobs.append((_crc_thread().submit(zlib.crc32, self.view[start:end]), (start, end)))
+
+    def add_here(self, start: int, end: int) -> None:
+        self._jobs.append((None, (start, end)))
+
+    def wait(self) -> None:
+        wait_all([future for future, _ in self._jobs if future is not None])
+
+    def result(self) -> list[int]:
+        """Every chunk's crc32, in order. Those the crc thread has not started yet are computed
+        here, newest first (it works from the oldest, so the two meet in between)."""
+        here: dict[int, int] = {}
+        for index in reversed(range(len(self._jobs))):
+            future, (start, end) = self._jobs[index]
+            if future is None or future.cancel():
+                here[index] = zlib.crc32(self.view[start:end])
+        return [here[i] if i in here else future.result() for i, (future, _) in enumerate(self._jobs)]
 
 
-def _read_span(fd: int, view: memoryview, offset: int, nbytes: int, request: int) -> None:
-    """Read bytes [offset, offset + nbytes) of the file into the same span of ``view``, asking
-    for ``request`` bytes (O_DIRECT: rounded up; the buffer has room for the padding)."""
+def _read_into(fd: int, buffers: list[memoryview], offset: int, nbytes: int) -> None:
+    """Fill ``buffers`` back to back from the file at ``offset`` until ``nbytes`` came (they may
+    hold more: O_DIRECT asks for whole pages)."""
     done = 0
     while done < nbytes:
-        count = os.preadv(fd, [view[offset + done : offset + request]], offset + done)
+        count = os.preadv(fd, buffers, offset + done)
         if not count:
             raise OSError(errno.EIO, "the file ended early")
         done += count
+        while buffers and count >= len(buffers[0]):
+            count -= len(buffers[0])
+            buffers = buffers[1:]
+        if count:
+            buffers = [buffers[0][count:], *buffers[1:]]
 
 
-def _copy_from_file(raw: torch.Tensor, meta: dict[str, Any], manifest: dict[str, Any]) -> JobStateCopy:
-    """Rebuild a JobStateCopy whose tensors and buffers are views into the file's bytes."""
-    header_size = struct.unpack("<Q", raw[:8].numpy().tobytes())[0]
-    header = json.loads(raw[8 : 8 + header_size].numpy().tobytes())
-    data = raw[8 + header_size :]
-
-    def span(name: str) -> tuple[int, int]:
-        begin, end = header[name]["data_offsets"]
-        return int(begin), int(end)
-
-    def view(name: str) -> torch.Tensor:
-        begin, end = span(name)
-        entry = header[name]
-        return data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
-
+def _copy_from_file(head: torch.Tensor, data: torch.Tensor, meta: dict[str, Any],
+                    manifest: dict[str, Any]) -> JobStateCopy:
+    """A JobStateCopy over ``data``, a buffer for the file's data section (read now or later),
+    laid out by the file's header (in ``head``): its memory, its tensors views into it."""
+    header_size = struct.unpack("<Q", head[:8].numpy().tobytes())[0]
+    header = msgspec.json.decode(memoryview(head[8 : 8 + header_size].numpy()))
     tensors: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     for buffer_name, members in meta["layout"].items():  # one split per buffer: cheaper than a view per member
-        spans = [span(name) for name in members]
-        if any(prev[1] != nxt[0] for prev, nxt in zip(spans, spans[1:])):
-            raise ValueError(f"buffer {buffer_name!r} is not contiguous in the file")
-        dtype = TORCH_DTYPES[header[members[0]]["dtype"]]
-        if any(TORCH_DTYPES[header[name]["dtype"]] != dtype for name in members):
-            raise ValueError(f"buffer {buffer_name!r} mixes dtypes")
-        buffer = data[spans[0][0] : spans[-1][1]].view(dtype)
-        sizes = [(end - begin) // buffer.element_size() for begin, end in spans]
-        for name, part in zip(members, buffer.split(sizes)):
-            tensors[name] = part.view(header[name]["shape"])
+        entries = [header[name] for name in members]
+        dtype_name = entries[0]["dtype"]
+        begin = at = entries[0]["data_offsets"][0]
+        for entry in entries:
+            if entry["dtype"] != dtype_name or entry["data_offsets"][0] != at:
+                raise ValueError(f"buffer {buffer_name!r} is not one run of one dtype in the file")
+            at = entry["data_offsets"][1]
+        buffer = data[begin:at].view(TORCH_DTYPES[dtype_name])
+        width = buffer.element_size()
+        parts = buffer.split([(e["data_offsets"][1] - e["data_offsets"][0]) // width for e in entries])
+        tensors.update(zip(members, [part.view(e["shape"]) for part, e in zip(parts, entries)]))
         buffers[buffer_name] = buffer
-    tensors = {name: tensors[name] if name in tensors else view(name) for name in meta["names"]}
+    for name in meta["names"]:
+        if name not in tensors:  # a standalone tensor
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            tensors[name] = data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
     return JobStateCopy(
         job_id=manifest["job_id"],
         lora=msgspec.convert(manifest["lora"], LoraConfig),
         seed=int(manifest["seed"]),
         weight_decay=float(manifest["weight_decay"]),
         param_keys=list(meta["param_keys"]),
-        tensors=tensors,
+        tensors={name: tensors[name] for name in meta["names"]},
         buffers=buffers,
         layout={name: list(members) for name, members in meta["layout"].items()},
         param_groups=meta["param_groups"],
         state_values=meta["state_values"],
+        memory=data,
     )
