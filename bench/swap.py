@@ -43,12 +43,14 @@ runs, for the paths and the raw figures alike, with torch on ``--threads`` threa
 >= 80 % of its raw figure.
 
 Without CUDA the "device" is host memory too: device->host is ``export_state`` copying the
-live tensors into a host buffer from the store's pool and host->device is ``import_state``
-copying them back into a device buffer from the engine's pool (both reused from the previous
-round); the raw figure is memcpy into a preallocated, faulted-in buffer, and ``% of clone``
-compares with allocate-and-copy (what a swap into fresh memory would cost). ``host_pool`` and
-``device_pool`` in the JSON count the buffers each pool made (and their bytes: the two tiny
-filler jobs' buffers come and go, the state's are made once) and reused.
+job's one flat device buffer into a host buffer from the store's pool and host->device is
+``import_state`` copying it back into the flat buffer its parked adapter kept (both reused
+from the previous round); the raw figure is memcpy into a preallocated, faulted-in buffer, and
+``% of clone`` compares with allocate-and-copy (what a swap into fresh memory would cost).
+``host_pool`` in the JSON counts the buffers the store's pool made (and their bytes: the two
+tiny filler jobs' buffers come and go, the state's are made once) and reused;
+``device_buffers`` the engine's flat device buffers made (new, or again after a parked one was
+freed) and the imports that found theirs kept.
 
 It also reports the share of swap time hidden behind other jobs' compute in the multiplex
 benchmark (``bench/results/multiplex.json``): from the trainer's swap counters per mode,
@@ -369,8 +371,8 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
              reps: int) -> dict[str, Any]:
     """``reps`` rounds of the cycle (after one untimed warm-up round: the host buffer pool,
     the allocator, the parked adapters), each beside the raw memory and file figures."""
-    device_pool = trainer._device_pool  # the trainer's, shared by the sizes: counted for this one
-    device_before = (device_pool.allocated, device_pool.allocated_bytes, device_pool.reused)
+    slabs = trainer.slabs  # the trainer's, shared by the sizes: counted for this one
+    device_before = (slabs.allocated, slabs.allocated_bytes, slabs.reused)
     cycle = SwapCycle(trainer, lora, config, nvme_dir / "store", name)
     small = cycle.nbytes < SMALL_BYTES  # cheap and noisy: repeat more
     raw_mem = RawMemory(cycle.nbytes)
@@ -401,9 +403,9 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
     pool = cycle.store._pool
     return {"size": name, "lora_rank": lora.rank, "bytes": cycle.nbytes, "paths": paths_of(samples),
             "host_pool": {"allocated": pool.allocated, "allocated_bytes": pool.allocated_bytes, "reused": pool.reused},
-            "device_pool": {"allocated": device_pool.allocated - device_before[0],
-                            "allocated_bytes": device_pool.allocated_bytes - device_before[1],
-                            "reused": device_pool.reused - device_before[2]},
+            "device_buffers": {"allocated": slabs.allocated - device_before[0],
+                               "allocated_bytes": slabs.allocated_bytes - device_before[1],
+                               "reused": slabs.reused - device_before[2]},
             "samples": {key: s.to_json() for key, s in samples.items()}}
 
 

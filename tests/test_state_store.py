@@ -112,7 +112,7 @@ def config_json(model_dir: str) -> dict[str, Any]:
 
 
 def fresh_copy_bytes(model_dir: str) -> int:
-    """Bytes of an untrained job's copy (adapter + RNG, no AdamW moments yet) for ``ensure``'s default LoRA."""
+    """Bytes of an untrained job's copy (adapter, AdamW state, RNG) for ``ensure``'s default LoRA."""
     probe = engine(model_dir)
     probe.ensure_job("probe", LoraConfig(rank=2), seed=1)
     return probe.export_state("probe").nbytes
@@ -491,7 +491,7 @@ def test_pooled_buffers_carry_copies_of_different_sizes_exactly(model_dir: str, 
 
 def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_dir: str) -> None:
     """A copy is one flat buffer that the caller's pool gives (every tensor a view into it), and
-    on CPU a job imported after another was released lands in that job's device buffer."""
+    on CPU a job imported after another was released lands in that job's parked device buffer."""
     trainer = engine(model_dir)
     pool = HostBufferPool()
     for job_id in ("j0", "j3"):
@@ -506,10 +506,10 @@ def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_di
         assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end for t in copies[job_id].tensors.values())
         trainer.release(job_id)
     trainer.import_state("j0", copies["j0"])
-    trainer.release("j0")  # j0's device buffer goes to the engine's pool
+    trainer.release("j0")  # j0's device buffer stays with its parked adapter
     trainer.import_state("j3", copies["j3"])  # same LoRA shape: same size, so it lands there
     trainer.import_state("j0", copies["j0"])
-    assert trainer._device_pool.reused >= 1
+    assert trainer.slabs.reused >= 1
     for job_id in ("j0", "j3"):
         assert_like_alone(trainer, job_id, saved[job_id])
         pool.give(copies[job_id].memory)
@@ -519,7 +519,7 @@ def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_di
 def test_repeated_swaps_reuse_pooled_buffers(model_dir: str, tmp_path: Path) -> None:
     """Three jobs of one size on one device slot, host room for one copy: every round each job
     comes back from host or nvme and the one it evicts goes to host or nvme. After the first
-    round no swap allocates a buffer (the store's host pool and the engine's device pool serve
+    round no swap allocates a buffer (the store's host pool and the engine's parked slots serve
     them all), and every job still comes back exactly as it left."""
     lora = LoraConfig(rank=4, alpha=8)
     size = StateStore.job_bytes(lora, config_json(model_dir))
@@ -536,10 +536,10 @@ def test_repeated_swaps_reuse_pooled_buffers(model_dir: str, tmp_path: Path) -> 
         counts = store.inventory()["swaps"]
         return {
             "host buffers made": store._pool.allocated,
-            "device buffers made": trainer._device_pool.allocated,
+            "device buffers made": trainer.slabs.allocated,
             "host buffers reused - copies made": store._pool.reused
             - sum(counts[d]["count"] for d in ("device->host", "device->nvme", "nvme->device")),
-            "device buffers reused - imports": trainer._device_pool.reused
+            "device buffers reused - imports": trainer.slabs.reused
             - sum(counts[d]["count"] for d in ("host->device", "nvme->device")),
         }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,8 @@ def assert_exactly_equal(a: Any, b: Any, where: str = "") -> None:
     """Recursive bit-exact comparison of tensors / dicts / lists / scalars."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"tensors differ at {where}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"keys differ at {where}"
+    elif isinstance(a, Mapping):
+        assert isinstance(b, Mapping) and set(a) == set(b), f"keys differ at {where}"
         for key in a:
             assert_exactly_equal(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
@@ -409,6 +410,36 @@ def test_failed_write_leaves_no_temp_dirs(model_dir: str, tmp_path: Path) -> Non
 # ---------------------------------------------------------------- lifecycle
 
 
+def slot_storage(engine: TrainerEngine, job_id: str) -> set[int]:
+    """Data pointers of the storages under the job's parameters and AdamW state."""
+    tensors = [*engine.adapter_state_dict(job_id).values()]
+    tensors += [t for s in engine.optimizer_state_dict(job_id)["state"].values() for t in s.values()]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "foreach"])
+def test_adapter_and_adamw_state_stay_in_one_flat_buffer(model_dir: str, tmp_path: Path, foreach: bool) -> None:
+    """Parameters and AdamW's moments and step counts are views into one buffer, from creation,
+    through AdamW steps (either implementation) and a checkpoint restore."""
+    engine = TrainerEngine(model_dir, threads=2)
+    engine.ensure_job("A", LORA_A, seed=3)
+    engine._job("A").optimizer.param_groups[0]["foreach"] = foreach
+    state = engine.optimizer_state_dict("A")["state"]
+    assert len(state) == len(engine.adapter_state_dict("A")) and len(slot_storage(engine, "A")) == 1
+    assert len(engine._job("A").slot.runs) == 1  # on CPU a copy moves in one copy_
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in state.values())
+    for seed in (1, 2):
+        engine.train_step("A", make_batch(seed), HP_A)
+    assert len(slot_storage(engine, "A")) == 1
+    engine.save_checkpoint("A", str(tmp_path / "ckpt"), {})
+    before = {k: v.clone() for k, v in engine.adapter_state_dict("A").items()}
+    engine.train_step("A", make_batch(3), HP_A)
+    engine.load_checkpoint("A", str(tmp_path / "ckpt"), LORA_A, seed=3)
+    assert len(slot_storage(engine, "A")) == 1
+    assert_exactly_equal(before, engine.adapter_state_dict("A"))
+    assert all(float(s["step"]) == 2 for s in engine.optimizer_state_dict("A")["state"].values())
+
+
 def test_job_lifecycle_and_state_bytes(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
     lora = LoraConfig(rank=4)
@@ -416,10 +447,12 @@ def test_job_lifecycle_and_state_bytes(model_dir: str) -> None:
     engine.ensure_job("A", lora, seed=1)  # idempotent
     with pytest.raises(JobConfigError):
         engine.ensure_job("A", LoraConfig(rank=8), seed=1)
-    adapter_bytes = sum(t.numel() * t.element_size() for t in engine.adapter_state_dict("A").values())
-    assert engine.state_bytes("A") == adapter_bytes  # no moments before the first step
+    adapter = engine.adapter_state_dict("A")
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    full_bytes = 3 * adapter_bytes + 4 * len(adapter)  # weights + exp_avg + exp_avg_sq + step counts
+    assert engine.state_bytes("A") == full_bytes  # AdamW's state is there from the start
     engine.train_step("A", make_batch(1), TrainHParams())
-    assert engine.state_bytes("A") >= 3 * adapter_bytes  # weights + exp_avg + exp_avg_sq
+    assert engine.state_bytes("A") == full_bytes
     engine.ensure_job("B", lora, seed=2)
     assert engine.jobs() == ["A", "B"]
     engine.release("A")

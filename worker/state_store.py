@@ -22,7 +22,7 @@ A host copy is one flat page-aligned buffer from the store's ``HostBufferPool`` 
 CUDA is available) holding the copy's tensors back to back exactly as the tensor file's data
 section does: ``export_state`` copies a leaving job into one, a read from nvme lands in one,
 and it goes back to the pool once the copy is imported, demoted or dropped (on CPU the engine
-likewise reuses released jobs' device buffers), so a swap neither allocates nor faults in fresh
+likewise keeps released jobs' device buffers), so a swap neither allocates nor faults in fresh
 pages. The data section is cut into 8 MiB chunks, each with its own crc32 (zlib's, which
 releases the GIL and is about twice as fast as sha256 here: a 2-core machine cannot sha256 at
 disk speed). Files are read and written with O_DIRECT where the filesystem takes it (buffered
@@ -126,11 +126,14 @@ from worker.trainer import (
     BufferPool,
     JobConfigError,
     JobStateCopy,
+    SpecBuffers,
+    TensorViews,
     TrainerEngine,
     aligned_host_buffer,
     free_bytes,
     lora_signature,
     no_space_reason,
+    state_spec,
 )
 
 log = logging.getLogger(__name__)
@@ -973,11 +976,11 @@ def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
     offset = 0
     for members, _ in segments:
         for name in members:
-            tensor = state.tensors[name]
-            size = tensor.numel() * tensor.element_size()
+            dtype, shape = state.entry(name)
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {
-                "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-                "shape": list(tensor.shape),
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
                 "data_offsets": [offset, offset + size],
             }
             offset += size
@@ -1285,12 +1288,14 @@ def _read_into(fd: int, buffers: list[memoryview], offset: int, nbytes: int) -> 
 def _copy_from_file(head: torch.Tensor, data: torch.Tensor, meta: dict[str, Any],
                     manifest: dict[str, Any]) -> JobStateCopy:
     """A JobStateCopy over ``data``, a buffer for the file's data section (read now or later),
-    laid out by the file's header (in ``head``): its memory, its tensors views into it."""
+    laid out by the file's header (in ``head``): its memory, its buffers over it, its spec (so
+    that its tensors are views made on first use)."""
     header_size = struct.unpack("<Q", head[:8].numpy().tobytes())[0]
     header = msgspec.json.decode(memoryview(head[8 : 8 + header_size].numpy()))
-    tensors: dict[str, torch.Tensor] = {}
+    standalone: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for buffer_name, members in meta["layout"].items():  # one split per buffer: cheaper than a view per member
+    groups = []
+    for buffer_name, members in meta["layout"].items():
         entries = [header[name] for name in members]
         dtype_name = entries[0]["dtype"]
         begin = at = entries[0]["data_offsets"][0]
@@ -1298,26 +1303,30 @@ def _copy_from_file(head: torch.Tensor, data: torch.Tensor, meta: dict[str, Any]
             if entry["dtype"] != dtype_name or entry["data_offsets"][0] != at:
                 raise ValueError(f"buffer {buffer_name!r} is not one run of one dtype in the file")
             at = entry["data_offsets"][1]
-        buffer = data[begin:at].view(TORCH_DTYPES[dtype_name])
-        width = buffer.element_size()
-        parts = buffer.split([(e["data_offsets"][1] - e["data_offsets"][0]) // width for e in entries])
-        tensors.update(zip(members, [part.view(e["shape"]) for part, e in zip(parts, entries)]))
-        buffers[buffer_name] = buffer
+        dtype = TORCH_DTYPES[dtype_name]
+        for name, entry in zip(members, entries):
+            if (entry["data_offsets"][1] - entry["data_offsets"][0]) != math.prod(entry["shape"]) * dtype.itemsize:
+                raise ValueError(f"{name!r}: its shape does not fit its bytes")
+        buffers[buffer_name] = data[begin:at].view(dtype)
+        groups.append((buffer_name, dtype, [(name, tuple(entry["shape"])) for name, entry in zip(members, entries)]))
+    spec = state_spec(groups)
+    laid_out = all(buffers[g.name].data_ptr() == data.data_ptr() + g.offset for g in spec.groups)
     for name in meta["names"]:
-        if name not in tensors:  # a standalone tensor
+        if name not in spec.entries:  # a standalone tensor
             entry = header[name]
             begin, end = entry["data_offsets"]
-            tensors[name] = data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
+            standalone[name] = data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
     return JobStateCopy(
         job_id=manifest["job_id"],
         lora=msgspec.convert(manifest["lora"], LoraConfig),
         seed=int(manifest["seed"]),
         weight_decay=float(manifest["weight_decay"]),
-        param_keys=list(meta["param_keys"]),
-        tensors={name: tensors[name] for name in meta["names"]},
-        buffers=buffers,
+        param_keys=list(spec.param_keys if meta["param_keys"] == spec.param_keys else meta["param_keys"]),
+        tensors=TensorViews(spec, buffers, standalone),
+        buffers=SpecBuffers(spec, data) if laid_out else buffers,  # laid out: imported with one copy_
         layout={name: list(members) for name, members in meta["layout"].items()},
         param_groups=meta["param_groups"],
         state_values=meta["state_values"],
         memory=data,
+        spec=spec,
     )

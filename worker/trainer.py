@@ -25,18 +25,24 @@ LoRA dropout trains under its own saved RNG state. The result, asserted by the t
 update a job gets is bit-for-bit (on CPU) the update it would get alone on the engine,
 whatever other jobs' steps are interleaved.
 
-Moving a job off the device. ``export_state`` returns a ``JobStateCopy``: a detached host copy
-of the job's adapter, AdamW state (step counts and moments), RNG state and LoRA config / seed /
-weight decay, packed per kind and dtype into a few flat buffers that lie back to back in one
-host buffer, which the caller's ``BufferPool`` gives (pinned, and copied on a side CUDA
-stream, when the engine runs on CUDA). ``release`` then frees the device copy, and
-``import_state`` later recreates the adapter and optimizer from the copy exactly, in one
-device buffer (on CPU the engine keeps released jobs' buffers in its own pool for that, as
-CUDA's caching allocator does): training goes on bit-for-bit as if the job had never left. A
-released job's adapter modules stay attached with their parameters swapped for meta-device
-placeholders (no memory), so that importing a job of the same LoRA shape skips peft's
-add_adapter (about 0.7 ms per wrapped module on CPU). Neither direction allocates or loops in
-Python per element: a swap costs a memcpy of the state plus a few microseconds per tensor.
+Moving a job off the device. Each job's trainable state lives in one flat device buffer, its
+slot: the adapter's parameters are views into it (``param.data``: the ``nn.Parameter`` objects
+peft holds stay), and so are AdamW's moments and step counts (made as zeros with the job, so
+AdamW updates them in place and never allocates them; a checkpoint restore copies into them)
+and the job's RNG state. On CUDA the step counts and RNG state, which torch keeps on the host,
+are views into a small host buffer instead. A slot is laid out exactly as a copy is.
+``export_state`` returns a ``JobStateCopy``: a detached host copy of all of it and the LoRA
+config / seed / weight decay, in a few flat buffers (one per kind and dtype) back to back in one
+host buffer that the caller's ``BufferPool`` gives (pinned, and filled on a side CUDA stream,
+when the engine runs on CUDA): one ``copy_`` on CPU, two on CUDA. ``release`` parks the job's
+adapter modules with their slot (its buffer is freed, but for the ``POOL_KEEP`` largest parked
+ones on CPU: CUDA's caching allocator keeps freed memory at hand), and ``import_state`` takes a
+parked adapter of the same LoRA shape (skipping peft's add_adapter, about 0.7 ms per wrapped
+module on CPU; else it attaches an empty one) and copies the copy back into its slot the same
+way: training goes on bit-for-bit as if the job had never left. Neither direction does
+anything per tensor, and once the slot and the pool's buffers exist neither allocates on CPU
+(on CUDA a freed slot's buffer comes back from the caching allocator): a swap costs a memcpy of
+the state plus about 10-20 microseconds.
 
 What it deliberately does not do. No scheduling, no deciding which job lives on which memory
 tier or writing copies to disk (``worker.state_store`` does that with ``export_state`` /
@@ -52,7 +58,6 @@ import contextlib
 import errno
 import hashlib
 import io
-import itertools
 import json
 import math
 import os
@@ -62,6 +67,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +101,9 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write failed for lack of dis
 ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
 OPTIM_PREFIX = "optim/"
 RNG_PREFIX = "rng/"
-STAGING_CHUNK_BYTES = 64 << 20  # device-side staging per transfer when copying to / from CUDA
 PAGE_BYTES = 4096  # host buffers start on a page (O_DIRECT file I/O needs it)
-POOL_KEEP = 2  # free buffers a BufferPool keeps for the next copies
-PARKED_ADAPTERS_MAX = 4  # released adapters kept (parameters freed) for import_state to reuse
+POOL_KEEP = 2  # free buffers a BufferPool keeps for the next copies; parked slots that keep theirs on CPU
+PARKED_ADAPTERS_MAX = 4  # released adapters kept (with their slots) for import_state to reuse
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -151,17 +156,201 @@ class LossLoadError(TrainerError):
 # ---------------------------------------------------------------- per-job state
 
 
+@dataclass(frozen=True, eq=False)
+class StateGroup:
+    """One flat buffer of a job's state: tensors of one dtype back to back, ``offset`` bytes
+    into a copy's memory."""
+
+    name: str  # "<kind>.<dtype>": kind adapter, optim (AdamW's moments), step (its step counts) or rng
+    dtype: torch.dtype
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numels: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class StateSpec:
+    """The layout of one job's state: its groups in storage order (widest dtype first, so that
+    back to back every tensor stays aligned), ``nbytes`` in all. ``state_spec`` interns them:
+    a copy and a job of one layout share one object, so checking that a copy fits a job costs
+    an identity test, not a look at each tensor."""
+
+    def __init__(self, key: tuple[tuple[str, torch.dtype, tuple[tuple[str, tuple[int, ...]], ...]], ...]) -> None:
+        self.key = key
+        offsets, self.nbytes = _packed_offsets(
+            [sum(math.prod(shape) for _, shape in members) * dtype.itemsize for _, dtype, members in key],
+            [dtype.itemsize for _, dtype, _ in key])
+        self.groups = tuple(
+            StateGroup(name, dtype, tuple(n for n, _ in members), tuple(s for _, s in members),
+                       tuple(math.prod(s) for _, s in members), offset,
+                       sum(math.prod(s) for _, s in members) * dtype.itemsize)
+            for (name, dtype, members), offset in zip(key, offsets))
+        self.layout = {group.name: list(group.names) for group in self.groups}  # read-only
+        self.entries = {n: (group.dtype, s) for group in self.groups for n, s in zip(group.names, group.shapes)}
+        self.param_keys = [n[len(ADAPTER_PREFIX):] for group in self.groups if group.name.startswith("adapter.")
+                           for n in group.names]
+        self.rng_bytes = sum(group.nbytes for group in self.groups if group.name.startswith("rng."))
+
+
+_SPECS: dict[tuple, StateSpec] = {}  # interned, oldest first
+_SPECS_MAX = 256
+_SPECS_LOCK = threading.Lock()
+
+
+def state_spec(groups: list[tuple[str, torch.dtype, list[tuple[str, tuple[int, ...]]]]]) -> StateSpec:
+    """The (interned) spec of a state made of ``groups``: (name, dtype, [(tensor name, shape)])."""
+    key = tuple((name, dtype, tuple((n, tuple(s)) for n, s in members)) for name, dtype, members in groups)
+    with _SPECS_LOCK:
+        spec = _SPECS.get(key)
+        if spec is None:
+            spec = _SPECS[key] = StateSpec(key)
+            if len(_SPECS) > _SPECS_MAX:
+                del _SPECS[next(iter(_SPECS))]
+        return spec
+
+
+class TensorViews(Mapping[str, torch.Tensor]):
+    """A copy's tensors by name: views into its buffers, made on first use (moving a copy does
+    not pay for a view per tensor), then any standalone tensors."""
+
+    def __init__(self, spec: StateSpec, buffers: Mapping[str, torch.Tensor],
+                 standalone: dict[str, torch.Tensor] | None = None) -> None:
+        self.spec = spec
+        self.buffers = buffers
+        self.standalone = standalone or {}
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            views: dict[str, torch.Tensor] = {}
+            for group in self.spec.groups:
+                parts = self.buffers[group.name].split(group.numels)
+                views.update(zip(group.names, [p.view(s) for p, s in zip(parts, group.shapes)]))
+            self._views = {**views, **self.standalone}
+        return self._views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        for group in self.spec.groups:
+            yield from group.names
+        yield from self.standalone
+
+    def __len__(self) -> int:
+        return len(self.spec.entries) + len(self.standalone)
+
+
+class SpecBuffers(Mapping[str, torch.Tensor]):
+    """A copy's buffers where ``spec`` lays them out in ``memory`` (an exported copy's): views
+    made on first use."""
+
+    def __init__(self, spec: StateSpec, memory: torch.Tensor) -> None:
+        self.spec = spec
+        self.memory = memory
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            self._views = {g.name: self.memory[g.offset : g.offset + g.nbytes].view(g.dtype) for g in self.spec.groups}
+        return self._views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (g.name for g in self.spec.groups)
+
+    def __len__(self) -> int:
+        return len(self.spec.groups)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """An adapter's trainable state in one flat buffer on the engine's device: its parameters
+    (``param.data`` are views), AdamW's moments and step counts (``optimizer.state`` holds views,
+    made before the first step, so AdamW updates them in place and never allocates them) and the
+    job's RNG state. On a CUDA engine the step counts and RNG state, which torch keeps on the
+    host, are views into a small ``host`` buffer instead. ``runs``: (bytes of ``device`` or
+    ``host``, offset in a copy's memory) pairs, contiguous on both sides: one copy each (one in
+    all on CPU) moves the whole state to or from a copy laid out by ``spec``."""
+
+    spec: StateSpec
+    device: torch.Tensor  # uint8
+    host: torch.Tensor | None  # uint8, CUDA engines only
+    spans: dict[str, torch.Tensor]  # group name -> its flat typed view in ``device`` or ``host``
+    runs: list[tuple[torch.Tensor, int]]
+    params: dict[str, torch.nn.Parameter]  # PEFT-file key -> parameter, in module order
+    optimizer: torch.optim.AdamW
+    moments: dict[torch.nn.Parameter, dict[str, torch.Tensor]]  # AdamW's state: views
+    rng: dict[str, torch.Tensor]  # the job's RNG state: views
+
+    def has_memory(self) -> bool:
+        return self.device.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        """Free the device buffer; every view stays, over no memory, until ``reallocate``."""
+        self.device.untyped_storage().resize_(0)
+
+    def reallocate(self) -> None:
+        self.device.untyped_storage().resize_(self.device.numel())
+
+    def copy_to(self, memory: torch.Tensor, stream: Any) -> None:
+        """The whole state into ``memory`` (host, laid out by ``spec``); on CUDA on ``stream``
+        (non-blocking into pinned memory); complete on return."""
+        if stream is None:
+            for span, offset in self.runs:
+                memory[offset : offset + span.numel()].copy_(span)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device.device))
+        with torch.cuda.stream(stream):
+            for span, offset in self.runs:
+                memory[offset : offset + span.numel()].copy_(span, non_blocking=span.is_cuda)
+        stream.synchronize()
+
+    def copy_from(self, copy: JobStateCopy, stream: Any) -> None:
+        """The whole state from a copy of the same spec: one copy per run when its buffers lie
+        in its memory as ``spec`` lays them out, else one per buffer; on CUDA on ``stream``
+        (from pinned memory without blocking); complete on return."""
+        memory = copy.memory
+        if memory is not None and (isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory or all(
+                copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)):
+            pairs = [(span, memory[offset : offset + span.numel()]) for span, offset in self.runs]
+        else:
+            pairs = [(self.spans[g.name], copy.buffers[g.name]) for g in self.spec.groups]
+        if stream is None:
+            for target, source in pairs:
+                target.copy_(source)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device.device))
+        with torch.cuda.stream(stream):
+            for target, source in pairs:
+                target.copy_(source, non_blocking=source.is_pinned())
+        stream.synchronize()
+
+
 @dataclass
 class _JobState:
     job_id: str
     adapter_name: str  # the adapter's key inside the shared PeftModel
     lora: LoraConfig
     seed: int
-    params: dict[str, torch.nn.Parameter]  # PEFT-file key -> live parameter, in module order
-    optimizer: torch.optim.AdamW
-    rng_state: dict[str, torch.Tensor]  # the job's own RNG (only consumed by LoRA dropout)
-    homes: dict[str, _Home]  # PEFT-file key -> where the parameter lives (for swapping it out)
-    slab: torch.Tensor | None = None  # import_state's one device buffer under params and moments
+    homes: dict[str, _Home]  # PEFT-file key -> where the parameter lives
+    slot: _Slot
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return self.slot.params
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self.slot.optimizer
+
+    @property
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The job's own RNG (only consumed by LoRA dropout): views, set with ``_store_rng``."""
+        return self.slot.rng
 
 
 _Home = tuple[torch.nn.Module, str]  # (module, attribute) holding one adapter parameter
@@ -169,11 +358,22 @@ _Home = tuple[torch.nn.Module, str]  # (module, attribute) holding one adapter p
 
 @dataclass
 class _ParkedAdapter:
-    """A released job's adapter modules, parameters swapped for meta placeholders."""
+    """A released job's adapter modules with its slot (whose memory may have been freed)."""
 
     adapter_name: str
     signature: dict[str, Any]  # lora_signature of the job it was made for
     homes: dict[str, _Home]
+    slot: _Slot
+
+
+@dataclass
+class SlabCounts:
+    """Device buffers the engine's slots allocated (new, or again after being freed) and the
+    imports that found a parked slot's buffer still allocated."""
+
+    allocated: int = 0
+    allocated_bytes: int = 0
+    reused: int = 0
 
 
 @dataclass
@@ -181,13 +381,14 @@ class JobStateCopy:
     """A detached host copy of one job's trainer state, as ``export_state`` returns it.
 
     ``tensors`` names every tensor: ``adapter/<peft-file key>``, ``optim/<peft-file key>/<name>``
-    (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) and ``rng/<device>``, in a fixed order. Most
-    of them are views into ``buffers``, flat 1-D tensors (one per kind and dtype, e.g.
+    (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) and ``rng/<device>``, in a fixed order. They
+    are views into ``buffers``, flat 1-D tensors (one per kind and dtype, e.g.
     ``adapter.float32``) whose members ``layout`` lists in storage order, so that a copy moves
-    in a few large transfers. Tensors not in a buffer (RNG states, CPU step counts of a CUDA
-    job) stand alone. The copy shares no memory with the engine. ``memory``: the one flat host
-    buffer that holds all of them, back to back in ``segments`` order (whoever gave it may reuse
-    it once the copy is gone); None for a copy built over other memory.
+    in a few large transfers; a tensor not in a buffer stands alone. ``spec``: the layout with
+    every tensor's shape (None for a copy built without one). The copy shares no memory with the
+    engine. ``memory``: the one flat host buffer that holds all of them, back to back in
+    ``segments`` order (whoever gave it may reuse it once the copy is gone); None for a copy
+    built over other memory.
     """
 
     job_id: str
@@ -195,17 +396,21 @@ class JobStateCopy:
     seed: int
     weight_decay: float  # the AdamW param group's value when exported
     param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order
-    tensors: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    layout: dict[str, list[str]]  # buffer name -> names of its members, in storage order
+    tensors: Mapping[str, torch.Tensor]
+    buffers: Mapping[str, torch.Tensor]
+    layout: dict[str, list[str]]  # buffer name -> names of its members, in storage order (read-only lists)
     param_groups: list[dict[str, Any]]  # ``optimizer.state_dict()["param_groups"]``
     state_values: dict[str, Any]  # non-tensor optimizer state values, ``optim/<key>/<name>`` -> value
     memory: torch.Tensor | None = field(default=None, repr=False)
+    spec: StateSpec | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all its tensors (buffers hold exactly their members' bytes)."""
-        return sum(_tensor_bytes(t) for t in self.tensors.values())
+        if isinstance(self.buffers, SpecBuffers):
+            return self.buffers.spec.nbytes + sum(_tensor_bytes(t) for t in self.standalone().values())
+        return sum(_tensor_bytes(b) for b in self.buffers.values()) + sum(
+            _tensor_bytes(t) for t in self.standalone().values())
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter weights under their PEFT-file keys (views into the copy)."""
@@ -228,16 +433,28 @@ class JobStateCopy:
         """Names of the tensors that live in ``buffers`` (the others stand alone)."""
         return {name for members in self.layout.values() for name in members}
 
+    def standalone(self) -> dict[str, torch.Tensor]:
+        """The tensors not in ``buffers``."""
+        if isinstance(self.tensors, TensorViews):
+            return self.tensors.standalone
+        in_buffers = self.buffer_members()
+        return {name: t for name, t in self.tensors.items() if name not in in_buffers}
+
+    def entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """A tensor's dtype and shape (from ``spec`` when it has them: no view is made)."""
+        if self.spec is not None and name in self.spec.entries:
+            return self.spec.entries[name]
+        tensor = self.tensors[name]
+        return tensor.dtype, tuple(tensor.shape)
+
     def segments(self) -> list[tuple[list[str], torch.Tensor]]:
         """The copy's pieces in storage order: each buffer (with the names of its members), then
         each standalone tensor; widest dtype first, so that back to back every tensor stays
         aligned. An exported copy's ``memory`` holds exactly these bytes from its first byte, as
         does the data section of its file on nvme."""
         segments = [(members, self.buffers[name]) for name, members in self.layout.items()]
-        in_buffers = self.buffer_members()
-        segments += [([name], t) for name, t in self.tensors.items() if name not in in_buffers]
+        segments += [([name], t) for name, t in self.standalone().items()]
         return sorted(segments, key=lambda segment: -segment[1].element_size())
-
 
 @dataclass(frozen=True)
 class _Rows:
@@ -278,8 +495,10 @@ class TrainerEngine:
         self._peft: PeftModel | None = None  # created with the first job's adapter
         self._jobs: dict[str, _JobState] = {}
         self._side_stream: Any = None  # torch.cuda.Stream for state copies, made on first use
-        # released jobs' device buffers, for the next import_state (CUDA's caching allocator does this there)
-        self._device_pool = BufferPool(device=self.device, keep=POOL_KEEP if self.device.type == "cpu" else 0)
+        # parked slots that keep their device buffer for the next import_state (on CUDA the caching allocator does)
+        self._parked_memory = POOL_KEEP if self.device.type == "cpu" else 0
+        self.slabs = SlabCounts()
+        self._rng_shapes = {name: tuple(t.shape) for name, t in self._capture_rng().items()}
         self._adapters_made = 0
         self._parked: list[_ParkedAdapter] = []  # oldest first
         self._user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
@@ -301,43 +520,41 @@ class TrainerEngine:
             torch.manual_seed(seed)
             self._attach_adapter(adapter_name, _peft_config(lora, self.model_path))
             rng_state = self._capture_rng()
-        self._register_job(job_id, adapter_name, lora, seed, weight_decay, rng_state)
+        homes = self._adapter_homes(adapter_name)
+        slot = self._make_slot(homes, weight_decay)
+        _store_rng(slot.rng, rng_state)
+        self._register_job(job_id, adapter_name, lora, seed, homes, slot)
 
     def release(self, job_id: str) -> None:
-        """Drop the job's adapter and optimizer state (their memory is freed).
+        """Drop the job's adapter and optimizer state (their device memory is freed).
 
-        The adapter's modules are kept, parameter-less, for a later ``import_state`` of the same
-        LoRA shape to reuse; at most ``PARKED_ADAPTERS_MAX`` are kept, the oldest are deleted. On
-        CPU the one buffer an ``import_state`` put the job's tensors in is kept instead, in the
-        engine's pool (at most ``POOL_KEEP`` buffers), for the next import to copy into: live
-        tensors taken from the job (``adapter_state_dict``) are not to be used after this.
+        The adapter's modules are parked with their slot (parameters and AdamW still views into
+        it) for a later ``import_state`` of the same LoRA shape to reuse; at most
+        ``PARKED_ADAPTERS_MAX`` are kept, the oldest are deleted. On CPU the ``POOL_KEEP`` largest
+        parked slots keep their buffer, for the next import to copy into (on CUDA every parked
+        slot's buffer is freed: the caching allocator keeps it). Live tensors taken from the job
+        (``adapter_state_dict``) are not to be used after this.
         """
         job = self._job(job_id)
         del self._jobs[job_id]
-        job.optimizer.state.clear()
-        _empty_adapter(job.homes)
-        if job.slab is not None:
-            self._device_pool.give(job.slab)
-            job.slab = None
-        self._parked.append(_ParkedAdapter(job.adapter_name, lora_signature(job.lora), job.homes))
+        job.optimizer.zero_grad(set_to_none=True)
+        self._parked.append(_ParkedAdapter(job.adapter_name, lora_signature(job.lora), job.homes, job.slot))
         while len(self._parked) > PARKED_ADAPTERS_MAX:
             self._delete_adapter(self._parked.pop(0).adapter_name)
+        holding = [parked.slot for parked in reversed(self._parked) if parked.slot.has_memory()]
+        holding.sort(key=lambda slot: -slot.device.numel())  # the largest, then the latest, keep theirs
+        for slot in holding[self._parked_memory :]:
+            slot.free()
 
     def jobs(self) -> list[str]:
         """Resident jobs, in the order they were created."""
         return list(self._jobs)
 
     def state_bytes(self, job_id: str) -> int:
-        """Bytes of the job's adapter plus its optimizer moments."""
-        job = self._job(job_id)
-        adapter = sum(_tensor_bytes(p) for p in job.params.values())
-        moments = sum(
-            _tensor_bytes(value)
-            for state in job.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-        return adapter + moments
+        """Bytes of the job's adapter plus its optimizer moments and step counts (all there from
+        the job's creation on)."""
+        spec = self._job(job_id).slot.spec
+        return spec.nbytes - spec.rng_bytes
 
     def adapter_state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
         """The job's adapter weights under their PEFT-file keys: live tensors, not copies."""
@@ -354,86 +571,66 @@ class TrainerEngine:
 
         The copy lives in one flat host buffer (``JobStateCopy.memory``): ``take(nbytes)`` gives
         it (a 1-D uint8 host tensor of at least ``nbytes``, e.g. a ``BufferPool``'s, whose pages
-        are already mapped), else it is allocated (pinned on CUDA). Its tensors are views into
-        it, filled from the live ones by one ``torch._foreach_copy_`` (on CUDA: staged per kind
-        and dtype, copied on a side stream): nothing is allocated per tensor. Complete when this
-        returns. Follow it with ``release`` to free the device copy.
+        are already mapped), else it is allocated (pinned on CUDA). The job's slot is laid out
+        as the copy is, so filling it is one ``copy_`` on CPU (on CUDA: one from the device, on a
+        side stream, and one of the step counts and RNG state); the copy's tensors are views
+        made on first use. Complete when this returns. Follow it with ``release`` to free the
+        device copy.
         """
         job = self._job(job_id)
-        names, members, standalone, state_values = _job_tensors(job)
-        groups = [[t for _, t in group] for group in members.values()] + [[t] for t in standalone.values()]
-        offsets, total = _packed_offsets([sum(_tensor_bytes(t) for t in group) for group in groups],
-                                         [group[0].element_size() for group in groups])
+        spec = job.slot.spec
         if take is not None:
-            memory = take(total)
+            memory = take(spec.nbytes)
         else:  # whole pages: room for O_DIRECT's padding when the store writes it
-            memory = aligned_host_buffer(-(-total // PAGE_BYTES) * PAGE_BYTES, self.device.type == "cuda")
-        if memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < total or memory.device.type != "cpu":
-            raise ValueError(f"export_state needs a 1-D uint8 host buffer of {total} bytes, got {memory!r}")
-        flat = [_typed_span(memory, offset, group) for offset, group in zip(offsets, groups)]
-        views = [view for buffer, group in zip(flat, groups) for view in _split_views(buffer, group)]
-        with torch.no_grad():
-            _copy_to_host(groups, flat, views, self._copy_stream())
-        order = [name for group in members.values() for name, _ in group] + list(standalone)
-        by_name = dict(zip(order, views))
+            memory = aligned_host_buffer(-(-spec.nbytes // PAGE_BYTES) * PAGE_BYTES, self.device.type == "cuda")
+        if memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < spec.nbytes or not memory.is_cpu:
+            raise ValueError(f"export_state needs a 1-D uint8 host buffer of {spec.nbytes} bytes, got {memory!r}")
+        job.slot.copy_to(memory, self._copy_stream())  # the slot's bytes need no autograd
+        buffers = SpecBuffers(spec, memory)
+        group = job.optimizer.param_groups[0]
         return JobStateCopy(
             job_id=job.job_id,
             lora=job.lora,
             seed=job.seed,
-            weight_decay=float(job.optimizer.param_groups[0]["weight_decay"]),
-            param_keys=list(job.params),
-            tensors={name: by_name[name] for name in names},
-            buffers=dict(zip(members, flat)),
-            layout={buffer: [name for name, _ in group] for buffer, group in members.items()},
-            param_groups=deepcopy(job.optimizer.state_dict()["param_groups"]),
-            state_values=state_values,
+            weight_decay=float(group["weight_decay"]),
+            param_keys=list(spec.param_keys),
+            tensors=TensorViews(spec, buffers),
+            buffers=buffers,
+            layout=dict(spec.layout),
+            param_groups=[{**group, "params": list(range(len(job.params)))}],
+            state_values={},
             memory=memory,
+            spec=spec,
         )
 
     def import_state(self, job_id: str, copy: JobStateCopy) -> None:
         """Recreate the job's adapter, AdamW state and RNG exactly from ``copy``.
 
-        The job must not be resident. The adapter is created empty (peft's meta-device path, no
-        random init) and its parameters and AdamW moments become views of one device buffer (on
-        CPU a pooled one that a released job left, when one fits) that each of the copy's
-        buffers is copied into with one ``copy_`` (on CUDA: from pinned memory, on a side
-        stream). The engine keeps no reference to the copy's memory.
+        The job must not be resident. A parked adapter of the same LoRA shape is reused with its
+        slot (a fresh one is attached empty otherwise: peft's meta-device path, no random init),
+        and the copy goes into the slot's buffer with one ``copy_`` per run (one on CPU; on CUDA
+        from pinned memory, on a side stream): nothing is done per tensor. The engine keeps no
+        reference to the copy's memory.
         """
         if job_id in self._jobs:
             raise JobConfigError(f"job {job_id!r} is already resident; release it before import_state")
-        _check_copy_layout(copy)
-        adapter = self._unpark_adapter(copy.lora) or self._attach_empty_adapter(copy.lora)
-        slab = None
+        parked = self._unpark_adapter(copy.lora)
+        adapter = parked or self._attach_empty_adapter(copy.lora)
         try:
-            slab, on_device = _unpack_to_device(copy, self._device_pool, self._copy_stream())
-            self._fill_empty_adapter(adapter, copy, on_device)
-            job = self._register_job(
-                job_id, adapter.adapter_name, copy.lora, copy.seed, copy.weight_decay, {}, adapter.homes
-            )
-            job.slab = slab
-            _load_optimizer_state(job, copy, on_device)
+            slot = adapter.slot
+            _check_copy_fits(copy, slot.spec)
+            if not slot.has_memory():
+                slot.reallocate()
+                self._count_slab(slot)
+            elif parked is not None:
+                self.slabs.reused += 1
+            slot.copy_from(copy, self._copy_stream())
+            _load_param_groups(slot.optimizer, copy)
+            self._register_job(job_id, adapter.adapter_name, copy.lora, copy.seed, adapter.homes, slot)
         except BaseException:
             self._jobs.pop(job_id, None)
             self._delete_adapter(adapter.adapter_name)
-            if slab is not None:
-                self._device_pool.give(slab)
             raise
-
-    def _fill_empty_adapter(
-        self, adapter: _ParkedAdapter, copy: JobStateCopy, on_device: dict[str, torch.Tensor]
-    ) -> None:
-        """Replace the empty adapter's meta placeholders by parameters over the copy's device views."""
-        if list(adapter.homes) != copy.param_keys:
-            raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
-        for key, (module, attribute) in adapter.homes.items():
-            placeholder = getattr(module, attribute)
-            value = on_device[ADAPTER_PREFIX + key]
-            if value.shape != placeholder.shape or value.dtype != placeholder.dtype:
-                raise StateCopyError(
-                    f"state copy of job {copy.job_id!r}: {key} has {value.dtype} {tuple(value.shape)}, "
-                    f"the adapter {placeholder.dtype} {tuple(placeholder.shape)}"
-                )
-            setattr(module, attribute, torch.nn.Parameter(value, requires_grad=placeholder.requires_grad))
 
     def _copy_stream(self) -> Any:
         """The side CUDA stream state copies run on (``None`` for a CPU engine)."""
@@ -554,18 +751,22 @@ class TrainerEngine:
         return f"adapter_{self._adapters_made}"
 
     def _unpark_adapter(self, lora: LoraConfig) -> _ParkedAdapter | None:
-        """A parked adapter of the same LoRA shape, taken off the parked list, or None."""
+        """A parked adapter of the same LoRA shape (the latest whose slot kept its buffer, if
+        any), taken off the parked list, or None."""
         signature = lora_signature(lora)
-        for i, parked in enumerate(self._parked):
-            if parked.signature == signature:
-                return self._parked.pop(i)
-        return None
+        matches = [i for i, parked in enumerate(self._parked) if parked.signature == signature]
+        if not matches:
+            return None
+        holding = [i for i in matches if self._parked[i].slot.has_memory()]
+        return self._parked.pop((holding or matches)[-1])
 
     def _attach_empty_adapter(self, lora: LoraConfig) -> _ParkedAdapter:
-        """A new adapter with meta placeholders for parameters (peft's low_cpu_mem_usage path)."""
+        """A new adapter whose slot's memory is uninitialised (peft's low_cpu_mem_usage path
+        puts meta placeholders where its parameters go: no init)."""
         adapter_name = self._new_adapter_name()
         self._attach_adapter(adapter_name, _peft_config(lora, self.model_path), empty=True)
-        return _ParkedAdapter(adapter_name, lora_signature(lora), self._adapter_homes(adapter_name))
+        homes = self._adapter_homes(adapter_name)
+        return _ParkedAdapter(adapter_name, lora_signature(lora), homes, self._make_slot(homes))
 
     @property
     def attached_adapters(self) -> int:
@@ -579,23 +780,86 @@ class TrainerEngine:
             self._peft.delete_adapter(adapter_name)
 
     def _register_job(
-        self,
-        job_id: str,
-        adapter_name: str,
-        lora: LoraConfig,
-        seed: int,
-        weight_decay: float,
-        rng_state: dict[str, torch.Tensor],
-        homes: dict[str, _Home] | None = None,
+        self, job_id: str, adapter_name: str, lora: LoraConfig, seed: int, homes: dict[str, _Home], slot: _Slot
     ) -> _JobState:
-        """Give an attached adapter its AdamW and make it a resident job."""
-        if homes is None:
-            homes = self._adapter_homes(adapter_name)
-        params = {key: getattr(module, attribute) for key, (module, attribute) in homes.items()}
-        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
-        job = _JobState(job_id, adapter_name, lora, seed, params, optimizer, rng_state, homes)
+        job = _JobState(job_id, adapter_name, lora, seed, homes, slot)
         self._jobs[job_id] = job
         return job
+
+    def _make_slot(self, homes: dict[str, _Home], weight_decay: float = 0.0) -> _Slot:
+        """A slot for an attached adapter: one new device buffer laid out as the job's copies
+        are. Its parameters become views into it, keeping their values (``param.data``: the
+        ``nn.Parameter`` objects peft holds stay), or, for meta placeholders, new parameters
+        over its uninitialised memory; AdamW's moments and step counts are zeros in it."""
+        params = {key: getattr(module, attribute) for key, (module, attribute) in homes.items()}
+        spec = self._state_spec(params)
+        on_host = {g.name for g in spec.groups if self.device.type != "cpu" and g.name.startswith(("step.", "rng."))}
+        sizes = {False: 0, True: 0}
+        for group in spec.groups:
+            sizes[group.name in on_host] += group.nbytes
+        device = torch.empty(sizes[False], dtype=torch.uint8, device=self.device)
+        host = torch.empty(sizes[True], dtype=torch.uint8) if on_host else None
+        spans: dict[str, torch.Tensor] = {}
+        runs: list[list[Any]] = []  # [slab, start in it, offset in a copy's memory, bytes]
+        at = {False: 0, True: 0}
+        for group in sorted(spec.groups, key=lambda g: g.offset):
+            slab = host if group.name in on_host else device
+            assert slab is not None
+            start = at[group.name in on_host]
+            at[group.name in on_host] += group.nbytes
+            spans[group.name] = slab[start : start + group.nbytes].view(group.dtype)
+            if runs and runs[-1][0] is slab and runs[-1][2] + runs[-1][3] == group.offset:
+                runs[-1][3] += group.nbytes
+            else:
+                runs.append([slab, start, group.offset, group.nbytes])
+        views: dict[str, torch.Tensor] = {}
+        for group in spec.groups:
+            parts = spans[group.name].split(group.numels)
+            views.update(zip(group.names, [part.view(shape) for part, shape in zip(parts, group.shapes)]))
+        with torch.no_grad():
+            for key, (module, attribute) in homes.items():
+                param, view = params[key], views[ADAPTER_PREFIX + key]
+                if param.is_meta:
+                    params[key] = torch.nn.Parameter(view, requires_grad=param.requires_grad)
+                    setattr(module, attribute, params[key])
+                else:
+                    view.copy_(param)
+                    param.data = view
+            for group in spec.groups:
+                if group.name.startswith(("optim.", "step.")):
+                    spans[group.name].zero_()
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
+        moments = {
+            param: {name: views[f"{OPTIM_PREFIX}{key}/{name}"] for name in ("step", "exp_avg", "exp_avg_sq")}
+            for key, param in params.items()
+        }
+        optimizer.state.update(moments)
+        rng = {name: views[RNG_PREFIX + name] for name in self._rng_shapes}
+        slot = _Slot(spec, device, host, spans, [(slab[start : start + n], offset) for slab, start, offset, n in runs],
+                     params, optimizer, moments, rng)
+        self._count_slab(slot)
+        return slot
+
+    def _state_spec(self, params: dict[str, torch.nn.Parameter]) -> StateSpec:
+        """The layout of a job with these parameters: adapter, AdamW moments, step counts, RNG."""
+        adapter: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+        optim: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+        for key, param in params.items():
+            shape = tuple(param.shape)
+            adapter.setdefault(param.dtype, []).append((ADAPTER_PREFIX + key, shape))
+            optim.setdefault(param.dtype, []).extend(
+                (f"{OPTIM_PREFIX}{key}/{name}", shape) for name in ("exp_avg", "exp_avg_sq"))
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's
+        groups = [(f"adapter.{_dtype_name(d)}", d, members) for d, members in adapter.items()]
+        groups += [(f"optim.{_dtype_name(d)}", d, members) for d, members in optim.items()]
+        steps = [(f"{OPTIM_PREFIX}{key}/step", ()) for key in params]
+        groups.append((f"step.{_dtype_name(step_dtype)}", step_dtype, steps))
+        groups.append(("rng.uint8", torch.uint8, [(RNG_PREFIX + name, s) for name, s in self._rng_shapes.items()]))
+        return state_spec(groups)
+
+    def _count_slab(self, slot: _Slot) -> None:
+        self.slabs.allocated += 1
+        self.slabs.allocated_bytes += slot.device.numel()
 
     def _adapter_homes(self, adapter_name: str) -> dict[str, _Home]:
         """PEFT-file key -> (module, attribute) of each adapter parameter, in module order."""
@@ -719,11 +983,11 @@ class TrainerEngine:
             yield
             return
         with self._forked_rng():
-            torch.set_rng_state(job.rng_state["cpu"])
+            torch.set_rng_state(job.rng_state["cpu"].clone())  # a view into the slot would not do
             if "cuda" in job.rng_state:
-                torch.cuda.set_rng_state(job.rng_state["cuda"], self.device)
+                torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
             yield
-            job.rng_state = self._capture_rng()
+            _store_rng(job.rng_state, self._capture_rng())
 
     def _capture_rng(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
@@ -737,7 +1001,7 @@ class TrainerEngine:
     def _adapter_weights(job: _JobState) -> bytes:
         """The adapter's safetensors file, in memory (written by ``_write_file``, whose errors
         keep their errno, unlike safetensors' own writer)."""
-        tensors = {key: param.detach().to("cpu").contiguous() for key, param in job.params.items()}
+        tensors = {key: param.detach().to("cpu", copy=True) for key, param in job.params.items()}
         return safetensors_bytes(tensors, metadata={"format": "pt"})
 
     def _write_adapter_files(self, job: _JobState, directory: Path, weights: bytes) -> None:
@@ -749,9 +1013,11 @@ class TrainerEngine:
     def _checkpoint_payload(self, job: _JobState, extra: dict) -> dict[str, bytes]:
         """The checkpoint's files but the adapter config, serialised in memory: nothing is written
         for an ``extra`` that is not JSON, and the bytes a checkpoint needs are known up front."""
+        optimizer = job.optimizer.state_dict()  # cloned: views would save the whole slot
+        optimizer["state"] = {i: {k: v.clone() for k, v in state.items()} for i, state in optimizer["state"].items()}
         trainer_state = {
-            "optimizer": job.optimizer.state_dict(),
-            "rng": job.rng_state,
+            "optimizer": optimizer,
+            "rng": {name: t.clone() for name, t in job.rng_state.items()},
             "param_keys": list(job.params),
         }
         buffer = io.BytesIO()
@@ -960,13 +1226,6 @@ def lora_signature(lora: LoraConfig) -> dict[str, Any]:
     return fields
 
 
-def _empty_adapter(homes: dict[str, _Home]) -> None:
-    """Swap an adapter's parameters for meta-device placeholders (frees their memory)."""
-    for module, attribute in homes.values():
-        placeholder = torch.empty_like(getattr(module, attribute), device="meta")
-        setattr(module, attribute, torch.nn.Parameter(placeholder, requires_grad=False))
-
-
 def _belongs_to_adapter(param_name: str, adapter_name: str) -> bool:
     return f".{adapter_name}." in param_name or param_name.endswith(f".{adapter_name}")
 
@@ -1011,38 +1270,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 # ---------------------------------------------------------------- state copies
 
 
-def _job_tensors(
-    job: _JobState,
-) -> tuple[list[str], dict[str, list[tuple[str, torch.Tensor]]], dict[str, torch.Tensor], dict[str, Any]]:
-    """Name every piece of a job's state: (all tensor names in order, buffer groups, standalone
-    tensors, non-tensor optimizer values). Tensors on their parameter's device go into the
-    ``<kind>.<dtype>`` buffer groups; the RNG and off-device tensors stand alone. The tensors
-    are the live ones (copy them under ``torch.no_grad``)."""
-    names: list[str] = []
-    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    standalone: dict[str, torch.Tensor] = {}
-    state_values: dict[str, Any] = {}
-    for key, param in job.params.items():
-        name = ADAPTER_PREFIX + key
-        names.append(name)
-        groups.setdefault(f"adapter.{_dtype_name(param.dtype)}", []).append((name, param))
-    for key, param in job.params.items():
-        for state_name, value in job.optimizer.state.get(param, {}).items():
-            name = f"{OPTIM_PREFIX}{key}/{state_name}"
-            if not isinstance(value, torch.Tensor):
-                state_values[name] = deepcopy(value)
-            elif value.device == param.device:
-                names.append(name)
-                groups.setdefault(f"optim.{_dtype_name(value.dtype)}", []).append((name, value))
-            else:
-                names.append(name)
-                standalone[name] = value
-    for device, rng in job.rng_state.items():
-        names.append(RNG_PREFIX + device)
-        standalone[RNG_PREFIX + device] = rng
-    return names, groups, standalone, state_values
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -1056,90 +1283,6 @@ def _packed_offsets(sizes: list[int], widths: list[int]) -> tuple[list[int], int
         offsets[i] = total
         total += sizes[i]
     return offsets, total
-
-
-def _typed_span(memory: torch.Tensor, offset: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The flat span of a uint8 buffer at ``offset`` that holds ``tensors`` back to back, as their dtype."""
-    nbytes = sum(_tensor_bytes(t) for t in tensors)
-    return memory[offset : offset + nbytes].view(tensors[0].dtype)
-
-
-def _copy_to_host(groups: list[list[torch.Tensor]], buffers: list[torch.Tensor], views: list[torch.Tensor],
-                  stream: Any) -> None:
-    """Copy each group's tensors into ``views`` (of the group's flat host buffer, in order):
-    all in one ``_foreach_copy_`` on CPU; on CUDA, each group gathered on the device and
-    copied into its (pinned) buffer on ``stream``, RNG states and other host tensors directly."""
-    if stream is None:
-        torch._foreach_copy_(views, [t for group in groups for t in group])
-        return
-    for group, buffer, start in zip(groups, buffers, itertools.accumulate([0, *map(len, groups)])):
-        if group[0].device.type == "cuda":
-            _gather_from_cuda(group, buffer, stream)
-        else:
-            torch._foreach_copy_(views[start : start + len(group)], group)
-
-
-def _gather_from_cuda(tensors: list[torch.Tensor], buffer: torch.Tensor, stream: Any) -> None:
-    """Device tensors -> one (pinned) host buffer: staged in <= 64 MiB chunks, copied on ``stream``."""
-    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-    staged: list[torch.Tensor] = []  # kept alive until the stream is synchronised
-    offset = 0
-    with torch.cuda.stream(stream):
-        for chunk in _chunks(tensors, STAGING_CHUNK_BYTES):
-            flat = chunk[0].reshape(-1) if len(chunk) == 1 else torch.cat([t.reshape(-1) for t in chunk])
-            buffer[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
-            staged.append(flat)
-            offset += flat.numel()
-    stream.synchronize()
-
-
-def _chunks(tensors: list[torch.Tensor], limit_bytes: int) -> Iterator[list[torch.Tensor]]:
-    chunk: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        if chunk and size + _tensor_bytes(tensor) > limit_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(tensor)
-        size += _tensor_bytes(tensor)
-    if chunk:
-        yield chunk
-
-
-def _split_views(buffer: torch.Tensor, shaped_like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of a flat buffer, one per tensor of ``shaped_like`` (same shapes)."""
-    parts = buffer.split([t.numel() for t in shaped_like])
-    return [part.view_as(t) for part, t in zip(parts, shaped_like)]  # view_as: the fastest way to a view
-
-
-def _unpack_to_device(
-    state: JobStateCopy, pool: BufferPool, stream: Any
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One device buffer from ``pool`` filled with the copy's buffers (one ``copy_`` each);
-    return it and member name -> view into it (no host aliasing)."""
-    host = [state.buffers[name] for name in state.layout]
-    offsets, total = _packed_offsets([_tensor_bytes(buffer) for buffer in host], [b.element_size() for b in host])
-    slab = pool.take(total)
-    on_device = [_typed_span(slab, offset, [buffer]) for offset, buffer in zip(offsets, host)]
-    if stream is None:
-        for target, buffer in zip(on_device, host):
-            target.copy_(buffer)
-    else:
-        _scatter_to_cuda(host, on_device, stream)
-    views: dict[str, torch.Tensor] = {}
-    for members, buffer in zip(state.layout.values(), on_device):
-        views.update(zip(members, _split_views(buffer, [state.tensors[name] for name in members])))
-    return slab, views
-
-
-def _scatter_to_cuda(host: list[torch.Tensor], on_device: list[torch.Tensor], stream: Any) -> None:
-    """Host buffers -> device buffers (allocated on the current stream), copied on ``stream``;
-    complete on return."""
-    stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
-    with torch.cuda.stream(stream):
-        for target, buffer in zip(on_device, host):
-            target.copy_(buffer, non_blocking=buffer.is_pinned())
-    stream.synchronize()
 
 
 class BufferPool:
@@ -1157,7 +1300,7 @@ class BufferPool:
         self.device = torch.device(device)
         self.pinned = pinned and self.device.type == "cpu"
         self.keep = keep
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[int, torch.Tensor]] = []  # (bytes, buffer), largest first
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made (and their bytes), for tests and benchmarks
         self.allocated_bytes = 0
@@ -1167,10 +1310,13 @@ class BufferPool:
         """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned)."""
         size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if size <= b.numel() <= 2 * size]
-            if fits:
+            best = -1
+            for i, (free, _) in enumerate(self._free):  # largest first: the last that fits is the smallest
+                if size <= free <= 2 * size:
+                    best = i
+            if best >= 0:
                 self.reused += 1
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                return self._free.pop(best)[1]
             self.allocated += 1
             self.allocated_bytes += size
         if self.device.type != "cpu":
@@ -1179,15 +1325,15 @@ class BufferPool:
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            if any(b is buffer for b in self._free):
+            if any(b is buffer for _, b in self._free):
                 return
-            self._free.append(buffer)
-            self._free.sort(key=lambda b: -b.numel())
+            self._free.append((buffer.numel(), buffer))
+            self._free.sort(key=lambda entry: -entry[0])
             del self._free[self.keep :]
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(b.numel() for b in self._free)
+            return sum(free for free, _ in self._free)
 
 
 def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
@@ -1195,6 +1341,33 @@ def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % PAGE_BYTES
     return raw[skip : skip + nbytes]
+
+
+def _check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
+    """A copy of the job's layout (the same spec: an identity test for an exported or read copy;
+    else its buffers, members and shapes compared one by one), with one AdamW param group."""
+    if copy.spec is not spec and (copy.spec is None or copy.spec.key != spec.key):
+        _check_copy_layout(copy)
+        if _spec_of(copy).key != spec.key:
+            raise StateCopyError(f"state copy of job {copy.job_id!r} does not fit the job's adapter (shapes, layout)")
+    if copy.standalone():
+        raise StateCopyError(f"state copy of job {copy.job_id!r}: {sorted(copy.standalone())} are not the job's")
+    laid_out = isinstance(copy.buffers, SpecBuffers) and copy.buffers.spec is spec  # fits by construction
+    for group in () if laid_out else spec.groups:
+        buffer = copy.buffers.get(group.name)
+        if buffer is None or buffer.dtype != group.dtype or buffer.numel() * group.dtype.itemsize != group.nbytes:
+            raise StateCopyError(f"state copy of job {copy.job_id!r}: buffer {group.name!r} does not fit")
+    if copy.param_keys != spec.param_keys:
+        raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
+    if copy.state_values or len(copy.param_groups) != 1 or \
+            list(copy.param_groups[0].get("params", ())) != list(range(len(spec.param_keys))):
+        raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit")
+
+
+def _spec_of(copy: JobStateCopy) -> StateSpec:
+    """The spec of a copy's buffers, from its tensors' shapes."""
+    return state_spec([(name, copy.buffers[name].dtype, [(n, tuple(copy.tensors[n].shape)) for n in members])
+                       for name, members in copy.layout.items()])
 
 
 def _check_copy_layout(state: JobStateCopy) -> None:
@@ -1218,26 +1391,20 @@ def _check_copy_layout(state: JobStateCopy) -> None:
             )
 
 
-def _load_optimizer_state(job: _JobState, copy: JobStateCopy, on_device: dict[str, torch.Tensor]) -> None:
-    """Give the job's fresh AdamW the copy's state (device views, or clones: never the copy's
-    own memory) and the job its RNG state."""
-    index = {key: i for i, key in enumerate(job.params)}
-    state: dict[int, dict[str, Any]] = {}
-    rng_state: dict[str, torch.Tensor] = {}
-    for name, tensor in copy.tensors.items():
-        if name.startswith(OPTIM_PREFIX):
-            key, state_name = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
-            state.setdefault(index[key], {})[state_name] = on_device[name] if name in on_device else tensor.clone()
-        elif name.startswith(RNG_PREFIX):
-            rng_state[name[len(RNG_PREFIX) :]] = tensor.clone()
-    for name, value in copy.state_values.items():
-        key, state_name = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
-        state.setdefault(index[key], {})[state_name] = deepcopy(value)
-    try:  # load_state_dict copies the param groups
-        job.optimizer.load_state_dict({"state": state, "param_groups": copy.param_groups})
-    except (KeyError, ValueError) as exc:
-        raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit ({exc})") from None
-    job.rng_state = rng_state
+def _load_param_groups(optimizer: torch.optim.Optimizer, copy: JobStateCopy) -> None:
+    """The copy's AdamW hyper-parameters (lr, betas, weight decay ...) into the job's one param group."""
+    group = optimizer.param_groups[0]
+    params = group["params"]
+    group.update(copy.param_groups[0])
+    group["params"] = params
+
+
+def _store_rng(views: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
+    """RNG states into the job's views of them."""
+    if set(states) != set(views) or any(states[n].shape != views[n].shape for n in views):
+        raise StateCopyError(f"RNG state {sorted(states)} does not fit the job's ({sorted(views)})")
+    for name, view in views.items():
+        view.copy_(states[name])
 
 
 # ---------------------------------------------------------------- batches
@@ -1472,16 +1639,35 @@ def _read_checkpoint_payload(directory: Path) -> tuple[dict[str, torch.Tensor], 
 def _restore_job_state(
     job: _JobState, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any], directory: Path
 ) -> None:
+    """Checked against the job's adapter first, then copied into its slot: the optimizer's
+    state stays the slot's views (``load_state_dict`` alone would replace them)."""
     if set(tensors) != set(job.params) or trainer_state.get("param_keys") != list(job.params):
         raise CheckpointError(f"checkpoint {directory}: adapter keys do not match the job's adapter")
     for key, param in job.params.items():
         if tensors[key].shape != param.shape:
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {tuple(tensors[key].shape)}")
+    rng = trainer_state.get("rng")
+    if not isinstance(rng, dict) or set(rng) != set(job.rng_state) or \
+            any(rng[n].shape != view.shape for n, view in job.rng_state.items()):
+        raise CheckpointError(f"checkpoint {directory}: RNG state does not fit")
     try:
         job.optimizer.load_state_dict(trainer_state["optimizer"])
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {directory}: optimizer state does not fit ({exc})") from None
+    loaded, moments = dict(job.optimizer.state), job.slot.moments
+    job.optimizer.state.clear()
+    job.optimizer.state.update(moments)
+    for param, views in moments.items():
+        state = loaded.get(param, {})
+        if set(state) - set(views) or any(state[n].shape != views[n].shape for n in state):
+            raise CheckpointError(f"checkpoint {directory}: optimizer state does not fit the job's AdamW")
     with torch.no_grad():
+        for param, views in moments.items():
+            for name, view in views.items():
+                if name in loaded.get(param, {}):
+                    view.copy_(loaded[param][name])
+                else:  # saved before the first step
+                    view.zero_()
         for key, param in job.params.items():
             param.copy_(tensors[key])
-    job.rng_state = dict(trainer_state["rng"])
+        _store_rng(job.rng_state, rng)
