@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 import zmq
@@ -422,6 +422,10 @@ class Daemon:
             jobs = [j for j in self.journal.jobs() if self._visible(j.user)]
         jobs = [self._with_live_fields(j) for j in jobs]
         now = time.time()
+
+        def shown(job_ids: Iterable[str]) -> list[str]:  # others' jobs on a shared engine stay unnamed
+            return sorted(j for j in job_ids if (info := self.journal.job(j)) is not None and self._visible(info.user))
+
         engines = []
         busy_total = span_total = 0.0
         for w in self.workers.values():
@@ -434,8 +438,8 @@ class Daemon:
                     span_total += now - max(self.started_at, eng.up_at or self.started_at)
                 engines.append(P.EngineInfo(
                     engine_id=decl.engine_id, worker_id=w.worker_id, kind=decl.kind, model=decl.model,
-                    ready=w.ready, running=sorted({t.job_id for t in eng.running.values()}) if eng else [],
-                    resident=sorted(j for j, h in self.sched.home.items() if h == decl.engine_id),
+                    ready=w.ready, running=shown({t.job_id for t in eng.running.values()}) if eng else [],
+                    resident=shown(j for j, h in self.sched.home.items() if h == decl.engine_id),
                     busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
                     tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
                     swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {})))

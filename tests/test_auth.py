@@ -183,3 +183,39 @@ def test_internal_operations_and_down_are_refused_to_user_keys(cluster: Cluster)
     with pytest.raises(Exception, match="no reply"):
         internal.request(P.Op.HEARTBEAT, P.HeartbeatBody("w9"))
     assert internal.ping().pid == cluster.daemon.proc.pid
+
+
+def test_shared_engines_name_only_the_jobs_a_user_may_see(cluster: Cluster, tiny_model: Path) -> None:
+    """Alice's and Bob's jobs run on the same engines: Bob's status lists the engines, and on
+    them only his own job; the owner sees both."""
+    for user in ("alice", "bob"):
+        assert cluster.cli(OWNER, "share", user, "--key", str(cluster.keygen(user))).returncode == 0
+    worker = zmq.Context.instance().socket(zmq.DEALER)  # a worker that takes tasks and never answers
+    worker.setsockopt(zmq.IDENTITY, b"wrk:shared")
+    worker.setsockopt(zmq.LINGER, 0)
+    cluster.daemon.keys.apply(worker)
+    worker.connect(cluster.daemon.address)
+    model = os.path.realpath(tiny_model)
+    engines = [P.EngineDecl("shared/rollout", "rollout", model, 16),
+               P.EngineDecl("shared/trainer", "trainer", model, 1, state_capacity_bytes=1 << 30)]
+    worker.send_multipart(P.encode(P.Op.REGISTER, P.RegisterReq("shared", "node", os.getpid(), engines, True))[0])
+    try:
+        a = cluster.submit("alice", "alice-job")
+        b = cluster.submit("bob", "bob-job")
+        deadline = time.monotonic() + 60
+        while True:
+            worker.send_multipart(P.encode(P.Op.HEARTBEAT, P.HeartbeatBody("shared"))[0])
+            rep = cluster.client(OWNER).status()
+            named = {j for e in rep.engines for j in (*e.running, *e.resident)}
+            if {a, b} <= named:
+                break
+            assert time.monotonic() < deadline, f"both jobs never placed: {rep.engines}"
+            time.sleep(0.5)
+        for user, own in (("alice", a), ("bob", b)):
+            rep = cluster.client(user).status()
+            assert {e.engine_id for e in rep.engines} == {"shared/rollout", "shared/trainer"}
+            assert {j for e in rep.engines for j in (*e.running, *e.resident)} == {own}
+    finally:
+        worker.close()
+        cluster.daemon.proc.terminate()  # a drain would wait for steps that never end: the second stops at once
+        time.sleep(0.5)
