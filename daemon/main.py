@@ -623,13 +623,14 @@ class Daemon:
             self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
             return
         value = body.value
+        prune: tuple[Path, int] | None = None
         if call.method == "generate":
             value = {**value, "policy_version": call.context["version"]}
         elif call.method == "publish":
             rt.policy_version = call.context["version"]
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
-            self._prune(rt.job_dir / "adapters", keep=rt.spec.algo.max_staleness + 2)
+            prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
             value = {"version": rt.policy_version}
             if self.drain_deadline is not None:  # checkpoint at the end of this step, then exit
                 value["drain"] = self.drain_reason
@@ -639,9 +640,11 @@ class Daemon:
                               {"dir": ckpt, "step": call.context["step"], "policy_version": rt.policy_version,
                                "manifest": value})
             self.journal.event(rt.job_id, "checkpoint", f"step {call.context['step']}")
-            self._prune(rt.job_dir / "ckpt", keep=2)
+            prune = (rt.job_dir / "ckpt", 2)
             value = {"path": ckpt}
         self._send(call.identity, P.Op.REPLY, value, call.msg_id)
+        if prune is not None:  # after the reply: the job's next call need not wait for it
+            self._prune(*prune)
 
     def _trainer_of(self, identity: bytes) -> str:
         for w in self.workers.values():
