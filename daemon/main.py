@@ -68,13 +68,11 @@ CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
 WORKER_LIVENESS = 3  # heartbeats missed before a worker is declared dead
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 CANCEL_GRACE_S = 30.0
-DRIVER_EXIT_CANCELLED = 3
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
 DRAIN_TIMEOUT_S = 120.0
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-TRAINER_METHODS = {"train_step", "publish", "checkpoint", "restore"}
 ROLLOUT_METHODS = {"generate"}
 INTERNAL_OPS = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.RESULT, P.Op.LEAVE, P.Op.CALL, P.Op.REPORT}  # drivers, workers
 
@@ -98,7 +96,6 @@ class JobRuntime:
     spec: JobSpec
     job_dir: Path
     proc: subprocess.Popen | None = None
-    driver_identity: bytes = b""
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
     cancel_requested_at: float | None = None
@@ -684,7 +681,6 @@ class Daemon:
         if rt is None:
             self._error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
             return
-        rt.driver_identity = identity
         if header.msg_id in rt.calls_seen:  # sent again by a driver that reconnected: already in hand
             return
         rt.calls_seen[header.msg_id] = None
@@ -794,6 +790,7 @@ class Daemon:
                                    user=rt.user, trainer=holder if holder in self.sched.engines else None)
             if adm.ok:
                 del self.adopting[job_id]
+                self.resident.pop(job_id, None)
                 log.info("job %s placed again on %s, %s", job_id, adm.rollout, adm.trainer)
             elif now > deadline:
                 del self.adopting[job_id]

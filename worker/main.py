@@ -287,14 +287,13 @@ def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capac
         batch = _take(tasks, 1 << 10)
         gens = [t for t in batch if t.engine_id.endswith("/rollout")]
         train = [t for t in batch if not t.engine_id.endswith("/rollout")]
-        if batch[0] in train:
-            for t in train:
-                trainer.serve(t, out)
+        first, then = (train, []) if train and batch[0] is train[0] else ([], train)
+        for t in first:
+            trainer.serve(t, out)
         for i in range(0, len(gens), capacity):
             rollout.serve(gens[i:i + capacity], out)
-        if batch[0] not in train:
-            for t in train:
-                trainer.serve(t, out)
+        for t in then:
+            trainer.serve(t, out)
 
 
 def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
