@@ -14,6 +14,8 @@ instead of waiting out the timeout.
 from __future__ import annotations
 
 import getpass
+import itertools
+import os
 import time
 from typing import Any
 
@@ -32,6 +34,18 @@ def current_user() -> str:
         return getpass.getuser()
     except Exception:  # noqa: BLE001 - no passwd entry in some containers
         return "unknown"
+
+
+_monitor_ids = itertools.count()
+
+
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving ``sock``'s ``events``, on an inproc address used once.
+
+    pyzmq's default address is derived from the socket's file descriptor, which a socket made right after
+    another was closed reuses while libzmq may still hold the old monitor's endpoint: "Address already in use".
+    """
+    return sock.get_monitor_socket(events, addr=f"inproc://plexrl-monitor-{os.getpid()}-{next(_monitor_ids)}")
 
 
 class Client:
@@ -57,7 +71,7 @@ class Client:
             s.setsockopt(zmq.LINGER, 0)
             if keys is not None:
                 keys.apply(s)
-                self._monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                self._monitor = monitor_socket(s, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             s.connect(self.address)
             self._sock = s
         return self._sock

@@ -48,6 +48,7 @@ import zmq.utils.monitor
 from plexctl import auth
 from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic
+from plexctl.client import monitor_socket
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.data import PromptCursor, load_records
 from plexctl.metric_sinks import MetricSinks
@@ -112,7 +113,7 @@ class JobClient:
         if keys is not None:
             keys.apply(self._sock)
         self._back_event = zmq.EVENT_HANDSHAKE_SUCCEEDED if keys is not None else zmq.EVENT_CONNECTED
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | self._back_event)
+        self._monitor = monitor_socket(self._sock, zmq.EVENT_DISCONNECTED | self._back_event)
         self._sock.connect(endpoint)
         self._replies: dict[int, tuple[bytes, Any]] = {}
         self._in_flight: dict[int, list[bytes]] = {}  # call id -> its frames, until the reply

@@ -219,3 +219,22 @@ def test_shared_engines_name_only_the_jobs_a_user_may_see(cluster: Cluster, tiny
         worker.close()
         cluster.daemon.proc.terminate()  # a drain would wait for steps that never end: the second stops at once
         time.sleep(0.5)
+
+
+def test_a_socket_made_after_another_was_closed_gets_its_own_monitor() -> None:
+    """Reconnecting clients make a socket (and its monitor) right after closing the last: while libzmq still
+    holds the old monitor's endpoint, a name taken from the reused file descriptor was "Address already in
+    use" (a `plexctl status` failed that way while the daemon restarted)."""
+    from plexctl.client import monitor_socket
+
+    ctx = zmq.Context.instance()
+    monitors = []
+    try:
+        for _ in range(50):
+            sock = ctx.socket(zmq.DEALER)
+            monitors.append(monitor_socket(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH))
+            sock.close(linger=0)
+    finally:
+        for m in monitors:
+            m.close(linger=0)
+    assert len(monitors) == 50
