@@ -16,14 +16,17 @@ device->host            eviction: ``TrainerEngine.export_state``   CUDA: pinned 
                                                                    buffer (clone shown beside it)
 host->device            swap-in from host: ``import_state``        CUDA: pinned host->device copy;
                                                                    CPU: as above
-host->nvme              demotion: the copy writer (temp dir,       write + fdatasync of one file
-                        crc32 per 8 MiB, one fdatasync, rename)    of the same size
+host->nvme              demotion: the copy writer (one file, a     write + fdatasync of one file
+                        spare overwritten in place if one fits,    of the same size
+                        xxh3 per 8 MiB, one fdatasync)
 nvme->host              ``prefetch``: the verified reader          read of that file, cold
 ======================  =========================================  ===============================
 
 The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
 O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
-store's writes use (``state_store.IO_DEPTH``; its reads keep ``READ_AHEAD`` in flight). Same
+store's writes use (``state_store.IO_DEPTH``; its reads keep ``READ_AHEAD`` in flight); writes
+also in place over the blocks of the file's last write (no truncation: what the store does when
+it reuses a spare file, so the raw figure is never a slower way than the store's own). Same
 conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
 number of repetitions interleaved; every write ends with ``fdatasync``; every read is cold
 (the file's pages are dropped from the page cache with ``posix_fadvise(DONTNEED)`` first, or
@@ -203,8 +206,9 @@ class RawDisk:
     def _chunks(self) -> list[tuple[int, memoryview]]:
         return [(offset, self.view[offset : offset + IO_CHUNK]) for offset in range(0, self.nbytes, IO_CHUNK)]
 
-    def write(self, direct: bool = False, parallel: bool = False) -> float:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    def write(self, direct: bool = False, parallel: bool = False, overwrite: bool = False) -> float:
+        """``overwrite``: into the file's blocks from the last write, in place (no truncation)."""
+        flags = os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC) | (os.O_DIRECT if direct else 0)
         started = time.perf_counter()
         fd = os.open(self.path, flags, 0o644)
         try:
@@ -238,9 +242,11 @@ class RawDisk:
 
     def variants(self) -> dict[str, Callable[[], float]]:
         """name -> one timed run, for every way this filesystem takes."""
-        runs: dict[str, Callable[[], float]] = {"raw_write": self.write, "raw_read": self.read_cold}
+        runs: dict[str, Callable[[], float]] = {"raw_write": self.write, "raw_read": self.read_cold,
+                                                "raw_write_overwrite": partial(self.write, overwrite=True)}
         if self.direct:
             runs.update(raw_write_direct=partial(self.write, direct=True),
+                        raw_write_direct_overwrite=partial(self.write, direct=True, overwrite=True),
                         raw_write_direct_par=partial(self.write, direct=True, parallel=True),
                         raw_read_direct=partial(self.read_cold, direct=True),
                         raw_read_direct_par=partial(self.read_cold, direct=True, parallel=True))
@@ -420,7 +426,7 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
     plan = [
         ("device->host", "TrainerEngine.export_state (eviction)", best("device.d2h" if cuda else "device.memcpy")),
         ("host->device", "TrainerEngine.import_state (swap-in)", best("device.h2d" if cuda else "device.memcpy")),
-        ("host->nvme", "StateStore demotion (crc32, fdatasync, rename)", best("nvme.raw_write")),
+        ("host->nvme", "StateStore demotion (xxh3, fdatasync)", best("nvme.raw_write")),
         ("nvme->host", "StateStore.prefetch, cold (verified)", best("nvme.raw_read")),
     ]
     rows = []
@@ -552,13 +558,15 @@ CONDITIONS = (
     "same bytes per copy (raw file rounded up to 4 KiB), one file per copy, repetitions interleaved; "
     "writes end with fdatasync; reads cold (posix_fadvise DONTNEED first, or O_DIRECT); reads land in a "
     "reused faulted-in page-aligned full-size buffer (the store: its host buffer pool); raw = best of buffered, "
-    "O_DIRECT serial, O_DIRECT with the store's request depth; device tier on CPU: memcpy into a "
+    "O_DIRECT serial, O_DIRECT with the store's request depth, and for writes also in place over the last "
+    "write's blocks (no truncation, as the store reuses a spare file); device tier on CPU: memcpy into a "
     "preallocated faulted-in buffer (clone beside it)"
 )
 RAW_LABELS = {
     "device.memcpy": "memcpy", "device.d2h": "pinned D2H", "device.h2d": "pinned H2D",
     "nvme.raw_write": "write+fdatasync", "nvme.raw_write_direct": "O_DIRECT write+fdatasync",
     "nvme.raw_write_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} write+fdatasync",
+    "nvme.raw_write_overwrite": "overwrite+fdatasync", "nvme.raw_write_direct_overwrite": "O_DIRECT overwrite+fdatasync",
     "nvme.raw_read": "read, cold", "nvme.raw_read_direct": "O_DIRECT read",
     "nvme.raw_read_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} read",
 }

@@ -23,16 +23,14 @@ from typing import Any
 
 import pytest
 from conftest import random_tiny_qwen2
-from test_state_store import job_state
+from test_state_store import job_state, nvme_files
 from test_trainer import assert_exactly_equal, make_batch
 
 from plexctl.protocol import LoraConfig, TrainHParams
 from plexctl.rl import CallFailed, DrainCheckpointFailed, Job, JobDrained
 from plexctl.spec import load_spec
 from worker.state_store import (
-    MANIFEST_FILE,
     NVME_FULL_RETRY_S,
-    TENSORS_FILE,
     StateStore,
     TierFullError,
 )
@@ -42,7 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 LORA = LoraConfig(rank=8)
 HP = TrainHParams(lr=2e-3)
 SEEDS = {"a": 1, "b": 2, "c": 3, "d": 4}
-COPY_LISTING = sorted([MANIFEST_FILE, TENSORS_FILE])  # one nvme copy's files
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -147,8 +144,8 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     assert store.inventory()["host"]["used_bytes"] == one  # over host_bytes (0), within the spill allowance
     (warning,) = store_warnings(caplog)
     assert "no space left on device" in warning and str(nvme) in warning and "\n" not in warning
-    assert temp_entries(nvme) == [] and sorted(os.listdir(nvme)) == sorted(["filler", *nvme_listing_dirs(nvme)])
-    assert all(sorted(os.listdir(nvme / d)) == COPY_LISTING for d in nvme_listing_dirs(nvme))
+    assert list(nvme_files(store, beside=("filler",))) == ["a"]  # b's file went, no spare kept on a full disk
+    assert store._spares == []
     states["c"] = trained(trainer, "c")
 
     with pytest.raises(TierFullError) as error:  # c cannot leave: nvme is full, host's allowance spent
@@ -158,7 +155,7 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     assert "out of space (no space left on device" in message and str(nvme) in message
     assert trainer.jobs() == ["c"] and store.where("c") == "device" and store.where("d") is None
     assert store.inventory()["nvme"]["nospace"] == 1  # the store did not write into the disk it knows is full
-    assert store.inventory()["in_flight"] == {} and temp_entries(nvme) == []
+    assert store.inventory()["in_flight"] == {} and list(nvme_files(store, beside=("filler",))) == ["a"]
 
     filler.unlink()  # space frees up; after the back-off the store tries the disk again
     clock.now += NVME_FULL_RETRY_S
@@ -172,11 +169,43 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
         assert_exactly_equal(states[job_id], job_state(trainer, job_id), job_id)
     for job_id in "abcd":
         store.drop(job_id)
-    assert os.listdir(nvme) == [] and trainer.jobs() == []
+    assert nvme_files(store) == {} and trainer.jobs() == []  # only spares left
+    store._delete_spares()
+    assert os.listdir(nvme) == []
 
 
-def nvme_listing_dirs(nvme: Path) -> list[str]:
-    return sorted(d for d in os.listdir(nvme) if (nvme / d).is_dir())
+def test_spare_files_go_when_the_disk_is_full(model_dir: str, small_fs: Callable[[str, int], Path]) -> None:
+    """The file of a copy that left nvme is kept to be overwritten (a spare); when a write runs
+    out of space, spares are deleted with the failed file, and while the tier is marked full a
+    copy leaving nvme has its file deleted, not kept: what the store freed is free on disk."""
+    big = LoraConfig(rank=32)
+    nvme = small_fs("nvme", 8 << 20)
+    trainer = TrainerEngine(model_dir, threads=1)
+    one = StateStore.job_bytes(LORA, config_json(model_dir))
+    store = StateStore(trainer, device_slots=2, host_bytes=0, host_spill_bytes=4 * one, nvme_dir=nvme)
+    store.ensure_resident("a", LORA, SEEDS["a"])
+    states = {"a": trained(trainer, "a")}
+    store.ensure_resident("c", big, SEEDS["c"])
+    states["c"] = trained(trainer, "c")
+    store.set_upcoming(["e", "a"])
+    store.ensure_resident("e", LORA, 5)  # c goes to nvme
+    store.set_upcoming(["c", "a"])
+    assert store.ensure_resident("c", big, SEEDS["c"])["evicted"] == ["e"]  # c's file becomes a spare
+    (spare,) = store._spares
+    assert store.where("e") == "nvme" and spare.path.exists() and spare.nbytes > 2 * one
+    fill(nvme, leave=0)
+
+    store.set_upcoming(["f", "c"])  # a leaves; the big spare is not for it: a new file, no space
+    assert store.ensure_resident("f", LORA, 6)["evicted"] == ["a"] and store.where("a") == "host"
+    assert store.inventory()["nvme"]["nospace"] == 1 and store._spares == [] and not spare.path.exists()
+    assert list(nvme_files(store, beside=("filler",))) == ["e"]
+    store.set_upcoming(["e", "c"])  # e leaves nvme while it is marked full: its file is deleted
+    assert store.ensure_resident("e", LORA, 5)["swap_in"] == "nvme"
+    assert store._spares == [] and nvme_files(store, beside=("filler",)) == {}
+    store.set_upcoming(["a", "c"])  # a comes back from host memory exactly as it left
+    assert store.ensure_resident("a", LORA, SEEDS["a"])["swap_in"] == "host"
+    assert_exactly_equal(states["a"], job_state(trainer, "a"), "a")
+    assert_exactly_equal(states["c"], job_state(trainer, "c"), "c")
 
 
 def test_failed_demotion_keeps_host_copies_and_the_job_on_the_device(

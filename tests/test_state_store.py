@@ -42,7 +42,6 @@ JOBS: dict[str, tuple[LoraConfig, int, TrainHParams]] = {
     "j4": (LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], dropout=0.05), 55, HP_KL),
 }
 ALONE_STEPS = 3
-COPY_LISTING = ["manifest.json", "tensors.safetensors"]  # one nvme copy's files
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -118,8 +117,30 @@ def fresh_copy_bytes(model_dir: str) -> int:
     return probe.export_state("probe").nbytes
 
 
-def nvme_listing(nvme_dir: Path) -> dict[str, list[str]]:
-    return {d: sorted(os.listdir(nvme_dir / d)) for d in sorted(os.listdir(nvme_dir))}
+def nvme_files(store: StateStore, beside: tuple[str, ...] = ()) -> dict[str, str]:
+    """Job -> the name of its nvme copy's file, checked against what is in ``nvme_dir``: one
+    file per copy on nvme, of whole pages, plus the store's spare files and ``beside``, nothing else."""
+    assert store.nvme_dir is not None
+    with store._cond:
+        records = {job: r.nvme for job, r in store._records.items() if r.tier == "nvme"}
+        spares = [spare.path.name for spare in store._spares]
+    assert all(copy is not None and copy.job_id == job for job, copy in records.items())
+    files = {job: copy.path.name for job, copy in records.items()}
+    assert sorted(os.listdir(store.nvme_dir)) == sorted([*files.values(), *spares, *beside])
+    assert len(spares) <= state_store.NVME_SPARES
+    for job, copy in records.items():
+        assert (store.nvme_dir / files[job]).stat().st_size == copy.file_bytes
+        assert copy.file_bytes % state_store.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < state_store.DIRECT_ALIGN
+    return files
+
+
+def assert_only_spares_left(store: StateStore) -> None:
+    """Every job dropped: nvme_dir holds only the store's spare files, deleted when it goes."""
+    assert store.nvme_dir is not None
+    assert nvme_files(store) == {}
+    assert sorted(os.listdir(store.nvme_dir)) == sorted(spare.path.name for spare in store._spares)
+    store._delete_spares()  # what its finalizer does when the store goes (or at exit)
+    assert os.listdir(store.nvme_dir) == [] and store._spares == []
 
 
 # ---------------------------------------------------------------- export / import on the trainer
@@ -176,11 +197,12 @@ def test_round_trips_through_a_tier_are_bit_exact(model_dir: str, alone: dict, t
     assert [r["swap_in"] for r in reports] == [None, None, tier, tier, tier, tier]
     assert all(r["evicted"] == (["idle"] if i % 2 == 0 else ["j0"]) for i, r in enumerate(reports) if i > 0)
     if tier == "nvme":
-        assert nvme_listing(tmp_path / "nvme") == {name: COPY_LISTING for name in os.listdir(tmp_path / "nvme")}
-        assert len(os.listdir(tmp_path / "nvme")) == 1  # idle's copy; j0's was deleted when it came back
+        files = nvme_files(store)  # idle's copy; j0's file is a spare since it came back
+        assert list(files) == ["idle"] and [s.path.name for s in store._spares] != []
     store.drop("j0")
     store.drop("idle")
-    assert os.listdir(tmp_path / "nvme") == [] and trainer.jobs() == []
+    assert trainer.jobs() == []
+    assert_only_spares_left(store)
 
 
 # ---------------------------------------------------------------- many jobs, few slots
@@ -222,8 +244,9 @@ def test_five_jobs_on_two_slots_train_like_alone(model_dir: str, alone: dict, tm
         assert_like_alone(trainer, job_id, alone[job_id][1])
     for job_id in order:
         store.drop(job_id)
-    assert trainer.jobs() == [] and os.listdir(nvme_dir) == []
+    assert trainer.jobs() == []
     assert all(store.inventory()[tier]["jobs"] == [] for tier in ("device", "host", "nvme"))
+    assert_only_spares_left(store)
 
 
 def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) -> None:
@@ -235,9 +258,8 @@ def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) ->
     assert len(tiers["device"]) <= inventory["device"]["capacity"] and inventory["in_flight"] == {}
     for tier in ("host", "nvme"):  # every job here has trained: its copy is exactly job_bytes
         assert inventory[tier]["used_bytes"] == sum(sizes[j] for j in tiers[tier]) <= inventory[tier]["capacity"]
-    listing = nvme_listing(nvme_dir)
-    assert all(files == COPY_LISTING for files in listing.values())
-    assert sorted(json.loads((nvme_dir / d / "manifest.json").read_text())["job_id"] for d in listing) == tiers["nvme"]
+    assert sorted(nvme_files(store)) == tiers["nvme"]
+    assert sum(s.nbytes for s in store._spares) + inventory["nvme"]["used_bytes"] <= inventory["nvme"]["capacity"]
 
 
 # ---------------------------------------------------------------- eviction policy
@@ -281,29 +303,37 @@ def test_eviction_follows_upcoming_then_least_recently_used(model_dir: str, tmp_
 # ---------------------------------------------------------------- failures
 
 
-@pytest.mark.parametrize("victim", ["tensors.safetensors", "manifest.json", "missing manifest", "truncated tensors"])
+@pytest.mark.parametrize("victim", ["flipped byte", "last byte flipped", "truncated file", "grown file", "missing file"])
 def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: str) -> None:
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme")
     ensure(store, "a")
     ensure(store, "b")
-    (copy_dir,) = (tmp_path / "nvme").iterdir()
-    if victim == "missing manifest":
-        (copy_dir / "manifest.json").unlink()
-    elif victim == "truncated tensors":
-        os.truncate(copy_dir / "tensors.safetensors", (copy_dir / "tensors.safetensors").stat().st_size - 1)
+    (copy_file,) = (tmp_path / "nvme").iterdir()
+    assert nvme_files(store) == {"a": copy_file.name}
+    nbytes = store._records["a"].nvme.nbytes
+    if victim == "missing file":
+        copy_file.unlink()
+    elif victim == "truncated file":
+        os.truncate(copy_file, copy_file.stat().st_size - 1)
+    elif victim == "grown file":
+        with open(copy_file, "ab") as f:
+            f.write(bytes(state_store.DIRECT_ALIGN))
     else:
-        data = bytearray((copy_dir / victim).read_bytes())
-        data[len(data) // 2] ^= 0x01
-        (copy_dir / victim).write_bytes(bytes(data))
+        data = bytearray(copy_file.read_bytes())
+        data[nbytes // 2 if victim == "flipped byte" else nbytes - 1] ^= 0x01
+        copy_file.write_bytes(bytes(data))
 
     with pytest.raises(CorruptCopyError) as error:
         ensure(store, "a")
-    assert "\n" not in str(error.value) and "'a'" in str(error.value)
+    assert "\n" not in str(error.value) and "'a'" in str(error.value) and str(copy_file) in str(error.value)
     assert trainer.jobs() == ["b"] and store.where("a") == "nvme"  # not imported, b not evicted for it
     assert store.inventory()["in_flight"] == {}
+    with pytest.raises(CorruptCopyError):  # still refused when asked again
+        ensure(store, "a")
+    assert trainer.jobs() == ["b"] and store.where("a") == "nvme"
     store.drop("a")
-    assert os.listdir(tmp_path / "nvme") == []
+    assert os.listdir(tmp_path / "nvme") == [] and store._spares == []  # a corrupt copy's file is not kept
 
 
 def test_tier_full_error_when_nothing_fits(model_dir: str, tmp_path: Path) -> None:
@@ -410,9 +440,7 @@ def test_concurrent_prefetches_and_swaps_never_lose_state(model_dir: str, tmp_pa
     assert inventory["swaps"]["nvme->host"]["count"] > 0, inventory["swaps"]  # the prefetches did move copies
     assert inventory["in_flight"] == {} and inventory["host"]["used_bytes"] <= 2 * size
     assert sorted(j for tier in ("device", "host", "nvme") for j in inventory[tier]["jobs"]) == jobs
-    copies = list((tmp_path / "nvme").iterdir())  # no temp dirs, no stale copies
-    assert not any(d.name.startswith(".") for d in copies)
-    assert sorted(json.loads((d / "manifest.json").read_text())["job_id"] for d in copies) == inventory["nvme"]["jobs"]
+    assert sorted(nvme_files(store)) == inventory["nvme"]["jobs"]  # one file per copy, spares, nothing else
 
 
 # ---------------------------------------------------------------- the copy format and its I/O
@@ -433,20 +461,21 @@ def test_multi_chunk_copies_round_trip_and_reject_a_flipped_byte(
     train(trainer, "j0", 0)
     copy = trainer.export_state("j0")
     pool = HostBufferPool()
-    state_store._write_copy_dir(tmp_path / "j0", copy)
-    manifest = json.loads((tmp_path / "j0" / "manifest.json").read_text())
-    assert len(manifest["files"]["tensors.safetensors"]["crc32_chunks"]) > 10
-    back, buffer = state_store._read_copy(tmp_path / "j0", "j0", pool)
-    assert back.nbytes == copy.nbytes and back.param_groups == copy.param_groups
+    written = state_store._write_copy(tmp_path / "j0.bin", copy)
+    assert len(written.sums) > 10 and written.nbytes == copy.nbytes
+    assert (tmp_path / "j0.bin").stat().st_size == written.file_bytes
+    back, buffer = state_store._read_copy(written, pool)
+    assert back.nbytes == copy.nbytes and back.param_groups == copy.param_groups and back.spec is copy.spec
     assert_exactly_equal(copy.tensors, back.tensors, "tensors")
     assert buffer.data_ptr() % state_store.DIRECT_ALIGN == 0
+    pool.give(buffer)
 
-    tensors = tmp_path / "j0" / "tensors.safetensors"
+    tensors = tmp_path / "j0.bin"
     data = bytearray(tensors.read_bytes())
     data[5 * state_store.IO_CHUNK_BYTES + 3] ^= 0x40
     tensors.write_bytes(bytes(data))
     with pytest.raises(CorruptCopyError, match="does not match its checksums"):
-        state_store._read_copy(tmp_path / "j0", "j0", pool)
+        state_store._read_copy(written, pool)
 
 
 def test_host_buffer_pool_reuses_buffers_of_a_fitting_size() -> None:
@@ -568,10 +597,11 @@ def test_a_copy_over_other_memory_is_written_through_bounce_buffers(model_dir: s
     tensors = {name: t.clone() for name, t in copy.tensors.items()}  # not views of the buffers: still a copy
     elsewhere = dataclasses.replace(copy, tensors=tensors, buffers=buffers, memory=None)
     assert state_store._file_image(elsewhere, elsewhere.segments(), elsewhere.nbytes) is None
-    state_store._write_copy_dir(tmp_path / "j0", elsewhere)
-    back, buffer = state_store._read_copy(tmp_path / "j0", "j0", HostBufferPool())
+    written = state_store._write_copy(tmp_path / "j0.bin", elsewhere)
+    back, buffer = state_store._read_copy(written, HostBufferPool())
     assert_exactly_equal(copy.tensors, back.tensors, "tensors")
     assert back.memory is buffer
+    assert (tmp_path / "j0.bin").read_bytes()[written.nbytes :] == bytes(written.file_bytes - written.nbytes)
 
 
 # ---------------------------------------------------------------- sizing
@@ -594,3 +624,41 @@ def test_job_bytes_matches_the_real_copy(model_dir: str, tmp_path: Path) -> None
         assert StateStore.job_bytes(lora, Qwen2Config.from_pretrained(directory)) == copy.nbytes
     with pytest.raises(ValueError, match="lm_head"):
         StateStore.job_bytes(LoraConfig(target_modules=["lm_head"]), config_json(model_dir))
+
+
+# ---------------------------------------------------------------- nvme files: reused, within the budget
+
+
+def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget(model_dir: str, tmp_path: Path) -> None:
+    """Two jobs of one size trade places through nvme: after the first two writes, every copy
+    is written over the file of the copy that left nvme last (same file, same inode: no file is
+    made or deleted), and every job still comes back exactly. With a budget of two copies, the
+    file of a copy that leaves is deleted instead (it would not fit beside the copies): nvme never
+    holds more than ``nvme_bytes``."""
+    lora = LoraConfig(rank=4, alpha=8)
+    size = StateStore.job_bytes(lora, config_json(model_dir))
+    for budget, kept in ((1 << 30, True), (2 * size + 1000, False)):  # a swap holds both on nvme a moment
+        trainer = engine(model_dir)
+        nvme_dir = tmp_path / f"nvme-{kept}"
+        store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=nvme_dir, nvme_bytes=budget)
+        saved = {}
+        for i, job_id in enumerate("ab"):
+            store.ensure_resident(job_id, lora, seed=i)
+            trainer.train_step(job_id, make_batch(i, rows=2), HP_SEQ)
+            saved[job_id] = job_state(trainer, job_id)
+        inodes = set()
+        for round_ in range(6):
+            job_id = "ab"[round_ % 2]
+            store.ensure_resident(job_id, lora, seed=round_ % 2)  # the other one goes to nvme
+            assert_like_alone(trainer, job_id, saved[job_id])
+            files = nvme_files(store)
+            assert list(files) == ["ba"[round_ % 2]]
+            inodes.add(os.stat(nvme_dir / files["ba"[round_ % 2]]).st_ino)
+            spares = [spare.path.name for spare in store._spares]
+            assert len(spares) == (1 if kept else 0)
+            assert store.inventory()["nvme"]["used_bytes"] + sum(s.nbytes for s in store._spares) <= budget
+        if kept:  # two files made in all, each overwritten since
+            assert len(inodes) == 2 and next(store._copy_serial) == 2
+        for job_id in "ab":
+            store.drop(job_id)
+        assert_only_spares_left(store)

@@ -8,39 +8,60 @@ exactly one of three tiers:
   most ``device_slots`` jobs: the jobs being served;
 - ``host``: a ``JobStateCopy`` in host memory (pinned when CUDA is available), up to
   ``host_bytes`` in all;
-- ``nvme``: the same copy in a node-local directory, one sub-directory per job holding
-  ``tensors.safetensors`` (every tensor, a valid safetensors file whose data section starts on
-  a page) and ``manifest.json`` (LoRA config, seed, sizes, the optimizer's hyper-parameters and
-  the copy's layout, a crc32 of the tensor file's head and of each 8 MiB chunk of its data
-  section; its first field is the sha256 of the rest, as written), up to ``nvme_bytes`` in
-  all. A copy is written into a temp directory beside its final name and renamed, so it exists
-  only once complete; it is verified when read, and a corrupt copy raises
-  ``CorruptCopyError`` and is never imported.
+- ``nvme``: the same copy in a node-local directory, up to ``nvme_bytes`` in all. nvme copies
+  are scratch that never outlives the process (see below), so a copy is one file of raw bytes
+  plus a description kept in memory, in the job's record: the file (``copy-<store>-<n>.bin``)
+  holds only the copy's data section, its tensors back to back from offset 0 (page-aligned,
+  for O_DIRECT) padded with zeros to a whole page; the record keeps everything else (LoRA
+  config, seed, weight decay, the optimizer's hyper-parameters, param keys, the layout: which
+  tensor lies where, the size, a checksum of each 8 MiB chunk). No manifest, no header, nothing
+  encoded or decoded: a process that dies takes the only description of its files with it,
+  which is fine for scratch. A record points at a file only once the file's write and
+  fdatasync completed, so the store's own readers never see a partial copy (what the old
+  temp-dir-and-rename gave). A copy is verified when read (the file's size, every chunk's
+  checksum): a missing, truncated, grown or corrupt file raises ``CorruptCopyError`` and is never
+  imported.
 
 How a copy moves fast (``bench/swap.py`` holds it against memcpy and raw sequential file I/O).
 A host copy is one flat page-aligned buffer from the store's ``HostBufferPool`` (pinned when
-CUDA is available) holding the copy's tensors back to back exactly as the tensor file's data
-section does: ``export_state`` copies a leaving job into one, a read from nvme lands in one,
+CUDA is available) holding the copy's tensors back to back exactly as its file on nvme
+does: ``export_state`` copies a leaving job into one, a read from nvme lands in one,
 and it goes back to the pool once the copy is imported, demoted or dropped (on CPU the engine
 likewise keeps released jobs' device buffers), so a swap neither allocates nor faults in fresh
-pages. The data section is cut into 8 MiB chunks, each with its own crc32 (zlib's, which
-releases the GIL and is about twice as fast as sha256 here: a 2-core machine cannot sha256 at
-disk speed). Files are read and written with O_DIRECT where the filesystem takes it (buffered
+pages. The data section is cut into 8 MiB chunks, each with its own checksum: xxh3-64
+(``xxhash``; it releases the GIL and runs at ~60 GB/s here, against ~4 GB/s for zlib's crc32
+and less for sha256, so checking a copy costs a few percent of reading it; an accidental
+corruption is what it is for, not an attacker). A span under ``SUM_ASIDE_MIN_BYTES`` is summed
+by the thread holding it (a hand-off to another thread costs more than the sum). Files are read and written with O_DIRECT where the filesystem takes it (buffered
 elsewhere, e.g. tmpfs, a written file then dropped from the page cache). Writes: straight from
-the copy's buffer, the file's head in front of the first chunk, one request per chunk on the
-copy-I/O threads, each checksumming its chunk; the calling thread writes the last chunk while
-the crc thread checksums it (a copy over other memory is gathered through ``WRITE_BOUNCES``
-bounce buffers). Reads: the head with the first chunk, then, once the head is checked and the
-copy laid over a pool buffer, the other chunks in order, ``READ_AHEAD`` in flight on the
-copy-I/O threads, each one's checksum on the crc thread as it lands (the reader takes over
-those not started when all have landed). Reading with O_DIRECT (``READ_DIRECT``) keeps no
-page-cache copy of a file that is deleted once read; on the VM disk this was measured on,
+the copy's buffer, one request per chunk on the copy-I/O threads, each checksumming its chunk;
+the calling thread writes the last chunk while the checksum thread checksums it (a copy over other
+memory is gathered through ``WRITE_BOUNCES`` bounce buffers). Reads: the copy is laid over a
+pool buffer from its record, then the first chunk is read by the calling thread while the
+next ``READ_AHEAD`` are in flight on the copy-I/O threads, and so on in order, each one's
+checksum on the checksum thread as it lands (the reader takes over those not started when all have
+landed). Reading with O_DIRECT (``READ_DIRECT``) keeps no page-cache copy of a file that is
+not read again; on the VM disk this was measured on,
 buffered reads of a 1 GiB copy ran at 55-75 % of raw whenever the page cache's pages had to be
-faulted back in. A copy costs one ``fdatasync``, of the tensor file: nvme copies are scratch
-that never outlives the process (see below), so the manifest and the directory are not synced;
-the sync is there so that a demoted copy really left host memory. The manifest is encoded once
-(msgspec) and its sha256 checked over the bytes read, nothing encoded again: a small copy's
-fixed cost is mostly file-system calls and a few microseconds per tensor.
+faulted back in. A copy costs one ``fdatasync``, of its file (the directory is not synced:
+the copy is scratch); the sync is there so that a demoted copy really left host memory.
+
+A small copy's cost is file-system metadata, so a copy touches as little as it can: the
+directory is made once, by the store; a write is one open, the writes, one fdatasync; a read
+one open, one fstat, the reads. Files are reused rather than deleted: when a copy leaves nvme
+(read back and landed on host or device) its file becomes a *spare*, and a later copy of the
+same size (or up to half smaller) is written over it in place (cut to size after), which
+allocates and frees no blocks, so its fdatasync flushes data only: on the VM disk this was
+measured on, overwriting a 0.4 MB file cost about 150 us against about 400 us for truncating
+and rewriting it and 470 us for a new file, and an unlink about 120 us more. A copy that
+finds no spare of its size gets a new file (``O_EXCL``: never anything that was there). The
+store keeps at most ``NVME_SPARES`` spares, and never more than ``nvme_bytes`` leaves beside
+its copies (counting those being written): ``nvme_bytes`` bounds what the store holds on
+disk, spares included. The oldest spares beyond that are deleted on the spot, as are all of
+them while the tier is marked full (below), a dropped job's file, and a corrupt copy's; the
+rest go when the store is collected or the process exits. Reads and writes of one copy never
+meet on a file: a spare belongs to no record, and a write takes it out of the spares under
+the store's lock.
 
 ``ensure_resident`` (called before each trainer call of a job) makes room on the device by
 evicting the resident job needed least soon according to the latest ``set_upcoming`` (ties:
@@ -59,11 +80,12 @@ land. So ``overlap_s - stalled_s`` is swap time hidden behind compute.
 
 A full disk. ``nvme_bytes`` is a budget, not a measurement: the disk may fill first (other
 users of a node-local disk, a quota); the store learns it from a write, it does not poll free
-space. A copy whose write fails with ENOSPC or EDQUOT has its temp directory removed and is
-not counted on nvme; the store logs one warning line naming the directory and marks the tier
-out of space: for ``NVME_FULL_RETRY_S`` it takes only copies that fit in what the store has
-deleted there since, so it does not keep writing into a disk it knows is full; then it tries
-again. Meanwhile a copy leaving the device that nvme cannot take stays in host memory, over
+space. A copy whose write fails with ENOSPC or EDQUOT has its file deleted and is not
+counted on nvme, and every spare is deleted too; the store logs one warning line naming the
+directory and marks the tier out of space: for ``NVME_FULL_RETRY_S`` it takes only copies that
+fit in what the store has deleted there since (copies leaving nvme meanwhile are deleted, not
+kept as spares, so that room is really free), so it does not keep writing into a disk it knows
+is full; then it tries again. Meanwhile a copy leaving the device that nvme cannot take stays in host memory, over
 ``host_bytes`` by at most ``host_spill_bytes`` (default a quarter of ``host_bytes``; the copy
 is in host memory already and its device memory is freed); host copies that failed to go down
 stay on host; a ``prefetch`` that would need nvme room does nothing. Only when host cannot
@@ -81,32 +103,28 @@ move is planned, so ``used_bytes`` counts a moving copy on both of its tiers unt
 What it deliberately does not do. No durable checkpoints (nvme copies are scratch that does
 not outlive the process: ``TrainerEngine.save_checkpoint`` is the durable path), no moves
 across nodes, no scheduling (the scheduler's queue arrives through ``set_upcoming``), no clean
-copy kept on a lower tier after a job moves up (a job going down again is written again). All
-moves go through the store: a job released from the trainer behind its back is not noticed.
-``nvme_dir`` must belong to one store; copies left there by a crashed process are neither
-read nor cleaned up. While a job swaps in from host, host memory briefly holds its copy and
+copy kept on a lower tier after a job moves up (a job going down again is written again; a
+spare's bytes are stale, never read). All moves go through the store: a job released from the
+trainer behind its back is not noticed. ``nvme_dir`` must belong to one store (its files are
+named by a prefix of its own); files left there by a crashed process, or copies of jobs still
+on nvme when the process ends, are neither read nor cleaned up, and nothing there can be read
+without the process that wrote it. While a job swaps in from host, host memory briefly holds its copy and
 the evicted job's copy.
 """
 
 from __future__ import annotations
 
-import base64
 import bisect
 import contextlib
 import errno
-import hashlib
-import io
+import itertools
 import logging
-import math
 import os
 import queue
-import re
-import shutil
-import struct
 import threading
 import time
 import uuid
-import zlib
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -115,8 +133,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 import torch
+import xxhash
 
 from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
@@ -127,6 +145,7 @@ from worker.trainer import (
     JobConfigError,
     JobStateCopy,
     SpecBuffers,
+    StateSpec,
     TensorViews,
     TrainerEngine,
     aligned_host_buffer,
@@ -142,32 +161,14 @@ DEVICE, HOST, NVME = "device", "host", "nvme"
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
 _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
-COPY_FORMAT = "plexrl.job-state/3"
-TENSORS_FILE = "tensors.safetensors"
-MANIFEST_FILE = "manifest.json"
-MANIFEST_HEAD = b'{"manifest_sha256":"'  # how a manifest starts: its sha256 comes first
-COPY_FILES = (TENSORS_FILE,)  # checksummed by MANIFEST_FILE
-IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of the tensor file's data section
+IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of a copy's data section
 IO_DEPTH = 8  # requests in flight (the copy-I/O threads); a write's checksum holds its slot
 WRITE_BOUNCES = 4  # page-aligned chunk buffers a copy over other memory is written through (<= 4 in flight)
 DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 READ_AHEAD = 4  # chunk reads in flight on the copy-I/O threads, ahead of their checksums
 READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the module docstring), else buffered
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
-
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+NVME_SPARES = 4  # files of copies that left nvme kept to be overwritten by new copies (within nvme_bytes)
 
 
 # ---------------------------------------------------------------- errors
@@ -182,7 +183,7 @@ class TierFullError(StateStoreError):
 
 
 class CorruptCopyError(StateStoreError):
-    """An nvme copy that is incomplete, fails its sha256, or cannot be read back."""
+    """An nvme copy whose file is missing, of the wrong size, fails its checksums, or cannot be read back."""
 
 
 class _NoSpace(Exception):
@@ -204,6 +205,7 @@ class _Record:
     host_copy: JobStateCopy | None = field(default=None, repr=False)  # set while tier == HOST
     host_buffer: torch.Tensor | None = field(default=None, repr=False)  # the pool's memory under host_copy
     moving_to: str | None = None  # set while a thread moves it: others wait, plans skip it
+    nvme: _NvmeCopy | None = field(default=None, repr=False)  # set while tier == NVME: its file and metadata
 
 
 @dataclass
@@ -297,6 +299,10 @@ class StateStore:
         self._nvme_full_at: float | None = None  # clock time of the latest such failure
         self._nvme_room = 0  # bytes the store held on nvme then: all it may hold while marked full
         self._nvme_error = ""  # the latest such failure, one line
+        self._spares: list[_Spare] = []  # files of copies that left nvme, oldest first: overwritten by new copies
+        self._copy_prefix = f"copy-{uuid.uuid4().hex[:8]}-"  # new files: this store's prefix and a serial
+        self._copy_serial = itertools.count()
+        self._delete_spares = weakref.finalize(self, _unlink_spares, self._spares)  # when the store goes, or at exit
 
     # ------------------------------------------------------------ the public operations
 
@@ -364,7 +370,6 @@ class StateStore:
             started, trainer_cpu = self._clock(), self._trainer_cpu()
             state, buffer = self._read_nvme(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
-            self._delete_nvme(job_id)
         except _NoSpace:  # host copies that did not go down stay; so does the job, on nvme
             self._unmark(pending)
             return False
@@ -373,8 +378,10 @@ class StateStore:
             raise
         with self._cond:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
+            doomed = self._retire_nvme(record)
             self._swaps["nvme->host"].add(state.nbytes, seconds, critical=False, overlap_s=overlap)
             self._cond.notify_all()
+        _unlink_all(doomed)
         return True
 
     def drop(self, job_id: str) -> None:
@@ -389,7 +396,10 @@ class StateStore:
                 if record.tier == DEVICE:
                     self.trainer.release(job_id)
                 elif record.tier == NVME:
-                    self._delete_nvme(job_id)
+                    with self._cond:
+                        copy, record.nvme = record.nvme, None
+                    if copy is not None:
+                        _unlink_all([copy.path])
                 elif record.host_buffer is not None:
                     self._pool.give(record.host_buffer)
                     record.host_copy = record.host_buffer = None
@@ -466,8 +476,6 @@ class StateStore:
             self.trainer.import_state(job_id, incoming)
         seconds = self._clock() - started + read_seconds
         source = record.tier if record is not None else None
-        if source == NVME:
-            self._delete_nvme(job_id)
         device_bytes = self.trainer.state_bytes(job_id)
         with self._cond:
             if record is None:
@@ -475,10 +483,12 @@ class StateStore:
                 self._records[job_id] = record
             record.tier, record.host_copy, record.moving_to, record.nbytes = DEVICE, None, None, device_bytes
             record.host_buffer = None
+            doomed = self._retire_nvme(record) if source == NVME else []
             self._touch(record)
             if incoming is not None:
                 self._swaps[f"{source}->device"].add(incoming.nbytes, seconds)
             self._cond.notify_all()
+        _unlink_all(doomed)
         if incoming is not None:
             moves.swap_in = source
             moves.bytes += incoming.nbytes
@@ -511,7 +521,7 @@ class StateStore:
         except BaseException:
             self._give_back(state)
             raise
-        tier, write_seconds = placement.tier, 0.0
+        tier, write_seconds, written = placement.tier, 0.0, None
         pending = [victim, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
             try:
@@ -521,7 +531,7 @@ class StateStore:
                     moves.demoted.append(demoted.job_id)
                     moves.bytes += demoted.nbytes
                 if tier == NVME:
-                    write_seconds = self._write_nvme(victim.job_id, state)
+                    written, write_seconds = self._write_nvme(victim.job_id, state)
             except _NoSpace:  # host copies that did not go down stay there; the victim spills to host
                 self._unmark(pending[1:])
                 pending = [victim]
@@ -530,9 +540,14 @@ class StateStore:
             self._unmark(pending)
             self._give_back(state)
             raise
-        self.trainer.release(victim.job_id)
+        try:
+            self.trainer.release(victim.job_id)
+        except BaseException:
+            if written is not None:  # the job stays on the device: its file is not a copy
+                _unlink_all([written.path])
+            raise
         with self._cond:
-            victim.tier, victim.moving_to, victim.nbytes = tier, None, state.nbytes
+            victim.tier, victim.moving_to, victim.nbytes, victim.nvme = tier, None, state.nbytes, written
             victim.host_copy = state if tier == HOST else None
             victim.host_buffer = state.memory if tier == HOST else None
             self._swaps[f"device->{tier}"].add(state.nbytes, export_seconds + write_seconds)
@@ -563,10 +578,11 @@ class StateStore:
         assert record.host_copy is not None
         state, buffer = record.host_copy, record.host_buffer
         trainer_cpu = None if critical else self._trainer_cpu()
-        seconds = self._write_nvme(record.job_id, state)
+        written, seconds = self._write_nvme(record.job_id, state)
         overlap = self._trainer_cpu_since(trainer_cpu)
         with self._cond:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
+            record.nvme = written
             self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
             self._cond.notify_all()
         if buffer is not None:
@@ -711,27 +727,80 @@ class StateStore:
 
     # ------------------------------------------------------------ nvme copies
 
-    def _job_dir(self, job_id: str) -> Path:
-        assert self.nvme_dir is not None
-        slug = re.sub(r"[^A-Za-z0-9_-]+", "_", job_id)[:48]
-        return self.nvme_dir / f"{slug}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
-
-    def _write_nvme(self, job_id: str, state: JobStateCopy) -> float:
-        """Write a copy atomically (temp dir, one fdatasync, rename); return the seconds it took.
-        Out of disk space or quota: ``_NoSpace``, the temp dir removed, the tier marked full."""
+    def _write_nvme(self, job_id: str, state: JobStateCopy) -> tuple[_NvmeCopy, float]:
+        """Write a copy into a spare file (overwritten in place) or a new one, one fdatasync;
+        return it and the seconds it took. Out of disk space or quota: ``_NoSpace``, the file
+        deleted, the tier marked full (and every spare deleted)."""
         started = self._clock()
+        with self._cond:
+            spare = self._take_spare(state.nbytes)
+            doomed = self._trim_spares()
+        _unlink_all(doomed)
+        path = spare.path if spare is not None else self._new_copy_path()
         try:
-            _write_copy_dir(self._job_dir(job_id), state)
-        except OSError as exc:
-            if exc.errno not in NO_SPACE_ERRNOS:
+            while True:
+                try:
+                    copy = _write_copy(path, state, reuse=spare.nbytes if spare is not None else None)
+                    break
+                except FileExistsError:  # not ours (a crashed process's?): never reused, another name
+                    if spare is not None:
+                        raise
+                    path = self._new_copy_path()
+        except BaseException as exc:
+            if not isinstance(exc, FileExistsError):
+                _unlink_all([path])
+            if not isinstance(exc, OSError) or exc.errno not in NO_SPACE_ERRNOS:
                 raise
             self._mark_nvme_full(job_id, state.nbytes, exc)
             raise _NoSpace() from None
-        return self._clock() - started
+        return copy, self._clock() - started
+
+    def _new_copy_path(self) -> Path:
+        assert self.nvme_dir is not None
+        return self.nvme_dir / f"{self._copy_prefix}{next(self._copy_serial)}.bin"
+
+    def _take_spare(self, nbytes: int) -> _Spare | None:
+        """The spare file to overwrite with a copy of ``nbytes`` (caller holds the lock): the
+        smallest that holds it and is not more than twice its size (one of its size, if any:
+        overwritten in place, no block is allocated or freed); None if there is none (a new
+        file then: a larger spare is kept for a larger copy, a smaller one would be extended)."""
+        size = _round_up(nbytes, DIRECT_ALIGN)
+        fits = [spare for spare in self._spares if size <= spare.nbytes <= 2 * size]
+        if not fits:
+            return None
+        spare = min(fits, key=lambda spare: spare.nbytes)
+        self._spares.remove(spare)
+        return spare
+
+    def _trim_spares(self) -> list[Path]:
+        """Spares to delete now (caller holds the lock, the caller deletes them): all while the
+        tier is marked full (what the store frees must really be free on disk), else the oldest
+        beyond NVME_SPARES or beyond what ``nvme_bytes`` leaves beside the copies (reserved
+        ones included)."""
+        doomed = []
+        full = self._nvme_full()
+        room = self.nvme_bytes - self._used(NVME)
+        while self._spares and (full or len(self._spares) > NVME_SPARES
+                                or sum(s.nbytes for s in self._spares) > room):
+            doomed.append(self._spares.pop(0).path)
+        return doomed
+
+    def _retire_nvme(self, record: _Record) -> list[Path]:
+        """A copy left nvme (read, and landed on its new tier; caller holds the lock): its file
+        becomes a spare. Returns the files to delete now."""
+        copy, record.nvme = record.nvme, None
+        if copy is None:
+            return []
+        self._spares.append(_Spare(copy.path, copy.file_bytes))
+        return self._trim_spares()
 
     def _mark_nvme_full(self, job_id: str, nbytes: int, exc: OSError) -> None:
-        """Count the failure; until NVME_FULL_RETRY_S passes, nvme takes only room the store frees.
-        One warning line when the tier was not marked full already."""
+        """Count the failure; until NVME_FULL_RETRY_S passes, nvme takes only room the store frees
+        (spares are deleted, not kept). One warning line when the tier was not marked full already."""
+        with self._cond:
+            doomed = [s.path for s in self._spares]
+            self._spares.clear()
+        _unlink_all(doomed)
         free = free_bytes(self.nvme_dir) if self.nvme_dir is not None else None
         error = (f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}"
                  + (f", {free} bytes free" if free is not None else ""))
@@ -749,10 +818,8 @@ class StateStore:
 
     def _read_nvme(self, record: _Record) -> tuple[JobStateCopy, torch.Tensor]:
         """The verified copy and the pool buffer holding it."""
-        return _read_copy(self._job_dir(record.job_id), record.job_id, self._pool)
-
-    def _delete_nvme(self, job_id: str) -> None:
-        _delete_copy_dir(self._job_dir(job_id))
+        assert record.nvme is not None
+        return _read_copy(record.nvme, self._pool)
 
 
 # ---------------------------------------------------------------- module helpers
@@ -782,6 +849,7 @@ def _round_up(n: int, multiple: int) -> int:
 _io_pool: ThreadPoolExecutor | None = None
 _bounces: queue.Queue[torch.Tensor] | None = None
 _direct_ok: dict[int, bool] = {}  # st_dev -> O_DIRECT works there
+_direct_dirs: dict[str, bool] = {}  # directory -> the same, without a stat per copy
 _io_lock = threading.Lock()
 
 
@@ -794,16 +862,22 @@ def _io_threads() -> ThreadPoolExecutor:
         return _io_pool
 
 
-_crc_pool: ThreadPoolExecutor | None = None
+_sum_pool: ThreadPoolExecutor | None = None
+SUM_ASIDE_MIN_BYTES = 1 << 20  # smaller spans are summed where they are, not on the checksum thread
 
 
-def _crc_thread() -> ThreadPoolExecutor:
+def _checksum(data: Any) -> int:
+    """The chunk checksum of a copy's file: xxh3-64 of ``data`` (a buffer)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _sum_thread() -> ThreadPoolExecutor:
     """One thread that checksums what a sequential reader has read (one, so the reader keeps a core)."""
-    global _crc_pool
+    global _sum_pool
     with _io_lock:
-        if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-crc32")
-        return _crc_pool
+        if _sum_pool is None:
+            _sum_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-checksum")
+        return _sum_pool
 
 
 def _bounce_buffers() -> queue.Queue[torch.Tensor]:
@@ -821,8 +895,12 @@ def _bounce_buffers() -> queue.Queue[torch.Tensor]:
 def _direct_io_works(directory: Path) -> bool:
     """Whether O_DIRECT reads and writes work on ``directory``'s filesystem (probed once per
     filesystem: tmpfs refuses the flag, some filesystems accept it but fail the I/O)."""
+    known = _direct_dirs.get(str(directory))
+    if known is not None:
+        return known
     device = os.stat(directory).st_dev
     if device in _direct_ok:
+        _direct_dirs[str(directory)] = _direct_ok[device]
         return _direct_ok[device]
     probe = directory / f".direct-probe-{uuid.uuid4().hex[:8]}"
     block = aligned_host_buffer(DIRECT_ALIGN).fill_(0)
@@ -841,13 +919,14 @@ def _direct_io_works(directory: Path) -> bool:
         works = False
     finally:
         probe.unlink(missing_ok=True)
-    _direct_ok[device] = works
+    _direct_ok[device] = _direct_dirs[str(directory)] = works
     return works
 
 
-def _open_copy_file(path: Path, write: bool) -> tuple[int, bool]:
-    """An fd for a copy's tensor file and whether it is O_DIRECT."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
+def _open_copy_file(path: Path, write: bool, create: bool = True) -> tuple[int, bool]:
+    """An fd for a copy's file and whether it is O_DIRECT: to read, or to write a new file
+    (``create``: ``O_EXCL``) or an existing one."""
+    flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0) if write else os.O_RDONLY
     direct = _direct_io_works(path.parent)
     if direct:
         try:
@@ -855,6 +934,7 @@ def _open_copy_file(path: Path, write: bool) -> tuple[int, bool]:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
+            flags &= ~os.O_EXCL  # the refused open may have made it
     return os.open(path, flags, 0o644), False
 
 
@@ -864,132 +944,103 @@ def _finish(futures: list[Future[Any]]) -> list[Any]:
     return [future.result() for future in futures]
 
 
+# ---------------------------------------------------------------- a copy on nvme
+
+
+@dataclass(eq=False)
+class _NvmeCopy:
+    """One copy on nvme: its file, which holds only the data section, and everything else about
+    the copy, kept here in memory (see the module docstring)."""
+
+    path: Path
+    nbytes: int  # of the data section; the file is this rounded up to whole pages (``file_bytes``)
+    chunk_bytes: int  # the checksummed chunks' size when it was written
+    sums: list[int]  # checksum of each chunk of the data section
+    job_id: str
+    lora: LoraConfig
+    seed: int
+    weight_decay: float
+    param_keys: list[str]
+    layout: dict[str, list[str]]
+    param_groups: list[dict[str, Any]]
+    state_values: dict[str, Any]
+    spec: StateSpec
+    buffers: list[tuple[str, torch.dtype, int, int]]  # buffer name, dtype, [begin, end) in the data section
+    standalone: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # name, dtype, shape, [begin, end)
+    laid_out: bool  # the buffers lie where ``spec`` puts them: the copy read back gets SpecBuffers
+
+    @property
+    def file_bytes(self) -> int:
+        return _round_up(self.nbytes, DIRECT_ALIGN)
+
+
+@dataclass
+class _Spare:
+    """The file of a copy that left nvme, kept to be overwritten by a later copy."""
+
+    path: Path
+    nbytes: int  # its size on disk
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _unlink_spares(spares: list[_Spare]) -> None:
+    """Delete a store's spare files (its finalizer: when the store is collected, or at exit)."""
+    with contextlib.suppress(OSError):
+        _unlink_all([spare.path for spare in spares])
+    spares.clear()
+
+
 # ---------------------------------------------------------------- writing a copy
 
 
-def _write_copy_dir(job_dir: Path, state: JobStateCopy) -> None:
-    """Fill a temp dir beside ``job_dir`` with the copy's files and rename it onto ``job_dir``.
-
-    Only the tensor file is synced (once): the copy is scratch that never outlives the process,
-    so the rename need not be durable, only atomic for the store's own readers."""
-    job_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = job_dir.with_name(f".{job_dir.name}.tmp-{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp, 0o755)  # a fresh name: it fails rather than reuse anything
-    try:
-        _write_copy_files(tmp, state)
-        if job_dir.exists():  # not expected: copies are deleted when they leave nvme
-            old = job_dir.with_name(f".{job_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(job_dir, old)
-            os.rename(tmp, job_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, job_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _write_copy_files(directory: Path, state: JobStateCopy) -> None:
-    files = {TENSORS_FILE: _write_safetensors(directory / TENSORS_FILE, state)}
-    meta = {
-        "names": list(state.tensors),
-        "layout": state.layout,
-        "param_keys": state.param_keys,
-        "param_groups": state.param_groups,
-        "state_values": state.state_values,
-    }
-    manifest = {
-        "format": COPY_FORMAT,
-        "job_id": state.job_id,
-        "lora": lora_signature(state.lora),
-        "seed": state.seed,
-        "weight_decay": state.weight_decay,
-        "nbytes": state.nbytes,
-        "files": files,
-        "meta": _to_json(meta),
-    }
-    (directory / MANIFEST_FILE).write_bytes(_encode_manifest(manifest))
-
-
-def _to_json(value: Any) -> Any:
-    """The copy's metadata as JSON that ``_from_json`` turns back into equal values: tuples
-    are tagged; anything JSON cannot hold exactly (a tensor-valued hyper-parameter, say) is
-    embedded as ``torch.save`` bytes (its load is slow, so plain values avoid it)."""
-    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
-        return value
-    if isinstance(value, list):
-        return [_to_json(v) for v in value]
-    if isinstance(value, tuple):
-        return {"tuple": [_to_json(v) for v in value]}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"dict": {k: _to_json(v) for k, v in value.items()}}
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return {"torch": base64.b64encode(buffer.getvalue()).decode()}
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    (tag, body), = value.items()
-    if tag == "tuple":
-        return tuple(_from_json(v) for v in body)
-    if tag == "dict":
-        return {k: _from_json(v) for k, v in body.items()}
-    if tag == "torch":
-        return torch.load(io.BytesIO(base64.b64decode(body)), map_location="cpu", weights_only=True)
-    raise ValueError(f"unknown tag {tag!r} in the copy's metadata")
-
-
-def _encode_manifest(manifest: dict[str, Any]) -> bytes:
-    """The manifest as one JSON object whose first field, ``manifest_sha256``, is the sha256 of
-    the others as written (``{`` and the bytes after that field), so a reader checks the bytes
-    it read without encoding anything again."""
-    body = msgspec.json.encode(manifest)
-    return b"%s%s\",%s" % (MANIFEST_HEAD, hashlib.sha256(body).hexdigest().encode(), body[1:])
-
-
-def _decode_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """The manifest's fields (without the digest), once the digest matches; else CorruptCopyError."""
-    digest_end = len(MANIFEST_HEAD) + 64
-    if not data.startswith(MANIFEST_HEAD) or data[digest_end : digest_end + 2] != b'",':
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
-    body = b"{" + data[digest_end + 2 :]
-    if hashlib.sha256(body).hexdigest().encode() != data[len(MANIFEST_HEAD) : digest_end]:
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} does not match its sha256 (corrupt)")
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise CorruptCopyError(f"{where}: unreadable {MANIFEST_FILE} ({exc})".replace("\n", " ")) from None
-
-
-def _write_safetensors(path: Path, state: JobStateCopy) -> dict[str, Any]:
-    """A valid safetensors file of the copy: its head (size, JSON header padded with spaces so
-    that the data section starts on a page), then the data section, the copy's segments back
-    to back (their bytes, not serialised). Returns the file's manifest record: its size, the
-    head's size and crc32, and the crc32 of each IO_CHUNK_BYTES chunk of the data section,
-    computed as it is written."""
-    segments = state.segments()
-    header: dict[str, Any] = {"__metadata__": {"format": COPY_FORMAT}}
+def _write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> _NvmeCopy:
+    """Write the copy's data section (its segments back to back, in ``JobStateCopy.segments``
+    order, then zeros up to a whole page) as the file ``path``, and fdatasync it: a new file
+    (``O_EXCL``: it fails rather than reuse anything), or with ``reuse`` (its size) an existing
+    file, overwritten in place and cut to size. Returns the copy's description, its checksums
+    computed as it was written. On failure the file is left as it is: the caller deletes it."""
+    pieces: list[tuple[str, bool, torch.Tensor]] = [(name, True, state.buffers[name]) for name in state.layout]
+    pieces += [(name, False, tensor) for name, tensor in state.standalone().items()]
+    pieces.sort(key=lambda piece: -piece[2].element_size())  # stable: JobStateCopy.segments' order
+    spec = _spec_of(state)
+    buffers: list[tuple[str, torch.dtype, int, int]] = []
+    standalone: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
     offset = 0
-    for members, _ in segments:
-        for name in members:
-            dtype, shape = state.entry(name)
-            size = math.prod(shape) * dtype.itemsize
-            header[name] = {
-                "dtype": SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-    header_bytes = msgspec.json.encode(header)
-    header_bytes += b" " * (-(8 + len(header_bytes)) % DIRECT_ALIGN)
-    head = struct.pack("<Q", len(header_bytes)) + header_bytes
-    crcs = _write_stream(path, head, [_byte_view(t) for _, t in segments], _file_image(state, segments, offset))
-    return {"bytes": len(head) + offset, "data_offset": len(head), "header_crc32": zlib.crc32(head),
-            "chunk_bytes": IO_CHUNK_BYTES, "crc32_chunks": crcs}
+    for name, in_buffers, tensor in pieces:
+        size = tensor.numel() * tensor.element_size()
+        if in_buffers:
+            buffers.append((name, tensor.dtype, offset, offset + size))
+        else:
+            standalone.append((name, tensor.dtype, tuple(tensor.shape), offset, offset + size))
+        offset += size
+    groups = {group.name: group for group in spec.groups}
+    laid_out = len(buffers) == len(groups) and all(
+        name in groups and groups[name].offset == begin and groups[name].nbytes == end - begin
+        for name, _, begin, end in buffers)
+    chunk_bytes = IO_CHUNK_BYTES
+    sums = _write_stream(path, [t for _, _, t in pieces], _file_image(state, [(name, t) for name, _, t in pieces], offset),
+                         chunk_bytes, reuse)
+    return _NvmeCopy(
+        path=path, nbytes=offset, chunk_bytes=chunk_bytes, sums=sums, job_id=state.job_id, lora=state.lora,
+        seed=state.seed, weight_decay=state.weight_decay, param_keys=list(state.param_keys),
+        layout={name: list(members) for name, members in state.layout.items()},
+        param_groups=[dict(group) for group in state.param_groups], state_values=dict(state.state_values),
+        spec=spec, buffers=buffers, standalone=standalone, laid_out=laid_out,
+    )
+
+
+def _spec_of(state: JobStateCopy) -> StateSpec:
+    """The copy's spec (an exported copy's own; else made from its buffers' members' shapes)."""
+    spec = state.spec
+    if spec is not None and list(spec.layout.items()) == list(state.layout.items()):
+        return spec
+    return state_spec([(name, state.buffers[name].dtype, [(n, state.entry(n)[1]) for n in members])
+                       for name, members in state.layout.items()])
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -997,10 +1048,9 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _file_image(state: JobStateCopy, segments: list[tuple[list[str], torch.Tensor]],
-                nbytes: int) -> torch.Tensor | None:
+def _file_image(state: JobStateCopy, segments: list[tuple[Any, torch.Tensor]], nbytes: int) -> torch.Tensor | None:
     """The copy's memory when it holds the data section as it is (its segments back to back
-    from its first byte, page-aligned, with room for O_DIRECT's padding), else None."""
+    from its first byte, page-aligned, with room for the padding to a whole page), else None."""
     memory = state.memory
     if memory is None or memory.data_ptr() % DIRECT_ALIGN or memory.numel() < _round_up(nbytes, DIRECT_ALIGN):
         return None
@@ -1012,62 +1062,57 @@ def _file_image(state: JobStateCopy, segments: list[tuple[list[str], torch.Tenso
     return memory
 
 
-def _write_stream(path: Path, head: bytes, pieces: list[torch.Tensor], image: torch.Tensor | None) -> list[int]:
-    """Write ``head`` (whole pages) then the concatenation of ``pieces`` (flat uint8 host tensors)
-    as a new file, and fdatasync it (and drop it from the page cache when written buffered, so
-    it does not stay in host memory). The data goes in IO_CHUNK_BYTES requests (the first one
-    with the head in front), straight from ``image`` (the pieces' own memory, see
-    ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers in
-    flight. Returns the crc32 of each chunk of the data."""
+def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor | None, chunk_bytes: int,
+                  reuse: int | None) -> list[int]:
+    """Write the concatenation of ``tensors`` (contiguous host tensors), padded with zeros to a
+    whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
+    drop it from the page cache when written buffered, so it does not stay in host memory).
+    The data goes in ``chunk_bytes`` requests straight from ``image`` (the pieces' own memory,
+    see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
+    in flight; the last one on this thread. Returns the checksum of each chunk of the data."""
+    pieces = [_byte_view(t) for t in tensors] if image is None else []  # flat uint8 views, to gather
     ends = [0]
-    for piece in pieces:
-        ends.append(ends[-1] + piece.numel())
+    for tensor in tensors:
+        ends.append(ends[-1] + tensor.numel() * tensor.element_size())
     total = ends[-1]
-    fd, direct = _open_copy_file(path, write=True)
+    file_bytes = _round_up(total, DIRECT_ALIGN)
+    fd, direct = _open_copy_file(path, write=True, create=reuse is None)
+    size = reuse or 0
     futures: list[Future[int]] = []
     try:
-        if direct:
-            os.ftruncate(fd, len(head) + _round_up(total, DIRECT_ALIGN))  # requests within the size run in parallel
-        if direct and image is not None:
-            image[total : _round_up(total, DIRECT_ALIGN)].zero_()  # the last request's padding
+        if direct and size < file_bytes:
+            os.ftruncate(fd, file_bytes)  # requests within the size run in parallel
+            size = file_bytes
+        if image is not None:
+            image[total:file_bytes].zero_()  # the last request's padding
         image_view = memoryview(image.numpy()) if image is not None else None
-        head_view = _page_aligned(head) if direct else memoryview(head)
-        starts = _chunk_starts(total)
+        starts = _chunk_starts(total, chunk_bytes)
         last: list[int] = []
         for start in starts:
-            end = min(start + IO_CHUNK_BYTES, total)
+            end = min(start + chunk_bytes, total)
             if image_view is not None:
-                write = partial(_write_span, fd, direct, image_view[start:])
+                write = partial(_write_span, fd, image_view[start:])
             else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
-                write = partial(_write_chunk, fd, direct, _bounce_buffers().get(),
-                                _pieces_between(pieces, ends, start, end))
-            args = (len(head) + start, end - start, head_view if start == 0 else None)
+                write = partial(_write_chunk, fd, _bounce_buffers().get(), _pieces_between(pieces, ends, start, end))
             if start == starts[-1]:  # the last on this thread (a one-chunk copy needs no I/O thread)
-                last.append(write(*args, crc_aside=True))
+                last.append(write(start, end - start, sum_aside=True))
             else:
-                futures.append(_io_threads().submit(write, *args))
-        crcs = _finish(futures) + last
-        if direct and total % DIRECT_ALIGN:
-            os.ftruncate(fd, len(head) + total)  # the last request was padded to the alignment
+                futures.append(_io_threads().submit(write, start, end - start))
+        sums = _finish(futures) + last
+        if size > file_bytes:  # a larger file overwritten
+            os.ftruncate(fd, file_bytes)
         os.fdatasync(fd)
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         wait_all(futures)
         os.close(fd)
-    return crcs
+    return sums
 
 
-def _chunk_starts(nbytes: int) -> range:
+def _chunk_starts(nbytes: int, chunk_bytes: int) -> range:
     """Where the checksummed chunks of a data section of ``nbytes`` start (one, empty, if none)."""
-    return range(0, max(nbytes, 1), IO_CHUNK_BYTES)
-
-
-def _page_aligned(data: bytes) -> memoryview:
-    """``data`` in page-aligned memory (what O_DIRECT writes from)."""
-    view = memoryview(aligned_host_buffer(len(data)).numpy())
-    view[:] = data
-    return view
+    return range(0, max(nbytes, 1), chunk_bytes)
 
 
 def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end: int) -> list[torch.Tensor]:
@@ -1084,37 +1129,34 @@ def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end
     return parts
 
 
-def _write_chunk(fd: int, direct: bool, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int,
-                 nbytes: int, head: memoryview | None = None, crc_aside: bool = False) -> int:
-    """Gather ``parts`` into the bounce buffer, then ``_write_span`` it at ``offset``."""
+def _write_chunk(fd: int, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int, nbytes: int,
+                 sum_aside: bool = False) -> int:
+    """Gather ``parts`` into the bounce buffer (zeros after them up to a whole page), then
+    ``_write_span`` it at ``offset``."""
     try:
         at = 0
         for part in parts:
             bounce[at : at + part.numel()].copy_(part)
             at += part.numel()
-        return _write_span(fd, direct, memoryview(bounce.numpy()), offset, nbytes, head, crc_aside)
+        bounce[at : _round_up(at, DIRECT_ALIGN)].zero_()
+        return _write_span(fd, memoryview(bounce.numpy()), offset, nbytes, sum_aside)
     finally:
         _bounce_buffers().put(bounce)
 
 
-def _write_span(fd: int, direct: bool, view: memoryview, offset: int, nbytes: int, head: memoryview | None = None,
-                crc_aside: bool = False) -> int:
-    """Write the first ``nbytes`` of ``view`` at ``offset`` (O_DIRECT: padded to the alignment,
-    ``view`` has the room), behind ``head`` when given (it ends at ``offset``: one request);
-    return their crc32. ``crc_aside``: the checksum runs on the crc thread while this one writes
-    (or here after all, if that thread has not started it by then)."""
+def _write_span(fd: int, view: memoryview, offset: int, nbytes: int, sum_aside: bool = False) -> int:
+    """Write the first ``nbytes`` of ``view`` at ``offset``, padded to whole pages (``view`` has
+    the room: a file is whole pages, as O_DIRECT writes them); return their checksum.
+    ``sum_aside``: the checksum runs on the checksum thread while this one writes (or here after
+    all, if that thread has not started it by then)."""
     data = view[:nbytes]
-    pending = _crc_thread().submit(zlib.crc32, data) if crc_aside else None
+    pending = _sum_thread().submit(_checksum, data) if sum_aside and nbytes >= SUM_ASIDE_MIN_BYTES else None
     try:
-        crc = zlib.crc32(data) if pending is None else 0
-        buffers = [view[: _round_up(nbytes, DIRECT_ALIGN) if direct else nbytes]]
-        if head is not None:
-            buffers.insert(0, head)
-            offset -= len(head)
-        _pwrite_all(fd, buffers, offset)
+        digest = _checksum(data) if pending is None else 0
+        _pwrite_all(fd, [view[: _round_up(nbytes, DIRECT_ALIGN)]], offset)
         if pending is None:
-            return crc
-        return zlib.crc32(data) if pending.cancel() else pending.result()
+            return digest
+        return _checksum(data) if pending.cancel() else pending.result()
     finally:
         if pending is not None:
             wait_all([pending])  # it reads ``view``
@@ -1132,101 +1174,58 @@ def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
             buffers = [buffers[0][written:], *buffers[1:]]
 
 
-def _delete_copy_dir(job_dir: Path) -> None:
-    """Delete a copy's files and its directory (anything else in it too, by the slower way)."""
-    try:
-        for name in (TENSORS_FILE, MANIFEST_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(job_dir / name)
-        os.rmdir(job_dir)
-    except OSError:
-        shutil.rmtree(job_dir, ignore_errors=True)
-
-
 # ---------------------------------------------------------------- reading a copy back
 
 
-def _read_copy(directory: Path, job_id: str, pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
-    """Read and verify a copy into a pool buffer (its data section, which becomes the copy's
-    memory); every failure is a one-line CorruptCopyError (and the buffer goes back to the
-    pool). The copy's tensors are laid over the buffer before its bytes are read; it is
-    returned once every chunk's checksum matched."""
-    where = f"nvme copy of job {job_id!r} at {directory}"
-    manifest = _read_manifest(directory, where)
-    if manifest.get("job_id") != job_id:
-        raise CorruptCopyError(f"{where}: manifest is for job {manifest.get('job_id')!r}")
-    return _read_tensor_file(directory / TENSORS_FILE, manifest, where, pool)
-
-
-def _read_manifest(directory: Path, where: str) -> dict[str, Any]:
+def _read_copy(copy: _NvmeCopy, pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
+    """The copy, verified, and the pool buffer that holds it (its data section, which becomes
+    the copy's memory); every failure is a one-line CorruptCopyError (and the buffer goes back
+    to the pool). Read with O_DIRECT where the filesystem takes it (READ_DIRECT): the first
+    chunk by this thread while the next READ_AHEAD are in flight on the copy-I/O threads, and
+    so on in order, each one's checksum handed to the checksum thread as it lands (the last one's
+    computed here). The copy's tensors are laid over the buffer first; it is returned once
+    every chunk's checksum matched."""
+    where = f"nvme copy of job {copy.job_id!r} at {copy.path}"
     try:
-        data = (directory / MANIFEST_FILE).read_bytes()
-    except FileNotFoundError:
-        raise CorruptCopyError(f"{where}: no {MANIFEST_FILE} (missing or incomplete copy)") from None
+        fd, direct = _open_copy_file(copy.path, write=False) if READ_DIRECT else (os.open(copy.path, os.O_RDONLY),
+                                                                                   False)
     except OSError as exc:
-        raise CorruptCopyError(f"{where}: unreadable {MANIFEST_FILE} ({exc})".replace("\n", " ")) from None
-    manifest = _decode_manifest(data, where)
-    if not isinstance(manifest, dict) or manifest.get("format") != COPY_FORMAT:
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(COPY_FILES):
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} is not a {COPY_FORMAT} manifest")
-    return manifest
-
-
-def _read_tensor_file(path: Path, manifest: dict[str, Any], where: str,
-                      pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
-    """The copy in ``path``, verified, and the pool buffer that holds its data section, read
-    with O_DIRECT where the filesystem takes it (READ_DIRECT): the head with the first chunk
-    by this thread, then, once the head is checked and the copy laid over the buffer, the other
-    chunks in order, READ_AHEAD of them in flight on the copy-I/O threads, each one's checksum
-    handed to the crc thread as it lands (the last one's computed here)."""
-    record = manifest["files"][TENSORS_FILE]
-    expected, data_offset = record.get("crc32_chunks"), record.get("data_offset")
-    if record.get("chunk_bytes") != IO_CHUNK_BYTES or not isinstance(expected, list) \
-            or not isinstance(data_offset, int) or data_offset % DIRECT_ALIGN:
-        raise CorruptCopyError(f"{where}: {MANIFEST_FILE} has no chunk checksums for {path.name}")
-    try:
-        fd, direct = _open_copy_file(path, write=False) if READ_DIRECT else (os.open(path, os.O_RDONLY), False)
-    except OSError as exc:
-        raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror})") from None
+        raise CorruptCopyError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     buffer = checksums = None
-    reads: list[Future[None]] = []  # chunks after the first, READ_AHEAD in flight
+    reads: list[Future[None]] = []  # reads[i]: spans[i + 1], READ_AHEAD in flight
     try:
         size = os.fstat(fd).st_size
-        if size != record.get("bytes") or size < data_offset:
-            raise CorruptCopyError(f"{where}: {path.name} has {size} bytes, manifest says {record.get('bytes')}")
-        nbytes = size - data_offset
-        head, buffer = aligned_host_buffer(data_offset), pool.take(nbytes)
+        if size != copy.file_bytes:
+            raise CorruptCopyError(f"{where}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
+        nbytes, chunk = copy.nbytes, copy.chunk_bytes
+        buffer = pool.take(nbytes)
         view = memoryview(buffer.numpy())
         checksums = _Checksums(view)
-        starts = _chunk_starts(nbytes)
-        first = min(IO_CHUNK_BYTES, nbytes)  # read with the head: one request
-        _read_into(fd, [memoryview(head.numpy()), view[: _round_up(first, DIRECT_ALIGN) if direct else first]], 0,
-                   data_offset + first)
-        if zlib.crc32(memoryview(head.numpy())) != record.get("header_crc32"):
-            raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
-        try:  # the head matched: a failure here is the writer's or the format's
-            state = _copy_from_file(head, buffer, _from_json(manifest["meta"]), manifest)
-        except Exception as exc:
+        spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
+
+        def read_ahead(upto: int) -> None:
+            while len(reads) < min(upto, len(spans) - 1):
+                start, end = spans[len(reads) + 1]
+                request = _round_up(end - start, DIRECT_ALIGN) if direct else end - start
+                reads.append(_io_threads().submit(_read_into, fd, [view[start : start + request]], start, end - start))
+
+        try:
+            state = _copy_over(buffer, copy)
+        except Exception as exc:  # the writer's or the format's fault
             raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
-        spans = [(start, min(start + IO_CHUNK_BYTES, nbytes)) for start in starts]
+        read_ahead(READ_AHEAD)
+        first = spans[0][1]
+        _read_into(fd, [view[: _round_up(first, DIRECT_ALIGN) if direct else first]], 0, first)
         for index, (start, end) in enumerate(spans):
-            while len(reads) < min(index + READ_AHEAD, len(spans) - 1):  # reads[i]: spans[i + 1]
-                ahead, ahead_end = spans[len(reads) + 1]
-                request = _round_up(ahead_end - ahead, DIRECT_ALIGN) if direct else ahead_end - ahead
-                reads.append(_io_threads().submit(_read_into, fd, [view[ahead : ahead + request]], data_offset + ahead,
-                                                  ahead_end - ahead))
-            if index:  # (the first came with the head)
+            read_ahead(index + 1 + READ_AHEAD)
+            if index:  # (the first was read above)
                 reads[index - 1].result()
             if index == len(spans) - 1:
                 checksums.add_here(start, end)
             else:
                 checksums.add_aside(start, end)
-        if checksums.result() != expected:
-            raise CorruptCopyError(f"{where}: {path.name} does not match its checksums (corrupt)")
-        if state.nbytes != manifest.get("nbytes"):
-            raise CorruptCopyError(f"{where}: holds {state.nbytes} bytes, manifest says {manifest.get('nbytes')}")
+        if checksums.result() != copy.sums:
+            raise CorruptCopyError(f"{where}: does not match its checksums (corrupt)")
     except BaseException as exc:
         wait_all(reads)
         if checksums is not None:
@@ -1234,7 +1233,7 @@ def _read_tensor_file(path: Path, manifest: dict[str, Any], where: str,
         if buffer is not None:
             pool.give(buffer)
         if isinstance(exc, OSError):
-            raise CorruptCopyError(f"{where}: cannot read {path.name} ({exc.strerror or exc})") from None
+            raise CorruptCopyError(f"{where}: cannot read it ({exc.strerror or exc})") from None
         raise
     finally:
         os.close(fd)
@@ -1242,15 +1241,18 @@ def _read_tensor_file(path: Path, manifest: dict[str, Any], where: str,
 
 
 class _Checksums:
-    """The crc32 of each chunk of a buffer: computed on the crc thread (``add_aside``) or here
+    """The checksum of each chunk of a buffer: computed on the checksum thread (``add_aside``) or here
     (``add_here``), when ``result`` is asked for."""
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
-        self._jobs: list[tuple[Future[int] | None, tuple[int, int]]] = []  # (pending on the crc thread, span)
+        self._jobs: list[tuple[Future[int] | None, tuple[int, int]]] = []  # (pending on the checksum thread, span)
 
     def add_aside(self, start: int, end: int) -> None:
-        self._jobs.append((_crc_thread().submit(zlib.crc32, self.view[start:end]), (start, end)))
+        if end - start < SUM_ASIDE_MIN_BYTES:
+            self.add_here(start, end)
+            return
+        self._jobs.append((_sum_thread().submit(_checksum, self.view[start:end]), (start, end)))
 
     def add_here(self, start: int, end: int) -> None:
         self._jobs.append((None, (start, end)))
@@ -1259,13 +1261,13 @@ class _Checksums:
         wait_all([future for future, _ in self._jobs if future is not None])
 
     def result(self) -> list[int]:
-        """Every chunk's crc32, in order. Those the crc thread has not started yet are computed
+        """Every chunk's checksum, in order. Those the checksum thread has not started yet are computed
         here, newest first (it works from the oldest, so the two meet in between)."""
         here: dict[int, int] = {}
         for index in reversed(range(len(self._jobs))):
             future, (start, end) = self._jobs[index]
             if future is None or future.cancel():
-                here[index] = zlib.crc32(self.view[start:end])
+                here[index] = _checksum(self.view[start:end])
         return [here[i] if i in here else future.result() for i, (future, _) in enumerate(self._jobs)]
 
 
@@ -1285,48 +1287,28 @@ def _read_into(fd: int, buffers: list[memoryview], offset: int, nbytes: int) -> 
             buffers = [buffers[0][count:], *buffers[1:]]
 
 
-def _copy_from_file(head: torch.Tensor, data: torch.Tensor, meta: dict[str, Any],
-                    manifest: dict[str, Any]) -> JobStateCopy:
-    """A JobStateCopy over ``data``, a buffer for the file's data section (read now or later),
-    laid out by the file's header (in ``head``): its memory, its buffers over it, its spec (so
-    that its tensors are views made on first use)."""
-    header_size = struct.unpack("<Q", head[:8].numpy().tobytes())[0]
-    header = msgspec.json.decode(memoryview(head[8 : 8 + header_size].numpy()))
-    standalone: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    groups = []
-    for buffer_name, members in meta["layout"].items():
-        entries = [header[name] for name in members]
-        dtype_name = entries[0]["dtype"]
-        begin = at = entries[0]["data_offsets"][0]
-        for entry in entries:
-            if entry["dtype"] != dtype_name or entry["data_offsets"][0] != at:
-                raise ValueError(f"buffer {buffer_name!r} is not one run of one dtype in the file")
-            at = entry["data_offsets"][1]
-        dtype = TORCH_DTYPES[dtype_name]
-        for name, entry in zip(members, entries):
-            if (entry["data_offsets"][1] - entry["data_offsets"][0]) != math.prod(entry["shape"]) * dtype.itemsize:
-                raise ValueError(f"{name!r}: its shape does not fit its bytes")
-        buffers[buffer_name] = data[begin:at].view(dtype)
-        groups.append((buffer_name, dtype, [(name, tuple(entry["shape"])) for name, entry in zip(members, entries)]))
-    spec = state_spec(groups)
-    laid_out = all(buffers[g.name].data_ptr() == data.data_ptr() + g.offset for g in spec.groups)
-    for name in meta["names"]:
-        if name not in spec.entries:  # a standalone tensor
-            entry = header[name]
-            begin, end = entry["data_offsets"]
-            standalone[name] = data[begin:end].view(TORCH_DTYPES[entry["dtype"]]).view(entry["shape"])
+def _copy_over(data: torch.Tensor, copy: _NvmeCopy) -> JobStateCopy:
+    """A JobStateCopy over ``data``, a buffer for the copy's data section (read now or later),
+    laid out as it was written: its memory, its buffers over it (SpecBuffers when they lie where
+    the spec puts them: imported with one copy_), its spec (its tensors are views made on first
+    use). Its lists and dicts are its own; the values in them are the written copy's."""
+    buffers: Mapping[str, torch.Tensor]
+    if copy.laid_out:
+        buffers = SpecBuffers(copy.spec, data)
+    else:
+        buffers = {name: data[begin:end].view(dtype) for name, dtype, begin, end in copy.buffers}
+    standalone = {name: data[begin:end].view(dtype).view(shape) for name, dtype, shape, begin, end in copy.standalone}
     return JobStateCopy(
-        job_id=manifest["job_id"],
-        lora=msgspec.convert(manifest["lora"], LoraConfig),
-        seed=int(manifest["seed"]),
-        weight_decay=float(manifest["weight_decay"]),
-        param_keys=list(spec.param_keys if meta["param_keys"] == spec.param_keys else meta["param_keys"]),
-        tensors=TensorViews(spec, buffers, standalone),
-        buffers=SpecBuffers(spec, data) if laid_out else buffers,  # laid out: imported with one copy_
-        layout={name: list(members) for name, members in meta["layout"].items()},
-        param_groups=meta["param_groups"],
-        state_values=meta["state_values"],
+        job_id=copy.job_id,
+        lora=copy.lora,
+        seed=copy.seed,
+        weight_decay=copy.weight_decay,
+        param_keys=list(copy.param_keys),
+        tensors=TensorViews(copy.spec, buffers, standalone),
+        buffers=buffers,
+        layout={name: list(members) for name, members in copy.layout.items()},
+        param_groups=[dict(group) for group in copy.param_groups],
+        state_values=dict(copy.state_values),
         memory=data,
-        spec=spec,
+        spec=copy.spec,
     )
