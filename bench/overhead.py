@@ -77,6 +77,9 @@ class InProcessClient:
         hp = msgspec.structs.replace(hp or P.TrainHParams(), **changes)
         return self.trainer.train_step(self.job_id, batch, hp)
 
+    def train_and_publish(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None) -> tuple[dict[str, float], int]:
+        return self.train_step(batch, hp), self.publish()
+
     def publish(self) -> int:
         self.version += 1
         out = self.job_dir / "adapters" / f"v{self.version:06d}"

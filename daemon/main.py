@@ -623,12 +623,12 @@ class Daemon:
         prune: tuple[Path, int] | None = None
         if call.method == "generate":
             value = {**value, "policy_version": call.context["version"]}
-        elif call.method == "publish":
+        elif call.method == "publish" or (call.method == "train_step" and "out_dir" in call.context):
             rt.policy_version = call.context["version"]
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
             prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
-            value = {"version": rt.policy_version}
+            value = {**(value if call.method == "train_step" else {}), "version": rt.policy_version}
             if self.drain_deadline is not None:  # checkpoint at the end of this step, then exit
                 value["drain"] = self.drain_reason
         elif call.method == "checkpoint":
@@ -701,11 +701,12 @@ class Daemon:
         elif body.method == "train_step":
             hp = {**body.args["hp"], "user_code_trusted": rt.user in self.trusted_users}  # the trainer re-checks
             args = {**trainer_ctx, "batch": body.args["batch"], "hp": hp}
+            if body.args.get("publish"):  # and make the result the rollout policy: one call, not two
+                context = self._next_adapter(rt)
+                args["publish_dir"] = context["out_dir"]
         elif body.method == "publish":
-            version = rt.policy_version + 1
-            out_dir = str(rt.job_dir / "adapters" / f"v{version:06d}")
-            context = {"version": version, "out_dir": out_dir}
-            args = {**trainer_ctx, "out_dir": out_dir}
+            context = self._next_adapter(rt)
+            args = {**trainer_ctx, "out_dir": context["out_dir"]}
         elif body.method == "checkpoint":
             step = int(body.args["step"])
             out_dir = str(rt.job_dir / "ckpt" / f"step-{step:06d}")
@@ -730,6 +731,12 @@ class Daemon:
         self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
                                                {**context, "args": args})
         self.sched.submit(task)
+
+    @staticmethod
+    def _next_adapter(rt: JobRuntime) -> dict[str, Any]:
+        """The policy version and adapter directory of a job's next publish."""
+        version = rt.policy_version + 1
+        return {"version": version, "out_dir": str(rt.job_dir / "adapters" / f"v{version:06d}")}
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
         rt = self.runtimes.get(body.job_id)

@@ -9,7 +9,7 @@ publishing); a loop owns only its control logic. This module is all a loop needs
   ``train_step(batch, hp, **changes)`` runs one optimizer step with a loss named in
   ``TrainHParams`` (``pg-clip``, ``pg-tis``, their aggregation and parameters) and returns
   its metrics. ``publish()`` makes the trained adapter the rollout policy (returns its
-  version); ``checkpoint`` / ``restore`` save and reload adapter, optimizer and a JSON
+  version); ``train_and_publish`` does both in one call; ``checkpoint`` / ``restore`` save and reload adapter, optimizer and a JSON
   ``extra``; ``report`` tells the daemon about progress. ``generate_async`` / ``call_async``
   return a call id to ``wait`` on later: generation of the next batch overlaps training of
   this one, as ``algo.max_staleness`` allows.
@@ -224,6 +224,13 @@ class JobClient:
         reply = self.call("publish")
         self.drain = reply.get("drain") or self.drain
         return int(reply["version"])
+
+    def train_and_publish(self, batch: TrainBatch, hp: TrainHParams | None = None) -> tuple[dict[str, float], int]:
+        """``train_step`` then ``publish`` in one call (one round trip to the trainer, not two):
+        the step's metrics and the new policy version."""
+        reply = dict(self.call("train_step", {"batch": batch, "hp": hp or TrainHParams(), "publish": True}))
+        self.drain = reply.pop("drain", None) or self.drain
+        return reply, int(reply.pop("version"))
 
     def checkpoint(self, step: int, extra: dict[str, Any]) -> str:
         """Save adapter, optimizer and ``extra`` (JSON) durably, atomically; return the directory."""
@@ -450,9 +457,14 @@ class Job:
         turns = self.spec.env.max_turns if self.spec.env is not None else 1
         return self.spec.sampling.max_tokens * turns
 
-    def train(self, rollout: Rollout, advantages: list[float], hp: TrainHParams) -> dict[str, float]:
-        """One optimizer step on ``rollout`` with one advantage per sample."""
-        return self.client.train_step(rollout.batch(advantages), hp)
+    def train(self, rollout: Rollout, advantages: list[float], hp: TrainHParams,
+              publish: bool = False) -> dict[str, float]:
+        """One optimizer step on ``rollout`` with one advantage per sample; ``publish``: then
+        make the result the rollout policy, in the same call (``version`` follows)."""
+        if not publish:
+            return self.client.train_step(rollout.batch(advantages), hp)
+        metrics, self.version = self.client.train_and_publish(rollout.batch(advantages), hp)
+        return metrics
 
     def publish(self) -> int:
         """Make the trained adapter the rollout policy; ``version`` follows."""

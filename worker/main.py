@@ -15,13 +15,24 @@ Threads:
 The rollout loop drains every generate task waiting for it and serves them as one batch,
 whatever jobs they belong to (one adapter per job, mixed in the same vLLM batch).
 Engines are built once at start and stay resident; only jobs' state comes and goes.
+
+OpenMP: torch's GNU OpenMP threads spin ``GOMP_SPINCOUNT`` iterations (300,000 unless set)
+after each parallel region before they sleep. In-process nothing else wants those cores; here
+the I/O thread, the daemon and the drivers do, right when a step ends, and each reply then waited
+for a spinner's time slice. The worker sets ``WORKER_SPINCOUNT`` (30,000) unless the environment
+names one (``python bench/overhead.py``: step time through the daemon ~0.158 -> ~0.150 s on 2 cores;
+no spin at all cost the engines ~20 %).
 """
 
 from __future__ import annotations
 
+import os
+
+WORKER_SPINCOUNT = "30000"
+os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)  # read once, when torch loads libgomp: before any import of it
+
 import argparse
 import logging
-import os
 import queue
 import signal
 import socket
@@ -213,15 +224,22 @@ class TrainerServer:
         self.store = store
         engine = store.trainer
         self.handlers: dict[str, Callable[[P.TaskBody], Any]] = {
-            "train_step": lambda t: engine.train_step(
-                t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch),
-                msgspec.convert(t.args["hp"], P.TrainHParams)),
+            "train_step": lambda t: self._train_step(engine, t),
             "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
             "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
             "restore": lambda t: engine.load_checkpoint(
                 t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
         }
         self.done: dict[str, tuple[str, Any]] = {}  # job -> (call key, value) of its last stateful call
+
+    @staticmethod
+    def _train_step(engine: Any, t: P.TaskBody) -> dict[str, float]:
+        """One optimizer step; with ``publish_dir``, the adapter is saved there after it."""
+        metrics = engine.train_step(t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch),
+                                    msgspec.convert(t.args["hp"], P.TrainHParams))
+        if t.args.get("publish_dir"):
+            engine.save_adapter(t.job_id, t.args["publish_dir"])
+        return metrics
 
     def serve(self, t: P.TaskBody, out: Outbox) -> None:
         store = self.store

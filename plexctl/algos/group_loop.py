@@ -88,8 +88,7 @@ class GroupLoop(abc.ABC):
                 pending = self.next_rollout(step + 1)  # overlaps this step's training
             train: dict[str, Any] = {}
             if trained.samples:
-                train = job.train(trained, self.advantages(trained), self.hp)
-                job.publish()
+                train = job.train(trained, self.advantages(trained), self.hp, publish=True)
             else:
                 job.log(f"step {step + 1}: no group to learn from, update skipped")
             if a.max_staleness == 0 and not last:
