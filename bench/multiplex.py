@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"{curve_diff[name]:.4f}")
     console.print(jt)
     out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": steps, "summary": summary,
+    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "steps": steps, "summary": summary,
                             "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),
                             "modes": results})
     console.print(f"wrote {out}")

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"({summary['gaps_filled']:.0%} of the idle engine time filled); the tool-latency job ran "
                   f"{summary['job_slowdown_shared']:.2f}x as long beside the neighbour")
     out = args.out or REPO / "bench" / "results" / ("tools-quick.json" if args.quick else "tools.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": args.quick, "steps": steps,
+    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "quick": args.quick, "steps": steps,
                             "latency_s": latency, "summary": summary, "phases": phases})
     console.print(f"wrote {out}")
 

@@ -91,3 +91,24 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
     assert set(result["met"]) == {"rate", "no_errors", "bound", "fixed_bound"}
     assert result["met"]["no_errors"] is True
     assert summary["same_rewards"] is True  # the status load does not change what the jobs learn
+
+
+def test_readme_results_table_is_the_one_generated_from_the_committed_json() -> None:
+    """README's benchmark table comes from bench/results/*.json (bench/table.py): after a
+    benchmark is run again, its figures reach README only through ``--write``."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "table.py"), "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_results_table_reads_each_benchmark_from_its_json(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import table
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    overhead = json.loads((REPO / "bench" / "results" / "overhead.json").read_text())
+    (tmp_path / "overhead.json").write_text(json.dumps({**overhead, "overhead": 0.2, "daemon_step_s": 0.5}))
+    rows = {line.split(":", 1)[0].strip("| "): line for line in table.table(tmp_path).splitlines()[2:]}
+    assert "+20.0 %" in rows["overhead"] and "0.500 vs" in rows["overhead"] and rows["overhead"].endswith("| **no** |")
+    assert "not run" in rows["swap"]  # no swap.json in that directory

@@ -1,0 +1,182 @@
+"""README's benchmark results table, generated from ``bench/results/*.json``.
+
+One row per benchmark: what it measures, the command that reproduces it, the machine and date
+of the run, the headline figures read from its JSON, the target and whether the run met it.
+The reasoning behind each figure stays in README's prose under the table; the figures
+themselves come only from here, so the table cannot drift from the results it cites.
+
+Usage: ``python bench/table.py`` prints the table; ``--write`` puts it into README.md between
+the ``bench-table`` markers; ``--check`` exits 1 when README's table differs from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+README = REPO / "README.md"
+START, END = "<!-- bench-table:start (python bench/table.py --write) -->", "<!-- bench-table:end -->"
+
+Row = tuple[str, str, str, str]  # result, target, met, machine
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def _machine(d: dict[str, Any]) -> str:
+    m = d.get("machine")
+    if isinstance(m, str):
+        return m
+    if isinstance(m, dict) and "cpus" in m:
+        return f"{m['cpus']} cores" + (f", {m['trainer_device']}" if "trainer_device" in m else "")
+    return "not recorded"
+
+
+def multiplex(d: dict[str, Any]) -> Row:
+    s = d["summary"]
+    diff = max(s["max_reward_curve_diff"].values())
+    tiers = s.get("trainer_tiers", {})
+    ratio = s["engine_s_per_step_ratio"]
+    result = (f"engine-s/step shared/isolated **{ratio:.2f}**, makespan {s['makespan_ratio']:.2f}; "
+              f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
+              f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}")
+    target = s["target_engine_s_per_step_ratio"]
+    return result, f"<= {target}", _yes(ratio <= target and diff == 0.0), _machine(d)
+
+
+def simulate(d: dict[str, Any]) -> Row:
+    best = d["policies"][d["best"]["label"]]
+    sb = d["policies"]["spread+backfill"]
+    ref = d["reference"]
+    p99 = best["tick_p99_us"]
+    result = (f"{best['jobs']} jobs on {best['gpus']} GPUs: makespan vs isolated {_pct(best['makespan_vs_isolated'])} "
+              f"(spread+backfill {_pct(sb['makespan_vs_isolated'])}), GPU-h/step {_pct(best['gpu_hours_per_step_vs_isolated'])}; "
+              f"decision p99 {p99:.0f} µs; run {d['run_s']:.0f} s")
+    target = f"PlexRL {_pct(ref['plexrl_makespan_vs_isolated_spread_backfill'])}; p99 < {ref['tick_p99_target_us'] / 1000:g} ms"
+    return result, target, _yes(p99 < ref["tick_p99_target_us"] and d["run_s"] < 60), _machine(d)
+
+
+def swap(d: dict[str, Any]) -> Row:
+    parts = []
+    for size in d["sizes"]:
+        paths = ", ".join(f"{p['path']} {_pct(p['pct_of_raw'])}" for p in size["paths"])
+        parts.append(f"{size['size']} ({_bytes(size['bytes'])}): {paths}")
+    below = d["summary"]["below_target"]
+    result = "; ".join(parts)
+    met = "yes" if not below else f"no: {', '.join(below)}"
+    return result, f">= {_pct(d['target_pct_of_raw'])} of raw", met, _machine(d)
+
+
+def daemon(d: dict[str, Any]) -> Row:
+    rt, tp, tg = d["round_trip"], d["throughput"], d["targets"]
+    result = (f"p50 {rt['p50_ms']:.2f} ms, p99 {rt['p99_ms']:.2f} ms; {tp['msgs_per_s'] / 1000:.0f} k msg/s "
+              f"with {tp['clients']} clients")
+    return (result, f"p50 < {tg['p50_ms']:g} ms, >= {tg['msgs_per_s'] // 1000} k msg/s", _yes(all(d["met"].values())),
+            _machine(d))
+
+
+def overhead(d: dict[str, Any]) -> Row:
+    result = (f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**; "
+              f"per-step rewards identical: {'yes' if d['same_rewards'] else 'no'}")
+    return result, f"<= +{_pct(d['target'])}", _yes(d["overhead"] <= d["target"] and d["same_rewards"]), _machine(d)
+
+
+def status_load(d: dict[str, Any]) -> Row:
+    s, t, met = d["summary"], d["targets"], d["met"]
+    result = (f"{t['status_per_s']:.0f} status/s served; job step time {s['ratio']:.2f}x "
+              f"(bound C/(C-L) {s['cpu_bound']:.2f}x); daemon {s['daemon_cpu_us_per_status']:.0f} µs CPU per call")
+    target = f"{t['status_per_s']:.0f}/s within the CPU-share bound (fixed {t['step_time_ratio_fixed']}x)"
+    verdict = "yes" if met["rate"] and met["bound"] and met["no_errors"] else "no"
+    if verdict == "yes" and not met["fixed_bound"]:
+        verdict = f"yes; fixed {t['step_time_ratio_fixed']}x: no"
+    return result, target, verdict, _machine(d)
+
+
+def tools(d: dict[str, Any]) -> Row:
+    s = d["summary"]
+    result = (f"tool-latency job ({d['latency_s']:g} s tools): bubble alone {_pct(s['bubble_alone'])}, with neighbours "
+              f"{_pct(s['bubble_shared'])}; its slowdown {s['job_slowdown_shared']:.2f}x")
+    return result, "gaps filled by other jobs", _yes(s["bubble_shared"] < s["bubble_alone"]), _machine(d)
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.0f} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# (results file and script name, what it measures, its row)
+BENCHES: list[tuple[str, str, Callable[[dict[str, Any]], Row]]] = [
+    ("multiplex", "4 mixed tiny jobs, isolated vs shared, real engines", multiplex),
+    ("simulate", "the daemon's scheduler on a simulated clock, 2,048 GPUs", simulate),
+    ("swap", "state through each tier vs raw figures of the same run", swap),
+    ("daemon", "no-op round trip and messages/s on loopback, CURVE on", daemon),
+    ("overhead", "one job through the daemon vs the same loop in one process", overhead),
+    ("status_load", "1,000 status calls/s while jobs run", status_load),
+    ("tools", "a tool-latency-heavy job alone vs with neighbours", tools),
+]
+SCRIPTS = {"daemon": "daemon_rtt"}  # results file -> script, where they differ
+
+
+def table(results: Path = RESULTS) -> str:
+    lines = ["| benchmark | command | run (machine, date) | result | target | met |", "|---|---|---|---|---|---|"]
+    for name, what, row in BENCHES:
+        path = results / f"{name}.json"
+        if not path.exists():
+            lines.append(f"| {name}: {what} | `python bench/{SCRIPTS.get(name, name)}.py` | not run | | | |")
+            continue
+        d = json.loads(path.read_text())
+        result, target, met, machine = row(d)
+        when = str(d.get("when") or d.get("date") or "")[:10]
+        command = (d.get("command") or f"python bench/{SCRIPTS.get(name, name)}.py").strip()
+        lines.append(f"| {name}: {what} | `{command}` | {machine}, {when} | {result} | {target} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_with(text: str, generated: str) -> str:
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{generated}{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="put the table into README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's table differs from the JSON")
+    args = ap.parse_args(argv)
+    generated = table()
+    if not (args.write or args.check):
+        sys.stdout.write(generated)
+        return 0
+    text = README.read_text()
+    wanted = readme_with(text, generated)
+    if args.check:
+        if wanted != text:
+            print("README.md's benchmark table differs from bench/results/*.json: run python bench/table.py --write",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if wanted != text:
+        tmp = README.with_suffix(".md.tmp")
+        tmp.write_text(wanted)
+        tmp.replace(README)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
