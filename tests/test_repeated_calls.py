@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from plexctl import protocol as P
@@ -53,5 +54,45 @@ def test_a_repeated_train_step_is_applied_once(tmp_path) -> None:
         assert_like_alone(store.trainer, "j0", once[0])  # one step applied, not two
         train(3, 1, "4242:9")  # the next call is applied as usual
         assert_like_alone(store.trainer, "j0", once[1])
+    finally:
+        outbox.close(linger=0)
+
+
+def test_a_train_step_that_publishes_saves_the_adapter_after_the_step(tmp_path) -> None:
+    """``train_and_publish``: the worker runs the step, then saves the adapter the rollout engine
+    loads next, in the one task; the saved adapter is the stepped one, and a repeat of the call
+    neither steps nor saves again."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_qwen2(tmp_path / "model")
+    lora, seed, hp = JOBS["j0"]
+    reference = engine(model_dir)
+    reference.ensure_job("j0", lora, seed)
+    reference.train_step("j0", batch_for("j0", 0), hp)
+    reference.save_adapter("j0", str(tmp_path / "reference"))
+    outbox = zmq.Context.instance().socket(zmq.PULL)
+    outbox.bind(worker_main.OUTBOX)
+    try:
+        store = StateStore(engine(model_dir), device_slots=1, host_bytes=1 << 30)
+        tasks: queue.Queue[P.TaskBody] = queue.Queue()
+        threading.Thread(target=worker_main.trainer_loop, args=(store, tasks), daemon=True).start()
+        out = tmp_path / "adapters" / "v000001"
+        args = {"lora": msgspec.to_builtins(lora), "seed": seed, "weight_decay": hp.weight_decay,
+                "batch": msgspec.to_builtins(batch_for("j0", 0)), "hp": msgspec.to_builtins(hp),
+                "call_key": "4242:7", "publish_dir": str(out)}
+        values = []
+        for task_id in (1, 2):  # the second: the same call again
+            tasks.put(P.TaskBody(task_id, "j0", "w/trainer", "train_step", args))
+            assert outbox.poll(120_000), "no result from the trainer loop"
+            _op, _header, result = P.decode(outbox.recv_multipart())
+            assert result.task_id == task_id and result.ok, result.error
+            values.append(result.value)
+            if task_id == 1:
+                saved_at = (out / "adapter_model.safetensors").stat().st_mtime_ns
+        assert values[0] == values[1] and "loss" in values[0]
+        assert (out / "adapter_model.safetensors").stat().st_mtime_ns == saved_at  # not saved again
+        want = load_file(str(tmp_path / "reference" / "adapter_model.safetensors"))
+        got = load_file(str(out / "adapter_model.safetensors"))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     finally:
         outbox.close(linger=0)
