@@ -623,7 +623,7 @@ class Daemon:
         prune: tuple[Path, int] | None = None
         if call.method == "generate":
             value = {**value, "policy_version": call.context["version"]}
-        elif call.method == "publish" or (call.method == "train_step" and "out_dir" in call.context):
+        elif call.context.get("publish"):  # a publish, or a train_step that publishes
             rt.policy_version = call.context["version"]
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
@@ -734,9 +734,9 @@ class Daemon:
 
     @staticmethod
     def _next_adapter(rt: JobRuntime) -> dict[str, Any]:
-        """The policy version and adapter directory of a job's next publish."""
+        """The policy version and adapter directory of a job's next publish (a call's context)."""
         version = rt.policy_version + 1
-        return {"version": version, "out_dir": str(rt.job_dir / "adapters" / f"v{version:06d}")}
+        return {"publish": True, "version": version, "out_dir": str(rt.job_dir / "adapters" / f"v{version:06d}")}
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
         rt = self.runtimes.get(body.job_id)

@@ -9,10 +9,10 @@ publishing); a loop owns only its control logic. This module is all a loop needs
   ``train_step(batch, hp, **changes)`` runs one optimizer step with a loss named in
   ``TrainHParams`` (``pg-clip``, ``pg-tis``, their aggregation and parameters) and returns
   its metrics. ``publish()`` makes the trained adapter the rollout policy (returns its
-  version); ``train_and_publish`` does both in one call; ``checkpoint`` / ``restore`` save and reload adapter, optimizer and a JSON
-  ``extra``; ``report`` tells the daemon about progress. ``generate_async`` / ``call_async``
-  return a call id to ``wait`` on later: generation of the next batch overlaps training of
-  this one, as ``algo.max_staleness`` allows.
+  version); ``train_and_publish`` does both in one call; ``checkpoint`` / ``restore`` save
+  and reload adapter, optimizer and a JSON ``extra``; ``report`` tells the daemon about
+  progress. ``generate_async`` / ``call_async`` return a call id to ``wait`` on later:
+  generation of the next batch overlaps training of this one, as ``algo.max_staleness`` allows.
 * ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (the data iterator,
   a ``PromptCursor``), ``rng`` (a ``random.Random`` seeded by ``spec.seed``, saved in
   checkpoints), ``reward`` (the job's scorer: built-ins in this process, a custom ``fn`` in the
