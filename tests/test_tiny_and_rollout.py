@@ -310,3 +310,10 @@ def test_a_bad_request_fails_alone_and_a_released_job_stops(engine: RolloutEngin
     while engine.in_flight:
         done.update(engine.step())
     assert set(done) == {"good"} and len(done["good"]) == 3
+
+
+def test_a_request_without_prompts_is_answered_empty(engine: RolloutEngine) -> None:
+    empty = GenRequest("none", [], Sampling(max_tokens=2, n=1, seed=0))
+    assert engine.generate([empty]) == [[]]
+    one = GenRequest("one", PROMPTS[:1], Sampling(max_tokens=2, n=1, seed=0))
+    assert [len(cs) for cs in engine.generate([empty, one])] == [0, 1]

@@ -429,7 +429,7 @@ class RolloutEngine:
             validate_sampling(r.sampling)
         with self._lock:
             self._check_open()
-            if self._pending:
+            if self.in_flight:
                 raise RolloutError("generate() while continuous requests are in flight")
             keys = [("_batch", i) for i in range(len(requests))]
             try:
@@ -439,7 +439,7 @@ class RolloutEngine:
                 self.abort(keys)
                 raise
             done: dict[Any, list[Completion]] = {}
-            while self._pending:
+            while self.in_flight:  # a request without prompts is done at once, in the first step
                 done.update(self.step())
             return [done[k] for k in keys]
 
