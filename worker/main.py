@@ -12,8 +12,9 @@ Threads:
   installs signal handlers; the trainer engine (torch + peft) on its own thread, or, on CPU,
   on the main thread too (``shared_loop``: one OpenMP team instead of two on the same cores).
 
-The rollout loop drains every generate task waiting for it and serves them as one batch,
-whatever jobs they belong to (one adapter per job, mixed in the same vLLM batch).
+The rollout loop batches continuously: between engine steps, the generate tasks that arrived
+join the running vLLM batch, whatever jobs they belong to (one adapter per job), and each task
+is answered as soon as its own prompts finish.
 Engines are built once at start and stay resident; only jobs' state comes and goes.
 
 OpenMP: torch's GNU OpenMP threads spin ``GOMP_SPINCOUNT`` iterations (300,000 unless set)
