@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plexctl import protocol as P  # noqa: E402
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl import auth  # noqa: E402
 from plexctl.client import Client, current_user  # noqa: E402
@@ -381,7 +382,7 @@ def yes_no(ok: bool) -> str:
 
 
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
+    return {"cpu": describe(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
             "libzmq": zmq.zmq_version(), "pyzmq": zmq.__version__}
 
 

@@ -46,6 +46,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client  # noqa: E402
 from plexctl.cluster import read_endpoint  # noqa: E402
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"{curve_diff[name]:.4f}")
     console.print(jt)
     out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "steps": steps, "summary": summary,
+    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": describe(), "steps": steps, "summary": summary,
                             "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),
                             "modes": results})
     console.print(f"wrote {out}")

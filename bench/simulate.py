@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate  # noqa: E402
 from daemon.trace import DAY_S, Trace, generate_trace, read_trace, write_trace  # noqa: E402
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 
 BASELINES = ("isolated", "pack", "spread", "spread+backfill")
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "bench" / "results" / ("simulate-quick.json" if args.quick else "simulate.json")
     write_json_atomic(out, {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": describe(), "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
         "command": "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "run_s": run_s, "workers": args.workers,

@@ -55,7 +55,6 @@ import argparse
 import math
 import multiprocessing
 import os
-import platform
 import queue
 import shutil
 import statistics
@@ -77,6 +76,7 @@ sys.path.insert(0, str(REPO))
 from bench.daemon_rtt import machine_cpu_seconds, percentile, process_cpu_seconds  # noqa: E402
 from bench.multiplex import plexctl  # noqa: E402
 from bench.overhead import steps_of  # noqa: E402
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client  # noqa: E402
 from plexctl.cluster import read_endpoint  # noqa: E402
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "bench" / "results" / ("status_load-quick.json" if args.quick else "status_load.json")
     write_json_atomic(out, {
         "benchmark": "status_load", "quick": args.quick, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_avg": os.getloadavg(),
+        "machine": describe(), "load_avg": os.getloadavg(),
         "command": " ".join(["python", "bench/status_load.py", *(sys.argv[1:] if argv is None else argv)]),
         "jobs": {job: str(path.relative_to(REPO)) for job, path in JOBS.items()}, "steps": steps, "warmup": warmup,
         "rounds": rounds,

@@ -93,6 +93,7 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
 from plexctl.state_size import job_state_bytes, model_config  # noqa: E402
@@ -497,7 +498,7 @@ def _swap_totals(swaps: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def machine(nvme_dir: Path, trainer: TrainerEngine) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
+        "cpu": describe(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
         "trainer_device": str(trainer.device), "nvme_dir": str(nvme_dir), "nvme_mount": mount_of(nvme_dir),
     }
     if torch.cuda.is_available():

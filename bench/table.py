@@ -34,6 +34,8 @@ def _machine(d: dict[str, Any]) -> str:
     m = d.get("machine")
     if isinstance(m, str):
         return m
+    if isinstance(m, dict) and "cpu" in m:
+        return m["cpu"] + (f", {m['trainer_device']}" if "trainer_device" in m else "")
     if isinstance(m, dict) and "cpus" in m:
         return f"{m['cpus']} cores" + (f", {m['trainer_device']}" if "trainer_device" in m else "")
     return "not recorded"

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.hostinfo import describe  # noqa: E402
 from plexctl.envs.base import StepResult  # noqa: E402
 from plexctl.envs.python_tool import PythonToolEnv  # noqa: E402
 
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"({summary['gaps_filled']:.0%} of the idle engine time filled); the tool-latency job ran "
                   f"{summary['job_slowdown_shared']:.2f}x as long beside the neighbour")
     out = args.out or REPO / "bench" / "results" / ("tools-quick.json" if args.quick else "tools.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "quick": args.quick, "steps": steps,
+    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": describe(), "quick": args.quick, "steps": steps,
                             "latency_s": latency, "summary": summary, "phases": phases})
     console.print(f"wrote {out}")
 

@@ -30,6 +30,7 @@ their last checkpoint.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -131,6 +132,7 @@ class Daemon:
         self.mode = mode
         self.started_at = time.time()
         self.journal = Journal(state_dir / "journal.db")
+        self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-prune")  # old adapters, checkpoints
         self.sched = Scheduler(policy=policy)
         self.policy = policy
         self.worker_args = worker_args or []
@@ -321,6 +323,7 @@ class Daemon:
             wait_or_kill(proc, 15)
         endpoint_path(self.state_dir).unlink(missing_ok=True)
         (self.state_dir / M.METRICS_FILE).unlink(missing_ok=True)
+        self._janitor.shutdown(wait=True)
         self.journal.close()
         self.telemetry.close()
         self.sock.close(linger=500)  # let the workers' shutdown messages out
@@ -626,7 +629,6 @@ class Daemon:
         elif call.context.get("publish"):  # a publish, or a train_step that publishes
             rt.policy_version = call.context["version"]
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.context["out_dir"])
-            self.journal.update(rt.job_id, policy_version=rt.policy_version)
             prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
             value = {**(value if call.method == "train_step" else {}), "version": rt.policy_version}
             if self.drain_deadline is not None:  # checkpoint at the end of this step, then exit
@@ -640,8 +642,11 @@ class Daemon:
             prune = (rt.job_dir / "ckpt", 2)
             value = {"path": ckpt}
         self._send(call.identity, P.Op.REPLY, value, call.msg_id)
-        if prune is not None:  # after the reply: the job's next call need not wait for it
-            self._prune(*prune)
+        # after the reply: the job's next call need not wait for the journal or the pruning
+        if call.context.get("publish"):
+            self.journal.update(rt.job_id, policy_version=rt.policy_version)
+        if prune is not None:
+            self._janitor.submit(self._prune, *prune)
 
     def _trainer_of(self, identity: bytes) -> str:
         for w in self.workers.values():

@@ -11,8 +11,9 @@ reference answer and the whole sample record, and returns a float. This module o
   job's ``failure_reward`` and counts how often that happened.
 
 * ``SandboxedReward``, which runs a user's ``module:function`` (never the driver's own
-  interpreter) in the sandbox's bounded pool of contained processes, a step's samples split
-  over the pool's workers, each sample under its own time limit. The user's directory is
+  interpreter) in long-lived contained processes (``SandboxSession``, one per worker of the
+  sandbox pool, the function imported once), a step's samples split over them, each sample
+  under its own time limit. The user's directory is
   staged once (its Python and small data files, copied world-readable) so the sandbox's own
   uid can read it; the driver's site-packages are readable too, so the function may import
   what is installed (math_verify, numpy, ...).
@@ -212,39 +213,50 @@ SafeReward.score_many = _score_many  # type: ignore[attr-defined]
 
 # Runs inside the sandbox: stdin is {"target", "timeout_s", "items"}; stdout one JSON list of
 # [value, error] per item. Each item has its own alarm, so one hanging sample fails alone.
-_REWARD_PROGRAM = r"""
+_REWARD_SERVER = r"""
 import importlib, json, math, signal, sys
-job = json.loads(sys.stdin.read())
-module_name, _, attr_path = job["target"].partition(":")
 class _Timeout(BaseException):
     pass
 def _alarm(signum, frame):
     raise _Timeout()
 signal.signal(signal.SIGALRM, _alarm)
-try:
-    fn = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        fn = getattr(fn, part)
-    load_error = None
-except BaseException as e:
-    load_error = "cannot import %s: %s: %s" % (job["target"], type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
-out = []
-for completion, answer, record in job["items"]:
-    if load_error:
-        out.append([None, load_error])
-        continue
-    signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
-    try:
-        value = float(fn(completion, answer, record))
-        out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
-    except _Timeout:
-        out.append([None, "timed out after %ss" % job["timeout_s"]])
-    except BaseException as e:
-        text = str(e).strip()
-        out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-sys.stdout.write("\nPLEXRL-REWARDS " + json.dumps(out) + "\n")
+loaded = {}
+def load(target):
+    if target not in loaded:
+        module_name, _, attr_path = target.partition(":")
+        try:
+            fn = importlib.import_module(module_name)
+            for part in attr_path.split("."):
+                fn = getattr(fn, part)
+            loaded[target] = (fn, None)
+        except BaseException as e:
+            text = str(e).strip()
+            loaded[target] = (None, "cannot import %s: %s: %s" % (target, type(e).__name__, text.splitlines()[0] if text else ""))
+    return loaded[target]
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    job = json.loads(line)
+    fn, load_error = load(job["target"])
+    out = []
+    for completion, answer, record in job["items"]:
+        if load_error:
+            out.append([None, load_error])
+            continue
+        signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
+        try:
+            value = float(fn(completion, answer, record))
+            out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
+        except _Timeout:
+            out.append([None, "timed out after %ss" % job["timeout_s"]])
+        except BaseException as e:
+            text = str(e).strip()
+            out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    sys.stdout.write("\nPLEXRL-REWARDS " + json.dumps(out) + "\n")
+    sys.stdout.flush()
 """
 
 _STAGE_SUFFIXES = {".py", ".json", ".jsonl", ".txt", ".yaml", ".yml", ".csv", ".tsv"}
@@ -285,7 +297,17 @@ def _import_paths() -> list[str]:
 
 
 class SandboxedReward:
-    """A user's reward function run in the sandbox pool; same counters as ``SafeReward``."""
+    """A user's reward function run in sandboxed processes; same counters as ``SafeReward``.
+
+    A step's samples are split over ``pool.max_workers`` chunks, scored at once, each chunk by
+    its own long-lived ``SandboxSession`` that imported the function once (a fresh interpreter
+    and import per chunk and step cost more than cheap rewards themselves). A sample gets
+    ``timeout_s`` (an alarm inside the process); a chunk whose process dies or stops answering
+    fails its own samples, and its process is replaced at the next step.
+    """
+
+    FIRST_REQUEST_SLACK_S = 20.0  # a new process imports the function first
+    REQUEST_SLACK_S = 2.0
 
     def __init__(self, target: str, path: str | None, failure_reward: float, pool,
                  timeout_s: float = 10.0, memory_bytes: int = 4 * 2**30) -> None:
@@ -299,43 +321,56 @@ class SandboxedReward:
         self.last_error: str | None = None
         self._staged = stage_user_dir(path) if path else None
         self.paths = tuple(([str(self._staged)] if self._staged else []) + _import_paths())
-        self._limits = Limits(cpu_seconds=10**6, wall_seconds=timeout_s, memory_bytes=memory_bytes,
+        # the alarms bound each sample's time; the CPU limit only stops a process left spinning
+        self._limits = Limits(cpu_seconds=10**6, wall_seconds=0.0, memory_bytes=memory_bytes,
                               processes=64, open_files=256, output_bytes=4 * 2**20)
+        self._sessions: list = [None] * pool.max_workers
+        self._lock = threading.Lock()
 
     def close(self) -> None:
+        with self._lock:
+            for i, session in enumerate(self._sessions):
+                if session is not None:
+                    session.close()
+                    self._sessions[i] = None
         if self._staged is not None:
             shutil.rmtree(self._staged, ignore_errors=True)
             self._staged = None
 
     def score_many(self, items: list[tuple[str, str, dict]]) -> list[float]:
-        """Score ``items`` over the pool's workers; a failed sample gets ``failure_reward``."""
+        """Score ``items`` over the sessions at once; a failed sample gets ``failure_reward``."""
         if not items:
             return []
-        chunks = min(len(items), self.pool.max_workers)
-        bounds = [round(i * len(items) / chunks) for i in range(chunks + 1)]
-        futures = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            part = items[lo:hi]
-            stdin = json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": part})
-            wall = self.timeout_s * len(part) + 20.0  # per-sample alarms inside; this bounds imports
-            limits = type(self._limits)(**{**self._limits.__dict__, "wall_seconds": wall,
-                                           "cpu_seconds": int(wall) + 1})
-            futures.append((len(part), self.pool.submit(_REWARD_PROGRAM, stdin, limits, self.paths)))
-        values: list[float] = []
-        for n, future in futures:
-            values.extend(self._collect(n, future.result()))
-        return values
+        with self._lock:
+            chunks = min(len(items), len(self._sessions))
+            bounds = [round(i * len(items) / chunks) for i in range(chunks + 1)]
+            parts = [items[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+            futures = [self.pool.call(self._score_part, i, part) for i, part in enumerate(parts)]
+            values: list[float] = []
+            for part, future in zip(parts, futures):
+                values.extend(self._collect(len(part), *future.result()))
+            return values
 
-    def _collect(self, n: int, result) -> list[float]:
-        marker = result.stdout.rfind("PLEXRL-REWARDS ")
-        rows = None
-        if marker >= 0:
-            try:
-                rows = json.loads(result.stdout[marker + len("PLEXRL-REWARDS "):].splitlines()[0])
-            except (ValueError, IndexError):
-                rows = None
-        if not isinstance(rows, list) or len(rows) != n:
-            why = result.error or result.limit_hit or (result.stderr.strip().splitlines() or ["no result"])[-1]
+    def _score_part(self, i: int, part: list[tuple[str, str, dict]]) -> tuple[list | None, str]:
+        """One chunk on session ``i`` (started if needed): its rows, or None and why. Never raises."""
+        from plexctl.sandbox import SandboxSession, SessionFailed
+
+        try:
+            session = self._sessions[i]
+            if session is None or session.proc is None:
+                session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths,
+                                                             marker="PLEXRL-REWARDS ")
+            slack = self.FIRST_REQUEST_SLACK_S if session.requests == 0 else self.REQUEST_SLACK_S
+            line = json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": part})
+            rows = json.loads(session.request(line, self.timeout_s * len(part) + slack))
+            return (rows, "") if isinstance(rows, list) and len(rows) == len(part) else (None, "a malformed reply")
+        except SessionFailed as e:
+            return None, str(e)
+        except Exception as e:  # noqa: BLE001 - the sandbox machinery failed: this chunk's samples only
+            return None, f"sandbox error: {type(e).__name__}: {e}"
+
+    def _collect(self, n: int, rows: list | None, why: str) -> list[float]:
+        if rows is None:
             return [self._failed(f"reward process failed: {why}") for _ in range(n)]
         out = []
         for value, error in rows:

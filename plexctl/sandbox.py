@@ -1,7 +1,8 @@
 """Run untrusted Python (model-written code, tests, tool calls) in its own contained process.
 
-This module owns ``run_python`` (one program, one result), ``SandboxPool`` (many programs at
-once, bounded, never raising) and ``isolation()`` / ``network_isolation()`` (which protection
+This module owns ``run_python`` (one program, one result), ``SandboxSession`` (one program
+kept running, a request and its reply per line), ``SandboxPool`` (many programs at once,
+bounded, never raising) and ``isolation()`` / ``network_isolation()`` (which protection
 holds on this machine). Each run gets:
 
 - its own process in a new session (``start_new_session``), started by ``python -I -S`` (no
@@ -385,18 +386,23 @@ def _rlimits(mode: str, limits: Limits) -> list[tuple[str, tuple[int, int]]]:
     ]
 
 
-def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float,
-                       paths: tuple[str, ...] = ()) -> SandboxResult:
+def _popen(mode: str, uid: int | None, base: Path, limits: Limits, paths: tuple[str, ...], stdin: Any) -> subprocess.Popen:
+    """Start the boot on ``base/main.py`` in its own session, stdout and stderr piped."""
     config = {"mode": mode, "base": str(base), "uid": uid, "inner_uid": USERNS_INNER_UID,
               "rlimits": _rlimits(mode, limits), "paths": [str(p) for p in paths]}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "work"), "TMPDIR": str(base / "work"),
            "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=base, env=env,
+        start_new_session=True, close_fds=True,
+    )
+
+
+def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float,
+                       paths: tuple[str, ...] = ()) -> SandboxResult:
     with open(base / "stdin", "rb") as stdin:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
-            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=base, env=env,
-            start_new_session=True, close_fds=True,
-        )
+        proc = _popen(mode, uid, base, limits, paths, stdin)
     try:
         out, err, timed_out = _collect(proc, t0 + limits.wall_seconds, limits.output_bytes, uid)
     except BaseException:
@@ -523,6 +529,152 @@ def _limit_hit(stderr: str, killed_by: str | None, timed_out: bool, truncated: b
     if truncated:
         return "output"
     return None
+
+
+# ---------------------------------------------------------------- sessions
+
+
+class SessionFailed(Exception):
+    """A session's program exited, broke the protocol or missed a deadline; ``str()`` says which.
+    The session is closed by then."""
+
+
+class SandboxSession:
+    """One contained program kept running for many requests (e.g. a job's reward function,
+    imported once instead of on every step).
+
+    A request is one line written to the program's stdin; its reply is the next line the
+    program writes to stdout that starts with ``marker`` (other output is dropped). The
+    program runs under the same isolation, uid lease and rlimits as a ``run_python`` run, for
+    its whole life: ``Limits.cpu_seconds`` counts over the session (size it so), and each
+    ``request`` has its own deadline instead of ``wall_seconds``. A program that exits, writes
+    a line longer than ``Limits.output_bytes`` or misses a deadline is killed with what it
+    left (``SessionFailed``); the session then stays closed, make a new one. ``close`` kills
+    the program and every process it left and removes its directory. One request at a time.
+    """
+
+    def __init__(self, code: str, limits: Limits = Limits(), paths: tuple[str, ...] = (),
+                 marker: str = "PLEXRL-REPLY ") -> None:
+        self.marker = marker.encode()
+        self.bound = limits.output_bytes
+        self.requests = 0
+        self.mode = isolation().mode
+        self._lease = _uid_lease() if self.mode == "namespaces" else None
+        self.uid = self._lease.__enter__() if self._lease is not None else None
+        self.base: Path | None = Path(tempfile.mkdtemp(prefix="plexrl-sbx-"))
+        self.proc: subprocess.Popen | None = None
+        self._out = bytearray()
+        self._err_tail = b""
+        try:
+            _fill_run_dir(self.base, self.uid, code, "")
+            self.proc = _popen(self.mode, self.uid, self.base, limits, paths, subprocess.PIPE)
+            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                os.set_blocking(pipe.fileno(), False)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def request(self, line: str, timeout: float) -> str:
+        """Send ``line``; the reply line (``marker`` stripped) within ``timeout`` seconds."""
+        if self.proc is None:
+            raise SessionFailed("the session is closed")
+        self.requests += 1
+        try:
+            return self._exchange((line.rstrip("\n") + "\n").encode(), time.perf_counter() + timeout, timeout)
+        except SessionFailed:
+            self.close()
+            raise
+        except BaseException as e:
+            self.close()
+            raise SessionFailed(f"sandbox error: {type(e).__name__}: {e}") from None
+
+    def _exchange(self, data: bytes, deadline: float, timeout: float) -> str:
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        pending = memoryview(data)
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            sel.register(proc.stdin, selectors.EVENT_WRITE)
+            while True:
+                reply = self._reply_line()
+                if reply is not None:
+                    return reply
+                wait = deadline - time.perf_counter()
+                if wait <= 0:
+                    raise SessionFailed(f"no reply within {timeout:g} s")
+                for key, _ in sel.select(timeout=wait):
+                    if key.fileobj is proc.stdin:
+                        try:
+                            pending = pending[os.write(key.fd, pending):]
+                        except BrokenPipeError:
+                            raise SessionFailed(self._exited()) from None
+                        if not pending:
+                            sel.unregister(proc.stdin)
+                        continue
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                    if not chunk:
+                        raise SessionFailed(self._exited())
+                    if key.fileobj is proc.stderr:
+                        self._err_tail = (self._err_tail + chunk)[-2048:]
+                    else:
+                        self._out += chunk
+
+    def _reply_line(self) -> str | None:
+        """The reply, once a whole marked line is in; other lines are dropped."""
+        while True:
+            end = self._out.find(b"\n")
+            if end < 0:
+                if len(self._out) > self.bound:
+                    raise SessionFailed(f"a line of output longer than {self.bound} bytes")
+                return None
+            line = bytes(self._out[:end])
+            del self._out[:end + 1]
+            if line.startswith(self.marker):
+                return line[len(self.marker):].decode("utf-8", errors="replace")
+
+    def _exited(self) -> str:
+        """Why the program stopped talking: its exit and the last line it wrote to stderr."""
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "closed its output"
+        tail = self._err_tail.decode("utf-8", errors="replace").strip().splitlines()
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        return how + (f": {tail[-1]}" if tail else "")
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _kill_run(proc.pid, self.uid)
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+        elif self.uid is not None:
+            _kill_uid(self.uid)
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)
+            self.base = None
+        if self._lease is not None:
+            self._lease.__exit__(None, None, None)
+            self._lease = None
+
+    def __enter__(self) -> SandboxSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------- run uids (namespaces mode)

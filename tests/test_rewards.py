@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,41 @@ def test_cursor_refuses_a_state_from_another_dataset() -> None:
     state = PromptCursor(records(7), seed=0).state()
     with pytest.raises(DataError, match="7"):
         PromptCursor.from_state(records(8), state)
+
+
+COUNTING_REWARD = """
+import os, signal, time
+calls = 0
+
+def score(completion, answer, record):
+    global calls
+    calls += 1
+    if completion == "stuck":  # ignores the per-sample alarm: only the deadline ends it
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        time.sleep(60)
+    return float(os.getpid() * 1000 + calls) if completion == "who" else 1.0
+"""
+
+
+def test_a_custom_reward_is_imported_once_per_process_and_a_stuck_process_is_replaced(tmp_path: Path) -> None:
+    from plexctl.rewards import SandboxedReward, make_scorer
+    from plexctl.sandbox import SandboxPool
+
+    (tmp_path / "rw_counting.py").write_text(COUNTING_REWARD)
+    with SandboxPool(max_workers=2) as pool:
+        reward = make_scorer(RewardSpec(fn="rw_counting:score", path=str(tmp_path)), -1.0, pool, timeout_s=0.5)
+        assert isinstance(reward, SandboxedReward)
+        try:
+            first = reward.score_many([("who", "", {}), ("who", "", {})])  # one sample per process
+            second = reward.score_many([("who", "", {}), ("who", "", {})])
+            assert [v % 1000 for v in first] == [1, 1] and [v % 1000 for v in second] == [2, 2]
+            assert [v // 1000 for v in second] == [v // 1000 for v in first]  # the same two processes
+            assert first[0] // 1000 != first[1] // 1000
+            t0 = time.monotonic()
+            assert reward.score_many([("stuck", "", {}), ("who", "", {})])[0] == -1.0
+            assert time.monotonic() - t0 < 10 and "no reply within" in reward.last_error
+            third = reward.score_many([("who", "", {}), ("who", "", {})])
+            assert third[0] % 1000 == 1 and third[0] // 1000 != first[0] // 1000  # a new process
+            assert third[1] % 1000 == 4 and third[1] // 1000 == first[1] // 1000  # the other one lives on
+        finally:
+            reward.close()

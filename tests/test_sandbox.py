@@ -188,3 +188,68 @@ def test_pool_runs_concurrently_and_survives_crashing_samples() -> None:
     assert results[3].exit_code == 3 and not results[3].ok
     assert results[4].stdout == "45\n"
     assert took < 2.5, f"6 half-second sleeps on 6 workers took {took:.2f}s"
+
+
+ECHO_SERVER = """
+import os, subprocess, sys, time
+count = 0
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    count += 1
+    cmd = line.strip()
+    print("noise before the reply")  # not a reply line: dropped
+    if cmd == "hang":
+        try:
+            subprocess.Popen(["sleep", "60"])  # a leftover child (the guard mode refuses it)
+        except Exception:
+            pass
+        time.sleep(60)
+    if cmd == "exit":
+        print("giving up", file=sys.stderr)
+        sys.exit(4)
+    if cmd == "long":
+        sys.stdout.write("x" * 10_000)
+        sys.stdout.flush()
+        time.sleep(60)
+    print("REPLY %d %d %s" % (os.getpid(), count, cmd), flush=True)
+"""
+
+
+def test_a_session_answers_many_requests_from_one_contained_process() -> None:
+    with sandbox.SandboxSession(ECHO_SERVER, Limits(cpu_seconds=30), marker="REPLY ") as session:
+        replies = [session.request(f"req{i}", timeout=10).split() for i in range(3)]
+        pid = replies[0][0]
+        assert [r[1:] for r in replies] == [["1", "req0"], ["2", "req1"], ["3", "req2"]]  # state kept
+        assert {r[0] for r in replies} == {pid} and int(pid) != os.getpid()
+        assert session.alive and session.requests == 3
+    assert not session.alive and session.base is None  # closed: process gone, directory removed
+    still_works()
+
+
+def test_a_session_that_stops_answering_is_killed_with_what_it_left() -> None:
+    session = sandbox.SandboxSession(ECHO_SERVER, Limits(cpu_seconds=30, processes=32), marker="REPLY ")
+    assert session.request("first", timeout=10).endswith(" 1 first")
+    t0 = time.monotonic()
+    with pytest.raises(sandbox.SessionFailed, match="no reply within 1 s"):
+        session.request("hang", timeout=1)
+    assert time.monotonic() - t0 < 5
+    assert not session.alive and session.proc is None
+    assert not leftover_sandbox_processes()  # the child it started died with it
+    with pytest.raises(sandbox.SessionFailed, match="closed"):
+        session.request("again", timeout=1)
+    still_works()
+
+
+@pytest.mark.parametrize("request_line, phrase", [("exit", "exited with status 4: giving up"),
+                                                   ("long", "a line of output longer than 1000 bytes")])
+def test_a_session_that_exits_or_floods_fails_with_the_reason(request_line: str, phrase: str) -> None:
+    session = sandbox.SandboxSession(ECHO_SERVER, Limits(cpu_seconds=30, output_bytes=1000), marker="REPLY ")
+    try:
+        with pytest.raises(sandbox.SessionFailed, match=phrase):
+            session.request(request_line, timeout=10)
+        assert session.proc is None
+    finally:
+        session.close()
+    still_works()
