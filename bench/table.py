@@ -87,7 +87,10 @@ def daemon(d: dict[str, Any]) -> Row:
 
 
 def overhead(d: dict[str, Any]) -> Row:
-    result = (f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**; "
+    runs = (f" (medians of {d['repeat']} alternating runs each; the pairs' own ratios: median "
+            f"{100 * d['pair_overhead_median']:+.1f} %, {100 * min(p['overhead'] for p in d['pairs']):+.1f} to "
+            f"{100 * max(p['overhead'] for p in d['pairs']):+.1f} %)") if d.get("pairs") and d["repeat"] > 1 else ""
+    result = (f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**{runs}; "
               f"per-step rewards identical: {'yes' if d['same_rewards'] else 'no'}")
     return result, f"<= +{_pct(d['target'])}", _yes(d["overhead"] <= d["target"] and d["same_rewards"]), _machine(d)
 

@@ -211,10 +211,18 @@ SafeReward.score_many = _score_many  # type: ignore[attr-defined]
 
 # ---------------------------------------------------------------- user rewards in the sandbox
 
-# Runs inside the sandbox: stdin is {"target", "timeout_s", "items"}; stdout one JSON list of
-# [value, error] per item. Each item has its own alarm, so one hanging sample fails alone.
+# Runs inside the sandbox for as long as its session: each line on stdin is a request
+# {"target", "timeout_s", "items"}, answered by one line on stdout, the marker then a JSON list of
+# [value, error] per item. Each item has its own alarm, so one hanging sample fails alone. The
+# function itself reads an empty stdin and prints to stderr: the protocol's pipes are not its.
 _REWARD_SERVER = r"""
-import importlib, json, math, signal, sys
+import importlib, json, math, os, signal, sys
+requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
+replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+empty, closed = os.pipe()
+os.close(closed)
+os.dup2(empty, 0)
+os.dup2(2, 1)
 class _Timeout(BaseException):
     pass
 def _alarm(signum, frame):
@@ -234,7 +242,7 @@ def load(target):
             loaded[target] = (None, "cannot import %s: %s: %s" % (target, type(e).__name__, text.splitlines()[0] if text else ""))
     return loaded[target]
 while True:
-    line = sys.stdin.readline()
+    line = requests.readline()
     if not line:
         break
     job = json.loads(line)
@@ -255,8 +263,9 @@ while True:
             out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-    sys.stdout.write("\nPLEXRL-REWARDS " + json.dumps(out) + "\n")
     sys.stdout.flush()
+    replies.write("PLEXRL-REWARDS " + json.dumps(out) + "\n")
+    replies.flush()
 """
 
 _STAGE_SUFFIXES = {".py", ".json", ".jsonl", ".txt", ".yaml", ".yml", ".csv", ".tsv"}

@@ -293,12 +293,15 @@ def test_cursor_refuses_a_state_from_another_dataset() -> None:
 
 
 COUNTING_REWARD = """
-import os, signal, time
+import os, signal, sys, time
 calls = 0
 
 def score(completion, answer, record):
     global calls
     calls += 1
+    print("PLEXRL-REWARDS [[99, null]]")  # what the function prints cannot pose as a reply
+    if completion == "stdin":  # nor can it read the requests
+        return float(len(sys.stdin.read()) + 7)
     if completion == "stuck":  # ignores the per-sample alarm: only the deadline ends it
         signal.signal(signal.SIGALRM, signal.SIG_IGN)
         time.sleep(60)
@@ -323,8 +326,9 @@ def test_a_custom_reward_is_imported_once_per_process_and_a_stuck_process_is_rep
             t0 = time.monotonic()
             assert reward.score_many([("stuck", "", {}), ("who", "", {})])[0] == -1.0
             assert time.monotonic() - t0 < 10 and "no reply within" in reward.last_error
+            assert reward.score_many([("stdin", "", {}), ("stdin", "", {})]) == [7.0, 7.0]
             third = reward.score_many([("who", "", {}), ("who", "", {})])
-            assert third[0] % 1000 == 1 and third[0] // 1000 != first[0] // 1000  # a new process
-            assert third[1] % 1000 == 4 and third[1] // 1000 == first[1] // 1000  # the other one lives on
+            assert third[0] % 1000 == 2 and third[0] // 1000 != first[0] // 1000  # a new process (its 2nd call)
+            assert third[1] % 1000 == 5 and third[1] // 1000 == first[1] // 1000  # the other one lives on
         finally:
             reward.close()

@@ -662,3 +662,29 @@ def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget
         for job_id in "ab":
             store.drop(job_id)
         assert_only_spares_left(store)
+
+
+def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str, tmp_path: Path) -> None:
+    """A crashed worker's nvme copies cannot be read by anyone: the next store on that directory
+    deletes them; copies of a live process and files that are not copies stay."""
+    import subprocess
+    import sys
+
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    code = ("import os, sys; d = sys.argv[1]\n"
+            "for i in range(3): open(os.path.join(d, f'copy-{os.getpid()}-0badc0de-{i}.bin'), 'wb').write(b'x' * 4096)")
+    subprocess.run([sys.executable, "-c", code, str(nvme_dir)], check=True)  # writes, then is gone
+    assert len(list(nvme_dir.iterdir())) == 3
+    live = nvme_dir / f"copy-{os.getpid()}-12345678-0.bin"
+    live.write_bytes(b"y")
+    other = nvme_dir / "notes.txt"
+    other.write_text("not a copy")
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=nvme_dir, nvme_bytes=1 << 30)
+    assert sorted(p.name for p in nvme_dir.iterdir()) == sorted([live.name, other.name])
+    lora = LoraConfig(rank=4, alpha=8)
+    for i, job_id in enumerate("ab"):  # the store's own copies go there as before
+        store.ensure_resident(job_id, lora, seed=i)
+    assert store.where("a") == "nvme"
+    assert [p for p in nvme_dir.iterdir() if p.name.startswith(f"copy-{os.getpid()}-") and p != live]

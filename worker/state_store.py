@@ -106,9 +106,10 @@ across nodes, no scheduling (the scheduler's queue arrives through ``set_upcomin
 copy kept on a lower tier after a job moves up (a job going down again is written again; a
 spare's bytes are stale, never read). All moves go through the store: a job released from the
 trainer behind its back is not noticed. ``nvme_dir`` must belong to one store (its files are
-named by a prefix of its own); files left there by a crashed process, or copies of jobs still
-on nvme when the process ends, are neither read nor cleaned up, and nothing there can be read
-without the process that wrote it. While a job swaps in from host, host memory briefly holds its copy and
+named by a prefix of its own: the writer's pid and the store's id); nothing there can be read
+without the process that wrote it, so a new store deletes the copies of processes that are gone
+(a crashed worker's), and copies of jobs still on nvme when the process ends are deleted by the
+next store on that directory. While a job swaps in from host, host memory briefly holds its copy and
 the evicted job's copy.
 """
 
@@ -286,6 +287,7 @@ class StateStore:
         self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
         if self.nvme_dir is not None:
             self.nvme_dir.mkdir(parents=True, exist_ok=True)
+            _remove_orphan_copies(self.nvme_dir)
         self._clock = clock
         self._serial = threading.RLock()  # one trainer-side operation at a time
         self._cond = threading.Condition()  # guards everything below
@@ -300,7 +302,7 @@ class StateStore:
         self._nvme_room = 0  # bytes the store held on nvme then: all it may hold while marked full
         self._nvme_error = ""  # the latest such failure, one line
         self._spares: list[_Spare] = []  # files of copies that left nvme, oldest first: overwritten by new copies
-        self._copy_prefix = f"copy-{uuid.uuid4().hex[:8]}-"  # new files: this store's prefix and a serial
+        self._copy_prefix = f"copy-{os.getpid()}-{uuid.uuid4().hex[:8]}-"  # new files: writer, store, serial
         self._copy_serial = itertools.count()
         self._delete_spares = weakref.finalize(self, _unlink_spares, self._spares)  # when the store goes, or at exit
 
@@ -986,6 +988,29 @@ def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _remove_orphan_copies(nvme_dir: Path) -> None:
+    """Delete the copies in ``nvme_dir`` written by processes that are gone (a crashed worker's:
+    nothing can read them without it). Files of live processes and other files stay."""
+    removed, freed = 0, 0
+    for entry in os.scandir(nvme_dir):
+        parts = entry.name.split("-")
+        if len(parts) != 4 or parts[0] != "copy" or not parts[1].isdigit() or not entry.name.endswith(".bin"):
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # its writer lives (or the pid was reused: kept, to be safe)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        with contextlib.suppress(FileNotFoundError):
+            freed += entry.stat().st_size
+            os.unlink(entry.path)
+            removed += 1
+    if removed:
+        log.info("removed %d state copies (%d bytes) left in %s by processes that are gone", removed, freed, nvme_dir)
 
 
 def _unlink_spares(spares: list[_Spare]) -> None:
