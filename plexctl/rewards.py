@@ -308,13 +308,15 @@ def _import_paths() -> list[str]:
 class SandboxedReward:
     """A user's reward function run in sandboxed processes; same counters as ``SafeReward``.
 
-    A step's samples are split over ``pool.max_workers`` chunks, scored at once, each chunk by
-    its own long-lived ``SandboxSession`` that imported the function once (a fresh interpreter
-    and import per chunk and step cost more than cheap rewards themselves). A sample gets
+    A step's samples are split over up to ``MAX_PROCESSES`` chunks (at most the pool's workers),
+    scored at once, each chunk by its own long-lived ``SandboxSession`` that imported the
+    function once (a fresh interpreter and import per chunk and step cost more than cheap
+    rewards themselves). A sample gets
     ``timeout_s`` (an alarm inside the process); a chunk whose process dies or stops answering
     fails its own samples, and its process is replaced at the next step.
     """
 
+    MAX_PROCESSES = 8  # each keeps the function's imports resident (math-verify: ~100 MB)
     FIRST_REQUEST_SLACK_S = 20.0  # a new process imports the function first
     REQUEST_SLACK_S = 2.0
 
@@ -333,7 +335,7 @@ class SandboxedReward:
         # the alarms bound each sample's time; the CPU limit only stops a process left spinning
         self._limits = Limits(cpu_seconds=10**6, wall_seconds=0.0, memory_bytes=memory_bytes,
                               processes=64, open_files=256, output_bytes=4 * 2**20)
-        self._sessions: list = [None] * pool.max_workers
+        self._sessions: list = [None] * min(pool.max_workers, self.MAX_PROCESSES)
         self._lock = threading.Lock()
 
     def close(self) -> None:
