@@ -578,10 +578,6 @@ class SandboxSession:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
     def request(self, line: str, timeout: float) -> str:
         """Send ``line``; the reply line (``marker`` stripped) within ``timeout`` seconds."""
         if self.proc is None:
@@ -621,6 +617,9 @@ class SandboxSession:
                             sel.unregister(proc.stdin)
                         continue
                     chunk = os.read(key.fd, _READ_CHUNK)
+                    if not chunk and key.fileobj is proc.stderr:  # a program may close its stderr
+                        sel.unregister(proc.stderr)
+                        continue
                     if not chunk:
                         raise SessionFailed(self._exited())
                     if key.fileobj is proc.stderr:

@@ -209,6 +209,8 @@ while True:
     if cmd == "exit":
         print("giving up", file=sys.stderr)
         sys.exit(4)
+    if cmd == "quiet":
+        os.close(2)  # the program may close its stderr: it still answers
     if cmd == "long":
         sys.stdout.write("x" * 10_000)
         sys.stdout.flush()
@@ -223,7 +225,9 @@ def test_a_session_answers_many_requests_from_one_contained_process() -> None:
         pid = replies[0][0]
         assert [r[1:] for r in replies] == [["1", "req0"], ["2", "req1"], ["3", "req2"]]  # state kept
         assert {r[0] for r in replies} == {pid} and int(pid) != os.getpid()
-        assert session.alive and session.requests == 3
+        assert session.request("quiet", timeout=10).split() == [pid, "4", "quiet"]
+        assert session.request("after", timeout=10).split() == [pid, "5", "after"]
+        assert session.alive and session.requests == 5
     assert not session.alive and session.base is None  # closed: process gone, directory removed
     still_works()
 
