@@ -15,7 +15,7 @@ isolated ratios, plus how far each job's per-step reward curve moved between the
 
 State swaps: the trainer keeps ``--device-slots`` jobs' state on its device (default 2,
 fewer than the jobs) and ``--host-mem`` of swapped-out state in host memory (default 512K:
-one tiny job's state; 0 with ``--quick``), so sharing swaps states device <-> host <-> NVMe. Per mode it records
+one tiny job's state), so sharing swaps states device <-> host <-> NVMe. Per mode it records
 the trainer's swap counters (``plexctl status``: ``engines[].swaps``, per direction) and each
 job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step`` calls), and reports
 the share of swap time hidden behind other jobs' compute: ``(overlap_s - stalled_s) /
@@ -150,7 +150,7 @@ def swap_summary(swaps: dict[str, dict[str, dict]]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 jobs x 5 steps: keeps the benchmark working")
+    ap.add_argument("--quick", action="store_true", help="3 jobs x 5 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the two modes this many times, alternating; report the median pair")
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device-slots", type=int, default=None,
                     help="trainer device slots, fewer than the jobs so states swap (default: jobs / 2)")
     ap.add_argument("--host-mem", default=None,
-                    help="host tier of the trainer (default 512K: one tiny job's state; --quick: 0, all to NVMe)")
+                    help="host tier of the trainer (default 512K: one tiny job's state)")
     args = ap.parse_args(argv)
-    jobs = dict(list(JOBS.items())[:2]) if args.quick else JOBS
+    jobs = dict(list(JOBS.items())[:3]) if args.quick else JOBS
     args.device_slots = args.device_slots or max(1, len(jobs) // 2)
-    args.host_mem = args.host_mem or ("0" if args.quick else "512K")
+    args.host_mem = args.host_mem or "512K"
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,

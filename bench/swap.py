@@ -28,15 +28,23 @@ store's writes use (``state_store.IO_DEPTH``; its reads keep ``READ_AHEAD`` in f
 also in place over the blocks of the file's last write (no truncation: what the store does when
 it reuses a spare file, so the raw figure is never a slower way than the store's own). Same
 conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
-number of repetitions interleaved; every write ends with ``fdatasync``; every read is cold
+number of repetitions interleaved. Each repetition is the store's round, the raw memory
+figures and then the raw file figures (each raw write followed by reads of that file, as the
+store's demotion is followed by its read back); the raw memory figures come before the
+round in every other repetition and after it in the rest, so that the store's eviction and
+the raw memcpy come right after the file I/O equally often: on this kind of machine a
+0.4 MB copy right after file I/O takes about twice as long as one right after other copies.
+Every write ends with ``fdatasync``; every read is cold
 (the file's pages are dropped from the page cache with ``posix_fadvise(DONTNEED)`` first, or
 O_DIRECT bypasses it); reads land in a reused, already faulted-in, page-aligned buffer of the
 full size (the store reads into its host buffer pool, warm after the first round, which is
 not timed).
 
 Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
-model, about 0.4 MB with its AdamW moments); ``optimizer`` (128 MiB) and ``full`` (1 GiB,
-256 MiB with ``--quick``) are reached by raising the LoRA rank on the same tiny model, so
+model, about 0.4 MB with its AdamW moments: per-call costs weigh most here); ``adapter-7b``
+(48 MiB) is what a rank-8 LoRA on a 7B-class model's q and v projections holds with its
+moments (4.2 M parameters x 12 bytes); ``optimizer`` (128 MiB) and ``full`` (1 GiB,
+256 MiB with ``--quick``; no ``adapter-7b`` there) are, like it, reached by raising the LoRA rank on the same tiny model, so
 the bytes go through exactly the code a real state takes (the adapter, the two AdamW moments
 and the step counts, packed into a few flat buffers) while the model stays small. The state
 cycles device -> host -> nvme -> host -> device beside two tiny filler jobs that force those
@@ -106,7 +114,7 @@ MULTIPLEX_JSON = REPO / "bench" / "results" / "multiplex.json"
 TINY_RANK = 8  # configs/tiny-arith.yaml
 TARGET = 0.80
 MiB, GiB = 1 << 20, 1 << 30
-SIZES = {"optimizer": 128 * MiB, "full": 1 * GiB}
+SIZES = {"adapter-7b": 48 * MiB, "optimizer": 128 * MiB, "full": 1 * GiB}  # adapter-7b: see the docstring
 SIZES_QUICK = {"optimizer": 32 * MiB, "full": 256 * MiB}
 IO_CHUNK = state_store.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
 DIRECT_ALIGN = state_store.DIRECT_ALIGN
@@ -168,6 +176,7 @@ class RawMemory:
         self.nbytes = nbytes
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.zeros(nbytes, dtype=torch.uint8)  # written once: its pages are mapped
+        self.clone_src = torch.ones(nbytes, dtype=torch.uint8)  # its own: a clone leaves memcpy's cold
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             self.pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -177,7 +186,7 @@ class RawMemory:
         return timed(partial(self.dst.copy_, self.src))[1]
 
     def clone(self) -> float:
-        return timed(self.src.clone)[1]  # the clone is freed on return
+        return timed(self.clone_src.clone)[1]  # the clone is freed on return
 
     def host_to_device(self) -> float:
         return timed(partial(self.on_device.copy_, self.pinned, non_blocking=True), cuda_sync)[1]
@@ -344,27 +353,34 @@ class SwapCycle:
         self.store.ensure_resident(self.job, lora, seed=0)
         train_once(trainer, self.job)
 
+    def steps(self) -> list[tuple[str, Callable[[], float]]]:
+        """One round, in order: (direction, a call that makes that move and returns its seconds)."""
+        store, job = self.store, self.job
+        return [
+            ("device->host", partial(self._step, "device->host", [self.f1, job, self.f2],
+                                     lambda: store.ensure_resident(self.f1, FILLER, seed=1))),
+            ("host->nvme", partial(self._step, "host->nvme", [self.f2, self.f1, job],
+                                   lambda: store.ensure_resident(self.f2, FILLER, seed=1))),
+            ("nvme->host", partial(self._step, "nvme->host", [job, self.f2, self.f1], lambda: store.prefetch(job))),
+            ("host->device", partial(self._step, "host->device", [job, self.f1, self.f2],
+                                     lambda: store.ensure_resident(job, self.lora, seed=0))),
+        ]
+
     def round(self) -> dict[str, float]:
         """One round; direction -> seconds of the state's move."""
+        return {direction: step() for direction, step in self.steps()}
+
+    def _step(self, direction: str, upcoming: list[str], call: Callable[[], Any]) -> float:
         store, job = self.store, self.job
-        steps = [
-            ("device->host", [self.f1, job, self.f2], lambda: store.ensure_resident(self.f1, FILLER, seed=1)),
-            ("host->nvme", [self.f2, self.f1, job], lambda: store.ensure_resident(self.f2, FILLER, seed=1)),
-            ("nvme->host", [job, self.f2, self.f1], lambda: store.prefetch(job)),
-            ("host->device", [job, self.f1, self.f2], lambda: store.ensure_resident(job, self.lora, seed=0)),
-        ]
-        seconds = {}
-        for direction, upcoming, call in steps:
-            store.set_upcoming(upcoming)
-            before = store.inventory()["swaps"][direction]
-            call()
-            after = store.inventory()["swaps"][direction]
-            moved = (after["count"] - before["count"], after["bytes"] - before["bytes"])
-            if moved != (1, self.nbytes) or store.where(job) != direction.split("->")[1]:
-                raise SystemExit(f"{self.job}: expected one {direction} move of {self.nbytes} bytes, "
-                                 f"got {moved}; the state is on {store.where(job)}")
-            seconds[direction] = after["seconds"] - before["seconds"]
-        return seconds
+        store.set_upcoming(upcoming)
+        before = store.inventory()["swaps"][direction]
+        call()
+        after = store.inventory()["swaps"][direction]
+        moved = (after["count"] - before["count"], after["bytes"] - before["bytes"])
+        if moved != (1, self.nbytes) or store.where(job) != direction.split("->")[1]:
+            raise SystemExit(f"{self.job}: expected one {direction} move of {self.nbytes} bytes, "
+                             f"got {moved}; the state is on {store.where(job)}")
+        return after["seconds"] - before["seconds"]
 
     def close(self) -> None:
         for job in (self.job, self.f1, self.f2):
@@ -389,19 +405,20 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
     def add(key: str, nbytes: int, seconds: float) -> None:
         samples.setdefault(key, Samples(nbytes)).seconds.append(seconds)
 
+    memory_units: list[tuple[str, Callable[[], float]]] = [("device.memcpy", raw_mem.memcpy),
+                                                            ("device.clone", raw_mem.clone)]
+    if raw_mem.cuda:
+        memory_units += [("device.h2d", raw_mem.host_to_device), ("device.d2h", raw_mem.device_to_host)]
+    store_units = [(f"store.{direction}", step) for direction, step in cycle.steps()]
+    disk_units = [(f"nvme.{key}", run) for key, run in raw_disk.variants().items()]
     try:
         for rep in range(reps * (5 if small else 1) + 1):
-            moves = cycle.round()
-            raw = {"device.memcpy": raw_mem.memcpy(), "device.clone": raw_mem.clone()}
-            if raw_mem.cuda:
-                raw.update({"device.h2d": raw_mem.host_to_device(), "device.d2h": raw_mem.device_to_host()})
-            raw.update({f"nvme.{key}": run() for key, run in raw_disk.variants().items()})
-            if rep == 0:
-                continue
-            for direction, seconds in moves.items():
-                add(f"store.{direction}", cycle.nbytes, seconds)
-            for key, seconds in raw.items():
-                add(key, raw_disk.nbytes if key.startswith("nvme.") else cycle.nbytes, seconds)
+            # the memory figures take turns with the round at coming right after the file I/O
+            units = memory_units + store_units if rep % 2 else store_units + memory_units
+            for key, run in units + disk_units:
+                seconds = run()
+                if rep:  # the first is a warm-up
+                    add(key, raw_disk.nbytes if key.startswith("nvme.") else cycle.nbytes, seconds)
     finally:
         raw_disk.close()
         cycle.close()
@@ -556,7 +573,8 @@ def print_report(results: list[dict[str, Any]], hidden: dict[str, Any], info: di
 
 
 CONDITIONS = (
-    "same bytes per copy (raw file rounded up to 4 KiB), one file per copy, repetitions interleaved; "
+    "same bytes per copy (raw file rounded up to 4 KiB), one file per copy, repetitions interleaved (the raw "
+    "memory figures before the store's round in every other one, after it in the rest); "
     "writes end with fdatasync; reads cold (posix_fadvise DONTNEED first, or O_DIRECT); reads land in a "
     "reused faulted-in page-aligned full-size buffer (the store: its host buffer pool); raw = best of buffered, "
     "O_DIRECT serial, O_DIRECT with the store's request depth, and for writes also in place over the last "

@@ -647,6 +647,8 @@ class Daemon:
             self.journal.update(rt.job_id, policy_version=rt.policy_version)
         if prune is not None:
             self._janitor.submit(self._prune, *prune)
+        if task is not None:
+            self._prefetch_for(task.job_id)
 
     def _trainer_of(self, identity: bytes) -> str:
         for w in self.workers.values():
@@ -658,19 +660,33 @@ class Daemon:
         """Keep a trainer's tier inventory for `status`, and tell the scheduler where state lives."""
         tiers = {t: inv[t] for t in ("device", "host", "nvme") if t in inv}
         where = {job: tier for tier, info in tiers.items() for job in info.get("jobs", [])}
+        if where != self.engine_stats.get(engine_id, {}).get("where"):  # states moved: a prefetch may be asked again
+            self.prefetched.pop(engine_id, None)
         self.engine_stats[engine_id] = {"tiers": tiers, "swaps": inv.get("swaps", {}), "where": where}
         for job, tier in where.items():
             if job in self.runtimes:
                 self.sched.state_location(job, engine_id, tier)
 
     def _prefetch(self, engine_id: str, worker: WorkerState) -> None:
-        """Ask the trainer to bring the next job's state up from NVMe while it serves another."""
-        job = self.sched.next_job(engine_id)
+        """Ask the trainer to bring the state of the job expected to need it next up from NVMe,
+        while it serves another job or the jobs are busy elsewhere (the store moves it only if
+        host memory has room for it without demoting a copy needed sooner)."""
+        expected = self.sched.expected(engine_id)
         where = self.engine_stats.get(engine_id, {}).get("where", {})
-        if job is None or where.get(job) != "nvme" or self.prefetched.get(engine_id) == job:
+        job = next((j for j in expected if where.get(j) == "nvme"), None)
+        if job is None or self.prefetched.get(engine_id) == job:
             return
         self.prefetched[engine_id] = job
-        self._send(worker.identity, P.Op.TASK, P.TaskBody(0, job, engine_id, "prefetch", {}))
+        self._send(worker.identity, P.Op.TASK, P.TaskBody(0, job, engine_id, "prefetch", {"upcoming": expected}))
+
+    def _prefetch_for(self, job_id: str) -> None:
+        """After one of the job's tasks ended: the prefetch of its trainer may change."""
+        job = self.sched.jobs.get(job_id)
+        engine_id = job.homes.get("trainer") if job is not None else None
+        engine = self.sched.engines.get(engine_id) if engine_id else None
+        worker = self.workers.get(engine.worker_id) if engine is not None else None
+        if worker is not None:
+            self._prefetch(engine.engine_id, worker)
 
     @staticmethod
     def _prune(parent: Path, keep: int) -> None:
@@ -782,7 +798,9 @@ class Daemon:
                 self.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
             args = call.context["args"]
             if task.kind == "trainer":
-                args = {**args, "upcoming": self.sched.upcoming(placement.engine_id)}
+                args = {**args, "upcoming": self.sched.expected(placement.engine_id)}
+                if self.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
+                    del self.prefetched[placement.engine_id]
             self._send(worker.identity, P.Op.TASK,
                        P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
             if task.kind == "trainer":

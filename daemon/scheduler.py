@@ -33,8 +33,9 @@ What it decides, per cluster placement policy (``POLICIES``):
   goes first (it avoids a state swap); after ``max_switches`` in a row, the usual order
   decides again, so a job cannot hold an engine while others wait.
 - **Hints and accounting.** ``upcoming(engine)`` lists the jobs homed on an engine in the
-  order their queued tasks would run there (the state manager prefetches the first and
-  evicts the last). Each finished task adds an ``Interval`` (the last ``INTERVALS_KEPT``
+  order their queued tasks would run there; ``expected(engine)`` extends it, on a trainer, to
+  every job homed there by when it should next call it (from what it runs elsewhere and what
+  ended last): the state manager prefetches the first and evicts the last. Each finished task adds an ``Interval`` (the last ``INTERVALS_KEPT``
   are kept) and counts towards its engine's ``busy_seconds`` (union of busy time),
   ``busy_by_job`` and its user's served engine-seconds (task seconds / engine capacity);
   ``utilization`` and ``bubble_ratio`` read a window of that timeline.
@@ -136,6 +137,7 @@ class Job:
     serial: dict[str, deque[Task]] = field(default_factory=dict)  # kind -> queued, in order
     running: dict[str, int] = field(default_factory=dict)  # kind -> tasks running
     methods: set[str] = field(default_factory=set)
+    last_done: tuple[str, float] | None = None  # (kind, when) of its task that ended last
 
     @property
     def pinned(self) -> bool:
@@ -376,6 +378,7 @@ class Scheduler:
         job = run.job
         if self.jobs.get(task.job_id) is job:  # not released meanwhile
             job.running[task.kind] = max(0, job.running.get(task.kind, 0) - 1)
+            job.last_done = (task.kind, now)
             if seconds is not None:
                 key = (task.job_id, task.method)
                 old = self.estimates.get(key)
@@ -543,6 +546,41 @@ class Scheduler:
     def next_job(self, engine_id: str) -> str | None:
         jobs = self.upcoming(engine_id)
         return jobs[0] if jobs else None
+
+    def expected(self, engine_id: str, now: float | None = None) -> list[str]:
+        """Every job homed on a trainer engine, soonest needed there first: ``upcoming``, then the
+        jobs with nothing queued for it, by when they should next call it. First those between a
+        rollout and their trainer call (the last task that ended was another kind's and none
+        runs: the driver is scoring), longest waiting first; then those with tasks running on
+        other engines, soonest expected end (start + learned estimate) first; last the rest (a
+        task here ended last, or runs now: a new rollout is ahead of them), least recent first.
+        The state manager prefetches the first that sits on NVMe while the engine serves
+        another job, and evicts from the end. Other engines: ``upcoming``. O(homed + running)."""
+        engine = self.engines.get(engine_id)
+        listed = self.upcoming(engine_id, now)
+        if engine is None or engine.kind not in SERIAL_KINDS:
+            return listed
+        ends: dict[str, float] = {}  # job -> soonest expected end of its tasks running elsewhere
+        for run_id, run in self._running.items():
+            other = self.engines[run.engine_id]
+            if other.kind != engine.kind and self.jobs.get(run.job.job_id) is run.job:
+                task = other.running[run_id]
+                end = other.started_at[run_id] + self.estimate(task)
+                ends[task.job_id] = min(end, ends.get(task.job_id, end))
+        scoring, running, rest = [], [], []
+        seen = set(listed)
+        for job_id in self._homed[engine_id]:
+            if job_id in seen:
+                continue
+            job = self.jobs[job_id]
+            kind, when = job.last_done or (engine.kind, float("-inf"))
+            if job_id in ends:
+                running.append((ends[job_id], job_id))
+            elif kind != engine.kind and not job.running.get(engine.kind):
+                scoring.append((when, job_id))
+            else:
+                rest.append((when, job_id))
+        return listed + [job_id for group in (scoring, running, rest) for _, job_id in sorted(group)]
 
     # -- accounting
 

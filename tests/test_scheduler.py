@@ -400,6 +400,38 @@ def test_upcoming_lists_a_trainers_jobs_in_run_order():
     assert s.upcoming("r") == []
 
 
+def test_expected_orders_every_trainer_job_by_when_it_should_call_next():
+    s = Scheduler("spread")
+    s.engine_up(Engine("r", "w", "rollout", "m", capacity=4))
+    s.engine_up(Engine("t", "w", "trainer", "m"))
+    for j in ("a", "b", "c", "d", "e"):
+        s.admit(j, "m", 0.0)
+    # learned estimates: a's rollouts take 10 s, b's 2 s
+    for tid, job, took in ((1, "a", 10.0), (2, "b", 2.0)):
+        s.submit(task(tid, job, t=0.0))
+        s.tick(0.0)
+        s.done(tid, took, took)
+    s.submit(task(3, "c", "trainer", "train_step", t=0.0))
+    s.tick(0.0)
+    s.done(3, 1.0, 1.0)  # c trained last: a new rollout is ahead of it
+    s.submit(task(4, "d", t=0.0))
+    s.tick(0.0)
+    s.done(4, 3.0, 3.0)  # d's rollout ended, it scores now: its trainer call comes first
+    s.submit(task(5, "a", t=20.0))  # expected to end at 30
+    s.submit(task(6, "b", t=21.0))  # expected to end at 23
+    s.tick(21.0)
+    s.submit(task(7, "c", "trainer", "train_step", t=22.0))
+    s.submit(task(8, "e", "trainer", "train_step", t=22.0))  # queued: upcoming comes before all
+    assert [p.task.job_id for p in s.tick(22.0)] == ["c"]  # c runs (its state is on the device), e queues
+    assert s.upcoming("t") == ["e"]
+    assert s.expected("t") == ["e", "d", "b", "a", "c"]  # c, running here, is needed last
+    assert s.expected("r") == s.upcoming("r")
+    s.done(6, 23.0, 2.0)  # b's rollout ended: it scores, like d (whose ended first)
+    assert s.expected("t") == ["e", "d", "b", "a", "c"]
+    s.done(5, 24.0, 4.0)
+    assert s.expected("t") == ["e", "d", "b", "a", "c"]
+
+
 def test_bubble_ratio_and_utilization_on_a_hand_computed_timeline():
     s = Scheduler()
     s.engine_up(Engine("r", "w", "rollout", "m", capacity=2), now=0.0)

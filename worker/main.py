@@ -360,6 +360,8 @@ def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
     while True:
         t = tasks.get()
         try:
+            if t.args.get("upcoming"):  # the daemon's newest order (the trainer's calls bring it too)
+                store.set_upcoming(list(t.args["upcoming"]))
             store.prefetch(t.job_id)
         except Exception:  # noqa: BLE001 - a failed prefetch only means a slower swap-in later
             log.warning("prefetch of %s failed: %s", t.job_id, traceback.format_exc())
