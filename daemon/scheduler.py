@@ -138,6 +138,7 @@ class Job:
     running: dict[str, int] = field(default_factory=dict)  # kind -> tasks running
     methods: set[str] = field(default_factory=set)
     last_done: tuple[str, float] | None = None  # (kind, when) of its task that ended last
+    started: dict[int, str] = field(default_factory=dict)  # its running tasks: task_id -> engine_id
 
     @property
     def pinned(self) -> bool:
@@ -234,6 +235,7 @@ class Scheduler:
             self.queue[task.task_id] = task
             job.queued[task.task_id] = task
             job.running[task.kind] = max(0, job.running.get(task.kind, 0) - 1)
+            job.started.pop(task.task_id, None)
             if task.kind in SERIAL_KINDS:
                 job.serial.setdefault(task.kind, deque()).appendleft(task)
         engine.running.clear()
@@ -376,6 +378,7 @@ class Scheduler:
         self.served[user] = self.served.get(user, 0.0) + took / engine.capacity
         self.charged[user] = self.charged.get(user, 0.0) - run.charge
         job = run.job
+        job.started.pop(task_id, None)
         if self.jobs.get(task.job_id) is job:  # not released meanwhile
             job.running[task.kind] = max(0, job.running.get(task.kind, 0) - 1)
             job.last_done = (task.kind, now)
@@ -502,6 +505,7 @@ class Scheduler:
             job.serial[task.kind].popleft()
             job.state_engine, job.state_tier = engine.engine_id, "device"
         job.running[task.kind] = job.running.get(task.kind, 0) + 1
+        job.started[task.task_id] = engine.engine_id
         if not engine.running:
             engine.busy_since = now
         engine.running[task.task_id] = task
@@ -555,18 +559,12 @@ class Scheduler:
         other engines, soonest expected end (start + learned estimate) first; last the rest (a
         task here ended last, or runs now: a new rollout is ahead of them), least recent first.
         The state manager prefetches the first that sits on NVMe while the engine serves
-        another job, and evicts from the end. Other engines: ``upcoming``. O(homed + running)."""
+        another job, and evicts from the end. Other engines: ``upcoming``. O(homed jobs and
+        their running tasks)."""
         engine = self.engines.get(engine_id)
         listed = self.upcoming(engine_id, now)
         if engine is None or engine.kind not in SERIAL_KINDS:
             return listed
-        ends: dict[str, float] = {}  # job -> soonest expected end of its tasks running elsewhere
-        for run_id, run in self._running.items():
-            other = self.engines[run.engine_id]
-            if other.kind != engine.kind and self.jobs.get(run.job.job_id) is run.job:
-                task = other.running[run_id]
-                end = other.started_at[run_id] + self.estimate(task)
-                ends[task.job_id] = min(end, ends.get(task.job_id, end))
         scoring, running, rest = [], [], []
         seen = set(listed)
         for job_id in self._homed[engine_id]:
@@ -574,8 +572,11 @@ class Scheduler:
                 continue
             job = self.jobs[job_id]
             kind, when = job.last_done or (engine.kind, float("-inf"))
-            if job_id in ends:
-                running.append((ends[job_id], job_id))
+            ends = [other.started_at[task_id] + self.estimate(other.running[task_id])
+                    for task_id, other in ((t, self.engines[e]) for t, e in job.started.items())
+                    if other.kind != engine.kind]
+            if ends:  # its soonest expected end elsewhere
+                running.append((min(ends), job_id))
             elif kind != engine.kind and not job.running.get(engine.kind):
                 scoring.append((when, job_id))
             else:
