@@ -36,10 +36,10 @@ device (and at most ``device_state_gb``). A trainer task whose state is elsewher
 its swap-in before it runs: host -> device at ``h2d_gbps``, NVMe -> device at ``nvme_gbps``,
 from another node at ``net_gbps`` (the copy moves with the job, e.g. after a trainer
 backfill). Room is made by evicting the resident state needed least soon (by the core's
-``upcoming``; ties: least recently used) to host memory (``host_gb``; the least recently
+``expected``; ties: least recently used) to host memory (``host_gb``; the least recently
 used host copies go down to NVMe when it is full); evictions are copies that overlap the
-next task and are counted, not charged. When a trainer task starts, the next job in its
-engine's ``upcoming`` that sits on NVMe is prefetched to host. The core is told each
+next task and are counted, not charged. When a trainer task starts, the first job in its
+engine's ``expected`` order that sits on its NVMe is prefetched to host (if host has room). The core is told each
 eviction through ``state_location`` so that a backfill can move an evicted job.
 
 Accounting. Busy time is slot-weighted (a generate chunk occupies ``1 / rollout_slots`` of
@@ -460,8 +460,8 @@ class Simulation:
         cfg = self.cfg
         while node.device and (len(node.device) >= cfg.device_slots
                                or node.device_bytes + incoming.state_bytes > cfg.device_state_gb * GB):
-            soon = {j: i for i, j in enumerate(self.sched.upcoming(engine_id, now))}
-            # least soon needed: the least recently used state not upcoming, else the last upcoming
+            soon = {j: i for i, j in enumerate(self.sched.expected(engine_id, now))}
+            # least soon needed: the least recently used state not expected, else the last expected
             victim = next((s for s in node.device.values() if s.core_id not in soon), None) \
                 or max(node.device.values(), key=lambda s: soon[s.core_id])
             del node.device[victim.core_id]
@@ -491,14 +491,14 @@ class Simulation:
         return shard.tier
 
     def _prefetch(self, engine_id: str, running: _Shard, now: float) -> None:
-        """Bring the next job of this trainer up from NVMe to host while the current one runs."""
+        """Bring the first job expected at this trainer whose state sits on its NVMe up to host
+        while the current one runs (as the daemon asks its trainers to), if host has room."""
         node = self.nodes[engine_id]
-        for core_id in self.sched.upcoming(engine_id, now)[:2]:
+        for core_id in self.sched.expected(engine_id, now):
             shard = self.shard_of.get(core_id)
-            if shard is None or shard is running:
+            if shard is None or shard is running or shard.tier != NVME or shard.node != engine_id:
                 continue
-            if shard.tier == NVME and shard.node == engine_id \
-                    and node.host_bytes + shard.state_bytes <= self.cfg.host_gb * GB:
+            if node.host_bytes + shard.state_bytes <= self.cfg.host_gb * GB:
                 node.nvme_bytes -= shard.state_bytes
                 node.host[shard.core_id] = shard
                 node.host_bytes += shard.state_bytes
