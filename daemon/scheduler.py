@@ -35,10 +35,11 @@ What it decides, per cluster placement policy (``POLICIES``):
 - **Hints and accounting.** ``upcoming(engine)`` lists the jobs homed on an engine in the
   order their queued tasks would run there; ``expected(engine)`` extends it, on a trainer, to
   every job homed there by when it should next call it (from what it runs elsewhere and what
-  ended last): the state manager prefetches the first and evicts the last. Each finished task adds an ``Interval`` (the last ``INTERVALS_KEPT``
-  are kept) and counts towards its engine's ``busy_seconds`` (union of busy time),
-  ``busy_by_job`` and its user's served engine-seconds (task seconds / engine capacity);
-  ``utilization`` and ``bubble_ratio`` read a window of that timeline.
+  ended last): the state manager prefetches the first and evicts the last. Each finished
+  task adds an ``Interval`` (the last ``INTERVALS_KEPT`` are kept) and counts towards its
+  engine's ``busy_seconds`` (union of busy time), ``busy_by_job`` and its user's served
+  engine-seconds (task seconds / engine capacity); ``utilization`` and ``bubble_ratio`` read
+  a window of that timeline.
 
 Cost: ``tick`` looks only at engines whose queue or capacity changed since the last tick,
 and at the backfill candidates of a (kind, model) when an engine of it became idle or a task
