@@ -30,28 +30,27 @@ it reuses a spare file, so the raw figure is never a slower way than the store's
 conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
 number of repetitions interleaved. Each repetition is the store's round, the raw memory
 figures and then the raw file figures (each raw write followed by reads of that file, as the
-store's demotion is followed by its read back); the raw memory figures come before the
-round in every other repetition and after it in the rest, so that the store's eviction and
-the raw memcpy come right after the file I/O equally often: on this kind of machine a
-0.4 MB copy right after file I/O takes about twice as long as one right after other copies.
-Every write ends with ``fdatasync``; every read is cold
-(the file's pages are dropped from the page cache with ``posix_fadvise(DONTNEED)`` first, or
-O_DIRECT bypasses it); reads land in a reused, already faulted-in, page-aligned buffer of the
-full size (the store reads into its host buffer pool, warm after the first round, which is
-not timed).
+store's demotion is followed by its read back); the raw memory figures come before the round
+in every other repetition and after it in the rest, so that the store's eviction and the raw
+memcpy come right after the file I/O equally often: on this kind of machine a 0.4 MB copy
+right after file I/O takes about twice as long as one right after other copies. Every write
+ends with ``fdatasync``; every read is cold (the file's pages are dropped from the page
+cache with ``posix_fadvise(DONTNEED)`` first, or O_DIRECT bypasses it); reads land in a
+reused, already faulted-in, page-aligned buffer of the full size (the store reads into its
+host buffer pool, warm after the first round, which is not timed).
 
 Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
 model, about 0.4 MB with its AdamW moments: per-call costs weigh most here); ``adapter-7b``
 (48 MiB) is what a rank-8 LoRA on a 7B-class model's q and v projections holds with its
-moments (4.2 M parameters x 12 bytes); ``optimizer`` (128 MiB) and ``full`` (1 GiB,
-256 MiB with ``--quick``; no ``adapter-7b`` there) are, like it, reached by raising the LoRA rank on the same tiny model, so
-the bytes go through exactly the code a real state takes (the adapter, the two AdamW moments
-and the step counts, packed into a few flat buffers) while the model stays small. The state
-cycles device -> host -> nvme -> host -> device beside two tiny filler jobs that force those
-moves (``device_slots=1``, host room for exactly one state). Each figure is the best of a few
-runs, for the paths and the raw figures alike, with torch on ``--threads`` threads (default
-1, as ``plexctl up --local`` runs each worker on this 2-core machine). Target: every path at
->= 80 % of its raw figure.
+moments (4.2 M parameters x 12 bytes); it, ``optimizer`` (128 MiB) and ``full`` (1 GiB; with
+``--quick`` 32 and 256 MiB, no ``adapter-7b``) are reached by raising the LoRA rank on the
+same tiny model, so the bytes go through exactly the code a real state takes (the adapter,
+the two AdamW moments and the step counts, packed into a few flat buffers) while the model
+stays small. The state cycles device -> host -> nvme -> host -> device beside two tiny
+filler jobs that force those moves (``device_slots=1``, host room for exactly one state).
+Each figure is the best of a few runs, for the paths and the raw figures alike, with torch
+on ``--threads`` threads (default 1, as ``plexctl up --local`` runs each worker on this
+2-core machine). Target: every path at >= 80 % of its raw figure.
 
 Without CUDA the "device" is host memory too: device->host is ``export_state`` copying the
 job's one flat device buffer into a host buffer from the store's pool and host->device is
