@@ -548,10 +548,6 @@ class Scheduler:
         best.sort(key=lambda kt: kt[0])
         return [t.job_id for t in self._switch_first(engine, [t for _, t in best])]
 
-    def next_job(self, engine_id: str) -> str | None:
-        jobs = self.upcoming(engine_id)
-        return jobs[0] if jobs else None
-
     def expected(self, engine_id: str, now: float | None = None) -> list[str]:
         """Every job homed on a trainer engine, soonest needed there first: ``upcoming``, then the
         jobs with nothing queued for it, by when they should next call it. First those between a

@@ -382,7 +382,7 @@ def test_upcoming_lists_a_trainers_jobs_in_run_order():
     s.engine_up(Engine("t", "w", "trainer", "m"))
     for j in ("a", "b", "c", "d"):
         s.admit(j, "m", 0.0)
-    assert s.upcoming("t") == [] and s.next_job("t") is None
+    assert s.upcoming("t") == [] and s.expected("t") == ["a", "b", "c", "d"]  # none has run: admission order
     s.submit(task(1, "d", "trainer", "train_step", t=0.0))
     s.tick(0.0)  # d runs; the others queue behind it
     s.submit(task(2, "a", "trainer", "train_step", t=3.0))
@@ -390,7 +390,7 @@ def test_upcoming_lists_a_trainers_jobs_in_run_order():
     s.submit(task(4, "c", "trainer", "train_step", t=2.0, prio=1))
     s.submit(task(5, "b", "trainer", "publish", t=1.0))
     assert s.upcoming("t", now=4.0) == ["c", "b", "a"]  # priority, then longest wait
-    assert s.next_job("t") == "c"
+    assert s.expected("t", now=4.0) == ["c", "b", "a", "d"]  # d runs here: needed last
     s.done(1, 4.0, 1.0)
     assert [p.task.job_id for p in s.tick(4.0)] == ["c"]
     s.done(4, 5.0, 1.0)
