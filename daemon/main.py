@@ -667,11 +667,12 @@ class Daemon:
             if job in self.runtimes:
                 self.sched.state_location(job, engine_id, tier)
 
-    def _prefetch(self, engine_id: str, worker: WorkerState) -> None:
+    def _prefetch(self, engine_id: str, worker: WorkerState, expected: list[str] | None = None) -> None:
         """Ask the trainer to bring the state of the job expected to need it next up from NVMe,
         while it serves another job or the jobs are busy elsewhere (the store moves it only if
-        host memory has room for it without demoting a copy needed sooner)."""
-        expected = self.sched.expected(engine_id)
+        host memory has room for it without demoting a copy needed sooner). ``expected``: the
+        engine's order, when the caller has it already."""
+        expected = self.sched.expected(engine_id) if expected is None else expected
         where = self.engine_stats.get(engine_id, {}).get("where", {})
         job = next((j for j in expected if where.get(j) == "nvme"), None)
         if job is None or self.prefetched.get(engine_id) == job:
@@ -797,14 +798,15 @@ class Daemon:
                 rt.engines.add(placement.engine_id)
                 self.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
             args = call.context["args"]
-            if task.kind == "trainer":
-                args = {**args, "upcoming": self.sched.expected(placement.engine_id)}
+            expected = self.sched.expected(placement.engine_id) if task.kind == "trainer" else None
+            if expected is not None:
+                args = {**args, "upcoming": expected}
                 if self.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
                     del self.prefetched[placement.engine_id]
             self._send(worker.identity, P.Op.TASK,
                        P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
-            if task.kind == "trainer":
-                self._prefetch(placement.engine_id, worker)
+            if expected is not None:
+                self._prefetch(placement.engine_id, worker, expected)
 
     def _admit_adopted(self, now: float) -> None:
         """Give adopted jobs their homes once engines for them are back: the trainer that holds

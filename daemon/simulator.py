@@ -39,8 +39,9 @@ backfill). Room is made by evicting the resident state needed least soon (by the
 ``expected``; ties: least recently used) to host memory (``host_gb``; the least recently
 used host copies go down to NVMe when it is full); evictions are copies that overlap the
 next task and are counted, not charged. When a trainer task starts, the first job in its
-engine's ``expected`` order that sits on its NVMe is prefetched to host (if host has room). The core is told each
-eviction through ``state_location`` so that a backfill can move an evicted job.
+engine's ``expected`` order that sits on its NVMe is prefetched to host (if host has room).
+The core is told each eviction through ``state_location`` so that a backfill can move an
+evicted job.
 
 Accounting. Busy time is slot-weighted (a generate chunk occupies ``1 / rollout_slots`` of
 its engine), so the long tail counts as idle. An engine is *held* while a shard is homed on
