@@ -17,11 +17,15 @@ State swaps: the trainer keeps ``--device-slots`` jobs' state on its device (def
 fewer than the jobs) and ``--host-mem`` of swapped-out state in host memory (default 512K:
 one tiny job's state), so sharing swaps states device <-> host <-> NVMe. Per mode it records
 the trainer's swap counters (``plexctl status``: ``engines[].swaps``, per direction) and each
-job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step`` calls), and reports
-the share of swap time hidden behind other jobs' compute: ``(overlap_s - stalled_s) /
-seconds``, where ``overlap_s`` is time of moves made off the trainer's critical path (the
-worker's prefetch thread) while the trainer's thread was computing, and ``stalled_s`` the
-time a swap-in then waited for such a move (see ``worker/state_store.py``).
+job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step``
+calls), and reports the share of swap time hidden behind other jobs' compute:
+``(behind_other_jobs_s - stalled_s) / seconds``. ``behind_other_jobs_s`` is the time of the
+moves made off the trainer's critical path (the worker's prefetch thread: reads from NVMe and
+the demotions that made room for them) while a task of another job ran on either engine (the
+trainer reports each such move with its wall-clock interval, the daemon keeps every task's
+interval: ``plexctl status``'s timeline); ``stalled_s`` is the time a swap-in then waited for
+such a move (see ``worker/state_store.py``). ``hidden_share_trainer`` counts only the time
+the trainer's own thread computed meanwhile: ``(overlap_s - stalled_s) / seconds``.
 
 Usage: ``python bench/multiplex.py [--quick] [--steps N] [--repeat N] [--device-slots N] [--host-mem SIZE]``
 (``--repeat``: the modes alternate N times and the median pair is reported: shared machines are noisy);
@@ -51,6 +55,7 @@ from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client  # noqa: E402
 from plexctl.cluster import read_endpoint  # noqa: E402
 from plexctl.spec import load_spec, spec_to_wire  # noqa: E402
+from daemon.metrics import hidden_by_other_jobs  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
 BENCH = str(REPO / "bench")
@@ -102,7 +107,10 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
             raise SystemExit(f"{policy}: jobs did not succeed: {[(j.name, j.state, j.error) for j in failed]}")
         engines = rep.engines
         busy = sum(e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines)
-        swaps = {e.engine_id: e.swaps for e in client.status().engines if e.kind == "trainer"}
+        final = client.status(timeline=True)
+        swaps = {e.engine_id: e.swaps for e in final.engines if e.kind == "trainer"}
+        background = {"moves": len(final.moves), "seconds": sum(m.end - m.start for m in final.moves),
+                      "behind_other_jobs_s": hidden_by_other_jobs(final.moves, final.timeline)}
     finally:
         plexctl(home, "down")
     start = min(j.started_at for j in mine)
@@ -132,20 +140,35 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
         "policy": policy, "engines": n_engines, "makespan_s": makespan, "engine_seconds": engine_seconds,
         "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
         "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
-        "swaps": swaps, "swap": swap_summary(swaps),
+        "swaps": swaps, "swap": swap_summary(swaps, background),
     }
 
 
-def swap_summary(swaps: dict[str, dict[str, dict]]) -> dict:
+def swap_summary(swaps: dict[str, dict[str, dict]], background: dict[str, float] | None = None) -> dict:
     """The trainer's swap counters summed over directions (and trainers), and the share of swap
-    time hidden behind other jobs' compute: (overlap_s - stalled_s) / seconds."""
+    time hidden behind other jobs' compute.
+
+    ``hidden_share``: (``behind_other_jobs_s`` - ``stalled_s``) / ``seconds``, where
+    ``behind_other_jobs_s`` is the time of the moves made off the trainer's thread during which
+    another job's task ran on some engine (the daemon's busy spans against the trainer's
+    background moves: ``daemon.metrics.hidden_by_other_jobs``) and ``stalled_s`` the time
+    swap-ins waited for such moves. ``hidden_share_trainer`` counts only the trainer's own
+    compute: (``overlap_s`` - ``stalled_s``) / ``seconds``."""
     total = {key: 0.0 for key in ("count", "bytes", "seconds", "critical_s", "overlap_s", "stalled_s")}
     for per_direction in swaps.values():
         for stats in per_direction.values():
             for key in total:
                 total[key] += stats.get(key, 0.0)
-    hidden = max(0.0, total["overlap_s"] - total["stalled_s"])
-    return {**total, "hidden_s": hidden, "hidden_share": hidden / total["seconds"] if total["seconds"] else None}
+    seconds = total["seconds"]
+    trainer_hidden = max(0.0, total["overlap_s"] - total["stalled_s"])
+    summary = {**total, "hidden_s": trainer_hidden,
+               "hidden_share_trainer": trainer_hidden / seconds if seconds else None}
+    if background is not None:
+        hidden = max(0.0, background["behind_other_jobs_s"] - total["stalled_s"])
+        summary.update(background_moves=background["moves"], background_s=background["seconds"],
+                       behind_other_jobs_s=background["behind_other_jobs_s"], hidden_s=hidden)
+    summary["hidden_share"] = summary["hidden_s"] / seconds if seconds else None
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

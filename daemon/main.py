@@ -447,9 +447,11 @@ class Daemon:
         bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
         marks = self.telemetry.marks_since(self.started_at) if body.timeline else []
+        moves = self.telemetry.moves_since(self.started_at) if body.timeline else []
         self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now, policy=self.policy,
                                                      bubble_ratio=bubble, started_at=self.started_at,
-                                                     timeline=timeline, swap_marks=marks), header.msg_id)
+                                                     timeline=timeline, swap_marks=marks, moves=moves),
+                   header.msg_id)
 
     def _snapshot_gauges(self, now: float) -> None:
         """Refresh what a Prometheus scrape sees (cheap sums; the HTTP thread only renders them)."""
@@ -612,7 +614,10 @@ class Daemon:
                 self.telemetry.swapped(self._trainer_of(identity), task.job_id, now - body.seconds,
                                        int(body.value["swap_bytes"]), float(body.value.get("swap_seconds", 0.0)))
         if "inventory" in body.info:  # a worker hosts at most one trainer engine
-            self._record_inventory(self._trainer_of(identity), body.info["inventory"])
+            trainer = self._trainer_of(identity)
+            self._record_inventory(trainer, body.info["inventory"])
+            if body.info.get("moves"):
+                self.telemetry.moved(trainer, body.info["moves"])
         call = self.calls.pop(body.task_id, None)
         if call is None:
             return  # a control task (release), or a call whose job has gone

@@ -13,6 +13,7 @@ on latencies (a cluster of thousands of jobs would make thousands of series).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections import deque
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from plexctl.protocol import SwapMark
+from plexctl.protocol import MoveSpan, SwapMark
 
 log = logging.getLogger("plexd.metrics")
 
@@ -64,6 +65,7 @@ class Telemetry:
         self.calls: dict[tuple[str, str], Histogram] = {}  # (method, outcome) -> worker seconds
         self.waits: dict[str, Histogram] = {}  # method -> seconds from submit to result (queue + run)
         self.swap_marks: deque[SwapMark] = deque(maxlen=SWAP_MARKS_KEPT)
+        self.moves: deque[MoveSpan] = deque(maxlen=SWAP_MARKS_KEPT)  # trainers' background moves
         self.gauges = Gauges()
         self.server: ThreadingHTTPServer | None = None
 
@@ -82,6 +84,16 @@ class Telemetry:
     def marks_since(self, since: float) -> list[SwapMark]:
         with self.lock:
             return [m for m in self.swap_marks if m.at >= since]
+
+    def moved(self, engine_id: str, moves: list[list[Any]]) -> None:
+        """A trainer's background moves, as its results report them: [direction, job, start, end]."""
+        with self.lock:
+            self.moves.extend(MoveSpan(engine_id, str(job), str(direction), float(start), float(end))
+                              for direction, job, start, end in moves)
+
+    def moves_since(self, since: float) -> list[MoveSpan]:
+        with self.lock:
+            return [m for m in self.moves if m.start >= since]
 
     def set_gauges(self, gauges: Gauges) -> None:
         with self.lock:
@@ -201,6 +213,28 @@ def engine_gauges(sched: Any, engine_swaps: dict[str, dict[str, Any]], now: floa
 def bubble_of(engines: list[dict[str, Any]]) -> float | None:
     span = sum(e["up_seconds"] for e in engines)
     return 1.0 - sum(e["busy_seconds"] for e in engines) / span if span > 0 else None
+
+
+def hidden_by_other_jobs(moves: list[Any], spans: list[Any]) -> float:
+    """Seconds of ``moves`` (``MoveSpan``) during which some other job's task ran on some
+    engine (``spans``: ``BusySpan``): the swap time other jobs' compute hid. A move's own job
+    does not hide it (its rollout may run meanwhile, but its next trainer call needs the move),
+    and two engines busy at once hide a moment once."""
+    spans = sorted(spans, key=lambda s: s.start)
+    starts = [s.start for s in spans]
+    longest = max((s.end - s.start for s in spans), default=0.0)
+    hidden = 0.0
+    for move in moves:
+        lo = bisect.bisect_left(starts, move.start - longest)
+        hi = bisect.bisect_right(starts, move.end)
+        cover = sorted((max(s.start, move.start), min(s.end, move.end)) for s in spans[lo:hi]
+                       if s.job_id != move.job_id and s.end > move.start and s.start < move.end)
+        reach = move.start
+        for start, end in cover:  # the union of the other jobs' busy time within the move
+            if end > reach:
+                hidden += end - max(start, reach)
+                reach = end
+    return hidden
 
 
 def busy_spans(sched: Any, now: float, limit: int = 50_000) -> list[Any]:

@@ -226,6 +226,7 @@ class StatusRep(msgspec.Struct):
     started_at: float = 0.0  # when the daemon started
     timeline: list[BusySpan] = msgspec.field(default_factory=list)  # only when asked (StatusReq.timeline)
     swap_marks: list[SwapMark] = msgspec.field(default_factory=list)  # idem
+    moves: list[MoveSpan] = msgspec.field(default_factory=list)  # idem
 
 
 class BusySpan(msgspec.Struct, array_like=True):
@@ -234,6 +235,17 @@ class BusySpan(msgspec.Struct, array_like=True):
     engine_id: str
     job_id: str
     method: str
+    start: float
+    end: float
+
+
+class MoveSpan(msgspec.Struct, array_like=True):
+    """A job's trainer state moved off the trainer's thread (a prefetch from NVMe, or a demotion
+    that made room for one), so no call waited for it unless a swap-in later did."""
+
+    engine_id: str
+    job_id: str
+    direction: str  # e.g. "nvme->host"
     start: float
     end: float
 

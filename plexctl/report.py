@@ -120,8 +120,10 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def cluster_timeline(rep: StatusRep, out: Path, last_s: float | None = None, zoom_s: float = 3.0) -> Path:
-    """One row per engine, a bar per call coloured by job, swaps marked; below, ``zoom_s`` seconds
-    from the middle of the busy period, where single calls and the gaps between them show."""
+    """One row per engine, a bar per call coloured by job, swaps marked, and under a trainer's
+    row a thin strip per state move it made in the background (a prefetch from NVMe, or a
+    demotion for one), in the moved job's colour; below, ``zoom_s`` seconds from the middle of
+    the busy period, where single calls and the gaps between them show."""
     plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -133,14 +135,14 @@ def cluster_timeline(rep: StatusRep, out: Path, last_s: float | None = None, zoo
     if last_s is not None:
         lo = max(lo, hi - last_s)
     engines = sorted({e.engine_id for e in rep.engines} | {s.engine_id for s in spans})
-    jobs = sorted({s.job_id for s in spans if s.end > lo})
+    jobs = sorted({s.job_id for s in spans if s.end > lo} | {m.job_id for m in rep.moves if m.end > lo})
     color = {j: COLORS[i % len(COLORS)] for i, j in enumerate(jobs)}
     names = {j.job_id: j.name for j in rep.jobs}
     mid = (lo + hi) / 2
     zlo, zhi = max(lo, mid - zoom_s / 2), min(hi, mid + zoom_s / 2)
 
     fig, (ax, zax) = plt.subplots(2, 1, figsize=(10, 1.8 + 1.5 * max(1, len(engines))), dpi=DPI)
-    marks = _timeline_axis(ax, rep, engines, color, lo, hi, lo)
+    marks, moves = _timeline_axis(ax, rep, engines, color, lo, hi, lo)
     ax.axvspan(zlo - lo, zhi - lo, color="grey", alpha=0.15, zorder=0)
     ax.set_title(f"engine timeline: one bar per call, coloured by job; white = idle "
                  f"({_idle_share(spans, engines, lo, hi):.0%} of engine time in this window)", fontsize=11)
@@ -153,14 +155,18 @@ def cluster_timeline(rep: StatusRep, out: Path, last_s: float | None = None, zoo
     if marks:
         legend.append(Line2D([], [], marker="v", color="black", linestyle="none",
                              label=f"job state swapped in ({marks})"))
+    if moves:
+        legend.append(Patch(facecolor="white", edgecolor="black", hatch="////",
+                            label=f"state moved in the background ({moves})"))
     if legend:
         ax.legend(handles=legend, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), framealpha=0.8)
     return _save(fig, out)
 
 
 def _timeline_axis(ax: Any, rep: StatusRep, engines: list[str], color: dict[str, str], lo: float, hi: float,
-                   origin: float) -> int:
-    """Draw the calls and swap marks in [lo, hi] on ``ax``; return how many swaps it marked."""
+                   origin: float) -> tuple[int, int]:
+    """Draw the calls, swap marks and background moves in [lo, hi] on ``ax``; return how many
+    swaps and moves it drew."""
     row = {e: i for i, e in enumerate(engines)}
     spans = [s for s in rep.timeline if s.end > lo and s.start < hi]
     for e in engines:
@@ -175,12 +181,17 @@ def _timeline_axis(ax: Any, rep: StatusRep, engines: list[str], color: dict[str,
     if marks:
         ax.scatter([m.at - origin for m in marks], [row[m.engine_id] - 0.45 for m in marks], marker="v",
                    color="black", s=14, zorder=3)
+    moves = [m for m in rep.moves if m.end > lo and m.start < hi and m.engine_id in row]
+    for m in moves:  # a thin strip under the engine's row, in the moved job's colour
+        ax.broken_barh([(max(m.start, lo) - origin, min(m.end, hi) - max(m.start, lo))],
+                       (row[m.engine_id] + 0.38, 0.14), facecolors=color.get(m.job_id, "grey"),
+                       edgecolors="black", linewidth=0.3, hatch="////")
     ax.set_yticks(range(len(engines)))
     ax.set_yticklabels(engines)
-    ax.set_ylim(len(engines) - 0.4, -0.65)
+    ax.set_ylim(len(engines) - 0.4 + (0.15 if moves else 0.0), -0.65)
     ax.set_xlim(lo - origin, hi - origin + (hi - lo) * 0.12)
     ax.grid(axis="x", alpha=0.3)
-    return len(marks)
+    return len(marks), len(moves)
 
 
 def _idle_share(spans: list[Any], engines: list[str], lo: float, hi: float) -> float:

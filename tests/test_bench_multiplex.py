@@ -33,3 +33,7 @@ def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     assert summary["count"] == sum(s["count"] for s in swaps.values())
     assert 0 <= summary["critical_s"] <= summary["seconds"]
     assert summary["hidden_share"] is None or 0 <= summary["hidden_share"] <= 1
+    # the trainer reported its prefetches (and their demotions) with their intervals, and the
+    # share hidden is read from them against the engines' busy spans
+    assert 0 < summary["background_moves"] <= swaps["nvme->host"]["count"] + swaps["host->nvme"]["count"]
+    assert 0 <= summary["behind_other_jobs_s"] <= summary["background_s"] + 1e-6

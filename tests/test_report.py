@@ -82,3 +82,32 @@ def test_missing_matplotlib_is_one_line_with_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UsageError, match=r"pip install 'plexrl\[plots\]'"):
         report.pyplot()
+
+
+def test_timeline_draws_background_moves_under_the_trainer_row(tmp_path):
+    """A made-up status: the trainer's background moves in the window are drawn (and counted in
+    the legend), those outside it are not; the image is a valid PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from plexctl import report
+    from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep, SwapMark
+
+    engines = [EngineInfo("w0/rollout", "w0", "rollout", "m", True, [], [], 0.0, 0),
+               EngineInfo("w1/trainer", "w1", "trainer", "m", True, [], [], 0.0, 0)]
+    jobs = [JobInfo(j, j, "u", "running", 1, 2, None, None, None, 0, "", 0.0, 0.0, None, "", 0) for j in ("a", "b")]
+    spans = [BusySpan("w0/rollout", "a", "generate", 0.0, 2.0), BusySpan("w1/trainer", "b", "train_step", 1.0, 3.0),
+             BusySpan("w0/rollout", "b", "generate", 3.0, 5.0), BusySpan("w1/trainer", "a", "train_step", 5.0, 6.0)]
+    moves = [MoveSpan("w1/trainer", "a", "nvme->host", 1.5, 2.5), MoveSpan("w1/trainer", "b", "host->nvme", 9.0, 9.5)]
+    rep = StatusRep(jobs=jobs, engines=engines, now=10.0, timeline=spans, moves=moves,
+                    swap_marks=[SwapMark("w1/trainer", "a", 5.0, 1024, 0.01)])
+    fig, ax = plt.subplots()
+    try:
+        color = {"a": "red", "b": "blue"}
+        assert report._timeline_axis(ax, rep, ["w0/rollout", "w1/trainer"], color, 0.0, 6.0, 0.0) == (1, 1)
+        assert report._timeline_axis(ax, rep, ["w0/rollout", "w1/trainer"], color, 0.0, 1.0, 0.0) == (0, 0)
+    finally:
+        plt.close(fig)
+    assert_png(report.cluster_timeline(rep, tmp_path / "t.png"), (900, 300))

@@ -396,6 +396,12 @@ def test_prefetch_from_another_thread_while_training(model_dir: str, alone: dict
         assert swaps[direction]["critical_s"] == swaps[direction]["seconds"] and swaps[direction]["overlap_s"] == 0
     demoted = swaps["host->nvme"]
     assert 0 < demoted["critical_s"] < demoted["seconds"]  # one demotion by ensure_resident, one by the prefetch
+    # the two background moves are logged with their wall-clock intervals, demotion first
+    seen, moves = store.background_moves()
+    assert seen == 2 and [(m.direction, m.job_id) for m in moves] == [("host->nvme", "j2"), ("nvme->host", "j3")]
+    assert moves[0].start <= moves[0].end <= moves[1].start <= moves[1].end
+    assert moves[1].end - moves[1].start == pytest.approx(prefetched["seconds"], abs=1e-6)  # wall clock digits
+    assert store.background_moves(seen) == (2, [])  # nothing new since
 
 
 def test_concurrent_prefetches_and_swaps_never_lose_state(model_dir: str, tmp_path: Path) -> None:

@@ -17,15 +17,32 @@ from pathlib import Path
 
 import pytest
 
-from daemon.metrics import Telemetry
+from daemon.metrics import Telemetry, hidden_by_other_jobs
 from plexctl.metric_sinks import MetricSinks
-from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
 from plexctl.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_json, top_view
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
 METRIC_NAMES = ("plexrl_jobs", "plexrl_engine_utilization", "plexrl_bubble_ratio", "plexrl_swap_bytes_total",
                 "plexrl_swap_seconds_total", "plexrl_task_seconds", "plexrl_call_latency_seconds")
+
+
+def test_swap_time_hidden_counts_other_jobs_busy_time_on_any_engine_once():
+    """The multiplex benchmark's hidden share: a background move is hidden while another job's
+    task runs on some engine; its own job's tasks do not hide it, overlaps count once."""
+    spans = [BusySpan("w0/rollout", "b", "generate", 0.0, 4.0),
+             BusySpan("w1/trainer", "c", "train_step", 3.0, 6.0),  # overlaps b's: 3..4 counted once
+             BusySpan("w0/rollout", "a", "generate", 6.0, 9.0),  # the moved job's own: hides nothing
+             BusySpan("w1/trainer", "b", "train_step", 8.5, 20.0)]
+    moves = [MoveSpan("w1/trainer", "a", "nvme->host", 2.0, 10.0),  # hidden 2..6 and 8.5..10
+             MoveSpan("w1/trainer", "b", "host->nvme", 1.0, 2.0),  # only b busy then: 0
+             MoveSpan("w1/trainer", "a", "nvme->host", 30.0, 31.0)]  # nothing runs: 0
+    assert hidden_by_other_jobs(moves, spans) == pytest.approx(4.0 + 1.5)
+    assert hidden_by_other_jobs([], spans) == 0 and hidden_by_other_jobs(moves, []) == 0
+    telemetry = Telemetry()
+    telemetry.moved("w1/trainer", [["nvme->host", "a", 2.0, 10.0]])
+    assert telemetry.moves_since(0.0) == [moves[0]] and telemetry.moves_since(5.0) == []
 
 
 def made_up_frame() -> TopFrame:

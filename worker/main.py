@@ -259,6 +259,16 @@ class TrainerServer:
                 t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
         }
         self.done: dict[str, tuple[str, Any]] = {}  # job -> (call key, value) of its last stateful call
+        self._moves_sent = 0  # the store's background moves already reported
+
+    def _info(self) -> dict[str, Any]:
+        """What every result carries for the daemon: the store's tier inventory and the moves
+        made off this thread (prefetches, their demotions) since the last result."""
+        self._moves_sent, moves = self.store.background_moves(self._moves_sent)
+        info: dict[str, Any] = {"inventory": self.store.inventory()}
+        if moves:
+            info["moves"] = [list(move) for move in moves]
+        return info
 
     @staticmethod
     def _train_step(engine: Any, t: P.TaskBody) -> dict[str, float]:
@@ -274,7 +284,7 @@ class TrainerServer:
         t0 = time.perf_counter()
         key = t.args.get("call_key", "") if t.method != "release" else ""
         if key and self.done.get(t.job_id, ("", None))[0] == key:
-            out.result(t.task_id, True, self.done[t.job_id][1], seconds=0.0, info={"inventory": store.inventory()})
+            out.result(t.task_id, True, self.done[t.job_id][1], seconds=0.0, info=self._info())
             return
         try:
             if t.method == "release":
@@ -293,11 +303,11 @@ class TrainerServer:
         except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
             log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
             out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0,
-                       info={"inventory": store.inventory()})
+                       info=self._info())
             return
         if key:
             self.done[t.job_id] = (key, value)
-        out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info={"inventory": store.inventory()})
+        out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info=self._info())
 
 
 def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:

@@ -76,7 +76,10 @@ where those seconds fell: ``critical_s`` inside ``ensure_resident`` (the trainer
 the job's call waits), ``overlap_s`` off it (``prefetch`` on another thread) while the trainer's
 thread was computing (its CPU time over the move's interval, capped by the move's length), and
 ``stalled_s``, time ``ensure_resident`` waited for another thread's move of this direction to
-land. So ``overlap_s - stalled_s`` is swap time hidden behind compute.
+land. So ``overlap_s - stalled_s`` is swap time hidden behind the trainer's compute.
+``background_moves`` lists the moves made off the trainer's thread with their wall-clock
+times, so that whoever knows when the other engines were busy (the daemon) can tell how much
+of them other jobs' compute, on any engine, hid.
 
 A full disk. ``nvme_bytes`` is a budget, not a measurement: the disk may fill first (other
 users of a node-local disk, a quota); the store learns it from a write, it does not poll free
@@ -126,13 +129,14 @@ import threading
 import time
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import xxhash
@@ -169,6 +173,7 @@ DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT offsets, lengths and buffer addresses are 
 READ_AHEAD = 4  # chunk reads in flight on the copy-I/O threads, ahead of their checksums
 READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the module docstring), else buffered
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
+BACKGROUND_MOVES_KEPT = 4096  # background moves kept for background_moves()
 NVME_SPARES = 4  # files of copies that left nvme kept to be overwritten by new copies (within nvme_bytes)
 
 
@@ -238,6 +243,16 @@ class _SwapStats:
                 "overlap_s": self.overlap_s, "stalled_s": self.stalled_s}
 
 
+class BackgroundMove(NamedTuple):
+    """One move made off the trainer's thread: its direction, whose state, and when (wall
+    clock, ``time.time()``: comparable with the daemon's record of when engines were busy)."""
+
+    direction: str
+    job_id: str
+    start: float
+    end: float
+
+
 @dataclass
 class _Moves:
     """What one ensure_resident moved, for its return value."""
@@ -295,6 +310,8 @@ class StateStore:
         self._upcoming: dict[str, int] = {}
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
+        self._background: deque[BackgroundMove] = deque(maxlen=BACKGROUND_MOVES_KEPT)
+        self._background_seq = 0  # background moves ever logged
         self._pool = HostBufferPool(pinned=_pin_if_cuda())  # host copies: exported, or read from nvme
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
         self._nvme_nospace = 0  # nvme writes that failed for lack of space
@@ -369,7 +386,7 @@ class StateStore:
             for demoted in placement.demote:
                 self._demote(demoted, critical=False)
                 pending.remove(demoted)
-            started, trainer_cpu = self._clock(), self._trainer_cpu()
+            started, trainer_cpu, wall = self._clock(), self._trainer_cpu(), time.time()
             state, buffer = self._read_nvme(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
         except _NoSpace:  # host copies that did not go down stay; so does the job, on nvme
@@ -382,6 +399,7 @@ class StateStore:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
             doomed = self._retire_nvme(record)
             self._swaps["nvme->host"].add(state.nbytes, seconds, critical=False, overlap_s=overlap)
+            self._log_background(BackgroundMove("nvme->host", job_id, wall, wall + seconds))
             self._cond.notify_all()
         _unlink_all(doomed)
         return True
@@ -415,6 +433,20 @@ class StateStore:
         with self._cond:
             record = self._records.get(job_id)
             return record.tier if record is not None else None
+
+    def background_moves(self, since: int = 0) -> tuple[int, list[BackgroundMove]]:
+        """The moves made off the trainer's thread (``prefetch``'s reads and the demotions it
+        made) that were logged after the first ``since``, oldest first (at most the latest
+        ``BACKGROUND_MOVES_KEPT``), and how many were ever logged: the next call's ``since``."""
+        with self._cond:
+            new = self._background_seq - max(0, since)
+            return self._background_seq, list(self._background)[max(0, len(self._background) - new):]
+
+    def swap_stats(self, direction: str) -> dict[str, Any]:
+        """One direction's swap counters (``inventory()["swaps"][direction]``), without building
+        the rest of the inventory: for a caller timing moves one by one."""
+        with self._cond:
+            return self._swaps[direction].to_json()
 
     def inventory(self) -> dict[str, Any]:
         """Per tier: capacity, unit, used bytes (moving copies count on both tiers), job ids
@@ -579,13 +611,15 @@ class StateStore:
         buffer, if any, goes back to the pool). ``critical``: called by ensure_resident."""
         assert record.host_copy is not None
         state, buffer = record.host_copy, record.host_buffer
-        trainer_cpu = None if critical else self._trainer_cpu()
+        trainer_cpu, wall = None if critical else self._trainer_cpu(), time.time()
         written, seconds = self._write_nvme(record.job_id, state)
         overlap = self._trainer_cpu_since(trainer_cpu)
         with self._cond:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
             record.nvme = written
             self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
+            if not critical:
+                self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
             self._cond.notify_all()
         if buffer is not None:
             self._pool.give(buffer)
@@ -703,6 +737,11 @@ class StateStore:
         """The trainer thread's CPU seconds since ``before`` (0.0 when not measurable)."""
         after = self._trainer_cpu() if before is not None else None
         return max(0.0, after - before) if before is not None and after is not None else 0.0
+
+    def _log_background(self, move: BackgroundMove) -> None:
+        """Keep a background move for ``background_moves`` (caller holds the lock)."""
+        self._background.append(move)
+        self._background_seq += 1
 
     def _unmark(self, records: list[_Record]) -> None:
         """After a failed move: what did not land stays where it was."""
