@@ -92,6 +92,9 @@ def up(ctx: typer.Context,
        nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")]
        = None,
        nvme_bytes: Annotated[str, typer.Option(help="capacity of the NVMe tier")] = "64G",
+       write_behind: Annotated[Optional[str], typer.Option(
+           help="host memory beyond --host-mem for job state on its way to NVMe, written while the "
+                "trainer goes on (default: a quarter of --host-mem, at least 1G; 0: written first)")] = None,
        timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0,
        drain_timeout: Annotated[Optional[float], typer.Option(
            help="seconds running jobs get to checkpoint when the cluster stops (default: 30 local; "
@@ -129,6 +132,8 @@ def up(ctx: typer.Context,
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
     try:
         sizes = {"--host-mem": parse_bytes(host_mem), "--nvme-bytes": parse_bytes(nvme_bytes)}
+        if write_behind is not None:
+            sizes["--write-behind"] = parse_bytes(write_behind)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     c: Ctx = ctx.obj

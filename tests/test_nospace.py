@@ -237,6 +237,36 @@ def test_failed_demotion_keeps_host_copies_and_the_job_on_the_device(
     assert store.inventory()["nvme"]["nospace"] == 1 and os.listdir(nvme) == ["filler"]
 
 
+def test_write_behind_into_a_full_disk_keeps_the_copy_in_host_memory(
+    model_dir: str, small_fs: Callable[[str, int], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy left to the write-behind thread that does not fit on the disk stays in host
+    memory (the eviction that made it had returned already), and comes back exactly."""
+    caplog.set_level(logging.WARNING, logger="worker.state_store")
+    one = StateStore.job_bytes(LORA, config_json(model_dir))
+    nvme = small_fs("nvme", 1 << 20)
+    fill(nvme, leave=0)
+    trainer = TrainerEngine(model_dir, threads=1)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, host_spill_bytes=2 * one, nvme_dir=nvme,
+                       write_behind_bytes=4 * one)
+    store.ensure_resident("a", LORA, SEEDS["a"])
+    states = {"a": trained(trainer, "a")}
+    assert store.ensure_resident("b", LORA, SEEDS["b"])["evicted"] == ["a"]  # a's write is left behind
+    states["b"] = trained(trainer, "b")
+    assert store.wait_written(timeout=60)
+    assert store.where("a") == "host"  # the write ran out of space: the copy stayed in host memory
+    inventory = store.inventory()
+    assert inventory["nvme"]["nospace"] == 1 and inventory["in_flight"] == {} and os.listdir(nvme) == ["filler"]
+    (warning,) = store_warnings(caplog)
+    assert "no space left on device" in warning and "\n" not in warning
+
+    store.ensure_resident("a", LORA, SEEDS["a"])  # b spills to host (nvme is marked full); a comes back
+    assert store.where("b") == "host"
+    assert_exactly_equal(states["a"], job_state(trainer, "a"), "a")
+    store.ensure_resident("b", LORA, SEEDS["b"])
+    assert_exactly_equal(states["b"], job_state(trainer, "b"), "b")
+
+
 # ---------------------------------------------------------------- checkpoints on a full filesystem
 
 

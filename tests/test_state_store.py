@@ -694,3 +694,56 @@ def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str
         store.ensure_resident(job_id, lora, seed=i)
     assert store.where("a") == "nvme"
     assert [p for p in nvme_dir.iterdir() if p.name.startswith(f"copy-{os.getpid()}-") and p != live]
+
+
+def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, alone: dict, tmp_path: Path) -> None:
+    """With a write-behind allowance, an eviction that sends copies to nvme returns once the
+    victim is exported: the demotions, and a victim that goes straight to nvme, are written
+    by the store's write-behind thread (host memory holds them meanwhile), never on the
+    trainer's critical path; every state still comes back bit-exact."""
+    size = StateStore.job_bytes(JOBS["j3"][0], config_json(model_dir))  # host holds j3, or j2, not j0
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme",
+                       write_behind_bytes=4 * size)
+    for job_id in ("j3", "j2"):
+        ensure(store, job_id)
+        train(trainer, job_id, 0)
+    assert store.where("j3") == "host"
+    store.set_upcoming(["j0", "j2"])  # j2 goes to host, j3 (needed later) makes room for it
+    report = ensure(store, "j0")
+    assert report["evicted"] == ["j2"] and report["demoted"] == []  # j3's demotion was left behind
+    assert store.wait_written(timeout=60)
+    assert [store.where(j) for j in ("j0", "j2", "j3")] == ["device", "host", "nvme"]
+    train(trainer, "j0", 0)
+
+    store.set_upcoming(["j3", "j2"])  # j0 (too big for host) goes straight to nvme
+    assert ensure(store, "j3")["swap_in"] == "nvme"
+    assert store.wait_written(timeout=60)
+    assert [store.where(j) for j in ("j0", "j2", "j3")] == ["nvme", "host", "device"]
+    swaps = store.inventory()["swaps"]
+    assert swaps["device->nvme"]["count"] == 0  # every eviction was an export to host ...
+    assert swaps["host->nvme"]["count"] == 2 and swaps["host->nvme"]["critical_s"] == 0  # ... written behind
+    assert [(m.direction, m.job_id) for m in store.background_moves()[1]] == [("host->nvme", "j3"), ("host->nvme", "j0")]
+    assert store.inventory()["host"]["used_bytes"] <= size  # back within the host tier once written
+
+    for step, job_id in [(1, "j3"), (1, "j2"), (1, "j0"), (2, "j3"), (2, "j0"), (2, "j2")]:
+        ensure(store, job_id)  # right after an eviction: a copy still being written is waited for
+        train(trainer, job_id, step)
+        assert_like_alone(trainer, job_id, alone[job_id][step])
+    assert store.wait_written(timeout=60)
+    for job_id in ("j0", "j2", "j3"):
+        store.drop(job_id)
+    assert_only_spares_left(store)
+
+
+def test_write_behind_allowance_bounds_what_is_left_behind(model_dir: str, tmp_path: Path) -> None:
+    """Copies beyond the allowance are written before ensure_resident returns, as without one."""
+    size = fresh_copy_bytes(model_dir)
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
+                       write_behind_bytes=size - 1)
+    for job_id in ("a", "b", "c"):
+        ensure(store, job_id)
+    swaps = store.inventory()["swaps"]
+    assert swaps["device->nvme"]["count"] == 2 and swaps["device->nvme"]["critical_s"] > 0
+    assert swaps["host->nvme"]["count"] == 0 and store.background_moves() == (0, [])

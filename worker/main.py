@@ -377,6 +377,11 @@ def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
             log.warning("prefetch of %s failed: %s", t.job_id, traceback.format_exc())
 
 
+def write_behind_bytes(asked: int | None, host_mem: int) -> int:
+    """The trainer's write-behind allowance: as asked, else a quarter of its host tier, at least 1 GiB."""
+    return asked if asked is not None else max(host_mem // 4, 1 << 30)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
     ap.add_argument("--endpoint", required=True)
@@ -394,6 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
     ap.add_argument("--nvme-bytes", type=parse_bytes, default=64 << 30, help="capacity of the NVMe tier")
+    ap.add_argument("--write-behind", type=parse_bytes, default=None,
+                    help="host memory beyond --host-mem for states on their way to NVMe, written after the "
+                         "call that evicted them went on (default: a quarter of --host-mem, at least 1G; "
+                         "0: written before it)")
     ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True,
                     help="exit when the daemon that started this worker is gone and no other adopts it")
     ap.add_argument("--engine-threads", choices=["auto", "one", "own"], default="auto",
@@ -437,7 +446,8 @@ def main(argv: list[str] | None = None) -> None:
             nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
             engines["trainer"] = StateStore(TrainerEngine(model, dtype=args.dtype, threads=args.threads),
                                             device_slots=args.device_slots, host_bytes=args.host_mem,
-                                            nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes)
+                                            nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes,
+                                            write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem))
         if "rollout" in kinds:
             from worker.rollout import RolloutEngine
 

@@ -69,6 +69,13 @@ least recently used), then swaps the job in from host or nvme, or creates a fres
 An evicted job goes to host if it fits; host copies needed later than it are demoted to nvme
 (least soon needed first) to make it fit; otherwise it goes straight to nvme; if nvme cannot
 take what must go there, ``TierFullError`` is raised and the job stays on the device.
+With ``write_behind_bytes`` (the worker's ``--write-behind``), those nvme writes (the
+demotions, and the victim when it goes straight to nvme) are left to a write-behind thread
+when they fit in that allowance: the victim lands in host memory and the call goes on; until
+written, the copies stay in host memory, over ``host_bytes`` by at most the allowance, and
+count on both tiers. A job needed again meanwhile waits for its write (``stalled_s``) and is
+read back; a write that runs out of space leaves its copy in host memory, as a demotion's
+would. ``wait_written`` waits for the writes in flight.
 ``prefetch`` brings a job from nvme to host ahead of need. ``inventory`` reports each tier's capacity, use
 and jobs, and per swap direction: ``count``, ``bytes`` (``JobStateCopy.nbytes``; a device job's
 bytes are its adapter + optimizer bytes as of the last ``ensure_resident``), ``seconds``, and
@@ -287,9 +294,12 @@ class StateStore:
         nvme_bytes: int = 64 << 30,
         clock: Callable[[], float] = time.perf_counter,
         host_spill_bytes: int | None = None,
+        write_behind_bytes: int = 0,
     ) -> None:
         """``host_spill_bytes``: how far host copies may exceed ``host_bytes`` while nvme is out
-        of space (default a quarter of ``host_bytes``)."""
+        of space (default a quarter of ``host_bytes``). ``write_behind_bytes``: how far they may
+        exceed it while on their way to nvme, written by a background thread after
+        ``ensure_resident`` returned (0: written before it returns)."""
         if device_slots < 1:
             raise ValueError(f"device_slots must be >= 1, got {device_slots}")
         if host_bytes < 0 or nvme_bytes < 0:
@@ -298,6 +308,7 @@ class StateStore:
         self.device_slots = device_slots
         self.host_bytes = host_bytes
         self.host_spill_bytes = host_bytes // 4 if host_spill_bytes is None else max(0, host_spill_bytes)
+        self.write_behind_bytes = max(0, write_behind_bytes)
         self.nvme_dir = Path(nvme_dir) if nvme_dir is not None else None
         self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
         if self.nvme_dir is not None:
@@ -312,6 +323,8 @@ class StateStore:
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
         self._background: deque[BackgroundMove] = deque(maxlen=BACKGROUND_MOVES_KEPT)
         self._background_seq = 0  # background moves ever logged
+        self._behind_bytes = 0  # bytes of copies handed to the write-behind thread, not yet written
+        self._writer: ThreadPoolExecutor | None = None  # the write-behind thread, made on first use
         self._pool = HostBufferPool(pinned=_pin_if_cuda())  # host copies: exported, or read from nvme
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
         self._nvme_nospace = 0  # nvme writes that failed for lack of space
@@ -552,9 +565,14 @@ class StateStore:
                 victim.moving_to, victim.nbytes = placement.tier, state.nbytes  # reserve the copy's size
                 for demoted in placement.demote:
                     demoted.moving_to = NVME
+                behind = self._write_behind_room(placement, state.nbytes)
+                self._behind_bytes += behind
         except BaseException:
             self._give_back(state)
             raise
+        if behind:
+            self._evict_behind(victim, state, placement, export_seconds, behind, moves)
+            return
         tier, write_seconds, written = placement.tier, 0.0, None
         pending = [victim, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
@@ -590,6 +608,64 @@ class StateStore:
             self._give_back(state)
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
+
+    def _write_behind_room(self, placement: _Placement, nbytes: int) -> int:
+        """Bytes this eviction would write to nvme (the demotions, and the victim if it goes
+        there) if the write-behind allowance takes them all, else 0 (caller holds the lock)."""
+        writes = sum(r.nbytes for r in placement.demote) + (nbytes if placement.tier == NVME else 0)
+        return writes if 0 < writes <= self.write_behind_bytes - self._behind_bytes else 0
+
+    def _evict_behind(self, victim: _Record, state: JobStateCopy, placement: _Placement, export_seconds: float,
+                      behind: int, moves: _Moves) -> None:
+        """The eviction with its nvme writes left to the write-behind thread: the victim lands
+        in host memory (still marked for nvme if it goes there), the host copies marked for
+        demotion stay there, and the thread writes them down after this returns."""
+        writes = [*placement.demote, *([victim] if placement.tier == NVME else [])]
+        try:
+            self.trainer.release(victim.job_id)
+        except BaseException:
+            self._unmark([victim, *placement.demote])
+            self._give_back(state)
+            with self._cond:
+                self._behind_bytes -= behind
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            victim.tier, victim.nbytes, victim.host_copy, victim.host_buffer = HOST, state.nbytes, state, state.memory
+            victim.moving_to = NVME if placement.tier == NVME else None
+            self._swaps["device->host"].add(state.nbytes, export_seconds)
+            self._cond.notify_all()
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-behind")
+        self._writer.submit(self._write_behind, writes, behind)
+        moves.evicted.append(victim.job_id)
+        moves.bytes += state.nbytes
+
+    def _write_behind(self, records: list[_Record], nbytes: int) -> None:
+        """On the write-behind thread: demote ``records`` (host copies marked for nvme) in
+        order. A copy that cannot go down (no space, an I/O error: logged) stays in host memory
+        with those after it."""
+        try:
+            for i, record in enumerate(records):
+                try:
+                    self._demote(record, critical=False)
+                except _NoSpace:
+                    self._unmark(records[i:])
+                    return
+                except Exception:  # noqa: BLE001 - the copies stay on host; the next eviction tries again
+                    log.warning("write-behind of %s's state to nvme failed; it stays in host memory",
+                                record.job_id, exc_info=True)
+                    self._unmark(records[i:])
+                    return
+        finally:
+            with self._cond:
+                self._behind_bytes -= nbytes
+                self._cond.notify_all()
+
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Wait until every write handed to the write-behind thread is done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._behind_bytes == 0, timeout)
 
     def _give_back(self, state: JobStateCopy) -> None:
         """An exported copy that is not kept: its buffer goes back to the pool."""
