@@ -20,8 +20,9 @@ the trainer's swap counters (``plexctl status``: ``engines[].swaps``, per direct
 job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step``
 calls), and reports the share of swap time hidden behind other jobs' compute:
 ``(behind_other_jobs_s - stalled_s) / seconds``. ``behind_other_jobs_s`` is the time of the
-moves made off the trainer's critical path (the worker's prefetch thread: reads from NVMe and
-the demotions that made room for them) while a task of another job ran on either engine (the
+moves made off the trainer's critical path (on the worker's prefetch thread, reads from NVMe
+and the demotions that made room for them; on the store's write-behind thread, the writes to
+NVMe that evictions left behind) while a task of another job ran on either engine (the
 trainer reports each such move with its wall-clock interval, the daemon keeps every task's
 interval: ``plexctl status``'s timeline); ``stalled_s`` is the time a swap-in then waited for
 such a move (see ``worker/state_store.py``). ``hidden_share_trainer`` counts only the time

@@ -240,8 +240,9 @@ class BusySpan(msgspec.Struct, array_like=True):
 
 
 class MoveSpan(msgspec.Struct, array_like=True):
-    """A job's trainer state moved off the trainer's thread (a prefetch from NVMe, or a demotion
-    that made room for one), so no call waited for it unless a swap-in later did."""
+    """A job's trainer state moved off the trainer's thread (a prefetch from NVMe, a demotion
+    that made room for one, or an eviction's write to NVMe left to the write-behind thread),
+    so no call waited for it unless a swap-in later did."""
 
     engine_id: str
     job_id: str

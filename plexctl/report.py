@@ -121,9 +121,10 @@ def _save(fig: Any, path: Path) -> Path:
 
 def cluster_timeline(rep: StatusRep, out: Path, last_s: float | None = None, zoom_s: float = 3.0) -> Path:
     """One row per engine, a bar per call coloured by job, swaps marked, and under a trainer's
-    row a thin strip per state move it made in the background (a prefetch from NVMe, or a
-    demotion for one), in the moved job's colour; below, ``zoom_s`` seconds from the middle of
-    the busy period, where single calls and the gaps between them show."""
+    row a thin strip per state move it made in the background (a prefetch from NVMe, a
+    demotion for one, a write to NVMe left behind by an eviction), in the moved job's colour;
+    below, ``zoom_s`` seconds from the middle of the busy period, where single calls and the
+    gaps between them show."""
     plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch

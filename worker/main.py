@@ -263,7 +263,8 @@ class TrainerServer:
 
     def _info(self) -> dict[str, Any]:
         """What every result carries for the daemon: the store's tier inventory and the moves
-        made off this thread (prefetches, their demotions) since the last result."""
+        made off this thread (prefetches and their demotions, writes left behind by evictions)
+        since the last result."""
         self._moves_sent, moves = self.store.background_moves(self._moves_sent)
         info: dict[str, Any] = {"inventory": self.store.inventory()}
         if moves:

@@ -449,8 +449,9 @@ class StateStore:
 
     def background_moves(self, since: int = 0) -> tuple[int, list[BackgroundMove]]:
         """The moves made off the trainer's thread (``prefetch``'s reads and the demotions it
-        made) that were logged after the first ``since``, oldest first (at most the latest
-        ``BACKGROUND_MOVES_KEPT``), and how many were ever logged: the next call's ``since``."""
+        made, the write-behind thread's writes) that were logged after the first ``since``,
+        oldest first (at most the latest ``BACKGROUND_MOVES_KEPT``), and how many were ever
+        logged: the next call's ``since``."""
         with self._cond:
             new = self._background_seq - max(0, since)
             return self._background_seq, list(self._background)[max(0, len(self._background) - new):]
