@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from daemon.scheduler import union_length
 from plexctl.protocol import MoveSpan, SwapMark
 
 log = logging.getLogger("plexd.metrics")
@@ -224,16 +225,9 @@ def hidden_by_other_jobs(moves: list[Any], spans: list[Any]) -> float:
     starts = [s.start for s in spans]
     longest = max((s.end - s.start for s in spans), default=0.0)
     hidden = 0.0
-    for move in moves:
-        lo = bisect.bisect_left(starts, move.start - longest)
-        hi = bisect.bisect_right(starts, move.end)
-        cover = sorted((max(s.start, move.start), min(s.end, move.end)) for s in spans[lo:hi]
-                       if s.job_id != move.job_id and s.end > move.start and s.start < move.end)
-        reach = move.start
-        for start, end in cover:  # the union of the other jobs' busy time within the move
-            if end > reach:
-                hidden += end - max(start, reach)
-                reach = end
+    for move in moves:  # the spans that may overlap it: started at most ``longest`` before it
+        near = spans[bisect.bisect_left(starts, move.start - longest):bisect.bisect_right(starts, move.end)]
+        hidden += union_length([(s.start, s.end) for s in near if s.job_id != move.job_id], move.start, move.end)
     return hidden
 
 
