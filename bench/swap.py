@@ -463,18 +463,15 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
 
 
 def hidden_share(path: Path) -> dict[str, Any]:
-    """Share of the multiplex run's swap seconds hidden behind other jobs' compute, per mode.
+    """Share of the multiplex run's swap seconds hidden behind other jobs' compute, per mode:
+    the ``swap`` summary bench/multiplex.py wrote for it (``bench.multiplex.swap_summary``).
 
-    From the trainer's swap counters (``plexctl status``'s ``engines[].swaps``, which
-    bench/multiplex.py saves per mode): ``critical_s`` ran inside ``ensure_resident`` on the
-    trainer's thread (the job's call waited for it); ``overlap_s`` ran off it (``prefetch``
-    and the demotions it makes, on the worker's prefetch thread) while the trainer's thread
-    was computing; ``stalled_s`` is time ``ensure_resident`` then waited for such a move to
-    land, so it was not hidden after all. ``hidden_share_trainer`` = (overlap_s - stalled_s) /
-    seconds. Where the run also matched the trainer's background moves against every engine's
-    busy spans (its ``swap.behind_other_jobs_s``: time of those moves while another job's task
-    ran on either engine), ``hidden_share`` = (behind_other_jobs_s - stalled_s) / seconds;
-    else it is the trainer-only share.
+    ``critical_s`` ran inside ``ensure_resident`` on the trainer's thread (the job's call
+    waited for it); the rest ran off it (prefetches, their demotions, writes left behind);
+    ``stalled_s`` is time ``ensure_resident`` then waited for such a move to land, so it was
+    not hidden after all. ``hidden_share`` = (``behind_other_jobs_s`` - ``stalled_s``) /
+    seconds, where ``behind_other_jobs_s`` is the time of the background moves while another
+    job's task ran on either engine; ``hidden_share_trainer`` counts only the trainer's compute.
     """
     if not path.exists():
         return {"available": False, "missing": f"{_rel(path)} does not exist (run bench/multiplex.py)"}
@@ -482,43 +479,22 @@ def hidden_share(path: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"available": False, "source": _rel(path), "modes": {}}
     missing = []
     for mode, record in modes.items():
-        if "swaps" not in record:
+        summary = record.get("swap", {})
+        if "behind_other_jobs_s" not in summary and summary.get("count"):  # written before moves were logged
             missing.append(mode)
             continue
-        totals = _swap_totals(record["swaps"])
-        swap_s = sum(t.get("seconds", 0.0) for t in totals.values())
-        critical_s = sum(t.get("critical_s", 0.0) for t in totals.values())
-        overlap_s = sum(t.get("overlap_s", 0.0) for t in totals.values())
-        stalled_s = sum(t.get("stalled_s", 0.0) for t in totals.values())
-        trainer_hidden_s = max(0.0, overlap_s - stalled_s)
-        row = {
-            "swaps": sum(t.get("count", 0) for t in totals.values()), "swap_s": swap_s, "critical_s": critical_s,
-            "overlap_s": overlap_s, "stalled_s": stalled_s,
-            "hidden_share_trainer": trainer_hidden_s / swap_s if swap_s else None, "hidden_s": trainer_hidden_s,
+        result["modes"][mode] = {
+            "swaps": int(summary.get("count", 0)), "swap_s": summary.get("seconds", 0.0),
+            "critical_s": summary.get("critical_s", 0.0), "stalled_s": summary.get("stalled_s", 0.0),
+            "behind_other_jobs_s": summary.get("behind_other_jobs_s", 0.0),
+            "background_s": summary.get("background_s", 0.0), "hidden_s": summary.get("hidden_s", 0.0),
+            "hidden_share": summary.get("hidden_share"), "hidden_share_trainer": summary.get("hidden_share_trainer"),
         }
-        behind = record.get("swap", {}).get("behind_other_jobs_s")
-        if behind is not None:  # the run logged its background moves against the engines' busy spans
-            row.update(behind_other_jobs_s=behind, background_s=record["swap"].get("background_s"),
-                       hidden_s=max(0.0, behind - stalled_s))
-        row["hidden_share"] = row["hidden_s"] / swap_s if swap_s else None
-        result["modes"][mode] = row
     result["available"] = bool(result["modes"])
     if missing:
-        result["missing"] = f"modes {missing} of {_rel(path)} hold no `swaps` counters (rerun bench/multiplex.py)"
+        result["missing"] = (f"modes {missing} of {_rel(path)} hold no background-move summary "
+                             "(rerun bench/multiplex.py)")
     return result
-
-
-def _swap_totals(swaps: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """direction -> {count, bytes, seconds}, summed over engines if keyed by engine first."""
-    if all(isinstance(v, dict) and "seconds" in v for v in swaps.values()):
-        return swaps
-    totals: dict[str, dict[str, float]] = {}
-    for per_engine in swaps.values():
-        for direction, stats in (per_engine or {}).items():
-            total = totals.setdefault(direction, {})
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-    return totals
 
 
 # ---------------------------------------------------------------- report
