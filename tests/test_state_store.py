@@ -736,6 +736,29 @@ def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, 
     assert_only_spares_left(store)
 
 
+def test_write_behind_once_its_thread_takes_no_more_work_writes_on_the_callers(model_dir: str,
+                                                                              tmp_path: Path) -> None:
+    """When the write-behind thread takes no more work (the interpreter is exiting: its pool
+    refuses new tasks), an eviction writes its copy itself and the copy is on nvme, intact."""
+    size = fresh_copy_bytes(model_dir)
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
+                       write_behind_bytes=4 * size)
+    for job_id in ("j1", "j2"):
+        ensure(store, job_id)
+        train(trainer, job_id, 0)
+    assert store.wait_written(timeout=60) and store.where("j1") == "nvme"
+    before = job_state(trainer, "j2")
+    store._writer.shutdown(wait=True)  # what interpreter exit does to every thread pool
+    ensure(store, "j3")
+    assert store.where("j2") == "nvme" and store.inventory()["nvme"]["used_bytes"] > 0
+    assert store.wait_written(timeout=0)  # nothing left in flight
+    swaps = store.inventory()["swaps"]
+    assert swaps["host->nvme"]["count"] == 2 and swaps["device->nvme"]["count"] == 0
+    ensure(store, "j2")
+    assert_like_alone(trainer, "j2", before)
+
+
 def test_write_behind_allowance_bounds_what_is_left_behind(model_dir: str, tmp_path: Path) -> None:
     """Copies beyond the allowance are written before ensure_resident returns, as without one."""
     size = fresh_copy_bytes(model_dir)

@@ -638,7 +638,10 @@ class StateStore:
             self._cond.notify_all()
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-behind")
-        self._writer.submit(self._write_behind, writes, behind)
+        try:
+            self._writer.submit(self._write_behind, writes, behind)
+        except RuntimeError:  # the interpreter is shutting down (no new work for threads): write here
+            self._write_behind(writes, behind)
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
 
