@@ -28,6 +28,12 @@ interval: ``plexctl status``'s timeline); ``stalled_s`` is the time a swap-in th
 such a move (see ``worker/state_store.py``). ``hidden_share_trainer`` counts only the time
 the trainer's own thread computed meanwhile: ``(overlap_s - stalled_s) / seconds``.
 
+CPU: per mode, the CPU seconds (user + system, from ``/proc``) that the cluster's processes
+spent while the jobs ran: the daemon's whole process tree, with the rollout and the trainer
+worker (each with its engine processes) apart from the rest (drivers, reward sandboxes, the
+daemon). On this machine they all share its few cores; ``bench/simulate.py``'s calibration
+bounds the shared run by the isolated run's CPU seconds over the cores.
+
 Usage: ``python bench/multiplex.py [--quick] [--steps N] [--repeat N] [--device-slots N] [--host-mem SIZE]``
 (``--repeat``: the modes alternate N times and the median pair is reported: shared machines are noisy);
 writes ``bench/results/multiplex.json`` (``multiplex-quick.json`` with ``--quick``).
@@ -88,6 +94,8 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
     state_dir = home / "clusters" / "default"
     client = Client(read_endpoint(state_dir).address)
     try:
+        root = read_endpoint(state_dir).pid
+        cpu0 = cluster_cpu_s(root)
         ids = {}
         for name, overrides in jobs.items():
             spec = load_spec(CONFIG, [*overrides, f"algo.steps={steps}", "checkpoint.every=0"], name=name)
@@ -106,6 +114,7 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
         failed = [j for j in mine if j.state != "succeeded"]
         if failed:
             raise SystemExit(f"{policy}: jobs did not succeed: {[(j.name, j.state, j.error) for j in failed]}")
+        cpu1 = cluster_cpu_s(root)
         engines = rep.engines
         busy = sum(e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines)
         final = client.status(timeline=True)
@@ -142,7 +151,46 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
         "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
         "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
         "swaps": swaps, "swap": swap_summary(swaps, background),
+        "engine_busy_s": {e.kind: e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines},
+        "cpu": {"cores": os.cpu_count(), "seconds": sum(cpu1.values()) - sum(cpu0.values()),
+                "by_process": {role: cpu1.get(role, 0.0) - cpu0.get(role, 0.0) for role in sorted({*cpu0, *cpu1})}},
     }
+
+
+def cluster_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the process tree under ``root`` (the daemon: its
+    workers, their engine processes, the job drivers, the reward sandboxes), by process:
+    ``rollout`` and ``trainer`` (a local worker with its descendants) and ``rest``. Ended
+    children that were waited for count in their parent's (the kernel adds them to it); the
+    difference of two calls is what the tree spent in between."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        cpu[int(entry)] = sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+    out: dict[str, float] = {}
+    todo = [(root, "rest")]
+    while todo:
+        pid, role = todo.pop()
+        if role == "rest":
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                argv = []
+            if b"worker.main" in argv:
+                engines = argv[argv.index(b"--engines") + 1].decode() if b"--engines" in argv else "worker"
+                role = engines.replace(",", "+")
+        out[role] = out.get(role, 0.0) + cpu.get(pid, 0.0)
+        todo += [(child, role) for child in children.get(pid, ())]
+    return out
 
 
 def swap_summary(swaps: dict[str, dict[str, dict]], background: dict[str, float] | None = None) -> dict:
@@ -215,16 +263,17 @@ def main(argv: list[str] | None = None) -> None:
                     for p, r in zip(pairs, ratios)],
     }
     table = Table(title=f"multiplex: {len(jobs)} jobs x {steps} steps, 1 rollout + 1 trainer engine")
-    for col in ("mode", "engine-s/step", "makespan s", "bubble", "steps", "swaps", "swap s", "critical s",
+    for col in ("mode", "engine-s/step", "makespan s", "bubble", "CPU s", "steps", "swaps", "swap s", "critical s",
                 "hidden"):
         table.add_column(col, justify="right")
     for mode, r in results.items():
         sw = r["swap"]
         hidden = "-" if sw["hidden_share"] is None else f"{sw['hidden_share']:.0%}"
         table.add_row(mode, f"{r['engine_s_per_step']:.3f}", f"{r['makespan_s']:.1f}", f"{r['bubble_ratio']:.0%}",
-                      str(r["steps"]), str(int(sw["count"])), f"{sw['seconds']:.3f}", f"{sw['critical_s']:.3f}", hidden)
+                      f"{r['cpu']['seconds']:.1f}", str(r["steps"]), str(int(sw["count"])), f"{sw['seconds']:.3f}",
+                      f"{sw['critical_s']:.3f}", hidden)
     table.add_row("shared/isolated", f"{summary['engine_s_per_step_ratio']:.2f}", f"{summary['makespan_ratio']:.2f}",
-                  "", "", "", "", "", "")
+                  "", "", "", "", "", "", "")
     console.print(table)
     if len(pairs) > 1:
         console.print("shared/isolated per repetition: " + ", ".join(f"{r:.2f}" for r in ratios)

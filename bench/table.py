@@ -51,6 +51,10 @@ def multiplex(d: dict[str, Any]) -> Row:
     result = (f"engine-s/step shared/isolated **{ratio:.2f}**{spread}, makespan {s['makespan_ratio']:.2f}; "
               f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
               f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}")
+    busy = {mode: m["cpu"]["seconds"] / (m["cpu"]["cores"] * m["makespan_s"])
+            for mode, m in d["modes"].items() if "cpu" in m}
+    if busy:
+        result += "; CPU cores busy " + ", ".join(f"{_pct(share)} {mode}" for mode, share in busy.items())
     target = s["target_engine_s_per_step_ratio"]
     return result, f"<= {target}", _yes(ratio <= target and diff == 0.0), _machine(d)
 
@@ -63,6 +67,13 @@ def simulate(d: dict[str, Any]) -> Row:
     result = (f"{best['jobs']} jobs on {best['gpus']} GPUs: makespan vs isolated {_pct(best['makespan_vs_isolated'])} "
               f"(spread+backfill {_pct(sb['makespan_vs_isolated'])}), GPU-h/step {_pct(best['gpu_hours_per_step_vs_isolated'])}; "
               f"decision p99 {p99:.0f} µs; run {d['run_s']:.0f} s")
+    calib = d.get("calibration") or {}
+    if "measured_ratio" in calib:
+        parts = [f"scheduling {calib.get('scheduling_ratio', calib['ratio']):.2f}"]
+        if "cpu_bound_ratio" in calib:
+            parts.append(f"cores bound {calib['cpu_bound_ratio']:.2f}")
+        result += (f"; calibration vs multiplex: predicted shared/isolated {calib['ratio']:.2f} "
+                   f"({', '.join(parts)}), measured {calib['measured_ratio']:.2f}")
     target = f"PlexRL {_pct(ref['plexrl_makespan_vs_isolated_spread_backfill'])}; p99 < {ref['tick_p99_target_us'] / 1000:g} ms"
     return result, target, _yes(p99 < ref["tick_p99_target_us"] and d["run_s"] < 60), _machine(d)
 

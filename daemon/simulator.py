@@ -590,6 +590,8 @@ class PhaseModel(msgspec.Struct, kw_only=True):
     rollout_slots: int = 1
     busy_share: float  # engine-busy share of an isolated step's wall time
     train_share: float  # trainer share of the busy time
+    cpu_s: float | None = None  # CPU seconds the isolated run's processes spent (engines, rewards, drivers, daemon)
+    cores: int | None = None  # the CPU cores they shared
     measured: dict[str, float] = {}  # the benchmark's own numbers
 
     def trace(self) -> Trace:
@@ -617,7 +619,9 @@ def calibrate_from(multiplex_json: str | Path | dict[str, Any], train_share: flo
     per-step ``generate_s`` and ``train/seconds`` metrics of the run behind
     ``bench/results/multiplex.json``); if a job records per-step ``generate_s`` and
     ``train_s`` means they are used instead, job by job. ``rollout_slots=1``: on this machine's two cores
-    concurrent generate calls share the same CPUs, so a call is taken to own the engine.
+    concurrent generate calls share the same CPUs, so a call is taken to own the engine. The
+    CPU seconds the isolated run's processes spent and the cores they had (its ``cpu``, when
+    recorded) bound the shared run's makespan (see ``predict``).
     """
     data = json.loads(Path(multiplex_json).read_text()) if not isinstance(multiplex_json, dict) else multiplex_json
     modes = data["modes"]
@@ -644,20 +648,33 @@ def calibrate_from(multiplex_json: str | Path | dict[str, Any], train_share: flo
         measured["shared_engine_s_per_step"] = shared["engine_s_per_step"]
         measured["shared_bubble_ratio"] = shared["bubble_ratio"]
         measured["ratio"] = shared["engine_s_per_step"] / iso["engine_s_per_step"]
+    cpu = iso.get("cpu") or {}
     return PhaseModel(jobs=jobs, pairs=pairs, rollout_slots=rollout_slots, busy_share=busy_share,
-                      train_share=train_share, measured=measured)
+                      train_share=train_share, cpu_s=cpu.get("seconds"), cores=cpu.get("cores"), measured=measured)
 
 
 def predict(model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine: int = 8,
             max_switches: int = 4) -> dict[str, float]:
     """Simulate the model's jobs isolated and shared; the predicted shared / isolated ratio of
-    engine-seconds per step, beside the measured one (the daemon's defaults: 8 jobs per engine)."""
+    engine-seconds per step, beside the measured one (the daemon's defaults: 8 jobs per engine).
+
+    The simulator gives every engine its own processors, as GPUs are; the benchmark's engines,
+    reward code, drivers and daemon share ``cores`` CPU cores. So when the isolated run's CPU
+    seconds are known, the shared makespan is also at least ``cpu_s / cores`` (the same work on
+    the same cores, packed without a gap): the prediction is the larger of the two
+    (``scheduling_ratio``: the simulator's alone; ``cpu_bound_ratio``: the cores' bound)."""
     trace, cfg = model.trace(), model.config()
     iso = simulate(trace, "isolated", config=cfg)
     shared = simulate(trace, policy, jobs_per_engine=jobs_per_engine, max_switches=max_switches, config=cfg)
     out = {"isolated_engine_s_per_step": iso.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
            "shared_engine_s_per_step": shared.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
            "isolated_bubble_ratio": iso.bubble_ratio, "shared_bubble_ratio": shared.bubble_ratio}
+    out["scheduling_ratio"] = out["shared_engine_s_per_step"] / out["isolated_engine_s_per_step"]
+    if model.cpu_s is not None and model.cores:
+        engines, steps = 2 * model.pairs, sum(j.steps for j in model.jobs)
+        cpu_bound = engines * model.cpu_s / model.cores / steps
+        out["cpu_bound_ratio"] = cpu_bound / out["isolated_engine_s_per_step"]
+        out["shared_engine_s_per_step"] = max(out["shared_engine_s_per_step"], cpu_bound)
     out["ratio"] = out["shared_engine_s_per_step"] / out["isolated_engine_s_per_step"]
     if "ratio" in model.measured:
         out["measured_ratio"] = model.measured["ratio"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,3 +39,16 @@ def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     # share hidden is read from them against the engines' busy spans
     assert 0 < summary["background_moves"] <= swaps["nvme->host"]["count"] + swaps["host->nvme"]["count"]
     assert 0 <= summary["behind_other_jobs_s"] <= summary["background_s"] + 1e-6
+    # the CPU the cluster's processes spent while the jobs ran, with the two engine workers apart:
+    # the calibration of bench/simulate.py bounds the shared run by the isolated run's CPU seconds
+    for mode in result["modes"].values():
+        cpu = mode["cpu"]
+        assert cpu["cores"] >= 1 and {"rollout", "trainer", "rest"} <= set(cpu["by_process"])
+        assert all(seconds >= 0 for seconds in cpu["by_process"].values())
+        assert cpu["by_process"]["rollout"] > 0 and cpu["by_process"]["trainer"] > 0
+        assert cpu["seconds"] == pytest.approx(sum(cpu["by_process"].values()))
+        # no engine worker spends more CPU than the cores had while the jobs ran
+        run_s = mode["makespan_s"] if mode["policy"] != "isolated" else sum(
+            j["run_s"] for j in mode["jobs"].values())
+        for kind in ("rollout", "trainer"):
+            assert cpu["by_process"][kind] <= cpu["cores"] * run_s + 1

@@ -202,6 +202,28 @@ def test_calibration_round_trip():
         assert out["isolated_bubble_ratio"] == pytest.approx(0.7, abs=0.01)
 
 
+def test_calibration_holds_the_shared_run_to_the_cores_bound():
+    # the benchmark's engines, rewards and drivers share the machine's cores: the CPU seconds of
+    # the isolated run over the cores bound the shared makespan, whatever the schedule allows
+    truth = PhaseModel(jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4)],
+                       busy_share=0.6, train_share=1 / 3)
+    data = multiplex_json(truth, with_phases=True)
+    iso = data["modes"]["isolated"]
+    assert "cpu" not in iso and "cpu_bound_ratio" not in predict(calibrate_from(data))
+    scheduling = predict(calibrate_from(data))["ratio"]
+    iso_eps = iso["engine_s_per_step"]
+    steps = sum(j.steps for j in truth.jobs)
+    for cpu_s, cores in ((1.0, 2), (iso["makespan_s"] * 2, 2), (iso["makespan_s"] * 3, 4)):
+        iso["cpu"] = {"seconds": cpu_s, "cores": cores, "by_process": {"rest": cpu_s}}
+        out = predict(calibrate_from(data))
+        assert out["scheduling_ratio"] == pytest.approx(scheduling)
+        # 2 engines busy for cpu_s / cores seconds at least, over the same steps
+        assert out["cpu_bound_ratio"] == pytest.approx(2 * cpu_s / cores / steps / iso_eps, rel=0.02)
+        assert out["ratio"] == pytest.approx(max(scheduling, out["cpu_bound_ratio"]))
+    assert out["ratio"] > scheduling  # 3 x the isolated makespan of CPU on 4 cores: 0.75 of isolated
+    assert out["ratio"] == pytest.approx(0.75, rel=0.02)
+
+
 def test_calibrates_from_the_benchmark_file(tmp_path):
     path = REPO / "bench" / "results" / "multiplex.json"
     if not path.exists():
