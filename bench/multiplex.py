@@ -92,9 +92,10 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
     if up.returncode != 0:
         raise SystemExit(f"plexctl up --policy {policy} failed: {up.stderr}")
     state_dir = home / "clusters" / "default"
-    client = Client(read_endpoint(state_dir).address)
+    endpoint = read_endpoint(state_dir)
+    client = Client(endpoint.address)
     try:
-        root = read_endpoint(state_dir).pid
+        root = endpoint.pid  # the daemon: every process of the cluster descends from it
         cpu0 = cluster_cpu_s(root)
         ids = {}
         for name, overrides in jobs.items():
@@ -151,7 +152,7 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
         "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
         "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
         "swaps": swaps, "swap": swap_summary(swaps, background),
-        "engine_busy_s": {e.kind: e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines},
+        "engine_busy_s": {e.engine_id: e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines},
         "cpu": {"cores": os.cpu_count(), "seconds": sum(cpu1.values()) - sum(cpu0.values()),
                 "by_process": {role: cpu1.get(role, 0.0) - cpu0.get(role, 0.0) for role in sorted({*cpu0, *cpu1})}},
     }
