@@ -736,6 +736,68 @@ def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, 
     assert_only_spares_left(store)
 
 
+def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_dir: str, alone: dict,
+                                                                         tmp_path: Path, monkeypatch) -> None:
+    """A job needed again while the write-behind thread still has its copy swaps in from host
+    memory at once, without waiting for the write: whether that write is under way (it goes on,
+    its file becomes a spare) or not begun (it is skipped). The job trains on bit-exactly, the
+    writes that were not taken back land, and every host buffer goes back to the pool once."""
+    trainer = engine(model_dir)
+    size = StateStore.job_bytes(JOBS["j0"][0], config_json(model_dir))
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
+                       write_behind_bytes=8 * size)
+    taken: list[torch.Tensor] = []
+    given: list[torch.Tensor] = []
+    pool_take, pool_give = store._pool.take, store._pool.give
+    monkeypatch.setattr(store._pool, "take", lambda n: taken.append(pool_take(n)) or taken[-1])
+    monkeypatch.setattr(store._pool, "give", lambda b: given.append(b) or pool_give(b))
+    writing, release = threading.Event(), threading.Event()
+    write_copy = state_store._write_copy
+    written: list[str] = []
+
+    def held_write(path: Path, state: Any, reuse: int | None = None) -> Any:
+        written.append(path.name)
+        writing.set()
+        release.wait()
+        return write_copy(path, state, reuse=reuse)
+
+    monkeypatch.setattr(state_store, "_write_copy", held_write)
+    safety = threading.Timer(60, release.set)  # a store that waited for the write would hang without it
+    safety.start()
+    try:
+        ensure(store, "j3")
+        train(trainer, "j3", 0)
+        ensure(store, "j2")  # j3's copy goes to the write-behind thread, whose write is held
+        assert writing.wait(timeout=60) and store.where("j3") == "host"
+        train(trainer, "j2", 0)
+        report = ensure(store, "j3")  # j3 back mid-write; j2's copy queued behind it
+        assert report["swap_in"] == "host" and report["evicted"] == ["j2"] and not release.is_set()
+        train(trainer, "j3", 1)
+        assert_like_alone(trainer, "j3", alone["j3"][1])
+        report = ensure(store, "j2")  # j2 back before its write began; j3's copy queued again
+        assert report["swap_in"] == "host" and not release.is_set()
+        train(trainer, "j2", 1)
+        assert_like_alone(trainer, "j2", alone["j2"][1])
+    finally:
+        release.set()
+        safety.cancel()
+    assert store.wait_written(timeout=60)
+    assert store.where("j2") == "device" and store.where("j3") == "nvme"
+    swaps = store.inventory()["swaps"]
+    assert swaps["host->nvme"]["count"] == 1 and swaps["host->nvme"]["stalled_s"] == 0  # j3's last copy only
+    assert [(m.direction, m.job_id) for m in store.background_moves()[1]] == [("host->nvme", "j3")]
+    # j3's first write went on and its file became a spare, j2's was skipped, j3's last copy
+    # overwrote that spare in place
+    assert len(written) == 2 and written[0] == written[1] == nvme_files(store)["j3"] and store._spares == []
+    assert ensure(store, "j3")["swap_in"] == "nvme"
+    train(trainer, "j3", 2)
+    assert_like_alone(trainer, "j3", alone["j3"][2])
+    for job_id in ("j2", "j3"):
+        store.drop(job_id)
+    assert sorted(map(id, taken)) == sorted(map(id, given))  # each buffer back once per use
+    assert_only_spares_left(store)
+
+
 def test_write_behind_once_its_thread_takes_no_more_work_writes_on_the_callers(model_dir: str,
                                                                               tmp_path: Path) -> None:
     """When the write-behind thread takes no more work (the interpreter is exiting: its pool

@@ -73,9 +73,10 @@ With ``write_behind_bytes`` (the worker's ``--write-behind``), those nvme writes
 demotions, and the victim when it goes straight to nvme) are left to a write-behind thread
 when they fit in that allowance: the victim lands in host memory and the call goes on; until
 written, the copies stay in host memory, over ``host_bytes`` by at most the allowance, and
-count on both tiers. A job needed again meanwhile waits for its write (``stalled_s``) and is
-read back; a write that runs out of space leaves its copy in host memory, as a demotion's
-would. ``wait_written`` waits for the writes in flight.
+count on both tiers. A job needed again meanwhile takes its host copy back: swapped in from
+host memory, without waiting for the write (one under way goes on reading the copy, its file
+becomes a spare; one not begun is skipped). A write that runs out of space leaves its copy in
+host memory, as a demotion's would. ``wait_written`` waits for the writes in flight.
 ``prefetch`` brings a job from nvme to host ahead of need. ``inventory`` reports each tier's capacity, use
 and jobs, and per swap direction: ``count``, ``bytes`` (``JobStateCopy.nbytes``; a device job's
 bytes are its adapter + optimizer bytes as of the last ``ensure_resident``), ``seconds``, and
@@ -219,6 +220,9 @@ class _Record:
     host_buffer: torch.Tensor | None = field(default=None, repr=False)  # the pool's memory under host_copy
     moving_to: str | None = None  # set while a thread moves it: others wait, plans skip it
     nvme: _NvmeCopy | None = field(default=None, repr=False)  # set while tier == NVME: its file and metadata
+    behind: int | None = None  # handoff number while the write-behind thread is to write host_copy to nvme
+    writing_from: torch.Tensor | None = field(default=None, repr=False)  # the buffer that thread reads now
+    orphan: torch.Tensor | None = field(default=None, repr=False)  # that buffer, once the copy was taken back
 
 
 @dataclass
@@ -325,6 +329,7 @@ class StateStore:
         self._background_seq = 0  # background moves ever logged
         self._behind_bytes = 0  # bytes of copies handed to the write-behind thread, not yet written
         self._writer: ThreadPoolExecutor | None = None  # the write-behind thread, made on first use
+        self._handoffs = itertools.count(1)  # numbers the copies handed to the write-behind thread
         self._pool = HostBufferPool(pinned=_pin_if_cuda())  # host copies: exported, or read from nvme
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
         self._nvme_nospace = 0  # nvme writes that failed for lack of space
@@ -349,7 +354,7 @@ class StateStore:
         with self._serial:
             self._refresh_device_bytes()
             with self._cond:
-                record = self._settled(job_id)
+                record = self._take_back(job_id, lora) or self._settled(job_id)
                 if record is not None:
                     _check_same_lora(record, lora)
                     if record.tier == DEVICE:
@@ -363,7 +368,7 @@ class StateStore:
                 self._make_room(job_id, credit, moves)
                 self._swap_in(job_id, record, incoming, read_seconds, lora, seed, weight_decay, moves)
                 if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
-                    self._pool.give(buffer)
+                    self._give_back_imported(record, buffer)
             except BaseException:
                 self._unmark([record] if record is not None else [])
                 raise
@@ -635,31 +640,36 @@ class StateStore:
             victim.tier, victim.nbytes, victim.host_copy, victim.host_buffer = HOST, state.nbytes, state, state.memory
             victim.moving_to = NVME if placement.tier == NVME else None
             self._swaps["device->host"].add(state.nbytes, export_seconds)
+            handoffs = []
+            for record in writes:
+                record.behind = next(self._handoffs)
+                handoffs.append((record, record.behind))
             self._cond.notify_all()
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-behind")
         try:
-            self._writer.submit(self._write_behind, writes, behind)
+            self._writer.submit(self._write_behind, handoffs, behind)
         except RuntimeError:  # the interpreter is shutting down (no new work for threads): write here
-            self._write_behind(writes, behind)
+            self._write_behind(handoffs, behind)
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
 
-    def _write_behind(self, records: list[_Record], nbytes: int) -> None:
-        """On the write-behind thread: demote ``records`` (host copies marked for nvme) in
-        order. A copy that cannot go down (no space, an I/O error: logged) stays in host memory
-        with those after it."""
+    def _write_behind(self, handoffs: list[tuple[_Record, int]], nbytes: int) -> None:
+        """On the write-behind thread: demote the host copies handed over (records marked for
+        nvme, with their handoff numbers) in order, but for those taken back meanwhile. A copy
+        that cannot go down (no space, an I/O error: logged) stays in host memory with those
+        after it."""
         try:
-            for i, record in enumerate(records):
+            for i, (record, handoff) in enumerate(handoffs):
                 try:
-                    self._demote(record, critical=False)
+                    self._demote(record, critical=False, handoff=handoff)
                 except _NoSpace:
-                    self._unmark(records[i:])
+                    self._unmark_behind(handoffs[i:])
                     return
                 except Exception:  # noqa: BLE001 - the copies stay on host; the next eviction tries again
                     log.warning("write-behind of %s's state to nvme failed; it stays in host memory",
                                 record.job_id, exc_info=True)
-                    self._unmark(records[i:])
+                    self._unmark_behind(handoffs[i:])
                     return
         finally:
             with self._cond:
@@ -686,23 +696,85 @@ class StateStore:
             victim.moving_to = HOST
             return HOST
 
-    def _demote(self, record: _Record, critical: bool = True) -> None:
+    def _demote(self, record: _Record, critical: bool = True, handoff: int | None = None) -> None:
         """Write a host copy (marked moving to nvme) to nvme, then let go of it (its pool
-        buffer, if any, goes back to the pool). ``critical``: called by ensure_resident."""
-        assert record.host_copy is not None
-        state, buffer = record.host_copy, record.host_buffer
-        trainer_cpu, wall = None if critical else self._trainer_cpu(), time.time()
-        written, seconds = self._write_nvme(record.job_id, state)
-        overlap = self._trainer_cpu_since(trainer_cpu)
+        buffer, if any, goes back to the pool). ``critical``: called by ensure_resident.
+        ``handoff``: the write-behind thread's number for the copy; a copy taken back
+        (``_take_back``) before its write begins is skipped, one taken back while written is
+        not landed (its file becomes a spare)."""
         with self._cond:
-            record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
-            record.nvme = written
-            self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
-            if not critical:
-                self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
-            self._cond.notify_all()
-        if buffer is not None:
+            if handoff is not None:
+                if record.behind != handoff:
+                    return
+                record.writing_from = record.host_buffer
+            state, buffer = record.host_copy, record.host_buffer
+        assert state is not None
+        trainer_cpu, wall = None if critical else self._trainer_cpu(), time.time()
+        try:
+            written, seconds = self._write_nvme(record.job_id, state)
+        except BaseException:
+            if handoff is not None:  # the copy stays in host memory (or was taken back): its buffer is not freed
+                self._end_write(record, None)
+            raise
+        overlap = self._trainer_cpu_since(trainer_cpu)
+        doomed: list[Path] = []
+        with self._cond:
+            if handoff is None or record.behind == handoff:
+                record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
+                record.nvme, record.behind = written, None
+                self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
+                if not critical:
+                    self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
+                self._cond.notify_all()
+            else:  # taken back while written: the file is no copy of anything
+                self._spares.append(_Spare(written.path, written.file_bytes))
+                doomed = self._trim_spares()
+                buffer = None
+                self._cond.notify_all()
+        _unlink_all(doomed)
+        if handoff is not None:
+            self._end_write(record, buffer)
+        elif buffer is not None:
             self._pool.give(buffer)
+
+    def _end_write(self, record: _Record, landed: torch.Tensor | None) -> None:
+        """The write-behind thread is done reading the record's copy: give back the buffer of a
+        copy that landed on nvme (``landed``), or that of one taken back meanwhile, once the
+        trainer has imported it (else the trainer gives it back: ``_give_back_imported``)."""
+        with self._cond:
+            orphan, record.orphan, record.writing_from = record.orphan, None, None
+        for buffer in (landed, orphan):
+            if buffer is not None:
+                self._pool.give(buffer)
+
+    def _take_back(self, job_id: str, lora: LoraConfig) -> _Record | None:
+        """The job's record, marked moving to the device, if its host copy was handed to the
+        write-behind thread and not yet landed on nvme: the handoff is void, the copy swaps in
+        from host memory (caller holds the lock). Else None."""
+        record = self._records.get(job_id)
+        if record is None or record.behind is None or record.moving_to != NVME:
+            return None
+        if lora_signature(record.lora) != lora_signature(lora):
+            return None  # refused by the caller, once the write landed
+        record.behind, record.moving_to = None, DEVICE
+        return record
+
+    def _give_back_imported(self, record: _Record | None, buffer: torch.Tensor) -> None:
+        """A host copy's buffer after the trainer imported it: back to the pool, unless the
+        write-behind thread still reads it (a copy taken back mid-write): then that thread gives it back."""
+        with self._cond:
+            if record is not None and record.writing_from is buffer:
+                record.orphan = buffer
+                return
+        self._pool.give(buffer)
+
+    def _unmark_behind(self, handoffs: list[tuple[_Record, int]]) -> None:
+        """After a failed write-behind: the copies handed over and not taken back stay in host memory."""
+        with self._cond:
+            for record, handoff in handoffs:
+                if record.behind == handoff:
+                    record.behind, record.moving_to = None, None
+            self._cond.notify_all()
 
     # ------------------------------------------------------------ planning (callers hold the lock)
 
