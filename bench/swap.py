@@ -25,7 +25,7 @@ nvme->host              ``prefetch``: the verified reader          read of that 
 
 The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
 O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
-store's writes use (``state_store.IO_DEPTH``; its reads keep ``READ_AHEAD`` in flight); writes
+store uses (``state_store.IO_DEPTH``); writes
 also in place over the blocks of the file's last write (no truncation: what the store does when
 it reuses a spare file, so the raw figure is never a slower way than the store's own). Same
 conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same

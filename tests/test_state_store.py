@@ -484,6 +484,42 @@ def test_multi_chunk_copies_round_trip_and_reject_a_flipped_byte(
         state_store._read_copy(written, pool)
 
 
+def test_a_slow_read_request_holds_up_no_other(model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk serves requests out of order: the second chunk's request is held until every
+    other chunk has been read (with a 30 s safety release). The read keeps the other requests
+    going and checksums each chunk as it lands, then returns the verified copy; reading in
+    order, a few requests ahead, it would stall behind the held one until the release."""
+    monkeypatch.setattr(state_store, "IO_CHUNK_BYTES", 2 * state_store.DIRECT_ALIGN)
+    trainer = engine(model_dir)
+    trainer.ensure_job("j0", *JOBS["j0"][:2])
+    train(trainer, "j0", 0)
+    copy = trainer.export_state("j0")
+    written = state_store._write_copy(tmp_path / "j0.bin", copy)
+    chunks = len(written.sums)
+    assert chunks > 3 * state_store.IO_DEPTH
+    held, others_done, lock = 1, threading.Event(), threading.Lock()
+    landed: list[int] = []
+    read_into = state_store._read_into
+
+    def out_of_order(fd: int, buffers: list, offset: int, nbytes: int) -> None:
+        chunk = offset // state_store.IO_CHUNK_BYTES
+        if chunk == held:
+            released = others_done.wait(30)
+            landed.append(-1 if not released else chunk)
+        read_into(fd, buffers, offset, nbytes)
+        with lock:
+            if chunk != held:
+                landed.append(chunk)
+            if len(landed) == chunks - 1:
+                others_done.set()
+
+    monkeypatch.setattr(state_store, "_read_into", out_of_order)
+    back, buffer = state_store._read_copy(written, HostBufferPool())
+    assert -1 not in landed, "the read waited for the held request before asking for the others"
+    assert landed[-1] == held and sorted(landed) == list(range(chunks))
+    assert_exactly_equal(copy.tensors, back.tensors, "tensors")
+
+
 def test_host_buffer_pool_reuses_buffers_of_a_fitting_size() -> None:
     pool = HostBufferPool(keep=2)
     kib = 1024

@@ -38,9 +38,9 @@ the copy's buffer, one request per chunk on the copy-I/O threads, each checksumm
 the calling thread writes the last chunk while the checksum thread checksums it (a copy over other
 memory is gathered through ``WRITE_BOUNCES`` bounce buffers). Reads: the copy is laid over a
 pool buffer from its record, then the first chunk is read by the calling thread while the
-next ``READ_AHEAD`` are in flight on the copy-I/O threads, and so on in order, each one's
-checksum on the checksum thread as it lands (the reader takes over those not started when all have
-landed). Reading with O_DIRECT (``READ_DIRECT``) keeps no page-cache copy of a file that is
+others are in flight on the copy-I/O threads (IO_DEPTH at once, as writes), each one's checksum
+on the checksum thread as it lands, in whatever order they land: one slow request holds up no
+other (the reader sums the last to land, and takes over those not started by then). Reading with O_DIRECT (``READ_DIRECT``) keeps no page-cache copy of a file that is
 not read again; on the VM disk this was measured on,
 buffered reads of a 1 GiB copy ran at 55-75 % of raw whenever the page cache's pages had to be
 faulted back in. A copy costs one ``fdatasync``, of its file (the directory is not synced:
@@ -139,7 +139,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
@@ -178,7 +178,6 @@ IO_CHUNK_BYTES = 8 << 20  # one file request, and one checksummed chunk of a cop
 IO_DEPTH = 8  # requests in flight (the copy-I/O threads); a write's checksum holds its slot
 WRITE_BOUNCES = 4  # page-aligned chunk buffers a copy over other memory is written through (<= 4 in flight)
 DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
-READ_AHEAD = 4  # chunk reads in flight on the copy-I/O threads, ahead of their checksums
 READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the module docstring), else buffered
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 BACKGROUND_MOVES_KEPT = 4096  # background moves kept for background_moves()
@@ -1396,11 +1395,12 @@ def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:
 def _read_copy(copy: _NvmeCopy, pool: HostBufferPool) -> tuple[JobStateCopy, torch.Tensor]:
     """The copy, verified, and the pool buffer that holds it (its data section, which becomes
     the copy's memory); every failure is a one-line CorruptCopyError (and the buffer goes back
-    to the pool). Read with O_DIRECT where the filesystem takes it (READ_DIRECT): the first
-    chunk by this thread while the next READ_AHEAD are in flight on the copy-I/O threads, and
-    so on in order, each one's checksum handed to the checksum thread as it lands (the last one's
-    computed here). The copy's tensors are laid over the buffer first; it is returned once
-    every chunk's checksum matched."""
+    to the pool). Read with O_DIRECT where the filesystem takes it (READ_DIRECT): one request
+    per chunk, the first by this thread while the others are in flight on the copy-I/O threads
+    (IO_DEPTH at once); each chunk's checksum goes to the checksum thread as that chunk lands,
+    in whatever order they land (a slow request holds up no other), and the last to land is
+    summed here. The copy's tensors are laid over the buffer first; it is returned once every
+    chunk's checksum matched."""
     where = f"nvme copy of job {copy.job_id!r} at {copy.path}"
     try:
         fd, direct = _open_copy_file(copy.path, write=False) if READ_DIRECT else (os.open(copy.path, os.O_RDONLY),
@@ -1408,7 +1408,7 @@ def _read_copy(copy: _NvmeCopy, pool: HostBufferPool) -> tuple[JobStateCopy, tor
     except OSError as exc:
         raise CorruptCopyError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     buffer = checksums = None
-    reads: list[Future[None]] = []  # reads[i]: spans[i + 1], READ_AHEAD in flight
+    reads: dict[Future[None], int] = {}  # request in flight -> its chunk
     try:
         size = os.fstat(fd).st_size
         if size != copy.file_bytes:
@@ -1416,34 +1416,28 @@ def _read_copy(copy: _NvmeCopy, pool: HostBufferPool) -> tuple[JobStateCopy, tor
         nbytes, chunk = copy.nbytes, copy.chunk_bytes
         buffer = pool.take(nbytes)
         view = memoryview(buffer.numpy())
-        checksums = _Checksums(view)
         spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
-
-        def read_ahead(upto: int) -> None:
-            while len(reads) < min(upto, len(spans) - 1):
-                start, end = spans[len(reads) + 1]
-                request = _round_up(end - start, DIRECT_ALIGN) if direct else end - start
-                reads.append(_io_threads().submit(_read_into, fd, [view[start : start + request]], start, end - start))
-
+        checksums = _Checksums(view, spans)
         try:
             state = _copy_over(buffer, copy)
         except Exception as exc:  # the writer's or the format's fault
             raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
-        read_ahead(READ_AHEAD)
+        for index, (start, end) in enumerate(spans[1:], 1):
+            request = _round_up(end - start, DIRECT_ALIGN) if direct else end - start
+            reads[_io_threads().submit(_read_into, fd, [view[start : start + request]], start, end - start)] = index
         first = spans[0][1]
         _read_into(fd, [view[: _round_up(first, DIRECT_ALIGN) if direct else first]], 0, first)
-        for index, (start, end) in enumerate(spans):
-            read_ahead(index + 1 + READ_AHEAD)
-            if index:  # (the first was read above)
-                reads[index - 1].result()
-            if index == len(spans) - 1:
-                checksums.add_here(start, end)
-            else:
-                checksums.add_aside(start, end)
+        if not reads:
+            checksums.add_here(0)
+        else:
+            checksums.add_aside(0)
+            for count, future in enumerate(as_completed(reads), 1):
+                future.result()  # a failed request raises
+                (checksums.add_here if count == len(reads) else checksums.add_aside)(reads[future])
         if checksums.result() != copy.sums:
             raise CorruptCopyError(f"{where}: does not match its checksums (corrupt)")
     except BaseException as exc:
-        wait_all(reads)
+        wait_all(list(reads))
         if checksums is not None:
             checksums.wait()  # no thread uses the buffer once it is back in the pool
         if buffer is not None:
@@ -1457,34 +1451,44 @@ def _read_copy(copy: _NvmeCopy, pool: HostBufferPool) -> tuple[JobStateCopy, tor
 
 
 class _Checksums:
-    """The checksum of each chunk of a buffer: computed on the checksum thread (``add_aside``) or here
-    (``add_here``), when ``result`` is asked for."""
+    """The checksum of each chunk (``spans``, in order) of a buffer: computed on the checksum thread
+    (``add_aside``) or here (``add_here``), when ``result`` is asked for."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, spans: list[tuple[int, int]]) -> None:
         self.view = view
-        self._jobs: list[tuple[Future[int] | None, tuple[int, int]]] = []  # (pending on the checksum thread, span)
+        self.spans = spans
+        self._jobs: dict[int, Future[int] | None] = {}  # chunk -> pending on the checksum thread (None: here)
+        self._order: list[int] = []  # chunks in the order they were added
 
-    def add_aside(self, start: int, end: int) -> None:
+    def add_aside(self, index: int) -> None:
+        start, end = self.spans[index]
         if end - start < SUM_ASIDE_MIN_BYTES:
-            self.add_here(start, end)
+            self.add_here(index)
             return
-        self._jobs.append((_sum_thread().submit(_checksum, self.view[start:end]), (start, end)))
+        self._jobs[index] = _sum_thread().submit(_checksum, self.view[start:end])
+        self._order.append(index)
 
-    def add_here(self, start: int, end: int) -> None:
-        self._jobs.append((None, (start, end)))
+    def add_here(self, index: int) -> None:
+        self._jobs[index] = None
+        self._order.append(index)
 
     def wait(self) -> None:
-        wait_all([future for future, _ in self._jobs if future is not None])
+        wait_all([future for future in self._jobs.values() if future is not None])
 
     def result(self) -> list[int]:
-        """Every chunk's checksum, in order. Those the checksum thread has not started yet are computed
-        here, newest first (it works from the oldest, so the two meet in between)."""
-        here: dict[int, int] = {}
-        for index in reversed(range(len(self._jobs))):
-            future, (start, end) = self._jobs[index]
+        """Every chunk's checksum, in chunk order. Those the checksum thread has not started yet are
+        computed here, the last added first (it works from the first, so the two meet in between)."""
+        sums: dict[int, int] = {}
+        for index in reversed(self._order):
+            future = self._jobs[index]
             if future is None or future.cancel():
-                here[index] = _checksum(self.view[start:end])
-        return [here[i] if i in here else future.result() for i, (future, _) in enumerate(self._jobs)]
+                start, end = self.spans[index]
+                sums[index] = _checksum(self.view[start:end])
+        for index, future in self._jobs.items():
+            if index not in sums:
+                assert future is not None
+                sums[index] = future.result()
+        return [sums[index] for index in range(len(self.spans))]
 
 
 def _read_into(fd: int, buffers: list[memoryview], offset: int, nbytes: int) -> None:
