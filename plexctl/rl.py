@@ -60,7 +60,7 @@ __all__ = ["CallFailed", "Completion", "DaemonLost", "Job", "JobCancelled", "Job
            "TrainHParams", "build_batch"]
 
 EVAL_SEED = 12345
-NO_SPACE = "no space left"  # how a checkpoint fails when its filesystem is full (worker.trainer.NoSpaceError)
+NO_SPACE = "no space left"  # how a checkpoint fails when its filesystem is full (worker.errors.NoSpaceError)
 
 
 class JobCancelled(Exception):

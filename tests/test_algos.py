@@ -24,14 +24,9 @@ from plexctl.algos.rloo import RLOO, leave_one_out_advantages
 from plexctl.protocol import Completion, LoraConfig, TrainBatch, TrainHParams
 from plexctl.rl import Job, JobClient, Rollout
 from plexctl.spec import SpecError, load_spec
-from worker.trainer import (
-    BatchError,
-    TrainerEngine,
-    UntrustedCodeError,
-    _aggregation_weights,
-    _grpo_token_terms,
-    _tis_token_terms,
-)
+from worker.errors import BatchError, UntrustedCodeError
+from worker.loss_terms import aggregation_weights, grpo_token_terms, tis_token_terms
+from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-arith.yaml"
@@ -179,7 +174,7 @@ MASK = torch.tensor([[True, True, False], [True, False, False]])
     ("seq-mean-token-sum-norm", 0, [[1 / 4, 1 / 4, 0], [1 / 4, 0, 0]]),  # no L_max: the longest row (2)
 ])
 def test_aggregation_weights(agg: str, norm_len: int, expected: list[list[float]]) -> None:
-    torch.testing.assert_close(_aggregation_weights(MASK, agg, norm_len), torch.tensor(expected))
+    torch.testing.assert_close(aggregation_weights(MASK, agg, norm_len), torch.tensor(expected))
 
 
 def test_clipped_and_truncated_is_losses_by_hand() -> None:
@@ -187,11 +182,11 @@ def test_clipped_and_truncated_is_losses_by_hand() -> None:
     logp = torch.log(torch.tensor([[3.0, 0.5, 1.0]])).requires_grad_()  # ratios 3, 0.5, 1
     adv = torch.tensor([2.0])
     hp = TrainHParams(clip_low=0.2, clip_high=0.28, loss="pg-clip")
-    clipped = _grpo_token_terms(logp, old, None, adv, hp)
+    clipped = grpo_token_terms(logp, old, None, adv, hp)
     # A > 0: min(r A, clip(r) A) = 1.28 A at r 3 (clipped), 0.5 A at r 0.5, A at r 1
     torch.testing.assert_close(clipped.loss, torch.tensor([[-2.56, -1.0, -2.0]]))
     assert clipped.clipped.tolist() == [[True, False, False]]
-    tis = _tis_token_terms(logp, old, None, adv, TrainHParams(loss="pg-tis", loss_params={"cap": 2.0}))
+    tis = tis_token_terms(logp, old, None, adv, TrainHParams(loss="pg-tis", loss_params={"cap": 2.0}))
     # -A min(r, cap): weights 2 (truncated), 0.5, 1; the gradient is -A w d(log p)
     torch.testing.assert_close(tis.loss, torch.tensor([[-4.0, -1.0, -2.0]]))
     assert tis.clipped.tolist() == [[True, False, False]] and tis.ratio[0, 0].item() == pytest.approx(3.0)

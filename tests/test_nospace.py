@@ -34,7 +34,8 @@ from worker.state_store import (
     StateStore,
     TierFullError,
 )
-from worker.trainer import CheckpointError, NoSpaceError, TrainerEngine
+from worker.errors import CheckpointError, NoSpaceError
+from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = LoraConfig(rank=8)

@@ -28,7 +28,8 @@ from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import state_store
 from worker.state_store import CorruptCopyError, HostBufferPool, StateStore, TierFullError
-from worker.trainer import PARKED_ADAPTERS_MAX, JobConfigError, TrainerEngine
+from worker.errors import JobConfigError
+from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
 THREADS = 1  # two threads on a busy 2-core machine are ~30x slower for this tiny model

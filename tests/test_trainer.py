@@ -22,13 +22,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
-from worker.trainer import (
-    BatchError,
-    CheckpointError,
-    JobConfigError,
-    TrainerEngine,
-    UnknownJobError,
-)
+from worker.errors import BatchError, CheckpointError, JobConfigError, UnknownJobError
+from worker.trainer import TrainerEngine
 
 VOCAB = 64
 LORA_A = LoraConfig(rank=8, alpha=16, dropout=0.05)

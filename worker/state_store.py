@@ -151,22 +151,19 @@ import xxhash
 
 from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
-from worker.trainer import (
-    NO_SPACE_ERRNOS,
+from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
+from worker.errors import JobConfigError
+from worker.state_copy import (
     PAGE_BYTES,
     BufferPool,
-    JobConfigError,
     JobStateCopy,
     SpecBuffers,
     StateSpec,
     TensorViews,
-    TrainerEngine,
     aligned_host_buffer,
-    free_bytes,
-    lora_signature,
-    no_space_reason,
     state_spec,
 )
+from worker.trainer import TrainerEngine, lora_signature
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` l
 writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
 ``extra``, with a sha256 manifest), atomically. A write that runs out of disk space or quota
 (ENOSPC, EDQUOT) removes its temp dir, leaves the previous checkpoint as it was and raises
-``NoSpaceError``, one line with the directory, the bytes it needed and the bytes free.
+``NoSpaceError``, one line with the directory, the bytes it needed and the bytes free. The
+loss terms live in ``worker.loss_terms``, the state's layout, host copies and buffer pool in
+``worker.state_copy``, checkpoint files in ``worker.checkpoint_files``, errors in ``worker.errors``.
 
 How jobs share it. One ``peft.PeftModel`` holds every resident job's adapter side by side
 (``add_adapter`` once per job, under an engine-unique name). A call activates the
@@ -55,54 +57,80 @@ thread. Bit-exactness is a CPU guarantee; on GPU it additionally needs determini
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import io
 import json
 import math
-import os
-import shutil
-import tempfile
-import threading
 import time
-import uuid
 import warnings
-from collections.abc import Mapping
-from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator
 
 import msgspec
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 
-from plexctl.protocol import LOSS_AGGREGATIONS, LOSSES, LoraConfig, TrainBatch, TrainHParams
+from plexctl.protocol import (
+    LOSS_AGGREGATIONS,
+    LOSSES,
+    LoraConfig,
+    TrainBatch,
+    TrainHParams,
+)
 from plexctl.user_code import import_object
+from worker.checkpoint_files import (
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_FILES,
+    CHECKPOINT_FORMAT,
+    EXTRA,
+    MANIFEST,
+    TRAINER_STATE,
+    file_record,
+    read_checkpoint_payload,
+    read_manifest,
+    verify_checksums,
+    write_dir_atomically,
+    write_file,
+)
+from worker.errors import (
+    BatchError,
+    CheckpointError,
+    JobConfigError,
+    LossLoadError,
+    StateCopyError,
+    UnknownJobError,
+    UntrustedCodeError,
+)
+from worker.loss_terms import (
+    LOSS_PARAMS,
+    MetricSums,
+    aggregation_weights,
+    grpo_token_terms,
+    tis_token_terms,
+    user_token_terms,
+)
+from worker.state_copy import (
+    ADAPTER_PREFIX,
+    OPTIM_PREFIX,
+    PAGE_BYTES,
+    POOL_KEEP,
+    RNG_PREFIX,
+    JobStateCopy,
+    SpecBuffers,
+    StateSpec,
+    TensorViews,
+    aligned_host_buffer,
+    check_copy_fits,
+    dtype_name,
+    state_spec,
+)
 
 PAD_ID = 0
-LOSS_PARAMS = {"pg-clip": {}, "pg-tis": {"cap": 2.0}}  # each named loss's parameters and defaults
-LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| and |ref - logp| are clamped here (verl)
-KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-TRAINER_STATE = "trainer_state.pt"
-EXTRA = "extra.json"
-MANIFEST = "manifest.json"
-CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, EXTRA)  # checksummed by MANIFEST
-CHECKPOINT_FORMAT = "plexrl.trainer-checkpoint/1"
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write failed for lack of disk space or quota
 
-ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
-OPTIM_PREFIX = "optim/"
-RNG_PREFIX = "rng/"
-PAGE_BYTES = 4096  # host buffers start on a page (O_DIRECT file I/O needs it)
-POOL_KEEP = 2  # free buffers a BufferPool keeps for the next copies; parked slots that keep theirs on CPU
 PARKED_ADAPTERS_MAX = 4  # released adapters kept (with their slots) for import_state to reuse
 
 DTYPES: dict[str, torch.dtype] = {
@@ -111,159 +139,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------- errors
-
-
-class TrainerError(Exception):
-    """Base of the trainer engine's errors; the message is one line for the user."""
-
-
-class UnknownJobError(TrainerError, LookupError):
-    """The call names a job that is not resident on this engine."""
-
-
-class JobConfigError(TrainerError, ValueError):
-    """``ensure_job`` for a resident job with a different LoRA configuration."""
-
-
-class BatchError(TrainerError, ValueError):
-    """A malformed ``TrainBatch`` or hyper-parameter (ragged rows, no trainable token ...)."""
-
-
-class CheckpointError(TrainerError):
-    """A checkpoint that is missing, corrupt, or written for another adapter shape."""
-
-
-class NoSpaceError(CheckpointError):
-    """A checkpoint or adapter not written for lack of disk space or quota; the previous one is kept."""
-
-
-class StateCopyError(TrainerError, ValueError):
-    """``import_state`` of a copy that does not fit the job's adapter (keys, shapes, layout)."""
-
-
-class UntrustedCodeError(TrainerError, PermissionError):
-    """A custom loss for a job whose submitter the cluster does not trust with code in the trainer."""
-
-
-class LossLoadError(TrainerError):
-    """A custom loss ``module:function`` that cannot be imported, or returns the wrong shape."""
-
 
 # ---------------------------------------------------------------- per-job state
-
-
-@dataclass(frozen=True, eq=False)
-class StateGroup:
-    """One flat buffer of a job's state: tensors of one dtype back to back, ``offset`` bytes
-    into a copy's memory."""
-
-    name: str  # "<kind>.<dtype>": kind adapter, optim (AdamW's moments), step (its step counts) or rng
-    dtype: torch.dtype
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    numels: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-class StateSpec:
-    """The layout of one job's state: its groups in storage order (widest dtype first, so that
-    back to back every tensor stays aligned), ``nbytes`` in all. ``state_spec`` interns them:
-    a copy and a job of one layout share one object, so checking that a copy fits a job costs
-    an identity test, not a look at each tensor."""
-
-    def __init__(self, key: tuple[tuple[str, torch.dtype, tuple[tuple[str, tuple[int, ...]], ...]], ...]) -> None:
-        self.key = key
-        offsets, self.nbytes = _packed_offsets(
-            [sum(math.prod(shape) for _, shape in members) * dtype.itemsize for _, dtype, members in key],
-            [dtype.itemsize for _, dtype, _ in key])
-        self.groups = tuple(
-            StateGroup(name, dtype, tuple(n for n, _ in members), tuple(s for _, s in members),
-                       tuple(math.prod(s) for _, s in members), offset,
-                       sum(math.prod(s) for _, s in members) * dtype.itemsize)
-            for (name, dtype, members), offset in zip(key, offsets))
-        self.layout = {group.name: list(group.names) for group in self.groups}  # read-only
-        self.entries = {n: (group.dtype, s) for group in self.groups for n, s in zip(group.names, group.shapes)}
-        self.param_keys = [n[len(ADAPTER_PREFIX):] for group in self.groups if group.name.startswith("adapter.")
-                           for n in group.names]
-        self.rng_bytes = sum(group.nbytes for group in self.groups if group.name.startswith("rng."))
-
-
-_SPECS: dict[tuple, StateSpec] = {}  # interned, oldest first
-_SPECS_MAX = 256
-_SPECS_LOCK = threading.Lock()
-
-
-def state_spec(groups: list[tuple[str, torch.dtype, list[tuple[str, tuple[int, ...]]]]]) -> StateSpec:
-    """The (interned) spec of a state made of ``groups``: (name, dtype, [(tensor name, shape)])."""
-    key = tuple((name, dtype, tuple((n, tuple(s)) for n, s in members)) for name, dtype, members in groups)
-    with _SPECS_LOCK:
-        spec = _SPECS.get(key)
-        if spec is None:
-            spec = _SPECS[key] = StateSpec(key)
-            if len(_SPECS) > _SPECS_MAX:
-                del _SPECS[next(iter(_SPECS))]
-        return spec
-
-
-class TensorViews(Mapping[str, torch.Tensor]):
-    """A copy's tensors by name: views into its buffers, made on first use (moving a copy does
-    not pay for a view per tensor), then any standalone tensors."""
-
-    def __init__(self, spec: StateSpec, buffers: Mapping[str, torch.Tensor],
-                 standalone: dict[str, torch.Tensor] | None = None) -> None:
-        self.spec = spec
-        self.buffers = buffers
-        self.standalone = standalone or {}
-        self._views: dict[str, torch.Tensor] | None = None
-
-    def _all(self) -> dict[str, torch.Tensor]:
-        if self._views is None:
-            views: dict[str, torch.Tensor] = {}
-            for group in self.spec.groups:
-                parts = self.buffers[group.name].split(group.numels)
-                views.update(zip(group.names, [p.view(s) for p, s in zip(parts, group.shapes)]))
-            self._views = {**views, **self.standalone}
-        return self._views
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        for group in self.spec.groups:
-            yield from group.names
-        yield from self.standalone
-
-    def __len__(self) -> int:
-        return len(self.spec.entries) + len(self.standalone)
-
-
-class SpecBuffers(Mapping[str, torch.Tensor]):
-    """A copy's buffers where ``spec`` lays them out in ``memory`` (an exported copy's): views
-    made on first use."""
-
-    def __init__(self, spec: StateSpec, memory: torch.Tensor) -> None:
-        self.spec = spec
-        self.memory = memory
-        self._views: dict[str, torch.Tensor] | None = None
-
-    def _all(self) -> dict[str, torch.Tensor]:
-        if self._views is None:
-            self._views = {g.name: self.memory[g.offset : g.offset + g.nbytes].view(g.dtype) for g in self.spec.groups}
-        return self._views
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return (g.name for g in self.spec.groups)
-
-    def __len__(self) -> int:
-        return len(self.spec.groups)
 
 
 @dataclass(eq=False)
@@ -375,86 +252,6 @@ class SlabCounts:
     allocated_bytes: int = 0
     reused: int = 0
 
-
-@dataclass
-class JobStateCopy:
-    """A detached host copy of one job's trainer state, as ``export_state`` returns it.
-
-    ``tensors`` names every tensor: ``adapter/<peft-file key>``, ``optim/<peft-file key>/<name>``
-    (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) and ``rng/<device>``, in a fixed order. They
-    are views into ``buffers``, flat 1-D tensors (one per kind and dtype, e.g.
-    ``adapter.float32``) whose members ``layout`` lists in storage order, so that a copy moves
-    in a few large transfers; a tensor not in a buffer stands alone. ``spec``: the layout with
-    every tensor's shape (None for a copy built without one). The copy shares no memory with the
-    engine. ``memory``: the one flat host buffer that holds all of them, back to back in
-    ``segments`` order (whoever gave it may reuse it once the copy is gone); None for a copy
-    built over other memory.
-    """
-
-    job_id: str
-    lora: LoraConfig
-    seed: int
-    weight_decay: float  # the AdamW param group's value when exported
-    param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order
-    tensors: Mapping[str, torch.Tensor]
-    buffers: Mapping[str, torch.Tensor]
-    layout: dict[str, list[str]]  # buffer name -> names of its members, in storage order (read-only lists)
-    param_groups: list[dict[str, Any]]  # ``optimizer.state_dict()["param_groups"]``
-    state_values: dict[str, Any]  # non-tensor optimizer state values, ``optim/<key>/<name>`` -> value
-    memory: torch.Tensor | None = field(default=None, repr=False)
-    spec: StateSpec | None = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all its tensors (buffers hold exactly their members' bytes)."""
-        if isinstance(self.buffers, SpecBuffers):
-            return self.buffers.spec.nbytes + sum(_tensor_bytes(t) for t in self.standalone().values())
-        return sum(_tensor_bytes(b) for b in self.buffers.values()) + sum(
-            _tensor_bytes(t) for t in self.standalone().values())
-
-    def adapter(self) -> dict[str, torch.Tensor]:
-        """The adapter weights under their PEFT-file keys (views into the copy)."""
-        return {key: self.tensors[ADAPTER_PREFIX + key] for key in self.param_keys}
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The AdamW ``state_dict()`` the copy was taken from (tensors are views into the copy)."""
-        index = {key: i for i, key in enumerate(self.param_keys)}
-        state: dict[int, dict[str, Any]] = {}
-        for name, value in [*self.tensors.items(), *self.state_values.items()]:
-            if name.startswith(OPTIM_PREFIX):
-                key, state_name = name[len(OPTIM_PREFIX) :].rsplit("/", 1)
-                state.setdefault(index[key], {})[state_name] = value
-        return {"state": state, "param_groups": deepcopy(self.param_groups)}
-
-    def __repr__(self) -> str:
-        return f"JobStateCopy(job_id={self.job_id!r}, nbytes={self.nbytes}, buffers={list(self.buffers)})"
-
-    def buffer_members(self) -> set[str]:
-        """Names of the tensors that live in ``buffers`` (the others stand alone)."""
-        return {name for members in self.layout.values() for name in members}
-
-    def standalone(self) -> dict[str, torch.Tensor]:
-        """The tensors not in ``buffers``."""
-        if isinstance(self.tensors, TensorViews):
-            return self.tensors.standalone
-        in_buffers = self.buffer_members()
-        return {name: t for name, t in self.tensors.items() if name not in in_buffers}
-
-    def entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """A tensor's dtype and shape (from ``spec`` when it has them: no view is made)."""
-        if self.spec is not None and name in self.spec.entries:
-            return self.spec.entries[name]
-        tensor = self.tensors[name]
-        return tensor.dtype, tuple(tensor.shape)
-
-    def segments(self) -> list[tuple[list[str], torch.Tensor]]:
-        """The copy's pieces in storage order: each buffer (with the names of its members), then
-        each standalone tensor; widest dtype first, so that back to back every tensor stays
-        aligned. An exported copy's ``memory`` holds exactly these bytes from its first byte, as
-        does the data section of its file on nvme."""
-        segments = [(members, self.buffers[name]) for name, members in self.layout.items()]
-        segments += [([name], t) for name, t in self.standalone().items()]
-        return sorted(segments, key=lambda segment: -segment[1].element_size())
 
 @dataclass(frozen=True)
 class _Rows:
@@ -618,7 +415,7 @@ class TrainerEngine:
         adapter = parked or self._attach_empty_adapter(copy.lora)
         try:
             slot = adapter.slot
-            _check_copy_fits(copy, slot.spec)
+            check_copy_fits(copy, slot.spec)
             if not slot.has_memory():
                 slot.reallocate()
                 self._count_slab(slot)
@@ -713,13 +510,13 @@ class TrainerEngine:
     def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
         directory = Path(ckpt_dir)
-        manifest = _read_manifest(directory)
-        _verify_checksums(directory, manifest)
+        manifest = read_manifest(directory)
+        verify_checksums(directory, manifest)
         if manifest.get("lora") != lora_signature(lora):
             raise CheckpointError(
                 f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(lora)}"
             )
-        tensors, trainer_state, extra = _read_checkpoint_payload(directory)
+        tensors, trainer_state, extra = read_checkpoint_payload(directory)
         created = job_id not in self._jobs
         self.ensure_job(job_id, lora, seed)
         try:
@@ -850,10 +647,10 @@ class TrainerEngine:
             optim.setdefault(param.dtype, []).extend(
                 (f"{OPTIM_PREFIX}{key}/{name}", shape) for name in ("exp_avg", "exp_avg_sq"))
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's
-        groups = [(f"adapter.{_dtype_name(d)}", d, members) for d, members in adapter.items()]
-        groups += [(f"optim.{_dtype_name(d)}", d, members) for d, members in optim.items()]
+        groups = [(f"adapter.{dtype_name(d)}", d, members) for d, members in adapter.items()]
+        groups += [(f"optim.{dtype_name(d)}", d, members) for d, members in optim.items()]
         steps = [(f"{OPTIM_PREFIX}{key}/step", ()) for key in params]
-        groups.append((f"step.{_dtype_name(step_dtype)}", step_dtype, steps))
+        groups.append((f"step.{dtype_name(step_dtype)}", step_dtype, steps))
         groups.append(("rng.uint8", torch.uint8, [(RNG_PREFIX + name, s) for name, s in self._rng_shapes.items()]))
         return state_spec(groups)
 
@@ -895,12 +692,12 @@ class TrainerEngine:
         rows = _pad_rows(batch.input_ids, batch.loss_mask, self.device)
         old_logprobs = _pad_old_logprobs(batch.old_logprobs, rows)
         advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
-        weights = _aggregation_weights(rows.loss_mask, hp.loss_agg, hp.loss_agg_len)
+        weights = aggregation_weights(rows.loss_mask, hp.loss_agg, hp.loss_agg_len)
         tokens = int(rows.loss_mask.sum().item())
         if tokens == 0:
             raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
         job.optimizer.zero_grad(set_to_none=True)
-        sums = _MetricSums()
+        sums = MetricSums()
         start = 0
         with self._job_rng(job):
             for part in self._micro_batches(rows):
@@ -927,7 +724,7 @@ class TrainerEngine:
         advantages: torch.Tensor,
         weights: torch.Tensor,
         hp: TrainHParams,
-        sums: _MetricSums,
+        sums: MetricSums,
         user_loss: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
@@ -935,11 +732,11 @@ class TrainerEngine:
         logits = _forward_logits(model, part.input_ids, part.attention_mask)
         logp = _token_logprobs(logits, part.input_ids)
         if user_loss is not None:
-            terms = _user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
+            terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
         elif hp.loss == "pg-tis":
-            terms = _tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+            terms = tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
         else:
-            terms = _grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+            terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
         loss = (terms.loss * weights).sum()
         loss.backward()
         sums.add(part.loss_mask, weights, terms, loss, _token_entropy(logits.detach()))
@@ -999,7 +796,7 @@ class TrainerEngine:
 
     @staticmethod
     def _adapter_weights(job: _JobState) -> bytes:
-        """The adapter's safetensors file, in memory (written by ``_write_file``, whose errors
+        """The adapter's safetensors file, in memory (written by ``write_file``, whose errors
         keep their errno, unlike safetensors' own writer)."""
         tensors = {key: param.detach().to("cpu", copy=True) for key, param in job.params.items()}
         return safetensors_bytes(tensors, metadata={"format": "pt"})
@@ -1008,7 +805,7 @@ class TrainerEngine:
         config = _peft_config(job.lora, self.model_path)
         config.inference_mode = True
         config.save_pretrained(str(directory))
-        _write_file(directory / ADAPTER_WEIGHTS, weights)
+        write_file(directory / ADAPTER_WEIGHTS, weights)
 
     def _checkpoint_payload(self, job: _JobState, extra: dict) -> dict[str, bytes]:
         """The checkpoint's files but the adapter config, serialised in memory: nothing is written
@@ -1031,169 +828,18 @@ class TrainerEngine:
     def _write_checkpoint_files(self, job: _JobState, directory: Path, payload: dict[str, bytes]) -> dict:
         self._write_adapter_files(job, directory, payload[ADAPTER_WEIGHTS])
         for name in (TRAINER_STATE, EXTRA):
-            _write_file(directory / name, payload[name])
+            write_file(directory / name, payload[name])
         manifest = {
             "format": CHECKPOINT_FORMAT,
             "job_id": job.job_id,
             "seed": job.seed,
             "lora": lora_signature(job.lora),
             "base_model": self.model_path,
-            "files": {name: _file_record(directory / name) for name in CHECKPOINT_FILES},
+            "files": {name: file_record(directory / name) for name in CHECKPOINT_FILES},
         }
         with open(directory / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
         return manifest
-
-
-# ---------------------------------------------------------------- the GRPO loss, per token
-
-
-@dataclass(frozen=True)
-class _TokenTerms:
-    loss: torch.Tensor  # pg + kl_coef * kl, [B, L-1]
-    pg: torch.Tensor
-    kl: torch.Tensor
-    ratio: torch.Tensor
-    clipped: torch.Tensor  # bool: the clipped branch was the binding one
-
-
-def _grpo_token_terms(
-    logp: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    hp: TrainHParams,
-) -> _TokenTerms:
-    """PPO clipped objective with asymmetric clip, plus the k3 KL to the reference policy."""
-    ratio = torch.exp((logp - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    adv = advantages.unsqueeze(1)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
-    pg = torch.maximum(unclipped, clipped)
-    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
-    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, ratio, clipped > unclipped)
-
-
-def _tis_token_terms(
-    logp: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    hp: TrainHParams,
-) -> _TokenTerms:
-    """Truncated importance sampling: -A * min(pi_theta / pi_behaviour, cap) * log pi_theta.
-
-    With one optimizer step per batch the proximal policy of decoupled PPO is the adapter as
-    it stands at this step, so its ratio is 1 and its clip never binds; what corrects for
-    stale (or engine-mismatched) samples is the detached behaviour weight, truncated at
-    ``cap``. ``clipped`` counts the truncated tokens, ``ratio`` is the weight before truncation.
-    """
-    cap = hp.loss_params.get("cap", LOSS_PARAMS["pg-tis"]["cap"])
-    behaviour_ratio = torch.exp((logp.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    weight = behaviour_ratio.clamp(max=cap)
-    proximal_ratio = torch.exp(logp - logp.detach())  # 1, with the gradient of log pi_theta
-    pg = -advantages.unsqueeze(1) * weight * proximal_ratio
-    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
-    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, behaviour_ratio, behaviour_ratio > cap)
-
-
-def _user_token_terms(
-    fn: Callable[..., torch.Tensor],
-    hp: TrainHParams,
-    logp: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-) -> _TokenTerms:
-    """A user's ``fn(logp, old_logprobs, advantages, mask, params) -> [B, T]`` per-token loss.
-
-    ``logp`` carries the gradient; the trainer aggregates the result with ``loss_agg`` and
-    adds ``kl_coef`` times the k3 KL, as for a built-in loss.
-    """
-    try:
-        pg = fn(logp, old_logprobs, advantages, mask, dict(hp.loss_params))
-    except Exception as e:  # the user's code may raise anything
-        raise LossLoadError(f"loss fn `{hp.loss_fn}` raised {type(e).__name__}: {e}".splitlines()[0]) from None
-    if not isinstance(pg, torch.Tensor) or pg.shape != logp.shape:
-        got = tuple(pg.shape) if isinstance(pg, torch.Tensor) else type(pg).__name__
-        raise LossLoadError(f"loss fn `{hp.loss_fn}` must return a tensor of shape {tuple(logp.shape)}, got {got}")
-    ratio = torch.exp((logp.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    kl = _k3_kl(logp, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
-    return _TokenTerms(pg + hp.kl_coef * kl, pg, kl, ratio, torch.zeros_like(mask))
-
-
-def _k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1 (verl low_var_kl)."""
-    delta = (ref_logprobs - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(delta) - delta - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
-
-
-def _aggregation_weights(loss_mask: torch.Tensor, loss_agg: str, norm_len: int = 0) -> torch.Tensor:
-    """Per-token weights w so that the aggregated loss is sum(w * token_loss).
-
-    ``norm_len`` is the constant of ``seq-mean-token-sum-norm`` (0: the longest row's tokens).
-    """
-    mask = loss_mask.float()
-    if loss_agg == "token-mean":
-        return mask / mask.sum().clamp(min=1.0)
-    row_tokens = mask.sum(dim=1, keepdim=True)
-    rows_with_tokens = (row_tokens > 0).sum().clamp(min=1)
-    if loss_agg == "seq-mean-token-sum":
-        return mask / rows_with_tokens
-    if loss_agg == "seq-mean-token-sum-norm":
-        length = float(norm_len) if norm_len > 0 else float(row_tokens.max().clamp(min=1.0))
-        return mask / (length * rows_with_tokens)
-    return mask / (row_tokens.clamp(min=1.0) * rows_with_tokens)
-
-
-class _MetricSums:
-    """Running sums over micro-batches; token-mean metrics except the (weighted) losses."""
-
-    def __init__(self) -> None:
-        self.loss = 0.0
-        self.pg_loss = 0.0
-        self.kl = 0.0
-        self.clipped = 0.0
-        self.ratio = 0.0
-        self.entropy = 0.0
-
-    def add(
-        self,
-        mask: torch.Tensor,
-        weights: torch.Tensor,
-        terms: _TokenTerms,
-        loss: torch.Tensor,
-        entropy: torch.Tensor,
-    ) -> None:
-        with torch.no_grad():
-            values = torch.stack(
-                [
-                    loss,
-                    (terms.pg * weights).sum(),
-                    terms.kl[mask].sum(),
-                    terms.clipped[mask].sum().float(),
-                    terms.ratio[mask].sum(),
-                    entropy[mask].sum(),
-                ]
-            ).tolist()  # one device sync per micro-batch
-        self.loss += values[0]
-        self.pg_loss += values[1]
-        self.kl += values[2]
-        self.clipped += values[3]
-        self.ratio += values[4]
-        self.entropy += values[5]
-
-    def metrics(self, tokens: int) -> dict[str, float]:
-        return {
-            "loss": self.loss,
-            "pg_loss": self.pg_loss,
-            "kl": self.kl / tokens,
-            "clip_frac": self.clipped / tokens,
-            "ratio_mean": self.ratio / tokens,
-            "entropy": self.entropy / tokens,
-            "tokens": float(tokens),
-        }
 
 
 # ---------------------------------------------------------------- model helpers
@@ -1263,132 +909,7 @@ def _set_optimizer_hparams(optimizer: torch.optim.Optimizer, hp: TrainHParams) -
         group["weight_decay"] = hp.weight_decay
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 # ---------------------------------------------------------------- state copies
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _packed_offsets(sizes: list[int], widths: list[int]) -> tuple[list[int], int]:
-    """Byte offsets that put pieces of ``sizes`` bytes (of elements ``widths`` bytes wide) back
-    to back in one flat buffer, in storage order: widest elements first, else in the order
-    given (``JobStateCopy.segments``), so every piece starts aligned. Also the buffer's size."""
-    offsets, total = [0] * len(sizes), 0
-    for i in sorted(range(len(sizes)), key=lambda i: -widths[i]):
-        offsets[i] = total
-        total += sizes[i]
-    return offsets, total
-
-
-class BufferPool:
-    """Reusable flat uint8 buffers on one device, so that a state copy lands in memory that is
-    already allocated and mapped (and pinned) instead of faulting in fresh pages on every swap.
-
-    Host buffers are page-aligned (O_DIRECT reads and writes take them) and pinned with
-    ``pinned``. ``take(n)`` returns a free buffer of at least ``n`` bytes (at most twice that,
-    so a small copy does not sit on a big buffer) or a new one; ``give`` takes it back once
-    nothing views it any more. It keeps at most ``keep`` free buffers (the largest): at most
-    ``keep`` times the largest state, outside any tier's accounting. Thread-safe.
-    """
-
-    def __init__(self, pinned: bool = False, keep: int = POOL_KEEP, device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
-        self.pinned = pinned and self.device.type == "cpu"
-        self.keep = keep
-        self._free: list[tuple[int, torch.Tensor]] = []  # (bytes, buffer), largest first
-        self._lock = threading.Lock()
-        self.allocated = 0  # buffers made (and their bytes), for tests and benchmarks
-        self.allocated_bytes = 0
-        self.reused = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned)."""
-        size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
-        with self._lock:
-            best = -1
-            for i, (free, _) in enumerate(self._free):  # largest first: the last that fits is the smallest
-                if size <= free <= 2 * size:
-                    best = i
-            if best >= 0:
-                self.reused += 1
-                return self._free.pop(best)[1]
-            self.allocated += 1
-            self.allocated_bytes += size
-        if self.device.type != "cpu":
-            return torch.empty(size, dtype=torch.uint8, device=self.device)
-        return aligned_host_buffer(size, self.pinned)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            if any(b is buffer for _, b in self._free):
-                return
-            self._free.append((buffer.numel(), buffer))
-            self._free.sort(key=lambda entry: -entry[0])
-            del self._free[self.keep :]
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(free for free, _ in self._free)
-
-
-def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
-    """Uninitialised uint8 host memory whose first byte is PAGE_BYTES-aligned."""
-    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pinned)
-    skip = -raw.data_ptr() % PAGE_BYTES
-    return raw[skip : skip + nbytes]
-
-
-def _check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
-    """A copy of the job's layout (the same spec: an identity test for an exported or read copy;
-    else its buffers, members and shapes compared one by one), with one AdamW param group."""
-    if copy.spec is not spec and (copy.spec is None or copy.spec.key != spec.key):
-        _check_copy_layout(copy)
-        if _spec_of(copy).key != spec.key:
-            raise StateCopyError(f"state copy of job {copy.job_id!r} does not fit the job's adapter (shapes, layout)")
-    if copy.standalone():
-        raise StateCopyError(f"state copy of job {copy.job_id!r}: {sorted(copy.standalone())} are not the job's")
-    laid_out = isinstance(copy.buffers, SpecBuffers) and copy.buffers.spec is spec  # fits by construction
-    for group in () if laid_out else spec.groups:
-        buffer = copy.buffers.get(group.name)
-        if buffer is None or buffer.dtype != group.dtype or buffer.numel() * group.dtype.itemsize != group.nbytes:
-            raise StateCopyError(f"state copy of job {copy.job_id!r}: buffer {group.name!r} does not fit")
-    if copy.param_keys != spec.param_keys:
-        raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
-    if copy.state_values or len(copy.param_groups) != 1 or \
-            list(copy.param_groups[0].get("params", ())) != list(range(len(spec.param_keys))):
-        raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit")
-
-
-def _spec_of(copy: JobStateCopy) -> StateSpec:
-    """The spec of a copy's buffers, from its tensors' shapes."""
-    return state_spec([(name, copy.buffers[name].dtype, [(n, tuple(copy.tensors[n].shape)) for n in members])
-                       for name, members in copy.layout.items()])
-
-
-def _check_copy_layout(state: JobStateCopy) -> None:
-    """Buffers hold exactly their members, in order: a copy read back from disk must too."""
-    for buffer_name, members in state.layout.items():
-        buffer = state.buffers.get(buffer_name)
-        if buffer is None or buffer.dim() != 1:
-            raise StateCopyError(f"state copy of job {state.job_id!r}: buffer {buffer_name!r} is missing")
-        size = 0
-        for name in members:
-            tensor = state.tensors.get(name)
-            if tensor is None or tensor.dtype != buffer.dtype:
-                raise StateCopyError(
-                    f"state copy of job {state.job_id!r}: {name!r} does not fit buffer {buffer_name!r}"
-                )
-            size += tensor.numel()
-        if size != buffer.numel():
-            raise StateCopyError(
-                f"state copy of job {state.job_id!r}: buffer {buffer_name!r} has {buffer.numel()} elements, "
-                f"its members {size}"
-            )
 
 
 def _load_param_groups(optimizer: torch.optim.Optimizer, copy: JobStateCopy) -> None:
@@ -1494,146 +1015,7 @@ def _slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
     )
 
 
-# ---------------------------------------------------------------- atomic directories
-
-
-def write_dir_atomically(out_dir: Path, write: Callable[[Path], T], what: str = "directory", nbytes: int = 0) -> T:
-    """Fill a temp dir next to ``out_dir``, fsync it, rename it onto ``out_dir``.
-
-    A reader sees either the previous complete ``out_dir`` or the new complete one (an existing
-    ``out_dir`` is renamed aside first, then removed); a failure removes the temp dir. Out of
-    disk space or quota, ``NoSpaceError`` names ``what``, ``out_dir`` and ``nbytes`` (about
-    what the files need).
-    """
-    parent = out_dir.parent
-    tmp: Path | None = None
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-        result = write(tmp)
-        os.chmod(tmp, 0o755)
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
-            raise NoSpaceError(_no_space_message(exc, what, out_dir, nbytes)) from None
-        raise
-    _fsync_path(parent)
-    return result
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(new, target)
-        return
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        os.rename(old, target)  # the previous one stays where readers look for it
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def no_space_reason(exc: OSError) -> str:
-    """``no space left on device`` (ENOSPC) or ``no space left in the disk quota`` (EDQUOT)."""
-    return "no space left in the disk quota" if exc.errno == errno.EDQUOT else "no space left on device"
-
-
-def free_bytes(directory: Path) -> int | None:
-    """Bytes an unprivileged writer can still use on ``directory``'s filesystem (None: unknown)."""
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return None
-
-
-def _no_space_message(exc: OSError, what: str, out_dir: Path, nbytes: int) -> str:
-    """One line: ``no space left on device writing checkpoint step 12 to DIR (needs ~3.1 MB,
-    0.2 MB free); nothing was written``, or ``...; the previous one there is kept``."""
-    free = free_bytes(out_dir.parent)
-    sizes = [f"needs ~{_megabytes(nbytes)}"] if nbytes else []
-    sizes += [f"{_megabytes(free)} free"] if free is not None else []
-    detail = f" ({', '.join(sizes)})" if sizes else ""
-    kept = "the previous one there is kept" if out_dir.exists() else "nothing was written"
-    return f"{no_space_reason(exc)} writing {what} to {out_dir}{detail}; {kept}"
-
-
-def _megabytes(nbytes: int) -> str:
-    mb = nbytes / 1e6
-    return f"{mb:.1f} MB" if mb < 100 else f"{mb:.0f} MB"
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in sorted(directory.rglob("*")):
-        _fsync_path(path)
-    _fsync_path(directory)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------- checkpoint reading
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _file_record(path: Path) -> dict[str, Any]:
-    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
-
-
-def _read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {directory}: unreadable {MANIFEST} ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
-    return manifest
-
-
-def _verify_checksums(directory: Path, manifest: dict[str, Any]) -> None:
-    files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES):
-        raise CheckpointError(f"checkpoint {directory}: {MANIFEST} does not list the expected files")
-    for name, record in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory}: {name} is missing")
-        if _sha256(path) != record.get("sha256"):
-            raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
-
-
-def _read_checkpoint_payload(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
-    try:
-        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
-        trainer_state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=True)
-        extra = json.loads((directory / EXTRA).read_text())
-    except Exception as exc:  # checksums matched, so the writer itself was broken
-        raise CheckpointError(f"checkpoint {directory}: unreadable payload ({type(exc).__name__}: {exc})") from None
-    return tensors, trainer_state, extra
+# ---------------------------------------------------------------- restoring a checkpoint
 
 
 def _restore_job_state(
