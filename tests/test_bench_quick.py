@@ -30,14 +30,16 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
     sizes = {s["size"]: s for s in result["sizes"]}
     assert list(sizes) == ["adapter", "optimizer", "full"]
     assert sizes["adapter"]["bytes"] < sizes["optimizer"]["bytes"] < sizes["full"]["bytes"]
-    assert sizes["full"]["bytes"] == pytest.approx(256 << 20, rel=0.05)
+    assert sizes["full"]["bytes"] == pytest.approx(64 << 20, rel=0.05)
     for size in sizes.values():
         paths = {p["path"]: p for p in size["paths"]}
         assert set(paths) == PATHS
         for row in paths.values():
-            assert row["gbps"] > 0 and row["raw_gbps"] > 0, row
+            assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["raw_same_memory_gbps"] > 0, row
+            assert row["raw_same_memory"].startswith("same.") and not row["raw"].startswith("same."), row
             assert row["pct_of_raw"] == pytest.approx(row["gbps"] / row["raw_gbps"])
-            assert row["meets_target"] == (row["pct_of_raw"] >= result["target_pct_of_raw"])
+            assert row["pct_of_raw_same_memory"] == pytest.approx(row["gbps"] / row["raw_same_memory_gbps"])
+            assert row["meets_target"] == (row["pct_of_raw_same_memory"] >= result["target_pct_of_raw"])
     summary = result["summary"]
     assert len(summary["meets_target"]) + len(summary["below_target"]) == 3 * len(PATHS)
     assert result["conditions"]  # the raw figures' conditions are stated beside them
