@@ -35,7 +35,7 @@ next, while on the pool's buffer the raw read was exactly as slow as the store's
 
 The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
 O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
-store uses (``state_store.IO_DEPTH``); writes
+store uses (``copy_files.IO_DEPTH``); writes
 also in place over the blocks of the file's last write (no truncation: what the store does when
 it reuses a spare file, so the raw figure is never a slower way than the store's own). Same
 conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
@@ -118,7 +118,7 @@ from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
 from plexctl.state_size import job_state_bytes, model_config  # noqa: E402
-from worker import state_store  # noqa: E402
+from worker import copy_files  # noqa: E402
 from worker.state_store import StateStore  # noqa: E402
 from worker.trainer import TrainerEngine  # noqa: E402
 
@@ -129,8 +129,8 @@ TARGET = 0.80
 MiB, GiB = 1 << 20, 1 << 30
 SIZES = {"adapter-7b": 48 * MiB, "optimizer": 128 * MiB, "full": 1 * GiB}  # adapter-7b: see the docstring
 SIZES_QUICK = {"optimizer": 16 * MiB, "full": 64 * MiB}
-IO_CHUNK = state_store.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
-DIRECT_ALIGN = state_store.DIRECT_ALIGN
+IO_CHUNK = copy_files.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
+DIRECT_ALIGN = copy_files.DIRECT_ALIGN
 SMALL_BYTES = 16 * MiB  # states below this are timed 5x as often
 FLUSH_BYTES = 64 * MiB  # written before every timed unit: more than this machine's caches hold
 
@@ -229,7 +229,7 @@ class RawDisk:
     in flight (where the filesystem takes O_DIRECT). The bytes come from and land in one
     page-aligned, faulted-in buffer of the full size."""
 
-    def __init__(self, directory: Path, nbytes: int, depth: int = state_store.IO_DEPTH) -> None:
+    def __init__(self, directory: Path, nbytes: int, depth: int = copy_files.IO_DEPTH) -> None:
         self.path = directory / "raw.bin"
         self.nbytes = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
         self.depth = depth
@@ -684,10 +684,10 @@ def raw_label(key: str, cpu: bool) -> str:
 RAW_LABELS = {
     "device.memcpy": "memcpy", "device.d2h": "pinned D2H", "device.h2d": "pinned H2D",
     "nvme.raw_write": "write+fdatasync", "nvme.raw_write_direct": "O_DIRECT write+fdatasync",
-    "nvme.raw_write_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} write+fdatasync",
+    "nvme.raw_write_direct_par": f"O_DIRECT x{copy_files.IO_DEPTH} write+fdatasync",
     "nvme.raw_write_overwrite": "overwrite+fdatasync", "nvme.raw_write_direct_overwrite": "O_DIRECT overwrite+fdatasync",
     "nvme.raw_read": "read, cold", "nvme.raw_read_direct": "O_DIRECT read",
-    "nvme.raw_read_direct_par": f"O_DIRECT x{state_store.IO_DEPTH} read",
+    "nvme.raw_read_direct_par": f"O_DIRECT x{copy_files.IO_DEPTH} read",
 }
 
 

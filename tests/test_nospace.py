@@ -29,12 +29,8 @@ from test_trainer import assert_exactly_equal, make_batch
 from plexctl.protocol import LoraConfig, TrainHParams
 from plexctl.rl import CallFailed, DrainCheckpointFailed, Job, JobDrained
 from plexctl.spec import load_spec
-from worker.state_store import (
-    NVME_FULL_RETRY_S,
-    StateStore,
-    TierFullError,
-)
-from worker.errors import CheckpointError, NoSpaceError
+from worker.errors import CheckpointError, NoSpaceError, TierFullError
+from worker.state_store import NVME_FULL_RETRY_S, StateStore
 from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]

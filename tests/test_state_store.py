@@ -26,9 +26,9 @@ from transformers import Qwen2Config
 
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
-from worker import state_store
-from worker.state_store import CorruptCopyError, HostBufferPool, StateStore, TierFullError
-from worker.errors import JobConfigError
+from worker import copy_files, state_store
+from worker.errors import CorruptCopyError, JobConfigError, TierFullError
+from worker.state_store import HostBufferPool, StateStore
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
@@ -131,7 +131,7 @@ def nvme_files(store: StateStore, beside: tuple[str, ...] = ()) -> dict[str, str
     assert len(spares) <= state_store.NVME_SPARES
     for job, copy in records.items():
         assert (store.nvme_dir / files[job]).stat().st_size == copy.file_bytes
-        assert copy.file_bytes % state_store.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < state_store.DIRECT_ALIGN
+        assert copy.file_bytes % copy_files.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < copy_files.DIRECT_ALIGN
     return files
 
 
@@ -319,7 +319,7 @@ def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: st
         os.truncate(copy_file, copy_file.stat().st_size - 1)
     elif victim == "grown file":
         with open(copy_file, "ab") as f:
-            f.write(bytes(state_store.DIRECT_ALIGN))
+            f.write(bytes(copy_files.DIRECT_ALIGN))
     else:
         data = bytearray(copy_file.read_bytes())
         data[nbytes // 2 if victim == "flipped byte" else nbytes - 1] ^= 0x01
@@ -459,30 +459,30 @@ def test_multi_chunk_copies_round_trip_and_reject_a_flipped_byte(
 ) -> None:
     """Small chunks, so a tiny state spans many requests (in flight on the I/O threads, the
     last one padded for O_DIRECT); both with O_DIRECT (writes and reads) and buffered."""
-    monkeypatch.setattr(state_store, "IO_CHUNK_BYTES", 2 * state_store.DIRECT_ALIGN)
-    monkeypatch.setattr(state_store, "READ_DIRECT", direct)
+    monkeypatch.setattr(copy_files, "IO_CHUNK_BYTES", 2 * copy_files.DIRECT_ALIGN)
+    monkeypatch.setattr(copy_files, "READ_DIRECT", direct)
     if not direct:
-        monkeypatch.setattr(state_store, "_direct_io_works", lambda directory: False)
+        monkeypatch.setattr(copy_files, "_direct_io_works", lambda directory: False)
     trainer = engine(model_dir)
     trainer.ensure_job("j0", *JOBS["j0"][:2])
     train(trainer, "j0", 0)
     copy = trainer.export_state("j0")
     pool = HostBufferPool()
-    written = state_store._write_copy(tmp_path / "j0.bin", copy)
+    written = copy_files.write_copy(tmp_path / "j0.bin", copy)
     assert len(written.sums) > 10 and written.nbytes == copy.nbytes
     assert (tmp_path / "j0.bin").stat().st_size == written.file_bytes
-    back, buffer = state_store._read_copy(written, pool)
+    back, buffer = copy_files.read_copy(written, pool)
     assert back.nbytes == copy.nbytes and back.param_groups == copy.param_groups and back.spec is copy.spec
     assert_exactly_equal(copy.tensors, back.tensors, "tensors")
-    assert buffer.data_ptr() % state_store.DIRECT_ALIGN == 0
+    assert buffer.data_ptr() % copy_files.DIRECT_ALIGN == 0
     pool.give(buffer)
 
     tensors = tmp_path / "j0.bin"
     data = bytearray(tensors.read_bytes())
-    data[5 * state_store.IO_CHUNK_BYTES + 3] ^= 0x40
+    data[5 * copy_files.IO_CHUNK_BYTES + 3] ^= 0x40
     tensors.write_bytes(bytes(data))
     with pytest.raises(CorruptCopyError, match="does not match its checksums"):
-        state_store._read_copy(written, pool)
+        copy_files.read_copy(written, pool)
 
 
 def test_a_slow_read_request_holds_up_no_other(model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -490,20 +490,20 @@ def test_a_slow_read_request_holds_up_no_other(model_dir: str, tmp_path: Path, m
     other chunk has been read (with a 30 s safety release). The read keeps the other requests
     going and checksums each chunk as it lands, then returns the verified copy; reading in
     order, a few requests ahead, it would stall behind the held one until the release."""
-    monkeypatch.setattr(state_store, "IO_CHUNK_BYTES", 2 * state_store.DIRECT_ALIGN)
+    monkeypatch.setattr(copy_files, "IO_CHUNK_BYTES", 2 * copy_files.DIRECT_ALIGN)
     trainer = engine(model_dir)
     trainer.ensure_job("j0", *JOBS["j0"][:2])
     train(trainer, "j0", 0)
     copy = trainer.export_state("j0")
-    written = state_store._write_copy(tmp_path / "j0.bin", copy)
+    written = copy_files.write_copy(tmp_path / "j0.bin", copy)
     chunks = len(written.sums)
-    assert chunks > 3 * state_store.IO_DEPTH
+    assert chunks > 3 * copy_files.IO_DEPTH
     held, others_done, lock = 1, threading.Event(), threading.Lock()
     landed: list[int] = []
-    read_into = state_store._read_into
+    read_into = copy_files._read_into
 
     def out_of_order(fd: int, buffers: list, offset: int, nbytes: int) -> None:
-        chunk = offset // state_store.IO_CHUNK_BYTES
+        chunk = offset // copy_files.IO_CHUNK_BYTES
         if chunk == held:
             released = others_done.wait(30)
             landed.append(-1 if not released else chunk)
@@ -514,8 +514,8 @@ def test_a_slow_read_request_holds_up_no_other(model_dir: str, tmp_path: Path, m
             if len(landed) == chunks - 1:
                 others_done.set()
 
-    monkeypatch.setattr(state_store, "_read_into", out_of_order)
-    back, buffer = state_store._read_copy(written, HostBufferPool())
+    monkeypatch.setattr(copy_files, "_read_into", out_of_order)
+    back, buffer = copy_files.read_copy(written, HostBufferPool())
     assert -1 not in landed, "the read waited for the held request before asking for the others"
     assert landed[-1] == held and sorted(landed) == list(range(chunks))
     assert_exactly_equal(copy.tensors, back.tensors, "tensors")
@@ -525,7 +525,7 @@ def test_host_buffer_pool_reuses_buffers_of_a_fitting_size() -> None:
     pool = HostBufferPool(keep=2)
     kib = 1024
     big = pool.take(100 * kib)
-    assert big.numel() >= 100 * kib and big.data_ptr() % state_store.DIRECT_ALIGN == 0
+    assert big.numel() >= 100 * kib and big.data_ptr() % copy_files.DIRECT_ALIGN == 0
     pool.give(big)
     assert pool.take(60 * kib) is big  # fits, and not more than twice the size asked for
     pool.give(big)
@@ -639,9 +639,9 @@ def test_a_copy_over_other_memory_is_written_through_bounce_buffers(model_dir: s
     buffers = {name: buffer.clone() for name, buffer in copy.buffers.items()}
     tensors = {name: t.clone() for name, t in copy.tensors.items()}  # not views of the buffers: still a copy
     elsewhere = dataclasses.replace(copy, tensors=tensors, buffers=buffers, memory=None)
-    assert state_store._file_image(elsewhere, elsewhere.segments(), elsewhere.nbytes) is None
-    written = state_store._write_copy(tmp_path / "j0.bin", elsewhere)
-    back, buffer = state_store._read_copy(written, HostBufferPool())
+    assert copy_files._file_image(elsewhere, elsewhere.segments(), elsewhere.nbytes) is None
+    written = copy_files.write_copy(tmp_path / "j0.bin", elsewhere)
+    back, buffer = copy_files.read_copy(written, HostBufferPool())
     assert_exactly_equal(copy.tensors, back.tensors, "tensors")
     assert back.memory is buffer
     assert (tmp_path / "j0.bin").read_bytes()[written.nbytes :] == bytes(written.file_bytes - written.nbytes)
@@ -789,7 +789,7 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_
     monkeypatch.setattr(store._pool, "take", lambda n: taken.append(pool_take(n)) or taken[-1])
     monkeypatch.setattr(store._pool, "give", lambda b: given.append(b) or pool_give(b))
     writing, release = threading.Event(), threading.Event()
-    write_copy = state_store._write_copy
+    write_copy = state_store.write_copy
     written: list[str] = []
 
     def held_write(path: Path, state: Any, reuse: int | None = None) -> Any:
@@ -798,7 +798,7 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_
         release.wait()
         return write_copy(path, state, reuse=reuse)
 
-    monkeypatch.setattr(state_store, "_write_copy", held_write)
+    monkeypatch.setattr(state_store, "write_copy", held_write)
     safety = threading.Timer(60, release.set)  # a store that waited for the write would hang without it
     safety.start()
     try:

@@ -1,5 +1,5 @@
-"""The trainer engine's errors: each message is one line for the user (the worker sends it to
-the job's driver as it is)."""
+"""The trainer engine's and the state store's errors: each message is one line for the user
+(the worker sends it to the job's driver as it is)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,15 @@ class UntrustedCodeError(TrainerError, PermissionError):
 
 class LossLoadError(TrainerError):
     """A custom loss ``module:function`` that cannot be imported, or returns the wrong shape."""
+
+
+class StateStoreError(Exception):
+    """Base of the state store's errors; the message is one line for the user."""
+
+
+class TierFullError(StateStoreError):
+    """No tier has room for a state that must leave the device."""
+
+
+class CorruptCopyError(StateStoreError):
+    """An nvme copy whose file is missing, of the wrong size, fails its checksums, or cannot be read back."""

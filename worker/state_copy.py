@@ -309,7 +309,7 @@ def check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
     else its buffers, members and shapes compared one by one), with one AdamW param group."""
     if copy.spec is not spec and (copy.spec is None or copy.spec.key != spec.key):
         _check_copy_layout(copy)
-        if _spec_of(copy).key != spec.key:
+        if spec_of(copy).key != spec.key:
             raise StateCopyError(f"state copy of job {copy.job_id!r} does not fit the job's adapter (shapes, layout)")
     if copy.standalone():
         raise StateCopyError(f"state copy of job {copy.job_id!r}: {sorted(copy.standalone())} are not the job's")
@@ -325,9 +325,13 @@ def check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
         raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit")
 
 
-def _spec_of(copy: JobStateCopy) -> StateSpec:
-    """The spec of a copy's buffers, from its tensors' shapes."""
-    return state_spec([(name, copy.buffers[name].dtype, [(n, tuple(copy.tensors[n].shape)) for n in members])
+def spec_of(copy: JobStateCopy) -> StateSpec:
+    """The copy's spec: its own when it lays out the copy's buffers (an exported or read copy's),
+    else one made from its buffers' members' shapes."""
+    spec = copy.spec
+    if spec is not None and list(spec.layout.items()) == list(copy.layout.items()):
+        return spec
+    return state_spec([(name, copy.buffers[name].dtype, [(n, copy.entry(n)[1]) for n in members])
                        for name, members in copy.layout.items()])
 
 
