@@ -443,8 +443,7 @@ class _Checksums:
     def __init__(self, view: memoryview, spans: list[tuple[int, int]]) -> None:
         self.view = view
         self.spans = spans
-        self._jobs: dict[int, Future[int] | None] = {}  # chunk -> pending on the checksum thread (None: here)
-        self._order: list[int] = []  # chunks in the order they were added
+        self._jobs: dict[int, Future[int] | None] = {}  # chunk -> pending on the checksum thread (None: here), as added
 
     def add_aside(self, index: int) -> None:
         start, end = self.spans[index]
@@ -452,11 +451,9 @@ class _Checksums:
             self.add_here(index)
             return
         self._jobs[index] = _sum_thread().submit(_checksum, self.view[start:end])
-        self._order.append(index)
 
     def add_here(self, index: int) -> None:
         self._jobs[index] = None
-        self._order.append(index)
 
     def wait(self) -> None:
         wait_all([future for future in self._jobs.values() if future is not None])
@@ -465,8 +462,7 @@ class _Checksums:
         """Every chunk's checksum, in chunk order. Those the checksum thread has not started yet are
         computed here, the last added first (it works from the first, so the two meet in between)."""
         sums: dict[int, int] = {}
-        for index in reversed(self._order):
-            future = self._jobs[index]
+        for index, future in reversed(self._jobs.items()):
             if future is None or future.cancel():
                 start, end = self.spans[index]
                 sums[index] = _checksum(self.view[start:end])
