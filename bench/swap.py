@@ -343,31 +343,27 @@ class SameMemory:
     def nbytes(self) -> int:
         return self._slot().numel()
 
-    def device_to_host(self) -> float:
-        slot = self._slot()
-        buffer = self.pool.take(slot.numel())
+    def _on_pool_buffer(self, nbytes: int, run: Callable[[torch.Tensor], float]) -> float:
+        """``run(buffer)`` on a buffer of ``nbytes`` taken from the store's pool, given back after."""
+        buffer = self.pool.take(nbytes)
         try:
-            return timed(partial(buffer[: slot.numel()].copy_, slot, non_blocking=slot.is_cuda), cuda_sync)[1]
+            return run(buffer)
         finally:
             self.pool.give(buffer)
+
+    def device_to_host(self) -> float:
+        slot = self._slot()
+        return self._on_pool_buffer(slot.numel(), lambda buffer: timed(
+            partial(buffer[: slot.numel()].copy_, slot, non_blocking=slot.is_cuda), cuda_sync)[1])
 
     def host_to_device(self) -> float:
         slot = self._slot()
-        buffer = self.pool.take(slot.numel())
-        try:
-            return timed(partial(slot.copy_, buffer[: slot.numel()], non_blocking=buffer.is_pinned()), cuda_sync)[1]
-        finally:
-            self.pool.give(buffer)
+        return self._on_pool_buffer(slot.numel(), lambda buffer: timed(
+            partial(slot.copy_, buffer[: slot.numel()], non_blocking=buffer.is_pinned()), cuda_sync)[1])
 
     def file(self, run: Callable[[], float]) -> Callable[[], float]:
         """A raw file variant over the pool's buffer."""
-        def over_pool_buffer() -> float:
-            buffer = self.pool.take(self.disk.nbytes)
-            try:
-                return self.disk.over(buffer, run)
-            finally:
-                self.pool.give(buffer)
-        return over_pool_buffer
+        return lambda: self._on_pool_buffer(self.disk.nbytes, lambda buffer: self.disk.over(buffer, run))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -510,8 +506,10 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
                 flush()
                 seconds = run()
                 if rep:  # the first is a warm-up
-                    nbytes = same.nbytes if key.startswith("same.device.") else cycle.nbytes
-                    add(key, raw_disk.nbytes if ".nvme." in f".{key}" else nbytes, seconds)
+                    if key.startswith(("nvme.", "same.nvme.")):
+                        add(key, raw_disk.nbytes, seconds)
+                    else:
+                        add(key, same.nbytes if key.startswith("same.device.") else cycle.nbytes, seconds)
     finally:
         raw_disk.close()
         cycle.close()
