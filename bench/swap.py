@@ -33,7 +33,7 @@ one file read with the same code into two host buffers of one process took 20 an
 the 128 MiB state's NVMe read ran at 33 % of the own-buffer figure in one run and 99 % in the
 next, while on the pool's buffer the raw read was exactly as slow as the store's.
 
-The raw file I/O is the best of three ways of moving the same bytes sequentially: buffered,
+The raw file I/O is the best (by median) of three ways of moving the same bytes sequentially: buffered,
 O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
 store uses (``copy_files.IO_DEPTH``); writes
 also in place over the blocks of the file's last write (no truncation: what the store does when
@@ -53,15 +53,17 @@ reused, already faulted-in, page-aligned buffer of the full size (the store read
 host buffer pool, warm after the first round, which is not timed).
 
 Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
-model, about 0.4 MB with its AdamW moments: per-call costs weigh most here); ``adapter-7b``
-(48 MiB) is what a rank-8 LoRA on a 7B-class model's q and v projections holds with its
-moments (4.2 M parameters x 12 bytes); it, ``optimizer`` (128 MiB) and ``full`` (1 GiB; with
-``--quick`` 16 and 64 MiB, no ``adapter-7b``) are reached by raising the LoRA rank on the
+model, about 0.4 MB with its AdamW moments: per-call costs weigh most here); ``adapter-0.5b``
+(6 MiB) and ``adapter-7b`` (48 MiB) are what a rank-8 LoRA on the q and v projections of a
+0.5B-class (Qwen2.5-0.5B's shapes: 0.54 M parameters) and of a 7B-class model (4.2 M) holds
+with its moments, 12 bytes a parameter; they, ``optimizer`` (128 MiB) and ``full`` (1 GiB;
+with ``--quick`` 16 and 64 MiB, neither adapter) are reached by raising the LoRA rank on the
 same tiny model, so the bytes go through exactly the code a real state takes (the adapter,
 the two AdamW moments and the step counts, packed into a few flat buffers) while the model
 stays small. The state cycles device -> host -> nvme -> host -> device beside two tiny
 filler jobs that force those moves (``device_slots=1``, host room for exactly one state).
-Each figure is the best of a few runs, for the paths and the raw figures alike, with torch
+Each figure is the median of its runs (all have the same number, interleaved; the best run
+is kept in the JSON), for the paths and the raw figures alike, with torch
 on ``--threads`` threads (default 1, as ``plexctl up --local`` runs each worker on this
 2-core machine). Target: every path at >= 80 % of its raw figure on the same memory.
 
@@ -127,7 +129,7 @@ MULTIPLEX_JSON = REPO / "bench" / "results" / "multiplex.json"
 TINY_RANK = 8  # configs/tiny-arith.yaml
 TARGET = 0.80
 MiB, GiB = 1 << 20, 1 << 30
-SIZES = {"adapter-7b": 48 * MiB, "optimizer": 128 * MiB, "full": 1 * GiB}  # adapter-7b: see the docstring
+SIZES = {"adapter-0.5b": 6 * MiB, "adapter-7b": 48 * MiB, "optimizer": 128 * MiB, "full": 1 * GiB}  # see the docstring
 SIZES_QUICK = {"optimizer": 16 * MiB, "full": 64 * MiB}
 IO_CHUNK = copy_files.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
 DIRECT_ALIGN = copy_files.DIRECT_ALIGN
@@ -136,7 +138,7 @@ FLUSH_BYTES = 64 * MiB  # written before every timed unit: more than this machin
 
 T = TypeVar("T")
 
-console = Console() if sys.stdout.isatty() else Console(width=120)  # a log keeps the table whole
+console = Console() if sys.stdout.isatty() else Console(width=160)  # a log keeps the table whole
 
 
 # ---------------------------------------------------------------- measurements
@@ -144,26 +146,33 @@ console = Console() if sys.stdout.isatty() else Console(width=120)  # a log keep
 
 @dataclass
 class Samples:
-    """Seconds of repeated runs of one transfer of ``nbytes``; reported by the best run.
+    """Seconds of repeated runs of one transfer of ``nbytes``; reported by the median run.
 
-    The best run, for the swap paths and the raw figures alike: on a machine shared with
-    other processes, slower runs measure the neighbours (the median is kept in the JSON).
+    The median, for the swap paths and the raw figures alike: every figure has the same
+    number of runs, interleaved, so medians compare like with like, while the best of each
+    would favour whichever figure is the best of more runs (a raw figure is the best of
+    several variants); on a machine shared with other processes the median is also the
+    figure a neighbour's burst moves least. The best run is kept in the JSON beside it.
     """
 
     nbytes: int
     seconds: list[float] = field(default_factory=list)
 
     @property
-    def best_s(self) -> float:
-        return min(self.seconds)
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.best_s / 1e9
+        return self.nbytes / self.median_s / 1e9
+
+    @property
+    def best_gbps(self) -> float:
+        return self.nbytes / min(self.seconds) / 1e9
 
     def to_json(self) -> dict[str, Any]:
-        return {"bytes": self.nbytes, "seconds": self.seconds, "best_s": self.best_s, "gbps": self.gbps,
-                "median_gbps": self.nbytes / statistics.median(self.seconds) / 1e9}
+        return {"bytes": self.nbytes, "seconds": self.seconds, "median_s": self.median_s, "gbps": self.gbps,
+                "best_s": min(self.seconds), "best_gbps": self.best_gbps}
 
 
 def timed(run: Callable[[], T], sync: Callable[[], None] = lambda: None) -> tuple[T, float]:
@@ -525,9 +534,10 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
 
 
 def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
-    """Each swap path's throughput next to its raw figures: the best raw variant on the same
-    memory as the store's move (``raw_same_memory``: what the target is held against) and the
-    best on the bench's own buffers (``raw``)."""
+    """Each swap path's median throughput next to its raw figures: the raw variant with the
+    best median on the same memory as the store's move (``raw_same_memory``: what the target
+    is held against) and on the bench's own buffers (``raw``); ``best_run``: the best runs of
+    the path and of that same-memory variant."""
     cuda = "device.h2d" in samples
 
     def best(*prefixes: str) -> tuple[str, float]:
@@ -546,10 +556,13 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
     for path, via, own, same in plan:
         got = samples[f"store.{path}"]
         (raw_key, raw_gbps), (same_key, same_gbps) = best(own), best(same)
-        row = {"path": path, "via": via, "gbps": got.gbps, "seconds": got.best_s,
+        best_same = samples[same_key].best_gbps
+        row = {"path": path, "via": via, "gbps": got.gbps, "seconds": got.median_s,
                "raw_same_memory": same_key, "raw_same_memory_gbps": same_gbps,
                "pct_of_raw_same_memory": got.gbps / same_gbps, "meets_target": got.gbps >= TARGET * same_gbps,
-               "raw": raw_key, "raw_gbps": raw_gbps, "pct_of_raw": got.gbps / raw_gbps}
+               "raw": raw_key, "raw_gbps": raw_gbps, "pct_of_raw": got.gbps / raw_gbps,
+               "best_run": {"gbps": got.best_gbps, "raw_same_memory_gbps": best_same,
+                            "pct_of_raw_same_memory": got.best_gbps / best_same}}
         if not cuda and path in ("device->host", "host->device"):
             row["pct_of_clone"] = got.gbps / samples["device.clone"].gbps
         rows.append(row)
@@ -623,19 +636,23 @@ def mount_of(path: Path) -> str:
 
 def print_report(results: list[dict[str, Any]], hidden: dict[str, Any], info: dict[str, Any]) -> None:
     cpu = "pct_of_clone" in results[0]["paths"][0]
-    title = (f"swap: trainer state through each tier vs the raw hardware, same run "
+    title = (f"swap: trainer state through each tier vs the raw hardware, same run, medians "
              f"(device = {info['trainer_device']}, nvme = {info['nvme_mount']})")
     table = Table(title=title)
-    columns = ["size", "bytes", "path", "ms", "GB/s", "raw figure", "same memory GB/s", "% of it", f">= {TARGET:.0%}",
-               "own buffers GB/s", "% of it"]
+    columns = ["size", "bytes", "path", "ms", "GB/s", "raw figure", "its ms", "same memory GB/s", "% of it",
+               f">= {TARGET:.0%}", "own buffers GB/s", "% of it"]
     if cpu:
         columns.append("% of clone")
     for col in columns:
         table.add_column(col, justify="left" if col in ("size", "path", "raw figure") else "right")
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.{2 if seconds < 0.01 else 1}f}"
+
     for result in results:
         for row in result["paths"]:
-            cells = [result["size"], human_bytes(result["bytes"]), row["path"], f"{row['seconds'] * 1e3:.1f}",
+            cells = [result["size"], human_bytes(result["bytes"]), row["path"], ms(row["seconds"]),
                      f"{row['gbps']:.2f}", raw_label(row["raw_same_memory"], cpu),
+                     ms(result["samples"][row["raw_same_memory"]]["median_s"]),
                      f"{row['raw_same_memory_gbps']:.2f}", f"{row['pct_of_raw_same_memory']:.0%}",
                      "yes" if row["meets_target"] else "no", f"{row['raw_gbps']:.2f}", f"{row['pct_of_raw']:.0%}"]
             if cpu:
@@ -667,7 +684,8 @@ CONDITIONS = (
     "reused faulted-in page-aligned full-size buffer (the store: its host buffer pool); the target is held "
     "against the raw figures on the same memory as the store's move (memcpy between the job's device buffer "
     "and the store's pool buffer; file I/O from or into the pool buffer), the raw figures on the bench's own "
-    "buffers are reported beside them; raw file I/O = best of buffered, "
+    "buffers are reported beside them; every figure is the median of its runs (the same number for all); "
+    "raw file I/O = the best (by median) of buffered, "
     "O_DIRECT serial, O_DIRECT with the store's request depth, and for writes also in place over the last "
     "write's blocks (no truncation, as the store reuses a spare file); device tier on CPU: memcpy into a "
     "preallocated faulted-in buffer (clone beside it)"

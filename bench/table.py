@@ -85,7 +85,7 @@ def swap(d: dict[str, Any]) -> Row:
                           for p in size["paths"])
         parts.append(f"{size['size']} ({_bytes(size['bytes'])}): {paths}")
     below = d["summary"]["below_target"]
-    result = "% of raw on the same memory (of raw on the bench's own buffers): " + "; ".join(parts)
+    result = ("medians, % of raw on the same memory (of raw on the bench's own buffers): " + "; ".join(parts))
     met = "yes" if not below else f"no: {', '.join(below)}"
     return result, f">= {_pct(d['target_pct_of_raw'])} of raw on the same memory", met, _machine(d)
 

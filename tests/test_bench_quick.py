@@ -6,6 +6,7 @@ only that the numbers are there and sane."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
             assert row["pct_of_raw"] == pytest.approx(row["gbps"] / row["raw_gbps"])
             assert row["pct_of_raw_same_memory"] == pytest.approx(row["gbps"] / row["raw_same_memory_gbps"])
             assert row["meets_target"] == (row["pct_of_raw_same_memory"] >= result["target_pct_of_raw"])
+            # every figure is the median of as many interleaved runs as the path's own
+            runs = size["samples"][f"store.{row['path']}"]["seconds"]
+            assert row["seconds"] == pytest.approx(statistics.median(runs))
+            assert len(size["samples"][row["raw_same_memory"]]["seconds"]) == len(runs)
     summary = result["summary"]
     assert len(summary["meets_target"]) + len(summary["below_target"]) == 3 * len(PATHS)
     assert result["conditions"]  # the raw figures' conditions are stated beside them
