@@ -150,14 +150,14 @@ class _Slot:
     made before the first step, so AdamW updates them in place and never allocates them) and the
     job's RNG state. On a CUDA engine the step counts and RNG state, which torch keeps on the
     host, are views into a small ``host`` buffer instead. ``runs``: (bytes of ``device`` or
-    ``host``, offset in a copy's memory) pairs, contiguous on both sides: one copy each (one in
-    all on CPU) moves the whole state to or from a copy laid out by ``spec``."""
+    ``host``, their start and end in a copy's memory), contiguous on both sides: one copy each
+    (one in all on CPU) moves the whole state to or from a copy laid out by ``spec``."""
 
     spec: StateSpec
     device: torch.Tensor  # uint8
     host: torch.Tensor | None  # uint8, CUDA engines only
     spans: dict[str, torch.Tensor]  # group name -> its flat typed view in ``device`` or ``host``
-    runs: list[tuple[torch.Tensor, int]]
+    runs: list[tuple[torch.Tensor, int, int]]
     params: dict[str, torch.nn.Parameter]  # PEFT-file key -> parameter, in module order
     optimizer: torch.optim.AdamW
     moments: dict[torch.nn.Parameter, dict[str, torch.Tensor]]  # AdamW's state: views
@@ -177,13 +177,13 @@ class _Slot:
         """The whole state into ``memory`` (host, laid out by ``spec``); on CUDA on ``stream``
         (non-blocking into pinned memory); complete on return."""
         if stream is None:
-            for span, offset in self.runs:
-                memory[offset : offset + span.numel()].copy_(span)
+            for span, start, end in self.runs:
+                memory[start:end].copy_(span)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device.device))
         with torch.cuda.stream(stream):
-            for span, offset in self.runs:
-                memory[offset : offset + span.numel()].copy_(span, non_blocking=span.is_cuda)
+            for span, start, end in self.runs:
+                memory[start:end].copy_(span, non_blocking=span.is_cuda)
         stream.synchronize()
 
     def copy_from(self, copy: JobStateCopy, stream: Any) -> None:
@@ -193,7 +193,7 @@ class _Slot:
         memory = copy.memory
         if memory is not None and (isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory or all(
                 copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)):
-            pairs = [(span, memory[offset : offset + span.numel()]) for span, offset in self.runs]
+            pairs = [(span, memory[start:end]) for span, start, end in self.runs]
         else:
             pairs = [(self.spans[g.name], copy.buffers[g.name]) for g in self.spec.groups]
         if stream is None:
@@ -291,6 +291,7 @@ class TrainerEngine:
         self._base = _load_base_model(model_path, DTYPES[dtype], self.device)
         self._peft: PeftModel | None = None  # created with the first job's adapter
         self._jobs: dict[str, _JobState] = {}
+        self._cuda = self.device.type == "cuda"
         self._side_stream: Any = None  # torch.cuda.Stream for state copies, made on first use
         # parked slots that keep their device buffer for the next import_state (on CUDA the caching allocator does)
         self._parked_memory = POOL_KEEP if self.device.type == "cpu" else 0
@@ -390,10 +391,10 @@ class TrainerEngine:
             lora=job.lora,
             seed=job.seed,
             weight_decay=float(group["weight_decay"]),
-            param_keys=list(spec.param_keys),
+            param_keys=spec.param_keys,  # the spec's own: read-only, as a copy's are
             tensors=TensorViews(spec, buffers),
             buffers=buffers,
-            layout=dict(spec.layout),
+            layout=spec.layout,
             param_groups=[{**group, "params": list(range(len(job.params)))}],
             state_values={},
             memory=memory,
@@ -431,7 +432,7 @@ class TrainerEngine:
 
     def _copy_stream(self) -> Any:
         """The side CUDA stream state copies run on (``None`` for a CPU engine)."""
-        if self.device.type != "cuda":
+        if not self._cuda:
             return None
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.device)
@@ -632,8 +633,8 @@ class TrainerEngine:
         }
         optimizer.state.update(moments)
         rng = {name: views[RNG_PREFIX + name] for name in self._rng_shapes}
-        slot = _Slot(spec, device, host, spans, [(slab[start : start + n], offset) for slab, start, offset, n in runs],
-                     params, optimizer, moments, rng)
+        copy_runs = [(slab[start : start + n], offset, offset + n) for slab, start, offset, n in runs]
+        slot = _Slot(spec, device, host, spans, copy_runs, params, optimizer, moments, rng)
         self._count_slab(slot)
         return slot
 
