@@ -142,7 +142,7 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     (warning,) = store_warnings(caplog)
     assert "no space left on device" in warning and str(nvme) in warning and "\n" not in warning
     assert list(nvme_files(store, beside=("filler",))) == ["a"]  # b's file went, no spare kept on a full disk
-    assert store._spares == []
+    assert store._files.spares == []
     states["c"] = trained(trainer, "c")
 
     with pytest.raises(TierFullError) as error:  # c cannot leave: nvme is full, host's allowance spent
@@ -167,7 +167,7 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     for job_id in "abcd":
         store.drop(job_id)
     assert nvme_files(store) == {} and trainer.jobs() == []  # only spares left
-    store._delete_spares()
+    store._files.delete_spares()
     assert os.listdir(nvme) == []
 
 
@@ -188,17 +188,17 @@ def test_spare_files_go_when_the_disk_is_full(model_dir: str, small_fs: Callable
     store.ensure_resident("e", LORA, 5)  # c goes to nvme
     store.set_upcoming(["c", "a"])
     assert store.ensure_resident("c", big, SEEDS["c"])["evicted"] == ["e"]  # c's file becomes a spare
-    (spare,) = store._spares
+    (spare,) = store._files.spares
     assert store.where("e") == "nvme" and spare.path.exists() and spare.nbytes > 2 * one
     fill(nvme, leave=0)
 
     store.set_upcoming(["f", "c"])  # a leaves; the big spare is not for it: a new file, no space
     assert store.ensure_resident("f", LORA, 6)["evicted"] == ["a"] and store.where("a") == "host"
-    assert store.inventory()["nvme"]["nospace"] == 1 and store._spares == [] and not spare.path.exists()
+    assert store.inventory()["nvme"]["nospace"] == 1 and store._files.spares == [] and not spare.path.exists()
     assert list(nvme_files(store, beside=("filler",))) == ["e"]
     store.set_upcoming(["e", "c"])  # e leaves nvme while it is marked full: its file is deleted
     assert store.ensure_resident("e", LORA, 5)["swap_in"] == "nvme"
-    assert store._spares == [] and nvme_files(store, beside=("filler",)) == {}
+    assert store._files.spares == [] and nvme_files(store, beside=("filler",)) == {}
     store.set_upcoming(["a", "c"])  # a comes back from host memory exactly as it left
     assert store.ensure_resident("a", LORA, SEEDS["a"])["swap_in"] == "host"
     assert_exactly_equal(states["a"], job_state(trainer, "a"), "a")

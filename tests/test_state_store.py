@@ -26,7 +26,7 @@ from transformers import Qwen2Config
 
 from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
-from worker import copy_files, state_store
+from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
 from worker.state_store import HostBufferPool, StateStore
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
@@ -124,11 +124,11 @@ def nvme_files(store: StateStore, beside: tuple[str, ...] = ()) -> dict[str, str
     assert store.nvme_dir is not None
     with store._cond:
         records = {job: r.nvme for job, r in store._records.items() if r.tier == "nvme"}
-        spares = [spare.path.name for spare in store._spares]
+        spares = [spare.path.name for spare in store._files.spares]
     assert all(copy is not None and copy.job_id == job for job, copy in records.items())
     files = {job: copy.path.name for job, copy in records.items()}
     assert sorted(os.listdir(store.nvme_dir)) == sorted([*files.values(), *spares, *beside])
-    assert len(spares) <= state_store.NVME_SPARES
+    assert len(spares) <= copy_dir.KEEP_SPARES
     for job, copy in records.items():
         assert (store.nvme_dir / files[job]).stat().st_size == copy.file_bytes
         assert copy.file_bytes % copy_files.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < copy_files.DIRECT_ALIGN
@@ -139,9 +139,9 @@ def assert_only_spares_left(store: StateStore) -> None:
     """Every job dropped: nvme_dir holds only the store's spare files, deleted when it goes."""
     assert store.nvme_dir is not None
     assert nvme_files(store) == {}
-    assert sorted(os.listdir(store.nvme_dir)) == sorted(spare.path.name for spare in store._spares)
-    store._delete_spares()  # what its finalizer does when the store goes (or at exit)
-    assert os.listdir(store.nvme_dir) == [] and store._spares == []
+    assert sorted(os.listdir(store.nvme_dir)) == sorted(spare.path.name for spare in store._files.spares)
+    store._files.delete_spares()  # what its finalizer does when the store goes (or at exit)
+    assert os.listdir(store.nvme_dir) == [] and store._files.spares == []
 
 
 # ---------------------------------------------------------------- export / import on the trainer
@@ -199,7 +199,7 @@ def test_round_trips_through_a_tier_are_bit_exact(model_dir: str, alone: dict, t
     assert all(r["evicted"] == (["idle"] if i % 2 == 0 else ["j0"]) for i, r in enumerate(reports) if i > 0)
     if tier == "nvme":
         files = nvme_files(store)  # idle's copy; j0's file is a spare since it came back
-        assert list(files) == ["idle"] and [s.path.name for s in store._spares] != []
+        assert list(files) == ["idle"] and [s.path.name for s in store._files.spares] != []
     store.drop("j0")
     store.drop("idle")
     assert trainer.jobs() == []
@@ -260,7 +260,7 @@ def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) ->
     for tier in ("host", "nvme"):  # every job here has trained: its copy is exactly job_bytes
         assert inventory[tier]["used_bytes"] == sum(sizes[j] for j in tiers[tier]) <= inventory[tier]["capacity"]
     assert sorted(nvme_files(store)) == tiers["nvme"]
-    assert sum(s.nbytes for s in store._spares) + inventory["nvme"]["used_bytes"] <= inventory["nvme"]["capacity"]
+    assert sum(s.nbytes for s in store._files.spares) + inventory["nvme"]["used_bytes"] <= inventory["nvme"]["capacity"]
 
 
 # ---------------------------------------------------------------- eviction policy
@@ -334,7 +334,7 @@ def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: st
         ensure(store, "a")
     assert trainer.jobs() == ["b"] and store.where("a") == "nvme"
     store.drop("a")
-    assert os.listdir(tmp_path / "nvme") == [] and store._spares == []  # a corrupt copy's file is not kept
+    assert os.listdir(tmp_path / "nvme") == [] and store._files.spares == []  # a corrupt copy's file is not kept
 
 
 def test_tier_full_error_when_nothing_fits(model_dir: str, tmp_path: Path) -> None:
@@ -697,11 +697,11 @@ def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget
             files = nvme_files(store)
             assert list(files) == ["ba"[round_ % 2]]
             inodes.add(os.stat(nvme_dir / files["ba"[round_ % 2]]).st_ino)
-            spares = [spare.path.name for spare in store._spares]
+            spares = [spare.path.name for spare in store._files.spares]
             assert len(spares) == (1 if kept else 0)
-            assert store.inventory()["nvme"]["used_bytes"] + sum(s.nbytes for s in store._spares) <= budget
+            assert store.inventory()["nvme"]["used_bytes"] + sum(s.nbytes for s in store._files.spares) <= budget
         if kept:  # two files made in all, each overwritten since
-            assert len(inodes) == 2 and next(store._copy_serial) == 2
+            assert len(inodes) == 2 and next(store._files._serial) == 2
         for job_id in "ab":
             store.drop(job_id)
         assert_only_spares_left(store)
@@ -825,7 +825,7 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_
     assert [(m.direction, m.job_id) for m in store.background_moves()[1]] == [("host->nvme", "j3")]
     # j3's first write went on and its file became a spare, j2's was skipped, j3's last copy
     # overwrote that spare in place
-    assert len(written) == 2 and written[0] == written[1] == nvme_files(store)["j3"] and store._spares == []
+    assert len(written) == 2 and written[0] == written[1] == nvme_files(store)["j3"] and store._files.spares == []
     assert ensure(store, "j3")["swap_in"] == "nvme"
     train(trainer, "j3", 2)
     assert_like_alone(trainer, "j3", alone["j3"][2])

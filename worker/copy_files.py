@@ -5,7 +5,7 @@ padded with zeros to a whole page) as one file and returns an ``NvmeCopy``: the 
 and everything else about the copy (LoRA config, seed, optimizer hyper-parameters, layout,
 a checksum per chunk), which the state store keeps in memory; ``read_copy`` reads it back into
 a pool buffer, verified, or raises a one-line ``CorruptCopyError``. ``worker.state_store``
-decides which copies go to nvme, names their files and reuses them.
+decides which copies go to nvme; ``worker.copy_dir`` names their files and keeps those to reuse.
 
 How a copy moves fast (``bench/swap.py`` holds it against memcpy and raw sequential file I/O).
 A host copy is one flat page-aligned buffer from the store's ``HostBufferPool`` (pinned when

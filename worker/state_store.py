@@ -34,7 +34,8 @@ allocates and frees no blocks, so its fdatasync flushes data only: on the VM dis
 measured on, overwriting a 0.4 MB file cost about 150 us against about 400 us for truncating
 and rewriting it and 470 us for a new file, and an unlink about 120 us more. A copy that
 finds no spare of its size gets a new file (``O_EXCL``: never anything that was there). The
-store keeps at most ``NVME_SPARES`` spares, and never more than ``nvme_bytes`` leaves beside
+store keeps at most ``copy_dir.KEEP_SPARES`` spares (``worker.copy_dir`` names the files and
+keeps the spares), and never more than ``nvme_bytes`` leaves beside
 its copies (counting those being written): ``nvme_bytes`` bounds what the store holds on
 disk, spares included. The oldest spares beyond that are deleted on the spot, as are all of
 them while the tier is marked full (below), a dropped job's file, and a corrupt copy's; the
@@ -105,14 +106,10 @@ the evicted job's copy.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
-import uuid
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -125,14 +122,8 @@ import torch
 from plexctl.protocol import LoraConfig
 from plexctl.state_size import job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
-from worker.copy_files import (
-    DIRECT_ALIGN,
-    NvmeCopy,
-    read_copy,
-    round_up,
-    unlink_all,
-    write_copy,
-)
+from worker.copy_dir import CopyDirectory
+from worker.copy_files import NvmeCopy, read_copy, unlink_all, write_copy
 from worker.errors import JobConfigError, TierFullError
 from worker.state_copy import (
     BufferPool,
@@ -148,7 +139,6 @@ _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 BACKGROUND_MOVES_KEPT = 4096  # background moves kept for background_moves()
-NVME_SPARES = 4  # files of copies that left nvme kept to be overwritten by new copies (within nvme_bytes)
 
 
 # ---------------------------------------------------------------- errors
@@ -269,9 +259,8 @@ class StateStore:
         self.write_behind_bytes = max(0, write_behind_bytes)
         self.nvme_dir = Path(nvme_dir) if nvme_dir is not None else None
         self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
-        if self.nvme_dir is not None:
-            self.nvme_dir.mkdir(parents=True, exist_ok=True)
-            _remove_orphan_copies(self.nvme_dir)
+        # its copy files, and the spares kept to be overwritten by new copies (within nvme_bytes)
+        self._files = CopyDirectory(self.nvme_dir) if self.nvme_dir is not None else None
         self._clock = clock
         self._serial = threading.RLock()  # one trainer-side operation at a time
         self._cond = threading.Condition()  # guards everything below
@@ -290,10 +279,6 @@ class StateStore:
         self._nvme_full_at: float | None = None  # clock time of the latest such failure
         self._nvme_room = 0  # bytes the store held on nvme then: all it may hold while marked full
         self._nvme_error = ""  # the latest such failure, one line
-        self._spares: list[_Spare] = []  # files of copies that left nvme, oldest first: overwritten by new copies
-        self._copy_prefix = f"copy-{os.getpid()}-{uuid.uuid4().hex[:8]}-"  # new files: writer, store, serial
-        self._copy_serial = itertools.count()
-        self._delete_spares = weakref.finalize(self, _unlink_spares, self._spares)  # when the store goes, or at exit
 
     # ------------------------------------------------------------ the public operations
 
@@ -681,7 +666,7 @@ class StateStore:
                     self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
                 self._cond.notify_all()
             else:  # taken back while written: the file is no copy of anything
-                self._spares.append(_Spare(written.path, written.file_bytes))
+                self._files.add_spare(written.path, written.file_bytes)
                 doomed = self._trim_spares()
                 buffer = None
                 self._cond.notify_all()
@@ -879,11 +864,13 @@ class StateStore:
         return it and the seconds it took. Out of disk space or quota: ``_NoSpace``, the file
         deleted, the tier marked full (and every spare deleted)."""
         started = self._clock()
+        files = self._files
+        assert files is not None
         with self._cond:
-            spare = self._take_spare(state.nbytes)
+            spare = files.take_spare(state.nbytes)
             doomed = self._trim_spares()
         unlink_all(doomed)
-        path = spare.path if spare is not None else self._new_copy_path()
+        path = spare.path if spare is not None else files.new_path()
         try:
             while True:
                 try:
@@ -892,7 +879,7 @@ class StateStore:
                 except FileExistsError:  # not ours (a crashed process's?): never reused, another name
                     if spare is not None:
                         raise
-                    path = self._new_copy_path()
+                    path = files.new_path()
         except BaseException as exc:
             if not isinstance(exc, FileExistsError):
                 unlink_all([path])
@@ -902,35 +889,12 @@ class StateStore:
             raise _NoSpace() from None
         return copy, self._clock() - started
 
-    def _new_copy_path(self) -> Path:
-        assert self.nvme_dir is not None
-        return self.nvme_dir / f"{self._copy_prefix}{next(self._copy_serial)}.bin"
-
-    def _take_spare(self, nbytes: int) -> _Spare | None:
-        """The spare file to overwrite with a copy of ``nbytes`` (caller holds the lock): the
-        smallest that holds it and is not more than twice its size (one of its size, if any:
-        overwritten in place, no block is allocated or freed); None if there is none (a new
-        file then: a larger spare is kept for a larger copy, a smaller one would be extended)."""
-        size = round_up(nbytes, DIRECT_ALIGN)
-        fits = [spare for spare in self._spares if size <= spare.nbytes <= 2 * size]
-        if not fits:
-            return None
-        spare = min(fits, key=lambda spare: spare.nbytes)
-        self._spares.remove(spare)
-        return spare
-
     def _trim_spares(self) -> list[Path]:
-        """Spares to delete now (caller holds the lock, the caller deletes them): all while the
-        tier is marked full (what the store frees must really be free on disk), else the oldest
-        beyond NVME_SPARES or beyond what ``nvme_bytes`` leaves beside the copies (reserved
-        ones included)."""
-        doomed = []
-        full = self._nvme_full()
-        room = self.nvme_bytes - self._used(NVME)
-        while self._spares and (full or len(self._spares) > NVME_SPARES
-                                or sum(s.nbytes for s in self._spares) > room):
-            doomed.append(self._spares.pop(0).path)
-        return doomed
+        """Spare files to delete now (caller holds the lock, the caller deletes them): all while
+        the tier is marked full, else those beyond what ``nvme_bytes`` leaves beside the copies
+        (reserved ones included) or beyond ``copy_dir.KEEP_SPARES``."""
+        assert self._files is not None
+        return self._files.trim(self._nvme_full(), self.nvme_bytes - self._used(NVME))
 
     def _retire_nvme(self, record: _Record) -> list[Path]:
         """A copy left nvme (read, and landed on its new tier; caller holds the lock): its file
@@ -938,15 +902,15 @@ class StateStore:
         copy, record.nvme = record.nvme, None
         if copy is None:
             return []
-        self._spares.append(_Spare(copy.path, copy.file_bytes))
+        assert self._files is not None
+        self._files.add_spare(copy.path, copy.file_bytes)
         return self._trim_spares()
 
     def _mark_nvme_full(self, job_id: str, nbytes: int, exc: OSError) -> None:
         """Count the failure; until NVME_FULL_RETRY_S passes, nvme takes only room the store frees
         (spares are deleted, not kept). One warning line when the tier was not marked full already."""
         with self._cond:
-            doomed = [s.path for s in self._spares]
-            self._spares.clear()
+            doomed = self._files.trim(full=True, room=0) if self._files is not None else []
         unlink_all(doomed)
         free = free_bytes(self.nvme_dir) if self.nvme_dir is not None else None
         error = (f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}"
@@ -984,55 +948,3 @@ def _pin_if_cuda() -> bool:
 
 
 HostBufferPool = BufferPool  # the store's host copies live in its buffers (pinned when CUDA is available)
-
-
-# ---------------------------------------------------------------- file I/O
-
-
-# ---------------------------------------------------------------- a copy on nvme
-
-
-@dataclass
-class _Spare:
-    """The file of a copy that left nvme, kept to be overwritten by a later copy."""
-
-    path: Path
-    nbytes: int  # its size on disk
-
-
-def _remove_orphan_copies(nvme_dir: Path) -> None:
-    """Delete the copies in ``nvme_dir`` written by processes that are gone (a crashed worker's:
-    nothing can read them without it). Files of live processes and other files stay."""
-    removed, freed = 0, 0
-    for entry in os.scandir(nvme_dir):
-        parts = entry.name.split("-")
-        if len(parts) != 4 or parts[0] != "copy" or not parts[1].isdigit() or not entry.name.endswith(".bin"):
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-            continue  # its writer lives (or the pid was reused: kept, to be safe)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
-        with contextlib.suppress(FileNotFoundError):
-            freed += entry.stat().st_size
-            os.unlink(entry.path)
-            removed += 1
-    if removed:
-        log.info("removed %d state copies (%d bytes) left in %s by processes that are gone", removed, freed, nvme_dir)
-
-
-def _unlink_spares(spares: list[_Spare]) -> None:
-    """Delete a store's spare files (its finalizer: when the store is collected, or at exit)."""
-    with contextlib.suppress(OSError):
-        unlink_all([spare.path for spare in spares])
-    spares.clear()
-
-
-# ---------------------------------------------------------------- writing a copy
-
-
-# ---------------------------------------------------------------- reading a copy back
-
-
