@@ -74,8 +74,6 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 
 from plexctl.protocol import (
-    LOSS_AGGREGATIONS,
-    LOSSES,
     LoraConfig,
     TrainBatch,
     TrainHParams,
@@ -105,7 +103,6 @@ from worker.errors import (
     UntrustedCodeError,
 )
 from worker.loss_terms import (
-    LOSS_PARAMS,
     MetricSums,
     aggregation_weights,
     grpo_token_terms,
@@ -127,9 +124,15 @@ from worker.state_copy import (
     dtype_name,
     state_spec,
 )
-
-PAD_ID = 0
-
+from worker.train_batches import (
+    Rows,
+    check_batch,
+    check_hparams,
+    check_token_rows,
+    pad_old_logprobs,
+    pad_rows,
+    slice_rows,
+)
 
 PARKED_ADAPTERS_MAX = 4  # released adapters kept (with their slots) for import_state to reuse
 
@@ -251,20 +254,6 @@ class SlabCounts:
     allocated: int = 0
     allocated_bytes: int = 0
     reused: int = 0
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """Rows right-padded to one length, with targets aligned to the logits that predict them.
-
-    ``loss_mask`` / ``old_logprobs`` have one column less than ``input_ids``: column t refers
-    to token t + 1, predicted by the logits at position t.
-    """
-
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    loss_mask: torch.Tensor  # [B, L-1] bool
-    lengths: list[int]
 
 
 # ---------------------------------------------------------------- the engine
@@ -475,8 +464,8 @@ class TrainerEngine:
     def logprobs(self, job_id: str, input_ids: list[list[int]], loss_mask: list[list[int]]) -> list[list[float]]:
         """Current-policy log-prob of every token (eval mode, no dropout); 0 where masked."""
         job = self._job(job_id)
-        _check_token_rows(input_ids, loss_mask)
-        rows = _pad_rows(input_ids, loss_mask, self.device)
+        check_token_rows(input_ids, loss_mask)
+        rows = pad_rows(input_ids, loss_mask, self.device)
         model = self._activate(job, train=False)
         columns: list[torch.Tensor] = []
         with torch.no_grad():
@@ -678,20 +667,20 @@ class TrainerEngine:
         self._peft.train(train)
         return self._peft
 
-    def _micro_batches(self, rows: _Rows) -> Iterator[_Rows]:
+    def _micro_batches(self, rows: Rows) -> Iterator[Rows]:
         size = self.micro_batch_rows or len(rows.lengths)
         for start in range(0, len(rows.lengths), size):
-            yield _slice_rows(rows, start, start + size)
+            yield slice_rows(rows, start, start + size)
 
     # ------------------------------------------------------------ internals: the loss
 
     def _forward_backward(self, job: _JobState, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
         """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters."""
-        _check_batch(batch)
-        _check_hparams(hp)
+        check_batch(batch)
+        check_hparams(hp)
         user_loss = self._user_loss(hp) if hp.loss_fn else None
-        rows = _pad_rows(batch.input_ids, batch.loss_mask, self.device)
-        old_logprobs = _pad_old_logprobs(batch.old_logprobs, rows)
+        rows = pad_rows(batch.input_ids, batch.loss_mask, self.device)
+        old_logprobs = pad_old_logprobs(batch.old_logprobs, rows)
         advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
         weights = aggregation_weights(rows.loss_mask, hp.loss_agg, hp.loss_agg_len)
         tokens = int(rows.loss_mask.sum().item())
@@ -720,7 +709,7 @@ class TrainerEngine:
     def _accumulate_micro_batch(
         self,
         job: _JobState,
-        part: _Rows,
+        part: Rows,
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
         weights: torch.Tensor,
@@ -753,7 +742,7 @@ class TrainerEngine:
             self._user_losses[key] = import_object(hp.loss_fn, hp.loss_path or None, "loss fn", LossLoadError)
         return self._user_losses[key]
 
-    def _reference_logprobs(self, job: _JobState, part: _Rows) -> torch.Tensor:
+    def _reference_logprobs(self, job: _JobState, part: Rows) -> torch.Tensor:
         """Log-probs under the base model (every adapter disabled), no gradient."""
         model = self._activate(job, train=False)
         with torch.no_grad(), model.disable_adapter():
@@ -927,93 +916,6 @@ def _store_rng(views: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) 
         raise StateCopyError(f"RNG state {sorted(states)} does not fit the job's ({sorted(views)})")
     for name, view in views.items():
         view.copy_(states[name])
-
-
-# ---------------------------------------------------------------- batches
-
-
-def _check_token_rows(input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
-    if not input_ids:
-        raise BatchError("batch has no rows")
-    if len(loss_mask) != len(input_ids):
-        raise BatchError(f"loss_mask has {len(loss_mask)} rows, input_ids {len(input_ids)}")
-    for i, (ids, mask) in enumerate(zip(input_ids, loss_mask)):
-        if not ids:
-            raise BatchError(f"row {i} is empty")
-        if len(mask) != len(ids):
-            raise BatchError(f"row {i}: loss_mask has {len(mask)} entries, input_ids {len(ids)}")
-        if mask[0]:
-            raise BatchError(f"row {i}: the first token cannot be trained (no logits predict it)")
-
-
-def _check_batch(batch: TrainBatch) -> None:
-    _check_token_rows(batch.input_ids, batch.loss_mask)
-    if len(batch.old_logprobs) != len(batch.input_ids) or len(batch.advantages) != len(batch.input_ids):
-        raise BatchError(
-            f"batch has {len(batch.input_ids)} rows but {len(batch.old_logprobs)} old_logprobs rows "
-            f"and {len(batch.advantages)} advantages"
-        )
-    for i, (ids, old) in enumerate(zip(batch.input_ids, batch.old_logprobs)):
-        if len(old) != len(ids):
-            raise BatchError(f"row {i}: old_logprobs has {len(old)} entries, input_ids {len(ids)}")
-    if not all(math.isfinite(a) for a in batch.advantages):
-        raise BatchError("advantages must be finite")
-
-
-def _check_hparams(hp: TrainHParams) -> None:
-    if hp.loss_agg not in LOSS_AGGREGATIONS:
-        raise BatchError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {hp.loss_agg!r}")
-    if hp.loss_agg_len < 0:
-        raise BatchError(f"loss_agg_len must be >= 0, got {hp.loss_agg_len}")
-    if hp.loss_fn:
-        return  # a user's loss takes whatever loss_params it documents
-    if hp.loss not in LOSSES:
-        raise BatchError(f"loss must be one of {LOSSES} (or a trusted loss_fn), got {hp.loss!r}")
-    unknown = sorted(set(hp.loss_params) - set(LOSS_PARAMS[hp.loss]))
-    if unknown:
-        takes = ", ".join(LOSS_PARAMS[hp.loss]) or "no parameters"
-        raise BatchError(f"loss {hp.loss} takes {takes}; got loss_params {', '.join(unknown)}")
-    if hp.loss == "pg-tis" and not hp.loss_params.get("cap", 1.0) > 0:
-        raise BatchError(f"pg-tis cap must be > 0, got {hp.loss_params['cap']}")
-
-
-def _pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: torch.device) -> _Rows:
-    """Right-pad rows with PAD_ID; shift the mask so column t refers to token t + 1."""
-    lengths = [len(row) for row in input_ids]
-    width = max(lengths)
-    ids = torch.full((len(input_ids), width), PAD_ID, dtype=torch.long)
-    attention = torch.zeros((len(input_ids), width), dtype=torch.long)
-    mask = torch.zeros((len(input_ids), width), dtype=torch.bool)
-    for i, (row, row_mask) in enumerate(zip(input_ids, loss_mask)):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        attention[i, : len(row)] = 1
-        mask[i, : len(row)] = torch.tensor(row_mask, dtype=torch.bool)
-    return _Rows(ids.to(device), attention.to(device), mask[:, 1:].to(device), lengths)
-
-
-def _pad_old_logprobs(old_logprobs: list[list[float]], rows: _Rows) -> torch.Tensor:
-    """Old log-probs aligned with ``rows.loss_mask``; masked entries are forced to 0."""
-    width = rows.input_ids.shape[1]
-    old = torch.zeros((len(old_logprobs), width), dtype=torch.float32)
-    for i, row in enumerate(old_logprobs):
-        old[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    old = old[:, 1:].to(rows.loss_mask.device)
-    old = torch.where(rows.loss_mask, old, 0.0)
-    if not torch.isfinite(old).all():
-        raise BatchError("old_logprobs must be finite where loss_mask is 1")
-    return old
-
-
-def _slice_rows(rows: _Rows, start: int, stop: int) -> _Rows:
-    """Rows [start, stop), trimmed to their own longest row."""
-    lengths = rows.lengths[start:stop]
-    width = max(lengths)
-    return _Rows(
-        rows.input_ids[start:stop, :width],
-        rows.attention_mask[start:stop, :width],
-        rows.loss_mask[start:stop, : width - 1],
-        lengths,
-    )
 
 
 # ---------------------------------------------------------------- restoring a checkpoint

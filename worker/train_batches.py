@@ -1,0 +1,117 @@
+"""A training batch's checks and its tensors: the token rows a ``train_step`` (or ``logprobs``)
+gets, checked one by one with a one-line ``BatchError`` naming the row, right-padded into
+tensors with the loss mask shifted onto the logits that predict each token, and cut into
+micro-batches trimmed to their own longest row."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from plexctl.protocol import LOSS_AGGREGATIONS, LOSSES, TrainBatch, TrainHParams
+from worker.errors import BatchError
+from worker.loss_terms import LOSS_PARAMS
+
+PAD_ID = 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows right-padded to one length, with targets aligned to the logits that predict them.
+
+    ``loss_mask`` / ``old_logprobs`` have one column less than ``input_ids``: column t refers
+    to token t + 1, predicted by the logits at position t.
+    """
+
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] bool
+    lengths: list[int]
+
+
+
+
+def check_token_rows(input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
+    if not input_ids:
+        raise BatchError("batch has no rows")
+    if len(loss_mask) != len(input_ids):
+        raise BatchError(f"loss_mask has {len(loss_mask)} rows, input_ids {len(input_ids)}")
+    for i, (ids, mask) in enumerate(zip(input_ids, loss_mask)):
+        if not ids:
+            raise BatchError(f"row {i} is empty")
+        if len(mask) != len(ids):
+            raise BatchError(f"row {i}: loss_mask has {len(mask)} entries, input_ids {len(ids)}")
+        if mask[0]:
+            raise BatchError(f"row {i}: the first token cannot be trained (no logits predict it)")
+
+
+def check_batch(batch: TrainBatch) -> None:
+    check_token_rows(batch.input_ids, batch.loss_mask)
+    if len(batch.old_logprobs) != len(batch.input_ids) or len(batch.advantages) != len(batch.input_ids):
+        raise BatchError(
+            f"batch has {len(batch.input_ids)} rows but {len(batch.old_logprobs)} old_logprobs rows "
+            f"and {len(batch.advantages)} advantages"
+        )
+    for i, (ids, old) in enumerate(zip(batch.input_ids, batch.old_logprobs)):
+        if len(old) != len(ids):
+            raise BatchError(f"row {i}: old_logprobs has {len(old)} entries, input_ids {len(ids)}")
+    if not all(math.isfinite(a) for a in batch.advantages):
+        raise BatchError("advantages must be finite")
+
+
+def check_hparams(hp: TrainHParams) -> None:
+    if hp.loss_agg not in LOSS_AGGREGATIONS:
+        raise BatchError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {hp.loss_agg!r}")
+    if hp.loss_agg_len < 0:
+        raise BatchError(f"loss_agg_len must be >= 0, got {hp.loss_agg_len}")
+    if hp.loss_fn:
+        return  # a user's loss takes whatever loss_params it documents
+    if hp.loss not in LOSSES:
+        raise BatchError(f"loss must be one of {LOSSES} (or a trusted loss_fn), got {hp.loss!r}")
+    unknown = sorted(set(hp.loss_params) - set(LOSS_PARAMS[hp.loss]))
+    if unknown:
+        takes = ", ".join(LOSS_PARAMS[hp.loss]) or "no parameters"
+        raise BatchError(f"loss {hp.loss} takes {takes}; got loss_params {', '.join(unknown)}")
+    if hp.loss == "pg-tis" and not hp.loss_params.get("cap", 1.0) > 0:
+        raise BatchError(f"pg-tis cap must be > 0, got {hp.loss_params['cap']}")
+
+
+def pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: torch.device) -> Rows:
+    """Right-pad rows with PAD_ID; shift the mask so column t refers to token t + 1."""
+    lengths = [len(row) for row in input_ids]
+    width = max(lengths)
+    ids = torch.full((len(input_ids), width), PAD_ID, dtype=torch.long)
+    attention = torch.zeros((len(input_ids), width), dtype=torch.long)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.bool)
+    for i, (row, row_mask) in enumerate(zip(input_ids, loss_mask)):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[i, : len(row)] = 1
+        mask[i, : len(row)] = torch.tensor(row_mask, dtype=torch.bool)
+    return Rows(ids.to(device), attention.to(device), mask[:, 1:].to(device), lengths)
+
+
+def pad_old_logprobs(old_logprobs: list[list[float]], rows: Rows) -> torch.Tensor:
+    """Old log-probs aligned with ``rows.loss_mask``; masked entries are forced to 0."""
+    width = rows.input_ids.shape[1]
+    old = torch.zeros((len(old_logprobs), width), dtype=torch.float32)
+    for i, row in enumerate(old_logprobs):
+        old[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    old = old[:, 1:].to(rows.loss_mask.device)
+    old = torch.where(rows.loss_mask, old, 0.0)
+    if not torch.isfinite(old).all():
+        raise BatchError("old_logprobs must be finite where loss_mask is 1")
+    return old
+
+
+def slice_rows(rows: Rows, start: int, stop: int) -> Rows:
+    """Rows [start, stop), trimmed to their own longest row."""
+    lengths = rows.lengths[start:stop]
+    width = max(lengths)
+    return Rows(
+        rows.input_ids[start:stop, :width],
+        rows.attention_mask[start:stop, :width],
+        rows.loss_mask[start:stop, : width - 1],
+        lengths,
+    )
