@@ -54,6 +54,8 @@ def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c.slurm_job = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
     yield c
     c.run("down", timeout=180)
+    if "(already running)" not in start.stdout:  # started here: leave no Slurm daemon behind
+        subprocess.run(["bash", str(REPO / "tests" / "slurm" / "stop-cluster.sh")], capture_output=True, timeout=120)
 
 
 def metrics(c: Cluster, job: str) -> list[dict]:
