@@ -81,9 +81,6 @@ class CopyDirectory:
             doomed.append(self.spares.pop(0).path)
         return doomed
 
-    def spare_bytes(self) -> int:
-        return sum(spare.nbytes for spare in self.spares)
-
 
 def remove_orphan_copies(directory: Path) -> None:
     """Delete the copies in ``directory`` written by processes that are gone. Files of live

@@ -165,7 +165,7 @@ class JobStateCopy:
     lora: LoraConfig
     seed: int
     weight_decay: float  # the AdamW param group's value when exported
-    param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order
+    param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order (read-only)
     tensors: Mapping[str, torch.Tensor]
     buffers: Mapping[str, torch.Tensor]
     layout: dict[str, list[str]]  # buffer name -> names of its members, in storage order (read-only lists)
