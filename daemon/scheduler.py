@@ -18,11 +18,12 @@ What it decides, per cluster placement policy (``POLICIES``):
   ``spread+backfill`` only, a task whose home is full may run on another engine of the same
   kind and model that is *idle* (free capacity, nothing queued for it): a rollout task always
   (its state is an adapter file, loaded anywhere; its home stays), a trainer task only when
-  the job's state is not on its home's device (``state_location``), and then the job's
-  trainer home moves to that engine (fewest jobs first, within ``jobs_per_engine`` and its
-  state capacity). Until told otherwise, a job's state is taken to be on the device of the
-  trainer engine that last started one of its tasks (a safe default for a daemon without a
-  state manager); a job that never trained has no state and may go anywhere.
+  its job has no trainer state yet, and then the job's trainer home moves to that engine
+  (fewest jobs first, within ``jobs_per_engine`` and its state capacity). A job's state, on
+  whatever tier, stays with the trainer that holds it (``state_location``): no engine moves
+  it to another, so the job's trainer tasks wait for that one. Until told otherwise, a job's
+  state is taken to be on the device of the trainer engine that last started one of its
+  tasks.
 - **Order on an engine.** Priority first; then per-user weighted fair share (lowest
   ``(served + running estimate) engine-seconds / weight`` first, taken when a tick orders an
   engine's queue); then response ratio ``(wait + estimate) / estimate`` with estimates learned
@@ -140,12 +141,6 @@ class Job:
     methods: set[str] = field(default_factory=set)
     last_done: tuple[str, float] | None = None  # (kind, when) of its task that ended last
     started: dict[int, str] = field(default_factory=dict)  # its running tasks: task_id -> engine_id
-
-    @property
-    def pinned(self) -> bool:
-        """Its trainer state is on its home trainer's device: its trainer tasks stay there."""
-        return self.state_tier == "device" and self.state_engine is not None \
-            and self.state_engine == self.homes.get("trainer")
 
 
 @dataclass
@@ -324,8 +319,8 @@ class Scheduler:
     def state_location(self, job_id: str, engine_id: str | None, tier: str | None) -> None:
         """The state manager says where a job's trainer state lives now.
 
-        ``tier == "device"`` pins the job to that trainer engine (it becomes its home);
-        ``"host"``, ``"nvme"``, other tiers, or ``None`` (no copy) let a trainer task move.
+        ``tier == "device"`` makes that trainer engine the job's home. On any tier the job's
+        trainer tasks stay on that engine; ``None`` (no copy anywhere) lets one move.
         """
         job = self.jobs.get(job_id)
         if job is None:
@@ -707,7 +702,7 @@ class Scheduler:
     def _movable(self, task: Task, job: Job) -> bool:
         if self.policy != "spread+backfill":
             return False
-        return task.kind not in SERIAL_KINDS or not job.pinned
+        return task.kind not in SERIAL_KINDS or job.state_tier is None
 
     def _enqueue(self, task: Task) -> None:
         """Make an eligible task pending on its job's home (or homeless until one is found)."""

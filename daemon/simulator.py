@@ -33,15 +33,15 @@ coarser grain than they would step by step.
 State swaps (the state manager's part; it is not a socket-free core in this repository, so
 its policy is mirrored here): a trainer keeps at most ``device_slots`` shard states on its
 device (and at most ``device_state_gb``). A trainer task whose state is elsewhere is charged
-its swap-in before it runs: host -> device at ``h2d_gbps``, NVMe -> device at ``nvme_gbps``,
-from another node at ``net_gbps`` (the copy moves with the job, e.g. after a trainer
-backfill). Room is made by evicting the resident state needed least soon (by the core's
+its swap-in before it runs: host -> device at ``h2d_gbps``, NVMe -> device at ``nvme_gbps``
+(a state never leaves its trainer's node: the core backfills only trainer tasks of jobs
+that have none yet, as in the daemon). Room is made by evicting the resident state needed least soon (by the core's
 ``expected``; ties: least recently used) to host memory (``host_gb``; the least recently
 used host copies go down to NVMe when it is full); evictions are copies that overlap the
 next task and are counted, not charged. When a trainer task starts, the first job in its
 engine's ``expected`` order that sits on its NVMe is prefetched to host (if host has room).
-The core is told each eviction through ``state_location`` so that a backfill can move an
-evicted job.
+The core is told each eviction through ``state_location`` (its ``expected`` order and the
+daemon's prefetches follow it).
 
 Accounting. Busy time is slot-weighted (a generate chunk occupies ``1 / rollout_slots`` of
 its engine), so the long tail counts as idle. An engine is *held* while a shard is homed on
@@ -89,7 +89,6 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     nvme_gb: float = 15000.0  # node-local NVMe for states, per trainer node
     h2d_gbps: float = 25.0  # pinned host <-> device, as a swap benchmark measures on a PCIe GPU node
     nvme_gbps: float = 5.0  # NVMe sequential
-    net_gbps: float = 25.0  # node to node (200 Gb/s)
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -441,10 +440,9 @@ class Simulation:
         seconds = 0.0
         if shard.tier is not None:
             self.swaps.swap_ins += 1
-            if shard.node != engine_id:  # its copy is on another node: it travels over the network
-                seconds = n / (min(cfg.net_gbps, cfg.nvme_gbps if shard.tier == NVME else cfg.net_gbps) * GB)
-                self._count("node->node", n)
-            elif shard.tier == HOST:
+            if shard.node != engine_id:  # the core keeps a trainer task where its job's state is
+                raise RuntimeError(f"{shard.core_id}: trainer task placed on {engine_id}, its state is on {shard.node}")
+            if shard.tier == HOST:
                 seconds = max(0.0, shard.ready_at - now) + n / (cfg.h2d_gbps * GB)
                 self._count("host->device", n)
             else:

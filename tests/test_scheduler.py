@@ -184,7 +184,7 @@ def test_spread_keeps_tasks_home_but_backfill_uses_an_idle_rollout_engine():
         assert s.home_of("a", "rollout") == "r0"  # a rollout backfill does not move the home
 
 
-def test_backfill_never_moves_a_device_resident_trainer_task_but_moves_one_on_host():
+def test_backfill_never_moves_a_trainer_task_away_from_its_jobs_state():
     s = cluster("spread+backfill", 1, 2)
     for j in ("a", "b", "c"):  # spread: a -> t0, b -> t1, c -> t0
         s.admit(j, "m", 0.0)
@@ -194,8 +194,12 @@ def test_backfill_never_moves_a_device_resident_trainer_task_but_moves_one_on_ho
     s.state_location("a", "t0", "device")
     s.submit(task(2, "a", "trainer", "train_step"))
     assert s.tick(1.0) == []  # t1 is idle, but a's state is on t0's device
-    s.state_location("a", "t0", "host")  # the state manager swapped it out
-    assert [(p.task.job_id, p.engine_id) for p in s.tick(2.0)] == [("a", "t1")]
+    for tier in ("host", "nvme"):  # swapped out, it is still t0's: no trainer gets it from there
+        s.state_location("a", "t0", tier)
+        assert s.tick(2.0) == []
+    assert s.home_of("a", "trainer") == "t0"
+    s.state_location("a", "t0", None)  # no copy left anywhere: the job may start on any trainer
+    assert [(p.task.job_id, p.engine_id) for p in s.tick(3.0)] == [("a", "t1")]
     assert s.home_of("a", "trainer") == "t1" and s.home["a"] == "t1"
     assert s.upcoming("t1") == [] and "a" not in s.upcoming("t0")
 
@@ -242,8 +246,7 @@ def test_trainer_backfill_only_moves_to_a_trainer_with_room_for_the_state():
     s.submit(task(1, "q", "trainer", "train_step"))
     s.submit(task(2, "v", "trainer", "train_step"))
     s.tick(0.0)  # q holds big, v holds big2
-    s.state_location("x", "big", "host")
-    s.submit(task(3, "x", "trainer", "train_step"))
+    s.submit(task(3, "x", "trainer", "train_step"))  # x has no state yet: it may start elsewhere
     assert s.tick(1.0) == []  # only small is idle
     s.done(2, 2.0, 2.0)
     assert [(p.task.job_id, p.engine_id) for p in s.tick(2.0)] == [("x", "big2")]
@@ -577,7 +580,7 @@ def check_indexes(s: Scheduler) -> None:
         for tid, t in s._pending[eid].items():
             job = s.jobs[t.job_id]
             assert s._where[tid] == eid and job.homes[t.kind] == eid
-            movable = s.policy == "spread+backfill" and (t.kind == "rollout" or not job.pinned)
+            movable = s.policy == "spread+backfill" and (t.kind == "rollout" or job.state_tier is None)
             assert (tid in s._waiting.get(engine.key, {})) == (engine.free <= 0 and movable)
     if s.policy == "isolated":
         assert all(len(h) <= 1 for h in s._homed.values())

@@ -160,9 +160,11 @@ def test_more_tenants_than_device_slots_swap_state_and_count_it():
     assert r.swaps.seconds >= r.swaps.swap_ins * (2 << 30) / (cfg.h2d_gbps * 1e9) * 0.999
     roomy = simulate(trace, "spread", jobs_per_engine=4, config=SimConfig(device_slots=4))
     assert roomy.swaps.swap_ins == 0
-    # backfill may move an evicted job's trainer elsewhere: its state then crosses nodes
-    moved = simulate(trace, "spread+backfill", jobs_per_engine=4, config=cfg)
-    assert moved.swaps.bytes.get("node->node", 0) > 0
+    # backfill leaves a trainer task on the trainer holding its job's state, even when that
+    # state was evicted (the simulation stops with an error otherwise): states never cross nodes
+    backfill = simulate(trace, "spread+backfill", jobs_per_engine=4, config=cfg)
+    assert backfill.swaps.swap_ins > 0
+    assert set(backfill.swaps.bytes) <= {"device->host", "host->nvme", "nvme->host", "host->device", "nvme->device"}
 
 
 def multiplex_json(model: PhaseModel, with_phases: bool) -> dict:
