@@ -149,6 +149,7 @@ class Daemon:
         self.calls: dict[int, PendingCall] = {}
         self.adopting: dict[str, float] = {}  # adopted job -> when to give up waiting for engines
         self.resident: dict[str, str] = {}  # job -> trainer engine that holds its state (workers' word)
+        self.held: dict[str, list[Task]] = {}  # an adopted job's calls until it is placed again
         # task ids never repeat across daemon restarts: a late result for a task of the previous daemon
         # (its workers live on) cannot be taken for the reply to a new call
         self.task_ids = itertools.count(int(self.started_at * 1000) * 1000)
@@ -596,11 +597,11 @@ class Daemon:
     def _roll_back(self, rt: JobRuntime, why: str) -> None:
         """The job's trainer state is gone: stop its driver; it resumes from its last checkpoint."""
         rt.rolled_back = why
+        self.held.pop(rt.job_id, None)
         for task in self.sched.release(rt.job_id):
             self.calls.pop(task.task_id, None)
         for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
             del self.calls[tid]
-        rt.engines.clear()
         if rt.proc is not None and rt.proc.poll() is None:
             rt.proc.terminate()
         log.warning("job %s rolls back to its last checkpoint: %s", rt.job_id, why)
@@ -757,6 +758,9 @@ class Daemon:
                     time.time(), spec.priority)
         self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
                                                {**context, "args": args})
+        if rt.job_id in self.adopting and not self._adopt(rt.job_id, time.time()):
+            self.held.setdefault(rt.job_id, []).append(task)  # submitted once the job has its homes again
+            return
         self.sched.submit(task)
 
     @staticmethod
@@ -814,25 +818,39 @@ class Daemon:
                 self._prefetch(placement.engine_id, worker, expected)
 
     def _admit_adopted(self, now: float) -> None:
-        """Give adopted jobs their homes once engines for them are back: the trainer that holds
-        the job's state when a worker says so. Past ``ADOPT_TIMEOUT_S`` the job restarts."""
+        """Give adopted jobs their homes once engines for them are back (``_adopt``). Past
+        ``ADOPT_TIMEOUT_S`` the job restarts."""
         for job_id, deadline in list(self.adopting.items()):
             rt = self.runtimes.get(job_id)
-            if rt is None:
-                del self.adopting[job_id]
-                continue
-            holder = self.resident.get(job_id)
-            adm = self.sched.admit(job_id, os.path.realpath(rt.spec.model.path), now,
-                                   state_bytes=self._state_bytes(rt.spec), priority=rt.spec.priority,
-                                   user=rt.user, trainer=holder if holder in self.sched.engines else None)
-            if adm.ok:
-                del self.adopting[job_id]
-                self.resident.pop(job_id, None)
-                log.info("job %s placed again on %s, %s", job_id, adm.rollout, adm.trainer)
-            elif now > deadline:
+            if rt is not None and not self._adopt(job_id, now) and now > deadline:
                 del self.adopting[job_id]
                 self._roll_back(rt, f"its engines did not come back within {ADOPT_TIMEOUT_S:.0f} s "
                                     "of the daemon's restart")
+
+    def _adopt(self, job_id: str, now: float) -> bool:
+        """Place an adopted job again, on the trainer that holds its state when a worker says
+        so (its trainer calls stay there), then submit the calls its driver sent meanwhile.
+        False while no engines for it are back."""
+        rt = self.runtimes.get(job_id)
+        if rt is None:
+            self.adopting.pop(job_id, None)
+            self.held.pop(job_id, None)
+            return True
+        holder = self.resident.get(job_id)
+        holder = holder if holder in self.sched.engines else None
+        adm = self.sched.admit(job_id, os.path.realpath(rt.spec.model.path), now,
+                               state_bytes=self._state_bytes(rt.spec), priority=rt.spec.priority,
+                               user=rt.user, trainer=holder)
+        if not adm.ok:
+            return False
+        del self.adopting[job_id]
+        self.resident.pop(job_id, None)
+        if holder is not None:  # on some tier of it: the trainer's next inventory says which
+            self.sched.state_location(job_id, holder, "host")
+        for task in self.held.pop(job_id, []):
+            self.sched.submit(task)
+        log.info("job %s placed again on %s, %s", job_id, adm.rollout, adm.trainer)
+        return True
 
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
@@ -907,6 +925,13 @@ class Daemon:
                 continue
             elif rc == 0:
                 state, error = "succeeded", ""
+            elif rc == DRIVER_EXIT_DRAINED and self.drain_deadline is None:  # it gave up on its daemon
+                self.journal.update(job_id, state="queued")
+                self.journal.event(job_id, "requeued", "the driver stopped, having lost its daemon; "
+                                                       "resumes from its last checkpoint")
+                log.warning("job %s: its driver lost the daemon; requeued", job_id)
+                self._end_job(rt)
+                continue
             elif rc == DRIVER_EXIT_DRAINED or (self.drain_deadline is not None and not rt.failure):
                 state, error = "interrupted", ""
                 self.journal.update(job_id, state=state)
@@ -940,6 +965,8 @@ class Daemon:
 
     def _end_job(self, rt: JobRuntime) -> None:
         del self.runtimes[rt.job_id]
+        self.adopting.pop(rt.job_id, None)
+        self.held.pop(rt.job_id, None)
         for task in self.sched.release(rt.job_id):
             self.calls.pop(task.task_id, None)
         for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:

@@ -137,6 +137,12 @@ class JobClient:
 
     def _watch_daemon(self) -> None:
         """Notice the daemon going away and coming back; send the calls in flight again."""
+        # its parent first: the daemon died before this socket saw it go, and a new daemon
+        # this driver has reconnected to already (the events below) is not lost
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            self.parent_pid = None
+            if self._lost_since is None:
+                self._lost("the daemon that started this driver is gone")
         while self._monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED and self._lost_since is None:
@@ -148,10 +154,6 @@ class JobClient:
                     for frames in list(self._in_flight.values()):
                         self._sock.send_multipart(frames)
                 self._lost_since, self._connected_once = None, True
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            self.parent_pid = None
-            if self._lost_since is None:
-                self._lost("the daemon that started this driver is gone")
         if self._lost_since is None:
             return
         if time.monotonic() - self._lost_since > orphan_grace():

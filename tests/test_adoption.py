@@ -1,0 +1,97 @@
+"""A restarted daemon adopts the drivers and workers that outlived its predecessor: an adopted
+job's calls wait until it is placed again, and its trainer calls go to the trainer that holds
+its state (no other trainer has it), even when another trainer is idle.
+
+A real daemon object on a real socket and journal, driven through its message handlers with
+the frames a driver and two workers send; what it sends back is recorded.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.main import Daemon, JobRuntime
+from plexctl import auth
+from plexctl import protocol as P
+from plexctl.spec import load_spec, spec_to_wire
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
+    d = Daemon(tmp_path / "state", [str(tiny_model)], [])
+    d.sent = []
+    d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
+    yield d
+    d.authenticator.stop()
+    d.sock.close()
+    d.journal.close()
+
+
+def adopted_job(d: Daemon, tiny_model: Path, name: str) -> str:
+    """A job whose driver outlived the last daemon (as ``_recover_jobs`` leaves it)."""
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
+    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    d.journal.update(job_id, state="running")
+    d.runtimes[job_id] = JobRuntime(job_id, spec, d.jobs_dir / job_id, None, user="alice")
+    d.adopting[job_id] = time.time() + 60
+    return job_id
+
+
+def register(d: Daemon, worker: str, model: Path, resident: dict[str, str]) -> None:
+    engines = [P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
+               P.EngineDecl(f"{worker}/trainer", "trainer", str(model))]
+    d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", 1, engines, True,
+                                                                      resident=resident))
+
+
+def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
+    d.on_call(f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}}))
+
+
+def tasks(d: Daemon) -> list[tuple[str, str]]:
+    out = [(body.job_id, body.engine_id) for _, op, body in d.sent if op == P.Op.TASK and body.method == "train_step"]
+    d.sent.clear()
+    return out
+
+
+def test_an_adopted_jobs_calls_wait_for_it_and_go_to_the_trainer_holding_its_state(daemon, tiny_model):
+    d = daemon
+    a, b = adopted_job(d, tiny_model, "a"), adopted_job(d, tiny_model, "b")
+    train_step(d, a, 7)  # sent again by a's driver before any worker is back
+    d._place(time.time())
+    assert tasks(d) == [] and a in d.held  # held, not placed by load on whatever comes first
+    register(d, "w0", tiny_model, {})  # an empty trainer comes back first
+    register(d, "w1", tiny_model, {a: "w1/trainer", b: "w1/trainer"})
+    d._admit_adopted(time.time())
+    d._place(time.time())
+    assert tasks(d) == [(a, "w1/trainer")]
+    train_step(d, b, 8)  # w1 is busy with a's step and w0 idle: b's state is on w1 only
+    d._place(time.time())
+    assert tasks(d) == []
+    (task_id,) = [tid for tid, call in d.calls.items() if call.job_id == a]
+    d.on_result(b"w1", P.Header(msg_id=2), P.ResultBody(task_id, True, {"loss": 0.0}, seconds=0.1))
+    d._place(time.time())
+    assert tasks(d) == [(b, "w1/trainer")]
+
+
+def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(daemon, tiny_model):
+    """A driver that lost its daemon for longer than the orphan grace stops with exit 75 (as a
+    drained one does); the daemon that sees it exit is not draining, so the job is queued again
+    and resumes from its checkpoint instead of waiting for an ``up`` that never comes."""
+    d = daemon
+    job = adopted_job(d, tiny_model, "gave-up")
+    d.runtimes[job].proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"])
+    d.runtimes[job].proc.wait(30)
+    d._reap_drivers(time.time())
+    assert job not in d.runtimes
+    assert d.journal.job(job).state == "queued"
+    assert d.journal.events(job)[-1][1] == "requeued"
