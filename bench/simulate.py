@@ -126,7 +126,14 @@ def main(argv: list[str] | None = None) -> int:
 
     trace_path = args.trace or args.trace_file
     if trace_path is not None:
-        trace = read_trace(trace_path)
+        try:
+            trace = read_trace(trace_path)
+        except OSError as e:
+            print(f"error: trace {trace_path}: {e.strerror}", file=sys.stderr)
+            return 2
+        except ValueError as e:  # it names the file
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         gpus = args.gpus or trace.gpus or 2048
         tune_trace, tune_gpus, tuned_on = trace, gpus, f"the replayed trace ({trace_path})"
     else:

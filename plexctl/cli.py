@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -42,8 +43,9 @@ app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_e
 console = Console()
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TERMINAL = ("succeeded", "failed", "cancelled")
-WAIT_EXIT = {"succeeded": ExitCode.OK, "failed": ExitCode.JOB_FAILED, "cancelled": ExitCode.JOB_CANCELLED}
+TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")  # interrupted: it resumes at the next `up`
+WAIT_EXIT = {"succeeded": ExitCode.OK, "failed": ExitCode.JOB_FAILED, "cancelled": ExitCode.JOB_CANCELLED,
+             "interrupted": ExitCode.INTERRUPTED}
 
 
 class Ctx:
@@ -53,6 +55,9 @@ class Ctx:
 
     def client(self, timeout: float = 10.0) -> Client:
         ep = read_endpoint(self.state_dir)
+        if ep.mode == "local" and ep.host == socket.gethostname() and not pid_alive(ep.pid):
+            raise DaemonUnreachable(f"cluster at {self.state_dir} is not running (its daemon, pid {ep.pid}, "
+                                    "has exited; start it with `plexctl up --local`)")
         return Client(ep.address, timeout=timeout)
 
 
@@ -135,7 +140,9 @@ def up(ctx: typer.Context,
         if write_behind is not None:
             sizes["--write-behind"] = parse_bytes(write_behind)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        option = next((o for o, v in (("--host-mem", host_mem), ("--nvme-bytes", nvme_bytes),
+                                      ("--write-behind", write_behind)) if v is not None and str(v) in str(exc)), "")
+        raise UsageError(f"{option}: {exc}" if option else str(exc)) from None
     c: Ctx = ctx.obj
     model = (model or _local_model_default()).resolve()
     if not (model / "config.json").exists():
@@ -446,7 +453,7 @@ def status(ctx: typer.Context,
            job: Annotated[Optional[str], typer.Argument(help="job id or name (default: all)")] = None,
            watch: Annotated[bool, typer.Option("--watch", "-w", help="live view until interrupted")] = False,
            as_json: Annotated[bool, typer.Option("--json", help="JSON output")] = False,
-           interval: Annotated[float, typer.Option(help="refresh seconds with --watch")] = 1.0) -> None:
+           interval: Annotated[float, typer.Option(min=0.1, help="refresh seconds with --watch")] = 1.0) -> None:
     """Jobs (state, step, reward, policy version, engine) and engines."""
     c: Ctx = ctx.obj
     if (c.state_dir / S.SLURM_FILE).exists() and _ping_or_none(c.state_dir) is None:
@@ -491,7 +498,7 @@ def _live(c: Ctx, client: Client, job: str | None, interval: float, until_done: 
 def top(ctx: typer.Context,
         job: Annotated[Optional[str], typer.Argument(help="job id or name (default: all)")] = None,
         interval: Annotated[Optional[float], typer.Option(
-            help="refresh seconds (live view: default 2; plain text: one frame unless given)")] = None,
+            min=0.1, help="refresh seconds (live view: default 2; plain text: one frame unless given)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="one JSON frame")] = False) -> None:
     """Live view: jobs (progress, ETA, reward sparkline, staleness) and engines (utilization, swaps, tiers)."""
     from plexctl import top as T
@@ -594,7 +601,8 @@ def cancel(ctx: typer.Context, jobs: Annotated[list[str], typer.Argument(help="j
 def wait(ctx: typer.Context,
          jobs: Annotated[list[str], typer.Argument(help="job ids or names")],
          timeout: Annotated[Optional[float], typer.Option(help="give up after this many seconds")] = None) -> None:
-    """Wait until jobs end; the exit code says how (0 succeeded, 1 failed, 5 cancelled)."""
+    """Wait until jobs end; the exit code says how (0 succeeded, 1 failed, 5 cancelled, 8 interrupted:
+    stopped with the cluster, they resume at the next `up`)."""
     client = ctx.obj.client()
     deadline = None if timeout is None else time.monotonic() + timeout
     final: dict[str, JobInfo] = {}
@@ -673,15 +681,25 @@ def simulate(ctx: typer.Context,
     """Replay a job trace on the daemon's own scheduler with a simulated clock, under every policy.
 
     Extra options go to the simulator (see `plexctl simulate --help-sim`), e.g. --quick, --jobs N, --gpus G.
+    The results go to ./simulate.json unless --out says where.
     """
-    args = [str(trace)] if trace else []
+    args = [str(trace.resolve())] if trace else []  # the simulator runs in the repository: paths are the user's
     extra = ["--help" if a == "--help-sim" else a for a in ctx.args]
+    if not any(a == "--out" or a.startswith("--out=") for a in extra):
+        extra += ["--out", str(Path.cwd() / "simulate.json")]
+    extra = [str(Path(a).resolve()) if prev in ("--out", "--trace") else a for prev, a in zip(["", *extra], extra)]
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "simulate.py"), *args, *extra], cwd=REPO_ROOT)
     if proc.returncode:
         raise typer.Exit(proc.returncode)
 
 
 # ------------------------------------------------------------------------------ entry
+
+
+# typer >= 0.20 parses with its own copy of click, whose exceptions are not click's
+_EXITS = tuple({click.exceptions.Exit, typer.Exit})
+_USAGE_ERRORS = tuple({click.ClickException, getattr(typer, "TyperException", click.ClickException)})
+_ABORTS = tuple({click.exceptions.Abort, typer.Abort, KeyboardInterrupt})
 
 
 def main() -> None:
@@ -692,13 +710,20 @@ def main() -> None:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except _EXITS as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
+    except _USAGE_ERRORS as exc:
+        show = getattr(exc, "show", None)
+        show() if show else print(f"error: {exc}", file=sys.stderr)
         sys.exit(ExitCode.USAGE)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except _ABORTS:
         sys.exit(130)
+    except OSError as exc:  # a path the user gave that is not what it should be
+        if os.environ.get("PLEXRL_DEBUG"):
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        sys.exit(ExitCode.USAGE)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -48,12 +48,16 @@ def read_endpoint(state_dir: Path) -> Endpoint:
     path = endpoint_path(state_dir)
     if not state_dir.exists():
         raise NotFound(f"no cluster at {state_dir} (start one with `plexctl up --local`)")
+    if not state_dir.is_dir():
+        raise NotFound(f"{state_dir} is not a cluster directory (it is a file)")
     try:
         ep = msgspec.convert(json.loads(path.read_text()), Endpoint)
     except FileNotFoundError:
         raise DaemonUnreachable(f"cluster at {state_dir} is not running (start it with `plexctl up --local`)") from None
     except (ValueError, msgspec.ValidationError) as exc:
         raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
+    except OSError as exc:
+        raise DaemonUnreachable(f"cannot read {path}: {exc.strerror}") from None
     remember_server(ep.address, ep.server_key, state_dir)
     return ep
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,9 @@ def first_record(path: str | Path) -> dict[str, Any]:
     _require_file(path)
     if is_parquet(path):
         return _first_parquet_record(path)
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                return _parse_json_record(path, line, record=1, line=line_number)
+    for line_number, line in _lines(path):
+        if line.strip():
+            return _parse_json_record(path, line, record=1, line=line_number)
     raise DataError(path, "empty dataset (no records)")
 
 
@@ -105,12 +105,22 @@ def _parse_json_record(path: str, text: str, record: int, line: int) -> dict[str
 def _read_jsonl(path: str) -> list[tuple[dict[str, Any], int | None]]:
     """(record, line number) pairs; blank lines are skipped."""
     records: list[tuple[dict[str, Any], int | None]] = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                record = _parse_json_record(path, line, record=len(records) + 1, line=line_number)
-                records.append((record, line_number))
+    for line_number, line in _lines(path):
+        if line.strip():
+            record = _parse_json_record(path, line, record=len(records) + 1, line=line_number)
+            records.append((record, line_number))
     return records
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file; a line that is not UTF-8 is a ``DataError``."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                yield line_number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(path, f"line {line_number} is not UTF-8 text: {e.reason} "
+                                      f"(byte 0x{raw[e.start]:02x})") from None
 
 
 def _import_parquet(path: str) -> Any:

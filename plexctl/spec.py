@@ -82,7 +82,7 @@ class DataSpec(_Section, kw_only=True):
     eval_path: Annotated[str | None, _doc("Fixed evaluation prompts, same format; null for none")] = None
     prompt_field: Annotated[str, _doc("Record field holding the prompt text", min_length=1)] = "prompt"
     answer_field: Annotated[str, _doc("Record field holding the reference answer", min_length=1)] = "answer"
-    shuffle_seed: Annotated[int, _doc("Seed of the per-epoch prompt shuffle")] = 0
+    shuffle_seed: Annotated[int, _doc("Seed of the per-epoch prompt shuffle", ge=0, le=2**32 - 1)] = 0
 
 
 class RewardSpec(_Section, kw_only=True):
@@ -226,8 +226,8 @@ class JobSpec(_Section, kw_only=True):
     algo: AlgoSpec = msgspec.field(default_factory=AlgoSpec)
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
-    priority: Annotated[int, _doc("Scheduling priority; higher runs first")] = 0
-    seed: Annotated[int, _doc("Seed of sampling and initialisation")] = 0
+    priority: Annotated[int, _doc("Scheduling priority; higher runs first", ge=-(2**31), le=2**31 - 1)] = 0
+    seed: Annotated[int, _doc("Seed of sampling and initialisation", ge=0, le=2**32 - 1)] = 0
 
 
 # ---------------------------------------------------------------- errors
@@ -375,6 +375,8 @@ class _SchemaWalk:
             return self.struct(base, value, path)
         if get_origin(base) is list:
             converted = self.sequence(get_args(base)[0], value, path)
+        elif get_origin(base) is dict:
+            converted = self.mapping(get_args(base)[1], value, path)
         elif get_origin(base) is Literal:
             converted = self.choice(get_args(base), value, path)
         else:
@@ -395,6 +397,13 @@ class _SchemaWalk:
         items = [self.value(item_type, item, path + (i,)) for i, item in enumerate(value)]
         return _INVALID if any(item is _INVALID for item in items) else items
 
+    def mapping(self, item_type: Any, value: Any, path: Key) -> Any:
+        if not isinstance(value, dict):
+            self.issues.add(path, f"expected a mapping, got {_show(value)}")
+            return _INVALID
+        items = {str(k): self.value(item_type, item, path + (str(k),)) for k, item in value.items()}
+        return _INVALID if any(item is _INVALID for item in items.values()) else items
+
     def choice(self, choices: tuple[Any, ...], value: Any, path: Key) -> Any:
         if isinstance(value, str) and value in choices:
             return value
@@ -413,6 +422,9 @@ class _SchemaWalk:
             self.issues.add(path, f"expected {self._kind(tp)}, got {_show(value)}")
         elif tp is float and not math.isfinite(converted):
             self.issues.add(path, f"must be a finite number, got {_show(value)}")
+            return _INVALID
+        elif tp is int and not -(2**63) <= converted < 2**63:
+            self.issues.add(path, f"must fit in 64 bits, got {_show(value)}")
             return _INVALID
         return converted
 
@@ -475,6 +487,9 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues
             if key not in LOSS_PARAM_NAMES[loss]:
                 takes = ", ".join(LOSS_PARAM_NAMES[loss]) or "no parameters"
                 issues.add(("algo", "loss_params", str(key)), f"loss {loss} takes {takes}")
+        cap = params.get("cap")
+        if loss == "pg-tis" and isinstance(cap, (int, float)) and not isinstance(cap, bool) and not cap > 0:
+            issues.add(("algo", "loss_params", "cap"), f"must be > 0, got {cap}")
     buffer, sampling = algo.get("overlong_buffer"), doc.get("sampling")
     max_tokens = sampling.get("max_tokens", 8) if isinstance(sampling, dict) else 8
     if isinstance(buffer, int) and isinstance(max_tokens, int) and buffer >= max_tokens > 0:
@@ -580,17 +595,22 @@ def _check_env_import(env: Any, issues: _Issues) -> None:
 # ---------------------------------------------------------------- YAML and overrides
 
 
-def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int]) -> None:
-    """Map every key / list item path of a composed YAML document to its 1-based line."""
+def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], seen: set[int] | None = None) -> None:
+    """Map every key / list item path of a composed YAML document to its 1-based line (a node
+    that an alias repeats is mapped where it is written only)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             child = path + (str(key_node.value),)
             lines[child] = key_node.start_mark.line + 1
-            _record_lines(value_node, child, lines)
+            _record_lines(value_node, child, lines, seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
-            _record_lines(item, path + (i,), lines)
+            _record_lines(item, path + (i,), lines, seen)
 
 
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
@@ -604,8 +624,46 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
         raise SpecError([SpecIssue(file, line, "", f"YAML syntax error: {problem}")]) from None
     lines: dict[Key, int] = {}
     if node is not None:
+        problem = _alias_problem(node)
+        if problem:
+            raise SpecError([SpecIssue(file, None, "", problem)])
         _record_lines(node, (), lines)
     return doc, lines
+
+
+MAX_SPEC_VALUES = 100_000  # a job spec with YAML aliases expanded: far more than any real one
+
+
+def _alias_problem(root: yaml.Node) -> str | None:
+    """Why the document's YAML aliases make it unusable (one that contains itself, or expands
+    to more than ``MAX_SPEC_VALUES`` values), or None."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise RecursionError
+        open_nodes.add(key)
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_SPEC_VALUES:
+                break
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        if size(root) > MAX_SPEC_VALUES:
+            return f"YAML aliases expand the spec to more than {MAX_SPEC_VALUES:,} values"
+    except RecursionError:
+        return "a YAML alias refers to a node that contains it"
+    return None
 
 
 def _apply_override(doc: dict[str, Any], text: str, overridden: dict[Key, str]) -> SpecIssue | None:

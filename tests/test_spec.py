@@ -203,6 +203,12 @@ def test_out_of_range(workdir: Path) -> None:
         ("sampling:\n  top_p: 1.5\n", "sampling.top_p", "must be <= 1, got 1.5"),
         ("algo:\n  kl_coef: .nan\n", "algo.kl_coef", "must be a finite number"),
         ("name: has space\n", "name", "must match"),
+        ("seed: -1\n", "seed", "must be >= 0, got -1"),
+        ("priority: 100000000000000000000000000000\n", "priority", "must fit in 64 bits"),
+        ("algo:\n  steps: 99999999999999999999999\n", "algo.steps", "must fit in 64 bits"),
+        ("algo:\n  loss: pg-tis\n  loss_params:\n    cap: -5\n", "algo.loss_params.cap", "must be > 0, got -5"),
+        ("algo:\n  loss: pg-tis\n  loss_params:\n    cap: abc\n", "algo.loss_params.cap", "expected a float, got 'abc'"),
+        ("algo:\n  loss_params: [1]\n", "algo.loss_params", "expected a mapping, got [1]"),
     ],
 )
 def test_more_ranges(workdir: Path, yaml_text: str, path: str, message: str) -> None:
@@ -331,6 +337,28 @@ def test_data_file_that_is_not_json(workdir: Path) -> None:
     assert issue.path == "data.path" and "record 1 (line 1): not valid JSON" in issue.message
 
 
+def test_data_file_that_is_not_utf8_names_its_line(workdir: Path) -> None:
+    from plexctl.data import DataError, load_records
+
+    (workdir / "data" / "train.jsonl").write_bytes(b'\xff\xfe{"prompt": "1+1=", "answer": "2"}\n')
+    issues = issues_of(write(workdir, VALID))
+    assert [i.path for i in issues] == ["data.path"]
+    assert "line 1 is not UTF-8 text" in issues[0].message and "train.jsonl" in issues[0].message
+    (workdir / "data" / "train.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n\xff\xfe{}\n')
+    with pytest.raises(DataError, match="line 2 is not UTF-8 text"):  # what the driver meets past the first
+        load_records(workdir / "data" / "train.jsonl", "prompt", "answer")
+
+
+@pytest.mark.parametrize("tail, phrase", [
+    ("extra: &x [*x]\n", "refers to a node that contains it"),
+    ("".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 7)), "more than 100,000 values"),
+])
+def test_yaml_aliases_that_contain_themselves_or_explode_are_refused(workdir: Path, tail: str, phrase: str) -> None:
+    text = VALID + ("l0: &l0 [1]\n" if "l1" in tail else "") + tail
+    issue = only_issue(write(workdir, text))
+    assert phrase in issue.message
+
+
 def test_reward_path_not_found(workdir: Path) -> None:
     text = VALID.replace("  name: arith\n", "  fn: myreward:score\n  path: norewards\n")
     issue = only_issue(write(workdir, text))
@@ -359,6 +387,7 @@ def test_custom_reward_is_imported_from_reward_path(workdir: Path, clean_imports
         ("def other(c, a, r):\n    return 0.0\n", "spec_noattr_mod:score", "has no attribute `score`"),
         ("score = 3\n", "spec_notcall_mod:score", "is not callable"),
         ("raise RuntimeError('boom at import')\n", "spec_raises_mod:score", "RuntimeError: boom at import"),
+        ("raise SystemExit(5)\n", "spec_exits_mod:score", "SystemExit: 5"),  # not the CLI's exit code
     ],
 )
 def test_unimportable_reward(workdir: Path, clean_imports, source: str | None, fn: str, phrase: str) -> None:
