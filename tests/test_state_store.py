@@ -355,6 +355,39 @@ def test_tier_full_error_when_nothing_fits(model_dir: str, tmp_path: Path) -> No
     assert trainer.jobs() == ["a"] and os.listdir(tmp_path / "nvme") == []
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_failed_release_leaves_the_job_on_the_device_and_the_store_serving(
+        model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    trainer = engine(model_dir)
+    store = StateStore(trainer, device_slots=1, host_bytes=1 << 30 if tier == "host" else 0,
+                       nvme_dir=tmp_path / "nvme")
+    ensure(store, "a")
+    failing = lambda job_id: (_ for _ in ()).throw(RuntimeError("release failed"))  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "release", failing)
+        with pytest.raises(RuntimeError, match="release failed"):
+            ensure(store, "b")  # a's eviction fails at its last step
+    seen: dict[str, Any] = {}
+
+    def after() -> None:  # on a thread: a store left waiting for a move that never lands hangs
+        with monkeypatch.context() as patch:
+            patch.setattr(trainer, "release", failing)
+            with pytest.raises(RuntimeError, match="release failed"):
+                store.drop("a")
+        seen["where"], seen["inventory"] = store.where("a"), store.inventory()
+        ensure(store, "b")
+        store.drop("a")
+        seen["done"] = True
+
+    thread = threading.Thread(target=after, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert seen.get("done"), f"the store hangs after a failed release: {seen}"
+    assert seen["where"] == "device" and not seen["inventory"]["in_flight"]
+    assert seen["inventory"]["host"]["used_bytes"] == 0 and os.listdir(tmp_path / "nvme") == []
+    assert trainer.jobs() == ["b"] and store.where("a") is None
+
+
 # ---------------------------------------------------------------- prefetch from another thread
 
 
@@ -709,7 +742,8 @@ def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget
 
 def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str, tmp_path: Path) -> None:
     """A crashed worker's nvme copies cannot be read by anyone: the next store on that directory
-    deletes them; copies of a live process and files that are not copies stay."""
+    deletes them; copies of a live process, copies written on another host (whose processes
+    this one cannot see) and files that are not copies stay."""
     import subprocess
     import sys
 
@@ -719,18 +753,21 @@ def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str
             "for i in range(3): open(os.path.join(d, f'copy-{os.getpid()}-0badc0de-{i}.bin'), 'wb').write(b'x' * 4096)")
     subprocess.run([sys.executable, "-c", code, str(nvme_dir)], check=True)  # writes, then is gone
     assert len(list(nvme_dir.iterdir())) == 3
+    gone_pid = int(next(nvme_dir.iterdir()).name.split("-")[1])
     live = nvme_dir / f"copy-{os.getpid()}-12345678-0.bin"
     live.write_bytes(b"y")
+    elsewhere = nvme_dir / f"copy-{gone_pid}.{'0' * 8}-12345678-0.bin"  # another node's, on a shared directory
+    elsewhere.write_bytes(b"z")
     other = nvme_dir / "notes.txt"
     other.write_text("not a copy")
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=nvme_dir, nvme_bytes=1 << 30)
-    assert sorted(p.name for p in nvme_dir.iterdir()) == sorted([live.name, other.name])
+    assert sorted(p.name for p in nvme_dir.iterdir()) == sorted([live.name, other.name, elsewhere.name])
     lora = LoraConfig(rank=4, alpha=8)
     for i, job_id in enumerate("ab"):  # the store's own copies go there as before
         store.ensure_resident(job_id, lora, seed=i)
     assert store.where("a") == "nvme"
-    assert [p for p in nvme_dir.iterdir() if p.name.startswith(f"copy-{os.getpid()}-") and p != live]
+    assert [p for p in nvme_dir.iterdir() if p.name.startswith(f"copy-{os.getpid()}.{copy_dir.host_tag()}-")]
 
 
 def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, alone: dict, tmp_path: Path) -> None:

@@ -1,23 +1,25 @@
 """The state store's nvme directory: the names of its copy files, and the files it keeps to reuse.
 
-A copy file is named ``copy-<pid>-<store>-<serial>.bin``: the writing process, a random tag of
-the store, a counter. When a copy leaves nvme (read back, or dropped) its file becomes a
+A copy file is named ``copy-<pid>.<host>-<store>-<serial>.bin``: the writing process and a tag
+of its host's name (nodes may share the directory), a random tag of the store, a counter. When a copy leaves nvme (read back, or dropped) its file becomes a
 *spare*, kept to be overwritten in place by a later copy of about its size: no block is
 allocated or freed then, which on most filesystems is what makes a rewrite as fast as the
 disk. ``CopyDirectory`` keeps the spares (oldest first), hands out the one that fits a copy,
 and says which to delete when there are too many or the tier needs their room; the store
 decides when (``worker.state_store``, which holds its lock around every call here) and
 deletes them outside its lock. At start it deletes the copies of processes that are gone (a
-crashed worker's: nothing can read them without it); when the store goes, or at exit, its
+crashed worker's on this host: nothing can read them without it); when the store goes, or at exit, its
 spares are deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
+import socket
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -47,7 +49,7 @@ class CopyDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         remove_orphan_copies(self.path)
         self.spares: list[Spare] = []  # oldest first
-        self._prefix = f"copy-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._prefix = f"copy-{os.getpid()}.{host_tag()}-{uuid.uuid4().hex[:8]}-"
         self._serial = itertools.count()
         self.delete_spares = weakref.finalize(self, _unlink_spares, self.spares)  # when it goes, or at exit
 
@@ -82,16 +84,24 @@ class CopyDirectory:
         return doomed
 
 
+def host_tag() -> str:
+    """Eight hex digits of this host's name, in the names of the copies written here."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
 def remove_orphan_copies(directory: Path) -> None:
-    """Delete the copies in ``directory`` written by processes that are gone. Files of live
-    processes and other files stay."""
-    removed, freed = 0, 0
+    """Delete the copies in ``directory`` written on this host by processes that are gone.
+    Files of live processes, copies written on other hosts and other files stay."""
+    removed, freed, here = 0, 0, host_tag()
     for entry in os.scandir(directory):
         parts = entry.name.split("-")
-        if len(parts) != 4 or parts[0] != "copy" or not parts[1].isdigit() or not entry.name.endswith(".bin"):
+        if len(parts) != 4 or parts[0] != "copy" or not entry.name.endswith(".bin"):
+            continue
+        pid, _, host = parts[1].partition(".")
+        if not pid.isdigit() or host not in ("", here):  # no tag: written by a version that had none
             continue
         try:
-            os.kill(int(parts[1]), 0)
+            os.kill(int(pid), 0)
             continue  # its writer lives (or the pid was reused: kept, to be safe)
         except ProcessLookupError:
             pass

@@ -380,10 +380,12 @@ class StateStore:
                 elif record.host_buffer is not None:
                     self._pool.give(record.host_buffer)
                     record.host_copy = record.host_buffer = None
-            finally:
-                with self._cond:
-                    del self._records[job_id]
-                    self._cond.notify_all()
+            except BaseException:  # still where it was (the trainer kept it): counted there
+                self._unmark([record])
+                raise
+            with self._cond:
+                del self._records[job_id]
+                self._cond.notify_all()
 
     def where(self, job_id: str) -> str | None:
         """``"device"``, ``"host"``, ``"nvme"`` or None (unknown); a moving job is where it comes from."""
@@ -539,9 +541,11 @@ class StateStore:
             raise
         try:
             self.trainer.release(victim.job_id)
-        except BaseException:
-            if written is not None:  # the job stays on the device: its file is not a copy
+        except BaseException:  # the job stays on the device: its copy is not one
+            if written is not None:
                 unlink_all([written.path])
+            self._unmark([victim])
+            self._give_back(state)
             raise
         with self._cond:
             victim.tier, victim.moving_to, victim.nbytes, victim.nvme = tier, None, state.nbytes, written
