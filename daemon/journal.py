@@ -13,9 +13,11 @@ times a second while the table only changes at a job's steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,17 @@ class Journal:
     def close(self) -> None:
         self.db.close()
 
+    @contextlib.contextmanager
+    def _durable(self) -> Iterator[None]:
+        """Commits inside reach the disk before they return, so that a submit acknowledged or a
+        job's state change survives the node's crash too (progress updates, between them, are
+        durable against the daemon's own crash only: WAL with synchronous=NORMAL)."""
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            yield
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+
     def submit(self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int,
                priority: int) -> tuple[str, bool]:
         """Insert a job unless this submit_id was seen; (job_id, created)."""
@@ -82,7 +95,7 @@ class Journal:
         if row:
             return row["job_id"], False
         now = time.time()
-        with self.db:
+        with self._durable(), self.db:
             self.db.execute("BEGIN IMMEDIATE")
             seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             job_id = f"j{seq:04d}"
@@ -102,7 +115,8 @@ class Journal:
         if bad:
             raise ValueError(f"not updatable: {bad}")
         cols = ", ".join(f"{k}=?" for k in fields)
-        self.db.execute(f"UPDATE jobs SET {cols} WHERE job_id=?", (*fields.values(), job_id))
+        with self._durable() if "state" in fields else contextlib.nullcontext():
+            self.db.execute(f"UPDATE jobs SET {cols} WHERE job_id=?", (*fields.values(), job_id))
         if job_id in self._jobs:
             self._jobs[job_id] = msgspec.structs.replace(self._jobs[job_id], **fields)
 

@@ -213,8 +213,10 @@ class Daemon:
         the others are queued again and resume from their last checkpoint."""
         for info in self.journal.jobs(("running", "interrupted")):
             job_dir = self.jobs_dir / info.job_id
-            proc = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir)) \
-                if info.state == "running" else None
+            proc = None
+            if info.state == "running":  # its driver runs on, or ended (and said how) while no daemon ran
+                proc = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir)) \
+                    or procs.exited(job_dir / "driver.pid")
             if proc is not None:
                 spec = spec_from_wire(self.journal.spec(info.job_id))
                 rt = self.runtimes[info.job_id] = JobRuntime(info.job_id, spec, job_dir, proc,
@@ -222,6 +224,13 @@ class Daemon:
                 adapter_dir = job_dir / "adapters" / f"v{info.policy_version:06d}"
                 if info.policy_version and adapter_dir.is_dir():
                     rt.adapter = P.AdapterRef(info.job_id, info.policy_version, str(adapter_dir))
+                asked = [kind for _, kind, _ in self.journal.events(info.job_id) if kind in ("started", "cancel_requested")]
+                if asked and asked[-1] == "cancel_requested":  # asked before the last daemon went: still asked
+                    rt.cancel_requested_at = time.time()
+                if proc.poll() is not None:  # judged by the next pass over the drivers, as if seen exiting
+                    log.info("job %s: its driver (pid %d) ended with code %d while no daemon ran",
+                             info.job_id, proc.pid, proc.returncode)
+                    continue
                 self.adopting[info.job_id] = time.time() + ADOPT_TIMEOUT_S
                 self.journal.event(info.job_id, "reattached", f"driver pid {proc.pid} outlived the daemon")
                 log.info("job %s: adopted its driver (pid %d)", info.job_id, proc.pid)
@@ -869,9 +878,17 @@ class Daemon:
             if not adm.ok:
                 self.reasons[info.job_id] = adm.reason
                 continue
+            try:
+                self._start_driver(info.job_id, spec, now)
+            except OSError as exc:  # no disk space, no more processes: the job waits, the daemon goes on
+                self.sched.release(info.job_id)
+                why = f"cannot start its driver: {exc}"
+                if self.reasons.get(info.job_id) != why:
+                    log.error("job %s %s", info.job_id, why)
+                self.reasons[info.job_id] = why
+                continue
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)
-            self._start_driver(info.job_id, spec, now)
             running += 1
 
     def _spec(self, job_id: str) -> JobSpec:
@@ -897,7 +914,12 @@ class Daemon:
         with open(job_dir / "driver.log", "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=child_env(), cwd=REPO_ROOT)
-        procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir))
+        try:
+            procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir))
+        except BaseException:  # a driver no daemon could find again must not run
+            proc.kill()
+            proc.wait()
+            raise
         self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version,
                                            user=info.user)
         self.journal.update(job_id, state="running", started_at=info.started_at or now)

@@ -56,6 +56,22 @@ def find(path: Path, argv: list[str]) -> "Adopted | None":
     return Adopted(pid, path.with_suffix(".exit"))
 
 
+def exited(path: Path) -> "Adopted | None":
+    """The process recorded at ``path`` as a finished handle, if it exited leaving its exit code
+    (``write_exit``: a driver that ended while no daemon ran); else None."""
+    try:
+        pid = int(json.loads(path.read_text())["pid"])
+        rec = json.loads(path.with_suffix(".exit").read_text())
+        rc = int(rec["rc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if rec.get("pid") != pid:
+        return None  # an earlier process's code
+    handle = Adopted(pid, path.with_suffix(".exit"))
+    handle.returncode = rc
+    return handle
+
+
 def write_exit(path: Path, rc: int) -> None:
     write_json_atomic(path, {"pid": os.getpid(), "rc": rc})
 

@@ -1,6 +1,8 @@
-"""A restarted daemon adopts the drivers and workers that outlived its predecessor: an adopted
-job's calls wait until it is placed again, and its trainer calls go to the trainer that holds
-its state (no other trainer has it), even when another trainer is idle.
+"""The daemon when things around it go wrong. A restarted daemon adopts the drivers and
+workers that outlived its predecessor: an adopted job's calls wait until it is placed again,
+and its trainer calls go to the trainer that holds its state (no other trainer has it), even
+when another trainer is idle. A driver that gave up on its daemon is queued again; a job
+whose driver cannot be started waits with the reason, and the daemon goes on.
 
 A real daemon object on a real socket and journal, driven through its message handlers with
 the frames a driver and two workers send; what it sends back is recorded.
@@ -8,6 +10,7 @@ the frames a driver and two workers send; what it sends back is recorded.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon import procs
 from daemon.main import Daemon, JobRuntime
 from plexctl import auth
 from plexctl import protocol as P
@@ -31,9 +35,10 @@ def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     d.sent = []
     d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
     yield d
-    d.authenticator.stop()
-    d.sock.close()
-    d.journal.close()
+    if not d.sock.closed:
+        d.authenticator.stop()
+        d.sock.close()
+        d.journal.close()
 
 
 def adopted_job(d: Daemon, tiny_model: Path, name: str) -> str:
@@ -95,3 +100,56 @@ def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(da
     assert job not in d.runtimes
     assert d.journal.job(job).state == "queued"
     assert d.journal.events(job)[-1][1] == "requeued"
+
+
+def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_goes_on(daemon, tiny_model):
+    d = daemon
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="nodir")
+    job, _ = d.journal.submit("nodir", "nodir", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    register(d, "w0", tiny_model, {})
+    d.jobs_dir.joinpath(job).write_text("in the way")  # its directory cannot be made (as with a full disk)
+    d._admit(time.time())
+    assert d.journal.job(job).state == "queued" and job not in d.runtimes
+    assert d.reasons[job].startswith("cannot start its driver: ")
+    d.jobs_dir.joinpath(job).unlink()
+    d._admit(time.time())  # the next pass starts it
+    try:
+        assert d.journal.job(job).state == "running" and job not in d.reasons
+    finally:
+        d.runtimes[job].proc.kill()
+        d.runtimes[job].proc.wait()
+
+
+def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_that_ended_meanwhile(
+        daemon, tiny_model, tmp_path):
+    d = daemon
+    done, cancelled = adopted_job(d, tiny_model, "done"), adopted_job(d, tiny_model, "asked")
+    for job in (done, cancelled):
+        d.jobs_dir.joinpath(job).mkdir(parents=True, exist_ok=True)
+        d.journal.event(job, "started")
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its driver ended while no daemon ran, and said how
+    procs.record(d.jobs_dir / done / "driver.pid", finished, d._driver_argv(done, d.jobs_dir / done))
+    (d.jobs_dir / done / "driver.exit").write_text(json.dumps({"pid": finished.pid, "rc": 0}))  # as write_exit does
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    procs.record(d.jobs_dir / cancelled / "driver.pid", running, d._driver_argv(cancelled, d.jobs_dir / cancelled))
+    d.journal.event(cancelled, "cancel_requested")  # then the daemon died
+    d.authenticator.stop()
+    d.sock.close()
+    d.journal.close()
+    again = Daemon(d.state_dir, [str(tiny_model)], [])
+    again.sent = []
+    again._send = lambda identity, op, body, in_reply_to=0: again.sent.append((identity, op, body))
+    try:
+        again._reap_drivers(time.time())
+        assert again.journal.job(done).state == "succeeded"  # not run again from its checkpoint
+        assert again.runtimes[cancelled].cancel_requested_at is not None
+        again.on_call(b"drv", P.Header(msg_id=3), P.CallReq(cancelled, "train_step", {"batch": {}, "hp": {}}))
+        (reply,) = [body for _, op, body in again.sent if op == P.Op.ERROR]
+        assert reply.code == "cancelled"
+    finally:
+        running.kill()
+        running.wait()
+        again.authenticator.stop()
+        again.sock.close()
+        again.journal.close()
