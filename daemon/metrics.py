@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from daemon.scheduler import union_length
-from plexctl.protocol import MoveSpan, SwapMark
+from plexctl.protocol import JOB_STATES, MoveSpan, SwapMark
 
 log = logging.getLogger("plexd.metrics")
 
@@ -30,7 +30,6 @@ METRICS_FILE = "metrics.json"  # in the state directory: {"url": ...} while the 
 SNAPSHOT_S = 2.0  # how often the loop refreshes the gauges a scrape sees
 SWAP_MARKS_KEPT = 20_000
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 
 
 @dataclass

@@ -34,7 +34,7 @@ from plexctl.client import Client, current_user
 from plexctl import slurm as S
 from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, plexrl_home, read_endpoint
 from plexctl.errors import DaemonUnreachable, ExitCode, KeyRefused, PlexError, Timeout, UsageError
-from plexctl.protocol import JobInfo
+from plexctl.protocol import JOB_STATES, JobInfo
 from plexctl.sizes import parse_bytes
 from plexctl.spec import SpecError, load_spec, spec_to_wire
 
@@ -406,7 +406,7 @@ def validate(files: Annotated[Optional[list[Path]], typer.Argument(help="job spe
                                                        help="skip file checks (specs for another machine)")] = False,
              ) -> None:
     """Check job specs without queueing anything (or explain a spec key)."""
-    if explain:
+    if explain is not None:
         from plexctl.spec_doc import explain as explain_key
 
         console.print(explain_key(explain), markup=False, highlight=False)
@@ -522,7 +522,7 @@ def report(ctx: typer.Context,
            vs: Annotated[Optional[str], typer.Option("--vs", help="a second job, overlaid")] = None,
            cluster: Annotated[bool, typer.Option("--cluster", help="the engine timeline")] = False,
            out: Annotated[Path, typer.Option(help="directory for the PNG files")] = Path("plexrl-report"),
-           last: Annotated[Optional[float], typer.Option(help="--cluster: only the last SECONDS")] = None) -> None:
+           last: Annotated[Optional[float], typer.Option(min=0, help="--cluster: only the last SECONDS")] = None) -> None:
     """PNG plots: a job's reward and loss curves (--vs: two jobs overlaid), or the engine timeline (--cluster)."""
     from plexctl import report as R
 
@@ -556,6 +556,8 @@ def ls(ctx: typer.Context,
        as_json: Annotated[bool, typer.Option("--json", help="JSON output")] = False,
        state: Annotated[Optional[str], typer.Option(help="only jobs in this state")] = None) -> None:
     """List jobs."""
+    if state is not None and state not in JOB_STATES:
+        raise UsageError(f"--state {state!r}: choose one of {', '.join(JOB_STATES)}")
     rep = ctx.obj.client().status()
     jobs = [j for j in rep.jobs if state is None or j.state == state]
     if quiet:

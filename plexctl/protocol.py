@@ -176,11 +176,14 @@ class SubmitRep(msgspec.Struct):
     created: bool
 
 
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
+
+
 class JobInfo(msgspec.Struct):
     job_id: str
     name: str
     user: str
-    state: str  # queued | running | succeeded | failed | cancelled | interrupted
+    state: str  # one of JOB_STATES
     step: int
     steps: int
     reward: float | None

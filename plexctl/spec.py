@@ -17,6 +17,7 @@ never imports torch, transformers or vLLM (plexctl must start fast on a login no
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import importlib.util
 import math
@@ -293,6 +294,8 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads 2024-01-01 as a date
+        return value.isoformat()
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -627,8 +630,31 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
         problem = _alias_problem(node)
         if problem:
             raise SpecError([SpecIssue(file, None, "", problem)])
+        duplicates = _duplicate_keys(node, (), file, set())
+        if duplicates:
+            raise SpecError(duplicates)
         _record_lines(node, (), lines)
     return doc, lines
+
+
+def _duplicate_keys(node: yaml.Node, path: Key, file: str, seen: set[int]) -> list[SpecIssue]:
+    """A key written twice in one mapping (YAML would keep the last silently), at its second line."""
+    if id(node) in seen:
+        return []
+    seen.add(id(node))
+    found: list[SpecIssue] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            if key in first:
+                found.append(SpecIssue(file, line, dotted(path + (key,)), f"duplicate key (first on line {first[key]})"))
+            first.setdefault(key, line)
+            found += _duplicate_keys(value_node, path + (key,), file, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, path + (i,), file, seen)
+    return found
 
 
 MAX_SPEC_VALUES = 100_000  # a job spec with YAML aliases expanded: far more than any real one
@@ -708,7 +734,9 @@ def load_spec(
     file = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except IsADirectoryError:
+        raise SpecError([SpecIssue(file, None, "", "is a directory, not a spec file")]) from None
+    except (FileNotFoundError, NotADirectoryError):
         raise SpecError([SpecIssue(file, None, "", "spec file not found")]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError([SpecIssue(file, None, "", f"cannot read spec file: {e}")]) from None

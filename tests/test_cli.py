@@ -42,6 +42,8 @@ def one_error(proc: subprocess.CompletedProcess, code: int, phrase: str) -> None
     (["status", "--watch", "--interval", "-1"], "Invalid value for '--interval'"),
     (["up", "--workers", "0"], "Invalid value for '--workers'"),
     (["up", "--host-mem", "abc"], "--host-mem: not a size: 'abc'"),
+    (["ls", "--state", "bogus"], "--state 'bogus': choose one of queued, running"),
+    (["report", "--cluster", "--last", "-5"], "Invalid value for '--last'"),
 ])
 def test_usage_errors_are_one_message_and_exit_2(plexctl, args: list[str], phrase: str) -> None:
     one_error(plexctl(*args), 2, phrase)

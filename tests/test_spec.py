@@ -359,6 +359,17 @@ def test_yaml_aliases_that_contain_themselves_or_explode_are_refused(workdir: Pa
     assert phrase in issue.message
 
 
+def test_a_key_written_twice_is_refused_at_its_second_line(workdir: Path) -> None:
+    issue = only_issue(write(workdir, VALID + "seed: 5\nalgo:\n  lr: 1e-4\nseed: 7\n"))
+    assert (issue.path, issue.line, issue.message) == ("seed", 13, "duplicate key (first on line 10)")
+
+
+def test_a_directory_is_not_a_spec_file_and_a_date_shows_as_written(workdir: Path) -> None:
+    assert only_issue(workdir).message == "is a directory, not a spec file"
+    issue = only_issue(write(workdir, VALID + "priority: 2024-01-01\n"))
+    assert issue.message == "expected an integer, got 2024-01-01"
+
+
 def test_reward_path_not_found(workdir: Path) -> None:
     text = VALID.replace("  name: arith\n", "  fn: myreward:score\n  path: norewards\n")
     issue = only_issue(write(workdir, text))
