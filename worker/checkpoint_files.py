@@ -10,7 +10,9 @@ read one back or refuse it with a one-line ``CheckpointError``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +44,8 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], T], what: str = 
     """Fill a temp dir next to ``out_dir``, fsync it, rename it onto ``out_dir``.
 
     A reader sees either the previous complete ``out_dir`` or the new complete one (an existing
-    ``out_dir`` is renamed aside first, then removed); a failure removes the temp dir. Out of
+    ``out_dir`` is swapped with the new one in one step, then removed; where the system cannot
+    swap, it is renamed aside first); a failure removes the temp dir. Out of
     disk space or quota, ``NoSpaceError`` names ``what``, ``out_dir`` and ``nbytes`` (about
     what the files need).
     """
@@ -69,6 +72,9 @@ def _replace_dir(new: Path, target: Path) -> None:
     if not target.exists():
         os.rename(new, target)
         return
+    if _exchange(new, target):  # one step: there is no moment without a complete ``target``
+        shutil.rmtree(new, ignore_errors=True)
+        return
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(target, old)
     try:
@@ -77,6 +83,32 @@ def _replace_dir(new: Path, target: Path) -> None:
         os.rename(old, target)  # the previous one stays where readers look for it
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    kernel, C library or filesystem cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None) if _libc() is not None else None
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def write_file(path: Path, data: bytes) -> None:
