@@ -390,6 +390,29 @@ def test_checkpoint_for_another_adapter_shape_is_rejected(model_dir: str, tmp_pa
         engine.load_checkpoint("B", str(tmp_path), LoraConfig(rank=2), seed=1)
 
 
+def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was(model_dir: str, tmp_path: Path) -> None:
+    from worker.checkpoint_files import MANIFEST, TRAINER_STATE, file_record
+
+    engine = TrainerEngine(model_dir, threads=2)
+    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.train_step("A", make_batch(1), HP_A)
+    ckpt = tmp_path / "ckpt"
+    engine.save_checkpoint("A", str(ckpt), {})
+    state = torch.load(ckpt / TRAINER_STATE, weights_only=True)  # another AdamW's: other betas, moments
+    state["optimizer"]["param_groups"][0]["betas"] = (0.5, 0.5)
+    first = state["optimizer"]["state"][0]
+    first["exp_avg"] = torch.zeros(first["exp_avg"].numel() + 1)
+    torch.save(state, ckpt / TRAINER_STATE)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"][TRAINER_STATE] = file_record(ckpt / TRAINER_STATE)
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    before = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
+    with pytest.raises(CheckpointError, match="does not fit the job's AdamW"):
+        engine.load_checkpoint("A", str(ckpt), LoraConfig(rank=2), seed=1)
+    after = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
+    assert after == before and after["betas"] != (0.5, 0.5)
+
+
 def test_failed_write_leaves_no_temp_dirs(model_dir: str, tmp_path: Path) -> None:
     engine = TrainerEngine(model_dir, threads=2)
     engine.ensure_job("A", LoraConfig(rank=2), seed=1)

@@ -935,6 +935,7 @@ def _restore_job_state(
     if not isinstance(rng, dict) or set(rng) != set(job.rng_state) or \
             any(rng[n].shape != view.shape for n, view in job.rng_state.items()):
         raise CheckpointError(f"checkpoint {directory}: RNG state does not fit")
+    hparams = [{k: v for k, v in group.items() if k != "params"} for group in job.optimizer.param_groups]
     try:
         job.optimizer.load_state_dict(trainer_state["optimizer"])
     except (KeyError, ValueError) as exc:
@@ -945,6 +946,8 @@ def _restore_job_state(
     for param, views in moments.items():
         state = loaded.get(param, {})
         if set(state) - set(views) or any(state[n].shape != views[n].shape for n in state):
+            for group, kept in zip(job.optimizer.param_groups, hparams):  # the job stays as it was
+                group.update(kept)
             raise CheckpointError(f"checkpoint {directory}: optimizer state does not fit the job's AdamW")
     with torch.no_grad():
         for param, views in moments.items():
