@@ -307,7 +307,7 @@ class StateStore:
                 self._make_room(job_id, credit, moves)
                 self._swap_in(job_id, record, incoming, read_seconds, lora, seed, weight_decay, moves)
                 if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
-                    self._give_back_imported(record, buffer)
+                    self._give_back_buffer(record, buffer)
             except BaseException:
                 self._unmark([record] if record is not None else [])
                 raise
@@ -378,7 +378,7 @@ class StateStore:
                     if copy is not None:
                         unlink_all([copy.path])
                 elif record.host_buffer is not None:
-                    self._pool.give(record.host_buffer)
+                    self._give_back_buffer(record, record.host_buffer)
                     record.host_copy = record.host_buffer = None
             except BaseException:  # still where it was (the trainer kept it): counted there
                 self._unmark([record])
@@ -678,12 +678,12 @@ class StateStore:
         if handoff is not None:
             self._end_write(record, buffer)
         elif buffer is not None:
-            self._pool.give(buffer)
+            self._give_back_buffer(record, buffer)
 
     def _end_write(self, record: _Record, landed: torch.Tensor | None) -> None:
         """The write-behind thread is done reading the record's copy: give back the buffer of a
         copy that landed on nvme (``landed``), or that of one taken back meanwhile, once the
-        trainer has imported it (else the trainer gives it back: ``_give_back_imported``)."""
+        trainer has imported it (else the trainer gives it back: ``_give_back_buffer``)."""
         with self._cond:
             orphan, record.orphan, record.writing_from = record.orphan, None, None
         for buffer in (landed, orphan):
@@ -702,9 +702,10 @@ class StateStore:
         record.behind, record.moving_to = None, DEVICE
         return record
 
-    def _give_back_imported(self, record: _Record | None, buffer: torch.Tensor) -> None:
-        """A host copy's buffer after the trainer imported it: back to the pool, unless the
-        write-behind thread still reads it (a copy taken back mid-write): then that thread gives it back."""
+    def _give_back_buffer(self, record: _Record | None, buffer: torch.Tensor) -> None:
+        """A host copy's buffer that is done with (imported, written, dropped): back to the pool,
+        unless the write-behind thread still reads it (a copy taken back mid-write): then that
+        thread gives it back."""
         with self._cond:
             if record is not None and record.writing_from is buffer:
                 record.orphan = buffer
