@@ -237,6 +237,12 @@ class Daemon:
                 continue
             self.journal.update(info.job_id, state="queued", restarts=info.restarts + 1)
             self.journal.event(info.job_id, "recovered", f"was {info.state}")
+        for info in self.journal.jobs(("queued",)):  # a driver started just before the last daemon died
+            job_dir = self.jobs_dir / info.job_id  # (its job not yet marked running): it starts again
+            stray = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir))
+            if stray is not None:
+                stray.kill()
+                log.warning("job %s: stopped a driver (pid %d) the journal did not know of", info.job_id, stray.pid)
 
     def _spawn_local_worker(self, worker_id: str, engines: list[str], model: str) -> None:
         self.local_layouts[worker_id] = (engines, model)

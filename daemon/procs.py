@@ -51,9 +51,9 @@ def find(path: Path, argv: list[str]) -> "Adopted | None":
     if not pid_alive(pid) or start_time(pid) != started:
         return None
     if rec.get("argv") != argv:  # ours, but started for another layout: it goes
-        Adopted(pid, path.with_suffix(".exit")).kill()
+        Adopted(pid, path.with_suffix(".exit"), started).kill()
         return None
-    return Adopted(pid, path.with_suffix(".exit"))
+    return Adopted(pid, path.with_suffix(".exit"), started)
 
 
 def exited(path: Path) -> "Adopted | None":
@@ -79,13 +79,14 @@ def write_exit(path: Path, rc: int) -> None:
 class Adopted:
     """A ``subprocess.Popen``-like handle on a process this daemon did not start."""
 
-    def __init__(self, pid: int, exit_file: Path) -> None:
+    def __init__(self, pid: int, exit_file: Path, started: int | None = None) -> None:
         self.pid = pid
         self.exit_file = exit_file
+        self.started = started  # its kernel start time: a pid reused by another process is not it
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not pid_alive(self.pid):
+        if self.returncode is None and (not pid_alive(self.pid) or start_time(self.pid) != self.started):
             try:
                 rec = json.loads(self.exit_file.read_text())
                 self.returncode = int(rec["rc"]) if rec.get("pid") == self.pid else KILLED

@@ -153,3 +153,25 @@ def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_tha
         again.authenticator.stop()
         again.sock.close()
         again.journal.close()
+
+
+def test_recovery_stops_a_driver_started_for_a_job_the_journal_still_has_queued(daemon, tiny_model):
+    d = daemon
+    job = adopted_job(d, tiny_model, "stray")
+    d.journal.update(job, state="queued")  # the last daemon died between starting its driver and journaling it
+    del d.runtimes[job], d.adopting[job]
+    d.jobs_dir.joinpath(job).mkdir(parents=True)
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    procs.record(d.jobs_dir / job / "driver.pid", stray, d._driver_argv(job, d.jobs_dir / job))
+    d.authenticator.stop()
+    d.sock.close()
+    d.journal.close()
+    again = Daemon(d.state_dir, [str(tiny_model)], [])
+    try:
+        assert stray.wait(10) == -9  # only one driver per job: the next one is started by this daemon
+        assert again.journal.job(job).state == "queued"
+    finally:
+        stray.kill()
+        again.authenticator.stop()
+        again.sock.close()
+        again.journal.close()
