@@ -66,13 +66,27 @@ def node_scratch(configured: str | None, job_id: str, node: str) -> Path:
 
 
 def advertise_address() -> str:
-    """An address of this node that the other nodes can reach."""
+    """An address of this node that the other nodes can reach: its name's address, unless that
+    is a loopback one (Debian maps the host name to 127.0.1.1); then the address this node
+    sends from towards the submitting host; else the name."""
     name = socket.gethostname()
     try:
         addr = socket.gethostbyname(name)
     except OSError:
-        return name
-    return addr
+        addr = ""
+    if addr and not addr.startswith("127."):
+        return addr
+    toward = os.environ.get("SLURM_SUBMIT_HOST") or os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((toward, 9))  # no packet is sent: the kernel picks the route's source address
+                routed = probe.getsockname()[0]
+            if not routed.startswith("127."):
+                return routed
+        except OSError:
+            pass
+    return addr or name
 
 
 def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:

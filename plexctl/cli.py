@@ -244,7 +244,8 @@ def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> Non
     before = _ping_or_none(state_dir)
     workers_before = before.workers if (before and spec.join) else 0
     job_id = S.submit_submitit(spec) if via == "submitit" else S.submit_sbatch(spec)
-    S.record_allocation(state_dir, S.Allocation(job_id, spec.nodes, spec.join, time.time(), via))
+    S.record_allocation(state_dir, S.Allocation(job_id, spec.nodes, spec.join, time.time(), via,
+                                                S.drain_timeout(spec)))
     console.print(f"submitted Slurm job {job_id} ({spec.nodes} node{'s' * (spec.nodes > 1)}, via {via}); "
                   f"state {state_dir}")
     if no_wait:
@@ -304,8 +305,8 @@ def _alive(state_dir: Path) -> bool:
         ep = read_endpoint(state_dir)
     except PlexError:
         return False
-    if not pid_alive(ep.pid):
-        return False
+    if ep.mode == "local" and ep.host in ("", socket.gethostname()) and not pid_alive(ep.pid):
+        return False  # (a Slurm cluster's daemon runs on its first node: only a ping tells)
     try:
         Client(ep.address).ping(timeout=2.0, retries=1)
         return True
@@ -325,14 +326,26 @@ def _last_line(path: Path) -> str:
 
 @app.command()
 def down(ctx: typer.Context,
-         timeout: Annotated[float, typer.Option(help="seconds to wait for the daemon to exit")] = 60.0) -> None:
+         timeout: Annotated[Optional[float], typer.Option(
+             min=0, help="seconds to wait for the daemon to exit (default 60; on Slurm its drain timeout + 60)")]
+         = None) -> None:
     """Stop the cluster: each running job checkpoints at the end of its step (it resumes there at the next `up`)."""
     c: Ctx = ctx.obj
-    allocations = [a for a in S.read_allocations(c.state_dir) if S.job_state(a.job_id)[0] not in ("", "GONE")]
+    allocations, pending = [], []
+    for alloc in S.read_allocations(c.state_dir):
+        state = S.job_state(alloc.job_id)[0]
+        if state == "PENDING":  # nothing runs there yet: nothing to drain
+            S.cancel(alloc.job_id)
+            console.print(f"Slurm job {alloc.job_id} cancelled while pending")
+            pending.append(alloc)
+        elif state not in ("", "GONE"):
+            allocations.append(alloc)
+    if timeout is None:
+        timeout = max([60.0] + [a.drain_timeout + 60.0 for a in allocations if not a.join])
     try:
         ep = read_endpoint(c.state_dir)
     except PlexError:
-        if not allocations:
+        if not allocations and not pending:
             raise
         ep = None
     deadline = time.monotonic() + timeout
@@ -340,11 +353,14 @@ def down(ctx: typer.Context,
         try:
             Client(ep.address).down()
         except DaemonUnreachable:
-            if not allocations:
+            if not allocations and not pending:
                 raise
         if ep.mode == "slurm":  # the daemon runs on another node: wait until it no longer answers
             while _ping_or_none(c.state_dir) is not None and time.monotonic() < deadline:
                 time.sleep(0.5)
+            if _ping_or_none(c.state_dir) is not None:  # still draining: cancelling now would lose its checkpoints
+                raise Timeout(f"the daemon is still draining after {timeout:.0f} s; run `plexctl down` again "
+                              f"to wait on, or `scancel` its Slurm job to stop it now")
         else:
             while pid_alive(ep.pid) and time.monotonic() < deadline:
                 time.sleep(0.2)

@@ -15,6 +15,8 @@ torch or vLLM; submitit is imported only when submitting.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -74,6 +76,7 @@ class Allocation(msgspec.Struct):
     join: bool
     submitted_at: float
     via: str  # submitit | sbatch
+    drain_timeout: float = 240.0  # seconds its daemon gives jobs to checkpoint when it stops
 
 
 # ---------------------------------------------------------------- parsing user input
@@ -157,13 +160,19 @@ def render_sbatch(spec: SlurmSpec) -> str:
              f"# PlexRL cluster {spec.name!r}: " + ("workers joining its daemon" if spec.join else
                                                    "the daemon on the first node, one worker per node") + ".",
              "# Written by `plexctl up --slurm`; see slurm/plexrl.sbatch to submit it with plain sbatch."]
-    lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in sbatch_options(spec)]
+    lines += [f"#SBATCH --{k}" + (f"={_directive_value(v)}" if v is not None else "") for k, v in sbatch_options(spec)]
     lines += ["set -euo pipefail",
               f"mkdir -p {shlex.quote(spec.state_dir)}/slurm",
               "# one task per node; the signal reaches every task, the first drains the daemon and requeues",
               "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(node_command(spec)),
               ""]
     return "\n".join(lines)
+
+
+def _directive_value(value: str) -> str:
+    """A ``#SBATCH`` option's value, in double quotes when it holds spaces or quotes (sbatch
+    splits a directive's words as a shell would)."""
+    return value if re.fullmatch(r"[\w@%/.:,=+-]*", value) else '"' + value.replace('"', '\\"') + '"'
 
 
 TEMPLATE_HEADER = """\
@@ -240,7 +249,7 @@ def submit_sbatch(spec: SlurmSpec) -> str:
     result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
                             cwd=REPO_ROOT)
     if result.returncode != 0:
-        raise SlurmUnavailable(f"sbatch refused the allocation: {_first_line(result.stderr)}")
+        raise SlurmUnavailable(f"sbatch refused the allocation: {_last_line(result.stderr)}")
     return result.stdout.strip().split(";")[0]
 
 
@@ -260,7 +269,7 @@ def submit_submitit(spec: SlurmSpec) -> str:
     import submitit
 
     folder = Path(spec.state_dir) / "slurm" / "submitit"
-    executor = submitit.SlurmExecutor(folder=str(folder), python=spec.python)
+    executor = submitit.SlurmExecutor(folder=str(folder), python=shlex.quote(spec.python))
     additional: dict[str, object] = {"requeue": True, "open-mode": "append"}
     for key in ("account", "qos", "constraint"):
         if getattr(spec, key):
@@ -281,9 +290,10 @@ def submit_submitit(spec: SlurmSpec) -> str:
     executor.update_parameters(**params)
     argv = node_command(spec)[3:]  # after `python -m daemon.node`
     try:
-        job = executor.submit(node_entry, argv)
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr as well
+            job = executor.submit(node_entry, argv)
     except Exception as exc:  # noqa: BLE001 - submitit raises sbatch's failure as a plain error
-        raise SlurmUnavailable(f"Slurm refused the allocation: {_first_line(str(exc))}") from None
+        raise SlurmUnavailable(f"Slurm refused the allocation: {_last_line(str(exc))}") from None
     return str(job.job_id)
 
 
@@ -333,9 +343,10 @@ def wait_gone(job_id: str, timeout: float) -> bool:
     return False
 
 
-def _first_line(text: str) -> str:
+def _last_line(text: str) -> str:
+    """The last line of Slurm's message (its reason), without the ``sbatch: error:`` prefix."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no message)"
+    return re.sub(r"^(\w+: )?error: ", "", lines[-1]) if lines else "(no message)"
 
 
 if __name__ == "__main__":  # python -m plexctl.slurm > slurm/plexrl.sbatch

@@ -46,6 +46,7 @@ def test_the_metrics_port_reaches_the_daemon_of_the_first_allocation_only() -> N
 def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
     text = S.render_sbatch(two_node_spec(state_dir="/shared/my cluster"))
     assert "--state-dir '/shared/my cluster'" in text
+    assert '#SBATCH --output="/shared/my cluster/slurm/%j.out"' in text  # a directive, as sbatch reads it
 
 
 def test_the_shipped_sbatch_file_is_the_rendered_template() -> None:
