@@ -92,6 +92,9 @@ def up(ctx: typer.Context,
        policy: Annotated[str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")]
        = "spread+backfill",
        max_loras: Annotated[int, typer.Option(min=1, help="adapter slots in the rollout engine")] = 4,
+       max_model_len: Annotated[Optional[int], typer.Option(
+           min=16, help="tokens of a sequence (prompt and completion) the rollout engine holds "
+                        "(default: the model's context, at most 4096)")] = None,
        device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state the trainer keeps on device")] = 4,
        host_mem: Annotated[str, typer.Option(help="host-memory tier for swapped-out job state")] = "8G",
        nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")]
@@ -154,6 +157,8 @@ def up(ctx: typer.Context,
                        *(f"{k}={v}" for k, v in sizes.items())]
         if nvme_dir is not None:
             worker_args.append(f"--nvme-dir={nvme_dir}")
+        if max_model_len is not None:
+            worker_args.append(f"--max-model-len={max_model_len}")
         spec = S.SlurmSpec(name=join or name or state_dir.name, state_dir=str(state_dir.resolve()), model=str(model),
                            nodes=nodes, gpus_per_node=gpus_per_node, time=time_limit, partition=partition,
                            account=account, qos=qos, exclusive=exclusive, constraint=constraint,
@@ -182,6 +187,8 @@ def up(ctx: typer.Context,
                    *(f"{k}={v}" for k, v in sizes.items())]
     if nvme_dir is not None:
         worker_args.append(f"--nvme-dir={nvme_dir.resolve()}")
+    if max_model_len is not None:
+        worker_args.append(f"--max-model-len={max_model_len}")
     cmd += [f"--worker-arg={a}" for a in worker_args]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -216,7 +216,7 @@ SafeReward.score_many = _score_many  # type: ignore[attr-defined]
 # [value, error] per item. Each item has its own alarm, so one hanging sample fails alone. The
 # function itself reads an empty stdin and prints to stderr: the protocol's pipes are not its.
 _REWARD_SERVER = r"""
-import importlib, json, math, os, signal, sys
+import importlib, json, math, os, signal, sys, time
 requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
 replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
 empty, closed = os.pipe()
@@ -252,9 +252,12 @@ while True:
         if load_error:
             out.append([None, load_error])
             continue
+        started = time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
         try:
             value = float(fn(completion, answer, record))
+            if time.monotonic() - started > job["timeout_s"]:  # its own alarm (math_verify's) cleared ours
+                raise _Timeout()
             out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
         except _Timeout:
             out.append([None, "timed out after %ss" % job["timeout_s"]])

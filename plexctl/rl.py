@@ -463,9 +463,13 @@ class Job:
               publish: bool = False) -> dict[str, float]:
         """One optimizer step on ``rollout`` with one advantage per sample; ``publish``: then
         make the result the rollout policy, in the same call (``version`` follows)."""
+        batch = rollout.batch(advantages)
+        if not batch.input_ids:  # every episode failed before generating a token
+            self.log("no sample with a token to learn from: update skipped")
+            return {}
         if not publish:
-            return self.client.train_step(rollout.batch(advantages), hp)
-        metrics, self.version = self.client.train_and_publish(rollout.batch(advantages), hp)
+            return self.client.train_step(batch, hp)
+        metrics, self.version = self.client.train_and_publish(batch, hp)
         return metrics
 
     def publish(self) -> int:

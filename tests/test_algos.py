@@ -115,6 +115,10 @@ def test_each_algorithm_asks_the_trainer_for_its_loss(tiny_spec, tmp_path: Path)
     dapo = DAPO(job_for(tiny_spec("algo.name=dapo"), tmp_path))
     assert (dapo.hp.clip_low, dapo.hp.clip_high, dapo.hp.loss_agg) == (0.2, 0.28, "token-mean")
     assert dapo.buffer == 0  # max_tokens 4 // 5
+    # a multi-turn episode spans turns of max_tokens each: no single-turn length to punish against
+    tool = load_spec(REPO / "configs" / "tiny-tool.yaml", ["algo.name=dapo", "sampling.max_tokens=20"])
+    assert DAPO(job_for(tool, tmp_path)).shaped_rewards(rollout_of([1.0, 0.0], 2, lengths=[40, 3])) == [1.0, 0.0]
+    assert DAPO(job_for(tiny_spec("algo.name=dapo", "sampling.max_tokens=20"), tmp_path)).buffer == 4
     tis = RLOO(job_for(tiny_spec("algo.name=rloo", "algo.loss=pg-tis", "algo.loss_params={cap: 3}"), tmp_path))
     assert (tis.hp.loss, tis.hp.loss_params) == ("pg-tis", {"cap": 3.0})
     assert RLOO(job_for(tiny_spec("algo.name=rloo"), tmp_path)).advantages(rollout_of([1, 0, 0], 3)) == [1, -0.5, -0.5]

@@ -314,6 +314,8 @@ def test_an_env_that_raises_is_that_episodes_failure(pool: SandboxPool) -> None:
     assert step_failed.failed and step_failed.reward == -1.0 and step_failed.reward_errors == 1
     assert step_failed.errors == ["step raised ZeroDivisionError: tool crashed"]
     assert fine.reward == 1.0
+    batch = episode_batch([reset_failed, step_failed, fine], [-1.0, -1.0, 2.0])  # no token of reset_failed's
+    assert batch.input_ids == [step_failed.token_ids, fine.token_ids] and batch.advantages == [-1.0, 2.0]
 
 
 class HangingEnv(RewardEnv):
@@ -330,6 +332,21 @@ def test_a_step_that_hangs_past_step_timeout_is_abandoned(pool: SandboxPool) -> 
     hung, fine = run_episodes(model, envs, samples, Sampling(), 2, pool, step_timeout_s=0.5, failure_reward=-2.0)
     assert time.perf_counter() - t0 < 2.0
     assert hung.tool_timeouts == 1 and hung.reward == -2.0 and fine.reward == 1.0
+
+
+class SlowEnv(RewardEnv):
+    def step(self, completion_text: str):
+        time.sleep(0.2)
+        return super().step(completion_text)
+
+
+def test_a_steps_timeout_runs_from_its_start_not_while_it_waits_for_a_thread() -> None:
+    samples = [{"prompt": str(i), "answer": "x"} for i in range(16)]
+    with SandboxPool(max_workers=2) as small:  # 8 rounds of 0.2 s steps: 1.6 s for the last to finish
+        episodes = run_episodes(ScriptedModel(lambda p: "x"), [SlowEnv(lambda c, a, r: 1.0) for _ in samples],
+                                samples, Sampling(), 1, small, step_timeout_s=0.5, failure_reward=-2.0)
+    assert [ep.tool_timeouts for ep in episodes] == [0] * 16 and {ep.reward for ep in episodes} == {1.0}
+    assert all(0.15 < ep.step_seconds < 0.5 for ep in episodes)  # its own run, not the queue
 
 
 def test_turn_and_token_limits_truncate(pool: SandboxPool) -> None:

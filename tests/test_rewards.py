@@ -150,7 +150,7 @@ def test_safe_reward_turns_failures_into_failure_reward_and_counts_them() -> Non
 
 
 SANDBOXED_REWARD = """
-import os, socket, time
+import os, signal, socket, time
 import numpy  # installed packages are importable in the sandbox
 from helpers_rw import expected
 
@@ -162,6 +162,9 @@ def score(completion, answer, record):
             pass
     if completion == "sleep":
         time.sleep(60)
+    if completion == "slow":  # clears the process's alarm first, as math_verify's own timeout does
+        signal.alarm(0)
+        time.sleep(2.5)
     if completion == "net":
         socket.create_connection(("10.255.255.1", 80), timeout=2)
     if completion == "write":
@@ -192,15 +195,15 @@ def test_a_custom_reward_runs_in_the_sandbox_pool_and_each_failure_stays_its_sam
         try:
             items = [("4", "4", {}), ("5", "4", {}), ("pid", "", {}), ("hang", "", {}), ("net", "", {}),
                      ("write", "", {"outside": str(outside)}), ("raise", "", {}), ("nan", "", {}),
-                     ("sleep", "", {}), (" 4 ", "4", {})]
+                     ("sleep", "", {}), ("slow", "", {}), (" 4 ", "4", {})]
             values = reward.score_many(items)
             assert values[:2] == [1.0, 0.0] and values[-1] == 1.0
             assert values[2] not in (-1.0, float(__import__("os").getpid()))  # another process scored it
-            assert values[3:9] == [-1.0] * 6
-            assert reward.errors == 6 and not outside.exists()
+            assert values[3:10] == [-1.0] * 7
+            assert reward.errors == 7 and not outside.exists()
             # a process that dies fails its own chunk's samples only
             assert reward.score_many([("exit", "", {}), ("4", "4", {})]) == [-1.0, 1.0]
-            assert reward.errors == 7 and "reward process failed" in reward.last_error
+            assert reward.errors == 8 and "reward process failed" in reward.last_error
         finally:
             reward.close()
     assert "rw_sandboxed" not in sys.modules  # never imported into this process

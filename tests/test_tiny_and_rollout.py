@@ -317,3 +317,12 @@ def test_a_request_without_prompts_is_answered_empty(engine: RolloutEngine) -> N
     assert engine.generate([empty]) == [[]]
     one = GenRequest("one", PROMPTS[:1], Sampling(max_tokens=2, n=1, seed=0))
     assert [len(cs) for cs in engine.generate([empty, one])] == [0, 1]
+
+
+def test_the_rollout_engine_holds_the_models_context_up_to_a_cap(tmp_path: Path) -> None:
+    from worker.rollout import MAX_MODEL_LEN, default_max_model_len
+
+    for context, expected in ((64, 64), (32768, MAX_MODEL_LEN)):
+        (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": context}))
+        assert default_max_model_len(str(tmp_path)) == expected
+    assert default_max_model_len(str(tmp_path / "absent")) == MAX_MODEL_LEN

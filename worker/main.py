@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
     ap.add_argument("--max-loras", type=int, default=4, help="adapter slots in the rollout engine")
     ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="tokens of a sequence the rollout engine holds (default: the model's context, at most 4096)")
     ap.add_argument("--device-slots", type=int, default=4, help="jobs whose trainer state stays on device")
     ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
@@ -450,11 +452,12 @@ def main(argv: list[str] | None = None) -> None:
                                             nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes,
                                             write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem))
         if "rollout" in kinds:
-            from worker.rollout import RolloutEngine
+            from worker.rollout import RolloutEngine, default_max_model_len
 
             engines["rollout"] = RolloutEngine(model, dtype=args.dtype, max_loras=args.max_loras,
                                                max_cpu_loras=max(args.max_cpu_loras or 2 * args.max_loras,
-                                                                 args.max_loras))
+                                                                 args.max_loras),
+                                               max_model_len=args.max_model_len or default_max_model_len(model))
     except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
         log.error("engine start failed: %s", traceback.format_exc())
         outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))

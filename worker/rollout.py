@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import threading
@@ -88,6 +89,8 @@ from worker import cpu_lora_ops
 log = logging.getLogger("plexrl.worker.rollout")
 
 MAX_NUM_SEQS = 256  # sequences per engine step
+MAX_MODEL_LEN = 4096  # the longest sequence an engine holds unless told (KV cache and activations grow with it)
+BATCHED_TOKENS = MAX_NUM_SEQS * 64  # tokens per engine step, at least one whole sequence
 GiB = 1 << 30
 ENGINE_THREADS = 1
 WARMUP_PROMPT = "0+0="  # any short text: unknown characters still tokenize (to <unk>)
@@ -312,6 +315,15 @@ class _InFlight:
     engine_id: dict[str, str]  # vLLM request id -> the engine's own id for it (to abort)
 
 
+def default_max_model_len(model_path: str) -> int:
+    """The model's own context (``max_position_embeddings``), at most ``MAX_MODEL_LEN``."""
+    try:
+        context = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return MAX_MODEL_LEN
+    return max(1, min(context, MAX_MODEL_LEN))
+
+
 class RolloutEngine:
     """One resident vLLM engine serving the base model and many jobs' LoRA adapters."""
 
@@ -376,10 +388,11 @@ class RolloutEngine:
                     dtype=dtype,
                     seed=seed,
                     max_model_len=max_model_len,
-                    # a whole batch of full-length prompts fits one step: vLLM then never splits a
-                    # prompt across steps, which a seeded sampler cannot do on CPU
+                    # with the tiny model's 64-token context a whole batch of full-length prompts
+                    # fits one step: vLLM then never splits a prompt across steps, which a seeded
+                    # sampler cannot do on CPU; a longer context gets the same budget (or one sequence)
                     max_num_seqs=MAX_NUM_SEQS,
-                    max_num_batched_tokens=MAX_NUM_SEQS * max_model_len,
+                    max_num_batched_tokens=max(BATCHED_TOKENS, max_model_len),
                     enable_lora=True,
                     max_lora_rank=max_lora_rank,
                     max_loras=max_loras,

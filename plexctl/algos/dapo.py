@@ -16,7 +16,8 @@ Four changes to GRPO, each a line or two here:
     R_length(L) = 0                                   if L <= L_max - L_cache
                 = -penalty (L - (L_max - L_cache)) / L_cache   otherwise (-penalty at L_max)
 
-``L_max`` is ``sampling.max_tokens``, ``L_cache`` is ``algo.overlong_buffer``. Groups are
+``L_max`` is ``sampling.max_tokens``, ``L_cache`` is ``algo.overlong_buffer`` (a multi-turn
+job has no length punishment: its episodes end by ``env`` limits, with ``env.truncated_reward``). Groups are
 filtered on the verifier's rewards (the paper's accuracy), before the length penalty; a step
 that finds fewer informative groups than ``prompts_per_step`` in ``max_gen_batches`` rounds
 trains on those it found (none: the update is skipped).
@@ -53,6 +54,8 @@ class DAPO(GroupLoop):
         super().__init__(job)
         a, max_tokens = job.spec.algo, job.spec.sampling.max_tokens
         self.buffer = a.overlong_buffer if a.overlong_buffer is not None else max_tokens // OVERLONG_BUFFER_SHARE
+        if job.spec.env is not None:  # an episode's tokens span many turns of max_tokens each: no
+            self.buffer = 0           # single-turn budget to punish against (its limits truncate it)
         self.rounds = 0
 
     def hparams(self) -> TrainHParams:

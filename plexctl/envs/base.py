@@ -306,21 +306,26 @@ def append_turn(ep: Episode, completion: Completion) -> None:
 
 def _run_steps(pool: SandboxPool, work: list[tuple[Episode, Env, str]], failure_reward: float,
                step_timeout_s: float | None) -> None:
-    """Run every live episode's step concurrently in the pool, then apply the results in order."""
+    """Run every live episode's step concurrently in the pool, then apply the results in order.
+
+    A step's ``step_timeout_s`` runs from when a pool thread starts it, not while it waits for
+    one; a step still waiting when every step ahead of it could have used its whole timeout
+    (the pool's rounds times the timeout) is not run and times out too."""
     started = time.perf_counter()
-    futures = [pool.call(_timed_step, env, text) for _, env, text in work]
-    deadline = None if step_timeout_s is None else started + step_timeout_s
-    for (ep, _, _), future in zip(work, futures):
-        remaining = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+    began: dict[int, float] = {}  # step -> when a pool thread started it
+    futures = [pool.call(_timed_step, env, text, began, k) for k, (_, env, text) in enumerate(work)]
+    rounds = -(-len(work) // max(1, pool.max_workers))
+    for k, ((ep, _, _), future) in enumerate(zip(work, futures)):
         try:
-            result, seconds = future.result(timeout=remaining)
+            result, seconds = _step_result(future, began, k, step_timeout_s, started, rounds)
         except concurrent.futures.TimeoutError:
-            ep.step_seconds += time.perf_counter() - started
+            future.cancel()  # one still waiting for a thread does not run at all
+            ep.step_seconds += time.perf_counter() - began.get(k, time.perf_counter())
             ep.tool_timeouts += 1
             _fail(ep, failure_reward, f"step took longer than {step_timeout_s}s")
             continue
         except Exception as e:
-            ep.step_seconds += time.perf_counter() - started
+            ep.step_seconds += time.perf_counter() - began.get(k, started)
             ep.reward_errors += 1
             _fail(ep, failure_reward, f"step raised {type(e).__name__}: {one_line(e)}")
             continue
@@ -328,8 +333,23 @@ def _run_steps(pool: SandboxPool, work: list[tuple[Episode, Env, str]], failure_
         apply_step(ep, result, failure_reward)
 
 
-def _timed_step(env: Env, text: str) -> tuple[StepResult, float]:
-    t0 = time.perf_counter()
+def _step_result(future: concurrent.futures.Future, began: dict[int, float], k: int, timeout: float | None,
+                 submitted: float, rounds: int) -> tuple[StepResult, float]:
+    """The step's result within ``timeout`` of its start (see ``_run_steps``); TimeoutError past it."""
+    if timeout is None:
+        return future.result()
+    queue_deadline = submitted + rounds * timeout
+    while k not in began:  # waiting for a pool thread: not counted
+        if future.done():
+            return future.result()
+        if time.perf_counter() > queue_deadline:
+            raise concurrent.futures.TimeoutError
+        concurrent.futures.wait([future], timeout=0.01)
+    return future.result(timeout=max(began[k] + timeout - time.perf_counter(), 0.0))
+
+
+def _timed_step(env: Env, text: str, began: dict[int, float], k: int) -> tuple[StepResult, float]:
+    t0 = began[k] = time.perf_counter()
     result = env.step(text)
     return result, time.perf_counter() - t0
 
@@ -381,14 +401,17 @@ def _truncate(ep: Episode, truncated_reward: float) -> None:
 
 
 def episode_batch(episodes: Sequence[Episode], advantages: Sequence[float]) -> TrainBatch:
-    """One ``TrainBatch`` row per episode: its whole sequence, observation tokens masked out."""
+    """One ``TrainBatch`` row per episode: its whole sequence, observation tokens masked out.
+    An episode with no generated token (its reset failed) has nothing to train: no row (its
+    reward still counted in its group's advantages)."""
     if len(episodes) != len(advantages):
         raise ValueError(f"{len(episodes)} episodes but {len(advantages)} advantages")
+    rows = [(ep, a) for ep, a in zip(episodes, advantages) if any(ep.loss_mask)]
     return TrainBatch(
-        input_ids=[list(ep.token_ids) for ep in episodes],
-        loss_mask=[list(ep.loss_mask) for ep in episodes],
-        old_logprobs=[list(ep.logprobs) for ep in episodes],
-        advantages=[float(a) for a in advantages],
+        input_ids=[list(ep.token_ids) for ep, _ in rows],
+        loss_mask=[list(ep.loss_mask) for ep, _ in rows],
+        old_logprobs=[list(ep.logprobs) for ep, _ in rows],
+        advantages=[float(a) for _, a in rows],
     )
 
 
