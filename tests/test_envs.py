@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from plexctl.envs import ENVS, EnvLoadError, load_env, python_tool_tiny_dataset, run_episodes
-from plexctl.envs.base import Episode, RewardEnv, append_turn, episode_batch, episode_metrics, parse_tool_call
+from plexctl.envs.base import Episode, RewardEnv, StepResult, append_turn, episode_batch, episode_metrics, parse_tool_call
 from plexctl.envs.code import CodeEnv
 from plexctl.envs.corpus import WORDS, builtin_corpus, fact_code, search_tiny_dataset
 from plexctl.envs.python_tool import PythonToolEnv, python_tool_tiny_turns
@@ -347,6 +347,20 @@ def test_a_steps_timeout_runs_from_its_start_not_while_it_waits_for_a_thread() -
                                 samples, Sampling(), 1, small, step_timeout_s=0.5, failure_reward=-2.0)
     assert [ep.tool_timeouts for ep in episodes] == [0] * 16 and {ep.reward for ep in episodes} == {1.0}
     assert all(0.15 < ep.step_seconds < 0.5 for ep in episodes)  # its own run, not the queue
+
+
+class ChattyEnv(RewardEnv):
+    """Answers every turn with a long observation, never ends."""
+
+    def step(self, completion_text: str):
+        return StepResult("o" * 20, done=False, reward=None)
+
+
+def test_a_turn_is_not_generated_when_its_prompt_with_the_observation_would_pass_the_limit(pool) -> None:
+    model = ScriptedModel(lambda p: "abc")
+    [ep] = run_episodes(model, [ChattyEnv(lambda c, a, r: 1.0)], [{"prompt": "1+1=", "answer": "2"}], Sampling(), 5,
+                        pool, max_total_tokens=len(encode("1+1=")) + 1 + 4 + 20)  # bos, prompt, turn 1, observation
+    assert ep.truncated and ep.turns == 1 and len(model.calls) == 1  # the next prompt would not have fit
 
 
 def test_turn_and_token_limits_truncate(pool: SandboxPool) -> None:

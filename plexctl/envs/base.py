@@ -204,6 +204,7 @@ class Episode:
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
     last_generated: int = 0  # tokens generated in the latest turn (internal bookkeeping)
+    observed_chars: int = 0  # characters of the latest observation, not yet in token_ids (internal)
 
 
 def run_episodes(
@@ -241,7 +242,9 @@ def run_episodes(
                    failure_reward, step_timeout_s)
         for i in live:
             ep = episodes[i]
-            if not ep.done and max_total_tokens is not None and len(ep.token_ids) >= max_total_tokens:
+            # the next prompt adds the observation: at most a token per character (+1 for a tokenizer's marks)
+            grown = len(ep.token_ids) + (ep.observed_chars + 1 if ep.observed_chars else 0)
+            if not ep.done and max_total_tokens is not None and grown >= max_total_tokens:
                 _truncate(ep, truncated_reward)
     for ep in episodes:
         if not ep.done:
@@ -371,6 +374,7 @@ def apply_step(ep: Episode, result: StepResult, failure_reward: float) -> None:
         ep.errors.append(str(info["error"]))
     if not result.done:
         ep.text += result.observation or ""
+        ep.observed_chars = len(result.observation or "")
         return
     reward = result.reward
     if reward is None or not math.isfinite(float(reward)):
