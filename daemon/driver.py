@@ -25,6 +25,7 @@ from daemon.procs import write_exit
 from plexctl.algos import run_algorithm
 from plexctl.cluster import endpoint_path
 from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
+from plexctl.sandbox import kill_live_runs
 from plexctl.spec import spec_from_wire
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DRAIN_UNSAVED, EXIT_DRAINED = 0, 1, 3, 74, 75
@@ -43,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+def _stop_now(signum: int, _frame: object) -> None:
+    """Stop the sandboxed programs this driver runs (in sessions of their own: they would
+    outlive it), then exit through the job's cleanup."""
+    kill_live_runs()
+    raise SystemExit(128 + signum)
+
+
 def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plexrl-driver")
     ap.add_argument("--endpoint", required=True)
@@ -51,6 +59,7 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal: the daemon tells us
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_now)  # the daemon stops the job (cancel past its grace, roll back)
     state_dir = args.job_dir.resolve().parents[1]
     client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_path(state_dir),
                        log=log)

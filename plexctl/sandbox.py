@@ -386,17 +386,40 @@ def _rlimits(mode: str, limits: Limits) -> list[tuple[str, tuple[int, int]]]:
     ]
 
 
+_LIVE: dict[int, int | None] = {}  # the sandboxed processes this process started and has not reaped: pid -> uid
+_LIVE_LOCK = threading.Lock()
+
+
+def kill_live_runs() -> None:
+    """SIGKILL every sandboxed program of this process still running (its process group, and in
+    namespaces mode its uid's processes): they run in sessions of their own, so nothing else
+    stops them when this process is told to stop."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+    for pid, uid in live:
+        _kill_run(pid, uid)
+
+
+def _reaped(proc: subprocess.Popen) -> None:
+    with _LIVE_LOCK:
+        _LIVE.pop(proc.pid, None)
+
+
 def _popen(mode: str, uid: int | None, base: Path, limits: Limits, paths: tuple[str, ...], stdin: Any) -> subprocess.Popen:
-    """Start the boot on ``base/main.py`` in its own session, stdout and stderr piped."""
+    """Start the boot on ``base/main.py`` in its own session, stdout and stderr piped (the
+    process is in ``_LIVE`` until ``_reaped``)."""
     config = {"mode": mode, "base": str(base), "uid": uid, "inner_uid": USERNS_INNER_UID,
               "rlimits": _rlimits(mode, limits), "paths": [str(p) for p in paths]}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "work"), "TMPDIR": str(base / "work"),
            "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
         stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=base, env=env,
         start_new_session=True, close_fds=True,
     )
+    with _LIVE_LOCK:
+        _LIVE[proc.pid] = uid
+    return proc
 
 
 def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float,
@@ -408,8 +431,10 @@ def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t
     except BaseException:
         _kill_run(proc.pid, uid)
         proc.wait()
+        _reaped(proc)
         raise
     returncode = proc.wait()
+    _reaped(proc)
     return _result(out, err, returncode, timed_out, time.perf_counter() - t0)
 
 
@@ -656,6 +681,7 @@ class SandboxSession:
         if proc is not None:
             _kill_run(proc.pid, self.uid)
             proc.wait()
+            _reaped(proc)
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
                     with contextlib.suppress(OSError):

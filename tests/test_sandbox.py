@@ -86,6 +86,23 @@ def test_a_sleeping_program_is_killed_at_the_wall_clock_timeout_with_its_childre
     still_works()
 
 
+def test_a_stopping_driver_kills_the_programs_it_still_runs() -> None:
+    """A driver told to stop (SIGTERM: cancel, roll back) kills its sandboxed programs; they run
+    in sessions of their own, and one that blocks without using CPU would outlive it."""
+    with SandboxPool(max_workers=2) as pool:
+        futures = [pool.submit("import threading\nthreading.Event().wait()", limits=Limits(wall_seconds=60))
+                   for _ in range(2)]
+        deadline = time.monotonic() + 20
+        while len(sandbox._LIVE) < 2:
+            assert time.monotonic() < deadline, "the programs did not start"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        sandbox.kill_live_runs()
+        results = [f.result(timeout=10) for f in futures]
+        assert time.monotonic() - t0 < 5 and not any(r.ok for r in results)
+    assert sandbox._LIVE == {}  # reaped, and forgotten
+
+
 def test_fork_bomb_is_contained() -> None:
     code = ("import os\n"
             "while True:\n"
