@@ -138,14 +138,13 @@ def up(ctx: typer.Context,
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    try:
-        sizes = {"--host-mem": parse_bytes(host_mem), "--nvme-bytes": parse_bytes(nvme_bytes)}
-        if write_behind is not None:
-            sizes["--write-behind"] = parse_bytes(write_behind)
-    except ValueError as exc:
-        option = next((o for o, v in (("--host-mem", host_mem), ("--nvme-bytes", nvme_bytes),
-                                      ("--write-behind", write_behind)) if v is not None and str(v) in str(exc)), "")
-        raise UsageError(f"{option}: {exc}" if option else str(exc)) from None
+    sizes: dict[str, int] = {}
+    for option, value in (("--host-mem", host_mem), ("--nvme-bytes", nvme_bytes), ("--write-behind", write_behind)):
+        if value is not None:
+            try:
+                sizes[option] = parse_bytes(value)
+            except ValueError as exc:
+                raise UsageError(f"{option}: {exc}") from None
     c: Ctx = ctx.obj
     model = (model or _local_model_default()).resolve()
     if not (model / "config.json").exists():
