@@ -598,9 +598,11 @@ def _check_env_import(env: Any, issues: _Issues) -> None:
 # ---------------------------------------------------------------- YAML and overrides
 
 
-def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], seen: set[int] | None = None) -> None:
+def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], file: str,
+                  duplicates: list[SpecIssue], seen: set[int] | None = None) -> None:
     """Map every key / list item path of a composed YAML document to its 1-based line (a node
-    that an alias repeats is mapped where it is written only)."""
+    that an alias repeats is mapped where it is written only), and note each key written twice
+    in one mapping (YAML would keep the last silently) at its second line."""
     seen = set() if seen is None else seen
     if id(node) in seen:
         return
@@ -608,13 +610,16 @@ def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], seen: set[i
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             child = path + (str(key_node.value),)
-            lines[child] = key_node.start_mark.line + 1
-            _record_lines(value_node, child, lines, seen)
+            line = key_node.start_mark.line + 1
+            if child in lines:
+                duplicates.append(SpecIssue(file, line, dotted(child), f"duplicate key (first on line {lines[child]})"))
+            else:
+                lines[child] = line
+            _record_lines(value_node, child, lines, file, duplicates, seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
-            _record_lines(item, path + (i,), lines, seen)
-
+            _record_lines(item, path + (i,), lines, file, duplicates, seen)
 
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
     try:
@@ -630,31 +635,11 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
         problem = _alias_problem(node)
         if problem:
             raise SpecError([SpecIssue(file, None, "", problem)])
-        duplicates = _duplicate_keys(node, (), file, set())
+        duplicates: list[SpecIssue] = []
+        _record_lines(node, (), lines, file, duplicates)
         if duplicates:
             raise SpecError(duplicates)
-        _record_lines(node, (), lines)
     return doc, lines
-
-
-def _duplicate_keys(node: yaml.Node, path: Key, file: str, seen: set[int]) -> list[SpecIssue]:
-    """A key written twice in one mapping (YAML would keep the last silently), at its second line."""
-    if id(node) in seen:
-        return []
-    seen.add(id(node))
-    found: list[SpecIssue] = []
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key, line = str(key_node.value), key_node.start_mark.line + 1
-            if key in first:
-                found.append(SpecIssue(file, line, dotted(path + (key,)), f"duplicate key (first on line {first[key]})"))
-            first.setdefault(key, line)
-            found += _duplicate_keys(value_node, path + (key,), file, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            found += _duplicate_keys(item, path + (i,), file, seen)
-    return found
 
 
 MAX_SPEC_VALUES = 100_000  # a job spec with YAML aliases expanded: far more than any real one
