@@ -29,6 +29,7 @@ from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
 from worker.state_store import HostBufferPool, StateStore
+from worker.state_copy import PAGE_BYTES, aligned_host_buffer
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
@@ -605,7 +606,7 @@ def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_di
     saved = {job_id: job_state(trainer, job_id) for job_id in ("j0", "j3")}
     copies = {}
     for job_id in ("j0", "j3"):
-        copies[job_id] = trainer.export_state(job_id, pool.take)
+        copies[job_id] = trainer.export_state(job_id, pool)
         memory = copies[job_id].memory
         start, end = memory.data_ptr(), memory.data_ptr() + memory.numel()
         assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end for t in copies[job_id].tensors.values())
@@ -619,6 +620,26 @@ def test_export_fills_one_given_buffer_and_import_reuses_a_released_one(model_di
         assert_like_alone(trainer, job_id, saved[job_id])
         pool.give(copies[job_id].memory)
     assert pool.allocated == 2
+
+
+def test_a_copy_in_a_buffer_of_its_pages_or_a_larger_one_comes_back_exactly(model_dir: str) -> None:
+    """On CPU a job's slot is whole pages, as a pool's buffer for it is, so a swap copies the one
+    into the other as they are; a larger buffer from the pool takes the path through views."""
+    trainer = engine(model_dir)
+    trainer.ensure_job("j0", *JOBS["j0"][:2])
+    train(trainer, "j0", 0)
+    saved = job_state(trainer, "j0")
+    slot = trainer._job("j0").slot
+    assert slot.whole and slot.device.numel() % PAGE_BYTES == 0 and slot.device.numel() >= slot.spec.nbytes
+    exact, larger = HostBufferPool(), HostBufferPool()
+    larger.give(aligned_host_buffer(slot.device.numel() + PAGE_BYTES))  # fits: at most twice the size
+    for pool, numel in ((exact, slot.device.numel()), (larger, slot.device.numel() + PAGE_BYTES)):
+        copy = trainer.export_state("j0", pool)
+        assert copy.memory.numel() == numel
+        trainer.release("j0")
+        trainer.import_state("j0", copy)
+        assert_like_alone(trainer, "j0", saved)
+        pool.give(copy.memory)
 
 
 def test_repeated_swaps_reuse_pooled_buffers(model_dir: str, tmp_path: Path) -> None:

@@ -199,6 +199,7 @@ class NvmeCopy:
     buffers: list[tuple[str, torch.dtype, int, int]]  # buffer name, dtype, [begin, end) in the data section
     standalone: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # name, dtype, shape, [begin, end)
     laid_out: bool  # the buffers lie where ``spec`` puts them: the copy read back gets SpecBuffers
+    direct: bool = False  # written with O_DIRECT: its filesystem takes it, so it is read so too
 
     @property
     def file_bytes(self) -> int:
@@ -236,14 +237,14 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
         name in groups and groups[name].offset == begin and groups[name].nbytes == end - begin
         for name, _, begin, end in buffers)
     chunk_bytes = IO_CHUNK_BYTES
-    sums = _write_stream(path, [t for _, _, t in pieces], _file_image(state, [(name, t) for name, _, t in pieces], offset),
+    sums, direct = _write_stream(path, [t for _, _, t in pieces], _file_image(state, [(name, t) for name, _, t in pieces], offset),
                          chunk_bytes, reuse)
     return NvmeCopy(
         path=path, nbytes=offset, chunk_bytes=chunk_bytes, sums=sums, job_id=state.job_id, lora=state.lora,
         seed=state.seed, weight_decay=state.weight_decay, param_keys=list(state.param_keys),
         layout={name: list(members) for name, members in state.layout.items()},
         param_groups=[dict(group) for group in state.param_groups], state_values=dict(state.state_values),
-        spec=spec, buffers=buffers, standalone=standalone, laid_out=laid_out,
+        spec=spec, buffers=buffers, standalone=standalone, laid_out=laid_out, direct=direct,
     )
 
 
@@ -267,13 +268,14 @@ def _file_image(state: JobStateCopy, segments: list[tuple[Any, torch.Tensor]], n
 
 
 def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor | None, chunk_bytes: int,
-                  reuse: int | None) -> list[int]:
+                  reuse: int | None) -> tuple[list[int], bool]:
     """Write the concatenation of ``tensors`` (contiguous host tensors), padded with zeros to a
     whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
     drop it from the page cache when written buffered, so it does not stay in host memory).
     The data goes in ``chunk_bytes`` requests straight from ``image`` (the pieces' own memory,
     see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
-    in flight; the last one on this thread. Returns the checksum of each chunk of the data."""
+    in flight; the last one on this thread. Returns the checksum of each chunk of the data and
+    whether the file was written with O_DIRECT."""
     pieces = [_byte_view(t) for t in tensors] if image is None else []  # flat uint8 views, to gather
     ends = [0]
     for tensor in tensors:
@@ -311,7 +313,7 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
     finally:
         wait_all(futures)
         os.close(fd)
-    return sums
+    return sums, direct
 
 
 def _chunk_starts(nbytes: int, chunk_bytes: int) -> range:
@@ -387,41 +389,46 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
     in whatever order they land (a slow request holds up no other), and the last to land is
     summed here. The copy's tensors are laid over the buffer first; it is returned once every
     chunk's checksum matched."""
-    where = f"nvme copy of job {copy.job_id!r} at {copy.path}"
     try:
-        fd, direct = _open_copy_file(copy.path, write=False) if READ_DIRECT else (os.open(copy.path, os.O_RDONLY),
-                                                                                   False)
+        if READ_DIRECT and copy.direct:  # its filesystem took O_DIRECT when it was written
+            fd, direct = os.open(copy.path, os.O_RDONLY | os.O_DIRECT), True
+        else:
+            fd, direct = _open_copy_file(copy.path, write=False) if READ_DIRECT else (
+                os.open(copy.path, os.O_RDONLY), False)
     except OSError as exc:
-        raise CorruptCopyError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+        raise CorruptCopyError(f"{_where(copy)}: cannot read it ({exc.strerror or exc})") from None
     buffer = checksums = None
     reads: dict[Future[None], int] = {}  # request in flight -> its chunk
     try:
         size = os.fstat(fd).st_size
-        if size != copy.file_bytes:
-            raise CorruptCopyError(f"{where}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
         nbytes, chunk = copy.nbytes, copy.chunk_bytes
+        if size != -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN:
+            raise CorruptCopyError(
+                f"{_where(copy)}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
         buffer = pool.take(nbytes)
         view = memoryview(buffer.numpy())
         spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
-        checksums = _Checksums(view, spans)
+        checksums = _Checksums(view, spans) if len(spans) > 1 else None
         try:
             state = _copy_over(buffer, copy)
         except Exception as exc:  # the writer's or the format's fault
-            raise CorruptCopyError(f"{where}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+            raise CorruptCopyError(
+                f"{_where(copy)}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
         for index, (start, end) in enumerate(spans[1:], 1):
             request = round_up(end - start, DIRECT_ALIGN) if direct else end - start
             reads[_io_threads().submit(_read_into, fd, [view[start : start + request]], start, end - start)] = index
         first = spans[0][1]
         _read_into(fd, [view[: round_up(first, DIRECT_ALIGN) if direct else first]], 0, first)
-        if not reads:
-            checksums.add_here(0)
+        if checksums is None:  # one chunk
+            sums = [_checksum(view[:first])]
         else:
             checksums.add_aside(0)
             for count, future in enumerate(as_completed(reads), 1):
                 future.result()  # a failed request raises
                 (checksums.add_here if count == len(reads) else checksums.add_aside)(reads[future])
-        if checksums.result() != copy.sums:
-            raise CorruptCopyError(f"{where}: does not match its checksums (corrupt)")
+            sums = checksums.result()
+        if sums != copy.sums:
+            raise CorruptCopyError(f"{_where(copy)}: does not match its checksums (corrupt)")
     except BaseException as exc:
         wait_all(list(reads))
         if checksums is not None:
@@ -429,11 +436,15 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
         if buffer is not None:
             pool.give(buffer)
         if isinstance(exc, OSError):
-            raise CorruptCopyError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+            raise CorruptCopyError(f"{_where(copy)}: cannot read it ({exc.strerror or exc})") from None
         raise
     finally:
         os.close(fd)
     return state, buffer
+
+
+def _where(copy: NvmeCopy) -> str:
+    return f"nvme copy of job {copy.job_id!r} at {copy.path}"
 
 
 class _Checksums:
@@ -493,7 +504,8 @@ def _copy_over(data: torch.Tensor, copy: NvmeCopy) -> JobStateCopy:
     """A JobStateCopy over ``data``, a buffer for the copy's data section (read now or later),
     laid out as it was written: its memory, its buffers over it (SpecBuffers when they lie where
     the spec puts them: imported with one copy_), its spec (its tensors are views made on first
-    use). Its lists and dicts are its own; the values in them are the written copy's."""
+    use). Its lists and dicts are its own (but for a laid-out copy's layout: its spec's,
+    read-only, as an exported copy's is); the values in them are the written copy's."""
     buffers: Mapping[str, torch.Tensor]
     if copy.laid_out:
         buffers = SpecBuffers(copy.spec, data)
@@ -508,7 +520,7 @@ def _copy_over(data: torch.Tensor, copy: NvmeCopy) -> JobStateCopy:
         param_keys=list(copy.param_keys),
         tensors=TensorViews(copy.spec, buffers, standalone),
         buffers=buffers,
-        layout={name: list(members) for name, members in copy.layout.items()},
+        layout=copy.spec.layout if copy.laid_out else {name: list(members) for name, members in copy.layout.items()},
         param_groups=[dict(group) for group in copy.param_groups],
         state_values=dict(copy.state_values),
         memory=data,

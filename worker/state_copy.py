@@ -13,6 +13,7 @@ memory that is already mapped (and pinned on CUDA).
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -92,6 +93,8 @@ class TensorViews(Mapping[str, torch.Tensor]):
     """A copy's tensors by name: views into its buffers, made on first use (moving a copy does
     not pay for a view per tensor), then any standalone tensors."""
 
+    __slots__ = ("spec", "buffers", "standalone", "_views")
+
     def __init__(self, spec: StateSpec, buffers: Mapping[str, torch.Tensor],
                  standalone: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -124,6 +127,8 @@ class SpecBuffers(Mapping[str, torch.Tensor]):
     """A copy's buffers where ``spec`` lays them out in ``memory`` (an exported copy's): views
     made on first use."""
 
+    __slots__ = ("spec", "memory", "_views")
+
     def __init__(self, spec: StateSpec, memory: torch.Tensor) -> None:
         self.spec = spec
         self.memory = memory
@@ -144,7 +149,7 @@ class SpecBuffers(Mapping[str, torch.Tensor]):
         return len(self.spec.groups)
 
 
-@dataclass
+@dataclass(slots=True)
 
 
 class JobStateCopy:
@@ -255,29 +260,49 @@ class BufferPool:
     so a small copy does not sit on a big buffer) or a new one; ``give`` takes it back once
     nothing views it any more. It keeps at most ``keep`` free buffers (the largest): at most
     ``keep`` times the largest state, outside any tier's accounting. Thread-safe.
+
+    A buffer of exactly the asked-for pages (a state of the size that last used it: every swap
+    of a job after its first) is taken without the lock, with one atomic ``list.pop``: with the
+    caches cold, as they are after a training step, the lock alone costs a few microseconds,
+    a good part of what a small state's swap adds to its copy.
     """
 
     def __init__(self, pinned: bool = False, keep: int = POOL_KEEP, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self.pinned = pinned and self.device.type == "cpu"
         self.keep = keep
-        self._free: list[tuple[int, torch.Tensor]] = []  # (bytes, buffer), largest first
-        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}  # bytes -> free buffers of that size
+        self._lock = threading.Lock()  # give, and a take that is not of an exact size
         self.allocated = 0  # buffers made (and their bytes), for tests and benchmarks
         self.allocated_bytes = 0
-        self.reused = 0
+        self._reuses = itertools.count()  # next() is atomic: the lock-free take counts with it
+        self._reuse_reads = 0
+
+    @property
+    def reused(self) -> int:
+        """Takes served by a free buffer."""
+        with self._lock:
+            value = next(self._reuses) - self._reuse_reads  # reading advances the count by one
+            self._reuse_reads += 1
+        return value
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned)."""
         size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+        same = self._free.get(size)
+        if same:
+            try:
+                buffer = same.pop()
+            except IndexError:  # another thread took the last one
+                pass
+            else:
+                next(self._reuses)
+                return buffer
         with self._lock:
-            best = -1
-            for i, (free, _) in enumerate(self._free):  # largest first: the last that fits is the smallest
-                if size <= free <= 2 * size:
-                    best = i
-            if best >= 0:
-                self.reused += 1
-                return self._free.pop(best)[1]
+            for free in sorted(self._free):  # the smallest that fits
+                if size <= free <= 2 * size and self._free[free]:
+                    next(self._reuses)
+                    return self._free[free].pop()
             self.allocated += 1
             self.allocated_bytes += size
         if self.device.type != "cpu":
@@ -286,15 +311,24 @@ class BufferPool:
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            if any(b is buffer for _, b in self._free):
+            if any(b is buffer for buffers in self._free.values() for b in buffers):
                 return
-            self._free.append((buffer.numel(), buffer))
-            self._free.sort(key=lambda entry: -entry[0])
-            del self._free[self.keep :]
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+            count = sum(len(buffers) for buffers in self._free.values())
+            for free in sorted(self._free):  # the smallest go first
+                buffers = self._free[free]
+                while count > self.keep and buffers:
+                    try:
+                        buffers.pop(0)
+                        count -= 1
+                    except IndexError:  # a lock-free take emptied it
+                        break
+            for free in [free for free, buffers in self._free.items() if not buffers]:
+                del self._free[free]
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(free for free, _ in self._free)
+            return sum(free * len(buffers) for free, buffers in self._free.items())
 
 
 def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:
@@ -311,14 +345,15 @@ def check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
         _check_copy_layout(copy)
         if spec_of(copy).key != spec.key:
             raise StateCopyError(f"state copy of job {copy.job_id!r} does not fit the job's adapter (shapes, layout)")
-    if copy.standalone():
-        raise StateCopyError(f"state copy of job {copy.job_id!r}: {sorted(copy.standalone())} are not the job's")
+    standalone = copy.tensors.standalone if type(copy.tensors) is TensorViews else copy.standalone()
+    if standalone:
+        raise StateCopyError(f"state copy of job {copy.job_id!r}: {sorted(standalone)} are not the job's")
     laid_out = isinstance(copy.buffers, SpecBuffers) and copy.buffers.spec is spec  # fits by construction
     for group in () if laid_out else spec.groups:
         buffer = copy.buffers.get(group.name)
         if buffer is None or buffer.dtype != group.dtype or buffer.numel() * group.dtype.itemsize != group.nbytes:
             raise StateCopyError(f"state copy of job {copy.job_id!r}: buffer {group.name!r} does not fit")
-    if copy.param_keys != spec.param_keys:
+    if copy.param_keys is not spec.param_keys and copy.param_keys != spec.param_keys:
         raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
     if copy.state_values or len(copy.param_groups) != 1 or \
             list(copy.param_groups[0].get("params", ())) != list(range(len(spec.param_keys))):

@@ -504,7 +504,7 @@ class StateStore:
         """Copy the victim off the device into a pool buffer, place the copy (demoting others if
         needed), release it."""
         started = self._clock()
-        state = self.trainer.export_state(victim.job_id, self._pool.take)
+        state = self.trainer.export_state(victim.job_id, self._pool)
         export_seconds = self._clock() - started
         try:
             with self._cond:

@@ -115,6 +115,7 @@ from worker.state_copy import (
     PAGE_BYTES,
     POOL_KEEP,
     RNG_PREFIX,
+    BufferPool,
     JobStateCopy,
     SpecBuffers,
     StateSpec,
@@ -146,7 +147,7 @@ DTYPES: dict[str, torch.dtype] = {
 # ---------------------------------------------------------------- per-job state
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Slot:
     """An adapter's trainable state in one flat buffer on the engine's device: its parameters
     (``param.data`` are views), AdamW's moments and step counts (``optimizer.state`` holds views,
@@ -165,20 +166,39 @@ class _Slot:
     optimizer: torch.optim.AdamW
     moments: dict[torch.nn.Parameter, dict[str, torch.Tensor]]  # AdamW's state: views
     rng: dict[str, torch.Tensor]  # the job's RNG state: views
+    whole: bool = False  # one run from the first byte, ``device`` a whole number of pages (CPU)
+    allocated: bool = True  # ``device`` has its memory (``free`` / ``reallocate``)
+    numel: int = 0  # of ``device``
+    # a small state's last export: its memory (a pool's buffer, which the next export is likely
+    # to get again) and the views over it; kept for states under VIEWS_KEEP_BYTES only, as it
+    # keeps that buffer alive
+    views: tuple[torch.Tensor, SpecBuffers, TensorViews] | None = None
+
+    def whole_copy(self, memory: torch.Tensor) -> bool:
+        """Whether the state moves to or from ``memory`` (host memory laid out by ``spec``) as
+        one copy of the two tensors as they are: a ``whole`` slot and memory of its size (a
+        pool's buffer of its pages). No view is made (with the caches cold, making one costs
+        a third of a 0.4 MB copy)."""
+        return self.whole and memory.numel() == self.numel
 
     def has_memory(self) -> bool:
-        return self.device.untyped_storage().nbytes() > 0
+        return self.allocated
 
     def free(self) -> None:
         """Free the device buffer; every view stays, over no memory, until ``reallocate``."""
         self.device.untyped_storage().resize_(0)
+        self.allocated = False
 
     def reallocate(self) -> None:
         self.device.untyped_storage().resize_(self.device.numel())
+        self.allocated = True
 
     def copy_to(self, memory: torch.Tensor, stream: Any) -> None:
         """The whole state into ``memory`` (host, laid out by ``spec``); on CUDA on ``stream``
         (non-blocking into pinned memory); complete on return."""
+        if stream is None and self.whole_copy(memory):
+            memory.copy_(self.device)
+            return
         if stream is None:
             for span, start, end in self.runs:
                 memory[start:end].copy_(span)
@@ -194,7 +214,11 @@ class _Slot:
         in its memory as ``spec`` lays them out, else one per buffer; on CUDA on ``stream``
         (from pinned memory without blocking); complete on return."""
         memory = copy.memory
-        if memory is not None and (isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory or all(
+        laid_out = memory is not None and isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory
+        if stream is None and laid_out and self.whole_copy(memory):
+            self.device.copy_(memory)  # the pages' tail beyond the state is padding on both sides
+            return
+        if memory is not None and (laid_out or all(
                 copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)):
             pairs = [(span, memory[start:end]) for span, start, end in self.runs]
         else:
@@ -210,7 +234,7 @@ class _Slot:
         stream.synchronize()
 
 
-@dataclass
+@dataclass(slots=True)
 class _JobState:
     job_id: str
     adapter_name: str  # the adapter's key inside the shared PeftModel
@@ -233,6 +257,7 @@ class _JobState:
         return self.slot.rng
 
 
+VIEWS_KEEP_BYTES = 1 << 20  # below this a slot keeps its last export's views (_Slot.views)
 _Home = tuple[torch.nn.Module, str]  # (module, attribute) holding one adapter parameter
 
 
@@ -241,7 +266,8 @@ class _ParkedAdapter:
     """A released job's adapter modules with its slot (whose memory may have been freed)."""
 
     adapter_name: str
-    signature: dict[str, Any]  # lora_signature of the job it was made for
+    lora: LoraConfig  # of the job it was made for
+    signature: dict[str, Any]  # its lora_signature
     homes: dict[str, _Home]
     slot: _Slot
 
@@ -325,7 +351,7 @@ class TrainerEngine:
         job = self._job(job_id)
         del self._jobs[job_id]
         job.optimizer.zero_grad(set_to_none=True)
-        self._parked.append(_ParkedAdapter(job.adapter_name, lora_signature(job.lora), job.homes, job.slot))
+        self._parked.append(_ParkedAdapter(job.adapter_name, job.lora, lora_signature(job.lora), job.homes, job.slot))
         while len(self._parked) > PARKED_ADAPTERS_MAX:
             self._delete_adapter(self._parked.pop(0).adapter_name)
         holding = [parked.slot for parked in reversed(self._parked) if parked.slot.has_memory()]
@@ -353,38 +379,48 @@ class TrainerEngine:
 
     # ------------------------------------------------------------ moving state off and back
 
-    def export_state(self, job_id: str, take: Callable[[int], torch.Tensor] | None = None) -> JobStateCopy:
+    def export_state(self, job_id: str, pool: BufferPool | None = None) -> JobStateCopy:
         """A detached host copy of the job's adapter, optimizer and RNG; the job stays resident.
 
-        The copy lives in one flat host buffer (``JobStateCopy.memory``): ``take(nbytes)`` gives
-        it (a 1-D uint8 host tensor of at least ``nbytes``, e.g. a ``BufferPool``'s, whose pages
-        are already mapped), else it is allocated (pinned on CUDA). The job's slot is laid out
+        The copy lives in one flat host buffer (``JobStateCopy.memory``): ``pool`` gives it
+        (whose pages are already mapped), else it is allocated (pinned on CUDA); whoever holds
+        the copy gives it back to the pool once it is done with it. The job's slot is laid out
         as the copy is, so filling it is one ``copy_`` on CPU (on CUDA: one from the device, on a
         side stream, and one of the step counts and RNG state); the copy's tensors are views
         made on first use. Complete when this returns. Follow it with ``release`` to free the
         device copy.
+
+        A small state's move costs about as much in calls as in bytes (with the caches cold, as
+        they are after a training step, each Python call costs a few microseconds): the common
+        path here makes as few as it can.
         """
-        job = self._job(job_id)
-        spec = job.slot.spec
-        if take is not None:
-            memory = take(spec.nbytes)
+        job = self._jobs.get(job_id) or self._job(job_id)
+        slot = job.slot
+        spec = slot.spec
+        if pool is not None:  # a 1-D uint8 host buffer of whole pages, at least spec.nbytes
+            memory = pool.take(spec.nbytes)
         else:  # whole pages: room for O_DIRECT's padding when the store writes it
             memory = aligned_host_buffer(-(-spec.nbytes // PAGE_BYTES) * PAGE_BYTES, self.device.type == "cuda")
-        if memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < spec.nbytes or not memory.is_cpu:
-            raise ValueError(f"export_state needs a 1-D uint8 host buffer of {spec.nbytes} bytes, got {memory!r}")
-        job.slot.copy_to(memory, self._copy_stream())  # the slot's bytes need no autograd
-        buffers = SpecBuffers(spec, memory)
-        group = job.optimizer.param_groups[0]
+        if slot.whole and memory.numel() == slot.numel:  # the slot's bytes need no autograd
+            memory.copy_(slot.device)
+        else:
+            slot.copy_to(memory, self._copy_stream())
+        views = slot.views
+        if views is None or views[0] is not memory:  # the pool's buffer of the last export: its views serve
+            buffers = SpecBuffers(spec, memory)
+            views = (memory, buffers, TensorViews(spec, buffers))
+            slot.views = views if spec.nbytes < VIEWS_KEEP_BYTES else None
+        group = slot.optimizer.param_groups[0]
         return JobStateCopy(
             job_id=job.job_id,
             lora=job.lora,
             seed=job.seed,
             weight_decay=float(group["weight_decay"]),
             param_keys=spec.param_keys,  # the spec's own: read-only, as a copy's are
-            tensors=TensorViews(spec, buffers),
-            buffers=buffers,
+            tensors=views[2],
+            buffers=views[1],
             layout=spec.layout,
-            param_groups=[{**group, "params": list(range(len(job.params)))}],
+            param_groups=[{**group, "params": list(range(len(spec.param_keys)))}],
             state_values={},
             memory=memory,
             spec=spec,
@@ -406,14 +442,22 @@ class TrainerEngine:
         try:
             slot = adapter.slot
             check_copy_fits(copy, slot.spec)
-            if not slot.has_memory():
+            if not slot.allocated:
                 slot.reallocate()
                 self._count_slab(slot)
             elif parked is not None:
                 self.slabs.reused += 1
-            slot.copy_from(copy, self._copy_stream())
-            _load_param_groups(slot.optimizer, copy)
-            self._register_job(job_id, adapter.adapter_name, copy.lora, copy.seed, adapter.homes, slot)
+            memory = copy.memory
+            if slot.whole and memory is not None and type(copy.buffers) is SpecBuffers and \
+                    copy.buffers.memory is memory and memory.numel() == slot.numel:
+                slot.device.copy_(memory)  # the pages' tail beyond the state is padding on both sides
+            else:
+                slot.copy_from(copy, self._copy_stream())
+            group = slot.optimizer.param_groups[0]  # the copy's hyper-parameters, not its "params"
+            params = group["params"]
+            group.update(copy.param_groups[0])
+            group["params"] = params
+            self._jobs[job_id] = _JobState(job_id, adapter.adapter_name, copy.lora, copy.seed, adapter.homes, slot)
         except BaseException:
             self._jobs.pop(job_id, None)
             self._delete_adapter(adapter.adapter_name)
@@ -540,11 +584,13 @@ class TrainerEngine:
     def _unpark_adapter(self, lora: LoraConfig) -> _ParkedAdapter | None:
         """A parked adapter of the same LoRA shape (the latest whose slot kept its buffer, if
         any), taken off the parked list, or None."""
-        signature = lora_signature(lora)
-        matches = [i for i, parked in enumerate(self._parked) if parked.signature == signature]
+        matches = [i for i, parked in enumerate(self._parked) if parked.lora == lora]
+        if not matches:  # the same shape written another way (target modules in another order)
+            signature = lora_signature(lora)
+            matches = [i for i, parked in enumerate(self._parked) if parked.signature == signature]
         if not matches:
             return None
-        holding = [i for i in matches if self._parked[i].slot.has_memory()]
+        holding = [i for i in matches if self._parked[i].slot.allocated]
         return self._parked.pop((holding or matches)[-1])
 
     def _attach_empty_adapter(self, lora: LoraConfig) -> _ParkedAdapter:
@@ -553,7 +599,7 @@ class TrainerEngine:
         adapter_name = self._new_adapter_name()
         self._attach_adapter(adapter_name, _peft_config(lora, self.model_path), empty=True)
         homes = self._adapter_homes(adapter_name)
-        return _ParkedAdapter(adapter_name, lora_signature(lora), homes, self._make_slot(homes))
+        return _ParkedAdapter(adapter_name, lora, lora_signature(lora), homes, self._make_slot(homes))
 
     @property
     def attached_adapters(self) -> int:
@@ -584,7 +630,9 @@ class TrainerEngine:
         sizes = {False: 0, True: 0}
         for group in spec.groups:
             sizes[group.name in on_host] += group.nbytes
-        device = torch.empty(sizes[False], dtype=torch.uint8, device=self.device)
+        # on CPU whole pages, as a copy's host buffer has: a swap then copies one tensor into the other
+        padded = sizes[False] if on_host else -(-sizes[False] // PAGE_BYTES) * PAGE_BYTES
+        device = torch.empty(padded, dtype=torch.uint8, device=self.device)
         host = torch.empty(sizes[True], dtype=torch.uint8) if on_host else None
         spans: dict[str, torch.Tensor] = {}
         runs: list[list[Any]] = []  # [slab, start in it, offset in a copy's memory, bytes]
@@ -623,7 +671,8 @@ class TrainerEngine:
         optimizer.state.update(moments)
         rng = {name: views[RNG_PREFIX + name] for name in self._rng_shapes}
         copy_runs = [(slab[start : start + n], offset, offset + n) for slab, start, offset, n in runs]
-        slot = _Slot(spec, device, host, spans, copy_runs, params, optimizer, moments, rng)
+        whole = host is None and len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == 0 and runs[0][3] == spec.nbytes
+        slot = _Slot(spec, device, host, spans, copy_runs, params, optimizer, moments, rng, whole, True, padded)
         self._count_slab(slot)
         return slot
 
@@ -900,14 +949,6 @@ def _set_optimizer_hparams(optimizer: torch.optim.Optimizer, hp: TrainHParams) -
 
 
 # ---------------------------------------------------------------- state copies
-
-
-def _load_param_groups(optimizer: torch.optim.Optimizer, copy: JobStateCopy) -> None:
-    """The copy's AdamW hyper-parameters (lr, betas, weight decay ...) into the job's one param group."""
-    group = optimizer.param_groups[0]
-    params = group["params"]
-    group.update(copy.param_groups[0])
-    group["params"] = params
 
 
 def _store_rng(views: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
