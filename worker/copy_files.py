@@ -74,6 +74,9 @@ DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT offsets, lengths and buffer addresses are 
 READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the module docstring), else buffered
 
 
+_ZERO_PAGE = bytes(DIRECT_ALIGN)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -126,12 +129,13 @@ def _bounce_buffers() -> queue.Queue[torch.Tensor]:
         return _bounces
 
 
-def _direct_io_works(directory: Path) -> bool:
+def _direct_io_works(directory: Path | str) -> bool:
     """Whether O_DIRECT reads and writes work on ``directory``'s filesystem (probed once per
     filesystem: tmpfs refuses the flag, some filesystems accept it but fail the I/O)."""
     known = _direct_dirs.get(str(directory))
     if known is not None:
         return known
+    directory = Path(directory)
     device = os.stat(directory).st_dev
     if device in _direct_ok:
         _direct_dirs[str(directory)] = _direct_ok[device]
@@ -161,7 +165,7 @@ def _open_copy_file(path: Path, write: bool, create: bool = True) -> tuple[int, 
     """An fd for a copy's file and whether it is O_DIRECT: to read, or to write a new file
     (``create``: ``O_EXCL``) or an existing one."""
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0) if write else os.O_RDONLY
-    direct = _direct_io_works(path.parent)
+    direct = _direct_io_works(os.path.dirname(path))
     if direct:
         try:
             return os.open(path, flags | os.O_DIRECT, 0o644), True
@@ -218,6 +222,21 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
     (``O_EXCL``: it fails rather than reuse anything), or with ``reuse`` (its size) an existing
     file, overwritten in place and cut to size. Returns the copy's description, its checksums
     computed as it was written. On failure the file is left as it is: the caller deletes it."""
+    spec, memory = state.spec, state.memory
+    if spec is not None and memory is not None and type(state.buffers) is SpecBuffers and \
+            state.buffers.memory is memory and state.buffers.spec is spec and state.layout is spec.layout and \
+            type(state.tensors) is TensorViews and not state.tensors.standalone and \
+            not memory.data_ptr() % DIRECT_ALIGN and memory.numel() >= round_up(spec.nbytes, DIRECT_ALIGN):
+        # an exported or read copy: its memory is the data section as it is, its spec says where
+        sums, direct = _write_stream(path, [], memory, spec.nbytes, IO_CHUNK_BYTES, reuse)
+        return NvmeCopy(
+            path=path, nbytes=spec.nbytes, chunk_bytes=IO_CHUNK_BYTES, sums=sums, job_id=state.job_id,
+            lora=state.lora, seed=state.seed, weight_decay=state.weight_decay,
+            param_keys=spec.param_keys if state.param_keys is spec.param_keys else list(state.param_keys),
+            layout=spec.layout, param_groups=[dict(group) for group in state.param_groups],
+            state_values=dict(state.state_values), spec=spec, buffers=spec.file_buffers, standalone=[],
+            laid_out=True, direct=direct,
+        )
     pieces: list[tuple[str, bool, torch.Tensor]] = [(name, True, state.buffers[name]) for name in state.layout]
     pieces += [(name, False, tensor) for name, tensor in state.standalone().items()]
     pieces.sort(key=lambda piece: -piece[2].element_size())  # stable: JobStateCopy.segments' order
@@ -237,8 +256,8 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
         name in groups and groups[name].offset == begin and groups[name].nbytes == end - begin
         for name, _, begin, end in buffers)
     chunk_bytes = IO_CHUNK_BYTES
-    sums, direct = _write_stream(path, [t for _, _, t in pieces], _file_image(state, [(name, t) for name, _, t in pieces], offset),
-                         chunk_bytes, reuse)
+    image = _file_image(state, [(name, t) for name, _, t in pieces], offset)
+    sums, direct = _write_stream(path, [t for _, _, t in pieces], image, offset, chunk_bytes, reuse)
     return NvmeCopy(
         path=path, nbytes=offset, chunk_bytes=chunk_bytes, sums=sums, job_id=state.job_id, lora=state.lora,
         seed=state.seed, weight_decay=state.weight_decay, param_keys=list(state.param_keys),
@@ -267,10 +286,10 @@ def _file_image(state: JobStateCopy, segments: list[tuple[Any, torch.Tensor]], n
     return memory
 
 
-def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor | None, chunk_bytes: int,
-                  reuse: int | None) -> tuple[list[int], bool]:
-    """Write the concatenation of ``tensors`` (contiguous host tensors), padded with zeros to a
-    whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
+def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor | None, total: int,
+                  chunk_bytes: int, reuse: int | None) -> tuple[list[int], bool]:
+    """Write the concatenation of ``tensors`` (contiguous host tensors, ``total`` bytes), padded
+    with zeros to a whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
     drop it from the page cache when written buffered, so it does not stay in host memory).
     The data goes in ``chunk_bytes`` requests straight from ``image`` (the pieces' own memory,
     see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
@@ -278,9 +297,8 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
     whether the file was written with O_DIRECT."""
     pieces = [_byte_view(t) for t in tensors] if image is None else []  # flat uint8 views, to gather
     ends = [0]
-    for tensor in tensors:
-        ends.append(ends[-1] + tensor.numel() * tensor.element_size())
-    total = ends[-1]
+    for piece in pieces:
+        ends.append(ends[-1] + piece.numel())
     file_bytes = round_up(total, DIRECT_ALIGN)
     fd, direct = _open_copy_file(path, write=True, create=reuse is None)
     size = reuse or 0
@@ -289,9 +307,9 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         if direct and size < file_bytes:
             os.ftruncate(fd, file_bytes)  # requests within the size run in parallel
             size = file_bytes
-        if image is not None:
-            image[total:file_bytes].zero_()  # the last request's padding
         image_view = memoryview(image.numpy()) if image is not None else None
+        if image_view is not None:
+            image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
         starts = _chunk_starts(total, chunk_bytes)
         last: list[int] = []
         for start in starts:

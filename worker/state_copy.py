@@ -70,6 +70,9 @@ class StateSpec:
         self.param_keys = [n[len(ADAPTER_PREFIX):] for group in self.groups if group.name.startswith("adapter.")
                            for n in group.names]
         self.rng_bytes = sum(group.nbytes for group in self.groups if group.name.startswith("rng."))
+        # (name, dtype, begin, end) of each group in storage order: an nvme copy's buffers (read-only)
+        self.file_buffers = [(g.name, g.dtype, g.offset, g.offset + g.nbytes)
+                             for g in sorted(self.groups, key=lambda g: g.offset)]
 
 
 _SPECS: dict[tuple, StateSpec] = {}  # interned, oldest first
