@@ -293,10 +293,8 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
     drop it from the page cache when written buffered, so it does not stay in host memory).
     The data goes in ``chunk_bytes`` requests straight from ``image`` (the pieces' own memory,
     see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
-    in flight; the last one on this thread (from ``image``, a last chunk under
-    SUM_ASIDE_MIN_BYTES is summed on the checksum thread while this one waits for the
-    fdatasync). Returns the checksum of each chunk of the data and whether the file was written
-    with O_DIRECT."""
+    in flight; the last one on this thread. Returns the checksum of each chunk of the data and
+    whether the file was written with O_DIRECT."""
     pieces = [_byte_view(t) for t in tensors] if image is None else []  # flat uint8 views, to gather
     ends = [0]
     for piece in pieces:
@@ -314,13 +312,8 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
         starts = _chunk_starts(total, chunk_bytes)
         last: list[int] = []
-        deferred = None  # a small last chunk of the image: summed on the checksum thread during the fdatasync
         for start in starts:
             end = min(start + chunk_bytes, total)
-            if image_view is not None and start == starts[-1] and end - start < SUM_ASIDE_MIN_BYTES:
-                _pwrite_all(fd, [image_view[start : start + round_up(end - start, DIRECT_ALIGN)]], start)
-                deferred = image_view[start:end]
-                continue
             if image_view is not None:
                 write = partial(_write_span, fd, image_view[start:])
             else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
@@ -332,11 +325,7 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         sums = _finish(futures) + last
         if size > file_bytes:  # a larger file overwritten
             os.ftruncate(fd, file_bytes)
-        if deferred is not None:
-            futures.append(_sum_thread().submit(_checksum, deferred))  # waited for below, whatever happens
         os.fdatasync(fd)
-        if deferred is not None:
-            sums.append(futures[-1].result())
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
