@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import errno
 import os
 import queue
@@ -75,6 +76,13 @@ READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the mod
 
 
 _ZERO_PAGE = bytes(DIRECT_ALIGN)
+
+
+def _host_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 host tensor as a writable memoryview, made without a
+    numpy array (with the caches cold that costs a 0.4 MB copy's write a few percent). The
+    view does not keep the tensor alive: the caller holds it while the view is in use."""
+    return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -307,7 +315,7 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         if direct and size < file_bytes:
             os.ftruncate(fd, file_bytes)  # requests within the size run in parallel
             size = file_bytes
-        image_view = memoryview(image.numpy()) if image is not None else None
+        image_view = _host_view(image) if image is not None else None
         if image_view is not None:
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
         starts = _chunk_starts(total, chunk_bytes)
@@ -424,7 +432,7 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
             raise CorruptCopyError(
                 f"{_where(copy)}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
         buffer = pool.take(nbytes)
-        view = memoryview(buffer.numpy())
+        view = _host_view(buffer)
         spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
         checksums = _Checksums(view, spans) if len(spans) > 1 else None
         try:
