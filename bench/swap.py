@@ -133,7 +133,7 @@ SIZES = {"adapter-0.5b": 6 * MiB, "adapter-7b": 48 * MiB, "optimizer": 128 * MiB
 SIZES_QUICK = {"optimizer": 16 * MiB, "full": 64 * MiB}
 IO_CHUNK = copy_files.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
 DIRECT_ALIGN = copy_files.DIRECT_ALIGN
-SMALL_BYTES = 16 * MiB  # states below this are timed 5x as often
+SMALL_BYTES = 64 * MiB  # states below this (the adapters) are timed 5x as often: cheap, and noisy on this disk
 FLUSH_BYTES = 64 * MiB  # written before every timed unit: more than this machine's caches hold
 
 T = TypeVar("T")

@@ -318,6 +318,15 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         image_view = _host_view(image) if image is not None else None
         if image_view is not None:
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
+        if image_view is not None and total <= chunk_bytes:  # one chunk (a small state): one request, here
+            sums = [_checksum(image_view[:total])]
+            _pwrite_all(fd, [image_view[:file_bytes]], 0)
+            if size > file_bytes:
+                os.ftruncate(fd, file_bytes)
+            os.fdatasync(fd)
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return sums, direct
         starts = _chunk_starts(total, chunk_bytes)
         last: list[int] = []
         for start in starts:
