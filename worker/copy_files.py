@@ -318,7 +318,8 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         image_view = _host_view(image) if image is not None else None
         if image_view is not None:
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
-        if image_view is not None and total <= chunk_bytes:  # one chunk (a small state): one request, here
+        if image_view is not None and total < min(chunk_bytes, SUM_ASIDE_MIN_BYTES):  # a small state: one request
+            # here, summed first (a larger chunk's sum runs on the checksum thread while it is written)
             sums = [_checksum(image_view[:total])]
             _pwrite_all(fd, [image_view[:file_bytes]], 0)
             if size > file_bytes:
