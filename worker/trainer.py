@@ -166,23 +166,17 @@ class _Slot:
     optimizer: torch.optim.AdamW
     moments: dict[torch.nn.Parameter, dict[str, torch.Tensor]]  # AdamW's state: views
     rng: dict[str, torch.Tensor]  # the job's RNG state: views
-    whole: bool = False  # one run from the first byte, ``device`` a whole number of pages (CPU)
-    allocated: bool = True  # ``device`` has its memory (``free`` / ``reallocate``)
+    # one run from the first byte and ``device`` a whole number of pages (CPU): the state moves to
+    # or from memory of ``numel`` bytes laid out by ``spec`` (a pool's buffer of its pages) as one
+    # copy of the two tensors as they are, no view made (with the caches cold, making one costs a
+    # third of a 0.4 MB copy); ``export_state`` and ``import_state`` do that themselves
+    whole: bool = False
     numel: int = 0  # of ``device``
+    allocated: bool = True  # ``device`` has its memory (``free`` / ``reallocate``)
     # a small state's last export: its memory (a pool's buffer, which the next export is likely
     # to get again) and the views over it; kept for states under VIEWS_KEEP_BYTES only, as it
     # keeps that buffer alive
     views: tuple[torch.Tensor, SpecBuffers, TensorViews] | None = None
-
-    def whole_copy(self, memory: torch.Tensor) -> bool:
-        """Whether the state moves to or from ``memory`` (host memory laid out by ``spec``) as
-        one copy of the two tensors as they are: a ``whole`` slot and memory of its size (a
-        pool's buffer of its pages). No view is made (with the caches cold, making one costs
-        a third of a 0.4 MB copy)."""
-        return self.whole and memory.numel() == self.numel
-
-    def has_memory(self) -> bool:
-        return self.allocated
 
     def free(self) -> None:
         """Free the device buffer; every view stays, over no memory, until ``reallocate``."""
@@ -196,9 +190,6 @@ class _Slot:
     def copy_to(self, memory: torch.Tensor, stream: Any) -> None:
         """The whole state into ``memory`` (host, laid out by ``spec``); on CUDA on ``stream``
         (non-blocking into pinned memory); complete on return."""
-        if stream is None and self.whole_copy(memory):
-            memory.copy_(self.device)
-            return
         if stream is None:
             for span, start, end in self.runs:
                 memory[start:end].copy_(span)
@@ -214,11 +205,7 @@ class _Slot:
         in its memory as ``spec`` lays them out, else one per buffer; on CUDA on ``stream``
         (from pinned memory without blocking); complete on return."""
         memory = copy.memory
-        laid_out = memory is not None and isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory
-        if stream is None and laid_out and self.whole_copy(memory):
-            self.device.copy_(memory)  # the pages' tail beyond the state is padding on both sides
-            return
-        if memory is not None and (laid_out or all(
+        if memory is not None and (isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory or all(
                 copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)):
             pairs = [(span, memory[start:end]) for span, start, end in self.runs]
         else:
@@ -354,7 +341,7 @@ class TrainerEngine:
         self._parked.append(_ParkedAdapter(job.adapter_name, job.lora, lora_signature(job.lora), job.homes, job.slot))
         while len(self._parked) > PARKED_ADAPTERS_MAX:
             self._delete_adapter(self._parked.pop(0).adapter_name)
-        holding = [parked.slot for parked in reversed(self._parked) if parked.slot.has_memory()]
+        holding = [parked.slot for parked in reversed(self._parked) if parked.slot.allocated]
         holding.sort(key=lambda slot: -slot.device.numel())  # the largest, then the latest, keep theirs
         for slot in holding[self._parked_memory :]:
             slot.free()
@@ -672,7 +659,7 @@ class TrainerEngine:
         rng = {name: views[RNG_PREFIX + name] for name in self._rng_shapes}
         copy_runs = [(slab[start : start + n], offset, offset + n) for slab, start, offset, n in runs]
         whole = host is None and len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == 0 and runs[0][3] == spec.nbytes
-        slot = _Slot(spec, device, host, spans, copy_runs, params, optimizer, moments, rng, whole, True, padded)
+        slot = _Slot(spec, device, host, spans, copy_runs, params, optimizer, moments, rng, whole, padded)
         self._count_slab(slot)
         return slot
 
