@@ -318,29 +318,25 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         image_view = _host_view(image) if image is not None else None
         if image_view is not None:
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
-        if image_view is not None and total < min(chunk_bytes, SUM_ASIDE_MIN_BYTES):  # a small state: one request
-            # here, summed first (a larger chunk's sum runs on the checksum thread while it is written)
+        if image_view is not None and total < min(chunk_bytes, SUM_ASIDE_MIN_BYTES):  # a small state: one
+            # request here, summed first (a larger chunk's sum runs on the checksum thread while it is written)
             sums = [_checksum(image_view[:total])]
             _pwrite_all(fd, [image_view[:file_bytes]], 0)
-            if size > file_bytes:
-                os.ftruncate(fd, file_bytes)
-            os.fdatasync(fd)
-            if not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return sums, direct
-        starts = _chunk_starts(total, chunk_bytes)
-        last: list[int] = []
-        for start in starts:
-            end = min(start + chunk_bytes, total)
-            if image_view is not None:
-                write = partial(_write_span, fd, image_view[start:])
-            else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
-                write = partial(_write_chunk, fd, _bounce_buffers().get(), _pieces_between(pieces, ends, start, end))
-            if start == starts[-1]:  # the last on this thread (a one-chunk copy needs no I/O thread)
-                last.append(write(start, end - start, sum_aside=True))
-            else:
-                futures.append(_io_threads().submit(write, start, end - start))
-        sums = _finish(futures) + last
+        else:
+            starts = _chunk_starts(total, chunk_bytes)
+            last: list[int] = []
+            for start in starts:
+                end = min(start + chunk_bytes, total)
+                if image_view is not None:
+                    write = partial(_write_span, fd, image_view[start:])
+                else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
+                    write = partial(_write_chunk, fd, _bounce_buffers().get(),
+                                    _pieces_between(pieces, ends, start, end))
+                if start == starts[-1]:  # the last on this thread (a one-chunk copy needs no I/O thread)
+                    last.append(write(start, end - start, sum_aside=True))
+                else:
+                    futures.append(_io_threads().submit(write, start, end - start))
+            sums = _finish(futures) + last
         if size > file_bytes:  # a larger file overwritten
             os.ftruncate(fd, file_bytes)
         os.fdatasync(fd)
