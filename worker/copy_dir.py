@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.copy_files import DIRECT_ALIGN, round_up, unlink_all
+from worker.copy_files import DIRECT_ALIGN, unlink_all
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,12 @@ class CopyDirectory:
         more than twice its size (one of its size, if any: overwritten in place, no block is
         allocated or freed); None if there is none (a new file then: a larger spare is kept for a
         larger copy, a smaller one would be extended)."""
-        size = round_up(nbytes, DIRECT_ALIGN)
-        fits = [spare for spare in self.spares if size <= spare.nbytes <= 2 * size]
+        size = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        spares = self.spares
+        for i, spare in enumerate(spares):  # one of its size: no list made (this is on every write)
+            if spare.nbytes == size:
+                return spares.pop(i)
+        fits = [spare for spare in spares if size <= spare.nbytes <= 2 * size]
         if not fits:
             return None
         spare = min(fits, key=lambda spare: spare.nbytes)

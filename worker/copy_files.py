@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import errno
 import os
 import queue
@@ -65,6 +64,7 @@ from worker.state_copy import (
     StateSpec,
     TensorViews,
     aligned_host_buffer,
+    host_view,
     spec_of,
 )
 
@@ -76,13 +76,6 @@ READ_DIRECT = True  # reads: O_DIRECT where the filesystem takes it (see the mod
 
 
 _ZERO_PAGE = bytes(DIRECT_ALIGN)
-
-
-def _host_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous uint8 host tensor as a writable memoryview, made without a
-    numpy array (with the caches cold that costs a 0.4 MB copy's write a few percent). The
-    view does not keep the tensor alive: the caller holds it while the view is in use."""
-    return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -140,13 +133,14 @@ def _bounce_buffers() -> queue.Queue[torch.Tensor]:
 def _direct_io_works(directory: Path | str) -> bool:
     """Whether O_DIRECT reads and writes work on ``directory``'s filesystem (probed once per
     filesystem: tmpfs refuses the flag, some filesystems accept it but fail the I/O)."""
-    known = _direct_dirs.get(str(directory))
+    key = str(directory)
+    known = _direct_dirs.get(key)
     if known is not None:
         return known
     directory = Path(directory)
     device = os.stat(directory).st_dev
     if device in _direct_ok:
-        _direct_dirs[str(directory)] = _direct_ok[device]
+        _direct_dirs[key] = _direct_ok[device]
         return _direct_ok[device]
     probe = directory / f".direct-probe-{uuid.uuid4().hex[:8]}"
     block = aligned_host_buffer(DIRECT_ALIGN).fill_(0)
@@ -165,7 +159,7 @@ def _direct_io_works(directory: Path | str) -> bool:
         works = False
     finally:
         probe.unlink(missing_ok=True)
-    _direct_ok[device] = _direct_dirs[str(directory)] = works
+    _direct_ok[device] = _direct_dirs[key] = works
     return works
 
 
@@ -173,7 +167,9 @@ def _open_copy_file(path: Path, write: bool, create: bool = True) -> tuple[int, 
     """An fd for a copy's file and whether it is O_DIRECT: to read, or to write a new file
     (``create``: ``O_EXCL``) or an existing one."""
     flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0) if write else os.O_RDONLY
-    direct = _direct_io_works(os.path.dirname(path))
+    # its directory, as the path up to its last "/" (os.path.dirname costs a small copy's write a few percent)
+    text = os.fspath(path)
+    direct = _direct_io_works(text[: text.rfind("/") + 1] or ".")
     if direct:
         try:
             return os.open(path, flags | os.O_DIRECT, 0o644), True
@@ -230,21 +226,20 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
     (``O_EXCL``: it fails rather than reuse anything), or with ``reuse`` (its size) an existing
     file, overwritten in place and cut to size. Returns the copy's description, its checksums
     computed as it was written. On failure the file is left as it is: the caller deletes it."""
-    spec, memory = state.spec, state.memory
-    if spec is not None and memory is not None and type(state.buffers) is SpecBuffers and \
-            state.buffers.memory is memory and state.buffers.spec is spec and state.layout is spec.layout and \
-            type(state.tensors) is TensorViews and not state.tensors.standalone and \
-            not memory.data_ptr() % DIRECT_ALIGN and memory.numel() >= round_up(spec.nbytes, DIRECT_ALIGN):
-        # an exported or read copy: its memory is the data section as it is, its spec says where
-        sums, direct = _write_stream(path, [], memory, spec.nbytes, IO_CHUNK_BYTES, reuse)
-        return NvmeCopy(
-            path=path, nbytes=spec.nbytes, chunk_bytes=IO_CHUNK_BYTES, sums=sums, job_id=state.job_id,
-            lora=state.lora, seed=state.seed, weight_decay=state.weight_decay,
-            param_keys=spec.param_keys if state.param_keys is spec.param_keys else list(state.param_keys),
-            layout=spec.layout, param_groups=[dict(group) for group in state.param_groups],
-            state_values=dict(state.state_values), spec=spec, buffers=spec.file_buffers, standalone=[],
-            laid_out=True, direct=direct,
-        )
+    spec, buffers = state.spec, state.buffers
+    if type(buffers) is SpecBuffers and buffers.memory is state.memory and buffers.spec is spec and \
+            state.layout is spec.layout and type(state.tensors) is TensorViews and not state.tensors.standalone:
+        image = buffers.file_image()
+        if image is not None:  # an exported or read copy: its memory is the data section, its spec says where
+            sums, direct = _write_stream(path, [], image, spec.nbytes, IO_CHUNK_BYTES, reuse)
+            # by position (with the caches cold, keywords cost more than the checks above), in the
+            # field order: path, nbytes, chunk_bytes, sums, job_id, lora, seed, weight_decay,
+            # param_keys, layout, param_groups, state_values, spec, buffers, standalone, laid_out, direct
+            return NvmeCopy(path, spec.nbytes, IO_CHUNK_BYTES, sums, state.job_id, state.lora, state.seed,
+                            state.weight_decay,
+                            spec.param_keys if state.param_keys is spec.param_keys else list(state.param_keys),
+                            spec.layout, list(map(dict, state.param_groups)), dict(state.state_values), spec,
+                            spec.file_buffers, [], True, direct)
     pieces: list[tuple[str, bool, torch.Tensor]] = [(name, True, state.buffers[name]) for name in state.layout]
     pieces += [(name, False, tensor) for name, tensor in state.standalone().items()]
     pieces.sort(key=lambda piece: -piece[2].element_size())  # stable: JobStateCopy.segments' order
@@ -265,7 +260,8 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
         for name, _, begin, end in buffers)
     chunk_bytes = IO_CHUNK_BYTES
     image = _file_image(state, [(name, t) for name, _, t in pieces], offset)
-    sums, direct = _write_stream(path, [t for _, _, t in pieces], image, offset, chunk_bytes, reuse)
+    sums, direct = _write_stream(path, [t for _, _, t in pieces], host_view(image) if image is not None else None,
+                                 offset, chunk_bytes, reuse)
     return NvmeCopy(
         path=path, nbytes=offset, chunk_bytes=chunk_bytes, sums=sums, job_id=state.job_id, lora=state.lora,
         seed=state.seed, weight_decay=state.weight_decay, param_keys=list(state.param_keys),
@@ -294,16 +290,16 @@ def _file_image(state: JobStateCopy, segments: list[tuple[Any, torch.Tensor]], n
     return memory
 
 
-def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor | None, total: int,
+def _write_stream(path: Path, tensors: list[torch.Tensor], image_view: memoryview | None, total: int,
                   chunk_bytes: int, reuse: int | None) -> tuple[list[int], bool]:
     """Write the concatenation of ``tensors`` (contiguous host tensors, ``total`` bytes), padded
     with zeros to a whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
     drop it from the page cache when written buffered, so it does not stay in host memory).
-    The data goes in ``chunk_bytes`` requests straight from ``image`` (the pieces' own memory,
-    see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
+    The data goes in ``chunk_bytes`` requests straight from ``image_view`` (the pieces' own
+    memory, see ``_file_image``) with IO_DEPTH in flight, or gathered into WRITE_BOUNCES bounce buffers
     in flight; the last one on this thread. Returns the checksum of each chunk of the data and
     whether the file was written with O_DIRECT."""
-    pieces = [_byte_view(t) for t in tensors] if image is None else []  # flat uint8 views, to gather
+    pieces = [_byte_view(t) for t in tensors] if image_view is None else []  # flat uint8 views, to gather
     ends = [0]
     for piece in pieces:
         ends.append(ends[-1] + piece.numel())
@@ -315,7 +311,6 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image: torch.Tensor |
         if direct and size < file_bytes:
             os.ftruncate(fd, file_bytes)  # requests within the size run in parallel
             size = file_bytes
-        image_view = _host_view(image) if image is not None else None
         if image_view is not None:
             image_view[total:file_bytes] = _ZERO_PAGE[: file_bytes - total]  # the last request's padding
         if image_view is not None and total < min(chunk_bytes, SUM_ASIDE_MIN_BYTES):  # a small state: one
@@ -432,14 +427,15 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
     buffer = checksums = None
     reads: dict[Future[None], int] = {}  # request in flight -> its chunk
     try:
-        size = os.fstat(fd).st_size
+        size = os.lseek(fd, 0, os.SEEK_END)  # (fstat's result costs a small copy's read a few percent)
         nbytes, chunk = copy.nbytes, copy.chunk_bytes
         if size != -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN:
             raise CorruptCopyError(
                 f"{_where(copy)}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
         buffer = pool.take(nbytes)
-        view = _host_view(buffer)
-        spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
+        view = host_view(buffer)
+        spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)] \
+            if nbytes > chunk else [(0, nbytes)]
         checksums = _Checksums(view, spans) if len(spans) > 1 else None
         try:
             state = _copy_over(buffer, copy)
@@ -536,9 +532,19 @@ def _copy_over(data: torch.Tensor, copy: NvmeCopy) -> JobStateCopy:
     """A JobStateCopy over ``data``, a buffer for the copy's data section (read now or later),
     laid out as it was written: its memory, its buffers over it (SpecBuffers when they lie where
     the spec puts them: imported with one copy_), its spec (its tensors are views made on first
-    use). Its lists and dicts are its own (but for a laid-out copy's layout: its spec's,
-    read-only, as an exported copy's is); the values in them are the written copy's."""
+    use). Its lists and dicts are its own (but for a laid-out copy's layout, and its param keys
+    where they were its spec's: read-only, as an exported copy's are); the values in them are
+    the written copy's."""
     buffers: Mapping[str, torch.Tensor]
+    spec = copy.spec
+    if copy.laid_out and not copy.standalone:  # as an exported copy was: by position, in the field
+        # order (job_id, lora, seed, weight_decay, param_keys, tensors, buffers, layout, param_groups,
+        # state_values, memory, spec; with the caches cold, keywords cost more than the rest)
+        buffers = SpecBuffers(spec, data)
+        return JobStateCopy(copy.job_id, copy.lora, copy.seed, copy.weight_decay,
+                            spec.param_keys if copy.param_keys is spec.param_keys else list(copy.param_keys),
+                            TensorViews(spec, buffers), buffers, spec.layout, list(map(dict, copy.param_groups)),
+                            dict(copy.state_values), data, spec)
     if copy.laid_out:
         buffers = SpecBuffers(copy.spec, data)
     else:

@@ -13,6 +13,7 @@ memory that is already mapped (and pinned on CUDA).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import threading
@@ -69,6 +70,7 @@ class StateSpec:
         self.entries = {n: (group.dtype, s) for group in self.groups for n, s in zip(group.names, group.shapes)}
         self.param_keys = [n[len(ADAPTER_PREFIX):] for group in self.groups if group.name.startswith("adapter.")
                            for n in group.names]
+        self.param_indices = list(range(len(self.param_keys)))  # a copy's param group "params" (read-only)
         self.rng_bytes = sum(group.nbytes for group in self.groups if group.name.startswith("rng."))
         # (name, dtype, begin, end) of each group in storage order: an nvme copy's buffers (read-only)
         self.file_buffers = [(g.name, g.dtype, g.offset, g.offset + g.nbytes)
@@ -126,16 +128,36 @@ class TensorViews(Mapping[str, torch.Tensor]):
         return len(self.spec.entries) + len(self.standalone)
 
 
+def host_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 host tensor as a writable memoryview, made without a
+    numpy array (with the caches cold that costs a 0.4 MB copy's file write a few percent). The
+    view does not keep the tensor alive: the caller holds it while the view is in use."""
+    return memoryview((ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
+
+
 class SpecBuffers(Mapping[str, torch.Tensor]):
     """A copy's buffers where ``spec`` lays them out in ``memory`` (an exported copy's): views
     made on first use."""
 
-    __slots__ = ("spec", "memory", "_views")
+    __slots__ = ("spec", "memory", "_views", "_image")
 
     def __init__(self, spec: StateSpec, memory: torch.Tensor) -> None:
         self.spec = spec
         self.memory = memory
         self._views: dict[str, torch.Tensor] | None = None
+        self._image: memoryview | None | bool = False  # not looked at yet
+
+    def file_image(self) -> memoryview | None:
+        """``memory`` as a writable byte view when it can go to a file as it is, O_DIRECT
+        included (host memory from a page boundary, with room for the state's last page), else
+        None; made once (a small state's exports share their buffers: see ``_Slot.views``)."""
+        image = self._image
+        if image is False:
+            memory = self.memory
+            image = self._image = host_view(memory) if (
+                memory.device.type == "cpu" and not memory.data_ptr() % PAGE_BYTES
+                and memory.numel() >= -(-self.spec.nbytes // PAGE_BYTES) * PAGE_BYTES) else None
+        return image
 
     def _all(self) -> dict[str, torch.Tensor]:
         if self._views is None:
@@ -291,8 +313,12 @@ class BufferPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned)."""
-        size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
-        same = self._free.get(size)
+        same = self._free.get(nbytes)  # whole pages already, as a job slot's own size is
+        if same:
+            size = nbytes
+        else:
+            size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+            same = self._free.get(size)
         if same:
             try:
                 buffer = same.pop()

@@ -343,7 +343,8 @@ class StateStore:
             for demoted in placement.demote:
                 self._demote(demoted, critical=False)
                 pending.remove(demoted)
-            started, trainer_cpu, wall = self._clock(), self._trainer_cpu(), time.time()
+            trainer_cpu, wall = self._trainer_cpu(), time.time()
+            started = self._clock()  # the read alone
             state, buffer = self._read_nvme(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
         except _NoSpace:  # host copies that did not go down stay; so does the job, on nvme
@@ -899,6 +900,8 @@ class StateStore:
         the tier is marked full, else those beyond what ``nvme_bytes`` leaves beside the copies
         (reserved ones included) or beyond ``copy_dir.KEEP_SPARES``."""
         assert self._files is not None
+        if not self._files.spares:  # (the bytes used cost a look at every record)
+            return []
         return self._files.trim(self._nvme_full(), self.nvme_bytes - self._used(NVME))
 
     def _retire_nvme(self, record: _Record) -> list[Path]:
