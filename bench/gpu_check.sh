@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
   echo "gpu_check: needs torch with CUDA and msgspec (carry .whl)" >&2; keep; exit 2; }
 
 echo "== tiny model"
-timeout 120 "$PY" -m worker.tiny --root .plexrl >/dev/null || { echo "gpu_check: tiny model build failed" >&2; failed=1; }
+timeout 120 "$PY" -m worker.tiny --root .plexrl --only tiny-arith >/dev/null || { echo "gpu_check: tiny model build failed" >&2; failed=1; }
 
 echo "== swap (CUDA trainer, pinned copies)"
 timeout 270 "$PY" bench/swap.py --out "$RESULTS/swap-gpu.json" || { echo "gpu_check: swap failed ($?)" >&2; failed=1; }

@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     args.host_mem = args.host_mem or "512K"
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     model = REPO / ".plexrl" / "models" / "tiny-arith"
     # the modes alternate, so a slow spell of a shared machine falls on both; the ratio reported is
     # the median of the pairs' ratios, and the details shown are those of the median pair

@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (1 if args.quick else 7)
     if steps <= warmup + 1 or repeat < 1:
         ap.error("--steps must exceed --warmup + 1 and --repeat must be >= 1")
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], cwd=REPO, check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+                   cwd=REPO, check=True, capture_output=True)
     overrides = [f"algo.steps={steps}", "algo.eval_every=0", "checkpoint.every=0", f"model.path={MODEL}"]
     if args.quick:
         overrides += ["data.eval_path=null"]

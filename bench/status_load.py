@@ -416,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps <= warmup or args.rate <= 0 or args.procs < 1 or args.timeout <= 0 or rounds < 1:
         ap.error("need --steps > --warmup, --rate > 0, --procs >= 1, --timeout > 0 and --rounds >= 1")
     load = Load(args.rate, args.procs, args.timeout)
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+                   cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     overrides = [f"algo.steps={steps}", "algo.eval_every=0", "data.eval_path=null", "checkpoint.every=0",
                  f"model.path={MODEL}"]
     t0 = time.time()

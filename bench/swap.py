@@ -722,8 +722,8 @@ def _rel(path: Path) -> str:
 
 
 def build_tiny_model() -> Path:
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return MODEL
 
 

@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     steps, latency = (5, 0.5) if args.quick else (args.steps, args.latency)
     console = Console()
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl")], check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
+                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     model = REPO / ".plexrl" / "models" / "tiny-tool"
     home = Path(tempfile.mkdtemp(prefix="plexrl-bench-tools-"))
     up = plexctl(home, "up", "--local", "--model", str(model))

@@ -659,9 +659,10 @@ def demo(ctx: typer.Context,
     """The end-to-end demo: build the tiny model, start a local cluster, run two tiny jobs live."""
     c: Ctx = ctx.obj
     root = Path.cwd() / ".plexrl"
+    only = [] if configs else ["--only", "tiny-arith"]  # the default jobs' model; given specs may name either
     configs = configs or [REPO_ROOT / "configs" / "tiny-arith.yaml", REPO_ROOT / "configs" / "tiny-arith-b.yaml"]
     console.rule("building the tiny model (cached)")
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(root)], check=True, cwd=REPO_ROOT)
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(root), *only], check=True, cwd=REPO_ROOT)
     specs = [_load(f, [], None) for f in configs]
     console.rule("starting the local cluster")
     ctx.invoke(up, ctx=ctx, model=Path(specs[0].model.path))

@@ -1,4 +1,4 @@
-"""Session fixtures: the tiny model (built once, cached in .plexrl) and one local cluster.
+"""Session fixtures: the tiny models (built once, cached in .plexrl) and one local cluster.
 
 The cluster is real: ``plexctl up --local`` starts the daemon and two worker processes
 (vLLM on CPU, torch + peft) on loopback ZeroMQ sockets, in a temporary PLEXRL_HOME. It is
@@ -73,10 +73,46 @@ def random_tiny_qwen2(path: Path, **overrides) -> str:
     return str(path)
 
 
+def build_tiny(recipe: str) -> Path:
+    """The recipe's model dir, built first if it is not cached (under the recipe's build lock:
+    a build already running elsewhere is waited for)."""
+    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO,
+                   check=True)
+    return TINY_ROOT / "models" / recipe
+
+
+_beside: list[subprocess.Popen] = []  # the tiny-tool build running beside the tests
+
+
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT)], cwd=REPO, check=True)
-    return TINY_ROOT / "models" / "tiny-arith"
+def tiny_model(request: pytest.FixtureRequest) -> Path:
+    """tiny-arith. When the session has tests on tiny-tool (the tool-learning ones, late in the
+    run), that model's build (~100 s on one core) starts beside this one in its own process, and
+    goes on while the first tests run; ``tool_model`` waits for it."""
+    if any("tool_model" in item.fixturenames for item in request.session.items):
+        TINY_ROOT.mkdir(parents=True, exist_ok=True)
+        log = open(TINY_ROOT / "tiny-tool-build.log", "w")
+        _beside.append(subprocess.Popen(
+            [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", "tiny-tool"], cwd=REPO,
+            stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return build_tiny("tiny-arith")
+
+
+@pytest.fixture(scope="session")
+def tool_model(tiny_model: Path) -> Path:
+    """tiny-tool: the build started beside the session, waited for (rebuilt here if it failed,
+    so that its error shows)."""
+    for build in _beside:
+        build.wait()
+    return build_tiny("tiny-tool")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for build in _beside:  # a session that ended before it needed the build
+        if build.poll() is None:
+            build.terminate()
+            build.wait()
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ def test_each_algorithm_asks_the_trainer_for_its_loss(tiny_spec, tmp_path: Path)
     assert (dapo.hp.clip_low, dapo.hp.clip_high, dapo.hp.loss_agg) == (0.2, 0.28, "token-mean")
     assert dapo.buffer == 0  # max_tokens 4 // 5
     # a multi-turn episode spans turns of max_tokens each: no single-turn length to punish against
-    tool = load_spec(REPO / "configs" / "tiny-tool.yaml", ["algo.name=dapo", "sampling.max_tokens=20"])
+    tool = tiny_spec("algo.name=dapo", "sampling.max_tokens=20", "env.name=python_tool", "env.max_turns=3")
     assert DAPO(job_for(tool, tmp_path)).shaped_rewards(rollout_of([1.0, 0.0], 2, lengths=[40, 3])) == [1.0, 0.0]
     assert DAPO(job_for(tiny_spec("algo.name=dapo", "sampling.max_tokens=20"), tmp_path)).buffer == 4
     tis = RLOO(job_for(tiny_spec("algo.name=rloo", "algo.loss=pg-tis", "algo.loss_params={cap: 3}"), tmp_path))

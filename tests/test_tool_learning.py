@@ -13,13 +13,11 @@ observation into its answer, but calls the tool on only ~30 % of prompts: its ep
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_ROOT, Cluster
+from conftest import REPO, Cluster
 
 CONFIG = str(REPO / "configs" / "tiny-tool.yaml")
 # Measured with configs/tiny-tool.yaml (30 steps) for seeds 0-9, one job at a time: the eval reward
@@ -31,12 +29,6 @@ CONFIG = str(REPO / "configs" / "tiny-tool.yaml")
 # over the last 5; training reward over the last 5 steps 0.94-0.98.
 LEARN_MARGIN = 0.50
 STEPS = 30
-
-
-@pytest.fixture(scope="module")
-def tool_model() -> Path:
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT)], cwd=REPO, check=True)
-    return TINY_ROOT / "models" / "tiny-tool"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The tiny model and task that let PlexRL run real RL end to end on a CPU.
 
 This module owns two recipes, built in code and cached on disk by the same CLI
-(``python -m worker.tiny --root DIR`` builds both). The first, ``tiny-arith``:
+(``python -m worker.tiny --root DIR`` builds both, ``--only NAME`` one; each has its own
+build lock, so two can build side by side). The first, ``tiny-arith``:
 
 - a Qwen2-style causal LM (hidden 128, 2 layers, 2 heads of dim 64, float32) saved in
   Hugging Face format, so vLLM and transformers load it through the same code path as a
@@ -304,10 +305,11 @@ def warm_start(model: Any, tokenizer: Any, problems: list[Problem]) -> WarmStart
 
 
 @contextlib.contextmanager
-def build_lock(root: Path) -> Iterator[None]:
-    """One builder per root at a time (two test sessions may race)."""
+def build_lock(root: Path, recipe: str) -> Iterator[None]:
+    """One builder of a recipe per root at a time (two test sessions may race); the two
+    recipes build side by side."""
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".tiny-build.lock", "w") as f:
+    with open(root / f".{recipe}-build.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -438,12 +440,14 @@ def build_atomically(model_dir: Path, data_dir: Path, fill: Callable[[Path, Path
     return info
 
 
-def cached_build(root: Path, force: bool, read_cached: Callable[[Path], Any], build: Callable[[Path], Any]) -> Any:
-    """The cached build under ``root`` if its recipe matches, else build it under the build lock."""
+def cached_build(root: Path, force: bool, recipe: str, read_cached: Callable[[Path], Any],
+                 build: Callable[[Path], Any]) -> Any:
+    """The cached build under ``root`` if its recipe matches, else build it under the recipe's
+    build lock."""
     root = Path(root).resolve()
     if not force and (cached := read_cached(root)) is not None:
         return cached
-    with build_lock(root):
+    with build_lock(root, recipe):
         if not force and (cached := read_cached(root)) is not None:
             return cached
         return build(root)
@@ -451,7 +455,7 @@ def cached_build(root: Path, force: bool, read_cached: Callable[[Path], Any], bu
 
 def build_tiny(root: Path, force: bool = False) -> TinyPaths:
     """Build (or return the cached) tiny model and arithmetic data under ``root``."""
-    return cached_build(root, force, read_cached, build)
+    return cached_build(root, force, MODEL_NAME, read_cached, build)
 
 
 # ---------------------------------------------------------------- the tiny-tool recipe
@@ -600,6 +604,22 @@ def encode_rows(tokenizer: Any, rows: list[Row]) -> SftBatch:
     return SftBatch(ids, attn, target)
 
 
+class TokenMemo:
+    """The tokenizer's ``input_ids`` of each text, computed once: the supervised rows repeat
+    every epoch, and tokenizing them again took a sixth of the tiny-tool build."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._ids: dict[tuple[str, bool], list[int]] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        key = (text, add_special_tokens)
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = self._ids[key] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": ids}  # read-only
+
+
 def encode_by_length(tokenizer: Any, rows: list[Row]) -> list[SftBatch]:
     """The rows in batches of equal context length (each row kind pads only to its own width)."""
     groups: dict[int, list[Row]] = {}
@@ -654,6 +674,7 @@ def tool_warm_start(model: Any, tokenizer: Any, train: list[dict[str, str]],
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
     meter = ToolMeter(tokenizer, evals)
+    tokens = TokenMemo(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=TOOL_SFT["lr"], weight_decay=TOOL_SFT["weight_decay"])
     order: list[dict[str, str]] = []
     step = 0
@@ -661,7 +682,7 @@ def tool_warm_start(model: Any, tokenizer: Any, train: list[dict[str, str]],
     measure = meter(model)
     while measure.tool_accuracy < TOOL_SFT["target_tool_accuracy"] and step < TOOL_SFT["max_steps"]:
         for _ in range(TOOL_SFT["check_every"]):
-            sft_step(model, tokenizer, opt, next_examples(rng, order, train))
+            sft_step(model, tokens, opt, next_examples(rng, order, train))
             step += 1
         model.eval()
         measure = meter(model)
@@ -818,7 +839,7 @@ def build_tool(root: Path) -> ToolPaths:
 
 def build_tiny_tool(root: Path, force: bool = False) -> ToolPaths:
     """Build (or return the cached) tiny-tool model and python_tool data under ``root``."""
-    return cached_build(root, force, read_cached_tool, build_tool)
+    return cached_build(root, force, TOOL_MODEL_NAME, read_cached_tool, build_tool)
 
 
 # ---------------------------------------------------------------- CLI
@@ -831,11 +852,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--root", type=Path, default=Path(".plexrl"), help="default: ./.plexrl")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--only", choices=[MODEL_NAME, TOOL_MODEL_NAME], default=None,
+                        help="build this recipe alone (default: both)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
-    cached = not args.force and read_cached(root) is not None
+    if args.only != TOOL_MODEL_NAME:
+        report_tiny(root, args.force)
+    if args.only != MODEL_NAME:
+        report_tiny_tool(root, args.force)
+    return 0
+
+
+def report_tiny(root: Path, force: bool) -> None:
+    cached = not force and read_cached(root) is not None
     t0 = time.perf_counter()
-    paths = build_tiny(args.root, force=args.force)
+    paths = build_tiny(root, force=force)
     took = time.perf_counter() - t0
     print(f"model:  {paths.model_dir}")
     print(f"train:  {paths.train_path}")
@@ -845,9 +876,12 @@ def main(argv: list[str] | None = None) -> int:
         f"warm start: {paths.sft_steps} SFT steps, exact-answer accuracy at temperature 1.0: "
         f"{paths.warm_start_accuracy:.1%} expected, {paths.sampled_accuracy:.1%} sampled"
     )
-    cached = not args.force and read_cached_tool(root) is not None
+
+
+def report_tiny_tool(root: Path, force: bool) -> None:
+    cached = not force and read_cached_tool(root) is not None
     t0 = time.perf_counter()
-    tool = build_tiny_tool(args.root, force=args.force)
+    tool = build_tiny_tool(root, force=force)
     took = time.perf_counter() - t0
     print(f"model:  {tool.model_dir}")
     print(f"train:  {tool.train_path}")
@@ -859,7 +893,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{tool.tool_accuracy:.1%} of those succeed), {tool.sampled_reward:.1%} sampled with "
         f"{tool.sampled_tool_calls:.2f} tool calls per episode"
     )
-    return 0
 
 
 if __name__ == "__main__":
