@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 from plexctl import protocol as P  # noqa: E402
 from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
+from plexctl.frames import NOBLOCK, recv_frames, send_frames  # noqa: E402
 from plexctl import auth  # noqa: E402
 from plexctl.client import Client, current_user  # noqa: E402
 from plexctl.cluster import endpoint_path, plexrl_home, read_endpoint  # noqa: E402
@@ -182,7 +183,7 @@ def client_process(address: str, sockets: int, depth: int, start_at: float, end_
 
     Kept cheap, since the clients share the machine's cores with the daemon: the request is
     encoded once (the daemon's work does not depend on its msg_id) and frames are sent and
-    received one by one with int flags (pyzmq's ``*_multipart`` pay for enum flag arithmetic).
+    received as the product's peers do (``plexctl.frames``: one by one, int flags).
     """
     ctx = zmq.Context()
     poller = zmq.Poller()
@@ -195,13 +196,10 @@ def client_process(address: str, sockets: int, depth: int, start_at: float, end_
         sock.connect(address)
         poller.register(sock, zmq.POLLIN)
         socks.append(sock)
-    *head, last = P.encode(P.Op.PING, P.Empty())[0]
-    more, noblock = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+    request = P.encode(P.Op.PING, P.Empty())[0]
 
     def send(sock: zmq.Socket) -> None:
-        for frame in head:
-            sock.send(frame, more)
-        sock.send(last)
+        send_frames(sock, request)
 
     for sock in socks:
         for _ in range(depth):
@@ -215,13 +213,11 @@ def client_process(address: str, sockets: int, depth: int, start_at: float, end_
         for sock, _ in poller.poll(100):
             while True:
                 try:
-                    frames = [sock.recv(noblock)]
+                    frames = recv_frames(sock, NOBLOCK)
                 except zmq.Again:
                     break
-                while sock.rcvmore:
-                    frames.append(sock.recv())
                 if counting:
-                    if len(frames) == 4 and frames[1] == P.Op.REPLY:
+                    if len(frames) == 4 and frames[1].bytes == P.Op.REPLY:
                         replies += 1
                     else:
                         errors += 1
@@ -316,7 +312,7 @@ HOT_PATH = (
     "daemon/main.py:run", "daemon/main.py:_dispatch", "daemon/main.py:on_ping", "daemon/main.py:_send",
     "plexctl/protocol.py:decode", "plexctl/protocol.py:encode", "daemon/main.py:_admit",
     "daemon/main.py:_place", "daemon/main.py:_reap_drivers", "daemon/main.py:_heartbeat_workers",
-    "zmq.Socket.recv_multipart", "zmq.Socket.send_multipart", "zmq.Socket.poll",
+    "plexctl/frames.py:recv_frames", "plexctl/frames.py:send_frames", "zmq.Socket.poll",
 )
 QUIET_WHILE_PROFILING = ("plexd",)  # clients that leave mid-reply make the daemon warn per message
 

@@ -59,6 +59,7 @@ from plexctl import auth
 from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import current_user
 from plexctl.cluster import Endpoint, endpoint_path, plexrl_home
+from plexctl.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.spec import JobSpec, spec_from_wire
 
 log = logging.getLogger("plexd")
@@ -292,7 +293,7 @@ class Daemon:
             if self.sock.poll(50):
                 for _ in range(1000):
                     try:
-                        parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        parts = recv_frames(self.sock, NOBLOCK)
                     except zmq.Again:
                         break
                     user = parts[1].get("User-Id") if len(parts) > 1 else ""
@@ -350,7 +351,7 @@ class Daemon:
     def _send(self, identity: bytes, op: bytes, body: Any, in_reply_to: int = 0) -> None:
         frames, _ = P.encode(op, body, in_reply_to)
         try:
-            self.sock.send_multipart([identity, *frames])
+            send_frames(self.sock, [identity, *frames])
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY)
             log.warning("cannot send to %r: %s", identity, exc)
 

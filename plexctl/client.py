@@ -27,6 +27,7 @@ from plexctl import auth
 from plexctl import protocol as P
 from plexctl.cluster import plexrl_home
 from plexctl.errors import DaemonUnreachable, KeyRefused, RemoteError
+from plexctl.frames import recv_frames, send_frames
 
 
 def current_user() -> str:
@@ -103,14 +104,14 @@ class Client:
         for _attempt in range(retries + 1):
             sock = self._socket()
             frames, msg_id = P.encode(op, body)
-            sock.send_multipart(frames)
+            send_frames(sock, frames)
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
                 if not sock.poll(min(int(left * 1000) + 1, 100)):
                     self._check_refused()
                     continue
                 try:
-                    rop, header, rbody = P.decode(sock.recv_multipart())
+                    rop, header, rbody = P.decode([f.bytes for f in recv_frames(sock)])
                 except P.ProtocolError:
                     continue
                 if header.in_reply_to != msg_id:

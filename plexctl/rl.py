@@ -46,6 +46,7 @@ import zmq
 import zmq.utils.monitor
 
 from plexctl import auth
+from plexctl.frames import recv_frames, send_frames
 from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic
 from plexctl.client import monitor_socket
@@ -132,7 +133,7 @@ class JobClient:
         """Send a service call; return its id for ``wait``."""
         frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}))
         self._in_flight[msg_id] = frames
-        self._sock.send_multipart(frames)
+        send_frames(self._sock, frames)
         return msg_id
 
     def _watch_daemon(self) -> None:
@@ -152,7 +153,7 @@ class JobClient:
                     self.log(f"reconnected to the daemon at {self.endpoint}: sending "
                              f"{len(self._in_flight)} calls in flight again")
                     for frames in list(self._in_flight.values()):
-                        self._sock.send_multipart(frames)
+                        send_frames(self._sock, frames)
                 self._lost_since, self._connected_once = None, True
         if self._lost_since is None:
             return
@@ -179,7 +180,7 @@ class JobClient:
             if not self._sock.poll(200):
                 continue
             try:
-                op, header, body = P.decode(self._sock.recv_multipart())
+                op, header, body = P.decode([f.bytes for f in recv_frames(self._sock)])
             except P.ProtocolError:
                 continue
             if self._in_flight.pop(header.in_reply_to, None) is not None:  # not a repeated reply
@@ -197,7 +198,7 @@ class JobClient:
     def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
         """Progress for the daemon: ``step`` (reward_mean), ``eval`` (eval_reward) or ``note``."""
         frames, _ = P.encode(P.Op.REPORT, P.ReportBody(self.job_id, event, step, metrics, message))
-        self._sock.send_multipart(frames)
+        send_frames(self._sock, frames)
 
     # -- the service calls
 

@@ -51,6 +51,7 @@ import zmq
 from plexctl import auth
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl import protocol as P
+from plexctl.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.sizes import parse_bytes
 
 log = logging.getLogger("plexw")
@@ -93,21 +94,21 @@ class WorkerIO(threading.Thread):
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
-        dealer.send_multipart(P.encode(P.Op.REGISTER, self.register)[0])
+        send_frames(dealer, P.encode(P.Op.REGISTER, self.register)[0])
         last_beat = last_daemon = heard = time.monotonic()
         while not self.stop.is_set():
             events = dict(poller.poll(200))
             if outbox in events:
                 while True:
                     try:
-                        frames = outbox.recv_multipart(zmq.NOBLOCK)
+                        frames = recv_frames(outbox, NOBLOCK)
                     except zmq.Again:
                         break
-                    dealer.send_multipart(frames)
+                    send_frames(dealer, frames)
             if dealer in events:
                 while True:
                     try:
-                        frames = dealer.recv_multipart(zmq.NOBLOCK)
+                        frames = [f.bytes for f in recv_frames(dealer, NOBLOCK)]
                     except zmq.Again:
                         break
                     last_daemon = heard = time.monotonic()
@@ -115,12 +116,12 @@ class WorkerIO(threading.Thread):
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_S:
                 last_beat = now
-                dealer.send_multipart(P.encode(P.Op.HEARTBEAT, P.HeartbeatBody(self.worker_id))[0])
+                send_frames(dealer, P.encode(P.Op.HEARTBEAT, P.HeartbeatBody(self.worker_id))[0])
                 if now - last_daemon > HEARTBEAT_S * DAEMON_LIVENESS:
                     # the daemon went away (or restarted): register again until one answers
                     self._follow_endpoint(dealer)
                     register = msgspec.structs.replace(self.register, resident=self.resident())
-                    dealer.send_multipart(P.encode(P.Op.REGISTER, register)[0])
+                    send_frames(dealer, P.encode(P.Op.REGISTER, register)[0])
                     last_daemon = now
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.warning("the daemon (pid %d) is gone; waiting up to %.0f s for the next one",
@@ -173,10 +174,10 @@ class Outbox:
     def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0,
                info: dict[str, Any] | None = None) -> None:
         body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds, info=info or {})
-        self.sock.send_multipart(P.encode(P.Op.RESULT, body)[0])
+        send_frames(self.sock, P.encode(P.Op.RESULT, body)[0])
 
     def register(self, req: P.RegisterReq) -> None:
-        self.sock.send_multipart(P.encode(P.Op.REGISTER, req)[0])
+        send_frames(self.sock, P.encode(P.Op.REGISTER, req)[0])
 
 
 def _error_text(exc: BaseException) -> str:
@@ -492,7 +493,7 @@ def _leave(worker_id: str) -> None:
     """SIGTERM: tell the daemon this worker leaves (its calls run again elsewhere), then exit."""
     log.info("leaving the cluster")
     try:
-        Outbox().sock.send_multipart(P.encode(P.Op.LEAVE, P.HeartbeatBody(worker_id))[0])
+        send_frames(Outbox().sock, P.encode(P.Op.LEAVE, P.HeartbeatBody(worker_id))[0])
         time.sleep(0.5)  # the I/O thread forwards it
     finally:
         logging.shutdown()
