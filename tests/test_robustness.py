@@ -27,6 +27,7 @@ from plexctl import auth
 from plexctl import protocol as P
 from plexctl.client import Client
 from plexctl.cluster import read_endpoint
+from plexctl.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +102,25 @@ messages = st.one_of(
 
 MESSAGES = 10_000
 BATCH = 50
+
+
+def test_a_message_sent_frame_by_frame_arrives_whole_and_one_at_a_time() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://frames")
+    b.connect("inproc://frames")
+    try:
+        with pytest.raises(zmq.Again):  # nothing queued: NOBLOCK says so at once
+            recv_frames(b, NOBLOCK)
+        message = [P.MAGIC, P.Op.PING, b"", bytes(range(256)) * 40]
+        send_frames(a, message)
+        send_frames(a, [b"one"])
+        assert [f.bytes for f in recv_frames(b)] == message  # its frames in order, the empty one kept
+        assert [f.bytes for f in recv_frames(b, NOBLOCK)] == [b"one"]  # and not the next message's
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
 
 
 def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: BareDaemon) -> None:
