@@ -87,7 +87,7 @@ _beside: list[subprocess.Popen] = []  # the tiny-tool build running beside the t
 @pytest.fixture(scope="session")
 def tiny_model(request: pytest.FixtureRequest) -> Path:
     """tiny-arith. When the session has tests on tiny-tool (the tool-learning ones, late in the
-    run), that model's build (~100 s on one core) starts beside this one in its own process, and
+    run), that model's build (~85 s on one core) starts beside this one in its own process, and
     goes on while the first tests run; ``tool_model`` waits for it."""
     if any("tool_model" in item.fixturenames for item in request.session.items):
         TINY_ROOT.mkdir(parents=True, exist_ok=True)

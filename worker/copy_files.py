@@ -537,30 +537,17 @@ def _copy_over(data: torch.Tensor, copy: NvmeCopy) -> JobStateCopy:
     the written copy's."""
     buffers: Mapping[str, torch.Tensor]
     spec = copy.spec
-    if copy.laid_out and not copy.standalone:  # as an exported copy was: by position, in the field
-        # order (job_id, lora, seed, weight_decay, param_keys, tensors, buffers, layout, param_groups,
-        # state_values, memory, spec; with the caches cold, keywords cost more than the rest)
-        buffers = SpecBuffers(spec, data)
-        return JobStateCopy(copy.job_id, copy.lora, copy.seed, copy.weight_decay,
-                            spec.param_keys if copy.param_keys is spec.param_keys else list(copy.param_keys),
-                            TensorViews(spec, buffers), buffers, spec.layout, list(map(dict, copy.param_groups)),
-                            dict(copy.state_values), data, spec)
     if copy.laid_out:
-        buffers = SpecBuffers(copy.spec, data)
+        buffers, layout = SpecBuffers(spec, data), spec.layout
     else:
         buffers = {name: data[begin:end].view(dtype) for name, dtype, begin, end in copy.buffers}
-    standalone = {name: data[begin:end].view(dtype).view(shape) for name, dtype, shape, begin, end in copy.standalone}
-    return JobStateCopy(
-        job_id=copy.job_id,
-        lora=copy.lora,
-        seed=copy.seed,
-        weight_decay=copy.weight_decay,
-        param_keys=list(copy.param_keys),
-        tensors=TensorViews(copy.spec, buffers, standalone),
-        buffers=buffers,
-        layout=copy.spec.layout if copy.laid_out else {name: list(members) for name, members in copy.layout.items()},
-        param_groups=[dict(group) for group in copy.param_groups],
-        state_values=dict(copy.state_values),
-        memory=data,
-        spec=copy.spec,
-    )
+        layout = {name: list(members) for name, members in copy.layout.items()}
+    standalone = {name: data[begin:end].view(dtype).view(shape)
+                  for name, dtype, shape, begin, end in copy.standalone} if copy.standalone else None
+    # by position, in the field order (job_id, lora, seed, weight_decay, param_keys, tensors, buffers,
+    # layout, param_groups, state_values, memory, spec): with the caches cold, keywords cost a small
+    # copy's read a few percent
+    return JobStateCopy(copy.job_id, copy.lora, copy.seed, copy.weight_decay,
+                        spec.param_keys if copy.param_keys is spec.param_keys else list(copy.param_keys),
+                        TensorViews(spec, buffers, standalone), buffers, layout, list(map(dict, copy.param_groups)),
+                        dict(copy.state_values), data, spec)
