@@ -145,6 +145,31 @@ def test_logprobs_are_the_sampled_tokens_and_match_transformers(tiny: TinyPaths,
     assert worst < 1e-3, worst
 
 
+def test_completions_equal_vllms_own_detokenized_output(engine: RolloutEngine) -> None:
+    """The engine decodes each completion once and reads flat log-probs; what it hands back
+    equals vLLM's own per-token detokenizer and log-prob dicts for the same seeds."""
+    from vllm import SamplingParams
+
+    from worker.rollout import ENGINE_THREADS, prompt_seed, torch_threads
+
+    sampling = Sampling(temperature=1.2, max_tokens=6, n=3, seed=21)
+    prompts = PROMPTS[::9]
+    [ours] = engine.generate([GenRequest("base", prompts, sampling)])
+    params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
+                             seed=prompt_seed(sampling, i), logprobs=0, skip_special_tokens=True)
+              for i in range(len(prompts))]
+    with torch_threads(ENGINE_THREADS):
+        outputs = engine._llm.generate(prompts, params, use_tqdm=False)
+    theirs = [(i, c) for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
+    assert len(ours) == len(theirs) == 3 * len(prompts)
+    assert len({c.text for c in ours}) > 5  # varied samples, not one answer
+    for mine, (i, c) in zip(ours, theirs):
+        assert mine.prompt_index == i
+        assert mine.token_ids == list(c.token_ids)
+        assert mine.text == c.text
+        assert mine.logprobs == [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+
+
 def test_seeded_sampling_is_reproducible(engine: RolloutEngine) -> None:
     request = GenRequest("base", PROMPTS[:10], Sampling(max_tokens=4, n=4, seed=11))
     first, second = engine.generate([request]), engine.generate([request])

@@ -20,7 +20,12 @@ What a ``Completion`` holds:
 
 - ``token_ids``: the sampled tokens, **including the EOS token** when the sample stopped on
   it (``finish_reason == "stop"``), so the trainer learns to stop; ``text`` is decoded
-  without special tokens, so it never contains ``<eos>``;
+  without special tokens, so it never contains ``<eos>``. vLLM is asked for token ids only
+  (``detokenize=False``, flat log-probs): the engine decodes each finished sample once, in
+  one batch per prompt, with vLLM's own tokenizer and its detokenizer's settings (special
+  tokens skipped, spaces not cleaned up), which gives the same text for 13-15 % less CPU per
+  sequence than vLLM's per-token detokenizer and per-position log-prob dicts (tiny model,
+  128 samples of 4 tokens per request; ``tests`` check the texts and log-probs equal vLLM's own);
 - ``logprobs``: one per token in ``token_ids`` (EOS included), the log-prob of the *sampled*
   token under the model's own distribution: vLLM's default ``raw_logprobs`` mode, i.e.
   ``log_softmax(logits)`` before temperature and top-p. That is what a trainer computes
@@ -204,6 +209,8 @@ def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
 
 
 def sampling_params(s: Sampling, prompt_index: int) -> Any:
+    """vLLM's parameters for one prompt: token ids and flat log-probs only; the engine
+    decodes each finished sample itself (``to_completions``)."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -214,13 +221,23 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         seed=prompt_seed(s, prompt_index),
         logprobs=0,  # 0: only the sampled token's log-prob
         skip_special_tokens=True,
+        detokenize=False,
+        flat_logprobs=True,
     )
 
 
 def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
-    """The log-prob of each sampled token from vLLM's per-step dicts."""
+    """The log-prob of each sampled token, from vLLM's flat log-probs (one entry per
+    position with ``logprobs=0``: the sampled token's) or its per-position dicts."""
     if steps is None or len(steps) != len(token_ids):
         raise RolloutError("vLLM returned no or mismatched log-probs for a completion")
+    flat_ids = getattr(steps, "token_ids", None)
+    if flat_ids is not None:  # FlatLogprobs: the sampled token first at each position
+        starts = steps.start_indices
+        if [flat_ids[i] for i in starts] != token_ids:
+            raise RolloutError("vLLM's log-probs are not those of the sampled tokens")
+        values = steps.logprobs
+        return [float(values[i]) for i in starts]
     out = []
     for tok, step in zip(token_ids, steps):
         entry = step.get(tok)
@@ -230,23 +247,25 @@ def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
     return out
 
 
-def to_completions(output: Any, prompt_index: int) -> list[Completion]:
-    """One vLLM ``RequestOutput`` (n samples of one prompt) as Completions, index order."""
+def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Completion]:
+    """One vLLM ``RequestOutput`` (n samples of one prompt) as Completions, index order;
+    each text is its tokens decoded at once (special tokens skipped, no clean-up of spaces:
+    what vLLM's own detokenizer gives)."""
     prompt_ids = list(output.prompt_token_ids or [])
-    completions = []
-    for c in sorted(output.outputs, key=lambda c: c.index):
-        token_ids = list(c.token_ids)
-        completions.append(
-            Completion(
-                prompt_index=prompt_index,
-                text=c.text,
-                prompt_token_ids=prompt_ids,
-                token_ids=token_ids,
-                logprobs=sampled_logprobs(token_ids, c.logprobs),
-                finish_reason=c.finish_reason or "unknown",
-            )
+    samples = sorted(output.outputs, key=lambda c: c.index)
+    token_ids = [list(c.token_ids) for c in samples]
+    texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return [
+        Completion(
+            prompt_index=prompt_index,
+            text=text,
+            prompt_token_ids=prompt_ids,
+            token_ids=ids,
+            logprobs=sampled_logprobs(ids, c.logprobs),
+            finish_reason=c.finish_reason or "unknown",
         )
-    return completions
+        for c, ids, text in zip(samples, token_ids, texts)
+    ]
 
 
 def check_adapter_dir(ref: AdapterRef) -> None:
@@ -352,6 +371,7 @@ class RolloutEngine:
         self._finished: list[tuple[Any, list[Completion]]] = []  # done before any step (no prompts)
         t0 = time.perf_counter()
         self._llm = self._start(dtype, max_lora_rank, max_loras, max_cpu_loras, max_model_len, seed, kv_cache_gib)
+        self._tokenizer = self._llm.get_tokenizer()
         self.startup_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self._warm_up()
@@ -509,7 +529,7 @@ class RolloutEngine:
                 if len(flight.outputs) == len(flight.prompt_of):
                     del self._pending[key]
                     completions = [c for pi in range(len(flight.prompt_of))
-                                   for c in to_completions(flight.outputs[pi], pi)]
+                                   for c in to_completions(flight.outputs[pi], pi, self._tokenizer)]
                     self._count(flight.request, completions)
                     if flight.request.adapter is not None:
                         self._retire_stale_versions({flight.request.adapter.job_id})
