@@ -29,7 +29,8 @@ offered load. A call without a reply within ``--timeout`` (no retry) counts as a
 
 Reported: status calls offered, served and per second over the load windows, latency p50 /
 p90 / p99 / max (from due time; also from the send alone), errors and timeouts; each job's
-step time (mean ``step_s`` from its metrics after ``--warmup`` steps) per phase; the ratio
+step time (mean ``step_s`` from its metrics after ``--warmup`` steps) per phase, and its parts (the
+generate call, the trainer's own compute, the rest); the ratio
 (mean over rounds of ``load_i / mean(baseline_i, baseline_i+1)``) against the stated bound;
 whether every phase's per-step rewards equal the first's; the daemon's CPU per phase (from
 ``/proc``) and per status call, and the client processes' CPU.
@@ -278,6 +279,10 @@ def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], 
         timed = [r["step_s"] for r in rows[warmup:]]
         jobs[j.name] = {"job_id": j.job_id, "steps": len(rows), "timed_steps": len(timed),
                         "step_s_mean": statistics.fmean(timed), "step_s_median": statistics.median(timed),
+                        # where a step's time goes: the generate call as the driver waits for it, the
+                        # trainer's own compute, and the rest (the train call's trip, scoring, bookkeeping)
+                        "generate_s_mean": statistics.fmean(r["generate_s"] for r in rows[warmup:]),
+                        "train_s_mean": statistics.fmean(r["train/seconds"] for r in rows[warmup:]),
                         "run_s": j.ended_at - j.started_at, "rewards": [r["reward_mean"] for r in rows]}
     out: dict[str, Any] = {
         "phase": name, "status_load": status_load is not None, "wall_s": wall, "jobs": jobs,
@@ -286,6 +291,8 @@ def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], 
         "load_avg_1m": os.getloadavg()[0],  # other processes on the machine show here
         "step_s_mean": statistics.fmean(j["step_s_mean"] for j in jobs.values()),
         "step_s_median": statistics.fmean(j["step_s_median"] for j in jobs.values()),
+        "generate_s_mean": statistics.fmean(j["generate_s_mean"] for j in jobs.values()),
+        "train_s_mean": statistics.fmean(j["train_s_mean"] for j in jobs.values()),
         "daemon_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
     }
     if out["daemon_cpu_s"] is not None:
@@ -327,6 +334,9 @@ def compare(phases: list[dict[str, Any]], status: dict[str, Any]) -> dict[str, A
         "baseline_step_s": statistics.fmean(base_times),
         "load_step_s": statistics.fmean(p["step_s_mean"] for p in loads),
         "ratio": ratio(lambda p: p["step_s_mean"]), "median_ratio": ratio(lambda p: p["step_s_median"]),
+        # the same ratio for a step's parts: what the load slows (an engine's compute, or the trips)
+        "parts_ratio": {"generate": ratio(lambda p: p["generate_s_mean"]), "train": ratio(lambda p: p["train_s_mean"]),
+                        "rest": ratio(lambda p: p["step_s_mean"] - p["generate_s_mean"] - p["train_s_mean"])},
         "control_ratio": max(base_times) / min(base_times),  # the baselines' spread: the noise floor
         "per_job": per_job,
         "same_rewards": all(p["jobs"][job]["rewards"] == reference[job] for p in phases for job in JOBS),
@@ -385,6 +395,17 @@ def print_report(phases: list[dict[str, Any]], status: dict[str, Any], summary: 
     jt.add_row("load / baselines beside it", *(f"{summary['per_job'][job]['ratio']:.3f}" for job in JOBS),
                f"{summary['ratio']:.3f}", "", "", "", "")
     console.print(jt)
+    pt = Table(title="a step's parts (both jobs' means): the generate call, the trainer's compute, the rest")
+    for col in ("phase", "generate s", "train s", "rest s", "step s"):
+        pt.add_column(col, justify="left" if col == "phase" else "right")
+    for p in phases:
+        rest = p["step_s_mean"] - p["generate_s_mean"] - p["train_s_mean"]
+        pt.add_row(p["phase"], f"{p['generate_s_mean']:.4f}", f"{p['train_s_mean']:.4f}", f"{rest:.4f}",
+                   f"{p['step_s_mean']:.4f}")
+    parts = summary["parts_ratio"]
+    pt.add_row("load / baselines beside it", f"{parts['generate']:.3f}", f"{parts['train']:.3f}", f"{parts['rest']:.3f}",
+               f"{summary['ratio']:.3f}")
+    console.print(pt)
     console.print(f"step time under load / without: {summary['ratio']:.3f}x (bound C/(C-L) <= "
                   f"{summary.get('cpu_bound', float('nan')):.3f}x: {'met' if met['bound'] else 'not met'}; "
                   f"<= {FIXED_BOUND:.2f}x: {'met' if met['fixed_bound'] else 'not met'}; the daemon's part alone "

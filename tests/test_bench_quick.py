@@ -86,6 +86,7 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
         for job in phase["jobs"].values():
             assert job["steps"] == result["steps"] and job["timed_steps"] == result["steps"] - result["warmup"]
             assert job["step_s_mean"] > 0
+            assert 0 < job["generate_s_mean"] + job["train_s_mean"] < job["step_s_mean"]  # the parts of a step
     status = result["status"]
     assert status["reported_procs"] == status["procs"] == 8  # every client process reported
     assert status["ok"] > 0 and status["errors"] == 0 and status["timeouts"] == 0
@@ -95,6 +96,7 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
     assert all(s["count"] > 0 for s in status["latency_ms_by_call"].values())  # status() and status(NAME)
     summary = result["summary"]
     assert summary["ratio"] > 0 and summary["control_ratio"] >= 1
+    assert set(summary["parts_ratio"]) == {"generate", "train", "rest"} and all(summary["parts_ratio"].values())
     assert set(result["met"]) == {"rate", "no_errors", "bound", "fixed_bound"}
     assert result["met"]["no_errors"] is True
     assert summary["same_rewards"] is True  # the status load does not change what the jobs learn
