@@ -227,24 +227,14 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
 
 
 def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
-    """The log-prob of each sampled token, from vLLM's flat log-probs (one entry per
-    position with ``logprobs=0``: the sampled token's) or its per-position dicts."""
+    """The log-prob of each sampled token, from vLLM's flat log-probs (``logprobs=0``: one
+    entry per position, the sampled token's)."""
     if steps is None or len(steps) != len(token_ids):
         raise RolloutError("vLLM returned no or mismatched log-probs for a completion")
-    flat_ids = getattr(steps, "token_ids", None)
-    if flat_ids is not None:  # FlatLogprobs: the sampled token first at each position
-        starts = steps.start_indices
-        if [flat_ids[i] for i in starts] != token_ids:
-            raise RolloutError("vLLM's log-probs are not those of the sampled tokens")
-        values = steps.logprobs
-        return [float(values[i]) for i in starts]
-    out = []
-    for tok, step in zip(token_ids, steps):
-        entry = step.get(tok)
-        if entry is None:
-            raise RolloutError(f"vLLM log-probs lack the sampled token {tok}")
-        out.append(float(entry.logprob))
-    return out
+    starts, ids, values = steps.start_indices, steps.token_ids, steps.logprobs
+    if [ids[i] for i in starts] != token_ids:
+        raise RolloutError("vLLM's log-probs are not those of the sampled tokens")
+    return [float(values[i]) for i in starts]
 
 
 def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Completion]:
