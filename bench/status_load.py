@@ -276,13 +276,14 @@ def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], 
     jobs = {}
     for j in mine:
         rows = steps_of(state_dir / "jobs" / j.job_id / "metrics.jsonl")
-        timed = [r["step_s"] for r in rows[warmup:]]
+        timed_rows = rows[warmup:]
+        timed = [r["step_s"] for r in timed_rows]
         jobs[j.name] = {"job_id": j.job_id, "steps": len(rows), "timed_steps": len(timed),
                         "step_s_mean": statistics.fmean(timed), "step_s_median": statistics.median(timed),
                         # where a step's time goes: the generate call as the driver waits for it, the
                         # trainer's own compute, and the rest (the train call's trip, scoring, bookkeeping)
-                        "generate_s_mean": statistics.fmean(r["generate_s"] for r in rows[warmup:]),
-                        "train_s_mean": statistics.fmean(r["train/seconds"] for r in rows[warmup:]),
+                        "generate_s_mean": statistics.fmean(r["generate_s"] for r in timed_rows),
+                        "train_s_mean": statistics.fmean(r["train/seconds"] for r in timed_rows),
                         "run_s": j.ended_at - j.started_at, "rewards": [r["reward_mean"] for r in rows]}
     out: dict[str, Any] = {
         "phase": name, "status_load": status_load is not None, "wall_s": wall, "jobs": jobs,
@@ -295,6 +296,7 @@ def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], 
         "train_s_mean": statistics.fmean(j["train_s_mean"] for j in jobs.values()),
         "daemon_cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
     }
+    out["rest_s_mean"] = out["step_s_mean"] - out["generate_s_mean"] - out["train_s_mean"]
     if out["daemon_cpu_s"] is not None:
         out["daemon_core_share"] = out["daemon_cpu_s"] / wall
     if machine0 is not None and machine1 is not None:
@@ -336,7 +338,7 @@ def compare(phases: list[dict[str, Any]], status: dict[str, Any]) -> dict[str, A
         "ratio": ratio(lambda p: p["step_s_mean"]), "median_ratio": ratio(lambda p: p["step_s_median"]),
         # the same ratio for a step's parts: what the load slows (an engine's compute, or the trips)
         "parts_ratio": {"generate": ratio(lambda p: p["generate_s_mean"]), "train": ratio(lambda p: p["train_s_mean"]),
-                        "rest": ratio(lambda p: p["step_s_mean"] - p["generate_s_mean"] - p["train_s_mean"])},
+                        "rest": ratio(lambda p: p["rest_s_mean"])},
         "control_ratio": max(base_times) / min(base_times),  # the baselines' spread: the noise floor
         "per_job": per_job,
         "same_rewards": all(p["jobs"][job]["rewards"] == reference[job] for p in phases for job in JOBS),
@@ -399,9 +401,8 @@ def print_report(phases: list[dict[str, Any]], status: dict[str, Any], summary: 
     for col in ("phase", "generate s", "train s", "rest s", "step s"):
         pt.add_column(col, justify="left" if col == "phase" else "right")
     for p in phases:
-        rest = p["step_s_mean"] - p["generate_s_mean"] - p["train_s_mean"]
-        pt.add_row(p["phase"], f"{p['generate_s_mean']:.4f}", f"{p['train_s_mean']:.4f}", f"{rest:.4f}",
-                   f"{p['step_s_mean']:.4f}")
+        pt.add_row(p["phase"], *(f"{p[key]:.4f}" for key in ("generate_s_mean", "train_s_mean", "rest_s_mean",
+                                                              "step_s_mean")))
     parts = summary["parts_ratio"]
     pt.add_row("load / baselines beside it", f"{parts['generate']:.3f}", f"{parts['train']:.3f}", f"{parts['rest']:.3f}",
                f"{summary['ratio']:.3f}")

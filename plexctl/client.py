@@ -27,7 +27,7 @@ from plexctl import auth
 from plexctl import protocol as P
 from plexctl.cluster import plexrl_home
 from plexctl.errors import DaemonUnreachable, KeyRefused, RemoteError
-from plexctl.frames import recv_frames, send_frames
+from plexctl.frames import recv_message, send_frames
 
 
 def current_user() -> str:
@@ -111,7 +111,7 @@ class Client:
                     self._check_refused()
                     continue
                 try:
-                    rop, header, rbody = P.decode([f.bytes for f in recv_frames(sock)])
+                    rop, header, rbody = P.decode(recv_message(sock))
                 except P.ProtocolError:
                     continue
                 if header.in_reply_to != msg_id:

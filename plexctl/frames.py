@@ -38,3 +38,8 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
         frame = sock.recv(0, copy=False)
         frames.append(frame)
     return frames
+
+
+def recv_message(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
+    """``sock.recv_multipart(flags)``: the parts' bytes."""
+    return [frame.bytes for frame in recv_frames(sock, flags)]

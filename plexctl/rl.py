@@ -46,7 +46,7 @@ import zmq
 import zmq.utils.monitor
 
 from plexctl import auth
-from plexctl.frames import recv_frames, send_frames
+from plexctl.frames import recv_message, send_frames
 from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic
 from plexctl.client import monitor_socket
@@ -180,7 +180,7 @@ class JobClient:
             if not self._sock.poll(200):
                 continue
             try:
-                op, header, body = P.decode([f.bytes for f in recv_frames(self._sock)])
+                op, header, body = P.decode(recv_message(self._sock))
             except P.ProtocolError:
                 continue
             if self._in_flight.pop(header.in_reply_to, None) is not None:  # not a repeated reply

@@ -51,7 +51,7 @@ import zmq
 from plexctl import auth
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl import protocol as P
-from plexctl.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.sizes import parse_bytes
 
 log = logging.getLogger("plexw")
@@ -108,7 +108,7 @@ class WorkerIO(threading.Thread):
             if dealer in events:
                 while True:
                     try:
-                        frames = [f.bytes for f in recv_frames(dealer, NOBLOCK)]
+                        frames = recv_message(dealer, NOBLOCK)
                     except zmq.Again:
                         break
                     last_daemon = heard = time.monotonic()
