@@ -6,23 +6,20 @@
   in-process) and the job submitted through the CLI (driver process, ZeroMQ, msgpack, the
   scheduler, the state store).
 
-Both modes run ``configs/tiny-arith.yaml`` with the same seed for ``--steps`` steps. A mode's
-step time is the median interval between consecutive steps' metrics rows after ``--warmup``
-steps: what a user waits per step, record and bookkeeping included; engine start-up and the
-first compilations are excluded from both. The in-process loop generates when it waits for
-the samples (a one-process script has nothing to overlap with), so each row's
-``generate_s`` is comparable between the modes.
+Both modes run ``configs/tiny-arith.yaml`` with the same seed for ``--steps`` steps, as two
+jobs that take turns in blocks of ``--block`` steps: while one runs, the other waits (the
+in-process loop at its next generate, the daemon job's driver stopped with ``SIGSTOP``), so
+both meet the machine's slow and fast spells alike. Shared machines are noisy: runs of the same
+mode a minute apart differ by 10-30 % here, in spells of seconds to minutes; blocks of about
+two seconds keep a spell from landing on one mode only. A step counts when it starts at least
+``--settle`` seconds after its block began (what the other mode left in flight is done by then)
+and ends inside its block; the first ``--warmup`` steps of each job (start-up, first
+compilations) do not count. Reported: each mode's median step time and ``overhead = daemon /
+in-process - 1`` of those (target <= 5 %); each mode's median generate, train and
+rest-of-step time; each pair of adjacent blocks' own ratio; and whether both jobs' per-step
+rewards are identical (they should be: same samples, same updates).
 
-Shared machines are noisy (single runs of the same mode differ by 10-30 % here, in spells of
-seconds to minutes), so both modes stay up and run ``--repeat`` times, alternating (``in,
-daemon``, then ``daemon, in``, ...). Reported: each mode's step time, the median of its runs'
-step times, and ``overhead = daemon / in-process - 1`` of those (target <= 5 %); each mode's
-median generate, train and rest-of-step time; every pair's own ratio (a slow spell on one run
-of a pair moves that ratio by as much as the spell: their median is shown beside, not used);
-and whether every run's per-step rewards are identical (they should be: same samples, same
-updates).
-
-Usage: ``python bench/overhead.py [--quick] [--steps N] [--repeat N]``; writes
+Usage: ``python bench/overhead.py [--quick] [--steps N] [--block N]``; writes
 ``bench/results/overhead.json`` (``overhead-quick.json`` with ``--quick``).
 """
 
@@ -34,7 +31,9 @@ import os
 import statistics
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -56,12 +55,52 @@ MODEL = REPO / ".plexrl" / "models" / "tiny-arith"
 MODES = ("in-process", "daemon")
 
 
-class InProcessClient:
-    """``JobClient``'s calls served by engines in this process (what a one-job script does)."""
+class Turnstile:
+    """Lets the in-process loop generate ``n`` times per turn; the bench's thread waits for the
+    turn's end without polling (the loop's process has nothing else to do)."""
 
-    def __init__(self, rollout: Any, trainer: Any, spec: Any, job_id: str, job_dir: Path) -> None:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.budget = 0
+        self.waiting = False
+        self.finished = False
+
+    def wait(self) -> None:
+        """The loop, before each generation: go on while the turn lasts, else wait for the next."""
+        with self.cond:
+            while self.budget == 0:
+                self.waiting = True
+                self.cond.notify_all()
+                self.cond.wait()
+            self.waiting = False
+            self.budget -= 1
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+    def turn(self, n: int) -> None:
+        """Let ``n`` generations through; return when the loop waits for more, or ended."""
+        with self.cond:
+            self.budget, self.waiting = n, False
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: (self.waiting and self.budget == 0) or self.finished)
+
+    def open(self) -> None:
+        with self.cond:
+            self.budget = 1 << 30
+            self.cond.notify_all()
+
+
+class InProcessClient:
+    """``JobClient``'s calls served by engines in this process (what a one-job script does).
+    Each generation first passes ``gate``: the bench's turn-taking."""
+
+    def __init__(self, rollout: Any, trainer: Any, spec: Any, job_id: str, job_dir: Path,
+                 gate: Turnstile) -> None:
         self.rollout, self.trainer, self.spec = rollout, trainer, spec
-        self.job_id, self.job_dir = job_id, job_dir
+        self.job_id, self.job_dir, self.gate = job_id, job_dir, gate
         self.drain = ""
         self.version = 0
         self.adapter: P.AdapterRef | None = None
@@ -79,6 +118,7 @@ class InProcessClient:
     def wait(self, msg_id: int) -> Any:
         """Generate now: one process does one thing at a time."""
         req, version = self._requests.pop(msg_id)
+        self.gate.wait()
         return {"completions": self.rollout.generate([req])[0], "policy_version": version}
 
     def completions(self, reply: Any) -> list[P.Completion]:
@@ -114,11 +154,37 @@ class InProcessClient:
 
 
 def steps_of(metrics_path: Path) -> list[dict]:
-    return [r for r in map(json.loads, metrics_path.read_text().splitlines()) if "reward_mean" in r]
+    try:
+        text = metrics_path.read_text()
+    except FileNotFoundError:
+        return []
+    return [r for r in map(json.loads, text.splitlines()) if "reward_mean" in r]
+
+
+class StepCounter:
+    """Steps a job's ``metrics.jsonl`` holds, read incrementally (the bench polls it while the
+    jobs run: a poll must cost next to nothing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.count, self.tail = path, 0, 0, b""
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        self.offset += len(data)
+        lines = (self.tail + data).split(b"\n")
+        self.tail = lines.pop()
+        self.count += sum(1 for line in lines if b'"reward_mean"' in line)
+        return self.count
 
 
 class InProcess:
-    """Engines built once in this process; each ``run`` is a fresh job on them."""
+    """Engines built once in this process; the job's loop runs on a thread of it, generating
+    only while the bench lets it (``turn``)."""
 
     def __init__(self, work: Path) -> None:
         from worker.rollout import RolloutEngine
@@ -127,142 +193,255 @@ class InProcess:
         self.work = work
         self.trainer = TrainerEngine(str(MODEL), threads=os.cpu_count() or 1)
         self.rollout = RolloutEngine(str(MODEL), max_loras=4, max_cpu_loras=8)
-        self.runs = 0
+        self.gate = Turnstile()
+        self.metrics = work / "in-process" / "metrics.jsonl"
+        self.steps = StepCounter(self.metrics)
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
 
-    def run(self, overrides: list[str]) -> list[dict]:
+    def start(self, overrides: list[str]) -> None:
         from plexctl.algos import run_algorithm
         from plexctl.rl import Job
 
-        self.runs += 1
-        job_id = f"j{self.runs:04d}"
         spec = load_spec(CONFIG, overrides, "overhead")
-        job_dir = self.work / "in-process" / job_id
+        job_dir = self.metrics.parent
         job_dir.mkdir(parents=True)
-        job = Job(InProcessClient(self.rollout, self.trainer, spec, job_id, job_dir), spec, job_dir,
+        job = Job(InProcessClient(self.rollout, self.trainer, spec, "j0001", job_dir, self.gate), spec, job_dir,
                   log=lambda _m: None)
-        try:
-            run_algorithm(job)
-        finally:
-            job.close()
-            self.trainer.release(job_id)
-            self.rollout.drop_job(job_id)
-        return steps_of(job_dir / "metrics.jsonl")
+
+        def loop() -> None:
+            try:
+                run_algorithm(job)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the bench's main thread
+                self.error = exc
+            finally:
+                job.close()
+                self.gate.finish()
+
+        self.thread = threading.Thread(target=loop, name="in-process-job", daemon=True)
+        self.thread.start()
+
+    def rows(self) -> list[dict]:
+        return steps_of(self.metrics)
+
+    def done(self) -> bool:
+        if self.error is not None:
+            raise RuntimeError(f"the in-process job failed: {self.error!r}") from self.error
+        return self.thread is not None and not self.thread.is_alive()
+
+    def turn(self, n: int) -> None:
+        self.gate.turn(n)
+        self.done()  # raises if the loop failed
 
     def close(self) -> None:
-        self.rollout.close()
+        self.gate.open()
+        if self.thread is not None:
+            self.thread.join(timeout=600)
+            self.thread = None
+            self.rollout.close()
 
 
 class Daemon:
-    """``plexctl up --local --workers 1`` once; each ``run`` submits the job and waits for it."""
+    """``plexctl up --local --workers 1`` once; the job submitted through the CLI; its driver
+    stopped (``SIGSTOP``) while the other mode runs."""
 
     def __init__(self, work: Path) -> None:
         self.home = work / "home"
         self.env = {**os.environ, "PLEXRL_HOME": str(self.home), "PYTHONPATH": str(REPO)}
         self.plexctl("up", "--local", "--workers", "1", "--model", str(MODEL))
-        self.runs = 0
+        self.job = ""
+        self.pid = 0
+        self.steps = lambda: 0
 
-    def plexctl(self, *args: str) -> str:
+    def plexctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], env=self.env, cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout
+                              capture_output=True, text=True, check=check)
 
-    def run(self, overrides: list[str]) -> list[dict]:
-        self.runs += 1
+    @property
+    def job_dir(self) -> Path:
+        return self.home / "clusters" / "default" / "jobs" / self.job
+
+    def start(self, overrides: list[str]) -> None:
         sets = [a for o in overrides for a in ("--set", o)]
-        job = self.plexctl("submit", str(CONFIG), "-q", "--name", f"overhead-{self.runs}", *sets).strip()
-        self.plexctl("wait", job, "--timeout", "1800")
-        return steps_of(self.home / "clusters" / "default" / "jobs" / job / "metrics.jsonl")
+        self.job = self.plexctl("submit", str(CONFIG), "-q", "--name", "overhead", *sets).stdout.strip()
+        deadline = time.time() + 120
+        while not self.pid:
+            try:
+                self.pid = int(json.loads((self.job_dir / "driver.pid").read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                if time.time() > deadline:
+                    raise RuntimeError(f"job {self.job}: no driver started") from None
+                time.sleep(0.05)
+        self.steps = StepCounter(self.job_dir / "metrics.jsonl")
+
+    def rows(self) -> list[dict]:
+        return steps_of(self.job_dir / "metrics.jsonl")
+
+    def done(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def turn(self, n: int) -> None:
+        """Let the driver run until its job recorded ``n`` more steps (or ended), then stop it."""
+        goal = self.steps() + n
+        self.resume()
+        while self.steps() < goal and not self.done():
+            time.sleep(0.01)
+        self.pause()
+
+    def finish(self) -> None:
+        self.resume()
+        done = self.plexctl("wait", self.job, "--timeout", "1800", check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the daemon's job ended with exit code {done.returncode}: "
+                               f"{(self.job_dir / 'driver.log').read_text()[-2000:]}")
 
     def close(self) -> None:
+        self.resume()
         subprocess.run([sys.executable, "-m", "plexctl.cli", "down"], env=self.env, cwd=REPO,
                        capture_output=True, timeout=300)
 
 
-def timing(rows: list[dict], warmup: int) -> dict[str, float]:
-    """Median step interval (from the rows' wall times), mean ``step_s``; median generate time,
-    the trainer's own time in its step (``train/seconds``) and the rest (scoring, publishing,
-    calls and bookkeeping)."""
-    timed = rows[warmup:]
-    intervals = [b["time"] - a["time"] for a, b in zip(rows[warmup - 1:], timed)] if warmup else \
-        [r["step_s"] for r in timed]
-    gen = statistics.median(r["generate_s"] for r in timed)
-    train = statistics.median(r.get("train/seconds", 0.0) for r in timed)
-    step = statistics.median(intervals)
-    return {"step_s": step, "step_s_mean": statistics.fmean(r["step_s"] for r in timed),
-            "generate_s": gen, "train_s": train, "rest_s": step - gen - train, "steps_timed": len(timed)}
+def take_turns(modes: dict[str, Any], steps: int, block: int, log: Callable[[str], None]) -> list[tuple[str, float, float]]:
+    """Run the modes' jobs in turns of ``block`` steps (daemon first) until both finished;
+    the turns as ``(mode, start, end)`` wall times."""
+    turns: list[tuple[str, float, float]] = []
+    order = list(modes)
+    i = 0
+    while True:
+        live = [m for m in order if modes[m].steps() < steps and not modes[m].done()]
+        if not live:
+            return turns
+        mode = order[i % len(order)] if order[i % len(order)] in live else live[0]
+        i += 1
+        t0 = time.time()
+        modes[mode].turn(block)
+        turns.append((mode, t0, time.time()))
+        if len(turns) % 10 == 0:
+            log(f"turn {len(turns)}: " + ", ".join(f"{m} {modes[m].steps()}/{steps}" for m in order))
 
 
-def alternate(runners: dict[str, Callable[[], list[dict]]], repeat: int, warmup: int,
-              log: Callable[[str], None]) -> tuple[list[dict[str, dict]], list[list[float]]]:
-    """``repeat`` pairs of runs, the order alternating; each run's timing and reward curve."""
-    pairs, curves = [], []
-    for i in range(repeat):
-        order = MODES if i % 2 == 0 else MODES[::-1]
-        pair = {}
-        for mode in order:
-            rows = runners[mode]()
-            pair[mode] = timing(rows, warmup)
-            curves.append([r["reward_mean"] for r in rows])
-            log(f"pair {i + 1}/{repeat} {mode}: {pair[mode]['step_s']:.4f} s/step")
-        pairs.append(pair)
-    return pairs, curves
+def counted(rows: list[dict], turns: list[tuple[str, float, float]], mode: str, warmup: int,
+            settle: float) -> list[tuple[int, dict, float]]:
+    """The steps of ``mode`` that count, as ``(turn index, row, step interval)``: past the
+    warmup, started ``settle`` seconds or more into one of the mode's turns, ended in it."""
+    out = []
+    own = [(k, a, b) for k, (m, a, b) in enumerate(turns) if m == mode]
+    for prev, row in zip(rows[warmup:], rows[warmup + 1:]):
+        for k, a, b in own:
+            if a + settle <= prev["time"] and row["time"] <= b:
+                out.append((k, row, row["time"] - prev["time"]))
+                break
+    return out
+
+
+def phases(steps: list[tuple[int, dict, float]]) -> dict[str, float]:
+    step = statistics.median(s for _, _, s in steps)
+    gen = statistics.median(r["generate_s"] for _, r, _ in steps)
+    train = statistics.median(r.get("train/seconds", 0.0) for _, r, _ in steps)
+    return {"step_s": step, "generate_s": gen, "train_s": train, "rest_s": step - gen - train,
+            "steps_timed": len(steps)}
+
+
+def block_pairs(timed: dict[str, list[tuple[int, dict, float]]]) -> list[dict[str, Any]]:
+    """Adjacent turns of the two modes, each turn's median step: the daemon's turn ``k`` with
+    the in-process turn after it."""
+    per_turn = {m: {} for m in timed}
+    for m, steps in timed.items():
+        for k, _, s in steps:
+            per_turn[m].setdefault(k, []).append(s)
+    med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in per_turn.items()}
+    pairs = []
+    for k, d in sorted(med["daemon"].items()):
+        nxt = [j for j in med["in-process"] if j > k]
+        if nxt:
+            i = min(nxt)
+            pairs.append({"daemon_step_s": d, "in_process_step_s": med["in-process"][i],
+                          "overhead": d / med["in-process"][i] - 1.0})
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few steps, to keep the benchmark working")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=None, help="pairs of runs, alternating (default 7; --quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of each mode's job (default 250; --quick 12)")
+    ap.add_argument("--block", type=int, default=None, help="steps per turn (default 12; --quick 4)")
+    ap.add_argument("--warmup", type=int, default=None, help="first steps of each job not counted (default 10)")
+    ap.add_argument("--settle", type=float, default=0.3, help="seconds into a turn before a step counts")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/overhead[-quick].json)")
     args = ap.parse_args(argv)
-    steps = args.steps or (6 if args.quick else 60)
+    steps = args.steps or (12 if args.quick else 250)
+    block = args.block or (4 if args.quick else 12)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
-    repeat = args.repeat or (1 if args.quick else 7)
-    if steps <= warmup + 1 or repeat < 1:
-        ap.error("--steps must exceed --warmup + 1 and --repeat must be >= 1")
+    if steps <= warmup + 1 or block < 2:
+        ap.error("--steps must exceed --warmup + 1 and --block must be >= 2")
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
                    cwd=REPO, check=True, capture_output=True)
-    overrides = [f"algo.steps={steps}", "algo.eval_every=0", "checkpoint.every=0", f"model.path={MODEL}"]
-    if args.quick:
-        overrides += ["data.eval_path=null"]
+    overrides = [f"algo.steps={steps}", "algo.eval_every=0", "checkpoint.every=0", f"model.path={MODEL}",
+                 "data.eval_path=null"]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="plexrl-overhead-") as tmp:
         inproc, daemon = InProcess(Path(tmp)), Daemon(Path(tmp))
         try:
-            pairs, curves = alternate({"in-process": lambda: inproc.run(overrides),
-                                       "daemon": lambda: daemon.run(overrides)}, repeat, warmup,
-                                      lambda m: print(m, flush=True))
+            daemon.start(overrides)
+            daemon.pause()
+            inproc.start(overrides)
+            modes = {"daemon": daemon, "in-process": inproc}
+            turns = take_turns(modes, steps, block, lambda m: print(m, flush=True))
+            daemon.finish()
+            inproc.close()
+            rows = {m: modes[m].rows() for m in MODES}
         finally:
             daemon.close()
             inproc.close()
-    ratios = [p["daemon"]["step_s"] / p["in-process"]["step_s"] for p in pairs]
-    same = all(c == curves[0] for c in curves)
-    phases = {m: {k: statistics.median(p[m][k] for p in pairs) for k in ("step_s", "generate_s", "train_s", "rest_s")}
-              for m in MODES}
-    a, b = phases["in-process"]["step_s"], phases["daemon"]["step_s"]
+    timed = {m: counted(rows[m], turns, m, warmup, args.settle) for m in MODES}
+    for m in MODES:
+        if not timed[m]:  # a short run: every step of the mode's own turns
+            timed[m] = counted(rows[m], turns, m, warmup, 0.0)
+    ph = {m: phases(timed[m]) for m in MODES}
+    pairs = block_pairs(timed)
+    a, b = ph["in-process"]["step_s"], ph["daemon"]["step_s"]
+    curves = {m: [r["reward_mean"] for r in rows[m]] for m in MODES}
+    same = curves["daemon"] == curves["in-process"] and len(curves["daemon"]) == steps
     result = {
-        "benchmark": "overhead", "quick": args.quick, "steps": steps, "warmup": warmup, "repeat": repeat,
+        "benchmark": "overhead", "quick": args.quick, "steps": steps, "warmup": warmup, "block": block,
+        "settle_s": args.settle, "turns": len(turns),
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
         "command": "python bench/overhead.py" + (" --quick" if args.quick else ""),
         "in_process_step_s": a, "daemon_step_s": b, "overhead": b / a - 1.0, "target": 0.05,
-        "pairs": [{**p, "overhead": r - 1.0} for p, r in zip(pairs, ratios)], "phases_median": phases,
-        "pair_overhead_median": statistics.median(ratios) - 1.0,
+        "phases_median": ph, "pairs": pairs,
+        "pair_overhead_median": statistics.median(p["overhead"] for p in pairs) if pairs else None,
         "same_rewards": same, "wall_s": time.time() - t0,
     }
-    table = Table(title="one job: through the daemon vs in one process (same engines, same loop)")
-    for col in ("pair", "in-process s/step", "daemon s/step", "overhead"):
+    table = Table(title=f"one job: through the daemon vs in one process (same engines, same loop; "
+                        f"{len(turns)} turns of {block} steps)")
+    for col in ("mode", "steps timed", "s/step", "generate", "train", "rest"):
         table.add_column(col)
-    for i, (p, r) in enumerate(zip(pairs, ratios)):
-        table.add_row(str(i + 1), f"{p['in-process']['step_s']:.4f}", f"{p['daemon']['step_s']:.4f}", f"{r - 1:+.1%}")
-    table.add_row("median", f"{a:.4f}", f"{b:.4f}", f"{b / a - 1:+.1%}")
-    Console().print(table)
     for m in MODES:
-        ph = phases[m]
-        print(f"{m}: median step {ph['step_s']:.4f} s = generate {ph['generate_s']:.4f} + train "
-              f"{ph['train_s']:.4f} + rest {ph['rest_s']:.4f}")
-    print(f"overhead {result['overhead']:+.1%} (each mode's median of {repeat} runs; target <= +5%; median of the "
-          f"pairs' own ratios {result['pair_overhead_median']:+.1%}); "
-          f"per-step rewards identical in every run: {same}")
+        p = ph[m]
+        table.add_row(m, str(p["steps_timed"]), f"{p['step_s']:.4f}", f"{p['generate_s']:.4f}",
+                      f"{p['train_s']:.4f}", f"{p['rest_s']:.4f}")
+    Console().print(table)
+    if pairs:
+        spread = sorted(p["overhead"] for p in pairs)
+        print(f"adjacent turns' own ratios: median {result['pair_overhead_median']:+.1%}, "
+              f"{spread[0]:+.1%} to {spread[-1]:+.1%} over {len(pairs)} pairs")
+    print(f"overhead {result['overhead']:+.1%} (target <= +5%); per-step rewards identical: {same}")
     out = args.out or REPO / "bench" / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
     write_json_atomic(out, result)
     print(f"wrote {out}")

@@ -99,9 +99,10 @@ def daemon(d: dict[str, Any]) -> Row:
 
 
 def overhead(d: dict[str, Any]) -> Row:
-    runs = (f" (medians of {d['repeat']} alternating runs each; the pairs' own ratios: median "
+    runs = (f" (medians of {sum(d['phases_median'][m]['steps_timed'] for m in d['phases_median'])} steps in "
+            f"{d['turns']} turns of {d['block']} steps; adjacent turns' own ratios: median "
             f"{100 * d['pair_overhead_median']:+.1f} %, {100 * min(p['overhead'] for p in d['pairs']):+.1f} to "
-            f"{100 * max(p['overhead'] for p in d['pairs']):+.1f} %)") if d.get("pairs") and d["repeat"] > 1 else ""
+            f"{100 * max(p['overhead'] for p in d['pairs']):+.1f} %)") if d.get("pairs") and d.get("turns") else ""
     result = (f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**{runs}; "
               f"per-step rewards identical: {'yes' if d['same_rewards'] else 'no'}")
     return result, f"<= +{_pct(d['target'])}", _yes(d["overhead"] <= d["target"] and d["same_rewards"]), _machine(d)

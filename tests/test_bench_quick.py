@@ -69,7 +69,10 @@ def test_daemon_quick_reports_round_trip_and_throughput(tmp_path: Path) -> None:
 
 def test_overhead_quick_runs_the_same_job_in_process_and_through_the_daemon(tmp_path: Path) -> None:
     result = run_quick("overhead.py", tmp_path / "overhead.json")
-    assert result["quick"] is True and result["steps"] == 6
+    assert result["quick"] is True and result["steps"] == 12
+    assert result["turns"] >= 4  # the two jobs took turns
+    for mode in ("in-process", "daemon"):
+        assert result["phases_median"][mode]["steps_timed"] > 0
     assert result["in_process_step_s"] > 0 and result["daemon_step_s"] > 0
     assert result["overhead"] == pytest.approx(result["daemon_step_s"] / result["in_process_step_s"] - 1)
     assert result["same_rewards"] is True  # the same loop on the same engines learns the same
