@@ -19,7 +19,7 @@ in-process - 1`` of those (target <= 5 %); each mode's median generate, train an
 rest-of-step time; each pair of adjacent blocks' own ratio; and whether both jobs' per-step
 rewards are identical (they should be: same samples, same updates).
 
-Usage: ``python bench/overhead.py [--quick] [--steps N] [--block N]``; writes
+Usage: ``python bench/overhead.py [--quick] [--steps N] [--block N] [--set KEY=VALUE]``; writes
 ``bench/results/overhead.json`` (``overhead-quick.json`` with ``--quick``).
 """
 
@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=None, help="steps per turn (default 12; --quick 4)")
     ap.add_argument("--warmup", type=int, default=None, help="first steps of each job not counted (default 10)")
     ap.add_argument("--settle", type=float, default=0.3, help="seconds into a turn before a step counts")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a job spec override for both modes (e.g. algo.prompts_per_step=64: longer steps)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/overhead[-quick].json)")
     args = ap.parse_args(argv)
     steps = args.steps or (12 if args.quick else 250)
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
                    cwd=REPO, check=True, capture_output=True)
     overrides = [f"algo.steps={steps}", "algo.eval_every=0", "checkpoint.every=0", f"model.path={MODEL}",
-                 "data.eval_path=null"]
+                 "data.eval_path=null", *args.sets]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="plexrl-overhead-") as tmp:
         inproc, daemon = InProcess(Path(tmp)), Daemon(Path(tmp))
@@ -422,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "overhead", "quick": args.quick, "steps": steps, "warmup": warmup, "block": block,
         "settle_s": args.settle, "turns": len(turns),
         "machine": describe(), "date": time.strftime("%Y-%m-%d"),
-        "command": "python bench/overhead.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/overhead.py" + (" --quick" if args.quick else "")
+                   + "".join(f" --set {o}" for o in args.sets),
+        "overrides": args.sets,
         "in_process_step_s": a, "daemon_step_s": b, "overhead": b / a - 1.0, "target": 0.05,
         "phases_median": ph, "pairs": pairs,
         "pair_overhead_median": statistics.median(p["overhead"] for p in pairs) if pairs else None,
