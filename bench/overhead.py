@@ -7,17 +7,17 @@
   scheduler, the state store).
 
 Both modes run ``configs/tiny-arith.yaml`` with the same seed for ``--steps`` steps, as two
-jobs that take turns in blocks of ``--block`` steps: while one runs, the other waits (the
-in-process loop at its next generate, the daemon job's driver stopped with ``SIGSTOP``), so
-both meet the machine's slow and fast spells alike. Shared machines are noisy: runs of the same
-mode a minute apart differ by 10-30 % here, in spells of seconds to minutes; blocks of about
-two seconds keep a spell from landing on one mode only. A step counts when it starts at least
-``--settle`` seconds after its block began (what the other mode left in flight is done by then)
-and ends inside its block; the first ``--warmup`` steps of each job (start-up, first
-compilations) do not count. Reported: each mode's median step time and ``overhead = daemon /
-in-process - 1`` of those (target <= 5 %); each mode's median generate, train and
-rest-of-step time; each pair of adjacent blocks' own ratio; and whether both jobs' per-step
-rewards are identical (they should be: same samples, same updates).
+jobs that take turns of ``--block`` steps: while one runs, the other waits (the in-process
+loop before its next generate, the daemon job's driver stopped with ``SIGSTOP``), so both meet
+the machine's slow and fast spells alike. Shared machines are noisy: runs of the same mode a
+minute apart differ by 10-30 % here, in spells of seconds to minutes; turns of about 1.5 s keep
+a spell from landing on one mode only. A step counts when it starts at least ``--settle``
+seconds after its turn began (what the other mode left in flight is done by then) and ends
+inside its turn; the first ``--warmup`` steps of each job (start-up, first compilations) do
+not count. Reported: each mode's median step time and ``overhead = daemon / in-process - 1``
+of those (target <= 5 %); each mode's median generate, train and rest-of-step time; each
+pair of adjacent turns' own ratio; and whether both jobs' per-step rewards are identical
+(they should be: same samples, same updates).
 
 Usage: ``python bench/overhead.py [--quick] [--steps N] [--block N] [--set KEY=VALUE]``; writes
 ``bench/results/overhead.json`` (``overhead-quick.json`` with ``--quick``).
@@ -56,8 +56,9 @@ MODES = ("in-process", "daemon")
 
 
 class Turnstile:
-    """Lets the in-process loop generate ``n`` times per turn; the bench's thread waits for the
-    turn's end without polling (the loop's process has nothing else to do)."""
+    """Lets the in-process loop generate ``n`` times per turn (a GRPO step generates once); the
+    bench's thread waits for the turn's end without polling (the loop's process has nothing
+    else to do)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -251,7 +252,7 @@ class Daemon:
         self.plexctl("up", "--local", "--workers", "1", "--model", str(MODEL))
         self.job = ""
         self.pid = 0
-        self.steps = lambda: 0
+        self.steps: Callable[[], int] = lambda: 0  # the job's StepCounter, once submitted
 
     def plexctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], env=self.env, cwd=REPO,
