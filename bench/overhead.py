@@ -65,16 +65,25 @@ class Turnstile:
         self.budget = 0
         self.waiting = False
         self.finished = False
+        self.aborted = False
 
     def wait(self) -> None:
         """The loop, before each generation: go on while the turn lasts, else wait for the next."""
         with self.cond:
             while self.budget == 0:
+                if self.aborted:
+                    raise RuntimeError("the bench stopped")
                 self.waiting = True
                 self.cond.notify_all()
                 self.cond.wait()
             self.waiting = False
             self.budget -= 1
+
+    def abort(self) -> None:
+        """The bench failed: the loop stops at its next generation."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
 
     def finish(self) -> None:
         with self.cond:
@@ -88,10 +97,6 @@ class Turnstile:
             self.cond.notify_all()
             self.cond.wait_for(lambda: (self.waiting and self.budget == 0) or self.finished)
 
-    def open(self) -> None:
-        with self.cond:
-            self.budget = 1 << 30
-            self.cond.notify_all()
 
 
 class InProcessClient:
@@ -106,11 +111,13 @@ class InProcessClient:
         self.version = 0
         self.adapter: P.AdapterRef | None = None
         self._requests: dict[int, tuple[P.GenRequest, int]] = {}
+        self._trained: dict[int, dict[str, float]] = {}  # train_and_publish_async's replies, by call id
         self._ids = iter(range(1, 1 << 62))
         lora = P.LoraConfig(**msgspec.to_builtins(spec.lora))
         trainer.ensure_job(job_id, lora, spec.seed)
 
-    def generate_async(self, prompts: list[str], sampling: P.Sampling) -> int:
+    def generate_async(self, prompts: list[str], sampling: P.Sampling, after: int | None = None) -> int:
+        """``after``: nothing to do in one process, where calls run in the order they are made."""
         msg_id = next(self._ids)
         req = P.GenRequest(job_id=self.job_id, prompts=prompts, sampling=sampling, adapter=self.adapter)
         self._requests[msg_id] = (req, self.version)
@@ -118,6 +125,8 @@ class InProcessClient:
 
     def wait(self, msg_id: int) -> Any:
         """Generate now: one process does one thing at a time."""
+        if msg_id in self._trained:
+            return self._trained.pop(msg_id)
         req, version = self._requests.pop(msg_id)
         self.gate.wait()
         return {"completions": self.rollout.generate([req])[0], "policy_version": version}
@@ -134,6 +143,17 @@ class InProcessClient:
 
     def train_and_publish(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None) -> tuple[dict[str, float], int]:
         return self.train_step(batch, hp), self.publish()
+
+    def train_and_publish_async(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None) -> int:
+        """Train and publish now; the reply waits for ``wait``."""
+        metrics, version = self.train_and_publish(batch, hp)
+        msg_id = next(self._ids)
+        self._trained[msg_id] = {**metrics, "version": version}
+        return msg_id
+
+    def published(self, reply: dict[str, float]) -> tuple[dict[str, float], int]:
+        reply = dict(reply)
+        return reply, int(reply.pop("version"))
 
     def publish(self) -> int:
         self.version += 1
@@ -184,8 +204,14 @@ class StepCounter:
 
 
 class InProcess:
-    """Engines built once in this process; the job's loop runs on a thread of it, generating
-    only while the bench lets it (``turn``)."""
+    """Engines built once in this process; the job's loop runs on its main thread (``run``), as a
+    one-job script's would, generating only while the bench's thread lets it (``turn``).
+
+    The main thread, where the engines were built, not another: vLLM's CPU worker binds the
+    OpenMP team of the thread that builds it to the cores, and torch ops on another thread get
+    an unbound team of their own. Here, with the engine built, the trainer's step on another
+    thread took 7-10 % longer than on the main thread; the worker runs both engines on its
+    main thread."""
 
     def __init__(self, work: Path) -> None:
         from worker.rollout import RolloutEngine
@@ -198,9 +224,10 @@ class InProcess:
         self.metrics = work / "in-process" / "metrics.jsonl"
         self.steps = StepCounter(self.metrics)
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.finished = False
 
-    def start(self, overrides: list[str]) -> None:
+    def run(self, overrides: list[str]) -> None:
+        """The job's loop, on the calling thread, to its end (or the bench's abort)."""
         from plexctl.algos import run_algorithm
         from plexctl.rl import Job
 
@@ -209,18 +236,14 @@ class InProcess:
         job_dir.mkdir(parents=True)
         job = Job(InProcessClient(self.rollout, self.trainer, spec, "j0001", job_dir, self.gate), spec, job_dir,
                   log=lambda _m: None)
-
-        def loop() -> None:
-            try:
-                run_algorithm(job)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the bench's main thread
-                self.error = exc
-            finally:
-                job.close()
-                self.gate.finish()
-
-        self.thread = threading.Thread(target=loop, name="in-process-job", daemon=True)
-        self.thread.start()
+        try:
+            run_algorithm(job)
+        except BaseException as exc:  # noqa: BLE001 - raised in the bench's thread by ``done``
+            self.error = exc
+        finally:
+            job.close()
+            self.finished = True
+            self.gate.finish()
 
     def rows(self) -> list[dict]:
         return steps_of(self.metrics)
@@ -228,18 +251,14 @@ class InProcess:
     def done(self) -> bool:
         if self.error is not None:
             raise RuntimeError(f"the in-process job failed: {self.error!r}") from self.error
-        return self.thread is not None and not self.thread.is_alive()
+        return self.finished
 
     def turn(self, n: int) -> None:
         self.gate.turn(n)
         self.done()  # raises if the loop failed
 
     def close(self) -> None:
-        self.gate.open()
-        if self.thread is not None:
-            self.thread.join(timeout=600)
-            self.thread = None
-            self.rollout.close()
+        self.rollout.close()
 
 
 class Daemon:
@@ -400,14 +419,29 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="plexrl-overhead-") as tmp:
         inproc, daemon = InProcess(Path(tmp)), Daemon(Path(tmp))
+        modes = {"daemon": daemon, "in-process": inproc}
+        turns: list[tuple[str, float, float]] = []
+        failed: list[BaseException] = []
+
+        def control() -> None:
+            """The bench's thread: the turns, then the daemon's job to its end."""
+            try:
+                turns.extend(take_turns(modes, steps, block, lambda m: print(m, flush=True)))
+                daemon.finish()
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the main thread
+                failed.append(exc)
+                inproc.gate.abort()
+
         try:
             daemon.start(overrides)
             daemon.pause()
-            inproc.start(overrides)
-            modes = {"daemon": daemon, "in-process": inproc}
-            turns = take_turns(modes, steps, block, lambda m: print(m, flush=True))
-            daemon.finish()
-            inproc.close()
+            controller = threading.Thread(target=control, name="bench-turns", daemon=True)
+            controller.start()
+            inproc.run(overrides)  # the in-process job, on this thread, while the controller lets it
+            controller.join()
+            if failed:
+                raise failed[0]
+            inproc.done()  # raises if the in-process job failed
             rows = {m: modes[m].rows() for m in MODES}
         finally:
             daemon.close()

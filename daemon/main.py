@@ -106,6 +106,11 @@ class JobRuntime:
     engines: set[str] = field(default_factory=set)
     user: str = ""  # who submitted it
     calls_seen: dict[int, None] = field(default_factory=dict)  # the driver's latest call ids, oldest first
+    # calls held until the call they follow (``CallReq.after``, the key) has its result
+    held_calls: dict[int, list[tuple[bytes, P.Header, P.CallReq]]] = field(default_factory=dict)
+    # of those, the tasks sent ahead to the worker (``_send_ahead``), with their engine
+    sent_ahead: dict[int, list[tuple[Task, str]]] = field(default_factory=dict)
+    model: str = ""  # the model's resolved path, as its engines declare it
 
 
 @dataclass
@@ -164,7 +169,7 @@ class Daemon:
         self.sender = ""  # the authenticated user of the message being handled (its User-Id)
         os.environ[auth.KEYS_ENV] = str(auth.keys_dir(state_dir))  # drivers and workers present the internal key
 
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()  # its own: the ZAP handler's inproc address is per context (a daemon started after another in one process finds it free)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -614,6 +619,8 @@ class Daemon:
         """The job's trainer state is gone: stop its driver; it resumes from its last checkpoint."""
         rt.rolled_back = why
         self.held.pop(rt.job_id, None)
+        rt.held_calls.clear()
+        rt.sent_ahead.clear()
         for task in self.sched.release(rt.job_id):
             self.calls.pop(task.task_id, None)
         for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
@@ -641,8 +648,16 @@ class Daemon:
         rt = self.runtimes.get(call.job_id)
         if rt is None:
             return
-        if not body.ok:
+        followers = rt.held_calls.pop(call.msg_id, [])
+        ahead = rt.sent_ahead.pop(call.msg_id, [])
+        if body.ok and rt.job_id in self.sched.jobs:  # the worker started them as this task ended
+            for ahead_task, engine_id in ahead:
+                self.sched.claim(ahead_task, engine_id, now)
+        if not body.ok:  # and the worker fails those it was sent ahead
             self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
+            for f_identity, f_header, f_body in followers:
+                self._error(f_identity, f_header.msg_id, "call_failed",
+                            f"{f_body.method} was to follow {call.method}, which failed")
             return
         value = body.value
         prune: tuple[Path, int] | None = None
@@ -663,6 +678,13 @@ class Daemon:
             self.journal.event(rt.job_id, "checkpoint", f"step {call.context['step']}")
             prune = (rt.job_dir / "ckpt", 2)
             value = {"path": ckpt}
+        if followers:  # e.g. the next generate, sampled from the adapter just published: on its way before the reply
+            for f_identity, f_header, f_body in followers:
+                if rt.cancel_requested_at is not None:
+                    self._error(f_identity, f_header.msg_id, "cancelled", "the job was cancelled")
+                else:
+                    self._start_call(rt, f_identity, f_header, f_body)
+            self._place(now)
         self._send(call.identity, P.Op.REPLY, value, call.msg_id)
         # after the reply: the job's next call need not wait for the journal or the pruning
         if call.context.get("publish"):
@@ -733,15 +755,34 @@ class Daemon:
         if rt.cancel_requested_at is not None:
             self._error(identity, header.msg_id, "cancelled", "the job was cancelled")
             return
+        if body.after and any(c.job_id == rt.job_id and c.msg_id == body.after for c in self.calls.values()):
+            rt.held_calls.setdefault(body.after, []).append((identity, header, body))
+            return  # started by on_result, the moment the call it follows is done
+        self._start_call(rt, identity, header, body)
+
+    def _start_call(self, rt: JobRuntime, identity: bytes, header: P.Header, body: P.CallReq) -> None:
+        """Turn a service call into a task for the scheduler (or answer it here)."""
+        task = self._call_task(rt, identity, header, body, rt.adapter, rt.policy_version)
+        if task is None:
+            return
+        if rt.job_id in self.adopting and not self._adopt(rt.job_id, time.time()):
+            self.held.setdefault(rt.job_id, []).append(task)  # submitted once the job has its homes again
+            return
+        self.sched.submit(task)
+
+    def _call_task(self, rt: JobRuntime, identity: bytes, header: P.Header, body: P.CallReq,
+                   adapter: P.AdapterRef | None, version: int) -> Task | None:
+        """The task of a service call, its pending call recorded; a generate samples from
+        ``adapter``, policy ``version``. None: answered here (or refused)."""
         spec = rt.spec
         trainer_ctx = {"lora": msgspec.to_builtins(spec.lora), "seed": spec.seed,
                        "weight_decay": 0.0}
         context: dict[str, Any] = {}
         if body.method == "generate":
             req = P.GenRequest(job_id=rt.job_id, prompts=body.args["prompts"],
-                               sampling=msgspec.convert(body.args["sampling"], P.Sampling), adapter=rt.adapter)
+                               sampling=msgspec.convert(body.args["sampling"], P.Sampling), adapter=adapter)
             args = {"request": req}
-            context = {"version": rt.policy_version}  # the policy the samples come from
+            context = {"version": version}  # the policy the samples come from
         elif body.method == "train_step":
             hp = {**body.args["hp"], "user_code_trusted": rt.user in self.trusted_users}  # the trainer re-checks
             args = {**trainer_ctx, "batch": body.args["batch"], "hp": hp}
@@ -760,24 +801,53 @@ class Daemon:
             latest = rt.job_dir / "ckpt" / "latest.json"
             if not latest.exists():
                 self._send(identity, P.Op.REPLY, None, header.msg_id)
-                return
+                return None
             info = json.loads(latest.read_text())
             rt.policy_version = max(rt.policy_version, int(info.get("policy_version", 0)))
             args = {**trainer_ctx, "ckpt_dir": info["dir"]}
         else:
             self._error(identity, header.msg_id, "bad_request", f"unknown service call {body.method!r}")
-            return
+            return None
         kind = "rollout" if body.method in ROLLOUT_METHODS else "trainer"
         if kind == "trainer" and rt.proc is not None:  # a repeated call is applied once (worker.main)
             args["call_key"] = f"{rt.proc.pid}:{header.msg_id}"
-        task = Task(next(self.task_ids), rt.job_id, kind, body.method, os.path.realpath(spec.model.path),
-                    time.time(), spec.priority)
+        if not rt.model:
+            rt.model = os.path.realpath(spec.model.path)
+        task = Task(next(self.task_ids), rt.job_id, kind, body.method, rt.model, time.time(), spec.priority)
         self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
                                                {**context, "args": args})
-        if rt.job_id in self.adopting and not self._adopt(rt.job_id, time.time()):
-            self.held.setdefault(rt.job_id, []).append(task)  # submitted once the job has its homes again
+        return task
+
+    def _send_ahead(self, rt: JobRuntime, call: PendingCall, task_id: int, engine_id: str) -> None:
+        """The calls held to follow ``call``, whose task just went to ``engine_id``: when that
+        task publishes an adapter and the job's home rollout engine is on the same worker and
+        idle, a generate among them goes there now, marked to start the moment that task ends
+        (``TaskBody.after``), from the adapter it publishes: no trip through the daemon between
+        the two. The scheduler counts it started then (``on_result``)."""
+        followers = rt.held_calls.get(call.msg_id)
+        home = self.sched.home_of(rt.job_id, "rollout")
+        if not followers or not call.context.get("publish") or home not in self.sched.engines:
             return
-        self.sched.submit(task)
+        engines = self.sched.engines
+        worker = self.workers.get(engines[home].worker_id)
+        if worker is None or engines[home].worker_id != engines[engine_id].worker_id or not self.sched.idle(home):
+            return
+        adapter = P.AdapterRef(rt.job_id, call.context["version"], call.context["out_dir"])
+        held = []
+        for f_identity, f_header, f_body in followers:
+            task = None
+            if f_body.method == "generate" and not rt.sent_ahead.get(call.msg_id):
+                task = self._call_task(rt, f_identity, f_header, f_body, adapter, call.context["version"])
+            if task is None:
+                held.append((f_identity, f_header, f_body))
+                continue
+            rt.sent_ahead[call.msg_id] = [(task, home)]
+            self._send(worker.identity, P.Op.TASK, P.TaskBody(task.task_id, rt.job_id, home, task.method,
+                                                              self.calls[task.task_id].context["args"], after=task_id))
+        if held:
+            rt.held_calls[call.msg_id] = held
+        else:
+            del rt.held_calls[call.msg_id]
 
     @staticmethod
     def _next_adapter(rt: JobRuntime) -> dict[str, Any]:
@@ -832,6 +902,8 @@ class Daemon:
                        P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
             if expected is not None:
                 self._prefetch(placement.engine_id, worker, expected)
+            if rt is not None and rt.held_calls:
+                self._send_ahead(rt, call, task.task_id, placement.engine_id)
 
     def _admit_adopted(self, now: float) -> None:
         """Give adopted jobs their homes once engines for them are back (``_adopt``). Past

@@ -344,16 +344,34 @@ class Scheduler:
     def submit(self, task: Task) -> None:
         if task.task_id in self.queue or task.task_id in self._running:
             return
+        job = self._queued(task)
+        if task.kind in SERIAL_KINDS:
+            job.serial.setdefault(task.kind, deque()).append(task)
+        if self._eligible(job, task):
+            self._enqueue(task)
+
+    def claim(self, task: Task, engine_id: str, now: float) -> None:
+        """Record ``task`` (not a trainer task) as started on ``engine_id`` at ``now``, whatever
+        the order: its worker started it on its own, e.g. a task sent ahead of the one it follows,
+        started as that one ended. It may take the engine past its capacity."""
+        if task.kind in SERIAL_KINDS:
+            raise ValueError(f"a {task.kind} task runs in its job's order: it cannot be claimed")
+        self._queued(task)
+        self._start(task, self.engines[engine_id], now, [])
+
+    def _queued(self, task: Task) -> Job:
+        """Record ``task`` as queued, its job made if new; the job."""
         job = self.jobs.get(task.job_id)
         if job is None:
             job = self.jobs[task.job_id] = Job(task.job_id, task.model, priority=task.priority)
         self.queue[task.task_id] = task
         job.queued[task.task_id] = task
         job.methods.add(task.method)
-        if task.kind in SERIAL_KINDS:
-            job.serial.setdefault(task.kind, deque()).append(task)
-        if self._eligible(job, task):
-            self._enqueue(task)
+        return job
+
+    def idle(self, engine_id: str) -> bool:
+        """Nothing runs on the engine and nothing waits for it."""
+        return not self.engines[engine_id].running and not self._pending.get(engine_id)
 
     def done(self, task_id: int, now: float, seconds: float | None = None) -> Task | None:
         run = self._running.pop(task_id, None)
@@ -385,7 +403,7 @@ class Scheduler:
             head = self._serial_head(job, task.kind)
             if head is not None and self._eligible(job, head):
                 self._enqueue(head)
-        if was_full:
+        if was_full and engine.free > 0:
             self._engine_freed(engine)
         return task
 

@@ -318,6 +318,9 @@ class CallReq(msgspec.Struct):
     job_id: str
     method: str
     args: dict[str, Any]
+    # the id of an earlier call of the job this one must follow: the daemon holds it until that
+    # call's result is in, then starts it at once (0: start now)
+    after: int = 0
 
 
 class TaskBody(msgspec.Struct):
@@ -326,6 +329,9 @@ class TaskBody(msgspec.Struct):
     engine_id: str
     method: str
     args: dict[str, Any]
+    # a task of the same worker this one follows: the worker starts it the moment that one
+    # succeeded, and fails it if that one failed (0: start now)
+    after: int = 0
 
 
 class ResultBody(msgspec.Struct):

@@ -129,9 +129,11 @@ class JobClient:
 
     # -- transport
 
-    def call_async(self, method: str, args: dict[str, Any] | None = None) -> int:
-        """Send a service call; return its id for ``wait``."""
-        frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}))
+    def call_async(self, method: str, args: dict[str, Any] | None = None, after: int | None = None) -> int:
+        """Send a service call; return its id for ``wait``. ``after``: the id of a call in
+        flight this one must follow; the daemon starts it the moment that one is done (no trip
+        back here in between), and fails it if that one fails."""
+        frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}, after or 0))
         self._in_flight[msg_id] = frames
         send_frames(self._sock, frames)
         return msg_id
@@ -202,9 +204,11 @@ class JobClient:
 
     # -- the service calls
 
-    def generate_async(self, prompts: list[str], sampling: Sampling) -> int:
-        """Start generating ``sampling.n`` samples per prompt; ``completions(wait(id))`` later."""
-        return self.call_async("generate", {"prompts": prompts, "sampling": sampling})
+    def generate_async(self, prompts: list[str], sampling: Sampling, after: int | None = None) -> int:
+        """Start generating ``sampling.n`` samples per prompt; ``completions(wait(id))`` later.
+        ``after``: a ``train_and_publish_async`` call in flight: generate from the adapter it
+        publishes, started by the daemon the moment it lands."""
+        return self.call_async("generate", {"prompts": prompts, "sampling": sampling}, after)
 
     def completions(self, reply: Any) -> list[Completion]:
         return msgspec.convert(reply["completions"], list[Completion])
@@ -231,7 +235,15 @@ class JobClient:
     def train_and_publish(self, batch: TrainBatch, hp: TrainHParams | None = None) -> tuple[dict[str, float], int]:
         """``train_step`` then ``publish`` in one call (one round trip to the trainer, not two):
         the step's metrics and the new policy version."""
-        reply = dict(self.call("train_step", {"batch": batch, "hp": hp or TrainHParams(), "publish": True}))
+        return self.published(self.wait(self.train_and_publish_async(batch, hp)))
+
+    def train_and_publish_async(self, batch: TrainBatch, hp: TrainHParams | None = None) -> int:
+        """Start ``train_and_publish``; ``published(wait(id))`` later."""
+        return self.call_async("train_step", {"batch": batch, "hp": hp or TrainHParams(), "publish": True})
+
+    def published(self, reply: Any) -> tuple[dict[str, float], int]:
+        """The metrics and new policy version of a ``train_and_publish`` reply."""
+        reply = dict(reply)
         self.drain = reply.pop("drain", None) or self.drain
         return reply, int(reply.pop("version"))
 
@@ -330,6 +342,14 @@ class PendingRollout:
     msg_id: int | None  # None: multi-turn, run by ``Job.wait``
 
 
+@dataclasses.dataclass
+class PendingTrain:
+    """A ``train_and_publish`` call in flight (``Job.train_async``); ``msg_id`` None: nothing
+    to learn from, no call made."""
+
+    msg_id: int | None
+
+
 # ---------------------------------------------------------------- the job
 
 
@@ -408,13 +428,16 @@ class Job:
                             truncated_reward=e.truncated_reward, step_timeout_s=e.step_timeout_s,
                             max_total_tokens=e.max_total_tokens)
 
-    def rollout_async(self, records: list[dict], n: int, sampling: Sampling) -> PendingRollout:
-        """Start generating ``n`` samples per record. Multi-turn episodes cannot run ahead (each
+    def rollout_async(self, records: list[dict], n: int, sampling: Sampling,
+                      after: PendingTrain | None = None) -> PendingRollout:
+        """Start generating ``n`` samples per record; ``after``: from the adapter that training
+        call publishes, started the moment it lands. Multi-turn episodes cannot run ahead (each
         turn waits on the last one's tools): they run when waited on."""
         msg_id = None
         if not self.multi_turn:
             prompts = [r[self.spec.data.prompt_field] for r in records]
-            msg_id = self.client.generate_async(prompts, msgspec.structs.replace(sampling, n=n))
+            msg_id = self.client.generate_async(prompts, msgspec.structs.replace(sampling, n=n),
+                                                after.msg_id if after is not None else None)
         return PendingRollout(records, n, sampling, msg_id)
 
     def wait(self, pending: PendingRollout) -> Rollout:
@@ -471,6 +494,23 @@ class Job:
         if not publish:
             return self.client.train_step(batch, hp)
         metrics, self.version = self.client.train_and_publish(batch, hp)
+        return metrics
+
+    def train_async(self, rollout: Rollout, advantages: list[float], hp: TrainHParams) -> PendingTrain:
+        """Start one optimizer step on ``rollout`` and the publish of its result, in one call;
+        ``wait_train`` for its metrics. A ``rollout_async(..., after=`` it``)`` sent meanwhile
+        samples from the new adapter without waiting on this process."""
+        batch = rollout.batch(advantages)
+        if not batch.input_ids:  # every episode failed before generating a token
+            self.log("no sample with a token to learn from: update skipped")
+            return PendingTrain(None)
+        return PendingTrain(self.client.train_and_publish_async(batch, hp))
+
+    def wait_train(self, pending: PendingTrain) -> dict[str, float]:
+        """The metrics of ``train_async``'s step; the policy version moves to the one it published."""
+        if pending.msg_id is None:
+            return {}
+        metrics, self.version = self.client.published(self.client.wait(pending.msg_id))
         return metrics
 
     def publish(self) -> int:

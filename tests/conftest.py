@@ -115,6 +115,25 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             build.wait()
 
 
+@pytest.fixture
+def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A real daemon object on a real socket and journal, no workers; what it sends is
+    recorded in ``d.sent`` as (identity, opcode, body) instead."""
+    from daemon.main import Daemon
+    from plexctl import auth
+
+    monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
+    d = Daemon(tmp_path / "state", [str(tiny_model)], [])
+    d.sent = []
+    d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
+    yield d
+    if not d.sock.closed:
+        d.authenticator.stop()
+        d.sock.close()
+        d.journal.close()
+
+
 @pytest.fixture(scope="session")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("plexrl-home")).up(tiny_model, "--device-slots", "2", "--max-loras", "2")

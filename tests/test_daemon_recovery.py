@@ -16,29 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from daemon import procs
 from daemon.main import Daemon, JobRuntime
-from plexctl import auth
 from plexctl import protocol as P
 from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
-    d = Daemon(tmp_path / "state", [str(tiny_model)], [])
-    d.sent = []
-    d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
-    yield d
-    if not d.sock.closed:
-        d.authenticator.stop()
-        d.sock.close()
-        d.journal.close()
 
 
 def adopted_job(d: Daemon, tiny_model: Path, name: str) -> str:

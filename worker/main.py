@@ -62,13 +62,48 @@ OUTBOX = "inproc://plexw-outbox"
 PREFETCH = "prefetch"  # queue of state prefetches, served beside the trainer
 
 
+class Followers:
+    """Tasks the daemon sent ahead of the task they follow (``TaskBody.after``, a task of this
+    worker), e.g. a job's next generate behind its ``train_step`` that publishes the adapter it
+    samples from: held until that task ends, then routed to their engine by the thread that
+    ended it, with no trip to the daemon in between (it succeeded), or failed (it failed)."""
+
+    KEEP = 4096  # outcomes of the latest tasks kept, for followers that arrive after their task ended
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.route: Callable[[P.TaskBody], None] = lambda _t: None  # set by the I/O thread
+        self.ended: dict[int, bool] = {}  # task id -> ok
+        self.waiting: dict[int, list[P.TaskBody]] = {}  # task id -> the tasks that follow it
+
+    def admit(self, t: P.TaskBody) -> bool | None:
+        """For a task with ``after``: True, route it now; False, the task it follows failed;
+        None, held until that task ends."""
+        with self.lock:
+            ok = self.ended.get(t.after)
+            if ok is None:
+                self.waiting.setdefault(t.after, []).append(t)
+            return ok
+
+    def task_ended(self, task_id: int, ok: bool) -> list[P.TaskBody]:
+        """Record a task's outcome; the tasks that were waiting for it."""
+        with self.lock:
+            self.ended[task_id] = ok
+            if len(self.ended) > self.KEEP:
+                del self.ended[next(iter(self.ended))]
+            return self.waiting.pop(task_id, [])
+
+
 class WorkerIO(threading.Thread):
     """Socket I/O, heartbeats and task routing, on its own thread."""
 
     def __init__(self, endpoint: str, worker_id: str, register: P.RegisterReq,
                  queues: dict[str, "queue.Queue[P.TaskBody]"], parent_pid: int | None,
-                 endpoint_file: Path | None = None) -> None:
+                 endpoint_file: Path | None = None, followers: Followers | None = None) -> None:
         super().__init__(name="plexw-io", daemon=True)
+        self.followers = followers or Followers()
+        self.dealer: zmq.Socket | None = None  # the socket to the daemon, made on this thread
+        self.followers.route = self._route_task
         self.endpoint = endpoint
         self.endpoint_file = endpoint_file
         self.resident: Callable[[], dict[str, str]] = dict  # job -> trainer engine, for registering again
@@ -81,7 +116,7 @@ class WorkerIO(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        dealer = self.ctx.socket(zmq.DEALER)
+        dealer = self.dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, f"wrk:{self.worker_id}".encode())
         dealer.setsockopt(zmq.LINGER, 1000)
         keys = auth.internal_keys_from_env()  # the daemon (or the Slurm node task) names the cluster's keys
@@ -150,31 +185,52 @@ class WorkerIO(threading.Thread):
             log.warning("dropped bad message from daemon: %s", exc)
             return
         if op == P.Op.TASK:
+            if body.after:
+                ok = self.followers.admit(body)
+                if ok is None:
+                    return  # routed when the task it follows ends
+                if not ok:
+                    failed = P.ResultBody(body.task_id, False, error=f"{body.method} was to follow task {body.after}, which failed")
+                    send_frames(self.dealer, P.encode(P.Op.RESULT, failed)[0])
+                    return
             if body.method == "shutdown":  # the daemon is stopping: its jobs have checkpointed
                 log.info("the daemon is stopping; exiting")
                 logging.shutdown()
                 os._exit(0)
-            if body.method == "prefetch":
-                self.queues[PREFETCH].put(body)
-                return
-            q = self.queues.get(body.engine_id)
-            if q is None:
-                log.error("task %d for unknown engine %s", body.task_id, body.engine_id)
-                return
-            q.put(body)
+            self._route_task(body)
+
+    def _route_task(self, body: P.TaskBody) -> None:
+        """To the queue of the engine (or the prefetcher) it is for."""
+        if body.method == "prefetch":
+            self.queues[PREFETCH].put(body)
+            return
+        q = self.queues.get(body.engine_id)
+        if q is None:
+            log.error("task %d for unknown engine %s", body.task_id, body.engine_id)
+            return
+        q.put(body)
 
 
 class Outbox:
-    """Per-thread PUSH socket to the I/O thread."""
+    """Per-thread PUSH socket to the I/O thread. With ``followers``, a result also starts the
+    tasks that were waiting for it (or fails them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, followers: Followers | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.PUSH)
         self.sock.connect(OUTBOX)
+        self.followers = followers
 
     def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0,
                info: dict[str, Any] | None = None) -> None:
         body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds, info=info or {})
+        waiting = self.followers.task_ended(task_id, ok) if self.followers is not None else []
         send_frames(self.sock, P.encode(P.Op.RESULT, body)[0])
+        if self.followers is not None:  # after the result: the daemon hears of this task first
+            for t in waiting:
+                if ok:
+                    self.followers.route(t)
+                else:
+                    self.result(t.task_id, False, error=f"{t.method} was to follow task {task_id}, which failed")
 
     def register(self, req: P.RegisterReq) -> None:
         send_frames(self.sock, P.encode(P.Op.REGISTER, req)[0])
@@ -318,10 +374,11 @@ def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
     return [first, *_take_waiting(tasks, limit - 1)]
 
 
-def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int,
+                 followers: Followers | None = None) -> None:
     """Continuous batching: between engine steps, tasks that arrived join the running batch
     (up to ``capacity`` generate tasks in flight); with nothing in flight, wait for one."""
-    server, out = RolloutServer(engine), Outbox()
+    server, out = RolloutServer(engine), Outbox(followers)
     while True:
         if not server.busy:
             server.admit(_take(tasks, capacity), out)
@@ -342,18 +399,19 @@ def _take_waiting(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBo
     return batch
 
 
-def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
-    server, out = TrainerServer(store), Outbox()
+def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]", followers: Followers | None = None) -> None:
+    server, out = TrainerServer(store), Outbox(followers)
     while True:
         server.serve(tasks.get(), out)
 
 
-def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int) -> None:
+def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int,
+                followers: Followers | None = None) -> None:
     """Both engines of this worker served from one thread, from one queue: the generates
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
     goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
     per calling thread: two engine threads mean two teams spinning on the same cores."""
-    rollout, trainer, out = RolloutServer(engine), TrainerServer(store), Outbox()
+    rollout, trainer, out = RolloutServer(engine), TrainerServer(store), Outbox(followers)
     while True:
         batch = _take(tasks, 1 << 10)
         gens = [t for t in batch if t.engine_id.endswith("/rollout")]
@@ -434,8 +492,9 @@ def main(argv: list[str] | None = None) -> None:
     if shared and len(decls) == 2:  # one thread serves both engines, from one queue
         queues[decls[1].engine_id] = queues[decls[0].engine_id]
     queues[PREFETCH] = queue.Queue()
+    followers = Followers()
     io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None,
-                  args.endpoint_file)
+                  args.endpoint_file, followers)
     io.start()
     io.bound.wait()
     outbox = Outbox()
@@ -479,14 +538,14 @@ def main(argv: list[str] | None = None) -> None:
         threading.Thread(target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]),
                          name="plexw-prefetch", daemon=True).start()
     if "rollout" in engines and "trainer" in engines and shared:
-        shared_loop(engines["rollout"], engines["trainer"], queues[rollout_id], args.rollout_capacity)
+        shared_loop(engines["rollout"], engines["trainer"], queues[rollout_id], args.rollout_capacity, followers)
     elif "rollout" in engines:
         if "trainer" in engines:
-            threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id]),
+            threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id], followers),
                              name="plexw-trainer", daemon=True).start()
-        rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity)
+        rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity, followers)
     else:
-        trainer_loop(engines["trainer"], queues[trainer_id])
+        trainer_loop(engines["trainer"], queues[trainer_id], followers)
 
 
 def _leave(worker_id: str) -> None:

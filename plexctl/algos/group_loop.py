@@ -3,8 +3,10 @@
 Per step: take ``prompts_per_step`` prompts from the job's data iterator, sample
 ``group_size`` completions each with the current (or, under ``max_staleness`` >= 1, one
 version older) policy, score them, let the algorithm turn rewards into one advantage per
-sample, run one ``train_step`` with the algorithm's loss, ``publish`` the new adapter, record
-the metrics, evaluate and checkpoint every N steps. Everything goes through ``plexctl.rl``.
+sample, run one ``train_step`` with the algorithm's loss and ``publish`` the new adapter (one
+call; the next step's generate is sent behind it, and the daemon starts it the moment the
+publish lands), record the metrics, evaluate and checkpoint every N steps. Everything goes
+through ``plexctl.rl``.
 
 An algorithm (``GRPO``, ``DrGRPO``, ``DAPO``, ``RLOO``) is a subclass that fills in:
 ``advantages(rollout)``, and optionally ``hparams()`` (its loss), ``collect(step, rollout)``
@@ -21,7 +23,7 @@ import abc
 import time
 from typing import Any
 
-from plexctl.rl import Job, PendingRollout, Rollout, TrainHParams
+from plexctl.rl import Job, PendingRollout, PendingTrain, Rollout, TrainHParams
 
 
 class ErrorRateExceeded(Exception):
@@ -57,10 +59,10 @@ class GroupLoop(abc.ABC):
 
     # -- the loop
 
-    def next_rollout(self, step: int) -> PendingRollout:
+    def next_rollout(self, step: int, after: PendingTrain | None = None) -> PendingRollout:
         a = self.spec.algo
         return self.job.rollout_async(self.job.prompts.next_batch(a.prompts_per_step), a.group_size,
-                                      self.job.sampling(step, a.group_size))
+                                      self.job.sampling(step, a.group_size), after)
 
     def check_error_rate(self, step: int, seen: Rollout) -> float:
         rate = seen.errors / len(seen.rewards)
@@ -86,13 +88,14 @@ class GroupLoop(abc.ABC):
             boundary = job.prompts.state()  # where step + 1 starts: what a checkpoint after this step resumes
             if a.max_staleness > 0 and not last:
                 pending = self.next_rollout(step + 1)  # overlaps this step's training
-            train: dict[str, Any] = {}
+            training = PendingTrain(None)
             if trained.samples:
-                train = job.train(trained, self.advantages(trained), self.hp, publish=True)
+                training = job.train_async(trained, self.advantages(trained), self.hp)  # and publish
             else:
                 job.log(f"step {step + 1}: no group to learn from, update skipped")
-            if a.max_staleness == 0 and not last:
-                pending = self.next_rollout(step + 1)
+            if a.max_staleness == 0 and not last:  # from the adapter this step publishes, sent now
+                pending = self.next_rollout(step + 1, after=training)  # started when the publish lands
+            train: dict[str, Any] = job.wait_train(training)
             lengths = seen.lengths
             row = {
                 "reward_mean": sum(seen.rewards) / len(seen.rewards),
