@@ -487,24 +487,25 @@ class Job:
               publish: bool = False) -> dict[str, float]:
         """One optimizer step on ``rollout`` with one advantage per sample; ``publish``: then
         make the result the rollout policy, in the same call (``version`` follows)."""
+        if publish:
+            return self.wait_train(self.train_async(rollout, advantages, hp))
+        batch = self._batch(rollout, advantages)
+        return self.client.train_step(batch, hp) if batch is not None else {}
+
+    def _batch(self, rollout: Rollout, advantages: list[float]) -> TrainBatch | None:
+        """``rollout``'s batch; None (noted in the log) when no sample has a token to learn from."""
         batch = rollout.batch(advantages)
         if not batch.input_ids:  # every episode failed before generating a token
             self.log("no sample with a token to learn from: update skipped")
-            return {}
-        if not publish:
-            return self.client.train_step(batch, hp)
-        metrics, self.version = self.client.train_and_publish(batch, hp)
-        return metrics
+            return None
+        return batch
 
     def train_async(self, rollout: Rollout, advantages: list[float], hp: TrainHParams) -> PendingTrain:
         """Start one optimizer step on ``rollout`` and the publish of its result, in one call;
         ``wait_train`` for its metrics. A ``rollout_async(..., after=`` it``)`` sent meanwhile
         samples from the new adapter without waiting on this process."""
-        batch = rollout.batch(advantages)
-        if not batch.input_ids:  # every episode failed before generating a token
-            self.log("no sample with a token to learn from: update skipped")
-            return PendingTrain(None)
-        return PendingTrain(self.client.train_and_publish_async(batch, hp))
+        batch = self._batch(rollout, advantages)
+        return PendingTrain(self.client.train_and_publish_async(batch, hp) if batch is not None else None)
 
     def wait_train(self, pending: PendingTrain) -> dict[str, float]:
         """The metrics of ``train_async``'s step; the policy version moves to the one it published."""
