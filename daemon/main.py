@@ -652,7 +652,8 @@ class Daemon:
         ahead = rt.sent_ahead.pop(call.msg_id, [])
         if body.ok and rt.job_id in self.sched.jobs:  # the worker started them as this task ended
             for ahead_task, engine_id in ahead:
-                self.sched.claim(ahead_task, engine_id, now)
+                if engine_id in self.sched.engines:
+                    self.sched.claim(ahead_task, engine_id, now)
         if not body.ok:  # and the worker fails those it was sent ahead
             self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
             for f_identity, f_header, f_body in followers:
