@@ -12,6 +12,10 @@ Threads:
   installs signal handlers; the trainer engine (torch + peft) on its own thread, or, on CPU,
   on the main thread too (``shared_loop``: one OpenMP team instead of two on the same cores).
 
+A task the daemon sends ahead of the task it follows (``TaskBody.after``: a job's next generate
+behind the train step that publishes its adapter) waits in ``Followers`` and is routed by the
+engine thread that ends that task, the moment it ends (failed, if that task failed).
+
 The rollout loop batches continuously: between engine steps, the generate tasks that arrived
 join the running vLLM batch, whatever jobs they belong to (one adapter per job), and each task
 is answered as soon as its own prompts finish.
@@ -92,6 +96,11 @@ class Followers:
             if len(self.ended) > self.KEEP:
                 del self.ended[next(iter(self.ended))]
             return self.waiting.pop(task_id, [])
+
+    @staticmethod
+    def failed(t: P.TaskBody) -> P.ResultBody:
+        """The result of a task whose predecessor failed: it never ran."""
+        return P.ResultBody(t.task_id, False, error=f"{t.method} was to follow task {t.after}, which failed")
 
 
 class WorkerIO(threading.Thread):
@@ -190,8 +199,7 @@ class WorkerIO(threading.Thread):
                 if ok is None:
                     return  # routed when the task it follows ends
                 if not ok:
-                    failed = P.ResultBody(body.task_id, False, error=f"{body.method} was to follow task {body.after}, which failed")
-                    send_frames(self.dealer, P.encode(P.Op.RESULT, failed)[0])
+                    send_frames(self.dealer, P.encode(P.Op.RESULT, self.followers.failed(body))[0])
                     return
             if body.method == "shutdown":  # the daemon is stopping: its jobs have checkpointed
                 log.info("the daemon is stopping; exiting")
@@ -230,7 +238,7 @@ class Outbox:
                 if ok:
                     self.followers.route(t)
                 else:
-                    self.result(t.task_id, False, error=f"{t.method} was to follow task {task_id}, which failed")
+                    self.result(t.task_id, False, error=self.followers.failed(t).error)
 
     def register(self, req: P.RegisterReq) -> None:
         send_frames(self.sock, P.encode(P.Op.REGISTER, req)[0])
