@@ -88,6 +88,7 @@ class WorkerState:
     engines: list[P.EngineDecl]
     ready: bool
     error: str = ""
+    devices: list[str] = field(default_factory=list)  # its CUDA_VISIBLE_DEVICES ids
 
 
 @dataclass
@@ -420,6 +421,10 @@ class Daemon:
                         f"model.path {spec.model.path!r} is not served by this cluster "
                         f"(it serves: {', '.join(sorted(self.models))})")
             return
+        refusal = self._engines_refuse(spec)
+        if refusal:
+            self._error(identity, header.msg_id, "refused", refusal)
+            return
         user = body.user if self.sender == auth.INTERNAL_USER else self.sender  # who the key says, not the body
         if spec.algo.loss_fn and user not in self.trusted_users:
             self._error(identity, header.msg_id, "untrusted",
@@ -432,6 +437,26 @@ class Daemon:
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
         self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created), header.msg_id)
+
+    def _engines_refuse(self, spec: JobSpec) -> str:
+        """Why the engines serving the job's model can never run it (its dtype, its LoRA rank, its
+        state beside every trainer's capacity), or "". Judged by the engines registered so far."""
+        model = os.path.realpath(spec.model.path)
+        decls = [d for w in self.workers.values() for d in w.engines if os.path.realpath(d.model) == model]
+        served = sorted({d.dtype for d in decls if d.dtype})
+        if spec.model.dtype is not None and served and spec.model.dtype not in served:
+            return (f"model.dtype {spec.model.dtype!r}: the engines of {spec.model.path} serve "
+                    f"{', '.join(served)} (`plexctl up --dtype`)")
+        ranks = [d.max_lora_rank for d in decls if d.kind == "rollout" and d.max_lora_rank]
+        if spec.lora is not None and ranks and spec.lora.rank > max(ranks):
+            return (f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)} "
+                    f"(`plexctl up --max-lora-rank`)")
+        capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
+        need = self._state_bytes(spec)
+        if need and capacities and need > max(capacities):
+            return (f"lora: the job's adapter and optimizer state takes {need / 2**30:.2f} GiB, more than any "
+                    f"trainer's largest tier holds ({max(capacities) / 2**30:.2f} GiB)")
+        return ""
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
         if body.job_id:
@@ -464,7 +489,8 @@ class Daemon:
                     resident=shown(j for j, h in self.sched.home.items() if h == decl.engine_id),
                     busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
                     tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
-                    swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {})))
+                    swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
+                    devices=w.devices, dtype=decl.dtype, device=decl.device))
         # idle share of engine time since this daemon started (running totals: no scan of past tasks)
         bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
@@ -553,7 +579,7 @@ class Daemon:
         if old is not None and old.identity != identity:
             self._worker_lost(body.worker_id, "re-registered")
         self.workers[body.worker_id] = WorkerState(body.worker_id, identity, body.node, now, body.engines,
-                                                   body.ready, body.error)
+                                                   body.ready, body.error, list(body.devices))
         self.resident.update(body.resident)
         if body.error:
             self.problems.append(f"worker {body.worker_id}: {body.error}")

@@ -1,8 +1,15 @@
 """What runs on each node of a Slurm allocation (one task per node, under ``srun``).
 
-The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then a worker;
-every other task starts a worker once the daemon's endpoint answers. A task of a joining
-allocation (``--join``) starts a worker only, against the daemon that already runs.
+The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then the node's
+workers; every other task starts its workers once the daemon's endpoint answers. A task of a
+joining allocation (``--join``) starts workers only, against the daemon that already runs.
+
+Workers (``plexctl.layout``): a node without GPUs runs one worker, named after the node, with
+all its engines and the node's scratch directory. A node with GPUs (``CUDA_VISIBLE_DEVICES``
+as Slurm set it) runs one worker per engine, ``NODE-gI``, each with ``CUDA_VISIBLE_DEVICES``
+set to its own GPUs and its own scratch directory under the node's. A joining allocation's
+ids carry its job id (``NODE-JOBID``, ``NODE-JOBID-gI``). A worker that fails is logged and
+the others go on; the task stops them all when it ends, and removes their scratch.
 
 Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``):
 on the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop,
@@ -31,13 +38,15 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.main import REPO_ROOT, child_env, wait_or_kill
 from plexctl import auth
 from plexctl.client import Client
 from plexctl.cluster import endpoint_path, read_endpoint
-from plexctl.errors import PlexError
+from plexctl.errors import ExitCode, PlexError
+from plexctl.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
 
 log = logging.getLogger("plexrl-node")
 
@@ -89,11 +98,46 @@ def advertise_address() -> str:
     return addr or name
 
 
-def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+def task_cpus() -> int:
+    """The CPUs this task may use: what Slurm gave it, else what the process may run on."""
+    given = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE")
+    if given and given.isdigit():
+        return int(given)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass
+class Worker:
+    """A worker process this task started, and where it keeps its files."""
+
+    placement: WorkerPlacement
+    proc: subprocess.Popen
+    scratch: Path
+    log_path: Path
+    reported: bool = False  # its exit has been logged
+
+
+def worker_command(p: WorkerPlacement, address: str, node: str, model: str, scratch: Path, tp: int,
+                   threads: int | None, extra: list[str]) -> list[str]:
+    """``python -m worker.main ...`` for one placement (the tensor-parallel size only when > 1)."""
+    cmd = [sys.executable, "-m", "worker.main", "--endpoint", address, "--worker-id", p.worker_id,
+           "--node", node, "--engines", ",".join(p.engines), "--model", model, "--scratch", str(scratch)]
+    if "rollout" in p.engines and tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    return cmd + extra
+
+
+def _spawn(cmd: list[str], log_path: Path, devices: list[str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` with its output in ``log_path``; ``devices``: its ``CUDA_VISIBLE_DEVICES``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = child_env()
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_env(), cwd=REPO_ROOT)
+                                env=env, cwd=REPO_ROOT)
 
 
 def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen | None) -> str:
@@ -114,9 +158,17 @@ def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen |
 
 
 def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait: float = 30.0) -> None:
-    if proc is not None and proc.poll() is None:
+    _stop_all([proc] if proc is not None else [], sig, wait)
+
+
+def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, wait: float = 30.0) -> None:
+    """Signal every live process at once, then give them ``wait`` seconds together before SIGKILL."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
         proc.send_signal(sig)
-        wait_or_kill(proc, wait)
+    deadline = time.monotonic() + wait
+    for proc in live:
+        wait_or_kill(proc, max(0.0, deadline - time.monotonic()))
 
 
 def requeue(job_id: str) -> bool:
@@ -138,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="engines of node i: the (i mod n)-th value, e.g. rollout,trainer (default: both)")
     ap.add_argument("--join", action="store_true", help="workers only, for a daemon that already runs")
     ap.add_argument("--scratch", default=None, help="node-local directory (default: $SLURM_TMPDIR, $TMPDIR)")
+    ap.add_argument("--gpus-per-node", type=int, default=0,
+                    help="GPUs the allocation asked per node: fewer on the node is an error (0: what it has)")
+    ap.add_argument("--rollout-gpus", type=int, default=None,
+                    help="GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)")
+    ap.add_argument("--trainer-gpus", type=int, default=None,
+                    help="GPUs of a node for trainers, one each (default: the GPUs rollout leaves)")
+    ap.add_argument("--tp", type=int, default=1, help="GPUs per rollout engine (tensor-parallel size)")
     ap.add_argument("--policy", default="spread+backfill")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--port", type=int, default=0)
@@ -155,9 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     first = env["procid"] == "0" and not args.join
     node_index = int(os.environ.get("SLURM_NODEID", env["procid"]))
     engines = (args.engines or ["rollout,trainer"])[node_index % max(1, len(args.engines or [1]))]
-    worker_id = env["node"] if not args.join else f"{env['node']}-{env['job_id']}"
-    log.info("task %s of Slurm job %s on %s (restart %s): %s", env["procid"], env["job_id"], env["node"],
-             env["restart_count"], "daemon + worker" if first else "worker")
+    base_id = env["node"] if not args.join else f"{env['node']}-{env['job_id']}"
+    try:
+        gpus = check_gpus(env["node"], node_gpus(os.environ), args.gpus_per_node)
+        placements = place_workers(base_id, gpus, engine_kinds(engines), rollout_gpus=args.rollout_gpus,
+                                   trainer_gpus=args.trainer_gpus, tp=args.tp)
+    except LayoutError as exc:
+        log.error("%s", exc)
+        return ExitCode.USAGE
+    n = len(placements)
+    log.info("task %s of Slurm job %s on %s (restart %s): %s, GPUs %s", env["procid"], env["job_id"], env["node"],
+             env["restart_count"], ("daemon + " if first else "") + f"{n} worker" + "s" * (n > 1),
+             ",".join(gpus) or "none")
 
     signalled: list[str] = []
 
@@ -169,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         log.info("got %s", name)
         if first and daemon is not None and daemon.poll() is None:
             daemon.send_signal(signal.SIGUSR1)  # drain: checkpoint every job, stop the workers
-        elif args.join and worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)  # it tells the daemon it leaves, then exits
+        elif args.join:
+            for w in workers:  # each tells the daemon it leaves, then exits
+                if w.proc.poll() is None:
+                    w.proc.send_signal(signal.SIGTERM)
 
     daemon: subprocess.Popen | None = None
-    worker: subprocess.Popen | None = None
+    workers: list[Worker] = []
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, on_signal)
 
@@ -196,13 +266,18 @@ def main(argv: list[str] | None = None) -> int:
         _stop(daemon)
         return 1
     scratch = node_scratch(args.scratch, env["job_id"], env["node"])
-    worker = _spawn([sys.executable, "-m", "worker.main", "--endpoint", address, "--worker-id", worker_id,
-                     "--node", env["node"], "--engines", engines, "--model", args.model,
-                     "--scratch", str(scratch), *args.worker_arg],
-                    state_dir / "workers" / f"{worker_id}.log")
-    log.info("worker %s (%s) pid %d, daemon at %s", worker_id, engines, worker.pid, address)
+    own_threads = n > 1 and not any(a.startswith("--threads") for a in args.worker_arg)
+    threads = max(1, task_cpus() // n) if own_threads else None  # the node's cores, shared out
+    for p in placements:
+        w_scratch = scratch / p.scratch_name if p.scratch_name else scratch
+        log_path = state_dir / "workers" / f"{p.worker_id}.log"
+        proc = _spawn(worker_command(p, address, env["node"], args.model, w_scratch, args.tp, threads,
+                                     args.worker_arg), log_path, p.devices)
+        workers.append(Worker(p, proc, w_scratch, log_path))
+        log.info("worker %s (%s) devices %s scratch %s pid %d, daemon at %s", p.worker_id, ",".join(p.engines),
+                 ",".join(p.devices) or "none", w_scratch, proc.pid, address)
 
-    code, worker_reported, daemon_restarts = 0, False, 0
+    code, daemon_restarts = 0, 0
     while True:
         if daemon is not None and daemon.poll() is not None:
             code = daemon.returncode
@@ -214,17 +289,24 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("restarting the daemon (%d/%d)", daemon_restarts, DAEMON_RESTARTS)
                 daemon = start_daemon(int(address.rsplit(":", 1)[1]))
                 continue
-            _stop(worker, wait=15)
+            _stop_all([w.proc for w in workers], wait=15)
             break
-        if worker.poll() is not None and not worker_reported:
-            worker_reported, code = True, worker.returncode
-            log.info("worker exited with code %d", code)
-            if daemon is None:
-                break
-            if not signalled:  # the daemon goes on without this node's engines
-                log.error("worker %s failed; see %s", worker_id, state_dir / "workers" / f"{worker_id}.log")
+        for w in workers:
+            if w.reported or w.proc.poll() is None:
+                continue
+            w.reported, exit_code = True, w.proc.returncode
+            code = code or exit_code  # a task of workers only exits with its first failure's code
+            if exit_code != 0 and not signalled:  # the daemon goes on without this worker's engines
+                log.error("worker %s failed with code %d; see %s", w.placement.worker_id, exit_code, w.log_path)
+            else:
+                log.info("worker %s exited with code %d", w.placement.worker_id, exit_code)
+        if daemon is None and all(w.reported for w in workers):
+            break
         time.sleep(0.2)
-    shutil.rmtree(scratch, ignore_errors=True)
+    for w in workers:
+        shutil.rmtree(w.scratch, ignore_errors=True)
+    if not args.scratch:  # ours: the job's directory on this node
+        shutil.rmtree(scratch, ignore_errors=True)
     if first and signalled and signalled[0] in REQUEUE_SIGNALS and code == 0:
         ok = requeue(env["job_id"])
         log.info("drained on %s; %s", signalled[0], "requeued" if ok else "not requeued")

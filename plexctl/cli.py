@@ -11,8 +11,10 @@ runs in a child process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +35,7 @@ from plexctl import views
 from plexctl.client import Client, current_user
 from plexctl import slurm as S
 from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, plexrl_home, read_endpoint
-from plexctl.errors import DaemonUnreachable, ExitCode, KeyRefused, PlexError, Timeout, UsageError
+from plexctl.errors import DaemonUnreachable, ExitCode, KeyRefused, PlexError, StartFailed, Timeout, UsageError
 from plexctl.protocol import JOB_STATES, JobInfo
 from plexctl.sizes import parse_bytes
 from plexctl.spec import SpecError, load_spec, spec_to_wire
@@ -91,12 +93,32 @@ def up(ctx: typer.Context,
        workers: Annotated[int, typer.Option(min=1, max=8, help="local workers (1: both engines in one)")] = 2,
        policy: Annotated[str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")]
        = "spread+backfill",
-       max_loras: Annotated[int, typer.Option(min=1, help="adapter slots in the rollout engine")] = 4,
+       max_loras: Annotated[Optional[int], typer.Option(
+           min=1, help="adapter slots in the rollout engine (default: 4 on CPU, sized for the jobs on GPUs)")]
+       = None,
+       max_lora_rank: Annotated[Optional[int], typer.Option(
+           min=1, help="highest LoRA rank the rollout engines load (default 64)")] = None,
+       device: Annotated[str, typer.Option(help="where engines run: auto (a GPU when the worker sees one) | cpu | cuda")]
+       = "auto",
+       dtype: Annotated[str, typer.Option(help="weight dtype of the engines: auto (bfloat16 on GPUs, float32 on "
+                                                "CPU) | float32 | bfloat16 | float16")] = "auto",
+       gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+           min=0.05, max=1.0, help="share of its GPUs' memory a rollout engine takes (default 0.9)")] = None,
+       micro_batch_tokens: Annotated[Optional[int], typer.Option(
+           min=1, help="padded tokens of one trainer micro-batch (default 16384)")] = None,
+       rollout_gpus: Annotated[Optional[int], typer.Option(
+           min=1, help="--slurm: GPUs of each node given to rollout engines (default: 3/4 of them)")] = None,
+       trainer_gpus: Annotated[Optional[int], typer.Option(
+           min=1, help="--slurm: GPUs of each node given to trainer engines, one each (default: 1/4 of them)")]
+       = None,
+       tp: Annotated[int, typer.Option(min=1, help="--slurm: GPUs of one rollout engine (tensor parallel)")] = 1,
        max_model_len: Annotated[Optional[int], typer.Option(
            min=16, help="tokens of a sequence (prompt and completion) the rollout engine holds "
                         "(default: the model's context, at most 4096)")] = None,
        device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state the trainer keeps on device")] = 4,
-       host_mem: Annotated[str, typer.Option(help="host-memory tier for swapped-out job state")] = "8G",
+       host_mem: Annotated[str, typer.Option(
+           help="host-memory tier for swapped-out job state; each trainer makes one arena (pinned on CUDA) "
+                "of this plus its spill, write-behind and transit allowances, 13/8 of it by default")] = "8G",
        nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")]
        = None,
        nvme_bytes: Annotated[str, typer.Option(help="capacity of the NVMe tier")] = "64G",
@@ -145,6 +167,16 @@ def up(ctx: typer.Context,
                 sizes[option] = parse_bytes(value)
             except ValueError as exc:
                 raise UsageError(f"{option}: {exc}") from None
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    engine_args = [f"--device={device}", f"--dtype={dtype}"]
+    for flag, value in (("--max-loras", max_loras), ("--max-lora-rank", max_lora_rank),
+                        ("--gpu-memory-utilization", gpu_memory_utilization),
+                        ("--micro-batch-tokens", micro_batch_tokens)):
+        if value is not None:
+            engine_args.append(f"{flag}={value}")
     c: Ctx = ctx.obj
     model = (model or _local_model_default()).resolve()
     if not (model / "config.json").exists():
@@ -152,8 +184,7 @@ def up(ctx: typer.Context,
                          "build the tiny one with `python -m worker.tiny`")
     if slurm or join:
         state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
-        worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}",
-                       *(f"{k}={v}" for k, v in sizes.items())]
+        worker_args = [*engine_args, f"--device-slots={device_slots}", *(f"{k}={v}" for k, v in sizes.items())]
         if nvme_dir is not None:
             worker_args.append(f"--nvme-dir={nvme_dir}")
         if max_model_len is not None:
@@ -164,7 +195,8 @@ def up(ctx: typer.Context,
                            cpus_per_task=cpus_per_task, mem=mem, signal_grace=signal_grace,
                            engines=engines or ["rollout,trainer"], scratch=scratch, policy=policy,
                            join=join is not None, worker_args=worker_args, drain_timeout=drain_timeout,
-                           trusted_users=list(trust_user_code or []), metrics_port=metrics_port)
+                           trusted_users=list(trust_user_code or []), metrics_port=metrics_port,
+                           rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, tp=tp)
         _up_slurm(spec, submit_with, timeout, no_wait)
         return
     c.state_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +214,7 @@ def up(ctx: typer.Context,
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
     threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
-    worker_args = [f"--max-loras={max_loras}", f"--device-slots={device_slots}", f"--threads={threads}",
+    worker_args = [*engine_args, f"--device-slots={device_slots}", f"--threads={threads}",
                    *(f"{k}={v}" for k, v in sizes.items())]
     if nvme_dir is not None:
         worker_args.append(f"--nvme-dir={nvme_dir.resolve()}")
@@ -212,7 +244,8 @@ def up(ctx: typer.Context,
                     pong = None
                 if pong is not None:
                     if pong.problems:
-                        raise DaemonUnreachable(f"cluster failed to start: {pong.problems[0]}")
+                        _stop_local(proc)
+                        raise StartFailed(f"cluster failed to start, stopped: {pong.problems[0]}")
                     spinner.update(f"starting engines: {pong.engines_ready}/{pong.engines_total} ready "
                                    f"({elapsed:.0f} s)")
                     if pong.engines_total and pong.engines_ready == pong.engines_total \
@@ -223,6 +256,17 @@ def up(ctx: typer.Context,
                   f"model {model.name}, policy {policy}, state {c.state_dir}")
     if metrics_port is not None and (c.state_dir / "metrics.json").exists():
         console.print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")
+
+
+def _stop_local(daemon: subprocess.Popen) -> None:
+    """Stop a local daemon that failed to start and the workers it started (its session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(daemon.pid, signal.SIGTERM)
+    try:
+        daemon.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(daemon.pid, signal.SIGKILL)
 
 
 def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
@@ -249,6 +293,7 @@ def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> Non
     state_dir.mkdir(parents=True, exist_ok=True)
     before = _ping_or_none(state_dir)
     workers_before = before.workers if (before and spec.join) else 0
+    expected = S.planned_workers(spec)  # workers the allocation starts (one per engine on GPU nodes)
     job_id = S.submit_submitit(spec) if via == "submitit" else S.submit_sbatch(spec)
     S.record_allocation(state_dir, S.Allocation(job_id, spec.nodes, spec.join, time.time(), via,
                                                 S.drain_timeout(spec)))
@@ -276,8 +321,8 @@ def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> Non
                 if pong.problems:
                     raise DaemonUnreachable(f"cluster failed to start: {pong.problems[0]}")
                 spinner.update(f"starting engines: {pong.engines_ready}/{pong.engines_total} ready, "
-                               f"{pong.workers - workers_before}/{spec.nodes} workers ({elapsed:.0f} s)")
-                if pong.workers - workers_before >= spec.nodes and pong.engines_ready == pong.engines_total:
+                               f"{pong.workers - workers_before}/{expected} workers ({elapsed:.0f} s)")
+                if pong.workers - workers_before >= expected and pong.engines_ready == pong.engines_total:
                     break
             time.sleep(1.0)
     console.print(f"cluster {spec.name} up in {time.monotonic() - t0:.1f} s on Slurm job {job_id}: "
@@ -446,6 +491,68 @@ def validate(files: Annotated[Optional[list[Path]], typer.Argument(help="job spe
                 print(issue, file=sys.stderr)
     if bad:
         raise typer.Exit(ExitCode.USAGE)
+
+
+@app.command()
+def plan(files: Annotated[list[Path], typer.Argument(help="job spec YAML files (one base model)")],
+         gpus: Annotated[str, typer.Option(help="the node's GPUs, e.g. 8x80G, 4x141G; 0 for a CPU node")] = "8x80G",
+         node_mem: Annotated[str, typer.Option(help="the node's host memory")] = "256G",
+         node_nvme: Annotated[str, typer.Option(help="the node's local NVMe")] = "1T",
+         tp: Annotated[int, typer.Option(min=1, help="GPUs of one rollout engine (tensor parallel)")] = 1,
+         rollout_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to rollout engines")] = None,
+         trainer_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to trainers, one each")]
+         = None,
+         dtype: Annotated[Optional[str], typer.Option(help="engine dtype (default: bfloat16 on GPUs)")] = None,
+         max_lora_rank: Annotated[int, typer.Option(min=1, help="as `plexctl up --max-lora-rank`")] = 64,
+         max_loras: Annotated[int, typer.Option(min=1, help="adapter slots of a rollout engine")] = 4,
+         device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state a trainer keeps on its GPU")] = 4,
+         host_mem: Annotated[str, typer.Option(help="host tier of each trainer, as `up --host-mem`")] = "8G",
+         nvme_bytes: Annotated[str, typer.Option(help="NVMe tier of each trainer, as `up --nvme-bytes`")] = "64G",
+         gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.9,
+         max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
+         micro_batch_tokens: Annotated[int, typer.Option(min=1)] = 16384,
+         set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
+         ) -> None:
+    """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
+    KV cache, adapter slots and job state on each tier, and what does not fit (exit 7). Needs no cluster;
+    a model directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
+    from plexctl import memplan as MP
+
+    try:
+        node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
+        options = MP.ClusterOptions(dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                    max_lora_rank=max_lora_rank, max_loras=max_loras, device_slots=device_slots,
+                                    host_tier_bytes=parse_bytes(host_mem), nvme_tier_bytes=parse_bytes(nvme_bytes),
+                                    max_model_len=max_model_len, micro_batch_tokens=micro_batch_tokens)
+        specs = [load_spec(f, set_ or [], check_files=False) for f in files]
+        engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)
+        result = MP.plan_for_specs(specs, node, engines, options)
+    except SpecError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        raise typer.Exit(ExitCode.USAGE) from None
+    except ValueError as exc:
+        raise UsageError(f"--gpus {gpus!r}: {exc}" if "GPU shape" in str(exc) else str(exc)) from None
+    print(MP.render_plan(result))
+    if not result.fits:
+        raise typer.Exit(ExitCode.REFUSED)
+
+
+def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, tp: int) -> list | None:
+    """The engines of a node as `up` places them: the layout's default split, or the GPUs asked."""
+    from plexctl import memplan as MP
+
+    if rollout_gpus is None and trainer_gpus is None:
+        return MP.default_engines(gpus, tp)
+    if gpus == 0:
+        raise UsageError("--rollout-gpus / --trainer-gpus: the node has no GPUs")
+    trainers = trainer_gpus if trainer_gpus is not None else max(1, gpus // 4)
+    rollout = rollout_gpus if rollout_gpus is not None else gpus - trainers
+    if rollout + trainers > gpus:
+        raise UsageError(f"--rollout-gpus {rollout} + --trainer-gpus {trainers} exceed the node's {gpus} GPUs")
+    if rollout % tp:
+        raise UsageError(f"--tp {tp} does not divide the {rollout} rollout GPUs")
+    return [MP.EngineShape("rollout", tp)] * (rollout // tp) + [MP.EngineShape("trainer", 1)] * trainers
 
 
 @app.command()

@@ -19,6 +19,7 @@ class ExitCode:
     INTERRUPTED = 8  # `wait`: the job was interrupted (cluster went down)
     UNTRUSTED = 9  # the job runs code in the trainer and its user is not trusted (`up --trust-user-code`)
     KEY_REFUSED = 10  # the daemon refused this client's key (`plexctl share` grants one)
+    START_FAILED = 11  # `up`: an engine could not start (a bad option for the node, a bad model); stopped
 
 
 class PlexError(Exception):
@@ -37,6 +38,12 @@ class KeyRefused(DaemonUnreachable):
     """The daemon answered the connection but refused this client's CURVE key."""
 
     exit_code = ExitCode.KEY_REFUSED
+
+
+class StartFailed(PlexError):
+    """``up``: a worker could not start its engines; the cluster was stopped again."""
+
+    exit_code = ExitCode.START_FAILED
 
 
 class NotFound(PlexError):

@@ -213,6 +213,9 @@ class EngineInfo(msgspec.Struct):
     tasks_done: int
     tiers: dict[str, Any] = msgspec.field(default_factory=dict)  # state tiers: capacity, used, jobs
     swaps: dict[str, Any] = msgspec.field(default_factory=dict)  # per direction: count, bytes, seconds
+    devices: list[str] = msgspec.field(default_factory=list)  # its worker's CUDA_VISIBLE_DEVICES ids
+    dtype: str = ""
+    device: str = ""
 
 
 class StatusReq(msgspec.Struct):
@@ -296,6 +299,9 @@ class EngineDecl(msgspec.Struct):
     model: str
     capacity: int = 1
     state_capacity_bytes: int = 0  # most job state this engine can hold on any tier (0: unknown)
+    dtype: str = ""  # the weights' dtype it serves (float32 | bfloat16 | float16; "": not said)
+    device: str = ""  # cpu | cuda
+    max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
 
 
 class RegisterReq(msgspec.Struct):

@@ -2,10 +2,13 @@
 
 ``plexctl up --slurm`` submits one allocation (through submitit by default, or the same
 batch script through ``sbatch``): ``srun`` starts one task per node running
-``daemon.node`` — the daemon and a worker on the first node, a worker on every other — and
-the allocation is asked for ``--requeue`` and a signal ``signal_grace`` seconds ahead of its
-end, so the daemon drains and the allocation comes back. ``slurm/plexrl.sbatch`` is
-``render_sbatch`` in template form for those who call ``sbatch`` themselves.
+``daemon.node`` — the daemon and the node's workers on the first node, workers on every
+other (one per engine on a GPU node, ``plexctl.layout``) — and the allocation is asked for
+``--requeue`` and a signal ``signal_grace`` seconds ahead of its end, so the daemon drains
+and the allocation comes back. ``slurm/plexrl.sbatch`` is ``render_sbatch`` in template form
+for those who call ``sbatch`` themselves. A spec that asks for GPUs also asks, unless told
+otherwise, for ``CPUS_PER_GPU`` CPUs per GPU and all of each node's memory; the layout is
+checked before anything is submitted.
 
 The cluster's state directory (on the shared filesystem) holds ``slurm.json``: which Slurm
 jobs are this cluster's allocations, so ``status`` can say what Slurm says while the daemon
@@ -30,10 +33,17 @@ import msgspec
 
 from plexctl.atomic import write_json_atomic
 from plexctl.errors import PlexError, UsageError
+from plexctl.layout import engine_kinds, place_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SLURM_FILE = "slurm.json"
 SIGNAL = "USR1"
+# Asked per node when GPUs are and the spec says nothing else (cpus_per_task, mem override them).
+CPUS_PER_GPU = 8  # an engine's process, its tokenizer/detokenizer, the trainer's data and copy-I/O threads,
+#                   and on the first node the daemon and the jobs' drivers (rewards run on CPU); GPU nodes
+#                   have 12-16 cores per GPU (DGX A100/H100), so 8 fits almost everywhere
+MEM_WITH_GPUS = "0"  # Slurm's "all of the node's memory": the pinned host tier of swapped-out job state
+#                      wants all of it, and a per-GPU figure would fail on nodes with less
 
 
 class SlurmUnavailable(PlexError):
@@ -56,8 +66,11 @@ class SlurmSpec(msgspec.Struct, kw_only=True):
     qos: str | None = None
     exclusive: bool = False
     constraint: str | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
+    cpus_per_task: int | None = None  # default: CPUS_PER_GPU per GPU, none asked without GPUs
+    mem: str | None = None  # default: MEM_WITH_GPUS with GPUs, none asked without
+    rollout_gpus: int | None = None  # GPUs per node for rollout engines (None: plexctl.layout's split)
+    trainer_gpus: int | None = None  # GPUs per node for trainers, one each (None: the rest)
+    tp: int = 1  # GPUs per rollout engine (its tensor-parallel size)
     signal_grace: int = 300
     drain_timeout: float | None = None  # default: signal_grace minus a margin for the requeue
     engines: list[str] = msgspec.field(default_factory=lambda: ["rollout,trainer"])
@@ -110,6 +123,23 @@ def drain_timeout(spec: SlurmSpec) -> float:
     return max(10.0, spec.signal_grace - max(15.0, spec.signal_grace * 0.2))
 
 
+def task_resources(spec: SlurmSpec) -> tuple[int | None, str | None]:
+    """(CPUs, memory) each node's task asks for: the spec's, else the GPU defaults (none without GPUs)."""
+    cpus = spec.cpus_per_task or (CPUS_PER_GPU * spec.gpus_per_node if spec.gpus_per_node else None)
+    mem = spec.mem or (MEM_WITH_GPUS if spec.gpus_per_node else None)
+    return cpus, mem
+
+
+def planned_workers(spec: SlurmSpec) -> int:
+    """How many workers the allocation starts, if each node gets the GPUs asked for; raises
+    ``plexctl.layout.LayoutError`` where the GPU options do not fit a node."""
+    gpus = [str(i) for i in range(spec.gpus_per_node)]
+    engines = spec.engines or ["rollout,trainer"]
+    return sum(len(place_workers(f"#{i}", gpus, engine_kinds(engines[i % len(engines)]),
+                                 rollout_gpus=spec.rollout_gpus, trainer_gpus=spec.trainer_gpus, tp=spec.tp))
+               for i in range(spec.nodes))
+
+
 # ---------------------------------------------------------------- the batch script
 
 
@@ -119,6 +149,14 @@ def node_command(spec: SlurmSpec) -> list[str]:
            "--policy", spec.policy, "--drain-timeout", f"{drain_timeout(spec):g}"]
     for e in spec.engines:
         cmd += ["--engines", e]
+    if spec.gpus_per_node:
+        cmd += ["--gpus-per-node", str(spec.gpus_per_node)]
+    if spec.rollout_gpus is not None:
+        cmd += ["--rollout-gpus", str(spec.rollout_gpus)]
+    if spec.trainer_gpus is not None:
+        cmd += ["--trainer-gpus", str(spec.trainer_gpus)]
+    if spec.tp != 1:
+        cmd += ["--tp", str(spec.tp)]
     if spec.scratch:
         cmd += ["--scratch", spec.scratch]
     if spec.join:
@@ -136,12 +174,13 @@ def sbatch_options(spec: SlurmSpec) -> list[tuple[str, str | None]]:
         ("nodes", str(spec.nodes)),
         ("ntasks-per-node", "1"),
     ]
+    cpus, mem = task_resources(spec)
     if spec.gpus_per_node:
         opts.append(("gpus-per-node", str(spec.gpus_per_node)))
-    if spec.cpus_per_task:
-        opts.append(("cpus-per-task", str(spec.cpus_per_task)))
-    if spec.mem:
-        opts.append(("mem", spec.mem))
+    if cpus:
+        opts.append(("cpus-per-task", str(cpus)))
+    if mem:
+        opts.append(("mem", mem))
     opts.append(("time", spec.time))
     for key in ("partition", "account", "qos", "constraint"):
         value = getattr(spec, key)
@@ -158,7 +197,7 @@ def render_sbatch(spec: SlurmSpec) -> str:
     """The batch script of one allocation (pure: the same spec gives the same text)."""
     lines = ["#!/bin/bash",
              f"# PlexRL cluster {spec.name!r}: " + ("workers joining its daemon" if spec.join else
-                                                   "the daemon on the first node, one worker per node") + ".",
+                                                   "the daemon on the first node, workers on every node") + ".",
              "# Written by `plexctl up --slurm`; see slurm/plexrl.sbatch to submit it with plain sbatch."]
     lines += [f"#SBATCH --{k}" + (f"={_directive_value(v)}" if v is not None else "") for k, v in sbatch_options(spec)]
     lines += ["set -euo pipefail",
@@ -180,7 +219,8 @@ TEMPLATE_HEADER = """\
 # PlexRL on a Slurm allocation, for plain `sbatch` (what `plexctl up --slurm` submits).
 #
 #   PLEXRL_STATE_DIR=/shared/$USER/.plexrl/clusters/NAME PLEXRL_MODEL=/shared/models/qwen2.5-7b \\
-#       sbatch --nodes=4 --gpus-per-node=8 --time=2-00:00:00 --partition=gpu slurm/plexrl.sbatch
+#       sbatch --nodes=4 --gpus-per-node=8 --cpus-per-task=64 --mem=0 --time=2-00:00:00 --partition=gpu \\
+#       slurm/plexrl.sbatch
 #
 # Environment (set when calling sbatch; the job inherits it):
 #   PLEXRL_STATE_DIR     required; the cluster's state directory on the shared filesystem
@@ -195,6 +235,13 @@ TEMPLATE_HEADER = """\
 #   PLEXRL_DRAIN_TIMEOUT seconds jobs get to checkpoint after the signal (default: 240; keep it
 #                        below the signal's lead time)
 #   PLEXRL_JOIN          set to 1 for workers that join a daemon already running on the state dir
+#   PLEXRL_ROLLOUT_GPUS  GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)
+#   PLEXRL_TRAINER_GPUS  GPUs of a node for trainers, one each (default: the GPUs rollout leaves)
+#   PLEXRL_TP            GPUs per rollout engine, its tensor-parallel size (default: 1)
+#
+# A node with GPUs runs one worker per engine, each on its own GPUs; a node without, one worker.
+# With --gpus-per-node=G also ask --cpus-per-task=8G (8 per GPU) and --mem=0 (all of the node's
+# memory, for the host tier of swapped-out job state), as `plexctl up --slurm` does.
 #
 # The allocation asks for --requeue and SIGUSR1 300 s before its end: the first task then drains
 # the daemon (every job checkpoints at a step boundary) and requeues the allocation, which
@@ -218,6 +265,9 @@ def render_template() -> str:
               'extra=()',
               '[ -n "${PLEXRL_SCRATCH:-}" ] && extra+=(--scratch "$PLEXRL_SCRATCH")',
               '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
+              '[ -n "${PLEXRL_ROLLOUT_GPUS:-}" ] && extra+=(--rollout-gpus "$PLEXRL_ROLLOUT_GPUS")',
+              '[ -n "${PLEXRL_TRAINER_GPUS:-}" ] && extra+=(--trainer-gpus "$PLEXRL_TRAINER_GPUS")',
+              '[ -n "${PLEXRL_TP:-}" ] && extra+=(--tp "$PLEXRL_TP")',
               'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
               'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
               '    --state-dir "$PLEXRL_STATE_DIR" --model "$PLEXRL_MODEL" \\',
@@ -239,6 +289,7 @@ def _need(command: str) -> str:
 
 def submit_sbatch(spec: SlurmSpec) -> str:
     """Write the batch script into the state directory and submit it; the Slurm job id."""
+    planned_workers(spec)  # a layout that cannot fit fails here, not on the nodes
     sbatch = _need("sbatch")
     slurm_dir = Path(spec.state_dir) / "slurm"
     slurm_dir.mkdir(parents=True, exist_ok=True)
@@ -263,13 +314,8 @@ def node_entry(argv: list[str]) -> int:
     return code
 
 
-def submit_submitit(spec: SlurmSpec) -> str:
-    """Submit the allocation through submitit (one task per node, each runs ``node_entry``)."""
-    _need("sbatch")
-    import submitit
-
-    folder = Path(spec.state_dir) / "slurm" / "submitit"
-    executor = submitit.SlurmExecutor(folder=str(folder), python=shlex.quote(spec.python))
+def submitit_parameters(spec: SlurmSpec) -> dict[str, object]:
+    """``SlurmExecutor.update_parameters`` for the allocation: what ``sbatch_options`` asks for."""
     additional: dict[str, object] = {"requeue": True, "open-mode": "append"}
     for key in ("account", "qos", "constraint"):
         if getattr(spec, key):
@@ -279,15 +325,27 @@ def submit_submitit(spec: SlurmSpec) -> str:
     params: dict[str, object] = dict(job_name=f"plexrl-{spec.name}" + ("-join" if spec.join else ""),
                                      nodes=spec.nodes, ntasks_per_node=1, time=time_minutes(spec.time),
                                      signal_delay_s=spec.signal_grace, additional_parameters=additional)
+    cpus, mem = task_resources(spec)
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
-    if spec.cpus_per_task:
-        params["cpus_per_task"] = spec.cpus_per_task
-    if spec.mem:
-        params["mem"] = spec.mem
+    if cpus:
+        params["cpus_per_task"] = cpus
+    if mem:
+        params["mem"] = mem
     if spec.partition:
         params["partition"] = spec.partition
-    executor.update_parameters(**params)
+    return params
+
+
+def submit_submitit(spec: SlurmSpec) -> str:
+    """Submit the allocation through submitit (one task per node, each runs ``node_entry``)."""
+    planned_workers(spec)  # a layout that cannot fit fails here, not on the nodes
+    _need("sbatch")
+    import submitit
+
+    folder = Path(spec.state_dir) / "slurm" / "submitit"
+    executor = submitit.SlurmExecutor(folder=str(folder), python=shlex.quote(spec.python))
+    executor.update_parameters(**submitit_parameters(spec))
     argv = node_command(spec)[3:]  # after `python -m daemon.node`
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr as well

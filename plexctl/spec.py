@@ -62,7 +62,11 @@ class ModelSpec(_Section, kw_only=True):
     """The base model every engine holds resident."""
 
     path: Annotated[str, _doc("Hugging Face model directory (with config.json); relative to the YAML file")]
-    dtype: Annotated[Literal["float32", "bfloat16", "float16"], _doc("Weight dtype of the engines")] = "float32"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"] | None,
+        _doc("Weight dtype the job needs its engines to serve (`plexctl up --dtype`; bfloat16 on GPUs, "
+             "float32 on CPU by default); null: whatever they serve"),
+    ] = None
 
 
 class LoraSpec(_Section, kw_only=True):

@@ -66,13 +66,25 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
 
 def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
     t = Table(title="engines", title_justify="left")
-    for col in ("ENGINE", "KIND", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS", "SWAPS"):
+    for col in ("ENGINE", "KIND", "ON", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS",
+                "SWAPS"):
         t.add_column(col, no_wrap=True)
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        t.add_row(e.engine_id, e.kind, "yes" if e.ready else "starting", ",".join(e.running) or "-",
+        t.add_row(e.engine_id, e.kind, placement_text(e), "yes" if e.ready else "starting", ",".join(e.running) or "-",
                   ",".join(e.resident) or "-", busy, str(e.tasks_done), tiers_text(e), swaps_text(e))
     return t
+
+
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def placement_text(e: EngineInfo) -> str:
+    """``gpu 0,1 bf16`` (its worker's GPU ids), ``cpu fp32``; ``-`` when the worker did not say."""
+    if not e.device:
+        return "-"
+    where = f"gpu {','.join(e.devices)}" if e.device == "cuda" and e.devices else e.device
+    return f"{where} {DTYPE_SHORT.get(e.dtype, e.dtype)}".strip()
 
 
 def tiers_text(e: EngineInfo) -> str:
@@ -120,10 +132,11 @@ def plain_jobs(jobs: list[JobInfo], now: float) -> str:
 
 
 def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
-    lines = [f"{'ENGINE':<14} {'KIND':<8} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
+    lines = [f"{'ENGINE':<14} {'KIND':<8} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        lines.append(f"{e.engine_id:<14} {e.kind:<8} {'yes' if e.ready else 'starting':<8} {busy:>5} "
+        lines.append(f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {'yes' if e.ready else 'starting':<8} "
+                     f"{busy:>5} "
                      f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
                      + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else ""))
     return "\n".join(lines)

@@ -1,7 +1,10 @@
 """The whole system on a real Slurm cluster: two virtual nodes on this host (slurmctld, two
-slurmd, munge; tests/slurm/start-cluster.sh), real sbatch/srun through submitit.
+slurmd, munge; tests/slurm/start-cluster.sh), each with two fake GPUs (a GRES whose device
+files alias /dev/null), real sbatch/srun through submitit.
 
-One allocation serves the module: two jobs finish on workers of both nodes; a job survives
+One allocation serves the module, asked with ``--gpus-per-node 2``: each node runs a worker
+per GPU (rollout engines on n1, trainers on n2), each seeing only its own GPU and keeping its
+own scratch directory; two jobs finish on workers of both nodes; a job survives
 the allocation's preemption signal (drain, checkpoint, requeue, resume) without losing or
 repeating a step, learning exactly what the uninterrupted job learned; ``down`` leaves no
 process and no Slurm job behind.
@@ -24,6 +27,8 @@ from conftest import Cluster
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
 STEPS = 24
+WORKERS = {"n1-g0": "0", "n1-g1": "1", "n2-g0": "0", "n2-g1": "1"}  # worker id: its CUDA_VISIBLE_DEVICES
+ENGINES = {"n1-g0/rollout", "n1-g1/rollout", "n2-g0/trainer", "n2-g1/trainer"}
 JOB_ARGS = ("--set", f"algo.steps={STEPS}", "--set", "checkpoint.every=1000", "--set", "algo.eval_every=0")
 
 
@@ -42,20 +47,58 @@ def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (it installs and starts slurmctld/slurmd)")
     start = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "start-cluster.sh")], capture_output=True,
-                           text=True, timeout=600)
+                           text=True, timeout=600, env={**os.environ, "PLEXRL_SLURM_GPUS": "2"})  # as WORKERS
     assert start.returncode == 0, start.stdout + start.stderr
     c = Cluster(tmp_path_factory.mktemp("plexrl-slurm-home"))
     c.state_dir = c.home / "clusters" / "ci"
+    # one CPU per node's task (of the test nodes' two): a joining allocation needs the other
     up = c.run("up", "--slurm", "--name", "ci", "--nodes", "2", "--engines", "rollout", "--engines", "trainer",
-               "--time", "60", "--signal-grace", "60", "--model", str(tiny_model), timeout=900)
-    if up.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
-        raise AssertionError(f"plexctl up --slurm failed ({up.returncode}): {up.stdout}{up.stderr}\n{logs}")
-    c.slurm_job = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
+               "--gpus-per-node", "2", "--cpus-per-task", "1", "--time", "60", "--signal-grace", "60",
+               "--model", str(tiny_model), timeout=900)
+    try:
+        assert up.returncode == 0, f"plexctl up --slurm failed ({up.returncode}): {up.stdout}{up.stderr}\n{logs(c)}"
+        c.slurm_job = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
+        deadline = time.monotonic() + 600  # `up` may count a worker a node: wait for all four engines
+        while not ((engines := c.status()["engines"]) and {e["engine_id"] for e in engines} == ENGINES
+                   and all(e["ready"] for e in engines)):
+            assert time.monotonic() < deadline, f"engines {engines}\n{logs(c)}"
+            time.sleep(1.0)
+    except BaseException:
+        c.run("down", timeout=180)  # leave no allocation behind
+        raise
     yield c
     c.run("down", timeout=180)
     if "(already running)" not in start.stdout:  # started here: leave no Slurm daemon behind
         subprocess.run(["bash", str(REPO / "tests" / "slurm" / "stop-cluster.sh")], capture_output=True, timeout=120)
+
+
+def logs(c: Cluster) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
+
+
+def started_workers(c: Cluster) -> dict[str, dict[str, str]]:
+    """What the node tasks say they started (the latest start of each worker): devices, scratch, pid."""
+    found: dict[str, dict[str, str]] = {}
+    line = re.compile(r"worker (\S+) \((\S+)\) devices (\S+) scratch (\S+) pid (\d+)")
+    for path in sorted((c.state_dir / "slurm").rglob("*")):  # submitit's %j_%t_log.err, sbatch's %j.out
+        if path.is_file() and path.suffix in (".err", ".out"):
+            for m in line.finditer(path.read_text(errors="replace")):
+                found[m[1]] = {"engines": m[2], "devices": m[3], "scratch": m[4], "pid": m[5]}
+    return found
+
+
+def process_env(pid: str) -> dict[str, str]:
+    """A live process's environment (the virtual nodes are this host)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def process_args(pid: str) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def arg(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def metrics(c: Cluster, job: str) -> list[dict]:
@@ -83,14 +126,31 @@ def reference_job(slurm_cluster) -> str:
 def test_two_jobs_finish_on_workers_of_both_nodes(slurm_cluster, reference_job):
     c = slurm_cluster
     status = c.status()
-    assert {e["engine_id"] for e in status["engines"]} == {"n1/rollout", "n2/trainer"}
+    assert {e["engine_id"] for e in status["engines"]} == ENGINES
     for job in (reference_job, c.other_job):
         info = c.job(job)
         assert info["state"] == "succeeded" and info["step"] == STEPS
-        assert set(info["engine"].split(",")) == {"n1/rollout", "n2/trainer"}  # served on both nodes
+        served = set(info["engine"].split(","))
+        assert served <= ENGINES and {e.split("/")[1] for e in served} == {"rollout", "trainer"}  # both nodes
     workers = {p.name for p in (c.state_dir / "workers").glob("*.log")}
-    assert workers == {"n1.log", "n2.log"}
+    assert workers == {f"{w}.log" for w in WORKERS}
     assert "n[1-2]" in slurm("squeue", "-h", "-j", c.slurm_job, "-o", "%N")
+
+
+def test_each_worker_sees_only_its_own_gpu_and_keeps_its_own_scratch(slurm_cluster):
+    c = slurm_cluster
+    started = started_workers(c)
+    assert {w: s["devices"] for w, s in started.items()} == WORKERS
+    assert {w: s["engines"] for w, s in started.items()} == dict(e.split("/") for e in ENGINES)
+    for worker, said in started.items():  # what the worker process itself got
+        env, argv = process_env(said["pid"]), process_args(said["pid"])
+        assert env["CUDA_VISIBLE_DEVICES"] == WORKERS[worker], worker
+        assert arg(argv, "--worker-id") == worker and arg(argv, "--scratch") == said["scratch"]
+        node = worker.split("-")[0]
+        assert Path(said["scratch"]).parent.name == f"plexrl-{c.slurm_job}-{node}"  # the node's, one each
+        assert Path(said["scratch"]).name == worker
+    reported = {e["worker_id"]: e.get("devices") for e in c.status()["engines"]}
+    assert all(not d or d == [WORKERS[w]] for w, d in reported.items()), reported  # where the worker reports them
 
 
 def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_step(slurm_cluster, reference_job):
@@ -140,7 +200,7 @@ def test_a_killed_daemon_is_restarted_and_its_jobs_go_on(slurm_cluster):
     assert c.job(job)["restarts"] == 0  # it went on where it was: no restart from its checkpoint
     assert "resumed from checkpoint" not in c.run("logs", job, check=True).stdout
     assert [r["step"] for r in metrics(c, job)] == list(range(1, STEPS + 1))  # none lost, none twice
-    assert {e["engine_id"] for e in c.status()["engines"]} == {"n1/rollout", "n2/trainer"}
+    assert {e["engine_id"] for e in c.status()["engines"]} == ENGINES
     assert squeue_state(c.slurm_job) == "RUNNING"  # same allocation
 
 
@@ -150,13 +210,13 @@ def test_a_joining_allocation_adds_workers_that_leave_cleanly(slurm_cluster, tin
                "--model", str(tiny_model), timeout=600)
     assert up.returncode == 0, up.stdout + up.stderr
     join_id = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
-    joined = {e["engine_id"] for e in c.status()["engines"]} - {"n1/rollout", "n2/trainer"}
-    assert len(joined) == 1 and re.fullmatch(rf"n[12]-{join_id}/trainer", joined.pop())  # same daemon
+    joined = {e["engine_id"] for e in c.status()["engines"]} - ENGINES
+    assert len(joined) == 1 and re.fullmatch(rf"n[12]-{join_id}/trainer", joined.pop())  # no GPUs: one worker
     job = c.run("submit", TINY, "--name", "beside-join", "-q", *JOB_ARGS, check=True).stdout.strip()
     assert c.run("wait", job, "--timeout", "600").returncode == 0
     slurm("scancel", join_id)  # that allocation ends: its worker tells the daemon it leaves
     deadline = time.monotonic() + 60
-    while {e["engine_id"] for e in c.status()["engines"]} != {"n1/rollout", "n2/trainer"}:
+    while {e["engine_id"] for e in c.status()["engines"]} != ENGINES:
         assert time.monotonic() < deadline, c.status()["engines"]
         time.sleep(0.5)
     assert "left the cluster" in (c.state_dir / "daemon.log").read_text()

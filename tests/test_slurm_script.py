@@ -8,6 +8,7 @@ import pytest
 
 from plexctl import slurm as S
 from plexctl.errors import UsageError
+from plexctl.layout import LayoutError
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -25,6 +26,58 @@ def two_node_spec(**changes) -> S.SlurmSpec:
 
 def test_the_batch_script_matches_its_golden_file() -> None:
     assert S.render_sbatch(two_node_spec()) == (GOLDEN / "sbatch-two-nodes.sh").read_text()
+
+
+def directives(text: str) -> dict[str, str | None]:
+    """The ``#SBATCH`` options of a batch script (submitit's or ours), as sbatch reads them."""
+    found: dict[str, str | None] = {}
+    for line in text.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --"):].partition("=")
+            found[key] = value or None
+    return found
+
+
+def test_a_gpu_allocation_asks_for_gpus_cpus_and_memory_and_passes_the_layout() -> None:
+    text = S.render_sbatch(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2))
+    opts = directives(text)
+    assert (opts["gpus-per-node"], opts["cpus-per-task"], opts["mem"]) == ("8", "64", "0")  # 8 CPUs a GPU, the node's memory
+    assert "--gpus-per-node 8 --rollout-gpus 4 --trainer-gpus 4 --tp 2" in text  # each node checks what it got
+    assert S.planned_workers(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2)) == 2 * (2 + 4)
+
+
+def test_the_users_cpus_and_memory_replace_the_gpu_defaults() -> None:
+    opts = directives(S.render_sbatch(two_node_spec(gpus_per_node=4, cpus_per_task=12, mem="200G")))
+    assert (opts["gpus-per-node"], opts["cpus-per-task"], opts["mem"]) == ("4", "12", "200G")
+
+
+def test_without_gpus_nothing_of_the_gpu_defaults_is_asked() -> None:
+    text = S.render_sbatch(two_node_spec(gpus_per_node=0))
+    assert not {"gpus-per-node", "cpus-per-task", "mem"} & set(directives(text))
+    assert "--gpus-per-node" not in text and "--tp" not in text and "-gpus " not in text
+    assert S.planned_workers(two_node_spec(gpus_per_node=0, nodes=3)) == 3  # one worker a node, as before
+
+
+def test_submitit_asks_for_what_the_batch_script_asks(tmp_path: Path) -> None:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    for spec in (two_node_spec(), two_node_spec(gpus_per_node=0, exclusive=False)):
+        ours = directives(S.render_sbatch(spec))
+        theirs = directives(_make_sbatch_string(command="true", folder=tmp_path, **S.submitit_parameters(spec)))
+        keys = ["nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem", "partition", "account",
+                "qos", "constraint", "exclusive", "requeue"]
+        assert {k: theirs.get(k) for k in keys} == {k: ours.get(k) for k in keys}
+        assert theirs["signal"].endswith("@300")  # submitit's own signal (USR2), as far ahead
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_anything_is_submitted(tmp_path: Path) -> None:
+    spec = two_node_spec(state_dir=str(tmp_path), gpus_per_node=8, rollout_gpus=6, trainer_gpus=4)
+    for submit in (S.submit_sbatch, S.submit_submitit):
+        with pytest.raises(LayoutError, match=r"^--rollout-gpus 6 \+ --trainer-gpus 4 = 10: more than the 8 GPUs"):
+            submit(spec)
+    assert not (tmp_path / "slurm").exists()
+    with pytest.raises(LayoutError, match="^--tp 3 does not divide"):
+        S.planned_workers(two_node_spec(engines=["rollout", "trainer"], gpus_per_node=8, tp=3))
 
 
 def test_a_joining_allocation_runs_workers_only() -> None:

@@ -29,7 +29,7 @@ from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
 from worker.state_store import HostBufferPool, StateStore
-from worker.state_copy import PAGE_BYTES, aligned_host_buffer
+from worker.state_copy import PAGE_BYTES
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
@@ -632,7 +632,7 @@ def test_a_copy_in_a_buffer_of_its_pages_or_a_larger_one_comes_back_exactly(mode
     slot = trainer._job("j0").slot
     assert slot.whole and slot.device.numel() % PAGE_BYTES == 0 and slot.device.numel() >= slot.spec.nbytes
     exact, larger = HostBufferPool(), HostBufferPool()
-    larger.give(aligned_host_buffer(slot.device.numel() + PAGE_BYTES))  # fits: at most twice the size
+    larger.give(larger.take(slot.device.numel() + PAGE_BYTES))  # fits: at most twice the size
     for pool, numel in ((exact, slot.device.numel()), (larger, slot.device.numel() + PAGE_BYTES)):
         copy = trainer.export_state("j0", pool)
         assert copy.memory.numel() == numel

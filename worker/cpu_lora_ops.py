@@ -21,14 +21,17 @@ around; upstream PR #48421).
 
 The ``sgmv`` (prefill) ops expand per-sequence indices to per-token indices and call the
 ``bgmv`` ops through their module's globals, so replacing the three ``bgmv`` functions in
-that module, its package and the punica wrapper covers every path (``install``).
+that module, its package and the punica wrapper covers every path (``install``); the CPU
+engine installs them, a CUDA engine never does.
 """
 
 from __future__ import annotations
 
 import torch
 
-OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+from worker import vllm_private
+
+OPS = vllm_private.CPU_LORA_OPS  # the ops replaced, in each of vllm_private.CPU_LORA_OP_MODULES
 TILE = 64  # rows per matrix multiply: every multiply has the same shape, whatever the batch
 
 
@@ -100,11 +103,8 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
 
 
 def install() -> None:
-    """Put these ops where vLLM's CPU punica wrapper (and the sgmv ops) look them up."""
-    import vllm.lora.ops.torch_ops as package
-    import vllm.lora.ops.torch_ops.lora_ops as ops
-    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
-
-    for name in OPS:
-        for module in (ops, package, punica_cpu):
+    """Put these ops where vLLM's CPU punica wrapper (and the sgmv ops) look them up
+    (``worker.vllm_private.CPU_LORA_OP_MODULES``)."""
+    for module in vllm_private.cpu_lora_op_modules():
+        for name in OPS:
             setattr(module, name, globals()[name])

@@ -57,6 +57,14 @@ from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl import protocol as P
 from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.sizes import parse_bytes
+from worker.engine_args import DEFAULT_MAX_LORA_RANK, adapter_slots
+from worker.engine_options import (
+    DTYPES,
+    EngineOptions,
+    OptionError,
+    engine_options,
+    visible_device_ids,
+)
 
 log = logging.getLogger("plexw")
 
@@ -450,18 +458,31 @@ def write_behind_bytes(asked: int | None, host_mem: int) -> int:
     return asked if asked is not None else max(host_mem // 4, 1 << 30)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--worker-id", default=socket.gethostname())
     ap.add_argument("--node", default=socket.gethostname(), help="node name shown in status")
     ap.add_argument("--engines", default="rollout,trainer")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto", help="where the engines run: auto (cuda when this process sees a "
+                    "GPU, else cpu), cpu or cuda")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="weight dtype of the engines (auto: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
     ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
-    ap.add_argument("--max-loras", type=int, default=4, help="adapter slots in the rollout engine")
+    ap.add_argument("--max-loras", type=int, default=None,
+                    help="adapter slots in the rollout engine (default: 4 on CPU; on CUDA sized for --expected-jobs)")
+    ap.add_argument("--expected-jobs", type=int, default=16, help="jobs the cluster runs at once (adapter slots)")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank the rollout engine loads")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="share of its GPUs' memory the rollout engine takes (weights, KV cache); CUDA only")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one rollout engine")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="padded tokens of one trainer micro-batch (default: by device)")
+    ap.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
+                    help="recompute activations in backward (auto: where the memory plan says it pays)")
     ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="tokens of a sequence the rollout engine holds (default: the model's context, at most 4096)")
@@ -480,6 +501,40 @@ def main(argv: list[str] | None = None) -> None:
                          "(auto: one on CPU, own with CUDA)")
     ap.add_argument("--endpoint-file", type=Path, default=None,
                     help="the cluster's endpoint.json: where a restarted daemon is")
+    return ap
+
+
+def build_engines(args: argparse.Namespace, kinds: list[str], options: EngineOptions, model: str) -> dict[str, Any]:
+    """The worker's resident engines, as its options say: ``trainer`` (a ``StateStore`` around the
+    ``TrainerEngine``) and/or ``rollout`` (a ``RolloutEngine``)."""
+    engines: dict[str, Any] = {}
+    if "trainer" in kinds:
+        from worker.state_store import StateStore
+        from worker.trainer import TrainerEngine
+
+        nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+        trainer = TrainerEngine(model, dtype=options.dtype, device=options.device, threads=args.threads,
+                                micro_batch_tokens=options.micro_batch_tokens,
+                                gradient_checkpointing=_checkpointing(args.gradient_checkpointing, options, model))
+        engines["trainer"] = StateStore(trainer, device_slots=args.device_slots, host_bytes=args.host_mem,
+                                        nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes,
+                                        write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem))
+    if "rollout" in kinds:
+        from worker.rollout import RolloutEngine, default_max_model_len
+
+        max_loras, max_cpu_loras = _adapter_slots(args, options.device)
+        engines["rollout"] = RolloutEngine(
+            model, dtype=options.dtype, max_lora_rank=args.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+            max_model_len=args.max_model_len or default_max_model_len(model), platform=options.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            **({"gpu_memory_utilization": args.gpu_memory_utilization}
+               if args.gpu_memory_utilization is not None else {}))
+    return engines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
@@ -490,12 +545,25 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not kinds:
         ap.error(f"--engines: unknown engine kinds {sorted(unknown)}")
     model = os.path.realpath(args.model)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        options = engine_options(args.device, args.dtype, args.micro_batch_tokens, _cuda(), visible)
+    except OptionError as exc:
+        options, option_error = None, str(exc)
+    else:
+        option_error = ""
+    device = options.device if options else "cpu"
+    max_lora_rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
     decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1,
-                          state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0)
+                          state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0,
+                          dtype=options.dtype if options else "", device=device,
+                          max_lora_rank=max_lora_rank if k == "rollout" else 0)
              for k in kinds]
     register = P.RegisterReq(worker_id=args.worker_id, node=args.node, pid=os.getpid(),
-                             engines=decls, ready=False, mem_bytes=_mem_bytes())
-    shared = args.engine_threads == "one" or (args.engine_threads == "auto" and not _cuda())
+                             engines=decls, ready=False, mem_bytes=_mem_bytes(), devices=visible_device_ids(visible))
+    log.info("worker %s on %s: engines %s, device %s, CUDA_VISIBLE_DEVICES=%s, scratch %s", args.worker_id,
+             args.node, ",".join(kinds), device, visible if visible is not None else "(unset)", args.scratch)
+    shared = args.engine_threads == "one" or (args.engine_threads == "auto" and device != "cuda")
     queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
     if shared and len(decls) == 2:  # one thread serves both engines, from one queue
         queues[decls[1].engine_id] = queues[decls[0].engine_id]
@@ -507,25 +575,11 @@ def main(argv: list[str] | None = None) -> None:
     io.bound.wait()
     outbox = Outbox()
 
-    engines: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
-        if "trainer" in kinds:
-            from worker.state_store import StateStore
-            from worker.trainer import TrainerEngine
-
-            nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
-            engines["trainer"] = StateStore(TrainerEngine(model, dtype=args.dtype, threads=args.threads),
-                                            device_slots=args.device_slots, host_bytes=args.host_mem,
-                                            nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes,
-                                            write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem))
-        if "rollout" in kinds:
-            from worker.rollout import RolloutEngine, default_max_model_len
-
-            engines["rollout"] = RolloutEngine(model, dtype=args.dtype, max_loras=args.max_loras,
-                                               max_cpu_loras=max(args.max_cpu_loras or 2 * args.max_loras,
-                                                                 args.max_loras),
-                                               max_model_len=args.max_model_len or default_max_model_len(model))
+        if options is None:
+            raise OptionError(option_error)
+        engines = build_engines(args, kinds, options, model)
     except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
         log.error("engine start failed: %s", traceback.format_exc())
         outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))
@@ -565,6 +619,32 @@ def _leave(worker_id: str) -> None:
     finally:
         logging.shutdown()
         os._exit(0)
+
+
+def _adapter_slots(args: argparse.Namespace, device: str) -> tuple[int, int]:
+    """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs."""
+    if args.max_loras is not None:
+        return args.max_loras, max(args.max_cpu_loras or 2 * args.max_loras, args.max_loras)
+    return adapter_slots(args.expected_jobs, device)
+
+
+def _checkpointing(asked: str, options: EngineOptions, model: str) -> bool:
+    """Gradient checkpointing as asked; auto: where a micro-batch's activations would not fit
+    beside the weights on the device (never on CPU, where memory is rarely the limit)."""
+    if asked != "auto":
+        return asked == "on"
+    if options.device != "cuda":
+        return False
+    import torch
+
+    from plexctl.memplan import weights_bytes
+    from plexctl.state_size import model_config
+    from worker.train_batches import wants_gradient_checkpointing
+
+    config = model_config(model)
+    free = torch.cuda.mem_get_info()[0] - weights_bytes(config, options.dtype)
+    return wants_gradient_checkpointing("cuda", options.micro_batch_tokens, int(config["hidden_size"]),
+                                        int(config["num_hidden_layers"]), max(0, free))
 
 
 def _cuda() -> bool:

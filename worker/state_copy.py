@@ -7,8 +7,8 @@ and every copy of it are laid out the same way, so moving the state is one copy 
 (two on CUDA), never one per tensor. ``JobStateCopy`` is such a copy in host memory, as
 ``TrainerEngine.export_state`` returns it and ``worker.state_store`` keeps it on host or
 writes it to nvme; its tensors are views made on first use (``TensorViews``,
-``SpecBuffers``). ``BufferPool`` keeps the flat buffers copies live in, so that a swap lands in
-memory that is already mapped (and pinned on CUDA).
+``SpecBuffers``). ``BufferPool`` gives the flat buffers copies live in: blocks of a
+``HostArena`` (``worker.host_arena``), a few kept for the next copies.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import torch
 
 from plexctl.protocol import LoraConfig
 from worker.errors import StateCopyError
+from worker.host_arena import PAGE_BYTES, HostArena, HostMemoryError, page_round
 
 ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
 OPTIM_PREFIX = "optim/"
 RNG_PREFIX = "rng/"
-PAGE_BYTES = 4096  # host buffers start on a page (O_DIRECT file I/O needs it)
 POOL_KEEP = 2  # free buffers a BufferPool keeps for the next copies; parked slots that keep theirs on CPU
+POOL_ARENA_BYTES = 1 << 30  # the arena of a host pool made without one (mapped as used, never pinned)
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,11 +281,13 @@ class BufferPool:
     """Reusable flat uint8 buffers on one device, so that a state copy lands in memory that is
     already allocated and mapped (and pinned) instead of faulting in fresh pages on every swap.
 
-    Host buffers are page-aligned (O_DIRECT reads and writes take them) and pinned with
-    ``pinned``. ``take(n)`` returns a free buffer of at least ``n`` bytes (at most twice that,
-    so a small copy does not sit on a big buffer) or a new one; ``give`` takes it back once
-    nothing views it any more. It keeps at most ``keep`` free buffers (the largest): at most
-    ``keep`` times the largest state, outside any tier's accounting. Thread-safe.
+    Host buffers are blocks of ``arena`` (a ``HostArena`` of its own, ``POOL_ARENA_BYTES``,
+    when none is given): page-aligned (O_DIRECT reads and writes take them), whole pages,
+    pinned when the arena is. ``take(n)`` returns a free buffer of at least ``n`` bytes (at
+    most ``oversize`` times that, so a small copy does not sit on a big buffer) or a new block;
+    ``give`` takes it back once nothing views it any more. It keeps at most ``keep`` free
+    buffers (the largest), blocks of the arena too: when the arena cannot serve a take they go
+    back to it first, then ``HostMemoryError`` (device buffers come from torch). Thread-safe.
 
     A buffer of exactly the asked-for pages (a state of the size that last used it: every swap
     of a job after its first) is taken without the lock, with one atomic ``list.pop``: with the
@@ -292,10 +295,15 @@ class BufferPool:
     a good part of what a small state's swap adds to its copy.
     """
 
-    def __init__(self, pinned: bool = False, keep: int = POOL_KEEP, device: str | torch.device = "cpu") -> None:
+    def __init__(self, arena: HostArena | None = None, keep: int = POOL_KEEP, device: str | torch.device = "cpu",
+                 oversize: float = 2.0) -> None:
         self.device = torch.device(device)
-        self.pinned = pinned and self.device.type == "cpu"
+        self.arena: HostArena | None = None  # device buffers come from torch
+        if self.device.type == "cpu":
+            self.arena = arena if arena is not None else HostArena(POOL_ARENA_BYTES)
+        self.pinned = self.arena is not None and self.arena.pinned
         self.keep = keep
+        self.oversize = oversize
         self._free: dict[int, list[torch.Tensor]] = {}  # bytes -> free buffers of that size
         self._lock = threading.Lock()  # give, and a take that is not of an exact size
         self.allocated = 0  # buffers made (and their bytes), for tests and benchmarks
@@ -312,12 +320,13 @@ class BufferPool:
         return value
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned)."""
+        """A 1-D uint8 buffer of at least ``nbytes`` (host: a multiple of PAGE_BYTES, page-aligned);
+        ``HostMemoryError`` when the arena has no block for it even with the free ones back."""
         same = self._free.get(nbytes)  # whole pages already, as a job slot's own size is
         if same:
             size = nbytes
         else:
-            size = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+            size = page_round(nbytes)
             same = self._free.get(size)
         if same:
             try:
@@ -329,35 +338,63 @@ class BufferPool:
                 return buffer
         with self._lock:
             for free in sorted(self._free):  # the smallest that fits
-                if size <= free <= 2 * size and self._free[free]:
+                if size <= free <= self.oversize * size and self._free[free]:
                     next(self._reuses)
                     return self._free[free].pop()
+            if self.arena is None:
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            else:
+                try:
+                    buffer = self.arena.allocate(size)
+                except HostMemoryError:  # the free buffers first
+                    self._release_free()
+                    buffer = self.arena.allocate(size)
             self.allocated += 1
             self.allocated_bytes += size
-        if self.device.type != "cpu":
-            return torch.empty(size, dtype=torch.uint8, device=self.device)
-        return aligned_host_buffer(size, self.pinned)
+            return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
+        """Take back a buffer that ``take`` gave (ValueError for a host buffer that is not a
+        block of the arena in use); kept, or back to the arena."""
         with self._lock:
             if any(b is buffer for buffers in self._free.values() for b in buffers):
                 return
+            if self.arena is not None and not self.arena.owns(buffer):
+                raise ValueError("not a buffer of this pool's host arena (given back twice?)")
             self._free.setdefault(buffer.numel(), []).append(buffer)
             count = sum(len(buffers) for buffers in self._free.values())
             for free in sorted(self._free):  # the smallest go first
                 buffers = self._free[free]
                 while count > self.keep and buffers:
                     try:
-                        buffers.pop(0)
+                        self._drop(buffers.pop(0))
                         count -= 1
                     except IndexError:  # a lock-free take emptied it
                         break
             for free in [free for free, buffers in self._free.items() if not buffers]:
                 del self._free[free]
 
+    def release_free(self) -> None:
+        """Give every free buffer kept back to the arena."""
+        with self._lock:
+            self._release_free()
+
     def free_bytes(self) -> int:
         with self._lock:
             return sum(free * len(buffers) for free, buffers in self._free.items())
+
+    def _release_free(self) -> None:
+        for buffers in self._free.values():
+            while buffers:
+                try:
+                    self._drop(buffers.pop())
+                except IndexError:  # a lock-free take emptied it
+                    break
+        self._free.clear()
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        if self.arena is not None:
+            self.arena.free(buffer)
 
 
 def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:

@@ -6,7 +6,7 @@ exactly one of three tiers:
 
 - ``device``: live in the trainer's PeftModel and AdamW (on CUDA when there is a GPU), for at
   most ``device_slots`` jobs: the jobs being served;
-- ``host``: a ``JobStateCopy`` in host memory (pinned when CUDA is available), up to
+- ``host``: a ``JobStateCopy`` in the store's ``HostArena`` (pinned on a CUDA engine), up to
   ``host_bytes`` in all;
 - ``nvme``: the same copy in a node-local directory, up to ``nvme_bytes`` in all. nvme copies
   are scratch that never outlives the process (see below), so a copy is one file of raw bytes
@@ -30,9 +30,8 @@ directory is made once, by the store; a write is one open, the writes, one fdata
 one open, one fstat, the reads. Files are reused rather than deleted: when a copy leaves nvme
 (read back and landed on host or device) its file becomes a *spare*, and a later copy of the
 same size (or up to half smaller) is written over it in place (cut to size after), which
-allocates and frees no blocks, so its fdatasync flushes data only: on the VM disk this was
-measured on, overwriting a 0.4 MB file cost about 150 us against about 400 us for truncating
-and rewriting it and 470 us for a new file, and an unlink about 120 us more. A copy that
+allocates and frees no blocks, so its fdatasync flushes data only (0.4 MB on a VM disk: about
+150 us, against 400-470 us rewritten or new, and 120 us more to unlink). A copy that
 finds no spare of its size gets a new file (``O_EXCL``: never anything that was there). The
 store keeps at most ``copy_dir.KEEP_SPARES`` spares (``worker.copy_dir`` names the files and
 keeps the spares), and never more than ``nvme_bytes`` leaves beside
@@ -115,7 +114,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -125,6 +124,7 @@ from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.copy_dir import CopyDirectory
 from worker.copy_files import NvmeCopy, read_copy, unlink_all, write_copy
 from worker.errors import JobConfigError, TierFullError
+from worker.host_arena import HostArena, HostMemoryError
 from worker.state_copy import (
     BufferPool,
     JobStateCopy,
@@ -132,6 +132,7 @@ from worker.state_copy import (
 from worker.trainer import TrainerEngine, lora_signature
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
@@ -139,6 +140,7 @@ _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 BACKGROUND_MOVES_KEPT = 4096  # background moves kept for background_moves()
+TRANSIT_MIN_BYTES = 256 << 20  # host memory for copies between tiers (StateStore's transit_bytes), at least
 
 
 # ---------------------------------------------------------------- errors
@@ -243,11 +245,21 @@ class StateStore:
         clock: Callable[[], float] = time.perf_counter,
         host_spill_bytes: int | None = None,
         write_behind_bytes: int = 0,
+        transit_bytes: int | None = None,
     ) -> None:
         """``host_spill_bytes``: how far host copies may exceed ``host_bytes`` while nvme is out
         of space (default a quarter of ``host_bytes``). ``write_behind_bytes``: how far they may
         exceed it while on their way to nvme, written by a background thread after
-        ``ensure_resident`` returned (0: written before it returns)."""
+        ``ensure_resident`` returned (0: written before it returns). ``transit_bytes``: host
+        memory for copies no tier counts, in transit (an evicted state before it is placed or
+        while it is written to nvme, one read from nvme until it is imported, the copy swapped
+        in from host while the evicted one takes its room) and whole pages (default an eighth
+        of ``host_bytes``, at least ``TRANSIT_MIN_BYTES``).
+
+        Host copies live in ``self.arena``, a ``HostArena`` of the sum of the four, made here
+        (pinned on a CUDA engine): all the host memory the store uses. When it has no block for
+        a copy, host copies are demoted to nvme (least soon needed first) until it has, else
+        ``HostMemoryError`` (a ``TierFullError``): the job stays where it was."""
         if device_slots < 1:
             raise ValueError(f"device_slots must be >= 1, got {device_slots}")
         if host_bytes < 0 or nvme_bytes < 0:
@@ -257,6 +269,7 @@ class StateStore:
         self.host_bytes = host_bytes
         self.host_spill_bytes = host_bytes // 4 if host_spill_bytes is None else max(0, host_spill_bytes)
         self.write_behind_bytes = max(0, write_behind_bytes)
+        self.transit_bytes = max(host_bytes // 8, TRANSIT_MIN_BYTES) if transit_bytes is None else max(0, transit_bytes)
         self.nvme_dir = Path(nvme_dir) if nvme_dir is not None else None
         self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
         # its copy files, and the spares kept to be overwritten by new copies (within nvme_bytes)
@@ -273,7 +286,10 @@ class StateStore:
         self._behind_bytes = 0  # bytes of copies handed to the write-behind thread, not yet written
         self._writer: ThreadPoolExecutor | None = None  # the write-behind thread, made on first use
         self._handoffs = itertools.count(1)  # numbers the copies handed to the write-behind thread
-        self._pool = HostBufferPool(pinned=_pin_if_cuda())  # host copies: exported, or read from nvme
+        self.arena = HostArena(self.host_bytes + self.host_spill_bytes + self.write_behind_bytes + self.transit_bytes,
+                               pinned=_on_cuda(trainer))
+        # host copies, exported or read from nvme: blocks of exactly their pages (none sits on a larger one)
+        self._pool = HostBufferPool(self.arena, oversize=1.0)
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
         self._nvme_nospace = 0  # nvme writes that failed for lack of space
         self._nvme_full_at: float | None = None  # clock time of the latest such failure
@@ -300,17 +316,19 @@ class StateStore:
                         self._touch(record)
                         return _Moves().report(self._clock() - started)
                     record.moving_to = DEVICE
-            moves = _Moves()
+            moves, buffer = _Moves(), None
             try:
-                incoming, read_seconds, buffer = self._take_incoming(record)
+                incoming, read_seconds, buffer = self._take_incoming(record, moves)
                 credit = record.nbytes if record is not None and record.tier == HOST else 0
                 self._make_room(job_id, credit, moves)
                 self._swap_in(job_id, record, incoming, read_seconds, lora, seed, weight_decay, moves)
-                if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
-                    self._give_back_buffer(record, buffer)
             except BaseException:
                 self._unmark([record] if record is not None else [])
+                if buffer is not None and record is not None and record.tier == NVME:  # read for nothing
+                    self._pool.give(buffer)
                 raise
+            if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
+                self._give_back_buffer(record, buffer)
         return moves.report(self._clock() - started)
 
     def set_upcoming(self, job_ids: list[str]) -> None:
@@ -347,7 +365,7 @@ class StateStore:
             started = self._clock()  # the read alone
             state, buffer = self._read_nvme(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
-        except _NoSpace:  # host copies that did not go down stay; so does the job, on nvme
+        except (_NoSpace, HostMemoryError):  # host copies that did not go down stay; so does the job, on nvme
             self._unmark(pending)
             return False
         except BaseException:
@@ -423,6 +441,9 @@ class StateStore:
             for tier, info in tiers.items():
                 info["used_bytes"] = self._used(tier)
                 info["jobs"] = sorted(r.job_id for r in self._records.values() if r.tier == tier)
+            arena = self.arena.stats()
+            tiers[HOST]["arena"] = {"capacity": arena.capacity, "in_use": arena.in_use,
+                                    "largest_free": arena.largest_free, "pinned": self.arena.pinned}
             in_flight = {
                 r.job_id: f"{r.tier}->{r.moving_to}"
                 for r in self._records.values()
@@ -441,7 +462,8 @@ class StateStore:
 
     # ------------------------------------------------------------ swapping in
 
-    def _take_incoming(self, record: _Record | None) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
+    def _take_incoming(self, record: _Record | None,
+                       moves: _Moves) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
         """The copy to import (read and verified if on nvme), the seconds the read took, and
         the pool buffer under the copy (to give back once imported), if any."""
         if record is None:
@@ -450,7 +472,7 @@ class StateStore:
             assert record.host_copy is not None
             return record.host_copy, 0.0, record.host_buffer
         started = self._clock()
-        state, buffer = self._read_nvme(record)
+        state, buffer = self._in_host_memory(lambda: self._read_nvme(record), record, moves)
         return state, self._clock() - started, buffer
 
     def _swap_in(
@@ -505,7 +527,7 @@ class StateStore:
         """Copy the victim off the device into a pool buffer, place the copy (demoting others if
         needed), release it."""
         started = self._clock()
-        state = self.trainer.export_state(victim.job_id, self._pool)
+        state = self._in_host_memory(lambda: self.trainer.export_state(victim.job_id, self._pool), victim, moves)
         export_seconds = self._clock() - started
         try:
             with self._cond:
@@ -629,6 +651,38 @@ class StateStore:
         """An exported copy that is not kept: its buffer goes back to the pool."""
         if state.memory is not None:
             self._pool.give(state.memory)
+
+    def _in_host_memory(self, copy: Callable[[], _T], record: _Record, moves: _Moves) -> _T:
+        """``copy()``, which fills a pool buffer (an export, a read from nvme); when the arena
+        has no block for it, settled host copies go to nvme (least soon needed first), or moves
+        under way are waited for, and it is tried again. ``HostMemoryError`` when neither is
+        possible (nothing was copied)."""
+        while True:
+            try:
+                return copy()
+            except HostMemoryError as exc:
+                short = exc
+            with self._cond:
+                settled = [r for r in self._records.values()
+                           if r.tier == HOST and r.moving_to is None and self._nvme_fits(r.nbytes)]
+                demoted = min(settled, key=self._least_soon_first, default=None)
+                if demoted is None:
+                    if self._behind_bytes or any(r.moving_to in (HOST, NVME) for r in self._records.values()):
+                        self._cond.wait()  # copies landing on nvme free their blocks
+                        continue
+                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") \
+                        from None
+                demoted.moving_to = NVME
+            try:
+                self._demote(demoted)
+            except BaseException as exc:
+                self._unmark([demoted])
+                if isinstance(exc, _NoSpace):
+                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") \
+                        from None
+                raise
+            moves.demoted.append(demoted.job_id)
+            moves.bytes += demoted.nbytes
 
     def _spill_to_host(self, victim: _Record, nbytes: int) -> str:
         """After nvme ran out of space for the victim's copy or for the demotions that made room:
@@ -951,8 +1005,9 @@ def _check_same_lora(record: _Record, lora: LoraConfig) -> None:
         )
 
 
-def _pin_if_cuda() -> bool:
-    return torch.cuda.is_available()
+def _on_cuda(trainer: TrainerEngine) -> bool:
+    """Whether the trainer runs on CUDA: then host copies are pinned."""
+    return getattr(getattr(trainer, "device", None), "type", None) == "cuda"
 
 
-HostBufferPool = BufferPool  # the store's host copies live in its buffers (pinned when CUDA is available)
+HostBufferPool = BufferPool  # the store's host copies live in its buffers, blocks of its arena

@@ -13,8 +13,20 @@ writes / verifies / restores durable checkpoints (adapter + optimizer + the driv
 ``extra``, with a sha256 manifest), atomically. A write that runs out of disk space or quota
 (ENOSPC, EDQUOT) removes its temp dir, leaves the previous checkpoint as it was and raises
 ``NoSpaceError``, one line with the directory, the bytes it needed and the bytes free. The
-loss terms live in ``worker.loss_terms``, the state's layout, host copies and buffer pool in
-``worker.state_copy``, checkpoint files in ``worker.checkpoint_files``, errors in ``worker.errors``.
+loss terms live in ``worker.loss_terms``, the chunked log-probs in ``worker.token_logprobs``,
+the state's layout, host copies and buffer pool in ``worker.state_copy``, checkpoint files in
+``worker.checkpoint_files``, errors in ``worker.errors``.
+
+Memory and precision. A step runs in micro-batches of at most ``micro_batch_rows`` rows and
+``micro_batch_tokens`` padded tokens (rows in order, each padded to its own longest row; the
+loss weights are computed over the whole batch first, so the micro-batches' gradients add up
+to the batch's). Each micro-batch runs the decoder to hidden states, then the lm_head and an
+fp32 log-softmax ``logprob_chunk_tokens`` loss-mask positions at a time: no batch's full
+logits ever exist. A bfloat16 / float16 engine holds the base weights in that dtype and runs
+under autocast; adapters and AdamW's state stay float32 (peft upcasts adapters), so a job's
+state and its size (``plexctl.state_size``) do not depend on the engine's dtype; published
+adapters are written in the engine's dtype, checkpoints in float32. With
+``gradient_checkpointing`` the decoder layers recompute their activations in the backward.
 
 How jobs share it. One ``peft.PeftModel`` holds every resident job's adapter side by side
 (``add_adapter`` once per job, under an engine-unique name). A call activates the
@@ -49,9 +61,11 @@ the state plus about 10-20 microseconds.
 What it deliberately does not do. No scheduling, no deciding which job lives on which memory
 tier or writing copies to disk (``worker.state_store`` does that with ``export_state`` /
 ``import_state``), no sockets, no rollout. Rows of different jobs are not mixed in
-one forward yet (peft's per-row ``adapter_names`` routing is the road to that). Full
-fine-tunes are not handled here. The engine is not thread-safe: the worker calls it from one
-thread. Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic kernels.
+one forward yet (peft's per-row ``adapter_names`` routing is the road to that). Rows are not
+split or reordered to fit a micro-batch; models whose logits are post-processed after the
+lm_head (soft-capping, scaling) are refused. Full fine-tunes are not handled here. The engine
+is not thread-safe: the worker calls it from one thread. Bit-exactness is a CPU guarantee; on
+GPU it additionally needs deterministic kernels.
 """
 
 from __future__ import annotations
@@ -62,9 +76,10 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import msgspec
 import torch
@@ -72,6 +87,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from plexctl.protocol import (
     LoraConfig,
@@ -125,14 +141,17 @@ from worker.state_copy import (
     dtype_name,
     state_spec,
 )
+from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head, token_logprobs
 from worker.train_batches import (
     Rows,
     check_batch,
     check_hparams,
     check_token_rows,
+    micro_batch_bounds,
     pad_old_logprobs,
     pad_rows,
     slice_rows,
+    wants_gradient_checkpointing,  # noqa: F401 - the worker imports its sizing rule from here
 )
 
 PARKED_ADAPTERS_MAX = 4  # released adapters kept (with their slots) for import_state to reuse
@@ -282,15 +301,34 @@ class TrainerEngine:
         device: str = "cpu",
         threads: int | None = None,
         micro_batch_rows: int | None = None,
+        micro_batch_tokens: int | None = None,
+        logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
+        gradient_checkpointing: bool = False,
     ) -> None:
+        """``dtype``: the base weights' (bfloat16 / float16 engines also compute under autocast;
+        adapters and AdamW stay float32). ``micro_batch_rows`` / ``micro_batch_tokens``: a
+        forward/backward takes at most so many rows / padded tokens (None: no limit).
+        ``logprob_chunk_tokens``: positions whose logits exist at once. ``gradient_checkpointing``:
+        the decoder layers recompute their activations in the backward."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
+        if logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be at least 1, got {logprob_chunk_tokens}")
         if threads is not None:
             torch.set_num_threads(threads)
         self.model_path = model_path
+        self.dtype = dtype
         self.device = torch.device(device)
         self.micro_batch_rows = micro_batch_rows
-        self._base = _load_base_model(model_path, DTYPES[dtype], self.device)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.gradient_checkpointing = gradient_checkpointing
+        self._torch_dtype = DTYPES[dtype]
+        self._base = _load_base_model(model_path, self._torch_dtype, self.device, gradient_checkpointing)
+        # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
+        self._checkpointed_layers = [m for m in self._base.modules()
+                                     if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
         self._peft: PeftModel | None = None  # created with the first job's adapter
         self._jobs: dict[str, _JobState] = {}
         self._cuda = self.device.type == "cuda"
@@ -491,20 +529,20 @@ class TrainerEngine:
         rows = pad_rows(input_ids, loss_mask, self.device)
         model = self._activate(job, train=False)
         columns: list[torch.Tensor] = []
-        with torch.no_grad():
-            for part in self._micro_batches(rows):
-                logits = _forward_logits(model, part.input_ids, part.attention_mask)
-                logp = _token_logprobs(logits, part.input_ids)
-                columns.extend(torch.where(part.loss_mask, logp, 0.0).cpu())
+        with torch.no_grad(), self._forward_context():
+            for _, _, part in self._micro_batches(rows):
+                logp, _ = self._token_logprobs(model, part)
+                columns.extend(logp.cpu())
         return [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
 
     # ------------------------------------------------------------ adapters and checkpoints
 
     def save_adapter(self, job_id: str, out_dir: str) -> None:
         """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically
-        (``NoSpaceError`` when its filesystem is full)."""
+        (``NoSpaceError`` when its filesystem is full), its weights in the engine's dtype (what
+        the rollout engine serves in); a checkpoint keeps them as trained, in float32."""
         job = self._job(job_id)
-        weights = self._adapter_weights(job)
+        weights = self._adapter_weights(job, self._torch_dtype)
         write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp, weights),
                              what=f"adapter of job {job_id!r}", nbytes=len(weights))
 
@@ -703,10 +741,34 @@ class TrainerEngine:
         self._peft.train(train)
         return self._peft
 
-    def _micro_batches(self, rows: Rows) -> Iterator[Rows]:
-        size = self.micro_batch_rows or len(rows.lengths)
-        for start in range(0, len(rows.lengths), size):
-            yield slice_rows(rows, start, start + size)
+    def _micro_batches(self, rows: Rows) -> Iterator[tuple[int, int, Rows]]:
+        """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch."""
+        for start, stop in micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens):
+            yield start, stop, slice_rows(rows, start, stop)
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """Autocast to the engine's dtype (bfloat16 / float16 engines); with gradient checkpointing
+        and a gradient, the decoder layers themselves (not their submodules: no dropout changes)
+        in training mode, which is when transformers checkpoints them."""
+        cast = torch.autocast(self.device.type, dtype=self._torch_dtype) \
+            if self._torch_dtype != torch.float32 else contextlib.nullcontext()
+        layers = self._checkpointed_layers if torch.is_grad_enabled() else []
+        modes = [layer.training for layer in layers]
+        for layer in layers:
+            layer.training = True
+        try:
+            with cast:
+                yield
+        finally:
+            for layer, mode in zip(layers, modes):
+                layer.training = mode
+
+    def _token_logprobs(self, model: torch.nn.Module, part: Rows, entropy: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) at the micro-batch's loss-mask positions, 0 elsewhere."""
+        return token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask,
+                              self.logprob_chunk_tokens, entropy)
 
     # ------------------------------------------------------------ internals: the loss
 
@@ -724,10 +786,10 @@ class TrainerEngine:
             raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
         job.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
-        start = 0
         with self._job_rng(job):
-            for part in self._micro_batches(rows):
-                stop = start + len(part.lengths)
+            for start, stop, part in self._micro_batches(rows):
+                if not part.loss_mask.any():  # all its weights are 0: nothing to add
+                    continue
                 width = part.loss_mask.shape[1]
                 self._accumulate_micro_batch(
                     job,
@@ -739,7 +801,6 @@ class TrainerEngine:
                     sums,
                     user_loss,
                 )
-                start = stop
         return sums.metrics(tokens)
 
     def _accumulate_micro_batch(
@@ -755,8 +816,9 @@ class TrainerEngine:
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
         model = self._activate(job, train=job.lora.dropout > 0)
-        logits = _forward_logits(model, part.input_ids, part.attention_mask)
-        logp = _token_logprobs(logits, part.input_ids)
+        with self._forward_context():
+            logp, entropy = self._token_logprobs(model, part, entropy=True)
+        assert entropy is not None
         if user_loss is not None:
             terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
         elif hp.loss == "pg-tis":
@@ -765,7 +827,7 @@ class TrainerEngine:
             terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
         loss = (terms.loss * weights).sum()
         loss.backward()
-        sums.add(part.loss_mask, weights, terms, loss, _token_entropy(logits.detach()))
+        sums.add(part.loss_mask, weights, terms, loss, entropy)
 
     def _user_loss(self, hp: TrainHParams) -> Callable[..., torch.Tensor]:
         """The trusted user's ``loss_fn``, imported once per (target, path)."""
@@ -781,9 +843,8 @@ class TrainerEngine:
     def _reference_logprobs(self, job: _JobState, part: Rows) -> torch.Tensor:
         """Log-probs under the base model (every adapter disabled), no gradient."""
         model = self._activate(job, train=False)
-        with torch.no_grad(), model.disable_adapter():
-            logits = _forward_logits(model, part.input_ids, part.attention_mask)
-            return _token_logprobs(logits, part.input_ids)
+        with torch.no_grad(), model.disable_adapter(), self._forward_context():
+            return self._token_logprobs(model, part)[0]
 
     def _clip_gradients(self, job: _JobState, max_grad_norm: float) -> float:
         max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
@@ -821,10 +882,10 @@ class TrainerEngine:
     # ------------------------------------------------------------ internals: files
 
     @staticmethod
-    def _adapter_weights(job: _JobState) -> bytes:
+    def _adapter_weights(job: _JobState, dtype: torch.dtype | None = None) -> bytes:
         """The adapter's safetensors file, in memory (written by ``write_file``, whose errors
-        keep their errno, unlike safetensors' own writer)."""
-        tensors = {key: param.detach().to("cpu", copy=True) for key, param in job.params.items()}
+        keep their errno, unlike safetensors' own writer); in ``dtype``, else as held."""
+        tensors = {key: param.detach().to("cpu", dtype=dtype, copy=True) for key, param in job.params.items()}
         return safetensors_bytes(tensors, metadata={"format": "pt"})
 
     def _write_adapter_files(self, job: _JobState, directory: Path, weights: bytes) -> None:
@@ -871,11 +932,18 @@ class TrainerEngine:
 # ---------------------------------------------------------------- model helpers
 
 
-def _load_base_model(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _load_base_model(model_path: str, dtype: torch.dtype, device: torch.device,
+                     gradient_checkpointing: bool) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    check_plain_head(model.config)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # non-reentrant checkpoints reach the adapters inside a layer without a grad-requiring
+        # input: the embeddings' hook transformers adds would only extend the backward
+        model.disable_input_require_grads()
     return model
 
 
@@ -907,22 +975,6 @@ def _peft_file_key(param_name: str, adapter_name: str) -> str:
     if param_name.endswith(f".{adapter_name}"):
         return param_name[: -len(adapter_name) - 1]
     return param_name.replace(f".{adapter_name}.", ".")
-
-
-def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-
-
-def _token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens < t) for t >= 1, from the logits at t - 1: shape [B, L-1]."""
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def _token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the predictive distribution at each position that predicts a token: [B, L-1]."""
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

@@ -10,11 +10,18 @@
 # slurmctld on 127.0.0.1:6817, config in /etc/slurm/slurm.conf (so sbatch,
 # srun, squeue, scontrol work from a plain shell), state and spool under
 # /var/lib/plexrl-slurm and /var/spool/slurmd/<node>, logs in /var/log/slurm.
+# Each node has fake GPUs: a GRES "gpu" (gres.conf, AutoDetect=off) whose
+# device files are character devices aliasing /dev/null (1:3), made with
+# mknod under /run/plexrl-slurm/dev (slurmd refuses regular files: "is not a
+# valid character or block device").  A job asking --gpus-per-node=N gets
+# CUDA_VISIBLE_DEVICES=0,..,N-1 in its tasks, as on a GPU node; nothing can
+# compute on them.
 #
 # Knobs (environment):
 #   PLEXRL_SLURM_CPUS      CPUs declared per virtual node (default 2; may exceed
 #                          the real core count: SlurmdParameters=config_overrides)
 #   PLEXRL_SLURM_MEM_MB    RealMemory per virtual node (default 4096)
+#   PLEXRL_SLURM_GPUS      fake GPUs per virtual node (default 2; 0: no GRES)
 #   PLEXRL_SLURM_TIMEOUT   seconds to wait for both nodes to be idle (default 90)
 #   PLEXRL_SLURM_CRED_EXPIRE  AuthInfo=cred_expire (default 10, min 5): a requeued
 #                          job becomes eligible again this many seconds + 1 later;
@@ -23,6 +30,8 @@ set -euo pipefail
 
 CPUS="${PLEXRL_SLURM_CPUS:-2}"
 MEM_MB="${PLEXRL_SLURM_MEM_MB:-4096}"
+GPUS="${PLEXRL_SLURM_GPUS:-2}"
+[ "$GPUS" -ge 0 ] 2>/dev/null || { echo "start-cluster: PLEXRL_SLURM_GPUS must be a number >= 0" >&2; exit 2; }
 WAIT_S="${PLEXRL_SLURM_TIMEOUT:-90}"
 CRED_EXPIRE="${PLEXRL_SLURM_CRED_EXPIRE:-10}"
 [ "$CRED_EXPIRE" -ge 5 ] 2>/dev/null || { echo "start-cluster: PLEXRL_SLURM_CRED_EXPIRE must be >= 5 (Slurm ignores smaller values and uses 120)" >&2; exit 2; }
@@ -31,10 +40,12 @@ declare -A PORT=([n1]=17001 [n2]=17002)
 
 CONF_DIR=/etc/slurm
 CONF="$CONF_DIR/slurm.conf"
+GRES_CONF="$CONF_DIR/gres.conf"
 STATE_DIR=/var/lib/plexrl-slurm/state
 SPOOL_BASE=/var/spool/slurmd
 LOG_DIR=/var/log/slurm
 RUN_DIR=/run/plexrl-slurm
+GPU_DEV_DIR="$RUN_DIR/dev"
 HOST="$(hostname -s)"
 
 log() { echo "start-cluster: $*" >&2; }
@@ -132,6 +143,19 @@ install -d -m 755 "$CONF_DIR" "$LOG_DIR" "$RUN_DIR" /var/lib/plexrl-slurm
 install -d -m 700 "$STATE_DIR"
 for n in "${NODES[@]}"; do install -d -m 755 "$SPOOL_BASE/$n"; done
 
+# fake GPUs: /run/plexrl-slurm/dev/<node>-gpu<i>, character devices (1:3, like /dev/null)
+gres_node=""
+if [ "$GPUS" -gt 0 ]; then
+  install -d -m 755 "$GPU_DEV_DIR"
+  for n in "${NODES[@]}"; do
+    for i in $(seq 0 $((GPUS - 1))); do
+      dev="$GPU_DEV_DIR/$n-gpu$i"
+      [ -c "$dev" ] || { rm -f "$dev"; mknod -m 666 "$dev" c 1 3 || die "mknod $dev failed (fake GPUs need CAP_MKNOD; PLEXRL_SLURM_GPUS=0 skips them)"; }
+    done
+  done
+  gres_node=" Gres=gpu:$GPUS"
+fi
+
 new_conf="$(mktemp)"
 cat >"$new_conf" <<EOF
 # Written by tests/slurm/start-cluster.sh (PlexRL test cluster); rewritten on each start.
@@ -163,6 +187,7 @@ SwitchType=switch/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+GresTypes=gpu
 SchedulerType=sched/backfill
 # Periodic passes often enough that jobs whose BeginTime passed (requeued
 # jobs) start within a couple of seconds (defaults: 60 s / 30 s).
@@ -187,17 +212,32 @@ Waittime=0
 UnkillableStepTimeout=30
 MailProg=/bin/true
 
-NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=${PORT[n1]} CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
-NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=${PORT[n2]} CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=${PORT[n1]} CPUs=$CPUS RealMemory=$MEM_MB$gres_node State=UNKNOWN
+NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=${PORT[n2]} CPUs=$CPUS RealMemory=$MEM_MB$gres_node State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
+
+new_gres="$(mktemp)"
+{
+  echo "# Written by tests/slurm/start-cluster.sh: fake GPUs (device files aliasing /dev/null)."
+  echo "AutoDetect=off"
+  if [ "$GPUS" -gt 0 ]; then
+    for n in "${NODES[@]}"; do
+      echo "NodeName=$n Name=gpu File=$GPU_DEV_DIR/$n-gpu[0-$((GPUS - 1))]"
+    done
+  fi
+} >"$new_gres"
 
 conf_changed=0
 if ! cmp -s "$new_conf" "$CONF"; then
   conf_changed=1
   install -m 644 "$new_conf" "$CONF"
 fi
-rm -f "$new_conf"
+if ! cmp -s "$new_gres" "$GRES_CONF"; then
+  conf_changed=1
+  install -m 644 "$new_gres" "$GRES_CONF"
+fi
+rm -f "$new_conf" "$new_gres"
 
 # ---------------------------------------------------------------- health
 nodes_ready() { # both nodes responding and schedulable (idle / allocated / mixed)
@@ -215,7 +255,7 @@ all_alive() {
 summary() {
   local st
   st="$(sinfo -h -N -p debug -o '%N:%t' | sort -u | tr '\n' ' ')"
-  echo "plexrl-ci slurm cluster up: controller $HOST(127.0.0.1):6817, nodes ${st% } (CPUs=$CPUS RealMemory=$MEM_MB each), partition debug, conf $CONF ($1)"
+  echo "plexrl-ci slurm cluster up: controller $HOST(127.0.0.1):6817, nodes ${st% } (CPUs=$CPUS RealMemory=$MEM_MB GPUs=$GPUS each), partition debug, conf $CONF ($1)"
 }
 
 if [ "$conf_changed" = 0 ] && all_alive && nodes_ready; then

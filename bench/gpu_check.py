@@ -1,0 +1,257 @@
+"""GPU acceptance check for a lent GPU machine: the worker's own wiring on CUDA, measured.
+
+Builds a 0.5B-class Qwen2 in code (Qwen2.5-0.5B's shape, random init: this measures speed and
+memory, not learning) and runs, each part bounded and recorded as it ends:
+
+1. ``trainer``: the worker's ``build_engines`` (``--device cuda``, dtype auto -> bf16) makes the
+   state store and trainer engine; GRPO steps of ROWS x SEQ tokens on the 152k vocabulary with
+   a rank-32 LoRA on every projection, micro-batched by the token budget; step time and peak
+   GPU memory;
+2. ``swap``: the same store swaps several jobs through device and pinned host memory; the
+   state copies' bandwidth beside a raw pinned ``copy_`` (cudaMemcpy) of the same bytes, in the
+   same run;
+3. ``rollout``: when vLLM imports, the worker's rollout engine on the same GPU (after the
+   trainer is gone) generates from the base model and from a bf16 adapter the trainer
+   published; tokens per second.
+
+Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``), so a call cut
+short keeps what ran. ``--quick`` shrinks every shape (for a smoke run on CPU: ``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from plexctl.atomic import write_json_atomic  # noqa: E402
+from plexctl.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)
+QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
+    """A random Qwen2 of ``shape`` with the tiny character tokenizer (vLLM needs one), in HF format."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from worker.tiny import BOS_ID, EOS_ID, PAD_ID, make_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, **shape)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+
+
+def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, extra: list[str]) -> dict[str, Any]:
+    """The engines exactly as ``plexw`` builds them from its command line."""
+    from worker.engine_options import engine_options
+    from worker.main import build_engines, build_parser
+
+    args = build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:1", "--engines", ",".join(kinds),
+                                      "--model", str(model), "--device", device, "--scratch", str(scratch), *extra])
+    import torch
+
+    options = engine_options(args.device, args.dtype, args.micro_batch_tokens, torch.cuda.is_available(),
+                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return {"options": options, **build_engines(args, kinds, options, str(model))}
+
+
+def grpo_batch(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> TrainBatch:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g).tolist()
+    mask = [[0] * prompt + [1] * (seq - prompt) for _ in range(rows)]
+    old = [[0.0] * prompt + [-12.0] * (seq - prompt) for _ in range(rows)]
+    adv = (torch.randn(rows, generator=g)).tolist()
+    return TrainBatch(input_ids=ids, loss_mask=mask, old_logprobs=old, advantages=adv)
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    import torch
+
+    engines = worker_engines(ctx["model"], ["trainer"], a.device, ctx["scratch"],
+                             ["--host-mem", a.host_mem, "--device-slots", "2", "--threads", "4"])
+    store, options = engines["trainer"], engines["options"]
+    ctx["store"] = store
+    trainer = store.trainer
+    result.update(device=options.device, dtype=options.dtype, micro_batch_tokens=options.micro_batch_tokens,
+                  gradient_checkpointing=bool(getattr(trainer, "gradient_checkpointing", False)))
+    lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
+    batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0)
+    result.update(rows=a.rows, seq=a.seq, vocab=ctx["vocab"], lora_rank=32)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(a.steps):
+        store.ensure_resident("job0", lora, 0)
+        sync()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step("job0", batch, hp)
+        sync()
+        times.append(time.perf_counter() - t0)
+        result["loss"] = metrics["loss"]
+    result["step_seconds"] = times
+    result["step_seconds_warm"] = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    result["tokens_per_second"] = a.rows * a.seq / result["step_seconds_warm"]
+    if torch.cuda.is_available():
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["gpu_total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    import torch
+
+    store = ctx["store"]
+    trainer = store.trainer
+    lora = LoraConfig(rank=32, alpha=64)
+    for j in range(4):  # 4 jobs, 2 device slots: every ensure_resident past the first two swaps
+        store.ensure_resident(f"job{j}", lora, j)
+    moved: list[tuple[int, float]] = []
+    for round_ in range(a.swap_rounds):
+        for j in range(4):
+            m = store.ensure_resident(f"job{j}", lora, j)
+            if m.get("bytes"):
+                moved.append((int(m["bytes"]), float(m["seconds"])))
+    nbytes = trainer.state_bytes("job0")
+    result["state_bytes"] = nbytes
+    result["swaps"] = len(moved)
+    if moved:
+        result["swap_gib_per_s"] = sum(b for b, _ in moved) / sum(s for _, s in moved) / 2**30
+    cuda = torch.cuda.is_available()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    for name, dst, src in (("raw_h2d_gib_per_s", dev, host), ("raw_d2h_gib_per_s", host, dev)):
+        dst.copy_(src, non_blocking=cuda)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dst.copy_(src, non_blocking=cuda)
+        sync()
+        result[name] = 10 * nbytes / (time.perf_counter() - t0) / 2**30
+    if moved:
+        result["swap_over_raw"] = result["swap_gib_per_s"] / min(result["raw_h2d_gib_per_s"], result["raw_d2h_gib_per_s"])
+    adapter = ctx["scratch"] / "adapter-v1"
+    trainer.save_adapter("job0", str(adapter))
+    ctx["adapter"] = adapter
+    del ctx["store"], store, trainer
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def part_rollout(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    try:
+        import vllm
+    except ImportError as exc:
+        result["skipped"] = f"vllm not importable here ({exc})"
+        return
+    from plexctl.protocol import AdapterRef
+
+    result["vllm"] = vllm.__version__
+    t0 = time.perf_counter()
+    engines = worker_engines(ctx["model"], ["rollout"], a.device, ctx["scratch"],
+                             ["--max-model-len", str(a.seq), "--gpu-memory-utilization", "0.6"])
+    engine = engines["rollout"]
+    result["start_seconds"] = time.perf_counter() - t0
+    prompts = [f"{i}+{i}=" for i in range(a.prompts)]
+    sampling = Sampling(max_tokens=a.gen_tokens, n=4, seed=0, temperature=1.0)
+    for name, adapter in (("base", None), ("adapter", AdapterRef("job0", 1, str(ctx.get("adapter", ""))))):
+        if adapter is not None and not ctx.get("adapter"):
+            continue
+        t0 = time.perf_counter()
+        out = engine.generate([GenRequest(job_id="job0", prompts=prompts, sampling=sampling, adapter=adapter)])
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for c in out[0])
+        result[f"{name}_tokens_per_second"] = tokens / seconds
+        result[f"{name}_sequences"] = len(out[0])
+    engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--swap-rounds", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--host-mem", default="16G")
+    a = ap.parse_args()
+    if a.quick:
+        a.rows, a.seq, a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 4, 64, 2, 2, 4, 8, "1G"
+    shape = QUICK if a.quick else QWEN25_05B
+    results: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": a.device, "quick": a.quick,
+                               "model_shape": shape, "parts": {}}
+    try:
+        import torch
+
+        results["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            results["gpu"] = torch.cuda.get_device_name(0)
+            results["gpu_count"] = torch.cuda.device_count()
+    except ImportError as exc:
+        results["error"] = f"torch not importable: {exc}"
+    scratch = Path(tempfile.mkdtemp(prefix="plexrl-gpu-check-"))
+    ctx: dict[str, Any] = {"scratch": scratch, "model": scratch / "model", "vocab": shape["vocab_size"]}
+    failed = False
+
+    def record() -> None:
+        write_json_atomic(a.out, results)
+        if os.environ.get("OUT"):
+            shutil.copy(a.out, Path(os.environ["OUT"]) / a.out.name)
+
+    parts: list[tuple[str, Callable[..., None]]] = [("trainer", part_trainer), ("swap", part_swap),
+                                                    ("rollout", part_rollout)]
+    try:
+        t0 = time.perf_counter()
+        build_model(ctx["model"], shape, "bfloat16" if a.device == "cuda" else "float32")
+        results["build_seconds"] = time.perf_counter() - t0
+        record()
+        for name, part in parts:
+            result: dict[str, Any] = {}
+            results["parts"][name] = result
+            t0 = time.perf_counter()
+            try:
+                part(result, ctx, a)
+            except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
+                failed = True
+                result["error"] = f"{type(exc).__name__}: {exc}"
+                result["traceback"] = traceback.format_exc()[-4000:]
+            result["seconds"] = time.perf_counter() - t0
+            record()
+            print(f"{name}: " + json.dumps({k: v for k, v in result.items() if k != "traceback"}), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,768 @@
+"""The memory plan of a node: what each engine holds, how much KV cache and job state fit, what does not.
+
+Pure arithmetic over a model's ``config.json`` (Llama/Qwen2-style) and the cluster's options,
+no torch, so ``plexctl plan`` and ``plexctl up`` can show it on a login node before anyone
+spends GPU-hours. It owns:
+
+- the model's sizes: ``parameter_count``, ``weights_bytes``, ``kv_bytes_per_token``,
+  ``lora_slots_bytes``, ``trainer_activation_bytes``;
+- the shapes a plan is made of: ``NodeShape`` ("8x80G"), ``EngineShape``, ``ClusterOptions``,
+  ``JobShape`` (``job_shape`` makes one from a job spec), and ``default_engines``;
+- ``plan_memory`` -> ``MemoryPlan`` (a ``RolloutPlan`` / ``TrainerPlan`` per engine and a list
+  of one-line problems, each with its numbers), ``job_problems`` and ``render_plan``.
+
+Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the
+weights, of the KV heads and of the sharded LoRA factors); a plan with no problems fits with
+the estimates below; a job ``job_problems`` refuses can never run on these engines, whatever
+else is running. The estimates (activation peaks, CUDA reserves) are documented constants,
+deliberately a little generous: a plan says "fits" only with room to spare. It does not
+place engines on real GPUs (``plexctl.layout`` does) nor measure anything.
+
+Placement rule: engines own their GPUs. When they ask for more GPUs than the node has, each
+missing GPU is one single-GPU trainer and one single-GPU rollout engine sharing a GPU (the
+1-GPU layout): the trainer is planned first, and the rollout engine gets
+``gpu_memory_utilization`` of what the trainer leaves. Engines of 0 GPUs run on the CPU, in
+host memory, beside the host tiers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from plexctl.sizes import fmt_bytes, parse_bytes
+from plexctl.state_size import FP32_BYTES, job_state_bytes, lora_module_shapes
+
+if TYPE_CHECKING:
+    from plexctl.spec import JobSpec
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # tp splits their input; the other projections split their output
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM (0.32) accepts as max_lora_rank
+
+CONTEXT_CAP = 4096  # max_model_len unless told: the model's context, at most this (worker.rollout's MAX_MODEL_LEN)
+ROLLOUT_STEP_TOKENS = 16384  # tokens in one engine step (worker.rollout's BATCHED_TOKENS): vLLM's profiled peak
+ROLLOUT_STEP_SEQS = 256  # sequences in one engine step (worker.rollout's MAX_NUM_SEQS): the sampler's logits
+ROLLOUT_GPU_RUNTIME_BYTES = 3 * GiB // 2  # CUDA graphs, CUDA context and NCCL buffers of a vLLM GPU process
+TRAINER_GPU_RUNTIME_BYTES = 2 * GiB  # CUDA context, cuBLAS and attention workspaces, allocator fragmentation
+CPU_RUNTIME_BYTES = 1 * GiB  # Python, torch and vLLM of a CPU worker process
+LOGITS_COPIES = 3  # fp32 logits of a chunk, their log-softmax and its gradient
+DEFAULT_PROMPT_TOKENS = 512  # a job spec does not bound its prompts: a plan assumes prompts of up to this many
+DEFAULT_MICRO_BATCH_TOKENS = 16384  # tokens of one trainer micro-batch (a micro-batch holds at least one sequence)
+DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # tokens whose logits the trainer materialises at once (chunked log-probs)
+DEFAULT_HOST = "256G"  # host memory of a node when not told (a conservative GPU node)
+DEFAULT_NVME = "1T"  # node-local NVMe of a node when not told
+
+
+# ---------------------------------------------------------------- model sizes
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[dtype]
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+
+
+def _kv_heads(config: Mapping[str, Any]) -> int:
+    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+
+
+def parameter_count(config: Mapping[str, Any]) -> int:
+    """Parameters of the base model: embeddings, lm_head (unless tied), attention (GQA), MLP, norms
+    and biases (q/k/v biases for Qwen2; ``attention_bias`` / ``mlp_bias`` when a config says so)."""
+    hidden, vocab, layers = int(config["hidden_size"]), int(config["vocab_size"]), int(config["num_hidden_layers"])
+    shapes = lora_module_shapes(config)
+    linear = sum(n_in * n_out for n_in, n_out in shapes.values())
+    biased: tuple[str, ...]
+    if "attention_bias" in config:
+        biased = ("q_proj", "k_proj", "v_proj", "o_proj") if config["attention_bias"] else ()
+    else:
+        biased = ("q_proj", "k_proj", "v_proj") if config.get("model_type") == "qwen2" else ()
+    if config.get("mlp_bias"):
+        biased += ("gate_proj", "up_proj", "down_proj")
+    biases = sum(shapes[m][1] for m in biased)
+    per_layer = linear + biases + 2 * hidden  # two RMSNorms
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
+    return layers * per_layer + embeddings + hidden  # + the final norm
+
+
+def weights_bytes(config: Mapping[str, Any], dtype: str) -> int:
+    return parameter_count(config) * dtype_bytes(dtype)
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype: str, tp: int = 1) -> int:
+    """K and V of one token on one GPU of a tp-way engine (KV heads split, replicated when fewer than tp)."""
+    heads_per_gpu = math.ceil(_kv_heads(config) / max(tp, 1))
+    return 2 * int(config["num_hidden_layers"]) * heads_per_gpu * _head_dim(config) * dtype_bytes(dtype)
+
+
+def adapter_params(config: Mapping[str, Any], rank: int, target_modules: Sequence[str] = ALL_PROJECTIONS) -> int:
+    shapes = lora_module_shapes(config)
+    return int(config["num_hidden_layers"]) * sum(rank * (shapes[m][0] + shapes[m][1]) for m in set(target_modules))
+
+
+def lora_slots_bytes(config: Mapping[str, Any], max_loras: int, max_lora_rank: int, dtype: str, tp: int = 1) -> int:
+    """The rollout engine's adapter slots on one GPU: ``max_loras`` adapters of ``max_lora_rank`` on
+    all 7 projections, in the engine dtype (vLLM allocates them whatever the loaded ranks are)."""
+    tp = max(tp, 1)
+    per_layer = 0
+    for module in ALL_PROJECTIONS:
+        n_in, n_out = lora_module_shapes(config)[module]
+        if module in ROW_PARALLEL:
+            per_layer += max_lora_rank * (math.ceil(n_in / tp) + n_out)
+        else:
+            per_layer += max_lora_rank * (n_in + math.ceil(n_out / tp))
+    return max_loras * int(config["num_hidden_layers"]) * per_layer * dtype_bytes(dtype)
+
+
+def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int = 1) -> int:
+    """vLLM's profiled peak of one engine step: ``ROLLOUT_STEP_TOKENS`` tokens through the widest
+    layer (gate/up output, activation, residual and attention buffers) and the sampler's fp32
+    logits and probabilities of ``ROLLOUT_STEP_SEQS`` sequences."""
+    hidden, intermediate = int(config["hidden_size"]), int(config["intermediate_size"])
+    step = ROLLOUT_STEP_TOKENS * (3 * math.ceil(intermediate / max(tp, 1)) + 4 * hidden) * dtype_bytes(dtype)
+    sampler = ROLLOUT_STEP_SEQS * int(config["vocab_size"]) * FP32_BYTES * 2
+    return step + sampler
+
+
+def trainer_activation_bytes(config: Mapping[str, Any], tokens: int, dtype: str,
+                             chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> int:
+    """Activation peak of a micro-batch of ``tokens`` with gradient checkpointing (an estimate):
+
+    - the checkpointed input of every layer: layers x tokens x hidden x dtype bytes;
+    - one layer's full activations while it is recomputed, and their gradients: per token the
+      norm inputs (2 x hidden), q and attention output (2 x heads x head_dim), k and v
+      (2 x kv_heads x head_dim), o_proj's output (hidden), gate, up, activation and product
+      (4 x intermediate), x dtype bytes x 2;
+    - one chunk of logits in fp32: chunk_tokens x vocab x 4 x ``LOGITS_COPIES``.
+    """
+    hidden, intermediate = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads, head_dim, kv_heads = int(config["num_attention_heads"]), _head_dim(config), _kv_heads(config)
+    size = dtype_bytes(dtype)
+    checkpoints = int(config["num_hidden_layers"]) * tokens * hidden * size
+    width = 3 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * intermediate
+    layer = tokens * width * size * 2
+    logits = min(chunk_tokens, tokens) * int(config["vocab_size"]) * FP32_BYTES * LOGITS_COPIES
+    return checkpoints + layer + logits
+
+
+def model_context(config: Mapping[str, Any]) -> int:
+    return int(config.get("max_position_embeddings") or CONTEXT_CAP)
+
+
+# ---------------------------------------------------------------- the shapes a plan is made of
+
+
+_GPUS = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S.*)$", re.IGNORECASE)
+
+
+def parse_gpus(text: str) -> tuple[int, int]:
+    """``"8x80G"`` -> (8, 80 GiB); ``"0"``, ``"cpu"`` or ``"none"`` -> (0, 0). Raises ValueError."""
+    if text.strip().lower() in ("0", "cpu", "none"):
+        return 0, 0
+    m = _GPUS.match(text)
+    if not m:
+        raise ValueError(f"not a GPU shape: {text!r} (examples: 8x80G, 1x141G, 0)")
+    try:
+        count, size = int(m.group(1)), parse_bytes(m.group(2))
+    except ValueError:
+        raise ValueError(f"not a GPU shape: {text!r} (examples: 8x80G, 1x141G, 0)") from None
+    if count > 0 and size <= 0:
+        raise ValueError(f"GPUs of no memory: {text!r}")
+    return count, size if count else 0
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """One node: its GPUs (count and memory each), host memory and node-local NVMe."""
+
+    gpus: int
+    gpu_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+
+    @classmethod
+    def parse(cls, gpus: str, host: str | int = DEFAULT_HOST, nvme: str | int = DEFAULT_NVME) -> NodeShape:
+        count, size = parse_gpus(gpus)
+        return cls(count, size, parse_bytes(host), parse_bytes(nvme))
+
+    def describe(self) -> str:
+        gpus = f"{self.gpus} x {_size(self.gpu_bytes)} {'GPU' if self.gpus == 1 else 'GPUs'}" if self.gpus \
+            else "no GPUs"
+        return f"{gpus}, host {_size(self.host_bytes)}, NVMe {_size(self.nvme_bytes)}"
+
+
+EngineKind = Literal["rollout", "trainer"]
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """One engine on the node: a rollout engine of ``gpus`` = tensor parallelism, or a trainer;
+    ``gpus`` 0 runs it on the CPU."""
+
+    kind: EngineKind
+    gpus: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("rollout", "trainer"):
+            raise ValueError(f"engine kind {self.kind!r}: rollout or trainer")
+        if self.gpus < 0:
+            raise ValueError(f"engine of {self.gpus} GPUs")
+
+
+def default_engines(gpus: int, tp: int = 1) -> list[EngineShape]:
+    """The engines of a node of ``gpus`` GPUs when nobody says otherwise.
+
+    0 GPUs: one CPU worker with both engines; 1 GPU: a rollout engine and a trainer sharing it;
+    G GPUs: max(1, G // 4) single-GPU trainers and as many tp-GPU rollout engines as the other
+    GPUs hold (8 -> 6 rollout + 2 trainer). Raises ValueError when no rollout engine of tp fits."""
+    if tp < 1:
+        raise ValueError(f"tp {tp}: at least 1")
+    if gpus <= 0:
+        return [EngineShape("rollout", 0), EngineShape("trainer", 0)]
+    if gpus == 1:
+        if tp > 1:
+            raise ValueError(f"tp {tp} on a node of 1 GPU")
+        return [EngineShape("rollout", 1), EngineShape("trainer", 1)]
+    trainers = max(1, gpus // 4)
+    rollouts = (gpus - trainers) // tp
+    if rollouts == 0:
+        raise ValueError(f"tp {tp}: {gpus} GPUs less {trainers} trainer(s) leave no room for a rollout engine")
+    return [EngineShape("rollout", tp)] * rollouts + [EngineShape("trainer", 1)] * trainers
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What ``plexctl up`` sets for the engines (defaults: its own, bf16 on GPU nodes)."""
+
+    dtype: str | None = None  # engine weights; None: bfloat16 on a GPU node, float32 on a CPU node
+    gpu_memory_utilization: float = 0.9  # share of a rollout engine's GPU vLLM may use
+    max_lora_rank: int = 64  # highest LoRA rank the rollout engines load; their adapter slots are this size
+    max_loras: int = 4  # adapter slots of a rollout engine
+    device_slots: int = 4  # jobs whose state a trainer keeps on its device
+    host_tier_bytes: int = 8 * GiB  # host-memory tier of each trainer (`--host-mem`)
+    nvme_tier_bytes: int = 64 * GiB  # NVMe tier of each trainer (`--nvme-bytes`)
+    max_model_len: int | None = None  # None: the model's context, at most CONTEXT_CAP
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
+    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+    cpu_kv_cache_bytes: int = 1 * GiB  # KV cache of a CPU rollout engine (its `kv_cache_gib`)
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What a plan needs to know of a job."""
+
+    name: str
+    rank: int
+    max_seq_len: int  # prompt + completion tokens of one sequence
+    target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    dtype: str | None = None  # the job's model.dtype (None: whatever the engines serve)
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+
+    @property
+    def peak_tokens(self) -> int:
+        """Tokens of its largest micro-batch (a micro-batch holds at least one whole sequence)."""
+        return max(self.micro_batch_tokens, self.max_seq_len)
+
+
+def job_shape(spec: JobSpec, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS) -> JobShape:
+    """A spec's shape. Sequences are ``prompt_tokens`` + ``sampling.max_tokens`` (multi-turn:
+    ``env.max_total_tokens``, else the prompt and ``max_turns`` completions); the micro-batch is
+    ``micro_batch_tokens`` or the whole step's tokens when fewer."""
+    if spec.lora is None:
+        raise ValueError(f"job {spec.name}: no `lora` section (full fine-tuning is not planned)")
+    if spec.env is None:
+        seq = prompt_tokens + spec.sampling.max_tokens
+    elif spec.env.max_total_tokens is not None:
+        seq = spec.env.max_total_tokens
+    else:
+        seq = prompt_tokens + spec.env.max_turns * spec.sampling.max_tokens
+    step_tokens = spec.algo.prompts_per_step * spec.algo.group_size * seq
+    return JobShape(name=spec.name, rank=spec.lora.rank, max_seq_len=seq,
+                    target_modules=tuple(spec.lora.target_modules), dtype=spec.model.dtype,
+                    micro_batch_tokens=max(seq, min(micro_batch_tokens, step_tokens)))
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One rollout engine, per GPU. ``budget_bytes`` is what vLLM may use (on the CPU: what it
+    holds); the KV cache is what the budget leaves after weights, LoRA slots and reserve."""
+
+    index: int
+    gpus: int  # tp; 0: on the CPU
+    shared: bool  # shares its GPU with a trainer
+    gpu_bytes: int
+    left_by_trainer: int  # shared: what the trainer leaves of the GPU
+    memory_share: float  # the cluster's gpu_memory_utilization: the share of its GPU (or of what is left) it gets
+    budget_bytes: int
+    weights_bytes: int
+    lora_slots_bytes: int
+    reserve_bytes: int  # activation peak, sampler, CUDA graphs and context
+    kv_bytes_per_token: int
+    max_loras: int
+    max_lora_rank: int
+
+    @property
+    def vllm_utilization(self) -> float:
+        """The ``gpu_memory_utilization`` to give vLLM: the budget as a share of the whole GPU."""
+        return self.budget_bytes / self.gpu_bytes if self.gpu_bytes else 0.0
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.weights_bytes + self.lora_slots_bytes + self.reserve_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.fixed_bytes)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_cache_bytes // self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """One trainer engine on one GPU (on the CPU: in the host memory the rest leaves)."""
+
+    index: int
+    gpus: int  # 0: on the CPU
+    shared: bool  # shares its GPU with a rollout engine (planned first)
+    capacity_bytes: int  # its GPU; on the CPU: host memory left by the CPU rollout engines and the host tiers
+    weights_bytes: int
+    device_slots: int
+    job_state_bytes: int  # the largest job's state (no jobs: one at max_lora_rank on all projections)
+    gradient_bytes: int  # fp32 gradients of the job being trained
+    micro_batch_tokens: int
+    activation_bytes: int
+    runtime_bytes: int
+    host_tier_bytes: int
+    nvme_tier_bytes: int
+    rollout_bytes: int = 0  # shared: the budget of the rollout engine on its GPU
+
+    @property
+    def device_state_bytes(self) -> int:
+        return self.device_slots * self.job_state_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """All but the jobs' state: what one more device slot must fit beside."""
+        return self.weights_bytes + self.gradient_bytes + self.activation_bytes + self.runtime_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.fixed_bytes + self.device_state_bytes
+
+    @property
+    def room_for_state(self) -> int:
+        return max(0, self.capacity_bytes - self.fixed_bytes)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes - self.rollout_bytes
+
+    @property
+    def host_jobs(self) -> int:
+        return self.host_tier_bytes // self.job_state_bytes
+
+    @property
+    def nvme_jobs(self) -> int:
+        return self.nvme_tier_bytes // self.job_state_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of one node; ``problems`` empty means everything fits."""
+
+    model: str
+    config: Mapping[str, Any]
+    params: int
+    dtype: str
+    node: NodeShape
+    options: ClusterOptions
+    engines: tuple[EngineShape, ...]
+    max_model_len: int
+    rollouts: tuple[RolloutPlan, ...]
+    trainers: tuple[TrainerPlan, ...]
+    jobs: tuple[JobShape, ...]
+    cpu_engine_bytes: int  # engines on the CPU, in host memory
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def _largest_job(config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape],
+                 cuda: bool) -> tuple[int, int]:
+    """(state bytes, fp32 gradient bytes) of the largest planned job; without jobs, of one at
+    ``max_lora_rank`` on all projections (the largest a rollout engine loads)."""
+    known = set(lora_module_shapes(config))
+    shaped = [(j.rank, j.target_modules) for j in jobs if set(j.target_modules) <= known]
+    if not shaped:
+        shaped = [(options.max_lora_rank, ALL_PROJECTIONS)]
+    state = max(job_state_bytes(rank, list(targets), config, cuda=cuda) for rank, targets in shaped)
+    gradient = max(adapter_params(config, rank, targets) * FP32_BYTES for rank, targets in shaped)
+    return state, gradient
+
+
+def _shared_pairs(engines: Sequence[EngineShape], gpus: int) -> tuple[set[int], list[tuple[int, int]], str | None]:
+    """Which engines share a GPU: (engines on the CPU, [(rollout position, trainer position)], problem)."""
+    cpu = {i for i, e in enumerate(engines) if e.gpus == 0}
+    asked = sum(e.gpus for e in engines)
+    missing = asked - gpus
+    if missing <= 0:
+        return cpu, [], None
+    if gpus == 0:
+        return cpu, [], f"the engines ask for {_gpus(asked)}, the node has none"
+    rollouts = [i for i, e in enumerate(engines) if e.kind == "rollout" and e.gpus == 1]
+    trainers = [i for i, e in enumerate(engines) if e.kind == "trainer" and e.gpus == 1]
+    pairs = list(zip(rollouts, trainers))[:missing]
+    if len(pairs) < missing:
+        return cpu, pairs, (f"the engines ask for {_gpus(asked)}, the node has {gpus} (only a single-GPU trainer "
+                            f"and a single-GPU rollout engine can share one)")
+    return cpu, pairs, None
+
+
+def plan_memory(config: Mapping[str, Any], node: NodeShape, engines: Sequence[EngineShape] | None = None,
+                options: ClusterOptions = ClusterOptions(), jobs: Sequence[JobShape] = (),
+                model: str = "") -> MemoryPlan:
+    """The memory plan of ``engines`` (default: ``default_engines(node.gpus)``) on ``node``, for
+    ``jobs`` (their largest state and micro-batch size the trainers; each is also checked with
+    ``job_problems``, its problems listed in the plan's)."""
+    dtype = options.dtype or ("bfloat16" if node.gpus else "float32")
+    dtype_bytes(dtype)
+    engines = tuple(engines if engines is not None else default_engines(node.gpus))
+    max_model_len = options.max_model_len or min(model_context(config), CONTEXT_CAP)
+    weights = weights_bytes(config, dtype)
+    state, gradient = _largest_job(config, options, jobs, cuda=node.gpus > 0)
+    # the largest micro-batch of the jobs (without jobs: the budget); a job beyond the budget is its own problem
+    micro_tokens = max((min(j.peak_tokens, options.micro_batch_tokens) for j in jobs),
+                       default=options.micro_batch_tokens)
+    cpu, pairs, placement_problem = _shared_pairs(engines, node.gpus)
+    partner = {r: t for r, t in pairs} | {t: r for r, t in pairs}
+    problems = [placement_problem] if placement_problem else []
+    trainer_count = sum(e.kind == "trainer" for e in engines)
+    host_tiers = trainer_count * options.host_tier_bytes
+
+    def rollout_plan(position: int, index: int, engine: EngineShape, left_by_trainer: int) -> RolloutPlan:
+        tp = max(engine.gpus, 1)
+        on_gpu = engine.gpus > 0 and position not in cpu
+        lora = lora_slots_bytes(config, options.max_loras, options.max_lora_rank, dtype, tp)
+        reserve = rollout_activation_bytes(config, dtype, tp) + (ROLLOUT_GPU_RUNTIME_BYTES if on_gpu else 0)
+        shard = math.ceil(weights / tp)
+        if not on_gpu:
+            budget = shard + lora + reserve + options.cpu_kv_cache_bytes
+        elif position in partner:
+            budget = int(options.gpu_memory_utilization * max(0, left_by_trainer))
+        else:
+            budget = int(options.gpu_memory_utilization * node.gpu_bytes)
+        return RolloutPlan(index=index, gpus=engine.gpus if on_gpu else 0, shared=position in partner,
+                           gpu_bytes=node.gpu_bytes if on_gpu else 0, left_by_trainer=left_by_trainer,
+                           memory_share=options.gpu_memory_utilization if on_gpu else 0.0, budget_bytes=budget,
+                           weights_bytes=shard, lora_slots_bytes=lora,
+                           reserve_bytes=reserve, kv_bytes_per_token=kv_bytes_per_token(config, dtype, tp),
+                           max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+
+    def trainer_plan(position: int, index: int, engine: EngineShape, capacity: int) -> TrainerPlan:
+        on_gpu = engine.gpus > 0 and position not in cpu
+        return TrainerPlan(
+            index=index, gpus=engine.gpus if on_gpu else 0, shared=position in partner, capacity_bytes=capacity,
+            weights_bytes=weights, device_slots=options.device_slots, job_state_bytes=state,
+            gradient_bytes=gradient, micro_batch_tokens=micro_tokens,
+            activation_bytes=trainer_activation_bytes(config, micro_tokens, dtype, options.logits_chunk_tokens),
+            runtime_bytes=TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES,
+            host_tier_bytes=options.host_tier_bytes, nvme_tier_bytes=options.nvme_tier_bytes)
+
+    kinds = {"rollout": 0, "trainer": 0}
+    index_of: dict[int, int] = {}
+    for position, engine in enumerate(engines):
+        index_of[position] = kinds[engine.kind]
+        kinds[engine.kind] += 1
+    # GPU trainers first (a shared GPU's rollout engine gets what its trainer leaves), then the
+    # rollout engines, then the CPU trainers (they get the host memory the rest leaves).
+    trainers: dict[int, TrainerPlan] = {}
+    for position, engine in enumerate(engines):
+        if engine.kind == "trainer" and position not in cpu:
+            trainers[position] = trainer_plan(position, index_of[position], engine, node.gpu_bytes)
+    rollouts: dict[int, RolloutPlan] = {}
+    for position, engine in enumerate(engines):
+        if engine.kind == "rollout":
+            t = trainers.get(partner.get(position, -1))
+            left = node.gpu_bytes - t.used_bytes if t is not None else node.gpu_bytes
+            rollouts[position] = rollout_plan(position, index_of[position], engine, left)
+            if t is not None:
+                trainers[partner[position]] = replace(t, rollout_bytes=rollouts[position].budget_bytes)
+    cpu_rollout_bytes = sum(r.budget_bytes for p, r in rollouts.items() if p in cpu)
+    cpu_trainers = [p for p, e in enumerate(engines) if e.kind == "trainer" and p in cpu]
+    for position in cpu_trainers:
+        left = (node.host_bytes - host_tiers - cpu_rollout_bytes) // len(cpu_trainers)
+        trainers[position] = trainer_plan(position, index_of[position], engines[position], left)
+    cpu_bytes = cpu_rollout_bytes + sum(trainers[p].used_bytes for p in cpu_trainers)
+
+    plan = MemoryPlan(
+        model=model, config=dict(config), params=parameter_count(config), dtype=dtype, node=node, options=options,
+        engines=engines, max_model_len=max_model_len,
+        rollouts=tuple(rollouts[p] for p in sorted(rollouts)), trainers=tuple(trainers[p] for p in sorted(trainers)),
+        jobs=tuple(jobs), cpu_engine_bytes=cpu_bytes)
+    problems += _engine_problems(plan)
+    problems += _node_problems(plan, host_tiers)
+    for job in jobs:
+        problems += job_problems(plan, job)
+    return replace(plan, problems=tuple(problems))
+
+
+# ---------------------------------------------------------------- what does not fit
+
+
+def _engine_problems(plan: MemoryPlan) -> list[str]:
+    problems: list[str] = []
+    heads = int(plan.config["num_attention_heads"])
+    for r in plan.rollouts:
+        name = f"rollout engine {r.index}"
+        if r.gpus and heads % r.gpus:
+            problems.append(f"{name}: tp {r.gpus} does not divide the model's {heads} attention heads")
+        if not r.gpus:
+            continue
+        where = f"{name} on {_gpus(r.gpus)}"
+        if r.shared:
+            budget = (f"{r.memory_share:.2f} x the {_size(max(0, r.left_by_trainer))} its trainer leaves = "
+                      f"{_size(r.budget_bytes)}")
+        else:
+            budget = f"{r.memory_share:.2f} x {_size(r.gpu_bytes)} = {_size(r.budget_bytes)}"
+        if r.fixed_bytes > r.budget_bytes:
+            problems.append(f"{where}: weights {_size(r.weights_bytes)} + LoRA slots {_size(r.lora_slots_bytes)} "
+                            f"+ reserve {_size(r.reserve_bytes)} = {_size(r.fixed_bytes)} exceed {budget}")
+        elif r.kv_tokens < plan.max_model_len:
+            problems.append(f"{name}: the KV cache holds {r.kv_tokens:,} tokens, below max_model_len "
+                            f"{plan.max_model_len:,}")
+    for t in plan.trainers:
+        name = f"trainer engine {t.index}"
+        where = f"{name} on 1 GPU" if t.gpus else f"{name} on the CPU"
+        capacity = _size(t.capacity_bytes)
+        room = f"the GPU's {capacity}" if t.gpus else f"the {capacity} of host memory left"
+        if t.gpus > 1:
+            problems.append(f"{name}: {t.gpus} GPUs, but a trainer uses one (the base model is not sharded)")
+        if t.weights_bytes > t.capacity_bytes:
+            problems.append(f"{where}: weights {_size(t.weights_bytes)} exceed {room}")
+        elif t.fixed_bytes > t.capacity_bytes:
+            problems.append(f"{where}: weights {_size(t.weights_bytes)} + activations of a "
+                            f"{t.micro_batch_tokens:,}-token micro-batch {_size(t.activation_bytes)} + gradients "
+                            f"and runtime {_size(t.gradient_bytes + t.runtime_bytes)} = {_size(t.fixed_bytes)} "
+                            f"exceed {room}")
+        elif t.used_bytes > t.capacity_bytes:
+            fit = t.room_for_state // t.job_state_bytes
+            problems.append(f"{where}: {t.device_slots} jobs' state on device need {_size(t.device_state_bytes)}, "
+                            f"{_size(t.room_for_state)} left after weights, activations and runtime (at most "
+                            f"{fit} fit: lower device_slots)")
+    return problems
+
+
+def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
+    o, node = plan.options, plan.node
+    problems: list[str] = []
+    if not plan.rollouts:
+        problems.append("no rollout engine: jobs cannot generate")
+    if not plan.trainers:
+        problems.append("no trainer engine: jobs cannot train")
+    if o.max_lora_rank not in VLLM_LORA_RANKS:
+        problems.append(f"max_lora_rank {o.max_lora_rank}: vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}")
+    context = model_context(plan.config)
+    if plan.max_model_len > context:
+        problems.append(f"max_model_len {plan.max_model_len:,} exceeds the model's context {context:,} "
+                        f"(max_position_embeddings)")
+    if host_tiers + plan.cpu_engine_bytes > node.host_bytes:
+        cpu = f" + engines on the CPU {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
+        problems.append(f"host memory: {len(plan.trainers)} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
+                        f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}")
+    nvme = len(plan.trainers) * o.nvme_tier_bytes
+    if nvme > node.nvme_bytes:
+        problems.append(f"NVMe: {len(plan.trainers)} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
+                        f"the node's {_size(node.nvme_bytes)}")
+    return problems
+
+
+def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
+    """Why ``job`` can never run on the plan's engines, one line each with the numbers; [] if it can."""
+    problems: list[str] = []
+    say = problems.append
+    prefix = f"job {job.name}: "
+    if job.dtype is not None and job.dtype != plan.dtype:
+        say(f"{prefix}model.dtype {job.dtype}, but the engines run {plan.dtype}")
+    if job.rank > plan.options.max_lora_rank:
+        say(f"{prefix}LoRA rank {job.rank} is above the rollout engines' max_lora_rank {plan.options.max_lora_rank}")
+    unknown = sorted(set(job.target_modules) - set(lora_module_shapes(plan.config)))
+    if unknown:
+        say(f"{prefix}no known shape for target modules {unknown} (known: {', '.join(ALL_PROJECTIONS)})")
+        return problems
+    if job.max_seq_len > plan.max_model_len:
+        say(f"{prefix}sequences of up to {job.max_seq_len:,} tokens exceed max_model_len {plan.max_model_len:,}")
+    elif plan.rollouts and job.max_seq_len > min(r.kv_tokens for r in plan.rollouts):
+        say(f"{prefix}a sequence of {job.max_seq_len:,} tokens exceeds the KV cache of "
+            f"{min(r.kv_tokens for r in plan.rollouts):,} tokens")
+    cuda = plan.node.gpus > 0
+    state = job_state_bytes(job.rank, list(job.target_modules), plan.config, cuda=cuda)
+    largest = max(plan.options.host_tier_bytes, plan.options.nvme_tier_bytes)
+    if state > largest:
+        say(f"{prefix}its state {_size(state)} exceeds the largest tier (host {_size(plan.options.host_tier_bytes)}, "
+            f"NVMe {_size(plan.options.nvme_tier_bytes)})")
+    if plan.trainers:
+        t = max(plan.trainers, key=lambda t: t.capacity_bytes)
+        activations = trainer_activation_bytes(plan.config, job.peak_tokens, plan.dtype,
+                                               plan.options.logits_chunk_tokens)
+        gradient = adapter_params(plan.config, job.rank, job.target_modules) * FP32_BYTES
+        need = t.weights_bytes + state + activations + gradient + t.runtime_bytes
+        if need > t.capacity_bytes and t.weights_bytes <= t.capacity_bytes:
+            say(f"{prefix}needs {_size(need)} on a trainer (weights {_size(t.weights_bytes)} + its state "
+                f"{_size(state)} + activations of its {job.peak_tokens:,}-token micro-batch {_size(activations)} + "
+                f"gradients and runtime {_size(gradient + t.runtime_bytes)}), the trainer has "
+                f"{_size(t.capacity_bytes)}")
+    return problems
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _size(n: float) -> str:
+    """GiB with one decimal; smaller sizes in MiB/KiB (a tiny model's), TiB from 1 TiB."""
+    if n == 0 or GiB // 20 <= abs(n) < 1024 * GiB:
+        return f"{n / GiB:.1f} GiB"
+    return fmt_bytes(n)
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def _indices(indices: Sequence[int]) -> str:
+    return str(indices[0]) if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+
+
+Row = tuple[str, int | None, str]  # label, bytes (None: no bytes column), note
+
+
+def _rollout_rows(r: RolloutPlan, max_model_len: int) -> list[Row]:
+    if r.gpus == 0:
+        budget: Row = ("in host memory", r.budget_bytes, "")
+    elif r.shared:
+        budget = (f"budget: {r.memory_share:.2f} x {_size(max(0, r.left_by_trainer))} the trainer leaves",
+                  r.budget_bytes, f"vLLM gpu_memory_utilization {r.vllm_utilization:.3f}")
+    else:
+        budget = (f"budget: {r.memory_share:.2f} x {_size(r.gpu_bytes)}", r.budget_bytes, "")
+    full = r.kv_tokens // max_model_len
+    return [budget,
+            ("weights" + (f" (1/{r.gpus})" if r.gpus > 1 else ""), r.weights_bytes, ""),
+            (f"LoRA slots: {r.max_loras} x rank {r.max_lora_rank}", r.lora_slots_bytes, ""),
+            ("activations, sampler" + (", CUDA graphs" if r.gpus else ""), r.reserve_bytes, ""),
+            ("KV cache", r.kv_cache_bytes,
+             (f"{r.kv_tokens:,} tokens ({fmt_bytes(r.kv_bytes_per_token)} each), {full:,} sequences of "
+              f"max_model_len {max_model_len:,}"))]
+
+
+def _trainer_rows(t: TrainerPlan) -> list[Row]:
+    rows: list[Row] = [
+        ("GPU" if t.gpus else "host memory left to it", t.capacity_bytes, "shared with a rollout engine" if t.shared
+         else ""),
+        ("weights", t.weights_bytes, ""),
+        (f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}", t.device_state_bytes,
+         "fp32 adapter + AdamW moments, largest job"),
+        ("gradients (the job in training)", t.gradient_bytes, ""),
+        (f"activations: {t.micro_batch_tokens:,}-token micro-batch", t.activation_bytes,
+         "gradient checkpointing, chunked logits"),
+        ("CUDA context, workspaces" if t.gpus else "process runtime", t.runtime_bytes, ""),
+    ]
+    if t.shared:
+        rows.append(("the rollout engine's budget", t.rollout_bytes, "planned after the trainer"))
+    more = max(0, t.free_bytes) // t.job_state_bytes
+    rows.append(("free", t.free_bytes, f"room for {more:,} more jobs' state on device" if t.free_bytes >= 0 else
+                 "over capacity"))
+    rows.append(("host tier", t.host_tier_bytes, f"{t.host_jobs:,} jobs"))
+    rows.append(("NVMe tier", t.nvme_tier_bytes, f"{t.nvme_jobs:,} jobs"))
+    return rows
+
+
+def _table(title: str, rows: list[Row]) -> list[str]:
+    width = max(len(label) for label, _, _ in rows) + 2
+    lines = [title]
+    for label, n, note in rows:
+        value = _size(n) if n is not None else ""
+        lines.append(f"  {label:<{width}}{value:>10}" + (f"   {note}" if note else ""))
+    return lines
+
+
+def _grouped(plans: Sequence[RolloutPlan] | Sequence[TrainerPlan]) -> list[tuple[list[int], Any]]:
+    """Consecutive engines with the same plan (all but their index), rendered once."""
+    groups: list[tuple[list[int], Any]] = []
+    for p in plans:
+        key = {**p.__dict__, "index": None}
+        if groups and {**groups[-1][1].__dict__, "index": None} == key:
+            groups[-1][0].append(p.index)
+        else:
+            groups.append(([p.index], p))
+    return groups
+
+
+def render_plan(plan: MemoryPlan) -> str:
+    """The plan as plain text: a table per (group of identical) engine(s), the jobs, the problems."""
+    o = plan.options
+    params = f"{plan.params / 1e9:.2f} B" if plan.params >= 10**8 else f"{plan.params / 1e6:.2f} M"
+    lines = [(f"Memory plan for {plan.model or 'the model'}: {params} parameters, "
+              f"{plan.dtype} weights {_size(weights_bytes(plan.config, plan.dtype))}"),
+             f"Node: {plan.node.describe()}",
+             (f"Options: max_model_len {plan.max_model_len:,}, max_loras {o.max_loras}, max_lora_rank "
+              f"{o.max_lora_rank}, device_slots {o.device_slots}, "
+              f"gpu_memory_utilization {o.gpu_memory_utilization}")]
+    for indices, r in _grouped(plan.rollouts):
+        where = "on the CPU" if r.gpus == 0 else f"{_gpus(r.gpus)} each (tp {r.gpus}), per GPU" \
+            if len(indices) > 1 else f"{_gpus(r.gpus)} (tp {r.gpus}), per GPU"
+        title = f"Rollout engine{'s' if len(indices) > 1 else ''} {_indices(indices)}: {where}"
+        lines += ["", *_table(title, _rollout_rows(r, plan.max_model_len))]
+    for indices, t in _grouped(plan.trainers):
+        where = "on the CPU" if t.gpus == 0 else ("1 GPU each" if len(indices) > 1 else "1 GPU")
+        title = f"Trainer engine{'s' if len(indices) > 1 else ''} {_indices(indices)}: {where}"
+        lines += ["", *_table(title, _trainer_rows(t))]
+    if plan.jobs:
+        cuda = plan.node.gpus > 0
+        lines += ["", "Jobs"]
+        width = max(len(j.name) for j in plan.jobs) + 2
+        known = set(lora_module_shapes(plan.config))
+        for j in plan.jobs:
+            state = _size(job_state_bytes(j.rank, list(j.target_modules), plan.config, cuda=cuda)) \
+                if set(j.target_modules) <= known else "?"
+            verdict = "refused" if job_problems(plan, j) else "fits"
+            lines.append(f"  {j.name:<{width}}rank {j.rank} on {len(j.target_modules)} modules   state {state}   "
+                         f"sequences {j.max_seq_len:,} tokens   micro-batch {j.peak_tokens:,} tokens   {verdict}")
+    lines.append("")
+    if plan.problems:
+        lines.append(f"Does not fit ({len(plan.problems)}):")
+        lines += [f"  - {p}" for p in plan.problems]
+    else:
+        lines.append("Everything fits.")
+    return "\n".join(lines)
+
+
+def plan_for_specs(specs: Sequence[JobSpec], node: NodeShape, engines: Sequence[EngineShape] | None = None,
+                   options: ClusterOptions = ClusterOptions(),
+                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> MemoryPlan:
+    """The plan of a node serving the jobs of ``specs`` (one base model: their ``model.path``,
+    whose config comes from ``plexctl.model_shapes.model_config_for``)."""
+    from plexctl.model_shapes import model_config_for
+
+    paths = sorted({s.model.path for s in specs})
+    if len(paths) != 1:
+        raise ValueError(f"a plan is for one base model; these jobs use {len(paths)}: {', '.join(paths) or 'none'}")
+    jobs = [job_shape(s, prompt_tokens, options.micro_batch_tokens) for s in specs]
+    return plan_memory(model_config_for(paths[0]), node, engines, options, jobs,
+                       model=paths[0].rstrip("/").rsplit("/", 1)[-1])

@@ -1,0 +1,270 @@
+"""The memory plan: model sizes against published totals, the shipped real-scale examples on an
+8x80G node, and what a user is told when something does not fit (pure arithmetic, no torch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plexctl.memplan import (
+    ClusterOptions,
+    EngineShape,
+    GiB,
+    JobShape,
+    NodeShape,
+    default_engines,
+    job_problems,
+    kv_bytes_per_token,
+    parameter_count,
+    parse_gpus,
+    plan_for_specs,
+    plan_memory,
+    render_plan,
+    weights_bytes,
+)
+from plexctl.model_shapes import UnknownModelShape, known_shape, model_config_for
+from plexctl.spec import load_spec
+from plexctl.state_size import job_state_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN_7B = "/models/Qwen2.5-7B-Instruct"
+NODE_8X80 = NodeShape.parse("8x80G")
+TINY = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64,
+        "tie_word_embeddings": False}
+
+
+def qwen_7b() -> dict:
+    return model_config_for(QWEN_7B)
+
+
+@pytest.mark.parametrize("name, published", [
+    ("Qwen2.5-7B-Instruct", 7.62e9),
+    ("Qwen2.5-0.5B-Instruct", 0.49e9),
+    ("Llama-3.1-8B", 8.03e9),
+    ("Llama-3.1-70B", 70.6e9),
+])
+def test_parameter_counts_match_the_published_totals(name: str, published: float) -> None:
+    shape = known_shape(name)
+    assert shape is not None
+    assert parameter_count(shape) == pytest.approx(published, rel=0.01)
+
+
+def test_7b_rank_32_state_is_the_design_docs_0_9_gib() -> None:
+    state = job_state_bytes(32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                            qwen_7b(), cuda=True)
+    assert state / GiB == pytest.approx(0.9, abs=0.05)
+
+
+@pytest.mark.parametrize("example", ["qwen2.5-7b-math.yaml", "qwen2.5-0.5b-gsm8k.yaml"])
+def test_shipped_examples_fit_the_default_layout_of_an_8x80g_node(example: str) -> None:
+    spec = load_spec(REPO / "configs" / example, check_files=False)
+    plan = plan_for_specs([spec], NODE_8X80)
+
+    assert plan.problems == ()
+    assert [r.gpus for r in plan.rollouts] == [1] * 6 and [t.gpus for t in plan.trainers] == [1] * 2
+    assert all(r.kv_tokens >= plan.max_model_len for r in plan.rollouts)
+    assert plan.trainers[0].host_jobs >= 8
+    text = render_plan(plan)
+    assert "Rollout engines 0-5" in text and "Trainer engines 0-1" in text
+    assert "Everything fits." in text and spec.name in text
+
+
+def test_the_7b_plan_shows_weights_kv_tokens_and_tiers() -> None:
+    plan = plan_for_specs([load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", check_files=False)], NODE_8X80)
+    rollout, trainer = plan.rollouts[0], plan.trainers[0]
+    assert rollout.weights_bytes / GiB == pytest.approx(14.2, abs=0.05)  # 7.62e9 x 2 bytes
+    assert rollout.budget_bytes == int(0.9 * 80 * GiB)
+    assert kv_bytes_per_token(plan.config, "bfloat16") == 2 * 28 * 4 * 128 * 2
+    assert rollout.kv_tokens > 500_000
+    assert trainer.job_state_bytes / GiB == pytest.approx(0.9, abs=0.05)
+    text = render_plan(plan)
+    assert f"{rollout.kv_tokens:,} tokens" in text
+    assert "14.2 GiB" in text and "8 jobs" in text
+
+
+def test_32_jobs_fit_a_trainer_gpu_beside_bf16_weights_and_too_many_are_refused() -> None:
+    job = JobShape("math", rank=32, max_seq_len=1536)
+    fits = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(device_slots=32), jobs=[job])
+    assert fits.problems == ()
+
+    crowded = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(device_slots=80), jobs=[job])
+    trainer = crowded.trainers[0]
+    assert trainer.free_bytes < 0
+    problem = next(p for p in crowded.problems if p.startswith("trainer engine 0"))
+    assert "80 jobs' state on device need 72." in problem
+    assert f"at most {trainer.room_for_state // trainer.job_state_bytes} fit" in problem
+
+
+def test_70b_on_one_80g_gpu_does_not_fit_and_says_the_numbers() -> None:
+    plan = plan_memory(model_config_for("/models/Llama-3.1-70B-Instruct"), NodeShape.parse("1x80G"))
+    assert not plan.fits
+    assert any("weights 131.4 GiB exceed the GPU's 80.0 GiB" in p for p in plan.problems)
+    assert any(p.startswith("rollout engine 0 on 1 GPU: weights 131.4 GiB") for p in plan.problems)
+    assert "Does not fit (" in render_plan(plan)
+
+
+def test_tensor_parallel_rollout_engines_hold_a_shard() -> None:
+    config = model_config_for("/models/Llama-3.1-70B")
+    plan = plan_memory(config, NodeShape.parse("8x80G"), engines=[EngineShape("rollout", 4)] * 2)
+    rollout = plan.rollouts[0]
+    assert rollout.weights_bytes == -(-weights_bytes(config, "bfloat16") // 4)
+    assert rollout.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2  # 8 KV heads over 4 GPUs
+    assert rollout.kv_tokens >= plan.max_model_len
+    assert plan.problems == ("no trainer engine: jobs cannot train",)
+
+
+def test_rank_above_max_lora_rank_is_refused_with_the_numbers() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80)
+    problems = job_problems(plan, JobShape("big", rank=128, max_seq_len=1024))
+    assert problems == ["job big: LoRA rank 128 is above the rollout engines' max_lora_rank 64"]
+    assert job_problems(plan, JobShape("ok", rank=64, max_seq_len=1024)) == []
+
+
+def test_a_sequence_longer_than_max_model_len_is_refused() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_model_len=4096))
+    problems = job_problems(plan, JobShape("long", rank=16, max_seq_len=5000))
+    assert problems == ["job long: sequences of up to 5,000 tokens exceed max_model_len 4,096"]
+
+
+def test_jobs_that_can_never_fit_are_refused() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_lora_rank=256, host_tier_bytes=1 * GiB,
+                                                                    nvme_tier_bytes=2 * GiB))
+    wrong_dtype = job_problems(plan, JobShape("f32", rank=8, max_seq_len=1024, dtype="float32"))
+    assert wrong_dtype == ["job f32: model.dtype float32, but the engines run bfloat16"]
+    huge = job_problems(plan, JobShape("huge", rank=256, max_seq_len=1024))
+    assert huge == ["job huge: its state 7.2 GiB exceeds the largest tier (host 1.0 GiB, NVMe 2.0 GiB)"]
+    bad_module = job_problems(plan, JobShape("odd", rank=8, max_seq_len=1024, target_modules=("qkv_proj",)))
+    assert bad_module and "qkv_proj" in bad_module[0]
+
+
+def test_a_job_in_the_plan_lists_its_problems_in_the_plans() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80, jobs=[JobShape("big", rank=128, max_seq_len=1024)])
+    assert plan.problems == ("job big: LoRA rank 128 is above the rollout engines' max_lora_rank 64",)
+    assert "refused" in render_plan(plan)
+
+
+def test_a_small_kv_cache_is_reported_against_max_model_len() -> None:
+    config = model_config_for("/models/Qwen2.5-0.5B-Instruct")
+    plan = plan_memory(config, NodeShape.parse("2x4G"), options=ClusterOptions(max_model_len=32768))
+    rollout = plan.rollouts[0]
+    assert 0 < rollout.kv_tokens < 32768
+    assert f"rollout engine 0: the KV cache holds {rollout.kv_tokens:,} tokens, below max_model_len 32,768" \
+        in plan.problems
+
+
+def test_max_model_len_beyond_the_models_context_and_unknown_vllm_ranks_are_problems() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_model_len=65536, max_lora_rank=48))
+    assert "max_model_len 65,536 exceeds the model's context 32,768 (max_position_embeddings)" in plan.problems
+    assert any(p.startswith("max_lora_rank 48: vLLM accepts") for p in plan.problems)
+
+
+def test_one_gpu_shares_it_rollout_gets_its_share_of_what_the_trainer_leaves() -> None:
+    plan = plan_memory(qwen_7b(), NodeShape.parse("1x80G"))
+    rollout, trainer = plan.rollouts[0], plan.trainers[0]
+    assert rollout.shared and trainer.shared
+    assert rollout.budget_bytes == int(0.9 * (80 * GiB - trainer.used_bytes))
+    assert trainer.free_bytes == 80 * GiB - trainer.used_bytes - rollout.budget_bytes > 0
+    assert rollout.vllm_utilization == pytest.approx(rollout.budget_bytes / (80 * GiB))
+    assert plan.problems == ()
+
+
+def test_engines_asking_for_more_gpus_than_the_node_has() -> None:
+    plan = plan_memory(qwen_7b(), NodeShape.parse("2x80G"), engines=[EngineShape("rollout", 2),
+                                                                      EngineShape("trainer", 1)])
+    assert any(p.startswith("the engines ask for 3 GPUs, the node has 2") for p in plan.problems)
+    cpu_node = plan_memory(TINY, NodeShape.parse("0"), engines=[EngineShape("rollout", 1), EngineShape("trainer", 0)])
+    assert "the engines ask for 1 GPU, the node has none" in cpu_node.problems
+
+
+def test_host_and_nvme_tiers_beyond_the_node_are_problems() -> None:
+    node = NodeShape.parse("8x80G", host="12G", nvme="100G")
+    plan = plan_memory(qwen_7b(), node)
+    assert "host memory: 2 host tier(s) of 8.0 GiB = 16.0 GiB exceed the node's 12.0 GiB" in plan.problems
+    assert "NVMe: 2 tier(s) of 64.0 GiB = 128.0 GiB exceed the node's 100.0 GiB" in plan.problems
+
+
+def test_a_tiny_cpu_node_plans_in_host_memory() -> None:
+    job = JobShape("tiny-arith", rank=8, max_seq_len=48, dtype="float32", micro_batch_tokens=1024)
+    plan = plan_memory(TINY, NodeShape.parse("0", host="16G", nvme="64G"), jobs=[job], model="tiny-arith")
+    assert plan.dtype == "float32"
+    assert [(r.gpus, t.gpus) for r, t in zip(plan.rollouts, plan.trainers)] == [(0, 0)]
+    assert plan.max_model_len == 64
+    assert plan.rollouts[0].kv_tokens >= 64
+    assert plan.problems == ()
+    trainer = plan.trainers[0]
+    assert trainer.capacity_bytes == 16 * GiB - 8 * GiB - plan.rollouts[0].budget_bytes
+    text = render_plan(plan)
+    assert "Rollout engine 0: on the CPU" in text and "Trainer engine 0: on the CPU" in text
+    assert "Everything fits." in text
+
+
+def test_default_engines() -> None:
+    assert default_engines(0) == [EngineShape("rollout", 0), EngineShape("trainer", 0)]
+    assert default_engines(1) == [EngineShape("rollout", 1), EngineShape("trainer", 1)]
+    assert default_engines(2) == [EngineShape("rollout", 1), EngineShape("trainer", 1)]
+    eight = default_engines(8)
+    assert (sum(e.kind == "rollout" for e in eight), sum(e.kind == "trainer" for e in eight)) == (6, 2)
+    assert default_engines(8, tp=2) == [EngineShape("rollout", 2)] * 3 + [EngineShape("trainer", 1)] * 2
+    with pytest.raises(ValueError, match="tp 4"):
+        default_engines(4, tp=4)
+
+
+def test_node_shapes_parse_from_text() -> None:
+    assert parse_gpus("8x80G") == (8, 80 * GiB)
+    assert parse_gpus("1 x 141GiB") == (1, 141 * GiB)
+    assert parse_gpus("cpu") == (0, 0)
+    assert NodeShape.parse("4x80G", host="1T", nvme="3T") == NodeShape(4, 80 * GiB, 1 << 40, 3 << 40)
+    with pytest.raises(ValueError, match="8y80"):
+        parse_gpus("8y80")
+
+
+def test_model_config_prefers_config_json_and_falls_back_to_known_shapes(tmp_path: Path) -> None:
+    present = tmp_path / "Qwen2.5-7B-Instruct"
+    present.mkdir()
+    (present / "config.json").write_text(json.dumps(TINY))
+    assert model_config_for(present)["hidden_size"] == 128  # the model's own file wins
+    assert model_config_for("/nowhere/qwen2.5-7b-instruct/")["hidden_size"] == 3584
+    with pytest.raises(UnknownModelShape, match="no config.json in /nowhere/Mystery-1B .*known: "):
+        model_config_for("/nowhere/Mystery-1B")
+
+
+def test_the_plan_does_not_import_torch() -> None:
+    code = "import sys, plexctl.memplan, plexctl.model_shapes; print('torch' in sys.modules or 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# ---------------------------------------------------------------- plexctl plan
+
+
+def _plan_cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "plexctl.cli", "plan", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_plan_command_prints_the_plan_of_a_shipped_example_on_its_node() -> None:
+    proc = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gpus", "8x80G")
+    assert proc.returncode == 0, proc.stderr
+    assert "Rollout engines 0-5" in proc.stdout and "Trainer engines 0-1" in proc.stdout
+    assert "KV cache" in proc.stdout and "Everything fits." in proc.stdout
+
+
+def test_plan_command_says_what_does_not_fit_and_exits_7() -> None:
+    proc = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gpus", "1x24G", "--set", "lora.rank=128")
+    assert proc.returncode == 7
+    assert "LoRA rank 128 is above the rollout engines' max_lora_rank 64" in proc.stdout
+    assert "exceed the GPU's 24.0 GiB" in proc.stdout
+
+
+def test_plan_command_refuses_a_node_shape_it_cannot_read() -> None:
+    proc = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gpus", "8xlots")
+    assert proc.returncode == 2 and "8xlots" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

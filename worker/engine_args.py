@@ -1,0 +1,178 @@
+"""The rollout engine's vLLM arguments per platform, as a pure function (no vLLM, no torch).
+
+``rollout_engine_args`` says everything a platform changes about building the engine: the
+``LLM(**llm_kwargs)`` keywords, the environment variables set while it is built, and which
+CPU-only workarounds the engine applies. It is tested for both platforms on any machine.
+
+- **cpu** (tests, laptops): the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  which the CPU workarounds need), eager mode, a KV cache of exactly ``kv_cache_gib``
+  (``kv_cache_memory_bytes``, and ``VLLM_CPU_KVCACHE_SPACE`` unless the user set it), a small
+  fixed memory share (``gpu_memory_utilization`` means host memory there, so the argument is
+  ignored), tensor parallelism 1;
+- **cuda**: the engine core in its own process (vLLM's default), CUDA graphs, the KV cache from
+  ``gpu_memory_utilization`` of a GPU the engine owns (``kv_cache_gib`` is ignored),
+  ``tensor_parallel_size`` GPUs, none of the CPU workarounds.
+
+Bad inputs raise ``EngineArgsError`` (a ``ValueError``) with one line naming the argument.
+Also here: ``default_max_lora_rank`` and ``adapter_slots``, the sizing rules for LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from worker.vllm_private import CPU_KVCACHE_ENV, LORA_RANKS, MULTIPROCESSING_ENV
+
+Platform = Literal["cpu", "cuda"]
+PLATFORMS: tuple[Platform, ...] = ("cpu", "cuda")
+
+GiB = 1 << 30
+MAX_NUM_SEQS = 256  # sequences per engine step
+BATCHED_TOKENS = MAX_NUM_SEQS * 64  # tokens per engine step, at least one whole sequence
+DEFAULT_MAX_LORA_RANK = 64  # above the shipped configs' ranks (7B: 32); every slot is padded to it
+CPU_MEMORY_UTILIZATION = 0.3  # on CPU vLLM reads the fraction as one of host memory
+GPU_MEMORY_UTILIZATION = 0.90  # weights, activations and KV cache on a GPU the engine owns
+MAX_LORA_SLOTS = {"cpu": 4, "cuda": 16}  # adapters in one batch: CPU LoRA ops multiply by every slot
+MAX_CACHED_LORAS = 64  # adapters vLLM keeps in host memory, beyond the slots (7B rank 32: ~0.16 GiB each)
+
+
+class EngineArgsError(ValueError):
+    """Engine arguments vLLM would refuse, or that make no sense on the platform."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgsPlan:
+    """How to build one rollout engine on one platform."""
+
+    platform: Platform
+    llm_kwargs: dict[str, Any]  # vllm.LLM(**llm_kwargs)
+    env_forced: dict[str, str]  # set while the engine is built, whatever the environment says
+    env_defaults: dict[str, str]  # set while the engine is built where unset (the user's value wins)
+    install_cpu_lora_ops: bool  # replace vLLM's CPU LoRA ops (worker/cpu_lora_ops.py)
+    pin_threads: bool  # run engine calls with ENGINE_THREADS torch threads, the caller's count restored
+    undo_cpu_worker_patches: bool  # put back torch.set_num_threads and LD_PRELOAD after the build
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine core runs in the caller's process."""
+        return self.env_forced.get(MULTIPROCESSING_ENV) == "0"
+
+
+def platform() -> Platform:
+    """"cuda" when torch sees a GPU, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_lora_rank(rank: int) -> int:
+    if rank not in LORA_RANKS:
+        raise EngineArgsError(f"max_lora_rank {rank}: vLLM accepts one of {', '.join(map(str, LORA_RANKS))}")
+    return rank
+
+
+def default_max_lora_rank(job_ranks: Iterable[int] = ()) -> int:
+    """The smallest rank vLLM accepts that holds every given job's rank, at least
+    ``DEFAULT_MAX_LORA_RANK``."""
+    need = max([DEFAULT_MAX_LORA_RANK, *job_ranks])
+    fits = [r for r in LORA_RANKS if r >= need]
+    if not fits:
+        raise EngineArgsError(f"lora rank {need}: vLLM loads adapters up to rank {LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def adapter_slots(expected_jobs: int, platform: Platform = "cuda", max_slots: int | None = None) -> tuple[int, int]:
+    """``(max_loras, max_cpu_loras)`` for a cluster expecting this many jobs: one batch slot
+    per job up to ``max_slots`` (the platform's ``MAX_LORA_SLOTS`` unless given), and vLLM's
+    host cache holding every job's adapter, at least twice the slots, at most
+    ``MAX_CACHED_LORAS`` (or twice the slots, if more)."""
+    if expected_jobs < 0:
+        raise EngineArgsError(f"expected_jobs must be >= 0, got {expected_jobs}")
+    _check_platform(platform)
+    cap = MAX_LORA_SLOTS[platform] if max_slots is None else max_slots
+    if cap < 1:
+        raise EngineArgsError(f"max_slots must be >= 1, got {cap}")
+    slots = min(max(expected_jobs, 1), cap)
+    cached = min(max(2 * slots, expected_jobs), max(MAX_CACHED_LORAS, 2 * slots))
+    return slots, cached
+
+
+def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
+    """``VLLM_CPU_KVCACHE_SPACE`` for a whole number of GiB (the variable holds no fraction;
+    ``kv_cache_memory_bytes`` carries the exact size either way)."""
+    if float(kv_cache_gib).is_integer():
+        return {CPU_KVCACHE_ENV: str(int(kv_cache_gib))}
+    return {}
+
+
+def rollout_engine_args(
+    platform: Platform,
+    model_path: str,
+    dtype: str = "float32",
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+    max_loras: int = 4,
+    max_cpu_loras: int = 8,
+    max_model_len: int = 64,
+    seed: int = 0,
+    kv_cache_gib: float = 1.0,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    tensor_parallel_size: int = 1,
+) -> EngineArgsPlan:
+    """The plan for one rollout engine. ``max_cpu_loras`` is raised to ``max_loras`` if below
+    it (vLLM requires it)."""
+    _check_platform(platform)
+    check_lora_rank(max_lora_rank)
+    for name, value in (("max_loras", max_loras), ("max_model_len", max_model_len),
+                        ("tensor_parallel_size", tensor_parallel_size)):
+        if value < 1:
+            raise EngineArgsError(f"{name} must be >= 1, got {value}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    common: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        # with the tiny model's 64-token context a whole batch of full-length prompts fits one
+        # step: vLLM then never splits a prompt across steps, which a seeded sampler cannot do
+        # on CPU; a longer context gets the same budget (or one sequence)
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_num_batched_tokens": max(BATCHED_TOKENS, max_model_len),
+        "enable_lora": True,
+        "max_lora_rank": max_lora_rank,
+        "max_loras": max_loras,
+        "max_cpu_loras": max(max_cpu_loras, max_loras),
+        "disable_log_stats": True,
+    }
+    if platform == "cpu":
+        if tensor_parallel_size != 1:
+            raise EngineArgsError(f"tensor_parallel_size {tensor_parallel_size}: the CPU engine runs on one process")
+        if kv_cache_gib <= 0:
+            raise EngineArgsError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        return EngineArgsPlan(
+            platform="cpu",
+            llm_kwargs={**common, "enforce_eager": True, "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
+                        "kv_cache_memory_bytes": int(kv_cache_gib * GiB)},
+            env_forced={MULTIPROCESSING_ENV: "0"},
+            env_defaults=kv_cache_env(kv_cache_gib),
+            install_cpu_lora_ops=True,
+            pin_threads=True,
+            undo_cpu_worker_patches=True,
+        )
+    return EngineArgsPlan(
+        platform="cuda",
+        llm_kwargs={**common, "enforce_eager": False, "gpu_memory_utilization": gpu_memory_utilization,
+                    "tensor_parallel_size": tensor_parallel_size},
+        env_forced={},
+        env_defaults={},
+        install_cpu_lora_ops=False,
+        pin_threads=False,
+        undo_cpu_worker_patches=False,
+    )
+
+
+def _check_platform(name: str) -> None:
+    if name not in PLATFORMS:
+        raise EngineArgsError(f"platform {name!r}: one of {', '.join(PLATFORMS)}")

@@ -1,0 +1,115 @@
+"""Every private or unstable vLLM name the worker relies on, in one place.
+
+Each name is reached through a constant or a small function here, with the reason the worker
+needs it; ``tests/test_vllm_private.py`` checks each against the installed vLLM (import path,
+attribute, parameters), so an upgrade that moves or renames one fails there with the name,
+not deep inside an engine start. Written against vLLM 0.32.0.
+
+Invariant: importing this module imports neither vLLM nor torch (``worker.engine_args``, a
+pure module, reads its constants); the functions import what they touch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+# ---------------------------------------------------------------- environment (vllm/envs.py)
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in the caller's process
+CPU_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # KV cache GiB of the CPU backend (whole numbers only)
+
+# ---------------------------------------------------------------- configuration
+
+# vllm.config.lora.MaxLoRARanks: the only max_lora_rank values LoRAConfig accepts (a Literal)
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_RANKS_AT = ("vllm.config.lora", "MaxLoRARanks")
+
+# ---------------------------------------------------------------- requests (LLM.llm_engine)
+
+# LLM has no public call that adds requests without running them to the end, so continuous
+# batching drives its v1 LLMEngine ("legacy, for backwards compatibility" in 0.32):
+# add_request / step / abort_request / has_unfinished_requests / add_lora / remove_lora / list_loras.
+# method: (the parameters the worker passes by position, those it passes by keyword)
+ENGINE_METHODS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "add_request": (("request_id", "prompt", "params"), ("lora_request",)),
+    "step": ((), ()),
+    "abort_request": (("request_ids",), ("internal",)),
+    "has_unfinished_requests": ((), ()),
+    "add_lora": (("lora_request",), ()),
+    "remove_lora": (("lora_id",), ()),
+    "list_loras": ((), ()),
+}
+
+
+def llm_engine(llm: Any) -> Any:
+    """The ``LLMEngine`` inside an ``LLM`` (``LLM.llm_engine``: an attribute, not documented API)."""
+    return llm.llm_engine
+
+
+def render_prompts(llm: Any, prompts: Sequence[str]) -> list[Any]:
+    """Text prompts as engine inputs for ``LLMEngine.add_request``, tokenized as ``LLM.generate``
+    does (``LLMEngine.renderer.render_cmpl``: new in the 0.1x renderer refactor; passing raw text
+    to ``add_request`` instead is deprecated there)."""
+    return list(llm.llm_engine.renderer.render_cmpl([{"prompt": p} for p in prompts]))
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop the engine core (and its processes when it runs in its own): neither ``LLM`` nor
+    ``LLMEngine`` has a public close in 0.32 (``LLMEngine.engine_core.shutdown``)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def release_process_state() -> None:
+    """Free the process-global state an engine leaves (torch.distributed group, vLLM's env
+    cache) so another engine can start in this process (vLLM's own tests call it)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+# ---------------------------------------------------------------- outputs
+
+FLAT_LOGPROBS_AT = ("vllm.logprobs", "FlatLogprobs")
+FLAT_LOGPROBS_FIELDS = ("start_indices", "token_ids", "logprobs")
+
+
+def sampled_token_logprobs(steps: Any) -> tuple[list[int], list[float]]:
+    """The first entry of each position of a ``FlatLogprobs`` (with ``logprobs=0``: the sampled
+    token's id and log-prob). ``SamplingParams(flat_logprobs=True)`` is new in 0.1x and its
+    layout (start indices into flat lists) is not documented API."""
+    starts, ids, values = steps.start_indices, steps.token_ids, steps.logprobs
+    return [ids[i] for i in starts], [float(values[i]) for i in starts]
+
+
+# ---------------------------------------------------------------- the CPU backend
+
+# vLLM's pure-torch LoRA ops, which worker/cpu_lora_ops.py replaces: the three bgmv ops in the
+# module that defines them (its sgmv ops call them through these globals), its package, and the
+# CPU punica wrapper, which imported them by name.
+CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+CPU_LORA_OP_MODULES = (
+    "vllm.lora.ops.torch_ops.lora_ops",
+    "vllm.lora.ops.torch_ops",
+    "vllm.lora.punica_wrapper.punica_cpu",
+)
+
+
+def cpu_lora_op_modules() -> list[ModuleType]:
+    """The modules whose ``CPU_LORA_OPS`` globals vLLM's CPU LoRA layers call."""
+    return [importlib.import_module(name) for name in CPU_LORA_OP_MODULES]
+
+
+# In-process, vLLM's CPUWorker.init_device replaces ``torch.set_num_threads`` with a no-op that
+# only warns; the engine keeps the real setter (torch's C binding) to pin its own threads, and
+# puts ``torch.set_num_threads`` back after the engine is built.
+CPU_WORKER_PATCH_AT = ("vllm.v1.worker.cpu_worker", "CPUWorker", "init_device")
+
+
+def real_set_num_threads() -> Callable[[int], None]:
+    """torch's own thread-count setter, whatever ``torch.set_num_threads`` has been replaced by."""
+    import torch
+
+    return torch._C.set_num_threads
