@@ -53,6 +53,7 @@ from daemon.auth import secure
 from daemon.journal import TERMINAL, Journal
 from daemon import metrics as M
 from daemon.scheduler import POLICIES, Engine, Scheduler, Task
+from plexctl.sizes import fmt_bytes
 from plexctl.state_size import job_state_bytes, model_config
 from plexctl import protocol as P
 from plexctl import auth
@@ -454,8 +455,8 @@ class Daemon:
         capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
         need = self._state_bytes(spec)
         if need and capacities and need > max(capacities):
-            return (f"lora: the job's adapter and optimizer state takes {need / 2**30:.2f} GiB, more than any "
-                    f"trainer's largest tier holds ({max(capacities) / 2**30:.2f} GiB)")
+            return (f"lora: the job's adapter and optimizer state takes {fmt_bytes(need)}, more than any "
+                    f"trainer's largest tier holds ({fmt_bytes(max(capacities))})")
         return ""
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
