@@ -135,6 +135,7 @@ def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
             m = store.ensure_resident(f"job{j}", lora, j)
             if m.get("bytes"):
                 moved.append((int(m["bytes"]), float(m["seconds"])))
+    store.ensure_resident("job0", lora, 0)  # resident again: its size and its adapter are read on the device
     nbytes = trainer.state_bytes("job0")
     result["state_bytes"] = nbytes
     result["swaps"] = len(moved)

@@ -124,3 +124,16 @@ def test_the_results_table_reads_each_benchmark_from_its_json(tmp_path: Path) ->
     rows = {line.split(":", 1)[0].strip("| "): line for line in table.table(tmp_path).splitlines()[2:]}
     assert "+20.0 %" in rows["overhead"] and "0.500 vs" in rows["overhead"] and rows["overhead"].endswith("| **no** |")
     assert "not run" in rows["swap"]  # no swap.json in that directory
+
+
+def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_path: Path) -> None:
+    """The GPU acceptance script, shrunk and on CPU: every part runs through the worker's own
+    engine wiring (so the script a lent GPU machine runs is not broken when it is lent)."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--quick", "--device", "cpu",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = json.loads(out.read_text())["parts"]
+    assert parts["trainer"]["vocab"] == 151936 and parts["trainer"]["tokens_per_second"] > 0
+    assert parts["swap"]["swaps"] > 0 and parts["swap"]["swap_over_raw"] > 0
+    assert parts["rollout"]["base_sequences"] == parts["rollout"]["adapter_sequences"] > 0
