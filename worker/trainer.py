@@ -7,8 +7,8 @@ names (``TrainHParams``): PPO's clipped surrogate with asymmetric clip (``pg-cli
 truncated importance sampling for stale samples (``pg-tis``), optional k3 KL to the base model,
 token-, sequence- or Dr. GRPO constant-length aggregation, gradient clipping. A trusted user's
 own per-token loss (``loss_fn``, ``module:function``) is imported here, and only when the
-daemon has marked the call's job as submitted by a user it trusts. It also computes current-policy log-probs, writes adapters in the exact
-PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
+daemon has marked the call's job as submitted by a user it trusts. It also computes
+current-policy log-probs, writes adapters in the exact PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
 writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
 ``extra``, with a sha256 manifest), atomically. A write that runs out of disk space or quota
 (ENOSPC, EDQUOT) removes its temp dir, leaves the previous checkpoint as it was and raises
@@ -39,24 +39,13 @@ LoRA dropout trains under its own saved RNG state. The result, asserted by the t
 update a job gets is bit-for-bit (on CPU) the update it would get alone on the engine,
 whatever other jobs' steps are interleaved.
 
-Moving a job off the device. Each job's trainable state lives in one flat device buffer, its
-slot: the adapter's parameters are views into it (``param.data``: the ``nn.Parameter`` objects
-peft holds stay), and so are AdamW's moments and step counts (made as zeros with the job, so
-AdamW updates them in place and never allocates them; a checkpoint restore copies into them)
-and the job's RNG state. On CUDA the step counts and RNG state, which torch keeps on the host,
-are views into a small host buffer instead. A slot is laid out exactly as a copy is.
-``export_state`` returns a ``JobStateCopy``: a detached host copy of all of it and the LoRA
-config / seed / weight decay, in a few flat buffers (one per kind and dtype) back to back in one
-host buffer that the caller's ``BufferPool`` gives (pinned, and filled on a side CUDA stream,
-when the engine runs on CUDA): one ``copy_`` on CPU, two on CUDA. ``release`` parks the job's
-adapter modules with their slot (its buffer is freed, but for the ``POOL_KEEP`` largest parked
-ones on CPU: CUDA's caching allocator keeps freed memory at hand), and ``import_state`` takes a
-parked adapter of the same LoRA shape (skipping peft's add_adapter, about 0.7 ms per wrapped
-module on CPU; else it attaches an empty one) and copies the copy back into its slot the same
-way: training goes on bit-for-bit as if the job had never left. Neither direction does
-anything per tensor, and once the slot and the pool's buffers exist neither allocates on CPU
-(on CUDA a freed slot's buffer comes back from the caching allocator): a swap costs a memcpy of
-the state plus about 10-20 microseconds.
+Moving a job off the device. Each job's trainable state (adapter parameters, AdamW moments and
+step counts, RNG state) lives in one flat buffer, its slot, laid out exactly as a host copy is;
+parameters and moments are views into it. ``export_state`` fills a ``JobStateCopy`` in a buffer
+of the caller's ``BufferPool`` (on CUDA from pinned memory, on a side stream) with one ``copy_``
+per run; ``release`` parks the adapter modules with their slot, and ``import_state`` reuses a
+parked adapter of the same LoRA shape and copies the state back: nothing is done per tensor,
+and training goes on bit-for-bit as if the job had never left.
 
 What it deliberately does not do. No scheduling, no deciding which job lives on which memory
 tier or writing copies to disk (``worker.state_store`` does that with ``export_state`` /
