@@ -538,21 +538,14 @@ def plan(files: Annotated[list[Path], typer.Argument(help="job spec YAML files (
         raise typer.Exit(ExitCode.REFUSED)
 
 
-def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, tp: int) -> list | None:
-    """The engines of a node as `up` places them: the layout's default split, or the GPUs asked."""
+def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, tp: int) -> list:
+    """The engines of a node as `up --slurm` places them (``plexctl.layout``), as the plan's shapes."""
     from plexctl import memplan as MP
+    from plexctl.layout import place_workers
 
-    if rollout_gpus is None and trainer_gpus is None:
-        return MP.default_engines(gpus, tp)
-    if gpus == 0:
-        raise UsageError("--rollout-gpus / --trainer-gpus: the node has no GPUs")
-    trainers = trainer_gpus if trainer_gpus is not None else max(1, gpus // 4)
-    rollout = rollout_gpus if rollout_gpus is not None else gpus - trainers
-    if rollout + trainers > gpus:
-        raise UsageError(f"--rollout-gpus {rollout} + --trainer-gpus {trainers} exceed the node's {gpus} GPUs")
-    if rollout % tp:
-        raise UsageError(f"--tp {tp} does not divide the {rollout} rollout GPUs")
-    return [MP.EngineShape("rollout", tp)] * (rollout // tp) + [MP.EngineShape("trainer", 1)] * trainers
+    workers = place_workers("(--gpus)", [str(i) for i in range(gpus)], ["rollout", "trainer"],
+                            rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, tp=tp)
+    return [MP.EngineShape(kind, len(w.devices)) for w in workers for kind in w.engines]
 
 
 @app.command()
