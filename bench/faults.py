@@ -1,6 +1,7 @@
 """Inject faults into a running cluster, by hand or from the tests.
 
     python bench/faults.py kill-worker w1            # SIGKILL a worker (local cluster: w0 rollout, w1 trainer)
+    python bench/faults.py stall-worker w1 --seconds 10   # SIGSTOP a worker, SIGCONT it 10 s later
     python bench/faults.py kill-driver j0003         # SIGKILL a job's driver
     python bench/faults.py kill-daemon               # SIGKILL the daemon (restart it with `plexctl up`)
     python bench/faults.py --state-dir DIR ...       # another cluster than $PLEXRL_HOME/clusters/default
@@ -17,6 +18,7 @@ import os
 import signal
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,14 +61,29 @@ def kill(pid: int) -> int:
     return pid
 
 
+def stall(pid: int, seconds: float) -> int:
+    """Stop ``pid`` for ``seconds`` (SIGSTOP, then SIGCONT), as a long GC pause or a swap storm would."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return pid
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-dir", type=Path, default=None)
-    ap.add_argument("fault", choices=["kill-worker", "kill-driver", "kill-daemon"])
+    ap.add_argument("fault", choices=["kill-worker", "stall-worker", "kill-driver", "kill-daemon"])
     ap.add_argument("target", nargs="?", help="worker id or job id")
+    ap.add_argument("--seconds", type=float, default=10.0, help="stall-worker: how long the worker stays stopped")
     args = ap.parse_args(argv)
     state_dir = (args.state_dir or cluster_dir(None)).resolve()
     try:
+        if args.fault == "stall-worker":
+            pid = stall(worker_pid(state_dir, args.target or "w1"), args.seconds)
+            print(f"stall-worker: stopped pid {pid} for {args.seconds:g} s")
+            return 0
         if args.fault == "kill-worker":
             pid = kill(worker_pid(state_dir, args.target or "w1"))
         elif args.fault == "kill-driver":

@@ -2,9 +2,10 @@
 
 A ``ThreadAuthenticator`` answers each handshake from the keys on disk (``plexctl.auth``): the
 internal key becomes the identity ``@internal``, a key in ``keys/clients/USER.key`` becomes
-``USER``, any other key is refused at the connection, before the daemon sees a message. The
-user is attached to every message of that connection as its ``User-Id`` property. Clients are
-re-read when ``keys/clients/`` changes, so ``plexctl share`` needs no restart.
+``USER``, an isolated driver's key in ``keys/jobs/JOB.key`` becomes ``@job:JOB``, any other key
+is refused at the connection, before the daemon sees a message. The user is attached to every
+message of that connection as its ``User-Id`` property. Keys are re-read when either directory
+changes, so ``plexctl share`` and a new job's driver need no restart.
 
 Deliberately not here: what each user may do (the daemon's handlers decide, by user).
 """
@@ -31,17 +32,17 @@ class KeyBook:
         self.state_dir = state_dir
         self.internal = auth.load_public(auth.keys_dir(state_dir) / f"{auth.INTERNAL}.key")
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[tuple[int, int], ...] | None = None
         self._clients: dict[bytes, str] = {}
         self._refused: set[bytes] = set()  # logged once each (a refused client keeps reconnecting)
 
     def user(self, z85_key: bytes) -> str | None:
         if z85_key == self.internal:
             return auth.INTERNAL_USER
-        clients = auth.keys_dir(self.state_dir) / "clients"
+        kd = auth.keys_dir(self.state_dir)
+        (kd / "jobs").mkdir(mode=0o700, exist_ok=True)
         with self._lock:
-            st = clients.stat()
-            stamp = (st.st_mtime_ns, st.st_ino)
+            stamp = tuple((st.st_mtime_ns, st.st_ino) for st in ((kd / "clients").stat(), (kd / "jobs").stat()))
             if stamp != self._stamp:
                 self._clients, self._stamp = auth.allowed_clients(self.state_dir), stamp
             return self._clients.get(z85_key)

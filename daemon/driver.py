@@ -56,13 +56,13 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--job-dir", required=True, type=Path)
+    ap.add_argument("--isolated", action="store_true", help="jailed (daemon.jail): the job's directory is all it sees")
     args = ap.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal: the daemon tells us
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_now)  # the daemon stops the job (cancel past its grace, roll back)
-    state_dir = args.job_dir.resolve().parents[1]
-    client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_path(state_dir),
-                       log=log)
+    endpoint_file = None if args.isolated else endpoint_path(args.job_dir.resolve().parents[1])
+    client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_file, log=log)
     try:
         spec = spec_from_wire(json.loads((args.job_dir / "spec.json").read_text()))
         log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, "

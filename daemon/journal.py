@@ -91,9 +91,9 @@ class Journal:
     def submit(self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int,
                priority: int) -> tuple[str, bool]:
         """Insert a job unless this submit_id was seen; (job_id, created)."""
-        row = self.db.execute("SELECT job_id FROM jobs WHERE submit_id=?", (submit_id,)).fetchone()
-        if row:
-            return row["job_id"], False
+        known = self.submitted(submit_id)
+        if known is not None:
+            return known, False
         now = time.time()
         with self._durable(), self.db:
             self.db.execute("BEGIN IMMEDIATE")
@@ -109,6 +109,16 @@ class Journal:
         self._jobs[job_id] = self._info(row)
         self._names[name] = job_id
         return job_id, True
+
+    def submitted(self, submit_id: str) -> str | None:
+        """The job this submit_id made, if it was seen (a retried submit gets it again)."""
+        row = self.db.execute("SELECT job_id FROM jobs WHERE submit_id=?", (submit_id,)).fetchone()
+        return row["job_id"] if row else None
+
+    def holding(self, name: str, user: str) -> list[JobInfo]:
+        """``user``'s queued or running jobs named ``name``, oldest first (a name is one job's)."""
+        return [info for info in self._jobs.values()
+                if info.name == name and info.user == user and info.state in ("queued", "running")]
 
     def update(self, job_id: str, **fields: Any) -> None:
         bad = set(fields) - UPDATABLE

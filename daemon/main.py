@@ -8,6 +8,14 @@ state (adapters, checkpoints) moves through files in the job's directory, never 
 this process. In ``--local-worker`` mode the daemon also starts and stops its workers as
 child processes (the embedded single-machine cluster).
 
+A worker that misses ``WORKER_LIVENESS`` heartbeats is *suspect*, not dead: a long GC pause, a
+swap storm or a file-system stall looks the same for a while. Its engines get no new calls
+(``Scheduler.engine_suspect``), its calls in flight, its jobs and their state stay; when it
+heartbeats again it goes on as before. It is *lost* (its calls run again elsewhere, the jobs
+whose trainer state it held roll back to their checkpoint) when its process is gone (a local
+worker's exit, seen here; a Slurm worker's, told by its node task) or after ``--worker-grace``
+seconds of silence.
+
 Stopping drains: on ``plexctl down``, SIGTERM or SIGUSR1 (a Slurm allocation's signal ahead
 of preemption or its time limit) the daemon admits nothing more, tells each running job's
 driver (in its next ``publish`` reply) to checkpoint at the end of its current step and exit,
@@ -48,7 +56,7 @@ from typing import Any, Iterable
 import msgspec
 import zmq
 
-from daemon import procs
+from daemon import jail, procs
 from daemon.auth import secure
 from daemon.journal import TERMINAL, Journal
 from daemon import metrics as M
@@ -59,7 +67,7 @@ from plexctl import protocol as P
 from plexctl import auth
 from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import current_user
-from plexctl.cluster import Endpoint, endpoint_path, plexrl_home
+from plexctl.cluster import Endpoint, endpoint_path, make_private, plexrl_home
 from plexctl.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.spec import JobSpec, spec_from_wire
 
@@ -68,7 +76,9 @@ log = logging.getLogger("plexd")
 VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
 CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
-WORKER_LIVENESS = 3  # heartbeats missed before a worker is declared dead
+LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
+WORKER_LIVENESS = 3  # heartbeats missed before a worker is suspect: its engines get no new calls
+WORKER_GRACE_S = 60.0  # silent this long, a worker is lost even if its process may live (a 30 s stall survives)
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
@@ -77,7 +87,8 @@ ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then rest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 ROLLOUT_METHODS = {"generate"}
-INTERNAL_OPS = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.RESULT, P.Op.LEAVE, P.Op.CALL, P.Op.REPORT}  # drivers, workers
+INTERNAL_OPS = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.RESULT, P.Op.LEAVE, P.Op.WORKER_EXITED, P.Op.CALL,
+                P.Op.REPORT}  # drivers, workers, Slurm node tasks
 
 
 @dataclass
@@ -90,6 +101,8 @@ class WorkerState:
     ready: bool
     error: str = ""
     devices: list[str] = field(default_factory=list)  # its CUDA_VISIBLE_DEVICES ids
+    pid: int = 0  # its process, on its node
+    suspect_since: float | None = None  # when it was found silent (``_suspect``); None while it answers
 
 
 @dataclass
@@ -129,12 +142,15 @@ class Daemon:
                  host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local",
                  policy: str = "spread+backfill", worker_args: list[str] | None = None,
                  advertise_host: str | None = None, drain_timeout: float = DRAIN_TIMEOUT_S,
-                 trusted_users: list[str] | None = None, metrics_port: int | None = None) -> None:
+                 trusted_users: list[str] | None = None, metrics_port: int | None = None,
+                 worker_grace: float = WORKER_GRACE_S) -> None:
         self.state_dir = state_dir
+        self.worker_grace = worker_grace  # a silent worker whose process may live is lost after this
         self.telemetry = M.Telemetry()  # call latencies, swap marks; /metrics when metrics_port is set
         self.metrics_port: int | None = None
         self.jobs_dir = state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        make_private(state_dir)
         self.models = {os.path.realpath(m) for m in models}
         self.max_running = max_running
         self.mode = mode
@@ -178,6 +194,9 @@ class Daemon:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
         self.authenticator = secure(self.sock, state_dir)
         port = self._bind(host, port)
+        if os.geteuid() == 0:  # isolated drivers have no network: they reach the daemon through this socket
+            self.sock.bind(jail.prepare_socket_dir(state_dir))
+            jail.open_socket(state_dir)
         connect_host = advertise_host or (
             "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname())
         self.address = f"tcp://{connect_host}:{port}"
@@ -193,7 +212,8 @@ class Daemon:
         write_json_atomic(endpoint_path(state_dir), msgspec.to_builtins(
             Endpoint(address=self.address, pid=os.getpid(), started_at=self.started_at, mode=mode,
                      host=socket.gethostname(),
-                     server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode())))
+                     server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode())),
+            mode=0o644)  # the one file other users read
         log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
 
     # ------------------------------------------------------------------ lifecycle
@@ -223,8 +243,8 @@ class Daemon:
             job_dir = self.jobs_dir / info.job_id
             proc = None
             if info.state == "running":  # its driver runs on, or ended (and said how) while no daemon ran
-                proc = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir)) \
-                    or procs.exited(job_dir / "driver.pid")
+                argv, exit_file = self._driver_argv(info.job_id, job_dir, info.user), self._exit_file(job_dir, info.user)
+                proc = procs.find(job_dir / "driver.pid", argv, exit_file) or procs.exited(job_dir / "driver.pid", exit_file)
             if proc is not None:
                 spec = spec_from_wire(self.journal.spec(info.job_id))
                 rt = self.runtimes[info.job_id] = JobRuntime(info.job_id, spec, job_dir, proc,
@@ -247,7 +267,7 @@ class Daemon:
             self.journal.event(info.job_id, "recovered", f"was {info.state}")
         for info in self.journal.jobs(("queued",)):  # a driver started just before the last daemon died
             job_dir = self.jobs_dir / info.job_id  # (its job not yet marked running): it starts again
-            stray = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir))
+            stray = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir, info.user))
             if stray is not None:
                 stray.kill()
                 log.warning("job %s: stopped a driver (pid %d) the journal did not know of", info.job_id, stray.pid)
@@ -391,11 +411,22 @@ class Daemon:
 
     def _refusal(self, op: bytes, user: str) -> str:
         """Why ``user`` may not send ``op`` ("" if they may)."""
+        if auth.job_of(user) is not None:  # an isolated driver: its job's calls and reports, nothing else
+            return "" if op in (P.Op.CALL, P.Op.REPORT) else "an isolated job's driver may only call and report for its job"
         if op in INTERNAL_OPS and user != auth.INTERNAL_USER:
             return f"{user or 'this client'} may not send {op.decode(errors='replace')}: it is for the cluster's own processes"
         if op == P.Op.DOWN and user != self.owner:
             return f"only the cluster's owner ({self.owner}) may stop it"
         return ""
+
+    def _isolated(self, user: str) -> bool:
+        """Whether ``user``'s jobs run isolated, held to their own rights (every user the cluster
+        does not trust: not its owner, not named with ``--trust-user-code``)."""
+        return user not in (self.owner, auth.INTERNAL_USER) and user not in self.trusted_users
+
+    def _foreign_job(self, job_id: str) -> bool:
+        """Whether the sender is an isolated driver of another job than ``job_id``."""
+        return auth.job_of(self.sender) not in (None, job_id)
 
     def _visible(self, job_user: str) -> bool:
         """Whether the current sender may see and act on a job of ``job_user``."""
@@ -433,15 +464,37 @@ class Daemon:
                         f"(it would run beside other users' state); the cluster's owner can allow it "
                         f"with `plexctl up --trust-user-code {user}`")
             return
+        refusal = jail.refusal(user) if self._isolated(user) else ""
+        if refusal:
+            self._error(identity, header.msg_id, "untrusted", refusal)
+            return
+        known = self.journal.submitted(body.submit_id)
+        if known is not None:  # a retried submit: the job it made, whatever has happened since
+            if self.journal.job(known).user != user:
+                self._error(identity, header.msg_id, "bad_request", f"submit id {body.submit_id!r} is taken")
+            else:
+                self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=known, created=False), header.msg_id)
+            return
+        holders = self.journal.holding(spec.name, user)
+        if holders and not body.replace:
+            held = holders[-1]
+            self._error(identity, header.msg_id, "bad_request",
+                        f"name: your job {held.job_id} ({held.state}) is named {spec.name!r}; cancel it, choose "
+                        f"another name (--name), or replace it (`plexctl submit --replace`)")
+            return
+        for old in holders:  # the older job is cancelled first: the name then means the new one alone
+            self._cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
         job_id, created = self.journal.submit(body.submit_id, spec.name, user, body.spec,
                                               spec.algo.steps, spec.priority)
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
-        self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created), header.msg_id)
+        self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created,
+                                                     replaced=[old.job_id for old in holders]), header.msg_id)
 
     def _engines_refuse(self, spec: JobSpec) -> str:
         """Why the engines serving the job's model can never run it (its dtype, its LoRA rank, its
-        state beside every trainer's capacity), or "". Judged by the engines registered so far."""
+        max_tokens beside the sequences they hold, its state beside every trainer's capacity), or "".
+        Judged by the engines registered so far."""
         model = os.path.realpath(spec.model.path)
         decls = [d for w in self.workers.values() for d in w.engines if os.path.realpath(d.model) == model]
         served = sorted({d.dtype for d in decls if d.dtype})
@@ -452,6 +505,10 @@ class Daemon:
         if spec.lora is not None and ranks and spec.lora.rank > max(ranks):
             return (f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)} "
                     f"(`plexctl up --max-lora-rank`)")
+        lengths = [d.max_model_len for d in decls if d.kind == "rollout" and d.max_model_len]
+        if lengths and spec.sampling.max_tokens >= min(lengths):  # a prompt takes one token at least
+            return (f"sampling.max_tokens {spec.sampling.max_tokens}: the rollout engines of {spec.model.path} "
+                    f"hold sequences of {min(lengths)} tokens, prompt included (`plexctl up --max-model-len`)")
         capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
         need = self._state_bytes(spec)
         if need and capacities and need > max(capacities):
@@ -491,7 +548,9 @@ class Daemon:
                     busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
                     tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
                     swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
-                    devices=w.devices, dtype=decl.dtype, device=decl.device))
+                    devices=w.devices, dtype=decl.dtype, device=decl.device,
+                    suspect=w.suspect_since is not None,
+                    silent_s=now - w.last_seen if w.suspect_since is not None else 0.0))
         # idle share of engine time since this daemon started (running totals: no scan of past tasks)
         bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
@@ -535,18 +594,22 @@ class Daemon:
         if job_id is None:
             self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
+        self._cancel(job_id)
+        self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
+
+    def _cancel(self, job_id: str, why: str = "") -> None:
+        """Cancel a job: a queued one at once, a running one at its next call boundary."""
         info = self.journal.job(job_id)
         if info.state == "queued" or info.state == "interrupted":
             self.journal.update(job_id, state="cancelled", ended_at=time.time())
             self.specs.pop(job_id, None)
             self.reasons.pop(job_id, None)
-            self.journal.event(job_id, "cancelled", "before it started")
+            self.journal.event(job_id, "cancelled", why or "before it started")
         elif info.state == "running":
             rt = self.runtimes.get(job_id)
             if rt is not None and rt.cancel_requested_at is None:
                 rt.cancel_requested_at = time.time()
-                self.journal.event(job_id, "cancel_requested")
-        self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
+                self.journal.event(job_id, "cancel_requested", why)
 
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
         job_id = self._find(body.job_id)
@@ -557,16 +620,20 @@ class Daemon:
         if name is None:
             self._error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
             return
-        data, offset = b"", body.offset
-        path = self.jobs_dir / job_id / name
+        ended = self.journal.job(job_id).state in TERMINAL  # before reading: all it wrote is there
+        data, size = b"", 0
+        info = self.journal.job(job_id)
+        path = self._job_output(job_id, info.user, name)
         if path.exists():
-            with open(path, "rb") as f:
+            with jail.open_job_file(path) as f:  # a jailed driver's file: no link, no FIFO followed
+                size = os.fstat(f.fileno()).st_size
                 f.seek(body.offset)
-                data = f.read(256 * 1024)
-            offset = body.offset + len(data)
-        finished = self.journal.job(job_id).state in TERMINAL and (not path.exists() or offset >= path.stat().st_size)
+                data = f.read(LOGS_CHUNK)
+            if not (ended and body.offset + len(data) >= size):  # more to come: never half a character
+                data = data[:_chunk_end(data, whole_lines=len(data) == LOGS_CHUNK)]
+        offset = body.offset + len(data)
         self._send(identity, P.Op.REPLY, P.LogsRep(data=data.decode(errors="replace"), offset=offset,
-                                                   finished=finished), header.msg_id)
+                                                   finished=ended and offset >= size), header.msg_id)
 
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
         self._send(identity, P.Op.REPLY, {"ok": True, "running": len(self.runtimes)}, header.msg_id)
@@ -579,8 +646,10 @@ class Daemon:
         old = self.workers.get(body.worker_id)
         if old is not None and old.identity != identity:
             self._worker_lost(body.worker_id, "re-registered")
+        elif old is not None and old.suspect_since is not None:  # back from a stall: it keeps its jobs
+            self._worker_back(old, now)
         self.workers[body.worker_id] = WorkerState(body.worker_id, identity, body.node, now, body.engines,
-                                                   body.ready, body.error, list(body.devices))
+                                                   body.ready, body.error, list(body.devices), pid=body.pid)
         self.resident.update(body.resident)
         if body.error:
             self.problems.append(f"worker {body.worker_id}: {body.error}")
@@ -600,18 +669,35 @@ class Daemon:
         w = self.workers.get(body.worker_id)
         if w is not None and w.identity == identity:
             w.last_seen = time.time()
+            if w.suspect_since is not None:
+                self._worker_back(w, w.last_seen)
 
     def on_leave(self, identity: bytes, header: P.Header, body: P.HeartbeatBody) -> None:
         w = self.workers.get(body.worker_id)
         if w is not None and w.identity == identity:
             self._worker_lost(body.worker_id, "left the cluster (its allocation is ending)")
 
+    def on_worker_exited(self, identity: bytes, header: P.Header, body: P.WorkerExited) -> None:
+        """A Slurm node task saw the process of one of its workers exit: lost now, not after the grace."""
+        w = self.workers.get(body.worker_id)
+        if w is not None and w.pid in (0, body.pid):  # not a worker of that id registered since
+            self._worker_lost(body.worker_id, f"its process exited with code {body.code} (its node task saw it)")
+        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
+
     def _heartbeat_workers(self, now: float) -> None:
+        """Heartbeat the workers and judge the silent ones: a worker that missed
+        ``WORKER_LIVENESS`` heartbeats is suspect (``_suspect``), one silent past ``worker_grace``
+        is lost; one whose process exited is lost at once (a local worker's, seen here; a Slurm
+        worker's, told by its node task: ``on_worker_exited``)."""
         for wid, w in list(self.workers.items()):
-            if now - w.last_seen > HEARTBEAT_S * WORKER_LIVENESS:
-                self._worker_lost(wid, f"no heartbeat for {now - w.last_seen:.1f} s")
-            else:
-                self._send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
+            silent = now - w.last_seen
+            if silent > self.worker_grace:
+                self._worker_lost(wid, f"no heartbeat for {silent:.1f} s, past the worker grace "
+                                       f"of {self.worker_grace:g} s")
+                continue
+            if silent > HEARTBEAT_S * WORKER_LIVENESS and w.suspect_since is None:
+                self._suspect(w, now, f"no heartbeat for {silent:.1f} s")
+            self._send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
         for wid, proc in list(self.worker_procs.items()):
             rc = proc.poll()
             if rc is None:
@@ -627,6 +713,34 @@ class Daemon:
                 self.problems.append(f"worker {wid} exited with code {rc} "
                                      f"(see {self.state_dir / 'workers' / (wid + '.log')})")
                 log.error(self.problems[-1])
+
+    def _suspect(self, w: WorkerState, now: float, why: str) -> None:
+        """A worker missed its heartbeats: stalled (a long GC pause, a swap storm, a file-system
+        stall) or dead, not yet told apart. Its engines get no new calls; its calls in flight,
+        its jobs and their state stay where they are until it answers (``_worker_back``) or is
+        lost (``_heartbeat_workers``)."""
+        w.suspect_since = now
+        for decl in w.engines:
+            self.sched.engine_suspect(decl.engine_id)
+        log.warning("worker %s suspect: %s; no new calls go to it, lost if still silent %g s after its last "
+                    "heartbeat", w.worker_id, why, self.worker_grace)
+        for job_id in self._jobs_on(w):
+            self.journal.event(job_id, "worker suspect", f"worker {w.worker_id}: {why}")
+
+    def _worker_back(self, w: WorkerState, now: float) -> None:
+        """A suspect worker answers again: its engines take calls again, its jobs go on where they were."""
+        suspect_s = now - (w.suspect_since if w.suspect_since is not None else now)
+        w.suspect_since = None
+        for decl in w.engines:
+            self.sched.engine_back(decl.engine_id)
+        log.info("worker %s answers again after %.1f s suspect; its jobs go on", w.worker_id, suspect_s)
+        for job_id in self._jobs_on(w):
+            self.journal.event(job_id, "worker back", f"worker {w.worker_id} after {suspect_s:.1f} s suspect")
+
+    def _jobs_on(self, w: WorkerState) -> list[str]:
+        """The running jobs that have used an engine of the worker."""
+        engines = {d.engine_id for d in w.engines}
+        return [rt.job_id for rt in self.runtimes.values() if rt.engines & engines]
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
         w = self.workers.pop(worker_id, None)
@@ -772,6 +886,9 @@ class Daemon:
 
     def on_call(self, identity: bytes, header: P.Header, body: P.CallReq) -> None:
         rt = self.runtimes.get(body.job_id)
+        if self._foreign_job(body.job_id):
+            self._error(identity, header.msg_id, "forbidden", f"job {body.job_id} is not this driver's")
+            return
         if rt is None:
             self._error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
             return
@@ -885,7 +1002,7 @@ class Daemon:
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
         rt = self.runtimes.get(body.job_id)
-        if rt is None:
+        if rt is None or self._foreign_job(body.job_id):
             return
         m = body.metrics
         if body.event == "step":
@@ -1013,16 +1130,19 @@ class Daemon:
 
     def _start_driver(self, job_id: str, spec: JobSpec, now: float) -> None:
         job_dir = self.jobs_dir / job_id
-        job_dir.mkdir(parents=True, exist_ok=True)
+        job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_json_atomic(job_dir / "spec.json", self.journal.spec(job_id))
         info = self.journal.job(job_id)
-        cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address,
-               *self._driver_argv(job_id, job_dir)]
-        with open(job_dir / "driver.log", "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(), cwd=REPO_ROOT)
+        if self._isolated(info.user):
+            proc = self._start_isolated_driver(job_id, job_dir, info.user)
+        else:
+            cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address,
+                   *self._driver_argv(job_id, job_dir, info.user)]
+            with open(job_dir / "driver.log", "ab") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=child_env(), cwd=REPO_ROOT)
         try:
-            procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir))
+            procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir, info.user))
         except BaseException:  # a driver no daemon could find again must not run
             proc.kill()
             proc.wait()
@@ -1033,10 +1153,37 @@ class Daemon:
         self.journal.event(job_id, "started", f"driver pid {proc.pid}")
         log.info("job %s started (driver pid %d)", job_id, proc.pid)
 
-    @staticmethod
-    def _driver_argv(job_id: str, job_dir: Path) -> list[str]:
+    def _start_isolated_driver(self, job_id: str, job_dir: Path, user: str) -> subprocess.Popen:
+        """The driver of a job of ``user``, jailed and running as ``user`` (``daemon.jail``), with a
+        key of its own that acts on this job alone."""
+        refusal = jail.refusal(user)
+        who = jail.account(user)
+        if refusal or who is None:
+            raise RuntimeError(refusal or f"no local account {user!r}")
+        out = jail.out_dir(job_dir, who)
+        write_json_atomic(out / "spec.json", self.journal.spec(job_id), mode=0o644)
+        keys = out / ".keys"
+        auth.make_job_keys(self.state_dir, job_id, keys)
+        for path in (keys, *keys.iterdir()):
+            os.chown(path, who.uid, who.gid, follow_symlinks=False)
+        return jail.start(who, job_id, job_dir, self.state_dir, job_dir / "driver.log",
+                          hide=[self.state_dir, plexrl_home()], env=child_env())
+
+    def _driver_argv(self, job_id: str, job_dir: Path, user: str) -> list[str]:
         """What identifies a job's driver process (its address aside: a driver follows the daemon's)."""
+        if self._isolated(user):
+            return ["--job-id", job_id, "--job-dir", f"{jail.JAIL_ROOT}/job", "--isolated"]
         return ["--job-id", job_id, "--job-dir", str(job_dir)]
+
+    def _job_output(self, job_id: str, user: str, name: str) -> Path:
+        """A file a job's driver writes (``metrics.jsonl``): in its own directory when jailed.
+        The driver's log is the daemon's (it holds the file open for the driver)."""
+        job_dir = self.jobs_dir / job_id
+        return job_dir / jail.OUT_DIR / name if self._isolated(user) and name != "driver.log" else job_dir / name
+
+    def _exit_file(self, job_dir: Path, user: str) -> Path:
+        """Where the driver of a job of ``user`` leaves its exit code."""
+        return job_dir / jail.OUT_DIR / "driver.exit" if self._isolated(user) else job_dir / "driver.exit"
 
     def _reap_drivers(self, now: float) -> None:
         for job_id, rt in list(self.runtimes.items()):
@@ -1116,6 +1263,7 @@ class Daemon:
         P.Op.REGISTER: on_register,
         P.Op.HEARTBEAT: on_heartbeat,
         P.Op.LEAVE: on_leave,
+        P.Op.WORKER_EXITED: on_worker_exited,
         P.Op.RESULT: on_result,
         P.Op.CALL: on_call,
         P.Op.REPORT: on_report,
@@ -1135,6 +1283,21 @@ def wait_or_kill(proc: subprocess.Popen, seconds: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _chunk_end(data: bytes, whole_lines: bool) -> int:
+    """Where a log chunk that more will follow should end: after its last whole line when
+    ``whole_lines`` (the file goes on past it) and it has one, else before a UTF-8 character
+    cut in two (the job writing it, or a line longer than a chunk)."""
+    newline = data.rfind(b"\n") if whole_lines else -1
+    if newline >= 0:
+        return newline + 1
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":
+            return exc.start
+    return len(data)
 
 
 def _last_line(path: Path) -> str:
@@ -1161,17 +1324,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                     help="seconds running jobs get to checkpoint when the daemon stops")
     ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
-                    help="a user whose jobs may run their own loss code in the trainer")
+                    help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="serve Prometheus metrics on this port (0: a free one; default: off)")
+    ap.add_argument("--worker-grace", type=float, default=WORKER_GRACE_S,
+                    help="seconds a worker that misses heartbeats (suspect: no new calls) may stay silent "
+                         "before it is lost; a worker whose process exited is lost at once")
     args = ap.parse_args(argv)
+    os.umask(0o077)  # what the daemon and its children write is the owner's alone
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
                         args.port, args.max_running, args.mode, args.policy, args.worker_arg,
                         args.advertise_host, args.drain_timeout, args.trust_user_code,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, worker_grace=args.worker_grace)
     except auth.AuthError as exc:
         print(f"plexd: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from daemon.main import REPO_ROOT, child_env, wait_or_kill
 from plexctl import auth
+from plexctl import protocol as P
 from plexctl.client import Client
 from plexctl.cluster import endpoint_path, read_endpoint
 from plexctl.errors import ExitCode, PlexError
@@ -157,6 +158,19 @@ def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen |
     raise RuntimeError(f"no daemon answered at {endpoint_path(state_dir)} within {timeout:.0f} s")
 
 
+def report_exit(address: str, state_dir: Path, worker: Worker) -> None:
+    """Tell the daemon that a worker's process exited, so that it is lost now rather than
+    suspect until the worker grace ends (a silent worker whose process lives may be stalled)."""
+    client = Client(address, keys=auth.internal_keys(auth.keys_dir(state_dir)))
+    try:
+        client.request(P.Op.WORKER_EXITED, P.WorkerExited(worker.placement.worker_id, worker.proc.pid,
+                                                          worker.proc.returncode), timeout=2.0, retries=1)
+    except PlexError as exc:
+        log.warning("could not tell the daemon that worker %s exited: %s", worker.placement.worker_id, exc)
+    finally:
+        client.close()
+
+
 def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, wait: float = 30.0) -> None:
     _stop_all([proc] if proc is not None else [], sig, wait)
 
@@ -204,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
     ap.add_argument("--metrics-port", type=int, default=None, help="the daemon's Prometheus port (0: any)")
     ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
-                    help="a user whose jobs may run their own loss code in the trainer")
+                    help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)")
+    ap.add_argument("--worker-grace", type=float, default=None,
+                    help="seconds a silent worker stays suspect before the daemon declares it lost")
     args = ap.parse_args(argv)
+    os.umask(0o077)  # the workers' scratch and logs are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     env = slurm_env()
     state_dir = args.state_dir.resolve()
@@ -254,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                        "--advertise-host", advertise_address(), "--policy", args.policy,
                        "--drain-timeout", str(args.drain_timeout),
                        *(f"--trust-user-code={u}" for u in args.trust_user_code),
-                       *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else [])],
+                       *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
+                       *(["--worker-grace", f"{args.worker_grace:g}"] if args.worker_grace is not None else [])],
                       state_dir / "daemon.log")
 
     if first:
@@ -298,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             code = code or exit_code  # a task of workers only exits with its first failure's code
             if exit_code != 0 and not signalled:  # the daemon goes on without this worker's engines
                 log.error("worker %s failed with code %d; see %s", w.placement.worker_id, exit_code, w.log_path)
+                report_exit(address, state_dir, w)
             else:
                 log.info("worker %s exited with code %d", w.placement.worker_id, exit_code)
         if daemon is None and all(w.reported for w in workers):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -40,9 +41,11 @@ def record(path: Path, proc: subprocess.Popen, argv: list[str]) -> None:
     write_json_atomic(path, {"pid": proc.pid, "start_time": start_time(proc.pid), "argv": argv})
 
 
-def find(path: Path, argv: list[str]) -> "Adopted | None":
+def find(path: Path, argv: list[str], exit_file: Path | None = None) -> "Adopted | None":
     """The process recorded at ``path`` if it still runs with this ``argv``, else None (a
-    process recorded there that runs with another ``argv`` is killed)."""
+    process recorded there that runs with another ``argv`` is killed). Its exit code is read
+    from ``exit_file`` (default: beside ``path``, suffix ``.exit``)."""
+    exit_file = exit_file or path.with_suffix(".exit")
     try:
         rec = json.loads(path.read_text())
         pid, started = int(rec["pid"]), rec["start_time"]
@@ -51,29 +54,45 @@ def find(path: Path, argv: list[str]) -> "Adopted | None":
     if not pid_alive(pid) or start_time(pid) != started:
         return None
     if rec.get("argv") != argv:  # ours, but started for another layout: it goes
-        Adopted(pid, path.with_suffix(".exit"), started).kill()
+        Adopted(pid, exit_file, started).kill()
         return None
-    return Adopted(pid, path.with_suffix(".exit"), started)
+    return Adopted(pid, exit_file, started)
 
 
-def exited(path: Path) -> "Adopted | None":
+def exited(path: Path, exit_file: Path | None = None) -> "Adopted | None":
     """The process recorded at ``path`` as a finished handle, if it exited leaving its exit code
     (``write_exit``: a driver that ended while no daemon ran); else None."""
+    exit_file = exit_file or path.with_suffix(".exit")
     try:
         pid = int(json.loads(path.read_text())["pid"])
-        rec = json.loads(path.with_suffix(".exit").read_text())
+        rec = _read_exit(exit_file)
         rc = int(rec["rc"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if rec.get("pid") != pid:
         return None  # an earlier process's code
-    handle = Adopted(pid, path.with_suffix(".exit"))
+    handle = Adopted(pid, exit_file)
     handle.returncode = rc
     return handle
 
 
 def write_exit(path: Path, rc: int) -> None:
     write_json_atomic(path, {"pid": os.getpid(), "rc": rc})
+
+
+def _read_exit(path: Path) -> dict:
+    """An exit file, read without following a link or blocking on a FIFO (an isolated driver
+    writes it in a directory of its own)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        rec = json.loads(os.read(fd, 4096))
+    finally:
+        os.close(fd)
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}: not an exit record")
+    return rec
 
 
 class Adopted:
@@ -88,7 +107,7 @@ class Adopted:
     def poll(self) -> int | None:
         if self.returncode is None and (not pid_alive(self.pid) or start_time(self.pid) != self.started):
             try:
-                rec = json.loads(self.exit_file.read_text())
+                rec = _read_exit(self.exit_file)
                 self.returncode = int(rec["rc"]) if rec.get("pid") == self.pid else KILLED
             except (OSError, ValueError, KeyError, TypeError):
                 self.returncode = KILLED

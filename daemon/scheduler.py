@@ -3,8 +3,8 @@
 The unit of scheduling is one *call* of one job (``generate`` on a rollout engine,
 ``train_step`` / ``publish`` / ``checkpoint`` / ``restore`` on a trainer engine), never a
 whole job. The core owns no sockets and no clock: the daemon (and the simulator) feed it
-``engine_up`` / ``engine_down``, ``admit`` / ``release``, ``submit``, ``done`` and
-``state_location`` events and ask ``tick(now)`` for placements.
+``engine_up`` / ``engine_down``, ``engine_suspect`` / ``engine_back``, ``admit`` / ``release``,
+``submit``, ``done`` and ``state_location`` events and ask ``tick(now)`` for placements.
 
 What it decides, per cluster placement policy (``POLICIES``):
 
@@ -24,6 +24,10 @@ What it decides, per cluster placement policy (``POLICIES``):
   it to another, so the job's trainer tasks wait for that one. Until told otherwise, a job's
   state is taken to be on the device of the trainer engine that last started one of its
   tasks.
+- **Suspect engines.** An engine whose worker fell silent (``engine_suspect``) starts nothing
+  new and is no job's new home, as if full and closed to new jobs, until ``engine_back``; what
+  runs there goes on, and its jobs keep their homes and their state there. ``engine_down``
+  (the worker is lost) is what takes those away.
 - **Order on an engine.** Priority first; then per-user weighted fair share (lowest
   ``(served + running estimate) engine-seconds / weight`` first, taken when a tick orders an
   engine's queue); then response ratio ``(wait + estimate) / estimate`` with estimates learned
@@ -92,6 +96,7 @@ class Engine:
     up_at: float | None = None
     last_job: str | None = None  # job of the task started last
     streak: int = 0  # consecutive tasks of last_job started
+    suspect: bool = False  # its worker fell silent: nothing new starts here until it is back
 
     @property
     def free(self) -> int:
@@ -256,6 +261,30 @@ class Scheduler:
         self._homeless_dirty = True
         return requeued
 
+    def engine_suspect(self, engine_id: str) -> None:
+        """The engine's worker fell silent (a stall or a death, not yet told apart): nothing
+        new starts on it until ``engine_back``, and it is no job's new home. What runs there
+        stays running, its jobs keep their homes and state there; its queued rollout tasks may
+        backfill elsewhere as if it were full."""
+        engine = self.engines.get(engine_id)
+        if engine is None or engine.suspect:
+            return
+        engine.suspect = True
+        self._free.get(engine.key, {}).pop(engine_id, None)
+        self._dirty.pop(engine_id, None)
+        for task in self._pending[engine_id].values():
+            self._mark_waiting(task, self.jobs[task.job_id], engine)
+
+    def engine_back(self, engine_id: str) -> None:
+        """A suspect engine's worker answers again: it takes tasks as before."""
+        engine = self.engines.get(engine_id)
+        if engine is None or not engine.suspect:
+            return
+        engine.suspect = False
+        if engine.free > 0:
+            self._engine_freed(engine)
+        self._homeless_dirty = True
+
     def serves(self, kind: str, model: str) -> bool:
         return bool(self._by_key.get((kind, model)))
 
@@ -403,7 +432,7 @@ class Scheduler:
             head = self._serial_head(job, task.kind)
             if head is not None and self._eligible(job, head):
                 self._enqueue(head)
-        if was_full and engine.free > 0:
+        if was_full and engine.free > 0 and not engine.suspect:
             self._engine_freed(engine)
         return task
 
@@ -453,7 +482,7 @@ class Scheduler:
             dirty, self._dirty = self._dirty, {}
             for engine_id in dirty:
                 engine = self.engines.get(engine_id)
-                if engine is not None and engine.free > 0 and self._pending.get(engine_id):
+                if engine is not None and engine.free > 0 and not engine.suspect and self._pending.get(engine_id):
                     self._fill(engine, now, placements)
             bf_dirty, self._bf_dirty = self._bf_dirty, {}
             if self.policy == "spread+backfill":
@@ -648,11 +677,17 @@ class Scheduler:
         loads = range(limit - 1, -1, -1) if self.policy == "pack" else range(limit)
         for load in loads:
             for engine_id in buckets.get(load, ()):
-                if kind != "trainer" or self._fits(self.engines[engine_id], state_bytes):
+                engine = self.engines[engine_id]
+                if not engine.suspect and (kind != "trainer" or self._fits(engine, state_bytes)):
                     return engine_id
         return None
 
     def _full_reason(self, model: str, state_bytes: int, rollout_full: bool, trainer_full: bool) -> str:
+        silent = [k for k, full in (("rollout", rollout_full), ("trainer", trainer_full))
+                  if full and all(self.engines[e].suspect for e in self._by_key[(k, model)])]
+        if silent:
+            return (f"waiting for its engines: every {' and '.join(silent)} engine of {model} is suspect "
+                    "(its worker missed heartbeats)")
         if self.policy == "isolated":
             counts = []
             for kind in ("rollout", "trainer"):
@@ -732,14 +767,14 @@ class Scheduler:
             return
         self._pending[engine_id][task.task_id] = task
         engine = self.engines[engine_id]
-        if engine.free > 0:
+        if engine.free > 0 and not engine.suspect:
             self._dirty[engine_id] = None
         else:
             self._mark_waiting(task, job, engine)
 
     def _mark_waiting(self, task: Task, job: Job, engine: Engine) -> None:
         waiting = self._waiting.setdefault(engine.key, {})
-        if engine.free <= 0 and self._movable(task, job):
+        if (engine.free <= 0 or engine.suspect) and self._movable(task, job):
             if task.task_id not in waiting:
                 waiting[task.task_id] = task
                 self._bf_dirty[engine.key] = None

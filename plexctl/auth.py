@@ -4,7 +4,8 @@ A cluster's keys live in ``STATE_DIR/keys/`` (mode 0700): ``server.key`` / ``ser
 (the daemon's pair), ``internal.key`` / ``internal.key_secret`` (the pair its drivers, workers
 and node tasks present), ``owner`` (the user who ran ``plexctl up``: may act on every job
 and stop the cluster) and ``clients/USER.key`` (the public keys allowed in, each mapped to
-the user its file names; ``plexctl share`` adds one). A user's own pair lives in
+the user its file names; ``plexctl share`` adds one) and ``jobs/JOB.key`` (the public key of
+the driver of a job that runs isolated: it may act on that job alone, as ``@job:JOB``). A user's own pair lives in
 ``PLEXRL_HOME/keys/USER.key`` / ``.key_secret``. Key files are pyzmq certificates
 (``zmq.auth.create_certificates`` / ``load_certificate``); secret files are 0600, and the
 daemon refuses to start on a secret readable by group or others.
@@ -37,6 +38,9 @@ SERVER = "server"
 INTERNAL = "internal"
 INTERNAL_USER = "@internal"  # the identity of drivers, workers and node tasks; no user name can take it
 KEYS_ENV = "PLEXRL_CLUSTER_KEYS"  # the keys directory, in the environment of the daemon's children
+JOB_USER_PREFIX = "@job:"  # the identity of an isolated job's driver: that job's calls and reports only
+DRIVER_KEYS_ENV = "PLEXRL_DRIVER_KEYS"  # an isolated driver's own keys directory (driver pair + server key)
+DRIVER = "driver"
 USER_NAME = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,63}$")
 
 _servers: dict[str, tuple[bytes, Path]] = {}  # daemon address -> (its public key, state dir), from endpoint.json
@@ -157,13 +161,15 @@ def grant(state_dir: Path, user: str, public_key_file: Path) -> None:
 
 
 def allowed_clients(state_dir: Path) -> dict[bytes, str]:
-    """Public key (z85) -> user, from ``clients/``; files that do not parse are skipped."""
+    """Public key (z85) -> user, from ``clients/`` (and ``@job:JOB`` from ``jobs/``); files that
+    do not parse are skipped."""
     allowed: dict[bytes, str] = {}
-    for path in sorted((keys_dir(state_dir) / "clients").glob("*.key")):
-        try:
-            allowed[load_public(path)] = path.stem
-        except UsageError:
-            continue
+    for sub, prefix in (("jobs", JOB_USER_PREFIX), ("clients", "")):
+        for path in sorted((keys_dir(state_dir) / sub).glob("*.key")):
+            try:
+                allowed[load_public(path)] = prefix + path.stem
+            except UsageError:
+                continue
     return allowed
 
 
@@ -190,9 +196,30 @@ def internal_keys(kd: Path) -> CurveKeys:
 
 
 def internal_keys_from_env() -> CurveKeys | None:
-    """For the daemon's children (drivers, workers): the keys directory the daemon named."""
+    """For the daemon's children (drivers, workers): the keys the daemon named, an isolated
+    driver's own pair first (it never sees the cluster's keys directory)."""
+    own = os.environ.get(DRIVER_KEYS_ENV)
+    if own:
+        public, secret = load_pair(Path(own), DRIVER)
+        return CurveKeys(public, secret, load_public(Path(own) / f"{SERVER}.key"))
     kd = os.environ.get(KEYS_ENV)
     return internal_keys(Path(kd)) if kd else None
+
+
+def make_job_keys(state_dir: Path, job_id: str, directory: Path) -> None:
+    """A fresh pair for the isolated driver of ``job_id`` in ``directory`` (with the server's
+    public key beside it), let in as ``@job:JOB``; a previous pair of that job is replaced."""
+    for name in (f"{DRIVER}.key", f"{DRIVER}.key_secret"):
+        (directory / name).unlink(missing_ok=True)
+    public = make_key_pair(directory, DRIVER)
+    server = (keys_dir(state_dir) / f"{SERVER}.key").read_bytes()
+    write_bytes_atomic(directory / f"{SERVER}.key", server, mode=0o644)
+    write_bytes_atomic(keys_dir(state_dir) / "jobs" / f"{job_id}.key", public.read_bytes(), mode=0o600)
+
+
+def job_of(user: str) -> str | None:
+    """The job an isolated driver's identity stands for, None for any other identity."""
+    return user[len(JOB_USER_PREFIX):] if user.startswith(JOB_USER_PREFIX) else None
 
 
 def remember_server(address: str, server_key: str, state_dir: Path) -> None:

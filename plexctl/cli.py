@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -38,7 +39,7 @@ from plexctl.cluster import cluster_dir, endpoint_path, pid_alive, plexrl_home, 
 from plexctl.errors import DaemonUnreachable, ExitCode, KeyRefused, PlexError, StartFailed, Timeout, UsageError
 from plexctl.protocol import JOB_STATES, JobInfo
 from plexctl.sizes import parse_bytes
-from plexctl.spec import SpecError, load_spec, spec_to_wire
+from plexctl.spec import SpecError, load_spec, model_dir_problem, spec_to_wire
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run many RLVR fine-tuning jobs on shared, resident engines.")
@@ -153,10 +154,14 @@ def up(ctx: typer.Context,
        submit_with: Annotated[str, typer.Option(help="--slurm: submitit | sbatch")] = "submitit",
        no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm: return once submitted")] = False,
        trust_user_code: Annotated[Optional[list[str]], typer.Option(
-           "--trust-user-code", metavar="USER", help="a user whose jobs may run their own loss code "
-           "(algo.loss_fn) in the trainer; repeat for several")] = None,
+           "--trust-user-code", metavar="USER", help="a user whose code runs with your rights (algo.loss_fn in the trainer, loops "
+           "and environments unjailed); repeat for several")] = None,
        metrics_port: Annotated[Optional[int], typer.Option(
-           min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")] = None) -> None:
+           min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")] = None,
+       worker_grace: Annotated[Optional[float], typer.Option(
+           min=1.0, help="seconds a worker that misses heartbeats (suspect: no new calls, its jobs kept) may "
+                         "stay silent before it is lost (default 60: a 30 s stall survives); a worker whose "
+                         "process exits is lost at once")] = None) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -182,6 +187,9 @@ def up(ctx: typer.Context,
     if not (model / "config.json").exists():
         raise UsageError(f"--model {model}: not a Hugging Face model directory (no config.json); "
                          "build the tiny one with `python -m worker.tiny`")
+    problem = model_dir_problem(model)
+    if problem:  # the engines would fail on it, after minutes of start-up on a real model
+        raise StartFailed(f"--model: {problem}; nothing was started")
     if slurm or join:
         state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
         worker_args = [*engine_args, f"--device-slots={device_slots}", *(f"{k}={v}" for k, v in sizes.items())]
@@ -196,7 +204,7 @@ def up(ctx: typer.Context,
                            engines=engines or ["rollout,trainer"], scratch=scratch, policy=policy,
                            join=join is not None, worker_args=worker_args, drain_timeout=drain_timeout,
                            trusted_users=list(trust_user_code or []), metrics_port=metrics_port,
-                           rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, tp=tp)
+                           rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, tp=tp, worker_grace=worker_grace)
         _up_slurm(spec, submit_with, timeout, no_wait)
         return
     c.state_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +221,8 @@ def up(ctx: typer.Context,
     cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    if worker_grace is not None:
+        cmd += ["--worker-grace", f"{worker_grace:g}"]
     threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
     worker_args = [*engine_args, f"--device-slots={device_slots}", f"--threads={threads}",
                    *(f"{k}={v}" for k, v in sizes.items())]
@@ -227,7 +237,7 @@ def up(ctx: typer.Context,
     with open(c.state_dir / "daemon.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, cwd=REPO_ROOT)
-    with console.status("starting the daemon") as spinner:
+    with _stopped_on_failure(proc), console.status("starting the daemon") as spinner:
         while True:
             elapsed = time.monotonic() - t0
             if proc.poll() is not None:
@@ -236,7 +246,7 @@ def up(ctx: typer.Context,
                                         + (f": {last}" if last.startswith("plexd: ") else "")
                                         + f" (see {c.state_dir / 'daemon.log'})")
             if elapsed > timeout:
-                raise Timeout(f"engines not ready after {timeout:.0f} s (see {c.state_dir}/workers/*.log)")
+                raise Timeout(f"engines not ready after {timeout:.0f} s, stopped (see {c.state_dir}/workers/*.log)")
             if endpoint_path(c.state_dir).exists():
                 try:
                     pong = c.client().ping()
@@ -244,7 +254,6 @@ def up(ctx: typer.Context,
                     pong = None
                 if pong is not None:
                     if pong.problems:
-                        _stop_local(proc)
                         raise StartFailed(f"cluster failed to start, stopped: {pong.problems[0]}")
                     spinner.update(f"starting engines: {pong.engines_ready}/{pong.engines_total} ready "
                                    f"({elapsed:.0f} s)")
@@ -258,15 +267,27 @@ def up(ctx: typer.Context,
         console.print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")
 
 
+@contextlib.contextmanager
+def _stopped_on_failure(daemon: subprocess.Popen) -> Iterator[None]:
+    """Around `up`'s wait for the engines: whatever ends it early (an engine that failed, the
+    daemon's exit, the timeout, Ctrl-C) stops the daemon and every process it started."""
+    try:
+        yield
+    except BaseException:
+        _stop_local(daemon)
+        raise
+
+
 def _stop_local(daemon: subprocess.Popen) -> None:
-    """Stop a local daemon that failed to start and the workers it started (its session)."""
+    """Stop a local daemon that failed to start and the workers it started (its session): the
+    daemon stops its workers on SIGTERM; what is left of the session then is killed."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(daemon.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         daemon.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(daemon.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(daemon.pid, signal.SIGKILL)
+    daemon.wait()
 
 
 def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
@@ -318,8 +339,9 @@ def _up_slurm(spec: S.SlurmSpec, via: str, timeout: float, no_wait: bool) -> Non
                 spinner.update(f"Slurm job {job_id}: {state}" + (f" ({reason})" if reason and reason != "None" else "")
                                + f" ({elapsed:.0f} s)")
             else:
-                if pong.problems:
-                    raise DaemonUnreachable(f"cluster failed to start: {pong.problems[0]}")
+                if pong.problems:  # the allocation's tasks are what this `up` started: cancelled
+                    S.cancel(job_id)
+                    raise StartFailed(f"cluster failed to start, Slurm job {job_id} cancelled: {pong.problems[0]}")
                 spinner.update(f"starting engines: {pong.engines_ready}/{pong.engines_total} ready, "
                                f"{pong.workers - workers_before}/{expected} workers ({elapsed:.0f} s)")
                 if pong.workers - workers_before >= expected and pong.engines_ready == pong.engines_total:
@@ -553,11 +575,15 @@ def submit(ctx: typer.Context,
            file: Annotated[Path, typer.Argument(help="job spec YAML")],
            set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c")] = None,
            name: Annotated[Optional[str], typer.Option(help="job name (overrides the spec's)")] = None,
-           quiet: Annotated[bool, typer.Option("-q", "--quiet", help="print the job id only")] = False) -> None:
+           quiet: Annotated[bool, typer.Option("-q", "--quiet", help="print the job id only")] = False,
+           replace: Annotated[bool, typer.Option(
+               "--replace", help="cancel your queued or running job of this name first (else the name is refused)")]
+           = False) -> None:
     """Validate a job spec and queue it."""
     spec = _load(file, set_ or [], name)
-    rep = ctx.obj.client().submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex)
-    console.print(rep.job_id if quiet else f"submitted {rep.job_id} ({spec.name})")
+    rep = ctx.obj.client().submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex, replace=replace)
+    replaced = f", replacing {', '.join(rep.replaced)} (cancelled)" if rep.replaced else ""
+    console.print(rep.job_id if quiet else f"submitted {rep.job_id} ({spec.name}){replaced}")
 
 
 # ------------------------------------------------------------------------------ jobs
@@ -698,15 +724,16 @@ def logs(ctx: typer.Context,
          job: Annotated[str, typer.Argument(help="job id or name")],
          metrics: Annotated[bool, typer.Option("--metrics", help="the metrics JSONL instead of the log")] = False,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False) -> None:
-    """A job's driver log (or its metrics)."""
+    """A job's driver log (or its metrics), all of it; with -f, then what follows until the job ends."""
     client = ctx.obj.client()
+    job_id = client.status(job).jobs[0].job_id  # a name may pass to a newer job (`submit --replace`) meanwhile
     offset = 0
-    while True:
-        rep = client.logs(job, "metrics" if metrics else "log", offset)
+    while True:  # each reply: a chunk from the offset asked, ending on a whole line where the file goes on
+        rep = client.logs(job_id, "metrics" if metrics else "log", offset)
         sys.stdout.write(rep.data)
         sys.stdout.flush()
         offset = rep.offset
-        if not follow or rep.finished:
+        if rep.finished or (not rep.data and not follow):
             return
         if not rep.data:
             time.sleep(0.5)

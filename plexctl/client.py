@@ -127,8 +127,9 @@ class Client:
     def ping(self, timeout: float = 2.0, retries: int = 0) -> P.Pong:
         return msgspec.convert(self.request(P.Op.PING, P.Empty(), timeout, retries), P.Pong)
 
-    def submit(self, spec: dict[str, Any], submit_id: str, user: str | None = None) -> P.SubmitRep:
-        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user())
+    def submit(self, spec: dict[str, Any], submit_id: str, user: str | None = None,
+               replace: bool = False) -> P.SubmitRep:
+        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user(), replace=replace)
         return msgspec.convert(self.request(P.Op.SUBMIT, req), P.SubmitRep)
 
     def status(self, job_id: str | None = None, timeline: bool = False) -> P.StatusRep:

@@ -3,7 +3,9 @@
 A cluster is a state directory (``$PLEXRL_HOME/clusters/NAME``, ``PLEXRL_HOME`` defaulting
 to ``~/.plexrl``) holding the daemon's journal, logs, job directories and ``endpoint.json``
 (address, pid, start time), which the daemon writes atomically once its socket is bound and
-removes on a clean exit. This module only reads and names things; it starts nothing.
+removes on a clean exit. The state directory is its owner's alone: other users may pass through
+it (mode 0711) to read ``endpoint.json``, which holds nothing secret, and nothing else
+(``make_private``). Apart from that, this module only reads and names things; it starts nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ class Endpoint(msgspec.Struct):
     mode: str  # local | slurm
     host: str = ""
     server_key: str = ""  # the daemon's CURVE public key (z85); clients need it to connect
+
+
+PUBLIC_FILES = ("endpoint.json",)  # what other users of a shared cluster read in its state directory
+
+
+def make_private(state_dir: Path) -> None:
+    """Make ``state_dir`` (created if missing) the owner's alone: the directory 0711 (others may
+    open ``endpoint.json`` by name, never list it), every other entry in it 0700 / 0600."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.chmod(0o711)
+    for entry in state_dir.iterdir():
+        if entry.name in PUBLIC_FILES or entry.is_symlink():
+            continue
+        entry.chmod(0o700 if entry.is_dir() else 0o600)
 
 
 def plexrl_home() -> Path:

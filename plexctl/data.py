@@ -1,24 +1,29 @@
 """Prompt datasets: reading JSONL / Parquet records and walking them in a resumable order.
 
-This module owns three things:
+This module owns four things:
 
+* ``record_problem``: what a record must be (an object whose prompt field is a non-empty
+  string and which has the answer field), the one rule the two readers below apply;
 * ``load_records`` reads a whole dataset (JSONL, or Parquet when ``pyarrow`` is installed)
-  into a list of dicts and checks that every record carries the prompt and answer fields;
-* ``first_record`` peeks at the first record only, cheaply, for job-spec validation;
+  into a list of dicts, for the job's driver;
+* ``scan_records`` checks every record without keeping any (one line or one Parquet batch in
+  memory at a time), for job-spec validation at submit; ``first_record`` peeks at the first;
 * ``PromptCursor`` hands out prompts in deterministic shuffled epochs. Its position is a
   small dict (``state()``), so a job that checkpoints it resumes on exactly the prompt it
   would have drawn next.
 
 Every problem with a file is a ``DataError`` whose message is one line naming the file, the
-record and what is wrong. It deliberately does not tokenize, template or filter prompts (the
-driver does), does not stream datasets larger than memory, and never imports torch.
+record (and its line) and what is wrong. It deliberately does not tokenize, template or filter
+prompts (the driver does; a scan hands the prompts to a caller that counts tokens), does not
+hold datasets larger than memory for a job, and never imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,9 @@ import msgspec
 from plexctl.user_code import one_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+PARQUET_BATCH = 1024  # rows of a Parquet file read at a time
+SCAN_PROBLEMS = 5  # bad records a scan names one by one; the others are counted
+PROMPT_CHUNK = 512  # prompts a scan hands to its caller at a time
 
 
 class DataError(Exception):
@@ -53,30 +61,99 @@ def is_parquet(path: str | Path) -> bool:
     return str(path).lower().endswith(PARQUET_SUFFIXES)
 
 
+def record_problem(record: Any, prompt_field: str, answer_field: str) -> str | None:
+    """Why ``record`` cannot be a prompt record (one line, without its location), or None."""
+    if not isinstance(record, dict):
+        return f"not a JSON object (got {_kind(record)})"
+    for field in (prompt_field, answer_field):
+        if field not in record:
+            return _missing_field_message(field, record)
+    prompt = record[prompt_field]
+    if not isinstance(prompt, str):
+        return f"`{prompt_field}` must be a string, got {_kind(prompt)}"
+    if not prompt:
+        return f"`{prompt_field}` is an empty string"
+    return None
+
+
 def load_records(path: str | Path, prompt_field: str, answer_field: str) -> list[dict[str, Any]]:
-    """Every record of a JSONL or Parquet file; each must be an object with both fields."""
+    """Every record of a JSONL or Parquet file; the first bad one raises its ``DataError``."""
     path = str(path)
     _require_file(path)
-    records = _read_parquet(path) if is_parquet(path) else _read_jsonl(path)
+    records = [_checked(path, number, line, item, prompt_field, answer_field)
+               for number, line, item in _raw_records(path)]
     if not records:
         raise DataError(path, "empty dataset (no records)")
-    for number, (record, line) in enumerate(records, start=1):
-        for field in (prompt_field, answer_field):
-            if field not in record:
-                raise DataError(path, _missing_field_message(field, record), record=number, line=line)
-    return [record for record, _ in records]
+    return records
+
+
+@dataclasses.dataclass
+class Scan:
+    """What ``scan_records`` found: the records, the first bad ones and how many were bad."""
+
+    records: int = 0
+    problems: list[DataError] = dataclasses.field(default_factory=list)  # the first SCAN_PROBLEMS
+    bad: int = 0
+
+
+def scan_records(path: str | Path, prompt_field: str, answer_field: str,
+                 on_prompts: Callable[[list[tuple[str, str]]], None] | None = None) -> Scan:
+    """Check every record of a JSONL or Parquet file as ``load_records`` does, keeping none.
+    ``on_prompts`` gets the good records' (location, prompt) pairs, ``PROMPT_CHUNK`` at a time
+    (location: ``line N``, or ``record N`` of a Parquet file). A file that cannot be read at
+    all, or holds no record, raises ``DataError``."""
+    path = str(path)
+    _require_file(path)
+    scan, prompts = Scan(), []
+    for number, line, item in _raw_records(path):
+        scan.records += 1
+        try:
+            record = _checked(path, number, line, item, prompt_field, answer_field)
+        except DataError as e:
+            scan.bad += 1
+            if len(scan.problems) < SCAN_PROBLEMS:
+                scan.problems.append(e)
+            continue
+        if on_prompts is not None:
+            prompts.append((f"line {line}" if line is not None else f"record {number}", record[prompt_field]))
+            if len(prompts) >= PROMPT_CHUNK:
+                on_prompts(prompts)
+                prompts = []
+    if not scan.records:
+        raise DataError(path, "empty dataset (no records)")
+    if prompts and on_prompts is not None:
+        on_prompts(prompts)
+    return scan
 
 
 def first_record(path: str | Path) -> dict[str, Any]:
     """The first record of a JSONL or Parquet file, reading as little of it as possible."""
     path = str(path)
     _require_file(path)
-    if is_parquet(path):
-        return _first_parquet_record(path)
-    for line_number, line in _lines(path):
-        if line.strip():
-            return _parse_json_record(path, line, record=1, line=line_number)
+    for number, line, item in _raw_records(path):
+        return _parse_json_record(path, item, record=number, line=line) if isinstance(item, str) else item
     raise DataError(path, "empty dataset (no records)")
+
+
+def _checked(path: str, number: int, line: int | None, item: str | dict[str, Any], prompt_field: str,
+             answer_field: str) -> dict[str, Any]:
+    """The record of ``item`` (a JSONL line's text, or a Parquet row), or its ``DataError``."""
+    record = _parse_json_record(path, item, record=number, line=line) if isinstance(item, str) else item
+    problem = record_problem(record, prompt_field, answer_field)
+    if problem is not None:
+        raise DataError(path, problem, record=number, line=line)
+    return record
+
+
+def _kind(value: Any) -> str:
+    """``5`` -> ``an integer (5)``: a JSON value's type as a reader names it, and the value."""
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    kind = kinds.get(type(value), type(value).__name__)
+    if value is None:
+        return kind
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
 
 
 def _missing_field_message(field: str, record: dict[str, Any]) -> str:
@@ -102,14 +179,17 @@ def _parse_json_record(path: str, text: str, record: int, line: int) -> dict[str
     return value
 
 
-def _read_jsonl(path: str) -> list[tuple[dict[str, Any], int | None]]:
-    """(record, line number) pairs; blank lines are skipped."""
-    records: list[tuple[dict[str, Any], int | None]] = []
+def _raw_records(path: str) -> Iterator[tuple[int, int | None, str | dict[str, Any]]]:
+    """(record number, line number, the line's text) of a JSONL file, blank lines skipped; or
+    (record number, None, the row) of a Parquet file, one batch in memory at a time."""
+    if is_parquet(path):
+        yield from _parquet_rows(path)
+        return
+    number = 0
     for line_number, line in _lines(path):
         if line.strip():
-            record = _parse_json_record(path, line, record=len(records) + 1, line=line_number)
-            records.append((record, line_number))
-    return records
+            number += 1
+            yield number, line_number, line
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
@@ -132,26 +212,17 @@ def _import_parquet(path: str) -> Any:
     return pq
 
 
-def _read_parquet(path: str) -> list[tuple[dict[str, Any], int | None]]:
+def _parquet_rows(path: str) -> Iterator[tuple[int, None, dict[str, Any]]]:
     pq = _import_parquet(path)
+    number = 0
     try:
-        rows = pq.read_table(path).to_pylist()
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH):
+            rows = batch.to_pylist()
+            for row in rows:
+                number += 1
+                yield number, None, row
     except Exception as e:  # pyarrow raises several unrelated types for a bad file
         raise DataError(path, f"cannot read Parquet: {one_line(e)}") from None
-    return [(row, None) for row in rows]
-
-
-def _first_parquet_record(path: str) -> dict[str, Any]:
-    pq = _import_parquet(path)
-    try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1):
-            rows = batch.to_pylist()
-            if rows:
-                return rows[0]
-    except Exception as e:
-        raise DataError(path, f"cannot read Parquet: {one_line(e)}") from None
-    raise DataError(path, "empty dataset (no records)")
-
 
 
 # ---------------------------------------------------------------- the prompt cursor

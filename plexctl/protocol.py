@@ -45,6 +45,8 @@ class Op:
     HEARTBEAT = b"H"
     RESULT = b"r"
     LEAVE = b"X"  # the worker is going away (its allocation ends): re-queue its calls
+    # Slurm node task -> daemon
+    WORKER_EXITED = b"G"  # the process of one of its workers exited: lost now, not after the grace
     # daemon -> worker
     TASK = b"T"
     # daemon -> anyone: reply to a request (body depends on the request)
@@ -169,11 +171,13 @@ class SubmitReq(msgspec.Struct):
     submit_id: str  # client-chosen: a retried submit returns the same job
     spec: dict[str, Any]
     user: str
+    replace: bool = False  # cancel the sender's queued or running jobs of this name first (else refused)
 
 
 class SubmitRep(msgspec.Struct):
     job_id: str
     created: bool
+    replaced: list[str] = msgspec.field(default_factory=list)  # jobs of the same name cancelled for it
 
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
@@ -216,6 +220,8 @@ class EngineInfo(msgspec.Struct):
     devices: list[str] = msgspec.field(default_factory=list)  # its worker's CUDA_VISIBLE_DEVICES ids
     dtype: str = ""
     device: str = ""
+    suspect: bool = False  # its worker missed heartbeats: no new calls until it answers again (or is lost)
+    silent_s: float = 0.0  # seconds since its worker's last heartbeat, when suspect
 
 
 class StatusReq(msgspec.Struct):
@@ -302,6 +308,7 @@ class EngineDecl(msgspec.Struct):
     dtype: str = ""  # the weights' dtype it serves (float32 | bfloat16 | float16; "": not said)
     device: str = ""  # cpu | cuda
     max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
+    max_model_len: int = 0  # the longest sequence (prompt and completion) a rollout engine holds (0: not said)
 
 
 class RegisterReq(msgspec.Struct):
@@ -318,6 +325,12 @@ class RegisterReq(msgspec.Struct):
 
 class HeartbeatBody(msgspec.Struct):
     worker_id: str
+
+
+class WorkerExited(msgspec.Struct):
+    worker_id: str
+    pid: int  # the process that exited (a worker registered since under that id is not it)
+    code: int  # its exit code (negative: killed by that signal)
 
 
 class CallReq(msgspec.Struct):
@@ -369,6 +382,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.REGISTER: RegisterReq,
     Op.HEARTBEAT: HeartbeatBody,
     Op.LEAVE: HeartbeatBody,
+    Op.WORKER_EXITED: WorkerExited,
     Op.RESULT: ResultBody,
     Op.TASK: TaskBody,
     Op.ERROR: ErrorBody,

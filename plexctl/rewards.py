@@ -13,7 +13,8 @@ reference answer and the whole sample record, and returns a float. This module o
 * ``SandboxedReward``, which runs a user's ``module:function`` (never the driver's own
   interpreter) in long-lived contained processes (``SandboxSession``, one per worker of the
   sandbox pool, the function imported once), a step's samples split over them, each sample
-  under its own time limit. The user's directory is
+  under its own time limit, enforced from outside the function: a sample that overruns it
+  (its code ignored or caught the alarm) has its process killed. The user's directory is
   staged once (its Python and small data files, copied world-readable) so the sandbox's own
   uid can read it; the driver's site-packages are readable too, so the function may import
   what is installed (math_verify, numpy, ...).
@@ -35,9 +36,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from plexctl.user_code import import_object, one_line
+
+if TYPE_CHECKING:
+    from plexctl.sandbox import SandboxSession
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -213,7 +217,9 @@ SafeReward.score_many = _score_many  # type: ignore[attr-defined]
 
 # Runs inside the sandbox for as long as its session: each line on stdin is a request
 # {"target", "timeout_s", "items"}, answered by one line on stdout, the marker then a JSON list of
-# [value, error] per item. Each item has its own alarm, so one hanging sample fails alone. The
+# [value, error] per item (no items: import the function, answer []). Each item has its own alarm,
+# so one hanging sample fails alone and the process goes on; the driver sends one item per request
+# and kills the process of one that does not answer in time (``SandboxedReward.KILL_SLACK_S``). The
 # function itself reads an empty stdin and prints to stderr: the protocol's pipes are not its.
 _REWARD_SERVER = r"""
 import importlib, json, math, os, signal, sys, time
@@ -253,6 +259,7 @@ while True:
             out.append([None, load_error])
             continue
         started = time.monotonic()
+        signal.signal(signal.SIGALRM, _alarm)  # again: an earlier sample may have replaced it
         signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
         try:
             value = float(fn(completion, answer, record))
@@ -260,7 +267,7 @@ while True:
                 raise _Timeout()
             out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
         except _Timeout:
-            out.append([None, "timed out after %ss" % job["timeout_s"]])
+            out.append([None, "timed out after %gs" % job["timeout_s"]])
         except BaseException as e:
             text = str(e).strip()
             out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
@@ -314,14 +321,16 @@ class SandboxedReward:
     A step's samples are split over up to ``MAX_PROCESSES`` chunks (at most the pool's workers),
     scored at once, each chunk by its own long-lived ``SandboxSession`` that imported the
     function once (a fresh interpreter and import per chunk and step cost more than cheap
-    rewards themselves). A sample gets
-    ``timeout_s`` (an alarm inside the process); a chunk whose process dies or stops answering
-    fails its own samples, and its process is replaced at the next step.
+    rewards themselves), one sample per request. A sample gets ``timeout_s``: an alarm inside
+    the process ends it then, and if the function defeats the alarm (ignores SIGALRM, catches
+    the exception, runs native code that holds on) the driver kills the process
+    ``KILL_SLACK_S`` later. A sample whose process died or was killed fails alone, with the
+    reason; the chunk's next sample starts a new process.
     """
 
     MAX_PROCESSES = 8  # each keeps the function's imports resident (math-verify: ~100 MB)
     FIRST_REQUEST_SLACK_S = 20.0  # a new process imports the function first
-    REQUEST_SLACK_S = 2.0
+    KILL_SLACK_S = 1.0  # past its timeout, a sample's process is killed (its own alarm normally answers first)
 
     def __init__(self, target: str, path: str | None, failure_reward: float, pool,
                  timeout_s: float = 10.0, memory_bytes: int = 4 * 2**30) -> None:
@@ -361,35 +370,63 @@ class SandboxedReward:
             parts = [items[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
             futures = [self.pool.call(self._score_part, i, part) for i, part in enumerate(parts)]
             values: list[float] = []
-            for part, future in zip(parts, futures):
-                values.extend(self._collect(len(part), *future.result()))
+            for future in futures:
+                values.extend(self._collect(future.result()))
             return values
 
-    def _score_part(self, i: int, part: list[tuple[str, str, dict]]) -> tuple[list | None, str]:
-        """One chunk on session ``i`` (started if needed): its rows, or None and why. Never raises."""
+    def _score_part(self, i: int, part: list[tuple[str, str, dict]]) -> list[list]:
+        """One chunk on session ``i``, a sample at a time: a ``[value, error]`` row per sample.
+        Never raises; a session that cannot start fails the chunk's samples left."""
+        from plexctl.sandbox import SessionFailed
+
+        rows: list[list] = []
+        for item in part:
+            try:
+                session = self._session(i)
+            except Exception as e:  # noqa: BLE001 - the sandbox machinery failed: this chunk's samples only
+                detail = str(e) if isinstance(e, SessionFailed) else f"sandbox error: {type(e).__name__}: {e}"
+                return rows + [[None, f"reward process failed: {detail}"] for _ in range(len(part) - len(rows))]
+            rows.append(self._score_one(session, item))
+        return rows
+
+    def _session(self, i: int) -> SandboxSession:
+        """Session ``i``, started and the function imported if it was not (``SessionFailed``
+        when its process dies on the way: an import error is told per sample instead)."""
         from plexctl.sandbox import SandboxSession, SessionFailed
 
+        session = self._sessions[i]
+        if session is not None and session.proc is not None:
+            return session
+        session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths,
+                                                     marker="PLEXRL-REWARDS ")
         try:
-            session = self._sessions[i]
-            if session is None or session.proc is None:
-                session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths,
-                                                             marker="PLEXRL-REWARDS ")
-            slack = self.FIRST_REQUEST_SLACK_S if session.requests == 0 else self.REQUEST_SLACK_S
-            line = json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": part})
-            rows = json.loads(session.request(line, self.timeout_s * len(part) + slack))
-            return (rows, "") if isinstance(rows, list) and len(rows) == len(part) else (None, "a malformed reply")
-        except SessionFailed as e:
-            return None, str(e)
-        except Exception as e:  # noqa: BLE001 - the sandbox machinery failed: this chunk's samples only
-            return None, f"sandbox error: {type(e).__name__}: {e}"
+            session.request(json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": []}),
+                            self.FIRST_REQUEST_SLACK_S)
+        except SessionFailed:
+            self._sessions[i] = None
+            raise
+        return session
 
-    def _collect(self, n: int, rows: list | None, why: str) -> list[float]:
-        if rows is None:
-            return [self._failed(f"reward process failed: {why}") for _ in range(n)]
-        out = []
-        for value, error in rows:
-            out.append(self._failed(error) if error is not None else float(value))
-        return out
+    def _score_one(self, session: SandboxSession, item: tuple[str, str, dict]) -> list:
+        """One sample's ``[value, error]``; its process is killed if it overruns its timeout."""
+        from plexctl.sandbox import SessionFailed
+
+        deadline = self.timeout_s + self.KILL_SLACK_S
+        line = json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": [item]})
+        try:
+            rows = json.loads(session.request(line, deadline))
+        except SessionFailed as e:  # the session is closed: the next sample starts another
+            if str(e).startswith("no reply within"):
+                return [None, f"timed out after {self.timeout_s:g}s: its process was killed ({e})"]
+            return [None, f"reward process failed: {e}"]
+        except ValueError:
+            return [None, "reward process failed: a malformed reply"]
+        if not (isinstance(rows, list) and len(rows) == 1 and isinstance(rows[0], list) and len(rows[0]) == 2):
+            return [None, "reward process failed: a malformed reply"]
+        return rows[0]
+
+    def _collect(self, rows: list[list]) -> list[float]:
+        return [self._failed(error) if error is not None else float(value) for value, error in rows]
 
     def _failed(self, reason: str) -> float:
         self.errors += 1

@@ -121,6 +121,7 @@ class JobClient:
         self._lost_since: float | None = None  # when the daemon went away
         self._connected_once = False
         self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by ``publish``)
+        self.train_calls = 0  # train_step calls sent by this process (a loop that sent none trained nothing)
 
     def close(self) -> None:
         self._sock.disable_monitor()
@@ -135,6 +136,7 @@ class JobClient:
         back here in between), and fails it if that one fails."""
         frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}, after or 0))
         self._in_flight[msg_id] = frames
+        self.train_calls += method == "train_step"
         send_frames(self._sock, frames)
         return msg_id
 

@@ -8,11 +8,14 @@ Validation walks the struct fields itself instead of converting the whole docume
 msgspec, because msgspec stops at the first error and knows nothing of YAML lines: every
 problem in a file is collected as a ``SpecIssue`` (file, line, dotted YAML path, one-line
 message) and raised together as a ``SpecError``. With ``check_files`` it also checks what the
-spec points at: the model directory, the data files (first record only) and the reward
-function (imported).
+spec points at: the model directory (what the engines load: ``model_dir_problem``), every
+record of the data files (streamed), that ``sampling.max_tokens`` and the longest prompt fit the
+model's context, and the reward function (imported).
 
-It deliberately does not schedule, size or run anything, does not read a whole dataset, and
-never imports torch, transformers or vLLM (plexctl must start fast on a login node).
+It deliberately does not schedule, size or run anything, never holds a whole dataset, and
+never imports torch, transformers or vLLM (plexctl must start fast on a login node; prompts
+are counted with the ``tokenizers`` library when it is installed, and only those long enough
+to matter).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from __future__ import annotations
 import datetime
 import difflib
 import importlib.util
+import json
 import math
 import operator
 import os
 import re
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -33,7 +37,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from plexctl.data import DataError, first_record
+from plexctl.data import DataError, scan_records
 from plexctl.errors import PlexError
 from plexctl.rewards import RewardLoadError, load_reward
 
@@ -48,6 +52,9 @@ ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo")
 DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
 DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
 LOSS_PARAM_NAMES = {"pg-clip": (), "pg-tis": ("cap",)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one, as transformers loads
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")  # vLLM's and transformers' weight formats
+SPECIAL_TOKENS_BOUND = 8  # special tokens a tokenizer adds to a prompt (bos, a template's markers), at most
 
 
 def _doc(description: str, **constraints: Any) -> Meta:
@@ -61,7 +68,8 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSpec(_Section, kw_only=True):
     """The base model every engine holds resident."""
 
-    path: Annotated[str, _doc("Hugging Face model directory (with config.json); relative to the YAML file")]
+    path: Annotated[str, _doc("Hugging Face model directory (config.json, tokenizer, weights); relative to the "
+                              "YAML file")]
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"] | None,
         _doc("Weight dtype the job needs its engines to serve (`plexctl up --dtype`; bfloat16 on GPUs, "
@@ -83,7 +91,8 @@ class LoraSpec(_Section, kw_only=True):
 class DataSpec(_Section, kw_only=True):
     """The prompts: JSONL or Parquet records with a prompt and a reference answer."""
 
-    path: Annotated[str, _doc("Training prompts (JSONL or Parquet); relative to the YAML file")]
+    path: Annotated[str, _doc("Training prompts (JSONL or Parquet; `submit` checks every record: an object whose "
+                              "prompt field is a non-empty string, with the answer field); relative to the YAML file")]
     eval_path: Annotated[str | None, _doc("Fixed evaluation prompts, same format; null for none")] = None
     prompt_field: Annotated[str, _doc("Record field holding the prompt text", min_length=1)] = "prompt"
     answer_field: Annotated[str, _doc("Record field holding the reference answer", min_length=1)] = "answer"
@@ -208,7 +217,8 @@ class SamplingSpec(_Section, kw_only=True):
 
     temperature: Annotated[float, _doc("Sampling temperature", gt=0)] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass", gt=0, le=1)] = 1.0
-    max_tokens: Annotated[int, _doc("Maximum completion length in tokens", ge=1)] = 8
+    max_tokens: Annotated[int, _doc("Maximum completion length in tokens; with the longest prompt it must fit "
+                                    "the model's context (and the engines' `plexctl up --max-model-len`)", ge=1)] = 8
 
 
 class CheckpointSpec(_Section, kw_only=True):
@@ -222,7 +232,9 @@ class CheckpointSpec(_Section, kw_only=True):
 class JobSpec(_Section, kw_only=True):
     """One RL fine-tuning job."""
 
-    name: Annotated[str, _doc("Job name, 1-64 of A-Z a-z 0-9 . _ -", pattern=NAME_PATTERN)]
+    name: Annotated[str, _doc("Job name, 1-64 of A-Z a-z 0-9 . _ -; a queued or running job of yours that "
+                              "holds it refuses the submit (`plexctl submit --replace` cancels that job)",
+                              pattern=NAME_PATTERN)]
     model: ModelSpec
     lora: Annotated[LoraSpec | None, _doc("LoRA adapter; required (full fine-tuning is not supported yet)")] = None
     data: DataSpec
@@ -521,25 +533,96 @@ def _resolve_paths(doc: dict[str, Any], base_dir: Path) -> None:
             part[key] = os.path.normpath(base_dir / os.path.expanduser(part[key]))
 
 
+def model_dir_problem(model_dir: Path) -> str | None:
+    """Why the engines cannot load ``model_dir`` (no config.json, tokenizer or weights), or None."""
+    if not model_dir.is_dir():
+        return f"model directory not found: {model_dir}"
+    if not (model_dir / "config.json").is_file():
+        return f"no config.json in {model_dir} (expected a Hugging Face model directory)"
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return (f"no tokenizer in {model_dir} (one of {', '.join(TOKENIZER_FILES)}): the engines cannot "
+                "tokenize prompts")
+    if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_GLOBS):
+        return f"no weights in {model_dir} (no {', '.join(WEIGHT_GLOBS)} file)"
+    return None
+
+
 def _check_files(doc: dict[str, Any], issues: _Issues) -> None:
     model = doc.get("model") or {}
+    fit = None
     if "path" in model:
-        model_dir = Path(model["path"])
-        if not model_dir.is_dir():
-            issues.add(("model", "path"), f"model directory not found: {model_dir}")
-        elif not (model_dir / "config.json").is_file():
-            issues.add(("model", "path"), f"no config.json in {model_dir} (expected a Hugging Face model directory)")
+        problem = model_dir_problem(Path(model["path"]))
+        if problem:
+            issues.add(("model", "path"), problem)
+        else:
+            fit = _ContextFit.of(Path(model["path"]), doc, issues)
     data = doc.get("data") or {}
     for key in ("path", "eval_path"):
         if data.get(key) is not None:
             fields = (data.get("prompt_field", "prompt"), data.get("answer_field", "answer"))
-            _check_data_file(data[key], fields, ("data", key), issues)
+            _check_data_file(data[key], fields, ("data", key), issues, fit.measure(data[key]) if fit else None)
+    if fit is not None:
+        fit.check(issues)
     _check_reward_import(doc.get("reward"), issues)
     _check_env_import(doc.get("env"), issues)
     algo = doc.get("algo") or {}
     for key in ("loop", "loss_fn"):
         if isinstance(algo, dict) and isinstance(algo.get(key), str):
             _check_module_file(algo[key], algo.get("path"), ("algo", key), issues)
+
+
+class _ContextFit:
+    """Whether ``sampling.max_tokens`` and the longest prompt fit the model's context
+    (``max_position_embeddings``). Prompts are counted with the model's tokenizer when the
+    ``tokenizers`` library can load it; only a prompt whose UTF-8 bytes (an upper bound on its
+    tokens) with the special tokens and max_tokens could overflow is tokenized at all."""
+
+    def __init__(self, model_dir: Path, context: int, max_tokens: int) -> None:
+        self.model_dir, self.context, self.max_tokens = model_dir, context, max_tokens
+        self.tokenizer: Any = None  # False: it cannot be loaded here
+        self.longest = (0, "")  # (tokens, where) of the longest prompt counted
+
+    @classmethod
+    def of(cls, model_dir: Path, doc: dict[str, Any], issues: _Issues) -> _ContextFit | None:
+        if any(i.path == "sampling.max_tokens" for i in issues.found):
+            return None
+        try:
+            context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no context said: the engines judge
+        sampling = doc.get("sampling") if isinstance(doc.get("sampling"), dict) else {}
+        return cls(model_dir, context, sampling.get("max_tokens", SamplingSpec().max_tokens))
+
+    def measure(self, path: str) -> Callable[[list[tuple[str, str]]], None]:
+        """What counts the prompts of data file ``path`` (``scan_records``' ``on_prompts``)."""
+        def count(prompts: list[tuple[str, str]]) -> None:
+            room = self.context - self.max_tokens
+            long = [(where, p) for where, p in prompts if len(p.encode()) + SPECIAL_TOKENS_BOUND > room]
+            if not long or not self._load_tokenizer():
+                return
+            for (where, _), enc in zip(long, self.tokenizer.encode_batch([p for _, p in long])):
+                if len(enc.ids) > self.longest[0]:
+                    self.longest = (len(enc.ids), f"{Path(path).name} {where}")
+        return count
+
+    def _load_tokenizer(self) -> bool:
+        if self.tokenizer is None:
+            try:
+                from tokenizers import Tokenizer
+
+                self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+            except Exception:  # noqa: BLE001 - no library, no tokenizer.json: the engines judge the prompts
+                self.tokenizer = False
+        return bool(self.tokenizer)
+
+    def check(self, issues: _Issues) -> None:
+        tokens, where = self.longest
+        source = f"the context of {self.model_dir.name}, {self.context} tokens (max_position_embeddings in config.json)"
+        if tokens and self.max_tokens + tokens > self.context:
+            issues.add(("sampling", "max_tokens"), f"{self.max_tokens} and the longest prompt ({tokens} tokens, "
+                                                   f"{where}) exceed {source}")
+        elif self.max_tokens >= self.context:
+            issues.add(("sampling", "max_tokens"), f"{self.max_tokens} leaves no room for a prompt in {source}")
 
 
 def _check_module_file(target: str, path: str | None, where: Key, issues: _Issues) -> None:
@@ -558,19 +641,22 @@ def _check_module_file(target: str, path: str | None, where: Key, issues: _Issue
         issues.add(where, f"no module `{module}` in {path}")
 
 
-def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues) -> None:
+def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues,
+                     on_prompts: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
+    """Every record of the file (streamed), each bad one an issue naming its line."""
     if not Path(path).exists():
         issues.add(where, f"data file not found: {path}")
         return
     try:
-        record = first_record(path)
+        scan = scan_records(path, *fields, on_prompts=on_prompts)
     except DataError as e:
         issues.add(where, str(e))
         return
-    for field in fields:
-        if field not in record:
-            present = ", ".join(f"`{k}`" for k in list(record)[:10]) or "none"
-            issues.add(where, f"first record of {path} has no field `{field}` (fields present: {present})")
+    for problem in scan.problems:
+        issues.add(where, str(problem))
+    if scan.bad > len(scan.problems):
+        issues.add(where, f"{path}: {scan.bad - len(scan.problems)} more bad records "
+                          f"({scan.bad} of {scan.records} in all)")
 
 
 def _check_reward_import(reward: Any, issues: _Issues) -> None:

@@ -71,12 +71,19 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
         t.add_column(col, no_wrap=True)
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        t.add_row(e.engine_id, e.kind, placement_text(e), "yes" if e.ready else "starting", ",".join(e.running) or "-",
+        t.add_row(e.engine_id, e.kind, placement_text(e), ready_text(e), ",".join(e.running) or "-",
                   ",".join(e.resident) or "-", busy, str(e.tasks_done), tiers_text(e), swaps_text(e))
     return t
 
 
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def ready_text(e: EngineInfo) -> str:
+    """``yes``, ``starting``, or ``suspect (12 s silent)`` while its worker misses heartbeats."""
+    if e.suspect:
+        return f"suspect ({e.silent_s:.0f} s silent)"
+    return "yes" if e.ready else "starting"
 
 
 def placement_text(e: EngineInfo) -> str:
@@ -135,7 +142,7 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     lines = [f"{'ENGINE':<14} {'KIND':<8} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        lines.append(f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {'yes' if e.ready else 'starting':<8} "
+        lines.append(f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {ready_text(e):<8} "
                      f"{busy:>5} "
                      f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
                      + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else ""))

@@ -139,3 +139,21 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("plexrl-home")).up(tiny_model, "--device-slots", "2", "--max-loras", "2")
     yield c
     c.run("down", timeout=120)
+
+
+def local_account(name: str) -> tuple[int, int, Path]:
+    """A real Unix account ``name`` (made if missing; root only) and its home directory (0700,
+    outside /tmp): a second user of a shared cluster, as the kernel sees them."""
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--create-home", "--shell", "/usr/sbin/nologin", name], check=True,
+                       capture_output=True)
+        entry = pwd.getpwnam(name)
+    home = Path(entry.pw_dir)
+    home.mkdir(mode=0o700, exist_ok=True)
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    home.chmod(0o700)
+    return entry.pw_uid, entry.pw_gid, home

@@ -37,14 +37,14 @@ TINY = REPO / "configs" / "tiny-arith.yaml"
 class BareDaemon:
     """A daemon and its own PLEXRL_HOME; ``keys`` is the cluster's internal key (every operation)."""
 
-    def __init__(self, state_dir: Path, model: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, state_dir: Path, model: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
         self.log_path = state_dir / "daemon.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         env = env or {**os.environ, "PLEXRL_HOME": str(state_dir.parent / "home")}
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir),
-                                          "--model", str(model)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                          "--model", str(model), *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                          env=env)
         deadline = time.monotonic() + 60
         while True:
@@ -65,7 +65,8 @@ class BareDaemon:
 
 @pytest.fixture
 def daemon(tiny_model: Path, tmp_path: Path):
-    d = BareDaemon(tmp_path / "state", tiny_model)
+    # the simulated users (user0..user3) have no Unix accounts: trusted, their jobs need none
+    d = BareDaemon(tmp_path / "state", tiny_model, args=tuple(f"--trust-user-code=user{u}" for u in range(4)))
     yield d
     d.stop()
 

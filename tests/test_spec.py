@@ -37,9 +37,10 @@ reward:
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    """A directory with a fake model (a dir with config.json) and small JSONL datasets."""
+    """A directory with a fake model (config.json, tokenizer and weights files) and small JSONL datasets."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / "model" / name).write_text("{}")
     (tmp_path / "data").mkdir()
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -322,7 +323,7 @@ def test_data_file_without_the_prompt_field(workdir: Path) -> None:
     (workdir / "data" / "q.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
     issue = only_issue(write(workdir, VALID.replace("data/train.jsonl", "data/q.jsonl")))
     assert (issue.path, issue.line) == ("data.path", 7)
-    assert "has no field `prompt`" in issue.message and "`question`" in issue.message
+    assert "record 1 (line 1): missing field `prompt`" in issue.message and "`question`" in issue.message
 
 
 def test_data_fields_can_be_renamed(workdir: Path) -> None:

@@ -536,6 +536,7 @@ def build_engines(args: argparse.Namespace, kinds: list[str], options: EngineOpt
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
+    os.umask(0o077)  # checkpoints, adapters and scratch copies are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
         signal.signal(sig, signal.SIG_IGN)
@@ -590,6 +591,10 @@ def main(argv: list[str] | None = None) -> None:
         store, trainer_engine = engines["trainer"], f"{args.worker_id}/trainer"
         io.resident = lambda: {job: trainer_engine for tier in ("device", "host", "nvme")
                                for job in store.inventory().get(tier, {}).get("jobs", [])}
+    if "rollout" in engines:  # the sequences it holds: the daemon refuses jobs whose max_tokens cannot fit
+        held = int(engines["rollout"].plan.llm_kwargs["max_model_len"])
+        register = msgspec.structs.replace(register, engines=[
+            msgspec.structs.replace(d, max_model_len=held) if d.kind == "rollout" else d for d in register.engines])
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 

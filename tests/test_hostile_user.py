@@ -1,0 +1,213 @@
+"""A cluster shared with a second Unix user, tried as that user would attack it.
+
+The owner (root here, as on CI) runs a local cluster and shares it with ``eve``, a real account
+the test makes. Eve's job runs her own loop, which tries to read the cluster's keys, its journal,
+the owner's key and private files, the owner's job directory and staged files, to reach the
+daemon over TCP and to act on the owner's job with the only key it holds; her client also
+submits a job whose data is the owner's private file, skipping the CLI's checks. Each attempt
+must be refused or find nothing, while her own files stay usable (the control that shows the
+loop could have read what it was allowed to).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Cluster, local_account
+
+from plexctl import auth
+from plexctl.client import Client
+from plexctl.cluster import read_endpoint
+from plexctl.spec import load_spec, spec_to_wire
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes a second Unix user (needs root)")
+
+TINY = REPO / "configs" / "tiny-arith.yaml"
+CUSTOM_LOOP = REPO / "configs" / "examples" / "custom-loop.yaml"
+EVE = "eve"
+SECRET = "owner-secret-" + uuid.uuid4().hex
+
+EVIL_LOOP = r'''
+import json, os, socket
+
+def attempt(what, fn):
+    try:
+        got = fn()
+        return {"what": what, "ok": True, "got": repr(got)[:300]}
+    except BaseException as e:
+        return {"what": what, "ok": False, "error": type(e).__name__ + ": " + str(e)[:200]}
+
+def run(job):
+    targets = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets.json")))
+    found = [attempt("read " + name, lambda p=path: open(p).read()) for name, path in targets["files"].items()]
+    found += [attempt("list " + name, lambda p=path: os.listdir(p)) for name, path in targets["dirs"].items()]
+    found.append(attempt("tcp to the daemon", lambda: socket.create_connection(tuple(targets["daemon"]), timeout=3)))
+    found.append(attempt("cluster keys in the environment", lambda: os.environ["PLEXRL_CLUSTER_KEYS"]))
+    found.append(attempt("uid", lambda: os.getuid()))
+
+    def cancel_with_my_key():
+        from plexctl import auth
+        from plexctl.client import Client
+        return Client(job.client.endpoint, timeout=5.0, retries=0, keys=auth.internal_keys_from_env()).cancel(targets["owner_job"])
+    found.append(attempt("cancel the owner's job", cancel_with_my_key))
+
+    def call_for_the_owner_job():
+        job.client.job_id = targets["owner_job"]
+        return job.client.call("publish", {})
+    found.append(attempt("call for the owner's job", call_for_the_owner_job))
+    print("FINDINGS " + json.dumps(found), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def eve() -> tuple[int, int, Path]:
+    return local_account(EVE)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
+    c = Cluster(tmp_path_factory.mktemp("owner-home")).up(tiny_model, "--workers", "1")
+    yield c
+    c.run("down", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def owner_files():
+    """A private file of the owner's outside /tmp: 0600 in a 0700 directory."""
+    base = Path("/var/tmp") / f"plexrl-owner-{uuid.uuid4().hex[:8]}"
+    base.mkdir(mode=0o700)
+    secret = base / "secret.jsonl"
+    secret.write_text(json.dumps({"prompt": SECRET, "answer": "1"}) + "\n")
+    secret.chmod(0o600)
+    yield secret
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def eve_client(cluster: Cluster, eve_home: Path) -> Client:
+    """Eve's own key, granted by the owner; her client is the library's (no CLI checks)."""
+    home = eve_home / ".plexrl"
+    public = auth.ensure_user_keys(home, EVE)
+    cluster.run("share", EVE, "--key", str(public), check=True)
+    endpoint = read_endpoint(cluster.state_dir)
+    return Client(endpoint.address, timeout=10.0, retries=0,
+                  keys=auth.user_keys(home, EVE, endpoint.server_key.encode()))
+
+
+def spec(tiny_model: Path, *overrides: str, base: Path = TINY) -> dict:
+    return spec_to_wire(load_spec(base, [f"model.path={tiny_model}", "data.eval_path=null", "checkpoint.every=0",
+                                         *overrides], None))
+
+
+def own(path: Path, uid: int, gid: int) -> None:
+    for p in (path, *path.rglob("*")):
+        os.chown(p, uid, gid)
+
+
+def wait_ended(client: Client, job_id: str, timeout: float = 300) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = client.status(job_id).jobs[0].state
+        if state in ("succeeded", "failed", "cancelled"):
+            return state
+        time.sleep(1.0)
+    raise AssertionError(f"job {job_id} did not end")
+
+
+def full_log(client: Client, job_id: str) -> str:
+    text, offset = "", 0
+    while True:
+        rep = client.logs(job_id, "log", offset)
+        text += rep.data
+        if not rep.data:
+            return text
+        offset = rep.offset
+
+
+def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster, eve, owner_files, tiny_model):
+    uid, gid, home = eve
+    owner_job = cluster.run("submit", str(TINY), "--set", "algo.steps=400", "--set", "checkpoint.every=0",
+                            "--name", "owner-job", "-q", check=True).stdout.strip()
+    cluster.wait_for(owner_job, lambda j: j["state"] == "running", what="the owner's job runs")
+    state = cluster.state_dir
+    owner_key = Path(cluster.env["PLEXRL_HOME"]) / "keys"
+    code = home / f"evil-{uuid.uuid4().hex[:6]}"
+    code.mkdir()
+    (code / "evil_loop.py").write_text(EVIL_LOOP)
+    (code / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
+    endpoint = read_endpoint(state)
+    host, port = endpoint.address.removeprefix("tcp://").rsplit(":", 1)
+    (code / "targets.json").write_text(json.dumps({
+        "files": {"server secret": str(state / "keys" / "server.key_secret"),
+                  "internal secret": str(state / "keys" / "internal.key_secret"),
+                  "owner's client secret": str(next(owner_key.glob("*.key_secret"))),
+                  "journal": str(state / "journal.db"),
+                  "owner's private file": str(owner_files),
+                  "owner job's spec": str(state / "jobs" / owner_job / "spec.json"),
+                  "own data": str(code / "train.jsonl")},
+        "dirs": {"state dir": str(state), "owner job's dir": str(state / "jobs" / owner_job),
+                 "owner's home keys": str(owner_key)},
+        "daemon": [host, int(port)], "owner_job": owner_job}))
+    own(code, uid, gid)
+    client = eve_client(cluster, home)
+    job = client.submit(spec(tiny_model, "algo.loop=evil_loop:run", f"algo.path={code}",
+                             f"data.path={code / 'train.jsonl'}", base=CUSTOM_LOOP), uuid.uuid4().hex).job_id
+    wait_ended(client, job)
+    log = full_log(client, job)
+    line = next((ln for ln in log.splitlines() if ln.startswith("FINDINGS ")), None)
+    assert line is not None, log[-3000:]
+    found = {f["what"]: f for f in json.loads(line.removeprefix("FINDINGS "))}
+    assert found["read own data"]["ok"], found["read own data"]  # the control: what is hers, she reads
+    assert found["uid"]["got"] == repr(uid)  # her code ran with her uid, not the owner's
+    reached = sorted(what for what, f in found.items() if f["ok"] and what not in ("read own data", "uid"))
+    assert reached == [], {what: found[what] for what in reached}
+    assert "forbidden" in found["call for the owner's job"]["error"] or "not this driver's" in found[
+        "call for the owner's job"]["error"], found["call for the owner's job"]
+    assert cluster.job(owner_job)["state"] == "running"  # untouched
+    cluster.run("cancel", owner_job, check=True)
+
+
+def test_a_forged_submit_cannot_make_the_cluster_read_the_owners_file(cluster, eve, owner_files, tiny_model):
+    """The CLI refuses a data.path its user cannot read; a client that skips that check gets a
+    driver that opens it with eve's rights: the job fails, and the secret reaches nothing eve reads."""
+    _, _, home = eve
+    client = eve_client(cluster, home)
+    job = client.submit(spec(tiny_model, f"data.path={owner_files}"), uuid.uuid4().hex).job_id
+    assert wait_ended(client, job) == "failed"
+    info = client.status(job).jobs[0]
+    log = full_log(client, job)
+    assert "Permission" in (info.error or "") + log, (info.error, log[-2000:])
+    assert SECRET not in log and SECRET not in (info.error or "")
+    leaked = subprocess.run(["grep", "-rlsF", SECRET, "/tmp", "/var/tmp", "--exclude-dir=" + owner_files.parent.name],
+                            capture_output=True, text=True)
+    assert leaked.stdout.strip() == "", f"the secret was copied to {leaked.stdout}"
+
+
+def test_the_state_directory_is_the_owners_alone(cluster, eve):
+    """Another user may open endpoint.json by name and nothing else of the state directory."""
+    state = cluster.state_dir
+    assert stat.S_IMODE(state.stat().st_mode) == 0o711
+    for entry in state.iterdir():  # nothing others may read or write; the socket's directory they may pass
+        if entry.name != "endpoint.json" and not entry.is_symlink():
+            assert stat.S_IMODE(entry.stat().st_mode) & 0o066 == 0, entry
+    parents = [p for p in state.parents if p != Path("/") and stat.S_IMODE(p.stat().st_mode) & 0o001 == 0]
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in parents}
+    for p in parents:  # as a state directory under a home others may pass through
+        p.chmod(modes[p] | 0o001)
+    try:
+        as_eve = {"user": EVE, "group": eve[1], "capture_output": True, "text": True}
+        assert subprocess.run(["cat", str(state / "endpoint.json")], **as_eve).returncode == 0
+        for path in ("journal.db", "keys/server.key_secret", "jobs", "daemon.log"):
+            assert subprocess.run(["cat" if "." in path else "ls", str(state / path)], **as_eve).returncode != 0, path
+        assert subprocess.run(["ls", str(state)], **as_eve).returncode != 0
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)

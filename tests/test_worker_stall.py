@@ -1,0 +1,278 @@
+"""A stalled worker is suspect, not dead; a worker whose process is gone is lost at once.
+
+A worker that misses its heartbeats (SIGSTOP here, as a long GC pause, a swap storm or a
+file-system stall would stop it) gets no new calls while it is suspect and, when it heartbeats
+again, goes on with its jobs and their state: no job rolls back, its calls in flight complete.
+It is lost only when its process is gone (a local worker's exit; a Slurm worker's, told by its
+node task) or after ``--worker-grace`` seconds of silence.
+
+Three layers: the scheduler core (suspect engines start nothing new), the daemon's state
+machine driven through its handlers with an injected clock, and a real local cluster whose
+trainer worker is stopped for longer than the old 3 s window, then killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Cluster
+
+from daemon.main import LOCAL_WORKER_RESPAWNS, WORKER_GRACE_S, Daemon, JobRuntime
+from daemon.scheduler import Engine, Scheduler, Task
+from plexctl import protocol as P
+from plexctl import slurm as S
+from plexctl import views
+from plexctl.spec import load_spec, spec_to_wire
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import faults
+
+TINY = str(REPO / "configs" / "tiny-arith.yaml")
+
+
+# ---------------------------------------------------------------- the scheduler core
+
+
+def task(tid: int, job: str, kind: str = "rollout", method: str = "generate") -> Task:
+    return Task(tid, job, kind, method, "m", 0.0)
+
+
+def test_a_suspect_engine_starts_nothing_new_and_takes_tasks_again_once_back():
+    s = Scheduler(policy="spread+backfill")
+    for eid, kind in (("w0/rollout", "rollout"), ("w1/rollout", "rollout"), ("w2/trainer", "trainer")):
+        s.engine_up(Engine(eid, eid.split("/")[0], kind, "m"))
+    assert s.admit("a", "m", 0.0).ok
+    home = s.home_of("a", "rollout")
+    other = ({"w0/rollout", "w1/rollout"} - {home}).pop()
+    s.submit(task(1, "a"))
+    s.submit(task(2, "a", "trainer", "train_step"))
+    assert {(p.task.task_id, p.engine_id) for p in s.tick(1.0)} == {(1, home), (2, "w2/trainer")}
+
+    s.engine_suspect(home)
+    s.engine_suspect("w2/trainer")
+    s.done(1, 2.0, 1.0)  # a call in flight on a suspect engine completes
+    s.done(2, 2.0, 1.0)
+    s.submit(task(3, "a"))
+    s.submit(task(4, "a", "trainer", "train_step"))
+    placed = s.tick(2.0)
+    assert [(p.task.task_id, p.engine_id) for p in placed] == [(3, other)]  # the rollout backfills elsewhere
+    assert s.home_of("a", "rollout") == home and s.home_of("a", "trainer") == "w2/trainer"  # homes kept
+    assert 4 in s.queue  # its state is on the suspect trainer: it waits there, on no other engine
+
+    assert s.admit("b", "m", 2.0).reason.startswith("waiting for its engines: every trainer engine")
+    s.engine_back("w2/trainer")
+    assert [(p.task.task_id, p.engine_id) for p in s.tick(3.0)] == [(4, "w2/trainer")]
+    assert s.admit("b", "m", 3.0).ok and s.home_of("b", "rollout") == other  # not the suspect one
+    s.engine_back(home)
+    s.done(3, 4.0, 1.0)
+    s.submit(task(5, "a"))
+    assert [(p.task.task_id, p.engine_id) for p in s.tick(4.0)] == [(5, home)]
+
+
+# ---------------------------------------------------------------- the daemon, with an injected clock
+
+
+def running_job(d: Daemon, tiny_model: Path, name: str) -> str:
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
+    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    d.journal.update(job_id, state="running")
+    d.runtimes[job_id] = JobRuntime(job_id, spec, d.jobs_dir / job_id, None, user="alice")
+    return job_id
+
+
+def register(d: Daemon, worker: str, model: Path, pid: int = 1) -> None:
+    engines = [P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
+               P.EngineDecl(f"{worker}/trainer", "trainer", str(model))]
+    d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", pid, engines, True))
+
+
+def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
+    d.on_call(f"drv:{job_id}".encode(), P.Header(msg_id=msg_id),
+              P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}}))
+
+
+def sent_tasks(d: Daemon) -> list[int]:
+    out = [body.task_id for _, op, body in d.sent if op == P.Op.TASK and body.method == "train_step"]
+    d.sent.clear()
+    return out
+
+
+def events(d: Daemon, job_id: str) -> list[str]:
+    return [kind for _, kind, _ in d.journal.events(job_id)]
+
+
+def engine_rows(d: Daemon) -> dict[str, P.EngineInfo]:
+    d.on_status(b"cli", P.Header(msg_id=9), P.StatusReq())
+    rep = d.sent.pop()[2]
+    return {e.engine_id: e for e in rep.engines}
+
+
+def test_a_silent_worker_is_suspect_keeps_its_jobs_and_is_lost_only_past_the_grace(daemon, tiny_model):
+    d = daemon
+    register(d, "w1", tiny_model)
+    job = running_job(d, tiny_model, "stalled")
+    t0 = d.workers["w1"].last_seen
+    train_step(d, job, 7)
+    d._place(t0)
+    (in_flight,) = sent_tasks(d)
+
+    d._heartbeat_workers(t0 + 3.5)  # three heartbeats missed: suspect, not lost
+    assert d.workers["w1"].suspect_since == t0 + 3.5 and d.sched.engines["w1/trainer"].suspect
+    rows = engine_rows(d)
+    assert rows["w1/trainer"].suspect and rows["w1/rollout"].suspect
+    assert views.ready_text(rows["w1/trainer"]).startswith("suspect (")
+    assert "worker suspect" in events(d, job)
+    d.on_result(b"w1", P.Header(msg_id=2), P.ResultBody(in_flight, True, {"loss": 0.0}, seconds=0.1))
+    assert any(op == P.Op.REPLY and to == f"drv:{job}".encode() for to, op, _ in d.sent)  # it completed
+    d.sent.clear()
+    train_step(d, job, 8)
+    d._place(t0 + 4)
+    assert sent_tasks(d) == []  # no new call for a suspect worker
+
+    d._heartbeat_workers(t0 + 35)  # a 30 s stall survives the default grace
+    assert WORKER_GRACE_S > 30 and "w1" in d.workers and "w1/trainer" in d.sched.engines
+    assert not d.runtimes[job].rolled_back
+    d.on_heartbeat(b"w1", P.Header(msg_id=3), P.HeartbeatBody("w1"))  # it came back
+    assert d.workers["w1"].suspect_since is None and not d.sched.engines["w1/trainer"].suspect
+    assert "worker back" in events(d, job) and not engine_rows(d)["w1/trainer"].suspect
+    d._place(time.time())
+    assert len(sent_tasks(d)) == 1  # the call held while it was suspect goes to it now
+    assert not d.runtimes[job].rolled_back
+
+    d._heartbeat_workers(d.workers["w1"].last_seen + WORKER_GRACE_S + 1)  # silent past the grace: lost
+    assert "w1" not in d.workers and "w1/trainer" not in d.sched.engines
+    assert "worker w1 lost" in d.runtimes[job].rolled_back
+
+
+def test_a_worker_whose_process_exited_is_lost_at_once(daemon, tiny_model):
+    d = daemon
+    register(d, "n1", tiny_model, pid=4242)
+    job = running_job(d, tiny_model, "killed")
+    train_step(d, job, 7)
+    d._place(time.time())
+    d.on_worker_exited(b"node-task", P.Header(msg_id=2), P.WorkerExited("n1", 4243, -9))  # another process
+    assert "n1" in d.workers
+    d.on_worker_exited(b"node-task", P.Header(msg_id=3), P.WorkerExited("n1", 4242, -9))  # its own: lost now
+    assert "n1" not in d.workers and "worker n1 lost" in d.runtimes[job].rolled_back
+
+    register(d, "w0", tiny_model)
+    job2 = running_job(d, tiny_model, "local")
+    train_step(d, job2, 9)
+    d._place(time.time())
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    d.worker_procs["w0"] = exited
+    d.respawns["w0"] = LOCAL_WORKER_RESPAWNS  # not started again here
+    d._heartbeat_workers(d.workers["w0"].last_seen + 0.1)  # well inside the heartbeats: its exit decides
+    assert "w0" not in d.workers and "process exited" in d.runtimes[job2].rolled_back
+
+
+def test_the_worker_grace_reaches_the_daemon_of_a_slurm_allocation():
+    spec = S.SlurmSpec(name="c", state_dir="/s", model="/m", worker_grace=45)
+    cmd = S.node_command(spec)
+    assert cmd[cmd.index("--worker-grace") + 1] == "45"
+    assert "--worker-grace" not in S.node_command(S.SlurmSpec(name="c", state_dir="/s", model="/m", join=True,
+                                                              worker_grace=45))
+    assert "--worker-grace" not in S.node_command(S.SlurmSpec(name="c", state_dir="/s", model="/m"))
+
+
+# ---------------------------------------------------------------- a real local cluster
+
+
+def kinds(c: Cluster, job: str) -> list[str]:
+    with sqlite3.connect(c.state_dir / "journal.db") as db:
+        return [k for (k,) in db.execute("select kind from events where job_id = ? order by id", (job,))]
+
+
+def steps(c: Cluster, job: str) -> list[int]:
+    rows = [json.loads(line) for line in c.run("logs", job, "--metrics", check=True).stdout.splitlines()]
+    return [r["step"] for r in rows if "reward_mean" in r]
+
+
+@pytest.fixture
+def short_grace_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Its own cluster, stopped before the next one starts: 2 cores hold one at a time."""
+    c = Cluster(tmp_path_factory.mktemp("plexrl-grace"))
+    c.up(tiny_model, "--worker-grace", "4")
+    yield c
+    c.run("down", timeout=120)
+
+
+def test_a_stall_past_the_worker_grace_is_a_loss_and_the_worker_serves_again_once_back(short_grace_cluster):
+    c = short_grace_cluster
+    job = c.run("submit", TINY, "--name", "past-grace", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4",
+                check=True).stdout.strip()
+    c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
+    trainer = faults.worker_pid(c.state_dir, "w1")
+    os.kill(trainer, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        while "rolled back" not in kinds(c, job):
+            assert time.monotonic() - t0 < 4 + 5, "not lost within the worker grace (plus slack)"
+            time.sleep(0.2)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+    assert faults.worker_pid(c.state_dir, "w1") == trainer  # the same process registered again and served
+    assert "resumed from checkpoint at step" in c.run("logs", job, check=True).stdout
+    assert steps(c, job) == list(range(1, 13))
+    assert "worker w1 lost: no heartbeat for" in (c.state_dir / "daemon.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def stall_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("plexrl-stall"))
+    c.up(tiny_model)  # the default worker grace
+    yield c
+    c.run("down", timeout=120)
+
+
+def test_a_trainer_stopped_for_longer_than_three_heartbeats_comes_back_and_its_job_goes_on(stall_cluster):
+    c = stall_cluster
+    job = c.run("submit", TINY, "--name", "stalled", "-q", "--set", "algo.steps=16", "--set", "checkpoint.every=4",
+                check=True).stdout.strip()
+    c.wait_for(job, lambda j: j["step"] >= 6, timeout=300, what="6 steps")
+    assert "worker suspect" not in kinds(c, job)  # a busy worker heartbeats from its own thread
+    trainer = faults.worker_pid(c.state_dir, "w1")
+    os.kill(trainer, signal.SIGSTOP)
+    try:
+        time.sleep(5.0)
+        engines = {e["engine_id"]: e for e in c.status()["engines"]}
+        assert engines["w1/trainer"]["suspect"] and not engines["w0/rollout"]["suspect"]
+        stopped_at = c.job(job)["step"]
+        time.sleep(4.0)  # 9 s in all: three times the old window
+        assert c.job(job)["state"] == "running"
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+    assert faults.worker_pid(c.state_dir, "w1") == trainer  # the same process went on
+    events = kinds(c, job)
+    assert "worker suspect" in events and "worker back" in events
+    assert not {"rolled back", "restarting", "recovered"} & set(events) and c.job(job)["restarts"] == 0
+    assert "resumed from checkpoint" not in c.run("logs", job, check=True).stdout
+    assert steps(c, job) == list(range(1, 17)) and stopped_at < 16  # not rolled back: every step once
+    assert not any(e["suspect"] for e in c.status()["engines"])
+
+
+def test_a_killed_trainer_is_still_lost_at_once(stall_cluster):
+    c = stall_cluster
+    job = c.run("submit", TINY, "--name", "killed", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4",
+                check=True).stdout.strip()
+    c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
+    t0 = time.monotonic()
+    faults.kill(faults.worker_pid(c.state_dir, "w1"))
+    while "rolled back" not in kinds(c, job):
+        assert time.monotonic() - t0 < 5, "a dead worker waited for the grace"
+        time.sleep(0.2)
+    assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
+    assert steps(c, job) == list(range(1, 13))
+    assert "worker w1 lost: process exited" in (c.state_dir / "daemon.log").read_text()
