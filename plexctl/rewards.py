@@ -15,8 +15,8 @@ reference answer and the whole sample record, and returns a float. This module o
   sandbox pool, the function imported once), a step's samples split over them, each sample
   under its own time limit, enforced from outside the function: a sample that overruns it
   (its code ignored or caught the alarm) has its process killed. The user's directory is
-  staged once (its Python and small data files, copied world-readable) so the sandbox's own
-  uid can read it; the driver's site-packages are readable too, so the function may import
+  staged once (its Python and small data files, copied private to the driver's user; each
+  sandbox process of another uid gets its own copy); the driver's site-packages are readable too, so the function may import
   what is installed (math_verify, numpy, ...).
 
 Built-in rewards are the project's own code and run in the driver's threads. Importing the
@@ -284,16 +284,15 @@ _STAGE_SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".my
 
 
 def stage_user_dir(path: str) -> Path:
-    """A world-readable copy of ``path``'s Python and small data files (what the sandbox imports)."""
+    """A copy of ``path``'s Python and small data files (what the sandbox imports), private to
+    this process's user (0700); the sandbox gives each run of another uid a copy of its own."""
     src = Path(path).resolve()
-    dst = Path(tempfile.mkdtemp(prefix="plexrl-user-"))
-    dst.chmod(0o755)
+    dst = Path(tempfile.mkdtemp(prefix="plexrl-user-"))  # mkdtemp: 0700
     total = 0
     for root, dirs, files in os.walk(src):
         dirs[:] = sorted(d for d in dirs if d not in _STAGE_SKIP_DIRS)
         rel = Path(root).relative_to(src)
-        (dst / rel).mkdir(mode=0o755, exist_ok=True)
-        (dst / rel).chmod(0o755)
+        (dst / rel).mkdir(mode=0o700, exist_ok=True)
         for name in sorted(files):
             f = Path(root) / name
             if f.suffix not in _STAGE_SUFFIXES or not f.is_file():
@@ -304,7 +303,7 @@ def stage_user_dir(path: str) -> Path:
                 raise RewardLoadError(f"reward path {path} holds more than {_STAGE_MAX_BYTES >> 20} MiB of "
                                       "Python and data files; point `path` at the reward's own directory")
             shutil.copyfile(f, dst / rel / name)
-            (dst / rel / name).chmod(0o644)
+            (dst / rel / name).chmod(0o600)
     return dst
 
 

@@ -332,8 +332,9 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits(),
     """Run ``code`` as a Python program in the sandbox; never raises for what the program does.
 
     ``paths`` are directories put first on the program's ``sys.path`` (e.g. the user's reward
-    module and the driver's site-packages); they stay read-only and, in ``namespaces`` mode,
-    are bind-mounted so the run's uid can read them, so they must be world-readable.
+    module and the driver's site-packages); they stay read-only. In ``namespaces`` mode a
+    world-readable one is bind-mounted, any other (a job's private staged copy) is copied into
+    the run's own directory, readable by the run's uid alone.
     """
     try:
         return _run(isolation().mode, code, stdin, limits, paths)
@@ -351,7 +352,7 @@ def _run(mode: str, code: str, stdin: str, limits: Limits, paths: tuple[str, ...
     with _uid_lease() if mode == "namespaces" else contextlib.nullcontext() as uid:
         base = Path(tempfile.mkdtemp(prefix="plexrl-sbx-"))
         try:
-            _fill_run_dir(base, uid, code, stdin)
+            paths = _fill_run_dir(base, uid, code, stdin, paths)
             return _spawn_and_collect(mode, uid, base, limits, t0, paths)
         finally:
             if uid is not None:
@@ -359,16 +360,34 @@ def _run(mode: str, code: str, stdin: str, limits: Limits, paths: tuple[str, ...
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _fill_run_dir(base: Path, uid: int | None, code: str, stdin: str) -> None:
-    """``base/`` (0711) gets ``main.py``, ``stdin``, ``py/`` (stdlib mount points) and ``work/``."""
+def _fill_run_dir(base: Path, uid: int | None, code: str, stdin: str,
+                  paths: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``base/`` (0711) gets ``main.py``, ``stdin``, ``py/`` (stdlib mount points) and ``work/``;
+    returns ``paths`` with each one the run's uid could not read replaced by its own copy."""
     (base / "main.py").write_text(code, encoding="utf-8")
     (base / "stdin").write_text(stdin, encoding="utf-8")
     (base / "py").mkdir()
     work = base / "work"
     work.mkdir(mode=0o700)
-    if uid is not None:
-        os.chown(work, uid, uid)
-        base.chmod(0o711)
+    if uid is None:
+        return paths
+    os.chown(work, uid, uid)
+    base.chmod(0o711)
+    readable = []
+    for i, path in enumerate(paths):
+        if os.stat(path).st_mode & 0o005 == 0o005:
+            readable.append(path)
+            continue
+        copy = base / "own" / str(i)
+        shutil.copytree(path, copy, symlinks=False)
+        for root, dirs, files in os.walk(base / "own"):
+            for name in (*dirs, *files):
+                os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+        readable.append(str(copy))
+    if (base / "own").exists():
+        os.chown(base / "own", uid, uid)
+        (base / "own").chmod(0o500)
+    return tuple(readable)
 
 
 def _rlimits(mode: str, limits: Limits) -> list[tuple[str, tuple[int, int]]]:
@@ -591,7 +610,7 @@ class SandboxSession:
         self._out = bytearray()
         self._err_tail = b""
         try:
-            _fill_run_dir(self.base, self.uid, code, "")
+            paths = _fill_run_dir(self.base, self.uid, code, "", paths)
             self.proc = _popen(self.mode, self.uid, self.base, limits, paths, subprocess.PIPE)
             for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 os.set_blocking(pipe.fileno(), False)

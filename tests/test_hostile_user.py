@@ -211,3 +211,22 @@ def test_the_state_directory_is_the_owners_alone(cluster, eve):
     finally:
         for p, mode in modes.items():
             p.chmod(mode)
+
+
+def test_a_staged_reward_copy_is_private_and_still_imports_in_the_sandbox(eve, tmp_path: Path) -> None:
+    """A driver's staged copy of a reward directory: another user cannot read it (it was 0644 in
+    /tmp), and the sandbox, running as a uid of its own, still imports it."""
+    from plexctl.rewards import stage_user_dir
+    from plexctl.sandbox import isolation, run_python
+
+    src = tmp_path / "reward"
+    src.mkdir()
+    (src / "my_private_reward.py").write_text("def score(completion, answer):\n    return 0.25\n")
+    staged = stage_user_dir(str(src))
+    try:
+        as_eve = {"user": EVE, "group": eve[1], "capture_output": True, "text": True}
+        assert subprocess.run(["cat", str(staged / "my_private_reward.py")], **as_eve).returncode != 0
+        result = run_python("import my_private_reward\nprint(my_private_reward.score('', ''))", paths=(str(staged),))
+        assert result.ok and result.stdout.strip() == "0.25", (isolation().mode, result)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
