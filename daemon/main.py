@@ -77,6 +77,7 @@ VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
 CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
 LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
+EXPORT_CHUNK = 8 << 20  # bytes of an exported file one reply carries
 WORKER_LIVENESS = 3  # heartbeats missed before a worker is suspect: its engines get no new calls
 WORKER_GRACE_S = 60.0  # silent this long, a worker is lost even if its process may live (a 30 s stall survives)
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
@@ -634,6 +635,46 @@ class Daemon:
         offset = body.offset + len(data)
         self._send(identity, P.Op.REPLY, P.LogsRep(data=data.decode(errors="replace"), offset=offset,
                                                    finished=ended and offset >= size), header.msg_id)
+
+    def on_export(self, identity: bytes, header: P.Header, body: P.ExportReq) -> None:
+        """A job's latest adapter or checkpoint, for its user to copy out with their own rights:
+        the listing, then each file in chunks. Nothing outside that directory is ever read."""
+        job_id = self._find(body.job_id)
+        if job_id is None:
+            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
+            return
+        if body.what not in ("adapter", "checkpoint"):
+            self._error(identity, header.msg_id, "bad_request", f"export what: adapter or checkpoint, not {body.what!r}")
+            return
+        source = self._export_dir(job_id, body.what)
+        if source is None:
+            self._error(identity, header.msg_id, "not_found", f"job {job_id} has no {body.what} yet")
+            return
+        files = sorted(p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith("."))
+        if not body.path:
+            listing = [P.ExportFile(str(p.relative_to(source)), p.stat().st_size) for p in files]
+            self._send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", listing), header.msg_id)
+            return
+        wanted = {str(p.relative_to(source)): p for p in files}.get(body.path)
+        if wanted is None:
+            self._error(identity, header.msg_id, "not_found", f"{body.what} {source.name} has no file {body.path!r}")
+            return
+        with jail.open_job_file(wanted) as f:
+            f.seek(body.offset)
+            data = f.read(EXPORT_CHUNK)
+        self._send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", data=data), header.msg_id)
+
+    def _export_dir(self, job_id: str, what: str) -> Path | None:
+        """The directory of the job's latest published adapter or latest checkpoint, if any."""
+        job_dir = self.jobs_dir / job_id
+        if what == "checkpoint":
+            try:
+                latest = Path(json.loads((job_dir / "ckpt" / "latest.json").read_text())["dir"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+            return latest if latest.is_dir() and latest.parent == job_dir / "ckpt" else None
+        versions = sorted(d for d in (job_dir / "adapters").glob("v*") if d.is_dir() and any(d.iterdir()))
+        return versions[-1] if versions else None
 
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
         self._send(identity, P.Op.REPLY, {"ok": True, "running": len(self.runtimes)}, header.msg_id)
@@ -1259,6 +1300,7 @@ class Daemon:
         P.Op.STATUS: on_status,
         P.Op.CANCEL: on_cancel,
         P.Op.LOGS: on_logs,
+        P.Op.EXPORT: on_export,
         P.Op.DOWN: on_down,
         P.Op.REGISTER: on_register,
         P.Op.HEARTBEAT: on_heartbeat,

@@ -141,5 +141,10 @@ class Client:
     def logs(self, job_id: str, kind: str = "log", offset: int = 0) -> P.LogsRep:
         return msgspec.convert(self.request(P.Op.LOGS, P.LogsReq(job_id, kind, offset)), P.LogsRep)
 
+    def export(self, job_id: str, what: str = "adapter", path: str = "", offset: int = 0) -> P.ExportRep:
+        """The listing of a job's latest adapter or checkpoint (``path`` empty), or a chunk of one
+        of its files from ``offset``."""
+        return msgspec.convert(self.request(P.Op.EXPORT, P.ExportReq(job_id, what, path, offset)), P.ExportRep)
+
     def down(self) -> None:
         self.request(P.Op.DOWN, P.Empty(), retries=0)

@@ -34,6 +34,7 @@ class Op:
     STATUS = b"Q"
     CANCEL = b"C"
     LOGS = b"L"
+    EXPORT = b"F"  # a job's adapter or checkpoint files, listed then read in chunks (``plexctl export``)
     DOWN = b"D"
     PING = b"P"
     # driver -> daemon: a service call (generate, train_step, publish, checkpoint, ...)
@@ -289,6 +290,24 @@ class LogsRep(msgspec.Struct):
     finished: bool  # the job has ended: no more data will come
 
 
+class ExportReq(msgspec.Struct):
+    job_id: str
+    what: str = "adapter"  # adapter (the latest published) | checkpoint (the latest durable one)
+    path: str = ""  # "": list the files; else read this one (relative) from ``offset``
+    offset: int = 0
+
+
+class ExportFile(msgspec.Struct):
+    path: str  # relative to the exported directory
+    size: int
+
+
+class ExportRep(msgspec.Struct):
+    source: str = ""  # what is exported: "adapter v000012", "checkpoint step-000040"
+    files: list[ExportFile] = msgspec.field(default_factory=list)
+    data: bytes = b""  # a chunk of ``path`` from ``offset`` (empty at its end)
+
+
 class Pong(msgspec.Struct):
     version: str
     pid: int
@@ -375,6 +394,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.STATUS: StatusReq,
     Op.CANCEL: JobRef,
     Op.LOGS: LogsReq,
+    Op.EXPORT: ExportReq,
     Op.DOWN: Empty,
     Op.PING: Empty,
     Op.CALL: CallReq,

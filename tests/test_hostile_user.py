@@ -230,3 +230,42 @@ def test_a_staged_reward_copy_is_private_and_still_imports_in_the_sandbox(eve, t
         assert result.ok and result.stdout.strip() == "0.25", (isolation().mode, result)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+
+
+def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli(cluster, eve, tiny_model,
+                                                                                 tmp_path: Path) -> None:
+    """The jail takes nothing a job needs: eve's job trains and checkpoints; its adapter and
+    checkpoint come out through `plexctl export` byte for byte (never by reading the state
+    directory), and nobody but eve and the owner can ask for them."""
+    uid, gid, home = eve
+    data = home / f"data-{uuid.uuid4().hex[:6]}"
+    data.mkdir()
+    (data / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
+    own(data, uid, gid)
+    client = eve_client(cluster, home)
+    job = client.submit(spec(tiny_model, f"data.path={data / 'train.jsonl'}", "algo.steps=2", "checkpoint.every=1",
+                             "name=eve-trains"), uuid.uuid4().hex).job_id
+    assert wait_ended(client, job) == "succeeded", full_log(client, job)[-3000:]
+    metrics = client.logs(job, "metrics").data
+    assert [json.loads(line)["step"] for line in metrics.splitlines() if '"reward_mean"' in line] == [1, 2]
+
+    listing = client.export(job, "checkpoint")
+    assert "manifest.json" in {f.path for f in listing.files}
+    for what, flag in (("adapter", []), ("checkpoint", ["--checkpoint"])):
+        out = cluster.run("export", job, *flag, "--to", str(tmp_path / what), check=True)
+        (exported,) = (tmp_path / what).iterdir()
+        assert what in out.stdout and exported.name.startswith(f"{job}-{what}-")
+        source = client.export(job, what)
+        version = source.source.split()[-1]
+        original = cluster.state_dir / "jobs" / job / ("ckpt" if what == "checkpoint" else "adapters") / version
+        for f in source.files:
+            assert (exported / f.path).read_bytes() == (original / f.path).read_bytes(), f.path
+    again = cluster.run("export", job, "--to", str(tmp_path / "adapter"))
+    assert again.returncode == 2 and "exists" in again.stderr  # nothing overwritten
+
+    other = cluster.run("submit", str(TINY), "--set", "algo.steps=1", "--name", "owner-small", "-q",
+                        check=True).stdout.strip()
+    with pytest.raises(Exception) as refused:  # the owner's job is not eve's to see
+        client.export(other, "adapter")
+    assert getattr(refused.value, "code", "") == "not_found"
+    cluster.run("cancel", other)
