@@ -11,9 +11,11 @@ daemon runs as root here; the process it starts, before any of the job's code ru
   journal, no cluster keys, no other job's directory, no other job's staged files;
 - gets, under ``/mnt`` (a tmpfs), its output directory (writable: metrics, TensorBoard, exit
   code), the daemon's socket, the interpreter and the import path read-only;
-- then drops to the submitting user's uid, gid and groups with ``no_new_privs``: every path of
-  its spec (data, rewards, loop, environment) is opened with that user's rights, never the
-  owner's. It presents its job's own CURVE key, which lets it call and report for that job alone.
+- then drops to the submitting user's uid, gid and groups (a user with no local account: a uid
+  of the job's own, ``job_account``) with ``no_new_privs``. Its spec's files (data, rewards,
+  loop, environment) are the ones its client uploaded (``daemon.blobs``), read-only in its
+  directory; any other path is opened with that user's rights, never the owner's. It presents
+  its job's own CURVE key, which lets it call and report for that job alone.
 
 Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and one line on stderr
 before any of the job's code is imported; nothing the driver writes lies outside its output
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 SETUP_FAILED_EXIT = 121
+JOB_UID_BASE = 1_400_000  # jobs of users with no local account: uids [BASE, BASE + JOB_UIDS), by job number
+JOB_UIDS = 100_000
 JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is given lives here
 OUT_DIR = "driver"  # in the job's directory: the one place the isolated driver writes
 SOCKET_NAME = "plexd.sock"
@@ -62,14 +66,19 @@ def account(user: str) -> Account | None:
     return Account(user, entry.pw_uid, entry.pw_gid, tuple(os.getgrouplist(user, entry.pw_gid)))
 
 
+def job_account(user: str, job_id: str) -> Account:
+    """For a user with no local account: a uid and gid of the job's own, unused by any account."""
+    number = int(job_id.lstrip("j") or 0)
+    uid = JOB_UID_BASE + number % JOB_UIDS
+    return Account(user, uid, uid, ())
+
+
 def refusal(user: str) -> str:
     """Why this daemon cannot run ``user``'s code held to that user's rights ("" if it can)."""
     if os.geteuid() != 0:
         return (f"user {user!r} is not trusted by this cluster and its daemon does not run as root, so it "
                 f"cannot run their code with their own rights; the cluster's owner can trust them "
                 f"(`plexctl up --trust-user-code {user}`)")
-    if account(user) is None:
-        return f"user {user!r} has no local account on the daemon's node to run their job's code as"
     if not Path(JAIL_ROOT).is_dir():
         return f"the daemon's node has no {JAIL_ROOT} to mount an isolated driver's files on"
     return ""

@@ -57,6 +57,7 @@ import msgspec
 import zmq
 
 from daemon import jail, procs
+from daemon.blobs import BlobError, BlobStore
 from daemon.auth import secure
 from daemon.journal import TERMINAL, Journal
 from daemon import metrics as M
@@ -64,7 +65,7 @@ from daemon.scheduler import POLICIES, Engine, Scheduler, Task
 from plexctl.sizes import fmt_bytes
 from plexctl.state_size import job_state_bytes, model_config
 from plexctl import protocol as P
-from plexctl import auth
+from plexctl import auth, inputs
 from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import current_user
 from plexctl.cluster import Endpoint, endpoint_path, make_private, plexrl_home
@@ -152,6 +153,7 @@ class Daemon:
         self.jobs_dir = state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         make_private(state_dir)
+        self.blobs = BlobStore(state_dir / "blobs")  # jailed users' uploaded inputs
         self.models = {os.path.realpath(m) for m in models}
         self.max_running = max_running
         self.mode = mode
@@ -441,7 +443,8 @@ class Daemon:
         total = max(len(decls), sum(1 for _ in self.worker_procs))
         self._send(identity, P.Op.REPLY, P.Pong(
             version=VERSION, pid=os.getpid(), started_at=self.started_at, workers=len(self.workers),
-            engines_ready=ready, engines_total=total, problems=list(self.problems)), header.msg_id)
+            engines_ready=ready, engines_total=total, problems=list(self.problems),
+            upload_inputs=self._isolated(self.sender)), header.msg_id)
 
     def on_submit(self, identity: bytes, header: P.Header, body: P.SubmitReq) -> None:
         try:
@@ -469,6 +472,13 @@ class Daemon:
         if refusal:
             self._error(identity, header.msg_id, "untrusted", refusal)
             return
+        if self._isolated(user):  # the daemon never opens their paths: their client sent the files
+            missing = sorted(set(inputs.field_paths(body.spec)) - {f.field for f in body.inputs})
+            problem = (f"{missing[0]}: its files were not uploaded (submit with plexctl or "
+                       f"plexctl.inputs.submit, which send them)") if missing else self.blobs.check(user, body.inputs)
+            if problem:
+                self._error(identity, header.msg_id, "bad_request", problem)
+                return
         known = self.journal.submitted(body.submit_id)
         if known is not None:  # a retried submit: the job it made, whatever has happened since
             if self.journal.job(known).user != user:
@@ -487,6 +497,8 @@ class Daemon:
             self._cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
         job_id, created = self.journal.submit(body.submit_id, spec.name, user, body.spec,
                                               spec.algo.steps, spec.priority)
+        if created and body.inputs:
+            write_bytes_atomic(self.jobs_dir / job_id / "inputs.json", msgspec.json.encode(body.inputs))
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
         self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created,
@@ -635,6 +647,15 @@ class Daemon:
         offset = body.offset + len(data)
         self._send(identity, P.Op.REPLY, P.LogsRep(data=data.decode(errors="replace"), offset=offset,
                                                    finished=ended and offset >= size), header.msg_id)
+
+    def on_blob(self, identity: bytes, header: P.Header, body: P.BlobReq) -> None:
+        """A chunk of one of the sender's input files (or the question how much is held)."""
+        try:
+            have = self.blobs.put(self.sender, body)
+        except (BlobError, OSError) as exc:
+            self._error(identity, header.msg_id, "bad_request", str(exc))
+            return
+        self._send(identity, P.Op.REPLY, P.BlobRep(have), header.msg_id)
 
     def on_export(self, identity: bytes, header: P.Header, body: P.ExportReq) -> None:
         """A job's latest adapter or checkpoint, for its user to copy out with their own rights:
@@ -1198,11 +1219,20 @@ class Daemon:
         """The driver of a job of ``user``, jailed and running as ``user`` (``daemon.jail``), with a
         key of its own that acts on this job alone."""
         refusal = jail.refusal(user)
-        who = jail.account(user)
-        if refusal or who is None:
-            raise RuntimeError(refusal or f"no local account {user!r}")
+        if refusal:
+            raise RuntimeError(refusal)
+        who = jail.account(user) or jail.job_account(user, job_id)
         out = jail.out_dir(job_dir, who)
-        write_json_atomic(out / "spec.json", self.journal.spec(job_id), mode=0o644)
+        spec = self.journal.spec(job_id)
+        try:
+            files = msgspec.json.decode((job_dir / "inputs.json").read_bytes(), type=list[P.InputFile])
+        except FileNotFoundError:
+            files = []
+        staged = self.blobs.stage(user, files, out / "inputs")
+        for name, path in staged.items():  # the job reads its uploaded copies, at their place in the jail
+            section, key = name.split(".")
+            spec[section][key] = f"{jail.JAIL_ROOT}/job/{Path(path).relative_to(out)}"
+        write_json_atomic(out / "spec.json", spec, mode=0o644)
         keys = out / ".keys"
         auth.make_job_keys(self.state_dir, job_id, keys)
         for path in (keys, *keys.iterdir()):
@@ -1301,6 +1331,7 @@ class Daemon:
         P.Op.CANCEL: on_cancel,
         P.Op.LOGS: on_logs,
         P.Op.EXPORT: on_export,
+        P.Op.BLOB: on_blob,
         P.Op.DOWN: on_down,
         P.Op.REGISTER: on_register,
         P.Op.HEARTBEAT: on_heartbeat,

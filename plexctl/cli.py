@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.live import Live
 
 from daemon.scheduler import POLICIES
-from plexctl import auth
+from plexctl import auth, inputs
 from plexctl import views
 from plexctl.client import Client, current_user
 from plexctl import slurm as S
@@ -584,7 +584,7 @@ def submit(ctx: typer.Context,
            = False) -> None:
     """Validate a job spec and queue it."""
     spec = _load(file, set_ or [], name)
-    rep = ctx.obj.client().submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex, replace=replace)
+    rep = inputs.submit(ctx.obj.client(), spec_to_wire(spec), uuid.uuid4().hex, replace=replace)
     replaced = f", replacing {', '.join(rep.replaced)} (cancelled)" if rep.replaced else ""
     console.print(rep.job_id if quiet else f"submitted {rep.job_id} ({spec.name}){replaced}")
 

@@ -128,9 +128,14 @@ class Client:
         return msgspec.convert(self.request(P.Op.PING, P.Empty(), timeout, retries), P.Pong)
 
     def submit(self, spec: dict[str, Any], submit_id: str, user: str | None = None,
-               replace: bool = False) -> P.SubmitRep:
-        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user(), replace=replace)
+               replace: bool = False, inputs: list[P.InputFile] | None = None) -> P.SubmitRep:
+        """Submit a spec as is; ``plexctl.inputs.submit`` uploads its files first where needed."""
+        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user(), replace=replace,
+                          inputs=list(inputs or []))
         return msgspec.convert(self.request(P.Op.SUBMIT, req), P.SubmitRep)
+
+    def blob(self, req: P.BlobReq) -> P.BlobRep:
+        return msgspec.convert(self.request(P.Op.BLOB, req, timeout=max(self.timeout, 60.0)), P.BlobRep)
 
     def status(self, job_id: str | None = None, timeline: bool = False) -> P.StatusRep:
         return msgspec.convert(self.request(P.Op.STATUS, P.StatusReq(job_id, timeline)), P.StatusRep)

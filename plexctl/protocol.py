@@ -34,6 +34,7 @@ class Op:
     STATUS = b"Q"
     CANCEL = b"C"
     LOGS = b"L"
+    BLOB = b"B"  # upload (a chunk of) one of a job's input files, content-addressed (``plexctl.inputs``)
     EXPORT = b"F"  # a job's adapter or checkpoint files, listed then read in chunks (``plexctl export``)
     DOWN = b"D"
     PING = b"P"
@@ -168,11 +169,35 @@ class Empty(msgspec.Struct):
     pass
 
 
+class InputFile(msgspec.Struct, frozen=True):
+    """One file of a job's inputs, uploaded by its client: ``field`` names the spec path it
+    stands for (``data.path``, ``reward.path``...); ``relpath`` is the file's name (a file
+    field) or its path in the directory (a directory field)."""
+
+    field: str
+    kind: str  # file | dir
+    relpath: str
+    sha256: str
+    size: int
+
+
 class SubmitReq(msgspec.Struct):
     submit_id: str  # client-chosen: a retried submit returns the same job
     spec: dict[str, Any]
     user: str
     replace: bool = False  # cancel the sender's queued or running jobs of this name first (else refused)
+    inputs: list[InputFile] = msgspec.field(default_factory=list)  # uploaded contents of the spec's paths
+
+
+class BlobReq(msgspec.Struct):
+    sha256: str  # of the whole file
+    size: int  # of the whole file
+    offset: int = 0  # where ``data`` goes; a request with no data asks how much the daemon holds
+    data: bytes = b""
+
+
+class BlobRep(msgspec.Struct):
+    have: int  # bytes of it the daemon holds for this user (``size``: complete and checked)
 
 
 class SubmitRep(msgspec.Struct):
@@ -316,6 +341,7 @@ class Pong(msgspec.Struct):
     engines_ready: int
     engines_total: int
     problems: list[str] = msgspec.field(default_factory=list)
+    upload_inputs: bool = False  # the sender's jobs run jailed: their spec's files must be uploaded
 
 
 class EngineDecl(msgspec.Struct):
@@ -395,6 +421,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.CANCEL: JobRef,
     Op.LOGS: LogsReq,
     Op.EXPORT: ExportReq,
+    Op.BLOB: BlobReq,
     Op.DOWN: Empty,
     Op.PING: Empty,
     Op.CALL: CallReq,

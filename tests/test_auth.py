@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from plexctl import auth
+from plexctl import auth, inputs
 from plexctl import protocol as P
 from plexctl.client import Client, current_user
 from plexctl.cluster import read_endpoint
@@ -66,7 +66,7 @@ class Cluster:
             if os.geteuid() != 0:
                 pytest.skip("shared users' jobs run under their own accounts, which only root can make")
             local_account(user)
-        return self.client(user).submit({**self.spec, "name": name}, uuid.uuid4().hex, user="mallory").job_id
+        return inputs.submit(self.client(user), {**self.spec, "name": name}, user="mallory").job_id
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ loop could have read what it was allowed to).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,8 +23,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Cluster, local_account
 
-from plexctl import auth
+from daemon import jail
+from plexctl import auth, inputs
+from plexctl import protocol as P
 from plexctl.client import Client
+from plexctl.errors import RemoteError
 from plexctl.cluster import read_endpoint
 from plexctl.spec import load_spec, spec_to_wire
 
@@ -158,8 +162,8 @@ def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster
         "daemon": [host, int(port)], "owner_job": owner_job}))
     own(code, uid, gid)
     client = eve_client(cluster, home)
-    job = client.submit(spec(tiny_model, "algo.loop=evil_loop:run", f"algo.path={code}",
-                             f"data.path={code / 'train.jsonl'}", base=CUSTOM_LOOP), uuid.uuid4().hex).job_id
+    job = inputs.submit(client, spec(tiny_model, "algo.loop=evil_loop:run", f"algo.path={code}",
+                                     f"data.path={code / 'train.jsonl'}", base=CUSTOM_LOOP)).job_id
     wait_ended(client, job)
     log = full_log(client, job)
     line = next((ln for ln in log.splitlines() if ln.startswith("FINDINGS ")), None)
@@ -176,19 +180,55 @@ def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster
 
 
 def test_a_forged_submit_cannot_make_the_cluster_read_the_owners_file(cluster, eve, owner_files, tiny_model):
-    """The CLI refuses a data.path its user cannot read; a client that skips that check gets a
-    driver that opens it with eve's rights: the job fails, and the secret reaches nothing eve reads."""
+    """The CLI refuses a data.path its user cannot read; a client that skips that check is refused
+    by the daemon, which never opens a shared user's paths (their client uploads the files), and
+    an upload whose content does not match its sha256 is refused too. Nothing is queued."""
     _, _, home = eve
     client = eve_client(cluster, home)
-    job = client.submit(spec(tiny_model, f"data.path={owner_files}"), uuid.uuid4().hex).job_id
-    assert wait_ended(client, job) == "failed"
-    info = client.status(job).jobs[0]
-    log = full_log(client, job)
-    assert "Permission" in (info.error or "") + log, (info.error, log[-2000:])
-    assert SECRET not in log and SECRET not in (info.error or "")
+    before = cluster.run("ls", "-q", check=True).stdout.split()
+    with pytest.raises(RemoteError) as refused:
+        client.submit(spec(tiny_model, f"data.path={owner_files}"), uuid.uuid4().hex)
+    assert refused.value.code == "bad_request" and "data.path" in str(refused.value)
+    forged = P.InputFile("data.path", "file", "secret.jsonl", hashlib.sha256(SECRET.encode()).hexdigest(), 64)
+    with pytest.raises(RemoteError) as refused:
+        client.submit(spec(tiny_model, f"data.path={owner_files}"), uuid.uuid4().hex, inputs=[forged])
+    assert refused.value.code == "bad_request" and "not uploaded" in str(refused.value)
+    with pytest.raises(RemoteError) as refused:
+        client.blob(P.BlobReq(forged.sha256, 6, 0, b"eve's!"))
+    assert "does not match" in str(refused.value)
+    assert cluster.run("ls", "-q", check=True).stdout.split() == before
     leaked = subprocess.run(["grep", "-rlsF", SECRET, "/tmp", "/var/tmp", "--exclude-dir=" + owner_files.parent.name],
                             capture_output=True, text=True)
     assert leaked.stdout.strip() == "", f"the secret was copied to {leaked.stdout}"
+
+
+def test_a_user_without_an_account_runs_under_a_uid_of_the_job_from_uploaded_files(cluster, tiny_model,
+                                                                                  tmp_path: Path) -> None:
+    """A shared user the daemon's node does not know: their client uploads the job's files
+    (content-addressed: the second job's upload sends nothing), the job trains under a uid of
+    its own, and its data is read from the uploaded copy."""
+    user = "zoe-" + uuid.uuid4().hex[:6]
+    home = tmp_path / user
+    public = auth.ensure_user_keys(home, user)
+    cluster.run("share", user, "--key", str(public), check=True)
+    endpoint = read_endpoint(cluster.state_dir)
+    client = Client(endpoint.address, timeout=10.0, retries=0,
+                    keys=auth.user_keys(home, user, endpoint.server_key.encode()))
+    assert client.ping().upload_inputs
+    data = tmp_path / "zoe-data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
+    job_spec = spec(tiny_model, f"data.path={data}", "algo.steps=1", "name=zoe-1")
+    files, local = inputs.collect(job_spec)
+    assert inputs.upload(client, files, local) == data.stat().st_size
+    assert inputs.upload(client, files, local) == 0  # held already: nothing sent again
+    job = client.submit(job_spec, uuid.uuid4().hex, inputs=files).job_id
+    assert wait_ended(client, job) == "succeeded", full_log(client, job)[-3000:]
+    log = full_log(client, job)
+    assert str(data) not in log
+    out = cluster.state_dir / "jobs" / job / "driver"
+    assert out.stat().st_uid == jail.job_account(user, job).uid
+    assert (out / "inputs" / "data.path" / "train.jsonl").read_bytes() == data.read_bytes()
 
 
 def test_the_state_directory_is_the_owners_alone(cluster, eve):
@@ -243,8 +283,8 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
     (data / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
     own(data, uid, gid)
     client = eve_client(cluster, home)
-    job = client.submit(spec(tiny_model, f"data.path={data / 'train.jsonl'}", "algo.steps=2", "checkpoint.every=1",
-                             "name=eve-trains"), uuid.uuid4().hex).job_id
+    job = inputs.submit(client, spec(tiny_model, f"data.path={data / 'train.jsonl'}", "algo.steps=2",
+                                     "checkpoint.every=1", "name=eve-trains")).job_id
     assert wait_ended(client, job) == "succeeded", full_log(client, job)[-3000:]
     metrics = client.logs(job, "metrics").data
     assert [json.loads(line)["step"] for line in metrics.splitlines() if '"reward_mean"' in line] == [1, 2]
