@@ -110,6 +110,7 @@ class BlobStore:
         paths: dict[str, str] = {}
         if dest.exists():
             shutil.rmtree(dest)
+        dest.mkdir(parents=True)
         for f in files:
             target = dest / f.field / f.relpath
             target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)

@@ -124,7 +124,7 @@ def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
-    d = Daemon(tmp_path / "state", [str(tiny_model)], [])
+    d = Daemon(tmp_path / "state", [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
     d.sent = []
     d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
     yield d
@@ -139,6 +139,9 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("plexrl-home")).up(tiny_model, "--device-slots", "2", "--max-loras", "2")
     yield c
     c.run("down", timeout=120)
+
+
+SIMULATED_USERS = ["alice", "bob", "carol"]  # users of in-process daemons: trusted (their drivers run unjailed)
 
 
 def local_account(name: str) -> tuple[int, int, Path]:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 
+from conftest import SIMULATED_USERS
+
 from daemon import procs
 from daemon.main import Daemon, JobRuntime
 from plexctl import protocol as P
@@ -113,15 +115,15 @@ def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_tha
         d.journal.event(job, "started")
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()  # its driver ended while no daemon ran, and said how
-    procs.record(d.jobs_dir / done / "driver.pid", finished, d._driver_argv(done, d.jobs_dir / done))
+    procs.record(d.jobs_dir / done / "driver.pid", finished, d._driver_argv(done, d.jobs_dir / done, "alice"))
     (d.jobs_dir / done / "driver.exit").write_text(json.dumps({"pid": finished.pid, "rc": 0}))  # as write_exit does
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    procs.record(d.jobs_dir / cancelled / "driver.pid", running, d._driver_argv(cancelled, d.jobs_dir / cancelled))
+    procs.record(d.jobs_dir / cancelled / "driver.pid", running, d._driver_argv(cancelled, d.jobs_dir / cancelled, "alice"))
     d.journal.event(cancelled, "cancel_requested")  # then the daemon died
     d.authenticator.stop()
     d.sock.close()
     d.journal.close()
-    again = Daemon(d.state_dir, [str(tiny_model)], [])
+    again = Daemon(d.state_dir, [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
     again.sent = []
     again._send = lambda identity, op, body, in_reply_to=0: again.sent.append((identity, op, body))
     try:
@@ -146,11 +148,11 @@ def test_recovery_stops_a_driver_started_for_a_job_the_journal_still_has_queued(
     del d.runtimes[job], d.adopting[job]
     d.jobs_dir.joinpath(job).mkdir(parents=True)
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    procs.record(d.jobs_dir / job / "driver.pid", stray, d._driver_argv(job, d.jobs_dir / job))
+    procs.record(d.jobs_dir / job / "driver.pid", stray, d._driver_argv(job, d.jobs_dir / job, "alice"))
     d.authenticator.stop()
     d.sock.close()
     d.journal.close()
-    again = Daemon(d.state_dir, [str(tiny_model)], [])
+    again = Daemon(d.state_dir, [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
     try:
         assert stray.wait(10) == -9  # only one driver per job: the next one is started by this daemon
         assert again.journal.job(job).state == "queued"
