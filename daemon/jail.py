@@ -1,32 +1,37 @@
 """The isolated driver: a job of a user the cluster does not trust runs held to that user's rights.
 
-What it owns: ``account`` (the local account a cluster user name stands for), ``refusal`` (why
-this daemon cannot isolate a user's driver, or ""), and ``start`` (the driver's process). The
-daemon runs as root here; the process it starts, before any of the job's code runs:
+What it owns: ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal``
+(why it cannot, or ""), ``account`` / ``job_account`` (the uid a job runs as) and ``start`` (the
+driver's process). Before any of the job's code runs, the process it starts:
 
-- leaves the daemon's mount, network and IPC namespaces: the network namespace has only a
-  down loopback, so the one way out is the daemon's Unix socket, bound into the jail;
-- sees the whole file tree read-only and nosuid, with ``/tmp`` an empty tmpfs of its own and
-  the cluster's state directory and the owner's PLEXRL_HOME covered by empty tmpfs mounts: no
-  journal, no cluster keys, no other job's directory, no other job's staged files;
-- gets, under ``/mnt`` (a tmpfs), its output directory (writable: metrics, TensorBoard, exit
-  code), the daemon's socket, the interpreter and the import path read-only;
-- then drops to the submitting user's uid, gid and groups (a user with no local account: a uid
-  of the job's own, ``job_account``) with ``no_new_privs``. Its spec's files (data, rewards,
-  loop, environment) are the ones its client uploaded (``daemon.blobs``), read-only in its
-  directory; any other path is opened with that user's rights, never the owner's. It presents
-  its job's own CURVE key, which lets it call and report for that job alone.
+- leaves the daemon's mount, network, IPC and PID namespaces (and, in ``userns`` mode, its user
+  namespace): the network namespace has only a down loopback, so the one way out is the
+  daemon's Unix socket; the driver is pid 1 of its own PID namespace, under a supervisor that
+  is the daemon's handle on it and takes it down with it;
+- gets a new, empty root (``pivot_root``; the old tree is detached, nothing of it stays): the
+  system directories (``/usr``, ``/lib``...), the interpreter and the import path at their own
+  paths, read-only, ``/dev/null``-like devices, its own ``/proc`` and ``/tmp``, and under
+  ``/mnt`` its output directory (writable; its uploaded inputs read-only in it) and the daemon's
+  socket. No home directory, no cluster state, no other job's files exist there; the state
+  directory and the owner's PLEXRL_HOME are covered by empty mounts even where an import path
+  would show them;
+- drops every capability and sets ``no_new_privs``; in ``root`` mode it first takes the
+  submitting user's uid, gid and groups (or, for a user with no local account, a uid of the
+  job's own), in ``userns`` mode it keeps the owner's uid, which the empty root leaves nothing
+  of the owner's to use. It presents its job's own CURVE key (its calls and reports alone).
 
 Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and one line on stderr
 before any of the job's code is imported; nothing the driver writes lies outside its output
-directory, which the daemon reads without following links (``read_job_file``).
+directory, which the daemon reads without following links (``open_job_file``).
 
-What it deliberately does not do: run without root (a daemon of an ordinary user cannot switch
-uid; ``refusal`` says so and the daemon refuses such jobs at submit), hide other processes.
+What it deliberately does not do: jail without namespaces (``refusal`` says why and the daemon
+refuses such jobs at submit), limit a driver's CPU or memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import pwd
@@ -44,6 +49,9 @@ JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is 
 OUT_DIR = "driver"  # in the job's directory: the one place the isolated driver writes
 SOCKET_NAME = "plexd.sock"
 MAX_READ = 1 << 30
+MODE_ENV = "PLEXRL_JAIL_MODE"  # root | userns: force a mode (e.g. to test userns as root)
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                "/etc/localtime")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,12 +81,42 @@ def job_account(user: str, job_id: str) -> Account:
     return Account(user, uid, uid, ())
 
 
+def mode() -> str:
+    """``root`` (the daemon may switch uid), ``userns`` (an ordinary user where the kernel lets
+    it make user namespaces), or "" (neither: no jail)."""
+    forced = os.environ.get(MODE_ENV)
+    if forced in ("root", "userns"):
+        return forced
+    if os.geteuid() == 0:
+        return "root"
+    return "userns" if _userns_allowed() else ""
+
+
+@functools.cache
+def _userns_allowed() -> bool:
+    """Whether this process may make a user namespace (tried in a child, which then exits)."""
+    pid = os.fork()
+    if pid == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        os._exit(0 if libc.unshare(0x10000000 | 0x00020000) == 0 else 1)  # NEWUSER | NEWNS
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def runs_as(user: str, job_id: str) -> Account:
+    """Whom a jailed job of ``user`` runs as: in ``root`` mode their account (or the job's own
+    uid), in ``userns`` mode the daemon's own uid."""
+    if mode() == "root":
+        return account(user) or job_account(user, job_id)
+    return Account(user, os.getuid(), os.getgid(), ())
+
+
 def refusal(user: str) -> str:
     """Why this daemon cannot run ``user``'s code held to that user's rights ("" if it can)."""
-    if os.geteuid() != 0:
-        return (f"user {user!r} is not trusted by this cluster and its daemon does not run as root, so it "
-                f"cannot run their code with their own rights; the cluster's owner can trust them "
-                f"(`plexctl up --trust-user-code {user}`)")
+    if not mode():
+        return (f"user {user!r} is not trusted by this cluster, and its daemon can neither switch uid (it "
+                f"does not run as root) nor make user namespaces here, so it cannot jail their code; the "
+                f"cluster's owner can trust them (`plexctl up --trust-user-code {user}`)")
     if not Path(JAIL_ROOT).is_dir():
         return f"the daemon's node has no {JAIL_ROOT} to mount an isolated driver's files on"
     return ""
@@ -142,15 +180,18 @@ def read_job_file(path: Path, offset: int = 0, limit: int = MAX_READ) -> bytes:
 
 def start(who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: Path,
           hide: list[Path], env: dict[str, str]) -> subprocess.Popen:
-    """Start the driver of ``job_id`` jailed and running as ``who``; its output goes to ``log_path``."""
+    """Start the driver of ``job_id`` jailed (``mode()``) and running as ``who``; its output goes
+    to ``log_path``. The process returned is the jail's supervisor: it forwards signals to the
+    driver (pid 1 of its own PID namespace), which dies with it."""
     out = out_dir(job_dir, who)
     cfg = {
-        "uid": who.uid, "gid": who.gid, "groups": list(who.groups),
-        "binds": [[str(out), "job", True], [str(socket_dir(state_dir)), "sock", False],
-                  [sys.base_prefix, "python", False]],
-        "paths": list(dict.fromkeys(p for p in [str(REPO_ROOT), *sys.path] if p and os.path.isdir(p))),
-        "hide": sorted((str(p) for p in hide if p.is_dir()), key=lambda p: -p.count("/")),  # deepest first
-        "executable": os.path.relpath(os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)),
+        "mode": mode(), "uid": who.uid, "gid": who.gid, "groups": list(who.groups),
+        "system": [d for d in SYSTEM_PATHS if os.path.lexists(d)],
+        "paths": list(dict.fromkeys(p for p in [str(REPO_ROOT), *sys.path, os.path.realpath(sys.base_prefix)]
+                                    if p and os.path.isdir(p))),
+        "job": str(out), "sock": str(socket_dir(state_dir)),
+        "hide": sorted({str(p) for p in hide}, key=lambda p: -p.count("/")),  # deepest first
+        "executable": os.path.realpath(sys.executable),
         "argv": ["--endpoint", f"ipc://{JAIL_ROOT}/sock/{SOCKET_NAME}", "--job-id", job_id,
                  "--job-dir", f"{JAIL_ROOT}/job", "--isolated"],
     }
@@ -166,14 +207,14 @@ def start(who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: P
         os.close(fd)
 
 
-# Runs as root in the new process (``python -I -S -c``): the jail, then the driver. Any failure of
-# its own exits with SETUP_FAILED_EXIT before a line of the job's code is imported.
+# Runs in the new process (``python -I -S -c``): the jail, then the driver. Any failure of its own
+# exits with SETUP_FAILED_EXIT before a line of the job's code is imported.
 _BOOT = r"""
 import os, sys
 def _jail():
-    import ctypes, json
+    import ctypes, json, signal
     cfg = json.loads(sys.argv[1])
-    root = "/mnt"
+    new = "/mnt"  # where the new root is built, in the old tree; it becomes "/"
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     libc.syscall.restype = ctypes.c_long
@@ -192,46 +233,93 @@ def _jail():
         check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path.encode()),
                            ctypes.c_long(0x8000 if recursive else 0), ctypes.byref(attr),
                            ctypes.c_long(ctypes.sizeof(attr))), "mount_setattr " + path)
-    BIND, REC, PRIVATE, RDONLY, NOSUID = 0x1000, 0x4000, 0x40000, 0x1, 0x2
+    BIND, REC, PRIVATE, RDONLY, NOSUID, NODEV, NOEXEC = 0x1000, 0x4000, 0x40000, 0x1, 0x2, 0x4, 0x8
+    def bind(src, dst):
+        target = new + dst
+        if os.path.islink(src):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if not os.path.lexists(target):
+                os.symlink(os.readlink(src), target)
+            return
+        if os.path.isdir(src):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "a").close()
+        mount(src, target, None, BIND | REC)
     stage = "namespaces"
     try:
-        check(libc.unshare(0x00020000 | 0x40000000 | 0x08000000), "unshare")  # NEWNS | NEWNET | NEWIPC
+        uid, gid = os.getuid(), os.getgid()
+        flags = 0x00020000 | 0x40000000 | 0x08000000 | 0x20000000  # NEWNS | NEWNET | NEWIPC | NEWPID
+        if cfg["mode"] == "userns":
+            flags |= 0x10000000  # NEWUSER: the owner's uid inside and out, no capability outside
+        check(libc.unshare(flags), "unshare")
+        if cfg["mode"] == "userns":
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                               ("gid_map", "%d %d 1" % (gid, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        stage = "pid namespace"
+        supervisor = os.getpid()
+        child = os.fork()
+        if child:  # the supervisor: the daemon's handle; it forwards signals and returns the driver's code
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                signal.signal(sig, lambda s, _f: os.kill(child, s))
+            while True:
+                try:
+                    _, status = os.waitpid(child, 0)
+                    break
+                except InterruptedError:
+                    continue
+            if os.WIFSIGNALED(status):
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+                os.kill(os.getpid(), os.WTERMSIG(status))
+            os._exit(os.waitstatus_to_exitcode(status))
+        check(libc.prctl(1, signal.SIGKILL, 0, 0, 0), "parent death signal")  # PR_SET_PDEATHSIG
+        os.environ["PLEXRL_DRIVER_PID"] = str(supervisor)  # the pid the daemon knows it by
         stage = "mounts"
-        os.umask(0o022)  # the jail's own mount points: reachable by the driver's uid
+        os.umask(0o022)
         mount(None, "/", None, REC | PRIVATE)
-        mount("tmpfs", root, "tmpfs", NOSUID, "mode=0755,size=16m")
-        for src, name, _ in cfg["binds"]:
-            os.mkdir(root + "/" + name)
-            mount(src, root + "/" + name, None, BIND | REC)
-        moved = {}
-        os.mkdir(root + "/py")
-        for i, p in enumerate(cfg["paths"]):
-            moved[p] = "%s/py/%d" % (root, i)
-            os.mkdir(moved[p])
-            mount(p, moved[p], None, BIND | REC)
-        for path in cfg["hide"] + ["/tmp"]:
-            mount("tmpfs", path, "tmpfs", NOSUID, "mode=1777,size=1g" if path == "/tmp" else "mode=0755,size=1m")
+        mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "mode=0755,size=16m")
+        for path in cfg["system"]:
+            bind(path, path)
+        for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
+            bind(dev, dev)
+        for path in cfg["paths"]:
+            bind(path, path)
+        bind(cfg["job"], "/mnt/job")
+        bind(cfg["sock"], "/mnt/sock")
+        for path in cfg["hide"]:  # the cluster's state, the owner's keys: empty, wherever a bind showed them
+            if os.path.isdir(new + path):
+                mount("tmpfs", new + path, "tmpfs", NOSUID | NODEV, "mode=0755,size=1m")
+        for path, fstype, opts in (("/tmp", "tmpfs", "mode=1777,size=1g"), ("/proc", "proc", None)):
+            os.makedirs(new + path, exist_ok=True)
+            mount(fstype, new + path, fstype, NOSUID | NODEV | (NOEXEC if fstype == "proc" else 0), opts)
+        stage = "pivot_root"
+        os.mkdir(new + "/.old")
+        check(libc.syscall(ctypes.c_long(155), ctypes.c_char_p(new.encode()),
+                           ctypes.c_char_p((new + "/.old").encode())), "pivot_root")
+        os.chdir("/")
+        check(libc.umount2(b"/.old", 2), "umount /.old")  # MNT_DETACH: nothing of the old tree stays
+        os.rmdir("/.old")
         setattr_("/", True, RDONLY | NOSUID, 0)
-        for path in ("/tmp", root + "/job"):
+        for path in ("/tmp", "/mnt/job"):
             setattr_(path, False, 0, RDONLY)
         stage = "python"
-        def rebase(path):
-            old = max((o for o in moved if path == o or path.startswith(o + "/")), key=len, default=None)
-            return path if old is None else moved[old] + path[len(old):]
-        sys.path[:] = list(moved.values())
-        for module in list(sys.modules.values()):  # packages imported so far find their submodules
-            search = getattr(module, "__path__", None)
-            if isinstance(search, list):
-                search[:] = [rebase(p) for p in search]
-        sys.executable = root + "/python/" + cfg["executable"]
+        sys.path[:] = list(cfg["paths"])
         sys.path_importer_cache.clear()
+        sys.executable = cfg["executable"]
         stage = "drop privileges"
-        os.setgroups(cfg["groups"])
-        os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
-        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+        if cfg["mode"] == "root":
+            os.setgroups(cfg["groups"])
+            os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
+            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+        class CapHeader(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        check(libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (ctypes.c_uint32 * 6)()), "drop capabilities")
         os.umask(0o077)
-        os.chdir(root + "/job")
+        os.chdir("/mnt/job")
     except BaseException as e:
         os.write(2, ("plexrl-jail: setup failed at %s: %s: %s\n" % (stage, type(e).__name__, e)).encode())
         os._exit(121)

@@ -197,7 +197,7 @@ class Daemon:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
         self.authenticator = secure(self.sock, state_dir)
         port = self._bind(host, port)
-        if os.geteuid() == 0:  # isolated drivers have no network: they reach the daemon through this socket
+        if jail.mode():  # jailed drivers have no network: they reach the daemon through this socket
             self.sock.bind(jail.prepare_socket_dir(state_dir))
             jail.open_socket(state_dir)
         connect_host = advertise_host or (
@@ -1221,7 +1221,7 @@ class Daemon:
         refusal = jail.refusal(user)
         if refusal:
             raise RuntimeError(refusal)
-        who = jail.account(user) or jail.job_account(user, job_id)
+        who = jail.runs_as(user, job_id)
         out = jail.out_dir(job_dir, who)
         spec = self.journal.spec(job_id)
         try:

@@ -77,7 +77,8 @@ def exited(path: Path, exit_file: Path | None = None) -> "Adopted | None":
 
 
 def write_exit(path: Path, rc: int) -> None:
-    write_json_atomic(path, {"pid": os.getpid(), "rc": rc})
+    """``rc`` under the pid the daemon knows this process by (a jailed driver's supervisor's)."""
+    write_json_atomic(path, {"pid": int(os.environ.get("PLEXRL_DRIVER_PID", os.getpid())), "rc": rc})
 
 
 def _read_exit(path: Path) -> dict:

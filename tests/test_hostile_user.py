@@ -17,6 +17,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def attempt(what, fn):
 def run(job):
     targets = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets.json")))
     found = [attempt("read " + name, lambda p=path: open(p).read()) for name, path in targets["files"].items()]
+    found.append(attempt("read own data", lambda: open(job.spec.data.path).read()))
     found += [attempt("list " + name, lambda p=path: os.listdir(p)) for name, path in targets["dirs"].items()]
     found.append(attempt("tcp to the daemon", lambda: socket.create_connection(tuple(targets["daemon"]), timeout=3)))
     found.append(attempt("cluster keys in the environment", lambda: os.environ["PLEXRL_CLUSTER_KEYS"]))
@@ -136,10 +138,12 @@ def full_log(client: Client, job_id: str) -> str:
         offset = rep.offset
 
 
-def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster, eve, owner_files, tiny_model):
+def attack(cluster: Cluster, eve, owner_files: Path, tiny_model: Path) -> dict[str, dict]:
+    """Eve's loop, run as her job beside a running job of the owner's: what it found, by attempt
+    (the owner's job is checked untouched and then cancelled)."""
     uid, gid, home = eve
     owner_job = cluster.run("submit", str(TINY), "--set", "algo.steps=400", "--set", "checkpoint.every=0",
-                            "--name", "owner-job", "-q", check=True).stdout.strip()
+                            "--name", f"owner-job-{uuid.uuid4().hex[:4]}", "-q", check=True).stdout.strip()
     cluster.wait_for(owner_job, lambda j: j["state"] == "running", what="the owner's job runs")
     state = cluster.state_dir
     owner_key = Path(cluster.env["PLEXRL_HOME"]) / "keys"
@@ -156,9 +160,9 @@ def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster
                   "journal": str(state / "journal.db"),
                   "owner's private file": str(owner_files),
                   "owner job's spec": str(state / "jobs" / owner_job / "spec.json"),
-                  "own data": str(code / "train.jsonl")},
+                  "her own file outside the job's inputs": str(code / "train.jsonl")},
         "dirs": {"state dir": str(state), "owner job's dir": str(state / "jobs" / owner_job),
-                 "owner's home keys": str(owner_key)},
+                 "owner's home keys": str(owner_key), "homes": "/home", "root's home": "/root"},
         "daemon": [host, int(port)], "owner_job": owner_job}))
     own(code, uid, gid)
     client = eve_client(cluster, home)
@@ -168,15 +172,45 @@ def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster
     log = full_log(client, job)
     line = next((ln for ln in log.splitlines() if ln.startswith("FINDINGS ")), None)
     assert line is not None, log[-3000:]
-    found = {f["what"]: f for f in json.loads(line.removeprefix("FINDINGS "))}
-    assert found["read own data"]["ok"], found["read own data"]  # the control: what is hers, she reads
-    assert found["uid"]["got"] == repr(uid)  # her code ran with her uid, not the owner's
-    reached = sorted(what for what, f in found.items() if f["ok"] and what not in ("read own data", "uid"))
-    assert reached == [], {what: found[what] for what in reached}
-    assert "forbidden" in found["call for the owner's job"]["error"] or "not this driver's" in found[
-        "call for the owner's job"]["error"], found["call for the owner's job"]
     assert cluster.job(owner_job)["state"] == "running"  # untouched
     cluster.run("cancel", owner_job, check=True)
+    return {f["what"]: f for f in json.loads(line.removeprefix("FINDINGS "))}
+
+
+def reached(found: dict[str, dict]) -> list[str]:
+    """What the loop got at beyond its own data and its uid (the interpreter, bound at its own
+    path, is all there is of a home directory)."""
+    interpreter = Path(os.path.realpath(sys.base_prefix))
+    shown = {"list root's home": repr([interpreter.relative_to("/root").parts[0]])
+             if interpreter.is_relative_to("/root") else None}
+    assert found["read own data"]["ok"], found["read own data"]  # the control: what is hers, she reads
+    assert "forbidden" in found["call for the owner's job"]["error"] or "not this driver's" in found[
+        "call for the owner's job"]["error"], found["call for the owner's job"]
+    return sorted(what for what, f in found.items()
+                  if f["ok"] and what not in ("read own data", "uid") and f["got"] != shown.get(what))
+
+
+def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster, eve, owner_files, tiny_model):
+    found = attack(cluster, eve, owner_files, tiny_model)
+    assert found["uid"]["got"] == repr(eve[0])  # her code ran with her uid, not the owner's
+    assert reached(found) == [], {what: found[what] for what in reached(found)}
+
+
+@pytest.fixture(scope="module")
+def userns_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
+    """The jail a daemon of an ordinary user makes (user namespace, the owner's uid kept), forced
+    on a root daemon: its driver then holds uid 0 itself, the hardest case for the empty root."""
+    c = Cluster(tmp_path_factory.mktemp("userns-owner"), env={jail.MODE_ENV: "userns"})
+    c.up(tiny_model, "--workers", "1")
+    yield c
+    c.run("down", timeout=120)
+
+
+def test_in_a_user_namespace_the_owners_uid_finds_nothing_of_the_owners(userns_cluster, eve, owner_files,
+                                                                          tiny_model):
+    found = attack(userns_cluster, eve, owner_files, tiny_model)
+    assert found["uid"]["got"] == repr(os.getuid())  # the owner's uid: only the empty root holds it back
+    assert reached(found) == [], {what: found[what] for what in reached(found)}
 
 
 def test_a_forged_submit_cannot_make_the_cluster_read_the_owners_file(cluster, eve, owner_files, tiny_model):
@@ -281,13 +315,18 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
     data = home / f"data-{uuid.uuid4().hex[:6]}"
     data.mkdir()
     (data / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
+    (data / "reward").mkdir()
+    (data / "reward" / "eves_reward.py").write_text(  # her own reward: the sandbox runs it inside her jail
+        "def score(completion, answer, record):\n    return 1.0 if completion.strip() == answer.strip() else 0.0\n")
     own(data, uid, gid)
     client = eve_client(cluster, home)
     job = inputs.submit(client, spec(tiny_model, f"data.path={data / 'train.jsonl'}", "algo.steps=2",
-                                     "checkpoint.every=1", "name=eve-trains")).job_id
+                                     "checkpoint.every=1", "name=eve-trains", "reward.name=null",
+                                     "reward.fn=eves_reward:score", f"reward.path={data / 'reward'}")).job_id
     assert wait_ended(client, job) == "succeeded", full_log(client, job)[-3000:]
-    metrics = client.logs(job, "metrics").data
-    assert [json.loads(line)["step"] for line in metrics.splitlines() if '"reward_mean"' in line] == [1, 2]
+    rows = [json.loads(line) for line in client.logs(job, "metrics").data.splitlines() if '"reward_mean"' in line]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[-1]["reward_errors"] == 0, rows[-1]  # her reward ran, in the sandbox in her jail
 
     listing = client.export(job, "checkpoint")
     assert "manifest.json" in {f.path for f in listing.files}

@@ -14,10 +14,18 @@ from daemon import jail, procs
 from plexctl import auth
 
 
-def test_a_user_without_a_local_account_is_refused_with_the_reason() -> None:
-    why = jail.refusal("no-such-user-7f3a")
-    assert why and "no-such-user-7f3a" in why
-    assert "\n" not in why
+def test_a_daemon_that_cannot_jail_refuses_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jail, "mode", lambda: "")
+    why = jail.refusal("bob")
+    assert "'bob'" in why and "--trust-user-code bob" in why and "\n" not in why
+
+
+def test_users_without_an_account_get_a_uid_per_job_that_no_account_has() -> None:
+    import pwd
+
+    uids = {jail.job_account("zoe", f"j{n:04d}").uid for n in range(1, 50)}
+    assert len(uids) == 49 and min(uids) >= jail.JOB_UID_BASE
+    assert not uids & {entry.pw_uid for entry in pwd.getpwall()}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root owns the files a driver must not reach")
