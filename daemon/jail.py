@@ -281,6 +281,8 @@ def _jail():
         os.umask(0o022)
         mount(None, "/", None, REC | PRIVATE)
         mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "mode=0755,size=16m")
+        os.mkdir(new + "/tmp")  # first: a bind below /tmp (a checkout there) lands in it, not under it
+        mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, "mode=1777,size=1g")
         for path in cfg["system"]:
             bind(path, path)
         for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
@@ -292,9 +294,8 @@ def _jail():
         for path in cfg["hide"]:  # the cluster's state, the owner's keys: empty, wherever a bind showed them
             if os.path.isdir(new + path):
                 mount("tmpfs", new + path, "tmpfs", NOSUID | NODEV, "mode=0755,size=1m")
-        for path, fstype, opts in (("/tmp", "tmpfs", "mode=1777,size=1g"), ("/proc", "proc", None)):
-            os.makedirs(new + path, exist_ok=True)
-            mount(fstype, new + path, fstype, NOSUID | NODEV | (NOEXEC if fstype == "proc" else 0), opts)
+        os.mkdir(new + "/proc")
+        mount("proc", new + "/proc", "proc", NOSUID | NODEV | NOEXEC)
         stage = "pivot_root"
         os.mkdir(new + "/.old")
         check(libc.syscall(ctypes.c_long(155), ctypes.c_char_p(new.encode()),
