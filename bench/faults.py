@@ -6,8 +6,8 @@
     python bench/faults.py kill-daemon               # SIGKILL the daemon (restart it with `plexctl up`)
     python bench/faults.py --state-dir DIR ...       # another cluster than $PLEXRL_HOME/clusters/default
 
-Each prints the pid it killed. What the cluster promises after each fault is in README's
-"Guarantees" section; tests/test_faults.py and tests/test_slurm.py check it.
+Each prints the pid it killed. What the cluster promises after each fault is in
+docs/guarantees.md; tests/test_faults.py and tests/test_slurm.py check it.
 """
 
 from __future__ import annotations

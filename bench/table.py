@@ -2,7 +2,7 @@
 
 One row per benchmark: what it measures, the command that reproduces it, the machine and date
 of the run, the headline figures read from its JSON, the target and whether the run met it.
-The reasoning behind each figure stays in README's prose under the table; the figures
+The reasoning behind each figure stays in docs/benchmarks.md; the figures
 themselves come only from here, so the table cannot drift from the results it cites.
 
 Usage: ``python bench/table.py`` prints the table; ``--write`` puts it into README.md between

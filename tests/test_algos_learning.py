@@ -1,7 +1,7 @@
 """Dr. GRPO, DAPO, RLOO and a user's own loop, run as jobs through the daemon on shared engines.
 
 The built-ins learn the tiny task under the end-to-end evaluation protocol (evaluation reward
-at step 0 and at the end, a margin; README "Your own algorithm" gives the repeated runs the
+at step 0 and at the end, a margin; docs/algorithms.md gives the repeated runs the
 margins come from). The example custom loop (configs/examples) runs beside them on the same
 engines. A user's own loss runs in the trainer only on a cluster that trusts that user: a
 second, small cluster started with ``--trust-user-code``.

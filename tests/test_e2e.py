@@ -19,7 +19,7 @@ from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
-# The margin configs/tiny-arith.yaml must clear; README ("Learning check") gives the runs it
+# The margin configs/tiny-arith.yaml must clear; docs/benchmarks.md ("Learning check") gives the runs it
 # comes from (seed 0 with vLLM 0.32 CPU: +0.040 and +0.055 for two trainers equal to 6e-7).
 LEARN_MARGIN = 0.025
 
