@@ -1,11 +1,12 @@
 # Two entry points for a fresh machine (see README.md):
 #   make demo   set up, then run the end-to-end demo on the tiny model
-#   make test   set up, then run the test suite
+#   make test   set up, then lint and run the test suite (what CI runs)
+# While working: make lint, make test-fast (the unit tests: no engines, a couple of minutes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(VENV)/.installed
 
@@ -20,8 +21,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/plexctl demo
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "unit and not slow"
 
 clean:
 	rm -rf $(VENV) .plexrl

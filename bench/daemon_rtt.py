@@ -55,13 +55,13 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plexctl import protocol as P  # noqa: E402
 from bench.hostinfo import describe  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.frames import NOBLOCK, recv_frames, send_frames  # noqa: E402
 from plexctl import auth  # noqa: E402
+from plexctl import protocol as P  # noqa: E402
+from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client, current_user  # noqa: E402
 from plexctl.cluster import endpoint_path, plexrl_home, read_endpoint  # noqa: E402
+from plexctl.frames import NOBLOCK, recv_frames, send_frames  # noqa: E402
 
 TARGET_P50_MS = 1.0
 TARGET_MSGS_PER_S = 20_000
@@ -92,9 +92,14 @@ class DaemonProcess:
         self.state_dir = state_dir
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.log = open(state_dir / "daemon.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir)],
-                                     cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir)],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         self.address = self._wait_for_endpoint()
 
     def _wait_for_endpoint(self) -> str:
@@ -164,8 +169,12 @@ def round_trips(address: str, count: int, warmup: int) -> dict[str, Any]:
         client.close()
     samples.sort()
     return {
-        "requests": count, "p50_ms": percentile(samples, 50), "p90_ms": percentile(samples, 90),
-        "p99_ms": percentile(samples, 99), "max_ms": samples[-1], "mean_ms": statistics.fmean(samples),
+        "requests": count,
+        "p50_ms": percentile(samples, 50),
+        "p90_ms": percentile(samples, 90),
+        "p99_ms": percentile(samples, 99),
+        "max_ms": samples[-1],
+        "mean_ms": statistics.fmean(samples),
     }
 
 
@@ -177,8 +186,15 @@ def percentile(sorted_samples: list[float], q: float) -> float:
 # ---------------------------------------------------------------- throughput
 
 
-def client_process(address: str, sockets: int, depth: int, start_at: float, end_at: float,
-                   results: multiprocessing.Queue, keys: auth.CurveKeys | None = None) -> None:
+def client_process(
+    address: str,
+    sockets: int,
+    depth: int,
+    start_at: float,
+    end_at: float,
+    results: multiprocessing.Queue,
+    keys: auth.CurveKeys | None = None,
+) -> None:
     """``sockets`` DEALERs, each keeping ``depth`` PINGs in flight; counts replies in [start, end).
 
     Kept cheap, since the clients share the machine's cores with the daemon: the request is
@@ -237,8 +253,11 @@ def run_load(address: str, load: Load, daemon_pid: int | None) -> dict[str, Any]
     end_at = start_at + load.window_s
     per_proc = [load.clients // load.procs + (i < load.clients % load.procs) for i in range(load.procs)]
     keys = auth.client_keys(address, plexrl_home(), current_user())
-    procs = [spawn.Process(target=client_process, args=(address, n, load.depth, start_at, end_at, results, keys))
-             for n in per_proc if n]
+    procs = [
+        spawn.Process(target=client_process, args=(address, n, load.depth, start_at, end_at, results, keys))
+        for n in per_proc
+        if n
+    ]
     for proc in procs:
         proc.start()
     time.sleep(max(0.0, start_at - time.time()))
@@ -250,8 +269,13 @@ def run_load(address: str, load: Load, daemon_pid: int | None) -> dict[str, Any]
         proc.join(10)
     replies = sum(c["replies"] for c in counts)
     out: dict[str, Any] = {
-        "clients": load.clients, "procs": len(procs), "depth": load.depth, "window_s": load.window_s,
-        "replies": replies, "errors": sum(c["errors"] for c in counts), "msgs_per_s": replies / load.window_s,
+        "clients": load.clients,
+        "procs": len(procs),
+        "depth": load.depth,
+        "window_s": load.window_s,
+        "replies": replies,
+        "errors": sum(c["errors"] for c in counts),
+        "msgs_per_s": replies / load.window_s,
         "clients_cpu_s": sum(c["cpu_s"] for c in counts),
     }
     if machine0 is not None and machine1 is not None:
@@ -259,8 +283,11 @@ def run_load(address: str, load: Load, daemon_pid: int | None) -> dict[str, Any]
         out["machine_busy_cores"] = busy / total * (os.cpu_count() or 1) if total else None
     if cpu0 is not None and cpu1 is not None:
         cpu = cpu1 - cpu0
-        out.update(daemon_cpu_s=cpu, daemon_core_share=cpu / load.window_s,
-                   daemon_cpu_us_per_msg=cpu / replies * 1e6 if replies else None)
+        out.update(
+            daemon_cpu_s=cpu,
+            daemon_core_share=cpu / load.window_s,
+            daemon_cpu_us_per_msg=cpu / replies * 1e6 if replies else None,
+        )
     return out
 
 
@@ -295,24 +322,36 @@ def profile_daemon(load: Load, top: int = 15) -> dict[str, Any]:
     rows = []
     entries = stats.stats.items()  # type: ignore[attr-defined]
     for (path, line, name), (_cc, calls, tottime, cumtime, _callers) in entries:
-        rows.append({"function": function_label(path, line, name), "calls": calls, "tottime_s": tottime,
-                     "cumtime_s": cumtime})
+        rows.append(
+            {"function": function_label(path, line, name), "calls": calls, "tottime_s": tottime, "cumtime_s": cumtime}
+        )
     rows.sort(key=lambda r: -r["tottime_s"])
     by_name = {r["function"]: r for r in rows}
     loop_parts = {label: by_name[label]["cumtime_s"] for label in HOT_PATH if label in by_name}
     return {
-        "wall_s": wall, "msgs_per_s_under_profiler": outcome.get("msgs_per_s"),
-        "replies_under_profiler": outcome.get("replies"), "top_by_self_time": rows[:top],
+        "wall_s": wall,
+        "msgs_per_s_under_profiler": outcome.get("msgs_per_s"),
+        "replies_under_profiler": outcome.get("replies"),
+        "top_by_self_time": rows[:top],
         "loop_parts_cumtime_s": loop_parts,
     }
 
 
 # The run loop's pieces, by the labels function_label gives them.
 HOT_PATH = (
-    "daemon/main.py:run", "daemon/main.py:_dispatch", "daemon/main.py:on_ping", "daemon/main.py:_send",
-    "plexctl/protocol.py:decode", "plexctl/protocol.py:encode", "daemon/main.py:_admit",
-    "daemon/main.py:_place", "daemon/main.py:_reap_drivers", "daemon/main.py:_heartbeat_workers",
-    "plexctl/frames.py:recv_frames", "plexctl/frames.py:send_frames", "zmq.Socket.poll",
+    "daemon/main.py:run",
+    "daemon/main.py:_dispatch",
+    "daemon/main.py:on_ping",
+    "daemon/main.py:_send",
+    "plexctl/protocol.py:decode",
+    "plexctl/protocol.py:encode",
+    "daemon/main.py:_admit",
+    "daemon/main.py:_place",
+    "daemon/main.py:_reap_drivers",
+    "daemon/main.py:_heartbeat_workers",
+    "plexctl/frames.py:recv_frames",
+    "plexctl/frames.py:send_frames",
+    "zmq.Socket.poll",
 )
 QUIET_WHILE_PROFILING = ("plexd",)  # clients that leave mid-reply make the daemon warn per message
 
@@ -338,36 +377,47 @@ def print_report(rtt: dict[str, Any], load: dict[str, Any], profile: dict[str, A
     table = Table(title="daemon: no-op (PING) on loopback, daemon with no workers")
     for col in ("measure", "value", "target", "met"):
         table.add_column(col, justify="left" if col == "measure" else "right")
-    table.add_row("round trip p50", f"{rtt['p50_ms']:.3f} ms", f"< {TARGET_P50_MS:g} ms",
-                  yes_no(rtt["p50_ms"] < TARGET_P50_MS))
+    table.add_row(
+        "round trip p50", f"{rtt['p50_ms']:.3f} ms", f"< {TARGET_P50_MS:g} ms", yes_no(rtt["p50_ms"] < TARGET_P50_MS)
+    )
     for key in ("p90", "p99", "max"):
         table.add_row(f"round trip {key}", f"{rtt[f'{key}_ms']:.3f} ms", "", "")
-    table.add_row(f"messages/s ({load['clients']} clients x depth {load['depth']}, {load['procs']} procs, "
-                  f"best of {len(load['rounds_msgs_per_s'])} x {load['window_s']:g} s)",
-                  f"{load['msgs_per_s']:,.0f}", f">= {TARGET_MSGS_PER_S:,}",
-                  yes_no(load["msgs_per_s"] >= TARGET_MSGS_PER_S))
+    table.add_row(
+        f"messages/s ({load['clients']} clients x depth {load['depth']}, {load['procs']} procs, "
+        f"best of {len(load['rounds_msgs_per_s'])} x {load['window_s']:g} s)",
+        f"{load['msgs_per_s']:,.0f}",
+        f">= {TARGET_MSGS_PER_S:,}",
+        yes_no(load["msgs_per_s"] >= TARGET_MSGS_PER_S),
+    )
     if load.get("daemon_cpu_us_per_msg") is not None:
         table.add_row("daemon CPU per message", f"{load['daemon_cpu_us_per_msg']:.1f} us", "", "")
         table.add_row("daemon CPU share of one core", f"{load['daemon_core_share']:.0%}", "", "")
         table.add_row("=> replies/s per daemon core", f"{1e6 / load['daemon_cpu_us_per_msg']:,.0f}", "", "")
     table.add_row("client processes' CPU share (cores)", f"{load['clients_cpu_s'] / load['window_s']:.2f}", "", "")
     if load.get("machine_busy_cores") is not None:
-        table.add_row("whole machine busy (cores, of "
-                      f"{os.cpu_count()})", f"{load['machine_busy_cores']:.2f}", "", "")
+        table.add_row(f"whole machine busy (cores, of {os.cpu_count()})", f"{load['machine_busy_cores']:.2f}", "", "")
     if load["errors"]:
         table.add_row("error replies", str(load["errors"]), "0", yes_no(False))
     console.print(table)
     if profile is None:
         return
     replies = profile["replies_under_profiler"] or 0
-    hot = Table(title=f"where the daemon's time goes (cProfile, in-process daemon, same load: "
-                      f"{profile['msgs_per_s_under_profiler'] or 0:,.0f} msg/s under the profiler)")
+    hot = Table(
+        title=f"where the daemon's time goes (cProfile, in-process daemon, same load: "
+        f"{profile['msgs_per_s_under_profiler'] or 0:,.0f} msg/s under the profiler)"
+    )
     for col in ("function (top by self time)", "calls", "self s", "% of run", "self us / reply", "cum s"):
         hot.add_column(col, justify="left" if col.startswith("function") else "right")
     for row in profile["top_by_self_time"]:
         per = f"{row['tottime_s'] / replies * 1e6:.1f}" if replies else ""
-        hot.add_row(row["function"], f"{row['calls']:,}", f"{row['tottime_s']:.3f}",
-                    f"{row['tottime_s'] / profile['wall_s']:.0%}", per, f"{row['cumtime_s']:.3f}")
+        hot.add_row(
+            row["function"],
+            f"{row['calls']:,}",
+            f"{row['tottime_s']:.3f}",
+            f"{row['tottime_s'] / profile['wall_s']:.0%}",
+            per,
+            f"{row['cumtime_s']:.3f}",
+        )
     console.print(hot)
     parts = ", ".join(f"{k} {v:.2f}s" for k, v in profile["loop_parts_cumtime_s"].items())
     console.print(f"run loop, cumulative seconds over {profile['wall_s']:.1f} s: {parts}")
@@ -378,16 +428,26 @@ def yes_no(ok: bool) -> str:
 
 
 def machine() -> dict[str, Any]:
-    return {"cpu": describe(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": sys.version.split()[0],
-            "libzmq": zmq.zmq_version(), "pyzmq": zmq.__version__}
+    return {
+        "cpu": describe(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "python": sys.version.split()[0],
+        "libzmq": zmq.zmq_version(),
+        "pyzmq": zmq.__version__,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short windows: keeps the benchmark working")
     ap.add_argument("--clients", type=int, default=100, help="concurrent client sockets (default 100)")
-    ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
-                    help="client processes the sockets are spread over (default: one core left to the daemon)")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+        help="client processes the sockets are spread over (default: one core left to the daemon)",
+    )
     ap.add_argument("--depth", type=int, default=8, help="requests each client keeps in flight (default 8)")
     ap.add_argument("--pings", type=int, default=None, help="round trips timed (default 5000, quick 300)")
     ap.add_argument("--profile", action="store_true", help="profile the daemon even when the targets are met")
@@ -396,8 +456,14 @@ def main() -> None:
     if args.clients < 1 or args.procs < 1 or args.depth < 1:
         ap.error("--clients, --procs and --depth must be >= 1")
     pings = args.pings or (300 if args.quick else 5000)
-    load = Load(args.clients, min(args.procs, args.clients), args.depth, warmup_s=0.5 if args.quick else 1.0,
-                window_s=1.0 if args.quick else 3.0, rounds=1 if args.quick else 3)
+    load = Load(
+        args.clients,
+        min(args.procs, args.clients),
+        args.depth,
+        warmup_s=0.5 if args.quick else 1.0,
+        window_s=1.0 if args.quick else 3.0,
+        rounds=1 if args.quick else 3,
+    )
     out = args.out or REPO / "bench" / "results" / ("daemon-quick.json" if args.quick else "daemon.json")
 
     state_dir = Path(tempfile.mkdtemp(prefix="plexrl-bench-daemon-"))
@@ -411,8 +477,10 @@ def main() -> None:
                 what = f"{load.clients} clients for {load.window_s:g} s ({i + 1}/{load.rounds})"
                 with console.status(f"throughput: {what}"):
                     rounds.append(run_load(daemon.address, load, daemon.proc.pid))
-            throughput = {**max(rounds, key=lambda r: r["msgs_per_s"]),
-                          "rounds_msgs_per_s": [r["msgs_per_s"] for r in rounds]}
+            throughput = {
+                **max(rounds, key=lambda r: r["msgs_per_s"]),
+                "rounds_msgs_per_s": [r["msgs_per_s"] for r in rounds],
+            }
         finally:
             daemon.stop()
     finally:
@@ -423,12 +491,20 @@ def main() -> None:
         with console.status("profiling an in-process daemon under the same load"):
             profile = profile_daemon(load)
     print_report(rtt, throughput, profile)
-    write_json_atomic(out, {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": args.quick, "machine": machine(),
-        "noop_request": "PING (the protocol has no dedicated no-op request)",
-        "targets": {"p50_ms": TARGET_P50_MS, "msgs_per_s": TARGET_MSGS_PER_S}, "met": met,
-        "round_trip": rtt, "throughput": throughput, "profile": profile,
-    })
+    write_json_atomic(
+        out,
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "quick": args.quick,
+            "machine": machine(),
+            "noop_request": "PING (the protocol has no dedicated no-op request)",
+            "targets": {"p50_ms": TARGET_P50_MS, "msgs_per_s": TARGET_MSGS_PER_S},
+            "met": met,
+            "round_trip": rtt,
+            "throughput": throughput,
+            "profile": profile,
+        },
+    )
     try:
         shown = out.resolve().relative_to(REPO)
     except ValueError:

@@ -36,8 +36,12 @@ def worker_pid(state_dir: Path, worker_id: str) -> int:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if argv[1:3] == needle and "--worker-id" in argv and argv[argv.index("--worker-id") + 1] == worker_id \
-                and any(str(state_dir) in a for a in argv):
+        if (
+            argv[1:3] == needle
+            and "--worker-id" in argv
+            and argv[argv.index("--worker-id") + 1] == worker_id
+            and any(str(state_dir) in a for a in argv)
+        ):
             return int(entry.name)
     raise LookupError(f"no worker {worker_id} of the cluster at {state_dir}")
 
@@ -45,8 +49,9 @@ def worker_pid(state_dir: Path, worker_id: str) -> int:
 def driver_pid(state_dir: Path, job_id: str) -> int:
     """The pid of the job's current driver (the journal's last `started` event)."""
     with sqlite3.connect(state_dir / "journal.db") as db:
-        rows = db.execute("SELECT detail FROM events WHERE job_id = ? AND kind = 'started' ORDER BY id",
-                          (job_id,)).fetchall()
+        rows = db.execute(
+            "SELECT detail FROM events WHERE job_id = ? AND kind = 'started' ORDER BY id", (job_id,)
+        ).fetchall()
     if not rows:
         raise LookupError(f"job {job_id} has not started")
     return int(rows[-1][0].split("driver pid ")[1])

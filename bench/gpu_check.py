@@ -37,10 +37,26 @@ sys.path.insert(0, str(REPO))
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True)
-QUICK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=256, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+QUICK = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
@@ -62,12 +78,30 @@ def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, ex
     from worker.engine_options import engine_options
     from worker.main import build_engines, build_parser
 
-    args = build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:1", "--engines", ",".join(kinds),
-                                      "--model", str(model), "--device", device, "--scratch", str(scratch), *extra])
+    args = build_parser().parse_args(
+        [
+            "--endpoint",
+            "tcp://127.0.0.1:1",
+            "--engines",
+            ",".join(kinds),
+            "--model",
+            str(model),
+            "--device",
+            device,
+            "--scratch",
+            str(scratch),
+            *extra,
+        ]
+    )
     import torch
 
-    options = engine_options(args.device, args.dtype, args.micro_batch_tokens, torch.cuda.is_available(),
-                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    options = engine_options(
+        args.device,
+        args.dtype,
+        args.micro_batch_tokens,
+        torch.cuda.is_available(),
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
     return {"options": options, **build_engines(args, kinds, options, str(model))}
 
 
@@ -92,20 +126,29 @@ def sync() -> None:
 def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
     import torch
 
-    engines = worker_engines(ctx["model"], ["trainer"], a.device, ctx["scratch"],
-                             ["--host-mem", a.host_mem, "--device-slots", "2", "--threads", "4"])
+    engines = worker_engines(
+        ctx["model"],
+        ["trainer"],
+        a.device,
+        ctx["scratch"],
+        ["--host-mem", a.host_mem, "--device-slots", "2", "--threads", "4"],
+    )
     store, options = engines["trainer"], engines["options"]
     ctx["store"] = store
     trainer = store.trainer
-    result.update(device=options.device, dtype=options.dtype, micro_batch_tokens=options.micro_batch_tokens,
-                  gradient_checkpointing=bool(getattr(trainer, "gradient_checkpointing", False)))
+    result.update(
+        device=options.device,
+        dtype=options.dtype,
+        micro_batch_tokens=options.micro_batch_tokens,
+        gradient_checkpointing=bool(getattr(trainer, "gradient_checkpointing", False)),
+    )
     lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
     batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0)
     result.update(rows=a.rows, seq=a.seq, vocab=ctx["vocab"], lora_rank=32)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for step in range(a.steps):
+    for _step in range(a.steps):
         store.ensure_resident("job0", lora, 0)
         sync()
         t0 = time.perf_counter()
@@ -130,7 +173,7 @@ def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
     for j in range(4):  # 4 jobs, 2 device slots: every ensure_resident past the first two swaps
         store.ensure_resident(f"job{j}", lora, j)
     moved: list[tuple[int, float]] = []
-    for round_ in range(a.swap_rounds):
+    for _round in range(a.swap_rounds):
         for j in range(4):
             m = store.ensure_resident(f"job{j}", lora, j)
             if m.get("bytes"):
@@ -153,7 +196,9 @@ def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
         sync()
         result[name] = 10 * nbytes / (time.perf_counter() - t0) / 2**30
     if moved:
-        result["swap_over_raw"] = result["swap_gib_per_s"] / min(result["raw_h2d_gib_per_s"], result["raw_d2h_gib_per_s"])
+        result["swap_over_raw"] = result["swap_gib_per_s"] / min(
+            result["raw_h2d_gib_per_s"], result["raw_d2h_gib_per_s"]
+        )
     adapter = ctx["scratch"] / "adapter-v1"
     trainer.save_adapter("job0", str(adapter))
     ctx["adapter"] = adapter
@@ -175,8 +220,13 @@ def part_rollout(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
 
     result["vllm"] = vllm.__version__
     t0 = time.perf_counter()
-    engines = worker_engines(ctx["model"], ["rollout"], a.device, ctx["scratch"],
-                             ["--max-model-len", str(a.seq), "--gpu-memory-utilization", "0.6"])
+    engines = worker_engines(
+        ctx["model"],
+        ["rollout"],
+        a.device,
+        ctx["scratch"],
+        ["--max-model-len", str(a.seq), "--gpu-memory-utilization", "0.6"],
+    )
     engine = engines["rollout"]
     result["start_seconds"] = time.perf_counter() - t0
     prompts = [f"{i}+{i}=" for i in range(a.prompts)]
@@ -209,8 +259,13 @@ def main() -> int:
     if a.quick:
         a.rows, a.seq, a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 4, 64, 2, 2, 4, 8, "1G"
     shape = QUICK if a.quick else QWEN25_05B
-    results: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": a.device, "quick": a.quick,
-                               "model_shape": shape, "parts": {}}
+    results: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": a.device,
+        "quick": a.quick,
+        "model_shape": shape,
+        "parts": {},
+    }
     try:
         import torch
 
@@ -229,8 +284,11 @@ def main() -> int:
         if os.environ.get("OUT"):
             shutil.copy(a.out, Path(os.environ["OUT"]) / a.out.name)
 
-    parts: list[tuple[str, Callable[..., None]]] = [("trainer", part_trainer), ("swap", part_swap),
-                                                    ("rollout", part_rollout)]
+    parts: list[tuple[str, Callable[..., None]]] = [
+        ("trainer", part_trainer),
+        ("swap", part_swap),
+        ("rollout", part_rollout),
+    ]
     try:
         t0 = time.perf_counter()
         build_model(ctx["model"], shape, "bfloat16" if a.device == "cuda" else "float32")

@@ -22,8 +22,14 @@ def cpu_model() -> str:
 def vector_isa() -> str:
     """The widest x86 vector extension the CPU has (it changes float results and speed)."""
     try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
     except OSError:
         return ""
     return next((isa for isa in ("avx512f", "avx2", "avx") if isa in flags), "")

@@ -58,21 +58,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
+from daemon.metrics import hidden_by_other_jobs  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client  # noqa: E402
 from plexctl.cluster import read_endpoint  # noqa: E402
 from plexctl.spec import load_spec, spec_to_wire  # noqa: E402
-from daemon.metrics import hidden_by_other_jobs  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
 BENCH = str(REPO / "bench")
 
 # name -> overrides on configs/tiny-arith.yaml: four different shapes of job
 JOBS: dict[str, list[str]] = {
-    "reward-wait": ["reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null",
-                    "seed=1"],
-    "reward-cpu": ["reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null",
-                   "seed=2"],
+    "reward-wait": ["reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null", "seed=1"],
+    "reward-cpu": ["reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null", "seed=2"],
     "long-tail": ["sampling.max_tokens=24", "sampling.temperature=1.3", "seed=3"],
     "train-heavy": ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"],
 }
@@ -82,8 +80,9 @@ console = Console() if sys.stdout.isatty() else Console(width=140)  # a log keep
 
 def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], cwd=REPO, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "plexctl.cli", *args], cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout
+    )
 
 
 def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, tiers: list[str]) -> dict:
@@ -107,8 +106,10 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
                 rep = client.status()
                 mine = [j for j in rep.jobs if j.job_id in ids.values()]
                 done = [j for j in mine if j.state in ("succeeded", "failed", "cancelled")]
-                spinner.update(f"{policy}: {len(done)}/{len(mine)} jobs done, "
-                               f"steps {sum(j.step for j in mine)}/{steps * len(mine)}")
+                spinner.update(
+                    f"{policy}: {len(done)}/{len(mine)} jobs done, "
+                    f"steps {sum(j.step for j in mine)}/{steps * len(mine)}"
+                )
                 if len(done) == len(mine):
                     break
                 time.sleep(0.5)
@@ -120,8 +121,11 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
         busy = sum(e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines)
         final = client.status(timeline=True)
         swaps = {e.engine_id: e.swaps for e in final.engines if e.kind == "trainer"}
-        background = {"moves": len(final.moves), "seconds": sum(m.end - m.start for m in final.moves),
-                      "behind_other_jobs_s": hidden_by_other_jobs(final.moves, final.timeline)}
+        background = {
+            "moves": len(final.moves),
+            "seconds": sum(m.end - m.start for m in final.moves),
+            "behind_other_jobs_s": hidden_by_other_jobs(final.moves, final.timeline),
+        }
     finally:
         plexctl(home, "down")
     start = min(j.started_at for j in mine)
@@ -141,20 +145,30 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
             "reward": [r["reward_mean"] for r in steps_rows],
             "generate_s": sum(r["generate_s"] for r in steps_rows) / len(steps_rows),
             "train_s": sum(r["train/seconds"] for r in steps_rows) / len(steps_rows),
-            "eval_first": j.eval_first, "eval_last": j.eval_last,
+            "eval_first": j.eval_first,
+            "eval_last": j.eval_last,
             "run_s": j.ended_at - j.started_at,
             # ensure_resident's wall time in its train_step calls (its first also creates the adapter)
             "ensure_resident_s": sum(r.get("train/swap_seconds", 0.0) for r in steps_rows),
             "swap_evicted": int(sum(r.get("train/swap_evicted", 0.0) for r in steps_rows)),
         }
     return {
-        "policy": policy, "engines": n_engines, "makespan_s": makespan, "engine_seconds": engine_seconds,
-        "steps": total_steps, "engine_s_per_step": engine_seconds / total_steps,
-        "bubble_ratio": 1.0 - busy / (n_engines * makespan), "jobs": curves,
-        "swaps": swaps, "swap": swap_summary(swaps, background),
+        "policy": policy,
+        "engines": n_engines,
+        "makespan_s": makespan,
+        "engine_seconds": engine_seconds,
+        "steps": total_steps,
+        "engine_s_per_step": engine_seconds / total_steps,
+        "bubble_ratio": 1.0 - busy / (n_engines * makespan),
+        "jobs": curves,
+        "swaps": swaps,
+        "swap": swap_summary(swaps, background),
         "engine_busy_s": {e.engine_id: e.busy_seconds - busy0.get(e.engine_id, 0.0) for e in engines},
-        "cpu": {"cores": os.cpu_count(), "seconds": sum(cpu1.values()) - sum(cpu0.values()),
-                "by_process": {role: cpu1.get(role, 0.0) - cpu0.get(role, 0.0) for role in sorted({*cpu0, *cpu1})}},
+        "cpu": {
+            "cores": os.cpu_count(),
+            "seconds": sum(cpu1.values()) - sum(cpu0.values()),
+            "by_process": {role: cpu1.get(role, 0.0) - cpu0.get(role, 0.0) for role in sorted({*cpu0, *cpu1})},
+        },
     }
 
 
@@ -174,7 +188,7 @@ def cluster_cpu_s(root: int) -> dict[str, float]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:  # gone meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
         children.setdefault(int(fields[1]), []).append(int(entry))
         cpu[int(entry)] = sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
     out: dict[str, float] = {}
@@ -211,12 +225,19 @@ def swap_summary(swaps: dict[str, dict[str, dict]], background: dict[str, float]
                 total[key] += stats.get(key, 0.0)
     seconds = total["seconds"]
     trainer_hidden = max(0.0, total["overlap_s"] - total["stalled_s"])
-    summary = {**total, "hidden_s": trainer_hidden,
-               "hidden_share_trainer": trainer_hidden / seconds if seconds else None}
+    summary = {
+        **total,
+        "hidden_s": trainer_hidden,
+        "hidden_share_trainer": trainer_hidden / seconds if seconds else None,
+    }
     if background is not None:
         hidden = max(0.0, background["behind_other_jobs_s"] - total["stalled_s"])
-        summary.update(background_moves=background["moves"], background_s=background["seconds"],
-                       behind_other_jobs_s=background["behind_other_jobs_s"], hidden_s=hidden)
+        summary.update(
+            background_moves=background["moves"],
+            background_s=background["seconds"],
+            behind_other_jobs_s=background["behind_other_jobs_s"],
+            hidden_s=hidden,
+        )
     summary["hidden_share"] = summary["hidden_s"] / seconds if seconds else None
     return summary
 
@@ -225,21 +246,29 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 jobs x 5 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run the two modes this many times, alternating; report the median pair")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run the two modes this many times, alternating; report the median pair"
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: bench/results/...)")
-    ap.add_argument("--device-slots", type=int, default=None,
-                    help="trainer device slots, fewer than the jobs so states swap (default: jobs / 2)")
-    ap.add_argument("--host-mem", default=None,
-                    help="host tier of the trainer (default 512K: one tiny job's state)")
+    ap.add_argument(
+        "--device-slots",
+        type=int,
+        default=None,
+        help="trainer device slots, fewer than the jobs so states swap (default: jobs / 2)",
+    )
+    ap.add_argument("--host-mem", default=None, help="host tier of the trainer (default 512K: one tiny job's state)")
     args = ap.parse_args(argv)
     jobs = dict(list(JOBS.items())[:3]) if args.quick else JOBS
     args.device_slots = args.device_slots or max(1, len(jobs) // 2)
     args.host_mem = args.host_mem or "512K"
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     model = REPO / ".plexrl" / "models" / "tiny-arith"
     # the modes alternate, so a slow spell of a shared machine falls on both; the ratio reported is
     # the median of the pairs' ratios, and the details shown are those of the median pair
@@ -249,9 +278,12 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [p["spread+backfill"]["engine_s_per_step"] / p["isolated"]["engine_s_per_step"] for p in pairs]
     results = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
     iso, shared = results["isolated"], results["spread+backfill"]
-    curve_diff = {name: max((abs(a - b) for a, b in zip(iso["jobs"][name]["reward"],
-                                                      shared["jobs"][name]["reward"])), default=0.0)
-                  for name in jobs}
+    curve_diff = {
+        name: max(
+            (abs(a - b) for a, b in zip(iso["jobs"][name]["reward"], shared["jobs"][name]["reward"])), default=0.0
+        )
+        for name in jobs
+    }
     summary = {
         "engine_s_per_step_ratio": shared["engine_s_per_step"] / iso["engine_s_per_step"],
         "makespan_ratio": shared["makespan_s"] / iso["makespan_s"],
@@ -259,38 +291,87 @@ def main(argv: list[str] | None = None) -> None:
         "target_engine_s_per_step_ratio": 0.55,
         "trainer_tiers": {"device_slots": args.device_slots, "host_mem": args.host_mem},
         "swap_hidden_share": shared["swap"]["hidden_share"],
-        "repeats": [{"isolated_engine_s_per_step": p["isolated"]["engine_s_per_step"],
-                     "shared_engine_s_per_step": p["spread+backfill"]["engine_s_per_step"], "ratio": r}
-                    for p, r in zip(pairs, ratios)],
+        "repeats": [
+            {
+                "isolated_engine_s_per_step": p["isolated"]["engine_s_per_step"],
+                "shared_engine_s_per_step": p["spread+backfill"]["engine_s_per_step"],
+                "ratio": r,
+            }
+            for p, r in zip(pairs, ratios)
+        ],
     }
     table = Table(title=f"multiplex: {len(jobs)} jobs x {steps} steps, 1 rollout + 1 trainer engine")
-    for col in ("mode", "engine-s/step", "makespan s", "bubble", "CPU s", "steps", "swaps", "swap s", "critical s",
-                "hidden"):
+    for col in (
+        "mode",
+        "engine-s/step",
+        "makespan s",
+        "bubble",
+        "CPU s",
+        "steps",
+        "swaps",
+        "swap s",
+        "critical s",
+        "hidden",
+    ):
         table.add_column(col, justify="right")
     for mode, r in results.items():
         sw = r["swap"]
         hidden = "-" if sw["hidden_share"] is None else f"{sw['hidden_share']:.0%}"
-        table.add_row(mode, f"{r['engine_s_per_step']:.3f}", f"{r['makespan_s']:.1f}", f"{r['bubble_ratio']:.0%}",
-                      f"{r['cpu']['seconds']:.1f}", str(r["steps"]), str(int(sw["count"])), f"{sw['seconds']:.3f}",
-                      f"{sw['critical_s']:.3f}", hidden)
-    table.add_row("shared/isolated", f"{summary['engine_s_per_step_ratio']:.2f}", f"{summary['makespan_ratio']:.2f}",
-                  "", "", "", "", "", "", "")
+        table.add_row(
+            mode,
+            f"{r['engine_s_per_step']:.3f}",
+            f"{r['makespan_s']:.1f}",
+            f"{r['bubble_ratio']:.0%}",
+            f"{r['cpu']['seconds']:.1f}",
+            str(r["steps"]),
+            str(int(sw["count"])),
+            f"{sw['seconds']:.3f}",
+            f"{sw['critical_s']:.3f}",
+            hidden,
+        )
+    table.add_row(
+        "shared/isolated",
+        f"{summary['engine_s_per_step_ratio']:.2f}",
+        f"{summary['makespan_ratio']:.2f}",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+    )
     console.print(table)
     if len(pairs) > 1:
-        console.print("shared/isolated per repetition: " + ", ".join(f"{r:.2f}" for r in ratios)
-                      + f" (median {summary['engine_s_per_step_ratio']:.2f})")
+        console.print(
+            "shared/isolated per repetition: "
+            + ", ".join(f"{r:.2f}" for r in ratios)
+            + f" (median {summary['engine_s_per_step_ratio']:.2f})"
+        )
     jt = Table(title="per job: eval reward first → last, and per-step reward curve difference")
     for col in ("job", "isolated", "shared", "max |Δ reward| per step"):
         jt.add_column(col)
     for name in jobs:
         a, b = iso["jobs"][name], shared["jobs"][name]
-        jt.add_row(name, f"{a['eval_first']:.3f} → {a['eval_last']:.3f}", f"{b['eval_first']:.3f} → {b['eval_last']:.3f}",
-                   f"{curve_diff[name]:.4f}")
+        jt.add_row(
+            name,
+            f"{a['eval_first']:.3f} → {a['eval_last']:.3f}",
+            f"{b['eval_first']:.3f} → {b['eval_last']:.3f}",
+            f"{curve_diff[name]:.4f}",
+        )
     console.print(jt)
     out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": describe(), "steps": steps, "summary": summary,
-                            "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),
-                            "modes": results})
+    write_json_atomic(
+        out,
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": describe(),
+            "steps": steps,
+            "summary": summary,
+            "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),
+            "modes": results,
+        },
+    )
     console.print(f"wrote {out}")
 
 

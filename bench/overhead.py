@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
-import signal
 import tempfile
 import threading
 import time
@@ -98,13 +98,11 @@ class Turnstile:
             self.cond.wait_for(lambda: (self.waiting and self.budget == 0) or self.finished)
 
 
-
 class InProcessClient:
     """``JobClient``'s calls served by engines in this process (what a one-job script does).
     Each generation first passes ``gate``: the bench's turn-taking."""
 
-    def __init__(self, rollout: Any, trainer: Any, spec: Any, job_id: str, job_dir: Path,
-                 gate: Turnstile) -> None:
+    def __init__(self, rollout: Any, trainer: Any, spec: Any, job_id: str, job_dir: Path, gate: Turnstile) -> None:
         self.rollout, self.trainer, self.spec = rollout, trainer, spec
         self.job_id, self.job_dir, self.gate = job_id, job_dir, gate
         self.drain = ""
@@ -234,8 +232,12 @@ class InProcess:
         spec = load_spec(CONFIG, overrides, "overhead")
         job_dir = self.metrics.parent
         job_dir.mkdir(parents=True)
-        job = Job(InProcessClient(self.rollout, self.trainer, spec, "j0001", job_dir, self.gate), spec, job_dir,
-                  log=lambda _m: None)
+        job = Job(
+            InProcessClient(self.rollout, self.trainer, spec, "j0001", job_dir, self.gate),
+            spec,
+            job_dir,
+            log=lambda _m: None,
+        )
         try:
             run_algorithm(job)
         except BaseException as exc:  # noqa: BLE001 - raised in the bench's thread by ``done``
@@ -274,8 +276,14 @@ class Daemon:
         self.steps: Callable[[], int] = lambda: 0  # the job's StepCounter, once submitted
 
     def plexctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], env=self.env, cwd=REPO,
-                              capture_output=True, text=True, check=check)
+        return subprocess.run(
+            [sys.executable, "-m", "plexctl.cli", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=check,
+        )
 
     @property
     def job_dir(self) -> Path:
@@ -328,16 +336,21 @@ class Daemon:
         self.resume()
         done = self.plexctl("wait", self.job, "--timeout", "1800", check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"the daemon's job ended with exit code {done.returncode}: "
-                               f"{(self.job_dir / 'driver.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"the daemon's job ended with exit code {done.returncode}: "
+                f"{(self.job_dir / 'driver.log').read_text()[-2000:]}"
+            )
 
     def close(self) -> None:
         self.resume()
-        subprocess.run([sys.executable, "-m", "plexctl.cli", "down"], env=self.env, cwd=REPO,
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "plexctl.cli", "down"], env=self.env, cwd=REPO, capture_output=True, timeout=300
+        )
 
 
-def take_turns(modes: dict[str, Any], steps: int, block: int, log: Callable[[str], None]) -> list[tuple[str, float, float]]:
+def take_turns(
+    modes: dict[str, Any], steps: int, block: int, log: Callable[[str], None]
+) -> list[tuple[str, float, float]]:
     """Run the modes' jobs in turns of ``block`` steps (daemon first) until both finished;
     the turns as ``(mode, start, end)`` wall times."""
     turns: list[tuple[str, float, float]] = []
@@ -356,13 +369,14 @@ def take_turns(modes: dict[str, Any], steps: int, block: int, log: Callable[[str
             log(f"turn {len(turns)}: " + ", ".join(f"{m} {modes[m].steps()}/{steps}" for m in order))
 
 
-def counted(rows: list[dict], turns: list[tuple[str, float, float]], mode: str, warmup: int,
-            settle: float) -> list[tuple[int, dict, float]]:
+def counted(
+    rows: list[dict], turns: list[tuple[str, float, float]], mode: str, warmup: int, settle: float
+) -> list[tuple[int, dict, float]]:
     """The steps of ``mode`` that count, as ``(turn index, row, step interval)``: past the
     warmup, started ``settle`` seconds or more into one of the mode's turns, ended in it."""
     out = []
     own = [(k, a, b) for k, (m, a, b) in enumerate(turns) if m == mode]
-    for prev, row in zip(rows[warmup:], rows[warmup + 1:]):
+    for prev, row in zip(rows[warmup:], rows[warmup + 1 :]):
         for k, a, b in own:
             if a + settle <= prev["time"] and row["time"] <= b:
                 out.append((k, row, row["time"] - prev["time"]))
@@ -374,8 +388,13 @@ def phases(steps: list[tuple[int, dict, float]]) -> dict[str, float]:
     step = statistics.median(s for _, _, s in steps)
     gen = statistics.median(r["generate_s"] for _, r, _ in steps)
     train = statistics.median(r.get("train/seconds", 0.0) for _, r, _ in steps)
-    return {"step_s": step, "generate_s": gen, "train_s": train, "rest_s": step - gen - train,
-            "steps_timed": len(steps)}
+    return {
+        "step_s": step,
+        "generate_s": gen,
+        "train_s": train,
+        "rest_s": step - gen - train,
+        "steps_timed": len(steps),
+    }
 
 
 def block_pairs(timed: dict[str, list[tuple[int, dict, float]]]) -> list[dict[str, Any]]:
@@ -391,8 +410,13 @@ def block_pairs(timed: dict[str, list[tuple[int, dict, float]]]) -> list[dict[st
         nxt = [j for j in med["in-process"] if j > k]
         if nxt:
             i = min(nxt)
-            pairs.append({"daemon_step_s": d, "in_process_step_s": med["in-process"][i],
-                          "overhead": d / med["in-process"][i] - 1.0})
+            pairs.append(
+                {
+                    "daemon_step_s": d,
+                    "in_process_step_s": med["in-process"][i],
+                    "overhead": d / med["in-process"][i] - 1.0,
+                }
+            )
     return pairs
 
 
@@ -403,8 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=None, help="steps per turn (default 12; --quick 4)")
     ap.add_argument("--warmup", type=int, default=None, help="first steps of each job not counted (default 10)")
     ap.add_argument("--settle", type=float, default=0.3, help="seconds into a turn before a step counts")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="a job spec override for both modes (e.g. algo.prompts_per_step=64: longer steps)")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a job spec override for both modes (e.g. algo.prompts_per_step=64: longer steps)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/overhead[-quick].json)")
     args = ap.parse_args(argv)
     steps = args.steps or (12 if args.quick else 250)
@@ -412,10 +442,20 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     if steps <= warmup + 1 or block < 2:
         ap.error("--steps must exceed --warmup + 1 and --block must be >= 2")
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
-                   cwd=REPO, check=True, capture_output=True)
-    overrides = [f"algo.steps={steps}", "algo.eval_every=0", "checkpoint.every=0", f"model.path={MODEL}",
-                 "data.eval_path=null", *args.sets]
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    overrides = [
+        f"algo.steps={steps}",
+        "algo.eval_every=0",
+        "checkpoint.every=0",
+        f"model.path={MODEL}",
+        "data.eval_path=null",
+        *args.sets,
+    ]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="plexrl-overhead-") as tmp:
         inproc, daemon = InProcess(Path(tmp)), Daemon(Path(tmp))
@@ -456,30 +496,52 @@ def main(argv: list[str] | None = None) -> int:
     curves = {m: [r["reward_mean"] for r in rows[m]] for m in MODES}
     same = curves["daemon"] == curves["in-process"] and len(curves["daemon"]) == steps
     result = {
-        "benchmark": "overhead", "quick": args.quick, "steps": steps, "warmup": warmup, "block": block,
-        "settle_s": args.settle, "turns": len(turns),
-        "machine": describe(), "date": time.strftime("%Y-%m-%d"),
-        "command": "python bench/overhead.py" + (" --quick" if args.quick else "")
-                   + "".join(f" --set {o}" for o in args.sets),
+        "benchmark": "overhead",
+        "quick": args.quick,
+        "steps": steps,
+        "warmup": warmup,
+        "block": block,
+        "settle_s": args.settle,
+        "turns": len(turns),
+        "machine": describe(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python bench/overhead.py"
+        + (" --quick" if args.quick else "")
+        + "".join(f" --set {o}" for o in args.sets),
         "overrides": args.sets,
-        "in_process_step_s": a, "daemon_step_s": b, "overhead": b / a - 1.0, "target": 0.05,
-        "phases_median": ph, "pairs": pairs,
+        "in_process_step_s": a,
+        "daemon_step_s": b,
+        "overhead": b / a - 1.0,
+        "target": 0.05,
+        "phases_median": ph,
+        "pairs": pairs,
         "pair_overhead_median": statistics.median(p["overhead"] for p in pairs) if pairs else None,
-        "same_rewards": same, "wall_s": time.time() - t0,
+        "same_rewards": same,
+        "wall_s": time.time() - t0,
     }
-    table = Table(title=f"one job: through the daemon vs in one process (same engines, same loop; "
-                        f"{len(turns)} turns of {block} steps)")
+    table = Table(
+        title=f"one job: through the daemon vs in one process (same engines, same loop; "
+        f"{len(turns)} turns of {block} steps)"
+    )
     for col in ("mode", "steps timed", "s/step", "generate", "train", "rest"):
         table.add_column(col)
     for m in MODES:
         p = ph[m]
-        table.add_row(m, str(p["steps_timed"]), f"{p['step_s']:.4f}", f"{p['generate_s']:.4f}",
-                      f"{p['train_s']:.4f}", f"{p['rest_s']:.4f}")
+        table.add_row(
+            m,
+            str(p["steps_timed"]),
+            f"{p['step_s']:.4f}",
+            f"{p['generate_s']:.4f}",
+            f"{p['train_s']:.4f}",
+            f"{p['rest_s']:.4f}",
+        )
     Console().print(table)
     if pairs:
         spread = sorted(p["overhead"] for p in pairs)
-        print(f"adjacent turns' own ratios: median {result['pair_overhead_median']:+.1%}, "
-              f"{spread[0]:+.1%} to {spread[-1]:+.1%} over {len(pairs)} pairs")
+        print(
+            f"adjacent turns' own ratios: median {result['pair_overhead_median']:+.1%}, "
+            f"{spread[0]:+.1%} to {spread[-1]:+.1%} over {len(pairs)} pairs"
+        )
     print(f"overhead {result['overhead']:+.1%} (target <= +5%); per-step rewards identical: {same}")
     out = args.out or REPO / "bench" / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
     write_json_atomic(out, result)

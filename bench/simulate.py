@@ -44,9 +44,9 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.hostinfo import describe  # noqa: E402
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate  # noqa: E402
 from daemon.trace import DAY_S, Trace, generate_trace, read_trace, write_trace  # noqa: E402
-from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 
 BASELINES = ("isolated", "pack", "spread", "spread+backfill")
@@ -89,19 +89,25 @@ def calibration(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     model = calibrate_from(path)
-    measured = all("generate_s" in j and "train_s" in j
-                   for j in json.loads(path.read_text())["modes"]["isolated"]["jobs"].values())
+    measured = all(
+        "generate_s" in j and "train_s" in j for j in json.loads(path.read_text())["modes"]["isolated"]["jobs"].values()
+    )
     out: dict[str, Any] = {
         "source": str(path),
-        "phases": "measured per-step generate/train seconds" if measured else
-                  f"bubble ratio only (train share of busy time assumed {model.train_share:.2f})",
+        "phases": "measured per-step generate/train seconds"
+        if measured
+        else f"bubble ratio only (train share of busy time assumed {model.train_share:.2f})",
         "busy_share": model.busy_share,
-        "jobs": [{"name": j.name, "steps": j.steps, "generate_s": j.generate_s, "stall_s": j.stall_s,
-                  "train_s": j.train_s} for j in model.jobs],
-        **predict(model)}
+        "jobs": [
+            {"name": j.name, "steps": j.steps, "generate_s": j.generate_s, "stall_s": j.stall_s, "train_s": j.train_s}
+            for j in model.jobs
+        ],
+        **predict(model),
+    }
     if not measured:  # how much the one assumption moves the prediction
-        out["ratio_by_train_share"] = {f"{ts:.2f}": predict(calibrate_from(path, train_share=ts))["ratio"]
-                                       for ts in (0.2, 0.34, 0.5, 0.7)}
+        out["ratio_by_train_share"] = {
+            f"{ts:.2f}": predict(calibrate_from(path, train_share=ts))["ratio"] for ts in (0.2, 0.34, 0.5, 0.7)
+        }
     return out
 
 
@@ -150,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
 
     pool: Executor = ProcessPoolExecutor(args.workers) if args.workers > 1 else _Inline()
     with pool:
-        tuning = [pool.submit(_run, tune_trace, "spread+backfill", tune_gpus, j, s, cfg)
-                  for j in TUNE_JOBS_PER_ENGINE for s in TUNE_MAX_SWITCHES]
+        tuning = [
+            pool.submit(_run, tune_trace, "spread+backfill", tune_gpus, j, s, cfg)
+            for j in TUNE_JOBS_PER_ENGINE
+            for s in TUNE_MAX_SWITCHES
+        ]
         runs = {p: pool.submit(_run, trace, p, gpus, 1 if p == "isolated" else jpe, 4, cfg) for p in BASELINES}
         tuned = [f.result() for f in tuning]
         choice = pick_best(tuned)
@@ -164,65 +173,128 @@ def main(argv: list[str] | None = None) -> int:
 
     iso = results["isolated"]
     bound = critical_path_s(trace)
-    title = (f"simulate: {len(trace.jobs)} jobs, {trace.steps:,} steps, {gpus} GPUs "
-             f"({iso.engines} engines of {cfg.gpus_per_engine} GPUs), macro-steps {cfg.macro_steps}")
+    title = (
+        f"simulate: {len(trace.jobs)} jobs, {trace.steps:,} steps, {gpus} GPUs "
+        f"({iso.engines} engines of {cfg.gpus_per_engine} GPUs), macro-steps {cfg.macro_steps}"
+    )
     table = Table(title=title)
     table.add_column("policy", no_wrap=True)
-    for col in ("makespan d", "vs iso", "GPU-h/step", "vs iso", "bubble", "queue p50/p99 h", "swaps (TB)",
-                "tick p50/p99/p99.9 µs", "sim s"):
+    for col in (
+        "makespan d",
+        "vs iso",
+        "GPU-h/step",
+        "vs iso",
+        "bubble",
+        "queue p50/p99 h",
+        "swaps (TB)",
+        "tick p50/p99/p99.9 µs",
+        "sim s",
+    ):
         table.add_column(col, justify="right")
     rows: dict[str, dict[str, Any]] = {}
     for label, r in results.items():
         rel_m, rel_g = r.makespan_s / iso.makespan_s, r.gpu_hours_per_step / iso.gpu_hours_per_step
         rows[label] = {**r.summary(), "makespan_vs_isolated": rel_m, "gpu_hours_per_step_vs_isolated": rel_g}
-        table.add_row(label, f"{r.makespan_s / DAY_S:.1f}", f"{rel_m:.0%}",
-                      f"{r.gpu_hours_per_step:.2f}", f"{rel_g:.0%}", f"{r.bubble_ratio:.0%}",
-                      f"{r.queue_p50_s / 3600:.1f} / {r.queue_p99_s / 3600:.1f}",
-                      f"{r.swaps.swap_ins} ({r.swaps.total_bytes / 1e12:.1f})",
-                      f"{r.tick_p50_us:.0f} / {r.tick_p99_us:.0f} / {r.tick_p999_us:.0f}", f"{r.wall_s:.1f}")
+        table.add_row(
+            label,
+            f"{r.makespan_s / DAY_S:.1f}",
+            f"{rel_m:.0%}",
+            f"{r.gpu_hours_per_step:.2f}",
+            f"{rel_g:.0%}",
+            f"{r.bubble_ratio:.0%}",
+            f"{r.queue_p50_s / 3600:.1f} / {r.queue_p99_s / 3600:.1f}",
+            f"{r.swaps.swap_ins} ({r.swaps.total_bytes / 1e12:.1f})",
+            f"{r.tick_p50_us:.0f} / {r.tick_p99_us:.0f} / {r.tick_p999_us:.0f}",
+            f"{r.wall_s:.1f}",
+        )
     console.print(table)
-    console.print(f"critical-path bound (latest arrival + isolated run time): {bound / DAY_S:.1f} d "
-                  f"= {bound / iso.makespan_s:.0%} of isolated; PlexRL reports 56 % for spread+backfill. "
-                  f"Our best tuned on {tuned_on}. Whole run {run_s:.1f} s.")
+    console.print(
+        f"critical-path bound (latest arrival + isolated run time): {bound / DAY_S:.1f} d "
+        f"= {bound / iso.makespan_s:.0%} of isolated; PlexRL reports 56 % for spread+backfill. "
+        f"Our best tuned on {tuned_on}. Whole run {run_s:.1f} s."
+    )
     if calib is not None:
         ct = Table(title="calibration against bench/multiplex.py (4 tiny jobs, 1 rollout + 1 trainer engine)")
         for col in ("", "engine-s/step isolated", "engine-s/step shared", "shared/isolated", "bubble iso / shared"):
             ct.add_column(col, justify="right")
         m = calibrate_from(args.multiplex).measured
         if "ratio" in m:
-            ct.add_row("measured", f"{m['isolated_engine_s_per_step']:.3f}", f"{m['shared_engine_s_per_step']:.3f}",
-                       f"{m['ratio']:.3f}", f"{m['isolated_bubble_ratio']:.0%} / {m['shared_bubble_ratio']:.0%}")
-        ct.add_row("predicted", f"{calib['isolated_engine_s_per_step']:.3f}",
-                   f"{calib['shared_engine_s_per_step']:.3f}", f"{calib['ratio']:.3f}",
-                   f"{calib['isolated_bubble_ratio']:.0%} / {calib['shared_bubble_ratio']:.0%}")
+            ct.add_row(
+                "measured",
+                f"{m['isolated_engine_s_per_step']:.3f}",
+                f"{m['shared_engine_s_per_step']:.3f}",
+                f"{m['ratio']:.3f}",
+                f"{m['isolated_bubble_ratio']:.0%} / {m['shared_bubble_ratio']:.0%}",
+            )
+        ct.add_row(
+            "predicted",
+            f"{calib['isolated_engine_s_per_step']:.3f}",
+            f"{calib['shared_engine_s_per_step']:.3f}",
+            f"{calib['ratio']:.3f}",
+            f"{calib['isolated_bubble_ratio']:.0%} / {calib['shared_bubble_ratio']:.0%}",
+        )
         ct.add_row("  scheduling (simulator)", "", "", f"{calib['scheduling_ratio']:.3f}", "")
         if "cpu_bound_ratio" in calib:
             ct.add_row("  cores bound (isolated run's CPU-s / cores)", "", "", f"{calib['cpu_bound_ratio']:.3f}", "")
         console.print(ct)
         sens = calib.get("ratio_by_train_share")
-        console.print(f"phases from: {calib['phases']}" + ("; predicted ratio by assumed train share: " + ", ".join(
-            f"{k}: {v:.3f}" for k, v in sens.items()) if sens else ""))
+        console.print(
+            f"phases from: {calib['phases']}"
+            + (
+                "; predicted ratio by assumed train share: " + ", ".join(f"{k}: {v:.3f}" for k, v in sens.items())
+                if sens
+                else ""
+            )
+        )
 
     out = args.out or REPO / "bench" / "results" / ("simulate-quick.json" if args.quick else "simulate.json")
-    write_json_atomic(out, {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpu": describe(), "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "command": "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "run_s": run_s, "workers": args.workers,
-        "trace": {"name": trace.name, "jobs": len(trace.jobs), "steps": trace.steps, "gpus": gpus,
-                  "days": trace.days, "seed": trace.seed, "load": trace.load, "critical_path_s": bound,
-                  "critical_path_vs_isolated": bound / iso.makespan_s},
-        "config": {"jobs_per_engine": jpe, **{k: getattr(cfg, k) for k in cfg.__struct_fields__}},
-        "policies": rows,
-        "best": {"label": best_label, "jobs_per_engine": choice.jobs_per_engine,
-                 "max_switches": choice.max_switches, "tuned_on": tuned_on},
-        "tuning": [{"jobs_per_engine": r.jobs_per_engine, "max_switches": r.max_switches,
-                    "makespan_s": r.makespan_s, "gpu_hours_per_step": r.gpu_hours_per_step,
-                    "queue_p99_s": r.queue_p99_s} for r in tuned],
-        "calibration": calib,
-        "reference": {"plexrl_makespan_vs_isolated_spread_backfill": 0.56, "tick_p99_target_us": 1000},
-    })
+    write_json_atomic(
+        out,
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": {
+                "cpu": describe(),
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+            },
+            "command": "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "run_s": run_s,
+            "workers": args.workers,
+            "trace": {
+                "name": trace.name,
+                "jobs": len(trace.jobs),
+                "steps": trace.steps,
+                "gpus": gpus,
+                "days": trace.days,
+                "seed": trace.seed,
+                "load": trace.load,
+                "critical_path_s": bound,
+                "critical_path_vs_isolated": bound / iso.makespan_s,
+            },
+            "config": {"jobs_per_engine": jpe, **{k: getattr(cfg, k) for k in cfg.__struct_fields__}},
+            "policies": rows,
+            "best": {
+                "label": best_label,
+                "jobs_per_engine": choice.jobs_per_engine,
+                "max_switches": choice.max_switches,
+                "tuned_on": tuned_on,
+            },
+            "tuning": [
+                {
+                    "jobs_per_engine": r.jobs_per_engine,
+                    "max_switches": r.max_switches,
+                    "makespan_s": r.makespan_s,
+                    "gpu_hours_per_step": r.gpu_hours_per_step,
+                    "queue_p99_s": r.queue_p99_s,
+                }
+                for r in tuned
+            ],
+            "calibration": calib,
+            "reference": {"plexrl_makespan_vs_isolated_spread_backfill": 0.56, "tick_p99_target_us": 1000},
+        },
+    )
     console.print(f"wrote {out}")
     return 0
 

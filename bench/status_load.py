@@ -75,9 +75,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.daemon_rtt import machine_cpu_seconds, percentile, process_cpu_seconds  # noqa: E402
+from bench.hostinfo import describe  # noqa: E402
 from bench.multiplex import plexctl  # noqa: E402
 from bench.overhead import steps_of  # noqa: E402
-from bench.hostinfo import describe  # noqa: E402
 from plexctl.atomic import write_json_atomic  # noqa: E402
 from plexctl.client import Client  # noqa: E402
 from plexctl.cluster import read_endpoint  # noqa: E402
@@ -107,8 +107,17 @@ class Load:
 # ---------------------------------------------------------------- the status clients
 
 
-def status_client(index: int, load: Load, home: str, state_dir: str, names: list[str], ready: Any,
-                  start_at: Any, stop_at: Any, results: Any) -> None:
+def status_client(
+    index: int,
+    load: Load,
+    home: str,
+    state_dir: str,
+    names: list[str],
+    ready: Any,
+    start_at: Any,
+    stop_at: Any,
+    results: Any,
+) -> None:
     """One user's status loop, paced open-loop at ``load.rate / load.procs`` calls/s.
 
     Waits (after one untimed call, which also makes the CURVE handshake) until the parent sets
@@ -163,8 +172,18 @@ def status_client(index: int, load: Load, home: str, state_dir: str, names: list
         k += 1
     offered = max(0, math.ceil((stop_at.value - first_due) / period))  # calls due in the window
     client.close()
-    results.put({"index": index, "offered": offered, "sent": k, **counts, "error_kinds": error_kinds,
-                 "latency_ms": latency, "service_ms": service, "cpu_s": time.process_time() - cpu0})
+    results.put(
+        {
+            "index": index,
+            "offered": offered,
+            "sent": k,
+            **counts,
+            "error_kinds": error_kinds,
+            "latency_ms": latency,
+            "service_ms": service,
+            "cpu_s": time.process_time() - cpu0,
+        }
+    )
 
 
 class StatusLoad:
@@ -175,10 +194,24 @@ class StatusLoad:
         spawn = multiprocessing.get_context("spawn")
         self._ready, self._results = spawn.Queue(), spawn.Queue()
         self._start_at, self._stop_at = spawn.Value("d", 0.0), spawn.Value("d", float("inf"))
-        self._procs = [spawn.Process(target=status_client, daemon=True,
-                                     args=(i, load, str(home), str(state_dir), names, self._ready,
-                                           self._start_at, self._stop_at, self._results))
-                       for i in range(load.procs)]
+        self._procs = [
+            spawn.Process(
+                target=status_client,
+                daemon=True,
+                args=(
+                    i,
+                    load,
+                    str(home),
+                    str(state_dir),
+                    names,
+                    self._ready,
+                    self._start_at,
+                    self._stop_at,
+                    self._results,
+                ),
+            )
+            for i in range(load.procs)
+        ]
         self.parts: list[dict[str, Any]] = []
         self.window_s = 0.0
 
@@ -224,13 +257,20 @@ def summarize_load(load: Load, parts: list[dict[str, Any]], window_s: float) -> 
     every = sorted(by_kind["all"] + by_kind["one"])
     service = sorted(x for p in parts for x in p["service_ms"])
     return {
-        "target_per_s": load.rate, "procs": load.procs, "reported_procs": len(parts), "timeout_s": load.timeout_s,
-        "window_s": window_s, **total, "error_kinds": kinds,
+        "target_per_s": load.rate,
+        "procs": load.procs,
+        "reported_procs": len(parts),
+        "timeout_s": load.timeout_s,
+        "window_s": window_s,
+        **total,
+        "error_kinds": kinds,
         "missed": total["offered"] - total["ok"],
         "achieved_per_s": total["ok"] / window_s if window_s > 0 else 0.0,
         "latency_ms": latency_stats(every),
-        "latency_ms_by_call": {"status()": latency_stats(by_kind["all"]),
-                               "status(NAME)": latency_stats(by_kind["one"])},
+        "latency_ms_by_call": {
+            "status()": latency_stats(by_kind["all"]),
+            "status(NAME)": latency_stats(by_kind["one"]),
+        },
         "service_ms": latency_stats(service),
         "clients_cpu_s": sum(p["cpu_s"] for p in parts),
     }
@@ -239,15 +279,28 @@ def summarize_load(load: Load, parts: list[dict[str, Any]], window_s: float) -> 
 def latency_stats(sorted_ms: list[float]) -> dict[str, float | int | None]:
     if not sorted_ms:
         return {"count": 0, "p50": None, "p90": None, "p99": None, "max": None, "mean": None}
-    return {"count": len(sorted_ms), "p50": percentile(sorted_ms, 50), "p90": percentile(sorted_ms, 90),
-            "p99": percentile(sorted_ms, 99), "max": sorted_ms[-1], "mean": statistics.fmean(sorted_ms)}
+    return {
+        "count": len(sorted_ms),
+        "p50": percentile(sorted_ms, 50),
+        "p90": percentile(sorted_ms, 90),
+        "p99": percentile(sorted_ms, 99),
+        "max": sorted_ms[-1],
+        "mean": statistics.fmean(sorted_ms),
+    }
 
 
 # ---------------------------------------------------------------- the jobs
 
 
-def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], warmup: int,
-              status_load: StatusLoad | None, daemon_pid: int) -> dict[str, Any]:
+def run_phase(
+    name: str,
+    client: Client,
+    state_dir: Path,
+    overrides: list[str],
+    warmup: int,
+    status_load: StatusLoad | None,
+    daemon_pid: int,
+) -> dict[str, Any]:
     """Submit the jobs, wait for them to end (under ``status_load`` if given); their step times."""
     if status_load is not None:
         status_load.start()
@@ -278,15 +331,24 @@ def run_phase(name: str, client: Client, state_dir: Path, overrides: list[str], 
         rows = steps_of(state_dir / "jobs" / j.job_id / "metrics.jsonl")
         timed_rows = rows[warmup:]
         timed = [r["step_s"] for r in timed_rows]
-        jobs[j.name] = {"job_id": j.job_id, "steps": len(rows), "timed_steps": len(timed),
-                        "step_s_mean": statistics.fmean(timed), "step_s_median": statistics.median(timed),
-                        # where a step's time goes: the generate call as the driver waits for it, the
-                        # trainer's own compute, and the rest (the train call's trip, scoring, bookkeeping)
-                        "generate_s_mean": statistics.fmean(r["generate_s"] for r in timed_rows),
-                        "train_s_mean": statistics.fmean(r["train/seconds"] for r in timed_rows),
-                        "run_s": j.ended_at - j.started_at, "rewards": [r["reward_mean"] for r in rows]}
+        jobs[j.name] = {
+            "job_id": j.job_id,
+            "steps": len(rows),
+            "timed_steps": len(timed),
+            "step_s_mean": statistics.fmean(timed),
+            "step_s_median": statistics.median(timed),
+            # where a step's time goes: the generate call as the driver waits for it, the
+            # trainer's own compute, and the rest (the train call's trip, scoring, bookkeeping)
+            "generate_s_mean": statistics.fmean(r["generate_s"] for r in timed_rows),
+            "train_s_mean": statistics.fmean(r["train/seconds"] for r in timed_rows),
+            "run_s": j.ended_at - j.started_at,
+            "rewards": [r["reward_mean"] for r in rows],
+        }
     out: dict[str, Any] = {
-        "phase": name, "status_load": status_load is not None, "wall_s": wall, "jobs": jobs,
+        "phase": name,
+        "status_load": status_load is not None,
+        "wall_s": wall,
+        "jobs": jobs,
         "journal_jobs": len(client.status().jobs),  # what each status() call reads and sends
         "task_spans": len(client.status(timeline=True).timeline),  # the engines' busy timeline the daemon keeps
         "load_avg_1m": os.getloadavg()[0],  # other processes on the machine show here
@@ -322,23 +384,35 @@ def compare(phases: list[dict[str, Any]], status: dict[str, Any]) -> dict[str, A
     loads = [p for p in phases if p["status_load"]]
 
     def ratio(key: Any) -> float:  # mean over rounds of load_i / mean(baseline_i, baseline_i+1)
-        return statistics.fmean(key(load) / statistics.fmean((key(bases[i]), key(bases[i + 1])))
-                                for i, load in enumerate(loads))
+        return statistics.fmean(
+            key(load) / statistics.fmean((key(bases[i]), key(bases[i + 1]))) for i, load in enumerate(loads)
+        )
 
-    per_job = {job: {"baseline_step_s": statistics.fmean(p["jobs"][job]["step_s_mean"] for p in bases),
-                     "load_step_s": statistics.fmean(p["jobs"][job]["step_s_mean"] for p in loads),
-                     "ratio": ratio(lambda p, job=job: p["jobs"][job]["step_s_mean"])} for job in JOBS}
+    per_job = {
+        job: {
+            "baseline_step_s": statistics.fmean(p["jobs"][job]["step_s_mean"] for p in bases),
+            "load_step_s": statistics.fmean(p["jobs"][job]["step_s_mean"] for p in loads),
+            "ratio": ratio(lambda p, job=job: p["jobs"][job]["step_s_mean"]),
+        }
+        for job in JOBS
+    }
     base_times = [p["step_s_mean"] for p in bases]
     reference = {job: bases[0]["jobs"][job]["rewards"] for job in JOBS}
-    curve_diff = {job: max(abs(a - b) for p in phases[1:] for a, b in zip(reference[job], p["jobs"][job]["rewards"]))
-                  for job in JOBS}
+    curve_diff = {
+        job: max(abs(a - b) for p in phases[1:] for a, b in zip(reference[job], p["jobs"][job]["rewards"]))
+        for job in JOBS
+    }
     out: dict[str, Any] = {
         "baseline_step_s": statistics.fmean(base_times),
         "load_step_s": statistics.fmean(p["step_s_mean"] for p in loads),
-        "ratio": ratio(lambda p: p["step_s_mean"]), "median_ratio": ratio(lambda p: p["step_s_median"]),
+        "ratio": ratio(lambda p: p["step_s_mean"]),
+        "median_ratio": ratio(lambda p: p["step_s_median"]),
         # the same ratio for a step's parts: what the load slows (an engine's compute, or the trips)
-        "parts_ratio": {"generate": ratio(lambda p: p["generate_s_mean"]), "train": ratio(lambda p: p["train_s_mean"]),
-                        "rest": ratio(lambda p: p["rest_s_mean"])},
+        "parts_ratio": {
+            "generate": ratio(lambda p: p["generate_s_mean"]),
+            "train": ratio(lambda p: p["train_s_mean"]),
+            "rest": ratio(lambda p: p["rest_s_mean"]),
+        },
         "control_ratio": max(base_times) / min(base_times),  # the baselines' spread: the noise floor
         "per_job": per_job,
         "same_rewards": all(p["jobs"][job]["rewards"] == reference[job] for p in phases for job in JOBS),
@@ -360,15 +434,22 @@ def compare(phases: list[dict[str, Any]], status: dict[str, Any]) -> dict[str, A
 # ---------------------------------------------------------------- report
 
 
-def print_report(phases: list[dict[str, Any]], status: dict[str, Any], summary: dict[str, Any],
-                 met: dict[str, bool]) -> None:
+def print_report(
+    phases: list[dict[str, Any]], status: dict[str, Any], summary: dict[str, Any], met: dict[str, bool]
+) -> None:
     lat, svc = status["latency_ms"], status["service_ms"]
-    st = Table(title=f"status calls while the jobs ran: {status['procs']} client processes, "
-                     f"target {status['target_per_s']:,.0f}/s, open-loop, CURVE")
+    st = Table(
+        title=f"status calls while the jobs ran: {status['procs']} client processes, "
+        f"target {status['target_per_s']:,.0f}/s, open-loop, CURVE"
+    )
     for col in ("measure", "value", "target", "met"):
         st.add_column(col, justify="left" if col == "measure" else "right")
-    st.add_row("served per second", f"{status['achieved_per_s']:,.0f}",
-               f">= {RATE_SLACK * status['target_per_s']:,.0f}", yes_no(met["rate"]))
+    st.add_row(
+        "served per second",
+        f"{status['achieved_per_s']:,.0f}",
+        f">= {RATE_SLACK * status['target_per_s']:,.0f}",
+        yes_no(met["rate"]),
+    )
     st.add_row(f"offered / served in {status['window_s']:.1f} s", f"{status['offered']:,} / {status['ok']:,}", "", "")
     st.add_row("errors / timeouts", f"{status['errors']} / {status['timeouts']}", "0 / 0", yes_no(met["no_errors"]))
     for key in ("p50", "p90", "p99", "max"):
@@ -382,37 +463,61 @@ def print_report(phases: list[dict[str, Any]], status: dict[str, Any], summary: 
     if summary.get("clients_cpu_us_per_status") is not None:
         st.add_row("client CPU per status call", f"{summary['clients_cpu_us_per_status']:.0f} us", "", "")
     if summary.get("status_load_cores") is not None:
-        st.add_row(f"status load, daemon + clients (cores, of {os.cpu_count()})", f"{summary['status_load_cores']:.2f}",
-                   "", "")
+        st.add_row(
+            f"status load, daemon + clients (cores, of {os.cpu_count()})", f"{summary['status_load_cores']:.2f}", "", ""
+        )
     console.print(st)
-    jt = Table(title="the jobs' step time (mean step_s after warm-up), per phase; at its end, the jobs in the "
-                     "daemon's journal and the task spans it keeps")
+    jt = Table(
+        title="the jobs' step time (mean step_s after warm-up), per phase; at its end, the jobs in the "
+        "daemon's journal and the task spans it keeps"
+    )
     for col in ("phase", *JOBS, "both", "wall s", "daemon core share", "machine busy cores", "jobs / task spans"):
         jt.add_column(col, justify="left" if col == "phase" else "right")
     for p in phases:
         share, busy = p.get("daemon_core_share"), p.get("machine_busy_cores")
-        jt.add_row(p["phase"], *(f"{p['jobs'][job]['step_s_mean']:.4f}" for job in JOBS), f"{p['step_s_mean']:.4f}",
-                   f"{p['wall_s']:.1f}", "-" if share is None else f"{share:.0%}",
-                   "-" if busy is None else f"{busy:.2f}", f"{p['journal_jobs']} / {p['task_spans']}")
-    jt.add_row("load / baselines beside it", *(f"{summary['per_job'][job]['ratio']:.3f}" for job in JOBS),
-               f"{summary['ratio']:.3f}", "", "", "", "")
+        jt.add_row(
+            p["phase"],
+            *(f"{p['jobs'][job]['step_s_mean']:.4f}" for job in JOBS),
+            f"{p['step_s_mean']:.4f}",
+            f"{p['wall_s']:.1f}",
+            "-" if share is None else f"{share:.0%}",
+            "-" if busy is None else f"{busy:.2f}",
+            f"{p['journal_jobs']} / {p['task_spans']}",
+        )
+    jt.add_row(
+        "load / baselines beside it",
+        *(f"{summary['per_job'][job]['ratio']:.3f}" for job in JOBS),
+        f"{summary['ratio']:.3f}",
+        "",
+        "",
+        "",
+        "",
+    )
     console.print(jt)
     pt = Table(title="a step's parts (both jobs' means): the generate call, the trainer's compute, the rest")
     for col in ("phase", "generate s", "train s", "rest s", "step s"):
         pt.add_column(col, justify="left" if col == "phase" else "right")
     for p in phases:
-        pt.add_row(p["phase"], *(f"{p[key]:.4f}" for key in ("generate_s_mean", "train_s_mean", "rest_s_mean",
-                                                              "step_s_mean")))
+        pt.add_row(
+            p["phase"], *(f"{p[key]:.4f}" for key in ("generate_s_mean", "train_s_mean", "rest_s_mean", "step_s_mean"))
+        )
     parts = summary["parts_ratio"]
-    pt.add_row("load / baselines beside it", f"{parts['generate']:.3f}", f"{parts['train']:.3f}", f"{parts['rest']:.3f}",
-               f"{summary['ratio']:.3f}")
+    pt.add_row(
+        "load / baselines beside it",
+        f"{parts['generate']:.3f}",
+        f"{parts['train']:.3f}",
+        f"{parts['rest']:.3f}",
+        f"{summary['ratio']:.3f}",
+    )
     console.print(pt)
-    console.print(f"step time under load / without: {summary['ratio']:.3f}x (bound C/(C-L) <= "
-                  f"{summary.get('cpu_bound', float('nan')):.3f}x: {'met' if met['bound'] else 'not met'}; "
-                  f"<= {FIXED_BOUND:.2f}x: {'met' if met['fixed_bound'] else 'not met'}; the daemon's part alone "
-                  f"{summary.get('daemon_cpu_bound', float('nan')):.3f}x; medians {summary['median_ratio']:.3f}x); "
-                  f"slowest / fastest baseline (noise): {summary['control_ratio']:.3f}x; per-step rewards identical "
-                  f"in every phase: {summary['same_rewards']}")
+    console.print(
+        f"step time under load / without: {summary['ratio']:.3f}x (bound C/(C-L) <= "
+        f"{summary.get('cpu_bound', float('nan')):.3f}x: {'met' if met['bound'] else 'not met'}; "
+        f"<= {FIXED_BOUND:.2f}x: {'met' if met['fixed_bound'] else 'not met'}; the daemon's part alone "
+        f"{summary.get('daemon_cpu_bound', float('nan')):.3f}x; medians {summary['median_ratio']:.3f}x); "
+        f"slowest / fastest baseline (noise): {summary['control_ratio']:.3f}x; per-step rewards identical "
+        f"in every phase: {summary['same_rewards']}"
+    )
 
 
 def yes_no(ok: bool) -> str:
@@ -424,13 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few steps, one round: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=None, help="steps per job and phase (default 40, quick 6)")
     ap.add_argument("--warmup", type=int, default=None, help="steps of each job not timed (default 5, quick 2)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="load phases, each between two baselines (default 2, quick 1)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="load phases, each between two baselines (default 2, quick 1)"
+    )
     ap.add_argument("--rate", type=float, default=TARGET_RATE, help="status calls per second, all clients")
     ap.add_argument("--procs", type=int, default=8, help="status client processes (default 8)")
     ap.add_argument("--timeout", type=float, default=2.0, help="seconds a status call may take (default 2)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON file (default bench/results/status_load[-quick].json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/status_load[-quick].json)")
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
@@ -438,10 +543,19 @@ def main(argv: list[str] | None = None) -> int:
     if steps <= warmup or args.rate <= 0 or args.procs < 1 or args.timeout <= 0 or rounds < 1:
         ap.error("need --steps > --warmup, --rate > 0, --procs >= 1, --timeout > 0 and --rounds >= 1")
     load = Load(args.rate, args.procs, args.timeout)
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
-                   cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    overrides = [f"algo.steps={steps}", "algo.eval_every=0", "data.eval_path=null", "checkpoint.every=0",
-                 f"model.path={MODEL}"]
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    overrides = [
+        f"algo.steps={steps}",
+        "algo.eval_every=0",
+        "data.eval_path=null",
+        "checkpoint.every=0",
+        f"model.path={MODEL}",
+    ]
     t0 = time.time()
     home = Path(tempfile.mkdtemp(prefix="plexrl-bench-status-"))
     with console.status("starting a local cluster"):
@@ -465,22 +579,40 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(home, ignore_errors=True)
     status = summarize_load(load, [part for sl in loads for part in sl.parts], sum(sl.window_s for sl in loads))
     summary = compare(phases, status)
-    met = {"rate": status["achieved_per_s"] >= RATE_SLACK * load.rate,
-           "no_errors": status["errors"] == 0 and status["timeouts"] == 0,
-           "bound": summary["ratio"] <= summary.get("cpu_bound", FIXED_BOUND),
-           "fixed_bound": summary["ratio"] <= FIXED_BOUND}
+    met = {
+        "rate": status["achieved_per_s"] >= RATE_SLACK * load.rate,
+        "no_errors": status["errors"] == 0 and status["timeouts"] == 0,
+        "bound": summary["ratio"] <= summary.get("cpu_bound", FIXED_BOUND),
+        "fixed_bound": summary["ratio"] <= FIXED_BOUND,
+    }
     print_report(phases, status, summary, met)
     out = args.out or REPO / "bench" / "results" / ("status_load-quick.json" if args.quick else "status_load.json")
-    write_json_atomic(out, {
-        "benchmark": "status_load", "quick": args.quick, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": describe(), "load_avg": os.getloadavg(),
-        "command": " ".join(["python", "bench/status_load.py", *(sys.argv[1:] if argv is None else argv)]),
-        "jobs": {job: str(path.relative_to(REPO)) for job, path in JOBS.items()}, "steps": steps, "warmup": warmup,
-        "rounds": rounds,
-        "targets": {"status_per_s": load.rate, "step_time_ratio_max": summary.get("cpu_bound", FIXED_BOUND),
-                    "step_time_ratio_fixed": FIXED_BOUND, "rate_slack": RATE_SLACK},
-        "met": met, "summary": summary, "status": status, "phases": phases, "wall_s": time.time() - t0,
-    })
+    write_json_atomic(
+        out,
+        {
+            "benchmark": "status_load",
+            "quick": args.quick,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": describe(),
+            "load_avg": os.getloadavg(),
+            "command": " ".join(["python", "bench/status_load.py", *(sys.argv[1:] if argv is None else argv)]),
+            "jobs": {job: str(path.relative_to(REPO)) for job, path in JOBS.items()},
+            "steps": steps,
+            "warmup": warmup,
+            "rounds": rounds,
+            "targets": {
+                "status_per_s": load.rate,
+                "step_time_ratio_max": summary.get("cpu_bound", FIXED_BOUND),
+                "step_time_ratio_fixed": FIXED_BOUND,
+                "rate_slack": RATE_SLACK,
+            },
+            "met": met,
+            "summary": summary,
+            "status": status,
+            "phases": phases,
+            "wall_s": time.time() - t0,
+        },
+    )
     try:
         shown = out.resolve().relative_to(REPO)
     except ValueError:

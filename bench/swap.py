@@ -171,8 +171,14 @@ class Samples:
         return self.nbytes / min(self.seconds) / 1e9
 
     def to_json(self) -> dict[str, Any]:
-        return {"bytes": self.nbytes, "seconds": self.seconds, "median_s": self.median_s, "gbps": self.gbps,
-                "best_s": min(self.seconds), "best_gbps": self.best_gbps}
+        return {
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "median_s": self.median_s,
+            "gbps": self.gbps,
+            "best_s": min(self.seconds),
+            "best_gbps": self.best_gbps,
+        }
 
 
 def timed(run: Callable[[], T], sync: Callable[[], None] = lambda: None) -> tuple[T, float]:
@@ -299,14 +305,19 @@ class RawDisk:
 
     def variants(self) -> dict[str, Callable[[], float]]:
         """name -> one timed run, for every way this filesystem takes."""
-        runs: dict[str, Callable[[], float]] = {"raw_write": self.write, "raw_read": self.read_cold,
-                                                "raw_write_overwrite": partial(self.write, overwrite=True)}
+        runs: dict[str, Callable[[], float]] = {
+            "raw_write": self.write,
+            "raw_read": self.read_cold,
+            "raw_write_overwrite": partial(self.write, overwrite=True),
+        }
         if self.direct:
-            runs.update(raw_write_direct=partial(self.write, direct=True),
-                        raw_write_direct_overwrite=partial(self.write, direct=True, overwrite=True),
-                        raw_write_direct_par=partial(self.write, direct=True, parallel=True),
-                        raw_read_direct=partial(self.read_cold, direct=True),
-                        raw_read_direct_par=partial(self.read_cold, direct=True, parallel=True))
+            runs.update(
+                raw_write_direct=partial(self.write, direct=True),
+                raw_write_direct_overwrite=partial(self.write, direct=True, overwrite=True),
+                raw_write_direct_par=partial(self.write, direct=True, parallel=True),
+                raw_read_direct=partial(self.read_cold, direct=True),
+                raw_read_direct_par=partial(self.read_cold, direct=True, parallel=True),
+            )
         return runs
 
     def _direct_works(self) -> bool:
@@ -362,13 +373,19 @@ class SameMemory:
 
     def device_to_host(self) -> float:
         slot = self._slot()
-        return self._on_pool_buffer(slot.numel(), lambda buffer: timed(
-            partial(buffer[: slot.numel()].copy_, slot, non_blocking=slot.is_cuda), cuda_sync)[1])
+        return self._on_pool_buffer(
+            slot.numel(),
+            lambda buffer: timed(partial(buffer[: slot.numel()].copy_, slot, non_blocking=slot.is_cuda), cuda_sync)[1],
+        )
 
     def host_to_device(self) -> float:
         slot = self._slot()
-        return self._on_pool_buffer(slot.numel(), lambda buffer: timed(
-            partial(slot.copy_, buffer[: slot.numel()], non_blocking=buffer.is_pinned()), cuda_sync)[1])
+        return self._on_pool_buffer(
+            slot.numel(),
+            lambda buffer: timed(
+                partial(slot.copy_, buffer[: slot.numel()], non_blocking=buffer.is_pinned()), cuda_sync
+            )[1],
+        )
 
     def file(self, run: Callable[[], float]) -> Callable[[], float]:
         """A raw file variant over the pool's buffer."""
@@ -413,8 +430,9 @@ def lora_for_bytes(target_bytes: int, config: dict[str, Any]) -> LoraConfig:
 def train_once(trainer: TrainerEngine, job_id: str) -> None:
     """One optimizer step of a resident job, so its AdamW moments exist."""
     rows = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 12, 13, 2]]
-    batch = TrainBatch(input_ids=rows, loss_mask=[[0, 0, 0, 1, 1, 1]] * 2, old_logprobs=[[0.0] * 6] * 2,
-                       advantages=[1.0, -1.0])
+    batch = TrainBatch(
+        input_ids=rows, loss_mask=[[0, 0, 0, 1, 1, 1]] * 2, old_logprobs=[[0.0] * 6] * 2, advantages=[1.0, -1.0]
+    )
     trainer.train_step(job_id, batch, TrainHParams())
 
 
@@ -433,8 +451,9 @@ class SwapCycle:
     counters, checked to be one move of exactly the state's bytes.
     """
 
-    def __init__(self, trainer: TrainerEngine, lora: LoraConfig, config: dict[str, Any], nvme_dir: Path,
-                 name: str) -> None:
+    def __init__(
+        self, trainer: TrainerEngine, lora: LoraConfig, config: dict[str, Any], nvme_dir: Path, name: str
+    ) -> None:
         self.job = f"swap-{name}"
         self.lora = lora
         self.nbytes = StateStore.job_bytes(lora, config)
@@ -449,13 +468,34 @@ class SwapCycle:
         """One round, in order: (direction, a call that makes that move and returns its seconds)."""
         store, job = self.store, self.job
         return [
-            ("device->host", partial(self._step, "device->host", [self.f1, job, self.f2],
-                                     lambda: store.ensure_resident(self.f1, FILLER, seed=1))),
-            ("host->nvme", partial(self._step, "host->nvme", [self.f2, self.f1, job],
-                                   lambda: store.ensure_resident(self.f2, FILLER, seed=1))),
+            (
+                "device->host",
+                partial(
+                    self._step,
+                    "device->host",
+                    [self.f1, job, self.f2],
+                    lambda: store.ensure_resident(self.f1, FILLER, seed=1),
+                ),
+            ),
+            (
+                "host->nvme",
+                partial(
+                    self._step,
+                    "host->nvme",
+                    [self.f2, self.f1, job],
+                    lambda: store.ensure_resident(self.f2, FILLER, seed=1),
+                ),
+            ),
             ("nvme->host", partial(self._step, "nvme->host", [job, self.f2, self.f1], lambda: store.prefetch(job))),
-            ("host->device", partial(self._step, "host->device", [job, self.f1, self.f2],
-                                     lambda: store.ensure_resident(job, self.lora, seed=0))),
+            (
+                "host->device",
+                partial(
+                    self._step,
+                    "host->device",
+                    [job, self.f1, self.f2],
+                    lambda: store.ensure_resident(job, self.lora, seed=0),
+                ),
+            ),
         ]
 
     def round(self) -> dict[str, float]:
@@ -470,8 +510,10 @@ class SwapCycle:
         after = store.swap_stats(direction)
         moved = (after["count"] - before["count"], after["bytes"] - before["bytes"])
         if moved != (1, self.nbytes) or store.where(job) != direction.split("->")[1]:
-            raise SystemExit(f"{self.job}: expected one {direction} move of {self.nbytes} bytes, "
-                             f"got {moved}; the state is on {store.where(job)}")
+            raise SystemExit(
+                f"{self.job}: expected one {direction} move of {self.nbytes} bytes, "
+                f"got {moved}; the state is on {store.where(job)}"
+            )
         return after["seconds"] - before["seconds"]
 
     def close(self) -> None:
@@ -482,8 +524,9 @@ class SwapCycle:
 # ---------------------------------------------------------------- one size through every tier
 
 
-def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[str, Any], nvme_dir: Path,
-             reps: int) -> dict[str, Any]:
+def run_size(
+    name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[str, Any], nvme_dir: Path, reps: int
+) -> dict[str, Any]:
     """``reps`` rounds of the cycle (after one untimed warm-up round: the host buffer pool,
     the allocator, the parked adapters), each beside the raw memory and file figures."""
     slabs = trainer.slabs  # the trainer's, shared by the sizes: counted for this one
@@ -497,8 +540,10 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
     def add(key: str, nbytes: int, seconds: float) -> None:
         samples.setdefault(key, Samples(nbytes)).seconds.append(seconds)
 
-    memory_units: list[tuple[str, Callable[[], float]]] = [("device.memcpy", raw_mem.memcpy),
-                                                            ("device.clone", raw_mem.clone)]
+    memory_units: list[tuple[str, Callable[[], float]]] = [
+        ("device.memcpy", raw_mem.memcpy),
+        ("device.clone", raw_mem.clone),
+    ]
     if raw_mem.cuda:
         memory_units += [("device.h2d", raw_mem.host_to_device), ("device.d2h", raw_mem.device_to_host)]
     same = SameMemory(cycle, raw_disk)
@@ -525,12 +570,19 @@ def run_size(name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[s
     del raw_mem
     gc.collect()
     pool = cycle.store._pool
-    return {"size": name, "lora_rank": lora.rank, "bytes": cycle.nbytes, "paths": paths_of(samples),
-            "host_pool": {"allocated": pool.allocated, "allocated_bytes": pool.allocated_bytes, "reused": pool.reused},
-            "device_buffers": {"allocated": slabs.allocated - device_before[0],
-                               "allocated_bytes": slabs.allocated_bytes - device_before[1],
-                               "reused": slabs.reused - device_before[2]},
-            "samples": {key: s.to_json() for key, s in samples.items()}}
+    return {
+        "size": name,
+        "lora_rank": lora.rank,
+        "bytes": cycle.nbytes,
+        "paths": paths_of(samples),
+        "host_pool": {"allocated": pool.allocated, "allocated_bytes": pool.allocated_bytes, "reused": pool.reused},
+        "device_buffers": {
+            "allocated": slabs.allocated - device_before[0],
+            "allocated_bytes": slabs.allocated_bytes - device_before[1],
+            "reused": slabs.reused - device_before[2],
+        },
+        "samples": {key: s.to_json() for key, s in samples.items()},
+    }
 
 
 def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
@@ -545,10 +597,18 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
         return max(found, key=lambda kv: kv[1])
 
     plan = [
-        ("device->host", "TrainerEngine.export_state (eviction)", "device.d2h" if cuda else "device.memcpy",
-         "same.device.d2h"),
-        ("host->device", "TrainerEngine.import_state (swap-in)", "device.h2d" if cuda else "device.memcpy",
-         "same.device.h2d"),
+        (
+            "device->host",
+            "TrainerEngine.export_state (eviction)",
+            "device.d2h" if cuda else "device.memcpy",
+            "same.device.d2h",
+        ),
+        (
+            "host->device",
+            "TrainerEngine.import_state (swap-in)",
+            "device.h2d" if cuda else "device.memcpy",
+            "same.device.h2d",
+        ),
         ("host->nvme", "StateStore demotion (xxh3, fdatasync)", "nvme.raw_write", "same.nvme.raw_write"),
         ("nvme->host", "StateStore.prefetch, cold (verified)", "nvme.raw_read", "same.nvme.raw_read"),
     ]
@@ -557,12 +617,24 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
         got = samples[f"store.{path}"]
         (raw_key, raw_gbps), (same_key, same_gbps) = best(own), best(same)
         best_same = samples[same_key].best_gbps
-        row = {"path": path, "via": via, "gbps": got.gbps, "seconds": got.median_s,
-               "raw_same_memory": same_key, "raw_same_memory_gbps": same_gbps,
-               "pct_of_raw_same_memory": got.gbps / same_gbps, "meets_target": got.gbps >= TARGET * same_gbps,
-               "raw": raw_key, "raw_gbps": raw_gbps, "pct_of_raw": got.gbps / raw_gbps,
-               "best_run": {"gbps": got.best_gbps, "raw_same_memory_gbps": best_same,
-                            "pct_of_raw_same_memory": got.best_gbps / best_same}}
+        row = {
+            "path": path,
+            "via": via,
+            "gbps": got.gbps,
+            "seconds": got.median_s,
+            "raw_same_memory": same_key,
+            "raw_same_memory_gbps": same_gbps,
+            "pct_of_raw_same_memory": got.gbps / same_gbps,
+            "meets_target": got.gbps >= TARGET * same_gbps,
+            "raw": raw_key,
+            "raw_gbps": raw_gbps,
+            "pct_of_raw": got.gbps / raw_gbps,
+            "best_run": {
+                "gbps": got.best_gbps,
+                "raw_same_memory_gbps": best_same,
+                "pct_of_raw_same_memory": got.best_gbps / best_same,
+            },
+        }
         if not cuda and path in ("device->host", "host->device"):
             row["pct_of_clone"] = got.gbps / samples["device.clone"].gbps
         rows.append(row)
@@ -594,16 +666,21 @@ def hidden_share(path: Path) -> dict[str, Any]:
             missing.append(mode)
             continue
         result["modes"][mode] = {
-            "swaps": int(summary.get("count", 0)), "swap_s": summary.get("seconds", 0.0),
-            "critical_s": summary.get("critical_s", 0.0), "stalled_s": summary.get("stalled_s", 0.0),
+            "swaps": int(summary.get("count", 0)),
+            "swap_s": summary.get("seconds", 0.0),
+            "critical_s": summary.get("critical_s", 0.0),
+            "stalled_s": summary.get("stalled_s", 0.0),
             "behind_other_jobs_s": summary.get("behind_other_jobs_s", 0.0),
-            "background_s": summary.get("background_s", 0.0), "hidden_s": summary.get("hidden_s", 0.0),
-            "hidden_share": summary.get("hidden_share"), "hidden_share_trainer": summary.get("hidden_share_trainer"),
+            "background_s": summary.get("background_s", 0.0),
+            "hidden_s": summary.get("hidden_s", 0.0),
+            "hidden_share": summary.get("hidden_share"),
+            "hidden_share_trainer": summary.get("hidden_share_trainer"),
         }
     result["available"] = bool(result["modes"])
     if missing:
-        result["missing"] = (f"modes {missing} of {_rel(path)} hold no background-move summary "
-                             "(rerun bench/multiplex.py)")
+        result["missing"] = (
+            f"modes {missing} of {_rel(path)} hold no background-move summary (rerun bench/multiplex.py)"
+        )
     return result
 
 
@@ -612,8 +689,13 @@ def hidden_share(path: Path) -> dict[str, Any]:
 
 def machine(nvme_dir: Path, trainer: TrainerEngine) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "cpu": describe(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
-        "trainer_device": str(trainer.device), "nvme_dir": str(nvme_dir), "nvme_mount": mount_of(nvme_dir),
+        "cpu": describe(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg": os.getloadavg(),
+        "trainer_device": str(trainer.device),
+        "nvme_dir": str(nvme_dir),
+        "nvme_mount": mount_of(nvme_dir),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -636,34 +718,62 @@ def mount_of(path: Path) -> str:
 
 def print_report(results: list[dict[str, Any]], hidden: dict[str, Any], info: dict[str, Any]) -> None:
     cpu = "pct_of_clone" in results[0]["paths"][0]
-    title = (f"swap: trainer state through each tier vs the raw hardware, same run, medians "
-             f"(device = {info['trainer_device']}, nvme = {info['nvme_mount']})")
+    title = (
+        f"swap: trainer state through each tier vs the raw hardware, same run, medians "
+        f"(device = {info['trainer_device']}, nvme = {info['nvme_mount']})"
+    )
     table = Table(title=title)
-    columns = ["size", "bytes", "path", "ms", "GB/s", "raw figure", "its ms", "same memory GB/s", "% of it",
-               f">= {TARGET:.0%}", "own buffers GB/s", "% of it"]
+    columns = [
+        "size",
+        "bytes",
+        "path",
+        "ms",
+        "GB/s",
+        "raw figure",
+        "its ms",
+        "same memory GB/s",
+        "% of it",
+        f">= {TARGET:.0%}",
+        "own buffers GB/s",
+        "% of it",
+    ]
     if cpu:
         columns.append("% of clone")
     for col in columns:
         table.add_column(col, justify="left" if col in ("size", "path", "raw figure") else "right")
+
     def ms(seconds: float) -> str:
         return f"{seconds * 1e3:.{2 if seconds < 0.01 else 1}f}"
 
     for result in results:
         for row in result["paths"]:
-            cells = [result["size"], human_bytes(result["bytes"]), row["path"], ms(row["seconds"]),
-                     f"{row['gbps']:.2f}", raw_label(row["raw_same_memory"], cpu),
-                     ms(result["samples"][row["raw_same_memory"]]["median_s"]),
-                     f"{row['raw_same_memory_gbps']:.2f}", f"{row['pct_of_raw_same_memory']:.0%}",
-                     "yes" if row["meets_target"] else "no", f"{row['raw_gbps']:.2f}", f"{row['pct_of_raw']:.0%}"]
+            cells = [
+                result["size"],
+                human_bytes(result["bytes"]),
+                row["path"],
+                ms(row["seconds"]),
+                f"{row['gbps']:.2f}",
+                raw_label(row["raw_same_memory"], cpu),
+                ms(result["samples"][row["raw_same_memory"]]["median_s"]),
+                f"{row['raw_same_memory_gbps']:.2f}",
+                f"{row['pct_of_raw_same_memory']:.0%}",
+                "yes" if row["meets_target"] else "no",
+                f"{row['raw_gbps']:.2f}",
+                f"{row['pct_of_raw']:.0%}",
+            ]
             if cpu:
                 cells.append(f"{row['pct_of_clone']:.0%}" if "pct_of_clone" in row else "")
             table.add_row(*cells)
     console.print(table)
     if cpu:
-        console.print("No CUDA: the device tier is host memory, so device<->host is a host copy; "
-                      "'% of clone' compares it with allocate-and-copy (clone), the raw figures are memcpy.")
-    console.print("Same memory: the raw operation between the job's device buffer and the store's pool buffer "
-                  "(memory), or over the pool buffer (file I/O); own buffers: the bench's own.")
+        console.print(
+            "No CUDA: the device tier is host memory, so device<->host is a host copy; "
+            "'% of clone' compares it with allocate-and-copy (clone), the raw figures are memcpy."
+        )
+    console.print(
+        "Same memory: the raw operation between the job's device buffer and the store's pool buffer "
+        "(memory), or over the pool buffer (file I/O); own buffers: the bench's own."
+    )
     meets = [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if p["meets_target"]]
     misses = [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if not p["meets_target"]]
     console.print(f"meet >= {TARGET:.0%} of raw on the same memory: {', '.join(meets) or 'none'}")
@@ -671,8 +781,10 @@ def print_report(results: list[dict[str, Any]], hidden: dict[str, Any], info: di
     if hidden.get("available"):
         for mode, h in hidden["modes"].items():
             share = "n/a (no swaps)" if h["hidden_share"] is None else f"{h['hidden_share']:.0%}"
-            console.print(f"multiplex {mode}: {h['swaps']} swaps, {h['swap_s']:.3f} s "
-                          f"({h['critical_s']:.3f} s on the trainer's critical path), hidden behind compute: {share}")
+            console.print(
+                f"multiplex {mode}: {h['swaps']} swaps, {h['swap_s']:.3f} s "
+                f"({h['critical_s']:.3f} s on the trainer's critical path), hidden behind compute: {share}"
+            )
     if hidden.get("missing"):
         console.print(f"hidden share: {hidden['missing']}")
 
@@ -690,6 +802,8 @@ CONDITIONS = (
     "write's blocks (no truncation, as the store reuses a spare file); device tier on CPU: memcpy into a "
     "preallocated faulted-in buffer (clone beside it)"
 )
+
+
 def raw_label(key: str, cpu: bool) -> str:
     """A raw figure's key in a few words (the same-memory copies are memcpy without CUDA)."""
     if cpu and key.startswith("same.device."):
@@ -698,11 +812,16 @@ def raw_label(key: str, cpu: bool) -> str:
 
 
 RAW_LABELS = {
-    "device.memcpy": "memcpy", "device.d2h": "pinned D2H", "device.h2d": "pinned H2D",
-    "nvme.raw_write": "write+fdatasync", "nvme.raw_write_direct": "O_DIRECT write+fdatasync",
+    "device.memcpy": "memcpy",
+    "device.d2h": "pinned D2H",
+    "device.h2d": "pinned H2D",
+    "nvme.raw_write": "write+fdatasync",
+    "nvme.raw_write_direct": "O_DIRECT write+fdatasync",
     "nvme.raw_write_direct_par": f"O_DIRECT x{copy_files.IO_DEPTH} write+fdatasync",
-    "nvme.raw_write_overwrite": "overwrite+fdatasync", "nvme.raw_write_direct_overwrite": "O_DIRECT overwrite+fdatasync",
-    "nvme.raw_read": "read, cold", "nvme.raw_read_direct": "O_DIRECT read",
+    "nvme.raw_write_overwrite": "overwrite+fdatasync",
+    "nvme.raw_write_direct_overwrite": "O_DIRECT overwrite+fdatasync",
+    "nvme.raw_read": "read, cold",
+    "nvme.raw_read_direct": "O_DIRECT read",
     "nvme.raw_read_direct_par": f"O_DIRECT x{copy_files.IO_DEPTH} read",
 }
 
@@ -722,8 +841,12 @@ def _rel(path: Path) -> str:
 
 
 def build_tiny_model() -> Path:
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     return MODEL
 
 
@@ -733,8 +856,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/swap[-quick].json)")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="directory on the NVMe tier (default: a temp dir)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per transfer (default 8, quick 2)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: what `plexctl up --local` gives each worker on 2 cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: what `plexctl up --local` gives each worker on 2 cores)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = args.reps or (2 if args.quick else 8)
@@ -756,17 +883,28 @@ def main() -> None:
     hidden = hidden_share(MULTIPLEX_JSON)
     print_report(results, hidden, info)
     rows = [p for r in results for p in r["paths"]]
-    write_json_atomic(out, {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": args.quick, "reps": reps, "target_pct_of_raw": TARGET,
-        "command": " ".join(["python", _rel(Path(sys.argv[0])), *sys.argv[1:]]),
-        "conditions": CONDITIONS, "machine": info, "sizes": results, "hidden_behind_compute": hidden,
-        "summary": {
-            "meets_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if p["meets_target"]],
-            "below_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if not p["meets_target"]],
-            "min_pct_of_raw_same_memory": min(p["pct_of_raw_same_memory"] for p in rows),
-            "min_pct_of_raw": min(p["pct_of_raw"] for p in rows),
+    write_json_atomic(
+        out,
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "quick": args.quick,
+            "reps": reps,
+            "target_pct_of_raw": TARGET,
+            "command": " ".join(["python", _rel(Path(sys.argv[0])), *sys.argv[1:]]),
+            "conditions": CONDITIONS,
+            "machine": info,
+            "sizes": results,
+            "hidden_behind_compute": hidden,
+            "summary": {
+                "meets_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if p["meets_target"]],
+                "below_target": [
+                    f"{r['size']} {p['path']}" for r in results for p in r["paths"] if not p["meets_target"]
+                ],
+                "min_pct_of_raw_same_memory": min(p["pct_of_raw_same_memory"] for p in rows),
+                "min_pct_of_raw": min(p["pct_of_raw"] for p in rows),
+            },
         },
-    })
+    )
     console.print(f"wrote {_rel(out)}")
 
 

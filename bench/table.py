@@ -48,11 +48,16 @@ def multiplex(d: dict[str, Any]) -> Row:
     ratio = s["engine_s_per_step_ratio"]
     reps = [r["ratio"] for r in s.get("repeats", [])]
     spread = f" (median of {len(reps)} alternating runs, {min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
-    result = (f"engine-s/step shared/isolated **{ratio:.2f}**{spread}, makespan {s['makespan_ratio']:.2f}; "
-              f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
-              f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}")
-    busy = {mode: m["cpu"]["seconds"] / (m["cpu"]["cores"] * m["makespan_s"])
-            for mode, m in d["modes"].items() if "cpu" in m}
+    result = (
+        f"engine-s/step shared/isolated **{ratio:.2f}**{spread}, makespan {s['makespan_ratio']:.2f}; "
+        f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
+        f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}"
+    )
+    busy = {
+        mode: m["cpu"]["seconds"] / (m["cpu"]["cores"] * m["makespan_s"])
+        for mode, m in d["modes"].items()
+        if "cpu" in m
+    }
     if busy:
         result += "; CPU cores busy " + ", ".join(f"{_pct(share)} {mode}" for mode, share in busy.items())
     target = s["target_engine_s_per_step_ratio"]
@@ -64,54 +69,79 @@ def simulate(d: dict[str, Any]) -> Row:
     sb = d["policies"]["spread+backfill"]
     ref = d["reference"]
     p99 = best["tick_p99_us"]
-    result = (f"{best['jobs']} jobs on {best['gpus']} GPUs: makespan vs isolated {_pct(best['makespan_vs_isolated'])} "
-              f"(spread+backfill {_pct(sb['makespan_vs_isolated'])}), GPU-h/step {_pct(best['gpu_hours_per_step_vs_isolated'])}; "
-              f"decision p99 {p99:.0f} µs; run {d['run_s']:.0f} s")
+    result = (
+        f"{best['jobs']} jobs on {best['gpus']} GPUs: makespan vs isolated {_pct(best['makespan_vs_isolated'])} "
+        f"(spread+backfill {_pct(sb['makespan_vs_isolated'])}), "
+        f"GPU-h/step {_pct(best['gpu_hours_per_step_vs_isolated'])}; "
+        f"decision p99 {p99:.0f} µs; run {d['run_s']:.0f} s"
+    )
     calib = d.get("calibration") or {}
     if "measured_ratio" in calib:
         parts = [f"scheduling {calib.get('scheduling_ratio', calib['ratio']):.2f}"]
         if "cpu_bound_ratio" in calib:
             parts.append(f"cores bound {calib['cpu_bound_ratio']:.2f}")
-        result += (f"; calibration vs multiplex: predicted shared/isolated {calib['ratio']:.2f} "
-                   f"({', '.join(parts)}), measured {calib['measured_ratio']:.2f}")
-    target = f"PlexRL {_pct(ref['plexrl_makespan_vs_isolated_spread_backfill'])}; p99 < {ref['tick_p99_target_us'] / 1000:g} ms"
+        result += (
+            f"; calibration vs multiplex: predicted shared/isolated {calib['ratio']:.2f} "
+            f"({', '.join(parts)}), measured {calib['measured_ratio']:.2f}"
+        )
+    target = (
+        f"PlexRL {_pct(ref['plexrl_makespan_vs_isolated_spread_backfill'])}; "
+        f"p99 < {ref['tick_p99_target_us'] / 1000:g} ms"
+    )
     return result, target, _yes(p99 < ref["tick_p99_target_us"] and d["run_s"] < 60), _machine(d)
 
 
 def swap(d: dict[str, Any]) -> Row:
     parts = []
     for size in d["sizes"]:
-        paths = ", ".join(f"{p['path']} {_pct(p['pct_of_raw_same_memory'])} ({_pct(p['pct_of_raw'])})"
-                          for p in size["paths"])
+        paths = ", ".join(
+            f"{p['path']} {_pct(p['pct_of_raw_same_memory'])} ({_pct(p['pct_of_raw'])})" for p in size["paths"]
+        )
         parts.append(f"{size['size']} ({_bytes(size['bytes'])}): {paths}")
     below = d["summary"]["below_target"]
-    result = ("medians, % of raw on the same memory (of raw on the bench's own buffers): " + "; ".join(parts))
+    result = "medians, % of raw on the same memory (of raw on the bench's own buffers): " + "; ".join(parts)
     met = "yes" if not below else f"no: {', '.join(below)}"
     return result, f">= {_pct(d['target_pct_of_raw'])} of raw on the same memory", met, _machine(d)
 
 
 def daemon(d: dict[str, Any]) -> Row:
     rt, tp, tg = d["round_trip"], d["throughput"], d["targets"]
-    result = (f"p50 {rt['p50_ms']:.2f} ms, p99 {rt['p99_ms']:.2f} ms; {tp['msgs_per_s'] / 1000:.0f} k msg/s "
-              f"with {tp['clients']} clients")
-    return (result, f"p50 < {tg['p50_ms']:g} ms, >= {tg['msgs_per_s'] // 1000} k msg/s", _yes(all(d["met"].values())),
-            _machine(d))
+    result = (
+        f"p50 {rt['p50_ms']:.2f} ms, p99 {rt['p99_ms']:.2f} ms; {tp['msgs_per_s'] / 1000:.0f} k msg/s "
+        f"with {tp['clients']} clients"
+    )
+    return (
+        result,
+        f"p50 < {tg['p50_ms']:g} ms, >= {tg['msgs_per_s'] // 1000} k msg/s",
+        _yes(all(d["met"].values())),
+        _machine(d),
+    )
 
 
 def overhead(d: dict[str, Any]) -> Row:
-    runs = (f" (medians of {sum(d['phases_median'][m]['steps_timed'] for m in d['phases_median'])} steps in "
+    runs = (
+        (
+            f" (medians of {sum(d['phases_median'][m]['steps_timed'] for m in d['phases_median'])} steps in "
             f"{d['turns']} turns of {d['block']} steps; adjacent turns' own ratios: median "
             f"{100 * d['pair_overhead_median']:+.1f} %, {100 * min(p['overhead'] for p in d['pairs']):+.1f} to "
-            f"{100 * max(p['overhead'] for p in d['pairs']):+.1f} %)") if d.get("pairs") and d.get("turns") else ""
-    result = (f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**{runs}; "
-              f"per-step rewards identical: {'yes' if d['same_rewards'] else 'no'}")
+            f"{100 * max(p['overhead'] for p in d['pairs']):+.1f} %)"
+        )
+        if d.get("pairs") and d.get("turns")
+        else ""
+    )
+    result = (
+        f"{d['daemon_step_s']:.3f} vs {d['in_process_step_s']:.3f} s/step: **{100 * d['overhead']:+.1f} %**{runs}; "
+        f"per-step rewards identical: {'yes' if d['same_rewards'] else 'no'}"
+    )
     return result, f"<= +{_pct(d['target'])}", _yes(d["overhead"] <= d["target"] and d["same_rewards"]), _machine(d)
 
 
 def status_load(d: dict[str, Any]) -> Row:
     s, t, met = d["summary"], d["targets"], d["met"]
-    result = (f"{t['status_per_s']:.0f} status/s served; job step time {s['ratio']:.2f}x "
-              f"(bound C/(C-L) {s['cpu_bound']:.2f}x); daemon {s['daemon_cpu_us_per_status']:.0f} µs CPU per call")
+    result = (
+        f"{t['status_per_s']:.0f} status/s served; job step time {s['ratio']:.2f}x "
+        f"(bound C/(C-L) {s['cpu_bound']:.2f}x); daemon {s['daemon_cpu_us_per_status']:.0f} µs CPU per call"
+    )
     target = f"{t['status_per_s']:.0f}/s within the CPU-share bound (fixed {t['step_time_ratio_fixed']}x)"
     verdict = "yes" if met["rate"] and met["bound"] and met["no_errors"] else "no"
     if verdict == "yes" and not met["fixed_bound"]:
@@ -121,8 +151,10 @@ def status_load(d: dict[str, Any]) -> Row:
 
 def tools(d: dict[str, Any]) -> Row:
     s = d["summary"]
-    result = (f"tool-latency job ({d['latency_s']:g} s tools): bubble alone {_pct(s['bubble_alone'])}, with neighbours "
-              f"{_pct(s['bubble_shared'])}; its slowdown {s['job_slowdown_shared']:.2f}x")
+    result = (
+        f"tool-latency job ({d['latency_s']:g} s tools): bubble alone {_pct(s['bubble_alone'])}, with neighbours "
+        f"{_pct(s['bubble_shared'])}; its slowdown {s['job_slowdown_shared']:.2f}x"
+    )
     return result, "gaps filled by other jobs", _yes(s["bubble_shared"] < s["bubble_alone"]), _machine(d)
 
 
@@ -187,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = readme_with(text, generated)
     if args.check:
         if wanted != text:
-            print("README.md's benchmark table differs from bench/results/*.json: run python bench/table.py --write",
-                  file=sys.stderr)
+            print(
+                "README.md's benchmark table differs from bench/results/*.json: run python bench/table.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if wanted != text:

@@ -76,19 +76,34 @@ EPISODES_PER_STEP = 4 * 8  # prompts_per_step x group_size, for both jobs
 
 def latency_job(steps: int, latency_s: float) -> list[str]:
     """Overrides on configs/tiny-tool.yaml: the tool-latency job."""
-    return ["env.name=null", "env.cls=tools:LatentPythonToolEnv", f"env.path={BENCH}",
-            f"env.config.latency_s={latency_s}", f"env.workers={EPISODES_PER_STEP}", "algo.prompts_per_step=4",
-            f"algo.steps={steps}", "data.eval_path=null", "checkpoint.every=0", "seed=0"]
+    return [
+        "env.name=null",
+        "env.cls=tools:LatentPythonToolEnv",
+        f"env.path={BENCH}",
+        f"env.config.latency_s={latency_s}",
+        f"env.workers={EPISODES_PER_STEP}",
+        "algo.prompts_per_step=4",
+        f"algo.steps={steps}",
+        "data.eval_path=null",
+        "checkpoint.every=0",
+        "seed=0",
+    ]
 
 
-NEIGHBOUR = ["algo.prompts_per_step=4", "algo.steps=100000", "data.eval_path=null", "checkpoint.every=0",
-             "seed=1"]
+NEIGHBOUR = ["algo.prompts_per_step=4", "algo.steps=100000", "data.eval_path=null", "checkpoint.every=0", "seed=1"]
 
 
 def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PLEXRL_HOME": str(home), "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], check=False, cwd=REPO, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "plexctl.cli", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def submit(client: Any, overrides: list[str], name: str) -> str:
@@ -103,8 +118,7 @@ def busy_now(client: Any) -> tuple[float, dict[str, float]]:
     return rep.now, {e.engine_id: e.busy_seconds for e in rep.engines}
 
 
-def wait_until(client: Any, job_id: str, pred: Any, what: str, timeout: float = 1800,
-               on_poll: Any = None) -> Any:
+def wait_until(client: Any, job_id: str, pred: Any, what: str, timeout: float = 1800, on_poll: Any = None) -> Any:
     """Poll the job until ``pred(info)``; exit if it ends first or the timeout passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -135,8 +149,13 @@ def run_phase(client: Any, state_dir: Path, phase: str, steps: int, latency_s: f
     n0 = client.status(neighbour).jobs[0].step if neighbour else 0
     job = submit(client, latency_job(steps, latency_s), f"tool-latency-{phase}")
     with Console(stderr=True).status(f"{phase}: tool-latency job") as spinner:
-        info = wait_until(client, job, lambda j: j.state in TERMINAL, "the end",
-                          on_poll=lambda j: spinner.update(f"{phase}: tool-latency job, step {j.step}/{steps}"))
+        info = wait_until(
+            client,
+            job,
+            lambda j: j.state in TERMINAL,
+            "the end",
+            on_poll=lambda j: spinner.update(f"{phase}: tool-latency job, step {j.step}/{steps}"),
+        )
     t1, busy1 = busy_now(client)
     n1 = 0
     if neighbour:
@@ -150,16 +169,20 @@ def run_phase(client: Any, state_dir: Path, phase: str, steps: int, latency_s: f
     rows = metrics(state_dir, job)
     episodes = EPISODES_PER_STEP * len(rows)
     return {
-        "phase": phase, "window_s": window, "engines": len(busy),
+        "phase": phase,
+        "window_s": window,
+        "engines": len(busy),
         "bubble_ratio": 1.0 - sum(busy.values()) / (len(busy) * window),
         "engine_busy_share": {e: b / window for e, b in busy.items()},
         "job": {
-            "steps": info.step, "run_s": info.ended_at - info.started_at,
+            "steps": info.step,
+            "run_s": info.ended_at - info.started_at,
             "step_s": sum(r["step_s"] for r in rows) / len(rows),
             "episodes_s": sum(r["generate_s"] for r in rows) / len(rows),  # generation and tool waits
             "train_s": sum(r["train/seconds"] for r in rows) / len(rows),
             "tool_calls_per_episode": sum(r["env/tool_calls"] for r in rows) / episodes,
-            "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
+            "reward_first": rows[0]["reward_mean"],
+            "reward_last": rows[-1]["reward_mean"],
         },
         "neighbour_steps_in_window": n1 - n0 if neighbour else None,
     }
@@ -181,8 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     steps, latency = (5, 0.5) if args.quick else (args.steps, args.latency)
     console = Console()
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     model = REPO / ".plexrl" / "models" / "tiny-tool"
     home = Path(tempfile.mkdtemp(prefix="plexrl-bench-tools-"))
     up = plexctl(home, "up", "--local", "--model", str(model))
@@ -196,32 +223,54 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         plexctl(home, "down")
     alone, shared = phases["alone"], phases["shared"]
-    table = Table(title=f"tool-latency job, {steps} steps, {latency:g} s per tool call: bubble = idle share of "
-                        "1 rollout + 1 trainer engine over its run; nbr = neighbour job")
-    for col in ("phase", "bubble", "rollout busy", "trainer busy", "run s", "step s", "calls/ep",
-                "nbr steps"):
+    table = Table(
+        title=f"tool-latency job, {steps} steps, {latency:g} s per tool call: bubble = idle share of "
+        "1 rollout + 1 trainer engine over its run; nbr = neighbour job"
+    )
+    for col in ("phase", "bubble", "rollout busy", "trainer busy", "run s", "step s", "calls/ep", "nbr steps"):
         table.add_column(col, justify="right")
     for name, r in phases.items():
         share = r["engine_busy_share"]
         rollout = next((v for k, v in share.items() if "rollout" in k), 0.0)
         trainer = next((v for k, v in share.items() if "trainer" in k), 0.0)
-        table.add_row(name, f"{r['bubble_ratio']:.1%}", f"{rollout:.1%}", f"{trainer:.1%}", f"{r['job']['run_s']:.1f}",
-                      f"{r['job']['step_s']:.2f}", f"{r['job']['tool_calls_per_episode']:.2f}",
-                      "-" if r["neighbour_steps_in_window"] is None else str(r["neighbour_steps_in_window"]))
+        table.add_row(
+            name,
+            f"{r['bubble_ratio']:.1%}",
+            f"{rollout:.1%}",
+            f"{trainer:.1%}",
+            f"{r['job']['run_s']:.1f}",
+            f"{r['job']['step_s']:.2f}",
+            f"{r['job']['tool_calls_per_episode']:.2f}",
+            "-" if r["neighbour_steps_in_window"] is None else str(r["neighbour_steps_in_window"]),
+        )
     console.print(table)
     summary = {
-        "bubble_alone": alone["bubble_ratio"], "bubble_shared": shared["bubble_ratio"],
+        "bubble_alone": alone["bubble_ratio"],
+        "bubble_shared": shared["bubble_ratio"],
         "gaps_filled": (alone["bubble_ratio"] - shared["bubble_ratio"]) / alone["bubble_ratio"]
-        if alone["bubble_ratio"] > 0 else 0.0,
+        if alone["bubble_ratio"] > 0
+        else 0.0,
         "job_slowdown_shared": shared["job"]["run_s"] / alone["job"]["run_s"],
         "daemon_bubble_ratio_lifetime": daemon_bubble,
     }
-    console.print(f"bubble alone {summary['bubble_alone']:.1%} -> shared {summary['bubble_shared']:.1%} "
-                  f"({summary['gaps_filled']:.0%} of the idle engine time filled); the tool-latency job ran "
-                  f"{summary['job_slowdown_shared']:.2f}x as long beside the neighbour")
+    console.print(
+        f"bubble alone {summary['bubble_alone']:.1%} -> shared {summary['bubble_shared']:.1%} "
+        f"({summary['gaps_filled']:.0%} of the idle engine time filled); the tool-latency job ran "
+        f"{summary['job_slowdown_shared']:.2f}x as long beside the neighbour"
+    )
     out = args.out or REPO / "bench" / "results" / ("tools-quick.json" if args.quick else "tools.json")
-    write_json_atomic(out, {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": describe(), "quick": args.quick, "steps": steps,
-                            "latency_s": latency, "summary": summary, "phases": phases})
+    write_json_atomic(
+        out,
+        {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": describe(),
+            "quick": args.quick,
+            "steps": steps,
+            "latency_s": latency,
+            "summary": summary,
+            "phases": phases,
+        },
+    )
     console.print(f"wrote {out}")
 
 

@@ -131,5 +131,3 @@ class BlobStore:
 def _safe_relpath(rel: str) -> bool:
     parts = Path(rel).parts
     return bool(parts) and not Path(rel).is_absolute() and ".." not in parts and "\x00" not in rel
-
-

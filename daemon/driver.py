@@ -65,8 +65,7 @@ def run(argv: list[str] | None = None) -> int:
     client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_file, log=log)
     try:
         spec = spec_from_wire(json.loads((args.job_dir / "spec.json").read_text()))
-        log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, "
-            f"{spec.algo.steps} steps")
+        log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, {spec.algo.steps} steps")
         job = Job(client, spec, args.job_dir, log)
         try:
             run_algorithm(job)

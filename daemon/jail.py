@@ -50,8 +50,7 @@ OUT_DIR = "driver"  # in the job's directory: the one place the isolated driver 
 SOCKET_NAME = "plexd.sock"
 MAX_READ = 1 << 30
 MODE_ENV = "PLEXRL_JAIL_MODE"  # root | userns: force a mode (e.g. to test userns as root)
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-                "/etc/localtime")
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -114,9 +113,11 @@ def runs_as(user: str, job_id: str) -> Account:
 def refusal(user: str) -> str:
     """Why this daemon cannot run ``user``'s code held to that user's rights ("" if it can)."""
     if not mode():
-        return (f"user {user!r} is not trusted by this cluster, and its daemon can neither switch uid (it "
-                f"does not run as root) nor make user namespaces here, so it cannot jail their code; the "
-                f"cluster's owner can trust them (`plexctl up --trust-user-code {user}`)")
+        return (
+            f"user {user!r} is not trusted by this cluster, and its daemon can neither switch uid (it "
+            f"does not run as root) nor make user namespaces here, so it cannot jail their code; the "
+            f"cluster's owner can trust them (`plexctl up --trust-user-code {user}`)"
+        )
     if not Path(JAIL_ROOT).is_dir():
         return f"the daemon's node has no {JAIL_ROOT} to mount an isolated driver's files on"
     return ""
@@ -178,22 +179,37 @@ def read_job_file(path: Path, offset: int = 0, limit: int = MAX_READ) -> bytes:
         return f.read(limit)
 
 
-def start(who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: Path,
-          hide: list[Path], env: dict[str, str]) -> subprocess.Popen:
+def start(
+    who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: Path, hide: list[Path], env: dict[str, str]
+) -> subprocess.Popen:
     """Start the driver of ``job_id`` jailed (``mode()``) and running as ``who``; its output goes
     to ``log_path``. The process returned is the jail's supervisor: it forwards signals to the
     driver (pid 1 of its own PID namespace), which dies with it."""
     out = out_dir(job_dir, who)
     cfg = {
-        "mode": mode(), "uid": who.uid, "gid": who.gid, "groups": list(who.groups),
+        "mode": mode(),
+        "uid": who.uid,
+        "gid": who.gid,
+        "groups": list(who.groups),
         "system": [d for d in SYSTEM_PATHS if os.path.lexists(d)],
-        "paths": list(dict.fromkeys(p for p in [str(REPO_ROOT), *sys.path, os.path.realpath(sys.base_prefix)]
-                                    if p and os.path.isdir(p))),
-        "job": str(out), "sock": str(socket_dir(state_dir)),
+        "paths": list(
+            dict.fromkeys(
+                p for p in [str(REPO_ROOT), *sys.path, os.path.realpath(sys.base_prefix)] if p and os.path.isdir(p)
+            )
+        ),
+        "job": str(out),
+        "sock": str(socket_dir(state_dir)),
         "hide": sorted({str(p) for p in hide}, key=lambda p: -p.count("/")),  # deepest first
         "executable": os.path.realpath(sys.executable),
-        "argv": ["--endpoint", f"ipc://{JAIL_ROOT}/sock/{SOCKET_NAME}", "--job-id", job_id,
-                 "--job-dir", f"{JAIL_ROOT}/job", "--isolated"],
+        "argv": [
+            "--endpoint",
+            f"ipc://{JAIL_ROOT}/sock/{SOCKET_NAME}",
+            "--job-id",
+            job_id,
+            "--job-dir",
+            f"{JAIL_ROOT}/job",
+            "--isolated",
+        ],
     }
     child_env = {**env, "TMPDIR": "/tmp", "HOME": f"{JAIL_ROOT}/job", "USER": who.user, "LOGNAME": who.user}
     for name in ("PLEXRL_CLUSTER_KEYS", "PLEXRL_HOME", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP"):
@@ -201,8 +217,14 @@ def start(who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: P
     child_env["PLEXRL_DRIVER_KEYS"] = f"{JAIL_ROOT}/job/.keys"
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(cfg)], stdout=fd,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, cwd="/")
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(cfg)],
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            cwd="/",
+        )
     finally:
         os.close(fd)
 

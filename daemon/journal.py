@@ -59,8 +59,19 @@ CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
 """
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-UPDATABLE = {"state", "started_at", "ended_at", "step", "reward", "eval_first", "eval_last",
-             "policy_version", "engine", "error", "restarts"}
+UPDATABLE = {
+    "state",
+    "started_at",
+    "ended_at",
+    "step",
+    "reward",
+    "eval_first",
+    "eval_last",
+    "policy_version",
+    "engine",
+    "error",
+    "restarts",
+}
 
 
 class Journal:
@@ -71,7 +82,8 @@ class Journal:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
         self._jobs: dict[str, JobInfo] = {  # job_id -> its row, in submit order; never mutated in place
-            r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")}
+            r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")
+        }
         self._names: dict[str, str] = {info.name: job_id for job_id, info in self._jobs.items()}  # newest
 
     def close(self) -> None:
@@ -88,8 +100,9 @@ class Journal:
         finally:
             self.db.execute("PRAGMA synchronous=NORMAL")
 
-    def submit(self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int,
-               priority: int) -> tuple[str, bool]:
+    def submit(
+        self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int, priority: int
+    ) -> tuple[str, bool]:
         """Insert a job unless this submit_id was seen; (job_id, created)."""
         known = self.submitted(submit_id)
         if known is not None:
@@ -117,8 +130,11 @@ class Journal:
 
     def holding(self, name: str, user: str) -> list[JobInfo]:
         """``user``'s queued or running jobs named ``name``, oldest first (a name is one job's)."""
-        return [info for info in self._jobs.values()
-                if info.name == name and info.user == user and info.state in ("queued", "running")]
+        return [
+            info
+            for info in self._jobs.values()
+            if info.name == name and info.user == user and info.state in ("queued", "running")
+        ]
 
     def update(self, job_id: str, **fields: Any) -> None:
         bad = set(fields) - UPDATABLE
@@ -131,8 +147,9 @@ class Journal:
             self._jobs[job_id] = msgspec.structs.replace(self._jobs[job_id], **fields)
 
     def event(self, job_id: str, kind: str, detail: str = "") -> None:
-        self.db.execute("INSERT INTO events (job_id, t, kind, detail) VALUES (?,?,?,?)",
-                        (job_id, time.time(), kind, detail))
+        self.db.execute(
+            "INSERT INTO events (job_id, t, kind, detail) VALUES (?,?,?,?)", (job_id, time.time(), kind, detail)
+        )
 
     def events(self, job_id: str) -> list[tuple[float, str, str]]:
         rows = self.db.execute("SELECT t, kind, detail FROM events WHERE job_id=? ORDER BY id", (job_id,))
@@ -157,9 +174,21 @@ class Journal:
     @staticmethod
     def _info(r: sqlite3.Row) -> JobInfo:
         return JobInfo(
-            job_id=r["job_id"], name=r["name"], user=r["user"], state=r["state"], step=r["step"],
-            steps=r["steps"], reward=r["reward"], eval_first=r["eval_first"], eval_last=r["eval_last"],
-            policy_version=r["policy_version"], engine=r["engine"], submitted_at=r["submitted_at"],
-            started_at=r["started_at"], ended_at=r["ended_at"], error=r["error"], priority=r["priority"],
+            job_id=r["job_id"],
+            name=r["name"],
+            user=r["user"],
+            state=r["state"],
+            step=r["step"],
+            steps=r["steps"],
+            reward=r["reward"],
+            eval_first=r["eval_first"],
+            eval_last=r["eval_last"],
+            policy_version=r["policy_version"],
+            engine=r["engine"],
+            submitted_at=r["submitted_at"],
+            started_at=r["started_at"],
+            ended_at=r["ended_at"],
+            error=r["error"],
+            priority=r["priority"],
             restarts=r["restarts"],
         )

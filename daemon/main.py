@@ -57,20 +57,20 @@ import msgspec
 import zmq
 
 from daemon import jail, procs
-from daemon.blobs import BlobError, BlobStore
-from daemon.auth import secure
-from daemon.journal import TERMINAL, Journal
 from daemon import metrics as M
+from daemon.auth import secure
+from daemon.blobs import BlobError, BlobStore
+from daemon.journal import TERMINAL, Journal
 from daemon.scheduler import POLICIES, Engine, Scheduler, Task
-from plexctl.sizes import fmt_bytes
-from plexctl.state_size import job_state_bytes, model_config
-from plexctl import protocol as P
 from plexctl import auth, inputs
+from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import current_user
 from plexctl.cluster import Endpoint, endpoint_path, make_private, plexrl_home
 from plexctl.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.sizes import fmt_bytes
 from plexctl.spec import JobSpec, spec_from_wire
+from plexctl.state_size import job_state_bytes, model_config
 
 log = logging.getLogger("plexd")
 
@@ -89,8 +89,15 @@ ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then rest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 ROLLOUT_METHODS = {"generate"}
-INTERNAL_OPS = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.RESULT, P.Op.LEAVE, P.Op.WORKER_EXITED, P.Op.CALL,
-                P.Op.REPORT}  # drivers, workers, Slurm node tasks
+INTERNAL_OPS = {
+    P.Op.REGISTER,
+    P.Op.HEARTBEAT,
+    P.Op.RESULT,
+    P.Op.LEAVE,
+    P.Op.WORKER_EXITED,
+    P.Op.CALL,
+    P.Op.REPORT,
+}  # drivers, workers, Slurm node tasks
 
 
 @dataclass
@@ -140,12 +147,23 @@ class PendingCall:
 
 
 class Daemon:
-    def __init__(self, state_dir: Path, models: list[str], local_workers: list[list[str]],
-                 host: str = "127.0.0.1", port: int = 0, max_running: int = 16, mode: str = "local",
-                 policy: str = "spread+backfill", worker_args: list[str] | None = None,
-                 advertise_host: str | None = None, drain_timeout: float = DRAIN_TIMEOUT_S,
-                 trusted_users: list[str] | None = None, metrics_port: int | None = None,
-                 worker_grace: float = WORKER_GRACE_S) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        models: list[str],
+        local_workers: list[list[str]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_running: int = 16,
+        mode: str = "local",
+        policy: str = "spread+backfill",
+        worker_args: list[str] | None = None,
+        advertise_host: str | None = None,
+        drain_timeout: float = DRAIN_TIMEOUT_S,
+        trusted_users: list[str] | None = None,
+        metrics_port: int | None = None,
+        worker_grace: float = WORKER_GRACE_S,
+    ) -> None:
         self.state_dir = state_dir
         self.worker_grace = worker_grace  # a silent worker whose process may live is lost after this
         self.telemetry = M.Telemetry()  # call latencies, swap marks; /metrics when metrics_port is set
@@ -159,7 +177,9 @@ class Daemon:
         self.mode = mode
         self.started_at = time.time()
         self.journal = Journal(state_dir / "journal.db")
-        self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-prune")  # old adapters, checkpoints
+        self._janitor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="plexd-prune"
+        )  # old adapters, checkpoints
         self.sched = Scheduler(policy=policy)
         self.policy = policy
         self.worker_args = worker_args or []
@@ -190,7 +210,9 @@ class Daemon:
         self.sender = ""  # the authenticated user of the message being handled (its User-Id)
         os.environ[auth.KEYS_ENV] = str(auth.keys_dir(state_dir))  # drivers and workers present the internal key
 
-        self.ctx = zmq.Context()  # its own: the ZAP handler's inproc address is per context (a daemon started after another in one process finds it free)
+        # its own context: the ZAP handler's inproc address is per context (a daemon started after
+        # another in one process finds it free)
+        self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -201,7 +223,8 @@ class Daemon:
             self.sock.bind(jail.prepare_socket_dir(state_dir))
             jail.open_socket(state_dir)
         connect_host = advertise_host or (
-            "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname())
+            "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname()
+        )
         self.address = f"tcp://{connect_host}:{port}"
         if metrics_port is not None:
             self.metrics_port = self.telemetry.serve(host, metrics_port)
@@ -212,11 +235,20 @@ class Daemon:
         self._recover_jobs()
         for i, engines in enumerate(local_workers):
             self._spawn_local_worker(f"w{i}", engines, models[0])
-        write_json_atomic(endpoint_path(state_dir), msgspec.to_builtins(
-            Endpoint(address=self.address, pid=os.getpid(), started_at=self.started_at, mode=mode,
-                     host=socket.gethostname(),
-                     server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode())),
-            mode=0o644)  # the one file other users read
+        write_json_atomic(
+            endpoint_path(state_dir),
+            msgspec.to_builtins(
+                Endpoint(
+                    address=self.address,
+                    pid=os.getpid(),
+                    started_at=self.started_at,
+                    mode=mode,
+                    host=socket.gethostname(),
+                    server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode(),
+                )
+            ),
+            mode=0o644,
+        )  # the one file other users read
         log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
 
     # ------------------------------------------------------------------ lifecycle
@@ -246,21 +278,33 @@ class Daemon:
             job_dir = self.jobs_dir / info.job_id
             proc = None
             if info.state == "running":  # its driver runs on, or ended (and said how) while no daemon ran
-                argv, exit_file = self._driver_argv(info.job_id, job_dir, info.user), self._exit_file(job_dir, info.user)
-                proc = procs.find(job_dir / "driver.pid", argv, exit_file) or procs.exited(job_dir / "driver.pid", exit_file)
+                argv, exit_file = (
+                    self._driver_argv(info.job_id, job_dir, info.user),
+                    self._exit_file(job_dir, info.user),
+                )
+                proc = procs.find(job_dir / "driver.pid", argv, exit_file) or procs.exited(
+                    job_dir / "driver.pid", exit_file
+                )
             if proc is not None:
                 spec = spec_from_wire(self.journal.spec(info.job_id))
-                rt = self.runtimes[info.job_id] = JobRuntime(info.job_id, spec, job_dir, proc,
-                                                             policy_version=info.policy_version, user=info.user)
+                rt = self.runtimes[info.job_id] = JobRuntime(
+                    info.job_id, spec, job_dir, proc, policy_version=info.policy_version, user=info.user
+                )
                 adapter_dir = job_dir / "adapters" / f"v{info.policy_version:06d}"
                 if info.policy_version and adapter_dir.is_dir():
                     rt.adapter = P.AdapterRef(info.job_id, info.policy_version, str(adapter_dir))
-                asked = [kind for _, kind, _ in self.journal.events(info.job_id) if kind in ("started", "cancel_requested")]
+                asked = [
+                    kind for _, kind, _ in self.journal.events(info.job_id) if kind in ("started", "cancel_requested")
+                ]
                 if asked and asked[-1] == "cancel_requested":  # asked before the last daemon went: still asked
                     rt.cancel_requested_at = time.time()
                 if proc.poll() is not None:  # judged by the next pass over the drivers, as if seen exiting
-                    log.info("job %s: its driver (pid %d) ended with code %d while no daemon ran",
-                             info.job_id, proc.pid, proc.returncode)
+                    log.info(
+                        "job %s: its driver (pid %d) ended with code %d while no daemon ran",
+                        info.job_id,
+                        proc.pid,
+                        proc.returncode,
+                    )
                     continue
                 self.adopting[info.job_id] = time.time() + ADOPT_TIMEOUT_S
                 self.journal.event(info.job_id, "reattached", f"driver pid {proc.pid} outlived the daemon")
@@ -279,10 +323,24 @@ class Daemon:
         self.local_layouts[worker_id] = (engines, model)
         logs = self.state_dir / "workers"
         logs.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "worker.main", "--endpoint", self.address, "--worker-id", worker_id,
-               "--engines", ",".join(engines), "--model", model,
-               "--scratch", str(self.state_dir / "nodes" / worker_id),
-               "--endpoint-file", str(endpoint_path(self.state_dir)), *self.worker_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker.main",
+            "--endpoint",
+            self.address,
+            "--worker-id",
+            worker_id,
+            "--engines",
+            ",".join(engines),
+            "--model",
+            model,
+            "--scratch",
+            str(self.state_dir / "nodes" / worker_id),
+            "--endpoint-file",
+            str(endpoint_path(self.state_dir)),
+            *self.worker_args,
+        ]
         pid_file = logs / f"{worker_id}.pid"
         argv = [a for a in cmd[1:] if a != self.address]  # a survivor follows the daemon's address
         survivor = procs.find(pid_file, argv)
@@ -292,8 +350,8 @@ class Daemon:
             return
         with open(logs / f"{worker_id}.log", "ab") as out:
             proc = self.worker_procs[worker_id] = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=child_env(), cwd=REPO_ROOT)
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
+            )
         procs.record(pid_file, proc, argv)
         log.info("started local worker %s (%s) pid %d", worker_id, ",".join(engines), proc.pid)
 
@@ -314,9 +372,12 @@ class Daemon:
             self.journal.event(rt.job_id, "draining", reason)
 
     def run(self) -> None:
-        for sig, why, urgent in ((signal.SIGTERM, "SIGTERM", True), (signal.SIGINT, "SIGINT", True),
-                                 (signal.SIGUSR1, "SIGUSR1 (allocation ending)", False),
-                                 (signal.SIGUSR2, "SIGUSR2 (allocation ending)", False)):
+        for sig, why, urgent in (
+            (signal.SIGTERM, "SIGTERM", True),
+            (signal.SIGINT, "SIGINT", True),
+            (signal.SIGUSR1, "SIGUSR1 (allocation ending)", False),
+            (signal.SIGUSR2, "SIGUSR2 (allocation ending)", False),
+        ):
             signal.signal(sig, lambda *_, why=why, urgent=urgent: self.drain(why, urgent))
         last_beat = last_gauges = last_chores = 0.0
         while not self.stopping:
@@ -359,8 +420,11 @@ class Daemon:
             info = self.journal.job(rt.job_id)
             if info and info.state == "running":
                 self.journal.update(rt.job_id, state="interrupted")
-                self.journal.event(rt.job_id, "interrupted", "cluster went down before the job checkpointed; "
-                                   "it resumes from its last periodic checkpoint")
+                self.journal.event(
+                    rt.job_id,
+                    "interrupted",
+                    "cluster went down before the job checkpointed; it resumes from its last periodic checkpoint",
+                )
         for w in self.workers.values():  # remote workers (another node, another allocation) exit too
             self._send(w.identity, P.Op.TASK, P.TaskBody(0, "", "", "shutdown", {}))
         for proc in self.worker_procs.values():
@@ -415,9 +479,16 @@ class Daemon:
     def _refusal(self, op: bytes, user: str) -> str:
         """Why ``user`` may not send ``op`` ("" if they may)."""
         if auth.job_of(user) is not None:  # an isolated driver: its job's calls and reports, nothing else
-            return "" if op in (P.Op.CALL, P.Op.REPORT) else "an isolated job's driver may only call and report for its job"
+            return (
+                ""
+                if op in (P.Op.CALL, P.Op.REPORT)
+                else "an isolated job's driver may only call and report for its job"
+            )
         if op in INTERNAL_OPS and user != auth.INTERNAL_USER:
-            return f"{user or 'this client'} may not send {op.decode(errors='replace')}: it is for the cluster's own processes"
+            return (
+                f"{user or 'this client'} may not send {op.decode(errors='replace')}: "
+                "it is for the cluster's own processes"
+            )
         if op == P.Op.DOWN and user != self.owner:
             return f"only the cluster's owner ({self.owner}) may stop it"
         return ""
@@ -441,10 +512,21 @@ class Daemon:
         decls = [e for w in self.workers.values() for e in w.engines]
         ready = sum(1 for w in self.workers.values() if w.ready for _ in w.engines)
         total = max(len(decls), sum(1 for _ in self.worker_procs))
-        self._send(identity, P.Op.REPLY, P.Pong(
-            version=VERSION, pid=os.getpid(), started_at=self.started_at, workers=len(self.workers),
-            engines_ready=ready, engines_total=total, problems=list(self.problems),
-            upload_inputs=self._isolated(self.sender)), header.msg_id)
+        self._send(
+            identity,
+            P.Op.REPLY,
+            P.Pong(
+                version=VERSION,
+                pid=os.getpid(),
+                started_at=self.started_at,
+                workers=len(self.workers),
+                engines_ready=ready,
+                engines_total=total,
+                problems=list(self.problems),
+                upload_inputs=self._isolated(self.sender),
+            ),
+            header.msg_id,
+        )
 
     def on_submit(self, identity: bytes, header: P.Header, body: P.SubmitReq) -> None:
         try:
@@ -453,9 +535,13 @@ class Daemon:
             self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {exc}")
             return
         if os.path.realpath(spec.model.path) not in self.models:
-            self._error(identity, header.msg_id, "refused",
-                        f"model.path {spec.model.path!r} is not served by this cluster "
-                        f"(it serves: {', '.join(sorted(self.models))})")
+            self._error(
+                identity,
+                header.msg_id,
+                "refused",
+                f"model.path {spec.model.path!r} is not served by this cluster "
+                f"(it serves: {', '.join(sorted(self.models))})",
+            )
             return
         refusal = self._engines_refuse(spec)
         if refusal:
@@ -463,10 +549,14 @@ class Daemon:
             return
         user = body.user if self.sender == auth.INTERNAL_USER else self.sender  # who the key says, not the body
         if spec.algo.loss_fn and user not in self.trusted_users:
-            self._error(identity, header.msg_id, "untrusted",
-                        f"algo.loss_fn: user {user!r} may not run code in this cluster's trainer "
-                        f"(it would run beside other users' state); the cluster's owner can allow it "
-                        f"with `plexctl up --trust-user-code {user}`")
+            self._error(
+                identity,
+                header.msg_id,
+                "untrusted",
+                f"algo.loss_fn: user {user!r} may not run code in this cluster's trainer "
+                f"(it would run beside other users' state); the cluster's owner can allow it "
+                f"with `plexctl up --trust-user-code {user}`",
+            )
             return
         refusal = jail.refusal(user) if self._isolated(user) else ""
         if refusal:
@@ -474,8 +564,14 @@ class Daemon:
             return
         if self._isolated(user):  # the daemon never opens their paths: their client sent the files
             missing = sorted(set(inputs.field_paths(body.spec)) - {f.field for f in body.inputs})
-            problem = (f"{missing[0]}: its files were not uploaded (submit with plexctl or "
-                       f"plexctl.inputs.submit, which send them)") if missing else self.blobs.check(user, body.inputs)
+            problem = (
+                (
+                    f"{missing[0]}: its files were not uploaded (submit with plexctl or "
+                    f"plexctl.inputs.submit, which send them)"
+                )
+                if missing
+                else self.blobs.check(user, body.inputs)
+            )
             if problem:
                 self._error(identity, header.msg_id, "bad_request", problem)
                 return
@@ -489,20 +585,29 @@ class Daemon:
         holders = self.journal.holding(spec.name, user)
         if holders and not body.replace:
             held = holders[-1]
-            self._error(identity, header.msg_id, "bad_request",
-                        f"name: your job {held.job_id} ({held.state}) is named {spec.name!r}; cancel it, choose "
-                        f"another name (--name), or replace it (`plexctl submit --replace`)")
+            self._error(
+                identity,
+                header.msg_id,
+                "bad_request",
+                f"name: your job {held.job_id} ({held.state}) is named {spec.name!r}; cancel it, choose "
+                f"another name (--name), or replace it (`plexctl submit --replace`)",
+            )
             return
         for old in holders:  # the older job is cancelled first: the name then means the new one alone
             self._cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
-        job_id, created = self.journal.submit(body.submit_id, spec.name, user, body.spec,
-                                              spec.algo.steps, spec.priority)
+        job_id, created = self.journal.submit(
+            body.submit_id, spec.name, user, body.spec, spec.algo.steps, spec.priority
+        )
         if created and body.inputs:
             write_bytes_atomic(self.jobs_dir / job_id / "inputs.json", msgspec.json.encode(body.inputs))
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
-        self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=job_id, created=created,
-                                                     replaced=[old.job_id for old in holders]), header.msg_id)
+        self._send(
+            identity,
+            P.Op.REPLY,
+            P.SubmitRep(job_id=job_id, created=created, replaced=[old.job_id for old in holders]),
+            header.msg_id,
+        )
 
     def _engines_refuse(self, spec: JobSpec) -> str:
         """Why the engines serving the job's model can never run it (its dtype, its LoRA rank, its
@@ -512,21 +617,29 @@ class Daemon:
         decls = [d for w in self.workers.values() for d in w.engines if os.path.realpath(d.model) == model]
         served = sorted({d.dtype for d in decls if d.dtype})
         if spec.model.dtype is not None and served and spec.model.dtype not in served:
-            return (f"model.dtype {spec.model.dtype!r}: the engines of {spec.model.path} serve "
-                    f"{', '.join(served)} (`plexctl up --dtype`)")
+            return (
+                f"model.dtype {spec.model.dtype!r}: the engines of {spec.model.path} serve "
+                f"{', '.join(served)} (`plexctl up --dtype`)"
+            )
         ranks = [d.max_lora_rank for d in decls if d.kind == "rollout" and d.max_lora_rank]
         if spec.lora is not None and ranks and spec.lora.rank > max(ranks):
-            return (f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)} "
-                    f"(`plexctl up --max-lora-rank`)")
+            return (
+                f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)} "
+                f"(`plexctl up --max-lora-rank`)"
+            )
         lengths = [d.max_model_len for d in decls if d.kind == "rollout" and d.max_model_len]
         if lengths and spec.sampling.max_tokens >= min(lengths):  # a prompt takes one token at least
-            return (f"sampling.max_tokens {spec.sampling.max_tokens}: the rollout engines of {spec.model.path} "
-                    f"hold sequences of {min(lengths)} tokens, prompt included (`plexctl up --max-model-len`)")
+            return (
+                f"sampling.max_tokens {spec.sampling.max_tokens}: the rollout engines of {spec.model.path} "
+                f"hold sequences of {min(lengths)} tokens, prompt included (`plexctl up --max-model-len`)"
+            )
         capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
         need = self._state_bytes(spec)
         if need and capacities and need > max(capacities):
-            return (f"lora: the job's adapter and optimizer state takes {fmt_bytes(need)}, more than any "
-                    f"trainer's largest tier holds ({fmt_bytes(max(capacities))})")
+            return (
+                f"lora: the job's adapter and optimizer state takes {fmt_bytes(need)}, more than any "
+                f"trainer's largest tier holds ({fmt_bytes(max(capacities))})"
+            )
         return ""
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
@@ -554,25 +667,47 @@ class Daemon:
                     busy = eng.busy_seconds + (now - eng.busy_since if eng.busy_since else 0.0)
                     busy_total += busy
                     span_total += now - max(self.started_at, eng.up_at or self.started_at)
-                engines.append(P.EngineInfo(
-                    engine_id=decl.engine_id, worker_id=w.worker_id, kind=decl.kind, model=decl.model,
-                    ready=w.ready, running=shown({t.job_id for t in eng.running.values()}) if eng else [],
-                    resident=shown(j for j, h in self.sched.home.items() if h == decl.engine_id),
-                    busy_seconds=busy, tasks_done=eng.tasks_done if eng else 0,
-                    tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
-                    swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
-                    devices=w.devices, dtype=decl.dtype, device=decl.device,
-                    suspect=w.suspect_since is not None,
-                    silent_s=now - w.last_seen if w.suspect_since is not None else 0.0))
+                engines.append(
+                    P.EngineInfo(
+                        engine_id=decl.engine_id,
+                        worker_id=w.worker_id,
+                        kind=decl.kind,
+                        model=decl.model,
+                        ready=w.ready,
+                        running=shown({t.job_id for t in eng.running.values()}) if eng else [],
+                        resident=shown(j for j, h in self.sched.home.items() if h == decl.engine_id),
+                        busy_seconds=busy,
+                        tasks_done=eng.tasks_done if eng else 0,
+                        tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
+                        swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
+                        devices=w.devices,
+                        dtype=decl.dtype,
+                        device=decl.device,
+                        suspect=w.suspect_since is not None,
+                        silent_s=now - w.last_seen if w.suspect_since is not None else 0.0,
+                    )
+                )
         # idle share of engine time since this daemon started (running totals: no scan of past tasks)
         bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
         marks = self.telemetry.marks_since(self.started_at) if body.timeline else []
         moves = self.telemetry.moves_since(self.started_at) if body.timeline else []
-        self._send(identity, P.Op.REPLY, P.StatusRep(jobs=jobs, engines=engines, now=now, policy=self.policy,
-                                                     bubble_ratio=bubble, started_at=self.started_at,
-                                                     timeline=timeline, swap_marks=marks, moves=moves),
-                   header.msg_id)
+        self._send(
+            identity,
+            P.Op.REPLY,
+            P.StatusRep(
+                jobs=jobs,
+                engines=engines,
+                now=now,
+                policy=self.policy,
+                bubble_ratio=bubble,
+                started_at=self.started_at,
+                timeline=timeline,
+                swap_marks=marks,
+                moves=moves,
+            ),
+            header.msg_id,
+        )
 
     def _snapshot_gauges(self, now: float) -> None:
         """Refresh what a Prometheus scrape sees (cheap sums; the HTTP thread only renders them)."""
@@ -581,8 +716,14 @@ class Daemon:
             by_state[j.state] = by_state.get(j.state, 0) + 1
         swaps = {e: st.get("swaps", {}) for e, st in self.engine_stats.items()}
         engines = M.engine_gauges(self.sched, swaps, now)
-        self.telemetry.set_gauges(M.Gauges(jobs_by_state=by_state, engines=engines, bubble_ratio=M.bubble_of(engines),
-                                           uptime_s=now - self.started_at))
+        self.telemetry.set_gauges(
+            M.Gauges(
+                jobs_by_state=by_state,
+                engines=engines,
+                bubble_ratio=M.bubble_of(engines),
+                uptime_s=now - self.started_at,
+            )
+        )
 
     def _find(self, ref: str) -> str | None:
         """A job id the sender may see, from an id or a name (their newest job of that name)."""
@@ -643,10 +784,14 @@ class Daemon:
                 f.seek(body.offset)
                 data = f.read(LOGS_CHUNK)
             if not (ended and body.offset + len(data) >= size):  # more to come: never half a character
-                data = data[:_chunk_end(data, whole_lines=len(data) == LOGS_CHUNK)]
+                data = data[: _chunk_end(data, whole_lines=len(data) == LOGS_CHUNK)]
         offset = body.offset + len(data)
-        self._send(identity, P.Op.REPLY, P.LogsRep(data=data.decode(errors="replace"), offset=offset,
-                                                   finished=ended and offset >= size), header.msg_id)
+        self._send(
+            identity,
+            P.Op.REPLY,
+            P.LogsRep(data=data.decode(errors="replace"), offset=offset, finished=ended and offset >= size),
+            header.msg_id,
+        )
 
     def on_blob(self, identity: bytes, header: P.Header, body: P.BlobReq) -> None:
         """A chunk of one of the sender's input files (or the question how much is held)."""
@@ -665,13 +810,17 @@ class Daemon:
             self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
         if body.what not in ("adapter", "checkpoint"):
-            self._error(identity, header.msg_id, "bad_request", f"export what: adapter or checkpoint, not {body.what!r}")
+            self._error(
+                identity, header.msg_id, "bad_request", f"export what: adapter or checkpoint, not {body.what!r}"
+            )
             return
         source = self._export_dir(job_id, body.what)
         if source is None:
             self._error(identity, header.msg_id, "not_found", f"job {job_id} has no {body.what} yet")
             return
-        files = sorted(p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith("."))
+        files = sorted(
+            p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
+        )
         if not body.path:
             listing = [P.ExportFile(str(p.relative_to(source)), p.stat().st_size) for p in files]
             self._send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", listing), header.msg_id)
@@ -710,8 +859,17 @@ class Daemon:
             self._worker_lost(body.worker_id, "re-registered")
         elif old is not None and old.suspect_since is not None:  # back from a stall: it keeps its jobs
             self._worker_back(old, now)
-        self.workers[body.worker_id] = WorkerState(body.worker_id, identity, body.node, now, body.engines,
-                                                   body.ready, body.error, list(body.devices), pid=body.pid)
+        self.workers[body.worker_id] = WorkerState(
+            body.worker_id,
+            identity,
+            body.node,
+            now,
+            body.engines,
+            body.ready,
+            body.error,
+            list(body.devices),
+            pid=body.pid,
+        )
         self.resident.update(body.resident)
         if body.error:
             self.problems.append(f"worker {body.worker_id}: {body.error}")
@@ -719,12 +877,24 @@ class Daemon:
         if body.ready:
             for decl in body.engines:
                 if decl.engine_id not in self.sched.engines:
-                    self.sched.engine_up(Engine(decl.engine_id, body.worker_id, decl.kind,
-                                                os.path.realpath(decl.model), decl.capacity,
-                                                state_capacity_bytes=decl.state_capacity_bytes), now=now)
+                    self.sched.engine_up(
+                        Engine(
+                            decl.engine_id,
+                            body.worker_id,
+                            decl.kind,
+                            os.path.realpath(decl.model),
+                            decl.capacity,
+                            state_capacity_bytes=decl.state_capacity_bytes,
+                        ),
+                        now=now,
+                    )
                     self.models.add(os.path.realpath(decl.model))
-            log.info("worker %s ready on %s: %s", body.worker_id, body.node,
-                     ", ".join(f"{e.engine_id}({e.model})" for e in body.engines))
+            log.info(
+                "worker %s ready on %s: %s",
+                body.worker_id,
+                body.node,
+                ", ".join(f"{e.engine_id}({e.model})" for e in body.engines),
+            )
         self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
 
     def on_heartbeat(self, identity: bytes, header: P.Header, body: P.HeartbeatBody) -> None:
@@ -754,8 +924,9 @@ class Daemon:
         for wid, w in list(self.workers.items()):
             silent = now - w.last_seen
             if silent > self.worker_grace:
-                self._worker_lost(wid, f"no heartbeat for {silent:.1f} s, past the worker grace "
-                                       f"of {self.worker_grace:g} s")
+                self._worker_lost(
+                    wid, f"no heartbeat for {silent:.1f} s, past the worker grace of {self.worker_grace:g} s"
+                )
                 continue
             if silent > HEARTBEAT_S * WORKER_LIVENESS and w.suspect_since is None:
                 self._suspect(w, now, f"no heartbeat for {silent:.1f} s")
@@ -772,8 +943,9 @@ class Daemon:
                 log.warning("starting local worker %s again (%d/%d)", wid, self.respawns[wid], LOCAL_WORKER_RESPAWNS)
                 self._spawn_local_worker(wid, *self.local_layouts[wid])
             elif not reported:
-                self.problems.append(f"worker {wid} exited with code {rc} "
-                                     f"(see {self.state_dir / 'workers' / (wid + '.log')})")
+                self.problems.append(
+                    f"worker {wid} exited with code {rc} (see {self.state_dir / 'workers' / (wid + '.log')})"
+                )
                 log.error(self.problems[-1])
 
     def _suspect(self, w: WorkerState, now: float, why: str) -> None:
@@ -784,8 +956,12 @@ class Daemon:
         w.suspect_since = now
         for decl in w.engines:
             self.sched.engine_suspect(decl.engine_id)
-        log.warning("worker %s suspect: %s; no new calls go to it, lost if still silent %g s after its last "
-                    "heartbeat", w.worker_id, why, self.worker_grace)
+        log.warning(
+            "worker %s suspect: %s; no new calls go to it, lost if still silent %g s after its last heartbeat",
+            w.worker_id,
+            why,
+            self.worker_grace,
+        )
         for job_id in self._jobs_on(w):
             self.journal.event(job_id, "worker suspect", f"worker {w.worker_id}: {why}")
 
@@ -838,8 +1014,13 @@ class Daemon:
         if task is not None:
             self.telemetry.task_done(task.method, body.ok, body.seconds, now - task.submitted_at)
             if isinstance(body.value, dict) and body.value.get("swap_bytes"):
-                self.telemetry.swapped(self._trainer_of(identity), task.job_id, now - body.seconds,
-                                       int(body.value["swap_bytes"]), float(body.value.get("swap_seconds", 0.0)))
+                self.telemetry.swapped(
+                    self._trainer_of(identity),
+                    task.job_id,
+                    now - body.seconds,
+                    int(body.value["swap_bytes"]),
+                    float(body.value.get("swap_seconds", 0.0)),
+                )
         if "inventory" in body.info:  # a worker hosts at most one trainer engine
             trainer = self._trainer_of(identity)
             self._record_inventory(trainer, body.info["inventory"])
@@ -860,8 +1041,12 @@ class Daemon:
         if not body.ok:  # and the worker fails those it was sent ahead
             self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
             for f_identity, f_header, f_body in followers:
-                self._error(f_identity, f_header.msg_id, "call_failed",
-                            f"{f_body.method} was to follow {call.method}, which failed")
+                self._error(
+                    f_identity,
+                    f_header.msg_id,
+                    "call_failed",
+                    f"{f_body.method} was to follow {call.method}, which failed",
+                )
             return
         value = body.value
         prune: tuple[Path, int] | None = None
@@ -876,9 +1061,10 @@ class Daemon:
                 value["drain"] = self.drain_reason
         elif call.method == "checkpoint":
             ckpt = call.context["out_dir"]
-            write_json_atomic(rt.job_dir / "ckpt" / "latest.json",
-                              {"dir": ckpt, "step": call.context["step"], "policy_version": rt.policy_version,
-                               "manifest": value})
+            write_json_atomic(
+                rt.job_dir / "ckpt" / "latest.json",
+                {"dir": ckpt, "step": call.context["step"], "policy_version": rt.policy_version, "manifest": value},
+            )
             self.journal.event(rt.job_id, "checkpoint", f"step {call.context['step']}")
             prune = (rt.job_dir / "ckpt", 2)
             value = {"path": ckpt}
@@ -939,8 +1125,7 @@ class Daemon:
 
     @staticmethod
     def _prune(parent: Path, keep: int) -> None:
-        dirs = sorted((d for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".")),
-                      key=lambda d: d.name)
+        dirs = sorted((d for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name)
         for d in dirs[:-keep]:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -977,17 +1162,27 @@ class Daemon:
             return
         self.sched.submit(task)
 
-    def _call_task(self, rt: JobRuntime, identity: bytes, header: P.Header, body: P.CallReq,
-                   adapter: P.AdapterRef | None, version: int) -> Task | None:
+    def _call_task(
+        self,
+        rt: JobRuntime,
+        identity: bytes,
+        header: P.Header,
+        body: P.CallReq,
+        adapter: P.AdapterRef | None,
+        version: int,
+    ) -> Task | None:
         """The task of a service call, its pending call recorded; a generate samples from
         ``adapter``, policy ``version``. None: answered here (or refused)."""
         spec = rt.spec
-        trainer_ctx = {"lora": msgspec.to_builtins(spec.lora), "seed": spec.seed,
-                       "weight_decay": 0.0}
+        trainer_ctx = {"lora": msgspec.to_builtins(spec.lora), "seed": spec.seed, "weight_decay": 0.0}
         context: dict[str, Any] = {}
         if body.method == "generate":
-            req = P.GenRequest(job_id=rt.job_id, prompts=body.args["prompts"],
-                               sampling=msgspec.convert(body.args["sampling"], P.Sampling), adapter=adapter)
+            req = P.GenRequest(
+                job_id=rt.job_id,
+                prompts=body.args["prompts"],
+                sampling=msgspec.convert(body.args["sampling"], P.Sampling),
+                adapter=adapter,
+            )
             args = {"request": req}
             context = {"version": version}  # the policy the samples come from
         elif body.method == "train_step":
@@ -1021,8 +1216,9 @@ class Daemon:
         if not rt.model:
             rt.model = os.path.realpath(spec.model.path)
         task = Task(next(self.task_ids), rt.job_id, kind, body.method, rt.model, time.time(), spec.priority)
-        self.calls[task.task_id] = PendingCall(rt.job_id, identity, header.msg_id, body.method,
-                                               {**context, "args": args})
+        self.calls[task.task_id] = PendingCall(
+            rt.job_id, identity, header.msg_id, body.method, {**context, "args": args}
+        )
         return task
 
     def _send_ahead(self, rt: JobRuntime, call: PendingCall, task_id: int, engine_id: str) -> None:
@@ -1049,8 +1245,13 @@ class Daemon:
                 held.append((f_identity, f_header, f_body))
                 continue
             rt.sent_ahead[call.msg_id] = [(task, home)]
-            self._send(worker.identity, P.Op.TASK, P.TaskBody(task.task_id, rt.job_id, home, task.method,
-                                                              self.calls[task.task_id].context["args"], after=task_id))
+            self._send(
+                worker.identity,
+                P.Op.TASK,
+                P.TaskBody(
+                    task.task_id, rt.job_id, home, task.method, self.calls[task.task_id].context["args"], after=task_id
+                ),
+            )
         if held:
             rt.held_calls[call.msg_id] = held
         else:
@@ -1105,8 +1306,11 @@ class Daemon:
                 args = {**args, "upcoming": expected}
                 if self.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
                     del self.prefetched[placement.engine_id]
-            self._send(worker.identity, P.Op.TASK,
-                       P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args))
+            self._send(
+                worker.identity,
+                P.Op.TASK,
+                P.TaskBody(task.task_id, task.job_id, placement.engine_id, task.method, args),
+            )
             if expected is not None:
                 self._prefetch(placement.engine_id, worker, expected)
             if rt is not None and rt.held_calls:
@@ -1119,8 +1323,9 @@ class Daemon:
             rt = self.runtimes.get(job_id)
             if rt is not None and not self._adopt(job_id, now) and now > deadline:
                 del self.adopting[job_id]
-                self._roll_back(rt, f"its engines did not come back within {ADOPT_TIMEOUT_S:.0f} s "
-                                    "of the daemon's restart")
+                self._roll_back(
+                    rt, f"its engines did not come back within {ADOPT_TIMEOUT_S:.0f} s of the daemon's restart"
+                )
 
     def _adopt(self, job_id: str, now: float) -> bool:
         """Place an adopted job again, on the trainer that holds its state when a worker says
@@ -1133,9 +1338,15 @@ class Daemon:
             return True
         holder = self.resident.get(job_id)
         holder = holder if holder in self.sched.engines else None
-        adm = self.sched.admit(job_id, os.path.realpath(rt.spec.model.path), now,
-                               state_bytes=self._state_bytes(rt.spec), priority=rt.spec.priority,
-                               user=rt.user, trainer=holder)
+        adm = self.sched.admit(
+            job_id,
+            os.path.realpath(rt.spec.model.path),
+            now,
+            state_bytes=self._state_bytes(rt.spec),
+            priority=rt.spec.priority,
+            user=rt.user,
+            trainer=holder,
+        )
         if not adm.ok:
             return False
         del self.adopting[job_id]
@@ -1159,8 +1370,9 @@ class Daemon:
             model = os.path.realpath(spec.model.path)
             if ("rollout", model) not in ready_models or ("trainer", model) not in ready_models:
                 continue
-            adm = self.sched.admit(info.job_id, model, now, state_bytes=self._state_bytes(spec),
-                                   priority=spec.priority, user=info.user)
+            adm = self.sched.admit(
+                info.job_id, model, now, state_bytes=self._state_bytes(spec), priority=spec.priority, user=info.user
+            )
             if not adm.ok:
                 self.reasons[info.job_id] = adm.reason
                 continue
@@ -1198,19 +1410,27 @@ class Daemon:
         if self._isolated(info.user):
             proc = self._start_isolated_driver(job_id, job_dir, info.user)
         else:
-            cmd = [sys.executable, "-m", "daemon.driver", "--endpoint", self.address,
-                   *self._driver_argv(job_id, job_dir, info.user)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "daemon.driver",
+                "--endpoint",
+                self.address,
+                *self._driver_argv(job_id, job_dir, info.user),
+            ]
             with open(job_dir / "driver.log", "ab") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=child_env(), cwd=REPO_ROOT)
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
+                )
         try:
             procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir, info.user))
         except BaseException:  # a driver no daemon could find again must not run
             proc.kill()
             proc.wait()
             raise
-        self.runtimes[job_id] = JobRuntime(job_id, spec, job_dir, proc, policy_version=info.policy_version,
-                                           user=info.user)
+        self.runtimes[job_id] = JobRuntime(
+            job_id, spec, job_dir, proc, policy_version=info.policy_version, user=info.user
+        )
         self.journal.update(job_id, state="running", started_at=info.started_at or now)
         self.journal.event(job_id, "started", f"driver pid {proc.pid}")
         log.info("job %s started (driver pid %d)", job_id, proc.pid)
@@ -1237,8 +1457,15 @@ class Daemon:
         auth.make_job_keys(self.state_dir, job_id, keys)
         for path in (keys, *keys.iterdir()):
             os.chown(path, who.uid, who.gid, follow_symlinks=False)
-        return jail.start(who, job_id, job_dir, self.state_dir, job_dir / "driver.log",
-                          hide=[self.state_dir, plexrl_home()], env=child_env())
+        return jail.start(
+            who,
+            job_id,
+            job_dir,
+            self.state_dir,
+            job_dir / "driver.log",
+            hide=[self.state_dir, plexrl_home()],
+            env=child_env(),
+        )
 
     def _driver_argv(self, job_id: str, job_dir: Path, user: str) -> list[str]:
         """What identifies a job's driver process (its address aside: a driver follows the daemon's)."""
@@ -1274,19 +1501,25 @@ class Daemon:
                 state, error = "succeeded", ""
             elif rc == DRIVER_EXIT_DRAINED and self.drain_deadline is None:  # it gave up on its daemon
                 self.journal.update(job_id, state="queued")
-                self.journal.event(job_id, "requeued", "the driver stopped, having lost its daemon; "
-                                                       "resumes from its last checkpoint")
+                self.journal.event(
+                    job_id, "requeued", "the driver stopped, having lost its daemon; resumes from its last checkpoint"
+                )
                 log.warning("job %s: its driver lost the daemon; requeued", job_id)
                 self._end_job(rt)
                 continue
             elif rc == DRIVER_EXIT_DRAINED or (self.drain_deadline is not None and not rt.failure):
                 state, error = "interrupted", ""
                 self.journal.update(job_id, state=state)
-                self.journal.event(job_id, "interrupted", (
-                    f"drained ({self.drain_reason}): checkpointed at a step boundary, resumes from there"
-                    if rc == DRIVER_EXIT_DRAINED else
-                    f"stopped with the cluster ({self.drain_reason}, driver exit {rc}): "
-                    "resumes from its last checkpoint"))
+                self.journal.event(
+                    job_id,
+                    "interrupted",
+                    (
+                        f"drained ({self.drain_reason}): checkpointed at a step boundary, resumes from there"
+                        if rc == DRIVER_EXIT_DRAINED
+                        else f"stopped with the cluster ({self.drain_reason}, driver exit {rc}): "
+                        "resumes from its last checkpoint"
+                    ),
+                )
                 log.info("job %s drained", job_id)
                 self._end_job(rt)
                 continue
@@ -1299,8 +1532,11 @@ class Daemon:
                     limit = rt.spec.checkpoint.max_restarts
                     if crashes < limit:
                         self.journal.update(job_id, state="queued")
-                        self.journal.event(job_id, "restarting", f"driver crashed ({how}); restart {crashes + 1}"
-                                           f"/{limit} from the last checkpoint")
+                        self.journal.event(
+                            job_id,
+                            "restarting",
+                            f"driver crashed ({how}); restart {crashes + 1}/{limit} from the last checkpoint",
+                        )
                         log.warning("job %s: driver crashed (%s); restarting from its checkpoint", job_id, how)
                         self._end_job(rt)
                         continue
@@ -1385,8 +1621,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="plexd", description="PlexRL daemon (started by `plexctl up`).")
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--model", action="append", default=[], help="base model the engines serve")
-    ap.add_argument("--local-worker", action="append", default=[],
-                    help="start a local worker hosting these engines (comma list: rollout,trainer)")
+    ap.add_argument(
+        "--local-worker",
+        action="append",
+        default=[],
+        help="start a local worker hosting these engines (comma list: rollout,trainer)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=16)
@@ -1394,24 +1634,53 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="spread+backfill", choices=POLICIES)
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for local workers")
     ap.add_argument("--advertise-host", default=None, help="address peers on other nodes connect to")
-    ap.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
-                    help="seconds running jobs get to checkpoint when the daemon stops")
-    ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
-                    help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)")
-    ap.add_argument("--metrics-port", type=int, default=None,
-                    help="serve Prometheus metrics on this port (0: a free one; default: off)")
-    ap.add_argument("--worker-grace", type=float, default=WORKER_GRACE_S,
-                    help="seconds a worker that misses heartbeats (suspect: no new calls) may stay silent "
-                         "before it is lost; a worker whose process exited is lost at once")
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="seconds running jobs get to checkpoint when the daemon stops",
+    )
+    ap.add_argument(
+        "--trust-user-code",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)",
+    )
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: a free one; default: off)",
+    )
+    ap.add_argument(
+        "--worker-grace",
+        type=float,
+        default=WORKER_GRACE_S,
+        help="seconds a worker that misses heartbeats (suspect: no new calls) may stay silent "
+        "before it is lost; a worker whose process exited is lost at once",
+    )
     args = ap.parse_args(argv)
     os.umask(0o077)  # what the daemon and its children write is the owner's alone
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        daemon = Daemon(args.state_dir, args.model, [w.split(",") for w in args.local_worker], args.host,
-                        args.port, args.max_running, args.mode, args.policy, args.worker_arg,
-                        args.advertise_host, args.drain_timeout, args.trust_user_code,
-                        metrics_port=args.metrics_port, worker_grace=args.worker_grace)
+        daemon = Daemon(
+            args.state_dir,
+            args.model,
+            [w.split(",") for w in args.local_worker],
+            args.host,
+            args.port,
+            args.max_running,
+            args.mode,
+            args.policy,
+            args.worker_arg,
+            args.advertise_host,
+            args.drain_timeout,
+            args.trust_user_code,
+            metrics_port=args.metrics_port,
+            worker_grace=args.worker_grace,
+        )
     except auth.AuthError as exc:
         print(f"plexd: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -88,8 +88,10 @@ class Telemetry:
     def moved(self, engine_id: str, moves: list[list[Any]]) -> None:
         """A trainer's background moves, as its results report them: [direction, job, start, end]."""
         with self.lock:
-            self.moves.extend(MoveSpan(engine_id, str(job), str(direction), float(start), float(end))
-                              for direction, job, start, end in moves)
+            self.moves.extend(
+                MoveSpan(engine_id, str(job), str(direction), float(start), float(end))
+                for direction, job, start, end in moves
+            )
 
     def moves_since(self, since: float) -> list[MoveSpan]:
         with self.lock:
@@ -128,9 +130,11 @@ class Telemetry:
             out.append(f"plexrl_engine_running_tasks{_engine_labels(e)} {e['running']}")
         family("plexrl_bubble_ratio", "gauge", "Idle share of engine time since the daemon started.")
         out.append(f"plexrl_bubble_ratio {g.bubble_ratio if g.bubble_ratio is not None else 'NaN'}")
-        for unit, key, doc in (("bytes", "bytes", "Bytes of job state moved between tiers."),
-                               ("seconds", "seconds", "Seconds spent moving job state between tiers."),
-                               ("count", "count", "Moves of job state between tiers.")):
+        for unit, key, doc in (
+            ("bytes", "bytes", "Bytes of job state moved between tiers."),
+            ("seconds", "seconds", "Seconds spent moving job state between tiers."),
+            ("count", "count", "Moves of job state between tiers."),
+        ):
             name = f"plexrl_swap_{unit}_total"
             family(name, "counter", doc)
             for e in g.engines:
@@ -140,8 +144,11 @@ class Telemetry:
         family("plexrl_task_seconds", "histogram", "Seconds a worker spent on a call, by method and outcome.")
         for (method, outcome), h in sorted(calls.items()):
             _histogram(out, "plexrl_task_seconds", f'method="{_esc(method)}",outcome="{outcome}"', h)
-        family("plexrl_call_latency_seconds", "histogram",
-               "Seconds from a job's call to its result (queueing included), by method.")
+        family(
+            "plexrl_call_latency_seconds",
+            "histogram",
+            "Seconds from a job's call to its result (queueing included), by method.",
+        )
         for method, h in sorted(waits.items()):
             _histogram(out, "plexrl_call_latency_seconds", f'method="{_esc(method)}"', h)
         family("plexrl_uptime_seconds", "gauge", "Seconds since the daemon started.")
@@ -204,9 +211,16 @@ def engine_gauges(sched: Any, engine_swaps: dict[str, dict[str, Any]], now: floa
     for engine_id, eng in sched.engines.items():
         busy = eng.busy_seconds + (now - eng.busy_since if eng.busy_since else 0.0)
         up = now - eng.up_at if eng.up_at is not None else 0.0
-        rows.append({"engine_id": engine_id, "kind": eng.kind,
-                     "busy_seconds": busy, "up_seconds": up, "running": len(eng.running),
-                     "swaps": engine_swaps.get(engine_id, {})})
+        rows.append(
+            {
+                "engine_id": engine_id,
+                "kind": eng.kind,
+                "busy_seconds": busy,
+                "up_seconds": up,
+                "running": len(eng.running),
+                "swaps": engine_swaps.get(engine_id, {}),
+            }
+        )
     return rows
 
 
@@ -225,7 +239,7 @@ def hidden_by_other_jobs(moves: list[Any], spans: list[Any]) -> float:
     longest = max((s.end - s.start for s in spans), default=0.0)
     hidden = 0.0
     for move in moves:  # the spans that may overlap it: started at most ``longest`` before it
-        near = spans[bisect.bisect_left(starts, move.start - longest):bisect.bisect_right(starts, move.end)]
+        near = spans[bisect.bisect_left(starts, move.start - longest) : bisect.bisect_right(starts, move.end)]
         hidden += union_length([(s.start, s.end) for s in near if s.job_id != move.job_id], move.start, move.end)
     return hidden
 

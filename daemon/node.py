@@ -118,11 +118,34 @@ class Worker:
     reported: bool = False  # its exit has been logged
 
 
-def worker_command(p: WorkerPlacement, address: str, node: str, model: str, scratch: Path, tp: int,
-                   threads: int | None, extra: list[str]) -> list[str]:
+def worker_command(
+    p: WorkerPlacement,
+    address: str,
+    node: str,
+    model: str,
+    scratch: Path,
+    tp: int,
+    threads: int | None,
+    extra: list[str],
+) -> list[str]:
     """``python -m worker.main ...`` for one placement (the tensor-parallel size only when > 1)."""
-    cmd = [sys.executable, "-m", "worker.main", "--endpoint", address, "--worker-id", p.worker_id,
-           "--node", node, "--engines", ",".join(p.engines), "--model", model, "--scratch", str(scratch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.main",
+        "--endpoint",
+        address,
+        "--worker-id",
+        p.worker_id,
+        "--node",
+        node,
+        "--engines",
+        ",".join(p.engines),
+        "--model",
+        model,
+        "--scratch",
+        str(scratch),
+    ]
     if "rollout" in p.engines and tp > 1:
         cmd += ["--tensor-parallel-size", str(tp)]
     if threads is not None:
@@ -137,8 +160,9 @@ def _spawn(cmd: list[str], log_path: Path, devices: list[str] | None = None) -> 
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=REPO_ROOT)
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT
+        )
 
 
 def _wait_for_daemon(state_dir: Path, timeout: float, daemon: subprocess.Popen | None) -> str:
@@ -163,8 +187,12 @@ def report_exit(address: str, state_dir: Path, worker: Worker) -> None:
     suspect until the worker grace ends (a silent worker whose process lives may be stalled)."""
     client = Client(address, keys=auth.internal_keys(auth.keys_dir(state_dir)))
     try:
-        client.request(P.Op.WORKER_EXITED, P.WorkerExited(worker.placement.worker_id, worker.proc.pid,
-                                                          worker.proc.returncode), timeout=2.0, retries=1)
+        client.request(
+            P.Op.WORKER_EXITED,
+            P.WorkerExited(worker.placement.worker_id, worker.proc.pid, worker.proc.returncode),
+            timeout=2.0,
+            retries=1,
+        )
     except PlexError as exc:
         log.warning("could not tell the daemon that worker %s exited: %s", worker.placement.worker_id, exc)
     finally:
@@ -200,16 +228,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plexrl-node", description="One PlexRL task of a Slurm allocation.")
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--engines", action="append", default=[],
-                    help="engines of node i: the (i mod n)-th value, e.g. rollout,trainer (default: both)")
+    ap.add_argument(
+        "--engines",
+        action="append",
+        default=[],
+        help="engines of node i: the (i mod n)-th value, e.g. rollout,trainer (default: both)",
+    )
     ap.add_argument("--join", action="store_true", help="workers only, for a daemon that already runs")
     ap.add_argument("--scratch", default=None, help="node-local directory (default: $SLURM_TMPDIR, $TMPDIR)")
-    ap.add_argument("--gpus-per-node", type=int, default=0,
-                    help="GPUs the allocation asked per node: fewer on the node is an error (0: what it has)")
-    ap.add_argument("--rollout-gpus", type=int, default=None,
-                    help="GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)")
-    ap.add_argument("--trainer-gpus", type=int, default=None,
-                    help="GPUs of a node for trainers, one each (default: the GPUs rollout leaves)")
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="GPUs the allocation asked per node: fewer on the node is an error (0: what it has)",
+    )
+    ap.add_argument(
+        "--rollout-gpus",
+        type=int,
+        default=None,
+        help="GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)",
+    )
+    ap.add_argument(
+        "--trainer-gpus",
+        type=int,
+        default=None,
+        help="GPUs of a node for trainers, one each (default: the GPUs rollout leaves)",
+    )
     ap.add_argument("--tp", type=int, default=1, help="GPUs per rollout engine (tensor-parallel size)")
     ap.add_argument("--policy", default="spread+backfill")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
@@ -217,10 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-daemon", type=float, default=600.0, help="seconds a worker waits for the daemon")
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
     ap.add_argument("--metrics-port", type=int, default=None, help="the daemon's Prometheus port (0: any)")
-    ap.add_argument("--trust-user-code", action="append", default=[], metavar="USER",
-                    help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)")
-    ap.add_argument("--worker-grace", type=float, default=None,
-                    help="seconds a silent worker stays suspect before the daemon declares it lost")
+    ap.add_argument(
+        "--trust-user-code",
+        action="append",
+        default=[],
+        metavar="USER",
+        help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)",
+    )
+    ap.add_argument(
+        "--worker-grace",
+        type=float,
+        default=None,
+        help="seconds a silent worker stays suspect before the daemon declares it lost",
+    )
     args = ap.parse_args(argv)
     os.umask(0o077)  # the workers' scratch and logs are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -234,15 +287,27 @@ def main(argv: list[str] | None = None) -> int:
     base_id = env["node"] if not args.join else f"{env['node']}-{env['job_id']}"
     try:
         gpus = check_gpus(env["node"], node_gpus(os.environ), args.gpus_per_node)
-        placements = place_workers(base_id, gpus, engine_kinds(engines), rollout_gpus=args.rollout_gpus,
-                                   trainer_gpus=args.trainer_gpus, tp=args.tp)
+        placements = place_workers(
+            base_id,
+            gpus,
+            engine_kinds(engines),
+            rollout_gpus=args.rollout_gpus,
+            trainer_gpus=args.trainer_gpus,
+            tp=args.tp,
+        )
     except LayoutError as exc:
         log.error("%s", exc)
         return ExitCode.USAGE
     n = len(placements)
-    log.info("task %s of Slurm job %s on %s (restart %s): %s, GPUs %s", env["procid"], env["job_id"], env["node"],
-             env["restart_count"], ("daemon + " if first else "") + f"{n} worker" + "s" * (n > 1),
-             ",".join(gpus) or "none")
+    log.info(
+        "task %s of Slurm job %s on %s (restart %s): %s, GPUs %s",
+        env["procid"],
+        env["job_id"],
+        env["node"],
+        env["restart_count"],
+        ("daemon + " if first else "") + f"{n} worker" + "s" * (n > 1),
+        ",".join(gpus) or "none",
+    )
 
     signalled: list[str] = []
 
@@ -266,14 +331,33 @@ def main(argv: list[str] | None = None) -> int:
 
     def start_daemon(port: int) -> subprocess.Popen:
         endpoint_path(state_dir).unlink(missing_ok=True)  # a previous run's, on this node: its daemon is gone
-        return _spawn([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", args.model,
-                       "--host", "0.0.0.0", "--port", str(port), "--mode", "slurm",
-                       "--advertise-host", advertise_address(), "--policy", args.policy,
-                       "--drain-timeout", str(args.drain_timeout),
-                       *(f"--trust-user-code={u}" for u in args.trust_user_code),
-                       *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
-                       *(["--worker-grace", f"{args.worker_grace:g}"] if args.worker_grace is not None else [])],
-                      state_dir / "daemon.log")
+        return _spawn(
+            [
+                sys.executable,
+                "-m",
+                "daemon.main",
+                "--state-dir",
+                str(state_dir),
+                "--model",
+                args.model,
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+                "--mode",
+                "slurm",
+                "--advertise-host",
+                advertise_address(),
+                "--policy",
+                args.policy,
+                "--drain-timeout",
+                str(args.drain_timeout),
+                *(f"--trust-user-code={u}" for u in args.trust_user_code),
+                *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
+                *(["--worker-grace", f"{args.worker_grace:g}"] if args.worker_grace is not None else []),
+            ],
+            state_dir / "daemon.log",
+        )
 
     if first:
         daemon = start_daemon(args.port)
@@ -289,11 +373,21 @@ def main(argv: list[str] | None = None) -> int:
     for p in placements:
         w_scratch = scratch / p.scratch_name if p.scratch_name else scratch
         log_path = state_dir / "workers" / f"{p.worker_id}.log"
-        proc = _spawn(worker_command(p, address, env["node"], args.model, w_scratch, args.tp, threads,
-                                     args.worker_arg), log_path, p.devices)
+        proc = _spawn(
+            worker_command(p, address, env["node"], args.model, w_scratch, args.tp, threads, args.worker_arg),
+            log_path,
+            p.devices,
+        )
         workers.append(Worker(p, proc, w_scratch, log_path))
-        log.info("worker %s (%s) devices %s scratch %s pid %d, daemon at %s", p.worker_id, ",".join(p.engines),
-                 ",".join(p.devices) or "none", w_scratch, proc.pid, address)
+        log.info(
+            "worker %s (%s) devices %s scratch %s pid %d, daemon at %s",
+            p.worker_id,
+            ",".join(p.engines),
+            ",".join(p.devices) or "none",
+            w_scratch,
+            proc.pid,
+            address,
+        )
 
     code, daemon_restarts = 0, 0
     while True:

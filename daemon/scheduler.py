@@ -290,8 +290,16 @@ class Scheduler:
 
     # -- jobs
 
-    def admit(self, job_id: str, model: str, now: float, state_bytes: int = 0, priority: int = 0,
-              user: str = "", trainer: str | None = None) -> Admission:
+    def admit(
+        self,
+        job_id: str,
+        model: str,
+        now: float,
+        state_bytes: int = 0,
+        priority: int = 0,
+        user: str = "",
+        trainer: str | None = None,
+    ) -> Admission:
         """Give a job its home rollout and trainer engines, or say why it must wait. ``trainer``
         names the engine that already holds the job's state (a job adopted after a restart)."""
         job = self.jobs.get(job_id)
@@ -302,8 +310,7 @@ class Scheduler:
             return Admission(False, f"no ready engine serves {model} (no {missing} engine)")
         caps = [self.engines[e].state_capacity_bytes for e in trainers]
         if state_bytes > 0 and all(c > 0 for c in caps) and state_bytes > max(caps):
-            return Admission(False, f"state {_mb(state_bytes)} MB does not fit any tier "
-                                    f"(largest: {_mb(max(caps))} MB)")
+            return Admission(False, f"state {_mb(state_bytes)} MB does not fit any tier (largest: {_mb(max(caps))} MB)")
         rollout = job.homes.get("rollout") if job else None
         trainer = (job.homes.get("trainer") if job else None) or (trainer if trainer in trainers else None)
         rollout = rollout or self._pick_home("rollout", model, 0)
@@ -456,13 +463,18 @@ class Scheduler:
 
     def _switch_first(self, engine: Engine, order: list[Task]) -> list[Task]:
         """Apply the switch bound: continue the engine's last job if it may (see module doc)."""
-        if (engine.kind not in SERIAL_KINDS or engine.last_job is None or not order
-                or engine.streak >= self.max_switches or order[0].job_id == engine.last_job):
+        if (
+            engine.kind not in SERIAL_KINDS
+            or engine.last_job is None
+            or not order
+            or engine.streak >= self.max_switches
+            or order[0].job_id == engine.last_job
+        ):
             return order
         for i, task in enumerate(order):
             if task.job_id == engine.last_job:
                 if task.priority == order[0].priority:
-                    return [task, *order[:i], *order[i + 1:]]
+                    return [task, *order[:i], *order[i + 1 :]]
                 break
         return order
 
@@ -493,7 +505,7 @@ class Scheduler:
     def _fill(self, engine: Engine, now: float, placements: list[Placement]) -> None:
         pending = self._pending[engine.engine_id]
         order = sorted(pending.values(), key=lambda t: self._order_key(t, now))
-        for task in self._switch_first(engine, order)[:engine.free]:
+        for task in self._switch_first(engine, order)[: engine.free]:
             self._dequeue(task)
             self._start(task, engine, now, placements)
 
@@ -531,8 +543,12 @@ class Scheduler:
         for engine_id in self._free[key]:
             load = len(self._homed[engine_id])
             engine = self.engines[engine_id]
-            if (engine_id == home or load >= limit or self._pending[engine_id]
-                    or not self._fits(engine, job.state_bytes)):
+            if (
+                engine_id == home
+                or load >= limit
+                or self._pending[engine_id]
+                or not self._fits(engine, job.state_bytes)
+            ):
                 continue
             if best is None or load < len(self._homed[best.engine_id]):
                 best = engine
@@ -611,9 +627,11 @@ class Scheduler:
                 continue
             job = self.jobs[job_id]
             kind, when = job.last_done or (engine.kind, float("-inf"))
-            ends = [other.started_at[task_id] + self.estimate(other.running[task_id])
-                    for task_id, other in ((t, self.engines[e]) for t, e in job.started.items())
-                    if other.kind != engine.kind]
+            ends = [
+                other.started_at[task_id] + self.estimate(other.running[task_id])
+                for task_id, other in ((t, self.engines[e]) for t, e in job.started.items())
+                if other.kind != engine.kind
+            ]
             if ends:  # its soonest expected end elsewhere
                 running.append((min(ends), job_id))
             elif kind != engine.kind and not job.running.get(engine.kind):
@@ -639,16 +657,16 @@ class Scheduler:
         total = sum(spans.values())
         return 1.0 - sum(busy.values()) / total if total > 0 else 0.0
 
-    def _busy_in(self, now: float, since: float,
-                 engine_ids: Iterable[str] | None) -> tuple[dict[str, float], dict[str, float]]:
+    def _busy_in(
+        self, now: float, since: float, engine_ids: Iterable[str] | None
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """Busy seconds (union over slots) and window length per engine up now.
 
         Finished tasks come from ``intervals`` (the last ``INTERVALS_KEPT``; a window reaching
         further back under-counts), running tasks count up to ``now``.
         """
         wanted = [e for e in (self.engines if engine_ids is None else engine_ids) if e in self.engines]
-        starts = {e: since if self.engines[e].up_at is None else max(since, self.engines[e].up_at)
-                  for e in wanted}
+        starts = {e: since if self.engines[e].up_at is None else max(since, self.engines[e].up_at) for e in wanted}
         runs: dict[str, list[tuple[float, float]]] = {e: [] for e in wanted}
         for i in self.intervals:
             if i.engine_id in runs and i.end > since:
@@ -683,23 +701,33 @@ class Scheduler:
         return None
 
     def _full_reason(self, model: str, state_bytes: int, rollout_full: bool, trainer_full: bool) -> str:
-        silent = [k for k, full in (("rollout", rollout_full), ("trainer", trainer_full))
-                  if full and all(self.engines[e].suspect for e in self._by_key[(k, model)])]
+        silent = [
+            k
+            for k, full in (("rollout", rollout_full), ("trainer", trainer_full))
+            if full and all(self.engines[e].suspect for e in self._by_key[(k, model)])
+        ]
         if silent:
-            return (f"waiting for its engines: every {' and '.join(silent)} engine of {model} is suspect "
-                    "(its worker missed heartbeats)")
+            return (
+                f"waiting for its engines: every {' and '.join(silent)} engine of {model} is suspect "
+                "(its worker missed heartbeats)"
+            )
         if self.policy == "isolated":
             counts = []
             for kind in ("rollout", "trainer"):
                 engines = self._by_key[(kind, model)]
-                free = sum(1 for e in engines if not self._homed[e]
-                           and (kind != "trainer" or self._fits(self.engines[e], state_bytes)))
+                free = sum(
+                    1
+                    for e in engines
+                    if not self._homed[e] and (kind != "trainer" or self._fits(self.engines[e], state_bytes))
+                )
                 counts.append(f"{free} of {len(engines)} {kind}")
             return f"waiting for dedicated engines (isolated: {' / '.join(counts)} free)"
         kinds = [k for k, full in (("rollout", rollout_full), ("trainer", trainer_full)) if full]
-        return (f"waiting for room: every {' and '.join(kinds)} engine of {model} holds "
-                f"{self.jobs_per_engine} jobs (jobs_per_engine)"
-                + (f" or cannot hold {_mb(state_bytes)} MB of state" if trainer_full and state_bytes else ""))
+        return (
+            f"waiting for room: every {' and '.join(kinds)} engine of {model} holds "
+            f"{self.jobs_per_engine} jobs (jobs_per_engine)"
+            + (f" or cannot hold {_mb(state_bytes)} MB of state" if trainer_full and state_bytes else "")
+        )
 
     def _set_home(self, job: Job, kind: str, engine_id: str | None, requeue: bool = True) -> None:
         old = job.homes.get(kind)

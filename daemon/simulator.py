@@ -175,6 +175,7 @@ class _Job:
 @dataclass
 class _Node:
     """One trainer's state tiers."""
+
     device: dict[str, _Shard] = field(default_factory=dict)  # core_id -> shard, least recent first
     device_bytes: int = 0
     host: dict[str, _Shard] = field(default_factory=dict)
@@ -191,8 +192,9 @@ def partition(trace: Trace, gpus: int) -> dict[str, int]:
         demand[j.model] = demand.get(j.model, 0.0) + j.isolated_gpu_s
         need[j.model] = max(need.get(j.model, 0), j.shards)
     if sum(need.values()) > pairs:
-        raise ValueError(f"{gpus} GPUs ({pairs} engine pairs) cannot hold the largest job of every model "
-                         f"class at once ({need})")
+        raise ValueError(
+            f"{gpus} GPUs ({pairs} engine pairs) cannot hold the largest job of every model class at once ({need})"
+        )
     total = sum(demand.values()) or 1.0
     share = {m: max(need[m], pairs * demand[m] / total) for m in demand}
     alloc = {m: max(need[m], int(share[m])) for m in demand}
@@ -223,8 +225,16 @@ def _quantile(sorted_xs: list[float], q: float) -> float:
 class Simulation:
     """One replay; ``simulate`` is the entry point."""
 
-    def __init__(self, trace: Trace, policy: str, gpus: int, jobs_per_engine: int = 4, max_switches: int = 4,
-                 config: SimConfig | None = None, record_intervals: bool = False) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        policy: str,
+        gpus: int,
+        jobs_per_engine: int = 4,
+        max_switches: int = 4,
+        config: SimConfig | None = None,
+        record_intervals: bool = False,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.cfg = cfg = config or SimConfig()
@@ -457,12 +467,14 @@ class Simulation:
 
     def _make_room(self, node: _Node, engine_id: str, incoming: _Shard, now: float) -> None:
         cfg = self.cfg
-        while node.device and (len(node.device) >= cfg.device_slots
-                               or node.device_bytes + incoming.state_bytes > cfg.device_state_gb * GB):
+        while node.device and (
+            len(node.device) >= cfg.device_slots or node.device_bytes + incoming.state_bytes > cfg.device_state_gb * GB
+        ):
             soon = {j: i for i, j in enumerate(self.sched.expected(engine_id, now))}
             # least soon needed: the least recently used state not expected, else the last expected
-            victim = next((s for s in node.device.values() if s.core_id not in soon), None) \
-                or max(node.device.values(), key=lambda s: soon[s.core_id])
+            victim = next((s for s in node.device.values() if s.core_id not in soon), None) or max(
+                node.device.values(), key=lambda s: soon[s.core_id]
+            )
             del node.device[victim.core_id]
             node.device_bytes -= victim.state_bytes
             tier = self._to_host(node, victim)
@@ -535,18 +547,33 @@ class Simulation:
         delays = sorted(o.admitted_s - o.arrival_s for o in self.outcomes)
         lat = sorted(self.latencies)
         return SimResult(
-            policy=self.policy, jobs_per_engine=self.jpe, max_switches=self.max_switches, gpus=self.gpus,
-            engines=len(self.sched.engines), pools=self.pools, jobs=len(self.outcomes), steps=steps,
-            makespan_s=end - start, gpu_hours=held_h, busy_gpu_hours=busy_h,
+            policy=self.policy,
+            jobs_per_engine=self.jpe,
+            max_switches=self.max_switches,
+            gpus=self.gpus,
+            engines=len(self.sched.engines),
+            pools=self.pools,
+            jobs=len(self.outcomes),
+            steps=steps,
+            makespan_s=end - start,
+            gpu_hours=held_h,
+            busy_gpu_hours=busy_h,
             gpu_hours_per_step=held_h / steps if steps else 0.0,
             bubble_ratio=1.0 - busy_h / held_h if held_h > 0 else 0.0,
-            queue_p50_s=_quantile(delays, 0.5), queue_p99_s=_quantile(delays, 0.99),
+            queue_p50_s=_quantile(delays, 0.5),
+            queue_p99_s=_quantile(delays, 0.99),
             queue_mean_s=sum(delays) / len(delays) if delays else 0.0,
-            swaps=self.swaps, ticks=len(lat), tick_p50_us=_quantile(lat, 0.5) * 1e6,
-            tick_p99_us=_quantile(lat, 0.99) * 1e6, tick_p999_us=_quantile(lat, 0.999) * 1e6,
+            swaps=self.swaps,
+            ticks=len(lat),
+            tick_p50_us=_quantile(lat, 0.5) * 1e6,
+            tick_p99_us=_quantile(lat, 0.99) * 1e6,
+            tick_p999_us=_quantile(lat, 0.999) * 1e6,
             tick_max_us=(lat[-1] if lat else 0.0) * 1e6,
-            tasks=self.n_tasks, wall_s=wall_s, engine_busy_s=self.busy,
-            outcomes=sorted(self.outcomes, key=lambda o: o.job_id), intervals=self.intervals,
+            tasks=self.n_tasks,
+            wall_s=wall_s,
+            engine_busy_s=self.busy,
+            outcomes=sorted(self.outcomes, key=lambda o: o.job_id),
+            intervals=self.intervals,
         )
 
     def _hold_flush(self, now: float) -> None:
@@ -554,8 +581,16 @@ class Simulation:
         self.held_since = now
 
 
-def simulate(trace: Trace, policy: str, gpus: int | None = None, *, jobs_per_engine: int = 4,
-             max_switches: int = 4, config: SimConfig | None = None, record_intervals: bool = False) -> SimResult:
+def simulate(
+    trace: Trace,
+    policy: str,
+    gpus: int | None = None,
+    *,
+    jobs_per_engine: int = 4,
+    max_switches: int = 4,
+    config: SimConfig | None = None,
+    record_intervals: bool = False,
+) -> SimResult:
     """Replay ``trace`` under ``policy`` on ``gpus`` GPUs (default: the trace's) with the daemon's core."""
     gpus = gpus or trace.gpus
     if not gpus:
@@ -583,6 +618,7 @@ class PhaseModel(msgspec.Struct, kw_only=True):
     rollout + trainer pairs, ``rollout_slots`` concurrent generate calls), so the simulator
     can predict what the shared run measured.
     """
+
     jobs: list[PhaseJob]
     pairs: int = 1
     rollout_slots: int = 1
@@ -593,18 +629,33 @@ class PhaseModel(msgspec.Struct, kw_only=True):
     measured: dict[str, float] = {}  # the benchmark's own numbers
 
     def trace(self) -> Trace:
-        jobs = [TraceJob(job_id=j.name, model="tiny", gpus=GPUS_PER_SHARD * self.pairs, arrival_s=i * 1e-3,
-                         steps=j.steps, generate_s=j.generate_s, tail_share=1.0, tool_s=0.0, reward_s=j.stall_s,
-                         train_s=j.train_s, state_bytes=1 << 20, jitter=0.0, seed=i)
-                for i, j in enumerate(self.jobs)]
+        jobs = [
+            TraceJob(
+                job_id=j.name,
+                model="tiny",
+                gpus=GPUS_PER_SHARD * self.pairs,
+                arrival_s=i * 1e-3,
+                steps=j.steps,
+                generate_s=j.generate_s,
+                tail_share=1.0,
+                tool_s=0.0,
+                reward_s=j.stall_s,
+                train_s=j.train_s,
+                state_bytes=1 << 20,
+                jitter=0.0,
+                seed=i,
+            )
+            for i, j in enumerate(self.jobs)
+        ]
         return Trace(jobs=jobs, gpus=GPUS_PER_SHARD * self.pairs, name="multiplex-calibration")
 
     def config(self) -> SimConfig:
         return SimConfig(rollout_slots=self.rollout_slots, macro_steps=1 << 30)
 
 
-def calibrate_from(multiplex_json: str | Path | dict[str, Any], train_share: float = TRAIN_SHARE,
-                   rollout_slots: int = 1) -> PhaseModel:
+def calibrate_from(
+    multiplex_json: str | Path | dict[str, Any], train_share: float = TRAIN_SHARE, rollout_slots: int = 1
+) -> PhaseModel:
     """A ``PhaseModel`` from ``bench/results/multiplex.json`` (a path or its loaded dict).
 
     Only the ``isolated`` mode is used (the shared one is what the model must predict):
@@ -639,20 +690,28 @@ def calibrate_from(multiplex_json: str | Path | dict[str, Any], train_share: flo
         else:
             gen, train = wall * busy_share * (1 - train_share), wall * busy_share * train_share
         jobs.append(PhaseJob(name, steps, gen, max(0.0, wall - gen - train), train))
-    measured = {"isolated_bubble_ratio": iso["bubble_ratio"],
-                "isolated_engine_s_per_step": iso["engine_s_per_step"]}
+    measured = {"isolated_bubble_ratio": iso["bubble_ratio"], "isolated_engine_s_per_step": iso["engine_s_per_step"]}
     shared = next((m for p, m in modes.items() if p != "isolated"), None)
     if shared is not None:
         measured["shared_engine_s_per_step"] = shared["engine_s_per_step"]
         measured["shared_bubble_ratio"] = shared["bubble_ratio"]
         measured["ratio"] = shared["engine_s_per_step"] / iso["engine_s_per_step"]
     cpu = iso.get("cpu") or {}
-    return PhaseModel(jobs=jobs, pairs=pairs, rollout_slots=rollout_slots, busy_share=busy_share,
-                      train_share=train_share, cpu_s=cpu.get("seconds"), cores=cpu.get("cores"), measured=measured)
+    return PhaseModel(
+        jobs=jobs,
+        pairs=pairs,
+        rollout_slots=rollout_slots,
+        busy_share=busy_share,
+        train_share=train_share,
+        cpu_s=cpu.get("seconds"),
+        cores=cpu.get("cores"),
+        measured=measured,
+    )
 
 
-def predict(model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine: int = 8,
-            max_switches: int = 4) -> dict[str, float]:
+def predict(
+    model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4
+) -> dict[str, float]:
     """Simulate the model's jobs isolated and shared; the predicted shared / isolated ratio of
     engine-seconds per step, beside the measured one (the daemon's defaults: 8 jobs per engine).
 
@@ -664,9 +723,12 @@ def predict(model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine:
     trace, cfg = model.trace(), model.config()
     iso = simulate(trace, "isolated", config=cfg)
     shared = simulate(trace, policy, jobs_per_engine=jobs_per_engine, max_switches=max_switches, config=cfg)
-    out = {"isolated_engine_s_per_step": iso.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
-           "shared_engine_s_per_step": shared.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
-           "isolated_bubble_ratio": iso.bubble_ratio, "shared_bubble_ratio": shared.bubble_ratio}
+    out = {
+        "isolated_engine_s_per_step": iso.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
+        "shared_engine_s_per_step": shared.gpu_hours_per_step * 3600 / cfg.gpus_per_engine,
+        "isolated_bubble_ratio": iso.bubble_ratio,
+        "shared_bubble_ratio": shared.bubble_ratio,
+    }
     out["scheduling_ratio"] = out["shared_engine_s_per_step"] / out["isolated_engine_s_per_step"]
     if model.cpu_s is not None and model.cores:
         engines, steps = 2 * model.pairs, sum(j.steps for j in model.jobs)

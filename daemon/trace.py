@@ -109,23 +109,66 @@ class ModelClass(msgspec.Struct, frozen=True):
 
 
 MODEL_CLASSES: tuple[ModelClass, ...] = (
-    ModelClass("7B", 7.6e9, {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                             "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128},
-               0.55, (16, 16, 16, 32, 32, 48, 64), (90.0, 300.0), (200.0, 1000.0), 0.2),
-    ModelClass("30B", 32.8e9, {"hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
-                               "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128},
-               0.30, (32, 32, 48, 64, 64, 96, 128), (180.0, 600.0), (150.0, 600.0), 0.1),
+    ModelClass(
+        "7B",
+        7.6e9,
+        {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+        },
+        0.55,
+        (16, 16, 16, 32, 32, 48, 64),
+        (90.0, 300.0),
+        (200.0, 1000.0),
+        0.2,
+    ),
+    ModelClass(
+        "30B",
+        32.8e9,
+        {
+            "hidden_size": 5120,
+            "intermediate_size": 27648,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        },
+        0.30,
+        (32, 32, 48, 64, 64, 96, 128),
+        (180.0, 600.0),
+        (150.0, 600.0),
+        0.1,
+    ),
     # 235B-A22B MoE: attention plus the 8 active experts as a dense-equivalent MLP
-    ModelClass("235B", 235e9, {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 94,
-                               "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128},
-               0.15, (64, 96, 128, 128, 192, 192), (400.0, 1200.0), (100.0, 300.0), 0.0),
+    ModelClass(
+        "235B",
+        235e9,
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+        },
+        0.15,
+        (64, 96, 128, 128, 192, 192),
+        (400.0, 1200.0),
+        (100.0, 300.0),
+        0.0,
+    ),
 )
 BUBBLE_RANGE = (0.70, 0.81)
 MAX_STATE_PER_SHARD = 320e9  # a full fine-tune gets enough shards that each holds at most this
 
 
-def generate_trace(n_jobs: int = 1000, gpus: int = 2048, days: float = 90.0, seed: int = 0,
-                   load: float = 1.6, n_users: int = 40) -> Trace:
+def generate_trace(
+    n_jobs: int = 1000, gpus: int = 2048, days: float = 90.0, seed: int = 0, load: float = 1.6, n_users: int = 40
+) -> Trace:
     """Draw ``n_jobs`` jobs arriving over ``days`` for a cluster of ``gpus`` GPUs (see module doc)."""
     if n_jobs < 1 or gpus < GPUS_PER_SHARD or days <= 0 or load <= 0:
         raise ValueError(f"need n_jobs >= 1, gpus >= {GPUS_PER_SHARD}, days > 0, load > 0")
@@ -146,13 +189,21 @@ def generate_trace(n_jobs: int = 1000, gpus: int = 2048, days: float = 90.0, see
             job_gpus = max(job_gpus, min(need, max_gpus))
         else:
             state = job_state_bytes(rng.choice((16, 32, 64)), LORA_TARGETS, mc.config, cuda=True)
-        drafts.append({
-            "job_id": f"job{i:05d}", "model": mc.name, "gpus": job_gpus, "arrival_s": round(arrival, 3),
-            "base_steps": math.exp(rng.uniform(math.log(mc.steps[0]), math.log(mc.steps[1]))),
-            "state_bytes": state, "full_weights": full,
-            "user": f"user{rng.choices(range(n_users), weights=user_weights)[0]:02d}",
-            "priority": 1 if rng.random() < 0.1 else 0, "seed": rng.getrandbits(32), **shape,
-        })
+        drafts.append(
+            {
+                "job_id": f"job{i:05d}",
+                "model": mc.name,
+                "gpus": job_gpus,
+                "arrival_s": round(arrival, 3),
+                "base_steps": math.exp(rng.uniform(math.log(mc.steps[0]), math.log(mc.steps[1]))),
+                "state_bytes": state,
+                "full_weights": full,
+                "user": f"user{rng.choices(range(n_users), weights=user_weights)[0]:02d}",
+                "priority": 1 if rng.random() < 0.1 else 0,
+                "seed": rng.getrandbits(32),
+                **shape,
+            }
+        )
     demand = sum(d["gpus"] * d["base_steps"] * _step(d) for d in drafts)
     scale = load * gpus * days * DAY_S / demand
     jobs = []
@@ -179,9 +230,14 @@ def step_shape(rng: random.Random, mc: ModelClass) -> dict[str, Any]:
         if 0.05 <= stall <= 0.6 and generate > 0:
             break
     tool = stall * rng.uniform(0.5, 0.9) if turns > 1 else 0.0
-    return {"generate_s": round(generate * step, 3), "tail_share": round(tail, 4),
-            "tool_s": round(tool * step, 3), "reward_s": round((stall - tool) * step, 3),
-            "train_s": round(train * step, 3), "turns": turns}
+    return {
+        "generate_s": round(generate * step, 3),
+        "tail_share": round(tail, 4),
+        "tool_s": round(tool * step, 3),
+        "reward_s": round((stall - tool) * step, 3),
+        "train_s": round(train * step, 3),
+        "turns": turns,
+    }
 
 
 def arrival_times(n: int, days: float, rng: random.Random) -> list[float]:
@@ -208,6 +264,7 @@ def arrival_times(n: int, days: float, rng: random.Random) -> list[float]:
 
 
 # -- files
+
 
 def write_trace(path: str | Path, trace: Trace) -> None:
     """Write atomically: ``.jsonl`` as one job per line, anything else as one JSON document."""

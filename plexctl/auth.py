@@ -106,8 +106,10 @@ def check_private(secret_file: Path) -> None:
     except FileNotFoundError:
         raise AuthError(f"no secret key at {secret_file}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise AuthError(f"refusing to use {secret_file}: it is readable by others (mode {stat.S_IMODE(mode):o}); "
-                        f"`chmod 600 {secret_file}`")
+        raise AuthError(
+            f"refusing to use {secret_file}: it is readable by others (mode {stat.S_IMODE(mode):o}); "
+            f"`chmod 600 {secret_file}`"
+        )
 
 
 def load_pair(directory: Path, name: str) -> tuple[bytes, bytes]:
@@ -156,8 +158,11 @@ def grant(state_dir: Path, user: str, public_key_file: Path) -> None:
             return
     except UsageError:
         pass
-    write_bytes_atomic(target, (f"# the key of {user}, granted by plexctl share\n"
-                                f"curve\n    public-key = \"{public.decode()}\"\n").encode(), mode=0o644)
+    write_bytes_atomic(
+        target,
+        (f'# the key of {user}, granted by plexctl share\ncurve\n    public-key = "{public.decode()}"\n').encode(),
+        mode=0o644,
+    )
 
 
 def allowed_clients(state_dir: Path) -> dict[bytes, str]:
@@ -183,8 +188,10 @@ def ensure_user_keys(home: Path, user: str) -> Path:
 def user_keys(home: Path, user: str, server: bytes) -> CurveKeys:
     kd = user_keys_dir(home)
     if not (kd / f"{user}.key_secret").exists():
-        raise AuthError(f"no key for {user} in {kd} (make one with `plexctl keygen`, then ask the cluster's "
-                        f"owner: plexctl share {user} --key {kd / (user + '.key')})")
+        raise AuthError(
+            f"no key for {user} in {kd} (make one with `plexctl keygen`, then ask the cluster's "
+            f"owner: plexctl share {user} --key {kd / (user + '.key')})"
+        )
     public, secret = load_pair(kd, user)
     return CurveKeys(public, secret, server)
 
@@ -219,7 +226,7 @@ def make_job_keys(state_dir: Path, job_id: str, directory: Path) -> None:
 
 def job_of(user: str) -> str | None:
     """The job an isolated driver's identity stands for, None for any other identity."""
-    return user[len(JOB_USER_PREFIX):] if user.startswith(JOB_USER_PREFIX) else None
+    return user[len(JOB_USER_PREFIX) :] if user.startswith(JOB_USER_PREFIX) else None
 
 
 def remember_server(address: str, server_key: str, state_dir: Path) -> None:
@@ -251,7 +258,8 @@ def _granted(state_dir: Path, home: Path, user: str) -> bool:
     """Whether ``user``'s own public key in ``home`` is the one the cluster lets in as ``user``."""
     try:
         return load_public(keys_dir(state_dir) / "clients" / f"{user}.key") == load_public(
-            user_keys_dir(home) / f"{user}.key")
+            user_keys_dir(home) / f"{user}.key"
+        )
     except (UsageError, OSError):
         return False
 

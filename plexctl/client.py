@@ -50,8 +50,9 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float = 10.0, retries: int = 2,
-                 keys: auth.CurveKeys | None = None) -> None:
+    def __init__(
+        self, address: str, timeout: float = 10.0, retries: int = 2, keys: auth.CurveKeys | None = None
+    ) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
@@ -91,9 +92,11 @@ class Client:
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._reset()
-                raise KeyRefused(f"the daemon at {self.address} refused this client's key (ask the cluster's "
-                                 f"owner: plexctl share {current_user()} --key "
-                                 f"{auth.user_keys_dir(plexrl_home()) / (current_user() + '.key')})")
+                raise KeyRefused(
+                    f"the daemon at {self.address} refused this client's key (ask the cluster's "
+                    f"owner: plexctl share {current_user()} --key "
+                    f"{auth.user_keys_dir(plexrl_home()) / (current_user() + '.key')})"
+                )
 
     def close(self) -> None:
         self._reset()
@@ -127,11 +130,18 @@ class Client:
     def ping(self, timeout: float = 2.0, retries: int = 0) -> P.Pong:
         return msgspec.convert(self.request(P.Op.PING, P.Empty(), timeout, retries), P.Pong)
 
-    def submit(self, spec: dict[str, Any], submit_id: str, user: str | None = None,
-               replace: bool = False, inputs: list[P.InputFile] | None = None) -> P.SubmitRep:
+    def submit(
+        self,
+        spec: dict[str, Any],
+        submit_id: str,
+        user: str | None = None,
+        replace: bool = False,
+        inputs: list[P.InputFile] | None = None,
+    ) -> P.SubmitRep:
         """Submit a spec as is; ``plexctl.inputs.submit`` uploads its files first where needed."""
-        req = P.SubmitReq(submit_id=submit_id, spec=spec, user=user or current_user(), replace=replace,
-                          inputs=list(inputs or []))
+        req = P.SubmitReq(
+            submit_id=submit_id, spec=spec, user=user or current_user(), replace=replace, inputs=list(inputs or [])
+        )
         return msgspec.convert(self.request(P.Op.SUBMIT, req), P.SubmitRep)
 
     def blob(self, req: P.BlobReq) -> P.BlobRep:

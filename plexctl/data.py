@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from plexctl.user_code import one_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -80,8 +81,9 @@ def load_records(path: str | Path, prompt_field: str, answer_field: str) -> list
     """Every record of a JSONL or Parquet file; the first bad one raises its ``DataError``."""
     path = str(path)
     _require_file(path)
-    records = [_checked(path, number, line, item, prompt_field, answer_field)
-               for number, line, item in _raw_records(path)]
+    records = [
+        _checked(path, number, line, item, prompt_field, answer_field) for number, line, item in _raw_records(path)
+    ]
     if not records:
         raise DataError(path, "empty dataset (no records)")
     return records
@@ -96,8 +98,12 @@ class Scan:
     bad: int = 0
 
 
-def scan_records(path: str | Path, prompt_field: str, answer_field: str,
-                 on_prompts: Callable[[list[tuple[str, str]]], None] | None = None) -> Scan:
+def scan_records(
+    path: str | Path,
+    prompt_field: str,
+    answer_field: str,
+    on_prompts: Callable[[list[tuple[str, str]]], None] | None = None,
+) -> Scan:
     """Check every record of a JSONL or Parquet file as ``load_records`` does, keeping none.
     ``on_prompts`` gets the good records' (location, prompt) pairs, ``PROMPT_CHUNK`` at a time
     (location: ``line N``, or ``record N`` of a Parquet file). A file that cannot be read at
@@ -135,8 +141,9 @@ def first_record(path: str | Path) -> dict[str, Any]:
     raise DataError(path, "empty dataset (no records)")
 
 
-def _checked(path: str, number: int, line: int | None, item: str | dict[str, Any], prompt_field: str,
-             answer_field: str) -> dict[str, Any]:
+def _checked(
+    path: str, number: int, line: int | None, item: str | dict[str, Any], prompt_field: str, answer_field: str
+) -> dict[str, Any]:
     """The record of ``item`` (a JSONL line's text, or a Parquet row), or its ``DataError``."""
     record = _parse_json_record(path, item, record=number, line=line) if isinstance(item, str) else item
     problem = record_problem(record, prompt_field, answer_field)
@@ -147,8 +154,15 @@ def _checked(path: str, number: int, line: int | None, item: str | dict[str, Any
 
 def _kind(value: Any) -> str:
     """``5`` -> ``an integer (5)``: a JSON value's type as a reader names it, and the value."""
-    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
+    kinds = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }
     kind = kinds.get(type(value), type(value).__name__)
     if value is None:
         return kind
@@ -199,8 +213,9 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
             try:
                 yield line_number, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(path, f"line {line_number} is not UTF-8 text: {e.reason} "
-                                      f"(byte 0x{raw[e.start]:02x})") from None
+                raise DataError(
+                    path, f"line {line_number} is not UTF-8 text: {e.reason} (byte 0x{raw[e.start]:02x})"
+                ) from None
 
 
 def _import_parquet(path: str) -> Any:

@@ -61,8 +61,13 @@ class Timeout(PlexError):
 class RemoteError(PlexError):
     """An error returned by the daemon as ``{code, message}``."""
 
-    CODES = {"not_found": ExitCode.NOT_FOUND, "refused": ExitCode.REFUSED, "bad_request": ExitCode.USAGE,
-             "untrusted": ExitCode.UNTRUSTED, "forbidden": ExitCode.REFUSED}
+    CODES = {
+        "not_found": ExitCode.NOT_FOUND,
+        "refused": ExitCode.REFUSED,
+        "bad_request": ExitCode.USAGE,
+        "untrusted": ExitCode.UNTRUSTED,
+        "forbidden": ExitCode.REFUSED,
+    }
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -58,8 +58,10 @@ def collect(spec: dict[str, Any]) -> tuple[list[P.InputFile], dict[str, Path]]:
             size = source.stat().st_size
             total += size
             if total > MAX_JOB_BYTES:
-                raise UsageError(f"{field}: the job's input files exceed {MAX_JOB_BYTES >> 30} GiB; point it at "
-                                 "what the job needs, or ask the cluster's owner to trust you (shared paths)")
+                raise UsageError(
+                    f"{field}: the job's input files exceed {MAX_JOB_BYTES >> 30} GiB; point it at "
+                    "what the job needs, or ask the cluster's owner to trust you (shared paths)"
+                )
             if len(files) >= MAX_FILES:
                 raise UsageError(f"{field}: more than {MAX_FILES} input files; point it at what the job needs")
             try:

@@ -67,8 +67,10 @@ def check_gpus(node: str, gpus: list[str], gpus_per_node: int) -> list[str]:
         return list(gpus)
     if len(gpus) < gpus_per_node:
         seen = ",".join(gpus) or "none"
-        raise LayoutError(f"--gpus-per-node {gpus_per_node}: node {node} has {len(gpus)} GPU"
-                          f"{'s' * (len(gpus) != 1)} (CUDA_VISIBLE_DEVICES={seen})")
+        raise LayoutError(
+            f"--gpus-per-node {gpus_per_node}: node {node} has {len(gpus)} GPU"
+            f"{'s' * (len(gpus) != 1)} (CUDA_VISIBLE_DEVICES={seen})"
+        )
     return list(gpus[:gpus_per_node])
 
 
@@ -81,8 +83,15 @@ def engine_kinds(text: str) -> list[str]:
     return [k for k in KINDS if k in kinds]
 
 
-def place_workers(node: str, gpus: list[str], kinds: Iterable[str], *, rollout_gpus: int | None = None,
-                  trainer_gpus: int | None = None, tp: int = 1) -> list[WorkerPlacement]:
+def place_workers(
+    node: str,
+    gpus: list[str],
+    kinds: Iterable[str],
+    *,
+    rollout_gpus: int | None = None,
+    trainer_gpus: int | None = None,
+    tp: int = 1,
+) -> list[WorkerPlacement]:
     """The workers of ``node`` (its name, or the base of its worker ids) on ``gpus``.
 
     ``kinds``: the node's engine kinds. ``rollout_gpus``/``trainer_gpus``: GPUs per kind
@@ -115,13 +124,14 @@ def place_workers(node: str, gpus: list[str], kinds: Iterable[str], *, rollout_g
         size = tp if kind == "rollout" else 1
         for _ in range(split[kind] // size):
             worker_id = f"{node}-g{first}"
-            workers.append(WorkerPlacement(worker_id, [kind], list(gpus[first:first + size]), worker_id))
+            workers.append(WorkerPlacement(worker_id, [kind], list(gpus[first : first + size]), worker_id))
             first += size
     return workers
 
 
-def _split(node: str, total: int, kinds: list[str], rollout: int | None, trainer: int | None,
-           tp: int) -> dict[str, int]:
+def _split(
+    node: str, total: int, kinds: list[str], rollout: int | None, trainer: int | None, tp: int
+) -> dict[str, int]:
     """GPUs per kind on a node of ``total`` GPUs; raises ``LayoutError`` where they do not fit."""
     has = f"node {node} has {total} GPU" + "s" * (total != 1)
     if kinds == ["trainer"]:
@@ -137,12 +147,16 @@ def _split(node: str, total: int, kinds: list[str], rollout: int | None, trainer
         trainer = max(1, total // TRAINER_SHARE)
         rollout = (total - trainer) // tp * tp  # whole engines; the GPUs left over train
         if rollout == 0:
-            raise LayoutError(f"--tp {tp}: {has}; after {trainer} for training, too few for one rollout "
-                              "engine (set --rollout-gpus and --trainer-gpus)")
+            raise LayoutError(
+                f"--tp {tp}: {has}; after {trainer} for training, too few for one rollout "
+                "engine (set --rollout-gpus and --trainer-gpus)"
+            )
         return {"rollout": rollout, "trainer": total - rollout}
     if rollout is not None and trainer is not None and rollout + trainer > total:
-        raise LayoutError(f"--rollout-gpus {rollout} + --trainer-gpus {trainer} = {rollout + trainer}: "
-                          f"more than the {total} GPU{'s' * (total != 1)} of node {node}")
+        raise LayoutError(
+            f"--rollout-gpus {rollout} + --trainer-gpus {trainer} = {rollout + trainer}: "
+            f"more than the {total} GPU{'s' * (total != 1)} of node {node}"
+        )
     for kind, n in (("rollout", rollout), ("trainer", trainer)):
         if n is not None:
             _check_kind(node, kind, n, total)
@@ -150,8 +164,10 @@ def _split(node: str, total: int, kinds: list[str], rollout: int | None, trainer
         given, n = ("rollout", rollout) if trainer is None else ("trainer", trainer)
         other = "trainer" if given == "rollout" else "rollout"
         if n == total:
-            raise LayoutError(f"--{given}-gpus {n}: leaves none of the {total} GPUs of node {node} for its "
-                              f"{other} engines (set --{other}-gpus, or fewer --{given}-gpus)")
+            raise LayoutError(
+                f"--{given}-gpus {n}: leaves none of the {total} GPUs of node {node} for its "
+                f"{other} engines (set --{other}-gpus, or fewer --{given}-gpus)"
+            )
         rollout, trainer = (n, total - n) if given == "rollout" else (total - n, n)
         _check_tp(node, rollout, tp, named=given == "rollout")
     else:
@@ -161,8 +177,10 @@ def _split(node: str, total: int, kinds: list[str], rollout: int | None, trainer
 
 def _check_kind(node: str, kind: str, n: int, total: int) -> None:
     if n <= 0:
-        raise LayoutError(f"--{kind}-gpus {n}: node {node} runs {kind} engines, they need at least 1 of its "
-                          f"{total} GPU{'s' * (total != 1)}")
+        raise LayoutError(
+            f"--{kind}-gpus {n}: node {node} runs {kind} engines, they need at least 1 of its "
+            f"{total} GPU{'s' * (total != 1)}"
+        )
     if n > total:
         raise LayoutError(f"--{kind}-gpus {n}: more than the {total} GPU{'s' * (total != 1)} of node {node}")
 

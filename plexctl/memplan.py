@@ -134,8 +134,9 @@ def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int = 1)
     return step + sampler
 
 
-def trainer_activation_bytes(config: Mapping[str, Any], tokens: int, dtype: str,
-                             chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> int:
+def trainer_activation_bytes(
+    config: Mapping[str, Any], tokens: int, dtype: str, chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+) -> int:
     """Activation peak of a micro-batch of ``tokens`` with gradient checkpointing (an estimate):
 
     - the checkpointed input of every layer: layers x tokens x hidden x dtype bytes;
@@ -196,8 +197,9 @@ class NodeShape:
         return cls(count, size, parse_bytes(host), parse_bytes(nvme))
 
     def describe(self) -> str:
-        gpus = f"{self.gpus} x {_size(self.gpu_bytes)} {'GPU' if self.gpus == 1 else 'GPUs'}" if self.gpus \
-            else "no GPUs"
+        gpus = (
+            f"{self.gpus} x {_size(self.gpu_bytes)} {'GPU' if self.gpus == 1 else 'GPUs'}" if self.gpus else "no GPUs"
+        )
         return f"{gpus}, host {_size(self.host_bytes)}, NVMe {_size(self.nvme_bytes)}"
 
 
@@ -274,8 +276,9 @@ class JobShape:
         return max(self.micro_batch_tokens, self.max_seq_len)
 
 
-def job_shape(spec: JobSpec, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-              micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS) -> JobShape:
+def job_shape(
+    spec: JobSpec, prompt_tokens: int = DEFAULT_PROMPT_TOKENS, micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+) -> JobShape:
     """A spec's shape. Sequences are ``prompt_tokens`` + ``sampling.max_tokens`` (multi-turn:
     ``env.max_total_tokens``, else the prompt and ``max_turns`` completions); the micro-batch is
     ``micro_batch_tokens`` or the whole step's tokens when fewer."""
@@ -288,9 +291,14 @@ def job_shape(spec: JobSpec, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
     else:
         seq = prompt_tokens + spec.env.max_turns * spec.sampling.max_tokens
     step_tokens = spec.algo.prompts_per_step * spec.algo.group_size * seq
-    return JobShape(name=spec.name, rank=spec.lora.rank, max_seq_len=seq,
-                    target_modules=tuple(spec.lora.target_modules), dtype=spec.model.dtype,
-                    micro_batch_tokens=max(seq, min(micro_batch_tokens, step_tokens)))
+    return JobShape(
+        name=spec.name,
+        rank=spec.lora.rank,
+        max_seq_len=seq,
+        target_modules=tuple(spec.lora.target_modules),
+        dtype=spec.model.dtype,
+        micro_batch_tokens=max(seq, min(micro_batch_tokens, step_tokens)),
+    )
 
 
 # ---------------------------------------------------------------- the plan
@@ -405,8 +413,9 @@ class MemoryPlan:
         return not self.problems
 
 
-def _largest_job(config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape],
-                 cuda: bool) -> tuple[int, int]:
+def _largest_job(
+    config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape], cuda: bool
+) -> tuple[int, int]:
     """(state bytes, fp32 gradient bytes) of the largest planned job; without jobs, of one at
     ``max_lora_rank`` on all projections (the largest a rollout engine loads)."""
     known = set(lora_module_shapes(config))
@@ -431,14 +440,25 @@ def _shared_pairs(engines: Sequence[EngineShape], gpus: int) -> tuple[set[int], 
     trainers = [i for i, e in enumerate(engines) if e.kind == "trainer" and e.gpus == 1]
     pairs = list(zip(rollouts, trainers))[:missing]
     if len(pairs) < missing:
-        return cpu, pairs, (f"the engines ask for {_gpus(asked)}, the node has {gpus} (only a single-GPU trainer "
-                            f"and a single-GPU rollout engine can share one)")
+        return (
+            cpu,
+            pairs,
+            (
+                f"the engines ask for {_gpus(asked)}, the node has {gpus} (only a single-GPU trainer "
+                f"and a single-GPU rollout engine can share one)"
+            ),
+        )
     return cpu, pairs, None
 
 
-def plan_memory(config: Mapping[str, Any], node: NodeShape, engines: Sequence[EngineShape] | None = None,
-                options: ClusterOptions = ClusterOptions(), jobs: Sequence[JobShape] = (),
-                model: str = "") -> MemoryPlan:
+def plan_memory(
+    config: Mapping[str, Any],
+    node: NodeShape,
+    engines: Sequence[EngineShape] | None = None,
+    options: ClusterOptions = ClusterOptions(),
+    jobs: Sequence[JobShape] = (),
+    model: str = "",
+) -> MemoryPlan:
     """The memory plan of ``engines`` (default: ``default_engines(node.gpus)``) on ``node``, for
     ``jobs`` (their largest state and micro-batch size the trainers; each is also checked with
     ``job_problems``, its problems listed in the plan's)."""
@@ -449,8 +469,9 @@ def plan_memory(config: Mapping[str, Any], node: NodeShape, engines: Sequence[En
     weights = weights_bytes(config, dtype)
     state, gradient = _largest_job(config, options, jobs, cuda=node.gpus > 0)
     # the largest micro-batch of the jobs (without jobs: the budget); a job beyond the budget is its own problem
-    micro_tokens = max((min(j.peak_tokens, options.micro_batch_tokens) for j in jobs),
-                       default=options.micro_batch_tokens)
+    micro_tokens = max(
+        (min(j.peak_tokens, options.micro_batch_tokens) for j in jobs), default=options.micro_batch_tokens
+    )
     cpu, pairs, placement_problem = _shared_pairs(engines, node.gpus)
     partner = {r: t for r, t in pairs} | {t: r for r, t in pairs}
     problems = [placement_problem] if placement_problem else []
@@ -469,22 +490,39 @@ def plan_memory(config: Mapping[str, Any], node: NodeShape, engines: Sequence[En
             budget = int(options.gpu_memory_utilization * max(0, left_by_trainer))
         else:
             budget = int(options.gpu_memory_utilization * node.gpu_bytes)
-        return RolloutPlan(index=index, gpus=engine.gpus if on_gpu else 0, shared=position in partner,
-                           gpu_bytes=node.gpu_bytes if on_gpu else 0, left_by_trainer=left_by_trainer,
-                           memory_share=options.gpu_memory_utilization if on_gpu else 0.0, budget_bytes=budget,
-                           weights_bytes=shard, lora_slots_bytes=lora,
-                           reserve_bytes=reserve, kv_bytes_per_token=kv_bytes_per_token(config, dtype, tp),
-                           max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+        return RolloutPlan(
+            index=index,
+            gpus=engine.gpus if on_gpu else 0,
+            shared=position in partner,
+            gpu_bytes=node.gpu_bytes if on_gpu else 0,
+            left_by_trainer=left_by_trainer,
+            memory_share=options.gpu_memory_utilization if on_gpu else 0.0,
+            budget_bytes=budget,
+            weights_bytes=shard,
+            lora_slots_bytes=lora,
+            reserve_bytes=reserve,
+            kv_bytes_per_token=kv_bytes_per_token(config, dtype, tp),
+            max_loras=options.max_loras,
+            max_lora_rank=options.max_lora_rank,
+        )
 
     def trainer_plan(position: int, index: int, engine: EngineShape, capacity: int) -> TrainerPlan:
         on_gpu = engine.gpus > 0 and position not in cpu
         return TrainerPlan(
-            index=index, gpus=engine.gpus if on_gpu else 0, shared=position in partner, capacity_bytes=capacity,
-            weights_bytes=weights, device_slots=options.device_slots, job_state_bytes=state,
-            gradient_bytes=gradient, micro_batch_tokens=micro_tokens,
+            index=index,
+            gpus=engine.gpus if on_gpu else 0,
+            shared=position in partner,
+            capacity_bytes=capacity,
+            weights_bytes=weights,
+            device_slots=options.device_slots,
+            job_state_bytes=state,
+            gradient_bytes=gradient,
+            micro_batch_tokens=micro_tokens,
             activation_bytes=trainer_activation_bytes(config, micro_tokens, dtype, options.logits_chunk_tokens),
             runtime_bytes=TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES,
-            host_tier_bytes=options.host_tier_bytes, nvme_tier_bytes=options.nvme_tier_bytes)
+            host_tier_bytes=options.host_tier_bytes,
+            nvme_tier_bytes=options.nvme_tier_bytes,
+        )
 
     kinds = {"rollout": 0, "trainer": 0}
     index_of: dict[int, int] = {}
@@ -513,10 +551,19 @@ def plan_memory(config: Mapping[str, Any], node: NodeShape, engines: Sequence[En
     cpu_bytes = cpu_rollout_bytes + sum(trainers[p].used_bytes for p in cpu_trainers)
 
     plan = MemoryPlan(
-        model=model, config=dict(config), params=parameter_count(config), dtype=dtype, node=node, options=options,
-        engines=engines, max_model_len=max_model_len,
-        rollouts=tuple(rollouts[p] for p in sorted(rollouts)), trainers=tuple(trainers[p] for p in sorted(trainers)),
-        jobs=tuple(jobs), cpu_engine_bytes=cpu_bytes)
+        model=model,
+        config=dict(config),
+        params=parameter_count(config),
+        dtype=dtype,
+        node=node,
+        options=options,
+        engines=engines,
+        max_model_len=max_model_len,
+        rollouts=tuple(rollouts[p] for p in sorted(rollouts)),
+        trainers=tuple(trainers[p] for p in sorted(trainers)),
+        jobs=tuple(jobs),
+        cpu_engine_bytes=cpu_bytes,
+    )
     problems += _engine_problems(plan)
     problems += _node_problems(plan, host_tiers)
     for job in jobs:
@@ -538,16 +585,21 @@ def _engine_problems(plan: MemoryPlan) -> list[str]:
             continue
         where = f"{name} on {_gpus(r.gpus)}"
         if r.shared:
-            budget = (f"{r.memory_share:.2f} x the {_size(max(0, r.left_by_trainer))} its trainer leaves = "
-                      f"{_size(r.budget_bytes)}")
+            budget = (
+                f"{r.memory_share:.2f} x the {_size(max(0, r.left_by_trainer))} its trainer leaves = "
+                f"{_size(r.budget_bytes)}"
+            )
         else:
             budget = f"{r.memory_share:.2f} x {_size(r.gpu_bytes)} = {_size(r.budget_bytes)}"
         if r.fixed_bytes > r.budget_bytes:
-            problems.append(f"{where}: weights {_size(r.weights_bytes)} + LoRA slots {_size(r.lora_slots_bytes)} "
-                            f"+ reserve {_size(r.reserve_bytes)} = {_size(r.fixed_bytes)} exceed {budget}")
+            problems.append(
+                f"{where}: weights {_size(r.weights_bytes)} + LoRA slots {_size(r.lora_slots_bytes)} "
+                f"+ reserve {_size(r.reserve_bytes)} = {_size(r.fixed_bytes)} exceed {budget}"
+            )
         elif r.kv_tokens < plan.max_model_len:
-            problems.append(f"{name}: the KV cache holds {r.kv_tokens:,} tokens, below max_model_len "
-                            f"{plan.max_model_len:,}")
+            problems.append(
+                f"{name}: the KV cache holds {r.kv_tokens:,} tokens, below max_model_len {plan.max_model_len:,}"
+            )
     for t in plan.trainers:
         name = f"trainer engine {t.index}"
         where = f"{name} on 1 GPU" if t.gpus else f"{name} on the CPU"
@@ -558,15 +610,19 @@ def _engine_problems(plan: MemoryPlan) -> list[str]:
         if t.weights_bytes > t.capacity_bytes:
             problems.append(f"{where}: weights {_size(t.weights_bytes)} exceed {room}")
         elif t.fixed_bytes > t.capacity_bytes:
-            problems.append(f"{where}: weights {_size(t.weights_bytes)} + activations of a "
-                            f"{t.micro_batch_tokens:,}-token micro-batch {_size(t.activation_bytes)} + gradients "
-                            f"and runtime {_size(t.gradient_bytes + t.runtime_bytes)} = {_size(t.fixed_bytes)} "
-                            f"exceed {room}")
+            problems.append(
+                f"{where}: weights {_size(t.weights_bytes)} + activations of a "
+                f"{t.micro_batch_tokens:,}-token micro-batch {_size(t.activation_bytes)} + gradients "
+                f"and runtime {_size(t.gradient_bytes + t.runtime_bytes)} = {_size(t.fixed_bytes)} "
+                f"exceed {room}"
+            )
         elif t.used_bytes > t.capacity_bytes:
             fit = t.room_for_state // t.job_state_bytes
-            problems.append(f"{where}: {t.device_slots} jobs' state on device need {_size(t.device_state_bytes)}, "
-                            f"{_size(t.room_for_state)} left after weights, activations and runtime (at most "
-                            f"{fit} fit: lower device_slots)")
+            problems.append(
+                f"{where}: {t.device_slots} jobs' state on device need {_size(t.device_state_bytes)}, "
+                f"{_size(t.room_for_state)} left after weights, activations and runtime (at most "
+                f"{fit} fit: lower device_slots)"
+            )
     return problems
 
 
@@ -581,16 +637,21 @@ def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
         problems.append(f"max_lora_rank {o.max_lora_rank}: vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}")
     context = model_context(plan.config)
     if plan.max_model_len > context:
-        problems.append(f"max_model_len {plan.max_model_len:,} exceeds the model's context {context:,} "
-                        f"(max_position_embeddings)")
+        problems.append(
+            f"max_model_len {plan.max_model_len:,} exceeds the model's context {context:,} (max_position_embeddings)"
+        )
     if host_tiers + plan.cpu_engine_bytes > node.host_bytes:
         cpu = f" + engines on the CPU {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
-        problems.append(f"host memory: {len(plan.trainers)} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
-                        f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}")
+        problems.append(
+            f"host memory: {len(plan.trainers)} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
+            f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}"
+        )
     nvme = len(plan.trainers) * o.nvme_tier_bytes
     if nvme > node.nvme_bytes:
-        problems.append(f"NVMe: {len(plan.trainers)} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
-                        f"the node's {_size(node.nvme_bytes)}")
+        problems.append(
+            f"NVMe: {len(plan.trainers)} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
+            f"the node's {_size(node.nvme_bytes)}"
+        )
     return problems
 
 
@@ -610,25 +671,32 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
     if job.max_seq_len > plan.max_model_len:
         say(f"{prefix}sequences of up to {job.max_seq_len:,} tokens exceed max_model_len {plan.max_model_len:,}")
     elif plan.rollouts and job.max_seq_len > min(r.kv_tokens for r in plan.rollouts):
-        say(f"{prefix}a sequence of {job.max_seq_len:,} tokens exceeds the KV cache of "
-            f"{min(r.kv_tokens for r in plan.rollouts):,} tokens")
+        say(
+            f"{prefix}a sequence of {job.max_seq_len:,} tokens exceeds the KV cache of "
+            f"{min(r.kv_tokens for r in plan.rollouts):,} tokens"
+        )
     cuda = plan.node.gpus > 0
     state = job_state_bytes(job.rank, list(job.target_modules), plan.config, cuda=cuda)
     largest = max(plan.options.host_tier_bytes, plan.options.nvme_tier_bytes)
     if state > largest:
-        say(f"{prefix}its state {_size(state)} exceeds the largest tier (host {_size(plan.options.host_tier_bytes)}, "
-            f"NVMe {_size(plan.options.nvme_tier_bytes)})")
+        say(
+            f"{prefix}its state {_size(state)} exceeds the largest tier (host {_size(plan.options.host_tier_bytes)}, "
+            f"NVMe {_size(plan.options.nvme_tier_bytes)})"
+        )
     if plan.trainers:
         t = max(plan.trainers, key=lambda t: t.capacity_bytes)
-        activations = trainer_activation_bytes(plan.config, job.peak_tokens, plan.dtype,
-                                               plan.options.logits_chunk_tokens)
+        activations = trainer_activation_bytes(
+            plan.config, job.peak_tokens, plan.dtype, plan.options.logits_chunk_tokens
+        )
         gradient = adapter_params(plan.config, job.rank, job.target_modules) * FP32_BYTES
         need = t.weights_bytes + state + activations + gradient + t.runtime_bytes
         if need > t.capacity_bytes and t.weights_bytes <= t.capacity_bytes:
-            say(f"{prefix}needs {_size(need)} on a trainer (weights {_size(t.weights_bytes)} + its state "
+            say(
+                f"{prefix}needs {_size(need)} on a trainer (weights {_size(t.weights_bytes)} + its state "
                 f"{_size(state)} + activations of its {job.peak_tokens:,}-token micro-batch {_size(activations)} + "
                 f"gradients and runtime {_size(gradient + t.runtime_bytes)}), the trainer has "
-                f"{_size(t.capacity_bytes)}")
+                f"{_size(t.capacity_bytes)}"
+            )
     return problems
 
 
@@ -657,37 +725,61 @@ def _rollout_rows(r: RolloutPlan, max_model_len: int) -> list[Row]:
     if r.gpus == 0:
         budget: Row = ("in host memory", r.budget_bytes, "")
     elif r.shared:
-        budget = (f"budget: {r.memory_share:.2f} x {_size(max(0, r.left_by_trainer))} the trainer leaves",
-                  r.budget_bytes, f"vLLM gpu_memory_utilization {r.vllm_utilization:.3f}")
+        budget = (
+            f"budget: {r.memory_share:.2f} x {_size(max(0, r.left_by_trainer))} the trainer leaves",
+            r.budget_bytes,
+            f"vLLM gpu_memory_utilization {r.vllm_utilization:.3f}",
+        )
     else:
         budget = (f"budget: {r.memory_share:.2f} x {_size(r.gpu_bytes)}", r.budget_bytes, "")
     full = r.kv_tokens // max_model_len
-    return [budget,
-            ("weights" + (f" (1/{r.gpus})" if r.gpus > 1 else ""), r.weights_bytes, ""),
-            (f"LoRA slots: {r.max_loras} x rank {r.max_lora_rank}", r.lora_slots_bytes, ""),
-            ("activations, sampler" + (", CUDA graphs" if r.gpus else ""), r.reserve_bytes, ""),
-            ("KV cache", r.kv_cache_bytes,
-             (f"{r.kv_tokens:,} tokens ({fmt_bytes(r.kv_bytes_per_token)} each), {full:,} sequences of "
-              f"max_model_len {max_model_len:,}"))]
+    return [
+        budget,
+        ("weights" + (f" (1/{r.gpus})" if r.gpus > 1 else ""), r.weights_bytes, ""),
+        (f"LoRA slots: {r.max_loras} x rank {r.max_lora_rank}", r.lora_slots_bytes, ""),
+        ("activations, sampler" + (", CUDA graphs" if r.gpus else ""), r.reserve_bytes, ""),
+        (
+            "KV cache",
+            r.kv_cache_bytes,
+            (
+                f"{r.kv_tokens:,} tokens ({fmt_bytes(r.kv_bytes_per_token)} each), {full:,} sequences of "
+                f"max_model_len {max_model_len:,}"
+            ),
+        ),
+    ]
 
 
 def _trainer_rows(t: TrainerPlan) -> list[Row]:
     rows: list[Row] = [
-        ("GPU" if t.gpus else "host memory left to it", t.capacity_bytes, "shared with a rollout engine" if t.shared
-         else ""),
+        (
+            "GPU" if t.gpus else "host memory left to it",
+            t.capacity_bytes,
+            "shared with a rollout engine" if t.shared else "",
+        ),
         ("weights", t.weights_bytes, ""),
-        (f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}", t.device_state_bytes,
-         "fp32 adapter + AdamW moments, largest job"),
+        (
+            f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}",
+            t.device_state_bytes,
+            "fp32 adapter + AdamW moments, largest job",
+        ),
         ("gradients (the job in training)", t.gradient_bytes, ""),
-        (f"activations: {t.micro_batch_tokens:,}-token micro-batch", t.activation_bytes,
-         "gradient checkpointing, chunked logits"),
+        (
+            f"activations: {t.micro_batch_tokens:,}-token micro-batch",
+            t.activation_bytes,
+            "gradient checkpointing, chunked logits",
+        ),
         ("CUDA context, workspaces" if t.gpus else "process runtime", t.runtime_bytes, ""),
     ]
     if t.shared:
         rows.append(("the rollout engine's budget", t.rollout_bytes, "planned after the trainer"))
     more = max(0, t.free_bytes) // t.job_state_bytes
-    rows.append(("free", t.free_bytes, f"room for {more:,} more jobs' state on device" if t.free_bytes >= 0 else
-                 "over capacity"))
+    rows.append(
+        (
+            "free",
+            t.free_bytes,
+            f"room for {more:,} more jobs' state on device" if t.free_bytes >= 0 else "over capacity",
+        )
+    )
     rows.append(("host tier", t.host_tier_bytes, f"{t.host_jobs:,} jobs"))
     rows.append(("NVMe tier", t.nvme_tier_bytes, f"{t.nvme_jobs:,} jobs"))
     return rows
@@ -718,15 +810,26 @@ def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain text: a table per (group of identical) engine(s), the jobs, the problems."""
     o = plan.options
     params = f"{plan.params / 1e9:.2f} B" if plan.params >= 10**8 else f"{plan.params / 1e6:.2f} M"
-    lines = [(f"Memory plan for {plan.model or 'the model'}: {params} parameters, "
-              f"{plan.dtype} weights {_size(weights_bytes(plan.config, plan.dtype))}"),
-             f"Node: {plan.node.describe()}",
-             (f"Options: max_model_len {plan.max_model_len:,}, max_loras {o.max_loras}, max_lora_rank "
-              f"{o.max_lora_rank}, device_slots {o.device_slots}, "
-              f"gpu_memory_utilization {o.gpu_memory_utilization}")]
+    lines = [
+        (
+            f"Memory plan for {plan.model or 'the model'}: {params} parameters, "
+            f"{plan.dtype} weights {_size(weights_bytes(plan.config, plan.dtype))}"
+        ),
+        f"Node: {plan.node.describe()}",
+        (
+            f"Options: max_model_len {plan.max_model_len:,}, max_loras {o.max_loras}, max_lora_rank "
+            f"{o.max_lora_rank}, device_slots {o.device_slots}, "
+            f"gpu_memory_utilization {o.gpu_memory_utilization}"
+        ),
+    ]
     for indices, r in _grouped(plan.rollouts):
-        where = "on the CPU" if r.gpus == 0 else f"{_gpus(r.gpus)} each (tp {r.gpus}), per GPU" \
-            if len(indices) > 1 else f"{_gpus(r.gpus)} (tp {r.gpus}), per GPU"
+        where = (
+            "on the CPU"
+            if r.gpus == 0
+            else f"{_gpus(r.gpus)} each (tp {r.gpus}), per GPU"
+            if len(indices) > 1
+            else f"{_gpus(r.gpus)} (tp {r.gpus}), per GPU"
+        )
         title = f"Rollout engine{'s' if len(indices) > 1 else ''} {_indices(indices)}: {where}"
         lines += ["", *_table(title, _rollout_rows(r, plan.max_model_len))]
     for indices, t in _grouped(plan.trainers):
@@ -739,11 +842,16 @@ def render_plan(plan: MemoryPlan) -> str:
         width = max(len(j.name) for j in plan.jobs) + 2
         known = set(lora_module_shapes(plan.config))
         for j in plan.jobs:
-            state = _size(job_state_bytes(j.rank, list(j.target_modules), plan.config, cuda=cuda)) \
-                if set(j.target_modules) <= known else "?"
+            state = (
+                _size(job_state_bytes(j.rank, list(j.target_modules), plan.config, cuda=cuda))
+                if set(j.target_modules) <= known
+                else "?"
+            )
             verdict = "refused" if job_problems(plan, j) else "fits"
-            lines.append(f"  {j.name:<{width}}rank {j.rank} on {len(j.target_modules)} modules   state {state}   "
-                         f"sequences {j.max_seq_len:,} tokens   micro-batch {j.peak_tokens:,} tokens   {verdict}")
+            lines.append(
+                f"  {j.name:<{width}}rank {j.rank} on {len(j.target_modules)} modules   state {state}   "
+                f"sequences {j.max_seq_len:,} tokens   micro-batch {j.peak_tokens:,} tokens   {verdict}"
+            )
     lines.append("")
     if plan.problems:
         lines.append(f"Does not fit ({len(plan.problems)}):")
@@ -753,9 +861,13 @@ def render_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def plan_for_specs(specs: Sequence[JobSpec], node: NodeShape, engines: Sequence[EngineShape] | None = None,
-                   options: ClusterOptions = ClusterOptions(),
-                   prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> MemoryPlan:
+def plan_for_specs(
+    specs: Sequence[JobSpec],
+    node: NodeShape,
+    engines: Sequence[EngineShape] | None = None,
+    options: ClusterOptions = ClusterOptions(),
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+) -> MemoryPlan:
     """The plan of a node serving the jobs of ``specs`` (one base model: their ``model.path``,
     whose config comes from ``plexctl.model_shapes.model_config_for``)."""
     from plexctl.model_shapes import model_config_for
@@ -764,5 +876,6 @@ def plan_for_specs(specs: Sequence[JobSpec], node: NodeShape, engines: Sequence[
     if len(paths) != 1:
         raise ValueError(f"a plan is for one base model; these jobs use {len(paths)}: {', '.join(paths) or 'none'}")
     jobs = [job_shape(s, prompt_tokens, options.micro_batch_tokens) for s in specs]
-    return plan_memory(model_config_for(paths[0]), node, engines, options, jobs,
-                       model=paths[0].rstrip("/").rsplit("/", 1)[-1])
+    return plan_memory(
+        model_config_for(paths[0]), node, engines, options, jobs, model=paths[0].rstrip("/").rsplit("/", 1)[-1]
+    )

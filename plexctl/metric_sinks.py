@@ -23,8 +23,11 @@ from typing import Any
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """The numeric metrics of a row, without its ``time`` and ``step``."""
-    return {k: float(v) for k, v in row.items()
-            if k not in ("time", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k not in ("time", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class TensorBoardSink:
@@ -41,8 +44,9 @@ class TensorBoardSink:
     def write(self, step: int, wall_time: float, values: dict[str, float]) -> None:
         if not self.started:  # TensorBoard forgets events at or past this step from an earlier session
             self.started = True
-            self.writer.add_event(self.Event(wall_time=wall_time, step=step,
-                                             session_log=self.SessionLog(status=self.SessionLog.START)))
+            self.writer.add_event(
+                self.Event(wall_time=wall_time, step=step, session_log=self.SessionLog(status=self.SessionLog.START))
+            )
         summary = self.Summary(value=[self.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
         self.writer.add_event(self.Event(wall_time=wall_time, step=step, summary=summary))
         self.writer.flush()
@@ -55,8 +59,7 @@ class WandbSink:
     def __init__(self, project: str, job_id: str, name: str, job_dir: Path) -> None:
         import wandb
 
-        self.run = wandb.init(project=project, id=job_id, name=f"{name}-{job_id}", resume="allow",
-                              dir=str(job_dir))
+        self.run = wandb.init(project=project, id=job_id, name=f"{name}-{job_id}", resume="allow", dir=str(job_dir))
 
     def write(self, step: int, wall_time: float, values: dict[str, float]) -> None:
         self.run.log(values, step=step)

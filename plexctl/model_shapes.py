@@ -116,6 +116,7 @@ def model_config_for(path: str | Path) -> dict[str, Any]:
     shape = known_shape(str(path))
     if shape is None:
         known = ", ".join(sorted(KNOWN_SHAPES))
-        raise UnknownModelShape(f"no config.json in {path} and no known shape named {Path(str(path)).name!r} "
-                                f"(known: {known})")
+        raise UnknownModelShape(
+            f"no config.json in {path} and no known shape named {Path(str(path)).name!r} (known: {known})"
+        )
     return shape

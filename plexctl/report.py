@@ -23,8 +23,7 @@ from plexctl.protocol import StatusRep
 
 DPI = 100
 SMOOTH = 8  # steps in the reward's moving average
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
 def pyplot() -> Any:
@@ -77,12 +76,25 @@ def job_plots(runs: dict[str, list[dict[str, Any]]], out_dir: Path, stem: str) -
         steps, rewards = _series(rows, "reward_mean")
         if steps:
             ax.plot(steps, rewards, color=color, alpha=0.25, linewidth=1)
-            ax.plot(steps, moving_average(rewards, SMOOTH), color=color, linewidth=2,
-                    label=f"{label}: train reward ({SMOOTH}-step mean)")
+            ax.plot(
+                steps,
+                moving_average(rewards, SMOOTH),
+                color=color,
+                linewidth=2,
+                label=f"{label}: train reward ({SMOOTH}-step mean)",
+            )
         e_steps, evals = _series(rows, "eval_reward")
         if e_steps:
-            ax.plot(e_steps, evals, color=color, marker="o", linestyle="--", linewidth=1, markersize=6,
-                    label=f"{label}: eval reward")
+            ax.plot(
+                e_steps,
+                evals,
+                color=color,
+                marker="o",
+                linestyle="--",
+                linewidth=1,
+                markersize=6,
+                label=f"{label}: eval reward",
+            )
     _finish(ax, "reward", "reward per step (thin: each step)")
     paths.append(_save(fig, out_dir / f"{stem}-reward.png"))
 
@@ -145,48 +157,67 @@ def cluster_timeline(rep: StatusRep, out: Path, last_s: float | None = None, zoo
     fig, (ax, zax) = plt.subplots(2, 1, figsize=(10, 1.8 + 1.5 * max(1, len(engines))), dpi=DPI)
     marks, moves = _timeline_axis(ax, rep, engines, color, lo, hi, lo)
     ax.axvspan(zlo - lo, zhi - lo, color="grey", alpha=0.15, zorder=0)
-    ax.set_title(f"engine timeline: one bar per call, coloured by job; white = idle "
-                 f"({_idle_share(spans, engines, lo, hi):.0%} of engine time in this window)", fontsize=11)
+    ax.set_title(
+        f"engine timeline: one bar per call, coloured by job; white = idle "
+        f"({_idle_share(spans, engines, lo, hi):.0%} of engine time in this window)",
+        fontsize=11,
+    )
     ax.set_xlabel("seconds since the first call")
     _timeline_axis(zax, rep, engines, color, zlo, zhi, lo)
-    zax.set_title(f"zoom: {zhi - zlo:.1f} s (grey band above), one job's gaps filled by the other's calls",
-                  fontsize=10)
+    zax.set_title(f"zoom: {zhi - zlo:.1f} s (grey band above), one job's gaps filled by the other's calls", fontsize=10)
     zax.set_xlabel("seconds since the first call")
     legend: list[Any] = [Patch(color=color[j], label=f"{j} {names.get(j, '')}".strip()) for j in jobs]
     if marks:
-        legend.append(Line2D([], [], marker="v", color="black", linestyle="none",
-                             label=f"job state swapped in ({marks})"))
+        legend.append(
+            Line2D([], [], marker="v", color="black", linestyle="none", label=f"job state swapped in ({marks})")
+        )
     if moves:
-        legend.append(Patch(facecolor="white", edgecolor="black", hatch="////",
-                            label=f"state moved in the background ({moves})"))
+        legend.append(
+            Patch(facecolor="white", edgecolor="black", hatch="////", label=f"state moved in the background ({moves})")
+        )
     if legend:
         ax.legend(handles=legend, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), framealpha=0.8)
     return _save(fig, out)
 
 
-def _timeline_axis(ax: Any, rep: StatusRep, engines: list[str], color: dict[str, str], lo: float, hi: float,
-                   origin: float) -> tuple[int, int]:
+def _timeline_axis(
+    ax: Any, rep: StatusRep, engines: list[str], color: dict[str, str], lo: float, hi: float, origin: float
+) -> tuple[int, int]:
     """Draw the calls, swap marks and background moves in [lo, hi] on ``ax``; return how many
     swaps and moves it drew."""
     row = {e: i for i, e in enumerate(engines)}
     spans = [s for s in rep.timeline if s.end > lo and s.start < hi]
     for e in engines:
         for j in color:
-            bars = [(max(s.start, lo) - origin, min(s.end, hi) - max(s.start, lo))
-                    for s in spans if s.engine_id == e and s.job_id == j]
+            bars = [
+                (max(s.start, lo) - origin, min(s.end, hi) - max(s.start, lo))
+                for s in spans
+                if s.engine_id == e and s.job_id == j
+            ]
             if bars:
                 ax.broken_barh(bars, (row[e] - 0.35, 0.7), facecolors=color[j], edgecolors="none")
         busy = union_length([(s.start, s.end) for s in spans if s.engine_id == e], lo, hi)
         ax.text(hi - origin, row[e], f" {busy / (hi - lo):.0%} busy" if hi > lo else "", va="center", fontsize=9)
     marks = [m for m in rep.swap_marks if lo <= m.at <= hi and m.engine_id in row]
     if marks:
-        ax.scatter([m.at - origin for m in marks], [row[m.engine_id] - 0.45 for m in marks], marker="v",
-                   color="black", s=14, zorder=3)
+        ax.scatter(
+            [m.at - origin for m in marks],
+            [row[m.engine_id] - 0.45 for m in marks],
+            marker="v",
+            color="black",
+            s=14,
+            zorder=3,
+        )
     moves = [m for m in rep.moves if m.end > lo and m.start < hi and m.engine_id in row]
     for m in moves:  # a thin strip under the engine's row, in the moved job's colour
-        ax.broken_barh([(max(m.start, lo) - origin, min(m.end, hi) - max(m.start, lo))],
-                       (row[m.engine_id] + 0.38, 0.14), facecolors=color.get(m.job_id, "grey"),
-                       edgecolors="black", linewidth=0.3, hatch="////")
+        ax.broken_barh(
+            [(max(m.start, lo) - origin, min(m.end, hi) - max(m.start, lo))],
+            (row[m.engine_id] + 0.38, 0.14),
+            facecolors=color.get(m.job_id, "grey"),
+            edgecolors="black",
+            linewidth=0.3,
+            hatch="////",
+        )
     ax.set_yticks(range(len(engines)))
     ax.set_yticklabels(engines)
     ax.set_ylim(len(engines) - 0.4 + (0.15 if moves else 0.0), -0.65)

@@ -16,7 +16,8 @@ reference answer and the whole sample record, and returns a float. This module o
   under its own time limit, enforced from outside the function: a sample that overruns it
   (its code ignored or caught the alarm) has its process killed. The user's directory is
   staged once (its Python and small data files, copied private to the driver's user; each
-  sandbox process of another uid gets its own copy); the driver's site-packages are readable too, so the function may import
+  sandbox process of another uid gets its own copy); the driver's site-packages are readable
+  too, so the function may import
   what is installed (math_verify, numpy, ...).
 
 Built-in rewards are the project's own code and run in the driver's threads. Importing the
@@ -245,7 +246,8 @@ def load(target):
             loaded[target] = (fn, None)
         except BaseException as e:
             text = str(e).strip()
-            loaded[target] = (None, "cannot import %s: %s: %s" % (target, type(e).__name__, text.splitlines()[0] if text else ""))
+            first = text.splitlines()[0] if text else ""
+            loaded[target] = (None, "cannot import %s: %s: %s" % (target, type(e).__name__, first))
     return loaded[target]
 while True:
     line = requests.readline()
@@ -300,8 +302,10 @@ def stage_user_dir(path: str) -> Path:
             total += f.stat().st_size
             if total > _STAGE_MAX_BYTES:
                 shutil.rmtree(dst, ignore_errors=True)
-                raise RewardLoadError(f"reward path {path} holds more than {_STAGE_MAX_BYTES >> 20} MiB of "
-                                      "Python and data files; point `path` at the reward's own directory")
+                raise RewardLoadError(
+                    f"reward path {path} holds more than {_STAGE_MAX_BYTES >> 20} MiB of "
+                    "Python and data files; point `path` at the reward's own directory"
+                )
             shutil.copyfile(f, dst / rel / name)
             (dst / rel / name).chmod(0o600)
     return dst
@@ -331,8 +335,15 @@ class SandboxedReward:
     FIRST_REQUEST_SLACK_S = 20.0  # a new process imports the function first
     KILL_SLACK_S = 1.0  # past its timeout, a sample's process is killed (its own alarm normally answers first)
 
-    def __init__(self, target: str, path: str | None, failure_reward: float, pool,
-                 timeout_s: float = 10.0, memory_bytes: int = 4 * 2**30) -> None:
+    def __init__(
+        self,
+        target: str,
+        path: str | None,
+        failure_reward: float,
+        pool,
+        timeout_s: float = 10.0,
+        memory_bytes: int = 4 * 2**30,
+    ) -> None:
         from plexctl.sandbox import Limits
 
         self.target = target
@@ -344,8 +355,14 @@ class SandboxedReward:
         self._staged = stage_user_dir(path) if path else None
         self.paths = tuple(([str(self._staged)] if self._staged else []) + _import_paths())
         # the alarms bound each sample's time; the CPU limit only stops a process left spinning
-        self._limits = Limits(cpu_seconds=10**6, wall_seconds=0.0, memory_bytes=memory_bytes,
-                              processes=64, open_files=256, output_bytes=4 * 2**20)
+        self._limits = Limits(
+            cpu_seconds=10**6,
+            wall_seconds=0.0,
+            memory_bytes=memory_bytes,
+            processes=64,
+            open_files=256,
+            output_bytes=4 * 2**20,
+        )
         self._sessions: list = [None] * min(pool.max_workers, self.MAX_PROCESSES)
         self._lock = threading.Lock()
 
@@ -396,11 +413,12 @@ class SandboxedReward:
         session = self._sessions[i]
         if session is not None and session.proc is not None:
             return session
-        session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths,
-                                                     marker="PLEXRL-REWARDS ")
+        session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths, marker="PLEXRL-REWARDS ")
         try:
-            session.request(json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": []}),
-                            self.FIRST_REQUEST_SLACK_S)
+            session.request(
+                json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": []}),
+                self.FIRST_REQUEST_SLACK_S,
+            )
         except SessionFailed:
             self._sessions[i] = None
             raise

@@ -46,19 +46,31 @@ import zmq
 import zmq.utils.monitor
 
 from plexctl import auth
-from plexctl.frames import recv_message, send_frames
 from plexctl import protocol as P
 from plexctl.atomic import write_bytes_atomic
 from plexctl.client import monitor_socket
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.data import PromptCursor, load_records
+from plexctl.frames import recv_message, send_frames
 from plexctl.metric_sinks import MetricSinks
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import make_scorer
 from plexctl.spec import JobSpec
 
-__all__ = ["CallFailed", "Completion", "DaemonLost", "Job", "JobCancelled", "JobClient", "JobDrained", "Rollout", "Sampling", "TrainBatch",
-           "TrainHParams", "build_batch"]
+__all__ = [
+    "CallFailed",
+    "Completion",
+    "DaemonLost",
+    "Job",
+    "JobCancelled",
+    "JobClient",
+    "JobDrained",
+    "Rollout",
+    "Sampling",
+    "TrainBatch",
+    "TrainHParams",
+    "build_batch",
+]
 
 EVAL_SEED = 12345
 NO_SPACE = "no space left"  # how a checkpoint fails when its filesystem is full (worker.errors.NoSpaceError)
@@ -98,9 +110,15 @@ class JobClient:
     daemon adopted this job, and a repeated trainer call is applied once (worker.main).
     """
 
-    def __init__(self, endpoint: str, job_id: str, parent_pid: int | None = None,
-                 keys: auth.CurveKeys | None = None, endpoint_file: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        job_id: str,
+        parent_pid: int | None = None,
+        keys: auth.CurveKeys | None = None,
+        endpoint_file: Path | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.job_id = job_id
         self.parent_pid = parent_pid
         self.endpoint = endpoint
@@ -154,8 +172,10 @@ class JobClient:
                 self._lost(f"lost the daemon at {self.endpoint}")
             elif event == self._back_event:
                 if self._lost_since is not None or self._connected_once and self._in_flight:
-                    self.log(f"reconnected to the daemon at {self.endpoint}: sending "
-                             f"{len(self._in_flight)} calls in flight again")
+                    self.log(
+                        f"reconnected to the daemon at {self.endpoint}: sending "
+                        f"{len(self._in_flight)} calls in flight again"
+                    )
                     for frames in list(self._in_flight.values()):
                         send_frames(self._sock, frames)
                 self._lost_since, self._connected_once = None, True
@@ -298,22 +318,33 @@ class Rollout:
 
     def groups(self) -> list[list[float]]:
         """Rewards per record."""
-        return [self.rewards[g * self.n:(g + 1) * self.n] for g in range(len(self.records))]
+        return [self.rewards[g * self.n : (g + 1) * self.n] for g in range(len(self.records))]
 
     def keep(self, groups: Iterable[int]) -> Rollout:
         """Only the given groups (records), in that order."""
         groups = list(groups)
         index = [g * self.n + k for g in groups for k in range(self.n)]
-        return dataclasses.replace(self, records=[self.records[g] for g in groups],
-                                   samples=[self.samples[i] for i in index], rewards=[self.rewards[i] for i in index])
+        return dataclasses.replace(
+            self,
+            records=[self.records[g] for g in groups],
+            samples=[self.samples[i] for i in index],
+            rewards=[self.rewards[i] for i in index],
+        )
 
     def __add__(self, other: Rollout) -> Rollout:
         """Both rollouts' groups (the older policy version is kept: staleness is a maximum)."""
         if other.n != self.n or other.multi_turn != self.multi_turn:
             raise ValueError("cannot join rollouts of different group sizes or kinds")
-        return Rollout(self.records + other.records, self.n, self.samples + other.samples,
-                       self.rewards + other.rewards, min(self.policy_version, other.policy_version),
-                       self.errors + other.errors, self.generate_s + other.generate_s, self.multi_turn)
+        return Rollout(
+            self.records + other.records,
+            self.n,
+            self.samples + other.samples,
+            self.rewards + other.rewards,
+            min(self.policy_version, other.policy_version),
+            self.errors + other.errors,
+            self.generate_s + other.generate_s,
+            self.multi_turn,
+        )
 
     def batch(self, advantages: list[float]) -> TrainBatch:
         """The ``TrainBatch`` of these samples with one advantage each."""
@@ -409,14 +440,20 @@ class Job:
     def sampling(self, step: int, n: int, seed: int | None = None) -> Sampling:
         """The spec's sampling with ``n`` samples per prompt; the seed defaults to one per step."""
         s = self.spec.sampling
-        return Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, n=n,
-                        seed=seed if seed is not None else self.spec.seed * 1_000_003 + step)
+        return Sampling(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            n=n,
+            seed=seed if seed is not None else self.spec.seed * 1_000_003 + step,
+        )
 
     def score(self, records: list[dict], comps: list[Completion], n: int) -> list[float]:
         """The job's reward of each completion (``n`` per record); failures give failure_reward."""
         d = self.spec.data
-        return self.reward.score_many([(c.text, str(records[i // n][d.answer_field]), records[i // n])
-                                       for i, c in enumerate(comps)])
+        return self.reward.score_many(
+            [(c.text, str(records[i // n][d.answer_field]), records[i // n]) for i, c in enumerate(comps)]
+        )
 
     def episodes(self, records: list[dict], n: int, sampling: Sampling) -> list:
         """Run ``n`` multi-turn episodes per record; each turn of all of them is one generate call."""
@@ -425,21 +462,31 @@ class Job:
         e = self.spec.env
         samples = [r for r in records for _ in range(n)]
         envs = [self.env_factory() for _ in samples]
-        return run_episodes(self.client.generate, envs, samples, msgspec.structs.replace(sampling, n=1),
-                            e.max_turns, self.env_pool, failure_reward=self.spec.reward.failure_reward,
-                            truncated_reward=e.truncated_reward, step_timeout_s=e.step_timeout_s,
-                            max_total_tokens=e.max_total_tokens)
+        return run_episodes(
+            self.client.generate,
+            envs,
+            samples,
+            msgspec.structs.replace(sampling, n=1),
+            e.max_turns,
+            self.env_pool,
+            failure_reward=self.spec.reward.failure_reward,
+            truncated_reward=e.truncated_reward,
+            step_timeout_s=e.step_timeout_s,
+            max_total_tokens=e.max_total_tokens,
+        )
 
-    def rollout_async(self, records: list[dict], n: int, sampling: Sampling,
-                      after: PendingTrain | None = None) -> PendingRollout:
+    def rollout_async(
+        self, records: list[dict], n: int, sampling: Sampling, after: PendingTrain | None = None
+    ) -> PendingRollout:
         """Start generating ``n`` samples per record; ``after``: from the adapter that training
         call publishes, started the moment it lands. Multi-turn episodes cannot run ahead (each
         turn waits on the last one's tools): they run when waited on."""
         msg_id = None
         if not self.multi_turn:
             prompts = [r[self.spec.data.prompt_field] for r in records]
-            msg_id = self.client.generate_async(prompts, msgspec.structs.replace(sampling, n=n),
-                                                after.msg_id if after is not None else None)
+            msg_id = self.client.generate_async(
+                prompts, msgspec.structs.replace(sampling, n=n), after.msg_id if after is not None else None
+            )
         return PendingRollout(records, n, sampling, msg_id)
 
     def wait(self, pending: PendingRollout) -> Rollout:
@@ -448,8 +495,15 @@ class Job:
         if pending.msg_id is None:
             episodes = self.episodes(pending.records, pending.n, pending.sampling)
             rewards = [ep.reward for ep in episodes]
-            rollout = Rollout(pending.records, pending.n, episodes, rewards, self.version, multi_turn=True,
-                              generate_s=time.perf_counter() - t0)
+            rollout = Rollout(
+                pending.records,
+                pending.n,
+                episodes,
+                rewards,
+                self.version,
+                multi_turn=True,
+                generate_s=time.perf_counter() - t0,
+            )
             env = rollout.env_metrics()
             rollout.errors = int(env.get("reward_errors", 0) + env.get("tool_timeouts", 0))
             return rollout
@@ -459,8 +513,15 @@ class Job:
         generate_s = time.perf_counter() - t0
         errors_before = getattr(self.reward, "errors", 0)
         rewards = self.score(pending.records, comps, pending.n)
-        return Rollout(pending.records, pending.n, comps, rewards, version,
-                       errors=getattr(self.reward, "errors", 0) - errors_before, generate_s=generate_s)
+        return Rollout(
+            pending.records,
+            pending.n,
+            comps,
+            rewards,
+            version,
+            errors=getattr(self.reward, "errors", 0) - errors_before,
+            generate_s=generate_s,
+        )
 
     def rollout(self, records: list[dict], n: int, sampling: Sampling) -> Rollout:
         """Generate ``n`` samples per record and score them (or run episodes), now."""
@@ -471,8 +532,15 @@ class Job:
     def hparams(self, **changes: Any) -> TrainHParams:
         """The spec's loss and optimizer settings as ``TrainHParams``; ``changes`` override them."""
         a = self.spec.algo
-        hp = TrainHParams(lr=a.lr, clip_low=a.clip_range, clip_high=a.clip_range_high or a.clip_range,
-                          kl_coef=a.kl_coef, loss_agg=a.loss_agg, loss=a.loss, loss_params=dict(a.loss_params))
+        hp = TrainHParams(
+            lr=a.lr,
+            clip_low=a.clip_range,
+            clip_high=a.clip_range_high or a.clip_range,
+            kl_coef=a.kl_coef,
+            loss_agg=a.loss_agg,
+            loss=a.loss,
+            loss_params=dict(a.loss_params),
+        )
         if a.loss_fn:
             hp = msgspec.structs.replace(hp, loss_fn=a.loss_fn, loss_path=a.path or "")
         hp = msgspec.structs.replace(hp, **changes) if changes else hp
@@ -485,8 +553,9 @@ class Job:
         turns = self.spec.env.max_turns if self.spec.env is not None else 1
         return self.spec.sampling.max_tokens * turns
 
-    def train(self, rollout: Rollout, advantages: list[float], hp: TrainHParams,
-              publish: bool = False) -> dict[str, float]:
+    def train(
+        self, rollout: Rollout, advantages: list[float], hp: TrainHParams, publish: bool = False
+    ) -> dict[str, float]:
         """One optimizer step on ``rollout`` with one advantage per sample; ``publish``: then
         make the result the rollout policy, in the same call (``version`` follows)."""
         if publish:
@@ -556,8 +625,9 @@ class Job:
     def checkpoint(self, step: int, **extra: Any) -> str:
         """Save the trainer state with the data cursor, the RNG and ``extra`` (JSON values)."""
         version, state, gauss = self.rng.getstate()
-        path = self.client.checkpoint(step, {"step": step, "cursor": self.prompts.state(),
-                                             "rng": [version, list(state), gauss], **extra})
+        path = self.client.checkpoint(
+            step, {"step": step, "cursor": self.prompts.state(), "rng": [version, list(state), gauss], **extra}
+        )
         self.checkpoint_step = step
         return path
 
@@ -573,8 +643,11 @@ class Job:
             except CallFailed as exc:
                 if NO_SPACE not in str(exc):
                     raise
-                then = (f"the job resumes from step {self.checkpoint_step}" if self.checkpoint_step
-                        else "the job starts again from the beginning")
+                then = (
+                    f"the job resumes from step {self.checkpoint_step}"
+                    if self.checkpoint_step
+                    else "the job starts again from the beginning"
+                )
                 line = self._checkpoint_skipped(step, exc, then)
                 raise DrainCheckpointFailed(f"{self.client.drain}; {line}") from None
             raise JobDrained(self.client.drain)
@@ -590,9 +663,12 @@ class Job:
     def _checkpoint_skipped(self, step: int, exc: CallFailed, then: str) -> str:
         """Log and note (in the journal) a checkpoint that found no disk space; return that line."""
         text = str(exc)
-        last = (f"the last good checkpoint (step {self.checkpoint_step}) is kept" if self.checkpoint_step
-                else "there is no checkpoint yet")
-        line = f"{text[text.index(NO_SPACE):]}; {last}; {then}"
+        last = (
+            f"the last good checkpoint (step {self.checkpoint_step}) is kept"
+            if self.checkpoint_step
+            else "there is no checkpoint yet"
+        )
+        line = f"{text[text.index(NO_SPACE) :]}; {last}; {then}"
         self.log(line)
         self.client.report("note", step, {}, line)
         return line

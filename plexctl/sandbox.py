@@ -248,7 +248,8 @@ def _install_guard(work):
             raise PermissionError("plexrl-sandbox: %s refused" % event)
         if event == "open" and len(args) >= 3 and args[0] is not None:
             mode, flags = args[1], args[2] or 0
-            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+                flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
             if writing and not inside(args[0]):
                 raise PermissionError("plexrl-sandbox: write outside the working directory refused: %r" % (args[0],))
         elif event in path_events:
@@ -315,20 +316,31 @@ def _candidate_modes() -> list[str]:
 
 def _describe(mode: str) -> Isolation:
     if mode == "namespaces":
-        return Isolation(mode, "netns", "read-only root, writable working directory, own uid",
-                         "RLIMIT_NPROC per run uid; leftovers killed by uid")
+        return Isolation(
+            mode,
+            "netns",
+            "read-only root, writable working directory, own uid",
+            "RLIMIT_NPROC per run uid; leftovers killed by uid",
+        )
     if mode == "userns":
-        return Isolation(mode, "userns+netns", "read-only root, writable working directory",
-                         "RLIMIT_NPROC per user namespace; PID namespace killed as a whole")
-    return Isolation(mode, "audit-guard", "audit guard refuses writes outside the working directory",
-                     "RLIMIT_NPROC over the driver user's processes (not enforced for root)")
+        return Isolation(
+            mode,
+            "userns+netns",
+            "read-only root, writable working directory",
+            "RLIMIT_NPROC per user namespace; PID namespace killed as a whole",
+        )
+    return Isolation(
+        mode,
+        "audit-guard",
+        "audit guard refuses writes outside the working directory",
+        "RLIMIT_NPROC over the driver user's processes (not enforced for root)",
+    )
 
 
 # ---------------------------------------------------------------- running one program
 
 
-def run_python(code: str, stdin: str = "", limits: Limits = Limits(),
-               paths: tuple[str, ...] = ()) -> SandboxResult:
+def run_python(code: str, stdin: str = "", limits: Limits = Limits(), paths: tuple[str, ...] = ()) -> SandboxResult:
     """Run ``code`` as a Python program in the sandbox; never raises for what the program does.
 
     ``paths`` are directories put first on the program's ``sys.path`` (e.g. the user's reward
@@ -343,8 +355,17 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits(),
 
 
 def _failed(error: str, limit_hit: str | None = None, seconds: float = 0.0) -> SandboxResult:
-    return SandboxResult(ok=False, stdout="", stderr="", exit_code=None, timed_out=False, killed_by=None,
-                         seconds=seconds, limit_hit=limit_hit, error=error)
+    return SandboxResult(
+        ok=False,
+        stdout="",
+        stderr="",
+        exit_code=None,
+        timed_out=False,
+        killed_by=None,
+        seconds=seconds,
+        limit_hit=limit_hit,
+        error=error,
+    )
 
 
 def _run(mode: str, code: str, stdin: str, limits: Limits, paths: tuple[str, ...] = ()) -> SandboxResult:
@@ -360,8 +381,7 @@ def _run(mode: str, code: str, stdin: str, limits: Limits, paths: tuple[str, ...
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _fill_run_dir(base: Path, uid: int | None, code: str, stdin: str,
-                  paths: tuple[str, ...] = ()) -> tuple[str, ...]:
+def _fill_run_dir(base: Path, uid: int | None, code: str, stdin: str, paths: tuple[str, ...] = ()) -> tuple[str, ...]:
     """``base/`` (0711) gets ``main.py``, ``stdin``, ``py/`` (stdlib mount points) and ``work/``;
     returns ``paths`` with each one the run's uid could not read replaced by its own copy."""
     (base / "main.py").write_text(code, encoding="utf-8")
@@ -424,25 +444,44 @@ def _reaped(proc: subprocess.Popen) -> None:
         _LIVE.pop(proc.pid, None)
 
 
-def _popen(mode: str, uid: int | None, base: Path, limits: Limits, paths: tuple[str, ...], stdin: Any) -> subprocess.Popen:
+def _popen(
+    mode: str, uid: int | None, base: Path, limits: Limits, paths: tuple[str, ...], stdin: Any
+) -> subprocess.Popen:
     """Start the boot on ``base/main.py`` in its own session, stdout and stderr piped (the
     process is in ``_LIVE`` until ``_reaped``)."""
-    config = {"mode": mode, "base": str(base), "uid": uid, "inner_uid": USERNS_INNER_UID,
-              "rlimits": _rlimits(mode, limits), "paths": [str(p) for p in paths]}
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "work"), "TMPDIR": str(base / "work"),
-           "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    config = {
+        "mode": mode,
+        "base": str(base),
+        "uid": uid,
+        "inner_uid": USERNS_INNER_UID,
+        "rlimits": _rlimits(mode, limits),
+        "paths": [str(p) for p in paths],
+    }
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(base / "work"),
+        "TMPDIR": str(base / "work"),
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+    }
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
-        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=base, env=env,
-        start_new_session=True, close_fds=True,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=base,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
     )
     with _LIVE_LOCK:
         _LIVE[proc.pid] = uid
     return proc
 
 
-def _spawn_and_collect(mode: str, uid: int | None, base: Path, limits: Limits, t0: float,
-                       paths: tuple[str, ...] = ()) -> SandboxResult:
+def _spawn_and_collect(
+    mode: str, uid: int | None, base: Path, limits: Limits, t0: float, paths: tuple[str, ...] = ()
+) -> SandboxResult:
     with open(base / "stdin", "rb") as stdin:
         proc = _popen(mode, uid, base, limits, paths, stdin)
     try:
@@ -467,7 +506,7 @@ class _Stream:
 
     def add(self, chunk: bytes) -> None:
         room = self.bound - len(self.data)
-        self.data += chunk[:max(room, 0)]
+        self.data += chunk[: max(room, 0)]
         self.dropped += max(len(chunk) - max(room, 0), 0)
 
 
@@ -551,9 +590,18 @@ def _result(out: _Stream, err: _Stream, returncode: int, timed_out: bool, second
     if returncode == SETUP_FAILED_EXIT and stderr.startswith("plexrl-sandbox: setup failed"):
         error = stderr.strip().splitlines()[0]
     limit_hit = _limit_hit(stderr, killed_by, timed_out, truncated, error)
-    return SandboxResult(ok=returncode == 0 and not timed_out, stdout=stdout, stderr=stderr, exit_code=returncode,
-                         timed_out=timed_out, killed_by=killed_by, seconds=seconds, limit_hit=limit_hit,
-                         truncated=truncated, error=error)
+    return SandboxResult(
+        ok=returncode == 0 and not timed_out,
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=returncode,
+        timed_out=timed_out,
+        killed_by=killed_by,
+        seconds=seconds,
+        limit_hit=limit_hit,
+        truncated=truncated,
+        error=error,
+    )
 
 
 def _limit_hit(stderr: str, killed_by: str | None, timed_out: bool, truncated: bool, error: str | None) -> str | None:
@@ -597,8 +645,9 @@ class SandboxSession:
     the program and every process it left and removes its directory. One request at a time.
     """
 
-    def __init__(self, code: str, limits: Limits = Limits(), paths: tuple[str, ...] = (),
-                 marker: str = "PLEXRL-REPLY ") -> None:
+    def __init__(
+        self, code: str, limits: Limits = Limits(), paths: tuple[str, ...] = (), marker: str = "PLEXRL-REPLY "
+    ) -> None:
         self.marker = marker.encode()
         self.bound = limits.output_bytes
         self.requests = 0
@@ -654,7 +703,7 @@ class SandboxSession:
                 for key, _ in sel.select(timeout=wait):
                     if key.fileobj is proc.stdin:
                         try:
-                            pending = pending[os.write(key.fd, pending):]
+                            pending = pending[os.write(key.fd, pending) :]
                         except BrokenPipeError:
                             raise SessionFailed(self._exited()) from None
                         if not pending:
@@ -680,9 +729,9 @@ class SandboxSession:
                     raise SessionFailed(f"a line of output longer than {self.bound} bytes")
                 return None
             line = bytes(self._out[:end])
-            del self._out[:end + 1]
+            del self._out[: end + 1]
             if line.startswith(self.marker):
-                return line[len(self.marker):].decode("utf-8", errors="replace")
+                return line[len(self.marker) :].decode("utf-8", errors="replace")
 
     def _exited(self) -> str:
         """Why the program stopped talking: its exit and the last line it wrote to stderr."""
@@ -801,12 +850,14 @@ class SandboxPool:
         self.limits = limits
         self._executor = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="sandbox")
 
-    def submit(self, code: str, stdin: str = "", limits: Limits | None = None,
-               paths: tuple[str, ...] = ()) -> concurrent.futures.Future[SandboxResult]:
+    def submit(
+        self, code: str, stdin: str = "", limits: Limits | None = None, paths: tuple[str, ...] = ()
+    ) -> concurrent.futures.Future[SandboxResult]:
         return self._executor.submit(_never_raises, code, stdin, limits or self.limits, paths)
 
-    def map(self, codes: Iterable[str], stdins: Iterable[str] | None = None,
-            limits: Limits | None = None) -> list[SandboxResult]:
+    def map(
+        self, codes: Iterable[str], stdins: Iterable[str] | None = None, limits: Limits | None = None
+    ) -> list[SandboxResult]:
         codes = list(codes)
         stdins = list(stdins) if stdins is not None else [""] * len(codes)
         if len(stdins) != len(codes):
@@ -832,4 +883,3 @@ def _never_raises(code: str, stdin: str, limits: Limits, paths: tuple[str, ...] 
         return run_python(code, stdin, limits, paths)
     except BaseException as e:  # noqa: BLE001 - a sample's crash must stay that sample's
         return _failed(f"sandbox crashed: {type(e).__name__}: {e}", limit_hit="crash")
-

@@ -136,9 +136,19 @@ def planned_workers(spec: SlurmSpec) -> int:
     ``plexctl.layout.LayoutError`` where the GPU options do not fit a node."""
     gpus = [str(i) for i in range(spec.gpus_per_node)]
     engines = spec.engines or ["rollout,trainer"]
-    return sum(len(place_workers(f"#{i}", gpus, engine_kinds(engines[i % len(engines)]),
-                                 rollout_gpus=spec.rollout_gpus, trainer_gpus=spec.trainer_gpus, tp=spec.tp))
-               for i in range(spec.nodes))
+    return sum(
+        len(
+            place_workers(
+                f"#{i}",
+                gpus,
+                engine_kinds(engines[i % len(engines)]),
+                rollout_gpus=spec.rollout_gpus,
+                trainer_gpus=spec.trainer_gpus,
+                tp=spec.tp,
+            )
+        )
+        for i in range(spec.nodes)
+    )
 
 
 # ---------------------------------------------------------------- the batch script
@@ -146,8 +156,19 @@ def planned_workers(spec: SlurmSpec) -> int:
 
 def node_command(spec: SlurmSpec) -> list[str]:
     """The command each task runs (``python -m daemon.node ...``), unquoted."""
-    cmd = [spec.python, "-m", "daemon.node", "--state-dir", spec.state_dir, "--model", spec.model,
-           "--policy", spec.policy, "--drain-timeout", f"{drain_timeout(spec):g}"]
+    cmd = [
+        spec.python,
+        "-m",
+        "daemon.node",
+        "--state-dir",
+        spec.state_dir,
+        "--model",
+        spec.model,
+        "--policy",
+        spec.policy,
+        "--drain-timeout",
+        f"{drain_timeout(spec):g}",
+    ]
     for e in spec.engines:
         cmd += ["--engines", e]
     if spec.gpus_per_node:
@@ -191,23 +212,32 @@ def sbatch_options(spec: SlurmSpec) -> list[tuple[str, str | None]]:
             opts.append((key, value))
     if spec.exclusive:
         opts.append(("exclusive", None))
-    opts += [("requeue", None), ("signal", f"{SIGNAL}@{spec.signal_grace}"), ("open-mode", "append"),
-             ("output", f"{spec.state_dir}/slurm/%j.out")]
+    opts += [
+        ("requeue", None),
+        ("signal", f"{SIGNAL}@{spec.signal_grace}"),
+        ("open-mode", "append"),
+        ("output", f"{spec.state_dir}/slurm/%j.out"),
+    ]
     return opts
 
 
 def render_sbatch(spec: SlurmSpec) -> str:
     """The batch script of one allocation (pure: the same spec gives the same text)."""
-    lines = ["#!/bin/bash",
-             f"# PlexRL cluster {spec.name!r}: " + ("workers joining its daemon" if spec.join else
-                                                   "the daemon on the first node, workers on every node") + ".",
-             "# Written by `plexctl up --slurm`; see slurm/plexrl.sbatch to submit it with plain sbatch."]
+    lines = [
+        "#!/bin/bash",
+        f"# PlexRL cluster {spec.name!r}: "
+        + ("workers joining its daemon" if spec.join else "the daemon on the first node, workers on every node")
+        + ".",
+        "# Written by `plexctl up --slurm`; see slurm/plexrl.sbatch to submit it with plain sbatch.",
+    ]
     lines += [f"#SBATCH --{k}" + (f"={_directive_value(v)}" if v is not None else "") for k, v in sbatch_options(spec)]
-    lines += ["set -euo pipefail",
-              f"mkdir -p {shlex.quote(spec.state_dir)}/slurm",
-              "# one task per node; the signal reaches every task, the first drains the daemon and requeues",
-              "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(node_command(spec)),
-              ""]
+    lines += [
+        "set -euo pipefail",
+        f"mkdir -p {shlex.quote(spec.state_dir)}/slurm",
+        "# one task per node; the signal reaches every task, the first drains the daemon and requeues",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=0 " + shlex.join(node_command(spec)),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -254,29 +284,32 @@ TEMPLATE_HEADER = """\
 
 def render_template() -> str:
     """``slurm/plexrl.sbatch``: the same script with its values taken from the environment."""
-    spec = SlurmSpec(name="plexrl", state_dir="$PLEXRL_STATE_DIR", model="$PLEXRL_MODEL", nodes=2,
-                     time="24:00:00", signal_grace=300)
+    spec = SlurmSpec(
+        name="plexrl", state_dir="$PLEXRL_STATE_DIR", model="$PLEXRL_MODEL", nodes=2, time="24:00:00", signal_grace=300
+    )
     opts = [(k, v) for k, v in sbatch_options(spec) if k not in ("job-name", "nodes", "output")]
     lines = [TEMPLATE_HEADER.rstrip("\n"), "#SBATCH --job-name=plexrl", "#SBATCH --nodes=2"]
     lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in opts]
-    lines += ["#SBATCH --output=plexrl-%j.out",
-              "set -euo pipefail",
-              ': "${PLEXRL_STATE_DIR:?set PLEXRL_STATE_DIR to the cluster state directory}"',
-              ': "${PLEXRL_MODEL:?set PLEXRL_MODEL to the base model directory}"',
-              'engines=()',
-              'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines+=(--engines "$e"); done',
-              'extra=()',
-              '[ -n "${PLEXRL_SCRATCH:-}" ] && extra+=(--scratch "$PLEXRL_SCRATCH")',
-              '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
-              '[ -n "${PLEXRL_ROLLOUT_GPUS:-}" ] && extra+=(--rollout-gpus "$PLEXRL_ROLLOUT_GPUS")',
-              '[ -n "${PLEXRL_TRAINER_GPUS:-}" ] && extra+=(--trainer-gpus "$PLEXRL_TRAINER_GPUS")',
-              '[ -n "${PLEXRL_TP:-}" ] && extra+=(--tp "$PLEXRL_TP")',
-              'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
-              'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
-              '    --state-dir "$PLEXRL_STATE_DIR" --model "$PLEXRL_MODEL" \\',
-              '    --policy "${PLEXRL_POLICY:-spread+backfill}" --drain-timeout "${PLEXRL_DRAIN_TIMEOUT:-240}" \\',
-              '    "${engines[@]}" "${extra[@]}"',
-              ""]
+    lines += [
+        "#SBATCH --output=plexrl-%j.out",
+        "set -euo pipefail",
+        ': "${PLEXRL_STATE_DIR:?set PLEXRL_STATE_DIR to the cluster state directory}"',
+        ': "${PLEXRL_MODEL:?set PLEXRL_MODEL to the base model directory}"',
+        "engines=()",
+        'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines+=(--engines "$e"); done',
+        "extra=()",
+        '[ -n "${PLEXRL_SCRATCH:-}" ] && extra+=(--scratch "$PLEXRL_SCRATCH")',
+        '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
+        '[ -n "${PLEXRL_ROLLOUT_GPUS:-}" ] && extra+=(--rollout-gpus "$PLEXRL_ROLLOUT_GPUS")',
+        '[ -n "${PLEXRL_TRAINER_GPUS:-}" ] && extra+=(--trainer-gpus "$PLEXRL_TRAINER_GPUS")',
+        '[ -n "${PLEXRL_TP:-}" ] && extra+=(--tp "$PLEXRL_TP")',
+        'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
+        'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
+        '    --state-dir "$PLEXRL_STATE_DIR" --model "$PLEXRL_MODEL" \\',
+        '    --policy "${PLEXRL_POLICY:-spread+backfill}" --drain-timeout "${PLEXRL_DRAIN_TIMEOUT:-240}" \\',
+        '    "${engines[@]}" "${extra[@]}"',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -300,8 +333,7 @@ def submit_sbatch(spec: SlurmSpec) -> str:
     tmp = script.with_suffix(".tmp")
     tmp.write_text(render_sbatch(spec))
     tmp.replace(script)
-    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
-                            cwd=REPO_ROOT)
+    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)
     if result.returncode != 0:
         raise SlurmUnavailable(f"sbatch refused the allocation: {_last_line(result.stderr)}")
     return result.stdout.strip().split(";")[0]
@@ -325,9 +357,14 @@ def submitit_parameters(spec: SlurmSpec) -> dict[str, object]:
             additional[key] = getattr(spec, key)
     if spec.exclusive:
         additional["exclusive"] = True
-    params: dict[str, object] = dict(job_name=f"plexrl-{spec.name}" + ("-join" if spec.join else ""),
-                                     nodes=spec.nodes, ntasks_per_node=1, time=time_minutes(spec.time),
-                                     signal_delay_s=spec.signal_grace, additional_parameters=additional)
+    params: dict[str, object] = dict(
+        job_name=f"plexrl-{spec.name}" + ("-join" if spec.join else ""),
+        nodes=spec.nodes,
+        ntasks_per_node=1,
+        time=time_minutes(spec.time),
+        signal_delay_s=spec.signal_grace,
+        additional_parameters=additional,
+    )
     cpus, mem = task_resources(spec)
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node

@@ -46,8 +46,14 @@ FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 FULL_FINETUNE_REFUSED = "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
 OVERRIDE_FILE = "--set"
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"),
-               ("algo", "path"))
+PATH_FIELDS = (
+    ("model", "path"),
+    ("data", "path"),
+    ("data", "eval_path"),
+    ("reward", "path"),
+    ("env", "path"),
+    ("algo", "path"),
+)
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo")
 DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
 DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
@@ -68,12 +74,15 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSpec(_Section, kw_only=True):
     """The base model every engine holds resident."""
 
-    path: Annotated[str, _doc("Hugging Face model directory (config.json, tokenizer, weights); relative to the "
-                              "YAML file")]
+    path: Annotated[
+        str, _doc("Hugging Face model directory (config.json, tokenizer, weights); relative to the YAML file")
+    ]
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"] | None,
-        _doc("Weight dtype the job needs its engines to serve (`plexctl up --dtype`; bfloat16 on GPUs, "
-             "float32 on CPU by default); null: whatever they serve"),
+        _doc(
+            "Weight dtype the job needs its engines to serve (`plexctl up --dtype`; bfloat16 on GPUs, "
+            "float32 on CPU by default); null: whatever they serve"
+        ),
     ] = None
 
 
@@ -91,8 +100,13 @@ class LoraSpec(_Section, kw_only=True):
 class DataSpec(_Section, kw_only=True):
     """The prompts: JSONL or Parquet records with a prompt and a reference answer."""
 
-    path: Annotated[str, _doc("Training prompts (JSONL or Parquet; `submit` checks every record: an object whose "
-                              "prompt field is a non-empty string, with the answer field); relative to the YAML file")]
+    path: Annotated[
+        str,
+        _doc(
+            "Training prompts (JSONL or Parquet; `submit` checks every record: an object whose "
+            "prompt field is a non-empty string, with the answer field); relative to the YAML file"
+        ),
+    ]
     eval_path: Annotated[str | None, _doc("Fixed evaluation prompts, same format; null for none")] = None
     prompt_field: Annotated[str, _doc("Record field holding the prompt text", min_length=1)] = "prompt"
     answer_field: Annotated[str, _doc("Record field holding the reference answer", min_length=1)] = "answer"
@@ -109,19 +123,24 @@ class RewardSpec(_Section, kw_only=True):
         Annotated[str, Meta(pattern=FN_PATTERN)] | None,
         _doc("Custom reward `module:function(completion, answer, record) -> float`"),
     ] = None
-    path: Annotated[
-        str | None, _doc("Directory put first on sys.path to import `fn`; relative to the YAML file")
-    ] = None
+    path: Annotated[str | None, _doc("Directory put first on sys.path to import `fn`; relative to the YAML file")] = (
+        None
+    )
     failure_reward: Annotated[
         float, _doc("Reward given when the reward function raises or returns a non-finite value")
     ] = 0.0
     max_error_rate: Annotated[
-        float, _doc("The job fails when more than this share of a step's samples hit a reward error or "
-                    "tool timeout", ge=0, le=1)
+        float,
+        _doc(
+            "The job fails when more than this share of a step's samples hit a reward error or tool timeout", ge=0, le=1
+        ),
     ] = 1.0
     timeout_s: Annotated[
-        float, _doc("Time limit per sample for a custom `fn` (run in the sandbox); past it the sample "
-                    "gets `failure_reward`", gt=0)
+        float,
+        _doc(
+            "Time limit per sample for a custom `fn` (run in the sandbox); past it the sample gets `failure_reward`",
+            gt=0,
+        ),
     ] = 10.0
 
 
@@ -130,22 +149,21 @@ class EnvSpec(_Section, kw_only=True):
     observations between turns) and the environment scores it; ``reward.failure_reward`` is
     given when a step fails. Set exactly one of ``name`` and ``cls``."""
 
-    name: Annotated[
-        Literal["math", "code", "python_tool", "search"] | None, _doc("Built-in environment")
-    ] = None
-    cls: Annotated[
-        Annotated[str, Meta(pattern=FN_PATTERN)] | None, _doc("Custom environment `module:Class`")
-    ] = None
-    path: Annotated[str | None, _doc("Directory put first on sys.path to import `cls`; relative to the YAML file")] = None
+    name: Annotated[Literal["math", "code", "python_tool", "search"] | None, _doc("Built-in environment")] = None
+    cls: Annotated[Annotated[str, Meta(pattern=FN_PATTERN)] | None, _doc("Custom environment `module:Class`")] = None
+    path: Annotated[str | None, _doc("Directory put first on sys.path to import `cls`; relative to the YAML file")] = (
+        None
+    )
     config: Annotated[dict[str, Any], _doc("Keyword arguments of the environment class")] = msgspec.field(
-        default_factory=dict)
+        default_factory=dict
+    )
     max_turns: Annotated[int, _doc("Model turns per episode", ge=1)] = 4
     max_total_tokens: Annotated[
         Annotated[int, Meta(ge=1)] | None, _doc("Token budget of a whole episode (prompt included)")
     ] = None
-    step_timeout_s: Annotated[
-        Annotated[float, Meta(gt=0)] | None, _doc("Seconds a tool or scoring step may take")
-    ] = None
+    step_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | None, _doc("Seconds a tool or scoring step may take")] = (
+        None
+    )
     truncated_reward: Annotated[float, _doc("Reward of an episode cut by the turn or token limit")] = 0.0
     workers: Annotated[int, _doc("Sandboxed processes running tools and scoring concurrently", ge=1)] = 4
 
@@ -155,13 +173,17 @@ class AlgoSpec(_Section, kw_only=True):
 
     name: Annotated[
         Literal["grpo", "dr_grpo", "dapo", "rloo"],
-        _doc("Built-in algorithm: grpo, dr_grpo (no std or length normalisation), dapo (clip-higher, "
-             "dynamic sampling, overlong penalty), rloo (leave-one-out baseline)"),
+        _doc(
+            "Built-in algorithm: grpo, dr_grpo (no std or length normalisation), dapo (clip-higher, "
+            "dynamic sampling, overlong penalty), rloo (leave-one-out baseline)"
+        ),
     ] = "grpo"
     loop: Annotated[
         Annotated[str, Meta(pattern=FN_PATTERN)] | None,
-        _doc("Your own algorithm `module:function(job)`, run in the job's driver with the `plexctl.rl` "
-             "library (instead of `name`)"),
+        _doc(
+            "Your own algorithm `module:function(job)`, run in the job's driver with the `plexctl.rl` "
+            "library (instead of `name`)"
+        ),
     ] = None
     path: Annotated[
         str | None, _doc("Directory put first on sys.path to import `loop` and `loss_fn`; relative to the YAML file")
@@ -178,20 +200,27 @@ class AlgoSpec(_Section, kw_only=True):
     kl_coef: Annotated[float, _doc("Weight of the KL penalty to the base model", ge=0)] = 0.0
     loss: Annotated[
         Literal["pg-clip", "pg-tis"],
-        _doc("Trainer loss: pg-clip (PPO clipped ratio to the behaviour policy) or pg-tis (truncated "
-             "importance sampling for stale samples, weight capped at loss_params.cap, default 2)"),
+        _doc(
+            "Trainer loss: pg-clip (PPO clipped ratio to the behaviour policy) or pg-tis (truncated "
+            "importance sampling for stale samples, weight capped at loss_params.cap, default 2)"
+        ),
     ] = "pg-clip"
     loss_params: Annotated[dict[str, float], _doc("Parameters of the loss (pg-tis: cap)")] = msgspec.field(
-        default_factory=dict)
+        default_factory=dict
+    )
     loss_fn: Annotated[
         Annotated[str, Meta(pattern=FN_PATTERN)] | None,
-        _doc("Your own per-token loss `module:function(logp, old_logprobs, advantages, mask, params)`, "
-             "run in the trainer: only for users the cluster trusts (`plexctl up --trust-user-code`)"),
+        _doc(
+            "Your own per-token loss `module:function(logp, old_logprobs, advantages, mask, params)`, "
+            "run in the trainer: only for users the cluster trusts (`plexctl up --trust-user-code`)"
+        ),
     ] = None
     loss_agg: Annotated[
         Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
-        _doc("How token losses are averaged; seq-mean-token-sum-norm divides each sequence's sum by "
-             "sampling.max_tokens (dr_grpo's, set for it when not written)"),
+        _doc(
+            "How token losses are averaged; seq-mean-token-sum-norm divides each sequence's sum by "
+            "sampling.max_tokens (dr_grpo's, set for it when not written)"
+        ),
     ] = "token-mean"
     max_staleness: Annotated[int, _doc("Policy versions a rollout may lag behind the trainer", ge=0)] = 0
     eval_every: Annotated[int, _doc("Evaluate on data.eval_path every N steps (0: only at start and end)", ge=0)] = 0
@@ -204,12 +233,13 @@ class AlgoSpec(_Section, kw_only=True):
     ] = 3
     overlong_buffer: Annotated[
         Annotated[int, Meta(ge=0)] | None,
-        _doc("(dapo) Soft overlong punishment: over the last N tokens before sampling.max_tokens the "
-             "penalty ramps from 0 to overlong_penalty; null: max_tokens // 5 (the paper's 4096 of 20480); "
-             "0: off"),
+        _doc(
+            "(dapo) Soft overlong punishment: over the last N tokens before sampling.max_tokens the "
+            "penalty ramps from 0 to overlong_penalty; null: max_tokens // 5 (the paper's 4096 of 20480); "
+            "0: off"
+        ),
     ] = None
-    overlong_penalty: Annotated[float, _doc("(dapo) Reward penalty of a completion at sampling.max_tokens",
-                                            ge=0)] = 1.0
+    overlong_penalty: Annotated[float, _doc("(dapo) Reward penalty of a completion at sampling.max_tokens", ge=0)] = 1.0
 
 
 class SamplingSpec(_Section, kw_only=True):
@@ -217,24 +247,41 @@ class SamplingSpec(_Section, kw_only=True):
 
     temperature: Annotated[float, _doc("Sampling temperature", gt=0)] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass", gt=0, le=1)] = 1.0
-    max_tokens: Annotated[int, _doc("Maximum completion length in tokens; with the longest prompt it must fit "
-                                    "the model's context (and the engines' `plexctl up --max-model-len`)", ge=1)] = 8
+    max_tokens: Annotated[
+        int,
+        _doc(
+            "Maximum completion length in tokens; with the longest prompt it must fit "
+            "the model's context (and the engines' `plexctl up --max-model-len`)",
+            ge=1,
+        ),
+    ] = 8
 
 
 class CheckpointSpec(_Section, kw_only=True):
     """When the adapter and optimizer state are saved."""
 
     every: Annotated[int, _doc("Checkpoint every N steps (0: only at the end)", ge=0)] = 10
-    max_restarts: Annotated[int, _doc("Times the job restarts from its last checkpoint after its driver "
-                                      "crashes (killed, out of memory) before it fails", ge=0)] = 2
+    max_restarts: Annotated[
+        int,
+        _doc(
+            "Times the job restarts from its last checkpoint after its driver "
+            "crashes (killed, out of memory) before it fails",
+            ge=0,
+        ),
+    ] = 2
 
 
 class JobSpec(_Section, kw_only=True):
     """One RL fine-tuning job."""
 
-    name: Annotated[str, _doc("Job name, 1-64 of A-Z a-z 0-9 . _ -; a queued or running job of yours that "
-                              "holds it refuses the submit (`plexctl submit --replace` cancels that job)",
-                              pattern=NAME_PATTERN)]
+    name: Annotated[
+        str,
+        _doc(
+            "Job name, 1-64 of A-Z a-z 0-9 . _ -; a queued or running job of yours that "
+            "holds it refuses the submit (`plexctl submit --replace` cancels that job)",
+            pattern=NAME_PATTERN,
+        ),
+    ]
     model: ModelSpec
     lora: Annotated[LoraSpec | None, _doc("LoRA adapter; required (full fine-tuning is not supported yet)")] = None
     data: DataSpec
@@ -473,8 +520,9 @@ def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
         has_name, has_fn = reward.get("name") is not None, reward.get("fn") is not None
         if has_name == has_fn:
             got = "both" if has_name else "neither"
-            issues.add(("reward",), f"set exactly one of `name` (built-in: arith, math) or `fn` (module:function); "
-                                    f"got {got}")
+            issues.add(
+                ("reward",), f"set exactly one of `name` (built-in: arith, math) or `fn` (module:function); got {got}"
+            )
         elif has_name and reward.get("path") is not None:
             issues.add(("reward", "path"), "`path` only applies to a custom `fn`, not to a built-in reward")
     algo = doc.get("algo")
@@ -495,8 +543,10 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues
             if key in algo:
                 issues.add(("algo", key), f"only applies to algo.name dapo (this job runs {owner})")
     if name == "dr_grpo" and algo.get("loop") is None and algo.get("loss_agg", DR_GRPO_LOSS_AGG) != DR_GRPO_LOSS_AGG:
-        issues.add(("algo", "loss_agg"), f"dr_grpo aggregates with {DR_GRPO_LOSS_AGG} (no length normalisation); "
-                                         "drop the key or use algo.name grpo")
+        issues.add(
+            ("algo", "loss_agg"),
+            f"dr_grpo aggregates with {DR_GRPO_LOSS_AGG} (no length normalisation); drop the key or use algo.name grpo",
+        )
     if algo.get("loss_fn") is not None and "loss" in algo:
         issues.add(("algo", "loss"), "set either `loss` (a built-in loss) or `loss_fn` (your own), not both")
     params = algo.get("loss_params")
@@ -514,8 +564,10 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues
     if isinstance(buffer, int) and isinstance(max_tokens, int) and buffer >= max_tokens > 0:
         issues.add(("algo", "overlong_buffer"), f"must be < sampling.max_tokens ({max_tokens}), got {buffer}")
     if buffer and doc.get("env") is not None:
-        issues.add(("algo", "overlong_buffer"), "applies to single-turn jobs; a multi-turn episode cut by its "
-                                                "limits gets env.truncated_reward")
+        issues.add(
+            ("algo", "overlong_buffer"),
+            "applies to single-turn jobs; a multi-turn episode cut by its limits gets env.truncated_reward",
+        )
 
 
 def _algorithm_defaults(converted: dict[str, Any], doc: dict[str, Any]) -> None:
@@ -540,8 +592,7 @@ def model_dir_problem(model_dir: Path) -> str | None:
     if not (model_dir / "config.json").is_file():
         return f"no config.json in {model_dir} (expected a Hugging Face model directory)"
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        return (f"no tokenizer in {model_dir} (one of {', '.join(TOKENIZER_FILES)}): the engines cannot "
-                "tokenize prompts")
+        return f"no tokenizer in {model_dir} (one of {', '.join(TOKENIZER_FILES)}): the engines cannot tokenize prompts"
     if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         return f"no weights in {model_dir} (no {', '.join(WEIGHT_GLOBS)} file)"
     return None
@@ -595,6 +646,7 @@ class _ContextFit:
 
     def measure(self, path: str) -> Callable[[list[tuple[str, str]]], None]:
         """What counts the prompts of data file ``path`` (``scan_records``' ``on_prompts``)."""
+
         def count(prompts: list[tuple[str, str]]) -> None:
             room = self.context - self.max_tokens
             long = [(where, p) for where, p in prompts if len(p.encode()) + SPECIAL_TOKENS_BOUND > room]
@@ -603,6 +655,7 @@ class _ContextFit:
             for (where, _), enc in zip(long, self.tokenizer.encode_batch([p for _, p in long])):
                 if len(enc.ids) > self.longest[0]:
                     self.longest = (len(enc.ids), f"{Path(path).name} {where}")
+
         return count
 
     def _load_tokenizer(self) -> bool:
@@ -619,8 +672,10 @@ class _ContextFit:
         tokens, where = self.longest
         source = f"the context of {self.model_dir.name}, {self.context} tokens (max_position_embeddings in config.json)"
         if tokens and self.max_tokens + tokens > self.context:
-            issues.add(("sampling", "max_tokens"), f"{self.max_tokens} and the longest prompt ({tokens} tokens, "
-                                                   f"{where}) exceed {source}")
+            issues.add(
+                ("sampling", "max_tokens"),
+                f"{self.max_tokens} and the longest prompt ({tokens} tokens, {where}) exceed {source}",
+            )
         elif self.max_tokens >= self.context:
             issues.add(("sampling", "max_tokens"), f"{self.max_tokens} leaves no room for a prompt in {source}")
 
@@ -641,8 +696,13 @@ def _check_module_file(target: str, path: str | None, where: Key, issues: _Issue
         issues.add(where, f"no module `{module}` in {path}")
 
 
-def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Issues,
-                     on_prompts: Callable[[list[tuple[str, str]]], None] | None = None) -> None:
+def _check_data_file(
+    path: str,
+    fields: tuple[str, str],
+    where: Key,
+    issues: _Issues,
+    on_prompts: Callable[[list[tuple[str, str]]], None] | None = None,
+) -> None:
     """Every record of the file (streamed), each bad one an issue naming its line."""
     if not Path(path).exists():
         issues.add(where, f"data file not found: {path}")
@@ -655,8 +715,9 @@ def _check_data_file(path: str, fields: tuple[str, str], where: Key, issues: _Is
     for problem in scan.problems:
         issues.add(where, str(problem))
     if scan.bad > len(scan.problems):
-        issues.add(where, f"{path}: {scan.bad - len(scan.problems)} more bad records "
-                          f"({scan.bad} of {scan.records} in all)")
+        issues.add(
+            where, f"{path}: {scan.bad - len(scan.problems)} more bad records ({scan.bad} of {scan.records} in all)"
+        )
 
 
 def _check_reward_import(reward: Any, issues: _Issues) -> None:
@@ -688,8 +749,14 @@ def _check_env_import(env: Any, issues: _Issues) -> None:
 # ---------------------------------------------------------------- YAML and overrides
 
 
-def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], file: str,
-                  duplicates: list[SpecIssue], seen: set[int] | None = None) -> None:
+def _record_lines(
+    node: yaml.Node,
+    path: Key,
+    lines: dict[Key, int],
+    file: str,
+    duplicates: list[SpecIssue],
+    seen: set[int] | None = None,
+) -> None:
     """Map every key / list item path of a composed YAML document to its 1-based line (a node
     that an alias repeats is mapped where it is written only), and note each key written twice
     in one mapping (YAML would keep the last silently) at its second line."""
@@ -710,6 +777,7 @@ def _record_lines(node: yaml.Node, path: Key, lines: dict[Key, int], file: str,
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
             _record_lines(item, path + (i,), lines, file, duplicates, seen)
+
 
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Key, int]]:
     try:
@@ -748,8 +816,13 @@ def _alias_problem(root: yaml.Node) -> str | None:
         if key in open_nodes:
             raise RecursionError
         open_nodes.add(key)
-        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
-            node.value if isinstance(node, yaml.SequenceNode) else []
+        children = (
+            [n for pair in node.value for n in pair]
+            if isinstance(node, yaml.MappingNode)
+            else node.value
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         total = 1
         for child in children:
             total += size(child)

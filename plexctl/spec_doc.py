@@ -111,8 +111,7 @@ def _describe_type(tp: Any) -> tuple[str, list[str]]:
 
 
 def _describe_base(base: Any, metas: list[Meta]) -> tuple[str, list[str]]:
-    constraints = [f"{sym} {_number(_merged(metas, a))}" for a, sym in _LOWER + _UPPER
-                   if _merged(metas, a) is not None]
+    constraints = [f"{sym} {_number(_merged(metas, a))}" for a, sym in _LOWER + _UPPER if _merged(metas, a) is not None]
     pattern, min_length = _merged(metas, "pattern"), _merged(metas, "min_length")
     max_length = _merged(metas, "max_length")
     if _is_struct(base):
@@ -210,7 +209,8 @@ def _section_markdown(section: SectionDoc, parent: FieldDoc | None) -> list[str]
     lines = [f"## {title}", "", section.intro, ""]
     if parent is not None:
         status = {REQUIRED: "Required.", ALL_DEFAULTS: "Optional; when absent, every key below takes its default."}.get(
-            parent.default, f"Default: {_code(parent.default)}.")
+            parent.default, f"Default: {_code(parent.default)}."
+        )
         said = parent.meaning and not section.intro.startswith(parent.meaning)  # not just the docstring again
         lines += [status + (f" {parent.meaning.rstrip('.')}." if said else ""), ""]
     lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
@@ -304,15 +304,23 @@ def check(path: Path) -> str | None:
     line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
     got = old[line] if line < len(old) else "<end of file>"
     want = new[line] if line < len(new) else "<end of file>"
-    return (f"{path} is stale: line {line + 1} is {got[:80]!r}, the schema gives {want[:80]!r}; "
-            f"regenerate it with: {REGENERATE}")
+    return (
+        f"{path} is stale: line {line + 1} is {got[:80]!r}, the schema gives {want[:80]!r}; "
+        f"regenerate it with: {REGENERATE}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plexctl.spec_doc",
-                                     description="Print the job spec reference (Markdown) generated from the schema.")
-    parser.add_argument("--check", metavar="FILE", type=Path,
-                        help="exit 1 (with a one-line hint) if FILE differs from the generated reference")
+    parser = argparse.ArgumentParser(
+        prog="python -m plexctl.spec_doc",
+        description="Print the job spec reference (Markdown) generated from the schema.",
+    )
+    parser.add_argument(
+        "--check",
+        metavar="FILE",
+        type=Path,
+        help="exit 1 (with a one-line hint) if FILE differs from the generated reference",
+    )
     args = parser.parse_args(argv)
     if args.check is None:
         sys.stdout.write(render_reference())

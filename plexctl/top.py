@@ -60,7 +60,7 @@ class JobHistory:
             return  # an eval row
         self.rewards = (self.rewards + [float(row["reward_mean"])])[-RECENT_STEPS:]
         if "time" in row and "step" in row:
-            self.step_times = (self.step_times + [(int(row["step"]), float(row["time"]))])[-RATE_STEPS - 1:]
+            self.step_times = (self.step_times + [(int(row["step"]), float(row["time"]))])[-RATE_STEPS - 1 :]
         if "staleness" in row:
             self.staleness = float(row["staleness"])
         if "train/loss" in row:
@@ -159,51 +159,87 @@ def fmt_share(x: float | None) -> str:
 def top_view(f: TopFrame) -> Group:
     now = f.rep.now
     jobs = Table(title="jobs", title_justify="left")
-    for col in ("JOB", "NAME", "STATE", "STEP", "", "ETA", "REWARD", "RECENT STEPS", "POLICY", "STALE", "STATE AT",
-                "ELAPSED"):
+    for col in (
+        "JOB",
+        "NAME",
+        "STATE",
+        "STEP",
+        "",
+        "ETA",
+        "REWARD",
+        "RECENT STEPS",
+        "POLICY",
+        "STALE",
+        "STATE AT",
+        "ELAPSED",
+    ):
         jobs.add_column(col, no_wrap=True)
     for j in f.rep.jobs:
         h = f.history.get(j.job_id)
         state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
         if j.error or j.reason:
             state.append(f" ({(j.error or j.reason)[:50]})", style="dim")
-        jobs.add_row(j.job_id, j.name, state, f"{j.step}/{j.steps}",
-                     ProgressBar(total=1.0, completed=j.step / j.steps if j.steps else 0.0, width=14),
-                     fmt_duration(eta(j, h, now)), fmt_reward(j.reward),
-                     Text(sparkline(h.rewards) if h else "", style="cyan"), f"v{j.policy_version}",
-                     "-" if h is None or h.staleness is None else f"{h.staleness:.0f}",
-                     j.state_tier or j.engine or "-", fmt_duration(_elapsed(j, now)))
+        jobs.add_row(
+            j.job_id,
+            j.name,
+            state,
+            f"{j.step}/{j.steps}",
+            ProgressBar(total=1.0, completed=j.step / j.steps if j.steps else 0.0, width=14),
+            fmt_duration(eta(j, h, now)),
+            fmt_reward(j.reward),
+            Text(sparkline(h.rewards) if h else "", style="cyan"),
+            f"v{j.policy_version}",
+            "-" if h is None or h.staleness is None else f"{h.staleness:.0f}",
+            j.state_tier or j.engine or "-",
+            fmt_duration(_elapsed(j, now)),
+        )
     engines = Table(title="engines", title_justify="left")
     for col in ("ENGINE", "KIND", "UTIL", "", "NOW", "SERVING", "RESIDENT", "TASKS", "SWAPS", "MEMORY PER TIER"):
         engines.add_column(col, no_wrap=True)
     for e in f.rep.engines:
         util = utilization(e, f.uptime)
-        engines.add_row(e.engine_id, e.kind, fmt_share(util), ProgressBar(total=1.0, completed=util or 0.0, width=10),
-                        fmt_share(f.busy_delta.get(e.engine_id)), ",".join(e.running) or "-",
-                        ",".join(e.resident) or "-", str(e.tasks_done), swaps_text(e), tiers_text(e))
+        engines.add_row(
+            e.engine_id,
+            e.kind,
+            fmt_share(util),
+            ProgressBar(total=1.0, completed=util or 0.0, width=10),
+            fmt_share(f.busy_delta.get(e.engine_id)),
+            ",".join(e.running) or "-",
+            ",".join(e.resident) or "-",
+            str(e.tasks_done),
+            swaps_text(e),
+            tiers_text(e),
+        )
     footer = Text(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}", style="dim")
     return Group(jobs, engines, footer)
 
 
 def plain_top(f: TopFrame) -> str:
     now = f.rep.now
-    lines = [f"{'JOB':<6} {'NAME':<16} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} {'REWARD':>7} "
-             f"{'RECENT':<{RECENT_STEPS}} {'POLICY':>6} {'STALE':>5}  STATE AT"]
+    lines = [
+        f"{'JOB':<6} {'NAME':<16} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} {'REWARD':>7} "
+        f"{'RECENT':<{RECENT_STEPS}} {'POLICY':>6} {'STALE':>5}  STATE AT"
+    ]
     for j in f.rep.jobs:
         h = f.history.get(j.job_id)
         done = f"{j.step / j.steps:.0%}" if j.steps else "-"
-        lines.append(f"{j.job_id:<6} {j.name[:16]:<16} {j.state:<10} {f'{j.step}/{j.steps}':>9} {done:>5} "
-                     f"{fmt_duration(eta(j, h, now)):>7} {fmt_reward(j.reward):>7} "
-                     f"{(sparkline(h.rewards) if h else ''):<{RECENT_STEPS}} {'v' + str(j.policy_version):>6} "
-                     f"{'-' if h is None or h.staleness is None else f'{h.staleness:.0f}':>5}  "
-                     f"{j.state_tier or j.engine or '-'}"
-                     + (f"  error: {j.error}" if j.error else "") + (f"  waiting: {j.reason}" if j.reason else ""))
+        lines.append(
+            f"{j.job_id:<6} {j.name[:16]:<16} {j.state:<10} {f'{j.step}/{j.steps}':>9} {done:>5} "
+            f"{fmt_duration(eta(j, h, now)):>7} {fmt_reward(j.reward):>7} "
+            f"{(sparkline(h.rewards) if h else ''):<{RECENT_STEPS}} {'v' + str(j.policy_version):>6} "
+            f"{'-' if h is None or h.staleness is None else f'{h.staleness:.0f}':>5}  "
+            f"{j.state_tier or j.engine or '-'}"
+            + (f"  error: {j.error}" if j.error else "")
+            + (f"  waiting: {j.reason}" if j.reason else "")
+        )
     lines.append("")
     lines.append(f"{'ENGINE':<14} {'KIND':<8} {'UTIL':>5} {'NOW':>5} {'TASKS':>6}  SERVING / RESIDENT  SWAPS  TIERS")
     for e in f.rep.engines:
-        lines.append(f"{e.engine_id:<14} {e.kind:<8} {fmt_share(utilization(e, f.uptime)):>5} "
-                     f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
-                     f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}")
+        lines.append(
+            f"{e.engine_id:<14} {e.kind:<8} {fmt_share(utilization(e, f.uptime)):>5} "
+            f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
+            f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}"
+        )
     lines.append(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}")
     return "\n".join(lines)
 
@@ -213,13 +249,32 @@ def top_json(f: TopFrame) -> dict[str, Any]:
     jobs = []
     for j in f.rep.jobs:
         h = f.history.get(j.job_id)
-        jobs.append({**job_row(j, now), "progress": j.step / j.steps if j.steps else 0.0,
-                     "eta_s": eta(j, h, now), "recent_rewards": list(h.rewards) if h else [],
-                     "staleness": h.staleness if h else None, "loss": h.loss if h else None})
-    engines = [{**msgspec.to_builtins(e), "utilization": utilization(e, f.uptime),
-                "utilization_now": f.busy_delta.get(e.engine_id)} for e in f.rep.engines]
-    return {"jobs": jobs, "engines": engines, "policy": f.rep.policy, "bubble_ratio": f.rep.bubble_ratio,
-            "uptime_s": f.uptime, "now": now}
+        jobs.append(
+            {
+                **job_row(j, now),
+                "progress": j.step / j.steps if j.steps else 0.0,
+                "eta_s": eta(j, h, now),
+                "recent_rewards": list(h.rewards) if h else [],
+                "staleness": h.staleness if h else None,
+                "loss": h.loss if h else None,
+            }
+        )
+    engines = [
+        {
+            **msgspec.to_builtins(e),
+            "utilization": utilization(e, f.uptime),
+            "utilization_now": f.busy_delta.get(e.engine_id),
+        }
+        for e in f.rep.engines
+    ]
+    return {
+        "jobs": jobs,
+        "engines": engines,
+        "policy": f.rep.policy,
+        "bubble_ratio": f.rep.bubble_ratio,
+        "uptime_s": f.uptime,
+        "now": now,
+    }
 
 
 def _elapsed(job: JobInfo, now: float) -> float | None:

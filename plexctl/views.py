@@ -18,8 +18,14 @@ from rich.text import Text
 from plexctl.protocol import EngineInfo, JobInfo, StatusRep
 from plexctl.sizes import fmt_bytes
 
-STATE_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red",
-               "cancelled": "magenta", "interrupted": "yellow"}
+STATE_STYLE = {
+    "queued": "yellow",
+    "running": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "magenta",
+    "interrupted": "yellow",
+}
 
 
 def fmt_reward(x: float | None) -> str:
@@ -49,30 +55,47 @@ def job_row(job: JobInfo, now: float) -> dict[str, Any]:
 def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
     now = now or time.time()
     t = Table(title="jobs", title_justify="left", expand=False)
-    for col in ("JOB", "NAME", "USER", "STATE", "STEP", "", "REWARD", "EVAL first→last", "POLICY", "ENGINE",
-                "ELAPSED"):
+    for col in ("JOB", "NAME", "USER", "STATE", "STEP", "", "REWARD", "EVAL first→last", "POLICY", "ENGINE", "ELAPSED"):
         t.add_column(col, no_wrap=True)
     for j in jobs:
         frac = j.step / j.steps if j.steps else 0.0
         state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
         if j.error or j.reason:
             state.append(f" ({(j.error or j.reason)[:60]})", style="dim")
-        t.add_row(j.job_id, j.name, j.user, state, f"{j.step}/{j.steps}",
-                  ProgressBar(total=1.0, completed=frac, width=16),
-                  fmt_reward(j.reward), f"{fmt_reward(j.eval_first)} → {fmt_reward(j.eval_last)}",
-                  f"v{j.policy_version}", j.state_tier or j.engine or "-", fmt_duration(elapsed(j, now)))
+        t.add_row(
+            j.job_id,
+            j.name,
+            j.user,
+            state,
+            f"{j.step}/{j.steps}",
+            ProgressBar(total=1.0, completed=frac, width=16),
+            fmt_reward(j.reward),
+            f"{fmt_reward(j.eval_first)} → {fmt_reward(j.eval_last)}",
+            f"v{j.policy_version}",
+            j.state_tier or j.engine or "-",
+            fmt_duration(elapsed(j, now)),
+        )
     return t
 
 
 def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
     t = Table(title="engines", title_justify="left")
-    for col in ("ENGINE", "KIND", "ON", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS",
-                "SWAPS"):
+    for col in ("ENGINE", "KIND", "ON", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS", "SWAPS"):
         t.add_column(col, no_wrap=True)
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        t.add_row(e.engine_id, e.kind, placement_text(e), ready_text(e), ",".join(e.running) or "-",
-                  ",".join(e.resident) or "-", busy, str(e.tasks_done), tiers_text(e), swaps_text(e))
+        t.add_row(
+            e.engine_id,
+            e.kind,
+            placement_text(e),
+            ready_text(e),
+            ",".join(e.running) or "-",
+            ",".join(e.resident) or "-",
+            busy,
+            str(e.tasks_done),
+            tiers_text(e),
+            swaps_text(e),
+        )
     return t
 
 
@@ -131,10 +154,13 @@ def status_view(rep: StatusRep, uptime: float) -> Group:
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
     lines = [f"{'JOB':<6} {'NAME':<20} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} {'POLICY':>6}  ENGINE"]
     for j in jobs:
-        lines.append(f"{j.job_id:<6} {j.name[:20]:<20} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
-                     f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
-                     f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
-                     + (f"  error: {j.error}" if j.error else "") + (f"  waiting: {j.reason}" if j.reason else ""))
+        lines.append(
+            f"{j.job_id:<6} {j.name[:20]:<20} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
+            f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
+            f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
+            + (f"  error: {j.error}" if j.error else "")
+            + (f"  waiting: {j.reason}" if j.reason else "")
+        )
     return "\n".join(lines)
 
 
@@ -142,10 +168,12 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     lines = [f"{'ENGINE':<14} {'KIND':<8} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        lines.append(f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {ready_text(e):<8} "
-                     f"{busy:>5} "
-                     f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
-                     + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else ""))
+        lines.append(
+            f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {ready_text(e):<8} "
+            f"{busy:>5} "
+            f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
+            + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")
+        )
     return "\n".join(lines)
 
 

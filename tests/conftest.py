@@ -28,8 +28,9 @@ class Cluster:
         self.state_dir = home / "clusters" / "default"
 
     def run(self, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*PLEXCTL, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [*PLEXCTL, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"plexctl {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -65,8 +66,16 @@ def random_tiny_qwen2(path: Path, **overrides) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    fields = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, torch_dtype="float32")
+    fields = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+        torch_dtype="float32",
+    )
     fields.update(overrides)
     torch.manual_seed(1234)
     Qwen2ForCausalLM(Qwen2Config(**fields)).save_pretrained(path)
@@ -76,8 +85,9 @@ def random_tiny_qwen2(path: Path, **overrides) -> str:
 def build_tiny(recipe: str) -> Path:
     """The recipe's model dir, built first if it is not cached (under the recipe's build lock:
     a build already running elsewhere is waited for)."""
-    subprocess.run([sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO, check=True
+    )
     return TINY_ROOT / "models" / recipe
 
 
@@ -92,9 +102,14 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
     if any("tool_model" in item.fixturenames for item in request.session.items):
         TINY_ROOT.mkdir(parents=True, exist_ok=True)
         log = open(TINY_ROOT / "tiny-tool-build.log", "w")
-        _beside.append(subprocess.Popen(
-            [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", "tiny-tool"], cwd=REPO,
-            stdout=log, stderr=subprocess.STDOUT))
+        _beside.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", "tiny-tool"],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         log.close()
     return build_tiny("tiny-arith")
 
@@ -106,6 +121,35 @@ def tool_model(tiny_model: Path) -> Path:
     for build in _beside:
         build.wait()
     return build_tiny("tiny-tool")
+
+
+# What each test file needs, as a pytest marker (``make test-fast`` runs ``-m unit``): slurm (a
+# real Slurm cluster), bench (a benchmark's quick mode), learning (runs until the tiny task is
+# learned), e2e (real engines, clusters or daemons in processes of their own); the rest: unit.
+MARKS = {
+    "slurm": {"test_slurm.py"},
+    "bench": {"test_bench_multiplex.py", "test_bench_quick.py"},
+    "learning": {"test_algos_learning.py", "test_tool_learning.py", "test_multiplex.py", "test_e2e.py"},
+    "e2e": {
+        "test_auth.py",
+        "test_dtype_and_rank.py",
+        "test_faults.py",
+        "test_hostile_user.py",
+        "test_logs_follow.py",
+        "test_robustness.py",
+        "test_user_errors.py",
+        "test_worker_stall.py",
+        "test_tiny_and_rollout.py",
+    },
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        kinds = [kind for kind, files in MARKS.items() if name in files] or ["unit"]
+        for kind in kinds:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -152,8 +196,9 @@ def local_account(name: str) -> tuple[int, int, Path]:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/usr/sbin/nologin", name], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["useradd", "--create-home", "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True
+        )
         entry = pwd.getpwnam(name)
     home = Path(entry.pw_dir)
     home.mkdir(mode=0o700, exist_ok=True)

@@ -135,8 +135,13 @@ class ScriptedJob(Job):
 
 
 def test_dapo_refills_up_to_max_gen_batches_and_trims_to_the_batch(tiny_spec, tmp_path: Path) -> None:
-    spec = tiny_spec("algo.name=dapo", "algo.prompts_per_step=3", "algo.group_size=2", "algo.max_gen_batches=3",
-                     "algo.overlong_buffer=1")
+    spec = tiny_spec(
+        "algo.name=dapo",
+        "algo.prompts_per_step=3",
+        "algo.group_size=2",
+        "algo.max_gen_batches=3",
+        "algo.overlong_buffer=1",
+    )
     job = job_for(spec, tmp_path, ScriptedJob)
     job.seeds = []
     job.script = [rollout_of([0, 0, 1, 0, 1, 1], 2), rollout_of([0, 1, 1, 0, 1, 1], 2)]
@@ -157,8 +162,11 @@ def test_dapo_refills_up_to_max_gen_batches_and_trims_to_the_batch(tiny_spec, tm
 
 
 def test_dapo_without_informative_groups_trains_on_nothing(tiny_spec, tmp_path: Path) -> None:
-    job = job_for(tiny_spec("algo.name=dapo", "algo.prompts_per_step=2", "algo.group_size=2",
-                            "algo.max_gen_batches=2"), tmp_path, ScriptedJob)
+    job = job_for(
+        tiny_spec("algo.name=dapo", "algo.prompts_per_step=2", "algo.group_size=2", "algo.max_gen_batches=2"),
+        tmp_path,
+        ScriptedJob,
+    )
     job.seeds, job.script = [], [rollout_of([0, 0, 1, 1], 2)]
     trained, seen = DAPO(job).collect(0, rollout_of([1, 1, 0, 0], 2))
     assert trained.samples == [] and len(seen.rewards) == 8
@@ -170,13 +178,16 @@ def test_dapo_without_informative_groups_trains_on_nothing(tiny_spec, tmp_path: 
 MASK = torch.tensor([[True, True, False], [True, False, False]])
 
 
-@pytest.mark.parametrize("agg, norm_len, expected", [
-    ("token-mean", 0, [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]]),
-    ("seq-mean-token-mean", 0, [[1 / 4, 1 / 4, 0], [1 / 2, 0, 0]]),
-    ("seq-mean-token-sum", 0, [[1 / 2, 1 / 2, 0], [1 / 2, 0, 0]]),
-    ("seq-mean-token-sum-norm", 4, [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0]]),  # Dr. GRPO: sum / L_max, mean over rows
-    ("seq-mean-token-sum-norm", 0, [[1 / 4, 1 / 4, 0], [1 / 4, 0, 0]]),  # no L_max: the longest row (2)
-])
+@pytest.mark.parametrize(
+    "agg, norm_len, expected",
+    [
+        ("token-mean", 0, [[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]]),
+        ("seq-mean-token-mean", 0, [[1 / 4, 1 / 4, 0], [1 / 2, 0, 0]]),
+        ("seq-mean-token-sum", 0, [[1 / 2, 1 / 2, 0], [1 / 2, 0, 0]]),
+        ("seq-mean-token-sum-norm", 4, [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0]]),  # Dr. GRPO: sum / L_max, mean over rows
+        ("seq-mean-token-sum-norm", 0, [[1 / 4, 1 / 4, 0], [1 / 4, 0, 0]]),  # no L_max: the longest row (2)
+    ],
+)
 def test_aggregation_weights(agg: str, norm_len: int, expected: list[list[float]]) -> None:
     torch.testing.assert_close(aggregation_weights(MASK, agg, norm_len), torch.tensor(expected))
 
@@ -238,9 +249,11 @@ def test_trainer_losses_by_name_and_dr_grpo_aggregation(model_dir: str) -> None:
     for key in token_mean:  # on-policy the IS weight is 1: the same gradient as pg-clip
         torch.testing.assert_close(tis[key], token_mean[key], rtol=1e-4, atol=1e-7)
     assert metrics["clip_frac"] == 0.0
-    for bad, match in ((TrainHParams(loss="ppo"), "loss must be one of"),
-                       (TrainHParams(loss="pg-clip", loss_params={"cap": 2.0}), "takes no parameters"),
-                       (TrainHParams(loss_agg="seq-sum"), "loss_agg")):
+    for bad, match in (
+        (TrainHParams(loss="ppo"), "loss must be one of"),
+        (TrainHParams(loss="pg-clip", loss_params={"cap": 2.0}), "takes no parameters"),
+        (TrainHParams(loss_agg="seq-sum"), "loss_agg"),
+    ):
         with pytest.raises(BatchError, match=match):
             engine.train_step("A", batch, bad)
 
@@ -273,21 +286,26 @@ def spec_error(*overrides: str) -> str:
 
 
 def test_algo_keys_are_checked_against_the_algorithm(tiny_model: Path) -> None:
-    assert "--set: algo.max_gen_batches: only applies to algo.name dapo (this job runs grpo)" in \
-        spec_error("algo.max_gen_batches=2")
-    assert "algo.loss_agg: dr_grpo aggregates with seq-mean-token-sum-norm" in \
-        spec_error("algo.name=dr_grpo", "algo.loss_agg=token-mean")
+    assert "--set: algo.max_gen_batches: only applies to algo.name dapo (this job runs grpo)" in spec_error(
+        "algo.max_gen_batches=2"
+    )
+    assert "algo.loss_agg: dr_grpo aggregates with seq-mean-token-sum-norm" in spec_error(
+        "algo.name=dr_grpo", "algo.loss_agg=token-mean"
+    )
     assert load_spec(TINY, ["algo.name=dr_grpo"]).algo.loss_agg == "seq-mean-token-sum-norm"
     assert "algo.loss_params.x: loss pg-tis takes cap" in spec_error("algo.loss=pg-tis", "algo.loss_params={x: 1}")
-    assert "algo.loop: set either `name`" in spec_error("algo.loop=custom_loop:loop", f"algo.path={REPO}/configs/examples")
+    assert "algo.loop: set either `name`" in spec_error(
+        "algo.loop=custom_loop:loop", f"algo.path={REPO}/configs/examples"
+    )
     assert "algo.loss_fn: no module `nope`" in spec_error("algo.loss_fn=nope:f", f"algo.path={REPO}")
-    assert "algo.overlong_buffer: must be < sampling.max_tokens (4)" in \
-        spec_error("algo.name=dapo", "algo.overlong_buffer=4")
+    assert "algo.overlong_buffer: must be < sampling.max_tokens (4)" in spec_error(
+        "algo.name=dapo", "algo.overlong_buffer=4"
+    )
     assert "algo.name: must be one of grpo, dr_grpo, dapo, rloo" in spec_error("algo.name=ppo")
 
 
 def test_the_algorithm_guide_shows_the_whole_example_loop_in_under_60_lines() -> None:
     source = (REPO / "configs" / "examples" / "custom_loop.py").read_text()
     assert len(source.splitlines()) < 60
-    code = source[source.index("from plexctl.rl import Job"):]
+    code = source[source.index("from plexctl.rl import Job") :]
     assert code in (REPO / "docs" / "algorithms.md").read_text()

@@ -43,11 +43,15 @@ def jobs(cluster) -> dict[str, str]:
     """The three built-ins and the custom loop, submitted together: they share the engines."""
     ids = {}
     for name, (extra, _) in ALGOS.items():
-        sets = [arg for s in (f"algo.name={name}", f"algo.steps={STEPS}", "checkpoint.every=0", *extra)
-                for arg in ("--set", s)]
+        sets = [
+            arg
+            for s in (f"algo.name={name}", f"algo.steps={STEPS}", "checkpoint.every=0", *extra)
+            for arg in ("--set", s)
+        ]
         ids[name] = cluster.run("submit", TINY, *sets, "--name", f"learn-{name}", "-q", check=True).stdout.strip()
-    ids["custom"] = cluster.run("submit", CUSTOM_LOOP, "--set", "algo.steps=30", "--set", "checkpoint.every=10",
-                                "-q", check=True).stdout.strip()
+    ids["custom"] = cluster.run(
+        "submit", CUSTOM_LOOP, "--set", "algo.steps=30", "--set", "checkpoint.every=10", "-q", check=True
+    ).stdout.strip()
     waited = cluster.run("wait", *ids.values(), "--timeout", "900", timeout=960)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     return ids
@@ -91,15 +95,26 @@ def test_the_example_custom_loop_runs_beside_the_builtins(cluster, jobs) -> None
 def trusting(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A one-worker cluster that trusts the user running the tests with code in its trainer."""
     c = Cluster(tmp_path_factory.mktemp("plexrl-trust")).up(
-        tiny_model, "--workers", "1", "--trust-user-code", getpass.getuser())
+        tiny_model, "--workers", "1", "--trust-user-code", getpass.getuser()
+    )
     yield c
     c.run("down", timeout=120)
 
 
 def test_a_custom_loss_is_refused_for_untrusted_users_and_runs_for_trusted_ones(trusting, tmp_path) -> None:
     (tmp_path / "my_losses_learn.py").write_text(LOSS_MODULE)
-    sets = ["--set", "algo.loss_fn=my_losses_learn:reinforce", "--set", f"algo.path={tmp_path}",
-            "--set", "algo.steps=3", "--set", "checkpoint.every=0", "--set", "data.eval_path=null"]
+    sets = [
+        "--set",
+        "algo.loss_fn=my_losses_learn:reinforce",
+        "--set",
+        f"algo.path={tmp_path}",
+        "--set",
+        "algo.steps=3",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "data.eval_path=null",
+    ]
     mallory = Cluster(tmp_path / "mallory-home")  # another user, with her own key, let in by the owner
     mallory.env = {**mallory.env, "LOGNAME": "mallory", "USER": "mallory"}
     key = mallory.run("keygen", check=True).stdout.splitlines()[0]

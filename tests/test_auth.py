@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -45,12 +44,23 @@ class Cluster:
         return self.root / f"home-{user}"
 
     def env(self, user: str) -> dict[str, str]:
-        return {**os.environ, "PLEXRL_HOME": str(self.home(user)), "LOGNAME": user, "USER": user,
-                "PYTHONPATH": str(REPO)}
+        return {
+            **os.environ,
+            "PLEXRL_HOME": str(self.home(user)),
+            "LOGNAME": user,
+            "USER": user,
+            "PYTHONPATH": str(REPO),
+        }
 
     def cli(self, user: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "plexctl.cli", "--state-dir", str(self.state), *args],
-                              cwd=REPO, env=self.env(user), capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "plexctl.cli", "--state-dir", str(self.state), *args],
+            cwd=REPO,
+            env=self.env(user),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def keygen(self, user: str) -> Path:
         out = self.cli(user, "keygen")
@@ -58,8 +68,9 @@ class Cluster:
         return self.home(user) / "keys" / f"{user}.key"
 
     def client(self, user: str) -> Client:
-        return Client(self.daemon.address, timeout=3.0, retries=0,
-                      keys=auth.user_keys(self.home(user), user, self.server))
+        return Client(
+            self.daemon.address, timeout=3.0, retries=0, keys=auth.user_keys(self.home(user), user, self.server)
+        )
 
     def submit(self, user: str, name: str) -> str:
         if user != OWNER:  # a shared user's job runs with their own uid: they need an account
@@ -90,13 +101,19 @@ def test_key_files_are_private_and_a_readable_secret_stops_the_daemon(cluster: C
 
     cluster.daemon.stop()
     os.chmod(keys / "server.key_secret", 0o644)
-    proc = subprocess.run([sys.executable, "-m", "daemon.main", "--state-dir", str(cluster.state),
-                           "--model", str(tiny_model)], cwd=REPO, env=cluster.env(OWNER), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.main", "--state-dir", str(cluster.state), "--model", str(tiny_model)],
+        cwd=REPO,
+        env=cluster.env(OWNER),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         f"plexd: refusing to use {keys / 'server.key_secret'}: it is readable by others (mode 644); "
-        f"`chmod 600 {keys / 'server.key_secret'}`"]
+        f"`chmod 600 {keys / 'server.key_secret'}`"
+    ]
     os.chmod(keys / "server.key_secret", 0o600)
     cluster.daemon = BareDaemon(cluster.state, tiny_model, env=cluster.env(OWNER))  # and it starts again
 
@@ -105,7 +122,7 @@ def test_an_unknown_key_is_refused_at_the_connection_and_others_are_still_served
     cluster.keygen("bob")
     out = cluster.cli("bob", "status")
     assert out.returncode == ExitCode.KEY_REFUSED, out
-    line, = out.stderr.strip().splitlines()
+    (line,) = out.stderr.strip().splitlines()
     assert f"the daemon at {cluster.daemon.address} refused this client's key" in line
     assert "plexctl share bob --key" in line
 
@@ -201,8 +218,10 @@ def test_shared_engines_name_only_the_jobs_a_user_may_see(cluster: Cluster, tiny
     cluster.daemon.keys.apply(worker)
     worker.connect(cluster.daemon.address)
     model = os.path.realpath(tiny_model)
-    engines = [P.EngineDecl("shared/rollout", "rollout", model, 16),
-               P.EngineDecl("shared/trainer", "trainer", model, 1, state_capacity_bytes=1 << 30)]
+    engines = [
+        P.EngineDecl("shared/rollout", "rollout", model, 16),
+        P.EngineDecl("shared/trainer", "trainer", model, 1, state_capacity_bytes=1 << 30),
+    ]
     worker.send_multipart(P.encode(P.Op.REGISTER, P.RegisterReq("shared", "node", os.getpid(), engines, True))[0])
     try:
         a = cluster.submit("alice", "alice-job")

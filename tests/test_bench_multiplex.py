@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     out = tmp_path / "multiplex.json"
-    proc = subprocess.run([sys.executable, "bench/multiplex.py", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "bench/multiplex.py", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"isolated", "spread+backfill"}
@@ -48,7 +53,6 @@ def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
         assert cpu["by_process"]["rollout"] > 0 and cpu["by_process"]["trainer"] > 0
         assert cpu["seconds"] == pytest.approx(sum(cpu["by_process"].values()))
         # no engine worker spends more CPU than the cores had while the jobs ran
-        run_s = mode["makespan_s"] if mode["policy"] != "isolated" else sum(
-            j["run_s"] for j in mode["jobs"].values())
+        run_s = mode["makespan_s"] if mode["policy"] != "isolated" else sum(j["run_s"] for j in mode["jobs"].values())
         for kind in ("rollout", "trainer"):
             assert cpu["by_process"][kind] <= cpu["cores"] * run_s + 1

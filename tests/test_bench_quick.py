@@ -18,8 +18,14 @@ PATHS = {"device->host", "host->device", "host->nvme", "nvme->host"}
 
 
 def run_quick(script: str, out: Path, timeout: float = 900) -> dict:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"bench/{script} --quick -> {proc.returncode}\n{tail}"
     return json.loads(out.read_text())
@@ -83,7 +89,10 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
     assert result["quick"] is True and result["rounds"] == 1
     phases = result["phases"]
     assert [(p["phase"], p["status_load"]) for p in phases] == [
-        ("baseline-1", False), ("load-1", True), ("baseline-2", False)]
+        ("baseline-1", False),
+        ("load-1", True),
+        ("baseline-2", False),
+    ]
     for phase in phases:
         assert set(phase["jobs"]) == set(result["jobs"])
         for job in phase["jobs"].values():
@@ -108,8 +117,14 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
 def test_readme_results_table_is_the_one_generated_from_the_committed_json() -> None:
     """README's benchmark table comes from bench/results/*.json (bench/table.py): after a
     benchmark is run again, its figures reach README only through ``--write``."""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "table.py"), "--check"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "table.py"), "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -130,8 +145,14 @@ def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_pa
     """The GPU acceptance script, shrunk and on CPU: every part runs through the worker's own
     engine wiring (so the script a lent GPU machine runs is not broken when it is lent)."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--quick", "--device", "cpu",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--quick", "--device", "cpu", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = json.loads(out.read_text())["parts"]
     assert parts["trainer"]["vocab"] == 151936 and parts["trainer"]["tokens_per_second"] > 0

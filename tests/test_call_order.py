@@ -34,10 +34,13 @@ def placed_job(d, tiny_model, name: str, split: bool = False) -> str:
     """A running job whose trainer state is on worker w1; its rollout engine on w1 too, or,
     ``split``, on w0 (w0 a rollout-only worker, w1 a trainer-only one)."""
     job = adopted_job(d, tiny_model, name)
-    for worker, kinds in ((("w0", ("rollout",)), ("w1", ("trainer",))) if split else (("w1", ("rollout", "trainer")),)):
+    for worker, kinds in (("w0", ("rollout",)), ("w1", ("trainer",))) if split else (("w1", ("rollout", "trainer")),):
         engines = [P.EngineDecl(f"{worker}/{k}", k, str(tiny_model), 4 if k == "rollout" else 1) for k in kinds]
-        d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(
-            worker, "node", 1, engines, True, resident={job: "w1/trainer"} if worker == "w1" else {}))
+        d.on_register(
+            worker.encode(),
+            P.Header(msg_id=1),
+            P.RegisterReq(worker, "node", 1, engines, True, resident={job: "w1/trainer"} if worker == "w1" else {}),
+        )
     d._admit_adopted(time.time())
     assert job not in d.adopting
     d.sent.clear()  # the registrations' replies
@@ -72,7 +75,9 @@ def test_a_generate_to_follow_a_publish_goes_to_the_worker_with_it_and_starts_as
     out = train_then_generate(d, job)
     train, gen = task_of(d, "train_step"), task_of(d, "generate")
     assert [(op, body.method, body.task_id, body.after) for op, body in out] == [
-        (P.Op.TASK, "train_step", train, 0), (P.Op.TASK, "generate", gen, train)]  # both on their way
+        (P.Op.TASK, "train_step", train, 0),
+        (P.Op.TASK, "generate", gen, train),
+    ]  # both on their way
     assert out[1][1].engine_id == "w1/rollout"
     assert out[1][1].args["request"].adapter.version == 1  # from the adapter the step publishes
     assert not d.sched.engines["w1/rollout"].running  # not started yet: it waits for the step
@@ -106,8 +111,10 @@ def test_a_call_held_to_follow_a_failed_one_fails_too(daemon, tiny_model):
     d.on_result(b"w1", P.Header(msg_id=9), P.ResultBody(task_of(d, "train_step"), False, error="loss is nan"))
     d._place(time.time())
     errors = [(body.code, body.message) for op, body in sent(d)]  # and no task
-    assert errors == [("call_failed", "train_step failed: loss is nan"),
-                      ("call_failed", "generate was to follow train_step, which failed")]
+    assert errors == [
+        ("call_failed", "train_step failed: loss is nan"),
+        ("call_failed", "generate was to follow train_step, which failed"),
+    ]
     assert d.runtimes[job].held_calls == {}
 
 

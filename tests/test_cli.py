@@ -22,8 +22,14 @@ def plexctl(tmp_path: Path):
     env.pop("PLEXRL_DEBUG", None)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "plexctl.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     return run
 
@@ -34,17 +40,20 @@ def one_error(proc: subprocess.CompletedProcess, code: int, phrase: str) -> None
     assert "Traceback" not in out and phrase in out, out
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["bogus"], "No such command 'bogus'"),
-    (["validate", "--bogus"], "No such option: --bogus"),
-    (["wait"], "Missing argument"),
-    (["status", "--interval", "abc"], "Invalid value for '--interval'"),
-    (["status", "--watch", "--interval", "-1"], "Invalid value for '--interval'"),
-    (["up", "--workers", "0"], "Invalid value for '--workers'"),
-    (["up", "--host-mem", "abc"], "--host-mem: not a size: 'abc'"),
-    (["ls", "--state", "bogus"], "--state 'bogus': choose one of queued, running"),
-    (["report", "--cluster", "--last", "-5"], "Invalid value for '--last'"),
-])
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["bogus"], "No such command 'bogus'"),
+        (["validate", "--bogus"], "No such option: --bogus"),
+        (["wait"], "Missing argument"),
+        (["status", "--interval", "abc"], "Invalid value for '--interval'"),
+        (["status", "--watch", "--interval", "-1"], "Invalid value for '--interval'"),
+        (["up", "--workers", "0"], "Invalid value for '--workers'"),
+        (["up", "--host-mem", "abc"], "--host-mem: not a size: 'abc'"),
+        (["ls", "--state", "bogus"], "--state 'bogus': choose one of queued, running"),
+        (["report", "--cluster", "--last", "-5"], "Invalid value for '--last'"),
+    ],
+)
 def test_usage_errors_are_one_message_and_exit_2(plexctl, args: list[str], phrase: str) -> None:
     one_error(plexctl(*args), 2, phrase)
 
@@ -59,8 +68,17 @@ def test_a_stale_endpoint_is_reported_at_once(plexctl, tmp_path: Path) -> None:
     gone.wait()  # a pid that was a daemon's and is no more
     state = tmp_path / "stale"
     state.mkdir()
-    (state / "endpoint.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9", "pid": gone.pid, "started_at": 0,
-                                                     "mode": "local", "host": socket.gethostname()}))
+    (state / "endpoint.json").write_text(
+        json.dumps(
+            {
+                "address": "tcp://127.0.0.1:9",
+                "pid": gone.pid,
+                "started_at": 0,
+                "mode": "local",
+                "host": socket.gethostname(),
+            }
+        )
+    )
     started = time.monotonic()
     proc = plexctl("--state-dir", str(state), "status")
     one_error(proc, 3, f"its daemon, pid {gone.pid}, has exited")

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from conftest import SIMULATED_USERS
 
 from daemon import procs
@@ -38,14 +37,19 @@ def adopted_job(d: Daemon, tiny_model: Path, name: str) -> str:
 
 
 def register(d: Daemon, worker: str, model: Path, resident: dict[str, str]) -> None:
-    engines = [P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
-               P.EngineDecl(f"{worker}/trainer", "trainer", str(model))]
-    d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", 1, engines, True,
-                                                                      resident=resident))
+    engines = [
+        P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
+        P.EngineDecl(f"{worker}/trainer", "trainer", str(model)),
+    ]
+    d.on_register(
+        worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", 1, engines, True, resident=resident)
+    )
 
 
 def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
-    d.on_call(f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}}))
+    d.on_call(
+        f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}})
+    )
 
 
 def tasks(d: Daemon) -> list[tuple[str, str]]:
@@ -107,7 +111,8 @@ def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_go
 
 
 def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_that_ended_meanwhile(
-        daemon, tiny_model, tmp_path):
+    daemon, tiny_model, tmp_path
+):
     d = daemon
     done, cancelled = adopted_job(d, tiny_model, "done"), adopted_job(d, tiny_model, "asked")
     for job in (done, cancelled):
@@ -118,7 +123,9 @@ def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_tha
     procs.record(d.jobs_dir / done / "driver.pid", finished, d._driver_argv(done, d.jobs_dir / done, "alice"))
     (d.jobs_dir / done / "driver.exit").write_text(json.dumps({"pid": finished.pid, "rc": 0}))  # as write_exit does
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    procs.record(d.jobs_dir / cancelled / "driver.pid", running, d._driver_argv(cancelled, d.jobs_dir / cancelled, "alice"))
+    procs.record(
+        d.jobs_dir / cancelled / "driver.pid", running, d._driver_argv(cancelled, d.jobs_dir / cancelled, "alice")
+    )
     d.journal.event(cancelled, "cancel_requested")  # then the daemon died
     d.authenticator.stop()
     d.sock.close()

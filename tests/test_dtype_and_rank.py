@@ -11,7 +11,6 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import Cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,20 +22,25 @@ START_FAILED = 11
 def safetensors_dtypes(path: Path) -> set[str]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
 
 
 def test_the_engines_say_what_they_serve(cluster) -> None:
     engines = cluster.status()["engines"]
-    assert {(e["kind"], e["dtype"], e["device"]) for e in engines} == {("rollout", "float32", "cpu"),
-                                                                       ("trainer", "float32", "cpu")}
+    assert {(e["kind"], e["dtype"], e["device"]) for e in engines} == {
+        ("rollout", "float32", "cpu"),
+        ("trainer", "float32", "cpu"),
+    }
 
 
-@pytest.mark.parametrize("override, reason", [
-    ("model.dtype=bfloat16", "model.dtype 'bfloat16': the engines of .* serve float32"),
-    ("lora.rank=128", "lora.rank 128: the rollout engines load adapters up to rank 64"),
-])
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ("model.dtype=bfloat16", "model.dtype 'bfloat16': the engines of .* serve float32"),
+        ("lora.rank=128", "lora.rank 128: the rollout engines load adapters up to rank 64"),
+    ],
+)
 def test_a_job_its_engines_cannot_serve_is_refused_at_submit(cluster, override, reason) -> None:
     import re
 
@@ -50,8 +54,9 @@ def test_a_job_its_engines_cannot_serve_is_refused_at_submit(cluster, override, 
 
 @pytest.fixture(scope="module")
 def bf16_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(tmp_path_factory.mktemp("plexrl-bf16")).up(tiny_model, "--workers", "1", "--dtype", "bfloat16",
-                                                           "--max-loras", "2")
+    c = Cluster(tmp_path_factory.mktemp("plexrl-bf16")).up(
+        tiny_model, "--workers", "1", "--dtype", "bfloat16", "--max-loras", "2"
+    )
     yield c
     c.run("down", timeout=120)
 
@@ -59,8 +64,22 @@ def bf16_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_a_bf16_job_runs_end_to_end_on_bf16_engines(bf16_cluster) -> None:
     c = bf16_cluster
     assert {e["dtype"] for e in c.status()["engines"]} == {"bfloat16"}
-    job = c.run("submit", TINY, "--name", "bf16", "-q", "--set", "model.dtype=bfloat16", "--set", "algo.steps=4",
-                "--set", "algo.eval_every=0", "--set", "checkpoint.every=1000", check=True).stdout.strip()
+    job = c.run(
+        "submit",
+        TINY,
+        "--name",
+        "bf16",
+        "-q",
+        "--set",
+        "model.dtype=bfloat16",
+        "--set",
+        "algo.steps=4",
+        "--set",
+        "algo.eval_every=0",
+        "--set",
+        "checkpoint.every=1000",
+        check=True,
+    ).stdout.strip()
     waited = c.run("wait", job, "--timeout", "600")
     assert waited.returncode == 0, c.run("logs", job).stdout[-3000:]
     rows = [json.loads(line) for line in (c.state_dir / "jobs" / job / "metrics.jsonl").read_text().splitlines()]

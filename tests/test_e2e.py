@@ -31,8 +31,18 @@ def learning_job(cluster) -> str:
 
 
 def test_cancel_stops_at_a_call_boundary_and_keeps_the_checkpoint(cluster, learning_job):
-    job = cluster.run("submit", TINY, "--set", "algo.steps=100000", "--set", "checkpoint.every=5",
-                      "--name", "to-cancel", "-q", check=True).stdout.strip()
+    job = cluster.run(
+        "submit",
+        TINY,
+        "--set",
+        "algo.steps=100000",
+        "--set",
+        "checkpoint.every=5",
+        "--name",
+        "to-cancel",
+        "-q",
+        check=True,
+    ).stdout.strip()
     info = cluster.wait_for(job, lambda j: j["step"] >= 7, timeout=300, what="7 steps")
     assert info["state"] == "running"
     assert cluster.run("cancel", job, check=True).returncode == 0
@@ -65,11 +75,15 @@ def test_a_job_learns_end_to_end(cluster, learning_job):
     assert info["state"] == "succeeded"
     assert info["step"] == 200 and info["policy_version"] >= 200
     gain = info["eval_last"] - info["eval_first"]
-    print(f"eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} (gain {gain:+.3f}), "
-          f"{info['elapsed_s']:.0f} s, cold start {cluster.cold_start_s:.1f} s")
+    print(
+        f"eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} (gain {gain:+.3f}), "
+        f"{info['elapsed_s']:.0f} s, cold start {cluster.cold_start_s:.1f} s"
+    )
     assert gain >= LEARN_MARGIN
 
-    metrics = [json.loads(line) for line in cluster.run("logs", learning_job, "--metrics", check=True).stdout.splitlines()]
+    metrics = [
+        json.loads(line) for line in cluster.run("logs", learning_job, "--metrics", check=True).stdout.splitlines()
+    ]
     steps = [m for m in metrics if "reward_mean" in m]
     assert [m["step"] for m in steps] == list(range(1, 201))
     assert [m["step"] for m in metrics if "eval_reward" in m] == [0, 200]
@@ -80,8 +94,18 @@ def test_a_job_learns_end_to_end(cluster, learning_job):
 def test_status_json_reports_jobs_and_engines(cluster, learning_job):
     rep = cluster.status()
     job = next(j for j in rep["jobs"] if j["job_id"] == learning_job)
-    for key in ("state", "step", "steps", "reward", "eval_first", "eval_last", "policy_version", "engine",
-                "user", "elapsed_s"):
+    for key in (
+        "state",
+        "step",
+        "steps",
+        "reward",
+        "eval_first",
+        "eval_last",
+        "policy_version",
+        "engine",
+        "user",
+        "elapsed_s",
+    ):
         assert key in job
     assert job["steps"] == 200 and job["name"] == "learn"
     kinds = sorted(e["kind"] for e in rep["engines"])
@@ -131,8 +155,9 @@ def test_down_drains_and_up_resumes_from_where_the_job_stopped(tiny_model, tmp_p
     c = Cluster(tmp_path / "home")
     assert c.run("up", "--local", "--model", str(tiny_model), timeout=900).returncode == 0
     try:
-        job = c.run("submit", TINY, "--set", "algo.steps=60", "--set", "checkpoint.every=10", "-q",
-                    check=True).stdout.strip()
+        job = c.run(
+            "submit", TINY, "--set", "algo.steps=60", "--set", "checkpoint.every=10", "-q", check=True
+        ).stdout.strip()
         c.wait_for(job, lambda j: j["step"] >= 25, timeout=300, what="25 steps")
         assert c.run("down", timeout=120).returncode == 0  # drains: the job checkpoints at its step's end
         assert c.run("status").returncode == 3  # the daemon is gone
@@ -156,12 +181,32 @@ def test_a_multi_turn_tool_job_runs_through_the_daemon(cluster, tmp_path):
 
     data = tmp_path / "tool.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in python_tool_tiny_dataset(64, seed=0)))
-    job = cluster.run("submit", TINY, "--name", "tool", "-q",
-                      "--set", f"data.path={data}", "--set", "data.eval_path=null",
-                      "--set", "env.name=python_tool", "--set", "env.max_turns=3",
-                      "--set", "env.max_total_tokens=48", "--set", "sampling.max_tokens=12",
-                      "--set", "algo.steps=3", "--set", "algo.prompts_per_step=4", "--set", "algo.group_size=4",
-                      check=True).stdout.strip()
+    job = cluster.run(
+        "submit",
+        TINY,
+        "--name",
+        "tool",
+        "-q",
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "data.eval_path=null",
+        "--set",
+        "env.name=python_tool",
+        "--set",
+        "env.max_turns=3",
+        "--set",
+        "env.max_total_tokens=48",
+        "--set",
+        "sampling.max_tokens=12",
+        "--set",
+        "algo.steps=3",
+        "--set",
+        "algo.prompts_per_step=4",
+        "--set",
+        "algo.group_size=4",
+        check=True,
+    ).stdout.strip()
     waited = cluster.run("wait", job, "--timeout", "600")
     assert waited.returncode == 0, waited.stdout + cluster.run("logs", job).stdout[-3000:]
     rows = [json.loads(line) for line in cluster.run("logs", job, "--metrics", check=True).stdout.splitlines()]
@@ -175,10 +220,26 @@ def test_a_multi_turn_tool_job_runs_through_the_daemon(cluster, tmp_path):
 
 def test_a_job_whose_reward_keeps_failing_stops_with_the_reason(cluster, tmp_path):
     (tmp_path / "broken_reward.py").write_text(
-        "def score(completion, answer, sample):\n    raise ValueError('verifier down')\n")
-    job = cluster.run("submit", TINY, "--name", "broken", "-q", "--set", "reward.name=null",
-                      "--set", "reward.fn=broken_reward:score", "--set", f"reward.path={tmp_path}",
-                      "--set", "reward.max_error_rate=0.5", "--set", "algo.steps=20", check=True).stdout.strip()
+        "def score(completion, answer, sample):\n    raise ValueError('verifier down')\n"
+    )
+    job = cluster.run(
+        "submit",
+        TINY,
+        "--name",
+        "broken",
+        "-q",
+        "--set",
+        "reward.name=null",
+        "--set",
+        "reward.fn=broken_reward:score",
+        "--set",
+        f"reward.path={tmp_path}",
+        "--set",
+        "reward.max_error_rate=0.5",
+        "--set",
+        "algo.steps=20",
+        check=True,
+    ).stdout.strip()
     waited = cluster.run("wait", job, "--timeout", "300")
     assert waited.returncode == 1  # failed
     info = cluster.job(job)
@@ -189,8 +250,9 @@ def _driver_pid(cluster, job: str) -> int:
     import sqlite3
 
     with sqlite3.connect(cluster.state_dir / "journal.db") as db:
-        rows = db.execute("select detail from events where job_id = ? and kind = 'started' order by id",
-                          (job,)).fetchall()
+        rows = db.execute(
+            "select detail from events where job_id = ? and kind = 'started' order by id", (job,)
+        ).fetchall()
     return int(rows[-1][0].split("driver pid ")[1])
 
 
@@ -198,8 +260,20 @@ def test_a_crashed_driver_restarts_from_its_checkpoint_then_fails_past_the_limit
     import os
     import signal
 
-    job = cluster.run("submit", TINY, "--name", "crashy", "-q", "--set", "algo.steps=30",
-                      "--set", "checkpoint.every=5", "--set", "checkpoint.max_restarts=1", check=True).stdout.strip()
+    job = cluster.run(
+        "submit",
+        TINY,
+        "--name",
+        "crashy",
+        "-q",
+        "--set",
+        "algo.steps=30",
+        "--set",
+        "checkpoint.every=5",
+        "--set",
+        "checkpoint.max_restarts=1",
+        check=True,
+    ).stdout.strip()
     cluster.wait_for(job, lambda j: j["step"] >= 8, timeout=300, what="8 steps")
     os.kill(_driver_pid(cluster, job), signal.SIGKILL)
     assert cluster.run("wait", job, "--timeout", "600").returncode == 0, cluster.run("logs", job).stdout[-2000:]
@@ -210,8 +284,18 @@ def test_a_crashed_driver_restarts_from_its_checkpoint_then_fails_past_the_limit
     assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, 31))  # steps past the checkpoint: once
 
     # past checkpoint.max_restarts the job fails, with the reason in status
-    job = cluster.run("submit", TINY, "--name", "crashy2", "-q", "--set", "algo.steps=10000",
-                      "--set", "checkpoint.max_restarts=0", check=True).stdout.strip()
+    job = cluster.run(
+        "submit",
+        TINY,
+        "--name",
+        "crashy2",
+        "-q",
+        "--set",
+        "algo.steps=10000",
+        "--set",
+        "checkpoint.max_restarts=0",
+        check=True,
+    ).stdout.strip()
     cluster.wait_for(job, lambda j: j["step"] >= 2, timeout=300, what="2 steps")
     os.kill(_driver_pid(cluster, job), signal.SIGKILL)
     assert cluster.run("wait", job, "--timeout", "120").returncode == 1

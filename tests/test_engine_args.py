@@ -25,9 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_gpu_node_gets_cuda_graphs_its_own_process_and_the_kv_cache_from_its_memory_share() -> None:
-    plan = rollout_engine_args("cuda", "/models/qwen2.5-7b", dtype="bfloat16", max_lora_rank=64, max_loras=16,
-                               max_cpu_loras=64, max_model_len=4096, seed=3, gpu_memory_utilization=0.9,
-                               tensor_parallel_size=2)
+    plan = rollout_engine_args(
+        "cuda",
+        "/models/qwen2.5-7b",
+        dtype="bfloat16",
+        max_lora_rank=64,
+        max_loras=16,
+        max_cpu_loras=64,
+        max_model_len=4096,
+        seed=3,
+        gpu_memory_utilization=0.9,
+        tensor_parallel_size=2,
+    )
     kw = plan.llm_kwargs
     assert kw["enforce_eager"] is False  # CUDA graphs
     assert kw["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in kw
@@ -47,11 +56,20 @@ def test_a_gpu_node_gets_cuda_graphs_its_own_process_and_the_kv_cache_from_its_m
 def test_what_runs_here_is_the_in_process_cpu_engine_with_its_workarounds() -> None:
     plan = rollout_engine_args("cpu", "/tiny", max_loras=2, max_cpu_loras=2, max_model_len=64, kv_cache_gib=1.0)
     assert plan.llm_kwargs == {
-        "model": "/tiny", "dtype": "float32", "seed": 0, "max_model_len": 64,
-        "max_num_seqs": 256, "max_num_batched_tokens": 256 * 64,
-        "enable_lora": True, "max_lora_rank": DEFAULT_MAX_LORA_RANK, "max_loras": 2, "max_cpu_loras": 2,
-        "enforce_eager": True, "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
-        "kv_cache_memory_bytes": GiB, "disable_log_stats": True,
+        "model": "/tiny",
+        "dtype": "float32",
+        "seed": 0,
+        "max_model_len": 64,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 256 * 64,
+        "enable_lora": True,
+        "max_lora_rank": DEFAULT_MAX_LORA_RANK,
+        "max_loras": 2,
+        "max_cpu_loras": 2,
+        "enforce_eager": True,
+        "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
+        "kv_cache_memory_bytes": GiB,
+        "disable_log_stats": True,
     }
     assert plan.in_process and plan.env_forced == {MULTIPROCESSING_ENV: "0"}
     assert plan.env_defaults == {CPU_KVCACHE_ENV: "1"}
@@ -72,19 +90,22 @@ def test_the_host_adapter_cache_is_never_smaller_than_the_slots() -> None:
         assert plan.llm_kwargs["max_cpu_loras"] == 8  # vLLM refuses fewer
 
 
-@pytest.mark.parametrize("platform,kwargs,names", [
-    ("cuda", {"max_lora_rank": 48}, "max_lora_rank 48"),
-    ("cpu", {"max_lora_rank": 0}, "max_lora_rank 0"),
-    ("cpu", {"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
-    ("cuda", {"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
-    ("cuda", {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-    ("cpu", {"gpu_memory_utilization": -0.1}, "gpu_memory_utilization"),
-    ("cuda", {"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ("cuda", {"max_loras": 0}, "max_loras"),
-    ("cpu", {"max_model_len": 0}, "max_model_len"),
-    ("cpu", {"kv_cache_gib": 0}, "kv_cache_gib"),
-    ("tpu", {}, "platform 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "platform,kwargs,names",
+    [
+        ("cuda", {"max_lora_rank": 48}, "max_lora_rank 48"),
+        ("cpu", {"max_lora_rank": 0}, "max_lora_rank 0"),
+        ("cpu", {"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
+        ("cuda", {"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ("cuda", {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ("cpu", {"gpu_memory_utilization": -0.1}, "gpu_memory_utilization"),
+        ("cuda", {"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ("cuda", {"max_loras": 0}, "max_loras"),
+        ("cpu", {"max_model_len": 0}, "max_model_len"),
+        ("cpu", {"kv_cache_gib": 0}, "kv_cache_gib"),
+        ("tpu", {}, "platform 'tpu'"),
+    ],
+)
 def test_bad_engine_arguments_are_one_line_errors_naming_the_argument(platform, kwargs, names) -> None:
     with pytest.raises(EngineArgsError) as info:
         rollout_engine_args(platform, "/m", **kwargs)

@@ -31,11 +31,14 @@ def test_cuda_asked_where_there_is_none_names_the_option_and_what_was_seen() -> 
         resolve_device("cuda", cuda_available=False, visible_devices=None)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: resolve_device("tpu", True, None), "--device 'tpu'"),
-    (lambda: resolve_dtype("fp8", "cuda"), "--dtype 'fp8'"),
-    (lambda: engine_options("auto", "auto", 0, False, None), "--micro-batch-tokens 0"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: resolve_device("tpu", True, None), "--device 'tpu'"),
+        (lambda: resolve_dtype("fp8", "cuda"), "--dtype 'fp8'"),
+        (lambda: engine_options("auto", "auto", 0, False, None), "--micro-batch-tokens 0"),
+    ],
+)
 def test_bad_options_are_one_line_each(call, match) -> None:
     with pytest.raises(OptionError, match=match) as err:
         call()

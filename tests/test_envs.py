@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from plexctl.envs import ENVS, EnvLoadError, load_env, python_tool_tiny_dataset, run_episodes
-from plexctl.envs.base import Episode, RewardEnv, StepResult, append_turn, episode_batch, episode_metrics, parse_tool_call
+from plexctl.envs.base import (
+    Episode,
+    RewardEnv,
+    StepResult,
+    append_turn,
+    episode_batch,
+    episode_metrics,
+    parse_tool_call,
+)
 from plexctl.envs.code import CodeEnv
 from plexctl.envs.corpus import WORDS, builtin_corpus, fact_code, search_tiny_dataset
 from plexctl.envs.python_tool import PythonToolEnv, python_tool_tiny_turns
@@ -64,9 +72,16 @@ class ScriptedModel:
         for i, prompt in enumerate(prompts):
             text = self.script(prompt)
             ids = encode(text) + [EOS]
-            out.append(Completion(prompt_index=i, text=text, prompt_token_ids=[BOS] + self.tokenize(prompt),
-                                  token_ids=ids, logprobs=[logprob_of(turn, k) for k in range(len(ids))],
-                                  finish_reason="stop"))
+            out.append(
+                Completion(
+                    prompt_index=i,
+                    text=text,
+                    prompt_token_ids=[BOS] + self.tokenize(prompt),
+                    token_ids=ids,
+                    logprobs=[logprob_of(turn, k) for k in range(len(ids))],
+                    finish_reason="stop",
+                )
+            )
         return out[::-1]  # completions may come back in any order
 
 
@@ -95,14 +110,17 @@ def clean_imports():
 # ---------------------------------------------------------------- math
 
 
-@pytest.mark.parametrize("completion, answer, reward", [
-    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("48/2 = 24 clips.\n#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
-    ("The total is 1,000.", "1000", 1.0),
-    ("\\boxed{x^2+1}", "x^2 + 1", 1.0),
-    ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),
-    ("no idea", "7", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, reward",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("48/2 = 24 clips.\n#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
+        ("The total is 1,000.", "1000", 1.0),
+        ("\\boxed{x^2+1}", "x^2 + 1", 1.0),
+        ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),
+        ("no idea", "7", 0.0),
+    ],
+)
 def test_math_env_scores_equivalent_answers(completion: str, answer: str, reward: float) -> None:
     env = load_env("math")()
     assert env.reset({"prompt": "q?", "answer": answer}) == "q?"
@@ -122,18 +140,23 @@ def test_math_episodes_in_the_pool_are_single_turn(pool: SandboxPool) -> None:
 # ---------------------------------------------------------------- code
 
 
-CODE_SAMPLE = {"prompt": "write square(x)", "tests": ["assert square(2) == 4", "assert square(-3) == 9",
-                                                       "assert square(0) == 0"]}
+CODE_SAMPLE = {
+    "prompt": "write square(x)",
+    "tests": ["assert square(2) == 4", "assert square(-3) == 9", "assert square(0) == 0"],
+}
 
 
-@pytest.mark.parametrize("completion, reward", [
-    ("Here:\n```python\ndef square(x):\n    return x * x\n```", 1.0),
-    ("def square(x):\n    return abs(x) * 2", 2 / 3),  # fails square(-3) only
-    ("def square(x):\n    return x +", 0.0),  # syntax error
-    ("import os\nos._exit(0)", 0.0),  # leaves before the harness can report
-    ("print('x 3 3')\ndef square(x):\n    return 0", 1 / 3),  # a forged report line does not count
-    ("def square(x):\n    while True:\n        pass", 0.0),  # each test has its own time limit
-])
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("Here:\n```python\ndef square(x):\n    return x * x\n```", 1.0),
+        ("def square(x):\n    return abs(x) * 2", 2 / 3),  # fails square(-3) only
+        ("def square(x):\n    return x +", 0.0),  # syntax error
+        ("import os\nos._exit(0)", 0.0),  # leaves before the harness can report
+        ("print('x 3 3')\ndef square(x):\n    return 0", 1 / 3),  # a forged report line does not count
+        ("def square(x):\n    while True:\n        pass", 0.0),  # each test has its own time limit
+    ],
+)
 def test_code_env_runs_tests_in_the_sandbox(completion: str, reward: float) -> None:
     env = CodeEnv(test_seconds=0.5)
     env.reset(CODE_SAMPLE)
@@ -180,8 +203,7 @@ def test_python_tool_episode_tokens_masks_and_logprobs(pool: SandboxPool) -> Non
     # <bos> prompt | turn 1 (its <eos> is not in the next prompt) | observation | turn 2 with <eos>
     expected = [BOS] + encode("3*7=") + encode("call:3*7;") + encode("=21;") + encode("21") + [EOS]
     mask = [0] * 5 + [1] * 9 + [0] * 4 + [1] * 3
-    logprobs = ([0.0] * 5 + [logprob_of(0, k) for k in range(9)] + [0.0] * 4
-                + [logprob_of(1, k) for k in range(3)])
+    logprobs = [0.0] * 5 + [logprob_of(0, k) for k in range(9)] + [0.0] * 4 + [logprob_of(1, k) for k in range(3)]
     assert (ep.token_ids, ep.loss_mask, ep.logprobs) == (expected, mask, logprobs)
     assert ep.prompt_tokens == 5 and ep.prefix_mismatches == 0 and ep.dropped_tokens == 0
     assert decode([t for t, m in zip(ep.token_ids, ep.loss_mask) if m]) == "call:3*7;21"
@@ -269,8 +291,9 @@ def test_a_raising_reward_gets_the_failure_reward_and_the_job_goes_on(pool: Sand
 
     samples = [{"prompt": "a", "answer": "x"}, {"prompt": "b", "answer": "y"}, {"prompt": "c", "answer": "z"}]
     model = ScriptedModel(lambda p: {"a": "x", "b": "boom", "c": "nope"}[p])
-    episodes = run_episodes(model, [RewardEnv(reward) for _ in samples], samples, Sampling(), 2, pool,
-                            failure_reward=-1.0)
+    episodes = run_episodes(
+        model, [RewardEnv(reward) for _ in samples], samples, Sampling(), 2, pool, failure_reward=-1.0
+    )
     assert [ep.reward for ep in episodes] == [1.0, -1.0, 0.0]
     assert [ep.reward_errors for ep in episodes] == [0, 1, 0]
     assert episodes[1].failed and episodes[1].errors == ["reward raised RuntimeError: reward exploded"]
@@ -304,8 +327,11 @@ class ExplodingEnv(RewardEnv):
 
 
 def test_an_env_that_raises_is_that_episodes_failure(pool: SandboxPool) -> None:
-    samples = [{"prompt": "bad reset", "answer": "x"}, {"prompt": "ok", "answer": "x"},
-               {"prompt": "fine", "answer": "x"}]
+    samples = [
+        {"prompt": "bad reset", "answer": "x"},
+        {"prompt": "ok", "answer": "x"},
+        {"prompt": "fine", "answer": "x"},
+    ]
     model = ScriptedModel(lambda p: "x")
     envs = [ExplodingEnv(lambda c, a, r: 1.0), ExplodingEnv(lambda c, a, r: 1.0), RewardEnv(lambda c, a, r: 1.0)]
     reset_failed, step_failed, fine = run_episodes(model, envs, samples, Sampling(), 2, pool, failure_reward=-1.0)
@@ -343,8 +369,16 @@ class SlowEnv(RewardEnv):
 def test_a_steps_timeout_runs_from_its_start_not_while_it_waits_for_a_thread() -> None:
     samples = [{"prompt": str(i), "answer": "x"} for i in range(16)]
     with SandboxPool(max_workers=2) as small:  # 8 rounds of 0.2 s steps: 1.6 s for the last to finish
-        episodes = run_episodes(ScriptedModel(lambda p: "x"), [SlowEnv(lambda c, a, r: 1.0) for _ in samples],
-                                samples, Sampling(), 1, small, step_timeout_s=0.5, failure_reward=-2.0)
+        episodes = run_episodes(
+            ScriptedModel(lambda p: "x"),
+            [SlowEnv(lambda c, a, r: 1.0) for _ in samples],
+            samples,
+            Sampling(),
+            1,
+            small,
+            step_timeout_s=0.5,
+            failure_reward=-2.0,
+        )
     assert [ep.tool_timeouts for ep in episodes] == [0] * 16 and {ep.reward for ep in episodes} == {1.0}
     assert all(0.15 < ep.step_seconds < 0.5 for ep in episodes)  # its own run, not the queue
 
@@ -358,18 +392,33 @@ class ChattyEnv(RewardEnv):
 
 def test_a_turn_is_not_generated_when_its_prompt_with_the_observation_would_pass_the_limit(pool) -> None:
     model = ScriptedModel(lambda p: "abc")
-    [ep] = run_episodes(model, [ChattyEnv(lambda c, a, r: 1.0)], [{"prompt": "1+1=", "answer": "2"}], Sampling(), 5,
-                        pool, max_total_tokens=len(encode("1+1=")) + 1 + 4 + 20)  # bos, prompt, turn 1, observation
+    [ep] = run_episodes(
+        model,
+        [ChattyEnv(lambda c, a, r: 1.0)],
+        [{"prompt": "1+1=", "answer": "2"}],
+        Sampling(),
+        5,
+        pool,
+        max_total_tokens=len(encode("1+1=")) + 1 + 4 + 20,
+    )  # bos, prompt, turn 1, observation
     assert ep.truncated and ep.turns == 1 and len(model.calls) == 1  # the next prompt would not have fit
 
 
 def test_turn_and_token_limits_truncate(pool: SandboxPool) -> None:
     model = ScriptedModel(lambda p: "call:1+1;")  # never answers
-    [by_turns] = run_episodes(model, [PythonToolEnv()], [{"prompt": "1+1=", "answer": "2"}], Sampling(), 3, pool,
-                              truncated_reward=-0.1)
+    [by_turns] = run_episodes(
+        model, [PythonToolEnv()], [{"prompt": "1+1=", "answer": "2"}], Sampling(), 3, pool, truncated_reward=-0.1
+    )
     assert by_turns.truncated and by_turns.turns == 3 and by_turns.reward == -0.1 and by_turns.tool_calls == 3
-    [by_tokens] = run_episodes(ScriptedModel(lambda p: "call:1+1;"), [PythonToolEnv()],
-                               [{"prompt": "1+1=", "answer": "2"}], Sampling(), 10, pool, max_total_tokens=25)
+    [by_tokens] = run_episodes(
+        ScriptedModel(lambda p: "call:1+1;"),
+        [PythonToolEnv()],
+        [{"prompt": "1+1=", "answer": "2"}],
+        Sampling(),
+        10,
+        pool,
+        max_total_tokens=25,
+    )
     assert by_tokens.truncated and by_tokens.turns == 2 and len(by_tokens.token_ids) == 27
 
 
@@ -391,14 +440,17 @@ def test_registry_and_custom_env(pool: SandboxPool, clean_imports: None) -> None
     assert episodes[0].text == "guess:try:5;=higher;7"
 
 
-@pytest.mark.parametrize("spec, config, message", [
-    ("nope", {}, "unknown built-in env 'nope'"),
-    ("python_tool", {"mode": "shell"}, "refused its config: ValueError: mode must be one of"),
-    ("search", {"colour": 1}, "refused its config: TypeError"),
-    ({"name": "math", "cls": "x:Y"}, None, "set exactly one of"),
-    ("custom_env_missing:GuessEnv", {}, "cannot import `custom_env_missing`"),
-    ("custom_env:Nope", {}, "has no attribute `Nope`"),
-])
+@pytest.mark.parametrize(
+    "spec, config, message",
+    [
+        ("nope", {}, "unknown built-in env 'nope'"),
+        ("python_tool", {"mode": "shell"}, "refused its config: ValueError: mode must be one of"),
+        ("search", {"colour": 1}, "refused its config: TypeError"),
+        ({"name": "math", "cls": "x:Y"}, None, "set exactly one of"),
+        ("custom_env_missing:GuessEnv", {}, "cannot import `custom_env_missing`"),
+        ("custom_env:Nope", {}, "has no attribute `Nope`"),
+    ],
+)
 def test_load_env_errors_are_one_line(spec, config, message: str, clean_imports: None) -> None:
     with pytest.raises(EnvLoadError) as err:
         load_env(spec, config, path=str(EXAMPLES) if isinstance(spec, str) and ":" in spec else None)

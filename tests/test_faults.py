@@ -45,8 +45,9 @@ def steps(c: Cluster, job: str) -> list[int]:
 
 def test_a_killed_rollout_worker_comes_back_and_jobs_go_on_untouched(fault_cluster):
     c = fault_cluster
-    job = c.run("submit", TINY, "--name", "survivor", "-q", "--set", "algo.steps=40", "--set", "checkpoint.every=5",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "survivor", "-q", "--set", "algo.steps=40", "--set", "checkpoint.every=5", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
     old = faults.kill(faults.worker_pid(c.state_dir, "w0"))
     assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
@@ -59,8 +60,9 @@ def test_a_killed_rollout_worker_comes_back_and_jobs_go_on_untouched(fault_clust
 
 def test_a_killed_trainer_worker_rolls_its_jobs_back_to_their_checkpoint(fault_cluster):
     c = fault_cluster
-    job = c.run("submit", TINY, "--name", "rolled", "-q", "--set", "algo.steps=40", "--set", "checkpoint.every=5",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "rolled", "-q", "--set", "algo.steps=40", "--set", "checkpoint.every=5", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 12, timeout=300, what="12 steps")
     t0 = time.monotonic()
     faults.kill(faults.worker_pid(c.state_dir, "w1"))
@@ -69,8 +71,11 @@ def test_a_killed_trainer_worker_rolls_its_jobs_back_to_their_checkpoint(fault_c
         time.sleep(0.2)
     assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
     log = c.run("logs", job, check=True).stdout
-    resumed = [int(line.split("at step ")[1].split()[0]) for line in log.splitlines()
-               if "resumed from checkpoint at step" in line]
+    resumed = [
+        int(line.split("at step ")[1].split()[0])
+        for line in log.splitlines()
+        if "resumed from checkpoint at step" in line
+    ]
     assert len(resumed) == 1 and resumed[0] % 5 == 0 and resumed[0] >= 10
     assert steps(c, job) == list(range(1, 41))  # steps past the checkpoint ran again, recorded once
 
@@ -80,10 +85,24 @@ def test_a_killed_daemon_is_rejoined_by_its_drivers_and_workers(fault_cluster, t
     and workers that outlived it reconnect, the jobs go on from where they were (not from a
     checkpoint), every step is applied and recorded once, the queued job runs."""
     c = fault_cluster
-    jobs = [c.run("submit", TINY, "--name", f"k{i}", "-q", "--set", "algo.steps=30", "--set", "checkpoint.every=5",
-                  "--set", f"seed={i}", check=True).stdout.strip() for i in range(2)]
-    queued = c.run("submit", TINY, "--name", "k-queued", "-q", "--set", "algo.steps=10",
-                   check=True).stdout.strip()
+    jobs = [
+        c.run(
+            "submit",
+            TINY,
+            "--name",
+            f"k{i}",
+            "-q",
+            "--set",
+            "algo.steps=30",
+            "--set",
+            "checkpoint.every=5",
+            "--set",
+            f"seed={i}",
+            check=True,
+        ).stdout.strip()
+        for i in range(2)
+    ]
+    queued = c.run("submit", TINY, "--name", "k-queued", "-q", "--set", "algo.steps=10", check=True).stdout.strip()
     c.wait_for(jobs[0], lambda j: j["step"] >= 8, timeout=300, what="8 steps")
     drivers = {job: faults.driver_pid(c.state_dir, job) for job in jobs}
     workers = {w: faults.worker_pid(c.state_dir, w) for w in ("w0", "w1")}
@@ -108,8 +127,9 @@ def test_a_daemon_down_past_the_grace_resumes_jobs_from_their_checkpoint(fault_c
     """When no daemon comes back within the orphan grace, drivers and workers exit; the next
     daemon starts fresh engines and resumes every job from its last checkpoint, steps once."""
     c = fault_cluster
-    job = c.run("submit", TINY, "--name", "g", "-q", "--set", "algo.steps=20", "--set", "checkpoint.every=5",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "g", "-q", "--set", "algo.steps=20", "--set", "checkpoint.every=5", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 7, timeout=300, what="7 steps")
     driver = faults.driver_pid(c.state_dir, job)
     faults.kill(faults.daemon_pid(c.state_dir))
@@ -126,6 +146,7 @@ def test_a_daemon_down_past_the_grace_resumes_jobs_from_their_checkpoint(fault_c
 
 def _alive(pid: int) -> bool:
     from plexctl.cluster import pid_alive
+
     return pid_alive(pid)
 
 

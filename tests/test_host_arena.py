@@ -122,8 +122,10 @@ def test_a_request_larger_than_the_largest_free_block_fails_clearly_and_takes_no
     assert isinstance(error.value, TierFullError)  # the store's "no room" family: callers already handle it
     message = str(error.value)
     assert "\n" not in message
-    assert message == (f"no host memory for a block ({4 * PAGE_BYTES} bytes): {5 * PAGE_BYTES} of {8 * PAGE_BYTES} "
-                       f"bytes in use, the largest free block {3 * PAGE_BYTES} bytes")
+    assert message == (
+        f"no host memory for a block ({4 * PAGE_BYTES} bytes): {5 * PAGE_BYTES} of {8 * PAGE_BYTES} "
+        f"bytes in use, the largest free block {3 * PAGE_BYTES} bytes"
+    )
     assert arena.stats() == before
     assert arena.allocate(3 * PAGE_BYTES).numel() == 3 * PAGE_BYTES  # what is free is still served
     del held
@@ -286,8 +288,12 @@ def check_host_memory(store: StateStore) -> None:
     assert stats.in_use + stats.free == stats.capacity
     inventory = store.inventory()["host"]
     assert inventory["used_bytes"] <= store.host_bytes
-    assert inventory["arena"] == {"capacity": stats.capacity, "in_use": stats.in_use,
-                                  "largest_free": stats.largest_free, "pinned": False}
+    assert inventory["arena"] == {
+        "capacity": stats.capacity,
+        "in_use": stats.in_use,
+        "largest_free": stats.largest_free,
+        "pinned": False,
+    }
 
 
 def trained(trainer: TrainerEngine, job_id: str, step: int) -> dict[str, Any]:
@@ -297,8 +303,9 @@ def trained(trainer: TrainerEngine, job_id: str, step: int) -> dict[str, Any]:
 
 def test_the_arena_is_the_host_tier_and_its_documented_allowances(model_dir: str, tmp_path: Path) -> None:
     trainer = engine(model_dir)
-    store = StateStore(trainer, host_bytes=100 * MIB, host_spill_bytes=7 * MIB, write_behind_bytes=3 * MIB,
-                       transit_bytes=5 * MIB + 1)
+    store = StateStore(
+        trainer, host_bytes=100 * MIB, host_spill_bytes=7 * MIB, write_behind_bytes=3 * MIB, transit_bytes=5 * MIB + 1
+    )
     assert store.arena.capacity == 115 * MIB + PAGE_BYTES and not store.arena.pinned  # whole pages, CPU engine
     default = StateStore(trainer, host_bytes=8 << 30)
     assert default.transit_bytes == 1 << 30 and default.host_spill_bytes == 2 << 30
@@ -312,13 +319,24 @@ def test_many_swaps_of_jobs_of_different_sizes_stay_inside_the_arena(model_dir: 
     every swap all the store's host buffers are blocks of its arena and the arena holds nothing
     else. Over the run the pool hands out more bytes than the arena holds (the old pool made
     each of those a fresh pinned allocation, which torch's caching allocator kept)."""
-    loras = {"a": LoraConfig(rank=2), "b": LoraConfig(rank=4), "c": LoraConfig(rank=8), "d": LoraConfig(rank=16),
-             "e": LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])}
+    loras = {
+        "a": LoraConfig(rank=2),
+        "b": LoraConfig(rank=4),
+        "c": LoraConfig(rank=8),
+        "d": LoraConfig(rank=16),
+        "e": LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]),
+    }
     sizes = {job: StateStore.job_bytes(lora, config_json(model_dir)) for job, lora in loras.items()}
     largest = page_round(max(sizes.values()))
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=largest, host_spill_bytes=0,
-                       nvme_dir=tmp_path / "nvme", transit_bytes=2 * largest)
+    store = StateStore(
+        trainer,
+        device_slots=1,
+        host_bytes=largest,
+        host_spill_bytes=0,
+        nvme_dir=tmp_path / "nvme",
+        transit_bytes=2 * largest,
+    )
     assert store.arena.capacity == 3 * largest
     saved = {}
     for step, (job, lora) in enumerate(loras.items()):
@@ -349,8 +367,9 @@ def test_a_short_arena_sends_host_copies_to_nvme_to_make_room(model_dir: str, tm
     lora = LoraConfig(rank=4)
     one = page_round(StateStore.job_bytes(lora, config_json(model_dir)))
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=2 * one, host_spill_bytes=0, transit_bytes=0,
-                       nvme_dir=tmp_path / "nvme")
+    store = StateStore(
+        trainer, device_slots=1, host_bytes=2 * one, host_spill_bytes=0, transit_bytes=0, nvme_dir=tmp_path / "nvme"
+    )
     assert store.arena.capacity == 2 * one
     saved = {}
     for step, job in enumerate("abc"):

@@ -28,8 +28,8 @@ from daemon import jail
 from plexctl import auth, inputs
 from plexctl import protocol as P
 from plexctl.client import Client
-from plexctl.errors import RemoteError
 from plexctl.cluster import read_endpoint
+from plexctl.errors import RemoteError
 from plexctl.spec import load_spec, spec_to_wire
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes a second Unix user (needs root)")
@@ -39,7 +39,7 @@ CUSTOM_LOOP = REPO / "configs" / "examples" / "custom-loop.yaml"
 EVE = "eve"
 SECRET = "owner-secret-" + uuid.uuid4().hex
 
-EVIL_LOOP = r'''
+EVIL_LOOP = r"""
 import json, os, socket
 
 def attempt(what, fn):
@@ -61,7 +61,8 @@ def run(job):
     def cancel_with_my_key():
         from plexctl import auth
         from plexctl.client import Client
-        return Client(job.client.endpoint, timeout=5.0, retries=0, keys=auth.internal_keys_from_env()).cancel(targets["owner_job"])
+        client = Client(job.client.endpoint, timeout=5.0, retries=0, keys=auth.internal_keys_from_env())
+        return client.cancel(targets["owner_job"])
     found.append(attempt("cancel the owner's job", cancel_with_my_key))
 
     def call_for_the_owner_job():
@@ -69,7 +70,7 @@ def run(job):
         return job.client.call("publish", {})
     found.append(attempt("call for the owner's job", call_for_the_owner_job))
     print("FINDINGS " + json.dumps(found), flush=True)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +103,15 @@ def eve_client(cluster: Cluster, eve_home: Path) -> Client:
     public = auth.ensure_user_keys(home, EVE)
     cluster.run("share", EVE, "--key", str(public), check=True)
     endpoint = read_endpoint(cluster.state_dir)
-    return Client(endpoint.address, timeout=10.0, retries=0,
-                  keys=auth.user_keys(home, EVE, endpoint.server_key.encode()))
+    return Client(
+        endpoint.address, timeout=10.0, retries=0, keys=auth.user_keys(home, EVE, endpoint.server_key.encode())
+    )
 
 
 def spec(tiny_model: Path, *overrides: str, base: Path = TINY) -> dict:
-    return spec_to_wire(load_spec(base, [f"model.path={tiny_model}", "data.eval_path=null", "checkpoint.every=0",
-                                         *overrides], None))
+    return spec_to_wire(
+        load_spec(base, [f"model.path={tiny_model}", "data.eval_path=null", "checkpoint.every=0", *overrides], None)
+    )
 
 
 def own(path: Path, uid: int, gid: int) -> None:
@@ -142,8 +145,18 @@ def attack(cluster: Cluster, eve, owner_files: Path, tiny_model: Path) -> dict[s
     """Eve's loop, run as her job beside a running job of the owner's: what it found, by attempt
     (the owner's job is checked untouched and then cancelled)."""
     uid, gid, home = eve
-    owner_job = cluster.run("submit", str(TINY), "--set", "algo.steps=400", "--set", "checkpoint.every=0",
-                            "--name", f"owner-job-{uuid.uuid4().hex[:4]}", "-q", check=True).stdout.strip()
+    owner_job = cluster.run(
+        "submit",
+        str(TINY),
+        "--set",
+        "algo.steps=400",
+        "--set",
+        "checkpoint.every=0",
+        "--name",
+        f"owner-job-{uuid.uuid4().hex[:4]}",
+        "-q",
+        check=True,
+    ).stdout.strip()
     cluster.wait_for(owner_job, lambda j: j["state"] == "running", what="the owner's job runs")
     state = cluster.state_dir
     owner_key = Path(cluster.env["PLEXRL_HOME"]) / "keys"
@@ -153,21 +166,42 @@ def attack(cluster: Cluster, eve, owner_files: Path, tiny_model: Path) -> dict[s
     (code / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
     endpoint = read_endpoint(state)
     host, port = endpoint.address.removeprefix("tcp://").rsplit(":", 1)
-    (code / "targets.json").write_text(json.dumps({
-        "files": {"server secret": str(state / "keys" / "server.key_secret"),
-                  "internal secret": str(state / "keys" / "internal.key_secret"),
-                  "owner's client secret": str(next(owner_key.glob("*.key_secret"))),
-                  "journal": str(state / "journal.db"),
-                  "owner's private file": str(owner_files),
-                  "owner job's spec": str(state / "jobs" / owner_job / "spec.json"),
-                  "her own file outside the job's inputs": str(code / "train.jsonl")},
-        "dirs": {"state dir": str(state), "owner job's dir": str(state / "jobs" / owner_job),
-                 "owner's home keys": str(owner_key), "homes": "/home", "root's home": "/root"},
-        "daemon": [host, int(port)], "owner_job": owner_job}))
+    (code / "targets.json").write_text(
+        json.dumps(
+            {
+                "files": {
+                    "server secret": str(state / "keys" / "server.key_secret"),
+                    "internal secret": str(state / "keys" / "internal.key_secret"),
+                    "owner's client secret": str(next(owner_key.glob("*.key_secret"))),
+                    "journal": str(state / "journal.db"),
+                    "owner's private file": str(owner_files),
+                    "owner job's spec": str(state / "jobs" / owner_job / "spec.json"),
+                    "her own file outside the job's inputs": str(code / "train.jsonl"),
+                },
+                "dirs": {
+                    "state dir": str(state),
+                    "owner job's dir": str(state / "jobs" / owner_job),
+                    "owner's home keys": str(owner_key),
+                    "homes": "/home",
+                    "root's home": "/root",
+                },
+                "daemon": [host, int(port)],
+                "owner_job": owner_job,
+            }
+        )
+    )
     own(code, uid, gid)
     client = eve_client(cluster, home)
-    job = inputs.submit(client, spec(tiny_model, "algo.loop=evil_loop:run", f"algo.path={code}",
-                                     f"data.path={code / 'train.jsonl'}", base=CUSTOM_LOOP)).job_id
+    job = inputs.submit(
+        client,
+        spec(
+            tiny_model,
+            "algo.loop=evil_loop:run",
+            f"algo.path={code}",
+            f"data.path={code / 'train.jsonl'}",
+            base=CUSTOM_LOOP,
+        ),
+    ).job_id
     wait_ended(client, job)
     log = full_log(client, job)
     line = next((ln for ln in log.splitlines() if ln.startswith("FINDINGS ")), None)
@@ -181,13 +215,21 @@ def reached(found: dict[str, dict]) -> list[str]:
     """What the loop got at beyond its own data and its uid (the interpreter, bound at its own
     path, is all there is of a home directory)."""
     interpreter = Path(os.path.realpath(sys.base_prefix))
-    shown = {"list root's home": repr([interpreter.relative_to("/root").parts[0]])
-             if interpreter.is_relative_to("/root") else None}
+    shown = {
+        "list root's home": repr([interpreter.relative_to("/root").parts[0]])
+        if interpreter.is_relative_to("/root")
+        else None
+    }
     assert found["read own data"]["ok"], found["read own data"]  # the control: what is hers, she reads
-    assert "forbidden" in found["call for the owner's job"]["error"] or "not this driver's" in found[
-        "call for the owner's job"]["error"], found["call for the owner's job"]
-    return sorted(what for what, f in found.items()
-                  if f["ok"] and what not in ("read own data", "uid") and f["got"] != shown.get(what))
+    assert (
+        "forbidden" in found["call for the owner's job"]["error"]
+        or "not this driver's" in found["call for the owner's job"]["error"]
+    ), found["call for the owner's job"]
+    return sorted(
+        what
+        for what, f in found.items()
+        if f["ok"] and what not in ("read own data", "uid") and f["got"] != shown.get(what)
+    )
 
 
 def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster, eve, owner_files, tiny_model):
@@ -206,8 +248,7 @@ def userns_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, e
     c.run("down", timeout=120)
 
 
-def test_in_a_user_namespace_the_owners_uid_finds_nothing_of_the_owners(userns_cluster, eve, owner_files,
-                                                                          tiny_model):
+def test_in_a_user_namespace_the_owners_uid_finds_nothing_of_the_owners(userns_cluster, eve, owner_files, tiny_model):
     found = attack(userns_cluster, eve, owner_files, tiny_model)
     assert found["uid"]["got"] == repr(os.getuid())  # the owner's uid: only the empty root holds it back
     assert reached(found) == [], {what: found[what] for what in reached(found)}
@@ -231,13 +272,17 @@ def test_a_forged_submit_cannot_make_the_cluster_read_the_owners_file(cluster, e
         client.blob(P.BlobReq(forged.sha256, 6, 0, b"eve's!"))
     assert "does not match" in str(refused.value)
     assert cluster.run("ls", "-q", check=True).stdout.split() == before
-    leaked = subprocess.run(["grep", "-rlsF", SECRET, "/tmp", "/var/tmp", "--exclude-dir=" + owner_files.parent.name],
-                            capture_output=True, text=True)
+    leaked = subprocess.run(
+        ["grep", "-rlsF", SECRET, "/tmp", "/var/tmp", "--exclude-dir=" + owner_files.parent.name],
+        capture_output=True,
+        text=True,
+    )
     assert leaked.stdout.strip() == "", f"the secret was copied to {leaked.stdout}"
 
 
-def test_a_user_without_an_account_runs_under_a_uid_of_the_job_from_uploaded_files(cluster, tiny_model,
-                                                                                  tmp_path: Path) -> None:
+def test_a_user_without_an_account_runs_under_a_uid_of_the_job_from_uploaded_files(
+    cluster, tiny_model, tmp_path: Path
+) -> None:
     """A shared user the daemon's node does not know: their client uploads the job's files
     (content-addressed: the second job's upload sends nothing), the job trains under a uid of
     its own, and its data is read from the uploaded copy."""
@@ -246,8 +291,9 @@ def test_a_user_without_an_account_runs_under_a_uid_of_the_job_from_uploaded_fil
     public = auth.ensure_user_keys(home, user)
     cluster.run("share", user, "--key", str(public), check=True)
     endpoint = read_endpoint(cluster.state_dir)
-    client = Client(endpoint.address, timeout=10.0, retries=0,
-                    keys=auth.user_keys(home, user, endpoint.server_key.encode()))
+    client = Client(
+        endpoint.address, timeout=10.0, retries=0, keys=auth.user_keys(home, user, endpoint.server_key.encode())
+    )
     assert client.ping().upload_inputs
     data = tmp_path / "zoe-data" / "train.jsonl"
     data.parent.mkdir()
@@ -306,8 +352,9 @@ def test_a_staged_reward_copy_is_private_and_still_imports_in_the_sandbox(eve, t
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli(cluster, eve, tiny_model,
-                                                                                 tmp_path: Path) -> None:
+def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli(
+    cluster, eve, tiny_model, tmp_path: Path
+) -> None:
     """The jail takes nothing a job needs: eve's job trains and checkpoints; its adapter and
     checkpoint come out through `plexctl export` byte for byte (never by reading the state
     directory), and nobody but eve and the owner can ask for them."""
@@ -317,12 +364,23 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
     (data / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
     (data / "reward").mkdir()
     (data / "reward" / "eves_reward.py").write_text(  # her own reward: the sandbox runs it inside her jail
-        "def score(completion, answer, record):\n    return 1.0 if completion.strip() == answer.strip() else 0.0\n")
+        "def score(completion, answer, record):\n    return 1.0 if completion.strip() == answer.strip() else 0.0\n"
+    )
     own(data, uid, gid)
     client = eve_client(cluster, home)
-    job = inputs.submit(client, spec(tiny_model, f"data.path={data / 'train.jsonl'}", "algo.steps=2",
-                                     "checkpoint.every=1", "name=eve-trains", "reward.name=null",
-                                     "reward.fn=eves_reward:score", f"reward.path={data / 'reward'}")).job_id
+    job = inputs.submit(
+        client,
+        spec(
+            tiny_model,
+            f"data.path={data / 'train.jsonl'}",
+            "algo.steps=2",
+            "checkpoint.every=1",
+            "name=eve-trains",
+            "reward.name=null",
+            "reward.fn=eves_reward:score",
+            f"reward.path={data / 'reward'}",
+        ),
+    ).job_id
     assert wait_ended(client, job) == "succeeded", full_log(client, job)[-3000:]
     rows = [json.loads(line) for line in client.logs(job, "metrics").data.splitlines() if '"reward_mean"' in line]
     assert [row["step"] for row in rows] == [1, 2]
@@ -342,8 +400,9 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
     again = cluster.run("export", job, "--to", str(tmp_path / "adapter"))
     assert again.returncode == 2 and "exists" in again.stderr  # nothing overwritten
 
-    other = cluster.run("submit", str(TINY), "--set", "algo.steps=1", "--name", "owner-small", "-q",
-                        check=True).stdout.strip()
+    other = cluster.run(
+        "submit", str(TINY), "--set", "algo.steps=1", "--name", "owner-small", "-q", check=True
+    ).stdout.strip()
     with pytest.raises(Exception) as refused:  # the owner's job is not eve's to see
         client.export(other, "adapter")
     assert getattr(refused.value, "code", "") == "not_found"

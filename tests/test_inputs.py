@@ -25,14 +25,20 @@ def job_spec(tmp_path: Path) -> dict:
     for skipped in (".git", "__pycache__"):
         (code / skipped).mkdir()
         (code / skipped / "junk").write_text("not sent")
-    return {"model": {"path": "/the/cluster/model"}, "data": {"path": str(tmp_path / "train.jsonl")},
-            "algo": {"loop": "loop:run", "path": str(code)}}
+    return {
+        "model": {"path": "/the/cluster/model"},
+        "data": {"path": str(tmp_path / "train.jsonl")},
+        "algo": {"loop": "loop:run", "path": str(code)},
+    }
 
 
 def test_the_files_behind_the_spec_paths_are_collected_and_the_models_is_not(tmp_path: Path) -> None:
     files, local = inputs.collect(job_spec(tmp_path))
     assert {(f.field, f.kind, f.relpath) for f in files} == {
-        ("data.path", "file", "train.jsonl"), ("algo.path", "dir", "loop.py"), ("algo.path", "dir", "pkg/util.py")}
+        ("data.path", "file", "train.jsonl"),
+        ("algo.path", "dir", "loop.py"),
+        ("algo.path", "dir", "pkg/util.py"),
+    }
     for f in files:
         assert hashlib.sha256(local[f.sha256].read_bytes()).hexdigest() == f.sha256
 
@@ -42,6 +48,7 @@ def test_a_file_its_user_cannot_read_stops_the_submit_naming_the_field(tmp_path:
 
     def refused(path: Path) -> str:  # as the kernel answers a user without the right (root is never refused)
         raise PermissionError(13, "Permission denied", str(path))
+
     monkeypatch.setattr(inputs, "_sha256", refused)
     with pytest.raises(UsageError, match="^data.path: cannot read .*train.jsonl: Permission denied$"):
         inputs.collect(spec)

@@ -21,58 +21,85 @@ def table(workers: list[WorkerPlacement]) -> list[tuple[str, str, str]]:
 
 def test_eight_gpus_default_to_six_rollout_engines_and_two_trainers() -> None:
     workers = place_workers("n1", EIGHT, BOTH)
-    assert table(workers) == [(f"n1-g{i}", "rollout", str(i)) for i in range(6)] + \
-        [("n1-g6", "trainer", "6"), ("n1-g7", "trainer", "7")]
+    assert table(workers) == [(f"n1-g{i}", "rollout", str(i)) for i in range(6)] + [
+        ("n1-g6", "trainer", "6"),
+        ("n1-g7", "trainer", "7"),
+    ]
     assert [w.scratch_name for w in workers] == [w.worker_id for w in workers]  # one scratch each
 
 
 def test_tensor_parallel_rollout_engines_own_several_gpus() -> None:
     assert table(place_workers("n1", EIGHT, BOTH, tp=2)) == [
-        ("n1-g0", "rollout", "0,1"), ("n1-g2", "rollout", "2,3"), ("n1-g4", "rollout", "4,5"),
-        ("n1-g6", "trainer", "6"), ("n1-g7", "trainer", "7")]
+        ("n1-g0", "rollout", "0,1"),
+        ("n1-g2", "rollout", "2,3"),
+        ("n1-g4", "rollout", "4,5"),
+        ("n1-g6", "trainer", "6"),
+        ("n1-g7", "trainer", "7"),
+    ]
 
 
 def test_the_default_split_gives_leftover_gpus_to_trainers_when_tp_does_not_divide_them() -> None:
     workers = place_workers("n1", EIGHT, BOTH, tp=4)  # 2 trainers leave 6: one engine of 4, 2 more trainers
-    assert table(workers) == [("n1-g0", "rollout", "0,1,2,3"), ("n1-g4", "trainer", "4"),
-                              ("n1-g5", "trainer", "5"), ("n1-g6", "trainer", "6"), ("n1-g7", "trainer", "7")]
+    assert table(workers) == [
+        ("n1-g0", "rollout", "0,1,2,3"),
+        ("n1-g4", "trainer", "4"),
+        ("n1-g5", "trainer", "5"),
+        ("n1-g6", "trainer", "6"),
+        ("n1-g7", "trainer", "7"),
+    ]
 
 
 def test_explicit_split_of_six_and_two() -> None:
-    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=6, trainer_gpus=2)) == \
-        table(place_workers("n1", EIGHT, BOTH))
+    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=6, trainer_gpus=2)) == table(
+        place_workers("n1", EIGHT, BOTH)
+    )
     assert table(place_workers("n1", EIGHT, BOTH, trainer_gpus=4))[-5:] == [
-        ("n1-g3", "rollout", "3"), ("n1-g4", "trainer", "4"), ("n1-g5", "trainer", "5"),
-        ("n1-g6", "trainer", "6"), ("n1-g7", "trainer", "7")]
+        ("n1-g3", "rollout", "3"),
+        ("n1-g4", "trainer", "4"),
+        ("n1-g5", "trainer", "5"),
+        ("n1-g6", "trainer", "6"),
+        ("n1-g7", "trainer", "7"),
+    ]
     kinds = [w.engines for w in place_workers("n1", EIGHT, BOTH, rollout_gpus=2)]
     assert kinds == [["rollout"]] * 2 + [["trainer"]] * 6  # the trainers take the rest
 
 
 def test_explicit_counts_below_the_node_leave_the_rest_unused() -> None:
     assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=2, trainer_gpus=1)) == [
-        ("n1-g0", "rollout", "0"), ("n1-g1", "rollout", "1"), ("n1-g2", "trainer", "2")]
+        ("n1-g0", "rollout", "0"),
+        ("n1-g1", "rollout", "1"),
+        ("n1-g2", "trainer", "2"),
+    ]
 
 
 def test_gpu_ids_are_used_as_slurm_gave_them() -> None:
     workers = place_workers("n3", ["4", "5", "GPU-9f2c", "7"], BOTH, tp=1)
-    assert table(workers) == [("n3-g0", "rollout", "4"), ("n3-g1", "rollout", "5"),
-                              ("n3-g2", "rollout", "GPU-9f2c"), ("n3-g3", "trainer", "7")]
+    assert table(workers) == [
+        ("n3-g0", "rollout", "4"),
+        ("n3-g1", "rollout", "5"),
+        ("n3-g2", "rollout", "GPU-9f2c"),
+        ("n3-g3", "trainer", "7"),
+    ]
 
 
 def test_a_node_of_one_kind_gives_it_every_gpu() -> None:
-    assert table(place_workers("n1", ["0", "1"], ["rollout"])) == [("n1-g0", "rollout", "0"),
-                                                                  ("n1-g1", "rollout", "1")]
-    assert table(place_workers("n2", ["0", "1"], ["trainer"], tp=2)) == [("n2-g0", "trainer", "0"),
-                                                                       ("n2-g1", "trainer", "1")]
+    assert table(place_workers("n1", ["0", "1"], ["rollout"])) == [("n1-g0", "rollout", "0"), ("n1-g1", "rollout", "1")]
+    assert table(place_workers("n2", ["0", "1"], ["trainer"], tp=2)) == [
+        ("n2-g0", "trainer", "0"),
+        ("n2-g1", "trainer", "1"),
+    ]
     # the other kind's count applies to the nodes that run it
     assert len(place_workers("n2", ["0", "1"], ["trainer"], rollout_gpus=7)) == 2
-    assert table(place_workers("n1", EIGHT, ["rollout"], tp=4)) == [("n1-g0", "rollout", "0,1,2,3"),
-                                                                   ("n1-g4", "rollout", "4,5,6,7")]
+    assert table(place_workers("n1", EIGHT, ["rollout"], tp=4)) == [
+        ("n1-g0", "rollout", "0,1,2,3"),
+        ("n1-g4", "rollout", "4,5,6,7"),
+    ]
 
 
 def test_one_gpu_with_both_kinds_is_one_worker_holding_both_engines() -> None:
     assert place_workers("n1", ["0"], {"trainer", "rollout"}) == [
-        WorkerPlacement("n1-g0", ["rollout", "trainer"], ["0"], "n1-g0")]
+        WorkerPlacement("n1-g0", ["rollout", "trainer"], ["0"], "n1-g0")
+    ]
 
 
 def test_a_node_without_gpus_runs_one_worker_named_after_it_as_before() -> None:
@@ -85,28 +112,36 @@ def test_a_joining_allocations_ids_keep_its_suffix() -> None:
     assert [w.worker_id for w in place_workers("n1-4242", ["0", "1"], ["trainer"])] == ["n1-4242-g0", "n1-4242-g1"]
 
 
-@pytest.mark.parametrize("gpus, kinds, options, message", [
-    (EIGHT, BOTH, dict(rollout_gpus=6, trainer_gpus=3), "--rollout-gpus 6 + --trainer-gpus 3 = 9: more than the 8 GPUs of node n1"),
-    (EIGHT, BOTH, dict(rollout_gpus=6, tp=4), "--tp 4 does not divide --rollout-gpus 6 into whole rollout engines"),
-    (EIGHT, BOTH, dict(trainer_gpus=3, tp=2), "--tp 2 does not divide the 5 rollout GPUs of node n1"),
-    (["0", "1", "2"], ["rollout"], dict(tp=2), "--tp 2 does not divide the 3 rollout GPUs of node n1"),
-    (EIGHT, BOTH, dict(rollout_gpus=0), "--rollout-gpus 0: node n1 runs rollout engines, they need at least 1"),
-    (EIGHT, BOTH, dict(trainer_gpus=0, rollout_gpus=8), "--trainer-gpus 0: node n1 runs trainer engines"),
-    (EIGHT, BOTH, dict(rollout_gpus=8), "--rollout-gpus 8: leaves none of the 8 GPUs of node n1 for its trainer"),
-    (EIGHT, BOTH, dict(trainer_gpus=8), "--trainer-gpus 8: leaves none of the 8 GPUs of node n1 for its rollout"),
-    (EIGHT, BOTH, dict(rollout_gpus=9), "--rollout-gpus 9: more than the 8 GPUs of node n1"),
-    (EIGHT, ["trainer"], dict(trainer_gpus=9), "--trainer-gpus 9: more than the 8 GPUs of node n1"),
-    (["0"], BOTH, dict(tp=2), "--tp 2: node n1 has 1 GPU; after 1 for training, too few for one rollout engine"),
-    (["0", "1", "2", "3"], BOTH, dict(tp=4), "--tp 4: node n1 has 4 GPUs; after 1 for training"),
-    (["0"], BOTH, dict(rollout_gpus=1), "--rollout-gpus 1: leaves none of the 1 GPUs of node n1"),
-    ([], BOTH, dict(tp=2), "--tp 2: node n1 has no GPUs"),
-    ([], BOTH, dict(rollout_gpus=2), "--rollout-gpus 2: node n1 has no GPUs"),
-    ([], ["trainer"], dict(trainer_gpus=1), "--trainer-gpus 1: node n1 has no GPUs"),
-    (EIGHT, BOTH, dict(tp=0), "--tp 0: must be 1 or more"),
-    (EIGHT, BOTH, dict(trainer_gpus=-1), "--trainer-gpus -1: must be 0 or more"),
-    (EIGHT, ["decoder"], {}, "--engines 'decoder'"),
-    (EIGHT, [], {}, "--engines ''"),
-])
+@pytest.mark.parametrize(
+    "gpus, kinds, options, message",
+    [
+        (
+            EIGHT,
+            BOTH,
+            dict(rollout_gpus=6, trainer_gpus=3),
+            "--rollout-gpus 6 + --trainer-gpus 3 = 9: more than the 8 GPUs of node n1",
+        ),
+        (EIGHT, BOTH, dict(rollout_gpus=6, tp=4), "--tp 4 does not divide --rollout-gpus 6 into whole rollout engines"),
+        (EIGHT, BOTH, dict(trainer_gpus=3, tp=2), "--tp 2 does not divide the 5 rollout GPUs of node n1"),
+        (["0", "1", "2"], ["rollout"], dict(tp=2), "--tp 2 does not divide the 3 rollout GPUs of node n1"),
+        (EIGHT, BOTH, dict(rollout_gpus=0), "--rollout-gpus 0: node n1 runs rollout engines, they need at least 1"),
+        (EIGHT, BOTH, dict(trainer_gpus=0, rollout_gpus=8), "--trainer-gpus 0: node n1 runs trainer engines"),
+        (EIGHT, BOTH, dict(rollout_gpus=8), "--rollout-gpus 8: leaves none of the 8 GPUs of node n1 for its trainer"),
+        (EIGHT, BOTH, dict(trainer_gpus=8), "--trainer-gpus 8: leaves none of the 8 GPUs of node n1 for its rollout"),
+        (EIGHT, BOTH, dict(rollout_gpus=9), "--rollout-gpus 9: more than the 8 GPUs of node n1"),
+        (EIGHT, ["trainer"], dict(trainer_gpus=9), "--trainer-gpus 9: more than the 8 GPUs of node n1"),
+        (["0"], BOTH, dict(tp=2), "--tp 2: node n1 has 1 GPU; after 1 for training, too few for one rollout engine"),
+        (["0", "1", "2", "3"], BOTH, dict(tp=4), "--tp 4: node n1 has 4 GPUs; after 1 for training"),
+        (["0"], BOTH, dict(rollout_gpus=1), "--rollout-gpus 1: leaves none of the 1 GPUs of node n1"),
+        ([], BOTH, dict(tp=2), "--tp 2: node n1 has no GPUs"),
+        ([], BOTH, dict(rollout_gpus=2), "--rollout-gpus 2: node n1 has no GPUs"),
+        ([], ["trainer"], dict(trainer_gpus=1), "--trainer-gpus 1: node n1 has no GPUs"),
+        (EIGHT, BOTH, dict(tp=0), "--tp 0: must be 1 or more"),
+        (EIGHT, BOTH, dict(trainer_gpus=-1), "--trainer-gpus -1: must be 0 or more"),
+        (EIGHT, ["decoder"], {}, "--engines 'decoder'"),
+        (EIGHT, [], {}, "--engines ''"),
+    ],
+)
 def test_options_that_do_not_fit_the_node_are_one_line_usage_errors(gpus, kinds, options, message) -> None:
     with pytest.raises(LayoutError) as err:
         place_workers("n1", gpus, kinds, **options)
@@ -114,16 +149,19 @@ def test_options_that_do_not_fit_the_node_are_one_line_usage_errors(gpus, kinds,
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("env, gpus", [
-    ({"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_JOB_GPUS": "4,5"}, ["0", "1"]),  # what the task may use wins
-    ({"CUDA_VISIBLE_DEVICES": ""}, []),  # set empty: GPUs hidden on purpose
-    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, []),
-    ({"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, ["GPU-aa", "GPU-bb"]),
-    ({"SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1,2,3"}, ["2", "3"]),
-    ({"SLURM_JOB_GPUS": "6"}, ["6"]),
-    ({"GPU_DEVICE_ORDINAL": "0,1"}, ["0", "1"]),
-    ({"PATH": "/usr/bin"}, []),
-])
+@pytest.mark.parametrize(
+    "env, gpus",
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_JOB_GPUS": "4,5"}, ["0", "1"]),  # what the task may use wins
+        ({"CUDA_VISIBLE_DEVICES": ""}, []),  # set empty: GPUs hidden on purpose
+        ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, []),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, ["GPU-aa", "GPU-bb"]),
+        ({"SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1,2,3"}, ["2", "3"]),
+        ({"SLURM_JOB_GPUS": "6"}, ["6"]),
+        ({"GPU_DEVICE_ORDINAL": "0,1"}, ["0", "1"]),
+        ({"PATH": "/usr/bin"}, []),
+    ],
+)
 def test_node_gpus_reads_what_slurm_gives_a_task(env, gpus) -> None:
     assert node_gpus(env) == gpus
 

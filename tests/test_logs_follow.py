@@ -58,8 +58,13 @@ def queued_job(c: BareCluster, name: str) -> tuple[str, Path]:
 
 def metrics_lines(n: int, start: int = 0) -> bytes:
     """JSONL rows of varying length, some with characters of 2 and 3 UTF-8 bytes (a chunk's end may fall in one)."""
-    return b"".join(json.dumps({"step": i, "reward_mean": i / 7, "note": "é€" * (i % 13) + "x" * (i % 97)},
-                               ensure_ascii=False).encode() + b"\n" for i in range(start, start + n))
+    return b"".join(
+        json.dumps(
+            {"step": i, "reward_mean": i / 7, "note": "é€" * (i % 13) + "x" * (i % 97)}, ensure_ascii=False
+        ).encode()
+        + b"\n"
+        for i in range(start, start + n)
+    )
 
 
 def test_logs_gives_the_whole_metrics_file_and_driver_log_past_one_mib(cluster: BareCluster) -> None:
@@ -99,8 +104,13 @@ def test_follow_prints_what_is_written_and_stops_when_the_job_ends(cluster: Bare
     job, job_dir = queued_job(cluster, "followed")
     first, second = metrics_lines(6_000), metrics_lines(6_000, start=6_000)
     (job_dir / "metrics.jsonl").write_bytes(first)
-    follower = subprocess.Popen(cluster.plexctl("logs", job, "--metrics", "-f"), cwd=REPO, env=cluster.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    follower = subprocess.Popen(
+        cluster.plexctl("logs", job, "--metrics", "-f"),
+        cwd=REPO,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         time.sleep(2.0)
         assert follower.poll() is None  # the job has not ended: it follows

@@ -33,21 +33,32 @@ from plexctl.state_size import job_state_bytes
 REPO = Path(__file__).resolve().parents[1]
 QWEN_7B = "/models/Qwen2.5-7B-Instruct"
 NODE_8X80 = NodeShape.parse("8x80G")
-TINY = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64,
-        "tie_word_embeddings": False}
+TINY = {
+    "model_type": "qwen2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 def qwen_7b() -> dict:
     return model_config_for(QWEN_7B)
 
 
-@pytest.mark.parametrize("name, published", [
-    ("Qwen2.5-7B-Instruct", 7.62e9),
-    ("Qwen2.5-0.5B-Instruct", 0.49e9),
-    ("Llama-3.1-8B", 8.03e9),
-    ("Llama-3.1-70B", 70.6e9),
-])
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("Qwen2.5-7B-Instruct", 7.62e9),
+        ("Qwen2.5-0.5B-Instruct", 0.49e9),
+        ("Llama-3.1-8B", 8.03e9),
+        ("Llama-3.1-70B", 70.6e9),
+    ],
+)
 def test_parameter_counts_match_the_published_totals(name: str, published: float) -> None:
     shape = known_shape(name)
     assert shape is not None
@@ -55,8 +66,9 @@ def test_parameter_counts_match_the_published_totals(name: str, published: float
 
 
 def test_7b_rank_32_state_is_the_design_docs_0_9_gib() -> None:
-    state = job_state_bytes(32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                            qwen_7b(), cuda=True)
+    state = job_state_bytes(
+        32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], qwen_7b(), cuda=True
+    )
     assert state / GiB == pytest.approx(0.9, abs=0.05)
 
 
@@ -132,8 +144,11 @@ def test_a_sequence_longer_than_max_model_len_is_refused() -> None:
 
 
 def test_jobs_that_can_never_fit_are_refused() -> None:
-    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_lora_rank=256, host_tier_bytes=1 * GiB,
-                                                                    nvme_tier_bytes=2 * GiB))
+    plan = plan_memory(
+        qwen_7b(),
+        NODE_8X80,
+        options=ClusterOptions(max_lora_rank=256, host_tier_bytes=1 * GiB, nvme_tier_bytes=2 * GiB),
+    )
     wrong_dtype = job_problems(plan, JobShape("f32", rank=8, max_seq_len=1024, dtype="float32"))
     assert wrong_dtype == ["job f32: model.dtype float32, but the engines run bfloat16"]
     huge = job_problems(plan, JobShape("huge", rank=256, max_seq_len=1024))
@@ -153,8 +168,10 @@ def test_a_small_kv_cache_is_reported_against_max_model_len() -> None:
     plan = plan_memory(config, NodeShape.parse("2x4G"), options=ClusterOptions(max_model_len=32768))
     rollout = plan.rollouts[0]
     assert 0 < rollout.kv_tokens < 32768
-    assert f"rollout engine 0: the KV cache holds {rollout.kv_tokens:,} tokens, below max_model_len 32,768" \
+    assert (
+        f"rollout engine 0: the KV cache holds {rollout.kv_tokens:,} tokens, below max_model_len 32,768"
         in plan.problems
+    )
 
 
 def test_max_model_len_beyond_the_models_context_and_unknown_vllm_ranks_are_problems() -> None:
@@ -174,8 +191,9 @@ def test_one_gpu_shares_it_rollout_gets_its_share_of_what_the_trainer_leaves() -
 
 
 def test_engines_asking_for_more_gpus_than_the_node_has() -> None:
-    plan = plan_memory(qwen_7b(), NodeShape.parse("2x80G"), engines=[EngineShape("rollout", 2),
-                                                                      EngineShape("trainer", 1)])
+    plan = plan_memory(
+        qwen_7b(), NodeShape.parse("2x80G"), engines=[EngineShape("rollout", 2), EngineShape("trainer", 1)]
+    )
     assert any(p.startswith("the engines ask for 3 GPUs, the node has 2") for p in plan.problems)
     cpu_node = plan_memory(TINY, NodeShape.parse("0"), engines=[EngineShape("rollout", 1), EngineShape("trainer", 0)])
     assert "the engines ask for 1 GPU, the node has none" in cpu_node.problems
@@ -235,8 +253,9 @@ def test_model_config_prefers_config_json_and_falls_back_to_known_shapes(tmp_pat
 
 def test_the_plan_does_not_import_torch() -> None:
     code = "import sys, plexctl.memplan, plexctl.model_shapes; print('torch' in sys.modules or 'vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.stdout.strip() == "False", out.stderr
 
 
@@ -247,8 +266,9 @@ def _plan_cli(*args: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "plexctl.cli", "plan", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "plexctl.cli", "plan", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 def test_plan_command_prints_the_plan_of_a_shipped_example_on_its_node() -> None:

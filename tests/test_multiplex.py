@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import Cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +30,8 @@ def metrics(cluster: Cluster, job: str) -> list[dict]:
 def isolated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     # small tiers: a job whose state fits none of them is refused at submit, with the numbers
     c = Cluster(tmp_path_factory.mktemp("plexrl-isolated")).up(
-        tiny_model, "--policy", "isolated", "--host-mem", "1M", "--nvme-bytes", "2M")
+        tiny_model, "--policy", "isolated", "--host-mem", "1M", "--nvme-bytes", "2M"
+    )
     yield c
     c.run("down", timeout=120)
 
@@ -41,17 +41,31 @@ def shared_jobs(cluster) -> list[str]:
     """Four jobs at once on the session cluster; seed 7 is also run alone on the isolated cluster."""
     ids = []
     for i, seed in enumerate((7, 11, 12, 13)):
-        proc = cluster.run("submit", TINY, "--set", f"seed={seed}", "--set", f"algo.steps={STEPS}",
-                           "--set", "checkpoint.every=50", "--name", f"shared-{i}", "-q", check=True)
+        proc = cluster.run(
+            "submit",
+            TINY,
+            "--set",
+            f"seed={seed}",
+            "--set",
+            f"algo.steps={STEPS}",
+            "--set",
+            "checkpoint.every=50",
+            "--name",
+            f"shared-{i}",
+            "-q",
+            check=True,
+        )
         ids.append(proc.stdout.strip())
     return ids
 
 
 def test_isolated_gives_each_job_its_own_engines(isolated, shared_jobs):
-    a = isolated.run("submit", TINY, "--set", "seed=7", "--set", f"algo.steps={ALONE_STEPS}",
-                     "--name", "alone", "-q", check=True).stdout.strip()
-    b = isolated.run("submit", TINY, "--set", "seed=8", "--set", "algo.steps=5", "--name", "second", "-q",
-                     check=True).stdout.strip()
+    a = isolated.run(
+        "submit", TINY, "--set", "seed=7", "--set", f"algo.steps={ALONE_STEPS}", "--name", "alone", "-q", check=True
+    ).stdout.strip()
+    b = isolated.run(
+        "submit", TINY, "--set", "seed=8", "--set", "algo.steps=5", "--name", "second", "-q", check=True
+    ).stdout.strip()
     isolated.wait_for(a, lambda j: j["state"] == "running", timeout=120, what="first job running")
     second = isolated.job(b)
     assert second["state"] == "queued"
@@ -101,8 +115,9 @@ def test_a_job_whose_state_fits_no_tier_is_refused_at_submit_with_the_numbers(is
 
 
 def test_stale_rollouts_stay_within_max_staleness(cluster):
-    job = cluster.run("submit", TINY, "--set", "algo.max_staleness=1", "--set", "algo.steps=12",
-                      "--name", "stale", "-q", check=True).stdout.strip()
+    job = cluster.run(
+        "submit", TINY, "--set", "algo.max_staleness=1", "--set", "algo.steps=12", "--name", "stale", "-q", check=True
+    ).stdout.strip()
     assert cluster.run("wait", job, "--timeout", "600").returncode == 0
     rows = [m for m in metrics(cluster, job) if "reward_mean" in m]
     staleness = [m["staleness"] for m in rows]

@@ -57,8 +57,12 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[[str, int], Path]]:
             pytest.skip("a full filesystem is a small tmpfs here, and mounting one needs root")
         path = tmp_path / name
         path.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs at {path}: {proc.stderr.strip()}")
         mounted.append(path)
@@ -118,8 +122,15 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     filler = fill(nvme, leave=one + one // 2)  # room for one copy on disk, while the store believes in 1 GiB
     clock = Clock()
     trainer = TrainerEngine(model_dir, threads=1)
-    store = StateStore(trainer, device_slots=1, host_bytes=0, host_spill_bytes=one + one // 2,
-                       nvme_dir=nvme, nvme_bytes=1 << 30, clock=clock)
+    store = StateStore(
+        trainer,
+        device_slots=1,
+        host_bytes=0,
+        host_spill_bytes=one + one // 2,
+        nvme_dir=nvme,
+        nvme_bytes=1 << 30,
+        clock=clock,
+    )
     states: dict[str, dict[str, Any]] = {}
 
     def ensure(job_id: str) -> dict[str, Any]:
@@ -136,8 +147,10 @@ def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     nvme_info = store.inventory()["nvme"]
     assert (nvme_info["nospace"], nvme_info["full"], nvme_info["jobs"]) == (1, True, ["a"])
     assert nvme_info["used_bytes"] == one
-    assert nvme_info["error"] == (f"no space left on device writing job 'b''s copy ({one} bytes) to {nvme}, "
-                                  f"{shutil.disk_usage(nvme).free} bytes free")
+    assert nvme_info["error"] == (
+        f"no space left on device writing job 'b''s copy ({one} bytes) to {nvme}, "
+        f"{shutil.disk_usage(nvme).free} bytes free"
+    )
     assert store.inventory()["host"]["used_bytes"] == one  # over host_bytes (0), within the spill allowance
     (warning,) = store_warnings(caplog)
     assert "no space left on device" in warning and str(nvme) in warning and "\n" not in warning
@@ -244,8 +257,9 @@ def test_write_behind_into_a_full_disk_keeps_the_copy_in_host_memory(
     nvme = small_fs("nvme", 1 << 20)
     fill(nvme, leave=0)
     trainer = TrainerEngine(model_dir, threads=1)
-    store = StateStore(trainer, device_slots=1, host_bytes=0, host_spill_bytes=2 * one, nvme_dir=nvme,
-                       write_behind_bytes=4 * one)
+    store = StateStore(
+        trainer, device_slots=1, host_bytes=0, host_spill_bytes=2 * one, nvme_dir=nvme, write_behind_bytes=4 * one
+    )
     store.ensure_resident("a", LORA, SEEDS["a"])
     states = {"a": trained(trainer, "a")}
     assert store.ensure_resident("b", LORA, SEEDS["b"])["evicted"] == ["a"]  # a's write is left behind
@@ -346,8 +360,10 @@ def test_a_periodic_checkpoint_without_space_does_not_end_the_job(
         job.end_step(4)  # no space: logged and noted, the job goes on
         line = lines[-1]
         assert line.startswith(f"no space left on device writing checkpoint step 4 to {fs / 'ckpt' / 'step-000004'} (")
-        assert line.endswith("; nothing was written; the last good checkpoint (step 2) is kept; "
-                             "training goes on, the next checkpoint tries again")
+        assert line.endswith(
+            "; nothing was written; the last good checkpoint (step 2) is kept; "
+            "training goes on, the next checkpoint tries again"
+        )
         assert client.reports == [("note", 4, line)] and job.checkpoint_step == 2
 
         client.drain = "SIGTERM"  # the cluster stops and the drain checkpoint does not fit either

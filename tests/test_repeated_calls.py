@@ -26,8 +26,14 @@ from worker.state_store import StateStore
 def train_args(step: int, **extra: Any) -> dict[str, Any]:
     """A train_step task's arguments for job j0's ``step``, as the daemon sends them."""
     lora, seed, hp = JOBS["j0"]
-    return {"lora": msgspec.to_builtins(lora), "seed": seed, "weight_decay": hp.weight_decay,
-            "batch": msgspec.to_builtins(batch_for("j0", step)), "hp": msgspec.to_builtins(hp), **extra}
+    return {
+        "lora": msgspec.to_builtins(lora),
+        "seed": seed,
+        "weight_decay": hp.weight_decay,
+        "batch": msgspec.to_builtins(batch_for("j0", step)),
+        "hp": msgspec.to_builtins(hp),
+        **extra,
+    }
 
 
 def trainer_loop(model_dir: str, outbox: zmq.Socket) -> tuple[StateStore, Callable[[int, dict[str, Any]], Any]]:

@@ -34,8 +34,12 @@ def assert_png(path: Path, min_size: tuple[int, int]) -> None:
 
 @pytest.fixture(scope="module")
 def two_jobs(cluster) -> list[str]:
-    jobs = [cluster.run("submit", TINY, "--set", "algo.steps=6", "--set", f"seed={seed}", "--name", f"rep{seed}",
-                        "-q", check=True).stdout.strip() for seed in (0, 1)]
+    jobs = [
+        cluster.run(
+            "submit", TINY, "--set", "algo.steps=6", "--set", f"seed={seed}", "--name", f"rep{seed}", "-q", check=True
+        ).stdout.strip()
+        for seed in (0, 1)
+    ]
     for job in jobs:
         cluster.run("wait", job, "--timeout", "300", check=True)
     return jobs
@@ -95,14 +99,26 @@ def test_timeline_draws_background_moves_under_the_trainer_row(tmp_path):
     from plexctl import report
     from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep, SwapMark
 
-    engines = [EngineInfo("w0/rollout", "w0", "rollout", "m", True, [], [], 0.0, 0),
-               EngineInfo("w1/trainer", "w1", "trainer", "m", True, [], [], 0.0, 0)]
+    engines = [
+        EngineInfo("w0/rollout", "w0", "rollout", "m", True, [], [], 0.0, 0),
+        EngineInfo("w1/trainer", "w1", "trainer", "m", True, [], [], 0.0, 0),
+    ]
     jobs = [JobInfo(j, j, "u", "running", 1, 2, None, None, None, 0, "", 0.0, 0.0, None, "", 0) for j in ("a", "b")]
-    spans = [BusySpan("w0/rollout", "a", "generate", 0.0, 2.0), BusySpan("w1/trainer", "b", "train_step", 1.0, 3.0),
-             BusySpan("w0/rollout", "b", "generate", 3.0, 5.0), BusySpan("w1/trainer", "a", "train_step", 5.0, 6.0)]
+    spans = [
+        BusySpan("w0/rollout", "a", "generate", 0.0, 2.0),
+        BusySpan("w1/trainer", "b", "train_step", 1.0, 3.0),
+        BusySpan("w0/rollout", "b", "generate", 3.0, 5.0),
+        BusySpan("w1/trainer", "a", "train_step", 5.0, 6.0),
+    ]
     moves = [MoveSpan("w1/trainer", "a", "nvme->host", 1.5, 2.5), MoveSpan("w1/trainer", "b", "host->nvme", 9.0, 9.5)]
-    rep = StatusRep(jobs=jobs, engines=engines, now=10.0, timeline=spans, moves=moves,
-                    swap_marks=[SwapMark("w1/trainer", "a", 5.0, 1024, 0.01)])
+    rep = StatusRep(
+        jobs=jobs,
+        engines=engines,
+        now=10.0,
+        timeline=spans,
+        moves=moves,
+        swap_marks=[SwapMark("w1/trainer", "a", 5.0, 1024, 0.01)],
+    )
     fig, ax = plt.subplots()
     try:
         color = {"a": "red", "b": "blue"}

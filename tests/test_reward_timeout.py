@@ -64,9 +64,16 @@ def test_a_reward_that_defeats_its_alarm_fails_within_three_timeouts(reward: San
 
 
 def test_the_other_samples_of_the_step_are_scored_and_it_takes_one_timeout_per_defiant_sample(
-        reward: SandboxedReward) -> None:
-    items = [("ignore", "", {}), ("4", "4", {}), ("catch", "", {}), ("5", "4", {}), ("ignore-then-return", "", {}),
-             ("4", "4", {})]
+    reward: SandboxedReward,
+) -> None:
+    items = [
+        ("ignore", "", {}),
+        ("4", "4", {}),
+        ("catch", "", {}),
+        ("5", "4", {}),
+        ("ignore-then-return", "", {}),
+        ("4", "4", {}),
+    ]
     t0 = time.monotonic()
     values = reward.score_many(items)
     took = time.monotonic() - t0

@@ -193,9 +193,19 @@ def test_a_custom_reward_runs_in_the_sandbox_pool_and_each_failure_stays_its_sam
         reward = make_scorer(RewardSpec(fn="rw_sandboxed:score", path=str(repo)), -1.0, pool, timeout_s=2)
         assert isinstance(reward, SandboxedReward)
         try:
-            items = [("4", "4", {}), ("5", "4", {}), ("pid", "", {}), ("hang", "", {}), ("net", "", {}),
-                     ("write", "", {"outside": str(outside)}), ("raise", "", {}), ("nan", "", {}),
-                     ("sleep", "", {}), ("slow", "", {}), (" 4 ", "4", {})]
+            items = [
+                ("4", "4", {}),
+                ("5", "4", {}),
+                ("pid", "", {}),
+                ("hang", "", {}),
+                ("net", "", {}),
+                ("write", "", {"outside": str(outside)}),
+                ("raise", "", {}),
+                ("nan", "", {}),
+                ("sleep", "", {}),
+                ("slow", "", {}),
+                (" 4 ", "4", {}),
+            ]
             values = reward.score_many(items)
             assert values[:2] == [1.0, 0.0] and values[-1] == 1.0
             assert values[2] not in (-1.0, float(__import__("os").getpid()))  # another process scored it

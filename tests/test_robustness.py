@@ -37,15 +37,21 @@ TINY = REPO / "configs" / "tiny-arith.yaml"
 class BareDaemon:
     """A daemon and its own PLEXRL_HOME; ``keys`` is the cluster's internal key (every operation)."""
 
-    def __init__(self, state_dir: Path, model: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, state_dir: Path, model: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         self.state_dir = state_dir
         self.log_path = state_dir / "daemon.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         env = env or {**os.environ, "PLEXRL_HOME": str(state_dir.parent / "home")}
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir),
-                                          "--model", str(model), *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", str(model), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+            )
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()
@@ -93,11 +99,14 @@ frame = st.binary(max_size=64)
 messages = st.one_of(
     st.lists(frame, min_size=0, max_size=6),  # random frames
     st.tuples(st.sampled_from(OPS + [b"", b"\xff", b"ZZ"]), frame, frame).map(
-        lambda t: [P.MAGIC, t[0], t[1], t[2]]),  # right magic, any opcode, garbage header/body
+        lambda t: [P.MAGIC, t[0], t[1], t[2]]
+    ),  # right magic, any opcode, garbage header/body
     st.tuples(st.sampled_from(OPS), st.integers(0, 3)).map(  # valid header, body of the wrong type
-        lambda t: [P.MAGIC, t[0], HEADER, msgspec.msgpack.encode([t[1], "x", {"a": None}])]),
+        lambda t: [P.MAGIC, t[0], HEADER, msgspec.msgpack.encode([t[1], "x", {"a": None}])]
+    ),
     st.tuples(st.sampled_from(FORGED), st.integers(1, 30)).map(  # truncated valid frames
-        lambda t: [P.MAGIC, t[0][0], HEADER, msgspec.msgpack.encode(t[0][1])[:-t[1]] or b"\xc1"]),
+        lambda t: [P.MAGIC, t[0][0], HEADER, msgspec.msgpack.encode(t[0][1])[: -t[1]] or b"\xc1"]
+    ),
     st.sampled_from(FORGED).map(lambda f: [P.MAGIC, f[0], HEADER, msgspec.msgpack.encode(f[1])]),
 )
 
@@ -151,8 +160,7 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: Bar
     watcher.start()
     sent = [0]
 
-    @settings(max_examples=MESSAGES // BATCH, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=MESSAGES // BATCH, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(st.lists(messages, min_size=BATCH, max_size=BATCH), st.randoms(use_true_random=False))
     def blast(batch: list[list[bytes]], rnd: random.Random) -> None:
         for frames in batch:
@@ -192,7 +200,8 @@ def test_fuzzed_frames_never_stop_the_daemon_serving_correct_clients(daemon: Bar
 
 
 def test_500_submits_from_20_clients_with_retries_and_duplicates_make_exactly_500_jobs(
-        daemon: BareDaemon, tiny_model: Path) -> None:
+    daemon: BareDaemon, tiny_model: Path
+) -> None:
     spec = spec_to_wire(load_spec(TINY, [f"model.path={tiny_model}"], None))
     per_client, clients = 25, 20
     ids: dict[str, set[str]] = {}
@@ -211,11 +220,14 @@ def test_500_submits_from_20_clients_with_retries_and_duplicates_make_exactly_50
                     lost.setsockopt(zmq.LINGER, 1000)
                     daemon.keys.apply(lost)
                     lost.connect(daemon.address)
-                    lost.send_multipart(P.encode(P.Op.SUBMIT, P.SubmitReq(submit_id, {**spec, "name": f"c{n}-{k}"},
-                                                                          f"user{n % 4}"))[0])
+                    lost.send_multipart(
+                        P.encode(P.Op.SUBMIT, P.SubmitReq(submit_id, {**spec, "name": f"c{n}-{k}"}, f"user{n % 4}"))[0]
+                    )
                     lost.close()
-                replies = {client.submit({**spec, "name": f"c{n}-{k}"}, submit_id, f"user{n % 4}").job_id
-                           for _ in range(rnd.randint(1, 3))}  # the same submit, retried
+                replies = {
+                    client.submit({**spec, "name": f"c{n}-{k}"}, submit_id, f"user{n % 4}").job_id
+                    for _ in range(rnd.randint(1, 3))
+                }  # the same submit, retried
                 with lock:
                     ids[submit_id] = replies
             except Exception as exc:  # noqa: BLE001 - recorded and asserted below

@@ -46,8 +46,9 @@ def test_isolation_is_reported() -> None:
 
 
 def test_a_normal_program_runs_in_an_empty_private_directory() -> None:
-    result = run_python("import os, sys\nprint(os.listdir('.'), sys.stdin.read())\nopen('f.txt', 'w').write('x')",
-                        stdin="hello")
+    result = run_python(
+        "import os, sys\nprint(os.listdir('.'), sys.stdin.read())\nopen('f.txt', 'w').write('x')", stdin="hello"
+    )
     assert result.ok, result
     assert result.stdout == "[] hello\n"
     assert (result.exit_code, result.timed_out, result.killed_by, result.limit_hit) == (0, False, None, None)
@@ -70,13 +71,15 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit() -> None:
 
 
 def test_a_sleeping_program_is_killed_at_the_wall_clock_timeout_with_its_children() -> None:
-    code = ("import os, time\n"
-            "try:\n"
-            "    if os.fork() == 0:\n"
-            "        os.setsid()\n"
-            "except PermissionError:\n"
-            "    pass  # the guard refuses fork\n"
-            "time.sleep(60)")
+    code = (
+        "import os, time\n"
+        "try:\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "except PermissionError:\n"
+        "    pass  # the guard refuses fork\n"
+        "time.sleep(60)"
+    )
     t0 = time.monotonic()
     result = run_python(code, limits=Limits(wall_seconds=1.0))
     assert time.monotonic() - t0 < 4
@@ -90,8 +93,9 @@ def test_a_stopping_driver_kills_the_programs_it_still_runs() -> None:
     """A driver told to stop (SIGTERM: cancel, roll back) kills its sandboxed programs; they run
     in sessions of their own, and one that blocks without using CPU would outlive it."""
     with SandboxPool(max_workers=2) as pool:
-        futures = [pool.submit("import threading\nthreading.Event().wait()", limits=Limits(wall_seconds=60))
-                   for _ in range(2)]
+        futures = [
+            pool.submit("import threading\nthreading.Event().wait()", limits=Limits(wall_seconds=60)) for _ in range(2)
+        ]
         deadline = time.monotonic() + 20
         while len(sandbox._LIVE) < 2:
             assert time.monotonic() < deadline, "the programs did not start"
@@ -104,12 +108,7 @@ def test_a_stopping_driver_kills_the_programs_it_still_runs() -> None:
 
 
 def test_fork_bomb_is_contained() -> None:
-    code = ("import os\n"
-            "while True:\n"
-            "    try:\n"
-            "        os.fork()\n"
-            "    except OSError:\n"
-            "        pass\n")
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = run_python(code, limits=Limits(cpu_seconds=2, wall_seconds=2.0, processes=8))
     assert not result.ok
     assert result.limit_hit in ("wall", "cpu", "processes") or "refused" in result.stderr
@@ -179,8 +178,10 @@ def test_network_connection_to_a_listening_server_fails() -> None:
 
 
 def test_stdout_is_bounded() -> None:
-    result = run_python("import sys\nsys.stdout.write('x' * 5_000_000)\nprint('done', file=sys.stderr)",
-                        limits=Limits(output_bytes=1000, wall_seconds=10))
+    result = run_python(
+        "import sys\nsys.stdout.write('x' * 5_000_000)\nprint('done', file=sys.stderr)",
+        limits=Limits(output_bytes=1000, wall_seconds=10),
+    )
     assert result.ok and len(result.stdout) == 1000 and result.truncated
     assert result.limit_hit == "output" and result.stderr == "done\n"
 
@@ -263,8 +264,10 @@ def test_a_session_that_stops_answering_is_killed_with_what_it_left() -> None:
     still_works()
 
 
-@pytest.mark.parametrize("request_line, phrase", [("exit", "exited with status 4: giving up"),
-                                                   ("long", "a line of output longer than 1000 bytes")])
+@pytest.mark.parametrize(
+    "request_line, phrase",
+    [("exit", "exited with status 4: giving up"), ("long", "a line of output longer than 1000 bytes")],
+)
 def test_a_session_that_exits_or_floods_fails_with_the_reason(request_line: str, phrase: str) -> None:
     session = sandbox.SandboxSession(ECHO_SERVER, Limits(cpu_seconds=30, output_bytes=1000), marker="REPLY ")
     try:

@@ -451,8 +451,11 @@ def test_bubble_ratio_and_utilization_on_a_hand_computed_timeline():
     s.done(3, 6.0)
     assert s.engines["r"].busy_seconds == 6.0
     assert s.engines["r"].busy_by_job == {"a": 4.0, "b": 4.0}
-    assert list(s.intervals) == [("r", "a", "generate", 0.0, 4.0), ("r", "b", "generate", 2.0, 6.0),
-                                 ("t", "a", "train_step", 4.0, 6.0)]
+    assert list(s.intervals) == [
+        ("r", "a", "generate", 0.0, 4.0),
+        ("r", "b", "generate", 2.0, 6.0),
+        ("t", "a", "train_step", 4.0, 6.0),
+    ]
     assert s.utilization("r", now=10.0, since=0.0) == pytest.approx(0.6)
     assert s.utilization("t", now=10.0, since=0.0) == pytest.approx(0.2)
     assert s.utilizations(now=10.0, since=0.0) == pytest.approx({"r": 0.6, "t": 0.2})
@@ -556,10 +559,12 @@ def test_scale_1000_jobs_on_2048_engines():
     assert tids == finished == 10_000 and not s.queue
     assert backfilled > 0 and moved > 0  # the run exercised both kinds of backfill
     q = statistics.quantiles(latencies, n=100)
-    print(f"\ntick latency over {len(latencies)} ticks at 1,000 jobs / 2,048 engines: "
-          f"p50 {q[49] * 1e6:.0f} us, p99 {q[98] * 1e6:.0f} us, max {max(latencies) * 1e6:.0f} us; "
-          f"{backfilled} rollout calls backfilled, {moved} trainer homes moved; "
-          f"bubble ratio {s.bubble_ratio(now, 0.0):.2f}")
+    print(
+        f"\ntick latency over {len(latencies)} ticks at 1,000 jobs / 2,048 engines: "
+        f"p50 {q[49] * 1e6:.0f} us, p99 {q[98] * 1e6:.0f} us, max {max(latencies) * 1e6:.0f} us; "
+        f"{backfilled} rollout calls backfilled, {moved} trainer homes moved; "
+        f"bubble ratio {s.bubble_ratio(now, 0.0):.2f}"
+    )
 
 
 def check_indexes(s: Scheduler) -> None:
@@ -599,8 +604,11 @@ def check_indexes(s: Scheduler) -> None:
             idle = [e for e in s._by_key.get(key, ()) if s.engines[e].free > 0]
             for t in waiting.values():
                 job = s.jobs[t.job_id]
-                assert not [e for e in idle if t.kind == "rollout" or (
-                    len(s._homed[e]) < limit and s._fits(s.engines[e], job.state_bytes))], (t, idle)
+                assert not [
+                    e
+                    for e in idle
+                    if t.kind == "rollout" or (len(s._homed[e]) < limit and s._fits(s.engines[e], job.state_bytes))
+                ], (t, idle)
     for t in s._homeless.values():  # a task lacks a home only while no engine has room
         assert all(len(s._homed[e]) >= limit for e in s._by_key.get((t.kind, t.model), ()))
 
@@ -627,8 +635,17 @@ def test_indexes_stay_consistent_under_random_events(policy):
         if op < 0.35:
             tid += 1
             kind = rng.choice(["rollout", "trainer"])
-            s.submit(Task(tid, rng.choice(jobs), kind, "generate" if kind == "rollout" else "train_step",
-                          "m", now, rng.choice([0, 0, 1])))
+            s.submit(
+                Task(
+                    tid,
+                    rng.choice(jobs),
+                    kind,
+                    "generate" if kind == "rollout" else "train_step",
+                    "m",
+                    now,
+                    rng.choice([0, 0, 1]),
+                )
+            )
         elif op < 0.65:
             running = [t for e in s.engines.values() for t in e.running]
             if running:
@@ -643,8 +660,9 @@ def test_indexes_stay_consistent_under_random_events(policy):
                 # the state manager only loads state where the core left room for it
                 limit = 1 if policy == "isolated" else s.jobs_per_engine
                 room = [e for e in s.engines if len(s._homed[e]) < limit]
-                s.state_location(job.job_id, rng.choice([job.homes["trainer"], *room]),
-                                 rng.choice(["device", "host", "nvme", None]))
+                s.state_location(
+                    job.job_id, rng.choice([job.homes["trainer"], *room]), rng.choice(["device", "host", "nvme", None])
+                )
         elif op < 0.88 and len(s.engines) > 2:
             s.engine_down(rng.choice(list(s.engines)))
         elif op < 0.91:

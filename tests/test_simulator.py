@@ -13,8 +13,7 @@ import msgspec
 import pytest
 
 from daemon.scheduler import POLICIES
-from daemon.simulator import (PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict,
-                              simulate)
+from daemon.simulator import PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict, simulate
 from daemon.trace import DAY_S, GPUS_PER_SHARD, Trace, TraceJob, generate_trace, read_trace, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,10 +128,25 @@ def test_isolated_never_runs_two_jobs_on_one_engine_at_once(small):
 
 def burst(n: int = 16) -> Trace:
     """n two-pair jobs arriving within an hour: isolated, they queue for the 4 pairs."""
-    jobs = [TraceJob(job_id=f"b{i}", model="7B", gpus=32, arrival_s=i * 200.0, steps=40, generate_s=60.0,
-                     tail_share=0.6, tool_s=30.0 if i % 2 else 0.0, reward_s=40.0, train_s=30.0,
-                     turns=2 if i % 2 else 1, state_bytes=2 << 30, user=f"u{i % 3}", seed=i)
-            for i in range(n)]
+    jobs = [
+        TraceJob(
+            job_id=f"b{i}",
+            model="7B",
+            gpus=32,
+            arrival_s=i * 200.0,
+            steps=40,
+            generate_s=60.0,
+            tail_share=0.6,
+            tool_s=30.0 if i % 2 else 0.0,
+            reward_s=40.0,
+            train_s=30.0,
+            turns=2 if i % 2 else 1,
+            state_bytes=2 << 30,
+            user=f"u{i % 3}",
+            seed=i,
+        )
+        for i in range(n)
+    ]
     return Trace(jobs=jobs, gpus=128)
 
 
@@ -178,17 +192,35 @@ def multiplex_json(model: PhaseModel, with_phases: bool) -> dict:
         if with_phases:
             jobs[j.name].update(generate_s=j.generate_s, train_s=j.train_s)
     eps = lambda r: r.gpu_hours_per_step * 3600 / cfg.gpus_per_engine  # noqa: E731
-    return {"steps": model.jobs[0].steps, "modes": {
-        "isolated": {"engines": 2, "bubble_ratio": iso.bubble_ratio, "makespan_s": iso.makespan_s,
-                     "engine_s_per_step": eps(iso), "steps": sum(j.steps for j in model.jobs), "jobs": jobs},
-        "spread+backfill": {"engines": 2, "bubble_ratio": shared.bubble_ratio, "makespan_s": shared.makespan_s,
-                            "engine_s_per_step": eps(shared), "jobs": {}}}}
+    return {
+        "steps": model.jobs[0].steps,
+        "modes": {
+            "isolated": {
+                "engines": 2,
+                "bubble_ratio": iso.bubble_ratio,
+                "makespan_s": iso.makespan_s,
+                "engine_s_per_step": eps(iso),
+                "steps": sum(j.steps for j in model.jobs),
+                "jobs": jobs,
+            },
+            "spread+backfill": {
+                "engines": 2,
+                "bubble_ratio": shared.bubble_ratio,
+                "makespan_s": shared.makespan_s,
+                "engine_s_per_step": eps(shared),
+                "jobs": {},
+            },
+        },
+    }
 
 
 def test_calibration_round_trip():
     # every job busy 60 % of its step, a third of that on the trainer: the fallback's assumptions hold
-    truth = PhaseModel(jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4),
-                             PhaseJob("c", 12, 0.2, 0.2, 0.1)], busy_share=0.6, train_share=1 / 3)
+    truth = PhaseModel(
+        jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4), PhaseJob("c", 12, 0.2, 0.2, 0.1)],
+        busy_share=0.6,
+        train_share=1 / 3,
+    )
     for with_phases in (True, False):
         data = multiplex_json(truth, with_phases)
         model = calibrate_from(data, train_share=1 / 3)
@@ -196,10 +228,12 @@ def test_calibration_round_trip():
         for got, want in zip(model.jobs, truth.jobs):
             assert (got.name, got.steps) == (want.name, want.steps)
             assert (got.generate_s, got.stall_s, got.train_s) == pytest.approx(
-                (want.generate_s, want.stall_s, want.train_s), rel=1e-3, abs=1e-6)
+                (want.generate_s, want.stall_s, want.train_s), rel=1e-3, abs=1e-6
+            )
         out = predict(model)
-        assert out["measured_ratio"] == pytest.approx(data["modes"]["spread+backfill"]["engine_s_per_step"]
-                                                      / data["modes"]["isolated"]["engine_s_per_step"])
+        assert out["measured_ratio"] == pytest.approx(
+            data["modes"]["spread+backfill"]["engine_s_per_step"] / data["modes"]["isolated"]["engine_s_per_step"]
+        )
         assert abs(out["error"]) < 0.01
         assert out["isolated_bubble_ratio"] == pytest.approx(0.7, abs=0.01)
 
@@ -207,8 +241,9 @@ def test_calibration_round_trip():
 def test_calibration_holds_the_shared_run_to_the_cores_bound():
     # the benchmark's engines, rewards and drivers share the machine's cores: the CPU seconds of
     # the isolated run over the cores bound the shared makespan, whatever the schedule allows
-    truth = PhaseModel(jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4)],
-                       busy_share=0.6, train_share=1 / 3)
+    truth = PhaseModel(
+        jobs=[PhaseJob("a", 12, 0.4, 0.4, 0.2), PhaseJob("b", 12, 0.8, 0.8, 0.4)], busy_share=0.6, train_share=1 / 3
+    )
     data = multiplex_json(truth, with_phases=True)
     iso = data["modes"]["isolated"]
     assert "cpu" not in iso and "cpu_bound_ratio" not in predict(calibrate_from(data))
@@ -253,14 +288,29 @@ def load_bench():
 
 
 def test_quick_benchmark_writes_its_json(tmp_path):
-    truth = PhaseModel(jobs=[PhaseJob("a", 5, 0.4, 0.4, 0.2), PhaseJob("b", 5, 0.8, 0.8, 0.4)],
-                       busy_share=0.6, train_share=1 / 3)
+    truth = PhaseModel(
+        jobs=[PhaseJob("a", 5, 0.4, 0.4, 0.2), PhaseJob("b", 5, 0.8, 0.8, 0.4)], busy_share=0.6, train_share=1 / 3
+    )
     mux = tmp_path / "multiplex.json"
     mux.write_text(json.dumps(multiplex_json(truth, with_phases=True)))
     out = tmp_path / "simulate.json"
     bench = load_bench()
-    assert bench.main(["--quick", "--workers", "1", "--multiplex", str(mux), "--out", str(out),
-                       "--save-trace", str(tmp_path / "trace.jsonl")]) == 0
+    assert (
+        bench.main(
+            [
+                "--quick",
+                "--workers",
+                "1",
+                "--multiplex",
+                str(mux),
+                "--out",
+                str(out),
+                "--save-trace",
+                str(tmp_path / "trace.jsonl"),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     labels = set(data["policies"])
     assert {"isolated", "pack", "spread", "spread+backfill", data["best"]["label"]} == labels
@@ -268,13 +318,36 @@ def test_quick_benchmark_writes_its_json(tmp_path):
     assert data["policies"]["isolated"]["makespan_vs_isolated"] == 1.0
     for row in data["policies"].values():
         assert row["jobs"] == 50 and row["gpus"] == 128 and row["tick_p99_us"] > 0
-        assert {"makespan_s", "gpu_hours_per_step", "queue_p50_s", "queue_p99_s", "swap_bytes",
-                "bubble_ratio", "tick_p50_us"} <= set(row)
+        assert {
+            "makespan_s",
+            "gpu_hours_per_step",
+            "queue_p50_s",
+            "queue_p99_s",
+            "swap_bytes",
+            "bubble_ratio",
+            "tick_p50_us",
+        } <= set(row)
     assert data["calibration"]["phases"].startswith("measured") and abs(data["calibration"]["error"]) < 0.01
     assert len(data["tuning"]) >= 2
     # the saved trace replays through the same entry point (`plexctl simulate TRACE`)
     out2 = tmp_path / "replay.json"
-    assert bench.main([str(tmp_path / "trace.jsonl"), "--gpus", "128", "--workers", "1", "--macro-steps", "4",
-                       "--multiplex", str(tmp_path / "absent.json"), "--out", str(out2)]) == 0
+    assert (
+        bench.main(
+            [
+                str(tmp_path / "trace.jsonl"),
+                "--gpus",
+                "128",
+                "--workers",
+                "1",
+                "--macro-steps",
+                "4",
+                "--multiplex",
+                str(tmp_path / "absent.json"),
+                "--out",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     replay = json.loads(out2.read_text())
     assert replay["trace"]["jobs"] == 50 and replay["calibration"] is None

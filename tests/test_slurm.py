@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import Cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,21 +45,49 @@ def squeue_state(job_id: str) -> str:
 def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (it installs and starts slurmctld/slurmd)")
-    start = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "start-cluster.sh")], capture_output=True,
-                           text=True, timeout=600, env={**os.environ, "PLEXRL_SLURM_GPUS": "2"})  # as WORKERS
+    start = subprocess.run(
+        ["bash", str(REPO / "tests" / "slurm" / "start-cluster.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PLEXRL_SLURM_GPUS": "2"},
+    )  # as WORKERS
     assert start.returncode == 0, start.stdout + start.stderr
     c = Cluster(tmp_path_factory.mktemp("plexrl-slurm-home"))
     c.state_dir = c.home / "clusters" / "ci"
     # one CPU per node's task (of the test nodes' two): a joining allocation needs the other
-    up = c.run("up", "--slurm", "--name", "ci", "--nodes", "2", "--engines", "rollout", "--engines", "trainer",
-               "--gpus-per-node", "2", "--cpus-per-task", "1", "--time", "60", "--signal-grace", "60",
-               "--model", str(tiny_model), timeout=900)
+    up = c.run(
+        "up",
+        "--slurm",
+        "--name",
+        "ci",
+        "--nodes",
+        "2",
+        "--engines",
+        "rollout",
+        "--engines",
+        "trainer",
+        "--gpus-per-node",
+        "2",
+        "--cpus-per-task",
+        "1",
+        "--time",
+        "60",
+        "--signal-grace",
+        "60",
+        "--model",
+        str(tiny_model),
+        timeout=900,
+    )
     try:
         assert up.returncode == 0, f"plexctl up --slurm failed ({up.returncode}): {up.stdout}{up.stderr}\n{logs(c)}"
         c.slurm_job = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
         deadline = time.monotonic() + 600  # `up` may count a worker a node: wait for all four engines
-        while not ((engines := c.status()["engines"]) and {e["engine_id"] for e in engines} == ENGINES
-                   and all(e["ready"] for e in engines)):
+        while not (
+            (engines := c.status()["engines"])
+            and {e["engine_id"] for e in engines} == ENGINES
+            and all(e["ready"] for e in engines)
+        ):
             assert time.monotonic() < deadline, f"engines {engines}\n{logs(c)}"
             time.sleep(1.0)
     except BaseException:
@@ -188,8 +215,9 @@ def test_a_killed_daemon_is_restarted_and_its_jobs_go_on(slurm_cluster):
     import signal
 
     c = slurm_cluster
-    job = c.run("submit", TINY, "--name", "daemon-killed", "-q", *JOB_ARGS, "--set", "checkpoint.every=4",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "daemon-killed", "-q", *JOB_ARGS, "--set", "checkpoint.every=4", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 6, timeout=300, what="6 steps")
     os.kill(json.loads((c.state_dir / "endpoint.json").read_text())["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 180  # the first node starts it again; the driver and workers reconnect
@@ -206,8 +234,21 @@ def test_a_killed_daemon_is_restarted_and_its_jobs_go_on(slurm_cluster):
 
 def test_a_joining_allocation_adds_workers_that_leave_cleanly(slurm_cluster, tiny_model):
     c = slurm_cluster
-    up = c.run("up", "--slurm", "--join", "ci", "--nodes", "1", "--engines", "trainer", "--time", "30",
-               "--model", str(tiny_model), timeout=600)
+    up = c.run(
+        "up",
+        "--slurm",
+        "--join",
+        "ci",
+        "--nodes",
+        "1",
+        "--engines",
+        "trainer",
+        "--time",
+        "30",
+        "--model",
+        str(tiny_model),
+        timeout=600,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     join_id = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]
     joined = {e["engine_id"] for e in c.status()["engines"]} - ENGINES
@@ -235,8 +276,25 @@ def test_down_drains_and_leaves_no_process_or_slurm_job(slurm_cluster):
 
 def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_model):
     c = slurm_cluster
-    up = c.run("up", "--slurm", "--name", "ci", "--nodes", "2", "--engines", "rollout", "--engines", "trainer",
-               "--time", "60", "--submit-with", "sbatch", "--model", str(tiny_model), timeout=900)
+    up = c.run(
+        "up",
+        "--slurm",
+        "--name",
+        "ci",
+        "--nodes",
+        "2",
+        "--engines",
+        "rollout",
+        "--engines",
+        "trainer",
+        "--time",
+        "60",
+        "--submit-with",
+        "sbatch",
+        "--model",
+        str(tiny_model),
+        timeout=900,
+    )
     assert up.returncode == 0, up.stdout + up.stderr  # the plain sbatch path this time
     assert (c.state_dir / "slurm" / "plexrl.sbatch").read_text().startswith("#!/bin/bash")
     job_id = json.loads((c.state_dir / "slurm.json").read_text())["allocations"][-1]["job_id"]

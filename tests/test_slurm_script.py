@@ -15,11 +15,24 @@ GOLDEN = REPO / "tests" / "golden"
 
 
 def two_node_spec(**changes) -> S.SlurmSpec:
-    fields = dict(name="research", state_dir="/shared/alice/.plexrl/clusters/research",
-                  model="/shared/models/qwen2.5-7b", nodes=2, gpus_per_node=8, time="2-00:00:00",
-                  partition="gpu", account="rl-lab", qos="high", exclusive=True, constraint="h100",
-                  signal_grace=300, engines=["rollout,trainer"], scratch=None,
-                  worker_args=["--max-loras=8"], python="/shared/alice/venv/bin/python")
+    fields = dict(
+        name="research",
+        state_dir="/shared/alice/.plexrl/clusters/research",
+        model="/shared/models/qwen2.5-7b",
+        nodes=2,
+        gpus_per_node=8,
+        time="2-00:00:00",
+        partition="gpu",
+        account="rl-lab",
+        qos="high",
+        exclusive=True,
+        constraint="h100",
+        signal_grace=300,
+        engines=["rollout,trainer"],
+        scratch=None,
+        worker_args=["--max-loras=8"],
+        python="/shared/alice/venv/bin/python",
+    )
     fields.update(changes)
     return S.SlurmSpec(**fields)
 
@@ -33,7 +46,7 @@ def directives(text: str) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     for line in text.splitlines():
         if line.startswith("#SBATCH --"):
-            key, _, value = line[len("#SBATCH --"):].partition("=")
+            key, _, value = line[len("#SBATCH --") :].partition("=")
             found[key] = value or None
     return found
 
@@ -41,7 +54,11 @@ def directives(text: str) -> dict[str, str | None]:
 def test_a_gpu_allocation_asks_for_gpus_cpus_and_memory_and_passes_the_layout() -> None:
     text = S.render_sbatch(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2))
     opts = directives(text)
-    assert (opts["gpus-per-node"], opts["cpus-per-task"], opts["mem"]) == ("8", "64", "0")  # 8 CPUs a GPU, the node's memory
+    assert (opts["gpus-per-node"], opts["cpus-per-task"], opts["mem"]) == (
+        "8",
+        "64",
+        "0",
+    )  # 8 CPUs a GPU, the node's memory
     assert "--gpus-per-node 8 --rollout-gpus 4 --trainer-gpus 4 --tp 2" in text  # each node checks what it got
     assert S.planned_workers(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2)) == 2 * (2 + 4)
 
@@ -64,8 +81,19 @@ def test_submitit_asks_for_what_the_batch_script_asks(tmp_path: Path) -> None:
     for spec in (two_node_spec(), two_node_spec(gpus_per_node=0, exclusive=False)):
         ours = directives(S.render_sbatch(spec))
         theirs = directives(_make_sbatch_string(command="true", folder=tmp_path, **S.submitit_parameters(spec)))
-        keys = ["nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem", "partition", "account",
-                "qos", "constraint", "exclusive", "requeue"]
+        keys = [
+            "nodes",
+            "ntasks-per-node",
+            "gpus-per-node",
+            "cpus-per-task",
+            "mem",
+            "partition",
+            "account",
+            "qos",
+            "constraint",
+            "exclusive",
+            "requeue",
+        ]
         assert {k: theirs.get(k) for k in keys} == {k: ours.get(k) for k in keys}
         assert theirs["signal"].endswith("@300")  # submitit's own signal (USR2), as far ahead
 
@@ -103,8 +131,9 @@ def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
 
 
 def test_the_shipped_sbatch_file_is_the_rendered_template() -> None:
-    assert (REPO / "slurm" / "plexrl.sbatch").read_text() == S.render_template(), \
+    assert (REPO / "slurm" / "plexrl.sbatch").read_text() == S.render_template(), (
         "regenerate with `python -m plexctl.slurm > slurm/plexrl.sbatch`"
+    )
 
 
 def test_the_drain_leaves_a_margin_before_the_allocation_ends() -> None:
@@ -114,8 +143,9 @@ def test_the_drain_leaves_a_margin_before_the_allocation_ends() -> None:
     assert S.drain_timeout(two_node_spec(drain_timeout=7.0)) == 7.0
 
 
-@pytest.mark.parametrize("text, minutes", [("90", 90), ("01:30:00", 90), ("1-00:00:00", 1440), ("2-03", 3060),
-                                           ("10:30", 11), ("0:0:59", 1)])
+@pytest.mark.parametrize(
+    "text, minutes", [("90", 90), ("01:30:00", 90), ("1-00:00:00", 1440), ("2-03", 3060), ("10:30", 11), ("0:0:59", 1)]
+)
 def test_slurm_time_formats(text: str, minutes: int) -> None:
     assert S.time_minutes(text) == minutes
 

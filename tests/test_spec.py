@@ -208,7 +208,11 @@ def test_out_of_range(workdir: Path) -> None:
         ("priority: 100000000000000000000000000000\n", "priority", "must fit in 64 bits"),
         ("algo:\n  steps: 99999999999999999999999\n", "algo.steps", "must fit in 64 bits"),
         ("algo:\n  loss: pg-tis\n  loss_params:\n    cap: -5\n", "algo.loss_params.cap", "must be > 0, got -5"),
-        ("algo:\n  loss: pg-tis\n  loss_params:\n    cap: abc\n", "algo.loss_params.cap", "expected a float, got 'abc'"),
+        (
+            "algo:\n  loss: pg-tis\n  loss_params:\n    cap: abc\n",
+            "algo.loss_params.cap",
+            "expected a float, got 'abc'",
+        ),
         ("algo:\n  loss_params: [1]\n", "algo.loss_params", "expected a mapping, got [1]"),
     ],
 )
@@ -269,9 +273,7 @@ def test_full_finetune_is_refused(workdir: Path) -> None:
     issue = only_issue(write(workdir, VALID.replace("lora:\n  rank: 4\n", "")))
     assert issue.path == "lora"
     assert issue.message == FULL_FINETUNE_REFUSED
-    assert FULL_FINETUNE_REFUSED == (
-        "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
-    )
+    assert FULL_FINETUNE_REFUSED == ("full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section")
 
 
 def test_full_finetune_refused_for_explicit_null(workdir: Path) -> None:
@@ -350,10 +352,13 @@ def test_data_file_that_is_not_utf8_names_its_line(workdir: Path) -> None:
         load_records(workdir / "data" / "train.jsonl", "prompt", "answer")
 
 
-@pytest.mark.parametrize("tail, phrase", [
-    ("extra: &x [*x]\n", "refers to a node that contains it"),
-    ("".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 7)), "more than 100,000 values"),
-])
+@pytest.mark.parametrize(
+    "tail, phrase",
+    [
+        ("extra: &x [*x]\n", "refers to a node that contains it"),
+        ("".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 7)), "more than 100,000 values"),
+    ],
+)
 def test_yaml_aliases_that_contain_themselves_or_explode_are_refused(workdir: Path, tail: str, phrase: str) -> None:
     text = VALID + ("l0: &l0 [1]\n" if "l1" in tail else "") + tail
     issue = only_issue(write(workdir, text))
@@ -457,8 +462,14 @@ def test_every_mistake_of_a_file_is_reported(workdir: Path) -> None:
 def test_overrides_are_parsed_as_yaml(workdir: Path) -> None:
     spec = load_spec(
         write(workdir, VALID),
-        overrides=["algo.lr=3e-4", "sampling.max_tokens=16", "lora.target_modules=[q_proj, v_proj]",
-                   "algo.clip_range_high=0.28", "data.eval_path=data/eval.jsonl", "priority=-2"],
+        overrides=[
+            "algo.lr=3e-4",
+            "sampling.max_tokens=16",
+            "lora.target_modules=[q_proj, v_proj]",
+            "algo.clip_range_high=0.28",
+            "data.eval_path=data/eval.jsonl",
+            "priority=-2",
+        ],
     )
     assert spec.algo.lr == pytest.approx(3e-4) and isinstance(spec.algo.lr, float)
     assert spec.sampling.max_tokens == 16

@@ -28,8 +28,8 @@ from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
-from worker.state_store import HostBufferPool, StateStore
 from worker.state_copy import PAGE_BYTES
+from worker.state_store import HostBufferPool, StateStore
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
@@ -132,7 +132,9 @@ def nvme_files(store: StateStore, beside: tuple[str, ...] = ()) -> dict[str, str
     assert len(spares) <= copy_dir.KEEP_SPARES
     for job, copy in records.items():
         assert (store.nvme_dir / files[job]).stat().st_size == copy.file_bytes
-        assert copy.file_bytes % copy_files.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < copy_files.DIRECT_ALIGN
+        assert (
+            copy.file_bytes % copy_files.DIRECT_ALIGN == 0 and copy.file_bytes - copy.nbytes < copy_files.DIRECT_ALIGN
+        )
     return files
 
 
@@ -305,7 +307,9 @@ def test_eviction_follows_upcoming_then_least_recently_used(model_dir: str, tmp_
 # ---------------------------------------------------------------- failures
 
 
-@pytest.mark.parametrize("victim", ["flipped byte", "last byte flipped", "truncated file", "grown file", "missing file"])
+@pytest.mark.parametrize(
+    "victim", ["flipped byte", "last byte flipped", "truncated file", "grown file", "missing file"]
+)
 def test_corrupt_nvme_copy_is_refused(model_dir: str, tmp_path: Path, victim: str) -> None:
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme")
@@ -358,10 +362,10 @@ def test_tier_full_error_when_nothing_fits(model_dir: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 def test_a_failed_release_leaves_the_job_on_the_device_and_the_store_serving(
-        model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str
+) -> None:
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=1 << 30 if tier == "host" else 0,
-                       nvme_dir=tmp_path / "nvme")
+    store = StateStore(trainer, device_slots=1, host_bytes=1 << 30 if tier == "host" else 0, nvme_dir=tmp_path / "nvme")
     ensure(store, "a")
     failing = lambda job_id: (_ for _ in ()).throw(RuntimeError("release failed"))  # noqa: E731
     with monkeypatch.context() as patch:
@@ -726,7 +730,9 @@ def test_job_bytes_matches_the_real_copy(model_dir: str, tmp_path: Path) -> None
 # ---------------------------------------------------------------- nvme files: reused, within the budget
 
 
-def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget(model_dir: str, tmp_path: Path) -> None:
+def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget(
+    model_dir: str, tmp_path: Path
+) -> None:
     """Two jobs of one size trade places through nvme: after the first two writes, every copy
     is written over the file of the copy that left nvme last (same file, same inode: no file is
     made or deleted), and every job still comes back exactly. With a budget of two copies, the
@@ -770,8 +776,10 @@ def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str
 
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
-    code = ("import os, sys; d = sys.argv[1]\n"
-            "for i in range(3): open(os.path.join(d, f'copy-{os.getpid()}-0badc0de-{i}.bin'), 'wb').write(b'x' * 4096)")
+    code = (
+        "import os, sys; d = sys.argv[1]\n"
+        "for i in range(3): open(os.path.join(d, f'copy-{os.getpid()}-0badc0de-{i}.bin'), 'wb').write(b'x' * 4096)"
+    )
     subprocess.run([sys.executable, "-c", code, str(nvme_dir)], check=True)  # writes, then is gone
     assert len(list(nvme_dir.iterdir())) == 3
     gone_pid = int(next(nvme_dir.iterdir()).name.split("-")[1])
@@ -798,8 +806,9 @@ def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, 
     trainer's critical path; every state still comes back bit-exact."""
     size = StateStore.job_bytes(JOBS["j3"][0], config_json(model_dir))  # host holds j3, or j2, not j0
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme",
-                       write_behind_bytes=4 * size)
+    store = StateStore(
+        trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme", write_behind_bytes=4 * size
+    )
     for job_id in ("j3", "j2"):
         ensure(store, job_id)
         train(trainer, job_id, 0)
@@ -818,7 +827,10 @@ def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, 
     swaps = store.inventory()["swaps"]
     assert swaps["device->nvme"]["count"] == 0  # every eviction was an export to host ...
     assert swaps["host->nvme"]["count"] == 2 and swaps["host->nvme"]["critical_s"] == 0  # ... written behind
-    assert [(m.direction, m.job_id) for m in store.background_moves()[1]] == [("host->nvme", "j3"), ("host->nvme", "j0")]
+    assert [(m.direction, m.job_id) for m in store.background_moves()[1]] == [
+        ("host->nvme", "j3"),
+        ("host->nvme", "j0"),
+    ]
     assert store.inventory()["host"]["used_bytes"] <= size  # back within the host tier once written
 
     for step, job_id in [(1, "j3"), (1, "j2"), (1, "j0"), (2, "j3"), (2, "j0"), (2, "j2")]:
@@ -831,16 +843,16 @@ def test_write_behind_takes_nvme_writes_off_the_trainers_thread(model_dir: str, 
     assert_only_spares_left(store)
 
 
-def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_dir: str, alone: dict,
-                                                                         tmp_path: Path, monkeypatch) -> None:
+def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(
+    model_dir: str, alone: dict, tmp_path: Path, monkeypatch
+) -> None:
     """A job needed again while the write-behind thread still has its copy swaps in from host
     memory at once, without waiting for the write: whether that write is under way (it goes on,
     its file becomes a spare) or not begun (it is skipped). The job trains on bit-exactly, the
     writes that were not taken back land, and every host buffer goes back to the pool once."""
     trainer = engine(model_dir)
     size = StateStore.job_bytes(JOBS["j0"][0], config_json(model_dir))
-    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
-                       write_behind_bytes=8 * size)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme", write_behind_bytes=8 * size)
     taken: list[torch.Tensor] = []
     given: list[torch.Tensor] = []
     pool_take, pool_give = store._pool.take, store._pool.give
@@ -893,14 +905,12 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(model_
     assert_only_spares_left(store)
 
 
-def test_write_behind_once_its_thread_takes_no_more_work_writes_on_the_callers(model_dir: str,
-                                                                              tmp_path: Path) -> None:
+def test_write_behind_once_its_thread_takes_no_more_work_writes_on_the_callers(model_dir: str, tmp_path: Path) -> None:
     """When the write-behind thread takes no more work (the interpreter is exiting: its pool
     refuses new tasks), an eviction writes its copy itself and the copy is on nvme, intact."""
     size = fresh_copy_bytes(model_dir)
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
-                       write_behind_bytes=4 * size)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme", write_behind_bytes=4 * size)
     for job_id in ("j1", "j2"):
         ensure(store, job_id)
         train(trainer, job_id, 0)
@@ -920,8 +930,7 @@ def test_write_behind_allowance_bounds_what_is_left_behind(model_dir: str, tmp_p
     """Copies beyond the allowance are written before ensure_resident returns, as without one."""
     size = fresh_copy_bytes(model_dir)
     trainer = engine(model_dir)
-    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme",
-                       write_behind_bytes=size - 1)
+    store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=tmp_path / "nvme", write_behind_bytes=size - 1)
     for job_id in ("a", "b", "c"):
         ensure(store, job_id)
     swaps = store.inventory()["swaps"]

@@ -37,7 +37,9 @@ def make_adapter(base: Path, out: Path, seed: int, rank: int = 8) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -81,7 +83,13 @@ def hf_logprobs(model, completion: Completion) -> list[float]:
 
 
 def test_build_writes_model_data_and_is_cached(tiny: TinyPaths) -> None:
-    for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]:
         assert (tiny.model_dir / name).is_file(), name
     config = json.loads((tiny.model_dir / "config.json").read_text())
     gen_config = json.loads((tiny.model_dir / "generation_config.json").read_text())
@@ -155,9 +163,17 @@ def test_completions_equal_vllms_own_detokenized_output(engine: RolloutEngine) -
     sampling = Sampling(temperature=1.2, max_tokens=6, n=3, seed=21)
     prompts = PROMPTS[::9]
     [ours] = engine.generate([GenRequest("base", prompts, sampling)])
-    params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                             seed=prompt_seed(sampling, i), logprobs=0, skip_special_tokens=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_tokens,
+            seed=prompt_seed(sampling, i),
+            logprobs=0,
+            skip_special_tokens=True,
+        )
+        for i in range(len(prompts))
+    ]
     with torch_threads(ENGINE_THREADS):
         outputs = engine._llm.generate(prompts, params, use_tqdm=False)
     theirs = [(i, c) for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -186,8 +202,7 @@ def test_mixed_adapters_in_one_call_equal_each_adapter_alone(
 ) -> None:
     sampling = Sampling(temperature=1.0, max_tokens=4, n=2, seed=3)
     requests = [
-        GenRequest(f"mix{k}", PROMPTS[k::9], sampling, AdapterRef(f"mix{k}", 1, str(adapters[k])))
-        for k in range(3)
+        GenRequest(f"mix{k}", PROMPTS[k::9], sampling, AdapterRef(f"mix{k}", 1, str(adapters[k]))) for k in range(3)
     ]
     requests.append(GenRequest("base", PROMPTS[5::9], sampling))
     mixed = engine.generate(requests)  # 3 adapters, max_loras=2, max_cpu_loras=2: evictions
@@ -199,8 +214,7 @@ def test_mixed_adapters_in_one_call_equal_each_adapter_alone(
 
     # The adapters are really applied, and differently: the same prompts give other log-probs.
     same_prompts = [
-        GenRequest(f"mix{k}", PROMPTS[:20], Sampling(max_tokens=1, n=1, seed=0), requests[k].adapter)
-        for k in range(3)
+        GenRequest(f"mix{k}", PROMPTS[:20], Sampling(max_tokens=1, n=1, seed=0), requests[k].adapter) for k in range(3)
     ] + [GenRequest("base", PROMPTS[:20], Sampling(max_tokens=1, n=1, seed=0))]
     firsts = [[(c.token_ids[0], round(c.logprobs[0], 4)) for c in cs] for cs in engine.generate(same_prompts)]
     assert len({tuple(f) for f in firsts}) == 4
@@ -248,7 +262,9 @@ def test_new_version_replaces_old(engine: RolloutEngine, adapters: list[Path]) -
     assert len(again) == 16 and "versioned@v1" not in engine.loaded_adapters()
 
     # v2 behaves as its own adapter (not v1's weights under a new name)
-    as_other_job = engine.generate([GenRequest("other", PROMPTS[:8], sampling, AdapterRef("other", 7, str(adapters[1])))])
+    as_other_job = engine.generate(
+        [GenRequest("other", PROMPTS[:8], sampling, AdapterRef("other", 7, str(adapters[1])))]
+    )
     assert [c.token_ids for c in on_v2[0]] == [c.token_ids for c in as_other_job[0]]
 
     engine.drop_job("versioned")
@@ -305,10 +321,15 @@ def test_one_large_seeded_call_is_served_whole(engine: RolloutEngine) -> None:
 def test_a_request_joins_the_running_batch_and_returns_before_its_tail(
     engine: RolloutEngine, adapters: list[Path]
 ) -> None:
-    long = GenRequest("tail", PROMPTS[:24], Sampling(temperature=1.5, max_tokens=30, n=4, seed=11),
-                      AdapterRef("tail", 1, str(adapters[0])))
-    short = GenRequest("quick", PROMPTS[30:34], Sampling(max_tokens=2, n=2, seed=12),
-                       AdapterRef("quick", 1, str(adapters[1])))
+    long = GenRequest(
+        "tail",
+        PROMPTS[:24],
+        Sampling(temperature=1.5, max_tokens=30, n=4, seed=11),
+        AdapterRef("tail", 1, str(adapters[0])),
+    )
+    short = GenRequest(
+        "quick", PROMPTS[30:34], Sampling(max_tokens=2, n=2, seed=12), AdapterRef("quick", 1, str(adapters[1]))
+    )
     alone = {r.job_id: engine.generate([r])[0] for r in (long, short)}
 
     engine.start("tail", long)
@@ -330,7 +351,9 @@ def test_a_bad_request_fails_alone_and_a_released_job_stops(engine: RolloutEngin
     engine.start("good", good)
     with pytest.raises(AdapterError):
         engine.start("bad", GenRequest("bad", PROMPTS[:1], Sampling(), AdapterRef("bad", 1, "/nonexistent")))
-    gone = GenRequest("gone", PROMPTS[:3], Sampling(max_tokens=30, n=2, seed=2), AdapterRef("gone", 1, str(adapters[2])))
+    gone = GenRequest(
+        "gone", PROMPTS[:3], Sampling(max_tokens=30, n=2, seed=2), AdapterRef("gone", 1, str(adapters[2]))
+    )
     engine.start("gone", gone)
     engine.drop_job("gone")  # its request in flight is stopped with it
     done = {}

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, Cluster
 
 CONFIG = str(REPO / "configs" / "tiny-tool.yaml")
@@ -64,9 +63,11 @@ def test_a_tiny_model_learns_to_call_the_calculator(tool_cluster: Cluster, tool_
     calls = [r["env/tool_calls"] / episodes for r in steps]
     late = sum(calls[-5:]) / 5
     gain = info["eval_last"] - info["eval_first"]
-    print(f"eval reward {' -> '.join(f'{v:.3f}@{s}' for s, v in evals)} (gain {gain:+.3f}); tool calls per "
-          f"episode {calls[0]:.2f} at step 1, {late:.2f} over the last 5 steps; {info['elapsed_s']:.0f} s, "
-          f"cold start {tool_cluster.cold_start_s:.1f} s")
+    print(
+        f"eval reward {' -> '.join(f'{v:.3f}@{s}' for s, v in evals)} (gain {gain:+.3f}); tool calls per "
+        f"episode {calls[0]:.2f} at step 1, {late:.2f} over the last 5 steps; {info['elapsed_s']:.0f} s, "
+        f"cold start {tool_cluster.cold_start_s:.1f} s"
+    )
     assert gain >= LEARN_MARGIN
     assert calls[0] <= 0.5 and late >= 0.9, calls  # the model learned to call the tool ...
     assert all(r["env/tool_calls"] > 0 for r in steps)

@@ -148,9 +148,7 @@ def test_new_adapter_depends_only_on_seed(model_dir: str) -> None:
 # ---------------------------------------------------------------- loss correctness
 
 
-def reference_gradients(
-    model_dir: str, adapter_dir: Path, batch: TrainBatch, loss_agg: str
-) -> dict[str, torch.Tensor]:
+def reference_gradients(model_dir: str, adapter_dir: Path, batch: TrainBatch, loss_agg: str) -> dict[str, torch.Tensor]:
     """Gradient of -mean(adv * logp) over masked tokens, written by hand on a separate peft model."""
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
@@ -390,7 +388,9 @@ def test_checkpoint_for_another_adapter_shape_is_rejected(model_dir: str, tmp_pa
         engine.load_checkpoint("B", str(tmp_path), LoraConfig(rank=2), seed=1)
 
 
-def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was(model_dir: str, tmp_path: Path) -> None:
+def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was(
+    model_dir: str, tmp_path: Path
+) -> None:
     from worker.checkpoint_files import MANIFEST, TRAINER_STATE, file_record
 
     engine = TrainerEngine(model_dir, threads=2)

@@ -80,8 +80,9 @@ def assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torc
 # ---------------------------------------------------------------- chunked log-probs
 
 
-def plain_logprobs_and_entropy(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def plain_logprobs_and_entropy(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch's fp32 log-softmax, as the trainer computed it before chunking."""
     logp = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float()[:, :-1], dim=-1)
     return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
@@ -90,16 +91,18 @@ def plain_logprobs_and_entropy(model: torch.nn.Module, ids: torch.Tensor, attent
 @pytest.mark.parametrize("chunk_tokens", [1, 8, 10_000])
 def test_chunked_logprobs_and_entropy_equal_the_whole_batch_forward(model_dir: str, chunk_tokens: int) -> None:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                init_lora_weights=False))  # a non-zero adapter
+    model = get_peft_model(
+        base, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )  # a non-zero adapter
     model.eval()
     batch = make_batch(3, rows=5)
     rows = pad_rows(batch.input_ids, batch.loss_mask, torch.device("cpu"))
     assert rows.loss_mask.sum() % 8 != 0 and len(set(rows.lengths)) > 1  # a ragged last chunk, padding
 
     with torch.no_grad():
-        logp, entropy = token_logprobs(model, rows.input_ids, rows.attention_mask, rows.loss_mask,
-                                       chunk_tokens, entropy=True)
+        logp, entropy = token_logprobs(
+            model, rows.input_ids, rows.attention_mask, rows.loss_mask, chunk_tokens, entropy=True
+        )
         expected_logp, expected_entropy = plain_logprobs_and_entropy(model, rows.input_ids, rows.attention_mask)
     assert entropy is not None
     mask = rows.loss_mask
@@ -227,13 +230,27 @@ def test_a_real_vocabulary_trains_without_holding_its_logits(tmp_path: Path) -> 
     does not hide in it."""
     short, long = completion_logits_bytes(SHORT_COMPLETION), completion_logits_bytes(LONG_COMPLETION)
     assert long > 16 << 30 and long - short > 13 << 30
-    model_dir = random_tiny_qwen2(tmp_path / "wide", vocab_size=LARGE_VOCAB, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                  max_position_embeddings=LARGE_LENGTH)
+    model_dir = random_tiny_qwen2(
+        tmp_path / "wide",
+        vocab_size=LARGE_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=LARGE_LENGTH,
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [model_dir, *map(str, (LARGE_ROWS, LARGE_LENGTH, SHORT_COMPLETION, LONG_COMPLETION))]
-    done = subprocess.run([sys.executable, "-c", _LARGE_VOCAB_STEPS, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _LARGE_VOCAB_STEPS, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     for completion, result in zip((SHORT_COMPLETION, LONG_COMPLETION), results):
@@ -280,8 +297,9 @@ def test_a_bf16_engine_trains_fp32_adapters_and_publishes_bf16_ones(model_dir: s
     fp32 = TrainerEngine(model_dir, threads=2)
     fp32.ensure_job("A", LORA, seed=5)
     fp32.load_checkpoint("A", str(tmp_path / "ckpt"), LORA, seed=5)
-    for got, expected in zip(engine.logprobs("A", batch.input_ids, batch.loss_mask),
-                             fp32.logprobs("A", batch.input_ids, batch.loss_mask)):
+    for got, expected in zip(
+        engine.logprobs("A", batch.input_ids, batch.loss_mask), fp32.logprobs("A", batch.input_ids, batch.loss_mask)
+    ):
         assert got == pytest.approx(expected, abs=0.1)
 
 

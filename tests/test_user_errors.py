@@ -47,8 +47,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def plexctl(*args: str, home: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), **({"PLEXRL_HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-m", "plexctl.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "plexctl.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_error(proc: subprocess.CompletedProcess, code: int) -> str:
@@ -61,8 +62,15 @@ def one_error(proc: subprocess.CompletedProcess, code: int) -> str:
 
 def spec_file(directory: Path, model: Path, data: Path, **sections: str) -> Path:
     """A job spec on ``model`` and ``data``; ``sections`` replace or add top-level sections (YAML text)."""
-    parts = {"name": "mine", "model": f"{{path: {model}}}", "lora": "{rank: 4}", "data": f"{{path: {data}}}",
-             "reward": "{name: arith}", "algo": "{steps: 2, group_size: 2, prompts_per_step: 2}", **sections}
+    parts = {
+        "name": "mine",
+        "model": f"{{path: {model}}}",
+        "lora": "{rank: 4}",
+        "data": f"{{path: {data}}}",
+        "reward": "{name: arith}",
+        "algo": "{steps: 2, group_size: 2, prompts_per_step: 2}",
+        **sections,
+    }
     path = directory / "job.yaml"
     path.write_text("".join(f"{key}: {value}\n" for key, value in parts.items()))
     return path
@@ -88,9 +96,12 @@ def model_copy(tiny_model: Path, tmp_path: Path, *missing: str) -> Path:
 # ---------------------------------------------------------------- validate / submit, no cluster
 
 
-@pytest.mark.parametrize("missing, phrase", [(TOKENIZER_FILES, "no tokenizer in"), (("model.safetensors",), "no weights in")])
+@pytest.mark.parametrize(
+    "missing, phrase", [(TOKENIZER_FILES, "no tokenizer in"), (("model.safetensors",), "no weights in")]
+)
 def test_validate_and_submit_refuse_a_model_directory_the_engines_cannot_load(
-        tiny_model: Path, tmp_path: Path, missing: tuple[str, ...], phrase: str) -> None:
+    tiny_model: Path, tmp_path: Path, missing: tuple[str, ...], phrase: str
+) -> None:
     model = model_copy(tiny_model, tmp_path, *missing)
     spec = spec_file(tmp_path, model, jsonl(tmp_path / "d.jsonl", good_rows(4)))
     line = one_error(plexctl("validate", str(spec)), ExitCode.USAGE)
@@ -112,7 +123,8 @@ def test_every_data_record_is_checked_and_each_bad_one_named_by_its_line(tiny_mo
         f"{spec}:4: data.path: {data}: record 37 (line 37): `prompt` must be a string, got an integer (37)",
         f'{spec}:4: data.path: {data}: record 45 (line 45): `prompt` must be a string, got a list (["a"])',
         f"{spec}:4: data.path: {data}: record 51 (line 51): missing field `prompt` (fields present: `question`, "
-        "`answer`)"]
+        "`answer`)",
+    ]
     proc = plexctl("--state-dir", str(tmp_path / "none"), "submit", str(spec))
     assert proc.returncode == ExitCode.USAGE and "record 37 (line 37)" in proc.stderr
 
@@ -142,16 +154,20 @@ def test_max_tokens_and_the_longest_prompt_must_fit_the_models_context(tiny_mode
     assert plexctl("validate", str(spec)).returncode == 0  # 47 + 17 = 64: the tiny model's whole context
     spec = spec_file(tmp_path, tiny_model, jsonl(tmp_path / "d.jsonl", rows), sampling="{max_tokens: 50}")
     line = one_error(plexctl("validate", str(spec)), ExitCode.USAGE)
-    assert line == (f"{spec}:7: sampling.max_tokens: 50 and the longest prompt (17 tokens, d.jsonl line 12) "
-                    "exceed the context of tiny-arith, 64 tokens (max_position_embeddings in config.json)")
+    assert line == (
+        f"{spec}:7: sampling.max_tokens: 50 and the longest prompt (17 tokens, d.jsonl line 12) "
+        "exceed the context of tiny-arith, 64 tokens (max_position_embeddings in config.json)"
+    )
     line = one_error(plexctl("validate", str(spec), "--set", "sampling.max_tokens=64"), ExitCode.USAGE)
     assert line.startswith("--set: sampling.max_tokens: 64 "), line
 
 
 def test_the_daemon_refuses_max_tokens_its_rollout_engines_cannot_hold(daemon: Daemon, tiny_model: Path) -> None:
     """What a client that skips the CLI, or a cluster started with `up --max-model-len`, meets."""
-    engines = [P.EngineDecl("w0/rollout", "rollout", str(tiny_model), 4, max_model_len=32),
-               P.EngineDecl("w0/trainer", "trainer", str(tiny_model))]
+    engines = [
+        P.EngineDecl("w0/rollout", "rollout", str(tiny_model), 4, max_model_len=32),
+        P.EngineDecl("w0/trainer", "trainer", str(tiny_model)),
+    ]
     daemon.on_register(b"w0", P.Header(msg_id=1), P.RegisterReq("w0", "node", 1, engines, True))
     daemon.sender = current_user()
     spec = spec_to_wire(load_spec(TINY, [f"model.path={tiny_model}", "sampling.max_tokens=32"]))
@@ -216,8 +232,10 @@ def test_a_name_a_queued_job_holds_is_refused_unless_replace(bare: BareCluster) 
     first_id = first.stdout.decode().strip()
     again = bare.run("submit", str(TINY), "--name", "held")
     assert again.returncode == ExitCode.USAGE
-    assert again.stderr.decode().strip() == (f"error: name: your job {first_id} (queued) is named 'held'; cancel it, "
-                                             "choose another name (--name), or replace it (`plexctl submit --replace`)")
+    assert again.stderr.decode().strip() == (
+        f"error: name: your job {first_id} (queued) is named 'held'; cancel it, "
+        "choose another name (--name), or replace it (`plexctl submit --replace`)"
+    )
     replaced = bare.run("submit", str(TINY), "--name", "held", "--replace")
     assert replaced.returncode == 0, replaced.stderr
     out = replaced.stdout.decode().strip()
@@ -231,7 +249,8 @@ def test_a_name_a_queued_job_holds_is_refused_unless_replace(bare: BareCluster) 
 
 
 def test_a_client_that_skips_the_cli_is_held_to_names_and_a_retried_submit_gets_its_job(
-        bare: BareCluster, tiny_model: Path) -> None:
+    bare: BareCluster, tiny_model: Path
+) -> None:
     home = Path(bare.env["PLEXRL_HOME"])
     server = read_endpoint(bare.state_dir).server_key.encode()
     client = Client(bare.daemon.address, keys=auth.user_keys(home, current_user(), server))
@@ -253,8 +272,10 @@ def serve_driver(d: Daemon, job_id: str, timeout: float = 90) -> P.JobInfo:
     """Start the job's real driver and serve it (its messages dispatched here, the replies sent)
     until it exits or asks for a generate; then judge it as the daemon's loop does."""
     recorded = d._send
-    d._send = lambda identity, op, body, in_reply_to=0: (recorded(identity, op, body, in_reply_to),
-                                                        Daemon._send(d, identity, op, body, in_reply_to))
+    d._send = lambda identity, op, body, in_reply_to=0: (
+        recorded(identity, op, body, in_reply_to),
+        Daemon._send(d, identity, op, body, in_reply_to),
+    )
     d._admit(time.time())
     rt = d.runtimes[job_id]
     deadline, exited_at = time.monotonic() + timeout, None
@@ -274,22 +295,39 @@ def serve_driver(d: Daemon, job_id: str, timeout: float = 90) -> P.JobInfo:
 
 
 def submit_here(d: Daemon, spec: Path, check_files: bool = True) -> str:
-    d.on_register(b"w0", P.Header(msg_id=1), P.RegisterReq("w0", "node", 1, [
-        P.EngineDecl("w0/rollout", "rollout", str(load_spec(spec, check_files=False).model.path), 4),
-        P.EngineDecl("w0/trainer", "trainer", str(load_spec(spec, check_files=False).model.path))], True))
+    d.on_register(
+        b"w0",
+        P.Header(msg_id=1),
+        P.RegisterReq(
+            "w0",
+            "node",
+            1,
+            [
+                P.EngineDecl("w0/rollout", "rollout", str(load_spec(spec, check_files=False).model.path), 4),
+                P.EngineDecl("w0/trainer", "trainer", str(load_spec(spec, check_files=False).model.path)),
+            ],
+            True,
+        ),
+    )
     d.sender = current_user()
-    d.on_submit(b"cli", P.Header(msg_id=2), P.SubmitReq("s1", spec_to_wire(load_spec(spec, check_files=check_files)),
-                                                         current_user()))
+    d.on_submit(
+        b"cli",
+        P.Header(msg_id=2),
+        P.SubmitReq("s1", spec_to_wire(load_spec(spec, check_files=check_files)), current_user()),
+    )
     (job,) = d.journal.jobs()
     return job.job_id
 
 
 def test_a_custom_loop_that_runs_no_step_fails_the_job_with_that_reason(
-        daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
-    (tmp_path / "lazy.py").write_text(textwrap.dedent("""
+    daemon: Daemon, tiny_model: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "lazy.py").write_text(
+        textwrap.dedent("""
         def loop(job):
             job.log("nothing to do")
-    """))
+    """)
+    )
     data = jsonl(tmp_path / "d.jsonl", good_rows(4))
     spec = spec_file(tmp_path, tiny_model, data, algo=f"{{loop: 'lazy:loop', path: {tmp_path}, steps: 2}}")
     info = serve_driver(daemon, submit_here(daemon, spec))
@@ -298,7 +336,8 @@ def test_a_custom_loop_that_runs_no_step_fails_the_job_with_that_reason(
 
 
 def test_a_record_no_check_caught_fails_the_job_naming_its_line_before_any_generate(
-        daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
+    daemon: Daemon, tiny_model: Path, tmp_path: Path
+) -> None:
     rows: list[object] = good_rows(5)
     rows[2] = {"prompt": 5, "answer": "5"}
     spec = spec_file(tmp_path, tiny_model, jsonl(tmp_path / "d.jsonl", rows))

@@ -24,20 +24,31 @@ from plexctl.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_jso
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
-METRIC_NAMES = ("plexrl_jobs", "plexrl_engine_utilization", "plexrl_bubble_ratio", "plexrl_swap_bytes_total",
-                "plexrl_swap_seconds_total", "plexrl_task_seconds", "plexrl_call_latency_seconds")
+METRIC_NAMES = (
+    "plexrl_jobs",
+    "plexrl_engine_utilization",
+    "plexrl_bubble_ratio",
+    "plexrl_swap_bytes_total",
+    "plexrl_swap_seconds_total",
+    "plexrl_task_seconds",
+    "plexrl_call_latency_seconds",
+)
 
 
 def test_swap_time_hidden_counts_other_jobs_busy_time_on_any_engine_once():
     """The multiplex benchmark's hidden share: a background move is hidden while another job's
     task runs on some engine; its own job's tasks do not hide it, overlaps count once."""
-    spans = [BusySpan("w0/rollout", "b", "generate", 0.0, 4.0),
-             BusySpan("w1/trainer", "c", "train_step", 3.0, 6.0),  # overlaps b's: 3..4 counted once
-             BusySpan("w0/rollout", "a", "generate", 6.0, 9.0),  # the moved job's own: hides nothing
-             BusySpan("w1/trainer", "b", "train_step", 8.5, 20.0)]
-    moves = [MoveSpan("w1/trainer", "a", "nvme->host", 2.0, 10.0),  # hidden 2..6 and 8.5..10
-             MoveSpan("w1/trainer", "b", "host->nvme", 1.0, 2.0),  # only b busy then: 0
-             MoveSpan("w1/trainer", "a", "nvme->host", 30.0, 31.0)]  # nothing runs: 0
+    spans = [
+        BusySpan("w0/rollout", "b", "generate", 0.0, 4.0),
+        BusySpan("w1/trainer", "c", "train_step", 3.0, 6.0),  # overlaps b's: 3..4 counted once
+        BusySpan("w0/rollout", "a", "generate", 6.0, 9.0),  # the moved job's own: hides nothing
+        BusySpan("w1/trainer", "b", "train_step", 8.5, 20.0),
+    ]
+    moves = [
+        MoveSpan("w1/trainer", "a", "nvme->host", 2.0, 10.0),  # hidden 2..6 and 8.5..10
+        MoveSpan("w1/trainer", "b", "host->nvme", 1.0, 2.0),  # only b busy then: 0
+        MoveSpan("w1/trainer", "a", "nvme->host", 30.0, 31.0),
+    ]  # nothing runs: 0
     assert hidden_by_other_jobs(moves, spans) == pytest.approx(4.0 + 1.5)
     assert hidden_by_other_jobs([], spans) == 0 and hidden_by_other_jobs(moves, []) == 0
     telemetry = Telemetry()
@@ -47,18 +58,47 @@ def test_swap_time_hidden_counts_other_jobs_busy_time_on_any_engine_once():
 
 def made_up_frame() -> TopFrame:
     now = 1000.0
-    job = JobInfo("j0001", "arith", "alice", "running", 30, 40, 0.41, 0.37, None, 30, "w0/rollout,w1/trainer",
-                  900.0, 910.0, None, "", 0, state_tier="w1/trainer:host")
-    engine = EngineInfo("w1/trainer", "w1", "trainer", "m", True, ["j0001"], ["j0001"], 45.0, 120,
-                        tiers={"device": {"unit": "slots", "capacity": 1, "jobs": []},
-                               "host": {"unit": "bytes", "used_bytes": 4096, "jobs": ["j0001"]}},
-                        swaps={"host->device": {"count": 3, "bytes": 3 << 20, "seconds": 0.1}})
+    job = JobInfo(
+        "j0001",
+        "arith",
+        "alice",
+        "running",
+        30,
+        40,
+        0.41,
+        0.37,
+        None,
+        30,
+        "w0/rollout,w1/trainer",
+        900.0,
+        910.0,
+        None,
+        "",
+        0,
+        state_tier="w1/trainer:host",
+    )
+    engine = EngineInfo(
+        "w1/trainer",
+        "w1",
+        "trainer",
+        "m",
+        True,
+        ["j0001"],
+        ["j0001"],
+        45.0,
+        120,
+        tiers={
+            "device": {"unit": "slots", "capacity": 1, "jobs": []},
+            "host": {"unit": "bytes", "used_bytes": 4096, "jobs": ["j0001"]},
+        },
+        swaps={"host->device": {"count": 3, "bytes": 3 << 20, "seconds": 0.1}},
+    )
     hist = JobHistory()
     for step in range(21, 31):
-        hist.add({"time": 900.0 + 3 * step, "step": step, "reward_mean": step / 40, "staleness": 1,
-                  "train/loss": 0.01})
-    rep = StatusRep(jobs=[job], engines=[engine], now=now, policy="spread+backfill", bubble_ratio=0.25,
-                    started_at=now - 90.0)
+        hist.add({"time": 900.0 + 3 * step, "step": step, "reward_mean": step / 40, "staleness": 1, "train/loss": 0.01})
+    rep = StatusRep(
+        jobs=[job], engines=[engine], now=now, policy="spread+backfill", bubble_ratio=0.25, started_at=now - 90.0
+    )
     return TopFrame(rep, {"j0001": hist}, uptime=90.0, busy_delta={"w1/trainer": 0.5})
 
 
@@ -118,8 +158,9 @@ def test_tensorboard_events_mirror_the_metrics_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_job(cluster) -> str:
-    job = cluster.run("submit", TINY, "--set", "algo.steps=6", "--set", "algo.eval_every=0", "--name", "top-me",
-                      "-q", check=True).stdout.strip()
+    job = cluster.run(
+        "submit", TINY, "--set", "algo.steps=6", "--set", "algo.eval_every=0", "--name", "top-me", "-q", check=True
+    ).stdout.strip()
     cluster.run("wait", job, "--timeout", "300", check=True)
     return job
 
@@ -153,8 +194,13 @@ def test_daemon_serves_prometheus_metrics(tmp_path):
     """A bare daemon (no workers) with --metrics-port 0 writes its URL and serves every family."""
     state = tmp_path / "state"
     env = {**os.environ, "PLEXRL_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.main", "--state-dir", str(state), "--metrics-port", "0"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.main", "--state-dir", str(state), "--metrics-port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (state / "metrics.json").exists():
@@ -181,12 +227,19 @@ def test_shell_completion_script():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # the script `--show-completion` prints in bash (which detects the shell from the parent process:
     # under `sh` it refuses), asked for by name
-    proc = subprocess.run([str(plexctl)], capture_output=True, text=True, timeout=60,
-                          env={**env, "_PLEXCTL_COMPLETE": "source_bash"})
+    proc = subprocess.run(
+        [str(plexctl)], capture_output=True, text=True, timeout=60, env={**env, "_PLEXCTL_COMPLETE": "source_bash"}
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "_plexctl_completion()" in proc.stdout and "complete -o default -F _plexctl_completion plexctl" in proc.stdout
+    assert (
+        "_plexctl_completion()" in proc.stdout and "complete -o default -F _plexctl_completion plexctl" in proc.stdout
+    )
     # what bash then asks for: the commands that start with "to"
-    proc = subprocess.run([str(plexctl)], capture_output=True, text=True, timeout=60,
-                          env={**env, "_PLEXCTL_COMPLETE": "complete_bash", "COMP_WORDS": "plexctl to",
-                               "COMP_CWORD": "1"})
+    proc = subprocess.run(
+        [str(plexctl)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "_PLEXCTL_COMPLETE": "complete_bash", "COMP_WORDS": "plexctl to", "COMP_CWORD": "1"},
+    )
     assert "top" in proc.stdout.split()

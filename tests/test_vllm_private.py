@@ -42,8 +42,10 @@ def parameters(fn: Any) -> list[str]:
 
 def assigns(fn: Any, target: str) -> bool:
     """Whether ``fn``'s source assigns ``target`` (an attribute set in ``__init__``, a patch)."""
-    return any(line.strip().startswith(f"{target} =") or line.strip().startswith(f"{target}:")
-               for line in inspect.getsource(fn).splitlines())
+    return any(
+        line.strip().startswith(f"{target} =") or line.strip().startswith(f"{target}:")
+        for line in inspect.getsource(fn).splitlines()
+    )
 
 
 def test_the_environment_variables_the_engine_sets_are_vllms() -> None:
@@ -55,7 +57,8 @@ def test_the_environment_variables_the_engine_sets_are_vllms() -> None:
 def test_the_lora_ranks_are_those_vllm_accepts() -> None:
     ranks = typing.get_args(resolve(*vllm_private.LORA_RANKS_AT))
     assert tuple(ranks) == vllm_private.LORA_RANKS, (
-        f"vLLM {vllm.__version__} accepts max_lora_rank in {ranks}: update LORA_RANKS")
+        f"vLLM {vllm.__version__} accepts max_lora_rank in {ranks}: update LORA_RANKS"
+    )
 
 
 def test_every_engine_keyword_of_both_platforms_is_an_engine_args_field() -> None:
@@ -72,7 +75,8 @@ def test_the_llm_engine_has_the_calls_continuous_batching_uses() -> None:
     for method, (positional, keywords) in vllm_private.ENGINE_METHODS.items():
         have = parameters(resolve("vllm.v1.engine.llm_engine", "LLMEngine", method))
         assert have[: len(positional)] == list(positional) and set(keywords) <= set(have), (
-            f"LLMEngine.{method}{tuple(have)}: the worker passes {positional} by position, {keywords} by keyword")
+            f"LLMEngine.{method}{tuple(have)}: the worker passes {positional} by position, {keywords} by keyword"
+        )
     assert assigns(engine.__init__, "self.renderer"), "LLMEngine no longer has a renderer"
     assert assigns(engine.__init__, "self.engine_core"), "LLMEngine no longer has an engine_core"
 
@@ -100,8 +104,7 @@ def test_flat_logprobs_keep_the_layout_the_engine_reads() -> None:
     steps.append({7: Logprob(-0.5, 1, None), 3: Logprob(-1.0, 2, None)})
     steps.append({9: Logprob(-0.25, 1, None)})
     assert vllm_private.sampled_token_logprobs(steps) == ([7, 9], [-0.5, -0.25])
-    params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     assert params.flat_logprobs and not params.detokenize
 
 
@@ -117,9 +120,13 @@ def test_the_cpu_lora_ops_cpu_lora_ops_replaces_are_where_it_puts_its_own() -> N
         shape = [(p.name if p.default is not p.empty else "", p.default) for p in theirs]
         assert shape == [(p.name if p.default is not p.empty else "", p.default) for p in ours], (
             f"{defining}.{op}{inspect.signature(resolve(defining, op))} "
-            f"!= worker.cpu_lora_ops.{op}{inspect.signature(getattr(cpu_lora_ops, op))}")
-    for sgmv, bgmv in (("sgmv_shrink", "bgmv_shrink"), ("sgmv_expand", "bgmv_expand"),
-                       ("sgmv_expand_slice", "bgmv_expand_slice")):  # prefill reaches ours through globals
+            f"!= worker.cpu_lora_ops.{op}{inspect.signature(getattr(cpu_lora_ops, op))}"
+        )
+    for sgmv, bgmv in (
+        ("sgmv_shrink", "bgmv_shrink"),
+        ("sgmv_expand", "bgmv_expand"),
+        ("sgmv_expand_slice", "bgmv_expand_slice"),
+    ):  # prefill reaches ours through globals
         assert bgmv in resolve(defining, sgmv).__code__.co_names, f"{defining}.{sgmv} no longer calls {bgmv}"
 
 
@@ -127,7 +134,8 @@ def test_the_cpu_worker_still_replaces_torch_set_num_threads() -> None:
     init_device = resolve(*vllm_private.CPU_WORKER_PATCH_AT)
     assert assigns(init_device, "torch.set_num_threads"), (
         "vLLM's CPUWorker.init_device no longer replaces torch.set_num_threads: "
-        "the undo in RolloutEngine._start (undo_cpu_worker_patches) may go")
+        "the undo in RolloutEngine._start (undo_cpu_worker_patches) may go"
+    )
     import torch
 
     assert vllm_private.real_set_num_threads() is torch._C.set_num_threads

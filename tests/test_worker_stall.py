@@ -34,7 +34,7 @@ from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import faults
+import faults  # noqa: E402 - bench/faults.py, found through the path set above
 
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
 
@@ -90,14 +90,17 @@ def running_job(d: Daemon, tiny_model: Path, name: str) -> str:
 
 
 def register(d: Daemon, worker: str, model: Path, pid: int = 1) -> None:
-    engines = [P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
-               P.EngineDecl(f"{worker}/trainer", "trainer", str(model))]
+    engines = [
+        P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
+        P.EngineDecl(f"{worker}/trainer", "trainer", str(model)),
+    ]
     d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", pid, engines, True))
 
 
 def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
-    d.on_call(f"drv:{job_id}".encode(), P.Header(msg_id=msg_id),
-              P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}}))
+    d.on_call(
+        f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}})
+    )
 
 
 def sent_tasks(d: Daemon) -> list[int]:
@@ -180,8 +183,9 @@ def test_the_worker_grace_reaches_the_daemon_of_a_slurm_allocation():
     spec = S.SlurmSpec(name="c", state_dir="/s", model="/m", worker_grace=45)
     cmd = S.node_command(spec)
     assert cmd[cmd.index("--worker-grace") + 1] == "45"
-    assert "--worker-grace" not in S.node_command(S.SlurmSpec(name="c", state_dir="/s", model="/m", join=True,
-                                                              worker_grace=45))
+    assert "--worker-grace" not in S.node_command(
+        S.SlurmSpec(name="c", state_dir="/s", model="/m", join=True, worker_grace=45)
+    )
     assert "--worker-grace" not in S.node_command(S.SlurmSpec(name="c", state_dir="/s", model="/m"))
 
 
@@ -209,8 +213,18 @@ def short_grace_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFacto
 
 def test_a_stall_past_the_worker_grace_is_a_loss_and_the_worker_serves_again_once_back(short_grace_cluster):
     c = short_grace_cluster
-    job = c.run("submit", TINY, "--name", "past-grace", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit",
+        TINY,
+        "--name",
+        "past-grace",
+        "-q",
+        "--set",
+        "algo.steps=12",
+        "--set",
+        "checkpoint.every=4",
+        check=True,
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
     trainer = faults.worker_pid(c.state_dir, "w1")
     os.kill(trainer, signal.SIGSTOP)
@@ -238,8 +252,9 @@ def stall_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def test_a_trainer_stopped_for_longer_than_three_heartbeats_comes_back_and_its_job_goes_on(stall_cluster):
     c = stall_cluster
-    job = c.run("submit", TINY, "--name", "stalled", "-q", "--set", "algo.steps=16", "--set", "checkpoint.every=4",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "stalled", "-q", "--set", "algo.steps=16", "--set", "checkpoint.every=4", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 6, timeout=300, what="6 steps")
     assert "worker suspect" not in kinds(c, job)  # a busy worker heartbeats from its own thread
     trainer = faults.worker_pid(c.state_dir, "w1")
@@ -265,8 +280,9 @@ def test_a_trainer_stopped_for_longer_than_three_heartbeats_comes_back_and_its_j
 
 def test_a_killed_trainer_is_still_lost_at_once(stall_cluster):
     c = stall_cluster
-    job = c.run("submit", TINY, "--name", "killed", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4",
-                check=True).stdout.strip()
+    job = c.run(
+        "submit", TINY, "--name", "killed", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4", check=True
+    ).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
     t0 = time.monotonic()
     faults.kill(faults.worker_pid(c.state_dir, "w1"))

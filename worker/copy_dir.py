@@ -1,15 +1,15 @@
 """The state store's nvme directory: the names of its copy files, and the files it keeps to reuse.
 
 A copy file is named ``copy-<pid>.<host>-<store>-<serial>.bin``: the writing process and a tag
-of its host's name (nodes may share the directory), a random tag of the store, a counter. When a copy leaves nvme (read back, or dropped) its file becomes a
-*spare*, kept to be overwritten in place by a later copy of about its size: no block is
-allocated or freed then, which on most filesystems is what makes a rewrite as fast as the
-disk. ``CopyDirectory`` keeps the spares (oldest first), hands out the one that fits a copy,
-and says which to delete when there are too many or the tier needs their room; the store
-decides when (``worker.state_store``, which holds its lock around every call here) and
-deletes them outside its lock. At start it deletes the copies of processes that are gone (a
-crashed worker's on this host: nothing can read them without it); when the store goes, or at exit, its
-spares are deleted.
+of its host's name (nodes may share the directory), a random tag of the store, a counter. When a
+copy leaves nvme (read back, or dropped) its file becomes a *spare*, kept to be overwritten in
+place by a later copy of about its size: no block is allocated or freed then, which on most
+filesystems is what makes a rewrite as fast as the disk. ``CopyDirectory`` keeps the spares
+(oldest first), hands out the one that fits a copy, and says which to delete when there are too
+many or the tier needs their room; the store decides when (``worker.state_store``, which holds
+its lock around every call here) and deletes them outside its lock. At start it deletes the
+copies of processes that are gone (a crashed worker's on this host: nothing can read them
+without it); when the store goes, or at exit, its spares are deleted.
 """
 
 from __future__ import annotations

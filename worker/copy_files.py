@@ -227,19 +227,39 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
     file, overwritten in place and cut to size. Returns the copy's description, its checksums
     computed as it was written. On failure the file is left as it is: the caller deletes it."""
     spec, buffers = state.spec, state.buffers
-    if type(buffers) is SpecBuffers and buffers.memory is state.memory and buffers.spec is spec and \
-            state.layout is spec.layout and type(state.tensors) is TensorViews and not state.tensors.standalone:
+    if (
+        type(buffers) is SpecBuffers
+        and buffers.memory is state.memory
+        and buffers.spec is spec
+        and state.layout is spec.layout
+        and type(state.tensors) is TensorViews
+        and not state.tensors.standalone
+    ):
         image = buffers.file_image()
         if image is not None:  # an exported or read copy: its memory is the data section, its spec says where
             sums, direct = _write_stream(path, [], image, spec.nbytes, IO_CHUNK_BYTES, reuse)
             # by position (with the caches cold, keywords cost more than the checks above), in the
             # field order: path, nbytes, chunk_bytes, sums, job_id, lora, seed, weight_decay,
             # param_keys, layout, param_groups, state_values, spec, buffers, standalone, laid_out, direct
-            return NvmeCopy(path, spec.nbytes, IO_CHUNK_BYTES, sums, state.job_id, state.lora, state.seed,
-                            state.weight_decay,
-                            spec.param_keys if state.param_keys is spec.param_keys else list(state.param_keys),
-                            spec.layout, list(map(dict, state.param_groups)), dict(state.state_values), spec,
-                            spec.file_buffers, [], True, direct)
+            return NvmeCopy(
+                path,
+                spec.nbytes,
+                IO_CHUNK_BYTES,
+                sums,
+                state.job_id,
+                state.lora,
+                state.seed,
+                state.weight_decay,
+                spec.param_keys if state.param_keys is spec.param_keys else list(state.param_keys),
+                spec.layout,
+                list(map(dict, state.param_groups)),
+                dict(state.state_values),
+                spec,
+                spec.file_buffers,
+                [],
+                True,
+                direct,
+            )
     pieces: list[tuple[str, bool, torch.Tensor]] = [(name, True, state.buffers[name]) for name in state.layout]
     pieces += [(name, False, tensor) for name, tensor in state.standalone().items()]
     pieces.sort(key=lambda piece: -piece[2].element_size())  # stable: JobStateCopy.segments' order
@@ -257,17 +277,31 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
     groups = {group.name: group for group in spec.groups}
     laid_out = len(buffers) == len(groups) and all(
         name in groups and groups[name].offset == begin and groups[name].nbytes == end - begin
-        for name, _, begin, end in buffers)
+        for name, _, begin, end in buffers
+    )
     chunk_bytes = IO_CHUNK_BYTES
     image = _file_image(state, [(name, t) for name, _, t in pieces], offset)
-    sums, direct = _write_stream(path, [t for _, _, t in pieces], host_view(image) if image is not None else None,
-                                 offset, chunk_bytes, reuse)
+    sums, direct = _write_stream(
+        path, [t for _, _, t in pieces], host_view(image) if image is not None else None, offset, chunk_bytes, reuse
+    )
     return NvmeCopy(
-        path=path, nbytes=offset, chunk_bytes=chunk_bytes, sums=sums, job_id=state.job_id, lora=state.lora,
-        seed=state.seed, weight_decay=state.weight_decay, param_keys=list(state.param_keys),
+        path=path,
+        nbytes=offset,
+        chunk_bytes=chunk_bytes,
+        sums=sums,
+        job_id=state.job_id,
+        lora=state.lora,
+        seed=state.seed,
+        weight_decay=state.weight_decay,
+        param_keys=list(state.param_keys),
         layout={name: list(members) for name, members in state.layout.items()},
-        param_groups=[dict(group) for group in state.param_groups], state_values=dict(state.state_values),
-        spec=spec, buffers=buffers, standalone=standalone, laid_out=laid_out, direct=direct,
+        param_groups=[dict(group) for group in state.param_groups],
+        state_values=dict(state.state_values),
+        spec=spec,
+        buffers=buffers,
+        standalone=standalone,
+        laid_out=laid_out,
+        direct=direct,
     )
 
 
@@ -290,8 +324,14 @@ def _file_image(state: JobStateCopy, segments: list[tuple[Any, torch.Tensor]], n
     return memory
 
 
-def _write_stream(path: Path, tensors: list[torch.Tensor], image_view: memoryview | None, total: int,
-                  chunk_bytes: int, reuse: int | None) -> tuple[list[int], bool]:
+def _write_stream(
+    path: Path,
+    tensors: list[torch.Tensor],
+    image_view: memoryview | None,
+    total: int,
+    chunk_bytes: int,
+    reuse: int | None,
+) -> tuple[list[int], bool]:
     """Write the concatenation of ``tensors`` (contiguous host tensors, ``total`` bytes), padded
     with zeros to a whole page, as the file ``path`` (new, or existing with ``reuse`` bytes), fdatasync it (and
     drop it from the page cache when written buffered, so it does not stay in host memory).
@@ -325,8 +365,9 @@ def _write_stream(path: Path, tensors: list[torch.Tensor], image_view: memoryvie
                 if image_view is not None:
                     write = partial(_write_span, fd, image_view[start:])
                 else:  # a bounce buffer is freed by a request in flight: at most WRITE_BOUNCES at once
-                    write = partial(_write_chunk, fd, _bounce_buffers().get(),
-                                    _pieces_between(pieces, ends, start, end))
+                    write = partial(
+                        _write_chunk, fd, _bounce_buffers().get(), _pieces_between(pieces, ends, start, end)
+                    )
                 if start == starts[-1]:  # the last on this thread (a one-chunk copy needs no I/O thread)
                     last.append(write(start, end - start, sum_aside=True))
                 else:
@@ -362,8 +403,9 @@ def _pieces_between(pieces: list[torch.Tensor], ends: list[int], start: int, end
     return parts
 
 
-def _write_chunk(fd: int, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int, nbytes: int,
-                 sum_aside: bool = False) -> int:
+def _write_chunk(
+    fd: int, bounce: torch.Tensor, parts: list[torch.Tensor], offset: int, nbytes: int, sum_aside: bool = False
+) -> int:
     """Gather ``parts`` into the bounce buffer (zeros after them up to a whole page), then
     ``_write_span`` it at ``offset``."""
     try:
@@ -420,8 +462,9 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
         if READ_DIRECT and copy.direct:  # its filesystem took O_DIRECT when it was written
             fd, direct = os.open(copy.path, os.O_RDONLY | os.O_DIRECT), True
         else:
-            fd, direct = _open_copy_file(copy.path, write=False) if READ_DIRECT else (
-                os.open(copy.path, os.O_RDONLY), False)
+            fd, direct = (
+                _open_copy_file(copy.path, write=False) if READ_DIRECT else (os.open(copy.path, os.O_RDONLY), False)
+            )
     except OSError as exc:
         raise CorruptCopyError(f"{_where(copy)}: cannot read it ({exc.strerror or exc})") from None
     buffer = checksums = None
@@ -431,17 +474,22 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
         nbytes, chunk = copy.nbytes, copy.chunk_bytes
         if size != -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN:
             raise CorruptCopyError(
-                f"{_where(copy)}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)")
+                f"{_where(copy)}: the file has {size} bytes, {copy.file_bytes} were written (truncated?)"
+            )
         buffer = pool.take(nbytes)
         view = host_view(buffer)
-        spans = [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)] \
-            if nbytes > chunk else [(0, nbytes)]
+        spans = (
+            [(start, min(start + chunk, nbytes)) for start in _chunk_starts(nbytes, chunk)]
+            if nbytes > chunk
+            else [(0, nbytes)]
+        )
         checksums = _Checksums(view, spans) if len(spans) > 1 else None
         try:
             state = _copy_over(buffer, copy)
         except Exception as exc:  # the writer's or the format's fault
             raise CorruptCopyError(
-                f"{_where(copy)}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+                f"{_where(copy)}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")
+            ) from None
         for index, (start, end) in enumerate(spans[1:], 1):
             request = round_up(end - start, DIRECT_ALIGN) if direct else end - start
             reads[_io_threads().submit(_read_into, fd, [view[start : start + request]], start, end - start)] = index
@@ -542,12 +590,25 @@ def _copy_over(data: torch.Tensor, copy: NvmeCopy) -> JobStateCopy:
     else:
         buffers = {name: data[begin:end].view(dtype) for name, dtype, begin, end in copy.buffers}
         layout = {name: list(members) for name, members in copy.layout.items()}
-    standalone = {name: data[begin:end].view(dtype).view(shape)
-                  for name, dtype, shape, begin, end in copy.standalone} if copy.standalone else None
+    standalone = (
+        {name: data[begin:end].view(dtype).view(shape) for name, dtype, shape, begin, end in copy.standalone}
+        if copy.standalone
+        else None
+    )
     # by position, in the field order (job_id, lora, seed, weight_decay, param_keys, tensors, buffers,
     # layout, param_groups, state_values, memory, spec): with the caches cold, keywords cost a small
     # copy's read a few percent
-    return JobStateCopy(copy.job_id, copy.lora, copy.seed, copy.weight_decay,
-                        spec.param_keys if copy.param_keys is spec.param_keys else list(copy.param_keys),
-                        TensorViews(spec, buffers, standalone), buffers, layout, list(map(dict, copy.param_groups)),
-                        dict(copy.state_values), data, spec)
+    return JobStateCopy(
+        copy.job_id,
+        copy.lora,
+        copy.seed,
+        copy.weight_decay,
+        spec.param_keys if copy.param_keys is spec.param_keys else list(copy.param_keys),
+        TensorViews(spec, buffers, standalone),
+        buffers,
+        layout,
+        list(map(dict, copy.param_groups)),
+        dict(copy.state_values),
+        data,
+        spec,
+    )

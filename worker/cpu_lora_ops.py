@@ -53,8 +53,9 @@ def _stacked(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weights.to(dtype=dtype)
 
 
-def lora_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
+def lora_products(
+    inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Row ``t`` of the result is ``weights[indices[t]] @ inputs[t]`` (zeros where the index is -1)."""
     w = _stacked(weights, dtype)
     slots, out, inn = w.shape
@@ -73,14 +74,24 @@ def lora_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     return mine.masked_fill_(none.unsqueeze(1), 0.0) if any_none else mine
 
 
-def bgmv_shrink(inputs: torch.Tensor, lora_a_weights: torch.Tensor, output_tensor: torch.Tensor,
-                lora_indices_tensor: torch.Tensor, scaling: float = 1.0) -> None:
+def bgmv_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    scaling: float = 1.0,
+) -> None:
     outputs = lora_products(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
-def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                lora_indices_tensor: torch.Tensor, add_inputs: bool = True) -> None:
+def bgmv_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    add_inputs: bool = True,
+) -> None:
     outputs = lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     limit = output_tensor.shape[0]
     if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
@@ -92,14 +103,20 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tenso
         output_tensor[:, :common] = outputs[:limit, :common]
 
 
-def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
-                      lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int,
-                      add_inputs: bool = True) -> None:
+def bgmv_expand_slice(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    slice_offset: int,
+    slice_size: int,
+    add_inputs: bool = True,
+) -> None:
     outputs = lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     if add_inputs:
-        output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
+        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
     else:
-        output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
+        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
 
 
 def install() -> None:

@@ -61,7 +61,7 @@ class EngineArgsPlan:
 
 
 def platform() -> Platform:
-    """"cuda" when torch sees a GPU, else "cpu"."""
+    """ "cuda" when torch sees a GPU, else "cpu"."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,8 +124,11 @@ def rollout_engine_args(
     it (vLLM requires it)."""
     _check_platform(platform)
     check_lora_rank(max_lora_rank)
-    for name, value in (("max_loras", max_loras), ("max_model_len", max_model_len),
-                        ("tensor_parallel_size", tensor_parallel_size)):
+    for name, value in (
+        ("max_loras", max_loras),
+        ("max_model_len", max_model_len),
+        ("tensor_parallel_size", tensor_parallel_size),
+    ):
         if value < 1:
             raise EngineArgsError(f"{name} must be >= 1, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -153,8 +156,12 @@ def rollout_engine_args(
             raise EngineArgsError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
         return EngineArgsPlan(
             platform="cpu",
-            llm_kwargs={**common, "enforce_eager": True, "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
-                        "kv_cache_memory_bytes": int(kv_cache_gib * GiB)},
+            llm_kwargs={
+                **common,
+                "enforce_eager": True,
+                "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
+                "kv_cache_memory_bytes": int(kv_cache_gib * GiB),
+            },
             env_forced={MULTIPROCESSING_ENV: "0"},
             env_defaults=kv_cache_env(kv_cache_gib),
             install_cpu_lora_ops=True,
@@ -163,8 +170,12 @@ def rollout_engine_args(
         )
     return EngineArgsPlan(
         platform="cuda",
-        llm_kwargs={**common, "enforce_eager": False, "gpu_memory_utilization": gpu_memory_utilization,
-                    "tensor_parallel_size": tensor_parallel_size},
+        llm_kwargs={
+            **common,
+            "enforce_eager": False,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": tensor_parallel_size,
+        },
         env_forced={},
         env_defaults={},
         install_cpu_lora_ops=False,

@@ -49,13 +49,13 @@ def resolve_dtype(asked: str, device: str) -> str:
     return asked
 
 
-def engine_options(device: str, dtype: str, micro_batch_tokens: int | None, cuda_available: bool,
-                   visible_devices: str | None) -> EngineOptions:
+def engine_options(
+    device: str, dtype: str, micro_batch_tokens: int | None, cuda_available: bool, visible_devices: str | None
+) -> EngineOptions:
     resolved = resolve_device(device, cuda_available, visible_devices)
     if micro_batch_tokens is not None and micro_batch_tokens < 1:
         raise OptionError(f"--micro-batch-tokens {micro_batch_tokens}: must be at least 1")
-    return EngineOptions(resolved, resolve_dtype(dtype, resolved),
-                         micro_batch_tokens or MICRO_BATCH_TOKENS[resolved])
+    return EngineOptions(resolved, resolve_dtype(dtype, resolved), micro_batch_tokens or MICRO_BATCH_TOKENS[resolved])
 
 
 def visible_device_ids(visible_devices: str | None) -> list[str]:

@@ -58,8 +58,10 @@ class HostMemoryError(TierFullError):
     """No free block of the host arena takes a request (the arena is full, or too fragmented)."""
 
     def __init__(self, nbytes: int, stats: ArenaStats, what: str = "a block") -> None:
-        super().__init__(f"no host memory for {what} ({nbytes} bytes): {stats.in_use} of {stats.capacity} bytes "
-                         f"in use, the largest free block {stats.largest_free} bytes")
+        super().__init__(
+            f"no host memory for {what} ({nbytes} bytes): {stats.in_use} of {stats.capacity} bytes "
+            f"in use, the largest free block {stats.largest_free} bytes"
+        )
         self.nbytes = nbytes
         self.stats = stats
 
@@ -148,8 +150,10 @@ class HostArena:
 
     def __repr__(self) -> str:
         stats = self.stats()
-        return (f"HostArena(capacity={stats.capacity}, in_use={stats.in_use}, largest_free={stats.largest_free}, "
-                f"pinned={self.pinned})")
+        return (
+            f"HostArena(capacity={stats.capacity}, in_use={stats.in_use}, largest_free={stats.largest_free}, "
+            f"pinned={self.pinned})"
+        )
 
     # ------------------------------------------------------------ the free list (callers hold the lock)
 
@@ -201,8 +205,10 @@ class HostArena:
 def _register(address: int, nbytes: int) -> None:
     code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _REGISTER_PORTABLE))
     if code != 0:
-        raise RuntimeError(f"cannot pin the state store's {nbytes} bytes of host memory (cudaHostRegister: "
-                           f"CUDA error {code}); lower --host-mem or its allowances")
+        raise RuntimeError(
+            f"cannot pin the state store's {nbytes} bytes of host memory (cudaHostRegister: "
+            f"CUDA error {code}); lower --host-mem or its allowances"
+        )
 
 
 def _unregister(address: int, mapping: Any) -> None:

@@ -25,8 +25,6 @@ KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
 
 
 @dataclass(frozen=True)
-
-
 class TokenTerms:
     loss: torch.Tensor  # pg + kl_coef * kl, [B, L-1]
     pg: torch.Tensor

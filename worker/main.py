@@ -34,7 +34,9 @@ from __future__ import annotations
 import os
 
 WORKER_SPINCOUNT = "30000"
-os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)  # read once, when torch loads libgomp: before any import of it
+os.environ.setdefault(
+    "GOMP_SPINCOUNT", WORKER_SPINCOUNT
+)  # read once, when torch loads libgomp: before any import of it
 
 import argparse
 import logging
@@ -53,8 +55,8 @@ import msgspec
 import zmq
 
 from plexctl import auth
-from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl import protocol as P
+from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.sizes import parse_bytes
 from worker.engine_args import DEFAULT_MAX_LORA_RANK, adapter_slots
@@ -114,9 +116,16 @@ class Followers:
 class WorkerIO(threading.Thread):
     """Socket I/O, heartbeats and task routing, on its own thread."""
 
-    def __init__(self, endpoint: str, worker_id: str, register: P.RegisterReq,
-                 queues: dict[str, "queue.Queue[P.TaskBody]"], parent_pid: int | None,
-                 endpoint_file: Path | None = None, followers: Followers | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        register: P.RegisterReq,
+        queues: dict[str, "queue.Queue[P.TaskBody]"],
+        parent_pid: int | None,
+        endpoint_file: Path | None = None,
+        followers: Followers | None = None,
+    ) -> None:
         super().__init__(name="plexw-io", daemon=True)
         self.followers = followers or Followers()
         self.dealer: zmq.Socket | None = None  # the socket to the daemon, made on this thread
@@ -176,8 +185,11 @@ class WorkerIO(threading.Thread):
                     send_frames(dealer, P.encode(P.Op.REGISTER, register)[0])
                     last_daemon = now
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                log.warning("the daemon (pid %d) is gone; waiting up to %.0f s for the next one",
-                            self.parent_pid, orphan_grace())
+                log.warning(
+                    "the daemon (pid %d) is gone; waiting up to %.0f s for the next one",
+                    self.parent_pid,
+                    orphan_grace(),
+                )
                 self.parent_pid = 0  # a local worker: it leaves when no daemon is heard for the grace
             if self.parent_pid == 0 and now - heard > orphan_grace():
                 log.error("no daemon heard for %.0f s; exiting", orphan_grace())
@@ -236,8 +248,15 @@ class Outbox:
         self.sock.connect(OUTBOX)
         self.followers = followers
 
-    def result(self, task_id: int, ok: bool, value: Any = None, error: str = "", seconds: float = 0.0,
-               info: dict[str, Any] | None = None) -> None:
+    def result(
+        self,
+        task_id: int,
+        ok: bool,
+        value: Any = None,
+        error: str = "",
+        seconds: float = 0.0,
+        info: dict[str, Any] | None = None,
+    ) -> None:
         body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds, info=info or {})
         waiting = self.followers.task_ended(task_id, ok) if self.followers is not None else []
         send_frames(self.sock, P.encode(P.Op.RESULT, body)[0])
@@ -329,7 +348,8 @@ class TrainerServer:
             "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
             "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
             "restore": lambda t: engine.load_checkpoint(
-                t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])),
+                t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])
+            ),
         }
         self.done: dict[str, tuple[str, Any]] = {}  # job -> (call key, value) of its last stateful call
         self._moves_sent = 0  # the store's background moves already reported
@@ -347,8 +367,9 @@ class TrainerServer:
     @staticmethod
     def _train_step(engine: Any, t: P.TaskBody) -> dict[str, float]:
         """One optimizer step; with ``publish_dir``, the adapter is saved there after it."""
-        metrics = engine.train_step(t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch),
-                                    msgspec.convert(t.args["hp"], P.TrainHParams))
+        metrics = engine.train_step(
+            t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch), msgspec.convert(t.args["hp"], P.TrainHParams)
+        )
         if t.args.get("publish_dir"):
             engine.save_adapter(t.job_id, t.args["publish_dir"])
         return metrics
@@ -367,17 +388,23 @@ class TrainerServer:
                 value = None
             else:
                 store.set_upcoming(list(t.args.get("upcoming", [])))
-                moved = store.ensure_resident(t.job_id, msgspec.convert(t.args["lora"], P.LoraConfig),
-                                              int(t.args["seed"]), float(t.args.get("weight_decay", 0.0)))
+                moved = store.ensure_resident(
+                    t.job_id,
+                    msgspec.convert(t.args["lora"], P.LoraConfig),
+                    int(t.args["seed"]),
+                    float(t.args.get("weight_decay", 0.0)),
+                )
                 value = self.handlers[t.method](t)
                 if t.method == "train_step":
-                    value = {**value, "swap_bytes": float(moved.get("bytes", 0)),
-                             "swap_seconds": float(moved.get("seconds", 0.0)),
-                             "swap_evicted": float(len(moved.get("evicted", [])))}
+                    value = {
+                        **value,
+                        "swap_bytes": float(moved.get("bytes", 0)),
+                        "swap_seconds": float(moved.get("seconds", 0.0)),
+                        "swap_evicted": float(len(moved.get("evicted", []))),
+                    }
         except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
             log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
-            out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0,
-                       info=self._info())
+            out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0, info=self._info())
             return
         if key:
             self.done[t.job_id] = (key, value)
@@ -390,8 +417,9 @@ def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
     return [first, *_take_waiting(tasks, limit - 1)]
 
 
-def rollout_loop(engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int,
-                 followers: Followers | None = None) -> None:
+def rollout_loop(
+    engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int, followers: Followers | None = None
+) -> None:
     """Continuous batching: between engine steps, tasks that arrived join the running batch
     (up to ``capacity`` generate tasks in flight); with nothing in flight, wait for one."""
     server, out = RolloutServer(engine), Outbox(followers)
@@ -421,8 +449,9 @@ def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]", followers: Follow
         server.serve(tasks.get(), out)
 
 
-def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int,
-                followers: Followers | None = None) -> None:
+def shared_loop(
+    engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int, followers: Followers | None = None
+) -> None:
     """Both engines of this worker served from one thread, from one queue: the generates
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
     goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
@@ -436,7 +465,7 @@ def shared_loop(engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capac
         for t in first:
             trainer.serve(t, out)
         for i in range(0, len(gens), capacity):
-            rollout.serve(gens[i:i + capacity], out)
+            rollout.serve(gens[i : i + capacity], out)
         for t in then:
             trainer.serve(t, out)
 
@@ -465,42 +494,82 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--node", default=socket.gethostname(), help="node name shown in status")
     ap.add_argument("--engines", default="rollout,trainer")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--device", default="auto", help="where the engines run: auto (cuda when this process sees a "
-                    "GPU, else cpu), cpu or cuda")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                    help="weight dtype of the engines (auto: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        help="where the engines run: auto (cuda when this process sees a GPU, else cpu), cpu or cuda",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="weight dtype of the engines (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
     ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
-    ap.add_argument("--max-loras", type=int, default=None,
-                    help="adapter slots in the rollout engine (default: 4 on CPU; on CUDA sized for --expected-jobs)")
+    ap.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapter slots in the rollout engine (default: 4 on CPU; on CUDA sized for --expected-jobs)",
+    )
     ap.add_argument("--expected-jobs", type=int, default=16, help="jobs the cluster runs at once (adapter slots)")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank the rollout engine loads")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="share of its GPUs' memory the rollout engine takes (weights, KV cache); CUDA only")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of its GPUs' memory the rollout engine takes (weights, KV cache); CUDA only",
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one rollout engine")
-    ap.add_argument("--micro-batch-tokens", type=int, default=None,
-                    help="padded tokens of one trainer micro-batch (default: by device)")
-    ap.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
-                    help="recompute activations in backward (auto: where the memory plan says it pays)")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="padded tokens of one trainer micro-batch (default: by device)",
+    )
+    ap.add_argument(
+        "--gradient-checkpointing",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="recompute activations in backward (auto: where the memory plan says it pays)",
+    )
     ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="tokens of a sequence the rollout engine holds (default: the model's context, at most 4096)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens of a sequence the rollout engine holds (default: the model's context, at most 4096)",
+    )
     ap.add_argument("--device-slots", type=int, default=4, help="jobs whose trainer state stays on device")
     ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
     ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
     ap.add_argument("--nvme-bytes", type=parse_bytes, default=64 << 30, help="capacity of the NVMe tier")
-    ap.add_argument("--write-behind", type=parse_bytes, default=None,
-                    help="host memory beyond --host-mem for states on their way to NVMe, written after the "
-                         "call that evicted them went on (default: a quarter of --host-mem, at least 1G; "
-                         "0: written before it)")
-    ap.add_argument("--exit-with-parent", action=argparse.BooleanOptionalAction, default=True,
-                    help="exit when the daemon that started this worker is gone and no other adopts it")
-    ap.add_argument("--engine-threads", choices=["auto", "one", "own"], default="auto",
-                    help="a worker with both engines serves them from one thread or each from its own "
-                         "(auto: one on CPU, own with CUDA)")
-    ap.add_argument("--endpoint-file", type=Path, default=None,
-                    help="the cluster's endpoint.json: where a restarted daemon is")
+    ap.add_argument(
+        "--write-behind",
+        type=parse_bytes,
+        default=None,
+        help="host memory beyond --host-mem for states on their way to NVMe, written after the "
+        "call that evicted them went on (default: a quarter of --host-mem, at least 1G; "
+        "0: written before it)",
+    )
+    ap.add_argument(
+        "--exit-with-parent",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit when the daemon that started this worker is gone and no other adopts it",
+    )
+    ap.add_argument(
+        "--engine-threads",
+        choices=["auto", "one", "own"],
+        default="auto",
+        help="a worker with both engines serves them from one thread or each from its own "
+        "(auto: one on CPU, own with CUDA)",
+    )
+    ap.add_argument(
+        "--endpoint-file", type=Path, default=None, help="the cluster's endpoint.json: where a restarted daemon is"
+    )
     return ap
 
 
@@ -513,23 +582,41 @@ def build_engines(args: argparse.Namespace, kinds: list[str], options: EngineOpt
         from worker.trainer import TrainerEngine
 
         nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
-        trainer = TrainerEngine(model, dtype=options.dtype, device=options.device, threads=args.threads,
-                                micro_batch_tokens=options.micro_batch_tokens,
-                                gradient_checkpointing=_checkpointing(args.gradient_checkpointing, options, model))
-        engines["trainer"] = StateStore(trainer, device_slots=args.device_slots, host_bytes=args.host_mem,
-                                        nvme_dir=nvme_dir, nvme_bytes=args.nvme_bytes,
-                                        write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem))
+        trainer = TrainerEngine(
+            model,
+            dtype=options.dtype,
+            device=options.device,
+            threads=args.threads,
+            micro_batch_tokens=options.micro_batch_tokens,
+            gradient_checkpointing=_checkpointing(args.gradient_checkpointing, options, model),
+        )
+        engines["trainer"] = StateStore(
+            trainer,
+            device_slots=args.device_slots,
+            host_bytes=args.host_mem,
+            nvme_dir=nvme_dir,
+            nvme_bytes=args.nvme_bytes,
+            write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem),
+        )
     if "rollout" in kinds:
         from worker.rollout import RolloutEngine, default_max_model_len
 
         max_loras, max_cpu_loras = _adapter_slots(args, options.device)
         engines["rollout"] = RolloutEngine(
-            model, dtype=options.dtype, max_lora_rank=args.max_lora_rank or DEFAULT_MAX_LORA_RANK,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-            max_model_len=args.max_model_len or default_max_model_len(model), platform=options.device,
+            model,
+            dtype=options.dtype,
+            max_lora_rank=args.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            max_model_len=args.max_model_len or default_max_model_len(model),
+            platform=options.device,
             tensor_parallel_size=args.tensor_parallel_size,
-            **({"gpu_memory_utilization": args.gpu_memory_utilization}
-               if args.gpu_memory_utilization is not None else {}))
+            **(
+                {"gpu_memory_utilization": args.gpu_memory_utilization}
+                if args.gpu_memory_utilization is not None
+                else {}
+            ),
+        )
     return engines
 
 
@@ -555,23 +642,52 @@ def main(argv: list[str] | None = None) -> None:
         option_error = ""
     device = options.device if options else "cpu"
     max_lora_rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
-    decls = [P.EngineDecl(f"{args.worker_id}/{k}", k, model, args.rollout_capacity if k == "rollout" else 1,
-                          state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0,
-                          dtype=options.dtype if options else "", device=device,
-                          max_lora_rank=max_lora_rank if k == "rollout" else 0)
-             for k in kinds]
-    register = P.RegisterReq(worker_id=args.worker_id, node=args.node, pid=os.getpid(),
-                             engines=decls, ready=False, mem_bytes=_mem_bytes(), devices=visible_device_ids(visible))
-    log.info("worker %s on %s: engines %s, device %s, CUDA_VISIBLE_DEVICES=%s, scratch %s", args.worker_id,
-             args.node, ",".join(kinds), device, visible if visible is not None else "(unset)", args.scratch)
+    decls = [
+        P.EngineDecl(
+            f"{args.worker_id}/{k}",
+            k,
+            model,
+            args.rollout_capacity if k == "rollout" else 1,
+            state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0,
+            dtype=options.dtype if options else "",
+            device=device,
+            max_lora_rank=max_lora_rank if k == "rollout" else 0,
+        )
+        for k in kinds
+    ]
+    register = P.RegisterReq(
+        worker_id=args.worker_id,
+        node=args.node,
+        pid=os.getpid(),
+        engines=decls,
+        ready=False,
+        mem_bytes=_mem_bytes(),
+        devices=visible_device_ids(visible),
+    )
+    log.info(
+        "worker %s on %s: engines %s, device %s, CUDA_VISIBLE_DEVICES=%s, scratch %s",
+        args.worker_id,
+        args.node,
+        ",".join(kinds),
+        device,
+        visible if visible is not None else "(unset)",
+        args.scratch,
+    )
     shared = args.engine_threads == "one" or (args.engine_threads == "auto" and device != "cuda")
     queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
     if shared and len(decls) == 2:  # one thread serves both engines, from one queue
         queues[decls[1].engine_id] = queues[decls[0].engine_id]
     queues[PREFETCH] = queue.Queue()
     followers = Followers()
-    io = WorkerIO(args.endpoint, args.worker_id, register, queues, os.getppid() if args.exit_with_parent else None,
-                  args.endpoint_file, followers)
+    io = WorkerIO(
+        args.endpoint,
+        args.worker_id,
+        register,
+        queues,
+        os.getppid() if args.exit_with_parent else None,
+        args.endpoint_file,
+        followers,
+    )
     io.start()
     io.bound.wait()
     outbox = Outbox()
@@ -589,12 +705,19 @@ def main(argv: list[str] | None = None) -> None:
     log.info("engines %s ready in %.1f s", ",".join(kinds), time.perf_counter() - t0)
     if "trainer" in engines:
         store, trainer_engine = engines["trainer"], f"{args.worker_id}/trainer"
-        io.resident = lambda: {job: trainer_engine for tier in ("device", "host", "nvme")
-                               for job in store.inventory().get(tier, {}).get("jobs", [])}
+        io.resident = lambda: {
+            job: trainer_engine
+            for tier in ("device", "host", "nvme")
+            for job in store.inventory().get(tier, {}).get("jobs", [])
+        }
     if "rollout" in engines:  # the sequences it holds: the daemon refuses jobs whose max_tokens cannot fit
         held = int(engines["rollout"].plan.llm_kwargs["max_model_len"])
-        register = msgspec.structs.replace(register, engines=[
-            msgspec.structs.replace(d, max_model_len=held) if d.kind == "rollout" else d for d in register.engines])
+        register = msgspec.structs.replace(
+            register,
+            engines=[
+                msgspec.structs.replace(d, max_model_len=held) if d.kind == "rollout" else d for d in register.engines
+            ],
+        )
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 
@@ -602,14 +725,19 @@ def main(argv: list[str] | None = None) -> None:
     trainer_id = f"{args.worker_id}/trainer"
     rollout_id = f"{args.worker_id}/rollout"
     if "trainer" in engines:
-        threading.Thread(target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]),
-                         name="plexw-prefetch", daemon=True).start()
+        threading.Thread(
+            target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]), name="plexw-prefetch", daemon=True
+        ).start()
     if "rollout" in engines and "trainer" in engines and shared:
         shared_loop(engines["rollout"], engines["trainer"], queues[rollout_id], args.rollout_capacity, followers)
     elif "rollout" in engines:
         if "trainer" in engines:
-            threading.Thread(target=trainer_loop, args=(engines["trainer"], queues[trainer_id], followers),
-                             name="plexw-trainer", daemon=True).start()
+            threading.Thread(
+                target=trainer_loop,
+                args=(engines["trainer"], queues[trainer_id], followers),
+                name="plexw-trainer",
+                daemon=True,
+            ).start()
         rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity, followers)
     else:
         trainer_loop(engines["trainer"], queues[trainer_id], followers)
@@ -648,8 +776,9 @@ def _checkpointing(asked: str, options: EngineOptions, model: str) -> bool:
 
     config = model_config(model)
     free = torch.cuda.mem_get_info()[0] - weights_bytes(config, options.dtype)
-    return wants_gradient_checkpointing("cuda", options.micro_batch_tokens, int(config["hidden_size"]),
-                                        int(config["num_hidden_layers"]), max(0, free))
+    return wants_gradient_checkpointing(
+        "cuda", options.micro_batch_tokens, int(config["hidden_size"]), int(config["num_hidden_layers"]), max(0, free)
+    )
 
 
 def _cuda() -> bool:

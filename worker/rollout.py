@@ -323,10 +323,18 @@ class RolloutEngine:
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
         self.plan: EngineArgsPlan = rollout_engine_args(
-            platform or engine_args.platform(), self.model_path, dtype=dtype, max_lora_rank=max_lora_rank,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_model_len=max_model_len, seed=seed,
-            kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size)
+            platform or engine_args.platform(),
+            self.model_path,
+            dtype=dtype,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            max_model_len=max_model_len,
+            seed=seed,
+            kv_cache_gib=kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         self._registry = AdapterRegistry()
         self._counters = {"requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
         self._closed = False
@@ -346,8 +354,11 @@ class RolloutEngine:
         self.warmup_seconds = time.perf_counter() - t1
         log.info(
             "rollout engine for %s ready on %s (%s): start %.1f s, warm-up %.1f s",
-            self.model_path, self.plan.platform, "in-process" if self.plan.in_process else "own process",
-            self.startup_seconds, self.warmup_seconds,
+            self.model_path,
+            self.plan.platform,
+            "in-process" if self.plan.in_process else "own process",
+            self.startup_seconds,
+            self.warmup_seconds,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -447,8 +458,7 @@ class RolloutEngine:
                 with self._engine_threads():
                     inputs = vllm_private.render_prompts(self._llm, request.prompts)
                     for pi, (rid, prompt) in enumerate(zip(ids, inputs)):
-                        self._engine.add_request(rid, prompt, sampling_params(request.sampling, pi),
-                                                 lora_request=lora)
+                        self._engine.add_request(rid, prompt, sampling_params(request.sampling, pi), lora_request=lora)
                         added.append(rid)
             except Exception as e:
                 if added:  # all of a request's prompts run, or none
@@ -457,8 +467,9 @@ class RolloutEngine:
                     raise RequestError(str(e)) from e
                 raise
             # vLLM's outputs carry these ids, and it aborts by them (with all n samples of a prompt)
-            self._pending[key] = _InFlight(request, lora.lora_int_id if lora is not None else None,
-                                           {rid: pi for pi, rid in enumerate(ids)}, {})
+            self._pending[key] = _InFlight(
+                request, lora.lora_int_id if lora is not None else None, {rid: pi for pi, rid in enumerate(ids)}, {}
+            )
             for rid in ids:
                 self._owner[rid] = key
 
@@ -480,8 +491,11 @@ class RolloutEngine:
                 flight.outputs[flight.prompt_of[output.request_id]] = output
                 if len(flight.outputs) == len(flight.prompt_of):
                     del self._pending[key]
-                    completions = [c for pi in range(len(flight.prompt_of))
-                                   for c in to_completions(flight.outputs[pi], pi, self._tokenizer)]
+                    completions = [
+                        c
+                        for pi in range(len(flight.prompt_of))
+                        for c in to_completions(flight.outputs[pi], pi, self._tokenizer)
+                    ]
                     self._count(flight.request, completions)
                     if flight.request.adapter is not None:
                         self._retire_stale_versions({flight.request.adapter.job_id})

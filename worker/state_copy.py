@@ -36,8 +36,6 @@ POOL_ARENA_BYTES = 1 << 30  # the arena of a host pool made without one (mapped 
 
 
 @dataclass(frozen=True, eq=False)
-
-
 class StateGroup:
     """One flat buffer of a job's state: tensors of one dtype back to back, ``offset`` bytes
     into a copy's memory."""
@@ -61,21 +59,31 @@ class StateSpec:
         self.key = key
         offsets, self.nbytes = _packed_offsets(
             [sum(math.prod(shape) for _, shape in members) * dtype.itemsize for _, dtype, members in key],
-            [dtype.itemsize for _, dtype, _ in key])
+            [dtype.itemsize for _, dtype, _ in key],
+        )
         self.groups = tuple(
-            StateGroup(name, dtype, tuple(n for n, _ in members), tuple(s for _, s in members),
-                       tuple(math.prod(s) for _, s in members), offset,
-                       sum(math.prod(s) for _, s in members) * dtype.itemsize)
-            for (name, dtype, members), offset in zip(key, offsets))
+            StateGroup(
+                name,
+                dtype,
+                tuple(n for n, _ in members),
+                tuple(s for _, s in members),
+                tuple(math.prod(s) for _, s in members),
+                offset,
+                sum(math.prod(s) for _, s in members) * dtype.itemsize,
+            )
+            for (name, dtype, members), offset in zip(key, offsets)
+        )
         self.layout = {group.name: list(group.names) for group in self.groups}  # read-only
         self.entries = {n: (group.dtype, s) for group in self.groups for n, s in zip(group.names, group.shapes)}
-        self.param_keys = [n[len(ADAPTER_PREFIX):] for group in self.groups if group.name.startswith("adapter.")
-                           for n in group.names]
+        self.param_keys = [
+            n[len(ADAPTER_PREFIX) :] for group in self.groups if group.name.startswith("adapter.") for n in group.names
+        ]
         self.param_indices = list(range(len(self.param_keys)))  # a copy's param group "params" (read-only)
         self.rng_bytes = sum(group.nbytes for group in self.groups if group.name.startswith("rng."))
         # (name, dtype, begin, end) of each group in storage order: an nvme copy's buffers (read-only)
-        self.file_buffers = [(g.name, g.dtype, g.offset, g.offset + g.nbytes)
-                             for g in sorted(self.groups, key=lambda g: g.offset)]
+        self.file_buffers = [
+            (g.name, g.dtype, g.offset, g.offset + g.nbytes) for g in sorted(self.groups, key=lambda g: g.offset)
+        ]
 
 
 _SPECS: dict[tuple, StateSpec] = {}  # interned, oldest first
@@ -101,8 +109,9 @@ class TensorViews(Mapping[str, torch.Tensor]):
 
     __slots__ = ("spec", "buffers", "standalone", "_views")
 
-    def __init__(self, spec: StateSpec, buffers: Mapping[str, torch.Tensor],
-                 standalone: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, spec: StateSpec, buffers: Mapping[str, torch.Tensor], standalone: dict[str, torch.Tensor] | None = None
+    ) -> None:
         self.spec = spec
         self.buffers = buffers
         self.standalone = standalone or {}
@@ -155,9 +164,15 @@ class SpecBuffers(Mapping[str, torch.Tensor]):
         image = self._image
         if image is False:
             memory = self.memory
-            image = self._image = host_view(memory) if (
-                memory.device.type == "cpu" and not memory.data_ptr() % PAGE_BYTES
-                and memory.numel() >= -(-self.spec.nbytes // PAGE_BYTES) * PAGE_BYTES) else None
+            image = self._image = (
+                host_view(memory)
+                if (
+                    memory.device.type == "cpu"
+                    and not memory.data_ptr() % PAGE_BYTES
+                    and memory.numel() >= -(-self.spec.nbytes // PAGE_BYTES) * PAGE_BYTES
+                )
+                else None
+            )
         return image
 
     def _all(self) -> dict[str, torch.Tensor]:
@@ -176,8 +191,6 @@ class SpecBuffers(Mapping[str, torch.Tensor]):
 
 
 @dataclass(slots=True)
-
-
 class JobStateCopy:
     """A detached host copy of one job's trainer state, as ``export_state`` returns it.
 
@@ -211,7 +224,8 @@ class JobStateCopy:
         if isinstance(self.buffers, SpecBuffers):
             return self.buffers.spec.nbytes + sum(_tensor_bytes(t) for t in self.standalone().values())
         return sum(_tensor_bytes(b) for b in self.buffers.values()) + sum(
-            _tensor_bytes(t) for t in self.standalone().values())
+            _tensor_bytes(t) for t in self.standalone().values()
+        )
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter weights under their PEFT-file keys (views into the copy)."""
@@ -295,8 +309,13 @@ class BufferPool:
     a good part of what a small state's swap adds to its copy.
     """
 
-    def __init__(self, arena: HostArena | None = None, keep: int = POOL_KEEP, device: str | torch.device = "cpu",
-                 oversize: float = 2.0) -> None:
+    def __init__(
+        self,
+        arena: HostArena | None = None,
+        keep: int = POOL_KEEP,
+        device: str | torch.device = "cpu",
+        oversize: float = 2.0,
+    ) -> None:
         self.device = torch.device(device)
         self.arena: HostArena | None = None  # device buffers come from torch
         if self.device.type == "cpu":
@@ -421,8 +440,11 @@ def check_copy_fits(copy: JobStateCopy, spec: StateSpec) -> None:
             raise StateCopyError(f"state copy of job {copy.job_id!r}: buffer {group.name!r} does not fit")
     if copy.param_keys is not spec.param_keys and copy.param_keys != spec.param_keys:
         raise StateCopyError(f"state copy of job {copy.job_id!r}: adapter keys do not match the job's adapter")
-    if copy.state_values or len(copy.param_groups) != 1 or \
-            list(copy.param_groups[0].get("params", ())) != list(range(len(spec.param_keys))):
+    if (
+        copy.state_values
+        or len(copy.param_groups) != 1
+        or list(copy.param_groups[0].get("params", ())) != list(range(len(spec.param_keys)))
+    ):
         raise StateCopyError(f"state copy of job {copy.job_id!r}: optimizer state does not fit")
 
 
@@ -432,8 +454,12 @@ def spec_of(copy: JobStateCopy) -> StateSpec:
     spec = copy.spec
     if spec is not None and list(spec.layout.items()) == list(copy.layout.items()):
         return spec
-    return state_spec([(name, copy.buffers[name].dtype, [(n, copy.entry(n)[1]) for n in members])
-                       for name, members in copy.layout.items()])
+    return state_spec(
+        [
+            (name, copy.buffers[name].dtype, [(n, copy.entry(n)[1]) for n in members])
+            for name, members in copy.layout.items()
+        ]
+    )
 
 
 def _check_copy_layout(state: JobStateCopy) -> None:

@@ -196,8 +196,14 @@ class _SwapStats:
             self.overlap_s += min(overlap_s, seconds)
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "bytes": self.bytes, "seconds": self.seconds, "critical_s": self.critical_s,
-                "overlap_s": self.overlap_s, "stalled_s": self.stalled_s}
+        return {
+            "count": self.count,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "critical_s": self.critical_s,
+            "overlap_s": self.overlap_s,
+            "stalled_s": self.stalled_s,
+        }
 
 
 class BackgroundMove(NamedTuple):
@@ -286,8 +292,10 @@ class StateStore:
         self._behind_bytes = 0  # bytes of copies handed to the write-behind thread, not yet written
         self._writer: ThreadPoolExecutor | None = None  # the write-behind thread, made on first use
         self._handoffs = itertools.count(1)  # numbers the copies handed to the write-behind thread
-        self.arena = HostArena(self.host_bytes + self.host_spill_bytes + self.write_behind_bytes + self.transit_bytes,
-                               pinned=_on_cuda(trainer))
+        self.arena = HostArena(
+            self.host_bytes + self.host_spill_bytes + self.write_behind_bytes + self.transit_bytes,
+            pinned=_on_cuda(trainer),
+        )
         # host copies, exported or read from nvme: blocks of exactly their pages (none sits on a larger one)
         self._pool = HostBufferPool(self.arena, oversize=1.0)
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
@@ -419,7 +427,7 @@ class StateStore:
         logged: the next call's ``since``."""
         with self._cond:
             new = self._background_seq - max(0, since)
-            return self._background_seq, list(self._background)[max(0, len(self._background) - new):]
+            return self._background_seq, list(self._background)[max(0, len(self._background) - new) :]
 
     def swap_stats(self, direction: str) -> dict[str, Any]:
         """One direction's swap counters (``inventory()["swaps"][direction]``), without building
@@ -435,15 +443,25 @@ class StateStore:
             tiers = {
                 DEVICE: {"capacity": self.device_slots, "unit": "slots"},
                 HOST: {"capacity": self.host_bytes, "unit": "bytes"},
-                NVME: {"capacity": self.nvme_bytes, "unit": "bytes", "dir": str(self.nvme_dir or "") or None,
-                       "nospace": self._nvme_nospace, "full": self._nvme_full(), "error": self._nvme_error or None},
+                NVME: {
+                    "capacity": self.nvme_bytes,
+                    "unit": "bytes",
+                    "dir": str(self.nvme_dir or "") or None,
+                    "nospace": self._nvme_nospace,
+                    "full": self._nvme_full(),
+                    "error": self._nvme_error or None,
+                },
             }
             for tier, info in tiers.items():
                 info["used_bytes"] = self._used(tier)
                 info["jobs"] = sorted(r.job_id for r in self._records.values() if r.tier == tier)
             arena = self.arena.stats()
-            tiers[HOST]["arena"] = {"capacity": arena.capacity, "in_use": arena.in_use,
-                                    "largest_free": arena.largest_free, "pinned": self.arena.pinned}
+            tiers[HOST]["arena"] = {
+                "capacity": arena.capacity,
+                "in_use": arena.in_use,
+                "largest_free": arena.largest_free,
+                "pinned": self.arena.pinned,
+            }
             in_flight = {
                 r.job_id: f"{r.tier}->{r.moving_to}"
                 for r in self._records.values()
@@ -462,8 +480,9 @@ class StateStore:
 
     # ------------------------------------------------------------ swapping in
 
-    def _take_incoming(self, record: _Record | None,
-                       moves: _Moves) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
+    def _take_incoming(
+        self, record: _Record | None, moves: _Moves
+    ) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
         """The copy to import (read and verified if on nvme), the seconds the read took, and
         the pool buffer under the copy (to give back once imported), if any."""
         if record is None:
@@ -587,8 +606,15 @@ class StateStore:
         writes = sum(r.nbytes for r in placement.demote) + (nbytes if placement.tier == NVME else 0)
         return writes if 0 < writes <= self.write_behind_bytes - self._behind_bytes else 0
 
-    def _evict_behind(self, victim: _Record, state: JobStateCopy, placement: _Placement, export_seconds: float,
-                      behind: int, moves: _Moves) -> None:
+    def _evict_behind(
+        self,
+        victim: _Record,
+        state: JobStateCopy,
+        placement: _Placement,
+        export_seconds: float,
+        behind: int,
+        moves: _Moves,
+    ) -> None:
         """The eviction with its nvme writes left to the write-behind thread: the victim lands
         in host memory (still marked for nvme if it goes there), the host copies marked for
         demotion stay there, and the thread writes them down after this returns."""
@@ -633,8 +659,11 @@ class StateStore:
                     self._unmark_behind(handoffs[i:])
                     return
                 except Exception:  # noqa: BLE001 - the copies stay on host; the next eviction tries again
-                    log.warning("write-behind of %s's state to nvme failed; it stays in host memory",
-                                record.job_id, exc_info=True)
+                    log.warning(
+                        "write-behind of %s's state to nvme failed; it stays in host memory",
+                        record.job_id,
+                        exc_info=True,
+                    )
                     self._unmark_behind(handoffs[i:])
                     return
         finally:
@@ -663,23 +692,24 @@ class StateStore:
             except HostMemoryError as exc:
                 short = exc
             with self._cond:
-                settled = [r for r in self._records.values()
-                           if r.tier == HOST and r.moving_to is None and self._nvme_fits(r.nbytes)]
+                settled = [
+                    r
+                    for r in self._records.values()
+                    if r.tier == HOST and r.moving_to is None and self._nvme_fits(r.nbytes)
+                ]
                 demoted = min(settled, key=self._least_soon_first, default=None)
                 if demoted is None:
                     if self._behind_bytes or any(r.moving_to in (HOST, NVME) for r in self._records.values()):
                         self._cond.wait()  # copies landing on nvme free their blocks
                         continue
-                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") \
-                        from None
+                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") from None
                 demoted.moving_to = NVME
             try:
                 self._demote(demoted)
             except BaseException as exc:
                 self._unmark([demoted])
                 if isinstance(exc, _NoSpace):
-                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") \
-                        from None
+                    raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") from None
                 raise
             moves.demoted.append(demoted.job_id)
             moves.bytes += demoted.nbytes
@@ -975,19 +1005,25 @@ class StateStore:
             doomed = self._files.trim(full=True, room=0) if self._files is not None else []
         unlink_all(doomed)
         free = free_bytes(self.nvme_dir) if self.nvme_dir is not None else None
-        error = (f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}"
-                 + (f", {free} bytes free" if free is not None else ""))
+        error = f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}" + (
+            f", {free} bytes free" if free is not None else ""
+        )
         with self._cond:
             was_full = self._nvme_full()
             self._nvme_nospace += 1
             self._nvme_full_at = self._clock()
-            self._nvme_room = sum(r.nbytes for r in self._records.values()
-                                  if r.tier == NVME and r.moving_to != _DROPPING)
+            self._nvme_room = sum(
+                r.nbytes for r in self._records.values() if r.tier == NVME and r.moving_to != _DROPPING
+            )
             self._nvme_error = error
         if not was_full:
-            log.warning("nvme tier full: %s; copies stay in host memory (up to %d bytes over its budget) or on the "
-                        "device, nvme takes only what the store frees for %.0f s", error, self.host_spill_bytes,
-                        NVME_FULL_RETRY_S)
+            log.warning(
+                "nvme tier full: %s; copies stay in host memory (up to %d bytes over its budget) or on the "
+                "device, nvme takes only what the store frees for %.0f s",
+                error,
+                self.host_spill_bytes,
+                NVME_FULL_RETRY_S,
+            )
 
     def _read_nvme(self, record: _Record) -> tuple[JobStateCopy, torch.Tensor]:
         """The verified copy and the pool buffer holding it."""

@@ -200,9 +200,7 @@ def make_model(vocab_size: int) -> Any:
     )
     torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-    )
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     return model
 
 
@@ -248,9 +246,7 @@ def expected_accuracy(model: Any, batch: SftBatch) -> float:
 
 
 @torch.no_grad()
-def sampled_accuracy(
-    model: Any, tokenizer: Any, problems: list[Problem], samples: int, seed: int = SEED
-) -> float:
+def sampled_accuracy(model: Any, tokenizer: Any, problems: list[Problem], samples: int, seed: int = SEED) -> float:
     """Monte-Carlo exact-answer accuracy at temperature 1.0 with a fixed generator."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [p.prompt for p in problems for _ in range(samples)]
@@ -406,6 +402,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def build(root: Path) -> TinyPaths:
     """Build everything into temp dirs beside the targets, then rename into place."""
+
     def fill(model_tmp: Path, data_tmp: Path) -> dict[str, Any]:
         write_data(data_tmp)
         with torch_threads(1):
@@ -440,8 +437,9 @@ def build_atomically(model_dir: Path, data_dir: Path, fill: Callable[[Path, Path
     return info
 
 
-def cached_build(root: Path, force: bool, recipe: str, read_cached: Callable[[Path], Any],
-                 build: Callable[[Path], Any]) -> Any:
+def cached_build(
+    root: Path, force: bool, recipe: str, read_cached: Callable[[Path], Any], build: Callable[[Path], Any]
+) -> Any:
     """The cached build under ``root`` if its recipe matches, else build it under the recipe's
     build lock."""
     root = Path(root).resolve()
@@ -656,8 +654,11 @@ class ToolMeter:
         direct = answer_logprobs(model, self.direct).exp()
         first = torch.softmax(model(input_ids=self.prompts).logits[:, -1].float(), dim=-1)[:, self.call_first_id]
         share = float(first.mean())
-        return ToolMeasure(expected_reward=float((tool_path + direct).mean()), tool_share=share,
-                           tool_accuracy=float(tool_path.mean()) / max(share, 1e-12))
+        return ToolMeasure(
+            expected_reward=float((tool_path + direct).mean()),
+            tool_share=share,
+            tool_accuracy=float(tool_path.mean()) / max(share, 1e-12),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,8 +669,9 @@ class ToolWarmStart:
     sampled_tool_calls: float
 
 
-def tool_warm_start(model: Any, tokenizer: Any, train: list[dict[str, str]],
-                    evals: list[dict[str, str]]) -> ToolWarmStart:
+def tool_warm_start(
+    model: Any, tokenizer: Any, train: list[dict[str, str]], evals: list[dict[str, str]]
+) -> ToolWarmStart:
     """Supervised steps (see ``training_rows``) until the tool path is accurate enough."""
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
@@ -712,8 +714,7 @@ def sft_step(model: Any, tokenizer: Any, opt: torch.optim.Optimizer, rows: list[
 
 
 @torch.no_grad()
-def sample_turns(model: Any, tokenizer: Any, prompts: list[str], max_tokens: int,
-                 gen: torch.Generator) -> list[str]:
+def sample_turns(model: Any, tokenizer: Any, prompts: list[str], max_tokens: int, gen: torch.Generator) -> list[str]:
     """One temperature-1.0 turn per prompt: tokens until <eos> or ``max_tokens``, as text."""
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -737,8 +738,9 @@ def sample_turns(model: Any, tokenizer: Any, prompts: list[str], max_tokens: int
     return [tokenizer.decode(toks, skip_special_tokens=True) for toks in out]
 
 
-def sampled_tool_reward(model: Any, tokenizer: Any, records: list[dict[str, str]], samples: int,
-                        seed: int = SEED) -> tuple[float, float]:
+def sampled_tool_reward(
+    model: Any, tokenizer: Any, records: list[dict[str, str]], samples: int, seed: int = SEED
+) -> tuple[float, float]:
     """(mean reward, tool calls per episode) of sampled episodes through the real ``python_tool``
     environment (the calculator in its sandbox), turn by turn as the episode runner does (without
     its token budget: three turns of at most 12 tokens stay inside the model's 64 positions)."""
@@ -791,12 +793,19 @@ def read_cached_tool(root: Path) -> ToolPaths | None:
 def tool_paths_from_marker(root: Path, info: dict[str, Any]) -> ToolPaths:
     model_dir, data_dir = tool_paths(root)
     return ToolPaths(
-        root=root, model_dir=model_dir, data_dir=data_dir,
-        train_path=data_dir / "train.jsonl", eval_path=data_dir / "eval.jsonl",
-        recipe_hash=info["recipe_hash"], expected_reward=info["expected_reward"],
-        tool_share=info["tool_share"], tool_accuracy=info["tool_accuracy"],
-        sampled_reward=info["sampled_reward"], sampled_tool_calls=info["sampled_tool_calls"],
-        sft_steps=info["sft_steps"], build_seconds=info["build_seconds"],
+        root=root,
+        model_dir=model_dir,
+        data_dir=data_dir,
+        train_path=data_dir / "train.jsonl",
+        eval_path=data_dir / "eval.jsonl",
+        recipe_hash=info["recipe_hash"],
+        expected_reward=info["expected_reward"],
+        tool_share=info["tool_share"],
+        tool_accuracy=info["tool_accuracy"],
+        sampled_reward=info["sampled_reward"],
+        sampled_tool_calls=info["sampled_tool_calls"],
+        sft_steps=info["sft_steps"],
+        build_seconds=info["build_seconds"],
     )
 
 
@@ -852,8 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--root", type=Path, default=Path(".plexrl"), help="default: ./.plexrl")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("--only", choices=[MODEL_NAME, TOOL_MODEL_NAME], default=None,
-                        help="build this recipe alone (default: both)")
+    parser.add_argument(
+        "--only", choices=[MODEL_NAME, TOOL_MODEL_NAME], default=None, help="build this recipe alone (default: both)"
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     if args.only != TOOL_MODEL_NAME:

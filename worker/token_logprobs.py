@@ -44,8 +44,10 @@ def check_plain_head(config: Any) -> None:
     for name in _POST_PROCESSED_LOGITS:
         value = getattr(config, name, None)
         if value is not None and value != 1:
-            raise ValueError(f"{type(config).__name__} post-processes its logits ({name}={value}); "
-                             "the trainer's chunked log-probs do not support that")
+            raise ValueError(
+                f"{type(config).__name__} post-processes its logits ({name}={value}); "
+                "the trainer's chunked log-probs do not support that"
+            )
 
 
 def token_logprobs(
@@ -129,8 +131,12 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, states: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-        bias: torch.Tensor | None, entropy: bool,
+        ctx: Any,
+        states: torch.Tensor,
+        targets: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logp = torch.log_softmax(torch.nn.functional.linear(states, weight, bias).float(), dim=-1)
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -36,8 +36,6 @@ class Rows:
     lengths: list[int]
 
 
-
-
 def check_token_rows(input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
     if not input_ids:
         raise BatchError("batch has no rows")

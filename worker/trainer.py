@@ -8,7 +8,8 @@ truncated importance sampling for stale samples (``pg-tis``), optional k3 KL to 
 token-, sequence- or Dr. GRPO constant-length aggregation, gradient clipping. A trusted user's
 own per-token loss (``loss_fn``, ``module:function``) is imported here, and only when the
 daemon has marked the call's job as submitted by a user it trusts. It also computes
-current-policy log-probs, writes adapters in the exact PEFT layout that vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load, and
+current-policy log-probs, writes adapters in the exact PEFT layout that vLLM's ``LoRARequest``
+and ``peft.PeftModel.from_pretrained`` load, and
 writes / verifies / restores durable checkpoints (adapter + optimizer + the driver's
 ``extra``, with a sha256 manifest), atomically. A write that runs out of disk space or quota
 (ENOSPC, EDQUOT) removes its temp dir, leaves the previous checkpoint as it was and raises
@@ -213,8 +214,11 @@ class _Slot:
         in its memory as ``spec`` lays them out, else one per buffer; on CUDA on ``stream``
         (from pinned memory without blocking); complete on return."""
         memory = copy.memory
-        if memory is not None and (isinstance(copy.buffers, SpecBuffers) and copy.buffers.memory is memory or all(
-                copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)):
+        if memory is not None and (
+            isinstance(copy.buffers, SpecBuffers)
+            and copy.buffers.memory is memory
+            or all(copy.buffers[g.name].data_ptr() == memory.data_ptr() + g.offset for g in self.spec.groups)
+        ):
             pairs = [(span, memory[start:end]) for span, start, end in self.runs]
         else:
             pairs = [(self.spans[g.name], copy.buffers[g.name]) for g in self.spec.groups]
@@ -316,8 +320,9 @@ class TrainerEngine:
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device, gradient_checkpointing)
         # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
-        self._checkpointed_layers = [m for m in self._base.modules()
-                                     if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        self._checkpointed_layers = [
+            m for m in self._base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+        ]
         self._peft: PeftModel | None = None  # created with the first job's adapter
         self._jobs: dict[str, _JobState] = {}
         self._cuda = self.device.type == "cuda"
@@ -338,8 +343,7 @@ class TrainerEngine:
         if existing is not None:
             if lora_signature(existing.lora) != lora_signature(lora):
                 raise JobConfigError(
-                    f"job {job_id!r} is resident with LoRA {lora_signature(existing.lora)}, "
-                    f"not {lora_signature(lora)}"
+                    f"job {job_id!r} is resident with LoRA {lora_signature(existing.lora)}, not {lora_signature(lora)}"
                 )
             return
         adapter_name = self._new_adapter_name()
@@ -428,9 +432,20 @@ class TrainerEngine:
         # by position, in the field order (job_id, lora, seed, weight_decay, param_keys, tensors,
         # buffers, layout, param_groups, state_values, memory, spec): with cold caches, keywords
         # cost a fifth of the copy; the spec's lists are read-only, as a copy's are
-        return JobStateCopy(job.job_id, job.lora, job.seed, float(group["weight_decay"]), spec.param_keys,
-                            views[2], views[1], spec.layout, [{**group, "params": spec.param_indices}], {},
-                            memory, spec)
+        return JobStateCopy(
+            job.job_id,
+            job.lora,
+            job.seed,
+            float(group["weight_decay"]),
+            spec.param_keys,
+            views[2],
+            views[1],
+            spec.layout,
+            [{**group, "params": spec.param_indices}],
+            {},
+            memory,
+            spec,
+        )
 
     def import_state(self, job_id: str, copy: JobStateCopy) -> None:
         """Recreate the job's adapter, AdamW state and RNG exactly from ``copy``.
@@ -454,8 +469,13 @@ class TrainerEngine:
             elif parked is not None:
                 self.slabs.reused += 1
             memory = copy.memory
-            if slot.whole and memory is not None and type(copy.buffers) is SpecBuffers and \
-                    copy.buffers.memory is memory and memory.numel() == slot.numel:
+            if (
+                slot.whole
+                and memory is not None
+                and type(copy.buffers) is SpecBuffers
+                and copy.buffers.memory is memory
+                and memory.numel() == slot.numel
+            ):
                 slot.device.copy_(memory)  # the pages' tail beyond the state is padding on both sides
             else:
                 slot.copy_from(copy, self._copy_stream())
@@ -532,8 +552,12 @@ class TrainerEngine:
         the rollout engine serves in); a checkpoint keeps them as trained, in float32."""
         job = self._job(job_id)
         weights = self._adapter_weights(job, self._torch_dtype)
-        write_dir_atomically(Path(out_dir), lambda tmp: self._write_adapter_files(job, tmp, weights),
-                             what=f"adapter of job {job_id!r}", nbytes=len(weights))
+        write_dir_atomically(
+            Path(out_dir),
+            lambda tmp: self._write_adapter_files(job, tmp, weights),
+            what=f"adapter of job {job_id!r}",
+            nbytes=len(weights),
+        )
 
     def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
         """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically.
@@ -544,8 +568,12 @@ class TrainerEngine:
         payload = self._checkpoint_payload(job, extra)
         step = extra.get("step") if isinstance(extra, dict) else None
         what = f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
-        return write_dir_atomically(Path(out_dir), lambda tmp: self._write_checkpoint_files(job, tmp, payload),
-                                    what=what, nbytes=sum(len(data) for data in payload.values()))
+        return write_dir_atomically(
+            Path(out_dir),
+            lambda tmp: self._write_checkpoint_files(job, tmp, payload),
+            what=what,
+            nbytes=sum(len(data) for data in payload.values()),
+        )
 
     def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
@@ -698,7 +726,8 @@ class TrainerEngine:
             shape = tuple(param.shape)
             adapter.setdefault(param.dtype, []).append((ADAPTER_PREFIX + key, shape))
             optim.setdefault(param.dtype, []).extend(
-                (f"{OPTIM_PREFIX}{key}/{name}", shape) for name in ("exp_avg", "exp_avg_sq"))
+                (f"{OPTIM_PREFIX}{key}/{name}", shape) for name in ("exp_avg", "exp_avg_sq")
+            )
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's
         groups = [(f"adapter.{dtype_name(d)}", d, members) for d, members in adapter.items()]
         groups += [(f"optim.{dtype_name(d)}", d, members) for d, members in optim.items()]
@@ -740,8 +769,11 @@ class TrainerEngine:
         """Autocast to the engine's dtype (bfloat16 / float16 engines); with gradient checkpointing
         and a gradient, the decoder layers themselves (not their submodules: no dropout changes)
         in training mode, which is when transformers checkpoints them."""
-        cast = torch.autocast(self.device.type, dtype=self._torch_dtype) \
-            if self._torch_dtype != torch.float32 else contextlib.nullcontext()
+        cast = (
+            torch.autocast(self.device.type, dtype=self._torch_dtype)
+            if self._torch_dtype != torch.float32
+            else contextlib.nullcontext()
+        )
         layers = self._checkpointed_layers if torch.is_grad_enabled() else []
         modes = [layer.training for layer in layers]
         for layer in layers:
@@ -753,11 +785,13 @@ class TrainerEngine:
             for layer, mode in zip(layers, modes):
                 layer.training = mode
 
-    def _token_logprobs(self, model: torch.nn.Module, part: Rows, entropy: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_logprobs(
+        self, model: torch.nn.Module, part: Rows, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) at the micro-batch's loss-mask positions, 0 elsewhere."""
-        return token_logprobs(model, part.input_ids, part.attention_mask, part.loss_mask,
-                              self.logprob_chunk_tokens, entropy)
+        return token_logprobs(
+            model, part.input_ids, part.attention_mask, part.loss_mask, self.logprob_chunk_tokens, entropy
+        )
 
     # ------------------------------------------------------------ internals: the loss
 
@@ -823,7 +857,8 @@ class TrainerEngine:
         if not hp.user_code_trusted:
             raise UntrustedCodeError(
                 f"custom loss `{hp.loss_fn}` refused: this cluster does not trust the job's submitter with "
-                "code in the trainer (plexctl up --trust-user-code USER)")
+                "code in the trainer (plexctl up --trust-user-code USER)"
+            )
         key = (hp.loss_fn, hp.loss_path)
         if key not in self._user_losses:
             self._user_losses[key] = import_object(hp.loss_fn, hp.loss_path or None, "loss fn", LossLoadError)
@@ -921,8 +956,9 @@ class TrainerEngine:
 # ---------------------------------------------------------------- model helpers
 
 
-def _load_base_model(model_path: str, dtype: torch.dtype, device: torch.device,
-                     gradient_checkpointing: bool) -> torch.nn.Module:
+def _load_base_model(
+    model_path: str, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool
+) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     check_plain_head(model.config)
     model.to(device)
@@ -1001,8 +1037,11 @@ def _restore_job_state(
         if tensors[key].shape != param.shape:
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {tuple(tensors[key].shape)}")
     rng = trainer_state.get("rng")
-    if not isinstance(rng, dict) or set(rng) != set(job.rng_state) or \
-            any(rng[n].shape != view.shape for n, view in job.rng_state.items()):
+    if (
+        not isinstance(rng, dict)
+        or set(rng) != set(job.rng_state)
+        or any(rng[n].shape != view.shape for n, view in job.rng_state.items())
+    ):
         raise CheckpointError(f"checkpoint {directory}: RNG state does not fit")
     hparams = [{k: v for k, v in group.items() if k != "params"} for group in job.optimizer.param_groups]
     try:

@@ -32,7 +32,9 @@ def run_algorithm(job: Job) -> None:
     if a.loop:
         import_object(a.loop, a.path, "algo loop", LoopLoadError)(job)
         if not job.client.train_calls and job.checkpoint_step < a.steps:  # (resumed past its last step: done)
-            raise LoopRanNoStep(f"algo.loop {a.loop} returned without running a training step "
-                                f"(no train or train_step call; algo.steps is {a.steps})")
+            raise LoopRanNoStep(
+                f"algo.loop {a.loop} returned without running a training step "
+                f"(no train or train_step call; algo.steps is {a.steps})"
+            )
     else:
         ALGORITHMS[a.name](job).run()

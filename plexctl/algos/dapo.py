@@ -25,8 +25,8 @@ trains on those it found (none: the update is skipped).
 
 from __future__ import annotations
 
-from plexctl.algos.grpo import group_advantages
 from plexctl.algos.group_loop import GroupLoop
+from plexctl.algos.grpo import group_advantages
 from plexctl.rl import Rollout, TrainHParams
 
 CLIP_HIGH = 0.28
@@ -45,7 +45,7 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float =
 
 def informative_groups(rewards: list[float], group_size: int) -> list[int]:
     """Indices of the groups whose rewards are not all equal (the others have no gradient)."""
-    groups = [rewards[g:g + group_size] for g in range(0, len(rewards), group_size)]
+    groups = [rewards[g : g + group_size] for g in range(0, len(rewards), group_size)]
     return [i for i, group in enumerate(groups) if max(group) != min(group)]
 
 
@@ -55,7 +55,7 @@ class DAPO(GroupLoop):
         a, max_tokens = job.spec.algo, job.spec.sampling.max_tokens
         self.buffer = a.overlong_buffer if a.overlong_buffer is not None else max_tokens // OVERLONG_BUFFER_SHARE
         if job.spec.env is not None:  # an episode's tokens span many turns of max_tokens each: no
-            self.buffer = 0           # single-turn budget to punish against (its limits truncate it)
+            self.buffer = 0  # single-turn budget to punish against (its limits truncate it)
         self.rounds = 0
 
     def hparams(self) -> TrainHParams:
@@ -64,8 +64,10 @@ class DAPO(GroupLoop):
 
     def shaped_rewards(self, rollout: Rollout) -> list[float]:
         a, max_tokens = self.spec.algo, self.spec.sampling.max_tokens
-        return [r + overlong_penalty(n, max_tokens, self.buffer, a.overlong_penalty)
-                for r, n in zip(rollout.rewards, rollout.lengths)]
+        return [
+            r + overlong_penalty(n, max_tokens, self.buffer, a.overlong_penalty)
+            for r, n in zip(rollout.rewards, rollout.lengths)
+        ]
 
     def advantages(self, rollout: Rollout) -> list[float]:
         return group_advantages(self.shaped_rewards(rollout), self.group_size)
@@ -78,13 +80,19 @@ class DAPO(GroupLoop):
         seen, kept = rollout, rollout.keep(informative_groups(rollout.rewards, self.group_size))
         self.rounds = 1
         while len(kept.records) < a.prompts_per_step and self.rounds < a.max_gen_batches:
-            more = self.job.rollout(self.job.prompts.next_batch(a.prompts_per_step), self.group_size,
-                                    self.job.sampling(step, self.group_size, seed=self.job.rng.randrange(2**31)))
+            more = self.job.rollout(
+                self.job.prompts.next_batch(a.prompts_per_step),
+                self.group_size,
+                self.job.sampling(step, self.group_size, seed=self.job.rng.randrange(2**31)),
+            )
             seen, kept = seen + more, kept + more.keep(informative_groups(more.rewards, self.group_size))
             self.rounds += 1
         return kept.keep(range(min(len(kept.records), a.prompts_per_step))), seen
 
     def step_metrics(self, trained: Rollout, seen: Rollout) -> dict[str, float]:
         shaped = self.shaped_rewards(seen)
-        return {"dapo/groups_kept": float(len(trained.records)), "dapo/gen_rounds": float(self.rounds),
-                "dapo/overlong_penalty": sum(shaped) / len(shaped) - sum(seen.rewards) / len(seen.rewards)}
+        return {
+            "dapo/groups_kept": float(len(trained.records)),
+            "dapo/gen_rounds": float(self.rounds),
+            "dapo/overlong_penalty": sum(shaped) / len(shaped) - sum(seen.rewards) / len(seen.rewards),
+        }

@@ -23,7 +23,7 @@ def centred_advantages(rewards: list[float], group_size: int) -> list[float]:
     """r - mean(r) within each consecutive group of ``group_size`` samples."""
     out: list[float] = []
     for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
+        group = rewards[g : g + group_size]
         mean = sum(group) / len(group)
         out.extend(r - mean for r in group)
     return out

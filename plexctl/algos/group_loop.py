@@ -61,15 +61,17 @@ class GroupLoop(abc.ABC):
 
     def next_rollout(self, step: int, after: PendingTrain | None = None) -> PendingRollout:
         a = self.spec.algo
-        return self.job.rollout_async(self.job.prompts.next_batch(a.prompts_per_step), a.group_size,
-                                      self.job.sampling(step, a.group_size), after)
+        return self.job.rollout_async(
+            self.job.prompts.next_batch(a.prompts_per_step), a.group_size, self.job.sampling(step, a.group_size), after
+        )
 
     def check_error_rate(self, step: int, seen: Rollout) -> float:
         rate = seen.errors / len(seen.rewards)
         if rate > self.spec.reward.max_error_rate:
             raise ErrorRateExceeded(
                 f"{rate:.0%} of step {step + 1}'s samples hit a reward error or tool timeout "
-                f"(reward.max_error_rate {self.spec.reward.max_error_rate:.0%})")
+                f"(reward.max_error_rate {self.spec.reward.max_error_rate:.0%})"
+            )
         return rate
 
     def run(self) -> None:
@@ -112,8 +114,10 @@ class GroupLoop(abc.ABC):
                 **self.step_metrics(trained, seen),
             }
             job.record(step + 1, row)
-            job.log(f"step {step + 1}/{a.steps} reward {row['reward_mean']:.3f} "
-                    f"loss {train.get('loss', float('nan')):.4f} v{job.version} {row['step_s']:.2f}s")
+            job.log(
+                f"step {step + 1}/{a.steps} reward {row['reward_mean']:.3f} "
+                f"loss {train.get('loss', float('nan')):.4f} v{job.version} {row['step_s']:.2f}s"
+            )
             if a.eval_every and (step + 1) % a.eval_every == 0 and not last:
                 job.evaluate(step + 1)
             if not last:

@@ -25,7 +25,7 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -
     """(r - mean) / (std + eps) within each consecutive group of ``group_size`` samples."""
     out: list[float] = []
     for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
+        group = rewards[g : g + group_size]
         mean = sum(group) / len(group)
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
         out.extend((r - mean) / (std + eps) for r in group)

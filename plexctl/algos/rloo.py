@@ -22,7 +22,7 @@ def leave_one_out_advantages(rewards: list[float], group_size: int) -> list[floa
         raise ValueError("RLOO needs at least 2 samples per prompt")
     out: list[float] = []
     for g in range(0, len(rewards), group_size):
-        group = rewards[g:g + group_size]
+        group = rewards[g : g + group_size]
         total = sum(group)
         out.extend(r - (total - r) / (len(group) - 1) for r in group)
     return out

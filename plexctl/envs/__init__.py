@@ -45,8 +45,21 @@ ENVS: dict[str, type] = {
 }
 
 __all__ = [
-    "ENVS", "Env", "EnvFactory", "EnvLoadError", "Episode", "MalformedCall", "RewardEnv", "StepResult", "ToolCall",
-    "episode_batch", "episode_metrics", "load_env", "parse_tool_call", "python_tool_tiny_dataset", "run_episodes",
+    "ENVS",
+    "Env",
+    "EnvFactory",
+    "EnvLoadError",
+    "Episode",
+    "MalformedCall",
+    "RewardEnv",
+    "StepResult",
+    "ToolCall",
+    "episode_batch",
+    "episode_metrics",
+    "load_env",
+    "parse_tool_call",
+    "python_tool_tiny_dataset",
+    "run_episodes",
 ]
 
 
@@ -54,8 +67,9 @@ class EnvLoadError(Exception):
     """An environment that cannot be loaded; ``str()`` is one line for the user."""
 
 
-def load_env(name_or_spec: str | Mapping[str, Any] | Any, config: Mapping[str, Any] | None = None,
-             path: str | None = None) -> EnvFactory:
+def load_env(
+    name_or_spec: str | Mapping[str, Any] | Any, config: Mapping[str, Any] | None = None, path: str | None = None
+) -> EnvFactory:
     """A factory of fresh environments for a built-in name, ``module:Class``, or an ``env`` section.
 
     An ``env`` section is a mapping (or an object with these attributes): ``name`` (built-in) or
@@ -106,4 +120,3 @@ def _check_instance(factory: EnvFactory, what: str) -> None:
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:
         raise EnvLoadError(f"{what} is not an environment: no {' or '.join(missing)} method")
-

@@ -103,8 +103,9 @@ def malformed(message: str) -> StepResult:
 
 
 def tool_timeout(message: str) -> StepResult:
-    return StepResult(observation=None, done=True, reward=None,
-                      info={"tool_call": True, "tool_timeout": True, "error": message})
+    return StepResult(
+        observation=None, done=True, reward=None, info={"tool_call": True, "tool_timeout": True, "error": message}
+    )
 
 
 def errored(message: str) -> StepResult:
@@ -238,8 +239,12 @@ def run_episodes(
         completions = _generate_turn(generate, [episodes[i].text for i in live], sampling, turn)
         for i, completion in zip(live, completions):
             append_turn(episodes[i], completion)
-        _run_steps(pool, [(episodes[i], envs[i], completions[k].text) for k, i in enumerate(live)],
-                   failure_reward, step_timeout_s)
+        _run_steps(
+            pool,
+            [(episodes[i], envs[i], completions[k].text) for k, i in enumerate(live)],
+            failure_reward,
+            step_timeout_s,
+        )
         for i in live:
             ep = episodes[i]
             # the next prompt adds the observation: at most a token per character (+1 for a tokenizer's marks)
@@ -307,8 +312,9 @@ def append_turn(ep: Episode, completion: Completion) -> None:
     ep.finish_reasons.append(completion.finish_reason)
 
 
-def _run_steps(pool: SandboxPool, work: list[tuple[Episode, Env, str]], failure_reward: float,
-               step_timeout_s: float | None) -> None:
+def _run_steps(
+    pool: SandboxPool, work: list[tuple[Episode, Env, str]], failure_reward: float, step_timeout_s: float | None
+) -> None:
     """Run every live episode's step concurrently in the pool, then apply the results in order.
 
     A step's ``step_timeout_s`` runs from when a pool thread starts it, not while it waits for
@@ -336,8 +342,14 @@ def _run_steps(pool: SandboxPool, work: list[tuple[Episode, Env, str]], failure_
         apply_step(ep, result, failure_reward)
 
 
-def _step_result(future: concurrent.futures.Future, began: dict[int, float], k: int, timeout: float | None,
-                 submitted: float, rounds: int) -> tuple[StepResult, float]:
+def _step_result(
+    future: concurrent.futures.Future,
+    began: dict[int, float],
+    k: int,
+    timeout: float | None,
+    submitted: float,
+    rounds: int,
+) -> tuple[StepResult, float]:
     """The step's result within ``timeout`` of its start (see ``_run_steps``); TimeoutError past it."""
     if timeout is None:
         return future.result()
@@ -398,7 +410,6 @@ def _truncate(ep: Episode, truncated_reward: float) -> None:
     ep.reward = truncated_reward
     ep.truncated = True
     ep.done = True
-
 
 
 # ---------------------------------------------------------------- to the trainer

@@ -28,7 +28,7 @@ from plexctl.sandbox import Limits, run_python
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 REWARD_MODES = ("fraction", "all")
 
-_HARNESS = r'''
+_HARNESS = r"""
 import io, os, signal, sys
 
 def _plexrl_harness(program, tests, test_seconds):
@@ -61,7 +61,7 @@ def _plexrl_harness(program, tests, test_seconds):
                 print("test %d: %s" % (i, failure), file=sys.stderr)
     report.write("%s %d %d\n" % (nonce, passed, len(tests)))
     report.flush()
-'''
+"""
 
 
 def extract_program(completion: str) -> str:
@@ -89,9 +89,16 @@ class CodeEnv:
     ``reward_mode`` (fraction | all), ``test_seconds``, ``cpu_seconds``, ``wall_seconds``,
     ``memory_mb``."""
 
-    def __init__(self, prompt_field: str = "prompt", tests_field: str = "tests", reward_mode: str = "fraction",
-                 test_seconds: float = 2.0, cpu_seconds: int = 10, wall_seconds: float = 20.0,
-                 memory_mb: int = 512) -> None:
+    def __init__(
+        self,
+        prompt_field: str = "prompt",
+        tests_field: str = "tests",
+        reward_mode: str = "fraction",
+        test_seconds: float = 2.0,
+        cpu_seconds: int = 10,
+        wall_seconds: float = 20.0,
+        memory_mb: int = 512,
+    ) -> None:
         if reward_mode not in REWARD_MODES:
             raise ValueError(f"reward_mode must be one of {', '.join(REWARD_MODES)}, got {reward_mode!r}")
         self.prompt_field = prompt_field

@@ -18,13 +18,76 @@ import random
 from pathlib import Path
 
 WORDS: tuple[str, ...] = (
-    "apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "candle", "piano", "garden",
-    "rocket", "violet", "falcon", "lemon", "harbor", "canyon", "pepper", "silver", "meadow", "comet",
-    "badger", "willow", "copper", "island", "lantern", "mirror", "orchid", "pebble", "quartz", "saddle",
-    "thunder", "velvet", "walnut", "zebra", "anchor", "beacon", "cactus", "dragon", "ember", "forest",
-    "glacier", "hazel", "igloo", "jasmine", "kettle", "lizard", "magnet", "nutmeg", "otter", "parrot",
-    "quill", "raven", "salmon", "tulip", "umber", "valley", "wizard", "yonder", "zephyr", "acorn",
-    "bramble", "cobalt", "dune", "egret", "fjord", "gecko", "heron", "ivory", "juniper", "koala",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "ocean",
+    "candle",
+    "piano",
+    "garden",
+    "rocket",
+    "violet",
+    "falcon",
+    "lemon",
+    "harbor",
+    "canyon",
+    "pepper",
+    "silver",
+    "meadow",
+    "comet",
+    "badger",
+    "willow",
+    "copper",
+    "island",
+    "lantern",
+    "mirror",
+    "orchid",
+    "pebble",
+    "quartz",
+    "saddle",
+    "thunder",
+    "velvet",
+    "walnut",
+    "zebra",
+    "anchor",
+    "beacon",
+    "cactus",
+    "dragon",
+    "ember",
+    "forest",
+    "glacier",
+    "hazel",
+    "igloo",
+    "jasmine",
+    "kettle",
+    "lizard",
+    "magnet",
+    "nutmeg",
+    "otter",
+    "parrot",
+    "quill",
+    "raven",
+    "salmon",
+    "tulip",
+    "umber",
+    "valley",
+    "wizard",
+    "yonder",
+    "zephyr",
+    "acorn",
+    "bramble",
+    "cobalt",
+    "dune",
+    "egret",
+    "fjord",
+    "gecko",
+    "heron",
+    "ivory",
+    "juniper",
+    "koala",
 )
 _LINKS = ("and", "near", "with", "after", "beside")
 
@@ -54,8 +117,10 @@ def search_tiny_dataset(n: int, seed: int = 0, corpus_seed: int = 0) -> list[dic
     """``n`` prompts ``code of <word>?`` with the word's code as answer (words repeat when n is large)."""
     words = list(WORDS)
     random.Random(seed).shuffle(words)
-    return [{"prompt": f"code of {w}?", "answer": fact_code(w, corpus_seed)}
-            for w in (words[i % len(words)] for i in range(n))]
+    return [
+        {"prompt": f"code of {w}?", "answer": fact_code(w, corpus_seed)}
+        for w in (words[i % len(words)] for i in range(n))
+    ]
 
 
 def load_corpus(path: str | Path) -> list[dict[str, str]]:

@@ -53,9 +53,17 @@ class PythonToolEnv:
     """Config: ``prompt_field``, ``answer_field``, ``mode`` (calculator | python), ``tool`` (the
     call name), ``max_observation_chars``, ``cpu_seconds``, ``wall_seconds``, ``memory_mb``."""
 
-    def __init__(self, prompt_field: str = "prompt", answer_field: str = "answer", mode: str = "calculator",
-                 tool: str = "call", max_observation_chars: int = 16, cpu_seconds: int = 2,
-                 wall_seconds: float = 5.0, memory_mb: int = 256) -> None:
+    def __init__(
+        self,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        mode: str = "calculator",
+        tool: str = "call",
+        max_observation_chars: int = 16,
+        cpu_seconds: int = 2,
+        wall_seconds: float = 5.0,
+        memory_mb: int = 256,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.prompt_field = prompt_field
@@ -63,8 +71,9 @@ class PythonToolEnv:
         self.mode = mode
         self.tool = tool
         self.max_observation_chars = max_observation_chars
-        self.limits = Limits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_bytes=memory_mb * 2**20,
-                             output_bytes=4096)
+        self.limits = Limits(
+            cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_bytes=memory_mb * 2**20, output_bytes=4096
+        )
         self.sample: dict[str, Any] = {}
 
     def reset(self, sample: dict) -> str:
@@ -83,7 +92,7 @@ class PythonToolEnv:
         if result.limit_hit in ("wall", "cpu"):
             return tool_timeout(f"`{self.tool}:` ran past the sandbox's {result.limit_hit} limit")
         value = result.stdout.strip() if result.ok else "error"
-        return observe(f"={value[:self.max_observation_chars]};")
+        return observe(f"={value[: self.max_observation_chars]};")
 
     def program(self, argument: str) -> str:
         if self.mode == "calculator":
@@ -101,8 +110,7 @@ def python_tool_tiny_dataset(n: int, seed: int = 0) -> list[dict[str, str]]:
     """
     problems = [(a, b) for a in range(10, 100) for b in range(2, 10)]
     random.Random(seed).shuffle(problems)
-    return [{"prompt": f"{a}*{b}=", "answer": str(a * b)}
-            for a, b in (problems[i % len(problems)] for i in range(n))]
+    return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in (problems[i % len(problems)] for i in range(n))]
 
 
 def python_tool_tiny_turns(sample: dict[str, str], tool: str = "call") -> list[str]:

@@ -75,9 +75,16 @@ class SearchEnv:
     """Config: ``prompt_field``, ``answer_field``, ``tool``, ``corpus_path`` (JSONL; None: the
     built-in corpus), ``corpus_seed``, ``latency_s``, ``max_observation_chars``."""
 
-    def __init__(self, prompt_field: str = "prompt", answer_field: str = "answer", tool: str = "search",
-                 corpus_path: str | None = None, corpus_seed: int = 0, latency_s: float = 0.0,
-                 max_observation_chars: int = 48) -> None:
+    def __init__(
+        self,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        tool: str = "search",
+        corpus_path: str | None = None,
+        corpus_seed: int = 0,
+        latency_s: float = 0.0,
+        max_observation_chars: int = 48,
+    ) -> None:
         if latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {latency_s}")
         self.prompt_field = prompt_field
@@ -106,6 +113,6 @@ class SearchEnv:
         """The top passage's text (cut to ``max_observation_chars``), after the configured latency."""
         t0 = time.perf_counter()
         hits = self.index.search(query, k=1)
-        text = hits[0][1]["text"][:self.max_observation_chars] if hits else "none"
+        text = hits[0][1]["text"][: self.max_observation_chars] if hits else "none"
         time.sleep(max(self.latency_s - (time.perf_counter() - t0), 0.0))
         return text
