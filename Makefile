@@ -1,12 +1,12 @@
 # Two entry points for a fresh machine (see README.md):
 #   make demo   set up, then run the end-to-end demo on the tiny model
-#   make test   set up, then lint and run the test suite (what CI runs)
-# While working: make lint, make test-fast (the unit tests: no engines, a couple of minutes).
+#   make test   set up, then lint, type-check and run the test suite (what CI runs)
+# While working: make lint, make typecheck, make test-fast (the unit tests: no engines, a couple of minutes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint typecheck clean
 
 setup: $(VENV)/.installed
 
@@ -25,7 +25,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -17,10 +17,14 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plexctl import protocol as P
 from plexctl.auth import USER_NAME
 from plexctl.inputs import MAX_FILES, MAX_JOB_BYTES
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -32,7 +36,7 @@ class BlobError(ValueError):
 class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._hashing: dict[Path, tuple[object, int]] = {}  # a partial upload's running sha256 and bytes hashed
+        self._hashing: dict[Path, tuple[HASH, int]] = {}  # a partial upload's running sha256 and bytes hashed
 
     def _dir(self, user: str) -> Path:
         if not USER_NAME.match(user):
@@ -76,12 +80,12 @@ class BlobStore:
                     digest.update(block)
         with open(part, "ab") as f:
             f.write(req.data)
-        digest.update(req.data)  # type: ignore[attr-defined]
+        digest.update(req.data)
         held += len(req.data)
         self._hashing[part] = (digest, held)
         if held == req.size:
             del self._hashing[part]
-            if digest.hexdigest() != req.sha256:  # type: ignore[attr-defined]
+            if digest.hexdigest() != req.sha256:
                 part.unlink()
                 raise BlobError(f"{req.sha256[:12]}: the uploaded content does not match its sha256; send it again")
             part.chmod(0o644)  # readable through a job's link to it; the user directory (0700) stays closed

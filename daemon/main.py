@@ -51,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, ClassVar, Iterable, cast
 
 import msgspec
 import zmq
@@ -121,7 +121,7 @@ class JobRuntime:
     job_id: str
     spec: JobSpec
     job_dir: Path
-    proc: subprocess.Popen | None = None
+    proc: procs.Handle | None = None
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
     cancel_requested_at: float | None = None
@@ -189,7 +189,7 @@ class Daemon:
         self.engine_stats: dict[str, dict[str, Any]] = {}  # engine -> its latest tier inventory
         self.prefetched: dict[str, str] = {}  # trainer engine -> job whose prefetch was last asked
         self.workers: dict[str, WorkerState] = {}
-        self.worker_procs: dict[str, subprocess.Popen] = {}
+        self.worker_procs: dict[str, procs.Handle] = {}
         self.local_layouts: dict[str, tuple[list[str], str]] = {}  # local worker -> (engines, model)
         self.respawns: dict[str, int] = {}
         self.runtimes: dict[str, JobRuntime] = {}
@@ -387,7 +387,7 @@ class Daemon:
                         parts = recv_frames(self.sock, NOBLOCK)
                     except zmq.Again:
                         break
-                    user = parts[1].get("User-Id") if len(parts) > 1 else ""
+                    user = cast(str, parts[1].get("User-Id")) if len(parts) > 1 else ""
                     self._dispatch([p.bytes for p in parts], user)
             now = time.time()
             if now - last_beat >= HEARTBEAT_S:
@@ -577,7 +577,7 @@ class Daemon:
                 return
         known = self.journal.submitted(body.submit_id)
         if known is not None:  # a retried submit: the job it made, whatever has happened since
-            if self.journal.job(known).user != user:
+            if self._known_job(known).user != user:
                 self._error(identity, header.msg_id, "bad_request", f"submit id {body.submit_id!r} is taken")
             else:
                 self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=known, created=False), header.msg_id)
@@ -648,7 +648,7 @@ class Daemon:
             if job_id is None:
                 self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
                 return
-            jobs = [self.journal.job(job_id)]
+            jobs = [self._known_job(job_id)]
         else:
             jobs = [j for j in self.journal.jobs() if self._visible(j.user)]
         jobs = [self._with_live_fields(j) for j in jobs]
@@ -725,10 +725,16 @@ class Daemon:
             )
         )
 
+    def _known_job(self, job_id: str) -> P.JobInfo:
+        """The journal's record of a job it holds (an id the journal or a running job gave)."""
+        info = self.journal.job(job_id)
+        assert info is not None
+        return info
+
     def _find(self, ref: str) -> str | None:
         """A job id the sender may see, from an id or a name (their newest job of that name)."""
         job_id = self.journal.find(ref)
-        if job_id is not None and self._visible(self.journal.job(job_id).user):
+        if job_id is not None and self._visible(self._known_job(job_id).user):
             return job_id
         mine = [j for j in self.journal.jobs() if j.name == ref and self._visible(j.user)]
         return mine[-1].job_id if mine else None
@@ -753,7 +759,7 @@ class Daemon:
 
     def _cancel(self, job_id: str, why: str = "") -> None:
         """Cancel a job: a queued one at once, a running one at its next call boundary."""
-        info = self.journal.job(job_id)
+        info = self._known_job(job_id)
         if info.state == "queued" or info.state == "interrupted":
             self.journal.update(job_id, state="cancelled", ended_at=time.time())
             self.specs.pop(job_id, None)
@@ -774,9 +780,9 @@ class Daemon:
         if name is None:
             self._error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
             return
-        ended = self.journal.job(job_id).state in TERMINAL  # before reading: all it wrote is there
+        ended = self._known_job(job_id).state in TERMINAL  # before reading: all it wrote is there
         data, size = b"", 0
-        info = self.journal.job(job_id)
+        info = self._known_job(job_id)
         path = self._job_output(job_id, info.user, name)
         if path.exists():
             with jail.open_job_file(path) as f:  # a jailed driver's file: no link, no FIFO followed
@@ -1120,7 +1126,7 @@ class Daemon:
         engine_id = job.homes.get("trainer") if job is not None else None
         engine = self.sched.engines.get(engine_id) if engine_id else None
         worker = self.workers.get(engine.worker_id) if engine is not None else None
-        if worker is not None:
+        if engine is not None and worker is not None:
             self._prefetch(engine.engine_id, worker)
 
     @staticmethod
@@ -1183,7 +1189,7 @@ class Daemon:
                 sampling=msgspec.convert(body.args["sampling"], P.Sampling),
                 adapter=adapter,
             )
-            args = {"request": req}
+            args: dict[str, Any] = {"request": req}
             context = {"version": version}  # the policy the samples come from
         elif body.method == "train_step":
             hp = {**body.args["hp"], "user_code_trusted": rt.user in self.trusted_users}  # the trainer re-checks
@@ -1274,7 +1280,7 @@ class Daemon:
                 fields["reward"] = m["reward_mean"]
             self.journal.update(body.job_id, **fields)
         elif body.event == "eval":
-            info = self.journal.job(body.job_id)
+            info = self._known_job(body.job_id)
             fields = {"eval_last": m["eval_reward"]}
             if info.eval_first is None:
                 fields["eval_first"] = m["eval_reward"]
@@ -1397,8 +1403,10 @@ class Daemon:
 
     @staticmethod
     def _state_bytes(spec: JobSpec) -> int:
+        lora = spec.lora
+        assert lora is not None  # a spec without one is refused when parsed (FULL_FINETUNE_REFUSED)
         try:
-            return job_state_bytes(spec.lora.rank, list(spec.lora.target_modules), model_config(spec.model.path))
+            return job_state_bytes(lora.rank, list(lora.target_modules), model_config(spec.model.path))
         except (OSError, KeyError, ValueError):
             return 0  # unknown architecture: admit, the worker's store enforces its tiers
 
@@ -1406,7 +1414,7 @@ class Daemon:
         job_dir = self.jobs_dir / job_id
         job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_json_atomic(job_dir / "spec.json", self.journal.spec(job_id))
-        info = self.journal.job(job_id)
+        info = self._known_job(job_id)
         if self._isolated(info.user):
             proc = self._start_isolated_driver(job_id, job_dir, info.user)
         else:
@@ -1455,8 +1463,8 @@ class Daemon:
         write_json_atomic(out / "spec.json", spec, mode=0o644)
         keys = out / ".keys"
         auth.make_job_keys(self.state_dir, job_id, keys)
-        for path in (keys, *keys.iterdir()):
-            os.chown(path, who.uid, who.gid, follow_symlinks=False)
+        for key_path in (keys, *keys.iterdir()):
+            os.chown(key_path, who.uid, who.gid, follow_symlinks=False)
         return jail.start(
             who,
             job_id,
@@ -1488,6 +1496,7 @@ class Daemon:
             rc = rt.proc.poll() if rt.proc else None
             if rc is None:
                 if rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
+                    assert rt.proc is not None  # a running job's driver: set when its runtime is made
                     rt.proc.kill()
                 continue
             if rt.cancel_requested_at is not None:
@@ -1560,7 +1569,7 @@ class Daemon:
             if worker is not None:
                 self._send(worker.identity, P.Op.TASK, P.TaskBody(0, rt.job_id, engine_id, "release", {}))
 
-    HANDLERS = {
+    HANDLERS: ClassVar[dict[bytes, Callable[[Daemon, bytes, P.Header, Any], None]]] = {
         P.Op.PING: on_ping,
         P.Op.SUBMIT: on_submit,
         P.Op.STATUS: on_status,
@@ -1586,7 +1595,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def wait_or_kill(proc: subprocess.Popen, seconds: float) -> None:
+def wait_or_kill(proc: procs.Handle, seconds: float) -> None:
     try:
         proc.wait(seconds)
     except subprocess.TimeoutExpired:

@@ -21,11 +21,13 @@ import stat
 import subprocess
 import time
 from pathlib import Path
+from typing import TypeAlias
 
 from plexctl.atomic import write_json_atomic
 from plexctl.cluster import pid_alive
 
 KILLED = -signal.SIGKILL  # the exit code of an adopted process that left no exit file
+Handle: TypeAlias = "subprocess.Popen | Adopted"  # a process this daemon started, or one it adopted
 
 
 def start_time(pid: int) -> int | None:
@@ -116,11 +118,11 @@ class Adopted:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (returncode := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
             time.sleep(0.05)
-        return self.returncode  # type: ignore[return-value]
+        return returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

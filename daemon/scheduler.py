@@ -666,7 +666,7 @@ class Scheduler:
         further back under-counts), running tasks count up to ``now``.
         """
         wanted = [e for e in (self.engines if engine_ids is None else engine_ids) if e in self.engines]
-        starts = {e: since if self.engines[e].up_at is None else max(since, self.engines[e].up_at) for e in wanted}
+        starts = {e: since if (up := self.engines[e].up_at) is None else max(since, up) for e in wanted}
         runs: dict[str, list[tuple[float, float]]] = {e: [] for e in wanted}
         for i in self.intervals:
             if i.engine_id in runs and i.end > since:

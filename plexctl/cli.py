@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast
 
 import click
 import msgspec
@@ -240,14 +240,14 @@ def up(
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
     engine_args = [f"--device={device}", f"--dtype={dtype}"]
-    for flag, value in (
+    for flag, setting in (
         ("--max-loras", max_loras),
         ("--max-lora-rank", max_lora_rank),
         ("--gpu-memory-utilization", gpu_memory_utilization),
         ("--micro-batch-tokens", micro_batch_tokens),
     ):
-        if value is not None:
-            engine_args.append(f"{flag}={value}")
+        if setting is not None:
+            engine_args.append(f"{flag}={setting}")
     c: Ctx = ctx.obj
     model = (model or _local_model_default()).resolve()
     if not (model / "config.json").exists():
@@ -708,7 +708,7 @@ def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, 
         trainer_gpus=trainer_gpus,
         tp=tp,
     )
-    return [MP.EngineShape(kind, len(w.devices)) for w in workers for kind in w.engines]
+    return [MP.EngineShape(cast(MP.EngineKind, kind), len(w.devices)) for w in workers for kind in w.engines]
 
 
 @app.command()
@@ -1078,7 +1078,7 @@ def simulate(
 
 
 # typer >= 0.20 parses with its own copy of click, whose exceptions are not click's
-_EXITS = tuple({click.exceptions.Exit, typer.Exit})
+_EXITS: tuple[type[click.exceptions.Exit] | type[typer.Exit], ...] = tuple({click.exceptions.Exit, typer.Exit})
 _USAGE_ERRORS = tuple({click.ClickException, getattr(typer, "TyperException", click.ClickException)})
 _ABORTS = tuple({click.exceptions.Abort, typer.Abort, KeyboardInterrupt})
 

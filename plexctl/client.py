@@ -57,7 +57,7 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self.keys = keys
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
 

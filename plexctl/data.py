@@ -183,7 +183,7 @@ def _require_file(path: str) -> None:
         raise DataError(path, "not a file")
 
 
-def _parse_json_record(path: str, text: str, record: int, line: int) -> dict[str, Any]:
+def _parse_json_record(path: str, text: str, record: int, line: int | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

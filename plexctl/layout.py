@@ -157,18 +157,19 @@ def _split(
             f"--rollout-gpus {rollout} + --trainer-gpus {trainer} = {rollout + trainer}: "
             f"more than the {total} GPU{'s' * (total != 1)} of node {node}"
         )
-    for kind, n in (("rollout", rollout), ("trainer", trainer)):
-        if n is not None:
-            _check_kind(node, kind, n, total)
+    for kind, count in (("rollout", rollout), ("trainer", trainer)):
+        if count is not None:
+            _check_kind(node, kind, count, total)
     if rollout is None or trainer is None:  # the other kind takes the rest
-        given, n = ("rollout", rollout) if trainer is None else ("trainer", trainer)
+        given, count = ("rollout", rollout) if trainer is None else ("trainer", trainer)
+        assert count is not None  # neither given returned above
         other = "trainer" if given == "rollout" else "rollout"
-        if n == total:
+        if count == total:
             raise LayoutError(
-                f"--{given}-gpus {n}: leaves none of the {total} GPUs of node {node} for its "
+                f"--{given}-gpus {count}: leaves none of the {total} GPUs of node {node} for its "
                 f"{other} engines (set --{other}-gpus, or fewer --{given}-gpus)"
             )
-        rollout, trainer = (n, total - n) if given == "rollout" else (total - n, n)
+        rollout, trainer = (count, total - count) if given == "rollout" else (total - count, count)
         _check_tp(node, rollout, tp, named=given == "rollout")
     else:
         _check_tp(node, rollout, tp, named=True)

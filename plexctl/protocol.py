@@ -443,7 +443,9 @@ class ProtocolError(Exception):
 
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
-_body_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in BODY_TYPES.items()}
+_body_decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
+    op: msgspec.msgpack.Decoder(t) for op, t in BODY_TYPES.items()
+}
 _ids = itertools.count(1)
 EPOCH = int(time.time() * 1000) ^ os.getpid()
 

@@ -57,9 +57,12 @@ class RewardLoadError(Exception):
 class RewardSource(Protocol):
     """What ``load_reward`` reads: the ``reward`` section of a job spec."""
 
-    name: str | None
-    fn: str | None
-    path: str | None
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def fn(self) -> str | None: ...
+    @property
+    def path(self) -> str | None: ...
 
 
 # ---------------------------------------------------------------- built-in rewards
@@ -188,6 +191,9 @@ class SafeReward:
             return self._failed(f"non-finite reward {value}")
         return value
 
+    def score_many(self, items: list[tuple[str, str, dict]]) -> list[float]:
+        return [self(c, a, r) for c, a, r in items]
+
     def _failed(self, reason: str) -> float:
         self.errors += 1
         self.last_error = reason
@@ -205,13 +211,6 @@ class Scorer(Protocol):
     last_error: str | None
 
     def score_many(self, items: list[tuple[str, str, dict]]) -> list[float]: ...
-
-
-def _score_many(self: SafeReward, items: list[tuple[str, str, dict]]) -> list[float]:
-    return [self(c, a, r) for c, a, r in items]
-
-
-SafeReward.score_many = _score_many  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- user rewards in the sandbox

@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -56,6 +56,10 @@ from plexctl.metric_sinks import MetricSinks
 from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import make_scorer
 from plexctl.spec import JobSpec
+
+if TYPE_CHECKING:
+    from plexctl.envs import EnvFactory
+    from plexctl.sandbox import SandboxPool
 
 __all__ = [
     "CallFailed",
@@ -124,7 +128,7 @@ class JobClient:
         self.endpoint = endpoint
         self.endpoint_file = endpoint_file
         self.log = log or (lambda _msg: None)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"drv:{job_id}".encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off while the daemon is away
@@ -404,7 +408,7 @@ class Job:
         self.eval_records = load_records(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else None
         self.prompts = PromptCursor(self.records, seed=d.shuffle_seed)
         self.rng = random.Random(spec.seed)
-        self.reward_pool = None
+        self.reward_pool: SandboxPool | None = None
         if spec.reward.fn:  # a user's reward runs in the sandbox pool, never in this process
             from plexctl.sandbox import SandboxPool
 
@@ -412,8 +416,8 @@ class Job:
         self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
         self.metrics_path = self.job_dir / "metrics.jsonl"
         self.sinks = MetricSinks(self.job_dir, spec.name, self.log)  # TensorBoard / wandb copies, when installed
-        self.env_factory = None
-        self.env_pool = None
+        self.env_factory: EnvFactory | None = None
+        self.env_pool: SandboxPool | None = None
         if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
             from plexctl.envs import load_env
             from plexctl.sandbox import SandboxPool
@@ -460,6 +464,7 @@ class Job:
         from plexctl.envs import run_episodes
 
         e = self.spec.env
+        assert e is not None and self.env_factory is not None and self.env_pool is not None  # multi-turn jobs only
         samples = [r for r in records for _ in range(n)]
         envs = [self.env_factory() for _ in samples]
         return run_episodes(

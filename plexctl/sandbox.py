@@ -60,7 +60,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 T = TypeVar("T")
 
@@ -512,7 +515,9 @@ class _Stream:
 
 def _collect(proc: subprocess.Popen, deadline: float, bound: int, uid: int | None) -> tuple[_Stream, _Stream, bool]:
     """Read both pipes until the program exits (then kill what it left) or the deadline passes."""
-    pipes = {proc.stdout: _Stream(bound), proc.stderr: _Stream(bound)}
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # started with both piped (_popen)
+    pipes: dict[FileDescriptorLike, _Stream] = {stdout: _Stream(bound), stderr: _Stream(bound)}
     exit_fd = _pidfd(proc.pid)
     timed_out, exited, drain_until = False, False, 0.0
     with selectors.DefaultSelector() as sel:
@@ -545,9 +550,9 @@ def _collect(proc: subprocess.Popen, deadline: float, bound: int, uid: int | Non
                 exited, drain_until = True, _end_run(proc.pid, uid)
     if exit_fd is not None:
         os.close(exit_fd)
-    proc.stdout.close()
-    proc.stderr.close()
-    return pipes[proc.stdout], pipes[proc.stderr], timed_out
+    stdout.close()
+    stderr.close()
+    return pipes[stdout], pipes[stderr], timed_out
 
 
 def _end_run(pid: int, uid: int | None) -> float:
@@ -662,6 +667,7 @@ class SandboxSession:
             paths = _fill_run_dir(self.base, self.uid, code, "", paths)
             self.proc = _popen(self.mode, self.uid, self.base, limits, paths, subprocess.PIPE)
             for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                assert pipe is not None  # all three piped
                 os.set_blocking(pipe.fileno(), False)
         except BaseException:
             self.close()

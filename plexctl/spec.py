@@ -641,7 +641,9 @@ class _ContextFit:
             context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # no context said: the engines judge
-        sampling = doc.get("sampling") if isinstance(doc.get("sampling"), dict) else {}
+        sampling = doc.get("sampling")
+        if not isinstance(sampling, dict):
+            sampling = {}
         return cls(model_dir, context, sampling.get("max_tokens", SamplingSpec().max_tokens))
 
     def measure(self, path: str) -> Callable[[list[tuple[str, str]]], None]:

@@ -17,6 +17,7 @@ that span several fields beyond what the docstrings say, and never imports torch
 from __future__ import annotations
 
 import argparse
+import builtins
 import difflib
 import inspect
 import math
@@ -66,7 +67,7 @@ class FieldDoc:
     default: str  # as YAML: ``0.0001``, ``null``, ``[q_proj, v_proj]``; ``required`` when there is none
     meaning: str
     constraints: tuple[str, ...]  # one phrase each: ``> 0``, ``one of arith, math``, ``may be null``
-    section: type[msgspec.Struct] | None  # the struct of a section key, else None
+    section: builtins.type[msgspec.Struct] | None  # the struct of a section key, else None
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def _direct_io_works(directory: Path | str) -> bool:
         if works:
             fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
             try:
-                view = memoryview(block.numpy())
+                view = memoryview(block.numpy())  # type: ignore[arg-type]  # numpy types __buffer__ for 3.12+ only
                 works = os.pwrite(fd, view, 0) == DIRECT_ALIGN and os.preadv(fd, [view], 0) == DIRECT_ALIGN
             finally:
                 os.close(fd)
@@ -226,18 +226,18 @@ def write_copy(path: Path, state: JobStateCopy, reuse: int | None = None) -> Nvm
     (``O_EXCL``: it fails rather than reuse anything), or with ``reuse`` (its size) an existing
     file, overwritten in place and cut to size. Returns the copy's description, its checksums
     computed as it was written. On failure the file is left as it is: the caller deletes it."""
-    spec, buffers = state.spec, state.buffers
+    spec, held = state.spec, state.buffers
     if (
-        type(buffers) is SpecBuffers
-        and buffers.memory is state.memory
-        and buffers.spec is spec
+        type(held) is SpecBuffers
+        and held.memory is state.memory
+        and held.spec is spec
         and state.layout is spec.layout
         and type(state.tensors) is TensorViews
         and not state.tensors.standalone
     ):
-        image = buffers.file_image()
-        if image is not None:  # an exported or read copy: its memory is the data section, its spec says where
-            sums, direct = _write_stream(path, [], image, spec.nbytes, IO_CHUNK_BYTES, reuse)
+        section = held.file_image()
+        if section is not None:  # an exported or read copy: its memory is the data section, its spec says where
+            sums, direct = _write_stream(path, [], section, spec.nbytes, IO_CHUNK_BYTES, reuse)
             # by position (with the caches cold, keywords cost more than the checks above), in the
             # field order: path, nbytes, chunk_bytes, sums, job_id, lora, seed, weight_decay,
             # param_keys, layout, param_groups, state_values, spec, buffers, standalone, laid_out, direct
@@ -414,7 +414,7 @@ def _write_chunk(
             bounce[at : at + part.numel()].copy_(part)
             at += part.numel()
         bounce[at : round_up(at, DIRECT_ALIGN)].zero_()
-        return _write_span(fd, memoryview(bounce.numpy()), offset, nbytes, sum_aside)
+        return _write_span(fd, memoryview(bounce.numpy()), offset, nbytes, sum_aside)  # type: ignore[arg-type]
     finally:
         _bounce_buffers().put(bounce)
 

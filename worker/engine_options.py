@@ -10,6 +10,10 @@ worker calls them once at start; the tests call them for both platforms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from worker.engine_args import Platform
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -23,12 +27,12 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    device: str  # cpu | cuda
+    device: Platform
     dtype: str
     micro_batch_tokens: int
 
 
-def resolve_device(asked: str, cuda_available: bool, visible_devices: str | None) -> str:
+def resolve_device(asked: str, cuda_available: bool, visible_devices: str | None) -> Platform:
     """``cpu`` or ``cuda`` for ``--device`` (auto: cuda when this process sees a GPU)."""
     if asked not in DEVICES:
         raise OptionError(f"--device {asked!r}: choose one of {', '.join(DEVICES)}")
@@ -37,7 +41,7 @@ def resolve_device(asked: str, cuda_available: bool, visible_devices: str | None
         raise OptionError(f"--device cuda: this process sees no usable CUDA device ({seen})")
     if asked == "auto":
         return "cuda" if cuda_available else "cpu"
-    return asked
+    return cast("Platform", asked)  # cpu or cuda: checked above
 
 
 def resolve_dtype(asked: str, device: str) -> str:

@@ -115,6 +115,7 @@ class HostArena:
             if not fits:
                 raise HostMemoryError(size, self._stats())
             _, start = min(fits)
+            assert self._map is not None  # free extents exist only with a capacity, and so a mapping
             memory = (ctypes.c_char * size).from_buffer(self._map, start)  # keeps the mapping alive
             tensor = torch.frombuffer(memory, dtype=torch.uint8)  # its storage keeps ``memory`` alive
             block = _Block(size, weakref.ref(tensor))

@@ -59,7 +59,7 @@ from plexctl import protocol as P
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.sizes import parse_bytes
-from worker.engine_args import DEFAULT_MAX_LORA_RANK, adapter_slots
+from worker.engine_args import DEFAULT_MAX_LORA_RANK, Platform, adapter_slots
 from worker.engine_options import (
     DTYPES,
     EngineOptions,
@@ -137,7 +137,7 @@ class WorkerIO(threading.Thread):
         self.register = register
         self.queues = queues
         self.parent_pid = parent_pid
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.bound = threading.Event()
         self.stop = threading.Event()
 
@@ -169,11 +169,11 @@ class WorkerIO(threading.Thread):
             if dealer in events:
                 while True:
                     try:
-                        frames = recv_message(dealer, NOBLOCK)
+                        message = recv_message(dealer, NOBLOCK)
                     except zmq.Again:
                         break
                     last_daemon = heard = time.monotonic()
-                    self._route(frames)
+                    self._route(message)
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_S:
                 last_beat = now
@@ -219,6 +219,7 @@ class WorkerIO(threading.Thread):
                 if ok is None:
                     return  # routed when the task it follows ends
                 if not ok:
+                    assert self.dealer is not None  # made by run, the one caller
                     send_frames(self.dealer, P.encode(P.Op.RESULT, self.followers.failed(body))[0])
                     return
             if body.method == "shutdown":  # the daemon is stopping: its jobs have checkpointed
@@ -244,7 +245,7 @@ class Outbox:
     tasks that were waiting for it (or fails them)."""
 
     def __init__(self, followers: Followers | None = None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
         self.sock.connect(OUTBOX)
         self.followers = followers
 
@@ -754,7 +755,7 @@ def _leave(worker_id: str) -> None:
         os._exit(0)
 
 
-def _adapter_slots(args: argparse.Namespace, device: str) -> tuple[int, int]:
+def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int]:
     """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs."""
     if args.max_loras is not None:
         return args.max_loras, max(args.max_cpu_loras or 2 * args.max_loras, args.max_loras)

@@ -268,8 +268,8 @@ def scoped_env(forced: dict[str, str], defaults: dict[str, str]) -> Iterator[Non
     try:
         yield
     finally:
-        for k, v in previous.items():
-            restore_env(k, v)
+        for name, value in previous.items():
+            restore_env(name, value)
 
 
 def restore_env(name: str, value: str | None) -> None:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -155,7 +155,7 @@ class SpecBuffers(Mapping[str, torch.Tensor]):
         self.spec = spec
         self.memory = memory
         self._views: dict[str, torch.Tensor] | None = None
-        self._image: memoryview | None | bool = False  # not looked at yet
+        self._image: memoryview | None | Literal[False] = False  # not looked at yet
 
     def file_image(self) -> memoryview | None:
         """``memory`` as a writable byte view when it can go to a file as it is, O_DIRECT

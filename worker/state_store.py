@@ -755,6 +755,7 @@ class StateStore:
                     self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
                 self._cond.notify_all()
             else:  # taken back while written: the file is no copy of anything
+                assert self._files is not None  # it was written to nvme
                 self._files.add_spare(written.path, written.file_bytes)
                 doomed = self._trim_spares()
                 buffer = None

@@ -57,7 +57,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -199,7 +199,7 @@ def make_model(vocab_size: int) -> Any:
         **MODEL_CONFIG,
     )
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' functools.wraps on .to
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     return model
 
@@ -593,13 +593,13 @@ def encode_rows(tokenizer: Any, rows: list[Row]) -> SftBatch:
     width = max(len(c) + len(t) for c, t in encoded)
     ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    target = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    target_mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
     for i, (context_ids, target_ids) in enumerate(encoded):
         row = context_ids + target_ids
         ids[i, : len(row)] = torch.tensor(row)
         attn[i, : len(row)] = 1
-        target[i, len(context_ids) - 1 : len(row) - 1] = 1.0  # position t predicts token t+1
-    return SftBatch(ids, attn, target)
+        target_mask[i, len(context_ids) - 1 : len(row) - 1] = 1.0  # position t predicts token t+1
+    return SftBatch(ids, attn, target_mask)
 
 
 class TokenMemo:
@@ -707,7 +707,10 @@ def sft_step(model: Any, tokenizer: Any, opt: torch.optim.Optimizer, rows: list[
     """One optimizer step on the mean log-loss of the rows' target tokens."""
     batches = encode_by_length(tokenizer, rows)
     model.train()
-    loss = -sum(answer_logprobs(model, b).sum() for b in batches) / sum(b.target_mask.sum() for b in batches)
+    # a tensor: typeshed's sum() adds its start, 0, to the type
+    loss = cast(
+        torch.Tensor, -sum(answer_logprobs(model, b).sum() for b in batches) / sum(b.target_mask.sum() for b in batches)
+    )
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

@@ -19,7 +19,7 @@ What it deliberately does not do: models whose logits are post-processed after t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,7 +31,7 @@ _POST_PROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scal
 def causal_lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder, lm_head) of a transformers CausalLM, or of the one a ``PeftModel`` wraps (its
     LoRA layers stay in place: ``disable_adapter`` and ``set_adapter`` still apply)."""
-    causal_lm: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm: Any = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model
     head = causal_lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(causal_lm).__name__} has no lm_head")
@@ -130,7 +130,7 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
     checkpointed chunk)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         states: torch.Tensor,
         targets: torch.Tensor,
@@ -151,7 +151,7 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
         return chosen, ent
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_chosen: torch.Tensor, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor, None, None, None, None]:
         (direction,) = ctx.saved_tensors

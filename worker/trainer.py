@@ -173,7 +173,7 @@ class _Slot:
     runs: list[tuple[torch.Tensor, int, int]]
     params: dict[str, torch.nn.Parameter]  # PEFT-file key -> parameter, in module order
     optimizer: torch.optim.AdamW
-    moments: dict[torch.nn.Parameter, dict[str, torch.Tensor]]  # AdamW's state: views
+    moments: dict[torch.Tensor, dict[str, torch.Tensor]]  # parameter -> AdamW's state: views
     rng: dict[str, torch.Tensor]  # the job's RNG state: views
     # one run from the first byte and ``device`` a whole number of pages (CPU): the state moves to
     # or from memory of ``numel`` bytes laid out by ``spec`` (a pool's buffer of its pages) as one
@@ -706,7 +706,7 @@ class TrainerEngine:
                 if group.name.startswith(("optim.", "step.")):
                     spans[group.name].zero_()
         optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
-        moments = {
+        moments: dict[torch.Tensor, dict[str, torch.Tensor]] = {
             param: {name: views[f"{OPTIM_PREFIX}{key}/{name}"] for name in ("step", "exp_avg", "exp_avg_sq")}
             for key, param in params.items()
         }
@@ -731,7 +731,7 @@ class TrainerEngine:
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's
         groups = [(f"adapter.{dtype_name(d)}", d, members) for d, members in adapter.items()]
         groups += [(f"optim.{dtype_name(d)}", d, members) for d, members in optim.items()]
-        steps = [(f"{OPTIM_PREFIX}{key}/step", ()) for key in params]
+        steps: list[tuple[str, tuple[int, ...]]] = [(f"{OPTIM_PREFIX}{key}/step", ()) for key in params]
         groups.append((f"step.{dtype_name(step_dtype)}", step_dtype, steps))
         groups.append(("rng.uint8", torch.uint8, [(RNG_PREFIX + name, s) for name, s in self._rng_shapes.items()]))
         return state_spec(groups)
@@ -961,7 +961,7 @@ def _load_base_model(
 ) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     check_plain_head(model.config)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' functools.wraps on .to
     model.eval()
     model.requires_grad_(False)
     if gradient_checkpointing:
@@ -1033,8 +1033,8 @@ def _restore_job_state(
     state stays the slot's views (``load_state_dict`` alone would replace them)."""
     if set(tensors) != set(job.params) or trainer_state.get("param_keys") != list(job.params):
         raise CheckpointError(f"checkpoint {directory}: adapter keys do not match the job's adapter")
-    for key, param in job.params.items():
-        if tensors[key].shape != param.shape:
+    for key, weight in job.params.items():
+        if tensors[key].shape != weight.shape:
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {tuple(tensors[key].shape)}")
     rng = trainer_state.get("rng")
     if (

@@ -82,6 +82,7 @@ class GroupLoop(abc.ABC):
         pending = self.next_rollout(start) if start < a.steps else None
         for step in range(start, a.steps):
             t0 = time.perf_counter()
+            assert pending is not None  # None only when no step is left
             first = job.wait(pending)
             staleness = job.version - first.policy_version  # policy versions behind
             trained, seen = self.collect(step, first)
