@@ -307,7 +307,9 @@ def profile_daemon(load: Load, top: int = 15) -> dict[str, Any]:
         outcome: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: outcome.update(run_load(daemon.address, load, None)), daemon=True)
         loader.start()
-        stopper = threading.Timer(2.0 + load.warmup_s + load.window_s + 0.5, lambda: setattr(daemon, "stopping", True))
+        stopper = threading.Timer(
+            2.0 + load.warmup_s + load.window_s + 0.5, lambda: setattr(daemon.core, "stopping", True)
+        )
         stopper.start()
         profiler = cProfile.Profile()
         started = time.perf_counter()
@@ -340,15 +342,16 @@ def profile_daemon(load: Load, top: int = 15) -> dict[str, Any]:
 # The run loop's pieces, by the labels function_label gives them.
 HOT_PATH = (
     "daemon/main.py:run",
-    "daemon/main.py:_dispatch",
-    "daemon/main.py:on_ping",
+    "daemon/main.py:dispatch",
+    "daemon/core.py:handle",
+    "daemon/core.py:on_ping",
     "daemon/main.py:_send",
     "plexctl/protocol.py:decode",
     "plexctl/protocol.py:encode",
-    "daemon/main.py:_admit",
-    "daemon/main.py:_place",
-    "daemon/main.py:_reap_drivers",
-    "daemon/main.py:_heartbeat_workers",
+    "daemon/core.py:chores",
+    "daemon/core.py:place",
+    "daemon/main.py:reap_drivers",
+    "daemon/core.py:heartbeat",
     "plexctl/frames.py:recv_frames",
     "plexctl/frames.py:send_frames",
     "zmq.Socket.poll",
@@ -357,7 +360,7 @@ QUIET_WHILE_PROFILING = ("plexd",)  # clients that leave mid-reply make the daem
 
 
 def function_label(path: str, line: int, name: str) -> str:
-    """'daemon/main.py:_admit' for repo code, 'zmq.Socket.poll' for pyzmq's, else 'file:name'."""
+    """'daemon/core.py:chores' for repo code, 'zmq.Socket.poll' for pyzmq's, else 'file:name'."""
     if path == "~":
         return name.strip("<>").replace("built-in method ", "").replace("method ", "")
     if "/zmq/" in path:

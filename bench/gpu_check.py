@@ -64,7 +64,7 @@ def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from worker.tiny import BOS_ID, EOS_ID, PAD_ID, make_tokenizer
+    from worker.tiny_models import BOS_ID, EOS_ID, PAD_ID, make_tokenizer
 
     torch.manual_seed(0)
     config = Qwen2Config(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, **shape)

@@ -1,38 +1,24 @@
 """Benchmark: the same mixed set of tiny jobs run ``isolated`` and shared, in one run.
 
 Each mode starts its own local cluster of one rollout engine and one trainer engine (real
-vLLM on CPU, real torch + peft) and submits the same jobs:
+vLLM on CPU, real torch + peft) and submits the same jobs (``JOBS``: four shapes, three with
+``--quick``):
 
 - ``isolated``: every job owns the engine pair while it runs (today's frameworks), so jobs
   queue; each job is billed 2 engines x its own run time;
 - ``spread+backfill`` (shared): all jobs at once on the same pair; billed 2 engines x the
   makespan.
 
-Reported per mode: engine-seconds per effective training step, makespan, bubble ratio
-(idle share of engine time while jobs ran), each job's reward curve; and the shared /
-isolated ratios, plus how far each job's per-step reward curve moved between the modes
-(the same seeds give the same samples, so a correct runtime gives identical curves).
+The trainer keeps ``--device-slots`` jobs' state on its device (default half the jobs) and
+``--host-mem`` of swapped-out state in host memory (default 512K: one tiny job's state), so
+sharing swaps states device <-> host <-> NVMe.
 
-State swaps: the trainer keeps ``--device-slots`` jobs' state on its device (default 2,
-fewer than the jobs) and ``--host-mem`` of swapped-out state in host memory (default 512K:
-one tiny job's state), so sharing swaps states device <-> host <-> NVMe. Per mode it records
-the trainer's swap counters (``plexctl status``: ``engines[].swaps``, per direction) and each
-job's ``train/swap_seconds`` (``ensure_resident``'s time inside its own ``train_step``
-calls), and reports the share of swap time hidden behind other jobs' compute:
-``(behind_other_jobs_s - stalled_s) / seconds``. ``behind_other_jobs_s`` is the time of the
-moves made off the trainer's critical path (on the worker's prefetch thread, reads from NVMe
-and the demotions that made room for them; on the store's write-behind thread, the writes to
-NVMe that evictions left behind) while a task of another job ran on either engine (the
-trainer reports each such move with its wall-clock interval, the daemon keeps every task's
-interval: ``plexctl status``'s timeline); ``stalled_s`` is the time a swap-in then waited for
-such a move (see ``worker/state_store.py``). ``hidden_share_trainer`` counts only the time
-the trainer's own thread computed meanwhile: ``(overlap_s - stalled_s) / seconds``.
-
-CPU: per mode, the CPU seconds (user + system, from ``/proc``) that the cluster's processes
-spent while the jobs ran: the daemon's whole process tree, with the rollout and the trainer
-worker (each with its engine processes) apart from the rest (drivers, reward sandboxes, the
-daemon). On this machine they all share its few cores; ``bench/simulate.py``'s calibration
-bounds the shared run by the isolated run's CPU seconds over the cores.
+Reported per mode: engine-seconds per effective training step, makespan, bubble ratio (idle
+share of engine time while jobs ran), each job's reward curve, the trainer's swap counters
+and the share of swap time hidden behind other jobs' compute (``swap_summary``), and the CPU
+seconds of the cluster's processes (``cluster_cpu_s``); then the shared / isolated ratios and
+how far each job's per-step reward curve moved between the modes (the same seeds give the
+same samples, so a correct runtime gives identical curves). Method: ``docs/benchmarks.md``.
 
 Usage: ``python bench/multiplex.py [--quick] [--steps N] [--repeat N] [--device-slots N] [--host-mem SIZE]``
 (``--repeat``: the modes alternate N times and the median pair is reported: shared machines are noisy);
@@ -264,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         check=True,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

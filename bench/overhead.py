@@ -98,80 +98,6 @@ class Turnstile:
             self.cond.wait_for(lambda: (self.waiting and self.budget == 0) or self.finished)
 
 
-class InProcessClient:
-    """``JobClient``'s calls served by engines in this process (what a one-job script does).
-    Each generation first passes ``gate``: the bench's turn-taking."""
-
-    def __init__(self, rollout: Any, trainer: Any, spec: Any, job_id: str, job_dir: Path, gate: Turnstile) -> None:
-        self.rollout, self.trainer, self.spec = rollout, trainer, spec
-        self.job_id, self.job_dir, self.gate = job_id, job_dir, gate
-        self.drain = ""
-        self.version = 0
-        self.adapter: P.AdapterRef | None = None
-        self._requests: dict[int, tuple[P.GenRequest, int]] = {}
-        self._trained: dict[int, dict[str, float]] = {}  # train_and_publish_async's replies, by call id
-        self._ids = iter(range(1, 1 << 62))
-        lora = P.LoraConfig(**msgspec.to_builtins(spec.lora))
-        trainer.ensure_job(job_id, lora, spec.seed)
-
-    def generate_async(self, prompts: list[str], sampling: P.Sampling, after: int | None = None) -> int:
-        """``after``: nothing to do in one process, where calls run in the order they are made."""
-        msg_id = next(self._ids)
-        req = P.GenRequest(job_id=self.job_id, prompts=prompts, sampling=sampling, adapter=self.adapter)
-        self._requests[msg_id] = (req, self.version)
-        return msg_id
-
-    def wait(self, msg_id: int) -> Any:
-        """Generate now: one process does one thing at a time."""
-        if msg_id in self._trained:
-            return self._trained.pop(msg_id)
-        req, version = self._requests.pop(msg_id)
-        self.gate.wait()
-        return {"completions": self.rollout.generate([req])[0], "policy_version": version}
-
-    def completions(self, reply: Any) -> list[P.Completion]:
-        return reply["completions"]
-
-    def generate(self, prompts: list[str], sampling: P.Sampling) -> list[P.Completion]:
-        return self.completions(self.wait(self.generate_async(prompts, sampling)))
-
-    def train_step(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None, **changes: Any) -> dict[str, float]:
-        hp = msgspec.structs.replace(hp or P.TrainHParams(), **changes)
-        return self.trainer.train_step(self.job_id, batch, hp)
-
-    def train_and_publish(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None) -> tuple[dict[str, float], int]:
-        return self.train_step(batch, hp), self.publish()
-
-    def train_and_publish_async(self, batch: P.TrainBatch, hp: P.TrainHParams | None = None) -> int:
-        """Train and publish now; the reply waits for ``wait``."""
-        metrics, version = self.train_and_publish(batch, hp)
-        msg_id = next(self._ids)
-        self._trained[msg_id] = {**metrics, "version": version}
-        return msg_id
-
-    def published(self, reply: dict[str, float]) -> tuple[dict[str, float], int]:
-        reply = dict(reply)
-        return reply, int(reply.pop("version"))
-
-    def publish(self) -> int:
-        self.version += 1
-        out = self.job_dir / "adapters" / f"v{self.version:06d}"
-        self.trainer.save_adapter(self.job_id, str(out))
-        self.adapter = P.AdapterRef(self.job_id, self.version, str(out))
-        return self.version
-
-    def checkpoint(self, step: int, extra: dict[str, Any]) -> str:
-        out = self.job_dir / "ckpt" / f"step-{step:06d}"
-        self.trainer.save_checkpoint(self.job_id, str(out), extra)
-        return str(out)
-
-    def restore(self) -> None:
-        return None
-
-    def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
-        pass
-
-
 def steps_of(metrics_path: Path) -> list[dict]:
     try:
         text = metrics_path.read_text()
@@ -227,13 +153,21 @@ class InProcess:
     def run(self, overrides: list[str]) -> None:
         """The job's loop, on the calling thread, to its end (or the bench's abort)."""
         from plexctl.algos import run_algorithm
-        from plexctl.rl import Job
+        from plexctl.rl import InprocClient, Job
 
         spec = load_spec(CONFIG, overrides, "overhead")
         job_dir = self.metrics.parent
         job_dir.mkdir(parents=True)
         job = Job(
-            InProcessClient(self.rollout, self.trainer, spec, "j0001", job_dir, self.gate),
+            InprocClient(
+                self.rollout,
+                self.trainer,
+                "j0001",
+                job_dir,
+                P.LoraConfig(**msgspec.to_builtins(spec.lora)),
+                spec.seed,
+                before_generate=self.gate.wait,
+            ),
             spec,
             job_dir,
             log=lambda _m: None,
@@ -443,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if steps <= warmup + 1 or block < 2:
         ap.error("--steps must exceed --warmup + 1 and --block must be >= 2")
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -1,302 +1,38 @@
 """Benchmark: a cluster-scale trace replayed through the daemon's own scheduler core, per policy.
 
-Draws a trace (``daemon/trace.py``: by default 1,000 jobs of 7B/30B/235B class on 16-192
-GPUs, bubble ratios 70-81 %, arrivals over 90 days) or reads one, and replays it with
-``daemon/simulator.py`` on a simulated clock under ``isolated``, ``pack``, ``spread``,
-``spread+backfill`` and *our best*: ``spread+backfill`` with the ``jobs_per_engine`` that
-did best on a held-out trace (the same generator with the next seed
-at a quarter of the scale; a trace read from a file is tuned on itself). Best = lowest
-makespan, then (within 1 % of it) fewest GPU-hours per step, then shortest p99 queueing.
+The program is ``daemon/simulate.py`` (``plexctl simulate``); this runs it with the benchmark's
+defaults: it calibrates against ``bench/results/multiplex.json`` (the real-engine benchmark on
+this machine: the simulator predicts the shared / isolated engine-seconds-per-step ratio that
+run measured, and the table shows both), names the machine as the other benchmarks do, and
+writes ``bench/results/simulate.json`` (``simulate-quick.json`` with ``--quick``).
 
-Reported per policy: makespan and GPU-hours per training step, each relative to isolated;
-bubble ratio; queueing delay (arrival to admission) p50 / p99; swap traffic; the
-scheduler's decision latency (wall time of each ``tick``) p50 / p99; and the critical-path
-bound of the trace (latest arrival + isolated run time: no policy can finish earlier).
-
-Calibration: ``calibrate_from`` reads ``bench/results/multiplex.json`` (the real-engine
-benchmark on this machine), builds the same 4 tiny jobs from its isolated run, and the
-simulator predicts the shared / isolated engine-seconds-per-step ratio that the benchmark
-measured; the table shows both. The simulator gives each engine its own processors (GPUs);
-on this machine the engines, reward code, drivers and daemon share a few CPU cores, so the
-prediction is also held to the cores' bound: the CPU seconds the isolated run spent over the
-cores, as the shortest shared makespan (``daemon.simulator.predict``); the table shows each.
-
-Usage: ``python bench/simulate.py [--quick] [--jobs N] [--gpus G] [--trace FILE] [--out FILE]``
-(``plexctl simulate TRACE`` calls ``main([TRACE])``). Writes ``bench/results/simulate.json``
-(``simulate-quick.json`` with ``--quick``). Runs the policies on ``--workers`` processes.
+Usage: ``python bench/simulate.py [--quick] [--jobs N] [--gpus G] [--trace FILE] [--out FILE]``;
+``--help`` lists the rest. The method and the history are in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import sys
-import time
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
-from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate  # noqa: E402
-from daemon.trace import DAY_S, Trace, generate_trace, read_trace, write_trace  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
+from daemon.simulate import Defaults  # noqa: E402
+from daemon.simulate import main as simulate_main  # noqa: E402
 
-BASELINES = ("isolated", "pack", "spread", "spread+backfill")
-TUNE_JOBS_PER_ENGINE = (2, 3, 4, 6, 8)
-TUNE_MAX_SWITCHES = (4,)  # the bound never binds here: a shard has one trainer call per step
 MULTIPLEX_JSON = REPO / "bench" / "results" / "multiplex.json"
-
-console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-class _Inline(Executor):
-    """Runs submitted calls at once, in this process (``--workers 1``)."""
-
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        f: Future = Future()
-        f.set_result(fn(*args, **kwargs))
-        return f
-
-
-def _run(trace: Trace, policy: str, gpus: int, jpe: int, switches: int, cfg: SimConfig) -> SimResult:
-    result = simulate(trace, policy, gpus, jobs_per_engine=jpe, max_switches=switches, config=cfg)
-    result.outcomes, result.engine_busy_s = [], {}  # keep what crosses the process boundary small
-    return result
-
-
-def pick_best(results: list[SimResult]) -> SimResult:
-    """Lowest makespan; within 1 % of it, fewest GPU-hours per step; then shortest p99 queueing."""
-    shortest = min(r.makespan_s for r in results)
-    close = [r for r in results if r.makespan_s <= shortest * 1.01]
-    return min(close, key=lambda r: (round(r.gpu_hours_per_step, 6), r.queue_p99_s, r.makespan_s))
-
-
-def critical_path_s(trace: Trace) -> float:
-    """Latest arrival + isolated run time over the trace: a bound no policy beats in this model."""
-    start = min(j.arrival_s for j in trace.jobs)
-    return max(j.arrival_s + j.steps * j.step_s for j in trace.jobs) - start
-
-
-def calibration(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    model = calibrate_from(path)
-    measured = all(
-        "generate_s" in j and "train_s" in j for j in json.loads(path.read_text())["modes"]["isolated"]["jobs"].values()
-    )
-    out: dict[str, Any] = {
-        "source": str(path),
-        "phases": "measured per-step generate/train seconds"
-        if measured
-        else f"bubble ratio only (train share of busy time assumed {model.train_share:.2f})",
-        "busy_share": model.busy_share,
-        "jobs": [
-            {"name": j.name, "steps": j.steps, "generate_s": j.generate_s, "stall_s": j.stall_s, "train_s": j.train_s}
-            for j in model.jobs
-        ],
-        **predict(model),
-    }
-    if not measured:  # how much the one assumption moves the prediction
-        out["ratio_by_train_share"] = {
-            f"{ts:.2f}": predict(calibrate_from(path, train_share=ts))["ratio"] for ts in (0.2, 0.34, 0.5, 0.7)
-        }
-    return out
+BENCH = Defaults(
+    command="python bench/simulate.py",
+    multiplex=MULTIPLEX_JSON,
+    out=lambda quick: REPO / "bench" / "results" / ("simulate-quick.json" if quick else "simulate.json"),
+    machine=describe,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace_file", nargs="?", type=Path, help="a trace file to replay (same as --trace)")
-    ap.add_argument("--trace", type=Path, help="replay this trace (.json or .jsonl) instead of drawing one")
-    ap.add_argument("--quick", action="store_true", help="50 jobs on 128 GPUs: a few seconds")
-    ap.add_argument("--jobs", type=int, help="jobs in the drawn trace (default 1000)")
-    ap.add_argument("--gpus", type=int, help="cluster GPUs (default 2048, or the trace's)")
-    ap.add_argument("--days", type=float, default=90.0, help="arrival window of the drawn trace")
-    ap.add_argument("--load", type=float, default=1.6, help="isolated GPU-time demand / cluster GPU-time")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--macro-steps", type=int, help="simulated steps per job at most (default 12; 8 with --quick)")
-    ap.add_argument("--jobs-per-engine", type=int, default=4, help="for pack / spread / spread+backfill")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes")
-    ap.add_argument("--multiplex", type=Path, default=MULTIPLEX_JSON, help="calibration source")
-    ap.add_argument("--save-trace", type=Path, help="also write the replayed trace here")
-    ap.add_argument("--out", type=Path, help="JSON output (default bench/results/simulate[-quick].json)")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-
-    trace_path = args.trace or args.trace_file
-    if trace_path is not None:
-        try:
-            trace = read_trace(trace_path)
-        except OSError as e:
-            print(f"error: trace {trace_path}: {e.strerror}", file=sys.stderr)
-            return 2
-        except ValueError as e:  # it names the file
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        gpus = args.gpus or trace.gpus or 2048
-        tune_trace, tune_gpus, tuned_on = trace, gpus, f"the replayed trace ({trace_path})"
-    else:
-        n = args.jobs or (50 if args.quick else 1000)
-        gpus = args.gpus or (128 if args.quick else 2048)
-        trace = generate_trace(n, gpus, args.days, args.seed, args.load)
-        tune_n, tune_gpus = max(50, n // 4), max(128, gpus // 4)
-        tune_trace = generate_trace(tune_n, tune_gpus, args.days, args.seed + 1, args.load)
-        tuned_on = f"a held-out trace: {tune_n} jobs on {tune_gpus} GPUs, seed {args.seed + 1}"
-    if args.save_trace:
-        write_trace(args.save_trace, trace)
-    cfg = SimConfig(macro_steps=args.macro_steps or (8 if args.quick else 12))
-    jpe = args.jobs_per_engine
-
-    pool: Executor = ProcessPoolExecutor(args.workers) if args.workers > 1 else _Inline()
-    with pool:
-        tuning = [
-            pool.submit(_run, tune_trace, "spread+backfill", tune_gpus, j, s, cfg)
-            for j in TUNE_JOBS_PER_ENGINE
-            for s in TUNE_MAX_SWITCHES
-        ]
-        runs = {p: pool.submit(_run, trace, p, gpus, 1 if p == "isolated" else jpe, 4, cfg) for p in BASELINES}
-        tuned = [f.result() for f in tuning]
-        choice = pick_best(tuned)
-        best_f = pool.submit(_run, trace, "spread+backfill", gpus, choice.jobs_per_engine, choice.max_switches, cfg)
-        calib = calibration(args.multiplex)
-        results = {p: f.result() for p, f in runs.items()}
-        best_label = f"best: spread+backfill jpe={choice.jobs_per_engine}"
-        results[best_label] = best_f.result()
-    run_s = time.perf_counter() - t0
-
-    iso = results["isolated"]
-    bound = critical_path_s(trace)
-    title = (
-        f"simulate: {len(trace.jobs)} jobs, {trace.steps:,} steps, {gpus} GPUs "
-        f"({iso.engines} engines of {cfg.gpus_per_engine} GPUs), macro-steps {cfg.macro_steps}"
-    )
-    table = Table(title=title)
-    table.add_column("policy", no_wrap=True)
-    for col in (
-        "makespan d",
-        "vs iso",
-        "GPU-h/step",
-        "vs iso",
-        "bubble",
-        "queue p50/p99 h",
-        "swaps (TB)",
-        "tick p50/p99/p99.9 µs",
-        "sim s",
-    ):
-        table.add_column(col, justify="right")
-    rows: dict[str, dict[str, Any]] = {}
-    for label, r in results.items():
-        rel_m, rel_g = r.makespan_s / iso.makespan_s, r.gpu_hours_per_step / iso.gpu_hours_per_step
-        rows[label] = {**r.summary(), "makespan_vs_isolated": rel_m, "gpu_hours_per_step_vs_isolated": rel_g}
-        table.add_row(
-            label,
-            f"{r.makespan_s / DAY_S:.1f}",
-            f"{rel_m:.0%}",
-            f"{r.gpu_hours_per_step:.2f}",
-            f"{rel_g:.0%}",
-            f"{r.bubble_ratio:.0%}",
-            f"{r.queue_p50_s / 3600:.1f} / {r.queue_p99_s / 3600:.1f}",
-            f"{r.swaps.swap_ins} ({r.swaps.total_bytes / 1e12:.1f})",
-            f"{r.tick_p50_us:.0f} / {r.tick_p99_us:.0f} / {r.tick_p999_us:.0f}",
-            f"{r.wall_s:.1f}",
-        )
-    console.print(table)
-    console.print(
-        f"critical-path bound (latest arrival + isolated run time): {bound / DAY_S:.1f} d "
-        f"= {bound / iso.makespan_s:.0%} of isolated; PlexRL reports 56 % for spread+backfill. "
-        f"Our best tuned on {tuned_on}. Whole run {run_s:.1f} s."
-    )
-    if calib is not None:
-        ct = Table(title="calibration against bench/multiplex.py (4 tiny jobs, 1 rollout + 1 trainer engine)")
-        for col in ("", "engine-s/step isolated", "engine-s/step shared", "shared/isolated", "bubble iso / shared"):
-            ct.add_column(col, justify="right")
-        m = calibrate_from(args.multiplex).measured
-        if "ratio" in m:
-            ct.add_row(
-                "measured",
-                f"{m['isolated_engine_s_per_step']:.3f}",
-                f"{m['shared_engine_s_per_step']:.3f}",
-                f"{m['ratio']:.3f}",
-                f"{m['isolated_bubble_ratio']:.0%} / {m['shared_bubble_ratio']:.0%}",
-            )
-        ct.add_row(
-            "predicted",
-            f"{calib['isolated_engine_s_per_step']:.3f}",
-            f"{calib['shared_engine_s_per_step']:.3f}",
-            f"{calib['ratio']:.3f}",
-            f"{calib['isolated_bubble_ratio']:.0%} / {calib['shared_bubble_ratio']:.0%}",
-        )
-        ct.add_row("  scheduling (simulator)", "", "", f"{calib['scheduling_ratio']:.3f}", "")
-        if "cpu_bound_ratio" in calib:
-            ct.add_row("  cores bound (isolated run's CPU-s / cores)", "", "", f"{calib['cpu_bound_ratio']:.3f}", "")
-        console.print(ct)
-        sens = calib.get("ratio_by_train_share")
-        console.print(
-            f"phases from: {calib['phases']}"
-            + (
-                "; predicted ratio by assumed train share: " + ", ".join(f"{k}: {v:.3f}" for k, v in sens.items())
-                if sens
-                else ""
-            )
-        )
-
-    out = args.out or REPO / "bench" / "results" / ("simulate-quick.json" if args.quick else "simulate.json")
-    write_json_atomic(
-        out,
-        {
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": {
-                "cpu": describe(),
-                "host": platform.node(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-            },
-            "command": "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "run_s": run_s,
-            "workers": args.workers,
-            "trace": {
-                "name": trace.name,
-                "jobs": len(trace.jobs),
-                "steps": trace.steps,
-                "gpus": gpus,
-                "days": trace.days,
-                "seed": trace.seed,
-                "load": trace.load,
-                "critical_path_s": bound,
-                "critical_path_vs_isolated": bound / iso.makespan_s,
-            },
-            "config": {"jobs_per_engine": jpe, **{k: getattr(cfg, k) for k in cfg.__struct_fields__}},
-            "policies": rows,
-            "best": {
-                "label": best_label,
-                "jobs_per_engine": choice.jobs_per_engine,
-                "max_switches": choice.max_switches,
-                "tuned_on": tuned_on,
-            },
-            "tuning": [
-                {
-                    "jobs_per_engine": r.jobs_per_engine,
-                    "max_switches": r.max_switches,
-                    "makespan_s": r.makespan_s,
-                    "gpu_hours_per_step": r.gpu_hours_per_step,
-                    "queue_p99_s": r.queue_p99_s,
-                }
-                for r in tuned
-            ],
-            "calibration": calib,
-            "reference": {"plexrl_makespan_vs_isolated_spread_backfill": 0.56, "tick_p99_target_us": 1000},
-        },
-    )
-    console.print(f"wrote {out}")
-    return 0
+    return simulate_main(argv, BENCH)
 
 
 if __name__ == "__main__":

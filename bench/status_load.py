@@ -7,47 +7,22 @@ again and again, in phases one after the other: ``baseline-1``, ``load-1``, ``ba
 ``load-N``, ``baseline-N+1`` (``--rounds N``; 2, or 1 with ``--quick``). In a ``load`` phase,
 ``--procs`` client processes call status at ``--rate`` calls/s in all (default 1,000/s) from
 just before the jobs are submitted until both have ended; in a ``baseline`` phase nothing does.
+Each load phase is compared with the baselines right before and after it; the baselines'
+spread (``control_ratio``: slowest / fastest) is the noise floor.
 
-Why whole runs of the same jobs, and not one run's early steps against its later ones: a
-step's time depends on which step it is (its prompts, how long the answers the policy writes
-by then are), so only the same steps under both conditions compare; and the same seeds give
-the same samples and updates, so each phase's per-step reward curve can be checked against
-the first's (identical on this deterministic CPU build, as ``bench/multiplex.py`` checks
-across placements). Each load phase is compared with the baselines right before and after
-it, so a drift of the machine over the run (other processes on its shared cores) cancels,
-and the spread of the baselines (``control_ratio``: slowest / fastest) is the noise floor the
-load's effect is read against.
+Each client is a user's ``plexctl status`` loop (a real ``plexctl.client.Client`` with this
+user's CURVE key), one call at a time, alternating ``status()`` and ``status(NAME)``, paced
+open-loop: latency counts from when a call was due; no reply within ``--timeout`` is a timeout.
 
-The load: each client process is a user's ``plexctl status`` loop, a real
-``plexctl.client.Client`` with this user's CURVE key (``PLEXRL_HOME`` of the cluster), one
-call at a time, alternating ``status()`` (all jobs and engines) and ``status(NAME)`` (one job
-by name: the newest job of that name, the load phase's once it is submitted). Calls are
-paced open-loop: call ``k`` of a process is due at ``start + (k + index / procs) / rate_per_proc``
-whatever the replies did, so a slow daemon shows up as a missed rate and as latency measured
-from when the call was due (waiting behind the previous call included), not as a lower
-offered load. A call without a reply within ``--timeout`` (no retry) counts as a timeout.
-
-Reported: status calls offered, served and per second over the load windows, latency p50 /
-p90 / p99 / max (from due time; also from the send alone), errors and timeouts; each job's
-step time (mean ``step_s`` from its metrics after ``--warmup`` steps) per phase, and its parts (the
-generate call, the trainer's own compute, the rest); the ratio
-(mean over rounds of ``load_i / mean(baseline_i, baseline_i+1)``) against the stated bound;
-whether every phase's per-step rewards equal the first's; the daemon's CPU per phase (from
-``/proc``) and per status call, and the client processes' CPU.
-
-The stated bound: status calls cost the jobs no more than the CPU they take, never a wait.
-With ``C`` cores and ``L`` of them taken by the status load (daemon and clients, measured),
-a job's step time may grow by at most ``C / (C - L)`` (``cpu_bound``); on a real cluster the
-clients run elsewhere and ``L`` is the daemon's share alone (``daemon_cpu_bound``). A fixed
-``FIXED_BOUND`` (1.10x) is reported beside it: on a 2-core machine whose clients share the
-jobs' cores it is out of reach by construction.
-
-What it deliberately does not do: other requests than status (logs, submit), remote clients,
-more than two jobs.
+Reported: status calls offered and served, latency percentiles, errors and timeouts; each
+job's step time per phase (after ``--warmup`` steps) and its parts; whether every phase's
+per-step rewards equal the first's; the daemon's and the clients' CPU; the step time ratio
+under load against the bound ``C / (C - L)`` (``cpu_bound``: status calls cost the jobs no
+more than the CPU they take) and ``FIXED_BOUND``. Method: ``docs/benchmarks.md``. It does
+not send other requests than status, run remote clients or run more than two jobs.
 
 Usage: ``python bench/status_load.py [--quick] [--steps N] [--rounds N] [--rate R] [--procs N]
-[--timeout S] [--out FILE]``; writes ``bench/results/status_load.json``
-(``status_load-quick.json`` with ``--quick``).
+[--timeout S] [--out FILE]``; writes ``bench/results/status_load.json`` (``status_load-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -544,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --steps > --warmup, --rate > 0, --procs >= 1, --timeout > 0 and --rounds >= 1")
     load = Load(args.rate, args.procs, args.timeout)
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         cwd=REPO,
         check=True,
         stdout=subprocess.DEVNULL,

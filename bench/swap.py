@@ -2,88 +2,24 @@
 
 A job's trainer state moves between three tiers (``worker/state_store.py``): the device (live
 in the ``TrainerEngine``), host memory (a ``JobStateCopy``) and NVMe (the store's checksummed
-copy directory). This script moves real states of three sizes through a real ``StateStore``
-with the calls the worker makes (``ensure_resident``, ``prefetch``, ``set_upcoming``) and
-reads each move's seconds from the store's own swap counters (``swap_stats``: one direction
-of the ``inventory()["swaps"]`` that ``plexctl status`` shows, read alone so that the bench
-disturbs the caches no more than the raw figures' loop does); in the same run, interleaved,
-on the same sizes, it measures the raw figure of the hardware underneath:
+copy directory). This script moves real states of several sizes through a real ``StateStore``
+with the calls the worker makes (``ensure_resident``, ``prefetch``, ``set_upcoming``;
+``SwapCycle``) and reads each move's seconds from the store's own swap counters
+(``swap_stats``); in the same run, interleaved, on the same sizes, it times the raw operation
+underneath each path: device->host and host->device against a memcpy (on CUDA a pinned copy),
+host->nvme against a write + ``fdatasync`` of one file, nvme->host against a cold read of it.
 
-======================  =========================================  ===============================
-path                    what is timed (the store's own counter)    raw figure it is held against
-======================  =========================================  ===============================
-device->host            eviction: ``TrainerEngine.export_state``   CUDA: pinned device->host copy;
-                                                                   CPU: memcpy into a preallocated
-                                                                   buffer (clone shown beside it)
-host->device            swap-in from host: ``import_state``        CUDA: pinned host->device copy;
-                                                                   CPU: as above
-host->nvme              demotion: the copy writer (one file, a     write + fdatasync of one file
-                        spare overwritten in place if one fits,    of the same size
-                        xxh3 per 8 MiB, one fdatasync)
-nvme->host              ``prefetch``: the verified reader          read of that file, cold
-======================  =========================================  ===============================
+Each path is held against the raw operation on the same memory as the store's move
+(``SameMemory``) and, beside it, on the bench's own buffers; a raw file figure is the best of
+buffered and O_DIRECT I/O. Every timed unit starts with the CPU caches flushed (``CacheFlush``),
+every read is cold, every figure is the median of as many interleaved runs (``Samples``).
 
-Each path is held against two raw figures. The target's is the raw operation on the same
-memory as the store's move (``SameMemory``): memcpy (on CUDA a pinned copy) between the job's
-flat device buffer and a host buffer from the store's own pool, and the raw file I/O from or
-into that pool buffer. Beside it is the same operation on the bench's own buffers. The two
-differ because on a VM the speed of memory, and of the disk's DMA into it, depends on which
-physical pages back a buffer, which a process does not choose: on the VM this was built on,
-one file read with the same code into two host buffers of one process took 20 and 90 ms, and
-the 128 MiB state's NVMe read ran at 33 % of the own-buffer figure in one run and 99 % in the
-next, while on the pool's buffer the raw read was exactly as slow as the store's.
-
-The raw file I/O is the best (by median) of three ways of moving the same bytes sequentially: buffered,
-O_DIRECT one request at a time, and O_DIRECT with as many 8 MiB requests in flight as the
-store uses (``copy_files.IO_DEPTH``); writes
-also in place over the blocks of the file's last write (no truncation: what the store does when
-it reuses a spare file, so the raw figure is never a slower way than the store's own). Same
-conditions on both sides: one file per copy, the same bytes (rounded up to 4 KiB), the same
-number of repetitions interleaved. Each repetition is the store's round, the raw memory
-figures and then the raw file figures (each raw write followed by reads of that file, as the
-store's demotion is followed by its read back); the raw memory figures come before the round
-in every other repetition and after it in the rest. Every timed unit (each of the store's
-moves, each raw figure) starts with the CPU caches flushed (``CacheFlush``: 64 MiB written
-just before it): on this kind of machine a 0.4 MB copy takes half as long again, or twice
-as long, depending on what ran before it, so without the flush a small state's figures
-would measure the order of the units. Every write
-ends with ``fdatasync``; every read is cold (the file's pages are dropped from the page
-cache with ``posix_fadvise(DONTNEED)`` first, or O_DIRECT bypasses it); reads land in a
-reused, already faulted-in, page-aligned buffer of the full size (the store reads into its
-host buffer pool, warm after the first round, which is not timed).
-
-Sizes: ``adapter`` is the tiny job itself (``configs/tiny-arith.yaml``: rank 8 on the tiny
-model, about 0.4 MB with its AdamW moments: per-call costs weigh most here); ``adapter-0.5b``
-(6 MiB) and ``adapter-7b`` (48 MiB) are what a rank-8 LoRA on the q and v projections of a
-0.5B-class (Qwen2.5-0.5B's shapes: 0.54 M parameters) and of a 7B-class model (4.2 M) holds
-with its moments, 12 bytes a parameter; they, ``optimizer`` (128 MiB) and ``full`` (1 GiB;
-with ``--quick`` 16 and 64 MiB, neither adapter) are reached by raising the LoRA rank on the
-same tiny model, so the bytes go through exactly the code a real state takes (the adapter,
-the two AdamW moments and the step counts, packed into a few flat buffers) while the model
-stays small. The state cycles device -> host -> nvme -> host -> device beside two tiny
-filler jobs that force those moves (``device_slots=1``, host room for exactly one state).
-Each figure is the median of its runs (all have the same number, interleaved; the best run
-is kept in the JSON), for the paths and the raw figures alike, with torch
-on ``--threads`` threads (default 1, as ``plexctl up --local`` runs each worker on this
-2-core machine). Target: every path at >= 80 % of its raw figure on the same memory.
-
-Without CUDA the "device" is host memory too: device->host is ``export_state`` copying the
-job's one flat device buffer into a host buffer from the store's pool and host->device is
-``import_state`` copying it back into the flat buffer its parked adapter kept (both reused
-from the previous round); the raw figure is memcpy into a preallocated, faulted-in buffer, and
-``% of clone`` compares with allocate-and-copy (what a swap into fresh memory would cost).
-``host_pool`` in the JSON counts the buffers the store's pool made (and their bytes: the two
-tiny filler jobs' buffers come and go, the state's are made once) and reused;
-``device_buffers`` the engine's flat device buffers made (new, or again after a parked one was
-freed) and the imports that found theirs kept.
-
-It also reports the share of swap time hidden behind other jobs' compute in the multiplex
-benchmark (``bench/results/multiplex.json``), per mode: the time of the trainer's
-background moves during which another job's task ran on either engine, less the time
-swap-ins waited for such moves, over all swap seconds (see ``hidden_share``).
-
-What it deliberately does not do: no GPU-direct storage, no concurrency between swaps and
-training (that is the multiplex benchmark's hidden share).
+Sizes: ``adapter``, the tiny job's own state (~0.4 MB), then ``SIZES`` (``SIZES_QUICK`` with
+``--quick``): a rank-8 q/v LoRA of a 0.5B- and a 7B-class model with its AdamW moments (6 and
+48 MiB), 128 MiB and 1 GiB, reached by raising the LoRA rank on the tiny model, so the bytes
+take the code a real state takes. Target: every path at >= 80 % of its raw figure on the same
+memory. Also reported: the hidden share of swap time in ``bench/results/multiplex.json``.
+Method and history: ``docs/benchmarks.md``.
 
 Usage: ``python bench/swap.py [--quick] [--out FILE] [--nvme-dir DIR] [--reps N] [--threads N]``; writes
 ``bench/results/swap.json`` (``swap-quick.json`` with ``--quick``).
@@ -842,7 +778,7 @@ def _rel(path: Path) -> str:
 
 def build_tiny_model() -> Path:
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         check=True,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

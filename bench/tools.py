@@ -16,14 +16,11 @@ The bubble ratio of a phase is the idle share of engine time over the tool-laten
 time (from its submit to its end): 1 - sum of engine busy-seconds in that window / (engines x
 window), busy-seconds from ``plexctl status --json`` (the daemon's union of task intervals per
 engine). Also reported: per-engine busy shares, the job's step time and tool-wait time, and the
-neighbour's steps done inside the window (the work that filled the gaps).
+neighbour's steps done inside the window (the work that filled the gaps). Every generate call
+stays under vLLM's 4,096-token prefill budget (``EPISODES_PER_STEP``; see ``docs/benchmarks.md``).
 
 Usage: ``python bench/tools.py [--quick] [--out FILE] [--latency S] [--steps N]``; writes
 ``bench/results/tools.json`` (``tools-quick.json`` with ``--quick``).
-
-Batch size note: every generate call (all live episodes of one turn, and whatever the daemon
-batches with it from the other job) stays under vLLM's 4,096-token prefill budget: above it the
-CPU build chunks a prefill and then fails on seeded sampling.
 """
 
 from __future__ import annotations
@@ -205,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     steps, latency = (5, 0.5) if args.quick else (args.steps, args.latency)
     console = Console()
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
         check=True,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -1,31 +1,28 @@
 """The isolated driver: a job of a user the cluster does not trust runs held to that user's rights.
 
 What it owns: ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal``
-(why it cannot, or ""), ``account`` / ``job_account`` (the uid a job runs as) and ``start`` (the
-driver's process). Before any of the job's code runs, the process it starts:
+(why it cannot, or ""), ``runs_as`` / ``account`` / ``job_account`` (the uid a job runs as),
+``start`` (the driver's process) and ``read_job_file`` (what a driver wrote). Before any of the
+job's code runs, the process ``start`` makes:
 
 - leaves the daemon's mount, network, IPC and PID namespaces (and, in ``userns`` mode, its user
   namespace): the network namespace has only a down loopback, so the one way out is the
   daemon's Unix socket; the driver is pid 1 of its own PID namespace, under a supervisor that
   is the daemon's handle on it and takes it down with it;
-- gets a new, empty root (``pivot_root``; the old tree is detached, nothing of it stays): the
-  system directories (``/usr``, ``/lib``...), the interpreter and the import path at their own
-  paths, read-only, ``/dev/null``-like devices, its own ``/proc`` and ``/tmp``, and under
-  ``/mnt`` its output directory (writable; its uploaded inputs read-only in it) and the daemon's
-  socket. No home directory, no cluster state, no other job's files exist there; the state
-  directory and the owner's PLEXRL_HOME are covered by empty mounts even where an import path
-  would show them;
+- gets a new, empty root (``pivot_root``): the system directories, the interpreter and the
+  import path at their own paths, read-only, its own ``/proc`` and ``/tmp``, and under ``/mnt``
+  its output directory (writable; its uploaded inputs read-only in it) and the daemon's socket.
+  The state directory and the owner's PLEXRL_HOME are covered by empty mounts;
 - drops every capability and sets ``no_new_privs``; in ``root`` mode it first takes the
-  submitting user's uid, gid and groups (or, for a user with no local account, a uid of the
-  job's own), in ``userns`` mode it keeps the owner's uid, which the empty root leaves nothing
-  of the owner's to use. It presents its job's own CURVE key (its calls and reports alone).
+  submitting user's uid, gid and groups (or a uid of the job's own), in ``userns`` mode it keeps
+  the owner's uid, which the empty root leaves nothing of the owner's to use.
 
 Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and one line on stderr
 before any of the job's code is imported; nothing the driver writes lies outside its output
 directory, which the daemon reads without following links (``open_job_file``).
 
-What it deliberately does not do: jail without namespaces (``refusal`` says why and the daemon
-refuses such jobs at submit), limit a driver's CPU or memory.
+It deliberately does not jail without namespaces (``refusal`` says why and the daemon refuses
+such jobs at submit) or limit a driver's CPU or memory. The whole model: ``docs/security.md``.
 """
 
 from __future__ import annotations

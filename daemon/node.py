@@ -4,27 +4,25 @@ The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then th
 workers; every other task starts its workers once the daemon's endpoint answers. A task of a
 joining allocation (``--join``) starts workers only, against the daemon that already runs.
 
-Workers (``plexctl.layout``): a node without GPUs runs one worker, named after the node, with
-all its engines and the node's scratch directory. A node with GPUs (``CUDA_VISIBLE_DEVICES``
-as Slurm set it) runs one worker per engine, ``NODE-gI``, each with ``CUDA_VISIBLE_DEVICES``
-set to its own GPUs and its own scratch directory under the node's. A joining allocation's
-ids carry its job id (``NODE-JOBID``, ``NODE-JOBID-gI``). A worker that fails is logged and
-the others go on; the task stops them all when it ends, and removes their scratch.
+Workers (``plexctl.layout``, ``docs/gpu.md``): a node without GPUs runs one worker, named after
+the node, with all its engines and the node's scratch directory; a node with GPUs
+(``CUDA_VISIBLE_DEVICES`` as Slurm set it) runs workers ``NODE-gI``, each with its own GPUs and
+its own scratch directory under the node's. A joining allocation's ids carry its job id
+(``NODE-JOBID``, ``NODE-JOBID-gI``). A worker that fails is logged and the others go on; the
+task stops them all when it ends, and removes their scratch.
 
-Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``):
-on the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop,
-the workers are told to exit); once it has exited, the allocation is requeued with
-``scontrol requeue`` (for SIGUSR1/SIGUSR2, the allocation's own ``--signal``; not for the
-SIGTERM of ``scancel``, which ends it) so that it comes back, and the daemon, started again on the same state
-directory, resumes every job from its checkpoint. On other tasks of the allocation the signal
-is ignored: their workers serve the drain and exit when the daemon tells them. A joining
-allocation's workers leave at once (the daemon re-queues their calls). When the daemon stops
-on its own (``plexctl down``) nothing is requeued and the allocation ends.
+Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``): on
+the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop, the
+workers are told to exit); once it has exited, the allocation is requeued with ``scontrol
+requeue`` for SIGUSR1/SIGUSR2 (not for ``scancel``'s SIGTERM, which ends it), and the daemon,
+started again on the same state directory, resumes every job from its checkpoint. Other tasks
+ignore the signal: their workers serve the drain and exit when the daemon tells them; a joining
+allocation's workers leave at once (the daemon re-queues their calls). When the daemon stops on
+its own (``plexctl down``) nothing is requeued and the allocation ends.
 
 A daemon that crashes is started again (up to ``DAEMON_RESTARTS`` times) on the same port and
-state directory: the workers reconnect and every job resumes from its last checkpoint.
-
-Exit codes: 0 clean (down or drained), else the code of the daemon or worker that failed.
+state directory, and the workers reconnect. Exit codes: 0 clean (down or drained), else the
+code of the daemon or worker that failed.
 """
 
 from __future__ import annotations

@@ -4,53 +4,25 @@ The unit of scheduling is one *call* of one job (``generate`` on a rollout engin
 ``train_step`` / ``publish`` / ``checkpoint`` / ``restore`` on a trainer engine), never a
 whole job. The core owns no sockets and no clock: the daemon (and the simulator) feed it
 ``engine_up`` / ``engine_down``, ``engine_suspect`` / ``engine_back``, ``admit`` / ``release``,
-``submit``, ``done`` and ``state_location`` events and ask ``tick(now)`` for placements.
+``submit``, ``claim``, ``done`` and ``state_location`` events and ask ``tick(now)`` for placements.
 
-What it decides, per cluster placement policy (``POLICIES``):
+What it decides, per cluster placement policy (``POLICIES``; the rules in full are in
+``docs/sharing.md``): each job's *home* rollout and trainer engine (``admit``); the order of the
+tasks queued on an engine (priority, per-user weighted fair share, response ratio with estimates
+learned per (job, method), submission), under a switch bound: a trainer engine may keep serving
+the job it ran last, to avoid a state swap, for at most ``max_switches`` tasks in a row; and,
+under ``spread+backfill`` only, which task may run on an idle engine other than its home.
 
-- **Admission and homes.** ``admit`` gives a job one *home* rollout engine and one home
-  trainer engine among the ready engines serving its model: ``isolated`` wants engines no
-  other job owns; ``pack`` the fullest engine below ``jobs_per_engine``; ``spread`` and
-  ``spread+backfill`` the emptiest. A job whose state exceeds every trainer's
-  ``state_capacity_bytes`` is refused. A job that submits without ``admit`` gets its home of
-  a kind chosen by the same rule when its first task of that kind is queued.
-- **Placement.** A task runs on its job's home engine of its kind. Under
-  ``spread+backfill`` only, a task whose home is full may run on another engine of the same
-  kind and model that is *idle* (free capacity, nothing queued for it): a rollout task always
-  (its state is an adapter file, loaded anywhere; its home stays), a trainer task only when
-  its job has no trainer state yet, and then the job's trainer home moves to that engine
-  (fewest jobs first, within ``jobs_per_engine`` and its state capacity). A job's state, on
-  whatever tier, stays with the trainer that holds it (``state_location``): no engine moves
-  it to another, so the job's trainer tasks wait for that one. Until told otherwise, a job's
-  state is taken to be on the device of the trainer engine that last started one of its
-  tasks.
-- **Suspect engines.** An engine whose worker fell silent (``engine_suspect``) starts nothing
-  new and is no job's new home, as if full and closed to new jobs, until ``engine_back``; what
-  runs there goes on, and its jobs keep their homes and their state there. ``engine_down``
-  (the worker is lost) is what takes those away.
-- **Order on an engine.** Priority first; then per-user weighted fair share (lowest
-  ``(served + running estimate) engine-seconds / weight`` first, taken when a tick orders an
-  engine's queue); then response ratio ``(wait + estimate) / estimate`` with estimates learned
-  per (job, method); then submission. A job's trainer calls run one at a time in submission
-  order (they mutate one state). Switch bound, on trainer engines: if the job of the task the
-  engine started last has a task queued for it, of the same priority as the best one, and
-  the engine has started fewer than ``max_switches`` consecutive tasks of that job, that task
-  goes first (it avoids a state swap); after ``max_switches`` in a row, the usual order
-  decides again, so a job cannot hold an engine while others wait.
-- **Hints and accounting.** ``upcoming(engine)`` lists the jobs homed on an engine in the
-  order their queued tasks would run there; ``expected(engine)`` extends it, on a trainer, to
-  every job homed there by when it should next call it (from what it runs elsewhere and what
-  ended last): the state manager prefetches the first and evicts the last. Each finished
-  task adds an ``Interval`` (the last ``INTERVALS_KEPT`` are kept) and counts towards its
-  engine's ``busy_seconds`` (union of busy time), ``busy_by_job`` and its user's served
-  engine-seconds (task seconds / engine capacity); ``utilization`` and ``bubble_ratio`` read
-  a window of that timeline.
+Invariants: a task runs on its job's home engine of its kind unless backfilled or claimed; a
+job's trainer calls run one at a time in submission order; a job's state, on whatever tier,
+stays with the trainer that holds it, so its trainer tasks wait there; a *suspect* engine
+starts nothing new and is no job's new home, yet keeps its jobs and their state until
+``engine_down``. Accounting: finished tasks feed ``busy_seconds`` and ``bubble_ratio``.
 
-Cost: ``tick`` looks only at engines whose queue or capacity changed since the last tick,
-and at the backfill candidates of a (kind, model) when an engine of it became idle or a task
-became movable, so a call is O(changed engines + their queues), bounded by O(queued +
-engines). It deliberately does not move state, prefetch or evict (the state manager does,
-using ``upcoming``), and does not preempt running tasks.
+Hints: ``upcoming`` / ``expected`` order a trainer's jobs by when they need it (the state
+manager prefetches the first, evicts the last). Cost: ``tick`` looks only at engines whose queue
+or capacity changed and at new backfill candidates: O(changed engines + their queues). It does
+not move state, prefetch or evict (the state manager does), nor preempt running tasks.
 """
 
 from __future__ import annotations
@@ -59,7 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-POLICIES = ("isolated", "pack", "spread", "spread+backfill")
+from plexctl.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
+
 DEFAULT_ESTIMATE = 1.0
 EMA = 0.3
 INTERVALS_KEPT = 100_000
@@ -829,17 +802,6 @@ class Scheduler:
             waiting.pop(task_id, None)
         self._dirty[engine.engine_id] = None
         self._bf_dirty[engine.key] = None
-
-
-def union_length(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of the union of spans, clipped to [lo, hi]."""
-    total, end = 0.0, lo
-    for s, e in sorted(spans):
-        s, e = max(s, end), min(e, hi)
-        if e > s:
-            total += e - s
-            end = e
-    return total
 
 
 def _mb(n: int) -> str:

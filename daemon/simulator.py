@@ -1,59 +1,27 @@
-"""The trace simulator: the daemon's own scheduler core on a simulated clock, fed by a job trace.
+"""The trace simulator: the daemon's own scheduler core and the workers' own tier policy on a
+simulated clock, fed by a job trace.
 
-``simulate(trace, policy, gpus)`` replays a ``Trace`` (``daemon/trace.py``) on a cluster of
-``gpus`` GPUs through ``daemon.scheduler.Scheduler`` (the same code the daemon runs), with a
-discrete-event heap instead of sleeps, and returns a ``SimResult``: makespan, GPU-hours per
-training step, queueing delay, bubble ratio, swap traffic, and the wall time of every
-``tick`` (the scheduler's decision latency).
+``simulate(trace, policy, gpus)`` replays a ``Trace`` (``daemon/trace.py``) on ``gpus`` GPUs
+through ``daemon.scheduler.Scheduler`` (the code the daemon runs), with a discrete-event heap
+instead of sleeps, and returns a ``SimResult``: makespan, GPU-hours per training step, queueing
+delay, bubble ratio, swap traffic, and the wall time of every ``tick`` (decision latency).
 
-Cluster mapping. An *engine* is one 8-GPU node serving one base model (``gpus_per_engine``):
-a rollout engine (vLLM, ``rollout_slots`` concurrent generate chunks) or a trainer engine
-(capacity 1). The cluster is ``gpus / 16`` engine *pairs* (one rollout + one trainer), split
-between model classes in proportion to their isolated GPU-time in the trace (each class gets
-at least as many pairs as its largest job needs). A job on ``g`` GPUs is ``g / 16`` *shards*,
-each one scheduler job (``"<job>#<i>"``) with a home rollout and a home trainer engine: run
-``isolated`` a shard owns its pair, so a job holds exactly its ``g`` GPUs; shared, a shard is a
-tenant of up to ``jobs_per_engine`` on each engine. Admission is first come, first served per
-model class (a job waits until all its shards fit: dedicated pairs for ``isolated``, free
-tenant slots otherwise), under every policy alike.
+The model. An engine is one 8-GPU node serving one base model; the cluster is ``gpus / 16``
+rollout + trainer engine pairs, split between model classes by their isolated GPU-time. A job on
+``g`` GPUs is ``g / 16`` shards, each one scheduler job with a home pair: isolated, a shard owns
+it; shared, it is one of up to ``jobs_per_engine`` tenants. Admission is first come, first served
+per model class. A shard's step: per turn, ``rollout_slots`` generate chunks (one long, the rest
+shorter: the tail), a tool or reward stall, then one trainer task; each phase ends at a barrier
+across the job's shards. ``macro_steps`` coarsens a job to at most that many simulated steps.
 
-A job's step, per shard: for each turn, ``rollout_slots`` generate tasks (chunks of the
-rollout batch: one as long as the turn's rollout phase, the others shorter, so their mean
-is ``tail_share`` of it: the long tail), then a tool stall (a reward stall after the last
-turn), then one trainer task (train_step + publish). The next phase starts when every shard
-finished (a barrier), so a slow shard stalls its job. Isolated, the tail and the stalls idle
-the job's own engines; shared, the core places other jobs' tasks into them.
+State. Each trainer node's tiers are a ``NodeTiers``, moved by ``plexctl.state_policy`` as
+``worker.state_store`` moves the real ones (a test holds the two to the same moves). A trainer
+task is charged its swap-in (host at ``h2d_gbps``, NVMe at ``nvme_gbps``, plus what is left of a
+prefetch); evictions and demotions overlap the next task: counted, not charged. The core hears
+of every move through ``state_location``.
 
-Coarsening (``macro_steps``): a job runs at most that many simulated steps, each standing
-for ``steps / macro_steps`` real steps with its phases that many times longer. This keeps
-one task per chunk per phase instead of one per request or token and bounds the events of a
-1,000-job trace; phase ratios, and so bubbles, are unchanged, but jobs interleave at a
-coarser grain than they would step by step.
-
-State swaps (the state manager's part; it is not a socket-free core in this repository, so
-its policy is mirrored here): a trainer keeps at most ``device_slots`` shard states on its
-device (and at most ``device_state_gb``). A trainer task whose state is elsewhere is charged
-its swap-in before it runs: host -> device at ``h2d_gbps``, NVMe -> device at ``nvme_gbps``
-(a state never leaves its trainer's node: the core backfills only trainer tasks of jobs
-that have none yet, as in the daemon). Room is made by evicting the resident state needed least soon (by the core's
-``expected``; ties: least recently used) to host memory (``host_gb``; the least recently
-used host copies go down to NVMe when it is full); evictions are copies that overlap the
-next task and are counted, not charged. When a trainer task starts, the first job in its
-engine's ``expected`` order that sits on its NVMe is prefetched to host (if host has room).
-The core is told each eviction through ``state_location`` (its ``expected`` order and the
-daemon's prefetches follow it).
-
-Accounting. Busy time is slot-weighted (a generate chunk occupies ``1 / rollout_slots`` of
-its engine), so the long tail counts as idle. An engine is *held* while a shard is homed on
-it or a task runs on it (a backfilled one, say); GPU-hours are held engine-hours x
-``gpus_per_engine`` (isolated: each job's GPUs x its run time, as the multiplex benchmark
-bills it), and the bubble ratio is the idle share of held time. Queueing delay runs from
-arrival to admission. Decision latency is the wall time of each ``tick`` call alone.
-
-What it deliberately does not model: different models sharing one engine (vLLM sleep/wake),
-gang scheduling of a job's trainer shards (they run whenever placed; the step waits for all),
-interference between tasks sharing an engine beyond its slots, per-task dispatch overhead,
-failures, checkpoints, and the first load of a job's weights.
+Not modelled: models sharing an engine, gang scheduling of trainer shards, interference beyond
+slots, dispatch overhead, failures, checkpoints, first weight loads. See docs/state.md.
 """
 
 from __future__ import annotations
@@ -64,6 +32,7 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,10 +41,11 @@ import msgspec
 
 from daemon.scheduler import POLICIES, Engine, Scheduler, Task
 from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
+from plexctl import state_policy
+from plexctl.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
-DEVICE, HOST, NVME = "device", "host", "nvme"
 _ARRIVE, _DONE, _PHASE = 0, 1, 2
 
 
@@ -154,8 +124,7 @@ class _Shard:
     state_bytes: int
     rollout: str = ""
     trainer: str = ""  # home trainer as last seen (moves with a trainer backfill)
-    tier: str | None = None  # where its state lives: device | host | nvme | None (none yet)
-    node: str | None = None  # the trainer engine whose node holds it
+    node: str | None = None  # the trainer engine whose node holds its state (None: no state yet)
     ready_at: float = 0.0  # a host copy being prefetched is complete at
 
 
@@ -172,15 +141,117 @@ class _Job:
     finished_at: float = -1.0
 
 
-@dataclass
-class _Node:
-    """One trainer's state tiers."""
+class TierFullError(RuntimeError):
+    """A simulated trainer node has no tier left for a state leaving its device."""
 
-    device: dict[str, _Shard] = field(default_factory=dict)  # core_id -> shard, least recent first
-    device_bytes: int = 0
-    host: dict[str, _Shard] = field(default_factory=dict)
-    host_bytes: int = 0
-    nvme_bytes: int = 0
+
+@dataclass(frozen=True)
+class SwapIn:
+    """What one ``NodeTiers.swap_in`` moved: where the state came from (None: made fresh;
+    ``device``: it was resident), the states evicted with their new tier, in order, and the
+    host copies demoted to nvme (before the eviction that needed their room)."""
+
+    source: str | None
+    evicted: tuple[tuple[str, str], ...] = ()
+    demoted: tuple[str, ...] = ()
+
+
+class NodeTiers:
+    """One trainer node's state tiers (device, host, nvme), moved as ``worker.state_store``
+    moves them: every decision is ``plexctl.state_policy``'s. Copies move at once; what a move
+    costs is the caller's to charge."""
+
+    def __init__(self, device_slots: int, device_bytes: int | None, host_bytes: int, nvme_bytes: int | None) -> None:
+        self.device_slots, self.device_bytes = device_slots, device_bytes
+        self.host_bytes, self.nvme_bytes = host_bytes, nvme_bytes
+        self.tier: dict[str, str] = {}  # job -> device | host | nvme
+        self.nbytes: dict[str, int] = {}
+        self.last_used: dict[str, int] = {}
+        self.used = {DEVICE: 0, HOST: 0, NVME: 0}
+        self._tick = 0
+
+    def where(self, job_id: str) -> str | None:
+        return self.tier.get(job_id)
+
+    def swap_in(self, job_id: str, nbytes: int, expected: Callable[[], Sequence[str]]) -> SwapIn:
+        """Make ``job_id``'s state (``nbytes``) resident, evicting as the policy says;
+        ``expected()``, the jobs in the order they will next need this trainer, is asked for
+        once, if a job must leave the device."""
+        source = self.tier.get(job_id)
+        if source == DEVICE:
+            self._touch(job_id)
+            return SwapIn(DEVICE)
+        credit = self.nbytes[job_id] if source == HOST else 0
+        evicted: list[tuple[str, str]] = []
+        demoted: list[str] = []
+        upcoming: Upcoming | None = None
+        while True:
+            resident = [self._held(j) for j, t in self.tier.items() if t == DEVICE]
+            if not state_policy.needs_room(resident, nbytes, self.device_slots, self.device_bytes):
+                break
+            upcoming = upcoming or Upcoming(expected())
+            victim = state_policy.victim(resident, upcoming)
+            placement = state_policy.place(victim, self._tiers(), self._host_copies(job_id), upcoming, credit)
+            if placement is None:
+                raise TierFullError(
+                    f"no tier takes {victim.job_id}'s state ({victim.nbytes} bytes): host "
+                    f"{self.used[HOST]}/{self.host_bytes}, nvme {self.used[NVME]}/{self.nvme_bytes} bytes used"
+                )
+            for job in placement.demote:
+                self._move(job, NVME)
+            self._move(victim.job_id, placement.tier)
+            evicted.append((victim.job_id, placement.tier))
+            demoted += placement.demote
+            credit = 0
+        if source is None:
+            self.nbytes[job_id] = nbytes
+            self.tier[job_id] = DEVICE
+            self.used[DEVICE] += nbytes
+        else:
+            self._move(job_id, DEVICE)
+        self._touch(job_id)
+        return SwapIn(source, tuple(evicted), tuple(demoted))
+
+    def prefetch(self, job_id: str, expected: Sequence[str]) -> tuple[str, ...] | None:
+        """Bring a state on nvme up to host if the policy lets it; the host copies demoted to
+        make room, or None if it stays on nvme."""
+        if self.tier.get(job_id) != NVME:
+            return None
+        placement = state_policy.prefetch_placement(
+            self._held(job_id), self._tiers(), self._host_copies(job_id), Upcoming(expected)
+        )
+        if placement is None:
+            return None
+        for job in placement.demote:
+            self._move(job, NVME)
+        self._move(job_id, HOST)
+        return placement.demote
+
+    def drop(self, job_id: str) -> None:
+        """Forget the job's state (its job ended)."""
+        tier = self.tier.pop(job_id, None)
+        if tier is not None:
+            self.used[tier] -= self.nbytes.pop(job_id)
+            self.last_used.pop(job_id, None)
+
+    def _move(self, job_id: str, tier: str) -> None:
+        nbytes = self.nbytes[job_id]
+        self.used[self.tier[job_id]] -= nbytes
+        self.used[tier] += nbytes
+        self.tier[job_id] = tier
+
+    def _touch(self, job_id: str) -> None:
+        self._tick += 1
+        self.last_used[job_id] = self._tick
+
+    def _held(self, job_id: str) -> Held:
+        return Held(job_id, self.nbytes[job_id], self.last_used.get(job_id, 0))
+
+    def _host_copies(self, beside: str) -> list[Held]:
+        return [self._held(j) for j, t in self.tier.items() if t == HOST and j != beside]
+
+    def _tiers(self) -> Tiers:
+        return Tiers(self.host_bytes, self.used[HOST], self.nvme_bytes, self.used[NVME])
 
 
 def partition(trace: Trace, gpus: int) -> dict[str, int]:
@@ -244,13 +315,15 @@ class Simulation:
         self.record = record_intervals
         self.pools = partition(trace, gpus)
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, NodeTiers] = {}
         for model, pairs in self.pools.items():
             for i in range(pairs):
                 w = f"{model}/n{i}"
                 self.sched.engine_up(Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots), now=0.0)
                 self.sched.engine_up(Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap), now=0.0)
-                self.nodes[f"{w}/t"] = _Node()
+                self.nodes[f"{w}/t"] = NodeTiers(
+                    cfg.device_slots, int(cfg.device_state_gb * GB), int(cfg.host_gb * GB), int(cfg.nvme_gb * GB)
+                )
         self.limit = 1 if policy == "isolated" else jobs_per_engine
         self.slots_free = {m: p * self.limit for m, p in self.pools.items()}  # tenant slots per kind
         self.waiting: dict[str, deque[_Job]] = {m: deque() for m in self.pools}
@@ -425,7 +498,7 @@ class Simulation:
                 self._hold(engine_id, +1, now)
                 shard.trainer = engine_id
             took += self._swap_in(shard, engine_id, now)
-            self._prefetch(engine_id, shard, now)
+            self._prefetch(engine_id, now)
             self.busy[engine_id] += took
         else:
             self.busy[engine_id] += took / self.cfg.rollout_slots
@@ -440,96 +513,55 @@ class Simulation:
         self.swaps.bytes[direction] = self.swaps.bytes.get(direction, 0) + nbytes
 
     def _swap_in(self, shard: _Shard, engine_id: str, now: float) -> float:
-        """Make the shard's state resident on this trainer's device; the seconds it costs."""
-        node = self.nodes[engine_id]
-        if shard.tier == DEVICE and shard.node == engine_id:
-            node.device[shard.core_id] = node.device.pop(shard.core_id)  # most recently used
-            return 0.0
+        """Make the shard's state resident on this trainer's device; the seconds it costs.
+        Evictions and demotions are copies that overlap the next task: counted, not charged."""
+        if shard.node is not None and shard.node != engine_id:  # the core keeps a trainer task where its state is
+            raise RuntimeError(f"{shard.core_id}: trainer task placed on {engine_id}, its state is on {shard.node}")
         cfg, n = self.cfg, shard.state_bytes
-        self._make_room(node, engine_id, shard, now)
+        moved = self.nodes[engine_id].swap_in(shard.core_id, n, lambda: self.sched.expected(engine_id, now))
+        for core_id in moved.demoted:
+            self._count("host->nvme", self.shard_of[core_id].state_bytes)
+            self.sched.state_location(core_id, engine_id, NVME)
+        for core_id, tier in moved.evicted:
+            victim = self.shard_of[core_id]
+            victim.ready_at = 0.0
+            self._count(f"device->{tier}", victim.state_bytes)
+            self.sched.state_location(core_id, engine_id, tier)
+        shard.node = engine_id
         seconds = 0.0
-        if shard.tier is not None:
+        if moved.source == HOST:
+            seconds = max(0.0, shard.ready_at - now) + n / (cfg.h2d_gbps * GB)
+            self._count("host->device", n)
+        elif moved.source == NVME:
+            seconds = n / (cfg.nvme_gbps * GB)
+            self._count("nvme->device", n)
+        if moved.source in (HOST, NVME):
             self.swaps.swap_ins += 1
-            if shard.node != engine_id:  # the core keeps a trainer task where its job's state is
-                raise RuntimeError(f"{shard.core_id}: trainer task placed on {engine_id}, its state is on {shard.node}")
-            if shard.tier == HOST:
-                seconds = max(0.0, shard.ready_at - now) + n / (cfg.h2d_gbps * GB)
-                self._count("host->device", n)
-            else:
-                seconds = n / (cfg.nvme_gbps * GB)
-                self._count("nvme->device", n)
-            self._drop_state(shard)
-        self.swaps.seconds += seconds
-        shard.tier, shard.node = DEVICE, engine_id
-        node.device[shard.core_id] = shard
-        node.device_bytes += n
+            self.swaps.seconds += seconds
         return seconds
 
-    def _make_room(self, node: _Node, engine_id: str, incoming: _Shard, now: float) -> None:
-        cfg = self.cfg
-        while node.device and (
-            len(node.device) >= cfg.device_slots or node.device_bytes + incoming.state_bytes > cfg.device_state_gb * GB
-        ):
-            soon = {j: i for i, j in enumerate(self.sched.expected(engine_id, now))}
-            # least soon needed: the least recently used state not expected, else the last expected
-            victim = next((s for s in node.device.values() if s.core_id not in soon), None) or max(
-                node.device.values(), key=lambda s: soon[s.core_id]
-            )
-            del node.device[victim.core_id]
-            node.device_bytes -= victim.state_bytes
-            tier = self._to_host(node, victim)
-            self._count(f"device->{tier}", victim.state_bytes)
-            self.sched.state_location(victim.core_id, engine_id, tier)
-
-    def _to_host(self, node: _Node, shard: _Shard) -> str:
-        """Put an evicted state in host memory (demoting least recently used copies), else NVMe."""
-        cap = self.cfg.host_gb * GB
-        while node.host and node.host_bytes + shard.state_bytes > cap:
-            old = next(iter(node.host.values()))
-            del node.host[old.core_id]
-            node.host_bytes -= old.state_bytes
-            node.nvme_bytes += old.state_bytes
-            old.tier = NVME
-            self._count("host->nvme", old.state_bytes)
-            self.sched.state_location(old.core_id, old.node, NVME)
-        if node.host_bytes + shard.state_bytes <= cap:
-            node.host[shard.core_id] = shard
-            node.host_bytes += shard.state_bytes
-            shard.tier, shard.ready_at = HOST, 0.0
-        else:
-            node.nvme_bytes += shard.state_bytes
-            shard.tier = NVME
-        return shard.tier
-
-    def _prefetch(self, engine_id: str, running: _Shard, now: float) -> None:
+    def _prefetch(self, engine_id: str, now: float) -> None:
         """Bring the first job expected at this trainer whose state sits on its NVMe up to host
-        while the current one runs (as the daemon asks its trainers to), if host has room."""
+        while the current one runs (as the daemon asks its trainers to), if the policy lets it."""
         node = self.nodes[engine_id]
-        for core_id in self.sched.expected(engine_id, now):
-            shard = self.shard_of.get(core_id)
-            if shard is None or shard is running or shard.tier != NVME or shard.node != engine_id:
-                continue
-            if node.host_bytes + shard.state_bytes <= self.cfg.host_gb * GB:
-                node.nvme_bytes -= shard.state_bytes
-                node.host[shard.core_id] = shard
-                node.host_bytes += shard.state_bytes
-                shard.tier, shard.ready_at = HOST, now + shard.state_bytes / (self.cfg.nvme_gbps * GB)
-                self._count("nvme->host", shard.state_bytes)
-                self.sched.state_location(core_id, engine_id, HOST)
-            break
+        expected = self.sched.expected(engine_id, now)
+        core_id = state_policy.prefetch_choice(expected, node.tier)
+        demoted = node.prefetch(core_id, expected) if core_id is not None else None
+        if core_id is None or demoted is None:
+            return
+        for other in demoted:
+            self._count("host->nvme", self.shard_of[other].state_bytes)
+            self.sched.state_location(other, engine_id, NVME)
+        shard = self.shard_of[core_id]
+        shard.ready_at = now + shard.state_bytes / (self.cfg.nvme_gbps * GB)
+        self._count("nvme->host", shard.state_bytes)
+        self.sched.state_location(core_id, engine_id, HOST)
 
     def _drop_state(self, shard: _Shard) -> None:
-        """Forget the shard's copy on its current tier (it moved up, or its job ended)."""
-        if shard.tier is None or shard.node is None:
-            return
-        node = self.nodes[shard.node]
-        if shard.tier == DEVICE and node.device.pop(shard.core_id, None) is not None:
-            node.device_bytes -= shard.state_bytes
-        elif shard.tier == HOST and node.host.pop(shard.core_id, None) is not None:
-            node.host_bytes -= shard.state_bytes
-        elif shard.tier == NVME:
-            node.nvme_bytes -= shard.state_bytes
-        shard.tier = shard.node = None
+        """Forget the shard's state (its job ended)."""
+        if shard.node is not None:
+            self.nodes[shard.node].drop(shard.core_id)
+        shard.node = None
 
     # -- results
 

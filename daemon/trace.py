@@ -13,19 +13,16 @@ turns, reward / verifier waits). ``train_s`` is the trainer's forward, backward,
 step and publish. Run isolated, a job holds half its GPUs as rollout engines and half as
 trainer engines, so its bubble ratio is ``1 - (generate_s * tail_share + train_s) / (2 * step_s)``.
 
-``generate_trace`` draws jobs that mirror published shapes: 7B-, 30B- and 235B-class jobs on
-16 to 192 GPUs, bubble ratios of 70-81 %, single-turn (math, reward waits) and multi-turn
-(tool-using) jobs, LoRA state (fp32 adapter + AdamW moments, from ``plexctl.state_size``) or
-full weights + optimizer for some full fine-tunes, over ``days`` of arrivals (a Poisson
-process whose rate follows the hour of day, weekends and a few multi-hour bursts). Step
-counts are scaled so that the jobs' isolated GPU-time is ``load`` times the cluster's
-GPU-time over the arrival window (``load > 1``: a backlog builds, so placement decides the
-makespan).
+``generate_trace`` draws jobs that mirror published shapes (``MODEL_CLASSES``: 7B-, 30B- and
+235B-class jobs on 16 to 192 GPUs; bubble ratios in ``BUBBLE_RANGE``; single- and multi-turn; LoRA
+or full fine-tune state) over ``days`` of bursty, diurnal arrivals (``arrival_times``). Step counts
+are scaled so that the jobs' isolated GPU-time is ``load`` times the cluster's GPU-time over the
+arrival window (``load > 1``: a backlog builds, so placement decides the makespan).
 
-Files: ``.json`` holds the whole ``Trace``; ``.jsonl`` one ``TraceJob`` per line (cluster
-fields default). Writes are atomic. What it deliberately does not model: per-token or
-per-request timing (a step's phases are its unit), failures and restarts, changes of shape
-during a job, and asynchronous (off-policy) overlap of a job's own phases.
+Files: ``.jsonl`` holds one ``TraceJob`` per line, any other name the whole ``Trace``; writes
+are atomic. What it deliberately does not model: per-token or per-request timing (a step's
+phases are its unit), failures and restarts, changes of shape during a job, and asynchronous
+(off-policy) overlap of a job's own phases.
 """
 
 from __future__ import annotations

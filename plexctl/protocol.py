@@ -8,10 +8,10 @@ Frames on the wire (ZeroMQ ROUTER/DEALER)::
 type is fixed by the opcode (``BODY_TYPES``); a frame whose magic, opcode or body does not
 decode is rejected as a ``ProtocolError``.
 
-This module also holds the data types that cross process boundaries inside a call
-(``GenRequest``, ``Completion``, ``TrainBatch`` ...), so that the driver, the daemon and the
-engines agree on them without importing each other. It deliberately imports neither torch
-nor vLLM.
+A service call's own messages (request, engine task, result, reply) and the engine data
+types inside them live in ``plexctl.calls``, re-exported here. Control messages to a worker
+(release a job's state, prefetch one, shut down) have opcodes of their own. It deliberately
+imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -22,6 +22,21 @@ import time
 from typing import Any
 
 import msgspec
+
+from plexctl.calls import (  # noqa: F401 - the engine data types, re-exported: every process names them P.*
+    LOSS_AGGREGATIONS,
+    LOSSES,
+    AdapterRef,
+    AnyRequest,
+    AnyResult,
+    AnyTask,
+    Completion,
+    GenRequest,
+    LoraConfig,
+    Sampling,
+    TrainBatch,
+    TrainHParams,
+)
 
 MAGIC = b"PLX1"
 
@@ -46,11 +61,15 @@ class Op:
     REGISTER = b"R"
     HEARTBEAT = b"H"
     RESULT = b"r"
+    INVENTORY = b"I"  # a trainer's tier inventory, outside a result (after a release)
     LEAVE = b"X"  # the worker is going away (its allocation ends): re-queue its calls
     # Slurm node task -> daemon
     WORKER_EXITED = b"G"  # the process of one of its workers exited: lost now, not after the grace
     # daemon -> worker
     TASK = b"T"
+    RELEASE = b"U"  # drop a job's state on an engine (the job ended)
+    PREFETCH = b"W"  # bring a job's trainer state up from NVMe ahead of its next call
+    SHUTDOWN = b"Y"  # the daemon is stopping: exit
     # daemon -> anyone: reply to a request (body depends on the request)
     REPLY = b"A"
     ERROR = b"E"
@@ -66,100 +85,6 @@ class Header(msgspec.Struct, frozen=True):
 class ErrorBody(msgspec.Struct):
     code: str
     message: str
-
-
-# ---------------------------------------------------------------- engine data types
-
-
-class Sampling(msgspec.Struct):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    n: int = 1
-    seed: int | None = None
-
-
-class AdapterRef(msgspec.Struct):
-    """A published adapter version of a job, loadable by the rollout engine."""
-
-    job_id: str
-    version: int
-    path: str
-
-
-class GenRequest(msgspec.Struct):
-    job_id: str
-    prompts: list[str]
-    sampling: Sampling
-    adapter: AdapterRef | None = None  # None: the base model (policy version 0)
-
-
-class Completion(msgspec.Struct):
-    prompt_index: int
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # log-prob of each sampled token under the behaviour policy
-    finish_reason: str
-
-
-class TrainBatch(msgspec.Struct):
-    """One GRPO batch. Row i is prompt + completion tokens of one sample.
-
-    ``loss_mask[i][t]`` is 1 where token t is a generated (trainable) token;
-    ``old_logprobs[i][t]`` is the behaviour log-prob of token t (0 where masked);
-    ``advantages[i]`` is the sequence-level advantage of sample i.
-    """
-
-    input_ids: list[list[int]]
-    loss_mask: list[list[int]]
-    old_logprobs: list[list[float]]
-    advantages: list[float]
-
-
-LOSSES = ("pg-clip", "pg-tis")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-class TrainHParams(msgspec.Struct):
-    """How one ``train_step`` turns a batch into an update: the loss by name, its parameters.
-
-    Losses (per token t of sample i, ``r = pi_theta / pi_behaviour``, ``A`` the sample's
-    advantage; ``kl_coef`` > 0 adds the k3 KL to the base model):
-
-    * ``pg-clip``: PPO's clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
-    * ``pg-tis``: truncated importance sampling for stale samples: the trainer's own log-probs
-      at the step are the proximal policy, each token is weighted by ``min(pi_theta /
-      pi_behaviour, loss_params["cap"])`` (default 2), detached: ``-A w log pi_theta``.
-    * ``loss_fn`` (``module:function``): a trusted user's per-token loss, loaded in the trainer.
-
-    Aggregations (``loss_agg``), the weight of a token loss: ``token-mean`` 1 / all tokens;
-    ``seq-mean-token-mean`` 1 / (its row's tokens x rows); ``seq-mean-token-sum`` 1 / rows;
-    ``seq-mean-token-sum-norm`` 1 / (``loss_agg_len`` x rows), Dr. GRPO's constant normaliser.
-    """
-
-    lr: float = 1e-4
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
-    loss_agg: str = "token-mean"  # one of LOSS_AGGREGATIONS
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    loss: str = "pg-clip"  # one of LOSSES
-    loss_params: dict[str, float] = msgspec.field(default_factory=dict)
-    loss_agg_len: int = 0  # seq-mean-token-sum-norm's constant (0: the batch's longest trainable row)
-    loss_fn: str = ""  # "module:function": a trusted user's own token loss, replaces ``loss``
-    loss_path: str = ""  # directory holding loss_fn's module
-    user_code_trusted: bool = False  # set by the daemon from the job's submitter, never by the driver
-
-
-class LoraConfig(msgspec.Struct):
-    rank: int = 8
-    alpha: int = 16
-    target_modules: list[str] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    dropout: float = 0.0
 
 
 # ---------------------------------------------------------------- message bodies
@@ -380,31 +305,58 @@ class WorkerExited(msgspec.Struct):
 
 class CallReq(msgspec.Struct):
     job_id: str
-    method: str
-    args: dict[str, Any]
+    request: AnyRequest  # tagged by the method's name (``plexctl.calls.METHODS``)
     # the id of an earlier call of the job this one must follow: the daemon holds it until that
     # call's result is in, then starts it at once (0: start now)
     after: int = 0
+
+    @property
+    def method(self) -> str:
+        return self.request.method
 
 
 class TaskBody(msgspec.Struct):
     task_id: int
     job_id: str
     engine_id: str
-    method: str
-    args: dict[str, Any]
+    task: AnyTask
     # a task of the same worker this one follows: the worker starts it the moment that one
     # succeeded, and fails it if that one failed (0: start now)
     after: int = 0
+
+    @property
+    def method(self) -> str:
+        return self.task.method
 
 
 class ResultBody(msgspec.Struct):
     task_id: int
     ok: bool
-    value: Any = None
+    value: AnyResult | None = None  # None when not ok
     error: str = ""
     seconds: float = 0.0
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. the trainer's tier inventory
+
+
+class ReleaseBody(msgspec.Struct):
+    """Drop the job's state on the engine (its tasks in flight there fail)."""
+
+    job_id: str
+    engine_id: str
+
+
+class PrefetchBody(msgspec.Struct):
+    """Bring the job's trainer state from NVMe to host memory, ahead of its next call."""
+
+    job_id: str
+    engine_id: str
+    upcoming: list[str]  # the daemon's expected order of jobs on that trainer
+
+
+class InventoryBody(msgspec.Struct):
+    """A trainer's tier inventory (and the moves made off its thread) outside a result."""
+
+    info: dict[str, Any]
 
 
 class ReportBody(msgspec.Struct):
@@ -431,7 +383,11 @@ BODY_TYPES: dict[bytes, type] = {
     Op.LEAVE: HeartbeatBody,
     Op.WORKER_EXITED: WorkerExited,
     Op.RESULT: ResultBody,
+    Op.INVENTORY: InventoryBody,
     Op.TASK: TaskBody,
+    Op.RELEASE: ReleaseBody,
+    Op.PREFETCH: PrefetchBody,
+    Op.SHUTDOWN: Empty,
     Op.ERROR: ErrorBody,
 }
 # REPLY bodies are typed by the request they answer; the receiver decodes them.

@@ -1,38 +1,31 @@
 """The library a job's RL loop is written against: the service calls and the job around them.
 
-The runtime owns the plumbing (placement on shared engines, state swaps, batching, adapter
-publishing); a loop owns only its control logic. This module is all a loop needs:
+The runtime owns the plumbing (placement on shared engines, state swaps, adapter publishing); a
+loop owns only its control logic, on this module alone:
 
-* ``JobClient``: the service calls, each scheduled by the daemon on a shared engine.
-  ``generate(prompts, sampling)`` returns ``Completion``s (token ids, behaviour log-probs);
-  ``sampling.n`` samples per prompt, ``sampling.seed`` makes them reproducible.
-  ``train_step(batch, hp, **changes)`` runs one optimizer step with a loss named in
-  ``TrainHParams`` (``pg-clip``, ``pg-tis``, their aggregation and parameters) and returns
-  its metrics. ``publish()`` makes the trained adapter the rollout policy (returns its
-  version); ``train_and_publish`` does both in one call; ``checkpoint`` / ``restore`` save
-  and reload adapter, optimizer and a JSON ``extra``; ``report`` tells the daemon about
-  progress. ``generate_async`` / ``call_async`` return a call id to ``wait`` on later:
-  generation of the next batch overlaps training of this one, as ``algo.max_staleness`` allows.
-* ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (the data iterator,
-  a ``PromptCursor``), ``rng`` (a ``random.Random`` seeded by ``spec.seed``, saved in
-  checkpoints), ``reward`` (the job's scorer: built-ins in this process, a custom ``fn`` in the
-  sandbox pool), ``log``; and helpers that compose the calls: ``rollout`` (generate + score,
-  or multi-turn episodes when the spec has an ``env``), ``rollout_async`` / ``wait``,
-  ``train``, ``publish``, ``evaluate``, ``record`` (metrics), ``end_step`` (periodic
-  checkpoints, one that finds no disk space noted and skipped; when the cluster stops,
-  checkpoint and ``JobDrained``), ``checkpoint`` / ``resume``.
-* ``Rollout``: a step's samples, prompt-major in groups of ``n``, with their rewards; it
-  becomes a ``TrainBatch`` once the loop has computed one advantage per sample.
+* ``CallClient``: the service calls (``generate``, ``train_step``, ``publish``,
+  ``train_and_publish``, ``checkpoint``, ``restore``; ``*_async`` / ``wait`` to overlap them),
+  written once on the typed requests and replies of ``plexctl.calls``, over a transport:
+  ``JobClient`` (ZeroMQ to the daemon, which schedules each call on a shared engine; it survives
+  a daemon restart) or ``InprocClient`` (engines built in this process, no daemon).
+* ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (a ``PromptCursor``),
+  ``rng`` (seeded by ``spec.seed``, saved in checkpoints), ``reward`` (built-ins here, a custom
+  ``fn`` in the sandbox pool), ``log``; and helpers that compose the calls: ``rollout`` (generate
+  and score, or multi-turn episodes), ``train``, ``publish``, ``evaluate``, ``record``,
+  ``end_step`` (periodic checkpoints; when the cluster stops, checkpoint and ``JobDrained``),
+  ``checkpoint`` / ``resume``.
+* ``Rollout``: a step's samples, prompt-major in groups of ``n``, with their rewards; it becomes
+  a ``TrainBatch`` once the loop has computed one advantage per sample.
 
-The built-in algorithms (``plexctl/algos``) use nothing else; a user's ``algo.loop``
-(``module:function(job)``) gets a ``Job`` and runs in the job's driver process. The module is
-pure Python: importable without torch or vLLM. It deliberately computes no advantages (the
-loop's job) and no losses (named, in the trainer).
+The built-in algorithms (``plexctl/algos``) use nothing else; a user's ``algo.loop`` gets a
+``Job`` in the job's driver process. Pure Python: importable without torch or vLLM. It computes
+no advantages (the loop's job) and no losses (named, in the trainer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -46,8 +39,9 @@ import zmq
 import zmq.utils.monitor
 
 from plexctl import auth
+from plexctl import calls as C
 from plexctl import protocol as P
-from plexctl.atomic import write_bytes_atomic
+from plexctl.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.client import monitor_socket
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.data import PromptCursor, load_records
@@ -62,9 +56,11 @@ if TYPE_CHECKING:
     from plexctl.sandbox import SandboxPool
 
 __all__ = [
+    "CallClient",
     "CallFailed",
     "Completion",
     "DaemonLost",
+    "InprocClient",
     "Job",
     "JobCancelled",
     "JobClient",
@@ -104,7 +100,101 @@ class DaemonLost(CallFailed):
     """No daemon came back within the orphan grace after this job's daemon went away."""
 
 
-class JobClient:
+class CallClient:
+    """The service calls of one job, whatever serves them. A transport fills in ``call_async``
+    (send a typed request, return its call id), ``wait`` (that call's typed reply, or
+    ``JobCancelled`` / ``CallFailed``), ``report`` and ``close``; the calls a loop makes
+    (``generate``, ``train_step``, ``publish`` ...) are written once, here, on the requests and
+    replies of ``plexctl.calls``. ``JobClient`` reaches the daemon over ZeroMQ; ``InprocClient``
+    runs the calls on engines in this process."""
+
+    def __init__(self) -> None:
+        self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by a publish's reply)
+        self.train_calls = 0  # train_step calls sent by this process (a loop that sent none trained nothing)
+
+    # -- the transport's part
+
+    def call_async(self, request: C.Request, after: int | None = None) -> int:
+        """Send a service call; return its id for ``wait``. ``after``: the id of a call in
+        flight this one must follow; it starts the moment that one is done (no trip back here
+        in between), and fails if that one fails."""
+        raise NotImplementedError
+
+    def wait(self, call_id: int) -> Any:
+        """The reply of call ``call_id`` (its method's ``plexctl.calls`` reply struct);
+        ``JobCancelled`` or ``CallFailed`` when it failed."""
+        raise NotImplementedError
+
+    def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
+        """Progress for the daemon: ``step`` (reward_mean), ``eval`` (eval_reward), ``note`` or ``failed``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # -- the calls
+
+    def call(self, request: C.Request | str, args: dict[str, Any] | None = None) -> Any:
+        """A call by its request, or by its method's name and the request's fields; its reply."""
+        if isinstance(request, str):
+            request = C.request_of(request, args)
+        return self.wait(self.call_async(request))
+
+    def generate_async(self, prompts: list[str], sampling: Sampling, after: int | None = None) -> int:
+        """Start generating ``sampling.n`` samples per prompt; ``completions(wait(id))`` later.
+        ``after``: a ``train_and_publish_async`` call in flight: generate from the adapter it
+        publishes, started the moment it lands."""
+        return self.call_async(C.GenerateReq(prompts, sampling), after)
+
+    def completions(self, reply: C.GenerateRep) -> list[Completion]:
+        return reply.completions
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> list[Completion]:
+        """``sampling.n`` completions per prompt, prompt-major, from the job's current policy."""
+        return self.completions(self.wait(self.generate_async(prompts, sampling)))
+
+    def train_step(self, batch: TrainBatch, hp: TrainHParams | None = None, **changes: Any) -> dict[str, float]:
+        """One optimizer step on the job's adapter; ``changes`` override fields of ``hp``,
+        e.g. ``loss="pg-tis", loss_params={"cap": 2.0}, loss_agg="seq-mean-token-sum"``."""
+        hp = hp or TrainHParams()
+        if changes:
+            hp = msgspec.structs.replace(hp, **changes)
+        reply: C.TrainStepRep = self.wait(self.call_async(C.TrainStepReq(batch, hp)))
+        return reply.metrics
+
+    def publish(self) -> int:
+        """Make the trained adapter the rollout policy; return its policy version. When the
+        daemon is stopping, the reply says so and ``drain`` holds why."""
+        reply: C.PublishRep = self.wait(self.call_async(C.PublishReq()))
+        self.drain = reply.drain or self.drain
+        return reply.version
+
+    def train_and_publish(self, batch: TrainBatch, hp: TrainHParams | None = None) -> tuple[dict[str, float], int]:
+        """``train_step`` then ``publish`` in one call (one round trip to the trainer, not two):
+        the step's metrics and the new policy version."""
+        return self.published(self.wait(self.train_and_publish_async(batch, hp)))
+
+    def train_and_publish_async(self, batch: TrainBatch, hp: TrainHParams | None = None) -> int:
+        """Start ``train_and_publish``; ``published(wait(id))`` later."""
+        return self.call_async(C.TrainStepReq(batch, hp or TrainHParams(), publish=True))
+
+    def published(self, reply: C.TrainStepRep) -> tuple[dict[str, float], int]:
+        """The metrics and new policy version of a ``train_and_publish`` reply."""
+        self.drain = reply.drain or self.drain
+        return dict(reply.metrics), reply.version
+
+    def checkpoint(self, step: int, extra: dict[str, Any]) -> str:
+        """Save adapter, optimizer and ``extra`` (JSON) durably, atomically; return the directory."""
+        reply: C.CheckpointRep = self.wait(self.call_async(C.CheckpointReq(step, extra)))
+        return reply.path
+
+    def restore(self) -> dict[str, Any] | None:
+        """Reload the latest checkpoint into the trainer; return its ``extra`` (None: none yet)."""
+        reply: C.RestoreRep = self.wait(self.call_async(C.RestoreReq()))
+        return reply.extra
+
+
+class JobClient(CallClient):
     """The service calls of one job, over one ZeroMQ socket to the daemon.
 
     The job outlives its daemon: when the connection drops (or the daemon that started this
@@ -123,6 +213,7 @@ class JobClient:
         endpoint_file: Path | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
+        super().__init__()
         self.job_id = job_id
         self.parent_pid = parent_pid
         self.endpoint = endpoint
@@ -140,25 +231,20 @@ class JobClient:
         self._sock.connect(endpoint)
         self._replies: dict[int, tuple[bytes, Any]] = {}
         self._in_flight: dict[int, list[bytes]] = {}  # call id -> its frames, until the reply
+        self._reply_types: dict[int, type[C.Reply]] = {}  # call id -> its method's reply type
         self._lost_since: float | None = None  # when the daemon went away
         self._connected_once = False
-        self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by ``publish``)
-        self.train_calls = 0  # train_step calls sent by this process (a loop that sent none trained nothing)
 
     def close(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close()
 
-    # -- transport
-
-    def call_async(self, method: str, args: dict[str, Any] | None = None, after: int | None = None) -> int:
-        """Send a service call; return its id for ``wait``. ``after``: the id of a call in
-        flight this one must follow; the daemon starts it the moment that one is done (no trip
-        back here in between), and fails it if that one fails."""
-        frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, method, args or {}, after or 0))
+    def call_async(self, request: C.Request, after: int | None = None) -> int:
+        frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, request, after or 0))  # type: ignore[arg-type]
         self._in_flight[msg_id] = frames
-        self.train_calls += method == "train_step"
+        self._reply_types[msg_id] = C.METHODS[request.method].reply
+        self.train_calls += request.method == "train_step"
         send_frames(self._sock, frames)
         return msg_id
 
@@ -201,9 +287,8 @@ class JobClient:
             self._sock.connect(address)
             self.endpoint = address
 
-    def wait(self, msg_id: int) -> Any:
-        """The reply of call ``msg_id``; ``JobCancelled`` or ``CallFailed`` when it failed."""
-        while msg_id not in self._replies:
+    def wait(self, call_id: int) -> Any:
+        while call_id not in self._replies:
             self._watch_daemon()
             if not self._sock.poll(200):
                 continue
@@ -213,73 +298,130 @@ class JobClient:
                 continue
             if self._in_flight.pop(header.in_reply_to, None) is not None:  # not a repeated reply
                 self._replies[header.in_reply_to] = (op, body)
-        op, body = self._replies.pop(msg_id)
+        op, body = self._replies.pop(call_id)
+        reply_type = self._reply_types.pop(call_id)
         if op == P.Op.ERROR:
             if body.code == "cancelled":
                 raise JobCancelled(body.message)
             raise CallFailed(f"{body.code}: {body.message}")
-        return body
-
-    def call(self, method: str, args: dict[str, Any] | None = None) -> Any:
-        return self.wait(self.call_async(method, args))
+        return msgspec.convert(body, reply_type)
 
     def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
-        """Progress for the daemon: ``step`` (reward_mean), ``eval`` (eval_reward) or ``note``."""
         frames, _ = P.encode(P.Op.REPORT, P.ReportBody(self.job_id, event, step, metrics, message))
         send_frames(self._sock, frames)
 
-    # -- the service calls
 
-    def generate_async(self, prompts: list[str], sampling: Sampling, after: int | None = None) -> int:
-        """Start generating ``sampling.n`` samples per prompt; ``completions(wait(id))`` later.
-        ``after``: a ``train_and_publish_async`` call in flight: generate from the adapter it
-        publishes, started by the daemon the moment it lands."""
-        return self.call_async("generate", {"prompts": prompts, "sampling": sampling}, after)
+class InprocClient(CallClient):
+    """The service calls of one job served by engines in this process: no daemon, no socket, no
+    scheduler (what a one-job script does, and the in-process side of ``bench/overhead.py``).
 
-    def completions(self, reply: Any) -> list[Completion]:
-        return msgspec.convert(reply["completions"], list[Completion])
+    ``rollout`` has ``generate(list[GenRequest]) -> list[list[Completion]]``; ``trainer`` has the
+    ``TrainerEngine`` methods (``ensure_job``, ``train_step``, ``save_adapter``,
+    ``save_checkpoint``, ``load_checkpoint``). Calls run in the order they are made: trainer calls
+    when sent, a generate when waited on (from the adapter current when it was sent), after
+    ``before_generate`` (a caller's hook, e.g. a benchmark's turn-taking). Adapters and
+    checkpoints are written under ``job_dir`` as the daemon lays them out.
+    """
 
-    def generate(self, prompts: list[str], sampling: Sampling) -> list[Completion]:
-        """``sampling.n`` completions per prompt, prompt-major, from the job's current policy."""
-        return self.completions(self.wait(self.generate_async(prompts, sampling)))
+    def __init__(
+        self,
+        rollout: Any,
+        trainer: Any,
+        job_id: str,
+        job_dir: Path,
+        lora: P.LoraConfig,
+        seed: int,
+        before_generate: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.rollout, self.trainer = rollout, trainer
+        self.job_id, self.job_dir, self.lora, self.seed = job_id, job_dir, lora, seed
+        self.before_generate = before_generate or (lambda: None)
+        self.version = 0  # the policy version last published
+        self.adapter: P.AdapterRef | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[str, Callable[[], C.Reply]]] = {}  # call id -> (method, what ``wait`` runs)
+        self._done: dict[int, C.Reply | BaseException] = {}  # trainer calls, run when sent
+        self.handlers: dict[str, Callable[[Any], Callable[[], C.Reply]]] = {
+            "generate": self._generate,
+            "train_step": self._trainer_call(self._train_step),
+            "publish": self._trainer_call(lambda _req: C.PublishRep(self._publish())),
+            "checkpoint": self._trainer_call(self._checkpoint),
+            "restore": self._trainer_call(self._restore),
+        }
+        trainer.ensure_job(job_id, lora, seed)
 
-    def train_step(self, batch: TrainBatch, hp: TrainHParams | None = None, **changes: Any) -> dict[str, float]:
-        """One optimizer step on the job's adapter; ``changes`` override fields of ``hp``,
-        e.g. ``loss="pg-tis", loss_params={"cap": 2.0}, loss_agg="seq-mean-token-sum"``."""
-        hp = hp or TrainHParams()
-        if changes:
-            hp = msgspec.structs.replace(hp, **changes)
-        return self.call("train_step", {"batch": batch, "hp": hp})
+    def call_async(self, request: C.Request, after: int | None = None) -> int:
+        """``after``: nothing to do in one process, where calls run in the order they are made."""
+        call_id = next(self._ids)
+        self.train_calls += request.method == "train_step"
+        self._pending[call_id] = (request.method, self.handlers[C.METHODS[request.method].name](request))
+        return call_id
 
-    def publish(self) -> int:
-        """Make the trained adapter the rollout policy; return its policy version. When the
-        daemon is stopping, the reply says so and ``drain`` holds why."""
-        reply = self.call("publish")
-        self.drain = reply.get("drain") or self.drain
-        return int(reply["version"])
+    def wait(self, call_id: int) -> Any:
+        method, run = self._pending.pop(call_id)
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - worded as the daemon words a failed call
+            raise CallFailed(f"call_failed: {method} failed: {type(exc).__name__}: {exc}") from None
 
-    def train_and_publish(self, batch: TrainBatch, hp: TrainHParams | None = None) -> tuple[dict[str, float], int]:
-        """``train_step`` then ``publish`` in one call (one round trip to the trainer, not two):
-        the step's metrics and the new policy version."""
-        return self.published(self.wait(self.train_and_publish_async(batch, hp)))
+    def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
+        pass
 
-    def train_and_publish_async(self, batch: TrainBatch, hp: TrainHParams | None = None) -> int:
-        """Start ``train_and_publish``; ``published(wait(id))`` later."""
-        return self.call_async("train_step", {"batch": batch, "hp": hp or TrainHParams(), "publish": True})
+    def _generate(self, req: C.GenerateReq) -> Callable[[], C.Reply]:
+        """Sampled when waited on, from the adapter of now."""
+        gen = P.GenRequest(job_id=self.job_id, prompts=req.prompts, sampling=req.sampling, adapter=self.adapter)
+        version = self.version
 
-    def published(self, reply: Any) -> tuple[dict[str, float], int]:
-        """The metrics and new policy version of a ``train_and_publish`` reply."""
-        reply = dict(reply)
-        self.drain = reply.pop("drain", None) or self.drain
-        return reply, int(reply.pop("version"))
+        def run() -> C.Reply:
+            self.before_generate()
+            return C.GenerateRep(self.rollout.generate([gen])[0], version)
 
-    def checkpoint(self, step: int, extra: dict[str, Any]) -> str:
-        """Save adapter, optimizer and ``extra`` (JSON) durably, atomically; return the directory."""
-        return self.call("checkpoint", {"step": step, "extra": extra})["path"]
+        return run
 
-    def restore(self) -> dict[str, Any] | None:
-        """Reload the latest checkpoint into the trainer; return its ``extra`` (None: none yet)."""
-        return self.call("restore")
+    def _trainer_call(self, handler: Callable[[Any], C.Reply]) -> Callable[[Any], Callable[[], C.Reply]]:
+        """A trainer call runs when sent; ``wait`` returns its reply (or raises its error)."""
+
+        def send(req: C.Request) -> Callable[[], C.Reply]:
+            try:
+                reply = handler(req)
+            except Exception as exc:  # noqa: BLE001 - raised by ``wait``, as a remote failure is
+                error = exc
+
+                def fail() -> C.Reply:
+                    raise error
+
+                return fail
+            return lambda: reply
+
+        return send
+
+    def _train_step(self, req: C.TrainStepReq) -> C.Reply:
+        metrics = self.trainer.train_step(self.job_id, req.batch, req.hp)
+        return C.TrainStepRep(metrics, self._publish() if req.publish else 0)
+
+    def _publish(self) -> int:
+        self.version += 1
+        out = self.job_dir / "adapters" / f"v{self.version:06d}"
+        self.trainer.save_adapter(self.job_id, str(out))
+        self.adapter = P.AdapterRef(self.job_id, self.version, str(out))
+        return self.version
+
+    def _checkpoint(self, req: C.CheckpointReq) -> C.Reply:
+        out = self.job_dir / "ckpt" / f"step-{req.step:06d}"
+        self.trainer.save_checkpoint(self.job_id, str(out), req.extra)
+        write_json_atomic(
+            self.job_dir / "ckpt" / "latest.json", {"dir": str(out), "step": req.step, "policy_version": self.version}
+        )
+        return C.CheckpointRep(str(out))
+
+    def _restore(self, _req: C.RestoreReq) -> C.Reply:
+        try:
+            latest = json.loads((self.job_dir / "ckpt" / "latest.json").read_text())
+        except FileNotFoundError:
+            return C.RestoreRep(None)
+        self.version = max(self.version, int(latest.get("policy_version", 0)))
+        return C.RestoreRep(self.trainer.load_checkpoint(self.job_id, latest["dir"], self.lora, self.seed))
 
 
 # ---------------------------------------------------------------- a step's samples
@@ -394,7 +536,7 @@ class PendingTrain:
 class Job:
     """One job as its loop sees it; the driver builds it and passes it to the algorithm."""
 
-    client: JobClient
+    client: CallClient
     spec: JobSpec
     job_dir: Path
     log: Callable[[str], None] = print
@@ -514,7 +656,7 @@ class Job:
             return rollout
         reply = self.client.wait(pending.msg_id)
         comps = self.client.completions(reply)
-        version = int(reply.get("policy_version", self.version))
+        version = reply.policy_version
         generate_s = time.perf_counter() - t0
         errors_before = getattr(self.reward, "errors", 0)
         rewards = self.score(pending.records, comps, pending.n)

@@ -1,45 +1,25 @@
 """Run untrusted Python (model-written code, tests, tool calls) in its own contained process.
 
-This module owns ``run_python`` (one program, one result), ``SandboxSession`` (one program
-kept running, a request and its reply per line), ``SandboxPool`` (many programs at once,
-bounded, never raising) and ``isolation()`` / ``network_isolation()`` (which protection
-holds on this machine). Each run gets:
+``run_python`` runs one program for one result, ``SandboxSession`` keeps one running (a request
+and its reply per line), ``SandboxPool`` runs many at once (bounded, never raising), and
+``isolation()`` / ``network_isolation()`` say which protection holds on this machine. Each run
+gets its own session and process started by ``python -I -S plexctl/sandbox_boot.py`` (no site,
+no ``PYTHON*`` variables, a minimal environment: the driver's variables stay out), a fresh
+working directory removed afterwards, rlimits (``Limits``: CPU, address space, file size,
+processes, open files, no cores), a wall-clock timeout that SIGKILLs its whole process group,
+and stdout and stderr kept up to ``Limits.output_bytes`` each.
 
-- its own process in a new session (``start_new_session``), started by ``python -I -S`` (no
-  user site, no ``site``, no ``PYTHON*`` variables) with a minimal environment (the driver's
-  variables, which may hold credentials, are not passed), stdin from a file holding the
-  ``stdin`` text (empty by default: end of file at once);
-- a fresh empty working directory, removed afterwards;
-- resource limits (``Limits``): CPU seconds, address space, file size, process count, open
-  files, no core files; a wall-clock timeout after which the whole process group (and in
-  ``namespaces`` mode every process of the run's own uid) is killed with SIGKILL;
-- stdout and stderr read concurrently and kept up to ``Limits.output_bytes`` each.
+Isolation, strongest first (``plexctl/sandbox_boot.py`` applies it before the program runs):
+``namespaces`` (the driver is root: new mount, network and IPC namespaces, the tree read-only
+but the working directory, no network, then a uid of the run's own with ``no_new_privs``);
+``userns`` (unprivileged user namespaces: the same plus a PID namespace whose init is the
+program, capabilities dropped); ``guard`` (neither: an audit hook refuses sockets, process
+spawning, ctypes and writes outside the working directory; native code could get around it).
+``docs/environments.md`` describes each in full.
 
-Isolation, strongest first; ``isolation()`` probes once per process and says which holds:
-
-- ``namespaces`` (the driver runs as root): new mount, network and IPC namespaces; the whole
-  file tree is re-mounted read-only and nosuid except the working directory; the network
-  namespace has only a down loopback, so every connection fails; the program then drops to a
-  uid of its own (leased from ``SANDBOX_UID_BASE``, one per concurrent run, so
-  ``RLIMIT_NPROC`` counts only that run's processes and leftovers are found and killed by uid)
-  with ``no_new_privs``. The interpreter's standard library is bind-mounted into the run
-  directory, so an interpreter in a private home (e.g. /root/.pyenv) still imports.
-- ``userns`` (unprivileged, where the kernel allows user namespaces): the same namespaces and
-  read-only tree inside a new user namespace, plus a PID namespace whose init is the program
-  (so every process it leaves dies with it, or with its supervisor, the group leader that a
-  timeout kills); all capabilities are dropped after set-up. As pid 1 the program ignores
-  SIGXCPU: the CPU limit ends it with SIGKILL one second later.
-- ``guard`` (neither is permitted): an audit hook (``sys.addaudithook``, which Python code
-  cannot remove) refuses sockets, ``fork``, process spawning (``exec``/``subprocess``),
-  ``ctypes`` and writes outside the working directory. It is an in-process guard: native code
-  could get around it. ``RLIMIT_NPROC`` then counts all of the driver user's processes (set
-  to what exists plus the budget; root is exempt from it, hence the refused ``fork``).
-
-It deliberately does not: limit what the program may *read* (world-readable files stay
-readable; in ``namespaces`` mode other runs' directories are not), give the program
-third-party packages (only the standard library: ``-S``), hide other processes (/proc stays
-the host's), or run anything but Python. ``run_python`` never raises for what the program does: every failure is a
-``SandboxResult`` with ``ok=False``.
+It deliberately does not limit what the program may read, give it third-party packages, hide
+other processes, or run anything but Python. ``run_python`` never raises for what the program
+does: every failure is a ``SandboxResult`` with ``ok=False``.
 """
 
 from __future__ import annotations
@@ -62,6 +42,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from plexctl.sandbox_boot import SETUP_FAILED_EXIT
+
 if TYPE_CHECKING:
     from _typeshed import FileDescriptorLike
 
@@ -70,7 +52,7 @@ T = TypeVar("T")
 SANDBOX_UID_BASE = 1_500_000  # namespaces mode: runs use uids [BASE, BASE + SANDBOX_UIDS)
 SANDBOX_UIDS = 4096
 USERNS_INNER_UID = 1000  # userns mode: the driver's uid appears as this (not 0: no caps on exec)
-SETUP_FAILED_EXIT = 121  # the boot could not apply the isolation it was asked for
+BOOT = Path(__file__).with_name("sandbox_boot.py")  # run by path: ``-S`` leaves no site-packages to import from
 MODES = ("namespaces", "userns", "guard")
 _READ_CHUNK = 65536
 _DRAIN_AFTER_EXIT_S = 0.5
@@ -118,159 +100,6 @@ class Isolation:
     network: str
     filesystem: str
     processes: str
-
-
-# ---------------------------------------------------------------- the boot (runs in the child)
-
-# Passed to ``python -I -S -c`` with a JSON config as argv[1]. It applies the isolation of its
-# mode, then runs main.py in a fresh ``__main__`` module. Any failure of its own exits with
-# SETUP_FAILED_EXIT and one ``plexrl-sandbox:`` line on stderr: a run never silently gets a
-# weaker isolation than it was asked for.
-_BOOT = r"""
-import os, sys
-def _plexrl_boot():
-    cfg = eval(sys.argv[1], {"__builtins__": {}})
-    mode, base = cfg["mode"], cfg["base"]
-    work = base + "/work"
-    stage = "start"
-    try:
-        with open(base + "/main.py", "rb") as f:
-            source = f.read()
-        sys.path[:0] = cfg.get("paths", [])  # read-only import paths (bind-mounted below)
-        if mode != "guard":
-            stage = "namespaces"
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-            libc.syscall.restype = ctypes.c_long
-            class MountAttr(ctypes.Structure):
-                _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64),
-                            ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
-            def check(ret, what):
-                if ret != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, what + ": " + os.strerror(err))
-            def mount(src, dst, flags):
-                check(libc.mount(src and src.encode(), dst.encode(), None, flags, None), "mount " + dst)
-            def setattr_(path, flags, set_, clr):
-                attr = MountAttr(set_, clr, 0, 0)
-                check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path.encode()),
-                                   ctypes.c_long(flags), ctypes.byref(attr), ctypes.c_long(ctypes.sizeof(attr))),
-                      "mount_setattr " + path)
-            uid, gid = os.getuid(), os.getgid()
-            flags = 0x00020000 | 0x40000000 | 0x08000000  # CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
-            if mode == "userns":
-                flags |= 0x10000000 | 0x20000000  # CLONE_NEWUSER | CLONE_NEWPID
-            check(libc.unshare(flags), "unshare")
-            if mode == "userns":
-                stage = "user namespace"
-                for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (cfg["inner_uid"], uid)),
-                                   ("gid_map", "%d %d 1" % (cfg["inner_uid"], gid))):
-                    with open("/proc/self/" + name, "w") as f:
-                        f.write(text)
-            stage = "mounts"
-            mount(None, "/", 0x4000 | 0x40000)  # MS_REC | MS_PRIVATE
-            if mode == "namespaces":  # the stdlib, reachable for the sandbox uid
-                moved = {}
-                for i, p in enumerate(sys.path):
-                    if os.path.isdir(p):
-                        moved[p] = "%s/py/%d" % (base, i)
-                        os.mkdir(moved[p])
-                        mount(p, moved[p], 0x1000 | 0x4000)  # MS_BIND | MS_REC
-                def rebase(path):
-                    old = max((o for o in moved if path == o or path.startswith(o + "/")), key=len, default=None)
-                    return path if old is None else moved[old] + path[len(old):]
-                sys.path[:] = list(moved.values())
-                for module in list(sys.modules.values()):  # packages imported so far find their submodules
-                    search = getattr(module, "__path__", None)
-                    if isinstance(search, list):
-                        search[:] = [rebase(p) for p in search]
-                sys.path_importer_cache.clear()
-            setattr_("/", 0x8000, 0x1 | 0x2, 0)  # AT_RECURSIVE; MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID
-            mount(work, work, 0x1000)
-            setattr_(work, 0, 0, 0x1)  # the working directory alone is writable
-            if mode == "userns":
-                stage = "pid namespace"
-                _supervise_pid_namespace()
-        stage = "limits"
-        import resource
-        for name, value in cfg["rlimits"]:
-            resource.setrlimit(getattr(resource, name), tuple(value))
-        os.chdir(work)
-        if mode == "namespaces":
-            stage = "drop privileges"
-            os.setgroups([])
-            os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
-            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        if mode != "guard":
-            check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
-        if mode == "userns":
-            class CapHeader(ctypes.Structure):
-                _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-            data = (ctypes.c_uint32 * 6)()
-            check(libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), data), "drop capabilities")
-        if mode == "guard":
-            stage = "guard"
-            _install_guard(os.path.realpath(work))
-    except BaseException as e:
-        os.write(2, ("plexrl-sandbox: setup failed at %s: %s: %s\n" % (stage, type(e).__name__, e)).encode())
-        os._exit(121)
-    return source
-
-def _supervise_pid_namespace():
-    # The program runs as pid 1 of a new PID namespace: when it dies, or when this supervisor
-    # (the process group leader the driver kills) takes it down, every process it left dies.
-    pid = os.fork()
-    if pid == 0:
-        return
-    import signal
-    for sig in (signal.SIGXCPU, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_IGN)  # the supervisor idles; only the program has limits
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig != signal.SIGKILL:
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    os._exit(os.waitstatus_to_exitcode(status))
-
-def _install_guard(work):
-    def inside(path):
-        if isinstance(path, int):
-            return True
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        real = os.path.realpath(os.fspath(path))
-        return real == work or real.startswith(work + os.sep) or real == "/dev/null"
-    refused = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.fork",
-               "ctypes.", "pty.", "os.forkpty", "winreg.", "_posixsubprocess.")
-    path_events = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod",
-                   "os.chown", "os.truncate", "os.utime", "os.chflags", "os.mkfifo", "os.mknod", "shutil.rmtree"}
-    def hook(event, args):
-        if event.startswith(refused) and event not in ("socket.gethostname",):
-            raise PermissionError("plexrl-sandbox: %s refused" % event)
-        if event == "open" and len(args) >= 3 and args[0] is not None:
-            mode, flags = args[1], args[2] or 0
-            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-                flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if writing and not inside(args[0]):
-                raise PermissionError("plexrl-sandbox: write outside the working directory refused: %r" % (args[0],))
-        elif event in path_events:
-            for arg in args[:2]:
-                if isinstance(arg, (str, bytes, os.PathLike)) and not inside(arg):
-                    raise PermissionError("plexrl-sandbox: %s outside the working directory refused" % event)
-    sys.addaudithook(hook)
-
-_source = _plexrl_boot()
-del _plexrl_boot, _install_guard, _supervise_pid_namespace
-_main = type(sys)("__main__")
-_main.__file__ = "main.py"
-sys.modules["__main__"] = _main
-sys.argv[:] = ["main.py"]
-_code = compile(_source, "main.py", "exec")
-del _source
-exec(_code, _main.__dict__)
-"""
 
 
 # ---------------------------------------------------------------- isolation
@@ -468,7 +297,7 @@ def _popen(
         "PYTHONIOENCODING": "utf-8",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _BOOT, repr(config)],
+        [sys.executable, "-I", "-S", str(BOOT), repr(config)],
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

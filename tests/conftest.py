@@ -86,7 +86,7 @@ def build_tiny(recipe: str) -> Path:
     """The recipe's model dir, built first if it is not cached (under the recipe's build lock:
     a build already running elsewhere is waited for)."""
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO, check=True
+        [sys.executable, "-m", "worker.tiny_models", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO, check=True
     )
     return TINY_ROOT / "models" / recipe
 
@@ -104,7 +104,7 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
         log = open(TINY_ROOT / "tiny-tool-build.log", "w")
         _beside.append(
             subprocess.Popen(
-                [sys.executable, "-m", "worker.tiny", "--root", str(TINY_ROOT), "--only", "tiny-tool"],
+                [sys.executable, "-m", "worker.tiny_models", "--root", str(TINY_ROOT), "--only", "tiny-tool"],
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -127,8 +127,9 @@ def tool_model(tiny_model: Path) -> Path:
 # real Slurm cluster), bench (a benchmark's quick mode), learning (runs until the tiny task is
 # learned), e2e (real engines, clusters or daemons in processes of their own); the rest: unit.
 MARKS = {
+    "unit": {"test_daemon_core.py"},
     "slurm": {"test_slurm.py"},
-    "bench": {"test_bench_multiplex.py", "test_bench_quick.py"},
+    "bench": {"test_bench_multiplex.py", "test_bench_quick.py", "test_bench_cli_startup.py"},
     "learning": {"test_algos_learning.py", "test_tool_learning.py", "test_multiplex.py", "test_e2e.py"},
     "e2e": {
         "test_auth.py",
@@ -140,6 +141,7 @@ MARKS = {
         "test_user_errors.py",
         "test_worker_stall.py",
         "test_tiny_and_rollout.py",
+        "test_wheel.py",
     },
 }
 
@@ -159,23 +161,88 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             build.wait()
 
 
+class DrivenCore:
+    """A ``DaemonCore`` driven as its server drives it, at the times a test gives; the messages
+    its effects send are recorded in ``sent`` as (identity, opcode, body), its other effects
+    (drivers to start or stop, directories to prune) in ``effects``. Its state reads through."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.sent: list[tuple[bytes, bytes, object]] = []
+        self.effects: list[object] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.core, name)
+
+    def take(self, effects: list) -> list:
+        from daemon.core import Send
+
+        for e in effects:
+            if isinstance(e, Send):
+                self.sent.append((e.identity, e.op, e.body))
+            else:
+                self.effects.append(e)
+        return effects
+
+    def send(self, identity: bytes, op: bytes, body: object, msg_id: int = 1, user: str = "", now: float | None = None):
+        """A message from ``identity`` (sent by ``user``; default: the cluster's own processes)."""
+        from plexctl import auth
+        from plexctl import protocol as P
+
+        header = P.Header(msg_id=msg_id)
+        return self.take(self.core.handle(identity, user or auth.INTERNAL_USER, op, header, body, now or time.time()))
+
+    def place(self, now: float | None = None):
+        return self.take(self.core.place(now or time.time()))
+
+    def chores(self, now: float | None = None):
+        return self.take(self.core.chores(now or time.time()))
+
+    def heartbeat(self, now: float):
+        return self.take(self.core.heartbeat(now))
+
+    def adopt(self, job_id: str, pid: int = 0, now: float | None = None, alive: bool = True):
+        return self.take(self.core.adopt(job_id, pid, now or time.time(), alive))
+
+    def driver_started(self, job_id: str, pid: int, now: float | None = None):
+        return self.take(self.core.driver_started(job_id, pid, now or time.time()))
+
+    def driver_not_started(self, job_id: str, why: str, now: float | None = None):
+        return self.take(self.core.driver_not_started(job_id, why, now or time.time()))
+
+    def driver_exited(self, job_id: str, rc: int, now: float | None = None):
+        return self.take(self.core.driver_exited(job_id, rc, now or time.time()))
+
+    def drain(self, reason: str, now: float | None = None, urgent: bool = True):
+        return self.take(self.core.drain(reason, now or time.time(), urgent))
+
+
+@pytest.fixture
+def core(tiny_model: Path, tmp_path: Path):
+    """The daemon's core on a real journal in a temporary state directory: no socket, no
+    process; its owner is this user."""
+    from daemon.core import DaemonCore
+    from plexctl.client import current_user
+
+    c = DaemonCore(tmp_path / "state", [str(tiny_model)], current_user(), trusted_users=SIMULATED_USERS)
+    yield DrivenCore(c)
+    c.close()
+
+
 @pytest.fixture
 def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A real daemon object on a real socket and journal, no workers; what it sends is
-    recorded in ``d.sent`` as (identity, opcode, body) instead."""
+    """A real daemon server on a real socket and journal, no workers."""
     from daemon.main import Daemon
     from plexctl import auth
 
     monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
     d = Daemon(tmp_path / "state", [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
-    d.sent = []
-    d._send = lambda identity, op, body, in_reply_to=0: d.sent.append((identity, op, body))
     yield d
     if not d.sock.closed:
         d.authenticator.stop()
         d.sock.close()
-        d.journal.close()
+        d.core.close()
 
 
 @pytest.fixture(scope="session")

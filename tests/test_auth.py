@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from plexctl import auth, inputs
+from plexctl import calls as C
 from plexctl import protocol as P
 from plexctl.client import Client, current_user
 from plexctl.cluster import read_endpoint
@@ -187,8 +188,8 @@ def test_internal_operations_and_down_are_refused_to_user_keys(cluster: Cluster)
         (P.Op.REGISTER, P.RegisterReq("w9", "node", 1, [], True)),
         (P.Op.HEARTBEAT, P.HeartbeatBody("w9")),
         (P.Op.LEAVE, P.HeartbeatBody("w9")),
-        (P.Op.RESULT, P.ResultBody(task_id=1, ok=True, value={})),
-        (P.Op.CALL, P.CallReq("j0001", "train_step", {})),
+        (P.Op.RESULT, P.ResultBody(task_id=1, ok=True, value=C.PublishResult())),
+        (P.Op.CALL, P.CallReq("j0001", C.PublishReq())),
         (P.Op.REPORT, P.ReportBody("j0001", "step", 1, {}, "")),
     ]
     for user in (OWNER, "bob"):

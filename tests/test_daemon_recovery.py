@@ -4,8 +4,8 @@ and its trainer calls go to the trainer that holds its state (no other trainer h
 when another trainer is idle. A driver that gave up on its daemon is queued again; a job
 whose driver cannot be started waits with the reason, and the daemon goes on.
 
-A real daemon object on a real socket and journal, driven through its message handlers with
-the frames a driver and two workers send; what it sends back is recorded.
+The core's part on the daemon's core (``core`` fixture: real journal, no socket) driven with
+the messages a driver and two workers send; the recovery of processes on a real daemon server.
 """
 
 from __future__ import annotations
@@ -19,102 +19,135 @@ from pathlib import Path
 from conftest import SIMULATED_USERS
 
 from daemon import procs
-from daemon.main import Daemon, JobRuntime
+from daemon.core import StartDriver
+from daemon.main import Daemon
+from plexctl import auth
+from plexctl import calls as C
 from plexctl import protocol as P
 from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def adopted_job(d: Daemon, tiny_model: Path, name: str) -> str:
-    """A job whose driver outlived the last daemon (as ``_recover_jobs`` leaves it)."""
+def adopted_job(d, tiny_model: Path, name: str) -> str:
+    """A job whose driver outlived the last daemon, adopted by this one (as recovery leaves it)."""
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
     job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
     d.journal.update(job_id, state="running")
-    d.runtimes[job_id] = JobRuntime(job_id, spec, d.jobs_dir / job_id, None, user="alice")
-    d.adopting[job_id] = time.time() + 60
+    d.adopt(job_id)
     return job_id
 
 
-def register(d: Daemon, worker: str, model: Path, resident: dict[str, str]) -> None:
+def register(d, worker: str, model: Path, resident: dict[str, str]) -> None:
     engines = [
         P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
         P.EngineDecl(f"{worker}/trainer", "trainer", str(model)),
     ]
-    d.on_register(
-        worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", 1, engines, True, resident=resident)
-    )
+    d.send(worker.encode(), P.Op.REGISTER, P.RegisterReq(worker, "node", 1, engines, True, resident=resident))
 
 
-def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
-    d.on_call(
-        f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}})
-    )
+def train_step(d, job_id: str, msg_id: int) -> None:
+    step = C.TrainStepReq(P.TrainBatch([], [], [], []))
+    d.send(f"drv:{job_id}".encode(), P.Op.CALL, P.CallReq(job_id, step), msg_id)
 
 
-def tasks(d: Daemon) -> list[tuple[str, str]]:
+def tasks(d) -> list[tuple[str, str]]:
     out = [(body.job_id, body.engine_id) for _, op, body in d.sent if op == P.Op.TASK and body.method == "train_step"]
     d.sent.clear()
     return out
 
 
-def test_an_adopted_jobs_calls_wait_for_it_and_go_to_the_trainer_holding_its_state(daemon, tiny_model):
-    d = daemon
+def test_an_adopted_jobs_calls_wait_for_it_and_go_to_the_trainer_holding_its_state(core, tiny_model):
+    d = core
     a, b = adopted_job(d, tiny_model, "a"), adopted_job(d, tiny_model, "b")
     train_step(d, a, 7)  # sent again by a's driver before any worker is back
-    d._place(time.time())
+    d.place()
     assert tasks(d) == [] and a in d.held  # held, not placed by load on whatever comes first
     register(d, "w0", tiny_model, {})  # an empty trainer comes back first
     register(d, "w1", tiny_model, {a: "w1/trainer", b: "w1/trainer"})
-    d._admit_adopted(time.time())
-    d._place(time.time())
+    d.chores()
+    d.place()
     assert tasks(d) == [(a, "w1/trainer")]
     train_step(d, b, 8)  # w1 is busy with a's step and w0 idle: b's state is on w1 only
-    d._place(time.time())
+    d.place()
     assert tasks(d) == []
     (task_id,) = [tid for tid, call in d.calls.items() if call.job_id == a]
-    d.on_result(b"w1", P.Header(msg_id=2), P.ResultBody(task_id, True, {"loss": 0.0}, seconds=0.1))
-    d._place(time.time())
+    d.send(b"w1", P.Op.RESULT, P.ResultBody(task_id, True, C.TrainStepResult({"loss": 0.0}), seconds=0.1))
+    d.place()
     assert tasks(d) == [(b, "w1/trainer")]
 
 
-def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(daemon, tiny_model):
+def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(core, tiny_model):
     """A driver that lost its daemon for longer than the orphan grace stops with exit 75 (as a
     drained one does); the daemon that sees it exit is not draining, so the job is queued again
     and resumes from its checkpoint instead of waiting for an ``up`` that never comes."""
-    d = daemon
+    d = core
     job = adopted_job(d, tiny_model, "gave-up")
-    d.runtimes[job].proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(75)"])
-    d.runtimes[job].proc.wait(30)
-    d._reap_drivers(time.time())
+    d.driver_exited(job, 75)
     assert job not in d.runtimes
     assert d.journal.job(job).state == "queued"
     assert d.journal.events(job)[-1][1] == "requeued"
 
 
-def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_goes_on(daemon, tiny_model):
-    d = daemon
+def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_goes_on(core, tiny_model):
+    d = core
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="nodir")
     job, _ = d.journal.submit("nodir", "nodir", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
     register(d, "w0", tiny_model, {})
-    d.jobs_dir.joinpath(job).write_text("in the way")  # its directory cannot be made (as with a full disk)
-    d._admit(time.time())
+    assert d.chores() == [StartDriver(job)]
+    d.driver_not_started(job, "[Errno 28] No space left on device")  # as the server tells it
     assert d.journal.job(job).state == "queued" and job not in d.runtimes
-    assert d.reasons[job].startswith("cannot start its driver: ")
+    assert d.reasons[job] == "cannot start its driver: [Errno 28] No space left on device"
+    assert d.chores() == [StartDriver(job)]  # the next pass tries again
+    d.driver_started(job, 4242)
+    assert d.journal.job(job).state == "running" and job not in d.reasons
+    assert d.runtimes[job].pid == 4242 and d.journal.events(job)[-1][1:] == ("started", "driver pid 4242")
+
+
+def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_model):
+    d = daemon
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="nodir")
+    job, _ = d.journal.submit("nodir", "nodir", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    d.core.handle(
+        b"w0",
+        auth.INTERNAL_USER,
+        P.Op.REGISTER,
+        P.Header(msg_id=1),
+        P.RegisterReq(
+            "w0",
+            "node",
+            1,
+            [P.EngineDecl(f"w0/{k}", k, str(tiny_model), 4 if k == "rollout" else 1) for k in ("rollout", "trainer")],
+            True,
+        ),
+        time.time(),
+    )
+    d.jobs_dir.joinpath(job).write_text("in the way")  # its directory cannot be made (as with a full disk)
+    d._carry_out(d.core.chores(time.time()))
+    assert d.journal.job(job).state == "queued" and job not in d.drivers
+    assert d.core.reasons[job].startswith("cannot start its driver: ")
     d.jobs_dir.joinpath(job).unlink()
-    d._admit(time.time())  # the next pass starts it
+    d._carry_out(d.core.chores(time.time()))  # the next pass starts it
     try:
-        assert d.journal.job(job).state == "running" and job not in d.reasons
+        assert d.journal.job(job).state == "running" and job not in d.core.reasons
     finally:
-        d.runtimes[job].proc.kill()
-        d.runtimes[job].proc.wait()
+        d.drivers[job].kill()
+        d.drivers[job].wait()
+
+
+def running_job(d: Daemon, tiny_model: Path, name: str) -> str:
+    """A job the journal of the server ``d`` has running (its driver is the test's to make)."""
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
+    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    d.journal.update(job_id, state="running")
+    return job_id
 
 
 def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_that_ended_meanwhile(
     daemon, tiny_model, tmp_path
 ):
     d = daemon
-    done, cancelled = adopted_job(d, tiny_model, "done"), adopted_job(d, tiny_model, "asked")
+    done, cancelled = running_job(d, tiny_model, "done"), running_job(d, tiny_model, "asked")
     for job in (done, cancelled):
         d.jobs_dir.joinpath(job).mkdir(parents=True, exist_ok=True)
         d.journal.event(job, "started")
@@ -129,36 +162,34 @@ def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_tha
     d.journal.event(cancelled, "cancel_requested")  # then the daemon died
     d.authenticator.stop()
     d.sock.close()
-    d.journal.close()
+    d.core.close()
     again = Daemon(d.state_dir, [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
-    again.sent = []
-    again._send = lambda identity, op, body, in_reply_to=0: again.sent.append((identity, op, body))
     try:
-        again._reap_drivers(time.time())
+        again.reap_drivers(time.time())
         assert again.journal.job(done).state == "succeeded"  # not run again from its checkpoint
-        assert again.runtimes[cancelled].cancel_requested_at is not None
-        again.on_call(b"drv", P.Header(msg_id=3), P.CallReq(cancelled, "train_step", {"batch": {}, "hp": {}}))
-        (reply,) = [body for _, op, body in again.sent if op == P.Op.ERROR]
+        assert again.core.runtimes[cancelled].cancel_requested_at is not None
+        call = P.CallReq(cancelled, C.TrainStepReq(P.TrainBatch([], [], [], [])))
+        effects = again.core.handle(b"drv", auth.INTERNAL_USER, P.Op.CALL, P.Header(msg_id=3), call, time.time())
+        (reply,) = [e.body for e in effects if e.op == P.Op.ERROR]
         assert reply.code == "cancelled"
     finally:
         running.kill()
         running.wait()
         again.authenticator.stop()
         again.sock.close()
-        again.journal.close()
+        again.core.close()
 
 
 def test_recovery_stops_a_driver_started_for_a_job_the_journal_still_has_queued(daemon, tiny_model):
     d = daemon
-    job = adopted_job(d, tiny_model, "stray")
+    job = running_job(d, tiny_model, "stray")
     d.journal.update(job, state="queued")  # the last daemon died between starting its driver and journaling it
-    del d.runtimes[job], d.adopting[job]
     d.jobs_dir.joinpath(job).mkdir(parents=True)
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     procs.record(d.jobs_dir / job / "driver.pid", stray, d._driver_argv(job, d.jobs_dir / job, "alice"))
     d.authenticator.stop()
     d.sock.close()
-    d.journal.close()
+    d.core.close()
     again = Daemon(d.state_dir, [str(tiny_model)], [], trusted_users=SIMULATED_USERS)
     try:
         assert stray.wait(10) == -9  # only one driver per job: the next one is started by this daemon
@@ -167,4 +198,4 @@ def test_recovery_stops_a_driver_started_for_a_job_the_journal_still_has_queued(
         stray.kill()
         again.authenticator.stop()
         again.sock.close()
-        again.journal.close()
+        again.core.close()

@@ -13,42 +13,36 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 import zmq
 
+from plexctl import calls as C
 from plexctl import protocol as P
 from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
 from worker import main as worker_main
 from worker.state_store import StateStore
 
 
-def train_args(step: int, **extra: Any) -> dict[str, Any]:
-    """A train_step task's arguments for job j0's ``step``, as the daemon sends them."""
+def train_task(step: int, call_key: str = "", publish_dir: str = "") -> C.TrainStepTask:
+    """A train_step task for job j0's ``step``, as the daemon sends it."""
     lora, seed, hp = JOBS["j0"]
-    return {
-        "lora": msgspec.to_builtins(lora),
-        "seed": seed,
-        "weight_decay": hp.weight_decay,
-        "batch": msgspec.to_builtins(batch_for("j0", step)),
-        "hp": msgspec.to_builtins(hp),
-        **extra,
-    }
+    trainer = C.TrainerContext(lora, seed, hp.weight_decay, call_key=call_key)
+    return C.TrainStepTask(trainer, batch_for("j0", step), hp, publish_dir=publish_dir)
 
 
-def trainer_loop(model_dir: str, outbox: zmq.Socket) -> tuple[StateStore, Callable[[int, dict[str, Any]], Any]]:
+def trainer_loop(model_dir: str, outbox: zmq.Socket) -> tuple[StateStore, Callable[[int, C.TrainStepTask], Any]]:
     """The worker's trainer loop on its own thread, and a function that gives it one j0
     train_step task and returns the result's value (the result comes back on ``outbox``)."""
     store = StateStore(engine(model_dir), device_slots=1, host_bytes=1 << 30)
     tasks: queue.Queue[P.TaskBody] = queue.Queue()
     threading.Thread(target=worker_main.trainer_loop, args=(store, tasks), daemon=True).start()
 
-    def serve(task_id: int, args: dict[str, Any]) -> Any:
-        tasks.put(P.TaskBody(task_id, "j0", "w/trainer", "train_step", args))
+    def serve(task_id: int, task: C.TrainStepTask) -> Any:
+        tasks.put(P.TaskBody(task_id, "j0", "w/trainer", task))
         assert outbox.poll(120_000), "no result from the trainer loop"
         _op, _header, result = P.decode(outbox.recv_multipart())
         assert result.task_id == task_id and result.ok, result.error
-        return result.value
+        return result.value.metrics
 
     return store, serve
 
@@ -68,7 +62,7 @@ def test_a_repeated_train_step_is_applied_once(tmp_path) -> None:
         store, serve = trainer_loop(model_dir, outbox)
 
         def train(task_id: int, step: int, key: str) -> dict[str, Any]:
-            return serve(task_id, train_args(step, call_key=key))
+            return serve(task_id, train_task(step, call_key=key))
 
         first = train(1, 0, "4242:7")
         again = train(2, 0, "4242:7")  # the same call, sent again after a reconnect
@@ -97,10 +91,10 @@ def test_a_train_step_that_publishes_saves_the_adapter_after_the_step(tmp_path) 
     try:
         _store, serve = trainer_loop(model_dir, outbox)
         out = tmp_path / "adapters" / "v000001"
-        args = train_args(0, call_key="4242:7", publish_dir=str(out))
-        values = [serve(1, args)]
+        task = train_task(0, call_key="4242:7", publish_dir=str(out))
+        values = [serve(1, task)]
         saved_at = (out / "adapter_model.safetensors").stat().st_mtime_ns
-        values.append(serve(2, args))  # the same call again
+        values.append(serve(2, task))  # the same call again
         assert values[0] == values[1] and "loss" in values[0]
         assert (out / "adapter_model.safetensors").stat().st_mtime_ns == saved_at  # not saved again
         want = load_file(str(tmp_path / "reference" / "adapter_model.safetensors"))

@@ -81,7 +81,7 @@ def test_report_without_arguments_is_a_usage_error(cluster):
 
 
 def test_missing_matplotlib_is_one_line_with_the_pip_command(monkeypatch):
-    from plexctl import report
+    from plexctl.cli import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UsageError, match=r"pip install 'plexrl\[plots\]'"):
@@ -96,7 +96,7 @@ def test_timeline_draws_background_moves_under_the_trainer_row(tmp_path):
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from plexctl import report
+    from plexctl.cli import report
     from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep, SwapMark
 
     engines = [

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plexctl import auth
+from plexctl import calls as C
 from plexctl import protocol as P
 from plexctl.client import Client
 from plexctl.cluster import read_endpoint
@@ -83,9 +84,9 @@ OPS = [v for k, v in vars(P.Op).items() if not k.startswith("_") and isinstance(
 HEADER = msgspec.msgpack.encode(P.Header(msg_id=1))
 # Valid bodies of requests a stranger might forge; DOWN is left out (it stops the daemon by design).
 FORGED = [
-    (P.Op.RESULT, P.ResultBody(task_id=10**9, ok=True, value={"x": 1})),
-    (P.Op.CALL, P.CallReq("j9999", "train_step", {"batch": 1})),
-    (P.Op.CALL, P.CallReq("j0001", "no_such_method", {})),
+    (P.Op.RESULT, P.ResultBody(task_id=10**9, ok=True, value=C.PublishResult())),
+    (P.Op.CALL, P.CallReq("j9999", C.TrainStepReq(P.TrainBatch([[1]], [[1]], [[0.0]], [1.0])))),
+    (P.Op.CALL, P.CallReq("j0001", C.PublishReq())),
     (P.Op.REPORT, P.ReportBody("j9999", "step", 3, {"reward_mean": 1.0}, "")),
     (P.Op.HEARTBEAT, P.HeartbeatBody("nobody")),
     (P.Op.LEAVE, P.HeartbeatBody("nobody")),

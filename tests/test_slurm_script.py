@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl import slurm as S
+from plexctl.cli import slurm as S
 from plexctl.errors import UsageError
 from plexctl.layout import LayoutError
 
@@ -132,7 +132,7 @@ def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
 
 def test_the_shipped_sbatch_file_is_the_rendered_template() -> None:
     assert (REPO / "slurm" / "plexrl.sbatch").read_text() == S.render_template(), (
-        "regenerate with `python -m plexctl.slurm > slurm/plexrl.sbatch`"
+        "regenerate with `python -m plexctl.cli.slurm > slurm/plexrl.sbatch`"
     )
 
 

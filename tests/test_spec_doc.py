@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from plexctl.cli.spec_doc import REGENERATE, UnknownSpecKey, explain, render_reference
 from plexctl.errors import ExitCode, UsageError
 from plexctl.spec import JobSpec
-from plexctl.spec_doc import REGENERATE, UnknownSpecKey, explain, render_reference
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "docs" / "spec-reference.md"
@@ -21,7 +21,7 @@ REFERENCE = REPO / "docs" / "spec-reference.md"
 def _spec_doc(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "plexctl.spec_doc", *args],
+        [sys.executable, "-m", "plexctl.cli.spec_doc", *args],
         check=False,
         cwd=REPO,
         env=env,
@@ -32,7 +32,7 @@ def _spec_doc(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _schema_keys(cls: type[msgspec.Struct] = JobSpec, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, walked independently of plexctl.spec_doc."""
+    """Every dotted key of the schema, walked independently of plexctl.cli.spec_doc."""
     keys = []
     for field in msgspec.structs.fields(cls):
         key = f"{prefix}.{field.encode_name}" if prefix else field.encode_name
@@ -68,7 +68,7 @@ def test_every_schema_key_has_a_row() -> None:
 
 def test_reference_reads_as_a_user_would_write_it() -> None:
     text = render_reference()
-    assert "python -m plexctl.spec_doc > docs/spec-reference.md" in text
+    assert "python -m plexctl.cli.spec_doc > docs/spec-reference.md" in text
     assert "| `algo.lr` | float > 0 | `0.0001` | Adam learning rate of the adapter |" in text
     assert (
         "| `algo.loss_agg` | one of token-mean, seq-mean-token-mean, seq-mean-token-sum, "
@@ -139,7 +139,7 @@ def test_check_mode_passes_on_the_committed_file_and_fails_on_a_stale_copy(tmp_p
 
 def test_print_mode_writes_the_reference_without_torch() -> None:
     probe = (
-        "import sys, plexctl.spec_doc; "
+        "import sys, plexctl.cli.spec_doc; "
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

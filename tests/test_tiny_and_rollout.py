@@ -17,7 +17,7 @@ import torch
 
 from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker.rollout import AdapterError, AdapterKey, AdapterRegistry, RolloutEngine
-from worker.tiny import BOS_ID, EOS_ID, TinyPaths, all_problems, build_tiny
+from worker.tiny_models import BOS_ID, EOS_ID, TinyPaths, all_problems, build_tiny
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [p.prompt for p in all_problems()]

@@ -12,7 +12,7 @@ line or the job), a distinct exit code, nothing queued or left running.
   that runs no step fails the job with that reason.
 
 No engines here except in one `up` test (slow); the driver tests run a real driver against a
-real daemon object whose messages the test dispatches.
+real daemon server whose messages the test dispatches.
 """
 
 from __future__ import annotations
@@ -162,21 +162,20 @@ def test_max_tokens_and_the_longest_prompt_must_fit_the_models_context(tiny_mode
     assert line.startswith("--set: sampling.max_tokens: 64 "), line
 
 
-def test_the_daemon_refuses_max_tokens_its_rollout_engines_cannot_hold(daemon: Daemon, tiny_model: Path) -> None:
+def test_the_daemon_refuses_max_tokens_its_rollout_engines_cannot_hold(core, tiny_model: Path) -> None:
     """What a client that skips the CLI, or a cluster started with `up --max-model-len`, meets."""
     engines = [
         P.EngineDecl("w0/rollout", "rollout", str(tiny_model), 4, max_model_len=32),
         P.EngineDecl("w0/trainer", "trainer", str(tiny_model)),
     ]
-    daemon.on_register(b"w0", P.Header(msg_id=1), P.RegisterReq("w0", "node", 1, engines, True))
-    daemon.sender = current_user()
+    core.send(b"w0", P.Op.REGISTER, P.RegisterReq("w0", "node", 1, engines, True))
     spec = spec_to_wire(load_spec(TINY, [f"model.path={tiny_model}", "sampling.max_tokens=32"]))
-    daemon.on_submit(b"cli", P.Header(msg_id=2), P.SubmitReq("s1", spec, current_user()))
-    (error,) = [body for _, op, body in daemon.sent if op == P.Op.ERROR]
+    core.send(b"cli", P.Op.SUBMIT, P.SubmitReq("s1", spec, current_user()), msg_id=2, user=current_user())
+    (error,) = [body for _, op, body in core.sent if op == P.Op.ERROR]
     assert RemoteError(error.code, error.message).exit_code == ExitCode.REFUSED
     assert error.message.startswith("sampling.max_tokens 32: the rollout engines of ")
     assert "hold sequences of 32 tokens, prompt included (`plexctl up --max-model-len`)" in error.message
-    assert daemon.journal.jobs() == []
+    assert core.journal.jobs() == []
 
 
 # ---------------------------------------------------------------- up
@@ -271,50 +270,37 @@ def test_a_client_that_skips_the_cli_is_held_to_names_and_a_retried_submit_gets_
 def serve_driver(d: Daemon, job_id: str, timeout: float = 90) -> P.JobInfo:
     """Start the job's real driver and serve it (its messages dispatched here, the replies sent)
     until it exits or asks for a generate; then judge it as the daemon's loop does."""
-    recorded = d._send
-    d._send = lambda identity, op, body, in_reply_to=0: (
-        recorded(identity, op, body, in_reply_to),
-        Daemon._send(d, identity, op, body, in_reply_to),
-    )
-    d._admit(time.time())
-    rt = d.runtimes[job_id]
+    d._carry_out(d.core.chores(time.time()))  # admitted: its driver starts
+    proc = d.drivers[job_id]
     deadline, exited_at = time.monotonic() + timeout, None
-    while time.monotonic() < deadline and not any(c.method == "generate" for c in d.calls.values()):
+    while time.monotonic() < deadline and not asked_to_generate(d):
         if d.sock.poll(50):
             parts = recv_frames(d.sock, NOBLOCK)
-            d._dispatch([p.bytes for p in parts], parts[1].get("User-Id") if len(parts) > 1 else "")
-        if rt.proc.poll() is not None:
+            d.dispatch([p.bytes for p in parts], parts[1].get("User-Id") if len(parts) > 1 else "")
+        if proc.poll() is not None:
             exited_at = exited_at or time.monotonic()
             if time.monotonic() - exited_at > 1.0:  # what it sent before exiting has arrived
                 break
-    if rt.proc.poll() is None:
-        rt.proc.kill()
-        rt.proc.wait()
-    d._reap_drivers(time.time())
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    d.reap_drivers(time.time())
     return d.journal.job(job_id)
 
 
+def asked_to_generate(d: Daemon) -> bool:
+    return any(c.method == "generate" for c in d.core.calls.values())
+
+
 def submit_here(d: Daemon, spec: Path, check_files: bool = True) -> str:
-    d.on_register(
-        b"w0",
-        P.Header(msg_id=1),
-        P.RegisterReq(
-            "w0",
-            "node",
-            1,
-            [
-                P.EngineDecl("w0/rollout", "rollout", str(load_spec(spec, check_files=False).model.path), 4),
-                P.EngineDecl("w0/trainer", "trainer", str(load_spec(spec, check_files=False).model.path)),
-            ],
-            True,
-        ),
+    model = str(load_spec(spec, check_files=False).model.path)
+    engines = [P.EngineDecl("w0/rollout", "rollout", model, 4), P.EngineDecl("w0/trainer", "trainer", model)]
+    now = time.time()
+    d.core.handle(
+        b"w0", auth.INTERNAL_USER, P.Op.REGISTER, P.Header(1), P.RegisterReq("w0", "node", 1, engines, True), now
     )
-    d.sender = current_user()
-    d.on_submit(
-        b"cli",
-        P.Header(msg_id=2),
-        P.SubmitReq("s1", spec_to_wire(load_spec(spec, check_files=check_files)), current_user()),
-    )
+    req = P.SubmitReq("s1", spec_to_wire(load_spec(spec, check_files=check_files)), current_user())
+    d.core.handle(b"cli", current_user(), P.Op.SUBMIT, P.Header(2), req, now)
     (job,) = d.journal.jobs()
     return job.job_id
 
@@ -342,6 +328,6 @@ def test_a_record_no_check_caught_fails_the_job_naming_its_line_before_any_gener
     rows[2] = {"prompt": 5, "answer": "5"}
     spec = spec_file(tmp_path, tiny_model, jsonl(tmp_path / "d.jsonl", rows))
     info = serve_driver(daemon, submit_here(daemon, spec, check_files=False))  # a forged submit: no CLI checks
-    assert not [body for _, op, body in daemon.sent if op == P.Op.TASK and body.method == "generate"]
+    assert not asked_to_generate(daemon)
     assert info.state == "failed", info
     assert "record 3 (line 3): `prompt` must be a string, got an integer (5)" in info.error, info.error

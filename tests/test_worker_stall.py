@@ -6,8 +6,8 @@ again, goes on with its jobs and their state: no job rolls back, its calls in fl
 It is lost only when its process is gone (a local worker's exit; a Slurm worker's, told by its
 node task) or after ``--worker-grace`` seconds of silence.
 
-Three layers: the scheduler core (suspect engines start nothing new), the daemon's state
-machine driven through its handlers with an injected clock, and a real local cluster whose
+Three layers: the scheduler core (suspect engines start nothing new), the daemon's core
+driven with the messages of workers and drivers at the times the test gives, and a real local cluster whose
 trainer worker is stopped for longer than the old 3 s window, then killed.
 """
 
@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,11 +24,12 @@ from pathlib import Path
 import pytest
 from conftest import Cluster
 
-from daemon.main import LOCAL_WORKER_RESPAWNS, WORKER_GRACE_S, Daemon, JobRuntime
+from daemon.core import WORKER_GRACE_S
 from daemon.scheduler import Engine, Scheduler, Task
+from plexctl import calls as C
 from plexctl import protocol as P
-from plexctl import slurm as S
-from plexctl import views
+from plexctl.cli import slurm as S
+from plexctl.cli import views
 from plexctl.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,101 +81,97 @@ def test_a_suspect_engine_starts_nothing_new_and_takes_tasks_again_once_back():
 # ---------------------------------------------------------------- the daemon, with an injected clock
 
 
-def running_job(d: Daemon, tiny_model: Path, name: str) -> str:
+def running_job(d, tiny_model: Path, name: str) -> str:
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
     job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
-    d.journal.update(job_id, state="running")
-    d.runtimes[job_id] = JobRuntime(job_id, spec, d.jobs_dir / job_id, None, user="alice")
+    d.chores()  # admitted: its driver is to start
+    d.driver_started(job_id, 0)
     return job_id
 
 
-def register(d: Daemon, worker: str, model: Path, pid: int = 1) -> None:
+def register(d, worker: str, model: Path, pid: int = 1) -> None:
     engines = [
         P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4),
         P.EngineDecl(f"{worker}/trainer", "trainer", str(model)),
     ]
-    d.on_register(worker.encode(), P.Header(msg_id=1), P.RegisterReq(worker, "node", pid, engines, True))
+    d.send(worker.encode(), P.Op.REGISTER, P.RegisterReq(worker, "node", pid, engines, True))
 
 
-def train_step(d: Daemon, job_id: str, msg_id: int) -> None:
-    d.on_call(
-        f"drv:{job_id}".encode(), P.Header(msg_id=msg_id), P.CallReq(job_id, "train_step", {"batch": {}, "hp": {}})
-    )
+def train_step(d, job_id: str, msg_id: int) -> None:
+    step = C.TrainStepReq(P.TrainBatch([], [], [], []))
+    d.send(f"drv:{job_id}".encode(), P.Op.CALL, P.CallReq(job_id, step), msg_id)
 
 
-def sent_tasks(d: Daemon) -> list[int]:
+def sent_tasks(d) -> list[int]:
     out = [body.task_id for _, op, body in d.sent if op == P.Op.TASK and body.method == "train_step"]
     d.sent.clear()
     return out
 
 
-def events(d: Daemon, job_id: str) -> list[str]:
+def events(d, job_id: str) -> list[str]:
     return [kind for _, kind, _ in d.journal.events(job_id)]
 
 
-def engine_rows(d: Daemon) -> dict[str, P.EngineInfo]:
-    d.on_status(b"cli", P.Header(msg_id=9), P.StatusReq())
+def engine_rows(d) -> dict[str, P.EngineInfo]:
+    d.send(b"cli", P.Op.STATUS, P.StatusReq(), msg_id=9)
     rep = d.sent.pop()[2]
     return {e.engine_id: e for e in rep.engines}
 
 
-def test_a_silent_worker_is_suspect_keeps_its_jobs_and_is_lost_only_past_the_grace(daemon, tiny_model):
-    d = daemon
+def test_a_silent_worker_is_suspect_keeps_its_jobs_and_is_lost_only_past_the_grace(core, tiny_model):
+    d = core
     register(d, "w1", tiny_model)
     job = running_job(d, tiny_model, "stalled")
     t0 = d.workers["w1"].last_seen
     train_step(d, job, 7)
-    d._place(t0)
+    d.place(t0)
     (in_flight,) = sent_tasks(d)
 
-    d._heartbeat_workers(t0 + 3.5)  # three heartbeats missed: suspect, not lost
+    d.heartbeat(t0 + 3.5)  # three heartbeats missed: suspect, not lost
     assert d.workers["w1"].suspect_since == t0 + 3.5 and d.sched.engines["w1/trainer"].suspect
     rows = engine_rows(d)
     assert rows["w1/trainer"].suspect and rows["w1/rollout"].suspect
     assert views.ready_text(rows["w1/trainer"]).startswith("suspect (")
     assert "worker suspect" in events(d, job)
-    d.on_result(b"w1", P.Header(msg_id=2), P.ResultBody(in_flight, True, {"loss": 0.0}, seconds=0.1))
+    d.send(b"w1", P.Op.RESULT, P.ResultBody(in_flight, True, C.TrainStepResult({"loss": 0.0}), seconds=0.1))
     assert any(op == P.Op.REPLY and to == f"drv:{job}".encode() for to, op, _ in d.sent)  # it completed
     d.sent.clear()
     train_step(d, job, 8)
-    d._place(t0 + 4)
+    d.place(t0 + 4)
     assert sent_tasks(d) == []  # no new call for a suspect worker
 
-    d._heartbeat_workers(t0 + 35)  # a 30 s stall survives the default grace
+    d.heartbeat(t0 + 35)  # a 30 s stall survives the default grace
     assert WORKER_GRACE_S > 30 and "w1" in d.workers and "w1/trainer" in d.sched.engines
     assert not d.runtimes[job].rolled_back
-    d.on_heartbeat(b"w1", P.Header(msg_id=3), P.HeartbeatBody("w1"))  # it came back
+    d.send(b"w1", P.Op.HEARTBEAT, P.HeartbeatBody("w1"), msg_id=3)  # it came back
     assert d.workers["w1"].suspect_since is None and not d.sched.engines["w1/trainer"].suspect
     assert "worker back" in events(d, job) and not engine_rows(d)["w1/trainer"].suspect
-    d._place(time.time())
+    d.place()
     assert len(sent_tasks(d)) == 1  # the call held while it was suspect goes to it now
     assert not d.runtimes[job].rolled_back
 
-    d._heartbeat_workers(d.workers["w1"].last_seen + WORKER_GRACE_S + 1)  # silent past the grace: lost
+    d.heartbeat(d.workers["w1"].last_seen + WORKER_GRACE_S + 1)  # silent past the grace: lost
     assert "w1" not in d.workers and "w1/trainer" not in d.sched.engines
     assert "worker w1 lost" in d.runtimes[job].rolled_back
 
 
-def test_a_worker_whose_process_exited_is_lost_at_once(daemon, tiny_model):
-    d = daemon
+def test_a_worker_whose_process_exited_is_lost_at_once(core, tiny_model):
+    d = core
     register(d, "n1", tiny_model, pid=4242)
     job = running_job(d, tiny_model, "killed")
     train_step(d, job, 7)
-    d._place(time.time())
-    d.on_worker_exited(b"node-task", P.Header(msg_id=2), P.WorkerExited("n1", 4243, -9))  # another process
+    d.place()
+    d.send(b"node-task", P.Op.WORKER_EXITED, P.WorkerExited("n1", 4243, -9), msg_id=2)  # another process
     assert "n1" in d.workers
-    d.on_worker_exited(b"node-task", P.Header(msg_id=3), P.WorkerExited("n1", 4242, -9))  # its own: lost now
+    d.send(b"node-task", P.Op.WORKER_EXITED, P.WorkerExited("n1", 4242, -9), msg_id=3)  # its own: lost now
     assert "n1" not in d.workers and "worker n1 lost" in d.runtimes[job].rolled_back
 
     register(d, "w0", tiny_model)
     job2 = running_job(d, tiny_model, "local")
     train_step(d, job2, 9)
-    d._place(time.time())
-    exited = subprocess.Popen([sys.executable, "-c", "pass"])
-    exited.wait()
-    d.worker_procs["w0"] = exited
-    d.respawns["w0"] = LOCAL_WORKER_RESPAWNS  # not started again here
-    d._heartbeat_workers(d.workers["w0"].last_seen + 0.1)  # well inside the heartbeats: its exit decides
+    d.place()
+    now = d.workers["w0"].last_seen + 0.1  # well inside the heartbeats: its exit decides
+    d.take(d.core.worker_process_exited("w0", 0, now))  # a local worker's process, seen by the server
     assert "w0" not in d.workers and "process exited" in d.runtimes[job2].rolled_back
 
 

@@ -1,32 +1,26 @@
 """plexw: one worker per node — hosts the resident engines and executes the tasks it is given.
 
 Threads:
-- the **I/O thread** owns the DEALER socket to the daemon: it registers, sends a heartbeat
-  every second whatever the engines are doing (so a long step never looks like a death),
-  routes incoming tasks to the engine they name and forwards results the engine threads
-  push to it over an inproc socket. When the daemon falls silent it registers again (naming
-  the jobs whose state it holds) until a daemon answers, following the address in
-  ``--endpoint-file`` if a restarted daemon moved; a local worker whose daemon died waits
-  ``PLEXRL_ORPHAN_GRACE_S`` for the next one to adopt it, then exits;
-- the **engine loops**: the rollout engine (vLLM) runs on the main thread, since vLLM
-  installs signal handlers; the trainer engine (torch + peft) on its own thread, or, on CPU,
-  on the main thread too (``shared_loop``: one OpenMP team instead of two on the same cores).
+- the **I/O thread** owns the DEALER socket to the daemon: it registers, heartbeats every second
+  whatever the engines are doing (a long step never looks like a death), routes each task to the
+  engine it names (releases too; prefetches to the prefetcher) and forwards the results the
+  engine threads push to it over an inproc socket. When the daemon falls silent it registers
+  again (naming the jobs whose state it holds), following ``--endpoint-file`` if the daemon moved;
+  a local worker whose daemon died waits ``PLEXRL_ORPHAN_GRACE_S`` to be adopted, then exits;
+- the **engine loops**: the rollout engine (vLLM) on the main thread (vLLM installs signal
+  handlers), the trainer (torch + peft) on its own thread or, on CPU, on the main thread too
+  (``shared_loop``: one OpenMP team, not two on the same cores).
 
-A task the daemon sends ahead of the task it follows (``TaskBody.after``: a job's next generate
-behind the train step that publishes its adapter) waits in ``Followers`` and is routed by the
-engine thread that ends that task, the moment it ends (failed, if that task failed).
+Each engine serves the typed tasks of ``plexctl.calls``: the rollout engine ``generate`` by
+continuous batching (tasks join the running batch between steps, whatever their job); the
+trainer one task at a time from its handler table, after making the job's state resident. A
+repeated trainer call (same ``call_key``) gets the last result, unapplied. A task sent ahead of
+the task it follows (``TaskBody.after``) waits in ``Followers`` and starts the moment that task
+ends (fails, if it failed). Engines are built once and stay resident; only jobs' state moves.
 
-The rollout loop batches continuously: between engine steps, the generate tasks that arrived
-join the running vLLM batch, whatever jobs they belong to (one adapter per job), and each task
-is answered as soon as its own prompts finish.
-Engines are built once at start and stay resident; only jobs' state comes and goes.
-
-OpenMP: torch's GNU OpenMP threads spin ``GOMP_SPINCOUNT`` iterations (300,000 unless set)
-after each parallel region before they sleep. In-process nothing else wants those cores; here
-the I/O thread, the daemon and the drivers do, right when a step ends, and each reply then waited
-for a spinner's time slice. The worker sets ``WORKER_SPINCOUNT`` (30,000) unless the environment
-names one (``python bench/overhead.py``: step time through the daemon ~0.158 -> ~0.150 s on 2 cores;
-no spin at all cost the engines ~20 %).
+``WORKER_SPINCOUNT``: torch's OpenMP threads spin this long after each parallel region before
+they sleep (unless the environment sets ``GOMP_SPINCOUNT``): long enough for the engines, short
+enough that the I/O thread, the daemon and the drivers get the cores when a step ends.
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ import msgspec
 import zmq
 
 from plexctl import auth
+from plexctl import calls as C
 from plexctl import protocol as P
 from plexctl.cluster import endpoint_address, orphan_grace
 from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
@@ -121,7 +116,7 @@ class WorkerIO(threading.Thread):
         endpoint: str,
         worker_id: str,
         register: P.RegisterReq,
-        queues: dict[str, "queue.Queue[P.TaskBody]"],
+        queues: dict[str, queue.Queue[Any]],
         parent_pid: int | None,
         endpoint_file: Path | None = None,
         followers: Followers | None = None,
@@ -222,20 +217,21 @@ class WorkerIO(threading.Thread):
                     assert self.dealer is not None  # made by run, the one caller
                     send_frames(self.dealer, P.encode(P.Op.RESULT, self.followers.failed(body))[0])
                     return
-            if body.method == "shutdown":  # the daemon is stopping: its jobs have checkpointed
-                log.info("the daemon is stopping; exiting")
-                logging.shutdown()
-                os._exit(0)
             self._route_task(body)
-
-    def _route_task(self, body: P.TaskBody) -> None:
-        """To the queue of the engine (or the prefetcher) it is for."""
-        if body.method == "prefetch":
+        elif op == P.Op.RELEASE:
+            self._route_task(body)
+        elif op == P.Op.PREFETCH:
             self.queues[PREFETCH].put(body)
-            return
+        elif op == P.Op.SHUTDOWN:  # the daemon is stopping: its jobs have checkpointed
+            log.info("the daemon is stopping; exiting")
+            logging.shutdown()
+            os._exit(0)
+
+    def _route_task(self, body: P.TaskBody | P.ReleaseBody) -> None:
+        """To the queue of the engine it is for."""
         q = self.queues.get(body.engine_id)
         if q is None:
-            log.error("task %d for unknown engine %s", body.task_id, body.engine_id)
+            log.error("%s of job %s for unknown engine %s", type(body).__name__, body.job_id, body.engine_id)
             return
         q.put(body)
 
@@ -253,7 +249,7 @@ class Outbox:
         self,
         task_id: int,
         ok: bool,
-        value: Any = None,
+        value: C.AnyResult | None = None,
         error: str = "",
         seconds: float = 0.0,
         info: dict[str, Any] | None = None,
@@ -267,6 +263,9 @@ class Outbox:
                     self.followers.route(t)
                 else:
                     self.result(t.task_id, False, error=self.followers.failed(t).error)
+
+    def inventory(self, info: dict[str, Any]) -> None:
+        send_frames(self.sock, P.encode(P.Op.INVENTORY, P.InventoryBody(info))[0])
 
     def register(self, req: P.RegisterReq) -> None:
         send_frames(self.sock, P.encode(P.Op.REGISTER, req)[0])
@@ -289,21 +288,20 @@ class RolloutServer:
     def busy(self) -> bool:
         return bool(self.started)
 
-    def admit(self, batch: list[P.TaskBody], out: Outbox) -> None:
-        """Start the generate tasks of ``batch``; answer a release (after failing that job's
+    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+        """Start the generate tasks of ``batch``; carry out a release (after failing that job's
         tasks in flight) and refuse other methods. A bad request fails its own task only."""
         for t in batch:
-            if t.method == "release":
+            if isinstance(t, P.ReleaseBody):
                 for key in self.engine.in_flight_of(t.job_id):
                     self.started.pop(key, None)
                     out.result(key, False, error="the job was released")
                 self.engine.drop_job(t.job_id)
-                out.result(t.task_id, True)
-            elif t.method != "generate":
+            elif not isinstance(t.task, C.GenerateTask):
                 out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
             elif t.task_id not in self.started:  # a repeat of a task in flight is answered once
                 try:
-                    self.engine.start(t.task_id, msgspec.convert(t.args["request"], P.GenRequest))
+                    self.engine.start(t.task_id, t.task.request)
                 except Exception as exc:  # noqa: BLE001 - reported to its job, the engine stays up
                     log.warning("generate task %s refused: %s", t.task_id, _error_text(exc))
                     out.result(t.task_id, False, error=_error_text(exc))
@@ -325,9 +323,9 @@ class RolloutServer:
         now = time.perf_counter()
         for key, completions in finished:
             t0 = self.started.pop(key, now)
-            out.result(key, True, {"completions": completions}, seconds=now - t0)
+            out.result(key, True, C.GenerateResult(completions), seconds=now - t0)
 
-    def serve(self, batch: list[P.TaskBody], out: Outbox) -> None:
+    def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
         """A fixed batch, run to the end."""
         self.admit(batch, out)
         while self.busy:
@@ -344,15 +342,16 @@ class TrainerServer:
     def __init__(self, store: Any) -> None:
         self.store = store
         engine = store.trainer
-        self.handlers: dict[str, Callable[[P.TaskBody], Any]] = {
-            "train_step": lambda t: self._train_step(engine, t),
-            "publish": lambda t: engine.save_adapter(t.job_id, t.args["out_dir"]),
-            "checkpoint": lambda t: engine.save_checkpoint(t.job_id, t.args["out_dir"], t.args["extra"]),
-            "restore": lambda t: engine.load_checkpoint(
-                t.job_id, t.args["ckpt_dir"], msgspec.convert(t.args["lora"], P.LoraConfig), int(t.args["seed"])
+        self.handlers: dict[str, Callable[[str, Any], C.AnyResult]] = {
+            "train_step": lambda job, t: self._train_step(engine, job, t),
+            "publish": lambda job, t: self._publish(engine, job, t),
+            "checkpoint": lambda job, t: C.CheckpointResult(engine.save_checkpoint(job, t.out_dir, t.extra)),
+            "restore": lambda job, t: C.RestoreResult(
+                engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed)
             ),
         }
-        self.done: dict[str, tuple[str, Any]] = {}  # job -> (call key, value) of its last stateful call
+        assert set(self.handlers) == {m.name for m in C.METHODS.values() if m.kind == "trainer"}
+        self.done: dict[str, tuple[str, C.AnyResult]] = {}  # job -> (call key, result) of its last stateful call
         self._moves_sent = 0  # the store's background moves already reported
 
     def _info(self) -> dict[str, Any]:
@@ -366,43 +365,50 @@ class TrainerServer:
         return info
 
     @staticmethod
-    def _train_step(engine: Any, t: P.TaskBody) -> dict[str, float]:
+    def _train_step(engine: Any, job_id: str, t: C.TrainStepTask) -> C.TrainStepResult:
         """One optimizer step; with ``publish_dir``, the adapter is saved there after it."""
-        metrics = engine.train_step(
-            t.job_id, msgspec.convert(t.args["batch"], P.TrainBatch), msgspec.convert(t.args["hp"], P.TrainHParams)
-        )
-        if t.args.get("publish_dir"):
-            engine.save_adapter(t.job_id, t.args["publish_dir"])
-        return metrics
+        metrics = engine.train_step(job_id, t.batch, t.hp)
+        if t.publish_dir:
+            engine.save_adapter(job_id, t.publish_dir)
+        return C.TrainStepResult(metrics)
 
-    def serve(self, t: P.TaskBody, out: Outbox) -> None:
-        store = self.store
+    @staticmethod
+    def _publish(engine: Any, job_id: str, t: C.PublishTask) -> C.PublishResult:
+        engine.save_adapter(job_id, t.out_dir)
+        return C.PublishResult()
+
+    def release(self, t: P.ReleaseBody, out: Outbox) -> None:
+        """Drop the job's state; the daemon hears of the inventory it leaves."""
+        try:
+            self.store.drop(t.job_id)
+        except Exception:  # noqa: BLE001 - the engine stays up
+            log.error("release of %s failed: %s", t.job_id, traceback.format_exc())
+        self.done.pop(t.job_id, None)
+        out.inventory(self._info())
+
+    def serve(self, t: P.TaskBody | P.ReleaseBody, out: Outbox) -> None:
+        if isinstance(t, P.ReleaseBody):
+            self.release(t, out)
+            return
+        store, task = self.store, t.task
         t0 = time.perf_counter()
-        key = t.args.get("call_key", "") if t.method != "release" else ""
+        if isinstance(task, C.GenerateTask):
+            out.result(t.task_id, False, error="trainer engine cannot 'generate'", info=self._info())
+            return
+        key = task.trainer.call_key
         if key and self.done.get(t.job_id, ("", None))[0] == key:
             out.result(t.task_id, True, self.done[t.job_id][1], seconds=0.0, info=self._info())
             return
         try:
-            if t.method == "release":
-                store.drop(t.job_id)
-                self.done.pop(t.job_id, None)
-                value = None
-            else:
-                store.set_upcoming(list(t.args.get("upcoming", [])))
-                moved = store.ensure_resident(
-                    t.job_id,
-                    msgspec.convert(t.args["lora"], P.LoraConfig),
-                    int(t.args["seed"]),
-                    float(t.args.get("weight_decay", 0.0)),
+            store.set_upcoming(list(task.trainer.upcoming))
+            moved = store.ensure_resident(t.job_id, task.trainer.lora, task.trainer.seed, task.trainer.weight_decay)
+            value = self.handlers[t.method](t.job_id, task)
+            if isinstance(value, C.TrainStepResult):
+                value.metrics.update(
+                    swap_bytes=float(moved.get("bytes", 0)),
+                    swap_seconds=float(moved.get("seconds", 0.0)),
+                    swap_evicted=float(len(moved.get("evicted", []))),
                 )
-                value = self.handlers[t.method](t)
-                if t.method == "train_step":
-                    value = {
-                        **value,
-                        "swap_bytes": float(moved.get("bytes", 0)),
-                        "swap_seconds": float(moved.get("seconds", 0.0)),
-                        "swap_evicted": float(len(moved.get("evicted", []))),
-                    }
         except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
             log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
             out.result(t.task_id, False, error=_error_text(exc), seconds=time.perf_counter() - t0, info=self._info())
@@ -412,14 +418,14 @@ class TrainerServer:
         out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info=self._info())
 
 
-def _take(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
+def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
     """The next task (waiting for it) and those already queued behind it, up to ``limit``."""
     first = tasks.get()
     return [first, *_take_waiting(tasks, limit - 1)]
 
 
 def rollout_loop(
-    engine: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int, followers: Followers | None = None
+    engine: Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", capacity: int, followers: Followers | None = None
 ) -> None:
     """Continuous batching: between engine steps, tasks that arrived join the running batch
     (up to ``capacity`` generate tasks in flight); with nothing in flight, wait for one."""
@@ -433,9 +439,9 @@ def rollout_loop(
         server.step(out)
 
 
-def _take_waiting(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBody]:
+def _take_waiting(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
     """The tasks already queued, up to ``limit``, without waiting."""
-    batch: list[P.TaskBody] = []
+    batch: list[P.TaskBody | P.ReleaseBody] = []
     while len(batch) < limit:
         try:
             batch.append(tasks.get_nowait())
@@ -444,14 +450,20 @@ def _take_waiting(tasks: "queue.Queue[P.TaskBody]", limit: int) -> list[P.TaskBo
     return batch
 
 
-def trainer_loop(store: Any, tasks: "queue.Queue[P.TaskBody]", followers: Followers | None = None) -> None:
+def trainer_loop(
+    store: Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", followers: Followers | None = None
+) -> None:
     server, out = TrainerServer(store), Outbox(followers)
     while True:
         server.serve(tasks.get(), out)
 
 
 def shared_loop(
-    engine: Any, store: Any, tasks: "queue.Queue[P.TaskBody]", capacity: int, followers: Followers | None = None
+    engine: Any,
+    store: Any,
+    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    capacity: int,
+    followers: Followers | None = None,
 ) -> None:
     """Both engines of this worker served from one thread, from one queue: the generates
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
@@ -471,13 +483,13 @@ def shared_loop(
             trainer.serve(t, out)
 
 
-def prefetch_loop(store: Any, tasks: "queue.Queue[P.TaskBody]") -> None:
+def prefetch_loop(store: Any, tasks: "queue.Queue[P.PrefetchBody]") -> None:
     """Bring jobs' state from NVMe to host memory ahead of need, overlapping other jobs' steps."""
     while True:
         t = tasks.get()
         try:
-            if t.args.get("upcoming"):  # the daemon's newest order (the trainer's calls bring it too)
-                store.set_upcoming(list(t.args["upcoming"]))
+            if t.upcoming:  # the daemon's newest order (the trainer's calls bring it too)
+                store.set_upcoming(list(t.upcoming))
             store.prefetch(t.job_id)
         except Exception:  # noqa: BLE001 - a failed prefetch only means a slower swap-in later
             log.warning("prefetch of %s failed: %s", t.job_id, traceback.format_exc())

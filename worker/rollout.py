@@ -1,45 +1,28 @@
 """The rollout engine: one resident vLLM engine that serves many jobs' LoRA adapters at once.
 
-``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``), built from
-``worker.engine_args.rollout_engine_args`` for its platform, and the bookkeeping that maps each
-job's published adapter versions onto vLLM ``LoRARequest``s:
+``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``, built by
+``worker.engine_args.rollout_engine_args``) and maps adapter versions onto ``LoRARequest``s:
 
-- **continuous batching**: ``start(key, request)`` adds a job's ``GenRequest`` to the running
-  vLLM batch (per-prompt ``SamplingParams``, the job's ``LoRARequest``, request ids the engine
-  chooses) and ``step()`` runs one engine step over everything in flight, handing back each
-  request as soon as all its prompts finished. Requests of different jobs and adapters share
-  every engine step; ``generate(requests)`` is the same for a fixed set, run to the end;
-- each ``(job_id, version)`` gets a stable, unique integer LoRA id. After each request only the
-  newest version seen for its job stays loaded (unless a request in flight still uses an older
-  one). A request that names a retired or evicted version is still served: vLLM loads adapters
-  from ``LoRARequest.lora_path`` on demand.
+- continuous batching: ``start(key, request)`` adds a job's ``GenRequest`` to the running batch
+  and ``step()`` runs one engine step over everything in flight, handing back each request as
+  soon as all its prompts finished; requests of different jobs and adapters share every step.
+  ``generate(requests)`` is the same for a fixed set, run to the end; ``abort`` drops requests;
+- each ``(job_id, version)`` gets a stable, unique LoRA id; only the newest version of a job
+  stays loaded (unless a request in flight uses an older one); a retired or evicted version is
+  still served (vLLM loads adapters from ``LoRARequest.lora_path`` on demand).
 
-What a ``Completion`` holds:
+A ``Completion``'s ``token_ids`` include EOS when the sample stopped on it (the trainer learns
+to stop); its ``text``, decoded once with vLLM's detokenizer settings, never contains ``<eos>``;
+its ``logprobs``, one per token, are under the model's own distribution (vLLM's ``raw_logprobs``:
+before temperature and top-p), as the trainer computes them; ``prompt_token_ids`` are vLLM's.
 
-- ``token_ids``: the sampled tokens, **including the EOS token** when the sample stopped on it,
-  so the trainer learns to stop; ``text`` is those tokens decoded once with vLLM's tokenizer
-  and its detokenizer's settings (special tokens skipped, spaces not cleaned up), so it never
-  contains ``<eos>`` (vLLM is asked for token ids and flat log-probs only);
-- ``logprobs``: one per token (EOS included), the log-prob of the sampled token under the
-  model's own distribution (vLLM's ``raw_logprobs``: before temperature and top-p), which is
-  what the trainer computes from the same weights;
-- ``prompt_token_ids``: the prompt as vLLM tokenized it.
-
-Seeds: a request with ``Sampling.seed = s`` and ``n`` samples per prompt gives prompt ``i`` the
-vLLM seed ``s + i * n`` and vLLM gives its sample ``j`` ``s + i * n + j``: samples never share
-a seed and do not depend on which other requests share the batch (checked by the tests).
-
-On CPU the engine core runs in this process and the engine applies three workarounds there
-only (``EngineArgsPlan`` flags): vLLM's CPU LoRA ops replaced (``worker/cpu_lora_ops.py``),
-torch pinned to ``ENGINE_THREADS`` around its own calls with the caller's count restored (the
-in-process CPU worker turns ``torch.set_num_threads`` into a no-op, which the engine undoes),
-and ``LD_PRELOAD`` restored after the build (vLLM's CPU platform sets it for processes it would
-spawn). Private vLLM names are reached through ``worker.vllm_private`` only.
-
-Calls are serialized by a lock (a heartbeat thread may ask for ``stats()`` mid-generate).
-
-It deliberately does not: schedule or queue requests (the daemon does), compute rewards,
-write adapters (the trainer publishes them), or stream partial outputs.
+Seeds: with ``Sampling.seed = s`` and ``n`` samples per prompt, prompt ``i`` gets the vLLM seed
+``s + i * n`` and its sample ``j`` ``s + i * n + j``: samples never share a seed and do not depend
+on the rest of the batch. On CPU the engine core runs in this process with the workarounds its
+``EngineArgsPlan`` flags (``docs/gpu.md``); private vLLM names are reached through
+``worker.vllm_private`` only. Calls are serialized by a lock (a heartbeat thread may ask for
+``stats()`` mid-generate). It does not queue requests (the daemon does), compute rewards, write
+adapters (the trainer publishes them), or stream partial outputs.
 """
 
 from __future__ import annotations

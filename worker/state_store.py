@@ -1,106 +1,28 @@
 """The state store: which memory tier each job's trainer state lives on, and the moves between them.
 
-What it owns. ``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state
-(LoRA adapter, AdamW step counts and moments, RNG state, LoRA config / seed / weight decay) on
-exactly one of three tiers:
+``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter,
+AdamW step counts and moments, RNG state) on exactly one tier: ``device`` (live in the trainer,
+at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in the store's ``HostArena``, up to
+``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``, up to
+``nvme_bytes``, described only in memory: scratch that never outlives the process). Which job
+leaves the device, where its state goes and what comes up ahead of need are decided by
+``plexctl.state_policy``; this module carries the decisions out: ``ensure_resident`` (before each
+trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
+``set_upcoming`` (the scheduler's order), ``inventory`` and ``background_moves`` (what moved).
 
-- ``device``: live in the trainer's PeftModel and AdamW (on CUDA when there is a GPU), for at
-  most ``device_slots`` jobs: the jobs being served;
-- ``host``: a ``JobStateCopy`` in the store's ``HostArena`` (pinned on a CUDA engine), up to
-  ``host_bytes`` in all;
-- ``nvme``: the same copy in a node-local directory, up to ``nvme_bytes`` in all. nvme copies
-  are scratch that never outlives the process (see below), so a copy is one file of raw bytes
-  plus a description kept in memory, in the job's record: the file (``copy-<store>-<n>.bin``)
-  holds only the copy's data section, its tensors back to back from offset 0 (page-aligned,
-  for O_DIRECT) padded with zeros to a whole page; the record keeps everything else (LoRA
-  config, seed, weight decay, the optimizer's hyper-parameters, param keys, the layout: which
-  tensor lies where, the size, a checksum of each 8 MiB chunk). No manifest, no header, nothing
-  encoded or decoded: a process that dies takes the only description of its files with it,
-  which is fine for scratch. A record points at a file only once the file's write and
-  fdatasync completed, so the store's own readers never see a partial copy (what the old
-  temp-dir-and-rename gave). A copy is verified when read (the file's size, every chunk's
-  checksum): a missing, truncated, grown or corrupt file raises ``CorruptCopyError`` and is never
-  imported.
+Invariants. A job has one complete copy, on one tier. A record points at an nvme file only once
+its write and fdatasync completed; a copy is verified when read (else ``CorruptCopyError``, never
+imported). Capacity is reserved on the destination when a move is planned, so a moving copy
+counts on both tiers until it lands. ``nvme_bytes`` bounds the files on disk, spare files kept
+for reuse included. When nothing fits, ``TierFullError``, and the job stays where it was. With
+``write_behind_bytes``, nvme writes run on a write-behind thread and their copies stay in host
+memory (over ``host_bytes`` by at most that) until written. A disk out of space marks nvme full
+for ``NVME_FULL_RETRY_S``; meanwhile host may hold ``host_spill_bytes`` over its budget.
 
-How a copy moves fast: ``worker.copy_files`` (one flat pooled buffer per host copy, one file
-per nvme copy, O_DIRECT, requests in flight on the copy-I/O threads, xxh3 per 8 MiB chunk).
-
-A small copy's cost is file-system metadata, so a copy touches as little as it can: the
-directory is made once, by the store; a write is one open, the writes, one fdatasync; a read
-one open, one fstat, the reads. Files are reused rather than deleted: when a copy leaves nvme
-(read back and landed on host or device) its file becomes a *spare*, and a later copy of the
-same size (or up to half smaller) is written over it in place (cut to size after), which
-allocates and frees no blocks, so its fdatasync flushes data only (0.4 MB on a VM disk: about
-150 us, against 400-470 us rewritten or new, and 120 us more to unlink). A copy that
-finds no spare of its size gets a new file (``O_EXCL``: never anything that was there). The
-store keeps at most ``copy_dir.KEEP_SPARES`` spares (``worker.copy_dir`` names the files and
-keeps the spares), and never more than ``nvme_bytes`` leaves beside
-its copies (counting those being written): ``nvme_bytes`` bounds what the store holds on
-disk, spares included. The oldest spares beyond that are deleted on the spot, as are all of
-them while the tier is marked full (below), a dropped job's file, and a corrupt copy's; the
-rest go when the store is collected or the process exits. Reads and writes of one copy never
-meet on a file: a spare belongs to no record, and a write takes it out of the spares under
-the store's lock.
-
-``ensure_resident`` (called before each trainer call of a job) makes room on the device by
-evicting the resident job needed least soon according to the latest ``set_upcoming`` (ties:
-least recently used), then swaps the job in from host or nvme, or creates a fresh adapter.
-An evicted job goes to host if it fits; host copies needed later than it are demoted to nvme
-(least soon needed first) to make it fit; otherwise it goes straight to nvme; if nvme cannot
-take what must go there, ``TierFullError`` is raised and the job stays on the device.
-With ``write_behind_bytes`` (the worker's ``--write-behind``), those nvme writes (the
-demotions, and the victim when it goes straight to nvme) are left to a write-behind thread
-when they fit in that allowance: the victim lands in host memory and the call goes on; until
-written, the copies stay in host memory, over ``host_bytes`` by at most the allowance, and
-count on both tiers. A job needed again meanwhile takes its host copy back: swapped in from
-host memory, without waiting for the write (one under way goes on reading the copy, its file
-becomes a spare; one not begun is skipped). A write that runs out of space leaves its copy in
-host memory, as a demotion's would. ``wait_written`` waits for the writes in flight.
-``prefetch`` brings a job from nvme to host ahead of need. ``inventory`` reports each tier's capacity, use
-and jobs, and per swap direction: ``count``, ``bytes`` (``JobStateCopy.nbytes``; a device job's
-bytes are its adapter + optimizer bytes as of the last ``ensure_resident``), ``seconds``, and
-where those seconds fell: ``critical_s`` inside ``ensure_resident`` (the trainer's thread, so
-the job's call waits), ``overlap_s`` off it (``prefetch`` on another thread) while the trainer's
-thread was computing (its CPU time over the move's interval, capped by the move's length), and
-``stalled_s``, time ``ensure_resident`` waited for another thread's move of this direction to
-land. So ``overlap_s - stalled_s`` is swap time hidden behind the trainer's compute.
-``background_moves`` lists the moves made off the trainer's thread with their wall-clock
-times, so that whoever knows when the other engines were busy (the daemon) can tell how much
-of them other jobs' compute, on any engine, hid.
-
-A full disk. ``nvme_bytes`` is a budget, not a measurement: the disk may fill first (other
-users of a node-local disk, a quota); the store learns it from a write, it does not poll free
-space. A copy whose write fails with ENOSPC or EDQUOT has its file deleted and is not
-counted on nvme, and every spare is deleted too; the store logs one warning line naming the
-directory and marks the tier out of space: for ``NVME_FULL_RETRY_S`` it takes only copies that
-fit in what the store has deleted there since (copies leaving nvme meanwhile are deleted, not
-kept as spares, so that room is really free), so it does not keep writing into a disk it knows
-is full; then it tries again. Meanwhile a copy leaving the device that nvme cannot take stays in host memory, over
-``host_bytes`` by at most ``host_spill_bytes`` (default a quarter of ``host_bytes``; the copy
-is in host memory already and its device memory is freed); host copies that failed to go down
-stay on host; a ``prefetch`` that would need nvme room does nothing. Only when host cannot
-take it either is ``TierFullError`` raised, and the job stays on the device.
-``inventory()["nvme"]`` shows ``nospace`` (writes that failed so), ``full`` (marked now) and
-``error`` (the latest, one line).
-
-Threads. ``ensure_resident`` and ``drop`` touch the trainer: call them from the trainer's
-thread (they are serialised among themselves anyway). ``prefetch``, ``set_upcoming``,
-``where`` and ``inventory`` may be called from any thread. One condition variable guards the
-bookkeeping; copies and file I/O run outside it, on records marked in flight, which other
-operations wait for instead of touching. Capacity is reserved on the destination tier when a
-move is planned, so ``used_bytes`` counts a moving copy on both of its tiers until it lands.
-
-What it deliberately does not do. No durable checkpoints (nvme copies are scratch that does
-not outlive the process: ``TrainerEngine.save_checkpoint`` is the durable path), no moves
-across nodes, no scheduling (the scheduler's queue arrives through ``set_upcoming``), no clean
-copy kept on a lower tier after a job moves up (a job going down again is written again; a
-spare's bytes are stale, never read). All moves go through the store: a job released from the
-trainer behind its back is not noticed. ``nvme_dir`` must belong to one store (its files are
-named by a prefix of its own: the writer's pid and the store's id); nothing there can be read
-without the process that wrote it, so a new store deletes the copies of processes that are gone
-(a crashed worker's), and copies of jobs still on nvme when the process ends are deleted by the
-next store on that directory. While a job swaps in from host, host memory briefly holds its copy and
-the evicted job's copy.
+Threads: ``ensure_resident`` and ``drop`` run on the trainer's thread, the others on any. One
+condition variable guards the bookkeeping; copies and file I/O run outside it, on records marked
+in flight. Not here: durable checkpoints (``TrainerEngine.save_checkpoint``), moves across nodes,
+scheduling. docs/state.md has the details.
 """
 
 from __future__ import annotations
@@ -118,7 +40,9 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
+from plexctl import state_policy
 from plexctl.protocol import LoraConfig
+from plexctl.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
 from plexctl.state_size import job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.copy_dir import CopyDirectory
@@ -129,13 +53,12 @@ from worker.state_copy import (
     BufferPool,
     JobStateCopy,
 )
-from worker.trainer import TrainerEngine, lora_signature
+from worker.trainer import TrainerEngine
+from worker.trainer_slots import lora_signature
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-DEVICE, HOST, NVME = "device", "host", "nvme"
-DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")
 _DROPPING = "dropped"  # a record's moving_to while drop() forgets it
 
 NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
@@ -284,7 +207,7 @@ class StateStore:
         self._serial = threading.RLock()  # one trainer-side operation at a time
         self._cond = threading.Condition()  # guards everything below
         self._records: dict[str, _Record] = {}
-        self._upcoming: dict[str, int] = {}
+        self._upcoming = Upcoming()
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
         self._background: deque[BackgroundMove] = deque(maxlen=BACKGROUND_MOVES_KEPT)
@@ -341,9 +264,7 @@ class StateStore:
 
     def set_upcoming(self, job_ids: list[str]) -> None:
         """The order in which jobs will next need the trainer (first = soonest)."""
-        upcoming: dict[str, int] = {}
-        for position, job_id in enumerate(job_ids):
-            upcoming.setdefault(job_id, position)
+        upcoming = Upcoming(job_ids)
         with self._cond:
             self._upcoming = upcoming
 
@@ -358,9 +279,12 @@ class StateStore:
             record = self._records.get(job_id)
             if record is None or record.tier != NVME or record.moving_to is not None:
                 return False
-            placement = self._plan_placement(record, record.nbytes, host_credit=0, spill=False)
-            if placement is None or placement.tier != HOST:
+            chosen = state_policy.prefetch_placement(
+                self._held(record, record.nbytes), self._tiers(), self._host_copies(record), self._upcoming
+            )
+            if chosen is None:
                 return False
+            placement = self._placement(chosen)
             record.moving_to = HOST
             for demoted in placement.demote:
                 demoted.moving_to = NVME
@@ -538,7 +462,7 @@ class StateStore:
                 others = [r for r in self._records.values() if r.tier == DEVICE and r.job_id != job_id]
                 if len(others) < self.device_slots:
                     return
-                victim = max(others, key=self._eviction_order)
+                victim = self._records[state_policy.victim([self._held(r) for r in others], self._upcoming).job_id]
             self._evict(victim, host_credit, moves)
             host_credit = 0
 
@@ -692,12 +616,8 @@ class StateStore:
             except HostMemoryError as exc:
                 short = exc
             with self._cond:
-                settled = [
-                    r
-                    for r in self._records.values()
-                    if r.tier == HOST and r.moving_to is None and self._nvme_fits(r.nbytes)
-                ]
-                demoted = min(settled, key=self._least_soon_first, default=None)
+                first = state_policy.first_to_demote(self._host_copies(record), self._tiers(), self._upcoming)
+                demoted = self._records[first.job_id] if first is not None else None
                 if demoted is None:
                     if self._behind_bytes or any(r.moving_to in (HOST, NVME) for r in self._records.values()):
                         self._cond.wait()  # copies landing on nvme free their blocks
@@ -719,7 +639,7 @@ class StateStore:
         HOST if host takes it within its spill allowance; else TierFullError (it stays on the device)."""
         with self._cond:
             victim.moving_to = None
-            if self._used(HOST) + nbytes > self.host_bytes + self.host_spill_bytes:
+            if not self._tiers().spill_fits(nbytes):
                 raise TierFullError(self._tier_full_message(victim.job_id, nbytes))
             victim.moving_to = HOST
             return HOST
@@ -819,38 +739,38 @@ class StateStore:
                 raise TierFullError(self._tier_full_message(record.job_id, nbytes))
             self._cond.wait()
 
-    def _plan_placement(self, record: _Record, nbytes: int, host_credit: int, spill: bool = True) -> _Placement | None:
-        """Host if it fits, after demoting host copies needed later than ``record`` (least soon
-        first) if that makes it fit and nvme takes them; else nvme if it fits; else, with
-        ``spill`` and nvme out of space, host within its spill allowance; else None.
-        ``host_credit``: host bytes the caller is about to free (a copy it is swapping in)."""
-        free_host = self.host_bytes - self._used(HOST) + host_credit
-        if nbytes <= free_host:
-            return _Placement(HOST, [])
-        if nbytes <= self.host_bytes:
-            settled = [r for r in self._records.values() if r.tier == HOST and r.moving_to is None and r is not record]
-            demote: list[_Record] = []
-            for candidate in sorted([*settled, record], key=self._least_soon_first):
-                if candidate is record:
-                    break
-                demote.append(candidate)
-                free_host += candidate.nbytes
-                if nbytes <= free_host:
-                    if self._nvme_fits(sum(r.nbytes for r in demote)):
-                        return _Placement(HOST, demote)
-                    break
-        if self._nvme_fits(nbytes):
-            return _Placement(NVME, [])
-        spill_room = self.host_bytes + self.host_spill_bytes - self._used(HOST) + host_credit
-        if spill and self._nvme_full() and nbytes <= spill_room:
-            return _Placement(HOST, [])
-        return None
+    def _plan_placement(self, record: _Record, nbytes: int, host_credit: int) -> _Placement | None:
+        """Where a state of ``nbytes`` leaving the device goes (``state_policy.place``), with
+        the records to demote first; None when nothing fits. ``host_credit``: host bytes the
+        caller is about to free (a copy it is swapping in)."""
+        chosen = state_policy.place(
+            self._held(record, nbytes), self._tiers(), self._host_copies(record), self._upcoming, host_credit
+        )
+        return self._placement(chosen) if chosen is not None else None
 
-    def _nvme_fits(self, nbytes: int) -> bool:
-        if self.nvme_dir is None:
-            return False
-        capacity = min(self.nvme_bytes, self._nvme_room) if self._nvme_full() else self.nvme_bytes
-        return self._used(NVME) + nbytes <= capacity
+    def _placement(self, chosen: state_policy.Placement) -> _Placement:
+        return _Placement(chosen.tier, [self._records[job_id] for job_id in chosen.demote])
+
+    def _held(self, record: _Record, nbytes: int | None = None) -> Held:
+        return Held(record.job_id, record.nbytes if nbytes is None else nbytes, record.last_used)
+
+    def _host_copies(self, beside: _Record) -> list[Held]:
+        """The settled host copies other than ``beside``'s: those a placement may demote."""
+        return [
+            self._held(r) for r in self._records.values() if r.tier == HOST and r.moving_to is None and r is not beside
+        ]
+
+    def _tiers(self) -> Tiers:
+        """Host and nvme as the policy sees them now (caller holds the lock)."""
+        return Tiers(
+            host_bytes=self.host_bytes,
+            host_used=self._used(HOST),
+            nvme_bytes=self.nvme_bytes if self.nvme_dir is not None else None,
+            nvme_used=self._used(NVME),
+            host_spill_bytes=self.host_spill_bytes,
+            nvme_full=self._nvme_full(),
+            nvme_room=self._nvme_room,
+        )
 
     def _nvme_full(self) -> bool:
         """Whether a write ran out of space on nvme less than NVME_FULL_RETRY_S ago."""
@@ -877,18 +797,6 @@ class StateStore:
             f"no room for job {job_id!r}'s state ({nbytes} bytes) off the device: "
             f"host {self._used(HOST)}/{self.host_bytes} bytes used{spill}, {nvme}"
         )
-
-    def _rank(self, job_id: str) -> int:
-        """Position in the upcoming order; jobs not in it come after all that are."""
-        return self._upcoming.get(job_id, len(self._upcoming))
-
-    def _eviction_order(self, record: _Record) -> tuple[int, int]:
-        """max() of this picks the job needed least soon, then the least recently used."""
-        return (self._rank(record.job_id), -record.last_used)
-
-    def _least_soon_first(self, record: _Record) -> tuple[int, int]:
-        """sorted() by this puts the job needed least soon (then least recently used) first."""
-        return (-self._rank(record.job_id), record.last_used)
 
     # ------------------------------------------------------------ bookkeeping helpers
 

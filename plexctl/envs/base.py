@@ -7,34 +7,22 @@ the model's turns (``step``): a turn that calls a tool gets the tool's output ba
 is ONE ``generate`` call (so the scheduler sees the job's real gaps), and the steps (tools,
 rewards) of that turn run concurrently in a ``SandboxPool`` before the next turn.
 
-This module owns:
+This module owns ``Env`` / ``StepResult`` (the interface) and ``RewardEnv`` (any single-turn
+reward function as an environment); ``parse_tool_call`` (the ``name:argument;`` syntax, short
+enough for a character-level model: ``call:12*7;`` -> observation ``=84;``); ``Episode`` and
+``run_episodes``, with ``episode_batch`` / ``episode_metrics`` to hand episodes to the trainer.
 
-- ``Env`` / ``StepResult`` (the interface) and ``RewardEnv`` (any single-turn reward function
-  as an environment);
-- ``parse_tool_call``: the ``name:argument;`` call syntax, short enough for a character-level
-  model (``call:12*7;`` -> observation ``=84;``);
-- ``Episode`` and ``run_episodes``: the full token sequence for training, per-episode failure
-  accounting, and ``episode_batch`` / ``episode_metrics`` to hand episodes to the trainer.
+Token bookkeeping: the engine's ``prompt_token_ids`` for turn k+1 are authoritative. The
+episode keeps the longest common prefix of its tokens so far and that prompt; later prompt
+tokens (the observation) get mask 0 and log-prob 0. A turn's trailing ``<eos>`` is not in the
+next prompt and is dropped; other generated tokens past the split point (a re-tokenization
+across the completion/observation boundary) are masked out, counted in ``prefix_mismatches`` /
+``dropped_tokens``, never trained with another context's log-prob.
 
-Token bookkeeping. The engine takes text prompts, so turn k+1 is prompted with the text so far
-(first prompt + every completion + every observation) and returns the ``prompt_token_ids`` it
-really conditioned on. That prompt is authoritative: the episode keeps the longest common
-prefix of its tokens so far and the new prompt, with their masks and log-probs, and every
-later prompt token gets mask 0 and log-prob 0 (the observation). When tokenization is
-prefix-stable, which holds for the character-level tiny model, the prefix is everything but a
-turn's trailing stop token (``<eos>`` is not part of the completion text, so it cannot be in the
-next prompt: it is dropped from the sequence, not trained). When it is not (a BPE merge across
-the completion/observation boundary), the generated tokens after the split point are masked
-out too: conservative, counted in ``Episode.prefix_mismatches`` and ``dropped_tokens``, never
-trained with a log-prob from another context.
-
-Failures never stop a job: a step that raises, a tool that times out (``info["tool_timeout"]``
-or the runner's ``step_timeout_s``), a malformed call (``info["malformed"]``), or a final answer
-without a usable reward gets ``failure_reward`` and is counted on the episode.
-
-It deliberately does not: batch several turns of one episode, stream tokens, stop generation
-on tool-call syntax (a turn ends at ``<eos>`` or ``max_tokens``), or cancel a step that hangs in
-Python (it is abandoned after ``step_timeout_s``; its pool thread stays busy until it returns).
+Failures never stop a job: a step that raises or times out, a malformed call, or a final answer
+without a usable reward gets ``failure_reward`` and is counted on the episode. It deliberately
+does not batch turns of one episode, stream tokens, stop generation on tool-call syntax, or
+cancel a step that hangs in Python. Reasoning and details: ``docs/environments.md``.
 """
 
 from __future__ import annotations

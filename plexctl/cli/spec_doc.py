@@ -7,8 +7,8 @@ one walk: ``render_reference()``, the Markdown page committed as ``docs/spec-ref
 (one table per section, in the order a spec file is written), and ``explain(key)``, the text
 of ``plexctl validate --explain KEY``.
 
-Regenerate the page:   python -m plexctl.spec_doc > docs/spec-reference.md
-Check it is current:   python -m plexctl.spec_doc --check docs/spec-reference.md  (exit 1 if stale)
+Regenerate the page:   python -m plexctl.cli.spec_doc > docs/spec-reference.md
+Check it is current:   python -m plexctl.cli.spec_doc --check docs/spec-reference.md  (exit 1 if stale)
 
 It deliberately does not validate specs (``plexctl.spec`` does), does not document the rules
 that span several fields beyond what the docstrings say, and never imports torch or vLLM.
@@ -35,8 +35,8 @@ from msgspec import Meta
 from plexctl.errors import UsageError
 from plexctl.spec import JobSpec, unwrap_type
 
-REGENERATE = "python -m plexctl.spec_doc > docs/spec-reference.md"
-CHECK = "python -m plexctl.spec_doc --check docs/spec-reference.md"
+REGENERATE = "python -m plexctl.cli.spec_doc > docs/spec-reference.md"
+CHECK = "python -m plexctl.cli.spec_doc --check docs/spec-reference.md"
 REQUIRED = "required"  # the default column of a key without a default
 ALL_DEFAULTS = "all defaults"  # the default column of a section built from its own defaults
 
@@ -227,7 +227,7 @@ def render_reference() -> str:
     """The whole Markdown reference of the job spec (what ``docs/spec-reference.md`` holds)."""
     fields = all_fields()
     lines = [
-        "<!-- Generated from plexctl/spec.py by plexctl/spec_doc.py; do not edit by hand. -->",
+        "<!-- Generated from plexctl/spec.py by plexctl/cli/spec_doc.py; do not edit by hand. -->",
         "",
         "# Job spec reference",
         "",
@@ -289,7 +289,7 @@ def explain(key: str) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- python -m plexctl.spec_doc
+# ---------------------------------------------------------------- python -m plexctl.cli.spec_doc
 
 
 def check(path: Path) -> str | None:
@@ -313,7 +313,7 @@ def check(path: Path) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m plexctl.spec_doc",
+        prog="python -m plexctl.cli.spec_doc",
         description="Print the job spec reference (Markdown) generated from the schema.",
     )
     parser.add_argument(

@@ -1,7 +1,7 @@
 """The tiny model and task that let PlexRL run real RL end to end on a CPU.
 
 This module owns two recipes, built in code and cached on disk by the same CLI
-(``python -m worker.tiny --root DIR`` builds both, ``--only NAME`` one; each has its own
+(``python -m worker.tiny_models --root DIR`` builds both, ``--only NAME`` one; each has its own
 build lock, so two can build side by side). The first, ``tiny-arith``:
 
 - a Qwen2-style causal LM (hidden 128, 2 layers, 2 heads of dim 64, float32) saved in
@@ -859,7 +859,7 @@ def build_tiny_tool(root: Path, force: bool = False) -> ToolPaths:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.tiny",
+        prog="python -m worker.tiny_models",
         description="Build the tiny models: tiny-arith (addition) and tiny-tool (calculator calls).",
     )
     parser.add_argument("--root", type=Path, default=Path(".plexrl"), help="default: ./.plexrl")

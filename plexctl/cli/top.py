@@ -24,8 +24,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from plexctl.cli.views import STATE_STYLE, cluster_line, fmt_duration, fmt_reward, job_row, swaps_text, tiers_text
 from plexctl.protocol import EngineInfo, JobInfo, StatusRep
-from plexctl.views import STATE_STYLE, cluster_line, fmt_duration, fmt_reward, job_row, swaps_text, tiers_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 RECENT_STEPS = 24  # steps in a sparkline

@@ -1,22 +1,24 @@
 """How jobs and engines look in the terminal: rich tables, plain text and JSON rows.
 
 Pure rendering: every function takes the daemon's ``StatusRep`` (or parts of it) and returns
-something printable. The CLI decides where it goes (live view on a TTY, plain otherwise).
+something printable. The CLI decides where it goes (live view on a TTY, plain otherwise). rich
+is imported by the functions that build its tables, so plain text and JSON start without it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rich.console import Group
-from rich.progress_bar import ProgressBar
-from rich.table import Table
-from rich.text import Text
 
-from plexctl.protocol import EngineInfo, JobInfo, StatusRep
 from plexctl.sizes import fmt_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
+
+    from plexctl.protocol import EngineInfo, JobInfo, StatusRep
 
 STATE_STYLE = {
     "queued": "yellow",
@@ -53,6 +55,10 @@ def job_row(job: JobInfo, now: float) -> dict[str, Any]:
 
 
 def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
     now = now or time.time()
     t = Table(title="jobs", title_justify="left", expand=False)
     for col in ("JOB", "NAME", "USER", "STATE", "STEP", "", "REWARD", "EVAL first→last", "POLICY", "ENGINE", "ELAPSED"):
@@ -79,6 +85,8 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
 
 
 def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
+    from rich.table import Table
+
     t = Table(title="engines", title_justify="left")
     for col in ("ENGINE", "KIND", "ON", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS", "SWAPS"):
         t.add_column(col, no_wrap=True)
@@ -148,6 +156,9 @@ def cluster_line(rep: StatusRep) -> str:
 
 
 def status_view(rep: StatusRep, uptime: float) -> Group:
+    from rich.console import Group
+    from rich.text import Text
+
     return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), Text(cluster_line(rep)))
 
 

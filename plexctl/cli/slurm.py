@@ -35,7 +35,7 @@ from plexctl.atomic import write_json_atomic
 from plexctl.errors import PlexError, UsageError
 from plexctl.layout import engine_kinds, place_workers
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: sbatch runs daemon.node from here
 SLURM_FILE = "slurm.json"
 SIGNAL = "USR1"
 # Asked per node when GPUs are and the spec says nothing else (cpus_per_task, mem override them).
@@ -333,20 +333,24 @@ def submit_sbatch(spec: SlurmSpec) -> str:
     tmp = script.with_suffix(".tmp")
     tmp.write_text(render_sbatch(spec))
     tmp.replace(script)
-    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)
+    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=IMPORT_ROOT)
     if result.returncode != 0:
         raise SlurmUnavailable(f"sbatch refused the allocation: {_last_line(result.stderr)}")
     return result.stdout.strip().split(";")[0]
 
 
-def node_entry(argv: list[str]) -> int:
-    """What submitit runs on every task: ``daemon.node`` (imported there, on the node)."""
-    from daemon.node import main
+def run_module(module: str, argv: list[str]) -> int:
+    """What submitit runs on every task: ``python -m MODULE ARGV`` in its own process (the module
+    is named, never imported here, so the CLI imports nothing of the daemon); a failure raises."""
+    import runpy
 
-    code = main(argv)
-    if code:
-        raise SystemExit(code)
-    return code
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    return 0
 
 
 def submitit_parameters(spec: SlurmSpec) -> dict[str, object]:
@@ -378,7 +382,7 @@ def submitit_parameters(spec: SlurmSpec) -> dict[str, object]:
 
 
 def submit_submitit(spec: SlurmSpec) -> str:
-    """Submit the allocation through submitit (one task per node, each runs ``node_entry``)."""
+    """Submit the allocation through submitit (one task per node, each runs ``daemon.node``)."""
     planned_workers(spec)  # a layout that cannot fit fails here, not on the nodes
     _need("sbatch")
     import submitit
@@ -386,10 +390,10 @@ def submit_submitit(spec: SlurmSpec) -> str:
     folder = Path(spec.state_dir) / "slurm" / "submitit"
     executor = submitit.SlurmExecutor(folder=str(folder), python=shlex.quote(spec.python))
     executor.update_parameters(**submitit_parameters(spec))
-    argv = node_command(spec)[3:]  # after `python -m daemon.node`
+    module, argv = node_command(spec)[2], node_command(spec)[3:]  # `python -m daemon.node ARGV`
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr as well
-            job = executor.submit(node_entry, argv)
+            job = executor.submit(run_module, module, argv)
     except Exception as exc:  # noqa: BLE001 - submitit raises sbatch's failure as a plain error
         raise SlurmUnavailable(f"Slurm refused the allocation: {_last_line(str(exc))}") from None
     return str(job.job_id)
@@ -447,5 +451,5 @@ def _last_line(text: str) -> str:
     return re.sub(r"^(\w+: )?error: ", "", lines[-1]) if lines else "(no message)"
 
 
-if __name__ == "__main__":  # python -m plexctl.slurm > slurm/plexrl.sbatch
+if __name__ == "__main__":  # python -m plexctl.cli.slurm > slurm/plexrl.sbatch
     sys.stdout.write(render_template())

@@ -1,0 +1,299 @@
+"""The service calls: one typed struct per step of each call, and one table of them all.
+
+A call goes four ways: the job's loop sends a *request* (``CallReq.request``); the daemon makes
+it an engine *task* (``TaskBody.task``), adding what only it knows (the adapter to sample from,
+the job's trainer context, where to write); the engine answers with a *result*
+(``ResultBody.value``); the daemon answers the loop with the *reply*, adding what it decided
+(the policy version, a drain). ``METHODS`` names, for each call, those four types and the kind of
+engine that serves it; the job client (``plexctl.rl``), the daemon and the worker all read it.
+
+Requests, tasks and results are tagged structs whose tag is the method's name: the wire names the
+call, and a body of the wrong shape is refused when it is decoded. The engine data types that
+travel inside calls (``GenRequest``, ``Completion``, ``TrainBatch`` ...) live here too, so that
+the processes agree on them without importing each other. Pure msgspec: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+# ---------------------------------------------------------------- engine data types
+
+
+class Sampling(msgspec.Struct):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+
+
+class AdapterRef(msgspec.Struct):
+    """A published adapter version of a job, loadable by the rollout engine."""
+
+    job_id: str
+    version: int
+    path: str
+
+
+class GenRequest(msgspec.Struct):
+    job_id: str
+    prompts: list[str]
+    sampling: Sampling
+    adapter: AdapterRef | None = None  # None: the base model (policy version 0)
+
+
+class Completion(msgspec.Struct):
+    prompt_index: int
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under the behaviour policy
+    finish_reason: str
+
+
+class TrainBatch(msgspec.Struct):
+    """One GRPO batch. Row i is prompt + completion tokens of one sample.
+
+    ``loss_mask[i][t]`` is 1 where token t is a generated (trainable) token;
+    ``old_logprobs[i][t]`` is the behaviour log-prob of token t (0 where masked);
+    ``advantages[i]`` is the sequence-level advantage of sample i.
+    """
+
+    input_ids: list[list[int]]
+    loss_mask: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[float]
+
+
+LOSSES = ("pg-clip", "pg-tis")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class TrainHParams(msgspec.Struct):
+    """How one ``train_step`` turns a batch into an update: the loss by name, its parameters.
+
+    Losses (per token t of sample i, ``r = pi_theta / pi_behaviour``, ``A`` the sample's
+    advantage; ``kl_coef`` > 0 adds the k3 KL to the base model):
+
+    * ``pg-clip``: PPO's clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+    * ``pg-tis``: truncated importance sampling for stale samples: the trainer's own log-probs
+      at the step are the proximal policy, each token is weighted by ``min(pi_theta /
+      pi_behaviour, loss_params["cap"])`` (default 2), detached: ``-A w log pi_theta``.
+    * ``loss_fn`` (``module:function``): a trusted user's per-token loss, loaded in the trainer.
+
+    Aggregations (``loss_agg``), the weight of a token loss: ``token-mean`` 1 / all tokens;
+    ``seq-mean-token-mean`` 1 / (its row's tokens x rows); ``seq-mean-token-sum`` 1 / rows;
+    ``seq-mean-token-sum-norm`` 1 / (``loss_agg_len`` x rows), Dr. GRPO's constant normaliser.
+    """
+
+    lr: float = 1e-4
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"  # one of LOSS_AGGREGATIONS
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    loss: str = "pg-clip"  # one of LOSSES
+    loss_params: dict[str, float] = msgspec.field(default_factory=dict)
+    loss_agg_len: int = 0  # seq-mean-token-sum-norm's constant (0: the batch's longest trainable row)
+    loss_fn: str = ""  # "module:function": a trusted user's own token loss, replaces ``loss``
+    loss_path: str = ""  # directory holding loss_fn's module
+    user_code_trusted: bool = False  # set by the daemon from the job's submitter, never by the driver
+
+
+class LoraConfig(msgspec.Struct):
+    rank: int = 8
+    alpha: int = 16
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    dropout: float = 0.0
+
+
+class TrainerContext(msgspec.Struct):
+    """What every trainer task carries about its job: the state to make resident if it is not,
+    the key that makes a repeated call a no-op, and the daemon's expected order of jobs."""
+
+    lora: LoraConfig
+    seed: int
+    weight_decay: float = 0.0
+    call_key: str = ""  # "<driver pid>:<call id>": a repeat is answered with the last result, unapplied
+    upcoming: list[str] = msgspec.field(default_factory=list)  # jobs expected on this trainer next
+
+
+# ---------------------------------------------------------------- the four kinds of message
+
+
+class Request(msgspec.Struct, tag_field="method"):
+    """What a job's loop asks (``CallReq.request``)."""
+
+    @property
+    def method(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+class EngineTask(msgspec.Struct, tag_field="method"):
+    """What an engine is given to do (``TaskBody.task``)."""
+
+    @property
+    def method(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+class Result(msgspec.Struct, tag_field="method"):
+    """What an engine answers (``ResultBody.value``)."""
+
+
+class Reply(msgspec.Struct):
+    """What the daemon answers the loop (a ``REPLY`` body)."""
+
+
+# generate: the rollout engine samples ``sampling.n`` completions per prompt
+
+
+class GenerateReq(Request, tag="generate"):
+    prompts: list[str]
+    sampling: Sampling
+
+
+class GenerateTask(EngineTask, tag="generate"):
+    request: GenRequest  # with the adapter of the policy it samples from
+
+
+class GenerateResult(Result, tag="generate"):
+    completions: list[Completion]
+
+
+class GenerateRep(Reply):
+    completions: list[Completion]
+    policy_version: int  # the policy the samples come from
+
+
+# train_step: one optimizer step; with ``publish``, then the adapter becomes the rollout policy
+
+
+class TrainStepReq(Request, tag="train_step"):
+    batch: TrainBatch
+    hp: TrainHParams = msgspec.field(default_factory=TrainHParams)
+    publish: bool = False
+
+
+class TrainStepTask(EngineTask, tag="train_step"):
+    trainer: TrainerContext
+    batch: TrainBatch
+    hp: TrainHParams
+    publish_dir: str = ""  # where to save the adapter after the step ("": no publish)
+
+
+class TrainStepResult(Result, tag="train_step"):
+    metrics: dict[str, float]  # the step's, with the swap-in it waited for (swap_bytes, swap_seconds ...)
+
+
+class TrainStepRep(Reply):
+    metrics: dict[str, float]
+    version: int = 0  # the policy version it published (0: it did not)
+    drain: str = ""  # why the cluster is stopping: checkpoint at this step's end and exit
+
+
+# publish: the trained adapter becomes the rollout policy
+
+
+class PublishReq(Request, tag="publish"):
+    pass
+
+
+class PublishTask(EngineTask, tag="publish"):
+    trainer: TrainerContext
+    out_dir: str
+
+
+class PublishResult(Result, tag="publish"):
+    pass
+
+
+class PublishRep(Reply):
+    version: int
+    drain: str = ""
+
+
+# checkpoint: adapter, optimizer and the loop's ``extra`` (JSON), durably
+
+
+class CheckpointReq(Request, tag="checkpoint"):
+    step: int
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class CheckpointTask(EngineTask, tag="checkpoint"):
+    trainer: TrainerContext
+    out_dir: str
+    extra: dict[str, Any]
+
+
+class CheckpointResult(Result, tag="checkpoint"):
+    manifest: dict[str, Any]
+
+
+class CheckpointRep(Reply):
+    path: str
+
+
+# restore: the latest checkpoint back into the trainer
+
+
+class RestoreReq(Request, tag="restore"):
+    pass
+
+
+class RestoreTask(EngineTask, tag="restore"):
+    trainer: TrainerContext
+    ckpt_dir: str
+
+
+class RestoreResult(Result, tag="restore"):
+    extra: dict[str, Any]
+
+
+class RestoreRep(Reply):
+    extra: dict[str, Any] | None = None  # None: no checkpoint yet
+
+
+AnyRequest = GenerateReq | TrainStepReq | PublishReq | CheckpointReq | RestoreReq
+AnyTask = GenerateTask | TrainStepTask | PublishTask | CheckpointTask | RestoreTask
+AnyResult = GenerateResult | TrainStepResult | PublishResult | CheckpointResult | RestoreResult
+
+
+@dataclass(frozen=True)
+class Method:
+    """One service call: its name, the engine kind that serves it, its four message types."""
+
+    name: str
+    kind: str  # rollout | trainer
+    request: type[Request]
+    task: type[EngineTask]
+    result: type[Result]
+    reply: type[Reply]
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("generate", "rollout", GenerateReq, GenerateTask, GenerateResult, GenerateRep),
+        Method("train_step", "trainer", TrainStepReq, TrainStepTask, TrainStepResult, TrainStepRep),
+        Method("publish", "trainer", PublishReq, PublishTask, PublishResult, PublishRep),
+        Method("checkpoint", "trainer", CheckpointReq, CheckpointTask, CheckpointResult, CheckpointRep),
+        Method("restore", "trainer", RestoreReq, RestoreTask, RestoreResult, RestoreRep),
+    )
+}
+
+
+def request_of(method: str, args: dict[str, Any] | None = None) -> Request:
+    """The request of a call named ``method`` with ``args`` as its fields (``ValueError``: no such call)."""
+    spec = METHODS.get(method)
+    if spec is None:
+        raise ValueError(f"unknown service call {method!r} (known: {', '.join(METHODS)})")
+    return msgspec.convert(args or {}, spec.request)

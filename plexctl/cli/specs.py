@@ -1,0 +1,152 @@
+"""`plexctl validate`, `plan` and `submit`: job specs checked, planned against a node's memory, queued."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional, cast
+
+import typer
+
+from plexctl.cli.context import console
+from plexctl.errors import ExitCode, UsageError
+from plexctl.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    from plexctl.memplan import EngineShape
+    from plexctl.spec import JobSpec
+
+
+def load_or_exit(file: Path, overrides: list[str], name: str | None) -> JobSpec:
+    """The job spec in ``file``; its issues on stderr and exit code 2 when it is not valid."""
+    from plexctl.spec import SpecError, load_spec
+
+    try:
+        return load_spec(file, overrides, name)
+    except SpecError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        raise typer.Exit(ExitCode.USAGE) from None
+
+
+def validate(
+    files: Annotated[Optional[list[Path]], typer.Argument(help="job spec YAML files")] = None,
+    explain: Annotated[Optional[str], typer.Option("--explain", help="describe a spec key, e.g. algo.lr")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c")] = None,
+    schema_only: Annotated[
+        bool, typer.Option("--schema-only", help="skip file checks (specs for another machine)")
+    ] = False,
+) -> None:
+    """Check job specs without queueing anything (or explain a spec key)."""
+    if explain is not None:
+        from plexctl.cli.spec_doc import explain as explain_key
+
+        console().print(explain_key(explain), markup=False, highlight=False)
+        return
+    if not files:
+        raise UsageError("give job spec files to validate, or --explain KEY")
+    from plexctl.spec import SpecError, load_spec
+
+    bad = False
+    for f in files:
+        try:
+            load_spec(f, set_ or [], check_files=not schema_only)
+            console().print(f"{f}: ok")
+        except SpecError as exc:
+            bad = True
+            for issue in exc.issues:
+                print(issue, file=sys.stderr)
+    if bad:
+        raise typer.Exit(ExitCode.USAGE)
+
+
+def plan(
+    files: Annotated[list[Path], typer.Argument(help="job spec YAML files (one base model)")],
+    gpus: Annotated[str, typer.Option(help="the node's GPUs, e.g. 8x80G, 4x141G; 0 for a CPU node")] = "8x80G",
+    node_mem: Annotated[str, typer.Option(help="the node's host memory")] = "256G",
+    node_nvme: Annotated[str, typer.Option(help="the node's local NVMe")] = "1T",
+    tp: Annotated[int, typer.Option(min=1, help="GPUs of one rollout engine (tensor parallel)")] = 1,
+    rollout_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to rollout engines")] = None,
+    trainer_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to trainers, one each")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="engine dtype (default: bfloat16 on GPUs)")] = None,
+    max_lora_rank: Annotated[int, typer.Option(min=1, help="as `plexctl up --max-lora-rank`")] = 64,
+    max_loras: Annotated[int, typer.Option(min=1, help="adapter slots of a rollout engine")] = 4,
+    device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state a trainer keeps on its GPU")] = 4,
+    host_mem: Annotated[str, typer.Option(help="host tier of each trainer, as `up --host-mem`")] = "8G",
+    nvme_bytes: Annotated[str, typer.Option(help="NVMe tier of each trainer, as `up --nvme-bytes`")] = "64G",
+    gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.9,
+    max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
+    micro_batch_tokens: Annotated[int, typer.Option(min=1)] = 16384,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
+) -> None:
+    """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
+    KV cache, adapter slots and job state on each tier, and what does not fit (exit 7). Needs no cluster;
+    a model directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
+    from plexctl import memplan as MP
+    from plexctl.spec import SpecError, load_spec
+
+    try:
+        node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
+        options = MP.ClusterOptions(
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            device_slots=device_slots,
+            host_tier_bytes=parse_bytes(host_mem),
+            nvme_tier_bytes=parse_bytes(nvme_bytes),
+            max_model_len=max_model_len,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        specs = [load_spec(f, set_ or [], check_files=False) for f in files]
+        engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)
+        result = MP.plan_for_specs(specs, node, engines, options)
+    except SpecError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        raise typer.Exit(ExitCode.USAGE) from None
+    except ValueError as exc:
+        raise UsageError(f"--gpus {gpus!r}: {exc}" if "GPU shape" in str(exc) else str(exc)) from None
+    print(MP.render_plan(result))
+    if not result.fits:
+        raise typer.Exit(ExitCode.REFUSED)
+
+
+def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, tp: int) -> list[EngineShape]:
+    """The engines of a node as `up --slurm` places them (``plexctl.layout``), as the plan's shapes."""
+    from plexctl import memplan as MP
+    from plexctl.layout import place_workers
+
+    workers = place_workers(
+        "(--gpus)",
+        [str(i) for i in range(gpus)],
+        ["rollout", "trainer"],
+        rollout_gpus=rollout_gpus,
+        trainer_gpus=trainer_gpus,
+        tp=tp,
+    )
+    return [MP.EngineShape(cast(MP.EngineKind, kind), len(w.devices)) for w in workers for kind in w.engines]
+
+
+def submit(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="job spec YAML")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c")] = None,
+    name: Annotated[Optional[str], typer.Option(help="job name (overrides the spec's)")] = None,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="print the job id only")] = False,
+    replace: Annotated[
+        bool,
+        typer.Option(
+            "--replace", help="cancel your queued or running job of this name first (else the name is refused)"
+        ),
+    ] = False,
+) -> None:
+    """Validate a job spec and queue it."""
+    from plexctl import inputs
+    from plexctl.spec import spec_to_wire
+
+    spec = load_or_exit(file, set_ or [], name)
+    rep = inputs.submit(ctx.obj.client(), spec_to_wire(spec), uuid.uuid4().hex, replace=replace)
+    replaced = f", replacing {', '.join(rep.replaced)} (cancelled)" if rep.replaced else ""
+    console().print(rep.job_id if quiet else f"submitted {rep.job_id} ({spec.name}){replaced}")

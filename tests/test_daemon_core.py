@@ -1,0 +1,173 @@
+"""The daemon's core driven directly: no socket, no process, no model, no monkeypatch.
+
+Each test feeds ``DaemonCore`` the messages a CLI, a driver and a worker would send, at times it
+chooses, and reads the effects it returns (``conftest.DrivenCore`` records them): admission,
+placement, the typed replies of each call, calls held to follow another and sent ahead with it,
+adoption after a daemon restart, and the drain.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from daemon.core import Prune, StartDriver, StopDriver
+from plexctl import calls as C
+from plexctl import protocol as P
+from plexctl.client import current_user
+from plexctl.spec import load_spec, spec_to_wire
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = P.TrainBatch([[1, 2]], [[0, 1]], [[0.0, -1.0]], [1.0])
+GENERATE = C.GenerateReq(["1+1="], P.Sampling(max_tokens=4))
+
+
+def register(d, worker: str, model: Path, kinds=("rollout", "trainer"), resident=None) -> None:
+    engines = [P.EngineDecl(f"{worker}/{k}", k, str(model), 4 if k == "rollout" else 1) for k in kinds]
+    d.send(worker.encode(), P.Op.REGISTER, P.RegisterReq(worker, "node", 1, engines, True, resident=resident or {}))
+
+
+def submit(d, model: Path, name: str) -> str:
+    spec = spec_to_wire(load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={model}"], name))
+    d.send(b"cli", P.Op.SUBMIT, P.SubmitReq(f"sid-{name}", spec, current_user()), user=current_user())
+    (reply,) = [body for to, op, body in d.sent if op == P.Op.REPLY and to == b"cli"]
+    d.sent.clear()
+    return reply.job_id
+
+
+def running(d, model: Path, name: str, pid: int = 4242) -> str:
+    """A submitted job, admitted and its driver started."""
+    job = submit(d, model, name)
+    assert StartDriver(job) in d.chores()
+    d.driver_started(job, pid)
+    return job
+
+
+def call(d, job: str, request: C.Request, msg_id: int, after: int = 0) -> None:
+    d.send(f"drv:{job}".encode(), P.Op.CALL, P.CallReq(job, request, after), msg_id)  # type: ignore[arg-type]
+
+
+def tasks(d) -> list[P.TaskBody]:
+    out = [body for _, op, body in d.sent if op == P.Op.TASK]
+    d.sent[:] = [s for s in d.sent if s[1] != P.Op.TASK]
+    return out
+
+
+def answer(d, worker: str, task: P.TaskBody, result: C.Result) -> object:
+    """The worker's result for ``task``; the reply the daemon sends the driver."""
+    d.sent.clear()
+    d.send(worker.encode(), P.Op.RESULT, P.ResultBody(task.task_id, True, result, seconds=0.1))  # type: ignore[arg-type]
+    (reply,) = [body for to, op, body in d.sent if op == P.Op.REPLY and to == f"drv:{task.job_id}".encode()]
+    return reply
+
+
+def test_a_job_is_admitted_once_engines_for_its_model_are_up_and_runs_when_its_driver_started(core, tiny_model):
+    d = core
+    job = submit(d, tiny_model, "first")
+    assert d.chores() == [] and d.journal.job(job).state == "queued"  # no engines yet
+    register(d, "w0", tiny_model)
+    assert d.chores() == [StartDriver(job)]
+    assert d.chores() == []  # asked once: the server answers before the next pass
+    d.driver_started(job, 4242)
+    assert d.journal.job(job).state == "running" and d.runtimes[job].pid == 4242
+    d.send(b"cli", P.Op.CANCEL, P.JobRef(job), msg_id=5, user=current_user())
+    assert d.runtimes[job].cancel_requested_at is not None
+    assert StopDriver(job, kill=True) in d.chores(d.runtimes[job].cancel_requested_at + 31)  # past its grace
+    d.driver_exited(job, 3)
+    assert d.journal.job(job).state == "cancelled" and job not in d.runtimes
+
+
+def test_each_call_becomes_its_typed_task_on_its_engine_and_its_result_the_typed_reply(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = running(d, tiny_model, "calls")
+    call(d, job, GENERATE, 1)
+    d.place()
+    (gen,) = tasks(d)
+    assert (gen.engine_id, gen.method) == ("w0/rollout", "generate")
+    assert isinstance(gen.task, C.GenerateTask) and gen.task.request.adapter is None  # the base model
+    assert answer(d, "w0", gen, C.GenerateResult([])) == C.GenerateRep([], policy_version=0)
+
+    call(d, job, C.TrainStepReq(BATCH, publish=True), 2)
+    d.place()
+    (step,) = tasks(d)
+    assert isinstance(step.task, C.TrainStepTask) and step.engine_id == "w0/trainer"
+    assert step.task.trainer.call_key == "4242:2"  # a repeat is applied once
+    assert step.task.publish_dir == str(d.jobs_dir / job / "adapters" / "v000001")
+    assert answer(d, "w0", step, C.TrainStepResult({"loss": 0.5})) == C.TrainStepRep({"loss": 0.5}, version=1)
+    assert Prune(d.jobs_dir / job / "adapters", d.runtimes[job].spec.algo.max_staleness + 2) in d.effects
+
+    call(d, job, GENERATE, 3)
+    d.place()
+    (gen,) = tasks(d)
+    assert gen.task.request.adapter == P.AdapterRef(job, 1, step.task.publish_dir)  # the policy just published
+
+    call(d, job, C.CheckpointReq(7, {"cursor": 3}), 4)
+    d.place()
+    (ckpt,) = tasks(d)
+    assert isinstance(ckpt.task, C.CheckpointTask) and ckpt.task.extra == {"cursor": 3}
+    assert answer(d, "w0", ckpt, C.CheckpointResult({"files": {}})) == C.CheckpointRep(ckpt.task.out_dir)
+    latest = json.loads((d.jobs_dir / job / "ckpt" / "latest.json").read_text())
+    assert latest == {"dir": ckpt.task.out_dir, "step": 7, "policy_version": 1, "manifest": {"files": {}}}
+
+    call(d, job, C.RestoreReq(), 5)
+    d.place()
+    (restore,) = tasks(d)
+    assert isinstance(restore.task, C.RestoreTask) and restore.task.ckpt_dir == ckpt.task.out_dir
+    assert answer(d, "w0", restore, C.RestoreResult({"step": 7})) == C.RestoreRep({"step": 7})
+
+
+def test_a_call_to_follow_another_is_held_or_sent_ahead_with_it(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = running(d, tiny_model, "ahead")
+    call(d, job, C.TrainStepReq(BATCH, publish=True), 1)
+    call(d, job, GENERATE, 2, after=1)
+    assert list(d.runtimes[job].held_calls) == [1]  # held: the call it follows is in flight
+    d.place()
+    step, gen = tasks(d)  # its rollout engine is on the trainer's worker and idle: on its way with it
+    assert (step.method, gen.method, gen.after) == ("train_step", "generate", step.task_id)
+    assert gen.task.request.adapter.version == 1
+    assert answer(d, "w0", step, C.TrainStepResult({})).version == 1
+    assert tasks(d) == [] and list(d.sched.engines["w0/rollout"].running) == [gen.task_id]  # started by the worker
+    assert answer(d, "w0", gen, C.GenerateResult([])) == C.GenerateRep([], policy_version=1)
+
+
+def test_an_adopted_job_waits_for_the_trainer_that_holds_its_state(core, tiny_model):
+    d = core
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "adopted")
+    job, _ = d.journal.submit("s", "adopted", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    d.journal.update(job, state="running", policy_version=3)
+    d.adopt(job, pid=777)  # its driver outlived the last daemon
+    assert d.journal.events(job)[-1][1] == "reattached"
+    call(d, job, C.PublishReq(), 9)  # sent again by the driver
+    d.place()
+    assert tasks(d) == [] and job in d.held
+    register(d, "w0", tiny_model)  # an empty trainer: not the one with its state
+    register(d, "w1", tiny_model, resident={job: "w1/trainer"})
+    d.chores()
+    d.place()
+    (publish,) = tasks(d)
+    assert publish.engine_id == "w1/trainer" and publish.task.out_dir.endswith("v000004")  # after version 3
+    assert answer(d, "w1", publish, C.PublishResult()) == C.PublishRep(4)
+
+
+def test_a_drain_admits_nothing_tells_each_job_at_its_publish_and_stops_once_they_exited(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = running(d, tiny_model, "drained")
+    queued = submit(d, tiny_model, "waits")
+    d.drain("SIGTERM")
+    assert d.chores() == [] and d.journal.job(queued).state == "queued" and not d.stopping
+    call(d, job, C.PublishReq(), 1)
+    d.place()
+    (publish,) = tasks(d)
+    assert answer(d, "w0", publish, C.PublishResult()) == C.PublishRep(1, drain="SIGTERM")
+    d.driver_exited(job, 75)  # checkpointed at its step's end
+    assert d.journal.job(job).state == "interrupted"
+    released = [body for _, op, body in d.sent if op == P.Op.RELEASE]
+    assert {(r.job_id, r.engine_id) for r in released} == {(job, "w0/trainer")}
+    d.chores()
+    assert d.stopping
+    d.take(d.core.interrupt_running())
+    assert (b"w0", P.Op.SHUTDOWN, P.Empty()) in d.sent

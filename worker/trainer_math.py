@@ -1,0 +1,260 @@
+"""A trainer engine's math: the loss, its gradient and the optimizer step on one job's adapter,
+and current-policy log-probs.
+
+``train_step`` runs one policy-gradient step with the loss the call names (``TrainHParams``):
+PPO's clipped surrogate with asymmetric clip (``pg-clip``) or truncated importance sampling
+(``pg-tis``), optional k3 KL to the base model, token-, sequence- or constant-length
+aggregation, gradient clipping; or a trusted user's own per-token loss (``loss_fn``), imported
+only when the daemon marked the call's job as submitted by a user it trusts. The loss terms
+live in ``worker.loss_terms``, the chunked log-probs in ``worker.token_logprobs``, batch checks
+and micro-batching in ``worker.train_batches``.
+
+Invariants. A step runs in micro-batches of at most ``micro_batch_rows`` rows and
+``micro_batch_tokens`` padded tokens, with the loss weights computed over the whole batch first,
+so the micro-batches' gradients add up to the batch's; no batch's full logits ever exist (fp32
+log-softmax ``logprob_chunk_tokens`` positions at a time). Only the job's adapter is active and
+trainable during its call; a job with LoRA dropout runs on its own saved RNG stream. So a job's
+update is bit-for-bit (on CPU) the one it would get alone on the engine. A bfloat16 / float16
+engine runs under autocast; adapters and AdamW stay float32. ``TrainingMath`` is the part of
+``TrainerEngine`` (``worker.trainer``) that does this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from peft import PeftModel
+
+from plexctl.protocol import TrainBatch, TrainHParams
+from plexctl.user_code import import_object
+from worker.errors import BatchError, LossLoadError, UntrustedCodeError
+from worker.loss_terms import (
+    MetricSums,
+    aggregation_weights,
+    grpo_token_terms,
+    tis_token_terms,
+    user_token_terms,
+)
+from worker.token_logprobs import token_logprobs
+from worker.train_batches import (
+    Rows,
+    check_batch,
+    check_hparams,
+    check_token_rows,
+    micro_batch_bounds,
+    pad_old_logprobs,
+    pad_rows,
+    slice_rows,
+)
+from worker.trainer_slots import JobSlots, JobState, store_rng
+
+
+class TrainingMath(JobSlots):
+    """Steps, gradients and log-probs on the resident jobs' adapters (``TrainerEngine`` sets
+    these attributes up)."""
+
+    micro_batch_rows: int | None
+    micro_batch_tokens: int | None
+    logprob_chunk_tokens: int
+    _torch_dtype: torch.dtype
+    _checkpointed_layers: list[torch.nn.Module]
+    _user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]]
+
+    # ------------------------------------------------------------ training
+
+    def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """One GRPO optimizer step on the job's adapter; returns the step's metrics.
+
+        The AdamW ``lr`` and ``weight_decay`` are taken from ``hp`` on every step (the
+        ``weight_decay`` given to ``ensure_job`` is only the param group's initial value). A
+        non-finite gradient norm skips the update (``skipped`` = 1.0) instead of poisoning it.
+        """
+        started = time.perf_counter()
+        job = self._job(job_id)
+        metrics = self._forward_backward(job, batch, hp)
+        grad_norm = self._clip_gradients(job, hp.max_grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            _set_optimizer_hparams(job.optimizer, hp)
+            job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
+        return metrics
+
+    def loss_gradients(
+        self, job_id: str, batch: TrainBatch, hp: TrainHParams
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The loss gradient (before clipping) under PEFT-file keys, without stepping.
+
+        For diagnostics and tests; the adapter and optimizer are left untouched.
+        """
+        job = self._job(job_id)
+        metrics = self._forward_backward(job, batch, hp)
+        grads = {key: _grad_or_zeros(param) for key, param in job.params.items()}
+        job.optimizer.zero_grad(set_to_none=True)
+        return grads, metrics
+
+    def logprobs(self, job_id: str, input_ids: list[list[int]], loss_mask: list[list[int]]) -> list[list[float]]:
+        """Current-policy log-prob of every token (eval mode, no dropout); 0 where masked."""
+        job = self._job(job_id)
+        check_token_rows(input_ids, loss_mask)
+        rows = pad_rows(input_ids, loss_mask, self.device)
+        model = self._activate(job, train=False)
+        columns: list[torch.Tensor] = []
+        with torch.no_grad(), self._forward_context():
+            for _, _, part in self._micro_batches(rows):
+                logp, _ = self._token_logprobs(model, part)
+                columns.extend(logp.cpu())
+        return [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
+
+    def _activate(self, job: JobState, train: bool) -> PeftModel:
+        """Make the job's adapter the only active (and trainable) one; set train/eval mode."""
+        assert self._peft is not None
+        self._peft.set_adapter(job.adapter_name)
+        self._peft.train(train)
+        return self._peft
+
+    def _micro_batches(self, rows: Rows) -> Iterator[tuple[int, int, Rows]]:
+        """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch."""
+        for start, stop in micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens):
+            yield start, stop, slice_rows(rows, start, stop)
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """Autocast to the engine's dtype (bfloat16 / float16 engines); with gradient checkpointing
+        and a gradient, the decoder layers themselves (not their submodules: no dropout changes)
+        in training mode, which is when transformers checkpoints them."""
+        cast = (
+            torch.autocast(self.device.type, dtype=self._torch_dtype)
+            if self._torch_dtype != torch.float32
+            else contextlib.nullcontext()
+        )
+        layers = self._checkpointed_layers if torch.is_grad_enabled() else []
+        modes = [layer.training for layer in layers]
+        for layer in layers:
+            layer.training = True
+        try:
+            with cast:
+                yield
+        finally:
+            for layer, mode in zip(layers, modes):
+                layer.training = mode
+
+    def _token_logprobs(
+        self, model: torch.nn.Module, part: Rows, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) at the micro-batch's loss-mask positions, 0 elsewhere."""
+        return token_logprobs(
+            model, part.input_ids, part.attention_mask, part.loss_mask, self.logprob_chunk_tokens, entropy
+        )
+
+    # ------------------------------------------------------------ internals: the loss
+
+    def _forward_backward(self, job: JobState, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters."""
+        check_batch(batch)
+        check_hparams(hp)
+        user_loss = self._user_loss(hp) if hp.loss_fn else None
+        rows = pad_rows(batch.input_ids, batch.loss_mask, self.device)
+        old_logprobs = pad_old_logprobs(batch.old_logprobs, rows)
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=self.device)
+        weights = aggregation_weights(rows.loss_mask, hp.loss_agg, hp.loss_agg_len)
+        tokens = int(rows.loss_mask.sum().item())
+        if tokens == 0:
+            raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
+        job.optimizer.zero_grad(set_to_none=True)
+        sums = MetricSums()
+        with self._job_rng(job):
+            for start, stop, part in self._micro_batches(rows):
+                if not part.loss_mask.any():  # all its weights are 0: nothing to add
+                    continue
+                width = part.loss_mask.shape[1]
+                self._accumulate_micro_batch(
+                    job,
+                    part,
+                    old_logprobs[start:stop, :width],
+                    advantages[start:stop],
+                    weights[start:stop, :width],
+                    hp,
+                    sums,
+                    user_loss,
+                )
+        return sums.metrics(tokens)
+
+    def _accumulate_micro_batch(
+        self,
+        job: JobState,
+        part: Rows,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        hp: TrainHParams,
+        sums: MetricSums,
+        user_loss: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
+        model = self._activate(job, train=job.lora.dropout > 0)
+        with self._forward_context():
+            logp, entropy = self._token_logprobs(model, part, entropy=True)
+        assert entropy is not None
+        if user_loss is not None:
+            terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
+        elif hp.loss == "pg-tis":
+            terms = tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+        else:
+            terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+        loss = (terms.loss * weights).sum()
+        loss.backward()
+        sums.add(part.loss_mask, weights, terms, loss, entropy)
+
+    def _user_loss(self, hp: TrainHParams) -> Callable[..., torch.Tensor]:
+        """The trusted user's ``loss_fn``, imported once per (target, path)."""
+        if not hp.user_code_trusted:
+            raise UntrustedCodeError(
+                f"custom loss `{hp.loss_fn}` refused: this cluster does not trust the job's submitter with "
+                "code in the trainer (plexctl up --trust-user-code USER)"
+            )
+        key = (hp.loss_fn, hp.loss_path)
+        if key not in self._user_losses:
+            self._user_losses[key] = import_object(hp.loss_fn, hp.loss_path or None, "loss fn", LossLoadError)
+        return self._user_losses[key]
+
+    def _reference_logprobs(self, job: JobState, part: Rows) -> torch.Tensor:
+        """Log-probs under the base model (every adapter disabled), no gradient."""
+        model = self._activate(job, train=False)
+        with torch.no_grad(), model.disable_adapter(), self._forward_context():
+            return self._token_logprobs(model, part)[0]
+
+    def _clip_gradients(self, job: JobState, max_grad_norm: float) -> float:
+        max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+        params = list(job.params.values())
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm).item())
+
+    # ------------------------------------------------------------ internals: randomness
+
+    @contextlib.contextmanager
+    def _job_rng(self, job: JobState) -> Iterator[None]:
+        """Run the block on the job's own RNG stream (only LoRA dropout consumes it)."""
+        if job.lora.dropout <= 0:
+            yield
+            return
+        with self._forked_rng():
+            torch.set_rng_state(job.rng_state["cpu"].clone())  # a view into the slot would not do
+            if "cuda" in job.rng_state:
+                torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
+            yield
+            store_rng(job.rng_state, self._capture_rng())
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    return param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+
+
+def _set_optimizer_hparams(optimizer: torch.optim.Optimizer, hp: TrainHParams) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = hp.lr
+        group["weight_decay"] = hp.weight_decay
