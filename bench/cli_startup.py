@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
 
 TARGET_S = 0.2  # a verb typed many times a day starts well under this
 

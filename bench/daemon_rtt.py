@@ -4,7 +4,7 @@ Starts a real daemon with no workers in a temporary state directory (``python -m
 --state-dir DIR``, the way ``plexctl up`` does), finds it through ``DIR/endpoint.json`` and
 measures on loopback:
 
-- round trip: one ``plexctl.client.Client`` sends PING and waits for the Pong, one request
+- round trip: one ``plexctl.common.client.Client`` sends PING and waits for the Pong, one request
   at a time; p50 / p90 / p99 / max after a warm-up. Target: p50 < 1 ms.
 - messages per second: ``--clients`` DEALER sockets (default 100), spread over ``--procs``
   client processes (default: all cores but one, which is left to the daemon), each socket
@@ -56,12 +56,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
-from plexctl import auth  # noqa: E402
-from plexctl import protocol as P  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.client import Client, current_user  # noqa: E402
-from plexctl.cluster import endpoint_path, plexrl_home, read_endpoint  # noqa: E402
-from plexctl.frames import NOBLOCK, recv_frames, send_frames  # noqa: E402
+from plexctl.common import auth  # noqa: E402
+from plexctl.common import protocol as P  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.client import Client, current_user  # noqa: E402
+from plexctl.common.cluster import endpoint_path, plexrl_home, read_endpoint  # noqa: E402
+from plexctl.common.frames import NOBLOCK, recv_frames, send_frames  # noqa: E402
 
 TARGET_P50_MS = 1.0
 TARGET_MSGS_PER_S = 20_000
@@ -199,7 +199,7 @@ def client_process(
 
     Kept cheap, since the clients share the machine's cores with the daemon: the request is
     encoded once (the daemon's work does not depend on its msg_id) and frames are sent and
-    received as the product's peers do (``plexctl.frames``: one by one, int flags).
+    received as the product's peers do (``plexctl.common.frames``: one by one, int flags).
     """
     ctx = zmq.Context()
     poller = zmq.Poller()
@@ -346,14 +346,14 @@ HOT_PATH = (
     "daemon/core.py:handle",
     "daemon/core.py:on_ping",
     "daemon/main.py:_send",
-    "plexctl/protocol.py:decode",
-    "plexctl/protocol.py:encode",
+    "plexctl/common/protocol.py:decode",
+    "plexctl/common/protocol.py:encode",
     "daemon/core.py:chores",
     "daemon/core.py:place",
     "daemon/main.py:reap_drivers",
     "daemon/core.py:heartbeat",
-    "plexctl/frames.py:recv_frames",
-    "plexctl/frames.py:send_frames",
+    "plexctl/common/frames.py:recv_frames",
+    "plexctl/common/frames.py:send_frames",
     "zmq.Socket.poll",
 )
 QUIET_WHILE_PROFILING = ("plexd",)  # clients that leave mid-reply make the daemon warn per message

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plexctl.cluster import cluster_dir  # noqa: E402
+from plexctl.common.cluster import cluster_dir  # noqa: E402
 
 
 def worker_pid(state_dir: Path, worker_id: str) -> int:

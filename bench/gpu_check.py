@@ -34,8 +34,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
 
 QWEN25_05B = dict(
     hidden_size=896,
@@ -216,7 +216,7 @@ def part_rollout(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     except ImportError as exc:
         result["skipped"] = f"vllm not importable here ({exc})"
         return
-    from plexctl.protocol import AdapterRef
+    from plexctl.common.protocol import AdapterRef
 
     result["vllm"] = vllm.__version__
     t0 = time.perf_counter()

@@ -45,10 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
 from daemon.metrics import hidden_by_other_jobs  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.client import Client  # noqa: E402
-from plexctl.cluster import read_endpoint  # noqa: E402
-from plexctl.spec import load_spec, spec_to_wire  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.client import Client  # noqa: E402
+from plexctl.common.cluster import read_endpoint  # noqa: E402
+from plexctl.common.spec import load_spec, spec_to_wire  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
 BENCH = str(REPO / "bench")

@@ -10,7 +10,7 @@ just before the jobs are submitted until both have ended; in a ``baseline`` phas
 Each load phase is compared with the baselines right before and after it; the baselines'
 spread (``control_ratio``: slowest / fastest) is the noise floor.
 
-Each client is a user's ``plexctl status`` loop (a real ``plexctl.client.Client`` with this
+Each client is a user's ``plexctl status`` loop (a real ``plexctl.common.client.Client`` with this
 user's CURVE key), one call at a time, alternating ``status()`` and ``status(NAME)``, paced
 open-loop: latency counts from when a call was due; no reply within ``--timeout`` is a timeout.
 
@@ -53,11 +53,11 @@ from bench.daemon_rtt import machine_cpu_seconds, percentile, process_cpu_second
 from bench.hostinfo import describe  # noqa: E402
 from bench.multiplex import plexctl  # noqa: E402
 from bench.overhead import steps_of  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.client import Client  # noqa: E402
-from plexctl.cluster import read_endpoint  # noqa: E402
-from plexctl.errors import DaemonUnreachable, RemoteError  # noqa: E402
-from plexctl.spec import load_spec, spec_to_wire  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.client import Client  # noqa: E402
+from plexctl.common.cluster import read_endpoint  # noqa: E402
+from plexctl.common.errors import DaemonUnreachable, RemoteError  # noqa: E402
+from plexctl.common.spec import load_spec, spec_to_wire  # noqa: E402
 
 TARGET_RATE = 1000.0  # status calls per second, all clients together
 FIXED_BOUND = 1.10  # a job's step time under the load / without it, whatever the machine

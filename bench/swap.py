@@ -53,9 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
-from plexctl.atomic import write_json_atomic  # noqa: E402
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
-from plexctl.state_size import job_state_bytes, model_config  # noqa: E402
+from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
+from plexctl.common.state_size import job_state_bytes, model_config  # noqa: E402
 from worker import copy_files  # noqa: E402
 from worker.state_store import StateStore  # noqa: E402
 from worker.trainer import TrainerEngine  # noqa: E402

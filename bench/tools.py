@@ -104,7 +104,7 @@ def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.Complete
 
 
 def submit(client: Any, overrides: list[str], name: str) -> str:
-    from plexctl.spec import load_spec, spec_to_wire
+    from plexctl.common.spec import load_spec, spec_to_wire
 
     return client.submit(spec_to_wire(load_spec(CONFIG, overrides, name=name)), submit_id=uuid.uuid4().hex).job_id
 
@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from plexctl.atomic import write_json_atomic
-    from plexctl.client import Client
-    from plexctl.cluster import read_endpoint
+    from plexctl.common.atomic import write_json_atomic
+    from plexctl.common.client import Client
+    from plexctl.common.cluster import read_endpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="5 steps, 0.5 s latency: keeps the benchmark working")

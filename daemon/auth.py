@@ -1,6 +1,6 @@
 """The daemon's side of CURVE: its server socket's keys and the ZAP handler that lets peers in.
 
-A ``ThreadAuthenticator`` answers each handshake from the keys on disk (``plexctl.auth``): the
+A ``ThreadAuthenticator`` answers each handshake from the keys on disk (``plexctl.common.auth``): the
 internal key becomes the identity ``@internal``, a key in ``keys/clients/USER.key`` becomes
 ``USER``, an isolated driver's key in ``keys/jobs/JOB.key`` becomes ``@job:JOB``, any other key
 is refused at the connection, before the daemon sees a message. The user is attached to every
@@ -20,7 +20,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from plexctl import auth
+from plexctl.common import auth
 
 log = logging.getLogger("plexd.auth")
 

@@ -19,8 +19,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plexctl import protocol as P
-from plexctl.auth import USER_NAME
+from plexctl.common import protocol as P
+from plexctl.common.auth import USER_NAME
 from plexctl.inputs import MAX_FILES, MAX_JOB_BYTES
 
 if TYPE_CHECKING:

@@ -36,13 +36,14 @@ from daemon import metrics as M
 from daemon.blobs import BlobError, BlobStore
 from daemon.journal import TERMINAL, Journal
 from daemon.scheduler import Engine, Scheduler, Task
-from plexctl import auth, inputs
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.atomic import write_bytes_atomic, write_json_atomic
-from plexctl.sizes import fmt_bytes
-from plexctl.spec import JobSpec, spec_from_wire
-from plexctl.state_size import job_state_bytes, model_config
+from plexctl import inputs
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.sizes import fmt_bytes
+from plexctl.common.spec import JobSpec, spec_from_wire
+from plexctl.common.state_size import job_state_bytes, model_config
 
 log = logging.getLogger("plexd")
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from daemon.procs import write_exit
 from plexctl.algos import run_algorithm
-from plexctl.cluster import endpoint_path
+from plexctl.common.cluster import endpoint_path
+from plexctl.common.spec import spec_from_wire
 from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
 from plexctl.sandbox import kill_live_runs
-from plexctl.spec import spec_from_wire
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DRAIN_UNSAVED, EXIT_DRAINED = 0, 1, 3, 74, 75
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from plexctl.protocol import JobInfo
+from plexctl.common.protocol import JobInfo
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -59,12 +59,12 @@ from daemon.core import (
     WorkerState,
 )
 from daemon.scheduler import POLICIES
-from plexctl import auth
-from plexctl import protocol as P
-from plexctl.atomic import write_bytes_atomic, write_json_atomic
-from plexctl.client import current_user
-from plexctl.cluster import Endpoint, endpoint_path, make_private, plexrl_home
-from plexctl.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.common import auth
+from plexctl.common import protocol as P
+from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.client import current_user
+from plexctl.common.cluster import Endpoint, endpoint_path, make_private, plexrl_home
+from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("plexd")
 

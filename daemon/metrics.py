@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from daemon.scheduler import union_length
-from plexctl.protocol import JOB_STATES, MoveSpan, SwapMark
+from plexctl.common.protocol import JOB_STATES, MoveSpan, SwapMark
 
 log = logging.getLogger("plexd.metrics")
 
@@ -246,7 +246,7 @@ def hidden_by_other_jobs(moves: list[Any], spans: list[Any]) -> float:
 
 def busy_spans(sched: Any, now: float, limit: int = 50_000) -> list[Any]:
     """The scheduler's kept task intervals (the newest ``limit``), running tasks up to ``now``."""
-    from plexctl.protocol import BusySpan
+    from plexctl.common.protocol import BusySpan
 
     spans = [BusySpan(i.engine_id, i.job_id, i.method, i.start, i.end) for i in list(sched.intervals)[-limit:]]
     for engine_id, eng in sched.engines.items():

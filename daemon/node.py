@@ -4,7 +4,7 @@ The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then th
 workers; every other task starts its workers once the daemon's endpoint answers. A task of a
 joining allocation (``--join``) starts workers only, against the daemon that already runs.
 
-Workers (``plexctl.layout``, ``docs/gpu.md``): a node without GPUs runs one worker, named after
+Workers (``plexctl.common.layout``, ``docs/gpu.md``): a node without GPUs runs one worker, named after
 the node, with all its engines and the node's scratch directory; a node with GPUs
 (``CUDA_VISIBLE_DEVICES`` as Slurm set it) runs workers ``NODE-gI``, each with its own GPUs and
 its own scratch directory under the node's. A joining allocation's ids carry its job id
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.main import REPO_ROOT, child_env, wait_or_kill
-from plexctl import auth
-from plexctl import protocol as P
-from plexctl.client import Client
-from plexctl.cluster import endpoint_path, read_endpoint
-from plexctl.errors import ExitCode, PlexError
-from plexctl.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
+from plexctl.common import auth
+from plexctl.common import protocol as P
+from plexctl.common.client import Client
+from plexctl.common.cluster import endpoint_path, read_endpoint
+from plexctl.common.errors import ExitCode, PlexError
+from plexctl.common.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
 
 log = logging.getLogger("plexrl-node")
 

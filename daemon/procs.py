@@ -1,7 +1,7 @@
 """Processes a daemon started, and adopts again after it was restarted.
 
 A job's driver and a local worker are the daemon's children, but they outlive it: when the
-daemon is killed they wait for a daemon on the same state directory (``plexctl.cluster.orphan_grace``),
+daemon is killed they wait for a daemon on the same state directory (``plexctl.common.cluster.orphan_grace``),
 and the next daemon adopts them instead of starting new ones, so engines stay loaded and jobs
 go on from where they were instead of from their last checkpoint.
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import TypeAlias
 
-from plexctl.atomic import write_json_atomic
-from plexctl.cluster import pid_alive
+from plexctl.common.atomic import write_json_atomic
+from plexctl.common.cluster import pid_alive
 
 KILLED = -signal.SIGKILL  # the exit code of an adopted process that left no exit file
 Handle: TypeAlias = "subprocess.Popen | Adopted"  # a process this daemon started, or one it adopted

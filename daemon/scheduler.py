@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-from plexctl.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
+from plexctl.common.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
 
 DEFAULT_ESTIMATE = 1.0
 EMA = 0.3

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate
 from daemon.trace import DAY_S, Trace, generate_trace, read_trace, write_trace
-from plexctl.atomic import write_json_atomic
+from plexctl.common.atomic import write_json_atomic
 
 BASELINES = ("isolated", "pack", "spread", "spread+backfill")
 TUNE_JOBS_PER_ENGINE = (2, 3, 4, 6, 8)

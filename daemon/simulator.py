@@ -14,7 +14,7 @@ per model class. A shard's step: per turn, ``rollout_slots`` generate chunks (on
 shorter: the tail), a tool or reward stall, then one trainer task; each phase ends at a barrier
 across the job's shards. ``macro_steps`` coarsens a job to at most that many simulated steps.
 
-State. Each trainer node's tiers are a ``NodeTiers``, moved by ``plexctl.state_policy`` as
+State. Each trainer node's tiers are a ``NodeTiers``, moved by ``plexctl.common.state_policy`` as
 ``worker.state_store`` moves the real ones (a test holds the two to the same moves). A trainer
 task is charged its swap-in (host at ``h2d_gbps``, NVMe at ``nvme_gbps``, plus what is left of a
 prefetch); evictions and demotions overlap the next task: counted, not charged. The core hears
@@ -41,8 +41,8 @@ import msgspec
 
 from daemon.scheduler import POLICIES, Engine, Scheduler, Task
 from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
-from plexctl import state_policy
-from plexctl.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
+from plexctl.common import state_policy
+from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
@@ -158,7 +158,7 @@ class SwapIn:
 
 class NodeTiers:
     """One trainer node's state tiers (device, host, nvme), moved as ``worker.state_store``
-    moves them: every decision is ``plexctl.state_policy``'s. Copies move at once; what a move
+    moves them: every decision is ``plexctl.common.state_policy``'s. Copies move at once; what a move
     costs is the caller's to charge."""
 
     def __init__(self, device_slots: int, device_bytes: int | None, host_bytes: int, nvme_bytes: int | None) -> None:

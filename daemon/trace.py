@@ -34,8 +34,8 @@ from typing import Any
 
 import msgspec
 
-from plexctl.atomic import write_bytes_atomic
-from plexctl.state_size import job_state_bytes
+from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.state_size import job_state_bytes
 
 DAY_S = 86_400.0
 GPUS_PER_SHARD = 16  # one 8-GPU rollout engine + one 8-GPU trainer engine (see daemon/simulator.py)

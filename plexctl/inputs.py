@@ -19,8 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from plexctl import protocol as P
-from plexctl.errors import UsageError
+from plexctl.common import protocol as P
+from plexctl.common.errors import UsageError
 
 INPUT_FIELDS = (("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"), ("algo", "path"))
 MAX_JOB_BYTES = 4 << 30  # all of a job's inputs together

@@ -5,7 +5,7 @@ loop owns only its control logic, on this module alone:
 
 * ``CallClient``: the service calls (``generate``, ``train_step``, ``publish``,
   ``train_and_publish``, ``checkpoint``, ``restore``; ``*_async`` / ``wait`` to overlap them),
-  written once on the typed requests and replies of ``plexctl.calls``, over a transport:
+  written once on the typed requests and replies of ``plexctl.common.calls``, over a transport:
   ``JobClient`` (ZeroMQ to the daemon, which schedules each call on a shared engine; it survives
   a daemon restart) or ``InprocClient`` (engines built in this process, no daemon).
 * ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (a ``PromptCursor``),
@@ -38,18 +38,18 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from plexctl import auth
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.atomic import write_bytes_atomic, write_json_atomic
-from plexctl.client import monitor_socket
-from plexctl.cluster import endpoint_address, orphan_grace
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.client import monitor_socket
+from plexctl.common.cluster import endpoint_address, orphan_grace
+from plexctl.common.frames import recv_message, send_frames
+from plexctl.common.protocol import Completion, Sampling, TrainBatch, TrainHParams
+from plexctl.common.spec import JobSpec
 from plexctl.data import PromptCursor, load_records
-from plexctl.frames import recv_message, send_frames
 from plexctl.metric_sinks import MetricSinks
-from plexctl.protocol import Completion, Sampling, TrainBatch, TrainHParams
 from plexctl.rewards import make_scorer
-from plexctl.spec import JobSpec
 
 if TYPE_CHECKING:
     from plexctl.envs import EnvFactory
@@ -105,7 +105,7 @@ class CallClient:
     (send a typed request, return its call id), ``wait`` (that call's typed reply, or
     ``JobCancelled`` / ``CallFailed``), ``report`` and ``close``; the calls a loop makes
     (``generate``, ``train_step``, ``publish`` ...) are written once, here, on the requests and
-    replies of ``plexctl.calls``. ``JobClient`` reaches the daemon over ZeroMQ; ``InprocClient``
+    replies of ``plexctl.common.calls``. ``JobClient`` reaches the daemon over ZeroMQ; ``InprocClient``
     runs the calls on engines in this process."""
 
     def __init__(self) -> None:
@@ -121,7 +121,7 @@ class CallClient:
         raise NotImplementedError
 
     def wait(self, call_id: int) -> Any:
-        """The reply of call ``call_id`` (its method's ``plexctl.calls`` reply struct);
+        """The reply of call ``call_id`` (its method's ``plexctl.common.calls`` reply struct);
         ``JobCancelled`` or ``CallFailed`` when it failed."""
         raise NotImplementedError
 

@@ -186,8 +186,8 @@ class DrivenCore:
 
     def send(self, identity: bytes, op: bytes, body: object, msg_id: int = 1, user: str = "", now: float | None = None):
         """A message from ``identity`` (sent by ``user``; default: the cluster's own processes)."""
-        from plexctl import auth
-        from plexctl import protocol as P
+        from plexctl.common import auth
+        from plexctl.common import protocol as P
 
         header = P.Header(msg_id=msg_id)
         return self.take(self.core.handle(identity, user or auth.INTERNAL_USER, op, header, body, now or time.time()))
@@ -222,7 +222,7 @@ def core(tiny_model: Path, tmp_path: Path):
     """The daemon's core on a real journal in a temporary state directory: no socket, no
     process; its owner is this user."""
     from daemon.core import DaemonCore
-    from plexctl.client import current_user
+    from plexctl.common.client import current_user
 
     c = DaemonCore(tmp_path / "state", [str(tiny_model)], current_user(), trusted_users=SIMULATED_USERS)
     yield DrivenCore(c)
@@ -233,7 +233,7 @@ def core(tiny_model: Path, tmp_path: Path):
 def daemon(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A real daemon server on a real socket and journal, no workers."""
     from daemon.main import Daemon
-    from plexctl import auth
+    from plexctl.common import auth
 
     monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test

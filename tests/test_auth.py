@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from plexctl import auth, inputs
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.client import Client, current_user
-from plexctl.cluster import read_endpoint
-from plexctl.errors import ExitCode, RemoteError
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl import inputs
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.client import Client, current_user
+from plexctl.common.cluster import read_endpoint
+from plexctl.common.errors import ExitCode, RemoteError
+from plexctl.common.spec import load_spec, spec_to_wire
 from tests.conftest import local_account
 from tests.test_robustness import TINY, BareDaemon
 
@@ -250,7 +251,7 @@ def test_a_socket_made_after_another_was_closed_gets_its_own_monitor() -> None:
     """Reconnecting clients make a socket (and its monitor) right after closing the last: while libzmq still
     holds the old monitor's endpoint, a name taken from the reused file descriptor was "Address already in
     use" (a `plexctl status` failed that way while the daemon restarted)."""
-    from plexctl.client import monitor_socket
+    from plexctl.common.client import monitor_socket
 
     ctx = zmq.Context.instance()
     monitors = []

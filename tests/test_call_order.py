@@ -19,8 +19,8 @@ import threading
 import msgspec
 import zmq
 
-from plexctl import calls as C
-from plexctl import protocol as P
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
 from tests.test_daemon_recovery import adopted_job
 from tests.test_repeated_calls import train_task
 from tests.test_state_store import engine, tiny_qwen2

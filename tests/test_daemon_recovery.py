@@ -21,10 +21,10 @@ from conftest import SIMULATED_USERS
 from daemon import procs
 from daemon.core import StartDriver
 from daemon.main import Daemon
-from plexctl import auth
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 

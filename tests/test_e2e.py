@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.client import Client
-from plexctl.cluster import read_endpoint
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl.common.client import Client
+from plexctl.common.cluster import read_endpoint
+from plexctl.common.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")

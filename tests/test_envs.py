@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from plexctl.common.protocol import Completion, Sampling
 from plexctl.envs import ENVS, EnvLoadError, load_env, python_tool_tiny_dataset, run_episodes
 from plexctl.envs.base import (
     Episode,
@@ -30,7 +31,6 @@ from plexctl.envs.code import CodeEnv
 from plexctl.envs.corpus import WORDS, builtin_corpus, fact_code, search_tiny_dataset
 from plexctl.envs.python_tool import PythonToolEnv, python_tool_tiny_turns
 from plexctl.envs.search import SearchEnv, index_for
-from plexctl.protocol import Completion, Sampling
 from plexctl.sandbox import SandboxPool
 
 REPO = Path(__file__).resolve().parents[1]

@@ -145,7 +145,7 @@ def test_a_daemon_down_past_the_grace_resumes_jobs_from_their_checkpoint(fault_c
 
 
 def _alive(pid: int) -> bool:
-    from plexctl.cluster import pid_alive
+    from plexctl.common.cluster import pid_alive
 
     return pid_alive(pid)
 

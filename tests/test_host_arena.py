@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plexctl.protocol import LoraConfig
+from plexctl.common.protocol import LoraConfig
 from tests.test_state_store import HP_SEQ, assert_like_alone, config_json, engine, job_state, tiny_qwen2
 from tests.test_trainer import make_batch
 from worker.errors import TierFullError

@@ -25,12 +25,13 @@ import pytest
 from conftest import REPO, Cluster, local_account
 
 from daemon import jail
-from plexctl import auth, inputs
-from plexctl import protocol as P
-from plexctl.client import Client
-from plexctl.cluster import read_endpoint
-from plexctl.errors import RemoteError
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl import inputs
+from plexctl.common import auth
+from plexctl.common import protocol as P
+from plexctl.common.client import Client
+from plexctl.common.cluster import read_endpoint
+from plexctl.common.errors import RemoteError
+from plexctl.common.spec import load_spec, spec_to_wire
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes a second Unix user (needs root)")
 
@@ -59,8 +60,8 @@ def run(job):
     found.append(attempt("uid", lambda: os.getuid()))
 
     def cancel_with_my_key():
-        from plexctl import auth
-        from plexctl.client import Client
+        from plexctl.common import auth
+        from plexctl.common.client import Client
         client = Client(job.client.endpoint, timeout=5.0, retries=0, keys=auth.internal_keys_from_env())
         return client.cancel(targets["owner_job"])
     found.append(attempt("cancel the owner's job", cancel_with_my_key))

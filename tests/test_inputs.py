@@ -11,8 +11,8 @@ import pytest
 
 from daemon.blobs import BlobError, BlobStore
 from plexctl import inputs
-from plexctl import protocol as P
-from plexctl.errors import UsageError
+from plexctl.common import protocol as P
+from plexctl.common.errors import UsageError
 
 
 def job_spec(tmp_path: Path) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from daemon import jail, procs
-from plexctl import auth
+from plexctl.common import auth
 
 
 def test_a_daemon_that_cannot_jail_refuses_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from daemon.node import worker_command
-from plexctl.errors import UsageError
-from plexctl.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
+from plexctl.common.errors import UsageError
+from plexctl.common.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
 
 BOTH = ["rollout", "trainer"]
 EIGHT = [str(i) for i in range(8)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.client import Client
+from plexctl.common.client import Client
 from tests.test_robustness import TINY, BareDaemon
 
 REPO = Path(__file__).resolve().parents[1]

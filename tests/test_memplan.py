@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.memplan import (
+from plexctl.common.memplan import (
     ClusterOptions,
     EngineShape,
     GiB,
@@ -26,9 +26,9 @@ from plexctl.memplan import (
     render_plan,
     weights_bytes,
 )
-from plexctl.model_shapes import UnknownModelShape, known_shape, model_config_for
-from plexctl.spec import load_spec
-from plexctl.state_size import job_state_bytes
+from plexctl.common.model_shapes import UnknownModelShape, known_shape, model_config_for
+from plexctl.common.spec import load_spec
+from plexctl.common.state_size import job_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN_7B = "/models/Qwen2.5-7B-Instruct"
@@ -252,7 +252,10 @@ def test_model_config_prefers_config_json_and_falls_back_to_known_shapes(tmp_pat
 
 
 def test_the_plan_does_not_import_torch() -> None:
-    code = "import sys, plexctl.memplan, plexctl.model_shapes; print('torch' in sys.modules or 'vllm' in sys.modules)"
+    code = (
+        "import sys, plexctl.common.memplan, plexctl.common.model_shapes;"
+        " print('torch' in sys.modules or 'vllm' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
     )

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import zmq
 
-from plexctl import calls as C
-from plexctl import protocol as P
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
 from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
 from worker import main as worker_main
 from worker.state_store import StateStore

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.errors import UsageError
+from plexctl.common.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
@@ -62,8 +62,8 @@ def test_report_cluster_timeline(cluster, two_jobs, tmp_path):
 
 
 def test_timeline_data_comes_with_status(cluster, two_jobs, monkeypatch):
-    from plexctl.client import Client
-    from plexctl.cluster import read_endpoint
+    from plexctl.common.client import Client
+    from plexctl.common.cluster import read_endpoint
 
     monkeypatch.setenv("PLEXRL_HOME", str(cluster.home))  # this client's own key lives there
     rep = Client(read_endpoint(cluster.state_dir).address).status(timeline=True)
@@ -97,7 +97,7 @@ def test_timeline_draws_background_moves_under_the_trainer_row(tmp_path):
     from matplotlib import pyplot as plt
 
     from plexctl.cli import report
-    from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep, SwapMark
+    from plexctl.common.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep, SwapMark
 
     engines = [
         EngineInfo("w0/rollout", "w0", "rollout", "m", True, [], [], 0.0, 0),

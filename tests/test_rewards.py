@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from plexctl.common.spec import RewardSpec
 from plexctl.data import DataError, PromptCursor, first_record, load_records
 from plexctl.rewards import (
     RewardLoadError,
@@ -19,7 +20,6 @@ from plexctl.rewards import (
     math_reward,
     safe_reward,
 )
-from plexctl.spec import RewardSpec
 
 
 @pytest.fixture

@@ -23,13 +23,13 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plexctl import auth
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.client import Client
-from plexctl.cluster import read_endpoint
-from plexctl.frames import NOBLOCK, recv_frames, send_frames
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.client import Client
+from plexctl.common.cluster import read_endpoint
+from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.common.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-arith.yaml"

@@ -15,7 +15,7 @@ import pytest
 from daemon.scheduler import POLICIES
 from daemon.simulator import PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict, simulate
 from daemon.trace import DAY_S, GPUS_PER_SHARD, Trace, TraceJob, generate_trace, read_trace, write_trace
-from plexctl.state_policy import DIRECTIONS
+from plexctl.common.state_policy import DIRECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(n_jobs=40, gpus=256, days=10.0, seed=5)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from plexctl.cli import slurm as S
-from plexctl.errors import UsageError
-from plexctl.layout import LayoutError
+from plexctl.common.errors import UsageError
+from plexctl.common.layout import LayoutError
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.spec import (
+from plexctl.common.spec import (
     FULL_FINETUNE_REFUSED,
     JobSpec,
     SpecError,

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from plexctl.cli.spec_doc import REGENERATE, UnknownSpecKey, explain, render_reference
-from plexctl.errors import ExitCode, UsageError
-from plexctl.spec import JobSpec
+from plexctl.common.errors import ExitCode, UsageError
+from plexctl.common.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "docs" / "spec-reference.md"

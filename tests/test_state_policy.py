@@ -1,4 +1,4 @@
-"""The tier policy (plexctl/state_policy.py): its invariants as properties over random tiers and
+"""The tier policy (plexctl/common/state_policy.py): its invariants as properties over random tiers and
 orders, the simulator's tiers (daemon.simulator.NodeTiers) kept within their budgets by it, and
 the worker's real store and the simulator making the same moves on the same events."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.simulator import NodeTiers, TierFullError
-from plexctl import state_policy
-from plexctl.state_policy import DEVICE, HOST, NVME, Held, Placement, Tiers, Upcoming
+from plexctl.common import state_policy
+from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Placement, Tiers, Upcoming
 
 JOB_IDS = [f"j{i}" for i in range(8)]
 
@@ -233,7 +233,7 @@ def test_the_store_and_the_simulator_move_the_same_states_on_the_same_events(
     """Eight jobs on two device slots, host for two states, nvme for three: a random sequence of
     trainer calls (with the upcoming order the daemon would send), prefetches and job ends, fed
     to the worker's StateStore (real torch, files on disk) and to the simulator's NodeTiers."""
-    from plexctl.protocol import LoraConfig
+    from plexctl.common.protocol import LoraConfig
     from worker.errors import TierFullError as StoreTierFullError
     from worker.state_store import StateStore
     from worker.trainer import TrainerEngine

@@ -24,7 +24,7 @@ import torch
 from conftest import random_tiny_qwen2
 from transformers import Qwen2Config
 
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
+from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker.rollout import AdapterError, AdapterKey, AdapterRegistry, RolloutEngine
 from worker.tiny_models import BOS_ID, EOS_ID, TinyPaths, all_problems, build_tiny
 

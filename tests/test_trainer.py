@@ -21,7 +21,7 @@ from conftest import random_tiny_qwen2
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
 from worker.errors import BatchError, CheckpointError, JobConfigError, UnknownJobError
 from worker.trainer import TrainerEngine
 

@@ -25,8 +25,8 @@ from peft import get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
-from plexctl.state_size import job_state_bytes, model_config
+from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.state_size import job_state_bytes, model_config
 from worker.checkpoint_files import ADAPTER_WEIGHTS
 from worker.token_logprobs import head_logprobs, token_logprobs
 from worker.train_batches import micro_batch_bounds, pad_rows, wants_gradient_checkpointing
@@ -198,7 +198,7 @@ def completion_logits_bytes(completion: int) -> int:
 _LARGE_VOCAB_STEPS = """
 import json, sys
 import torch
-from plexctl.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
 from worker.trainer import TrainerEngine
 
 def rss(field):

@@ -30,14 +30,14 @@ from pathlib import Path
 import pytest
 
 from daemon.main import Daemon
-from plexctl import auth
-from plexctl import protocol as P
-from plexctl.client import Client, current_user
-from plexctl.cluster import read_endpoint
+from plexctl.common import auth
+from plexctl.common import protocol as P
+from plexctl.common.client import Client, current_user
+from plexctl.common.cluster import read_endpoint
+from plexctl.common.errors import ExitCode, RemoteError
+from plexctl.common.frames import NOBLOCK, recv_frames
+from plexctl.common.spec import load_spec, spec_to_wire
 from plexctl.data import scan_records
-from plexctl.errors import ExitCode, RemoteError
-from plexctl.frames import NOBLOCK, recv_frames
-from plexctl.spec import load_spec, spec_to_wire
 from tests.test_logs_follow import BareCluster
 from tests.test_robustness import TINY
 

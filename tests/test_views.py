@@ -19,8 +19,8 @@ import pytest
 
 from daemon.metrics import Telemetry, hidden_by_other_jobs
 from plexctl.cli.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_json, top_view
+from plexctl.common.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
 from plexctl.metric_sinks import MetricSinks
-from plexctl.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")

@@ -26,11 +26,11 @@ from conftest import Cluster
 
 from daemon.core import WORKER_GRACE_S
 from daemon.scheduler import Engine, Scheduler, Task
-from plexctl import calls as C
-from plexctl import protocol as P
 from plexctl.cli import slurm as S
 from plexctl.cli import views
-from plexctl.spec import load_spec, spec_to_wire
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.spec import load_spec, spec_to_wire
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

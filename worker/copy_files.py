@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import xxhash
 
-from plexctl.protocol import LoraConfig
+from plexctl.common.protocol import LoraConfig
 from worker.checkpoint_files import NO_SPACE_ERRNOS
 from worker.errors import CorruptCopyError
 from worker.state_copy import (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plexctl.protocol import TrainHParams
+from plexctl.common.protocol import TrainHParams
 from worker.errors import LossLoadError
 
 LOSS_PARAMS = {"pg-clip": {}, "pg-tis": {"cap": 2.0}}  # each named loss's parameters and defaults

@@ -11,7 +11,7 @@ Threads:
   handlers), the trainer (torch + peft) on its own thread or, on CPU, on the main thread too
   (``shared_loop``: one OpenMP team, not two on the same cores).
 
-Each engine serves the typed tasks of ``plexctl.calls``: the rollout engine ``generate`` by
+Each engine serves the typed tasks of ``plexctl.common.calls``: the rollout engine ``generate`` by
 continuous batching (tasks join the running batch between steps, whatever their job); the
 trainer one task at a time from its handler table, after making the job's state resident. A
 repeated trainer call (same ``call_key``) gets the last result, unapplied. A task sent ahead of
@@ -48,12 +48,12 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from plexctl import auth
-from plexctl import calls as C
-from plexctl import protocol as P
-from plexctl.cluster import endpoint_address, orphan_grace
-from plexctl.frames import NOBLOCK, recv_frames, recv_message, send_frames
-from plexctl.sizes import parse_bytes
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.cluster import endpoint_address, orphan_grace
+from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
+from plexctl.common.sizes import parse_bytes
 from worker.engine_args import DEFAULT_MAX_LORA_RANK, Platform, adapter_slots
 from worker.engine_options import (
     DTYPES,
@@ -783,8 +783,8 @@ def _checkpointing(asked: str, options: EngineOptions, model: str) -> bool:
         return False
     import torch
 
-    from plexctl.memplan import weights_bytes
-    from plexctl.state_size import model_config
+    from plexctl.common.memplan import weights_bytes
+    from plexctl.common.state_size import model_config
     from worker.train_batches import wants_gradient_checkpointing
 
     config = model_config(model)

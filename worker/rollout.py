@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from plexctl.protocol import AdapterRef, Completion, GenRequest, Sampling
+from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
 from worker.engine_args import (
     DEFAULT_MAX_LORA_RANK,

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from plexctl.protocol import LoraConfig
+from plexctl.common.protocol import LoraConfig
 from worker.errors import StateCopyError
 from worker.host_arena import PAGE_BYTES, HostArena, HostMemoryError, page_round
 

@@ -6,7 +6,7 @@ at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in the store's ``Ho
 ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``, up to
 ``nvme_bytes``, described only in memory: scratch that never outlives the process). Which job
 leaves the device, where its state goes and what comes up ahead of need are decided by
-``plexctl.state_policy``; this module carries the decisions out: ``ensure_resident`` (before each
+``plexctl.common.state_policy``; this module carries the decisions out: ``ensure_resident`` (before each
 trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
 ``set_upcoming`` (the scheduler's order), ``inventory`` and ``background_moves`` (what moved).
 
@@ -40,10 +40,10 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
-from plexctl import state_policy
-from plexctl.protocol import LoraConfig
-from plexctl.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
-from plexctl.state_size import job_state_bytes
+from plexctl.common import state_policy
+from plexctl.common.protocol import LoraConfig
+from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
+from plexctl.common.state_size import job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.copy_dir import CopyDirectory
 from worker.copy_files import NvmeCopy, read_copy, unlink_all, write_copy
@@ -398,7 +398,7 @@ class StateStore:
     def job_bytes(lora: LoraConfig, model_config: Mapping[str, Any] | Any) -> int:
         """A job's state size once it has trained (fp32 adapter + AdamW's two moments + step
         counts + RNG state), from its LoRA config and the base model's config (a ``config.json``
-        mapping or a transformers config); see ``plexctl.state_size``."""
+        mapping or a transformers config); see ``plexctl.common.state_size``."""
         config = model_config if isinstance(model_config, Mapping) else model_config.to_dict()
         return job_state_bytes(lora.rank, list(lora.target_modules), config, cuda=torch.cuda.is_available())
 

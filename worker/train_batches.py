@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plexctl.protocol import LOSS_AGGREGATIONS, LOSSES, TrainBatch, TrainHParams
+from plexctl.common.protocol import LOSS_AGGREGATIONS, LOSSES, TrainBatch, TrainHParams
 from worker.errors import BatchError
 from worker.loss_terms import LOSS_PARAMS
 

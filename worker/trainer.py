@@ -31,7 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from plexctl.protocol import LoraConfig
+from plexctl.common.protocol import LoraConfig
 from worker.checkpoint_files import (
     ADAPTER_WEIGHTS,
     CHECKPOINT_FILES,

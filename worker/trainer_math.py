@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 from peft import PeftModel
 
-from plexctl.protocol import TrainBatch, TrainHParams
+from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.user_code import import_object
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
 from worker.loss_terms import (

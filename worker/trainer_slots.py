@@ -30,7 +30,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
-from plexctl.protocol import LoraConfig
+from plexctl.common.protocol import LoraConfig
 from worker.errors import JobConfigError, StateCopyError, UnknownJobError
 from worker.state_copy import (
     ADAPTER_PREFIX,

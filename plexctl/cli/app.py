@@ -1,6 +1,6 @@
 """The ``plexctl`` app: every verb registered in the order ``--help`` lists them, the global
 options, and ``main``, which turns known errors into one line on stderr and a distinct exit code
-(``plexctl.errors.ExitCode``; a traceback only with ``PLEXRL_DEBUG=1``).
+(``plexctl.common.errors.ExitCode``; a traceback only with ``PLEXRL_DEBUG=1``).
 
 Listing verbs take ``--json``; ``ls -q`` prints bare ids for piping. Help is click's plain text
 (``rich_markup_mode=None``): typer's rich help alone takes ~0.15 s to import.
@@ -18,7 +18,7 @@ import typer
 
 from plexctl.cli import demo, jobs, keys, specs, start_stop
 from plexctl.cli.context import Ctx
-from plexctl.errors import ExitCode, PlexError
+from plexctl.common.errors import ExitCode, PlexError
 
 app = typer.Typer(
     add_completion=True,

@@ -9,12 +9,12 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plexctl.errors import DaemonUnreachable, ExitCode, PlexError
+from plexctl.common.errors import DaemonUnreachable, ExitCode, PlexError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from plexctl.client import Client
+    from plexctl.common.client import Client
 
 TERMINAL = ("succeeded", "failed", "cancelled", "interrupted")  # interrupted: it resumes at the next `up`
 WAIT_EXIT = {
@@ -36,14 +36,14 @@ class Ctx:
     """The cluster a verb talks to: its state directory, and a client of its daemon."""
 
     def __init__(self, cluster: str | None, state_dir: Path | None) -> None:
-        from plexctl.cluster import cluster_dir
+        from plexctl.common.cluster import cluster_dir
 
         self.named = cluster is not None or state_dir is not None
         self.state_dir = state_dir or cluster_dir(cluster or _only_cluster())
 
     def client(self, timeout: float = 10.0) -> Client:
-        from plexctl.client import Client
-        from plexctl.cluster import pid_alive, read_endpoint
+        from plexctl.common.client import Client
+        from plexctl.common.cluster import pid_alive, read_endpoint
 
         ep = read_endpoint(self.state_dir)
         if ep.mode == "local" and ep.host == socket.gethostname() and not pid_alive(ep.pid):
@@ -57,7 +57,7 @@ class Ctx:
         """Seconds since the cluster's daemon started (0 when it is not known)."""
         import time
 
-        from plexctl.cluster import read_endpoint
+        from plexctl.common.cluster import read_endpoint
 
         try:
             return time.time() - read_endpoint(self.state_dir).started_at
@@ -67,7 +67,7 @@ class Ctx:
 
 def _only_cluster() -> str | None:
     """With no --cluster: the one cluster that exists, if the default one does not."""
-    from plexctl.cluster import cluster_dir, plexrl_home
+    from plexctl.common.cluster import cluster_dir, plexrl_home
 
     if os.environ.get("PLEXRL_CLUSTER") or cluster_dir(None).exists():
         return None

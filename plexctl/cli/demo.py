@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from plexctl.cli.context import TERMINAL, Ctx, console
-from plexctl.errors import ExitCode
+from plexctl.common.errors import ExitCode
 
 if TYPE_CHECKING:
-    from plexctl.client import Client
-    from plexctl.protocol import JobInfo
+    from plexctl.common.client import Client
+    from plexctl.common.protocol import JobInfo
 
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon and worker packages
 DEMO_SPECS = ("tiny-arith.yaml", "tiny-arith-b.yaml")
@@ -53,7 +53,7 @@ def demo(
     from plexctl.cli import views
     from plexctl.cli.specs import load_or_exit
     from plexctl.cli.start_stop import down, up
-    from plexctl.spec import spec_to_wire
+    from plexctl.common.spec import spec_to_wire
 
     c: Ctx = ctx.obj
     root = Path.cwd() / ".plexrl"

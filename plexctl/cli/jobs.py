@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from plexctl.cli.context import TERMINAL, WAIT_EXIT, Ctx, console
-from plexctl.errors import PlexError, Timeout, UsageError
+from plexctl.common.errors import PlexError, Timeout, UsageError
 
 if TYPE_CHECKING:
-    from plexctl.client import Client
-    from plexctl.protocol import JobInfo
+    from plexctl.common.client import Client
+    from plexctl.common.protocol import JobInfo
 
 
 def status(
@@ -158,7 +158,7 @@ def ls(
 ) -> None:
     """List jobs."""
     from plexctl.cli import views
-    from plexctl.protocol import JOB_STATES
+    from plexctl.common.protocol import JOB_STATES
 
     if state is not None and state not in JOB_STATES:
         raise UsageError(f"--state {state!r}: choose one of {', '.join(JOB_STATES)}")
@@ -209,7 +209,7 @@ def export(
 ) -> None:
     """Copy a job's latest adapter (or checkpoint) out of the cluster, through the daemon, into a
     directory of yours: written with your rights, never read from the owner's files by you."""
-    from plexctl.sizes import fmt_bytes
+    from plexctl.common.sizes import fmt_bytes
 
     client = ctx.obj.client()
     what = "checkpoint" if checkpoint else "adapter"

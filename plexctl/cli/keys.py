@@ -8,14 +8,14 @@ from typing import Annotated
 import typer
 
 from plexctl.cli.context import Ctx, console
-from plexctl.errors import UsageError
+from plexctl.common.errors import UsageError
 
 
 def keygen() -> None:
     """Make your own key pair (if missing) and print the public file to give a cluster's owner."""
-    from plexctl import auth
-    from plexctl.client import current_user
-    from plexctl.cluster import plexrl_home
+    from plexctl.common import auth
+    from plexctl.common.client import current_user
+    from plexctl.common.cluster import plexrl_home
 
     user = current_user()
     public = auth.ensure_user_keys(plexrl_home(), user)
@@ -29,8 +29,8 @@ def share(
     key: Annotated[Path, typer.Option("--key", help="their public key file (`plexctl keygen` makes it)")],
 ) -> None:
     """Let another user's key into this cluster (owner only): they see and cancel their own jobs."""
-    from plexctl import auth
-    from plexctl.client import current_user
+    from plexctl.common import auth
+    from plexctl.common.client import current_user
 
     c: Ctx = ctx.obj
     if not (auth.keys_dir(c.state_dir) / "owner").exists():

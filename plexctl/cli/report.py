@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plexctl.errors import UsageError
-from plexctl.protocol import StatusRep
-from plexctl.scheduling import union_length
+from plexctl.common.errors import UsageError
+from plexctl.common.protocol import StatusRep
+from plexctl.common.scheduling import union_length
 
 DPI = 100
 SMOOTH = 8  # steps in the reward's moving average

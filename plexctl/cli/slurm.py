@@ -3,7 +3,7 @@
 ``plexctl up --slurm`` submits one allocation (through submitit by default, or the same
 batch script through ``sbatch``): ``srun`` starts one task per node running
 ``daemon.node`` — the daemon and the node's workers on the first node, workers on every
-other (one per engine on a GPU node, ``plexctl.layout``) — and the allocation is asked for
+other (one per engine on a GPU node, ``plexctl.common.layout``) — and the allocation is asked for
 ``--requeue`` and a signal ``signal_grace`` seconds ahead of its end, so the daemon drains
 and the allocation comes back. ``slurm/plexrl.sbatch`` is ``render_sbatch`` in template form
 for those who call ``sbatch`` themselves. A spec that asks for GPUs also asks, unless told
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import msgspec
 
-from plexctl.atomic import write_json_atomic
-from plexctl.errors import PlexError, UsageError
-from plexctl.layout import engine_kinds, place_workers
+from plexctl.common.atomic import write_json_atomic
+from plexctl.common.errors import PlexError, UsageError
+from plexctl.common.layout import engine_kinds, place_workers
 
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: sbatch runs daemon.node from here
 SLURM_FILE = "slurm.json"
@@ -68,7 +68,7 @@ class SlurmSpec(msgspec.Struct, kw_only=True):
     constraint: str | None = None
     cpus_per_task: int | None = None  # default: CPUS_PER_GPU per GPU, none asked without GPUs
     mem: str | None = None  # default: MEM_WITH_GPUS with GPUs, none asked without
-    rollout_gpus: int | None = None  # GPUs per node for rollout engines (None: plexctl.layout's split)
+    rollout_gpus: int | None = None  # GPUs per node for rollout engines (None: plexctl.common.layout's split)
     trainer_gpus: int | None = None  # GPUs per node for trainers, one each (None: the rest)
     tp: int = 1  # GPUs per rollout engine (its tensor-parallel size)
     signal_grace: int = 300
@@ -133,7 +133,7 @@ def task_resources(spec: SlurmSpec) -> tuple[int | None, str | None]:
 
 def planned_workers(spec: SlurmSpec) -> int:
     """How many workers the allocation starts, if each node gets the GPUs asked for; raises
-    ``plexctl.layout.LayoutError`` where the GPU options do not fit a node."""
+    ``plexctl.common.layout.LayoutError`` where the GPU options do not fit a node."""
     gpus = [str(i) for i in range(spec.gpus_per_node)]
     engines = spec.engines or ["rollout,trainer"]
     return sum(

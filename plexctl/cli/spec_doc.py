@@ -1,4 +1,4 @@
-"""The job spec reference, generated from the one schema in ``plexctl.spec``.
+"""The job spec reference, generated from the one schema in ``plexctl.common.spec``.
 
 This module owns the reading of the ``JobSpec`` structs as documentation: every key with its
 type as a user reads it (``float > 0``, ``one of token-mean, seq-mean-token-mean``), its
@@ -10,7 +10,7 @@ of ``plexctl validate --explain KEY``.
 Regenerate the page:   python -m plexctl.cli.spec_doc > docs/spec-reference.md
 Check it is current:   python -m plexctl.cli.spec_doc --check docs/spec-reference.md  (exit 1 if stale)
 
-It deliberately does not validate specs (``plexctl.spec`` does), does not document the rules
+It deliberately does not validate specs (``plexctl.common.spec`` does), does not document the rules
 that span several fields beyond what the docstrings say, and never imports torch or vLLM.
 """
 
@@ -32,8 +32,8 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from plexctl.errors import UsageError
-from plexctl.spec import JobSpec, unwrap_type
+from plexctl.common.errors import UsageError
+from plexctl.common.spec import JobSpec, unwrap_type
 
 REGENERATE = "python -m plexctl.cli.spec_doc > docs/spec-reference.md"
 CHECK = "python -m plexctl.cli.spec_doc --check docs/spec-reference.md"
@@ -227,11 +227,11 @@ def render_reference() -> str:
     """The whole Markdown reference of the job spec (what ``docs/spec-reference.md`` holds)."""
     fields = all_fields()
     lines = [
-        "<!-- Generated from plexctl/spec.py by plexctl/cli/spec_doc.py; do not edit by hand. -->",
+        "<!-- Generated from plexctl/common/spec.py by plexctl/cli/spec_doc.py; do not edit by hand. -->",
         "",
         "# Job spec reference",
         "",
-        "Generated from the schema in `plexctl/spec.py`; do not edit by hand. After changing the schema,",
+        "Generated from the schema in `plexctl/common/spec.py`; do not edit by hand. After changing the schema,",
         "regenerate it and commit the result:",
         "",
         f"    {REGENERATE}",

@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Annotated, Optional, cast
 import typer
 
 from plexctl.cli.context import console
-from plexctl.errors import ExitCode, UsageError
-from plexctl.sizes import parse_bytes
+from plexctl.common.errors import ExitCode, UsageError
+from plexctl.common.sizes import parse_bytes
 
 if TYPE_CHECKING:
-    from plexctl.memplan import EngineShape
-    from plexctl.spec import JobSpec
+    from plexctl.common.memplan import EngineShape
+    from plexctl.common.spec import JobSpec
 
 
 def load_or_exit(file: Path, overrides: list[str], name: str | None) -> JobSpec:
     """The job spec in ``file``; its issues on stderr and exit code 2 when it is not valid."""
-    from plexctl.spec import SpecError, load_spec
+    from plexctl.common.spec import SpecError, load_spec
 
     try:
         return load_spec(file, overrides, name)
@@ -46,7 +46,7 @@ def validate(
         return
     if not files:
         raise UsageError("give job spec files to validate, or --explain KEY")
-    from plexctl.spec import SpecError, load_spec
+    from plexctl.common.spec import SpecError, load_spec
 
     bad = False
     for f in files:
@@ -83,8 +83,8 @@ def plan(
     """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
     KV cache, adapter slots and job state on each tier, and what does not fit (exit 7). Needs no cluster;
     a model directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
-    from plexctl import memplan as MP
-    from plexctl.spec import SpecError, load_spec
+    from plexctl.common import memplan as MP
+    from plexctl.common.spec import SpecError, load_spec
 
     try:
         node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
@@ -114,9 +114,9 @@ def plan(
 
 
 def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, tp: int) -> list[EngineShape]:
-    """The engines of a node as `up --slurm` places them (``plexctl.layout``), as the plan's shapes."""
-    from plexctl import memplan as MP
-    from plexctl.layout import place_workers
+    """The engines of a node as `up --slurm` places them (``plexctl.common.layout``), as the plan's shapes."""
+    from plexctl.common import memplan as MP
+    from plexctl.common.layout import place_workers
 
     workers = place_workers(
         "(--gpus)",
@@ -144,7 +144,7 @@ def submit(
 ) -> None:
     """Validate a job spec and queue it."""
     from plexctl import inputs
-    from plexctl.spec import spec_to_wire
+    from plexctl.common.spec import spec_to_wire
 
     spec = load_or_exit(file, set_ or [], name)
     rep = inputs.submit(ctx.obj.client(), spec_to_wire(spec), uuid.uuid4().hex, replace=replace)

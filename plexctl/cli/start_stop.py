@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from plexctl.cli.context import Ctx, console
-from plexctl.errors import DaemonUnreachable, KeyRefused, PlexError, StartFailed, Timeout, UsageError
-from plexctl.scheduling import POLICIES
-from plexctl.sizes import parse_bytes
+from plexctl.common.errors import DaemonUnreachable, KeyRefused, PlexError, StartFailed, Timeout, UsageError
+from plexctl.common.scheduling import POLICIES
+from plexctl.common.sizes import parse_bytes
 
 if TYPE_CHECKING:
     from plexctl.cli.slurm import SlurmSpec
-    from plexctl.protocol import Pong
+    from plexctl.common.protocol import Pong
 
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: the daemon starts from here
 
@@ -157,11 +157,11 @@ def up(
     ] = None,
 ) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
-    from plexctl import auth
     from plexctl.cli import slurm as S
-    from plexctl.client import current_user
-    from plexctl.cluster import cluster_dir, endpoint_path, plexrl_home
-    from plexctl.spec import model_dir_problem
+    from plexctl.common import auth
+    from plexctl.common.client import current_user
+    from plexctl.common.cluster import cluster_dir, endpoint_path, plexrl_home
+    from plexctl.common.spec import model_dir_problem
 
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -331,10 +331,10 @@ def _stop_local(daemon: subprocess.Popen) -> None:
 
 
 def _up_slurm(spec: SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
-    from plexctl import auth
     from plexctl.cli import slurm as S
-    from plexctl.client import current_user
-    from plexctl.cluster import plexrl_home
+    from plexctl.common import auth
+    from plexctl.common.client import current_user
+    from plexctl.common.cluster import plexrl_home
 
     if via not in ("submitit", "sbatch"):
         raise UsageError(f"--submit-with {via!r}: choose submitit or sbatch")
@@ -413,8 +413,8 @@ def _up_slurm(spec: SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
 
 
 def ping_or_none(state_dir: Path) -> Pong | None:
-    from plexctl.client import Client
-    from plexctl.cluster import read_endpoint
+    from plexctl.common.client import Client
+    from plexctl.common.cluster import read_endpoint
 
     try:
         return Client(read_endpoint(state_dir).address).ping(timeout=2.0, retries=0)
@@ -440,8 +440,8 @@ def slurm_note(state_dir: Path) -> str | None:
 
 
 def _alive(state_dir: Path) -> bool:
-    from plexctl.client import Client
-    from plexctl.cluster import pid_alive, read_endpoint
+    from plexctl.common.client import Client
+    from plexctl.common.cluster import pid_alive, read_endpoint
 
     try:
         ep = read_endpoint(state_dir)
@@ -477,8 +477,8 @@ def down(
 ) -> None:
     """Stop the cluster: each running job checkpoints at the end of its step (it resumes there at the next `up`)."""
     from plexctl.cli import slurm as S
-    from plexctl.client import Client
-    from plexctl.cluster import pid_alive, read_endpoint
+    from plexctl.common.client import Client
+    from plexctl.common.cluster import pid_alive, read_endpoint
 
     c: Ctx = ctx.obj
     allocations, pending = [], []

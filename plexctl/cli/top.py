@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from plexctl.cli.views import STATE_STYLE, cluster_line, fmt_duration, fmt_reward, job_row, swaps_text, tiers_text
-from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+from plexctl.common.protocol import EngineInfo, JobInfo, StatusRep
 
 SPARK = "▁▂▃▄▅▆▇█"
 RECENT_STEPS = 24  # steps in a sparkline

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from plexctl.sizes import fmt_bytes
+from plexctl.common.sizes import fmt_bytes
 
 if TYPE_CHECKING:
     from rich.console import Group
     from rich.table import Table
 
-    from plexctl.protocol import EngineInfo, JobInfo, StatusRep
+    from plexctl.common.protocol import EngineInfo, JobInfo, StatusRep
 
 STATE_STYLE = {
     "queued": "yellow",

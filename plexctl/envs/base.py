@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from plexctl.protocol import Completion, Sampling, TrainBatch
+from plexctl.common.protocol import Completion, Sampling, TrainBatch
 from plexctl.rewards import RewardFn
 from plexctl.sandbox import SandboxPool
 from plexctl.user_code import one_line

@@ -5,7 +5,7 @@ retried on a fresh socket after a timeout (the "lazy pirate" pattern); submit is
 idempotent by its client-chosen ``submit_id``. Errors from the daemon arrive as
 ``{code, message}`` and are raised as ``RemoteError``.
 
-The socket is a CURVE client (``plexctl.auth``): given keys, or this user's own pair and the
+The socket is a CURVE client (``plexctl.common.auth``): given keys, or this user's own pair and the
 daemon's public key from the endpoint file that named its address. A daemon that refuses the
 key drops the connection; a socket monitor sees that and raises ``KeyRefused`` at once
 instead of waiting out the timeout.
@@ -23,11 +23,11 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from plexctl import auth
-from plexctl import protocol as P
-from plexctl.cluster import plexrl_home
-from plexctl.errors import DaemonUnreachable, KeyRefused, RemoteError
-from plexctl.frames import recv_message, send_frames
+from plexctl.common import auth
+from plexctl.common import protocol as P
+from plexctl.common.cluster import plexrl_home
+from plexctl.common.errors import DaemonUnreachable, KeyRefused, RemoteError
+from plexctl.common.frames import recv_message, send_frames
 
 
 def current_user() -> str:

@@ -30,8 +30,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from plexctl.atomic import write_bytes_atomic
-from plexctl.errors import PlexError, UsageError
+from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.errors import PlexError, UsageError
 
 KEYS_DIR = "keys"
 SERVER = "server"

@@ -37,8 +37,8 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from plexctl.common.errors import PlexError
 from plexctl.data import DataError, scan_records
-from plexctl.errors import PlexError
 from plexctl.rewards import RewardLoadError, load_reward
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"

@@ -16,7 +16,7 @@ weights, of the KV heads and of the sharded LoRA factors); a plan with no proble
 the estimates below; a job ``job_problems`` refuses can never run on these engines, whatever
 else is running. The estimates (activation peaks, CUDA reserves) are documented constants,
 deliberately a little generous: a plan says "fits" only with room to spare. It does not
-place engines on real GPUs (``plexctl.layout`` does) nor measure anything.
+place engines on real GPUs (``plexctl.common.layout`` does) nor measure anything.
 
 Placement rule: engines own their GPUs. When they ask for more GPUs than the node has, each
 missing GPU is one single-GPU trainer and one single-GPU rollout engine sharing a GPU (the
@@ -33,11 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from plexctl.sizes import fmt_bytes, parse_bytes
-from plexctl.state_size import FP32_BYTES, job_state_bytes, lora_module_shapes
+from plexctl.common.sizes import fmt_bytes, parse_bytes
+from plexctl.common.state_size import FP32_BYTES, job_state_bytes, lora_module_shapes
 
 if TYPE_CHECKING:
-    from plexctl.spec import JobSpec
+    from plexctl.common.spec import JobSpec
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -869,8 +869,8 @@ def plan_for_specs(
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
 ) -> MemoryPlan:
     """The plan of a node serving the jobs of ``specs`` (one base model: their ``model.path``,
-    whose config comes from ``plexctl.model_shapes.model_config_for``)."""
-    from plexctl.model_shapes import model_config_for
+    whose config comes from ``plexctl.common.model_shapes.model_config_for``)."""
+    from plexctl.common.model_shapes import model_config_for
 
     paths = sorted({s.model.path for s in specs})
     if len(paths) != 1:

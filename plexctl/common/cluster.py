@@ -16,8 +16,8 @@ from pathlib import Path
 
 import msgspec
 
-from plexctl.auth import remember_server
-from plexctl.errors import DaemonUnreachable, NotFound
+from plexctl.common.auth import remember_server
+from plexctl.common.errors import DaemonUnreachable, NotFound
 
 DEFAULT_CLUSTER = "default"
 ORPHAN_GRACE_ENV = "PLEXRL_ORPHAN_GRACE_S"

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from plexctl.errors import UsageError
+from plexctl.common.errors import UsageError
 
 KINDS = ("rollout", "trainer")  # the order of a worker's engines, and of the node's GPUs
 GPU_ENV = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL")  # first set wins

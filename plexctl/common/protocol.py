@@ -9,7 +9,7 @@ type is fixed by the opcode (``BODY_TYPES``); a frame whose magic, opcode or bod
 decode is rejected as a ``ProtocolError``.
 
 A service call's own messages (request, engine task, result, reply) and the engine data
-types inside them live in ``plexctl.calls``, re-exported here. Control messages to a worker
+types inside them live in ``plexctl.common.calls``, re-exported here. Control messages to a worker
 (release a job's state, prefetch one, shut down) have opcodes of their own. It deliberately
 imports neither torch nor vLLM.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from plexctl.calls import (  # noqa: F401 - the engine data types, re-exported: every process names them P.*
+from plexctl.common.calls import (  # noqa: F401 - the engine data types, re-exported: every process names them P.*
     LOSS_AGGREGATIONS,
     LOSSES,
     AdapterRef,
@@ -305,7 +305,7 @@ class WorkerExited(msgspec.Struct):
 
 class CallReq(msgspec.Struct):
     job_id: str
-    request: AnyRequest  # tagged by the method's name (``plexctl.calls.METHODS``)
+    request: AnyRequest  # tagged by the method's name (``plexctl.common.calls.METHODS``)
     # the id of an earlier call of the job this one must follow: the daemon holds it until that
     # call's result is in, then starts it at once (0: start now)
     after: int = 0

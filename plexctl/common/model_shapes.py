@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from plexctl.errors import UsageError
-from plexctl.state_size import model_config
+from plexctl.common.errors import UsageError
+from plexctl.common.state_size import model_config
 
 _QWEN2_5_0_5B: dict[str, Any] = {
     "model_type": "qwen2",
