@@ -13,23 +13,23 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 
 from plexctl.cli import demo, jobs, keys, specs, start_stop
 from plexctl.cli.context import Ctx
 from plexctl.common.errors import ExitCode, PlexError
 
-app = typer.Typer(
-    add_completion=True,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    help="Run many RLVR fine-tuning jobs on shared, resident engines.",
-)
+
+def _typer() -> typer.Typer:
+    return typer.Typer(
+        add_completion=True,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        help="Run many RLVR fine-tuning jobs on shared, resident engines.",
+    )
 
 
-@app.callback()
 def _global(
     ctx: typer.Context,
     cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="cluster name")] = None,
@@ -38,37 +38,69 @@ def _global(
     ctx.obj = Ctx(cluster, state_dir)
 
 
-for verb in (
-    start_stop.up,
-    start_stop.down,
-    keys.keygen,
-    keys.share,
-    specs.validate,
-    specs.plan,
-    specs.submit,
-    jobs.status,
-    jobs.top,
-    jobs.report,
-    jobs.ls,
-    jobs.logs,
-    jobs.export,
-    jobs.cancel,
-    jobs.wait,
-    demo.demo,
-):
-    app.command()(verb)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(demo.simulate)
+VERBS = {
+    verb.__name__: verb
+    for verb in (
+        start_stop.up,
+        start_stop.down,
+        keys.keygen,
+        keys.share,
+        specs.validate,
+        specs.plan,
+        specs.submit,
+        jobs.status,
+        jobs.top,
+        jobs.report,
+        jobs.ls,
+        jobs.logs,
+        jobs.export,
+        jobs.cancel,
+        jobs.wait,
+        demo.demo,
+        demo.simulate,
+    )
+}
+_GLOBAL_VALUED = {"--cluster", "-c", "--state-dir"}
 
 
-# typer >= 0.20 parses with its own copy of click, whose exceptions are not click's
-_EXITS: tuple[type[click.exceptions.Exit] | type[typer.Exit], ...] = tuple({click.exceptions.Exit, typer.Exit})
-_USAGE_ERRORS = tuple({click.ClickException, getattr(typer, "TyperException", click.ClickException)})
-_ABORTS = tuple({click.exceptions.Abort, typer.Abort, KeyboardInterrupt})
+def build(verbs: list[str] | None = None) -> typer.Typer:
+    """The app with the given verbs (all, in ``--help`` order, by default): click builds every
+    registered verb's parameters on each run, ~3 ms a verb, so a run registers only its own."""
+    app = _typer()
+    app.callback()(_global)
+    for name in verbs or list(VERBS):
+        extra = {"allow_extra_args": True, "ignore_unknown_options": True} if name == "simulate" else {}
+        app.command(context_settings=extra or None)(VERBS[name])
+    return app
+
+
+def verb_of(argv: list[str]) -> str | None:
+    """The verb a command line names, if it names one this app has (after the global options)."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _GLOBAL_VALUED:
+            i += 2
+        elif arg.startswith("-"):
+            i += 1
+        else:
+            return arg if arg in VERBS else None
+    return None
+
+
+app = build()
+
+
+# typer (0.27 and later) parses with a copy of click of its own, whose errors are TyperExceptions
+_EXITS = (typer.Exit,)
+_USAGE_ERRORS = (typer.TyperException,)
+_ABORTS = (typer.Abort, KeyboardInterrupt)
 
 
 def main() -> None:
     try:
-        rv = app(standalone_mode=False)
+        verb = None if os.environ.get("_PLEXCTL_COMPLETE") else verb_of(sys.argv[1:])
+        rv = (build([verb]) if verb else app)(standalone_mode=False)
     except PlexError as exc:
         if os.environ.get("PLEXRL_DEBUG"):
             raise

@@ -21,7 +21,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.utils.monitor
 
 from plexctl.common import auth
 from plexctl.common import protocol as P
@@ -89,6 +88,8 @@ class Client:
 
     def _check_refused(self) -> None:
         while self._monitor is not None and self._monitor.poll(0):
+            import zmq.utils.monitor  # pulls in asyncio: only when the monitor has something to say
+
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._reset()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgspec
 
-from plexctl.common.auth import remember_server
 from plexctl.common.errors import DaemonUnreachable, NotFound
 
 DEFAULT_CLUSTER = "default"
@@ -74,6 +73,8 @@ def read_endpoint(state_dir: Path) -> Endpoint:
         raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
     except OSError as exc:
         raise DaemonUnreachable(f"cannot read {path}: {exc.strerror}") from None
+    from plexctl.common.auth import remember_server  # zmq.auth: only where a key is kept
+
     remember_server(ep.address, ep.server_key, state_dir)
     return ep
 
