@@ -158,6 +158,18 @@ def tools(d: dict[str, Any]) -> Row:
     return result, "gaps filled by other jobs", _yes(s["bubble_shared"] < s["bubble_alone"]), _machine(d)
 
 
+def cli_startup(d: dict[str, Any]) -> Row:
+    rows = {r["command"]: r for r in d["rows"]}
+    base = rows["python -c pass"]["median_s"]
+    verbs = [r for c, r in rows.items() if c.startswith("plexctl")]
+    result = f"`python -c pass` {base:.3f} s; " + ", ".join(
+        f"`{r['command'].split(' (')[0]}` {r['median_s']:.3f} s" for r in verbs
+    )
+    daily = [r for r in verbs if r["command"].split()[1] in ("--help", "status", "logs")]
+    met = _yes(bool(daily) and all(r["median_s"] < d["target_s"] for r in daily))
+    return result, f"--help, status, logs < {d['target_s']:g} s", met, _machine(d)
+
+
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -178,6 +190,7 @@ BENCHES: list[tuple[str, str, Callable[[dict[str, Any]], Row]]] = [
     ("overhead", "one job through the daemon vs the same loop in one process", overhead),
     ("status_load", "1,000 status calls/s while jobs run", status_load),
     ("tools", "a tool-latency-heavy job alone vs with neighbours", tools),
+    ("cli_startup", "each verb's start-up beside a bare interpreter", cli_startup),
 ]
 SCRIPTS = {"daemon": "daemon_rtt"}  # results file -> script, where they differ
 
