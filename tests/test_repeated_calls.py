@@ -102,3 +102,28 @@ def test_a_train_step_that_publishes_saves_the_adapter_after_the_step(tmp_path) 
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     finally:
         outbox.close(linger=0)
+
+
+def test_a_repeat_that_names_another_directory_gets_the_adapter_there(tmp_path) -> None:
+    """A daemon restarted between the call's run and its reply may give the repeat the next
+    version's directory: the repeat is not applied, but the adapter the call published is saved
+    where the repeat names it, so the generate that follows finds it."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_qwen2(tmp_path / "model")
+    outbox = zmq.Context.instance().socket(zmq.PULL)
+    outbox.bind(worker_main.OUTBOX)
+    try:
+        store, serve = trainer_loop(model_dir, outbox)
+        first_dir, repeat_dir = tmp_path / "adapters" / "v000008", tmp_path / "adapters" / "v000009"
+        first = serve(1, train_task(0, call_key="4242:7", publish_dir=str(first_dir)))
+        stepped = job_state(store.trainer, "j0")
+        again = serve(2, train_task(0, call_key="4242:7", publish_dir=str(repeat_dir)))
+        assert again == first
+        assert_like_alone(store.trainer, "j0", stepped)  # still one step
+        want = load_file(str(first_dir / "adapter_model.safetensors"))
+        got = load_file(str(repeat_dir / "adapter_model.safetensors"))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        assert (repeat_dir / "adapter_config.json").exists()
+    finally:
+        outbox.close(linger=0)

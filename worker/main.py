@@ -377,6 +377,16 @@ class TrainerServer:
         engine.save_adapter(job_id, t.out_dir)
         return C.PublishResult()
 
+    def _publish_again(self, job_id: str, task: C.AnyTask) -> None:
+        """A repeated call that publishes: the job's adapter is as that call left it (it was the
+        job's last stateful call), so it is saved again where the repeat names, if not there yet."""
+        out_dir = getattr(task, "publish_dir", "") or (task.out_dir if isinstance(task, C.PublishTask) else "")
+        if not out_dir or (Path(out_dir) / "adapter_config.json").exists():
+            return
+        assert not isinstance(task, C.GenerateTask)
+        self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed, task.trainer.weight_decay)
+        self.store.trainer.save_adapter(job_id, out_dir)
+
     def release(self, t: P.ReleaseBody, out: Outbox) -> None:
         """Drop the job's state; the daemon hears of the inventory it leaves."""
         try:
@@ -397,6 +407,12 @@ class TrainerServer:
             return
         key = task.trainer.call_key
         if key and self.done.get(t.job_id, ("", None))[0] == key:
+            try:  # a restarted daemon may name another directory for the adapter the call published
+                self._publish_again(t.job_id, task)
+            except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
+                log.error("%s for %s failed: %s", t.method, t.job_id, traceback.format_exc())
+                out.result(t.task_id, False, error=_error_text(exc), seconds=0.0, info=self._info())
+                return
             out.result(t.task_id, True, self.done[t.job_id][1], seconds=0.0, info=self._info())
             return
         try:
