@@ -24,6 +24,7 @@ no advantages (the loop's job) and no losses (named, in the trainer).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 import json
@@ -100,7 +101,7 @@ class DaemonLost(CallFailed):
     """No daemon came back within the orphan grace after this job's daemon went away."""
 
 
-class CallClient:
+class CallClient(abc.ABC):
     """The service calls of one job, whatever serves them. A transport fills in ``call_async``
     (send a typed request, return its call id), ``wait`` (that call's typed reply, or
     ``JobCancelled`` / ``CallFailed``), ``report`` and ``close``; the calls a loop makes
@@ -114,23 +115,23 @@ class CallClient:
 
     # -- the transport's part
 
+    @abc.abstractmethod
     def call_async(self, request: C.Request, after: int | None = None) -> int:
         """Send a service call; return its id for ``wait``. ``after``: the id of a call in
         flight this one must follow; it starts the moment that one is done (no trip back here
         in between), and fails if that one fails."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait(self, call_id: int) -> Any:
         """The reply of call ``call_id`` (its method's ``plexctl.common.calls`` reply struct);
         ``JobCancelled`` or ``CallFailed`` when it failed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
         """Progress for the daemon: ``step`` (reward_mean), ``eval`` (eval_reward), ``note`` or ``failed``."""
-        raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - a transport with nothing to close need not say so
+        """Let go of what the transport holds (nothing by default)."""
 
     # -- the calls
 

@@ -1,4 +1,6 @@
-"""`plexctl up` and `plexctl down`: a cluster started on this machine or on a Slurm allocation, and stopped."""
+"""`plexctl up` and `plexctl down`: a cluster started on this machine or on a Slurm allocation,
+and stopped.
+"""
 
 from __future__ import annotations
 
