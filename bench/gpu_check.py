@@ -12,7 +12,17 @@ memory, not learning) and runs, each part bounded and recorded as it ends:
    same run;
 3. ``rollout``: when vLLM imports, the worker's rollout engine on the same GPU (after the
    trainer is gone) generates from the base model and from a bf16 adapter the trainer
-   published; tokens per second.
+   published; tokens per second;
+4. ``weights``: a whole-model weight load, as an engine switching to another base (or a full
+   fine-tuning job's rollout engine taking its latest weights) does it: the model's safetensors
+   read into host memory (pinned on CUDA), then copied into device tensors; seconds and GB/s of
+   each, beside a raw pinned ``copy_`` of the same bytes. Runs on CPU too (the copies only);
+5. ``sleep_wake``: CUDA and vLLM only (vLLM's sleep mode is CUDA-only; skipped otherwise, with
+   the reason): a vLLM engine with ``enable_sleep_mode`` generates, sleeps at level 1 (weights
+   to pinned host memory, KV cache dropped), wakes and generates again: the seconds of sleep and
+   of wake, the GPU memory freed by the sleep, and whether the same seeded request gives the
+   same tokens after the wake. These timings are what ``daemon.simulator``'s model-switch cost
+   (``SimConfig.switch_s`` and ``h2d_gbps``) stands in for until they are measured.
 
 Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``), so a call cut
 short keeps what ran. ``--quick`` shrinks every shape (for a smoke run on CPU: ``--device cpu``).
@@ -243,6 +253,88 @@ def part_rollout(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     engine.close()
 
 
+def part_weights(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    cuda = a.device == "cuda" and torch.cuda.is_available()
+    files = sorted(Path(ctx["model"]).glob("*.safetensors"))
+    t0 = time.perf_counter()
+    host = {name: t for f in files for name, t in load_file(str(f), device="cpu").items()}
+    result["read_seconds"] = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in host.values())
+    result.update(tensors=len(host), bytes=nbytes, read_gb_per_s=nbytes / result["read_seconds"] / 1e9)
+    if cuda:
+        t0 = time.perf_counter()
+        host = {name: t.pin_memory() for name, t in host.items()}
+        result["pin_seconds"] = time.perf_counter() - t0
+    device = {name: torch.empty_like(t, device="cuda" if cuda else "cpu") for name, t in host.items()}
+    seconds = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for name, t in host.items():
+            device[name].copy_(t, non_blocking=cuda)
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    result["load_seconds"] = sorted(seconds)[1]
+    result["load_gb_per_s"] = nbytes / result["load_seconds"] / 1e9
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    flat_device = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    raw = []
+    for _ in range(4):  # the first faults the pages in
+        sync()
+        t0 = time.perf_counter()
+        flat_device.copy_(flat_host, non_blocking=cuda)
+        sync()
+        raw.append(time.perf_counter() - t0)
+    result["raw_gb_per_s"] = nbytes / sorted(raw[1:])[1] / 1e9
+    result["load_over_raw"] = result["load_gb_per_s"] / result["raw_gb_per_s"]
+    del device, host, flat_host, flat_device
+
+
+def part_sleep_wake(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    import torch
+
+    if a.device != "cuda" or not torch.cuda.is_available():
+        result["skipped"] = "needs CUDA: vLLM's sleep mode runs on CUDA only"
+        return
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as exc:
+        result["skipped"] = f"vllm not importable here ({exc})"
+        return
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(ctx["model"]),
+        enable_sleep_mode=True,
+        gpu_memory_utilization=0.5,
+        max_model_len=a.seq,
+        enforce_eager=True,
+        seed=0,
+    )
+    result["start_seconds"] = time.perf_counter() - t0
+    prompts = [f"{i}+{i}=" for i in range(a.prompts)]
+    params = SamplingParams(max_tokens=a.gen_tokens, temperature=1.0, seed=0)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    free_awake = torch.cuda.mem_get_info()[0]
+    sync()
+    t0 = time.perf_counter()
+    llm.sleep(level=1)
+    sync()
+    result["sleep_seconds"] = time.perf_counter() - t0
+    result["freed_gib"] = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
+    t0 = time.perf_counter()
+    llm.wake_up()
+    sync()
+    result["wake_seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    result["first_generate_after_wake_seconds"] = time.perf_counter() - t0
+    result["same_tokens_after_wake"] = [list(x) for x in before] == [list(x) for x in after]
+    del llm
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu.json")
@@ -288,6 +380,8 @@ def main() -> int:
         ("trainer", part_trainer),
         ("swap", part_swap),
         ("rollout", part_rollout),
+        ("weights", part_weights),
+        ("sleep_wake", part_sleep_wake),
     ]
     try:
         t0 = time.perf_counter()

@@ -4,9 +4,12 @@ The program is ``daemon/simulate.py`` (``plexctl simulate``); this runs it with 
 defaults: it calibrates against ``bench/results/multiplex.json`` (the real-engine benchmark on
 this machine: the simulator predicts the shared / isolated engine-seconds-per-step ratio that
 run measured, and the table shows both), names the machine as the other benchmarks do, and
-writes ``bench/results/simulate.json`` (``simulate-quick.json`` with ``--quick``).
+writes ``bench/results/simulate.json`` (``simulate-quick.json`` with ``--quick``) for the default
+``mixed`` trace, ``simulate-classic.json`` (``simulate-classic-quick.json``) for ``--scenario
+classic``, the trace of the figures before the mixed case.
 
-Usage: ``python bench/simulate.py [--quick] [--jobs N] [--gpus G] [--trace FILE] [--out FILE]``;
+Usage: ``python bench/simulate.py [--quick] [--scenario mixed|classic] [--jobs N] [--gpus G] [--trace FILE]
+[--out FILE]``;
 ``--help`` lists the rest. The method and the history are in ``docs/benchmarks.md``.
 """
 
@@ -26,7 +29,12 @@ MULTIPLEX_JSON = REPO / "bench" / "results" / "multiplex.json"
 BENCH = Defaults(
     command="python bench/simulate.py",
     multiplex=MULTIPLEX_JSON,
-    out=lambda quick: REPO / "bench" / "results" / ("simulate-quick.json" if quick else "simulate.json"),
+    out=lambda quick, scenario: (
+        REPO
+        / "bench"
+        / "results"
+        / ("simulate" + ("-classic" if scenario == "classic" else "") + ("-quick" if quick else "") + ".json")
+    ),
     machine=describe,
 )
 

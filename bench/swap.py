@@ -19,6 +19,15 @@ Sizes: ``adapter``, the tiny job's own state (~0.4 MB), then ``SIZES`` (``SIZES_
 48 MiB), 128 MiB and 1 GiB, reached by raising the LoRA rank on the tiny model, so the bytes
 take the code a real state takes. Target: every path at >= 80 % of its raw figure on the same
 memory. Also reported: the hidden share of swap time in ``bench/results/multiplex.json``.
+
+Whole-model sizes (``WHOLE_MODEL_SIZES``, 512 MiB and 2 GiB; ``--model-scale`` multiplies them,
+``--quick`` runs one of 32 MiB): a full fine-tuning job's state as a whole-model state is laid
+out (each tensor's bf16 weights, fp32 master and two fp32 AdamW moments, Qwen2.5-0.5B's layer
+shapes), moved device -> host -> nvme -> host -> device by the copy machinery the store moves
+states with (``worker.state_copy``: one flat buffer from a ``BufferPool`` over a ``HostArena``;
+``worker.copy_files``: ``write_copy`` / ``read_copy``, checksummed, O_DIRECT where it works)
+beside the same raw figures. The trainer does not hold such states yet, so these rows time the
+copies, not ``export_state`` / ``import_state`` and the store's policy (``WholeModelCycle``).
 Method and history: ``docs/benchmarks.md``.
 
 Usage: ``python bench/swap.py [--quick] [--out FILE] [--nvme-dir DIR] [--reps N] [--threads N]``; writes
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import mmap
 import os
 import shutil
@@ -54,9 +64,12 @@ sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.model_shapes import known_shape  # noqa: E402
 from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
-from plexctl.common.state_size import job_state_bytes, model_config  # noqa: E402
+from plexctl.common.state_size import job_state_bytes, lora_module_shapes, model_config  # noqa: E402
 from worker import copy_files  # noqa: E402
+from worker.host_arena import HostArena, page_round  # noqa: E402
+from worker.state_copy import BufferPool, JobStateCopy, SpecBuffers, StateSpec, TensorViews, state_spec  # noqa: E402
 from worker.state_store import StateStore  # noqa: E402
 from worker.trainer import TrainerEngine  # noqa: E402
 
@@ -67,6 +80,10 @@ TARGET = 0.80
 MiB, GiB = 1 << 20, 1 << 30
 SIZES = {"adapter-0.5b": 6 * MiB, "adapter-7b": 48 * MiB, "optimizer": 128 * MiB, "full": 1 * GiB}  # see the docstring
 SIZES_QUICK = {"optimizer": 16 * MiB, "full": 64 * MiB}
+WHOLE_MODEL_SIZES = {"model-512m": 512 * MiB, "model-2g": 2 * GiB}  # x --model-scale
+WHOLE_MODEL_SIZES_QUICK = {"model-32m": 32 * MiB}
+WHOLE_MODEL_SHAPE = "qwen2.5-0.5b-instruct"  # whose layers' tensors make up a whole-model state
+WHOLE_MODEL_REPS = 3  # timed rounds of a whole-model size (quick: 2): each moves gigabytes many times
 IO_CHUNK = copy_files.IO_CHUNK_BYTES  # raw file I/O moves this much per request, like the store
 DIRECT_ALIGN = copy_files.DIRECT_ALIGN
 SMALL_BYTES = 64 * MiB  # states below this (the adapters) are timed 5x as often: cheap, and noisy on this disk
@@ -577,6 +594,204 @@ def paths_of(samples: dict[str, Samples]) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------- whole-model states
+
+
+def whole_model_spec(target_bytes: int) -> StateSpec:
+    """The layout of a full fine-tuning state of about ``target_bytes`` (at most, and at least one
+    tensor): Qwen2.5-0.5B's layer tensors in order, each as bf16 weights, an fp32 master and
+    AdamW's two fp32 moments (14 bytes a parameter), grouped by kind and dtype as a state's are."""
+    config = known_shape(WHOLE_MODEL_SHAPE) or {}
+    hidden = int(config["hidden_size"])
+    layer = [(f"{name}.weight", (n_out, n_in)) for name, (n_in, n_out) in lora_module_shapes(config).items()]
+    layer += [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+    tensors: list[tuple[str, tuple[int, ...]]] = []
+    total = 0
+    for index in range(1 << 16):
+        name, shape = layer[index % len(layer)]
+        size = 14 * math.prod(shape)
+        if tensors and total + size > target_bytes:
+            break
+        tensors.append((f"model.layers.{index // len(layer)}.{name}", shape))
+        total += size
+    return state_spec(
+        [
+            ("weights.bfloat16", torch.bfloat16, [(f"weights/{n}", s) for n, s in tensors]),
+            ("master.float32", torch.float32, [(f"master/{n}", s) for n, s in tensors]),
+            (
+                "optim.float32",
+                torch.float32,
+                [(f"optim/{n}/{m}", s) for n, s in tensors for m in ("exp_avg", "exp_avg_sq")],
+            ),
+        ]
+    )
+
+
+class WholeModelCycle:
+    """A whole-model state moved through every tier by the copy machinery, one direction at a
+    time, as the store moves a state: device->host (its flat device buffer copied into a buffer
+    from the ``BufferPool``, a ``JobStateCopy`` laid over it, as ``export_state`` makes one),
+    host->nvme (``copy_files.write_copy``: checksummed, fdatasync'd, in place over the spare file
+    of the previous round, the host buffer then given back), nvme->host (``copy_files.read_copy``
+    into a pool buffer, verified), host->device (one ``copy_`` back into the device buffer, the
+    host buffer given back). ``job`` is the device buffer: the raw figures use it and the pool
+    as ``SameMemory`` does a trainer's slot and the store's pool."""
+
+    def __init__(self, spec: StateSpec, nvme_dir: Path, name: str) -> None:
+        self.name, self.spec, self.nbytes = name, spec, spec.nbytes
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda" if self.cuda else "cpu")
+        self.device.copy_(torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8))
+        # room for two copies (the export and a read may overlap by a page or so) and the raw figures' take
+        self.pool = BufferPool(HostArena(2 * page_round(self.nbytes) + (1 << 24), pinned=self.cuda))
+        self.dir = nvme_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.host: JobStateCopy | None = None
+        self.on_nvme: copy_files.NvmeCopy | None = None
+        self.spare: int | None = None  # a file of the previous round, overwritten in place
+        self.lora = None  # a copy of a full fine-tuning state has no adapter config
+
+    def steps(self) -> list[tuple[str, Callable[[], float]]]:
+        return [
+            ("device->host", self.export),
+            ("host->nvme", self.demote),
+            ("nvme->host", self.read),
+            ("host->device", self.swap_in),
+        ]
+
+    def round(self) -> dict[str, float]:
+        return {direction: step() for direction, step in self.steps()}
+
+    def export(self) -> float:
+        started = time.perf_counter()
+        memory = self.pool.take(page_round(self.nbytes))
+        memory[: self.nbytes].copy_(self.device, non_blocking=self.cuda)
+        cuda_sync()
+        buffers = SpecBuffers(self.spec, memory)
+        self.host = JobStateCopy(
+            self.name, self.lora, 0, 0.0, self.spec.param_keys, TensorViews(self.spec, buffers), buffers,
+            self.spec.layout, [], {}, memory, self.spec,
+        )  # fmt: skip
+        return time.perf_counter() - started
+
+    def demote(self) -> float:
+        assert self.host is not None and self.host.memory is not None
+        path = self.dir / f"{self.name}.state"
+        started = time.perf_counter()
+        self.on_nvme = copy_files.write_copy(path, self.host, reuse=self.spare)
+        memory, self.host = self.host.memory, None
+        self.pool.give(memory)
+        seconds = time.perf_counter() - started
+        self.spare = self.on_nvme.file_bytes
+        return seconds
+
+    def read(self) -> float:
+        assert self.on_nvme is not None
+        drop_page_cache(self.on_nvme.path)
+        started = time.perf_counter()
+        self.host, _ = copy_files.read_copy(self.on_nvme, self.pool)
+        return time.perf_counter() - started
+
+    def swap_in(self) -> float:
+        assert self.host is not None and self.host.memory is not None
+        started = time.perf_counter()
+        memory, self.host = self.host.memory, None
+        self.device.copy_(memory[: self.nbytes], non_blocking=self.cuda)
+        cuda_sync()
+        self.pool.give(memory)
+        return time.perf_counter() - started
+
+    def same_memory(self, disk: RawDisk) -> list[tuple[str, Callable[[], float]]]:
+        """The raw figures on the same memory: memcpy between the device buffer and a pool
+        buffer, each way; file I/O over a pool buffer."""
+
+        def on_pool(run: Callable[[torch.Tensor], float]) -> float:
+            buffer = self.pool.take(page_round(self.nbytes))
+            try:
+                return run(buffer)
+            finally:
+                self.pool.give(buffer)
+
+        def d2h(buffer: torch.Tensor) -> float:
+            return timed(partial(buffer[: self.nbytes].copy_, self.device, non_blocking=self.cuda), cuda_sync)[1]
+
+        def h2d(buffer: torch.Tensor) -> float:
+            return timed(partial(self.device.copy_, buffer[: self.nbytes], non_blocking=self.cuda), cuda_sync)[1]
+
+        units: list[tuple[str, Callable[[], float]]] = [
+            ("same.device.d2h", partial(on_pool, d2h)),
+            ("same.device.h2d", partial(on_pool, h2d)),
+        ]
+        units += [
+            (f"same.nvme.{key}", partial(on_pool, partial(disk.over, run=run))) for key, run in disk.variants().items()
+        ]
+        return units
+
+    def close(self) -> None:
+        self.host = None
+        if self.on_nvme is not None:
+            self.on_nvme.path.unlink(missing_ok=True)
+
+
+def run_whole_model(name: str, target_bytes: int, nvme_dir: Path, reps: int) -> dict[str, Any]:
+    """``reps`` rounds of a whole-model state's cycle (after an untimed warm-up round), each
+    beside the raw memory and file figures on the same memory and on the bench's own buffers
+    (the raw disk figures' block; memcpy from it into the device buffer)."""
+    cycle = WholeModelCycle(whole_model_spec(target_bytes), nvme_dir / "whole", name)
+    raw_disk = RawDisk(nvme_dir, cycle.nbytes)
+    device = cycle.device
+    own = [torch.frombuffer(raw_disk.block, dtype=torch.uint8)[: cycle.nbytes]]  # emptied before the block closes
+    samples: dict[str, Samples] = {}
+    flush = CacheFlush()
+
+    def memcpy_in() -> float:
+        return timed(partial(device.copy_, own[0], non_blocking=cycle.cuda), cuda_sync)[1]
+
+    def memcpy_out() -> float:
+        return timed(partial(own[0].copy_, device, non_blocking=cycle.cuda), cuda_sync)[1]
+
+    memory_units: list[tuple[str, Callable[[], float]]] = [("device.memcpy", memcpy_in)]
+    if cycle.cuda:
+        memory_units += [("device.h2d", memcpy_in), ("device.d2h", memcpy_out)]
+    else:
+        memory_units.append(("device.clone", lambda: timed(device.clone)[1]))
+    same = cycle.same_memory(raw_disk)
+    disk_units = [(f"nvme.{key}", run) for key, run in raw_disk.variants().items()]
+    disk_units += [(key, run) for key, run in same if key.startswith("same.nvme.")]
+    memory_units += [(key, run) for key, run in same if key.startswith("same.device.")]
+    store_units = [(f"store.{direction}", step) for direction, step in cycle.steps()]
+    try:
+        for rep in range(reps + 1):
+            units = memory_units + store_units if rep % 2 else store_units + memory_units
+            for key, run in units + disk_units:
+                flush()
+                seconds = run()
+                if rep:  # the first is a warm-up
+                    nbytes = raw_disk.nbytes if key.startswith(("nvme.", "same.nvme.")) else cycle.nbytes
+                    samples.setdefault(key, Samples(nbytes)).seconds.append(seconds)
+    finally:
+        own.clear()
+        raw_disk.close()
+        cycle.close()
+    groups = {g.name: g.nbytes for g in cycle.spec.groups}
+    result = {
+        "size": name,
+        "kind": "whole model",
+        "bytes": cycle.nbytes,
+        "parts": groups,
+        "tensors": len(cycle.spec.groups[0].names),
+        "paths": paths_of(samples),
+        "host_pool": {
+            "allocated": cycle.pool.allocated,
+            "allocated_bytes": cycle.pool.allocated_bytes,
+            "reused": cycle.pool.reused,
+        },
+        "samples": {key: s.to_json() for key, s in samples.items()},
+    }
+    gc.collect()
+    return result
+
+
 # ---------------------------------------------------------------- swap time hidden in bench 1
 
 
@@ -798,6 +1013,18 @@ def main() -> None:
         default=1,
         help="torch threads (default 1: what `plexctl up --local` gives each worker on 2 cores)",
     )
+    ap.add_argument(
+        "--model-scale",
+        type=float,
+        default=1.0,
+        help="multiplies the whole-model sizes (512 MiB, 2 GiB; quick: 32 MiB); 0: none",
+    )
+    ap.add_argument(
+        "--model-reps",
+        type=int,
+        default=None,
+        help=f"rounds per whole-model size (default {WHOLE_MODEL_REPS}, quick 2)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = args.reps or (2 if args.quick else 8)
@@ -814,6 +1041,11 @@ def main() -> None:
         for name, lora in loras.items():
             with console.status(f"swap: {name} state (LoRA rank {lora.rank})"):
                 results.append(run_size(name, lora, trainer, config, nvme_dir, reps))
+        model_reps = args.model_reps or (2 if args.quick else WHOLE_MODEL_REPS)
+        for name, nbytes in (WHOLE_MODEL_SIZES_QUICK if args.quick else WHOLE_MODEL_SIZES).items():
+            if args.model_scale > 0:
+                with console.status(f"swap: {name} whole-model state"):
+                    results.append(run_whole_model(name, int(nbytes * args.model_scale), nvme_dir, model_reps))
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     hidden = hidden_share(MULTIPLEX_JSON)
@@ -825,6 +1057,7 @@ def main() -> None:
             "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "quick": args.quick,
             "reps": reps,
+            "model_scale": args.model_scale,
             "target_pct_of_raw": TARGET,
             "command": " ".join(["python", _rel(Path(sys.argv[0])), *sys.argv[1:]]),
             "conditions": CONDITIONS,

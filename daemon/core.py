@@ -42,8 +42,8 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.sizes import fmt_bytes
-from plexctl.common.spec import JobSpec, spec_from_wire
-from plexctl.common.state_size import job_state_bytes, model_config
+from plexctl.common.spec import JobSpec, SpecError, spec_from_wire
+from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
 
 log = logging.getLogger("plexd")
 
@@ -309,7 +309,7 @@ class DaemonCore:
         )
         adapter_dir = job_dir / "adapters" / f"v{info.policy_version:06d}"
         if info.policy_version and adapter_dir.is_dir():
-            rt.adapter = P.AdapterRef(job_id, info.policy_version, str(adapter_dir))
+            rt.adapter = P.AdapterRef(job_id, info.policy_version, str(adapter_dir), full=spec.lora is None)
         asked = [kind for _, kind, _ in self.journal.events(job_id) if kind in ("started", "cancel_requested")]
         if asked and asked[-1] == "cancel_requested":  # asked before the last daemon went: still asked
             rt.cancel_requested_at = now
@@ -534,8 +534,13 @@ class DaemonCore:
         capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
         need = self._state_bytes(spec)
         if need and capacities and need > max(capacities):
+            what = (
+                "lora: the job's adapter and optimizer state"
+                if spec.lora is not None
+                else ("lora (none: full fine-tuning): the job's weights and optimizer state")
+            )
             return (
-                f"lora: the job's adapter and optimizer state takes {fmt_bytes(need)}, more than any "
+                f"{what} takes {fmt_bytes(need)}, more than any "
                 f"trainer's largest tier holds ({fmt_bytes(max(capacities))})"
             )
         return ""
@@ -638,14 +643,25 @@ class DaemonCore:
         return mine[-1].job_id if mine else None
 
     def _with_live_fields(self, job: P.JobInfo) -> P.JobInfo:
-        """Add what only the running daemon knows: why a job waits, where its state lives."""
+        """Add what only the running daemon knows: why a job waits, where its state lives, and
+        what it trains (from its spec)."""
         reason = self.reasons.get(job.job_id, "") if job.state == "queued" else ""
         tier = ""
         home = self.sched.home_of(job.job_id, "trainer")
         if home and job.state == "running":
             where = self.engine_stats.get(home, {}).get("where", {})
             tier = f"{home}:{where.get(job.job_id, 'device')}" if where else home
-        return msgspec.structs.replace(job, reason=reason, state_tier=tier)
+        return msgspec.structs.replace(job, reason=reason, state_tier=tier, trains=self._trains(job.job_id))
+
+    def _trains(self, job_id: str) -> str:
+        """What the job trains (``JobInfo.trains``), from its spec; "" for a spec this daemon cannot read."""
+        spec = self.specs.get(job_id)
+        if spec is None:
+            try:
+                spec = spec_from_wire(self.journal.spec(job_id))
+            except (SpecError, TypeError, ValueError):  # a spec of another version: status still answers
+                return ""
+        return P.TRAINS_ALL if spec.lora is None else P.TRAINS_ADAPTER
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
         job_id = self._find(body.job_id)
@@ -935,7 +951,7 @@ class DaemonCore:
         prune: tuple[Path, int] | None = None
         if call.publishes:
             rt.policy_version = call.version
-            rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir)
+            rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir, full=rt.spec.lora is None)
             prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
         elif isinstance(body.value, C.CheckpointResult):
             write_json_atomic(
@@ -1080,7 +1096,8 @@ class DaemonCore:
         """The task of a service call, its pending call recorded; a generate samples from
         ``adapter``, policy ``version``. None: answered here."""
         spec, req = rt.spec, body.request
-        trainer = C.TrainerContext(lora=msgspec.convert(msgspec.to_builtins(spec.lora), C.LoraConfig), seed=spec.seed)
+        lora = msgspec.convert(msgspec.to_builtins(spec.lora), C.LoraConfig) if spec.lora is not None else None
+        trainer = C.TrainerContext(lora=lora, seed=spec.seed)
         if rt.pid:  # a repeated trainer call is applied once (worker.main)
             trainer.call_key = f"{rt.pid}:{header.msg_id}"
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
@@ -1129,7 +1146,7 @@ class DaemonCore:
         worker = self.workers.get(engines[home].worker_id)
         if worker is None or engines[home].worker_id != engines[engine_id].worker_id or not self.sched.idle(home):
             return
-        adapter = P.AdapterRef(rt.job_id, call.version, call.out_dir)
+        adapter = P.AdapterRef(rt.job_id, call.version, call.out_dir, full=rt.spec.lora is None)
         held = []
         for f_identity, f_header, f_body in followers:
             task = None
@@ -1178,7 +1195,7 @@ class DaemonCore:
             self.journal.event(body.job_id, "note", body.message)
 
     def _place(self, now: float) -> None:
-        for placement in self.sched.tick(now):
+        for placement in self._grouped_by_weights(self.sched.tick(now)):
             task = placement.task
             call = self.calls.get(task.task_id)
             if call is None:
@@ -1283,6 +1300,35 @@ class DaemonCore:
             self.specs.pop(info.job_id, None)
             running += 1
 
+    def _grouped_by_weights(self, placements: list[Any]) -> list[Any]:
+        """The tick's placements with each rollout engine's generates grouped by the weights they
+        sample from (a full fine-tuning job's published version, else the base), groups in order
+        of first appearance: the engine loads weights in place on a switch only, so one load
+        serves every request of a group. Relative order within a group, and of all else, stays."""
+        keys: dict[int, tuple[str, Any]] = {}
+        for placement in placements:
+            call = self.calls.get(placement.task.task_id)
+            task = call.task if call is not None else None
+            if isinstance(task, C.GenerateTask):
+                ref = task.request.adapter
+                keys[placement.task.task_id] = (
+                    placement.engine_id,
+                    (ref.job_id, ref.version) if ref is not None and ref.full else None,
+                )
+        if len({key for key in keys.values()}) <= len({engine for engine, _ in keys.values()}):
+            return placements  # one group per engine: nothing to reorder
+        first: dict[tuple[str, Any], int] = {}
+        for i, placement in enumerate(placements):
+            key = keys.get(placement.task.task_id)
+            if key is not None:
+                first.setdefault(key, i)
+        slots = [i for i, p in enumerate(placements) if p.task.task_id in keys]
+        grouped = sorted((placements[i] for i in slots), key=lambda p: first[keys[p.task.task_id]])  # stable
+        out = list(placements)
+        for i, placement in zip(slots, grouped):
+            out[i] = placement
+        return out
+
     def _spec(self, job_id: str) -> JobSpec:
         spec = self.specs.get(job_id)
         if spec is None:
@@ -1292,9 +1338,11 @@ class DaemonCore:
     @staticmethod
     def _state_bytes(spec: JobSpec) -> int:
         lora = spec.lora
-        assert lora is not None  # a spec without one is refused when parsed (FULL_FINETUNE_REFUSED)
         try:
-            return job_state_bytes(lora.rank, list(lora.target_modules), model_config(spec.model.path))
+            config = model_config(spec.model.path)
+            if lora is None:  # full fine-tuning: float32 weights (the trainer's masters) and AdamW moments
+                return full_state_bytes(config, "float32")
+            return job_state_bytes(lora.rank, list(lora.target_modules), config)
         except (OSError, KeyError, ValueError):
             return 0  # unknown architecture: admit, the worker's store enforces its tiers
 

@@ -1,15 +1,18 @@
 """``python -m daemon.simulate`` (``plexctl simulate``): a job trace replayed through the
 daemon's own scheduler core (``daemon/simulator.py``), under every placement policy.
 
-Draws a trace (``daemon/trace.py``: by default 1,000 jobs of 7B/30B/235B class on 16-192
-GPUs, arrivals over 90 days) or reads one, and replays it on a simulated clock under
+Draws a trace (``daemon/trace.py``: by default 1,000 jobs over 90 days of the ``mixed``
+scenario: 7B- to 70B-class jobs on several base models, many full fine-tuning, on 16-192 GPUs;
+``--scenario classic``: the 7B/30B/235B-class trace of one base per class the earlier figures
+came from) or reads one, and replays it on a simulated clock under
 ``isolated``, ``pack``, ``spread``, ``spread+backfill`` and *our best*: ``spread+backfill``
 with the ``jobs_per_engine`` that did best on a held-out trace (the same generator with the
 next seed at a quarter of the scale; a trace read from a file is tuned on itself). Best =
 lowest makespan, then (within 1 % of it) fewest GPU-hours per step, then shortest p99 queueing.
 
-Reported per policy: makespan and GPU-hours per step relative to isolated, bubble ratio,
-queueing p50 / p99, swap traffic, the scheduler's decision latency, and the trace's
+Reported per policy: makespan and GPU-hours per step relative to isolated (GPU-hours saved:
+one less the latter), bubble ratio, queueing p50 / p99, swap traffic, model switches (weights
+loaded because an engine held others), the scheduler's decision latency, and the trace's
 critical-path bound. With ``--multiplex FILE`` (a ``bench/multiplex.py`` result) the table
 also shows the simulator's prediction of that real run beside what it measured
 (``daemon.simulator.predict``). Writes a JSON file (``--out``; ``./simulate.json``). The
@@ -35,12 +38,14 @@ from rich.console import Console
 from rich.table import Table
 
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate
-from daemon.trace import DAY_S, Trace, generate_trace, read_trace, write_trace
+from daemon.trace import DAY_S, SCENARIOS, Trace, generate_trace, read_trace, write_trace
 from plexctl.common.atomic import write_json_atomic
 
 BASELINES = ("isolated", "pack", "spread", "spread+backfill")
 TUNE_JOBS_PER_ENGINE = (2, 3, 4, 6, 8)
 TUNE_MAX_SWITCHES = (4,)  # the bound never binds here: a shard has one trainer call per step
+DEFAULT_SCENARIO = "mixed"
+PLEXRL_GPU_HOURS_SAVED = 0.3758  # the GPU-hours PlexRL reports saved against isolated jobs
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Defaults:
 
     command: str = "python -m daemon.simulate"
     multiplex: Path | None = None  # calibration source when --multiplex is not given (None: none)
-    out: Callable[[bool], Path] = lambda quick: Path("simulate.json")  # JSON path when --out is not given
+    out: Callable[[bool, str], Path] = lambda quick, scenario: Path("simulate.json")  # when --out is not given
     machine: Callable[[], str] = lambda: f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
@@ -113,6 +118,12 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     ap.add_argument("trace_file", nargs="?", type=Path, help="a trace file to replay (same as --trace)")
     ap.add_argument("--trace", type=Path, help="replay this trace (.json or .jsonl) instead of drawing one")
     ap.add_argument("--quick", action="store_true", help="50 jobs on 128 GPUs: a few seconds")
+    ap.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=DEFAULT_SCENARIO,
+        help=f"the drawn trace's jobs (default {DEFAULT_SCENARIO}; classic: the earlier figures' trace)",
+    )
     ap.add_argument("--jobs", type=int, help="jobs in the drawn trace (default 1000)")
     ap.add_argument("--gpus", type=int, help="cluster GPUs (default 2048, or the trace's)")
     ap.add_argument("--days", type=float, default=90.0, help="arrival window of the drawn trace")
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
         "--multiplex", type=Path, default=defaults.multiplex, help="calibrate against this bench/multiplex.py JSON"
     )
     ap.add_argument("--save-trace", type=Path, help="also write the replayed trace here")
-    ap.add_argument("--out", type=Path, help=f"JSON output (default {defaults.out(False)})")
+    ap.add_argument("--out", type=Path, help=f"JSON output (default {defaults.out(False, DEFAULT_SCENARIO)})")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -144,9 +155,9 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     else:
         n = args.jobs or (50 if args.quick else 1000)
         gpus = args.gpus or (128 if args.quick else 2048)
-        trace = generate_trace(n, gpus, args.days, args.seed, args.load)
+        trace = generate_trace(n, gpus, args.days, args.seed, args.load, scenario=args.scenario)
         tune_n, tune_gpus = max(50, n // 4), max(128, gpus // 4)
-        tune_trace = generate_trace(tune_n, tune_gpus, args.days, args.seed + 1, args.load)
+        tune_trace = generate_trace(tune_n, tune_gpus, args.days, args.seed + 1, args.load, scenario=args.scenario)
         tuned_on = f"a held-out trace: {tune_n} jobs on {tune_gpus} GPUs, seed {args.seed + 1}"
     if args.save_trace:
         write_trace(args.save_trace, trace)
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
         "bubble",
         "queue p50/p99 h",
         "swaps (TB)",
+        "switches (h)",
         "tick p50/p99/p99.9 µs",
         "sim s",
     ):
@@ -193,7 +205,12 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for label, r in results.items():
         rel_m, rel_g = r.makespan_s / iso.makespan_s, r.gpu_hours_per_step / iso.gpu_hours_per_step
-        rows[label] = {**r.summary(), "makespan_vs_isolated": rel_m, "gpu_hours_per_step_vs_isolated": rel_g}
+        rows[label] = {
+            **r.summary(),
+            "makespan_vs_isolated": rel_m,
+            "gpu_hours_per_step_vs_isolated": rel_g,
+            "gpu_hours_saved": 1.0 - rel_g,
+        }
         table.add_row(
             label,
             f"{r.makespan_s / DAY_S:.1f}",
@@ -203,6 +220,7 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
             f"{r.bubble_ratio:.0%}",
             f"{r.queue_p50_s / 3600:.1f} / {r.queue_p99_s / 3600:.1f}",
             f"{r.swaps.swap_ins} ({r.swaps.total_bytes / 1e12:.1f})",
+            f"{sum(r.switches.count.values())} ({r.switches.total_seconds / 3600:.1f})",
             f"{r.tick_p50_us:.0f} / {r.tick_p99_us:.0f} / {r.tick_p999_us:.0f}",
             f"{r.wall_s:.1f}",
         )
@@ -211,6 +229,11 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
         f"critical-path bound (latest arrival + isolated run time): {bound / DAY_S:.1f} d "
         f"= {bound / iso.makespan_s:.0%} of isolated; PlexRL reports 56 % for spread+backfill. "
         f"Our best tuned on {tuned_on}. Whole run {run_s:.1f} s."
+    )
+    best_row = rows[best_label]
+    console.print(
+        f"GPU-hours saved against isolated: {best_row['gpu_hours_saved']:.2%} ({best_label}; spread+backfill at "
+        f"jpe={jpe} {rows['spread+backfill']['gpu_hours_saved']:.2%}); PlexRL reports {PLEXRL_GPU_HOURS_SAVED:.2%}."
     )
     if calib is not None:
         ct = Table(title="calibration against bench/multiplex.py (4 tiny jobs, 1 rollout + 1 trainer engine)")
@@ -246,7 +269,7 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
             )
         )
 
-    out = args.out or defaults.out(args.quick)
+    out = args.out or defaults.out(args.quick, "file" if trace_path is not None else args.scenario)
     write_json_atomic(
         out,
         {
@@ -263,6 +286,9 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
             "workers": args.workers,
             "trace": {
                 "name": trace.name,
+                "scenario": None if trace_path is not None else args.scenario,
+                "full_fine_tuning_jobs": sum(j.full_weights for j in trace.jobs),
+                "base_models": sorted({j.base for j in trace.jobs if j.base}),
                 "jobs": len(trace.jobs),
                 "steps": trace.steps,
                 "gpus": gpus,
@@ -291,7 +317,11 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
                 for r in tuned
             ],
             "calibration": calib,
-            "reference": {"plexrl_makespan_vs_isolated_spread_backfill": 0.56, "tick_p99_target_us": 1000},
+            "reference": {
+                "plexrl_makespan_vs_isolated_spread_backfill": 0.56,
+                "plexrl_gpu_hours_saved": PLEXRL_GPU_HOURS_SAVED,
+                "tick_p99_target_us": 1000,
+            },
         },
     )
     console.print(f"wrote {out}")

@@ -20,8 +20,22 @@ task is charged its swap-in (host at ``h2d_gbps``, NVMe at ``nvme_gbps``, plus w
 prefetch); evictions and demotions overlap the next task: counted, not charged. The core hears
 of every move through ``state_location``.
 
-Not modelled: models sharing an engine, gang scheduling of trainer shards, interference beyond
-slots, dispatch overhead, failures, checkpoints, first weight loads. See docs/state.md.
+Models. A class's engines serve every base model of its jobs (``TraceJob.base``), one set of
+weights at a time. A task that finds its engine holding other weights is charged the switch
+(``SimConfig.switch_s`` plus the weights at ``h2d_gbps`` per GPU of the engine, from pinned
+host memory, as vLLM's sleep mode keeps a sleeping model): on a rollout engine, the job's base,
+or for a full fine-tuning job its own latest weights (the engine holds them while no other
+job's generate ran there since: its publish updated them in place); on a trainer, a LoRA job's
+base (a full fine-tuning job's weights are part of its state, which the tiers move). Tasks
+that start while the weights load wait for them. The seconds are counted as switch time, not
+as busy time. Traces without weights sizes (``TraceJob.weights_bytes`` 0) switch for free.
+The core does not know of the switches (it neither groups calls by weights nor counts the wake
+in a call's cost): what they cost here is what the placement of today pays.
+
+Not modelled: two sets of weights resident on one engine at once (a chunk of another job's
+weights that starts while a chunk runs is charged a switch; the running chunk is not delayed),
+gang scheduling of trainer shards, interference beyond slots, dispatch overhead, failures,
+checkpoints. See docs/state.md.
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     nvme_gb: float = 15000.0  # node-local NVMe for states, per trainer node
     h2d_gbps: float = 25.0  # pinned host <-> device, as a swap benchmark measures on a PCIe GPU node
     nvme_gbps: float = 5.0  # NVMe sequential
+    switch_s: float = 2.0  # fixed part of a model switch: waking a sleeping engine, its KV cache made again
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -69,6 +84,27 @@ class SwapStats(msgspec.Struct, kw_only=True):
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+class SwitchStats(msgspec.Struct, kw_only=True):
+    """Model switches on the engines: weights loaded because the engine held others."""
+
+    count: dict[str, int] = msgspec.field(default_factory=dict)  # kind -> switches
+    seconds: dict[str, float] = msgspec.field(default_factory=dict)  # kind -> seconds charged (waits included)
+    bytes: dict[str, int] = msgspec.field(default_factory=dict)  # kind -> bytes loaded
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def add(self, kind: str, nbytes: int, seconds: float, load: bool) -> None:
+        if load:
+            self.count[kind] = self.count.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+
+SWITCH_KINDS = ("rollout base", "rollout full weights", "trainer base")
 
 
 class JobOutcome(msgspec.Struct, array_like=True):
@@ -107,6 +143,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     engine_busy_s: dict[str, float]  # slot-weighted busy seconds per engine
     outcomes: list[JobOutcome]
     intervals: list[tuple[str, str, float, float]] = []  # (engine, job, start, end) when recorded
+    switches: SwitchStats = msgspec.field(default_factory=SwitchStats)
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, without per-engine and per-job detail."""
@@ -339,6 +376,9 @@ class Simulation:
         self.held_since = 0.0
         self.busy: dict[str, float] = dict.fromkeys(self.sched.engines, 0.0)
         self.swaps = SwapStats()
+        self.switches = SwitchStats()
+        self.loaded: dict[str, str] = {}  # engine -> the weights it holds (a base, or a full fine-tuning job's)
+        self.loaded_at: dict[str, float] = {}  # engine -> when those weights are in place
         self.latencies: list[float] = []
         self.intervals: list[tuple[str, str, float, float]] = []
         self.outcomes: list[JobOutcome] = []
@@ -500,14 +540,35 @@ class Simulation:
             took += self._swap_in(shard, engine_id, now)
             self._prefetch(engine_id, now)
             self.busy[engine_id] += took
+            if not shard.job.tj.full_weights:
+                took += self._switch(engine_id, shard.job.tj, "trainer base", now)
         else:
             self.busy[engine_id] += took / self.cfg.rollout_slots
+            full = shard.job.tj.full_weights
+            took += self._switch(engine_id, shard.job.tj, "rollout full weights" if full else "rollout base", now)
         self.tasks[task.task_id] = (shard, engine_id, now)
         self._hold(engine_id, +1, now)
         self.n_tasks += 1
         if self.record:
             self.intervals.append((engine_id, shard.job.tj.job_id, now, now + took))
         self._push(now + took, _DONE, task.task_id)
+
+    def _switch(self, engine_id: str, tj: TraceJob, kind: str, now: float) -> float:
+        """Seconds before the task's weights are in place on the engine: the rest of a load under
+        way, or a load of its base (a full fine-tuning job's rollouts: of its own weights)."""
+        if not tj.weights_bytes:
+            return 0.0
+        wanted = tj.job_id if kind == "rollout full weights" else (tj.base or tj.model)
+        if self.loaded.get(engine_id) == wanted:
+            wait = max(0.0, self.loaded_at[engine_id] - now)
+            if wait:
+                self.switches.add(kind, 0, wait, load=False)
+            return wait
+        cfg = self.cfg
+        seconds = cfg.switch_s + tj.weights_bytes / (cfg.gpus_per_engine * cfg.h2d_gbps * GB)
+        self.loaded[engine_id], self.loaded_at[engine_id] = wanted, now + seconds
+        self.switches.add(kind, tj.weights_bytes, seconds, load=True)
+        return seconds
 
     def _count(self, direction: str, nbytes: int) -> None:
         self.swaps.bytes[direction] = self.swaps.bytes.get(direction, 0) + nbytes
@@ -606,6 +667,7 @@ class Simulation:
             engine_busy_s=self.busy,
             outcomes=sorted(self.outcomes, key=lambda o: o.job_id),
             intervals=self.intervals,
+            switches=self.switches,
         )
 
     def _hold_flush(self, now: float) -> None:

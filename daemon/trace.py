@@ -13,11 +13,24 @@ turns, reward / verifier waits). ``train_s`` is the trainer's forward, backward,
 step and publish. Run isolated, a job holds half its GPUs as rollout engines and half as
 trainer engines, so its bubble ratio is ``1 - (generate_s * tail_share + train_s) / (2 * step_s)``.
 
-``generate_trace`` draws jobs that mirror published shapes (``MODEL_CLASSES``: 7B-, 30B- and
-235B-class jobs on 16 to 192 GPUs; bubble ratios in ``BUBBLE_RANGE``; single- and multi-turn; LoRA
-or full fine-tune state) over ``days`` of bursty, diurnal arrivals (``arrival_times``). Step counts
-are scaled so that the jobs' isolated GPU-time is ``load`` times the cluster's GPU-time over the
-arrival window (``load > 1``: a backlog builds, so placement decides the makespan).
+``generate_trace`` draws jobs of one of two scenarios (``SCENARIOS``) over ``days`` of bursty,
+diurnal arrivals (``arrival_times``):
+
+- ``classic`` (``MODEL_CLASSES``): jobs that mirror published shapes: 7B-, 30B- and 235B-class
+  jobs on 16 to 192 GPUs; bubble ratios in ``BUBBLE_RANGE``; single- and multi-turn; LoRA or
+  full fine-tune state (a full state counted as ``FULL_FT_BYTES_PER_PARAM`` a parameter); one
+  base model per class. The figures in docs/benchmarks.md before the mixed case are this one's.
+- ``mixed`` (``MIXED_CLASSES``): 7B-, 14B-, 32B- and 70B-class jobs, a quarter to two fifths
+  of them full fine-tuning, on several base models (Qwen2.5 beside Llama 3.1 in the 7B and
+  70B classes), each with the real sizes of its base (``plexctl.common.model_shapes``): a full
+  fine-tuning job's state is its bf16 weights, fp32 masters and AdamW moments
+  (``state_size.full_state_bytes``), and every job records its base's weights
+  (``weights_bytes``: what an engine loads to switch to that base, or to a full fine-tuning
+  job's own weights before its generate).
+
+Step counts are scaled so that the jobs' isolated GPU-time is ``load`` times the cluster's
+GPU-time over the arrival window (``load > 1``: a backlog builds, so placement decides the
+makespan).
 
 Files: ``.jsonl`` holds one ``TraceJob`` per line, any other name the whole ``Trace``; writes
 are atomic. What it deliberately does not model: per-token or per-request timing (a step's
@@ -35,7 +48,8 @@ from typing import Any
 import msgspec
 
 from plexctl.common.atomic import write_bytes_atomic
-from plexctl.common.state_size import job_state_bytes
+from plexctl.common.model_shapes import known_shape
+from plexctl.common.state_size import dtype_bytes, full_state_bytes, job_state_bytes, parameter_count
 
 DAY_S = 86_400.0
 GPUS_PER_SHARD = 16  # one 8-GPU rollout engine + one 8-GPU trainer engine (see daemon/simulator.py)
@@ -46,6 +60,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TraceJob(msgspec.Struct, frozen=True, kw_only=True):
     job_id: str
     model: str  # model class: the engines that can serve it (7B | 30B | 235B | any name)
+    base: str = ""  # base model within the class (its weights differ from the others'); "": the class's one
     gpus: int  # GPUs held when isolated: a multiple of GPUS_PER_SHARD
     arrival_s: float  # seconds from the trace's start
     steps: int  # training steps to run
@@ -57,6 +72,7 @@ class TraceJob(msgspec.Struct, frozen=True, kw_only=True):
     turns: int = 1
     state_bytes: int = 0  # trainer state: LoRA adapter + optimizer, or full weights + optimizer
     full_weights: bool = False
+    weights_bytes: int = 0  # the base's weights as engines serve them (0: switches between bases not modelled)
     user: str = ""
     priority: int = 0
     jitter: float = 0.1  # lognormal sigma of per-step durations
@@ -103,6 +119,7 @@ class ModelClass(msgspec.Struct, frozen=True):
     step_s: tuple[float, float]  # log-uniform range of one step's wall time when isolated
     steps: tuple[float, float]  # log-uniform range of training steps (before scaling to the load)
     full_ft: float  # share of full fine-tunes
+    bases: tuple[str, ...] = ()  # known shapes (model_shapes) of its base models, drawn uniformly; (): one, ``config``
 
 
 MODEL_CLASSES: tuple[ModelClass, ...] = (
@@ -163,12 +180,52 @@ BUBBLE_RANGE = (0.70, 0.81)
 MAX_STATE_PER_SHARD = 320e9  # a full fine-tune gets enough shards that each holds at most this
 
 
+def _mixed_class(
+    name: str,
+    bases: tuple[str, ...],
+    weight: float,
+    gpus: tuple[int, ...],
+    step_s: tuple[float, float],
+    steps: tuple[float, float],
+    full_ft: float,
+) -> ModelClass:
+    shape = known_shape(bases[0]) or {}
+    return ModelClass(
+        name, float(parameter_count(shape)), dict(shape), weight, gpus, step_s, steps, full_ft, bases=bases
+    )
+
+
+# Jobs on several base models of 7B to 70B class, many of them full fine-tuning (the usual RLVR
+# recipe): each class's engines serve every base of the class, one at a time.
+MIXED_CLASSES: tuple[ModelClass, ...] = (
+    _mixed_class(
+        "7B", ("qwen2.5-7b", "llama-3.1-8b"), 0.45, (16, 16, 16, 32, 32, 48, 64), (90.0, 300.0), (200.0, 1000.0), 0.4
+    ),
+    _mixed_class("14B", ("qwen2.5-14b",), 0.2, (16, 32, 32, 48, 64), (150.0, 450.0), (150.0, 800.0), 0.35),
+    _mixed_class("32B", ("qwen2.5-32b",), 0.2, (32, 32, 48, 64, 64, 96, 128), (180.0, 600.0), (150.0, 600.0), 0.3),
+    _mixed_class(
+        "70B", ("llama-3.1-70b", "qwen2.5-72b"), 0.15, (64, 96, 128, 128, 192), (300.0, 900.0), (100.0, 400.0), 0.25
+    ),
+)
+SCENARIOS: dict[str, tuple[ModelClass, ...]] = {"classic": MODEL_CLASSES, "mixed": MIXED_CLASSES}
+SERVE_DTYPE = "bfloat16"  # the engines' weights, and a full fine-tuning job's training dtype
+
+
 def generate_trace(
-    n_jobs: int = 1000, gpus: int = 2048, days: float = 90.0, seed: int = 0, load: float = 1.6, n_users: int = 40
+    n_jobs: int = 1000,
+    gpus: int = 2048,
+    days: float = 90.0,
+    seed: int = 0,
+    load: float = 1.6,
+    n_users: int = 40,
+    scenario: str = "classic",
 ) -> Trace:
     """Draw ``n_jobs`` jobs arriving over ``days`` for a cluster of ``gpus`` GPUs (see module doc)."""
     if n_jobs < 1 or gpus < GPUS_PER_SHARD or days <= 0 or load <= 0:
         raise ValueError(f"need n_jobs >= 1, gpus >= {GPUS_PER_SHARD}, days > 0, load > 0")
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}: one of {', '.join(SCENARIOS)}")
+    classes = SCENARIOS[scenario]
     rng = random.Random(seed)
     # a job gets at most a quarter of the cluster, so every model class fits beside the others
     max_gpus = max(GPUS_PER_SHARD, (gpus // 4) // GPUS_PER_SHARD * GPUS_PER_SHARD)
@@ -176,16 +233,25 @@ def generate_trace(
     user_weights = [1.0 / (i + 1) for i in range(n_users)]
     drafts: list[dict[str, Any]] = []
     for i, arrival in enumerate(arrivals):
-        mc = rng.choices(MODEL_CLASSES, weights=[m.weight for m in MODEL_CLASSES])[0]
+        mc = rng.choices(classes, weights=[m.weight for m in classes])[0]
         job_gpus = min(rng.choice(mc.gpus), max_gpus)
         shape = step_shape(rng, mc)
         full = rng.random() < mc.full_ft
+        base, config, weights = "", mc.config, 0
+        if mc.bases:  # a base of its own: its real shape, and the weights an engine loads for it
+            base = rng.choice(mc.bases)
+            config = known_shape(base) or {}
+            weights = parameter_count(config) * dtype_bytes(SERVE_DTYPE)
         if full:
-            state = int(mc.params * FULL_FT_BYTES_PER_PARAM)
+            state = (
+                full_state_bytes(config, SERVE_DTYPE, cuda=True)
+                if mc.bases
+                else int(mc.params * FULL_FT_BYTES_PER_PARAM)
+            )
             need = math.ceil(state / MAX_STATE_PER_SHARD) * GPUS_PER_SHARD
             job_gpus = max(job_gpus, min(need, max_gpus))
         else:
-            state = job_state_bytes(rng.choice((16, 32, 64)), LORA_TARGETS, mc.config, cuda=True)
+            state = job_state_bytes(rng.choice((16, 32, 64)), LORA_TARGETS, config, cuda=True)
         drafts.append(
             {
                 "job_id": f"job{i:05d}",
@@ -195,6 +261,7 @@ def generate_trace(
                 "base_steps": math.exp(rng.uniform(math.log(mc.steps[0]), math.log(mc.steps[1]))),
                 "state_bytes": state,
                 "full_weights": full,
+                **({"base": base, "weights_bytes": weights} if mc.bases else {}),
                 "user": f"user{rng.choices(range(n_users), weights=user_weights)[0]:02d}",
                 "priority": 1 if rng.random() < 0.1 else 0,
                 "seed": rng.getrandbits(32),
@@ -207,7 +274,8 @@ def generate_trace(
     for d in drafts:
         base = d.pop("base_steps")
         jobs.append(TraceJob(steps=max(10, round(base * scale)), **d))
-    return Trace(jobs=jobs, gpus=gpus, days=days, seed=seed, load=load, name=f"synthetic-{n_jobs}x{gpus}-s{seed}")
+    name = f"synthetic-{n_jobs}x{gpus}-s{seed}" + ("" if scenario == "classic" else f"-{scenario}")
+    return Trace(jobs=jobs, gpus=gpus, days=days, seed=seed, load=load, name=name)
 
 
 def _step(d: dict[str, Any]) -> float:

@@ -321,7 +321,8 @@ class InprocClient(CallClient):
     ``save_checkpoint``, ``load_checkpoint``). Calls run in the order they are made: trainer calls
     when sent, a generate when waited on (from the adapter current when it was sent), after
     ``before_generate`` (a caller's hook, e.g. a benchmark's turn-taking). Adapters and
-    checkpoints are written under ``job_dir`` as the daemon lays them out.
+    checkpoints are written under ``job_dir`` as the daemon lays them out. ``lora`` None: the job
+    trains every weight, and its generates sample from its own published weights.
     """
 
     def __init__(
@@ -330,7 +331,7 @@ class InprocClient(CallClient):
         trainer: Any,
         job_id: str,
         job_dir: Path,
-        lora: P.LoraConfig,
+        lora: P.LoraConfig | None,
         seed: int,
         before_generate: Callable[[], None] | None = None,
     ) -> None:
@@ -405,7 +406,7 @@ class InprocClient(CallClient):
         self.version += 1
         out = self.job_dir / "adapters" / f"v{self.version:06d}"
         self.trainer.save_adapter(self.job_id, str(out))
-        self.adapter = P.AdapterRef(self.job_id, self.version, str(out))
+        self.adapter = P.AdapterRef(self.job_id, self.version, str(out), full=self.lora is None)
         return self.version
 
     def _checkpoint(self, req: C.CheckpointReq) -> C.Reply:

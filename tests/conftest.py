@@ -141,6 +141,8 @@ MARKS = {
         "test_user_errors.py",
         "test_worker_stall.py",
         "test_tiny_and_rollout.py",
+        "test_rollout_full.py",
+        "test_full_finetune_e2e.py",
         "test_wheel.py",
     },
 }

@@ -35,9 +35,17 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
     result = run_quick("swap.py", tmp_path / "swap.json")
     assert result["quick"] is True
     sizes = {s["size"]: s for s in result["sizes"]}
-    assert list(sizes) == ["adapter", "optimizer", "full"]
+    assert list(sizes) == ["adapter", "optimizer", "full", "model-32m"]
     assert sizes["adapter"]["bytes"] < sizes["optimizer"]["bytes"] < sizes["full"]["bytes"]
     assert sizes["full"]["bytes"] == pytest.approx(64 << 20, rel=0.05)
+    # a whole-model state: bf16 weights, fp32 masters and two fp32 moments, at most the size asked for
+    whole = sizes["model-32m"]
+    assert whole["kind"] == "whole model" and 16 << 20 < whole["bytes"] <= 32 << 20
+    parts = whole["parts"]
+    assert (
+        parts["master.float32"] == 2 * parts["weights.bfloat16"]
+        and parts["optim.float32"] == 2 * parts["master.float32"]
+    )
     for size in sizes.values():
         paths = {p["path"]: p for p in size["paths"]}
         assert set(paths) == PATHS
@@ -52,7 +60,7 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
             assert row["seconds"] == pytest.approx(statistics.median(runs))
             assert len(size["samples"][row["raw_same_memory"]]["seconds"]) == len(runs)
     summary = result["summary"]
-    assert len(summary["meets_target"]) + len(summary["below_target"]) == 3 * len(PATHS)
+    assert len(summary["meets_target"]) + len(summary["below_target"]) == 4 * len(PATHS)
     assert result["conditions"]  # the raw figures' conditions are stated beside them
     hidden = result["hidden_behind_compute"]
     assert hidden["available"] or hidden["missing"]  # a share per mode, or what the multiplex JSON lacks
@@ -158,3 +166,6 @@ def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_pa
     assert parts["trainer"]["vocab"] == 151936 and parts["trainer"]["tokens_per_second"] > 0
     assert parts["swap"]["swaps"] > 0 and parts["swap"]["swap_over_raw"] > 0
     assert parts["rollout"]["base_sequences"] == parts["rollout"]["adapter_sequences"] > 0
+    # a whole-model weight load is timed beside a raw copy; sleep/wake needs CUDA and says so
+    assert parts["weights"]["bytes"] > 0 and parts["weights"]["load_over_raw"] > 0
+    assert parts["sleep_wake"]["skipped"].startswith("needs CUDA")

@@ -8,15 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from plexctl.common.errors import ExitCode
 from plexctl.common.memplan import (
     ClusterOptions,
+    DoesNotFit,
     EngineShape,
+    FullJob,
     GiB,
     JobShape,
     NodeShape,
+    check_full_state_fits,
     default_engines,
+    full_job_problems,
     job_problems,
     kv_bytes_per_token,
     parameter_count,
@@ -27,7 +33,7 @@ from plexctl.common.memplan import (
     weights_bytes,
 )
 from plexctl.common.model_shapes import UnknownModelShape, known_shape, model_config_for
-from plexctl.common.spec import load_spec
+from plexctl.common.spec import LoraSpec, load_spec
 from plexctl.common.state_size import job_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,3 +297,65 @@ def test_plan_command_says_what_does_not_fit_and_exits_7() -> None:
 def test_plan_command_refuses_a_node_shape_it_cannot_read() -> None:
     proc = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gpus", "8xlots")
     assert proc.returncode == 2 and "8xlots" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- full fine-tuning and other models
+
+
+def full_job(name: str, model: str, full: bool = True, spec_file: str = "") -> FullJob:
+    return FullJob(name, f"/models/{model}", model_config_for(f"/models/{model}"), full=full, spec_file=spec_file)
+
+
+def test_a_small_full_fine_tuning_job_fits_an_8x80g_node() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80)
+    assert full_job_problems(plan, full_job("small", "Qwen2.5-0.5B-Instruct")) == []
+    check_full_state_fits(full_job("small", "Qwen2.5-0.5B-Instruct"), plan)  # returns: it fits
+
+
+def test_a_7b_full_fine_tuning_state_fits_no_tier_and_is_refused_with_its_numbers() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80)  # host tier 8 GiB, NVMe tier 64 GiB, 80 GB trainer GPUs
+    job = full_job("big", "Qwen2.5-7B-Instruct", spec_file="jobs/big.yaml")
+    with pytest.raises(DoesNotFit) as refused:
+        check_full_state_fits(job, plan)
+    message = str(refused.value)
+    assert refused.value.exit_code == ExitCode.REFUSED == 7
+    assert "\n" not in message
+    assert message.startswith("jobs/big.yaml: model.path: full fine-tuning of Qwen2.5-7B-Instruct (no `lora:`)")
+    assert "state 99.3 GiB (weights 14.2 GiB bfloat16 + fp32 masters 28.4 GiB + AdamW moments 56.7 GiB)" in message
+    assert "fits no tier (device " in message and "host tier 8.0 GiB, NVMe tier 64.0 GiB)" in message
+
+
+def test_a_full_state_that_fits_nvme_but_not_the_trainer_beside_its_gradients_is_refused() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(nvme_tier_bytes=200 * GiB))
+    problems = full_job_problems(plan, full_job("big", "Qwen2.5-7B-Instruct"))
+    assert len(problems) == 1
+    assert "+ fp32 gradients 28.4 GiB" in problems[0] and "exceed the largest trainer's 80.0 GiB" in problems[0]
+
+
+def test_the_same_model_as_a_lora_job_is_not_refused() -> None:
+    plan = plan_memory(qwen_7b(), NODE_8X80)
+    assert full_job_problems(plan, full_job("adapter", "Qwen2.5-7B-Instruct", full=False)) == []
+
+
+def test_a_model_whose_weights_fit_no_engine_is_refused_even_for_lora() -> None:
+    plan = plan_memory(qwen_7b(), NodeShape.parse("1x80G"))
+    problems = full_job_problems(plan, full_job("huge", "Llama-3.1-70B", full=False))
+    assert problems[0].startswith("job huge: model.path: Llama-3.1-70B's bfloat16 weights 131.4 GiB")
+    assert "fit no rollout engine" in problems[0]
+    assert any("fit no trainer (largest 80.0 GiB)" in p for p in problems)
+
+
+def test_a_job_spec_without_lora_is_checked_as_full_fine_tuning() -> None:
+    spec = msgspec.structs.replace(load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", check_files=False), lora=None)
+    plan = plan_for_specs([msgspec.structs.replace(spec, lora=LoraSpec())], NODE_8X80)
+    with pytest.raises(DoesNotFit, match=r"^x\.yaml: model\.path: full fine-tuning of Qwen2\.5-7B-Instruct"):
+        check_full_state_fits(spec, plan, spec_file="x.yaml")
+
+
+def test_plexctl_plan_of_a_full_fine_tuning_spec_shows_all_weights_and_refuses_what_fits_no_tier() -> None:
+    spec = msgspec.structs.replace(load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", check_files=False), lora=None)
+    plan = plan_for_specs([spec], NODE_8X80)
+    assert plan.jobs[0].full and plan.jobs[0].rank == 0
+    text = render_plan(plan)
+    assert "all weights   state 99.3 GiB" in text and "refused" in text
+    assert any("its state 99.3 GiB exceeds the largest tier" in p for p in plan.problems)

@@ -14,8 +14,19 @@ import pytest
 
 from daemon.scheduler import POLICIES
 from daemon.simulator import PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict, simulate
-from daemon.trace import DAY_S, GPUS_PER_SHARD, Trace, TraceJob, generate_trace, read_trace, write_trace
+from daemon.trace import (
+    DAY_S,
+    GPUS_PER_SHARD,
+    MAX_STATE_PER_SHARD,
+    Trace,
+    TraceJob,
+    generate_trace,
+    read_trace,
+    write_trace,
+)
+from plexctl.common.model_shapes import known_shape
 from plexctl.common.state_policy import DIRECTIONS
+from plexctl.common.state_size import full_state_bytes, parameter_count
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(n_jobs=40, gpus=256, days=10.0, seed=5)
@@ -356,3 +367,92 @@ def test_quick_benchmark_writes_its_json(tmp_path):
     )
     replay = json.loads(out2.read_text())
     assert replay["trace"]["jobs"] == 50 and replay["calibration"] is None
+
+
+# ---------------------------------------------------------------- the mixed case: several bases, full fine-tuning
+
+
+def test_mixed_trace_has_full_fine_tuning_jobs_of_7b_to_70b_with_their_real_state_sizes():
+    trace = generate_trace(400, 2048, seed=3, scenario="mixed")
+    assert msgspec.json.encode(trace) == msgspec.json.encode(generate_trace(400, 2048, seed=3, scenario="mixed"))
+    assert {j.model for j in trace.jobs} == {"7B", "14B", "32B", "70B"}
+    assert {j.base for j in trace.jobs} == {
+        "qwen2.5-7b",
+        "llama-3.1-8b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+        "llama-3.1-70b",
+        "qwen2.5-72b",
+    }
+    for model in ("7B", "14B", "32B", "70B"):
+        assert any(j.full_weights for j in trace.jobs if j.model == model), model
+    for j in trace.jobs:
+        shape = known_shape(j.base)
+        assert j.weights_bytes == 2 * parameter_count(shape)  # bf16 weights
+        if j.full_weights:  # bf16 weights + fp32 masters + two fp32 moments, and enough shards to hold them
+            assert j.state_bytes == full_state_bytes(shape, "bfloat16", cuda=True)
+            assert j.state_bytes / j.shards <= MAX_STATE_PER_SHARD
+    full_70b = [j.state_bytes for j in trace.jobs if j.base == "llama-3.1-70b" and j.full_weights]
+    assert full_70b and full_70b[0] / 1e9 == pytest.approx(987.8, abs=0.1)
+    # the classic trace is what it was: one base per class, no weights to switch
+    classic = generate_trace(300, 2048, seed=3)
+    assert {j.base for j in classic.jobs} == {""} and {j.weights_bytes for j in classic.jobs} == {0}
+
+
+def two_bases(full: bool = False) -> Trace:
+    """Two one-pair jobs of 7B class on different bases (the second a full fine-tune if ``full``)."""
+    jobs = [
+        TraceJob(
+            job_id=f"j{i}",
+            model="7B",
+            base=("qwen2.5-7b", "llama-3.1-8b")[i],
+            gpus=16,
+            arrival_s=float(i),
+            steps=4,
+            generate_s=60.0,
+            tail_share=1.0,
+            tool_s=0.0,
+            reward_s=30.0,
+            train_s=30.0,
+            state_bytes=1 << 30,
+            full_weights=full and i == 1,
+            weights_bytes=16 * 10**9,
+            jitter=0.0,
+            seed=i,
+        )
+        for i in range(2)
+    ]
+    return Trace(jobs=jobs, gpus=16)
+
+
+def test_jobs_of_two_bases_on_one_engine_pay_for_each_switch():
+    cfg = SimConfig(macro_steps=4, rollout_slots=1)
+    load_s = cfg.switch_s + 16e9 / (cfg.gpus_per_engine * cfg.h2d_gbps * 1e9)
+    iso = simulate(two_bases(), "isolated", config=cfg)  # one after the other: each base loaded once per engine
+    assert iso.switches.count == {"rollout base": 2, "trainer base": 2}
+    assert iso.switches.seconds["rollout base"] == pytest.approx(2 * load_s)
+    shared = simulate(two_bases(), "spread", jobs_per_engine=2, config=cfg)  # interleaved steps: a switch each
+    assert shared.switches.count["rollout base"] > 2 and shared.switches.count["trainer base"] > 2
+    assert shared.switches.bytes["rollout base"] == shared.switches.count["rollout base"] * 16 * 10**9
+    assert shared.makespan_s < iso.makespan_s  # sharing still wins at this cost
+    # switches are charged as time, not counted as work done
+    free = simulate(
+        msgspec.structs.replace(
+            two_bases(), jobs=[msgspec.structs.replace(j, weights_bytes=0) for j in two_bases().jobs]
+        ),
+        "spread",
+        jobs_per_engine=2,
+        config=cfg,
+    )
+    assert free.switches.count == {} and free.busy_gpu_hours == pytest.approx(shared.busy_gpu_hours)
+    assert shared.gpu_hours > free.gpu_hours
+
+
+def test_a_full_fine_tuning_job_loads_its_own_weights_before_generating_once_others_ran():
+    cfg = SimConfig(macro_steps=4, rollout_slots=1)
+    iso = simulate(two_bases(full=True), "isolated", config=cfg)
+    # alone on its engines its weights stay loaded from step to step (its publish updates them in place)
+    assert iso.switches.count == {"rollout base": 1, "rollout full weights": 1, "trainer base": 1}
+    shared = simulate(two_bases(full=True), "spread", jobs_per_engine=2, config=cfg)
+    assert shared.switches.count["rollout full weights"] > 1
+    assert "trainer full weights" not in shared.switches.count  # on the trainer they move with its state

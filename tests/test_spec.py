@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from plexctl.common.spec import (
-    FULL_FINETUNE_REFUSED,
+    EMPTY_LORA_REFUSED,
     JobSpec,
     SpecError,
     SpecIssue,
@@ -133,7 +133,7 @@ def test_spec_from_wire_refuses_bad_values() -> None:
 def test_example_configs_validate(config: str) -> None:
     spec = load_spec(CONFIGS / config, check_files=False)
     assert isinstance(spec, JobSpec)
-    assert spec.lora is not None
+    assert (spec.lora is None) == config.endswith("-full.yaml")  # the full fine-tuning examples say so
     assert Path(spec.model.path).is_absolute() and Path(spec.data.path).is_absolute()
 
 
@@ -269,17 +269,16 @@ def test_top_level_must_be_a_mapping(workdir: Path) -> None:
     assert "expected a mapping at the top level" in issue.message
 
 
-def test_full_finetune_is_refused(workdir: Path) -> None:
-    issue = only_issue(write(workdir, VALID.replace("lora:\n  rank: 4\n", "")))
-    assert issue.path == "lora"
-    assert issue.message == FULL_FINETUNE_REFUSED
-    assert FULL_FINETUNE_REFUSED == ("full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section")
+def test_spec_without_lora_trains_every_weight(workdir: Path) -> None:
+    spec = load_spec(write(workdir, VALID.replace("lora:\n  rank: 4\n", "")))
+    assert spec.lora is None and spec.full_finetune
 
 
-def test_full_finetune_refused_for_explicit_null(workdir: Path) -> None:
+def test_empty_lora_is_refused_with_both_choices(workdir: Path) -> None:
     issue = only_issue(write(workdir, VALID.replace("lora:\n  rank: 4\n", "lora: null\n")))
     assert (issue.path, issue.line) == ("lora", 4)
-    assert issue.message.startswith(FULL_FINETUNE_REFUSED) and "lora: {}" in issue.message
+    assert issue.message == EMPTY_LORA_REFUSED
+    assert "lora: {}" in issue.message and "leave `lora` out" in issue.message
 
 
 def test_empty_lora_mapping_means_defaults(workdir: Path) -> None:

@@ -106,7 +106,7 @@ def test_explain_a_leaf() -> None:
 
 def test_explain_a_section_lists_its_keys() -> None:
     text = explain("lora")
-    assert "LoRA adapter; required" in text
+    assert "LoRA adapter, the base model frozen; left out: full fine-tuning" in text
     assert "The LoRA adapter that is trained" in text
     for key in ("lora.rank", "lora.alpha", "lora.target_modules", "lora.dropout"):
         assert key in text

@@ -15,11 +15,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from daemon.metrics import Telemetry, hidden_by_other_jobs
 from plexctl.cli.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_json, top_view
-from plexctl.common.protocol import BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
+from plexctl.cli.views import plain_jobs
+from plexctl.common.protocol import TRAINS_ADAPTER, TRAINS_ALL, BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
 from plexctl.metric_sinks import MetricSinks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,3 +245,14 @@ def test_shell_completion_script():
         env={**env, "_PLEXCTL_COMPLETE": "complete_bash", "COMP_WORDS": "plexctl to", "COMP_CWORD": "1"},
     )
     assert "top" in proc.stdout.split()
+
+
+def test_status_and_top_say_whether_a_job_trains_an_adapter_or_all_weights():
+    frame = made_up_frame()
+    full = msgspec.structs.replace(frame.rep.jobs[0], job_id="j0002", name="full", trains=TRAINS_ALL)
+    lora = msgspec.structs.replace(frame.rep.jobs[0], trains=TRAINS_ADAPTER)
+    frame.rep.jobs[:] = [lora, full]
+    for text in (plain_top(frame), plain_jobs(frame.rep.jobs, frame.rep.now)):
+        rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("j000")}
+        assert "all weights" in rows["j0002"] and "adapter" not in rows["j0002"]
+        assert "adapter" in rows["j0001"] and "all weights" not in rows["j0001"]

@@ -196,7 +196,7 @@ class NvmeCopy:
     chunk_bytes: int  # the checksummed chunks' size when it was written
     sums: list[int]  # checksum of each chunk of the data section
     job_id: str
-    lora: LoraConfig
+    lora: LoraConfig | None  # None: full fine-tuning
     seed: int
     weight_decay: float
     param_keys: list[str]

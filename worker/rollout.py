@@ -1,4 +1,5 @@
-"""The rollout engine: one resident vLLM engine that serves many jobs' LoRA adapters at once.
+"""The rollout engine: one resident vLLM engine that serves many jobs' LoRA adapters at once,
+and full fine-tuning jobs' own weights, loaded in place by turns.
 
 ``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``, built by
 ``worker.engine_args.rollout_engine_args``) and maps adapter versions onto ``LoRARequest``s:
@@ -7,20 +8,19 @@
   and ``step()`` runs one engine step over everything in flight, handing back each request as
   soon as all its prompts finished; requests of different jobs and adapters share every step.
   ``generate(requests)`` is the same for a fixed set, run to the end; ``abort`` drops requests;
-- each ``(job_id, version)`` gets a stable, unique LoRA id; only the newest version of a job
-  stays loaded (unless a request in flight uses an older one); a retired or evicted version is
-  still served (vLLM loads adapters from ``LoRARequest.lora_path`` on demand).
+- each ``(job_id, version)`` gets a stable, unique LoRA id; only a job's newest version stays
+  loaded (unless a request in flight uses an older one); vLLM reloads an evicted one on demand;
+- a full fine-tuning job's version (``AdapterRef.full``) is its weights, loaded in place before
+  its requests start, the base's put back before a LoRA or base request, only on a switch
+  (requests in flight finish on their weights first): no job samples from another's weights.
 
-A ``Completion``'s ``token_ids`` include EOS when the sample stopped on it (the trainer learns
-to stop); its ``text``, decoded once with vLLM's detokenizer settings, never contains ``<eos>``;
-its ``logprobs``, one per token, are under the model's own distribution (vLLM's ``raw_logprobs``:
-before temperature and top-p), as the trainer computes them; ``prompt_token_ids`` are vLLM's.
+A ``Completion``'s ``token_ids`` include EOS when the sample stopped on it, its ``text`` never;
+its ``logprobs`` are under the model's own distribution (before temperature and top-p).
 
 Seeds: with ``Sampling.seed = s`` and ``n`` samples per prompt, prompt ``i`` gets the vLLM seed
-``s + i * n`` and its sample ``j`` ``s + i * n + j``: samples never share a seed and do not depend
-on the rest of the batch. On CPU the engine core runs in this process with the workarounds its
-``EngineArgsPlan`` flags (``docs/gpu.md``); private vLLM names are reached through
-``worker.vllm_private`` only. Calls are serialized by a lock (a heartbeat thread may ask for
+``s + i * n`` and its sample ``j`` ``s + i * n + j``: samples do not depend on the rest of the
+batch. On CPU the engine core runs in this process with the workarounds its ``EngineArgsPlan``
+flags (``docs/gpu.md``). Calls are serialized by a lock (a heartbeat thread may ask for
 ``stats()`` mid-generate). It does not queue requests (the daemon does), compute rewards, write
 adapters (the trainer publishes them), or stream partial outputs.
 """
@@ -326,6 +326,8 @@ class RolloutEngine:
         self._owner: dict[str, Any] = {}  # vLLM request id -> key
         self._finished: list[tuple[Any, list[Completion]]] = []  # done before any step (no prompts)
         self._request_ids = itertools.count()
+        self._weights: AdapterKey | None = None  # the full fine-tuning policy whose weights vLLM holds (None: the base)
+        self.weight_loads = 0  # weights loaded in place (a switch between a full job's policy and the base)
         t0 = time.perf_counter()
         self._llm = self._start(self.plan)
         self._engine = vllm_private.llm_engine(self._llm)
@@ -431,6 +433,7 @@ class RolloutEngine:
             self._check_open()
             if key in self._pending:
                 raise RolloutError(f"request {key!r} is already in flight")
+            self._ensure_weights(request.adapter)
             lora = self._lora_request(request.adapter)
             if not request.prompts:
                 self._finished.append((key, []))
@@ -480,7 +483,7 @@ class RolloutEngine:
                         for c in to_completions(flight.outputs[pi], pi, self._tokenizer)
                     ]
                     self._count(flight.request, completions)
-                    if flight.request.adapter is not None:
+                    if flight.request.adapter is not None and not flight.request.adapter.full:
                         self._retire_stale_versions({flight.request.adapter.job_id})
                     finished.append((key, completions))
             if self._owner and not self._engine.has_unfinished_requests():
@@ -517,7 +520,7 @@ class RolloutEngine:
     def _lora_request(self, ref: AdapterRef | None) -> Any:
         """The LoRARequest of an adapter version; a version new to the engine is loaded now,
         so a bad adapter fails here, before the batch starts."""
-        if ref is None:
+        if ref is None or ref.full:
             return None
         from vllm.lora.request import LoRARequest
 
@@ -534,6 +537,39 @@ class RolloutEngine:
                 self._registry.forget_version(key)
                 raise AdapterError(f"adapter {key.name} failed to load: {e}") from e
         return request
+
+    def _ensure_weights(self, ref: AdapterRef | None) -> None:
+        """The weights ``ref`` samples from in the engine: a full fine-tuning job's published
+        version, else the base model's (a LoRA job's adapter or no adapter), loaded in place
+        (vLLM's worker ``reload_weights``: the checkpoint-format path, which the CPU backend
+        supports) only on a switch. Requests in flight finish first on the weights they started
+        with; their completions come back from the next ``step()``."""
+        wanted = AdapterKey(ref.job_id, ref.version) if ref is not None and ref.full else None
+        if wanted == self._weights:
+            return
+        path = self.model_path if ref is None or wanted is None else ref.path
+        if wanted is not None and not any(Path(path).glob("*.safetensors")):
+            raise AdapterError(f"weights {wanted.name}: no *.safetensors in {path}")
+        done: list[tuple[Any, list[Completion]]] = []
+        while self._owner:
+            done.extend(self.step())
+        self._finished.extend(done)
+        self._weights = None  # until the load completes: a failed one leaves the base to reload
+        try:
+            with self._engine_threads():
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+                self._llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        except Exception as e:
+            if wanted is None:
+                raise
+            raise AdapterError(f"weights {wanted.name} failed to load: {e}") from e
+        self._weights = wanted
+        self.weight_loads += 1
+
+    @property
+    def loaded_weights(self) -> str:
+        """Whose weights the engine samples from: 'base', or a full fine-tuning job's 'job@vN'."""
+        return self._weights.name if self._weights is not None else "base"
 
     def _retire_stale_versions(self, job_ids: set[str]) -> None:
         busy = {f.lora_id for f in self._pending.values()}  # versions a request in flight still uses
@@ -580,6 +616,8 @@ class RolloutEngine:
         return {
             **self._counters,
             "loaded_adapters": self.loaded_adapters(),
+            "loaded_weights": self.loaded_weights,
+            "weight_loads": self.weight_loads,
             "known_adapter_versions": len(self._registry),
             "jobs": self._registry.jobs(),
             "startup_seconds": round(self.startup_seconds, 3),

@@ -206,7 +206,7 @@ class JobStateCopy:
     """
 
     job_id: str
-    lora: LoraConfig
+    lora: LoraConfig | None  # None: full fine-tuning (the "adapter" is every weight)
     seed: int
     weight_decay: float  # the AdamW param group's value when exported
     param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order (read-only)

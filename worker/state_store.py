@@ -1,9 +1,9 @@
 """The state store: which memory tier each job's trainer state lives on, and the moves between them.
 
-``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter,
-AdamW step counts and moments, RNG state) on exactly one tier: ``device`` (live in the trainer,
-at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in the store's ``HostArena``, up to
-``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``, up to
+``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter or
+a full fine-tuning job's weights, AdamW step counts and moments, RNG state) on one tier:
+``device`` (live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in
+the store's ``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``, up to
 ``nvme_bytes``, described only in memory: scratch that never outlives the process). Which job
 leaves the device, where its state goes and what comes up ahead of need are decided by
 ``plexctl.common.state_policy``; this module carries the decisions out: ``ensure_resident`` (before each
@@ -43,7 +43,7 @@ import torch
 from plexctl.common import state_policy
 from plexctl.common.protocol import LoraConfig
 from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
-from plexctl.common.state_size import job_state_bytes
+from plexctl.common.state_size import full_state_bytes, job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.copy_dir import CopyDirectory
 from worker.copy_files import NvmeCopy, read_copy, unlink_all, write_copy
@@ -79,7 +79,7 @@ class _NoSpace(Exception):
 @dataclass
 class _Record:
     job_id: str
-    lora: LoraConfig
+    lora: LoraConfig | None  # None: full fine-tuning
     seed: int
     weight_decay: float
     tier: str  # where the job's one complete copy is
@@ -229,7 +229,9 @@ class StateStore:
 
     # ------------------------------------------------------------ the public operations
 
-    def ensure_resident(self, job_id: str, lora: LoraConfig, seed: int, weight_decay: float = 0.0) -> dict[str, Any]:
+    def ensure_resident(
+        self, job_id: str, lora: LoraConfig | None, seed: int, weight_decay: float = 0.0
+    ) -> dict[str, Any]:
         """Put the job's state on the device (swap in, or create it); return what moved.
 
         ``{"swap_in": "host" | "nvme" | None, "evicted": [...], "demoted": [...], "bytes": n,
@@ -395,11 +397,14 @@ class StateStore:
             return {**tiers, "in_flight": in_flight, "swaps": swaps}
 
     @staticmethod
-    def job_bytes(lora: LoraConfig, model_config: Mapping[str, Any] | Any) -> int:
-        """A job's state size once it has trained (fp32 adapter + AdamW's two moments + step
-        counts + RNG state), from its LoRA config and the base model's config (a ``config.json``
-        mapping or a transformers config); see ``plexctl.common.state_size``."""
+    def job_bytes(lora: LoraConfig | None, model_config: Mapping[str, Any] | Any) -> int:
+        """A job's state size once it has trained (fp32 adapter, or for a full fine-tuning job
+        (``lora`` None) fp32 weights, + AdamW's two moments + step counts + RNG state), from its
+        LoRA config and the base model's config (a ``config.json`` mapping or a transformers
+        config); see ``plexctl.common.state_size``."""
         config = model_config if isinstance(model_config, Mapping) else model_config.to_dict()
+        if lora is None:
+            return full_state_bytes(config, "float32", cuda=torch.cuda.is_available())
         return job_state_bytes(lora.rank, list(lora.target_modules), config, cuda=torch.cuda.is_available())
 
     # ------------------------------------------------------------ swapping in
@@ -424,7 +429,7 @@ class StateStore:
         record: _Record | None,
         incoming: JobStateCopy | None,
         read_seconds: float,
-        lora: LoraConfig,
+        lora: LoraConfig | None,
         seed: int,
         weight_decay: float,
         moves: _Moves,
@@ -696,7 +701,7 @@ class StateStore:
             if buffer is not None:
                 self._pool.give(buffer)
 
-    def _take_back(self, job_id: str, lora: LoraConfig) -> _Record | None:
+    def _take_back(self, job_id: str, lora: LoraConfig | None) -> _Record | None:
         """The job's record, marked moving to the device, if its host copy was handed to the
         write-behind thread and not yet landed on nvme: the handoff is void, the copy swaps in
         from host memory (caller holds the lock). Else None."""
@@ -943,7 +948,7 @@ class StateStore:
 # ---------------------------------------------------------------- module helpers
 
 
-def _check_same_lora(record: _Record, lora: LoraConfig) -> None:
+def _check_same_lora(record: _Record, lora: LoraConfig | None) -> None:
     if lora_signature(record.lora) != lora_signature(lora):
         raise JobConfigError(
             f"job {record.job_id!r} is stored with LoRA {lora_signature(record.lora)}, not {lora_signature(lora)}"

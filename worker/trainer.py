@@ -1,4 +1,5 @@
-"""The trainer engine: one resident base model, many jobs' LoRA adapters and AdamW states.
+"""The trainer engine: one resident base model, many jobs' LoRA adapters or full weights, with
+their AdamW states.
 
 ``TrainerEngine`` loads a base model once (transformers) and serves any number of jobs on it:
 its slots (``worker.trainer_slots``: each job's adapter, AdamW and RNG state in one flat buffer,
@@ -6,7 +7,10 @@ created, released, exported and imported), its math (``worker.trainer_math``: ``
 ``loss_gradients``, ``logprobs``) and, here, its files: adapters in the exact PEFT layout that
 vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load (in the engine's dtype), and
 durable checkpoints (adapter + optimizer + RNG + the driver's ``extra``, float32, with a sha256
-manifest; ``worker.checkpoint_files``), written atomically and verified before a restore.
+manifest; ``worker.checkpoint_files``), written atomically and verified before a restore. A
+full fine-tuning job publishes ``model.safetensors`` (every weight, the engine's dtype, the
+model's parameter names: what the rollout engine reloads) and checkpoints the same files as an
+adapter job, its float32 weights where the adapter would be.
 
 Invariants. A write that runs out of disk space or quota removes its temp dir, leaves the
 previous checkpoint as it was and raises ``NoSpaceError`` (one line: the directory, the bytes it
@@ -14,7 +18,7 @@ needed, the bytes free). A restored job trains on exactly as it would have. Mode
 are post-processed after the lm_head (soft-capping, scaling) are refused.
 
 Not here: scheduling, deciding which job lives on which memory tier or writing copies to disk
-(``worker.state_store``), sockets, rollout, full fine-tunes. Rows of different jobs are not
+(``worker.state_store``), sockets, rollout. Rows of different jobs are not
 mixed in one forward. The engine is not thread-safe: the worker calls it from one thread.
 Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic kernels.
 """
@@ -33,6 +37,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from plexctl.common.protocol import LoraConfig
 from worker.checkpoint_files import (
+    ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CHECKPOINT_FILES,
     CHECKPOINT_FORMAT,
@@ -53,8 +58,9 @@ from worker.train_batches import micro_batch_bounds
 from worker.trainer_math import TrainingMath
 from worker.trainer_slots import PARKED_ADAPTERS_MAX, JobState, SlabCounts, lora_signature, peft_config, store_rng
 
-__all__ = ["DTYPES", "PARKED_ADAPTERS_MAX", "TrainerEngine", "lora_signature"]
+__all__ = ["DTYPES", "FULL_WEIGHTS_FILE", "PARKED_ADAPTERS_MAX", "TrainerEngine", "lora_signature"]
 
+FULL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tuning job's published weights (model parameter names)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -100,6 +106,7 @@ class TrainerEngine(TrainingMath):
         self.gradient_checkpointing = gradient_checkpointing
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device, gradient_checkpointing)
+        self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names
         # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
         self._checkpointed_layers = [
             m for m in self._base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
@@ -147,7 +154,7 @@ class TrainerEngine(TrainingMath):
             nbytes=sum(len(data) for data in payload.values()),
         )
 
-    def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig, seed: int) -> dict:
+    def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig | None, seed: int) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
         directory = Path(ckpt_dir)
         manifest = read_manifest(directory)
@@ -177,6 +184,9 @@ class TrainerEngine(TrainingMath):
         return safetensors_bytes(tensors, metadata={"format": "pt"})
 
     def _write_adapter_files(self, job: JobState, directory: Path, weights: bytes) -> None:
+        if job.lora is None:  # full fine-tuning: the weights alone, what the rollout engine reloads
+            write_file(directory / FULL_WEIGHTS_FILE, weights)
+            return
         config = peft_config(job.lora, self.model_path)
         config.inference_mode = True
         config.save_pretrained(str(directory))
@@ -201,7 +211,11 @@ class TrainerEngine(TrainingMath):
         }
 
     def _write_checkpoint_files(self, job: JobState, directory: Path, payload: dict[str, bytes]) -> dict:
-        self._write_adapter_files(job, directory, payload[ADAPTER_WEIGHTS])
+        if job.lora is None:  # the same files: the weights in ADAPTER_WEIGHTS, a config that says so
+            write_file(directory / ADAPTER_CONFIG, json.dumps(lora_signature(None)).encode())
+            write_file(directory / ADAPTER_WEIGHTS, payload[ADAPTER_WEIGHTS])
+        else:
+            self._write_adapter_files(job, directory, payload[ADAPTER_WEIGHTS])
         for name in (TRAINER_STATE, EXTRA):
             write_file(directory / name, payload[name])
         manifest = {

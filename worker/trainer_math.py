@@ -1,5 +1,5 @@
-"""A trainer engine's math: the loss, its gradient and the optimizer step on one job's adapter,
-and current-policy log-probs.
+"""A trainer engine's math: the loss, its gradient and the optimizer step on one job's adapter
+(or, for a full fine-tuning job, on all its weights), and current-policy log-probs.
 
 ``train_step`` runs one policy-gradient step with the loss the call names (``TrainHParams``):
 PPO's clipped surrogate with asymmetric clip (``pg-clip``) or truncated importance sampling
@@ -105,18 +105,56 @@ class TrainingMath(JobSlots):
         rows = pad_rows(input_ids, loss_mask, self.device)
         model = self._activate(job, train=False)
         columns: list[torch.Tensor] = []
-        with torch.no_grad(), self._forward_context():
+        with torch.no_grad(), self._job_weights(job, grad=False), self._forward_context():
             for _, _, part in self._micro_batches(rows):
                 logp, _ = self._token_logprobs(model, part)
                 columns.extend(logp.cpu())
         return [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
 
-    def _activate(self, job: JobState, train: bool) -> PeftModel:
-        """Make the job's adapter the only active (and trainable) one; set train/eval mode."""
+    def _activate(self, job: JobState, train: bool) -> torch.nn.Module:
+        """Make the job's adapter the only active (and trainable) one; set train/eval mode. A
+        full fine-tuning job's weights go in with ``_job_weights`` around its forward."""
+        if job.lora is None:
+            model = self._peft if self._peft is not None else self._base
+            model.train(train)
+            return model
         assert self._peft is not None
         self._peft.set_adapter(job.adapter_name)
         self._peft.train(train)
         return self._peft
+
+    @contextlib.contextmanager
+    def _job_weights(self, job: JobState, grad: bool) -> Iterator[None]:
+        """A full fine-tuning job's weights in the model for the block, every adapter off (a LoRA
+        job: nothing to do). The model's parameters point at the job's float32 masters (cast
+        copies on a bfloat16 / float16 engine); with ``grad`` their gradients, added to the
+        masters' (micro-batches accumulate), are moved onto the masters after the block. The
+        base's own weights are back in the model, untouched, when the block ends."""
+        if job.lora is not None:
+            yield
+            return
+        pairs = [(self._base_params[key], master) for key, master in job.params.items()]
+        held = [base.data for base, _ in pairs]
+        adapters_off = self._peft.disable_adapter() if self._peft is not None else contextlib.nullcontext()
+        try:
+            for base, master in pairs:
+                base.data = master.data if master.dtype == base.dtype else master.detach().to(base.dtype)
+                base.requires_grad_(grad)
+            with adapters_off:
+                yield
+            for base, master in pairs if grad else ():
+                if base.grad is None:
+                    continue
+                part = base.grad if base.grad.dtype == master.dtype else base.grad.to(master.dtype)
+                if master.grad is None:
+                    master.grad = part
+                else:
+                    master.grad += part
+        finally:
+            for (base, _), data in zip(pairs, held):
+                base.data = data
+                base.grad = None
+                base.requires_grad_(False)
 
     def _micro_batches(self, rows: Rows) -> Iterator[tuple[int, int, Rows]]:
         """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch."""
@@ -197,18 +235,19 @@ class TrainingMath(JobSlots):
         user_loss: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
-        model = self._activate(job, train=job.lora.dropout > 0)
-        with self._forward_context():
-            logp, entropy = self._token_logprobs(model, part, entropy=True)
-        assert entropy is not None
-        if user_loss is not None:
-            terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
-        elif hp.loss == "pg-tis":
-            terms = tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
-        else:
-            terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
-        loss = (terms.loss * weights).sum()
-        loss.backward()
+        model = self._activate(job, train=job.lora is not None and job.lora.dropout > 0)
+        with self._job_weights(job, grad=True):  # the backward too: gradients reach the job's weights
+            with self._forward_context():
+                logp, entropy = self._token_logprobs(model, part, entropy=True)
+            assert entropy is not None
+            if user_loss is not None:
+                terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
+            elif hp.loss == "pg-tis":
+                terms = tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+            else:
+                terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+            loss = (terms.loss * weights).sum()
+            loss.backward()
         sums.add(part.loss_mask, weights, terms, loss, entropy)
 
     def _user_loss(self, hp: TrainHParams) -> Callable[..., torch.Tensor]:
@@ -226,7 +265,8 @@ class TrainingMath(JobSlots):
     def _reference_logprobs(self, job: JobState, part: Rows) -> torch.Tensor:
         """Log-probs under the base model (every adapter disabled), no gradient."""
         model = self._activate(job, train=False)
-        with torch.no_grad(), model.disable_adapter(), self._forward_context():
+        adapters_off = model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
+        with torch.no_grad(), adapters_off, self._forward_context():
             return self._token_logprobs(model, part)[0]
 
     def _clip_gradients(self, job: JobState, max_grad_norm: float) -> float:
@@ -239,7 +279,7 @@ class TrainingMath(JobSlots):
     @contextlib.contextmanager
     def _job_rng(self, job: JobState) -> Iterator[None]:
         """Run the block on the job's own RNG stream (only LoRA dropout consumes it)."""
-        if job.lora.dropout <= 0:
+        if job.lora is None or job.lora.dropout <= 0:
             yield
             return
         with self._forked_rng():

@@ -1,5 +1,8 @@
 """A trainer engine's per-job slots: each resident job's adapter, AdamW state and RNG in one
-flat device buffer, and their lifecycle (create, release and park, export, import).
+flat device buffer, and their lifecycle (create, release and park, export, import). A full
+fine-tuning job (``lora`` None) has a slot of the same layout whose "adapter" is every weight of
+the base model in float32 (its masters) beside their AdamW moments; ``worker.trainer_math``
+puts those weights into the model for the job's calls only, the base's own weights stay apart.
 
 One ``peft.PeftModel`` holds every resident job's adapter side by side (``add_adapter`` once per
 job, under an engine-unique name). A job's trainable state (adapter parameters, AdamW moments
@@ -48,6 +51,7 @@ from worker.state_copy import (
     state_spec,
 )
 
+FULL_WEIGHTS_PREFIX = "full_"  # the name of a full fine-tuning job's weights (never a peft adapter's)
 PARKED_ADAPTERS_MAX = 4  # released adapters kept (with their slots) for import_state to reuse
 
 # ---------------------------------------------------------------- per-job state
@@ -134,9 +138,9 @@ class Slot:
 class JobState:
     job_id: str
     adapter_name: str  # the adapter's key inside the shared PeftModel
-    lora: LoraConfig
+    lora: LoraConfig | None  # None: full fine-tuning (the slot holds every weight)
     seed: int
-    homes: dict[str, Home]  # PEFT-file key -> where the parameter lives
+    homes: dict[str, Home]  # PEFT-file key (full: the model's parameter name) -> where the parameter lives
     slot: Slot
 
     @property
@@ -162,7 +166,7 @@ class ParkedAdapter:
     """A released job's adapter modules with its slot (whose memory may have been freed)."""
 
     adapter_name: str
-    lora: LoraConfig  # of the job it was made for
+    lora: LoraConfig | None  # of the job it was made for (None: full fine-tuning)
     signature: dict[str, Any]  # its lora_signature
     homes: dict[str, Home]
     slot: Slot
@@ -189,6 +193,7 @@ class JobSlots:
     device: torch.device
     slabs: SlabCounts
     _base: torch.nn.Module
+    _base_params: dict[str, torch.nn.Parameter]  # the base model's own parameters (tied ones once), by name
     _peft: PeftModel | None
     _jobs: dict[str, JobState]
     _cuda: bool
@@ -200,14 +205,21 @@ class JobSlots:
 
     # ------------------------------------------------------------ job lifecycle
 
-    def ensure_job(self, job_id: str, lora: LoraConfig, seed: int, weight_decay: float = 0.0) -> None:
-        """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent."""
+    def ensure_job(self, job_id: str, lora: LoraConfig | None, seed: int, weight_decay: float = 0.0) -> None:
+        """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent.
+        ``lora`` None: a full fine-tuning job, its weights starting as the base's."""
         existing = self._jobs.get(job_id)
         if existing is not None:
             if lora_signature(existing.lora) != lora_signature(lora):
                 raise JobConfigError(
                     f"job {job_id!r} is resident with LoRA {lora_signature(existing.lora)}, not {lora_signature(lora)}"
                 )
+            return
+        if lora is None:
+            name, homes = self._full_weights(empty=False)
+            slot = self._make_slot(homes, weight_decay)
+            store_rng(slot.rng, self._capture_rng())  # nothing consumes it: no dropout in a full job
+            self._register_job(job_id, name, None, seed, homes, slot)
             return
         adapter_name = self._new_adapter_name()
         with self._forked_rng():
@@ -322,7 +334,9 @@ class JobSlots:
         if job_id in self._jobs:
             raise JobConfigError(f"job {job_id!r} is already resident; release it before import_state")
         parked = self._unpark_adapter(copy.lora)
-        adapter = parked or self._attach_empty_adapter(copy.lora)
+        adapter = parked or (
+            self._attach_empty_adapter(copy.lora) if copy.lora is not None else self._attach_empty_full_weights()
+        )
         try:
             slot = adapter.slot
             check_copy_fits(copy, slot.spec)
@@ -380,7 +394,7 @@ class JobSlots:
         self._adapters_made += 1
         return f"adapter_{self._adapters_made}"
 
-    def _unpark_adapter(self, lora: LoraConfig) -> ParkedAdapter | None:
+    def _unpark_adapter(self, lora: LoraConfig | None) -> ParkedAdapter | None:
         """A parked adapter of the same LoRA shape (the latest whose slot kept its buffer, if
         any), taken off the parked list, or None."""
         parked = self._parked
@@ -408,18 +422,40 @@ class JobSlots:
         homes = self._adapter_homes(adapter_name)
         return ParkedAdapter(adapter_name, lora, lora_signature(lora), homes, self._make_slot(homes))
 
+    def _full_weights(self, empty: bool) -> tuple[str, dict[str, Home]]:
+        """A name and parameters for a full fine-tuning job, one per base parameter, float32 (its
+        masters), held apart from the model: the base's values, or (``empty``) meta placeholders
+        that ``_make_slot`` replaces with views over uninitialised memory."""
+        holder = torch.nn.Module()
+        homes: dict[str, Home] = {}
+        for i, (name, base) in enumerate(self._base_params.items()):
+            if empty:
+                weight = torch.empty(base.shape, dtype=torch.float32, device="meta")
+            else:
+                weight = base.detach().to(torch.float32, copy=True)
+            holder.register_parameter(f"w{i}", torch.nn.Parameter(weight, requires_grad=True))
+            homes[name] = (holder, f"w{i}")
+        self._adapters_made += 1
+        return f"{FULL_WEIGHTS_PREFIX}{self._adapters_made}", homes
+
+    def _attach_empty_full_weights(self) -> ParkedAdapter:
+        name, homes = self._full_weights(empty=True)
+        return ParkedAdapter(name, None, lora_signature(None), homes, self._make_slot(homes))
+
     @property
     def attached_adapters(self) -> int:
         """Adapters in the PeftModel: the resident jobs' plus the parked ones."""
         return len(self._peft.peft_config) if self._peft is not None else 0
 
     def _delete_adapter(self, adapter_name: str) -> None:
+        if adapter_name.startswith(FULL_WEIGHTS_PREFIX):  # held apart from the model: dropped with its slot
+            return
         assert self._peft is not None
         with warnings.catch_warnings():  # "adapter was active ... setting active adapter to ..."
             warnings.simplefilter("ignore", UserWarning)
 
     def _register_job(
-        self, job_id: str, adapter_name: str, lora: LoraConfig, seed: int, homes: dict[str, Home], slot: Slot
+        self, job_id: str, adapter_name: str, lora: LoraConfig | None, seed: int, homes: dict[str, Home], slot: Slot
     ) -> JobState:
         job = JobState(job_id, adapter_name, lora, seed, homes, slot)
         self._jobs[job_id] = job
@@ -547,8 +583,11 @@ def peft_config(lora: LoraConfig, base_model_path: str) -> PeftLoraConfig:
     )
 
 
-def lora_signature(lora: LoraConfig) -> dict[str, Any]:
-    """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able."""
+def lora_signature(lora: LoraConfig | None) -> dict[str, Any]:
+    """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able
+    (a full fine-tuning job's: ``{"full_finetune": True}``)."""
+    if lora is None:
+        return {"full_finetune": True}
     fields = msgspec.to_builtins(lora)
     fields["target_modules"] = sorted(fields["target_modules"])
     return fields

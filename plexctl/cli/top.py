@@ -162,6 +162,7 @@ def top_view(f: TopFrame) -> Group:
     for col in (
         "JOB",
         "NAME",
+        "TRAINS",
         "STATE",
         "STEP",
         "",
@@ -182,6 +183,7 @@ def top_view(f: TopFrame) -> Group:
         jobs.add_row(
             j.job_id,
             j.name,
+            j.trains or "-",
             state,
             f"{j.step}/{j.steps}",
             ProgressBar(total=1.0, completed=j.step / j.steps if j.steps else 0.0, width=14),
@@ -217,14 +219,14 @@ def top_view(f: TopFrame) -> Group:
 def plain_top(f: TopFrame) -> str:
     now = f.rep.now
     lines = [
-        f"{'JOB':<6} {'NAME':<16} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} {'REWARD':>7} "
+        f"{'JOB':<6} {'NAME':<16} {'TRAINS':<11} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} {'REWARD':>7} "
         f"{'RECENT':<{RECENT_STEPS}} {'POLICY':>6} {'STALE':>5}  STATE AT"
     ]
     for j in f.rep.jobs:
         h = f.history.get(j.job_id)
         done = f"{j.step / j.steps:.0%}" if j.steps else "-"
         lines.append(
-            f"{j.job_id:<6} {j.name[:16]:<16} {j.state:<10} {f'{j.step}/{j.steps}':>9} {done:>5} "
+            f"{j.job_id:<6} {j.name[:16]:<16} {j.trains or '-':<11} {j.state:<10} {f'{j.step}/{j.steps}':>9} {done:>5} "
             f"{fmt_duration(eta(j, h, now)):>7} {fmt_reward(j.reward):>7} "
             f"{(sparkline(h.rewards) if h else ''):<{RECENT_STEPS}} {'v' + str(j.policy_version):>6} "
             f"{'-' if h is None or h.staleness is None else f'{h.staleness:.0f}':>5}  "

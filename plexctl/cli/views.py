@@ -61,7 +61,20 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
 
     now = now or time.time()
     t = Table(title="jobs", title_justify="left", expand=False)
-    for col in ("JOB", "NAME", "USER", "STATE", "STEP", "", "REWARD", "EVAL first→last", "POLICY", "ENGINE", "ELAPSED"):
+    for col in (
+        "JOB",
+        "NAME",
+        "TRAINS",
+        "USER",
+        "STATE",
+        "STEP",
+        "",
+        "REWARD",
+        "EVAL first→last",
+        "POLICY",
+        "ENGINE",
+        "ELAPSED",
+    ):
         t.add_column(col, no_wrap=True)
     for j in jobs:
         frac = j.step / j.steps if j.steps else 0.0
@@ -71,6 +84,7 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
         t.add_row(
             j.job_id,
             j.name,
+            j.trains or "-",
             j.user,
             state,
             f"{j.step}/{j.steps}",
@@ -163,10 +177,13 @@ def status_view(rep: StatusRep, uptime: float) -> Group:
 
 
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
-    lines = [f"{'JOB':<6} {'NAME':<20} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} {'POLICY':>6}  ENGINE"]
+    lines = [
+        f"{'JOB':<6} {'NAME':<20} {'TRAINS':<11} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} "
+        f"{'POLICY':>6}  ENGINE"
+    ]
     for j in jobs:
         lines.append(
-            f"{j.job_id:<6} {j.name[:20]:<20} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
+            f"{j.job_id:<6} {j.name[:20]:<20} {j.trains or '-':<11} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
             f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
             f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
             + (f"  error: {j.error}" if j.error else "")

@@ -32,11 +32,13 @@ class Sampling(msgspec.Struct):
 
 
 class AdapterRef(msgspec.Struct):
-    """A published adapter version of a job, loadable by the rollout engine."""
+    """A published policy version of a job, loadable by the rollout engine: a PEFT adapter, or
+    (``full``) every weight of the model in ``model.safetensors``, loaded in place."""
 
     job_id: str
     version: int
     path: str
+    full: bool = False
 
 
 class GenRequest(msgspec.Struct):
@@ -118,7 +120,7 @@ class TrainerContext(msgspec.Struct):
     """What every trainer task carries about its job: the state to make resident if it is not,
     the key that makes a repeated call a no-op, and the daemon's expected order of jobs."""
 
-    lora: LoraConfig
+    lora: LoraConfig | None  # None: full fine-tuning
     seed: int
     weight_decay: float = 0.0
     call_key: str = ""  # "<driver pid>:<call id>": a repeat is answered with the last result, unapplied

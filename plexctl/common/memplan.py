@@ -9,7 +9,10 @@ spends GPU-hours. It owns:
 - the shapes a plan is made of: ``NodeShape`` ("8x80G"), ``EngineShape``, ``ClusterOptions``,
   ``JobShape`` (``job_shape`` makes one from a job spec), and ``default_engines``;
 - ``plan_memory`` -> ``MemoryPlan`` (a ``RolloutPlan`` / ``TrainerPlan`` per engine and a list
-  of one-line problems, each with its numbers), ``job_problems`` and ``render_plan``.
+  of one-line problems, each with its numbers), ``job_problems`` and ``render_plan``;
+- the refusals of full fine-tuning and of a model no engine can hold: ``full_job_problems``
+  (pure, a list of one-line problems) and ``check_full_state_fits`` (raises ``DoesNotFit``,
+  exit 7), which submit calls for a spec without ``lora:`` or on a model of its own.
 
 Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the
 weights, of the KV heads and of the sharded LoRA factors); a plan with no problems fits with
@@ -33,14 +36,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from plexctl.common.errors import Refused
 from plexctl.common.sizes import fmt_bytes, parse_bytes
-from plexctl.common.state_size import FP32_BYTES, job_state_bytes, lora_module_shapes
+from plexctl.common.state_size import (
+    FP32_BYTES,
+    FullStateSize,
+    dtype_bytes,
+    full_state_size,
+    job_state_bytes,
+    lora_module_shapes,
+    parameter_count,
+)
 
 if TYPE_CHECKING:
     from plexctl.common.spec import JobSpec
 
 GiB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # tp splits their input; the other projections split their output
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM (0.32) accepts as max_lora_rank
@@ -62,37 +73,12 @@ DEFAULT_NVME = "1T"  # node-local NVMe of a node when not told
 # ---------------------------------------------------------------- model sizes
 
 
-def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
-    return DTYPE_BYTES[dtype]
-
-
 def _head_dim(config: Mapping[str, Any]) -> int:
     return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
 
 
 def _kv_heads(config: Mapping[str, Any]) -> int:
     return int(config.get("num_key_value_heads") or config["num_attention_heads"])
-
-
-def parameter_count(config: Mapping[str, Any]) -> int:
-    """Parameters of the base model: embeddings, lm_head (unless tied), attention (GQA), MLP, norms
-    and biases (q/k/v biases for Qwen2; ``attention_bias`` / ``mlp_bias`` when a config says so)."""
-    hidden, vocab, layers = int(config["hidden_size"]), int(config["vocab_size"]), int(config["num_hidden_layers"])
-    shapes = lora_module_shapes(config)
-    linear = sum(n_in * n_out for n_in, n_out in shapes.values())
-    biased: tuple[str, ...]
-    if "attention_bias" in config:
-        biased = ("q_proj", "k_proj", "v_proj", "o_proj") if config["attention_bias"] else ()
-    else:
-        biased = ("q_proj", "k_proj", "v_proj") if config.get("model_type") == "qwen2" else ()
-    if config.get("mlp_bias"):
-        biased += ("gate_proj", "up_proj", "down_proj")
-    biases = sum(shapes[m][1] for m in biased)
-    per_layer = linear + biases + 2 * hidden  # two RMSNorms
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
-    return layers * per_layer + embeddings + hidden  # + the final norm
 
 
 def weights_bytes(config: Mapping[str, Any], dtype: str) -> int:
@@ -269,6 +255,7 @@ class JobShape:
     target_modules: tuple[str, ...] = ALL_PROJECTIONS
     dtype: str | None = None  # the job's model.dtype (None: whatever the engines serve)
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    full: bool = False  # full fine-tuning (no adapter: rank 0, no target modules)
 
     @property
     def peak_tokens(self) -> int:
@@ -282,8 +269,6 @@ def job_shape(
     """A spec's shape. Sequences are ``prompt_tokens`` + ``sampling.max_tokens`` (multi-turn:
     ``env.max_total_tokens``, else the prompt and ``max_turns`` completions); the micro-batch is
     ``micro_batch_tokens`` or the whole step's tokens when fewer."""
-    if spec.lora is None:
-        raise ValueError(f"job {spec.name}: no `lora` section (full fine-tuning is not planned)")
     if spec.env is None:
         seq = prompt_tokens + spec.sampling.max_tokens
     elif spec.env.max_total_tokens is not None:
@@ -293,12 +278,24 @@ def job_shape(
     step_tokens = spec.algo.prompts_per_step * spec.algo.group_size * seq
     return JobShape(
         name=spec.name,
-        rank=spec.lora.rank,
+        rank=spec.lora.rank if spec.lora is not None else 0,
         max_seq_len=seq,
-        target_modules=tuple(spec.lora.target_modules),
+        target_modules=tuple(spec.lora.target_modules) if spec.lora is not None else (),
         dtype=spec.model.dtype,
         micro_batch_tokens=max(seq, min(micro_batch_tokens, step_tokens)),
+        full=spec.lora is None,
     )
+
+
+def job_sizes(config: Mapping[str, Any], job: JobShape, dtype: str, cuda: bool) -> tuple[int, int]:
+    """(state bytes, fp32 gradient bytes) of ``job`` on a model of ``config`` served in ``dtype``:
+    an adapter's, or a full fine-tuning job's (weights, fp32 masters, AdamW moments; every weight's
+    gradient)."""
+    if job.full:
+        size = full_state_size(config, job.dtype or dtype, cuda=cuda)
+        return size.total, size.params * FP32_BYTES
+    state = job_state_bytes(job.rank, list(job.target_modules), config, cuda=cuda)
+    return state, adapter_params(config, job.rank, job.target_modules) * FP32_BYTES
 
 
 # ---------------------------------------------------------------- the plan
@@ -414,17 +411,16 @@ class MemoryPlan:
 
 
 def _largest_job(
-    config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape], cuda: bool
+    config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape], dtype: str, cuda: bool
 ) -> tuple[int, int]:
     """(state bytes, fp32 gradient bytes) of the largest planned job; without jobs, of one at
     ``max_lora_rank`` on all projections (the largest a rollout engine loads)."""
     known = set(lora_module_shapes(config))
-    shaped = [(j.rank, j.target_modules) for j in jobs if set(j.target_modules) <= known]
+    shaped = [j for j in jobs if set(j.target_modules) <= known]
     if not shaped:
-        shaped = [(options.max_lora_rank, ALL_PROJECTIONS)]
-    state = max(job_state_bytes(rank, list(targets), config, cuda=cuda) for rank, targets in shaped)
-    gradient = max(adapter_params(config, rank, targets) * FP32_BYTES for rank, targets in shaped)
-    return state, gradient
+        shaped = [JobShape("", options.max_lora_rank, 0)]
+    sizes = [job_sizes(config, j, dtype, cuda) for j in shaped]
+    return max(state for state, _ in sizes), max(gradient for _, gradient in sizes)
 
 
 def _shared_pairs(engines: Sequence[EngineShape], gpus: int) -> tuple[set[int], list[tuple[int, int]], str | None]:
@@ -467,7 +463,7 @@ def plan_memory(
     engines = tuple(engines if engines is not None else default_engines(node.gpus))
     max_model_len = options.max_model_len or min(model_context(config), CONTEXT_CAP)
     weights = weights_bytes(config, dtype)
-    state, gradient = _largest_job(config, options, jobs, cuda=node.gpus > 0)
+    state, gradient = _largest_job(config, options, jobs, dtype, cuda=node.gpus > 0)
     # the largest micro-batch of the jobs (without jobs: the budget); a job beyond the budget is its own problem
     micro_tokens = max(
         (min(j.peak_tokens, options.micro_batch_tokens) for j in jobs), default=options.micro_batch_tokens
@@ -675,8 +671,7 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
             f"{prefix}a sequence of {job.max_seq_len:,} tokens exceeds the KV cache of "
             f"{min(r.kv_tokens for r in plan.rollouts):,} tokens"
         )
-    cuda = plan.node.gpus > 0
-    state = job_state_bytes(job.rank, list(job.target_modules), plan.config, cuda=cuda)
+    state, gradient = job_sizes(plan.config, job, plan.dtype, cuda=plan.node.gpus > 0)
     largest = max(plan.options.host_tier_bytes, plan.options.nvme_tier_bytes)
     if state > largest:
         say(
@@ -688,7 +683,6 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
         activations = trainer_activation_bytes(
             plan.config, job.peak_tokens, plan.dtype, plan.options.logits_chunk_tokens
         )
-        gradient = adapter_params(plan.config, job.rank, job.target_modules) * FP32_BYTES
         need = t.weights_bytes + state + activations + gradient + t.runtime_bytes
         if need > t.capacity_bytes and t.weights_bytes <= t.capacity_bytes:
             say(
@@ -698,6 +692,114 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
                 f"{_size(t.capacity_bytes)}"
             )
     return problems
+
+
+# ---------------------------------------------------------------- full fine-tuning, other models
+
+
+class DoesNotFit(Refused):
+    """A job the cluster's engines or tiers can never hold (exit 7): one line with the numbers."""
+
+
+@dataclass(frozen=True)
+class FullJob:
+    """What the refusals need to know of a job: its name, its model and dtype, and whether it
+    trains every weight (a spec without ``lora:``)."""
+
+    name: str
+    model_path: str
+    config: Mapping[str, Any]
+    dtype: str | None = None  # the job's model.dtype (None: whatever the engines serve)
+    full: bool = True
+    spec_file: str = ""  # the spec's file, named in the message when known
+
+    @classmethod
+    def of(cls, spec: JobSpec, config: Mapping[str, Any] | None = None, spec_file: str = "") -> FullJob:
+        """From a job spec; ``config`` defaults to the model's (``model_shapes.model_config_for``)."""
+        from plexctl.common.model_shapes import model_config_for
+
+        return cls(
+            name=spec.name,
+            model_path=spec.model.path,
+            config=config if config is not None else model_config_for(spec.model.path),
+            dtype=spec.model.dtype,
+            full=spec.lora is None,
+            spec_file=spec_file,
+        )
+
+
+def _state_tiers(plan: MemoryPlan) -> list[tuple[str, int]]:
+    """(tier, bytes) a job's state can live in on this plan: the largest trainer's device room
+    beside its weights-free fixed needs, the host tier, the NVMe tier."""
+    tiers: list[tuple[str, int]] = []
+    if plan.trainers:
+        t = max(plan.trainers, key=lambda t: t.capacity_bytes)
+        tiers.append(("device", max(0, t.capacity_bytes - t.activation_bytes - t.runtime_bytes)))
+    tiers.append(("host tier", plan.options.host_tier_bytes))
+    tiers.append(("NVMe tier", plan.options.nvme_tier_bytes))
+    return tiers
+
+
+def full_job_problems(plan: MemoryPlan, job: FullJob) -> list[str]:
+    """Why ``job`` can never run on ``plan``'s engines and tiers, one line each with its numbers:
+
+    - its model's weights (in its dtype, else the engines') fit no rollout engine (weights per
+      GPU of a tp-way engine + the engine's reserve over its budget) or no trainer (over the GPU,
+      or over the host memory a CPU trainer has);
+    - full fine-tuning: its state (weights, fp32 masters, AdamW moments) fits no tier (device
+      room of the largest trainer, host tier, NVMe tier), or does not fit the device beside its
+      gradients, activations and runtime when it trains. [] if it can run."""
+    dtype = job.dtype or plan.dtype
+    where = f"{job.spec_file}: model.path" if job.spec_file else f"job {job.name}: model.path"
+    model = job.model_path.rstrip("/").rsplit("/", 1)[-1] or job.model_path
+    problems: list[str] = []
+    weights = weights_bytes(job.config, dtype)
+    rollout_fits = [
+        r
+        for r in plan.rollouts
+        if math.ceil(weights / max(r.gpus, 1)) + r.reserve_bytes <= r.budget_bytes or r.gpus == 0
+    ]
+    if plan.rollouts and not rollout_fits:
+        r = max(plan.rollouts, key=lambda r: r.budget_bytes * max(r.gpus, 1))
+        shard = math.ceil(weights / max(r.gpus, 1))
+        problems.append(
+            f"{where}: {model}'s {dtype} weights {_size(weights)} ({_size(shard)} per GPU of a tp-{r.gpus} "
+            f"rollout engine, + reserve {_size(r.reserve_bytes)}) fit no rollout engine (budget "
+            f"{_size(r.budget_bytes)} per GPU)"
+        )
+    trainer_room = max((t.capacity_bytes for t in plan.trainers), default=0)
+    if plan.trainers and weights > trainer_room:
+        problems.append(
+            f"{where}: {model}'s {dtype} weights {_size(weights)} fit no trainer (largest {_size(trainer_room)})"
+        )
+    if not job.full:
+        return problems
+    state: FullStateSize = full_state_size(job.config, dtype, cuda=plan.node.gpus > 0)
+    tiers = _state_tiers(plan)
+    what = f"{where}: full fine-tuning of {model} (no `lora:`): state {_size(state.total)} ({state.describe()})"
+    if all(state.total > room for _, room in tiers):
+        problems.append(f"{what} fits no tier ({', '.join(f'{name} {_size(room)}' for name, room in tiers)})")
+    elif plan.trainers:
+        t = max(plan.trainers, key=lambda t: t.capacity_bytes)
+        gradients = state.params * FP32_BYTES
+        need = state.total + gradients + t.activation_bytes + t.runtime_bytes
+        if need > t.capacity_bytes:
+            problems.append(
+                f"{what} + fp32 gradients {_size(gradients)} + activations and runtime "
+                f"{_size(t.activation_bytes + t.runtime_bytes)} = {_size(need)} exceed the largest trainer's "
+                f"{_size(t.capacity_bytes)} (a trainer holds the state it trains; it is not sharded)"
+            )
+    return problems
+
+
+def check_full_state_fits(spec: JobSpec | FullJob, plan: MemoryPlan, spec_file: str = "") -> None:
+    """Refuse (``DoesNotFit``, exit 7, one line) a job whose model fits no engine or whose full
+    fine-tuning state fits no tier of ``plan``; return None if it can run. ``spec`` is a job
+    spec (its model's config from ``model_shapes.model_config_for``) or a ``FullJob``."""
+    job = spec if isinstance(spec, FullJob) else FullJob.of(spec, spec_file=spec_file)
+    problems = full_job_problems(plan, job)
+    if problems:
+        raise DoesNotFit("; ".join(problems))
 
 
 # ---------------------------------------------------------------- rendering
@@ -760,7 +862,7 @@ def _trainer_rows(t: TrainerPlan) -> list[Row]:
         (
             f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}",
             t.device_state_bytes,
-            "fp32 adapter + AdamW moments, largest job",
+            "largest job: fp32 adapter or full weights, + AdamW moments",
         ),
         ("gradients (the job in training)", t.gradient_bytes, ""),
         (
@@ -843,13 +945,12 @@ def render_plan(plan: MemoryPlan) -> str:
         known = set(lora_module_shapes(plan.config))
         for j in plan.jobs:
             state = (
-                _size(job_state_bytes(j.rank, list(j.target_modules), plan.config, cuda=cuda))
-                if set(j.target_modules) <= known
-                else "?"
+                _size(job_sizes(plan.config, j, plan.dtype, cuda=cuda)[0]) if set(j.target_modules) <= known else "?"
             )
             verdict = "refused" if job_problems(plan, j) else "fits"
+            trains = "all weights" if j.full else f"rank {j.rank} on {len(j.target_modules)} modules"
             lines.append(
-                f"  {j.name:<{width}}rank {j.rank} on {len(j.target_modules)} modules   state {state}   "
+                f"  {j.name:<{width}}{trains}   state {state}   "
                 f"sequences {j.max_seq_len:,} tokens   micro-batch {j.peak_tokens:,} tokens   {verdict}"
             )
     lines.append("")

@@ -45,6 +45,26 @@ _QWEN2_5_7B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+_QWEN2_5_14B: dict[str, Any] = {
+    **_QWEN2_5_7B,
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+}
+
+_QWEN2_5_32B: dict[str, Any] = {**_QWEN2_5_14B, "intermediate_size": 27648, "num_hidden_layers": 64}
+
+_QWEN2_5_72B: dict[str, Any] = {
+    **_QWEN2_5_7B,
+    "hidden_size": 8192,
+    "intermediate_size": 29568,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
 _LLAMA_3_1_8B: dict[str, Any] = {
     "model_type": "llama",
     "hidden_size": 4096,
@@ -82,10 +102,18 @@ _LLAMA_3_1_70B: dict[str, Any] = {
 }
 
 # Lower-case directory basename -> config.json fields. The Llama 3.1 base and instruct models
-# share their architecture; so do the Qwen2.5 instruct models listed here and nothing else.
+# share their architecture; so do the Qwen2.5 base and instruct models (7B and up; the 0.5B
+# listed is the instruct model, whose embeddings are tied).
 KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b-instruct": _QWEN2_5_0_5B,
     "qwen2.5-7b-instruct": _QWEN2_5_7B,
+    "qwen2.5-7b": _QWEN2_5_7B,
+    "qwen2.5-14b-instruct": _QWEN2_5_14B,
+    "qwen2.5-14b": _QWEN2_5_14B,
+    "qwen2.5-32b-instruct": _QWEN2_5_32B,
+    "qwen2.5-32b": _QWEN2_5_32B,
+    "qwen2.5-72b-instruct": _QWEN2_5_72B,
+    "qwen2.5-72b": _QWEN2_5_72B,
     "llama-3.1-8b": _LLAMA_3_1_8B,
     "llama-3.1-8b-instruct": _LLAMA_3_1_8B,
     "meta-llama-3.1-8b": _LLAMA_3_1_8B,

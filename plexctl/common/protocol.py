@@ -132,6 +132,7 @@ class SubmitRep(msgspec.Struct):
 
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
+TRAINS_ADAPTER, TRAINS_ALL = "adapter", "all weights"  # what a job trains (JobInfo.trains)
 
 
 class JobInfo(msgspec.Struct):
@@ -154,6 +155,7 @@ class JobInfo(msgspec.Struct):
     restarts: int = 0
     reason: str = ""  # why a queued job is not running yet
     state_tier: str = ""  # where a running job's trainer state lives (engine:tier)
+    trains: str = ""  # TRAINS_ADAPTER or TRAINS_ALL (full fine-tuning), from the job's spec
 
 
 class EngineInfo(msgspec.Struct):

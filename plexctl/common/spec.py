@@ -43,7 +43,10 @@ from plexctl.rewards import RewardLoadError, load_reward
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
-FULL_FINETUNE_REFUSED = "full fine-tuning (no `lora` section) is not supported yet; add a `lora:` section"
+EMPTY_LORA_REFUSED = (
+    "`lora:` is empty (null in YAML): write `lora: {}` for an adapter with the defaults, "
+    "or leave `lora` out to train every weight"
+)
 OVERRIDE_FILE = "--set"
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PATH_FIELDS = (
@@ -283,7 +286,13 @@ class JobSpec(_Section, kw_only=True):
         ),
     ]
     model: ModelSpec
-    lora: Annotated[LoraSpec | None, _doc("LoRA adapter; required (full fine-tuning is not supported yet)")] = None
+    lora: Annotated[
+        LoraSpec | None,
+        _doc(
+            "LoRA adapter, the base model frozen; left out: full fine-tuning (every weight trained, "
+            "the job's state is its weights plus AdamW moments)"
+        ),
+    ] = None
     data: DataSpec
     reward: RewardSpec
     env: Annotated[EnvSpec | None, _doc("Multi-turn environment with tools (null: single-turn)")] = None
@@ -292,6 +301,11 @@ class JobSpec(_Section, kw_only=True):
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
     priority: Annotated[int, _doc("Scheduling priority; higher runs first", ge=-(2**31), le=2**31 - 1)] = 0
     seed: Annotated[int, _doc("Seed of sampling and initialisation", ge=0, le=2**32 - 1)] = 0
+
+    @property
+    def full_finetune(self) -> bool:
+        """The job trains every weight of its model (no ``lora`` section)."""
+        return self.lora is None
 
 
 # ---------------------------------------------------------------- errors
@@ -510,11 +524,8 @@ class _SchemaWalk:
 
 def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
     """Rules across fields, judged on what the user wrote (``doc`` before conversion)."""
-    if "lora" not in doc:
-        issues.add(("lora",), FULL_FINETUNE_REFUSED)
-    elif doc["lora"] is None:
-        hint = "an empty `lora:` is null in YAML; write `lora: {}` for the defaults"
-        issues.add(("lora",), f"{FULL_FINETUNE_REFUSED} ({hint})")
+    if "lora" in doc and doc["lora"] is None:
+        issues.add(("lora",), EMPTY_LORA_REFUSED)
     reward = doc.get("reward")
     if isinstance(reward, dict):
         has_name, has_fn = reward.get("name") is not None, reward.get("fn") is not None
