@@ -20,9 +20,15 @@ seconds of the cluster's processes (``cluster_cpu_s``); then the shared / isolat
 how far each job's per-step reward curve moved between the modes (the same seeds give the
 same samples, so a correct runtime gives identical curves). Method: ``docs/benchmarks.md``.
 
-Usage: ``python bench/multiplex.py [--quick] [--steps N] [--repeat N] [--device-slots N] [--host-mem SIZE]``
-(``--repeat``: the modes alternate N times and the median pair is reported: shared machines are noisy);
-writes ``bench/results/multiplex.json`` (``multiplex-quick.json`` with ``--quick``).
+``--case mixed``: two bases and full fine-tuning (``MIXED``): both clusters serve tiny-arith and
+tiny-llama (each worker an engine of its kind per model); a LoRA and a full fine-tuning job on
+tiny-arith and two LoRA jobs on tiny-llama. ``isolated`` then runs the jobs one after another (each
+has the workers to itself). Both cases bill the workers (the devices), not the engines on them.
+
+Usage: ``python bench/multiplex.py [--case classic|mixed] [--quick] [--steps N] [--repeat N]
+[--device-slots N] [--host-mem SIZE]`` (``--repeat``: the modes alternate N times and the median
+pair is reported: shared machines are noisy); writes ``bench/results/multiplex.json``
+(``multiplex-mixed.json`` for the mixed case, ``-quick`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -51,15 +57,28 @@ from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.common.spec import load_spec, spec_to_wire  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
+FULL = REPO / "configs" / "tiny-arith-full.yaml"
+LLAMA = REPO / "configs" / "tiny-llama.yaml"
 BENCH = str(REPO / "bench")
 
-# name -> overrides on configs/tiny-arith.yaml: four different shapes of job
-JOBS: dict[str, list[str]] = {
-    "reward-wait": ["reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null", "seed=1"],
-    "reward-cpu": ["reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null", "seed=2"],
-    "long-tail": ["sampling.max_tokens=24", "sampling.temperature=1.3", "seed=3"],
-    "train-heavy": ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"],
+# name -> (spec, overrides): four different shapes of job on tiny-arith
+JOBS: dict[str, tuple[Path, list[str]]] = {
+    "reward-wait": (
+        CONFIG,
+        ["reward.fn=bench_rewards:slow_exact", f"reward.path={BENCH}", "reward.name=null", "seed=1"],
+    ),
+    "reward-cpu": (CONFIG, ["reward.fn=bench_rewards:cpu_exact", f"reward.path={BENCH}", "reward.name=null", "seed=2"]),
+    "long-tail": (CONFIG, ["sampling.max_tokens=24", "sampling.temperature=1.3", "seed=3"]),
+    "train-heavy": (CONFIG, ["algo.prompts_per_step=32", "algo.kl_coef=0.01", "seed=4"]),
 }
+# two bases, one job fine-tuning every weight
+MIXED: dict[str, tuple[Path, list[str]]] = {
+    "lora-arith": (CONFIG, ["seed=1"]),
+    "full-arith": (FULL, ["seed=2"]),
+    "lora-llama": (LLAMA, ["seed=3"]),
+    "llama-heavy": (LLAMA, ["algo.prompts_per_step=32", "seed=4"]),
+}
+CASES = {"classic": (JOBS, ["tiny-arith"]), "mixed": (MIXED, ["tiny-arith", "tiny-llama"])}
 
 console = Console() if sys.stdout.isatty() else Console(width=140)  # a log keeps the tables whole
 
@@ -71,9 +90,18 @@ def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.Complete
     )
 
 
-def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, tiers: list[str]) -> dict:
+def run_mode(
+    policy: str,
+    jobs: dict[str, tuple[Path, list[str]]],
+    steps: int,
+    models: list[Path],
+    tiers: list[str],
+    one_at_a_time: bool = False,
+) -> dict:
+    """Run ``jobs`` on a fresh local cluster of ``models`` under ``policy``; ``one_at_a_time``:
+    each job is submitted when the one before it has ended."""
     home = Path(tempfile.mkdtemp(prefix=f"plexrl-bench-{policy.replace('+', '-')}-"))
-    up = plexctl(home, "up", "--local", "--model", str(model), "--policy", policy, *tiers)
+    up = plexctl(home, "up", "--local", *(a for m in models for a in ("--model", str(m))), "--policy", policy, *tiers)
     if up.returncode != 0:
         raise SystemExit(f"plexctl up --policy {policy} failed: {up.stderr}")
     state_dir = home / "clusters" / "default"
@@ -82,23 +110,26 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
     try:
         root = endpoint.pid  # the daemon: every process of the cluster descends from it
         cpu0 = cluster_cpu_s(root)
-        ids = {}
-        for name, overrides in jobs.items():
-            spec = load_spec(CONFIG, [*overrides, f"algo.steps={steps}", "checkpoint.every=0"], name=name)
-            ids[name] = client.submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex).job_id
+        ids: dict[str, str] = {}
         busy0 = {e.engine_id: e.busy_seconds for e in client.status().engines}
+        batches = [[name] for name in jobs] if one_at_a_time else [list(jobs)]
         with console.status(f"{policy}: running {len(jobs)} jobs") as spinner:
-            while True:
-                rep = client.status()
-                mine = [j for j in rep.jobs if j.job_id in ids.values()]
-                done = [j for j in mine if j.state in ("succeeded", "failed", "cancelled")]
-                spinner.update(
-                    f"{policy}: {len(done)}/{len(mine)} jobs done, "
-                    f"steps {sum(j.step for j in mine)}/{steps * len(mine)}"
-                )
-                if len(done) == len(mine):
-                    break
-                time.sleep(0.5)
+            for batch in batches:
+                for name in batch:
+                    config, overrides = jobs[name]
+                    spec = load_spec(config, [*overrides, f"algo.steps={steps}", "checkpoint.every=0"], name=name)
+                    ids[name] = client.submit(spec_to_wire(spec), submit_id=uuid.uuid4().hex).job_id
+                while True:
+                    rep = client.status()
+                    mine = [j for j in rep.jobs if j.job_id in ids.values()]
+                    done = [j for j in mine if j.state in ("succeeded", "failed", "cancelled")]
+                    spinner.update(
+                        f"{policy}: {len(done)}/{len(jobs)} jobs done, "
+                        f"steps {sum(j.step for j in mine)}/{steps * len(jobs)}"
+                    )
+                    if len(done) == len(mine):
+                        break
+                    time.sleep(0.5)
         failed = [j for j in mine if j.state != "succeeded"]
         if failed:
             raise SystemExit(f"{policy}: jobs did not succeed: {[(j.name, j.state, j.error) for j in failed]}")
@@ -117,7 +148,7 @@ def run_mode(policy: str, jobs: dict[str, list[str]], steps: int, model: Path, t
     start = min(j.started_at for j in mine)
     end = max(j.ended_at for j in mine)
     makespan = end - start
-    n_engines = len(engines)
+    n_engines = len({e.worker_id for e in engines})  # the devices: one model's engines or several take turns on each
     if policy == "isolated":
         engine_seconds = sum(n_engines * (j.ended_at - j.started_at) for j in mine)
     else:
@@ -230,6 +261,7 @@ def swap_summary(swaps: dict[str, dict[str, dict]], background: dict[str, float]
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=list(CASES), default="classic", help="classic: one base; mixed: two bases")
     ap.add_argument("--quick", action="store_true", help="3 jobs x 5 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument(
@@ -244,23 +276,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--host-mem", default=None, help="host tier of the trainer (default 512K: one tiny job's state)")
     args = ap.parse_args(argv)
-    jobs = dict(list(JOBS.items())[:3]) if args.quick else JOBS
+    all_jobs, names = CASES[args.case]
+    jobs = dict(list(all_jobs.items())[:3]) if args.quick else all_jobs
     args.device_slots = args.device_slots or max(1, len(jobs) // 2)
     args.host_mem = args.host_mem or "512K"
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
     steps = 5 if args.quick else args.steps
-    subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
-        check=True,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-    )
-    model = REPO / ".plexrl" / "models" / "tiny-arith"
+    for name in names:
+        subprocess.run(
+            [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", name],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
+    models = [REPO / ".plexrl" / "models" / name for name in names]
+    mixed = args.case == "mixed"
     # the modes alternate, so a slow spell of a shared machine falls on both; the ratio reported is
     # the median of the pairs' ratios, and the details shown are those of the median pair
     pairs = []
     for _ in range(args.repeat):
-        pairs.append({mode: run_mode(mode, jobs, steps, model, tiers) for mode in ("isolated", "spread+backfill")})
+        pairs.append(
+            {
+                mode: run_mode(mode, jobs, steps, models, tiers, one_at_a_time=mixed and mode == "isolated")
+                for mode in ("isolated", "spread+backfill")
+            }
+        )
     ratios = [p["spread+backfill"]["engine_s_per_step"] / p["isolated"]["engine_s_per_step"] for p in pairs]
     results = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
     iso, shared = results["isolated"], results["spread+backfill"]
@@ -286,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
             for p, r in zip(pairs, ratios)
         ],
     }
-    table = Table(title=f"multiplex: {len(jobs)} jobs x {steps} steps, 1 rollout + 1 trainer engine")
+    what = "1 rollout + 1 trainer engine" if not mixed else "2 workers, a rollout or trainer engine per base on each"
+    table = Table(title=f"multiplex ({args.case}): {len(jobs)} jobs x {steps} steps, {what}")
     for col in (
         "mode",
         "engine-s/step",
@@ -346,12 +387,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{curve_diff[name]:.4f}",
         )
     console.print(jt)
-    out = args.out or REPO / "bench" / "results" / ("multiplex-quick.json" if args.quick else "multiplex.json")
+    stem = "multiplex" + ("-mixed" if mixed else "") + ("-quick" if args.quick else "")
+    out = args.out or REPO / "bench" / "results" / f"{stem}.json"
     write_json_atomic(
         out,
         {
             "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "machine": describe(),
+            "case": args.case,
             "steps": steps,
             "summary": summary,
             "command": " ".join(["python", "bench/multiplex.py", *(argv or sys.argv[1:])]),

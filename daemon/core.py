@@ -651,17 +651,19 @@ class DaemonCore:
         if home and job.state == "running":
             where = self.engine_stats.get(home, {}).get("where", {})
             tier = f"{home}:{where.get(job.job_id, 'device')}" if where else home
-        return msgspec.structs.replace(job, reason=reason, state_tier=tier, trains=self._trains(job.job_id))
+        trains, model = self._trains(job.job_id)
+        return msgspec.structs.replace(job, reason=reason, state_tier=tier, trains=trains, model=model)
 
-    def _trains(self, job_id: str) -> str:
-        """What the job trains (``JobInfo.trains``), from its spec; "" for a spec this daemon cannot read."""
+    def _trains(self, job_id: str) -> tuple[str, str]:
+        """What the job trains (``JobInfo.trains``) and its model, from its spec; "" for a spec this
+        daemon cannot read."""
         spec = self.specs.get(job_id)
         if spec is None:
             try:
                 spec = spec_from_wire(self.journal.spec(job_id))
             except (SpecError, TypeError, ValueError):  # a spec of another version: status still answers
-                return ""
-        return P.TRAINS_ALL if spec.lora is None else P.TRAINS_ADAPTER
+                return "", ""
+        return (P.TRAINS_ALL if spec.lora is None else P.TRAINS_ADAPTER), os.path.realpath(spec.model.path)
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
         job_id = self._find(body.job_id)
@@ -919,7 +921,7 @@ class DaemonCore:
             self.telemetry.task_done(task.method, body.ok, body.seconds, now - task.submitted_at)
             if isinstance(body.value, C.TrainStepResult) and body.value.metrics.get("swap_bytes"):
                 self.telemetry.swapped(
-                    self._trainer_of(identity),
+                    self._trainer_of(identity, body.info.get("engine", "")),
                     task.job_id,
                     now - body.seconds,
                     int(body.value.metrics["swap_bytes"]),
@@ -1003,7 +1005,7 @@ class DaemonCore:
 
     def _take_inventory(self, identity: bytes, info: dict[str, Any]) -> None:
         """A trainer's tier inventory and background moves, from a result or an INVENTORY message."""
-        trainer = self._trainer_of(identity)  # a worker hosts at most one trainer engine
+        trainer = self._trainer_of(identity, info.get("engine", ""))
         if trainer and "inventory" in info:
             self._record_inventory(trainer, info["inventory"])
             if info.get("moves"):
@@ -1012,10 +1014,13 @@ class DaemonCore:
     def on_inventory(self, identity: bytes, header: P.Header, body: P.InventoryBody) -> None:
         self._take_inventory(identity, body.info)
 
-    def _trainer_of(self, identity: bytes) -> str:
+    def _trainer_of(self, identity: bytes, named: str = "") -> str:
+        """The trainer engine a worker's report is about: the one it names (a worker hosts a
+        trainer per model), else its first; "" for a worker this daemon does not know."""
         for w in self.workers.values():
             if w.identity == identity:
-                return next((d.engine_id for d in w.engines if d.kind == "trainer"), "")
+                trainers = [d.engine_id for d in w.engines if d.kind == "trainer"]
+                return named if named in trainers else next(iter(trainers), "")
         return ""
 
     def _record_inventory(self, engine_id: str, inv: dict[str, Any]) -> None:

@@ -130,7 +130,7 @@ class Daemon:
         self.worker_args = worker_args or []
         self.drivers: dict[str, procs.Handle] = {}  # running job -> its driver's process
         self.worker_procs: dict[str, procs.Handle] = {}
-        self.local_layouts: dict[str, tuple[list[str], str]] = {}  # local worker -> (engines, model)
+        self.local_layouts: dict[str, tuple[list[str], list[str]]] = {}  # local worker -> (engines, models)
         self.respawns: dict[str, int] = {}
         self.rejected_peers: set[bytes] = set()
         self.metrics_port: int | None = None
@@ -160,7 +160,7 @@ class Daemon:
 
         self._recover_jobs()
         for i, engines in enumerate(local_workers):
-            self._spawn_local_worker(f"w{i}", engines, models[0])
+            self._spawn_local_worker(f"w{i}", engines, models)
         self.core.local_workers = len(self.worker_procs)
         write_json_atomic(
             endpoint_path(state_dir),
@@ -235,8 +235,8 @@ class Daemon:
                 stray.kill()
                 log.warning("job %s: stopped a driver (pid %d) the journal did not know of", info.job_id, stray.pid)
 
-    def _spawn_local_worker(self, worker_id: str, engines: list[str], model: str) -> None:
-        self.local_layouts[worker_id] = (engines, model)
+    def _spawn_local_worker(self, worker_id: str, engines: list[str], models: list[str]) -> None:
+        self.local_layouts[worker_id] = (engines, models)
         logs = self.state_dir / "workers"
         logs.mkdir(exist_ok=True)
         cmd = [
@@ -249,8 +249,7 @@ class Daemon:
             worker_id,
             "--engines",
             ",".join(engines),
-            "--model",
-            model,
+            *(arg for model in models for arg in ("--model", model)),
             "--scratch",
             str(self.state_dir / "nodes" / worker_id),
             "--endpoint-file",
@@ -498,7 +497,7 @@ def _prune(parent: Path, keep: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="plexd", description="PlexRL daemon (started by `plexctl up`).")
     ap.add_argument("--state-dir", required=True, type=Path)
-    ap.add_argument("--model", action="append", default=[], help="base model the engines serve")
+    ap.add_argument("--model", action="append", default=[], help="a base model the engines serve; repeat for several")
     ap.add_argument(
         "--local-worker",
         action="append",

@@ -120,7 +120,7 @@ def worker_command(
     p: WorkerPlacement,
     address: str,
     node: str,
-    model: str,
+    model: str | list[str],
     scratch: Path,
     tp: int,
     threads: int | None,
@@ -139,8 +139,7 @@ def worker_command(
         node,
         "--engines",
         ",".join(p.engines),
-        "--model",
-        model,
+        *(arg for m in ([model] if isinstance(model, str) else model) for arg in ("--model", m)),
         "--scratch",
         str(scratch),
     ]
@@ -225,7 +224,9 @@ def requeue(job_id: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plexrl-node", description="One PlexRL task of a Slurm allocation.")
     ap.add_argument("--state-dir", required=True, type=Path)
-    ap.add_argument("--model", required=True)
+    ap.add_argument(
+        "--model", action="append", required=True, help="a base model the engines serve; repeat for several"
+    )
     ap.add_argument(
         "--engines",
         action="append",
@@ -336,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 "daemon.main",
                 "--state-dir",
                 str(state_dir),
-                "--model",
-                args.model,
+                *(arg for m in args.model for arg in ("--model", m)),
                 "--host",
                 "0.0.0.0",
                 "--port",

@@ -123,6 +123,12 @@ def tool_model(tiny_model: Path) -> Path:
     return build_tiny("tiny-tool")
 
 
+@pytest.fixture(scope="session")
+def llama_model(tiny_model: Path) -> Path:
+    """tiny-llama: tiny-arith's task on a Llama-style base of another size (a second base)."""
+    return build_tiny("tiny-llama")
+
+
 # What each test file needs, as a pytest marker (``make test-fast`` runs ``-m unit``): slurm (a
 # real Slurm cluster), bench (a benchmark's quick mode), learning (runs until the tiny task is
 # learned), e2e (real engines, clusters or daemons in processes of their own); the rest: unit.
@@ -142,7 +148,7 @@ MARKS = {
         "test_worker_stall.py",
         "test_tiny_and_rollout.py",
         "test_rollout_full.py",
-        "test_full_finetune_e2e.py",
+        "test_multi_base_e2e.py",
         "test_wheel.py",
     },
 }

@@ -41,6 +41,7 @@ def workdir(tmp_path: Path) -> Path:
     (tmp_path / "model").mkdir()
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         (tmp_path / "model" / name).write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
     (tmp_path / "data").mkdir()
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -311,6 +312,12 @@ def test_model_directory_without_config_json(workdir: Path) -> None:
     (workdir / "empty_model").mkdir()
     issue = only_issue(write(workdir, VALID.replace("path: model", "path: empty_model")))
     assert issue.path == "model.path" and "no config.json" in issue.message
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_with_its_architecture(workdir: Path) -> None:
+    (workdir / "model" / "config.json").write_text('{"architectures": ["BertForMaskedLM"]}')
+    issue = only_issue(write(workdir, VALID))
+    assert issue.path == "model.path" and "BertForMaskedLM" in issue.message and "ForCausalLM" in issue.message
 
 
 def test_data_file_not_found(workdir: Path) -> None:

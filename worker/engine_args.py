@@ -119,9 +119,12 @@ def rollout_engine_args(
     kv_cache_gib: float = 1.0,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     tensor_parallel_size: int = 1,
+    sleep_mode: bool = False,
 ) -> EngineArgsPlan:
     """The plan for one rollout engine. ``max_cpu_loras`` is raised to ``max_loras`` if below
-    it (vLLM requires it)."""
+    it (vLLM requires it). ``sleep_mode`` (CUDA only, see ``sleep_between_models``): the engine
+    can put its weights in pinned host memory and drop its KV cache while another model's
+    engine serves."""
     _check_platform(platform)
     check_lora_rank(max_lora_rank)
     for name, value in (
@@ -154,6 +157,8 @@ def rollout_engine_args(
             raise EngineArgsError(f"tensor_parallel_size {tensor_parallel_size}: the CPU engine runs on one process")
         if kv_cache_gib <= 0:
             raise EngineArgsError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if sleep_mode:
+            raise EngineArgsError("sleep_mode: vLLM's CPU engine cannot sleep (its engines stay resident)")
         return EngineArgsPlan(
             platform="cpu",
             llm_kwargs={
@@ -175,6 +180,7 @@ def rollout_engine_args(
             "enforce_eager": False,
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,
+            **({"enable_sleep_mode": True} if sleep_mode else {}),
         },
         env_forced={},
         env_defaults={},
@@ -187,3 +193,11 @@ def rollout_engine_args(
 def _check_platform(name: str) -> None:
     if name not in PLATFORMS:
         raise EngineArgsError(f"platform {name!r}: one of {', '.join(PLATFORMS)}")
+
+
+def sleep_between_models(platform: Platform, models: int) -> bool:
+    """Whether a worker's rollout engines take turns on its GPUs: on CUDA with more than one
+    model, the engines of models not being served sleep (weights in pinned host memory, KV
+    cache dropped) and one wakes when a call needs it; on CPU they stay resident (vLLM's CPU
+    engine cannot sleep; the memory plan counts every model's weights)."""
+    return platform == "cuda" and models > 1

@@ -54,7 +54,7 @@ from plexctl.common import protocol as P
 from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.common.sizes import parse_bytes
-from worker.engine_args import DEFAULT_MAX_LORA_RANK, Platform, adapter_slots
+from worker.engine_args import DEFAULT_MAX_LORA_RANK, Platform, adapter_slots, sleep_between_models
 from worker.engine_options import (
     DTYPES,
     EngineOptions,
@@ -339,8 +339,9 @@ class TrainerServer:
     A task that carries the ``call_key`` of the job's last stateful call is a repeat (a driver
     sent its calls again after its daemon restarted): it gets that call's result, unapplied."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, engine_id: str = "") -> None:
         self.store = store
+        self.engine_id = engine_id  # named in what it reports: a worker may host a trainer per model
         engine = store.trainer
         self.handlers: dict[str, Callable[[str, Any], C.AnyResult]] = {
             "train_step": lambda job, t: self._train_step(engine, job, t),
@@ -360,6 +361,8 @@ class TrainerServer:
         since the last result."""
         self._moves_sent, moves = self.store.background_moves(self._moves_sent)
         info: dict[str, Any] = {"inventory": self.store.inventory()}
+        if self.engine_id:
+            info["engine"] = self.engine_id
         if moves:
             info["moves"] = [list(move) for move in moves]
         return info
@@ -434,6 +437,92 @@ class TrainerServer:
         out.result(t.task_id, True, value, seconds=time.perf_counter() - t0, info=self._info())
 
 
+class Rollouts:
+    """The worker's rollout engines, one per model, behind ``RolloutServer``'s interface: a task
+    goes to the engine its ``engine_id`` names. Resident engines (CPU) step in turn. Engines
+    that take turns (``one_awake``: several models on a GPU) keep one awake: a task for a
+    sleeping engine waits until the awake one has nothing in flight, then the longest-waiting
+    model's engine wakes (the other sleeps) and takes every task waiting for it, so one wake
+    serves a whole group."""
+
+    def __init__(self, engines: dict[str, Any], one_awake: bool = False) -> None:
+        self.servers = {engine_id: RolloutServer(engine) for engine_id, engine in engines.items()}
+        self.one_awake = one_awake and len(engines) > 1
+        self.waiting: list[P.TaskBody | P.ReleaseBody] = []  # for an engine asleep, oldest first
+        awake = [engine_id for engine_id, engine in engines.items() if getattr(engine, "awake", True)]
+        self.awake = awake[-1] if awake else next(iter(engines))
+
+    @property
+    def started(self) -> dict[int, float]:
+        return {key: t0 for server in self.servers.values() for key, t0 in server.started.items()}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(server.busy for server in self.servers.values())
+
+    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+        by_engine: dict[str, list[P.TaskBody | P.ReleaseBody]] = {}
+        for t in batch:
+            if t.engine_id not in self.servers:
+                if isinstance(t, P.TaskBody):
+                    out.result(t.task_id, False, error=f"no engine {t.engine_id!r} on this worker")
+            elif self.one_awake and t.engine_id != self.awake and not isinstance(t, P.ReleaseBody):
+                self.waiting.append(t)
+            else:
+                by_engine.setdefault(t.engine_id, []).append(t)
+        for engine_id, tasks in by_engine.items():
+            self.servers[engine_id].admit(tasks, out)
+
+    def step(self, out: Outbox) -> None:
+        for server in self.servers.values():
+            if server.busy:
+                server.step(out)
+        if self.waiting and not self.servers[self.awake].busy:
+            self._switch(out)
+
+    def _switch(self, out: Outbox) -> None:
+        """Wake the engine of the oldest waiting task, sleeping the awake one; admit its group."""
+        to = next_awake(self.awake, [t.engine_id for t in self.waiting])
+        if to != self.awake:
+            self.servers[self.awake].engine.sleep()
+            self.servers[to].engine.wake()
+            log.info("rollout engine %s awake (%s asleep)", to, self.awake)
+            self.awake = to
+        group = [t for t in self.waiting if t.engine_id == to]
+        self.waiting = [t for t in self.waiting if t.engine_id != to]
+        self.servers[to].admit(group, out)
+
+    def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+        self.admit(batch, out)
+        while self.busy:
+            self.step(out)
+
+
+def next_awake(awake: str, waiting: list[str]) -> str:
+    """The engine to wake when the awake one is idle: that of the oldest waiting task (``waiting``
+    holds the engine of each waiting task, oldest first); the awake one if nothing waits."""
+    return waiting[0] if waiting else awake
+
+
+class Trainers:
+    """The worker's trainer engines, one per model, each behind its ``TrainerServer``: a task
+    goes to the one its ``engine_id`` names; one task at a time, whichever model (one device).
+    ``stores``: engine id -> store, or one store, which serves every task."""
+
+    def __init__(self, stores: dict[str, Any] | Any) -> None:
+        stores = stores if isinstance(stores, dict) else {"": stores}
+        self.servers = {engine_id: TrainerServer(store, engine_id) for engine_id, store in stores.items()}
+
+    def serve(self, t: P.TaskBody | P.ReleaseBody, out: Outbox) -> None:
+        one = next(iter(self.servers.values())) if len(self.servers) == 1 else None
+        server = one or self.servers.get(t.engine_id)
+        if server is None:
+            if isinstance(t, P.TaskBody):
+                out.result(t.task_id, False, error=f"no engine {t.engine_id!r} on this worker")
+            return
+        server.serve(t, out)
+
+
 def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
     """The next task (waiting for it) and those already queued behind it, up to ``limit``."""
     first = tasks.get()
@@ -441,11 +530,14 @@ def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[
 
 
 def rollout_loop(
-    engine: Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", capacity: int, followers: Followers | None = None
+    server: Rollouts,
+    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    capacity: int,
+    followers: Followers | None = None,
 ) -> None:
     """Continuous batching: between engine steps, tasks that arrived join the running batch
     (up to ``capacity`` generate tasks in flight); with nothing in flight, wait for one."""
-    server, out = RolloutServer(engine), Outbox(followers)
+    out = Outbox(followers)
     while True:
         if not server.busy:
             server.admit(_take(tasks, capacity), out)
@@ -467,16 +559,17 @@ def _take_waiting(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) 
 
 
 def trainer_loop(
-    store: Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", followers: Followers | None = None
+    stores: dict[str, Any] | Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", followers: Followers | None = None
 ) -> None:
-    server, out = TrainerServer(store), Outbox(followers)
+    """Trainer tasks one at a time; ``stores`` as ``Trainers`` takes them."""
+    server, out = Trainers(stores), Outbox(followers)
     while True:
         server.serve(tasks.get(), out)
 
 
 def shared_loop(
-    engine: Any,
-    store: Any,
+    rollout: Rollouts,
+    stores: dict[str, Any],
     tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
     capacity: int,
     followers: Followers | None = None,
@@ -485,7 +578,7 @@ def shared_loop(
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
     goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
     per calling thread: two engine threads mean two teams spinning on the same cores."""
-    rollout, trainer, out = RolloutServer(engine), TrainerServer(store), Outbox(followers)
+    trainer, out = Trainers(stores), Outbox(followers)
     while True:
         batch = _take(tasks, 1 << 10)
         gens = [t for t in batch if t.engine_id.endswith("/rollout")]
@@ -499,10 +592,14 @@ def shared_loop(
             trainer.serve(t, out)
 
 
-def prefetch_loop(store: Any, tasks: "queue.Queue[P.PrefetchBody]") -> None:
-    """Bring jobs' state from NVMe to host memory ahead of need, overlapping other jobs' steps."""
+def prefetch_loop(stores: dict[str, Any] | Any, tasks: "queue.Queue[P.PrefetchBody]") -> None:
+    """Bring jobs' state from NVMe to host memory ahead of need, overlapping other jobs' steps
+    (``stores``: engine id -> store, or one store)."""
     while True:
         t = tasks.get()
+        store = stores.get(t.engine_id) if isinstance(stores, dict) else stores
+        if store is None:
+            continue
         try:
             if t.upcoming:  # the daemon's newest order (the trainer's calls bring it too)
                 store.set_upcoming(list(t.upcoming))
@@ -522,7 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-id", default=socket.gethostname())
     ap.add_argument("--node", default=socket.gethostname(), help="node name shown in status")
     ap.add_argument("--engines", default="rollout,trainer")
-    ap.add_argument("--model", required=True)
+    ap.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a base model the engines serve; repeat for several (an engine of each kind per model)",
+    )
     ap.add_argument(
         "--device",
         default="auto",
@@ -602,15 +704,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def build_engines(args: argparse.Namespace, kinds: list[str], options: EngineOptions, model: str) -> dict[str, Any]:
-    """The worker's resident engines, as its options say: ``trainer`` (a ``StateStore`` around the
-    ``TrainerEngine``) and/or ``rollout`` (a ``RolloutEngine``)."""
+def build_engines(
+    args: argparse.Namespace,
+    kinds: list[str],
+    options: EngineOptions,
+    model: str,
+    sleep_mode: bool = False,
+    nvme_dir: Path | None = None,
+) -> dict[str, Any]:
+    """One model's resident engines, as the worker's options say: ``trainer`` (a ``StateStore``
+    around the ``TrainerEngine``) and/or ``rollout`` (a ``RolloutEngine``; ``sleep_mode``: it
+    takes turns with other models' engines)."""
     engines: dict[str, Any] = {}
     if "trainer" in kinds:
         from worker.state_store import StateStore
         from worker.trainer import TrainerEngine
 
-        nvme_dir = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+        nvme_dir = nvme_dir or args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
         trainer = TrainerEngine(
             model,
             dtype=options.dtype,
@@ -640,6 +750,7 @@ def build_engines(args: argparse.Namespace, kinds: list[str], options: EngineOpt
             max_model_len=args.max_model_len or default_max_model_len(model),
             platform=options.device,
             tensor_parallel_size=args.tensor_parallel_size,
+            sleep_mode=sleep_mode,
             **(
                 {"gpu_memory_utilization": args.gpu_memory_utilization}
                 if args.gpu_memory_utilization is not None
@@ -661,7 +772,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(kinds) - {"rollout", "trainer"}
     if unknown or not kinds:
         ap.error(f"--engines: unknown engine kinds {sorted(unknown)}")
-    model = os.path.realpath(args.model)
+    models = list(dict.fromkeys(os.path.realpath(m) for m in args.model))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         options = engine_options(args.device, args.dtype, args.micro_batch_tokens, _cuda(), visible)
@@ -673,7 +784,7 @@ def main(argv: list[str] | None = None) -> None:
     max_lora_rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
     decls = [
         P.EngineDecl(
-            f"{args.worker_id}/{k}",
+            engine_id(args.worker_id, k, m),
             k,
             model,
             args.rollout_capacity if k == "rollout" else 1,
@@ -682,6 +793,7 @@ def main(argv: list[str] | None = None) -> None:
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
         )
+        for m, model in enumerate(models)
         for k in kinds
     ]
     register = P.RegisterReq(
@@ -694,18 +806,18 @@ def main(argv: list[str] | None = None) -> None:
         devices=visible_device_ids(visible),
     )
     log.info(
-        "worker %s on %s: engines %s, device %s, CUDA_VISIBLE_DEVICES=%s, scratch %s",
+        "worker %s on %s: engines %s of %s, device %s, CUDA_VISIBLE_DEVICES=%s, scratch %s",
         args.worker_id,
         args.node,
         ",".join(kinds),
+        ", ".join(models),
         device,
         visible if visible is not None else "(unset)",
         args.scratch,
     )
     shared = args.engine_threads == "one" or (args.engine_threads == "auto" and device != "cuda")
-    queues: dict[str, queue.Queue] = {d.engine_id: queue.Queue() for d in decls}
-    if shared and len(decls) == 2:  # one thread serves both engines, from one queue
-        queues[decls[1].engine_id] = queues[decls[0].engine_id]
+    per_thread: dict[str, queue.Queue] = {}  # one queue per engine thread: all engines (shared), else per kind
+    queues = {d.engine_id: per_thread.setdefault("all" if shared else d.kind, queue.Queue()) for d in decls}
     queues[PREFETCH] = queue.Queue()
     followers = Followers()
     io = WorkerIO(
@@ -722,54 +834,71 @@ def main(argv: list[str] | None = None) -> None:
     outbox = Outbox()
 
     t0 = time.perf_counter()
+    sleep_mode = sleep_between_models(device, len(models))
+    rollouts: dict[str, Any] = {}
+    stores: dict[str, Any] = {}
     try:
         if options is None:
             raise OptionError(option_error)
-        engines = build_engines(args, kinds, options, model)
+        for m, model in enumerate(models):
+            if sleep_mode and rollouts:  # the engine built last is awake; the others sleep
+                list(rollouts.values())[-1].sleep()
+            nvme = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+            nvme = nvme if m == 0 else nvme / f"m{m}"  # each model's store has its own files
+            built = build_engines(args, kinds, options, model, sleep_mode=sleep_mode, nvme_dir=nvme)
+            if "rollout" in built:
+                rollouts[engine_id(args.worker_id, "rollout", m)] = built["rollout"]
+            if "trainer" in built:
+                stores[engine_id(args.worker_id, "trainer", m)] = built["trainer"]
     except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
         log.error("engine start failed: %s", traceback.format_exc())
         outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))
         time.sleep(1.0)
         sys.exit(1)
     log.info("engines %s ready in %.1f s", ",".join(kinds), time.perf_counter() - t0)
-    if "trainer" in engines:
-        store, trainer_engine = engines["trainer"], f"{args.worker_id}/trainer"
+    if stores:
         io.resident = lambda: {
             job: trainer_engine
+            for trainer_engine, store in stores.items()
             for tier in ("device", "host", "nvme")
             for job in store.inventory().get(tier, {}).get("jobs", [])
         }
-    if "rollout" in engines:  # the sequences it holds: the daemon refuses jobs whose max_tokens cannot fit
-        held = int(engines["rollout"].plan.llm_kwargs["max_model_len"])
+    if rollouts:  # the sequences each holds: the daemon refuses jobs whose max_tokens cannot fit
+        held = {eid: int(engine.plan.llm_kwargs["max_model_len"]) for eid, engine in rollouts.items()}
         register = msgspec.structs.replace(
             register,
             engines=[
-                msgspec.structs.replace(d, max_model_len=held) if d.kind == "rollout" else d for d in register.engines
+                msgspec.structs.replace(d, max_model_len=held[d.engine_id]) if d.engine_id in held else d
+                for d in register.engines
             ],
         )
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 
     signal.signal(signal.SIGTERM, lambda *_: _leave(args.worker_id))
-    trainer_id = f"{args.worker_id}/trainer"
-    rollout_id = f"{args.worker_id}/rollout"
-    if "trainer" in engines:
+    if stores:
         threading.Thread(
-            target=prefetch_loop, args=(engines["trainer"], queues[PREFETCH]), name="plexw-prefetch", daemon=True
+            target=prefetch_loop, args=(stores, queues[PREFETCH]), name="plexw-prefetch", daemon=True
         ).start()
-    if "rollout" in engines and "trainer" in engines and shared:
-        shared_loop(engines["rollout"], engines["trainer"], queues[rollout_id], args.rollout_capacity, followers)
-    elif "rollout" in engines:
-        if "trainer" in engines:
+    rollout = Rollouts(rollouts, one_awake=sleep_mode) if rollouts else None
+    if rollout is not None and stores and shared:
+        shared_loop(rollout, stores, queues[decls[0].engine_id], args.rollout_capacity, followers)
+    elif rollout is not None:
+        if stores:
             threading.Thread(
                 target=trainer_loop,
-                args=(engines["trainer"], queues[trainer_id], followers),
+                args=(stores, queues[next(iter(stores))], followers),
                 name="plexw-trainer",
                 daemon=True,
             ).start()
-        rollout_loop(engines["rollout"], queues[rollout_id], args.rollout_capacity, followers)
+        rollout_loop(rollout, queues[next(iter(rollouts))], args.rollout_capacity, followers)
     else:
-        trainer_loop(engines["trainer"], queues[trainer_id], followers)
+        trainer_loop(stores, queues[next(iter(stores))], followers)
+
+
+def engine_id(worker_id: str, kind: str, model_index: int) -> str:
+    """``w0/rollout`` for the first model's engines, ``w0/m1/rollout`` for the second's."""
+    return f"{worker_id}/{kind}" if model_index == 0 else f"{worker_id}/m{model_index}/{kind}"
 
 
 def _leave(worker_id: str) -> None:

@@ -298,11 +298,14 @@ class RolloutEngine:
         platform: Platform | None = None,
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         tensor_parallel_size: int = 1,
+        sleep_mode: bool = False,
     ) -> None:
-        """Start the engine and warm it up (logged). ``platform`` None: "cuda" when torch sees a
-        GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on CPU, ``gpu_memory_utilization``
-        on CUDA (see ``worker.engine_args``; bad values raise ``EngineArgsError``). Adapters of
-        rank above ``max_lora_rank`` are refused with ``AdapterError``."""
+        """Start the engine and warm it up (logged). ``sleep_mode`` (CUDA): ``sleep()`` and
+        ``wake()`` let it take turns with other models' engines on the same GPUs. ``platform``
+        None: "cuda" when torch sees a GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on
+        CPU, ``gpu_memory_utilization`` on CUDA (see ``worker.engine_args``; bad values raise
+        ``EngineArgsError``). Adapters of rank above ``max_lora_rank`` are refused with
+        ``AdapterError``."""
         self.model_path = str(model_path)
         self.max_lora_rank = max_lora_rank
         self.plan: EngineArgsPlan = rollout_engine_args(
@@ -317,6 +320,7 @@ class RolloutEngine:
             kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
+            sleep_mode=sleep_mode,
         )
         self._registry = AdapterRegistry()
         self._counters = {"requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
@@ -328,6 +332,8 @@ class RolloutEngine:
         self._request_ids = itertools.count()
         self._weights: AdapterKey | None = None  # the full fine-tuning policy whose weights vLLM holds (None: the base)
         self.weight_loads = 0  # weights loaded in place (a switch between a full job's policy and the base)
+        self.awake = True  # False while asleep (sleep mode): weights in pinned host memory, no KV cache
+        self.wakes = 0
         t0 = time.perf_counter()
         self._llm = self._start(self.plan)
         self._engine = vllm_private.llm_engine(self._llm)
@@ -565,6 +571,29 @@ class RolloutEngine:
             raise AdapterError(f"weights {wanted.name} failed to load: {e}") from e
         self._weights = wanted
         self.weight_loads += 1
+
+    def sleep(self) -> None:
+        """Give the GPU to another model's engine: weights to pinned host memory, KV cache
+        dropped (vLLM sleep level 1). Requests in flight finish first."""
+        with self._lock:
+            self._check_open()
+            if not self.awake:
+                return
+            while self._owner:
+                self._finished.extend(self.step())
+            self._llm.sleep(level=1)
+            self.awake = False
+
+    def wake(self) -> None:
+        """Take the GPU back: weights from pinned host memory, a fresh KV cache."""
+        with self._lock:
+            self._check_open()
+            if self.awake:
+                return
+            self._llm.wake_up()
+            self._llm.reset_prefix_cache()
+            self.awake = True
+            self.wakes += 1
 
     @property
     def loaded_weights(self) -> str:

@@ -23,6 +23,11 @@ and tokenizer, warm-started on transcripts of the multi-turn ``python_tool`` tas
 observation, but calls the tool on only about 30 % of its samples; written with
 ``data/tool/train.jsonl`` and ``data/tool/eval.jsonl`` (64 held-out problems).
 
+A variant of the first, ``tiny-llama`` (``build_tiny(root, name="tiny-llama")``): the same task,
+tokenizer and warm start on a Llama-style model of another size (hidden 192, 3 layers,
+grouped-query attention), with its data under ``data/arith-llama``: the second base of a
+cluster that serves two.
+
 Token conventions, which every engine must agree on:
 
 - every encoded text starts with ``<bos>`` (the tokenizer's post-processor adds it when
@@ -93,6 +98,24 @@ SFT: dict[str, Any] = {
 }
 
 MODEL_NAME = "tiny-arith"
+# A second base for the same task, of another architecture family and size: Llama-style, three
+# layers, grouped-query attention (three query heads over one key/value head), 192 wide.
+LLAMA_MODEL_NAME = "tiny-llama"
+LLAMA_CONFIG: dict[str, Any] = {
+    "hidden_size": 192,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 3,  # head_dim 64, as tiny-arith's
+    "num_key_value_heads": 1,
+    "intermediate_size": 384,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+ARITH_RECIPES: dict[str, tuple[str, dict[str, Any]]] = {  # name: (architecture family, config)
+    MODEL_NAME: ("qwen2", MODEL_CONFIG),
+    LLAMA_MODEL_NAME: ("llama", LLAMA_CONFIG),
+}
 MARKER = "plexrl-build.json"
 
 
@@ -118,15 +141,17 @@ class Problem:
     answer: str
 
 
-def recipe_hash() -> str:
+def recipe_hash(name: str = MODEL_NAME) -> str:
     """A short hash of everything that determines the build's content."""
+    family, config = ARITH_RECIPES[name]
     recipe = {
         "version": RECIPE_VERSION,
         "seed": SEED,
         "special": SPECIAL_TOKENS,
         "chars": CHARACTERS,
-        "model": MODEL_CONFIG,
+        "model": config,
         "sft": SFT,
+        **({"family": family} if family != "qwen2" else {}),  # tiny-arith's hash as before
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -188,18 +213,22 @@ def make_tokenizer() -> Any:
 # ---------------------------------------------------------------- model
 
 
-def make_model(vocab_size: int) -> Any:
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def make_model(vocab_size: int, name: str = MODEL_NAME) -> Any:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    family, fields = ARITH_RECIPES[name]
+    config_class, model_class = (
+        (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_class(
         vocab_size=vocab_size,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        **MODEL_CONFIG,
+        **fields,
     )
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' functools.wraps on .to
+    model = model_class(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' functools.wraps on .to
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     return model
 
@@ -313,27 +342,27 @@ def build_lock(root: Path, recipe: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def tiny_paths(root: Path) -> tuple[Path, Path]:
-    return root / "models" / MODEL_NAME, root / "data" / "arith"
+def tiny_paths(root: Path, name: str = MODEL_NAME) -> tuple[Path, Path]:
+    return root / "models" / name, root / "data" / ("arith" if name == MODEL_NAME else "arith-llama")
 
 
-def read_cached(root: Path) -> TinyPaths | None:
+def read_cached(root: Path, name: str = MODEL_NAME) -> TinyPaths | None:
     """The cached build if its marker matches this recipe and its files are present."""
-    model_dir, data_dir = tiny_paths(root)
+    model_dir, data_dir = tiny_paths(root, name)
     marker = model_dir / MARKER
     try:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return None
-    if info.get("recipe_hash") != recipe_hash():
+    if info.get("recipe_hash") != recipe_hash(name):
         return None
     if not (data_dir / "train.jsonl").exists() or not (data_dir / "eval.jsonl").exists():
         return None
-    return paths_from_marker(root, info)
+    return paths_from_marker(root, info, name)
 
 
-def paths_from_marker(root: Path, info: dict[str, Any]) -> TinyPaths:
-    model_dir, data_dir = tiny_paths(root)
+def paths_from_marker(root: Path, info: dict[str, Any], name: str = MODEL_NAME) -> TinyPaths:
+    model_dir, data_dir = tiny_paths(root, name)
     return TinyPaths(
         root=root,
         model_dir=model_dir,
@@ -372,13 +401,13 @@ def write_data(data_tmp: Path) -> None:
     write_jsonl(data_tmp / "eval.jsonl", all_problems())
 
 
-def write_model(model_tmp: Path) -> WarmStart:
+def write_model(model_tmp: Path, name: str = MODEL_NAME) -> WarmStart:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(SEED)
     tokenizer = make_tokenizer()
-    model = make_model(len(tokenizer))
+    model = make_model(len(tokenizer), name)
     result = warm_start(model, tokenizer, train_problems())
     model.save_pretrained(model_tmp, safe_serialization=True)
     tokenizer.save_pretrained(model_tmp)
@@ -400,21 +429,21 @@ def torch_threads(n: int) -> Iterator[None]:
         torch._C.set_num_threads(previous)
 
 
-def build(root: Path) -> TinyPaths:
+def build(root: Path, name: str = MODEL_NAME) -> TinyPaths:
     """Build everything into temp dirs beside the targets, then rename into place."""
 
     def fill(model_tmp: Path, data_tmp: Path) -> dict[str, Any]:
         write_data(data_tmp)
         with torch_threads(1):
-            result = write_model(model_tmp)
+            result = write_model(model_tmp, name)
         return {
-            "recipe_hash": recipe_hash(),
+            "recipe_hash": recipe_hash(name),
             "warm_start_accuracy": result.expected_accuracy,
             "sampled_accuracy": result.sampled_accuracy,
             "sft_steps": result.steps,
         }
 
-    return paths_from_marker(root, build_atomically(*tiny_paths(root), fill))
+    return paths_from_marker(root, build_atomically(*tiny_paths(root, name), fill), name)
 
 
 def build_atomically(model_dir: Path, data_dir: Path, fill: Callable[[Path, Path], dict[str, Any]]) -> dict[str, Any]:
@@ -451,9 +480,10 @@ def cached_build(
         return build(root)
 
 
-def build_tiny(root: Path, force: bool = False) -> TinyPaths:
-    """Build (or return the cached) tiny model and arithmetic data under ``root``."""
-    return cached_build(root, force, MODEL_NAME, read_cached, build)
+def build_tiny(root: Path, force: bool = False, name: str = MODEL_NAME) -> TinyPaths:
+    """Build (or return the cached) tiny model ``name`` (tiny-arith, tiny-llama) and arithmetic
+    data under ``root``."""
+    return cached_build(root, force, name, lambda r: read_cached(r, name), lambda r: build(r, name))
 
 
 # ---------------------------------------------------------------- the tiny-tool recipe
@@ -860,26 +890,30 @@ def build_tiny_tool(root: Path, force: bool = False) -> ToolPaths:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m worker.tiny_models",
-        description="Build the tiny models: tiny-arith (addition) and tiny-tool (calculator calls).",
+        description="Build the tiny models: tiny-arith (addition) and tiny-tool (calculator calls); "
+        "tiny-llama (addition on a Llama-style base) with --only.",
     )
     parser.add_argument("--root", type=Path, default=Path(".plexrl"), help="default: ./.plexrl")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument(
-        "--only", choices=[MODEL_NAME, TOOL_MODEL_NAME], default=None, help="build this recipe alone (default: both)"
+        "--only",
+        choices=[MODEL_NAME, TOOL_MODEL_NAME, LLAMA_MODEL_NAME],
+        default=None,
+        help="build this recipe alone (default: tiny-arith and tiny-tool)",
     )
     args = parser.parse_args(argv)
     root = args.root.resolve()
-    if args.only != TOOL_MODEL_NAME:
-        report_tiny(root, args.force)
-    if args.only != MODEL_NAME:
+    if args.only in (None, MODEL_NAME, LLAMA_MODEL_NAME):
+        report_tiny(root, args.force, args.only or MODEL_NAME)
+    if args.only in (None, TOOL_MODEL_NAME):
         report_tiny_tool(root, args.force)
     return 0
 
 
-def report_tiny(root: Path, force: bool) -> None:
-    cached = not force and read_cached(root) is not None
+def report_tiny(root: Path, force: bool, name: str = MODEL_NAME) -> None:
+    cached = not force and read_cached(root, name) is not None
     t0 = time.perf_counter()
-    paths = build_tiny(root, force=force)
+    paths = build_tiny(root, force=force, name=name)
     took = time.perf_counter() - t0
     print(f"model:  {paths.model_dir}")
     print(f"train:  {paths.train_path}")

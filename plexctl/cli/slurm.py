@@ -58,6 +58,7 @@ class SlurmSpec(msgspec.Struct, kw_only=True):
     name: str
     state_dir: str
     model: str
+    more_models: list[str] = msgspec.field(default_factory=list)  # further base models (``up --model`` repeated)
     nodes: int = 1
     gpus_per_node: int = 0
     time: str = "24:00:00"
@@ -162,8 +163,7 @@ def node_command(spec: SlurmSpec) -> list[str]:
         "daemon.node",
         "--state-dir",
         spec.state_dir,
-        "--model",
-        spec.model,
+        *(arg for m in [spec.model, *spec.more_models] for arg in ("--model", m)),
         "--policy",
         spec.policy,
         "--drain-timeout",

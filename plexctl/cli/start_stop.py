@@ -38,7 +38,10 @@ def up(
     ctx: typer.Context,
     local: Annotated[bool, typer.Option("--local", help="embedded cluster on this machine (default)")] = True,
     slurm: Annotated[bool, typer.Option("--slurm", help="a Slurm allocation")] = False,
-    model: Annotated[Optional[Path], typer.Option(help="base model the engines serve")] = None,
+    model: Annotated[
+        Optional[list[Path]],
+        typer.Option(help="a base model the engines serve (Hugging Face directory); repeat for several"),
+    ] = None,
     workers: Annotated[int, typer.Option(min=1, max=8, help="local workers (1: both engines in one)")] = 2,
     policy: Annotated[
         str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")
@@ -188,15 +191,16 @@ def up(
         if setting is not None:
             engine_args.append(f"{flag}={setting}")
     c: Ctx = ctx.obj
-    model = (model or _local_model_default()).resolve()
-    if not (model / "config.json").exists():
-        raise UsageError(
-            f"--model {model}: not a Hugging Face model directory (no config.json); "
-            "build the tiny one with `python -m worker.tiny`"
-        )
-    problem = model_dir_problem(model)
-    if problem:  # the engines would fail on it, after minutes of start-up on a real model
-        raise StartFailed(f"--model: {problem}; nothing was started")
+    models = list(dict.fromkeys(m.resolve() for m in (model or [_local_model_default()])))
+    for m in models:
+        if not (m / "config.json").exists():
+            raise UsageError(
+                f"--model {m}: not a Hugging Face model directory (no config.json); "
+                "build the tiny one with `python -m worker.tiny_models`"
+            )
+        problem = model_dir_problem(m)
+        if problem:  # the engines would fail on it, after minutes of start-up on a real model
+            raise StartFailed(f"--model: {problem}; nothing was started")
     if slurm or join:
         state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
         worker_args = [*engine_args, f"--device-slots={device_slots}", *(f"{k}={v}" for k, v in sizes.items())]
@@ -207,7 +211,8 @@ def up(
         spec = S.SlurmSpec(
             name=join or name or state_dir.name,
             state_dir=str(state_dir.resolve()),
-            model=str(model),
+            model=str(models[0]),
+            more_models=[str(m) for m in models[1:]],
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             time=time_limit,
@@ -241,7 +246,8 @@ def up(
         return
     endpoint_path(c.state_dir).unlink(missing_ok=True)
     layouts = [["rollout", "trainer"]] if workers == 1 else [["rollout"]] + [["trainer"]] * (workers - 1)
-    cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir), "--model", str(model)]
+    cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir)]
+    cmd += [arg for m in models for arg in ("--model", str(m))]
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
     cmd += ["--policy", policy, "--drain-timeout", str(30.0 if drain_timeout is None else drain_timeout)]
@@ -303,7 +309,8 @@ def up(
             time.sleep(0.5)
     console().print(
         f"cluster up in {time.monotonic() - t0:.1f} s: {len(layouts)} workers, "
-        f"model {model.name}, policy {policy}, state {c.state_dir}"
+        f"{'model' if len(models) == 1 else 'models'} {', '.join(m.name for m in models)}, policy {policy}, "
+        f"state {c.state_dir}"
     )
     if metrics_port is not None and (c.state_dir / "metrics.json").exists():
         console().print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")

@@ -24,7 +24,16 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from plexctl.cli.views import STATE_STYLE, cluster_line, fmt_duration, fmt_reward, job_row, swaps_text, tiers_text
+from plexctl.cli.views import (
+    STATE_STYLE,
+    cluster_line,
+    fmt_duration,
+    fmt_reward,
+    job_row,
+    model_name,
+    swaps_text,
+    tiers_text,
+)
 from plexctl.common.protocol import EngineInfo, JobInfo, StatusRep
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -162,6 +171,7 @@ def top_view(f: TopFrame) -> Group:
     for col in (
         "JOB",
         "NAME",
+        "MODEL",
         "TRAINS",
         "STATE",
         "STEP",
@@ -183,6 +193,7 @@ def top_view(f: TopFrame) -> Group:
         jobs.add_row(
             j.job_id,
             j.name,
+            model_name(j.model),
             j.trains or "-",
             state,
             f"{j.step}/{j.steps}",
@@ -196,13 +207,26 @@ def top_view(f: TopFrame) -> Group:
             fmt_duration(_elapsed(j, now)),
         )
     engines = Table(title="engines", title_justify="left")
-    for col in ("ENGINE", "KIND", "UTIL", "", "NOW", "SERVING", "RESIDENT", "TASKS", "SWAPS", "MEMORY PER TIER"):
+    for col in (
+        "ENGINE",
+        "KIND",
+        "MODEL",
+        "UTIL",
+        "",
+        "NOW",
+        "SERVING",
+        "RESIDENT",
+        "TASKS",
+        "SWAPS",
+        "MEMORY PER TIER",
+    ):
         engines.add_column(col, no_wrap=True)
     for e in f.rep.engines:
         util = utilization(e, f.uptime)
         engines.add_row(
             e.engine_id,
             e.kind,
+            model_name(e.model),
             fmt_share(util),
             ProgressBar(total=1.0, completed=util or 0.0, width=10),
             fmt_share(f.busy_delta.get(e.engine_id)),
@@ -219,14 +243,16 @@ def top_view(f: TopFrame) -> Group:
 def plain_top(f: TopFrame) -> str:
     now = f.rep.now
     lines = [
-        f"{'JOB':<6} {'NAME':<16} {'TRAINS':<11} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} {'REWARD':>7} "
+        f"{'JOB':<6} {'NAME':<16} {'MODEL':<14} {'TRAINS':<11} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} "
+        f"{'REWARD':>7} "
         f"{'RECENT':<{RECENT_STEPS}} {'POLICY':>6} {'STALE':>5}  STATE AT"
     ]
     for j in f.rep.jobs:
         h = f.history.get(j.job_id)
         done = f"{j.step / j.steps:.0%}" if j.steps else "-"
         lines.append(
-            f"{j.job_id:<6} {j.name[:16]:<16} {j.trains or '-':<11} {j.state:<10} {f'{j.step}/{j.steps}':>9} {done:>5} "
+            f"{j.job_id:<6} {j.name[:16]:<16} {model_name(j.model)[:14]:<14} {j.trains or '-':<11} {j.state:<10} "
+            f"{f'{j.step}/{j.steps}':>9} {done:>5} "
             f"{fmt_duration(eta(j, h, now)):>7} {fmt_reward(j.reward):>7} "
             f"{(sparkline(h.rewards) if h else ''):<{RECENT_STEPS}} {'v' + str(j.policy_version):>6} "
             f"{'-' if h is None or h.staleness is None else f'{h.staleness:.0f}':>5}  "
@@ -235,10 +261,13 @@ def plain_top(f: TopFrame) -> str:
             + (f"  waiting: {j.reason}" if j.reason else "")
         )
     lines.append("")
-    lines.append(f"{'ENGINE':<14} {'KIND':<8} {'UTIL':>5} {'NOW':>5} {'TASKS':>6}  SERVING / RESIDENT  SWAPS  TIERS")
+    lines.append(
+        f"{'ENGINE':<14} {'KIND':<8} {'MODEL':<14} {'UTIL':>5} {'NOW':>5} {'TASKS':>6}  "
+        "SERVING / RESIDENT  SWAPS  TIERS"
+    )
     for e in f.rep.engines:
         lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {fmt_share(utilization(e, f.uptime)):>5} "
+            f"{e.engine_id:<14} {e.kind:<8} {model_name(e.model)[:14]:<14} {fmt_share(utilization(e, f.uptime)):>5} "
             f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
             f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}"
         )

@@ -7,6 +7,7 @@ is imported by the functions that build its tables, so plain text and JSON start
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
     for col in (
         "JOB",
         "NAME",
+        "MODEL",
         "TRAINS",
         "USER",
         "STATE",
@@ -84,6 +86,7 @@ def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
         t.add_row(
             j.job_id,
             j.name,
+            model_name(j.model),
             j.trains or "-",
             j.user,
             state,
@@ -102,13 +105,26 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
     from rich.table import Table
 
     t = Table(title="engines", title_justify="left")
-    for col in ("ENGINE", "KIND", "ON", "READY", "SERVING", "RESIDENT JOBS", "BUSY", "TASKS", "STATE TIERS", "SWAPS"):
+    for col in (
+        "ENGINE",
+        "KIND",
+        "MODEL",
+        "ON",
+        "READY",
+        "SERVING",
+        "RESIDENT JOBS",
+        "BUSY",
+        "TASKS",
+        "STATE TIERS",
+        "SWAPS",
+    ):
         t.add_column(col, no_wrap=True)
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
         t.add_row(
             e.engine_id,
             e.kind,
+            model_name(e.model),
             placement_text(e),
             ready_text(e),
             ",".join(e.running) or "-",
@@ -119,6 +135,11 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
             swaps_text(e),
         )
     return t
+
+
+def model_name(path: str) -> str:
+    """A model as tables show it: its directory's name."""
+    return os.path.basename(path.rstrip("/")) or "-"
 
 
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -178,12 +199,13 @@ def status_view(rep: StatusRep, uptime: float) -> Group:
 
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
     lines = [
-        f"{'JOB':<6} {'NAME':<20} {'TRAINS':<11} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} "
+        f"{'JOB':<6} {'NAME':<20} {'MODEL':<14} {'TRAINS':<11} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} "
         f"{'POLICY':>6}  ENGINE"
     ]
     for j in jobs:
         lines.append(
-            f"{j.job_id:<6} {j.name[:20]:<20} {j.trains or '-':<11} {j.state:<11} {f'{j.step}/{j.steps}':>9} "
+            f"{j.job_id:<6} {j.name[:20]:<20} {model_name(j.model)[:14]:<14} {j.trains or '-':<11} {j.state:<11} "
+            f"{f'{j.step}/{j.steps}':>9} "
             f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
             f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
             + (f"  error: {j.error}" if j.error else "")
@@ -193,11 +215,13 @@ def plain_jobs(jobs: list[JobInfo], now: float) -> str:
 
 
 def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
-    lines = [f"{'ENGINE':<14} {'KIND':<8} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"]
+    lines = [
+        f"{'ENGINE':<14} {'KIND':<8} {'MODEL':<14} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"
+    ]
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
         lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {placement_text(e):<12} {ready_text(e):<8} "
+            f"{e.engine_id:<14} {e.kind:<8} {model_name(e.model)[:14]:<14} {placement_text(e):<12} {ready_text(e):<8} "
             f"{busy:>5} "
             f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
             + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")

@@ -156,6 +156,7 @@ class JobInfo(msgspec.Struct):
     reason: str = ""  # why a queued job is not running yet
     state_tier: str = ""  # where a running job's trainer state lives (engine:tier)
     trains: str = ""  # TRAINS_ADAPTER or TRAINS_ALL (full fine-tuning), from the job's spec
+    model: str = ""  # the job's base model (its resolved path), from its spec
 
 
 class EngineInfo(msgspec.Struct):

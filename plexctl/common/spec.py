@@ -602,6 +602,15 @@ def model_dir_problem(model_dir: Path) -> str | None:
         return f"model directory not found: {model_dir}"
     if not (model_dir / "config.json").is_file():
         return f"no config.json in {model_dir} (expected a Hugging Face model directory)"
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{model_dir / 'config.json'} is not a JSON object: {exc}"
+    if not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures):
+        return (
+            f"{model_dir / 'config.json'}: architectures {architectures}: not a causal language model "
+            f"(the engines load a *ForCausalLM model)"
+        )
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return f"no tokenizer in {model_dir} (one of {', '.join(TOKENIZER_FILES)}): the engines cannot tokenize prompts"
     if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_GLOBS):

@@ -1,0 +1,157 @@
+"""Several base models on one worker: engine ids, which rollout engine is awake, and the
+commands that carry every model to the workers (pure parts; the real engines run in
+test_multi_base_e2e.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from daemon.node import worker_command
+from plexctl.cli.slurm import SlurmSpec, node_command
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.layout import WorkerPlacement
+from worker.engine_args import EngineArgsError, rollout_engine_args, sleep_between_models
+from worker.main import Rollouts, Trainers, engine_id, next_awake
+
+
+class Recorded:
+    """Results as an ``Outbox`` would send them."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[int, bool, str]] = []
+
+    def result(self, task_id: int, ok: bool, value=None, error: str = "", seconds: float = 0.0, info=None) -> None:
+        self.results.append((task_id, ok, error))
+
+
+class Engine:
+    """A rollout engine that finishes each request at its next step and records what it did."""
+
+    def __init__(self, name: str, log: list[str], awake: bool = True) -> None:
+        self.name, self.log, self.awake, self.pending = name, log, awake, []
+
+    def start(self, key, request) -> None:
+        assert self.awake, f"{self.name} started a request asleep"
+        self.pending.append(key)
+
+    def step(self):
+        assert self.awake, f"{self.name} stepped asleep"
+        done, self.pending = self.pending, []
+        self.log.append(f"{self.name}:step{sorted(done)}")
+        return [(key, []) for key in done]
+
+    def sleep(self) -> None:
+        self.log.append(f"{self.name}:sleep")
+        self.awake = False
+
+    def wake(self) -> None:
+        self.log.append(f"{self.name}:wake")
+        self.awake = True
+
+    def in_flight_of(self, job_id):
+        return []
+
+    def drop_job(self, job_id) -> None:
+        self.log.append(f"{self.name}:drop {job_id}")
+
+
+def generate(task_id: int, engine: str, job: str = "j") -> P.TaskBody:
+    request = C.GenRequest(job_id=job, prompts=["1+1="], sampling=C.Sampling())
+    return P.TaskBody(task_id=task_id, job_id=job, engine_id=engine, task=C.GenerateTask(request=request))
+
+
+A, B = engine_id("w0", "rollout", 0), engine_id("w0", "rollout", 1)
+
+
+def test_engine_ids_keep_the_first_models_and_end_in_their_kind():
+    assert (A, B) == ("w0/rollout", "w0/m1/rollout")
+    assert engine_id("n1-g2", "trainer", 2) == "n1-g2/m2/trainer"
+    assert all(e.endswith("/rollout") for e in (A, B))  # what the shared loop sorts by
+
+
+def test_engines_that_take_turns_serve_each_waiting_group_after_one_wake():
+    log: list[str] = []
+    engines = {A: Engine("a", log, awake=False), B: Engine("b", log)}  # b, built last, is awake
+    rollouts, out = Rollouts(engines, one_awake=True), Recorded()
+    rollouts.serve([generate(1, A), generate(2, B), generate(3, A), generate(4, B), generate(5, A)], out)
+    assert sorted(t for t, ok, _ in out.results if ok) == [1, 2, 3, 4, 5]
+    assert log == ["b:step[2, 4]", "b:sleep", "a:wake", "a:step[1, 3, 5]"]  # one switch for the whole group
+    rollouts.serve([generate(6, A)], out)  # the awake engine serves at once
+    assert log[-1] == "a:step[6]" and log.count("a:wake") == 1
+
+
+def test_resident_engines_serve_every_model_without_sleeping():
+    log: list[str] = []
+    rollouts, out = Rollouts({A: Engine("a", log), B: Engine("b", log)}), Recorded()
+    rollouts.serve([generate(1, A), generate(2, B)], out)
+    assert sorted(log) == ["a:step[1]", "b:step[2]"]
+    assert [ok for _, ok, _ in out.results] == [True, True]
+
+
+def test_a_task_for_an_engine_the_worker_has_not_fails_alone():
+    log: list[str] = []
+    rollouts, out = Rollouts({A: Engine("a", log)}), Recorded()
+    rollouts.serve([generate(1, "w0/m7/rollout"), generate(2, A)], out)
+    assert out.results[0][:2] == (1, False) and "w0/m7/rollout" in out.results[0][2]
+    assert (2, True, "") in out.results
+    store = SimpleNamespace(trainer=None)
+    trainers = Trainers({"w0/trainer": store, "w0/m1/trainer": store})
+    trainers.serve(P.TaskBody(task_id=3, job_id="j", engine_id="w0/m5/trainer", task=None), out)  # type: ignore[arg-type]
+    assert out.results[-1][:2] == (3, False)
+
+
+def test_the_next_engine_to_wake_is_the_oldest_waiting_tasks():
+    assert next_awake(A, []) == A
+    assert next_awake(A, [B, A, B]) == B
+
+
+def test_rollout_engines_sleep_between_models_on_cuda_only():
+    assert sleep_between_models("cuda", 2) and not sleep_between_models("cuda", 1)
+    assert not sleep_between_models("cpu", 3)
+    assert rollout_engine_args("cuda", "/m", sleep_mode=True).llm_kwargs["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in rollout_engine_args("cuda", "/m").llm_kwargs
+    with pytest.raises(EngineArgsError, match="sleep_mode"):
+        rollout_engine_args("cpu", "/m", sleep_mode=True)
+
+
+def test_every_model_reaches_the_workers_and_the_daemon():
+    placement = WorkerPlacement("n1-g0", ["rollout"], ["0"], "n1-g0")
+    argv = worker_command(placement, "tcp://n0:5555", "n1", ["/m/a", "/m/b"], Path("/s"), 1, None, [])
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--model"] == ["/m/a", "/m/b"]
+    cmd = node_command(SlurmSpec(name="c", state_dir="/s", model="/m/a", more_models=["/m/b"]))
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--model"] == ["/m/a", "/m/b"]
+
+
+def test_the_daemon_keeps_each_job_on_the_engines_of_its_own_model(core, tiny_model, tmp_path):
+    """One worker with an engine of each kind per model: a job on the second model has its calls
+    on that model's engines, and stays there when the worker reports where its state lives."""
+    from test_daemon_core import BATCH, GENERATE, call, running, tasks
+
+    second = tmp_path / "second-model"
+    shutil.copytree(tiny_model, second)
+    d = core
+    engines = [
+        P.EngineDecl(engine_id("w0", kind, m), kind, str(model), 4 if kind == "rollout" else 1)
+        for m, model in enumerate((tiny_model, second))
+        for kind in ("rollout", "trainer")
+    ]
+    d.send(b"w0", P.Op.REGISTER, P.RegisterReq("w0", "node", 1, engines, True, resident={}))
+    job = running(d, second, "b")
+    for msg_id in (1, 2):  # the second step comes after the worker said where the state lives
+        call(d, job, C.TrainStepReq(BATCH, publish=True), msg_id)
+        d.place()
+        (step,) = tasks(d)
+        assert step.engine_id == "w0/m1/trainer"
+        inventory = {"device": {"jobs": [job]}, "host": {"jobs": []}, "nvme": {"jobs": []}}
+        info = {"engine": "w0/m1/trainer", "inventory": inventory}
+        d.send(b"w0", P.Op.RESULT, P.ResultBody(step.task_id, True, C.TrainStepResult({"loss": 0.5}), info=info))
+        assert d.sched.home_of(job, "trainer") == "w0/m1/trainer"
+    call(d, job, GENERATE, 3)
+    d.place()
+    (gen,) = tasks(d)
+    assert gen.engine_id == "w0/m1/rollout" and gen.task.request.adapter.version == 2
