@@ -29,6 +29,7 @@ from plexctl.common.memplan import (
     parse_gpus,
     plan_for_specs,
     plan_memory,
+    plans_for_specs,
     render_plan,
     weights_bytes,
 )
@@ -359,3 +360,23 @@ def test_plexctl_plan_of_a_full_fine_tuning_spec_shows_all_weights_and_refuses_w
     text = render_plan(plan)
     assert "all weights   state 99.3 GiB" in text and "refused" in text
     assert any("its state 99.3 GiB exceeds the largest tier" in p for p in plan.problems)
+
+
+def test_jobs_on_two_bases_get_a_plan_each_that_counts_the_other_models_weights() -> None:
+    lora = load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", check_files=False)
+    full = load_spec(REPO / "configs" / "qwen2.5-3b-full.yaml", check_files=False)
+    options = ClusterOptions(device_slots=1, host_tier_bytes=64 * 2**30, nvme_tier_bytes=400 * 2**30)
+    node = NodeShape.parse("8x141G")
+    small, large = plans_for_specs([lora, full], node, options=options)  # sorted by model path
+    assert (small.model, large.model) == ("Qwen2.5-3B-Instruct", "Qwen2.5-7B-Instruct")
+    assert small.fits and large.fits, small.problems + large.problems
+    # each trainer holds the other base beside its own; the other model's rollout weights sleep in host memory
+    assert small.trainers[0].other_bases_bytes == large.trainers[0].weights_bytes
+    assert large.trainers[0].other_bases_bytes == small.trainers[0].weights_bytes
+    (alone,) = plans_for_specs([lora], node, options=options)
+    assert alone.trainers[0].free_bytes - large.trainers[0].free_bytes == small.trainers[0].weights_bytes
+    assert large.cpu_engine_bytes - alone.cpu_engine_bytes == len(large.rollouts) * small.rollouts[0].weights_bytes
+    # a node whose host memory cannot hold the sleeping weights beside the tiers: said, with the numbers
+    tight = plans_for_specs([lora, full], NodeShape.parse("8x141G", host="160G"), options=options)
+    problems = [p for plan in tight for p in plan.problems]
+    assert any(p.startswith("host memory:") and "sleeping models" in p for p in problems), problems

@@ -81,8 +81,9 @@ def plan(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
 ) -> None:
     """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
-    KV cache, adapter slots and job state on each tier, and what does not fit (exit 7). Needs no cluster;
-    a model directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
+    KV cache, adapter slots and job state on each tier, and what does not fit (exit 7); one plan per base
+    model when the jobs use several (each counts the others' weights). Needs no cluster; a model
+    directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
     from plexctl.common import memplan as MP
     from plexctl.common.spec import SpecError, load_spec
 
@@ -101,15 +102,15 @@ def plan(
         )
         specs = [load_spec(f, set_ or [], check_files=False) for f in files]
         engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)
-        result = MP.plan_for_specs(specs, node, engines, options)
+        results = MP.plans_for_specs(specs, node, engines, options)
     except SpecError as exc:
         for issue in exc.issues:
             print(issue, file=sys.stderr)
         raise typer.Exit(ExitCode.USAGE) from None
     except ValueError as exc:
         raise UsageError(f"--gpus {gpus!r}: {exc}" if "GPU shape" in str(exc) else str(exc)) from None
-    print(MP.render_plan(result))
-    if not result.fits:
+    print("\n\n".join(MP.render_plan(result) for result in results))
+    if not all(result.fits for result in results):
         raise typer.Exit(ExitCode.REFUSED)
 
 

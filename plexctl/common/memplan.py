@@ -243,6 +243,10 @@ class ClusterOptions:
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
     logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
     cpu_kv_cache_bytes: int = 1 * GiB  # KV cache of a CPU rollout engine (its `kv_cache_gib`)
+    # the cluster's other base models, in the engines' dtype (``plans_for_specs``): a trainer holds
+    # every base resident; a GPU rollout engine's other models sleep in pinned host memory, a CPU
+    # one's stay resident
+    other_weights_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,7 @@ class TrainerPlan:
     host_tier_bytes: int
     nvme_tier_bytes: int
     rollout_bytes: int = 0  # shared: the budget of the rollout engine on its GPU
+    other_bases_bytes: int = 0  # the cluster's other base models, which it holds beside this one
 
     @property
     def device_state_bytes(self) -> int:
@@ -364,7 +369,13 @@ class TrainerPlan:
     @property
     def fixed_bytes(self) -> int:
         """All but the jobs' state: what one more device slot must fit beside."""
-        return self.weights_bytes + self.gradient_bytes + self.activation_bytes + self.runtime_bytes
+        return (
+            self.weights_bytes
+            + self.other_bases_bytes
+            + self.gradient_bytes
+            + self.activation_bytes
+            + self.runtime_bytes
+        )
 
     @property
     def used_bytes(self) -> int:
@@ -518,6 +529,7 @@ def plan_memory(
             runtime_bytes=TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES,
             host_tier_bytes=options.host_tier_bytes,
             nvme_tier_bytes=options.nvme_tier_bytes,
+            other_bases_bytes=options.other_weights_bytes,
         )
 
     kinds = {"rollout": 0, "trainer": 0}
@@ -539,7 +551,10 @@ def plan_memory(
             rollouts[position] = rollout_plan(position, index_of[position], engine, left)
             if t is not None:
                 trainers[partner[position]] = replace(t, rollout_bytes=rollouts[position].budget_bytes)
-    cpu_rollout_bytes = sum(r.budget_bytes for p, r in rollouts.items() if p in cpu)
+    # a rollout engine's other models: resident beside it on the CPU, asleep in pinned host memory on a GPU
+    cpu_rollout_bytes = sum(r.budget_bytes for p, r in rollouts.items() if p in cpu) + len(rollouts) * (
+        options.other_weights_bytes
+    )
     cpu_trainers = [p for p, e in enumerate(engines) if e.kind == "trainer" and p in cpu]
     for position in cpu_trainers:
         left = (node.host_bytes - host_tiers - cpu_rollout_bytes) // len(cpu_trainers)
@@ -637,7 +652,8 @@ def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
             f"max_model_len {plan.max_model_len:,} exceeds the model's context {context:,} (max_position_embeddings)"
         )
     if host_tiers + plan.cpu_engine_bytes > node.host_bytes:
-        cpu = f" + engines on the CPU {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
+        what = "engines on the CPU" + (" and sleeping models" if o.other_weights_bytes else "")
+        cpu = f" + {what} {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
         problems.append(
             f"host memory: {len(plan.trainers)} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
             f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}"
@@ -859,6 +875,7 @@ def _trainer_rows(t: TrainerPlan) -> list[Row]:
             "shared with a rollout engine" if t.shared else "",
         ),
         ("weights", t.weights_bytes, ""),
+        *([("the other base models' weights", t.other_bases_bytes, "held beside it")] if t.other_bases_bytes else []),
         (
             f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}",
             t.device_state_bytes,
@@ -960,6 +977,34 @@ def render_plan(plan: MemoryPlan) -> str:
     else:
         lines.append("Everything fits.")
     return "\n".join(lines)
+
+
+def plans_for_specs(
+    specs: Sequence[JobSpec],
+    node: NodeShape,
+    engines: Sequence[EngineShape] | None = None,
+    options: ClusterOptions = ClusterOptions(),
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+) -> list[MemoryPlan]:
+    """One plan per base model of ``specs``, each of a node serving them all: its engines hold
+    the other models too (``ClusterOptions.other_weights_bytes``), so each plan counts them."""
+    from plexctl.common.model_shapes import model_config_for
+
+    by_model: dict[str, list[JobSpec]] = {}
+    for spec in specs:
+        by_model.setdefault(spec.model.path, []).append(spec)
+    dtype = options.dtype or ("bfloat16" if node.gpus else "float32")
+    weights = {path: weights_bytes(model_config_for(path), dtype) for path in by_model}
+    return [
+        plan_for_specs(
+            jobs,
+            node,
+            engines,
+            replace(options, other_weights_bytes=sum(weights.values()) - weights[path]),
+            prompt_tokens,
+        )
+        for path, jobs in sorted(by_model.items())
+    ]
 
 
 def plan_for_specs(

@@ -30,6 +30,15 @@ _QWEN2_5_0_5B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+_QWEN2_5_3B: dict[str, Any] = {
+    **_QWEN2_5_0_5B,
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+}
+
 _QWEN2_5_7B: dict[str, Any] = {
     "model_type": "qwen2",
     "hidden_size": 3584,
@@ -102,10 +111,12 @@ _LLAMA_3_1_70B: dict[str, Any] = {
 }
 
 # Lower-case directory basename -> config.json fields. The Llama 3.1 base and instruct models
-# share their architecture; so do the Qwen2.5 base and instruct models (7B and up; the 0.5B
-# listed is the instruct model, whose embeddings are tied).
+# share their architecture; so do the Qwen2.5 base and instruct models (the 0.5B and 3B tie their
+# embeddings; the 0.5B listed is the instruct model).
 KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b-instruct": _QWEN2_5_0_5B,
+    "qwen2.5-3b-instruct": _QWEN2_5_3B,
+    "qwen2.5-3b": _QWEN2_5_3B,
     "qwen2.5-7b-instruct": _QWEN2_5_7B,
     "qwen2.5-7b": _QWEN2_5_7B,
     "qwen2.5-14b-instruct": _QWEN2_5_14B,

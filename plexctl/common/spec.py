@@ -75,10 +75,15 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelSpec(_Section, kw_only=True):
-    """The base model every engine holds resident."""
+    """The job's base model: one the cluster serves (`plexctl up --model`, repeat it for several);
+    its engines hold it resident, and jobs on other models share the workers."""
 
     path: Annotated[
-        str, _doc("Hugging Face model directory (config.json, tokenizer, weights); relative to the YAML file")
+        str,
+        _doc(
+            "Hugging Face model directory (config.json naming a *ForCausalLM architecture, tokenizer, "
+            "weights); relative to the YAML file"
+        ),
     ]
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"] | None,
