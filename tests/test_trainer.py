@@ -480,3 +480,18 @@ def test_job_lifecycle_and_state_bytes(model_dir: str) -> None:
         engine.state_bytes("A")
     engine.ensure_job("A", lora, seed=1)  # a released job can come back
     assert engine.jobs() == ["A"]
+
+
+def test_released_jobs_leave_at_most_a_few_parked_adapters_in_the_model(model_dir: str) -> None:
+    from worker.trainer_slots import PARKED_ADAPTERS_MAX
+
+    engine = TrainerEngine(model_dir, threads=2)
+    engine.ensure_job("kept", LORA_A, seed=1)
+    for i in range(PARKED_ADAPTERS_MAX + 4):  # shapes no parked adapter can serve again
+        engine.ensure_job(f"gone{i}", LoraConfig(rank=1 + i, alpha=2), seed=i)
+        engine.release(f"gone{i}")
+    assert engine.jobs() == ["kept"]
+    assert len(engine._peft.peft_config) == 1 + PARKED_ADAPTERS_MAX  # the rest deleted from the model
+    before = snapshot(engine, "kept")
+    engine.train_step("kept", make_batch(5), HP_A)  # the job left trains on
+    assert any(not torch.equal(before[k], v) for k, v in snapshot(engine, "kept").items())

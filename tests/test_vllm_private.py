@@ -139,3 +139,11 @@ def test_the_cpu_worker_still_replaces_torch_set_num_threads() -> None:
     import torch
 
     assert vllm_private.real_set_num_threads() is torch._C.set_num_threads
+
+
+def test_in_place_weight_loads_reach_the_model_runner_of_both_platforms():
+    module, cls, method = vllm_private.RELOAD_WEIGHTS
+    runner = resolve(module, cls, method)
+    assert set(vllm_private.RELOAD_WEIGHTS_KWARGS) <= set(parameters(runner)), parameters(runner)
+    for worker_module, worker_cls in vllm_private.RELOAD_WEIGHTS_WORKERS:
+        assert callable(resolve(worker_module, worker_cls, method))  # what collective_rpc calls by name

@@ -563,7 +563,7 @@ class RolloutEngine:
         self._weights = None  # until the load completes: a failed one leaves the base to reload
         try:
             with self._engine_threads():
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+                vllm_private.reload_weights(self._llm, path)
                 self._llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         except Exception as e:
             if wanted is None:

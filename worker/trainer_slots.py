@@ -453,6 +453,7 @@ class JobSlots:
         assert self._peft is not None
         with warnings.catch_warnings():  # "adapter was active ... setting active adapter to ..."
             warnings.simplefilter("ignore", UserWarning)
+            self._peft.delete_adapter(adapter_name)
 
     def _register_job(
         self, job_id: str, adapter_name: str, lora: LoraConfig | None, seed: int, homes: dict[str, Home], slot: Slot

@@ -44,6 +44,22 @@ ENGINE_METHODS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# ---------------------------------------------------------------- worker RPCs (LLM.collective_rpc)
+
+# A full fine-tuning job's published weights are loaded in place through the worker's
+# ``reload_weights`` (GPUModelRunner's, which CPUModelRunner inherits): not part of LLM's API.
+# (class module, class name, method, the keywords the worker passes)
+RELOAD_WEIGHTS = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights")
+RELOAD_WEIGHTS_KWARGS = ("weights_path", "is_checkpoint_format")
+RELOAD_WEIGHTS_WORKERS = (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker"))
+
+
+def reload_weights(llm: Any, weights_path: str) -> None:
+    """Load the safetensors checkpoint in ``weights_path`` into the engine's model, in place."""
+    method = RELOAD_WEIGHTS[2]
+    llm.collective_rpc(method, kwargs=dict(zip(RELOAD_WEIGHTS_KWARGS, (weights_path, True))))
+
+
 def llm_engine(llm: Any) -> Any:
     """The ``LLMEngine`` inside an ``LLM`` (``LLM.llm_engine``: an attribute, not documented API)."""
     return llm.llm_engine
