@@ -42,7 +42,7 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.sizes import fmt_bytes
-from plexctl.common.spec import JobSpec, SpecError, spec_from_wire
+from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
 
 log = logging.getLogger("plexd")
@@ -134,6 +134,8 @@ class JobRuntime:
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
     cancel_requested_at: float | None = None
+    stop_sent: bool = False  # a Tinker job's holding driver was told to stop
+    ended_by_client: bool = False  # a Tinker job whose client's session finished: it succeeded
     rolled_back: str = ""  # why the job's state was lost: its driver is stopped and the job resumes from its checkpoint
     failure: str = ""
     engines: set[str] = field(default_factory=set)
@@ -258,7 +260,13 @@ class DaemonCore:
         draining, decide when to stop)."""
         self.now = now
         for rt in self.runtimes.values():
-            if rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
+            if rt.cancel_requested_at is None:
+                continue
+            if rt.spec.algo.name == TINKER_ALGO:  # its driver only holds the job: no call boundary to wait for
+                if not rt.stop_sent:
+                    rt.stop_sent = True
+                    self._out.append(StopDriver(rt.job_id))
+            elif now - rt.cancel_requested_at > CANCEL_GRACE_S:
                 self._out.append(StopDriver(rt.job_id, kill=True))
         if self.adopting:
             self._admit_adopted(now)
@@ -670,7 +678,10 @@ class DaemonCore:
         if job_id is None:
             self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
-        self._cancel(job_id)
+        rt = self.runtimes.get(job_id)
+        if rt is not None and rt.spec.algo.name == TINKER_ALGO and self.sender == auth.INTERNAL_USER:
+            rt.ended_by_client = True  # the Tinker front end ends the job: its client's session finished
+        self._cancel(job_id, "its Tinker session finished" if rt is not None and rt.ended_by_client else "")
         self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
 
     def _cancel(self, job_id: str, why: str = "") -> None:
@@ -954,7 +965,8 @@ class DaemonCore:
         if call.publishes:
             rt.policy_version = call.version
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir, full=rt.spec.lora is None)
-            prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
+            if rt.spec.algo.name != TINKER_ALGO:  # a Tinker job's versions are its samplers' weights: kept
+                prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
         elif isinstance(body.value, C.CheckpointResult):
             write_json_atomic(
                 rt.job_dir / "ckpt" / "latest.json",
@@ -1001,6 +1013,10 @@ class DaemonCore:
             return C.CheckpointRep(call.out_dir)
         if isinstance(result, C.RestoreResult):
             return C.RestoreRep(result.extra)
+        if isinstance(result, C.ForwardBackwardResult):
+            return C.ForwardBackwardRep(result.logprobs, result.loss)
+        if isinstance(result, C.OptimStepResult):
+            return C.OptimStepRep(result.metrics, call.version if call.publishes else 0)
         raise ValueError(f"{call.method}: its engine answered {type(result).__name__}")
 
     def _take_inventory(self, identity: bytes, info: dict[str, Any]) -> None:
@@ -1108,7 +1124,18 @@ class DaemonCore:
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
         task: C.AnyTask
         if isinstance(req, C.GenerateReq):
-            gen = P.GenRequest(job_id=rt.job_id, prompts=req.prompts, sampling=req.sampling, adapter=adapter)
+            if req.version is not None and req.version != version:  # an earlier version it kept (a Tinker sampler's)
+                adapter, version = self._kept_version(rt, req.version), req.version
+                if req.version and adapter is None:
+                    self._error(identity, header.msg_id, "bad_request", f"policy version {req.version} is not kept")
+                    return None
+            gen = P.GenRequest(
+                job_id=rt.job_id,
+                prompts=req.prompts,
+                sampling=req.sampling,
+                adapter=adapter,
+                prompt_tokens=req.prompt_tokens,
+            )
             task, call.version = C.GenerateTask(gen), version  # the policy the samples come from
         elif isinstance(req, C.TrainStepReq):
             hp = msgspec.structs.replace(req.hp, user_code_trusted=rt.user in self.trusted_users)  # re-checked there
@@ -1118,6 +1145,12 @@ class DaemonCore:
         elif isinstance(req, C.PublishReq):
             self._next_adapter(rt, call)
             task = C.PublishTask(trainer, call.out_dir)
+        elif isinstance(req, C.ForwardBackwardReq):
+            task = C.ForwardBackwardTask(trainer, req.call)
+        elif isinstance(req, C.OptimStepReq):
+            if req.publish:
+                self._next_adapter(rt, call)
+            task = C.OptimStepTask(trainer, req.calls, req.adam, publish_dir=call.out_dir)
         elif isinstance(req, C.CheckpointReq):
             call.step, call.out_dir = req.step, str(rt.job_dir / "ckpt" / f"step-{req.step:06d}")
             task = C.CheckpointTask(trainer, call.out_dir, req.extra)
@@ -1170,6 +1203,14 @@ class DaemonCore:
             rt.held_calls[call.msg_id] = held
         else:
             del rt.held_calls[call.msg_id]
+
+    @staticmethod
+    def _kept_version(rt: JobRuntime, version: int) -> P.AdapterRef | None:
+        """The job's published ``version`` if its directory is still there (0: the base, None)."""
+        path = rt.job_dir / "adapters" / f"v{version:06d}"
+        if version <= 0 or not path.is_dir():
+            return None
+        return P.AdapterRef(rt.job_id, version, str(path), full=rt.spec.lora is None)
 
     @staticmethod
     def _next_adapter(rt: JobRuntime, call: PendingCall) -> None:
@@ -1368,7 +1409,7 @@ class DaemonCore:
     def _judge_exit(self, rt: JobRuntime, rc: int, now: float) -> None:
         job_id = rt.job_id
         if rt.cancel_requested_at is not None:
-            state, error = "cancelled", ""
+            state, error = ("succeeded" if rt.ended_by_client else "cancelled"), ""
         elif rt.rolled_back and rc != 0:
             self.journal.update(job_id, state="queued")
             self.journal.event(job_id, "rolled back", f"{rt.rolled_back}; resumes from its last checkpoint")

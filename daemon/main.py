@@ -63,7 +63,7 @@ from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
-from plexctl.common.cluster import Endpoint, endpoint_path, make_private, plexrl_home
+from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("plexd")
@@ -108,6 +108,7 @@ class Daemon:
         trusted_users: list[str] | None = None,
         metrics_port: int | None = None,
         worker_grace: float = WORKER_GRACE_S,
+        tinker_port: int | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.mode = mode
@@ -134,6 +135,7 @@ class Daemon:
         self.respawns: dict[str, int] = {}
         self.rejected_peers: set[bytes] = set()
         self.metrics_port: int | None = None
+        self.tinker: subprocess.Popen | None = None  # the Tinker API front end (``plexctl.tinker``)
         self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-prune")
 
         # its own context: the ZAP handler's inproc address is per context (a daemon started after
@@ -162,6 +164,12 @@ class Daemon:
         for i, engines in enumerate(local_workers):
             self._spawn_local_worker(f"w{i}", engines, models)
         self.core.local_workers = len(self.worker_procs)
+        self._write_endpoint(mode)
+        if tinker_port is not None:
+            self._start_tinker(host, tinker_port)
+
+    def _write_endpoint(self, mode: str) -> None:
+        state_dir = self.state_dir
         write_json_atomic(
             endpoint_path(state_dir),
             msgspec.to_builtins(
@@ -177,6 +185,19 @@ class Daemon:
             mode=0o644,
         )  # the one file other users read
         log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
+
+    def _start_tinker(self, host: str, port: int) -> None:
+        """Start the Tinker API front end (``python -m plexctl.tinker``): it reaches this daemon
+        as its own clients do, with the cluster's internal key, and says where it listens in
+        ``tinker.json`` once it does."""
+        (self.state_dir / TINKER_FILE).unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "plexctl.tinker", "--state-dir", str(self.state_dir), "--host", host]
+        cmd += ["--port", str(port)]
+        with open(self.state_dir / "tinker.log", "ab") as out:
+            self.tinker = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
+            )
+        log.info("started the Tinker API front end, pid %d", self.tinker.pid)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -309,6 +330,10 @@ class Daemon:
 
     def shutdown(self) -> None:
         log.info("shutting down")
+        if self.tinker is not None and self.tinker.poll() is None:
+            self.tinker.terminate()
+            wait_or_kill(self.tinker, 10)
+        (self.state_dir / TINKER_FILE).unlink(missing_ok=True)
         for proc in self.drivers.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -531,6 +556,12 @@ def main(argv: list[str] | None = None) -> None:
         help="serve Prometheus metrics on this port (0: a free one; default: off)",
     )
     ap.add_argument(
+        "--tinker-port",
+        type=int,
+        default=None,
+        help="serve the Tinker API on this port (0: a free one; default: off)",
+    )
+    ap.add_argument(
         "--worker-grace",
         type=float,
         default=WORKER_GRACE_S,
@@ -557,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
             args.trust_user_code,
             metrics_port=args.metrics_port,
             worker_grace=args.worker_grace,
+            tinker_port=args.tinker_port,
         )
     except auth.AuthError as exc:
         print(f"plexd: {exc}", file=sys.stderr, flush=True)

@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-daemon", type=float, default=600.0, help="seconds a worker waits for the daemon")
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
     ap.add_argument("--metrics-port", type=int, default=None, help="the daemon's Prometheus port (0: any)")
+    ap.add_argument("--tinker-port", type=int, default=None, help="the daemon's Tinker API port (0: any)")
     ap.add_argument(
         "--trust-user-code",
         action="append",
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.drain_timeout),
                 *(f"--trust-user-code={u}" for u in args.trust_user_code),
                 *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
+                *(["--tinker-port", str(args.tinker_port)] if args.tinker_port is not None else []),
                 *(["--worker-grace", f"{args.worker_grace:g}"] if args.worker_grace is not None else []),
             ],
             state_dir / "daemon.log",

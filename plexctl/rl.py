@@ -194,6 +194,21 @@ class CallClient(abc.ABC):
         reply: C.RestoreRep = self.wait(self.call_async(C.RestoreReq()))
         return reply.extra
 
+    def forward_backward(self, call: C.LossCall) -> C.ForwardBackwardRep:
+        """A token-level loss call (the Tinker API's ``forward_backward``): each datum's
+        log-probs of its target tokens and the loss's sum; nothing changes until
+        ``optim_step``, which is given the calls to take the gradient of."""
+        reply: C.ForwardBackwardRep = self.wait(self.call_async(C.ForwardBackwardReq(call)))
+        return reply
+
+    def optim_step(
+        self, calls: list[C.LossCall], adam: C.AdamStep | None = None, publish: bool = False
+    ) -> C.OptimStepRep:
+        """One AdamW step on the summed gradient of ``calls`` (the loss calls since the last
+        step, in order); ``publish``: then the result becomes the rollout policy."""
+        reply: C.OptimStepRep = self.wait(self.call_async(C.OptimStepReq(calls, adam or C.AdamStep(), publish)))
+        return reply
+
 
 class JobClient(CallClient):
     """The service calls of one job, over one ZeroMQ socket to the daemon.
@@ -213,7 +228,10 @@ class JobClient(CallClient):
         keys: auth.CurveKeys | None = None,
         endpoint_file: Path | None = None,
         log: Callable[[str], None] | None = None,
+        identity: str = "",
     ) -> None:
+        """``identity``: the socket's name at the daemon (default ``drv:JOB``, the job's driver's;
+        another client of the same job, e.g. the Tinker front end, needs its own)."""
         super().__init__()
         self.job_id = job_id
         self.parent_pid = parent_pid
@@ -221,7 +239,7 @@ class JobClient(CallClient):
         self.endpoint_file = endpoint_file
         self.log = log or (lambda _msg: None)
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, f"drv:{job_id}".encode())
+        self._sock.setsockopt(zmq.IDENTITY, (identity or f"drv:{job_id}").encode())
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off while the daemon is away
         keys = keys or auth.internal_keys_from_env()  # the daemon names its keys in the driver's environment
@@ -350,6 +368,12 @@ class InprocClient(CallClient):
             "publish": self._trainer_call(lambda _req: C.PublishRep(self._publish())),
             "checkpoint": self._trainer_call(self._checkpoint),
             "restore": self._trainer_call(self._restore),
+            "forward_backward": self._trainer_call(
+                lambda req: C.ForwardBackwardRep(
+                    **msgspec.structs.asdict(self.trainer.forward_backward(job_id, req.call))
+                )
+            ),
+            "optim_step": self._trainer_call(self._optim_step),
         }
         trainer.ensure_job(job_id, lora, seed)
 
@@ -372,7 +396,13 @@ class InprocClient(CallClient):
 
     def _generate(self, req: C.GenerateReq) -> Callable[[], C.Reply]:
         """Sampled when waited on, from the adapter of now."""
-        gen = P.GenRequest(job_id=self.job_id, prompts=req.prompts, sampling=req.sampling, adapter=self.adapter)
+        gen = P.GenRequest(
+            job_id=self.job_id,
+            prompts=req.prompts,
+            sampling=req.sampling,
+            adapter=self.adapter,
+            prompt_tokens=req.prompt_tokens,
+        )
         version = self.version
 
         def run() -> C.Reply:
@@ -397,6 +427,10 @@ class InprocClient(CallClient):
             return lambda: reply
 
         return send
+
+    def _optim_step(self, req: C.OptimStepReq) -> C.Reply:
+        result = self.trainer.optim_step(self.job_id, req.calls, req.adam)
+        return C.OptimStepRep(result.metrics, self._publish() if req.publish else 0)
 
     def _train_step(self, req: C.TrainStepReq) -> C.Reply:
         metrics = self.trainer.train_step(self.job_id, req.batch, req.hp)

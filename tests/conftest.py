@@ -149,6 +149,8 @@ MARKS = {
         "test_tiny_and_rollout.py",
         "test_rollout_full.py",
         "test_multi_base_e2e.py",
+        "test_tinker_e2e.py",
+        "test_tinker_server.py",
         "test_wheel.py",
     },
 }

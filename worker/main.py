@@ -350,6 +350,8 @@ class TrainerServer:
             "restore": lambda job, t: C.RestoreResult(
                 engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed)
             ),
+            "forward_backward": lambda job, t: engine.forward_backward(job, t.call),
+            "optim_step": lambda job, t: self._optim_step(engine, job, t),
         }
         assert set(self.handlers) == {m.name for m in C.METHODS.values() if m.kind == "trainer"}
         self.done: dict[str, tuple[str, C.AnyResult]] = {}  # job -> (call key, result) of its last stateful call
@@ -374,6 +376,15 @@ class TrainerServer:
         if t.publish_dir:
             engine.save_adapter(job_id, t.publish_dir)
         return C.TrainStepResult(metrics)
+
+    @staticmethod
+    def _optim_step(engine: Any, job_id: str, t: C.OptimStepTask) -> C.OptimStepResult:
+        """One AdamW step on the summed gradient of the loss calls; with ``publish_dir``, the
+        adapter is saved there after it."""
+        result: C.OptimStepResult = engine.optim_step(job_id, t.calls, t.adam)
+        if t.publish_dir:
+            engine.save_adapter(job_id, t.publish_dir)
+        return result
 
     @staticmethod
     def _publish(engine: Any, job_id: str, t: C.PublishTask) -> C.PublishResult:

@@ -178,6 +178,10 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         temperature=s.temperature,
         top_p=s.top_p,
         max_tokens=s.max_tokens,
+        top_k=s.top_k,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
         seed=prompt_seed(s, prompt_index),
         logprobs=0,  # 0: only the sampled token's log-prob
         skip_special_tokens=True,
@@ -441,14 +445,15 @@ class RolloutEngine:
                 raise RolloutError(f"request {key!r} is already in flight")
             self._ensure_weights(request.adapter)
             lora = self._lora_request(request.adapter)
-            if not request.prompts:
+            prompts: list[str | list[int]] = [*request.prompts, *request.prompt_tokens]
+            if not prompts:
                 self._finished.append((key, []))
                 return
-            ids = [f"{REQUEST_ID_PREFIX}{next(self._request_ids)}" for _ in request.prompts]
+            ids = [f"{REQUEST_ID_PREFIX}{next(self._request_ids)}" for _ in prompts]
             added: list[str] = []
             try:
                 with self._engine_threads():
-                    inputs = vllm_private.render_prompts(self._llm, request.prompts)
+                    inputs = vllm_private.render_prompts(self._llm, prompts)
                     for pi, (rid, prompt) in enumerate(zip(ids, inputs)):
                         self._engine.add_request(rid, prompt, sampling_params(request.sampling, pi), lora_request=lora)
                         added.append(rid)
@@ -631,7 +636,7 @@ class RolloutEngine:
     def _count(self, request: GenRequest, completions: list[Completion]) -> None:
         c = self._counters
         c["requests"] += 1
-        c["prompts"] += len(request.prompts)
+        c["prompts"] += len(request.prompts) + len(request.prompt_tokens)
         c["sequences"] += len(completions)
         c["tokens_generated"] += sum(len(x.token_ids) for x in completions)
 

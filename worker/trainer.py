@@ -57,6 +57,7 @@ from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head
 from worker.train_batches import micro_batch_bounds
 from worker.trainer_math import TrainingMath
 from worker.trainer_slots import PARKED_ADAPTERS_MAX, JobState, SlabCounts, lora_signature, peft_config, store_rng
+from worker.trainer_tokens import TokenLossMath
 
 __all__ = ["DTYPES", "FULL_WEIGHTS_FILE", "PARKED_ADAPTERS_MAX", "TrainerEngine", "lora_signature"]
 
@@ -71,7 +72,7 @@ DTYPES: dict[str, torch.dtype] = {
 # ---------------------------------------------------------------- the engine
 
 
-class TrainerEngine(TrainingMath):
+class TrainerEngine(TokenLossMath, TrainingMath):
     """One resident base model; per-job LoRA adapters and AdamW states; GRPO steps on demand."""
 
     def __init__(

@@ -65,11 +65,15 @@ def llm_engine(llm: Any) -> Any:
     return llm.llm_engine
 
 
-def render_prompts(llm: Any, prompts: Sequence[str]) -> list[Any]:
-    """Text prompts as engine inputs for ``LLMEngine.add_request``, tokenized as ``LLM.generate``
-    does (``LLMEngine.renderer.render_cmpl``: new in the 0.1x renderer refactor; passing raw text
-    to ``add_request`` instead is deprecated there)."""
-    return list(llm.llm_engine.renderer.render_cmpl([{"prompt": p} for p in prompts]))
+def render_prompts(llm: Any, prompts: Sequence[str | list[int]]) -> list[Any]:
+    """Prompts (text, or token ids as they are) as engine inputs for ``LLMEngine.add_request``,
+    text tokenized as ``LLM.generate`` does (``LLMEngine.renderer.render_cmpl``: new in the 0.1x
+    renderer refactor; passing raw text to ``add_request`` instead is deprecated there)."""
+    return list(
+        llm.llm_engine.renderer.render_cmpl(
+            [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        )
+    )
 
 
 def shutdown_engine(llm: Any) -> None:

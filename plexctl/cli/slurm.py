@@ -81,6 +81,7 @@ class SlurmSpec(msgspec.Struct, kw_only=True):
     worker_args: list[str] = msgspec.field(default_factory=list)
     trusted_users: list[str] = msgspec.field(default_factory=list)  # may run their own loss code
     metrics_port: int | None = None  # Prometheus metrics of the daemon, on the first node
+    tinker_port: int | None = None  # the Tinker API front end, beside the daemon on the first node
     worker_grace: float | None = None  # seconds a silent worker stays suspect before it is lost (None: the daemon's)
     python: str = sys.executable
 
@@ -186,6 +187,8 @@ def node_command(spec: SlurmSpec) -> list[str]:
     cmd += [f"--trust-user-code={u}" for u in spec.trusted_users]
     if spec.metrics_port is not None and not spec.join:
         cmd += ["--metrics-port", str(spec.metrics_port)]
+    if spec.tinker_port is not None and not spec.join:
+        cmd += ["--tinker-port", str(spec.tinker_port)]
     if spec.worker_grace is not None and not spec.join:
         cmd += ["--worker-grace", f"{spec.worker_grace:g}"]
     cmd += [f"--worker-arg={a}" for a in spec.worker_args]

@@ -151,6 +151,14 @@ def up(
     metrics_port: Annotated[
         Optional[int], typer.Option(min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")
     ] = None,
+    tinker_port: Annotated[
+        Optional[int],
+        typer.Option(
+            min=0,
+            help="serve the Tinker API on this port (0: a free one; default: off): Tinker SDK code runs "
+            "here with base_url and the API key `up` prints the path of",
+        ),
+    ] = None,
     worker_grace: Annotated[
         Optional[float],
         typer.Option(
@@ -208,6 +216,11 @@ def up(
             worker_args.append(f"--nvme-dir={nvme_dir}")
         if max_model_len is not None:
             worker_args.append(f"--max-model-len={max_model_len}")
+        if tinker_port is not None and not join:
+            from plexctl.tinker.keys import ensure_key
+
+            state_dir.mkdir(parents=True, exist_ok=True)
+            console().print(f"Tinker API key in {ensure_key(state_dir, current_user())} (the URL: tinker.json)")
         spec = S.SlurmSpec(
             name=join or name or state_dir.name,
             state_dir=str(state_dir.resolve()),
@@ -232,6 +245,7 @@ def up(
             drain_timeout=drain_timeout,
             trusted_users=list(trust_user_code or []),
             metrics_port=metrics_port,
+            tinker_port=tinker_port,
             rollout_gpus=rollout_gpus,
             trainer_gpus=trainer_gpus,
             tp=tp,
@@ -254,6 +268,11 @@ def up(
     cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    if tinker_port is not None:
+        from plexctl.tinker.keys import ensure_key
+
+        key_file = ensure_key(c.state_dir, current_user())
+        cmd += ["--tinker-port", str(tinker_port)]
     if worker_grace is not None:
         cmd += ["--worker-grace", f"{worker_grace:g}"]
     threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
@@ -314,6 +333,25 @@ def up(
     )
     if metrics_port is not None and (c.state_dir / "metrics.json").exists():
         console().print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")
+    if tinker_port is not None:
+        url = _wait_for_tinker(c.state_dir, proc, timeout)
+        console().print(f"Tinker API: base_url={url}, api_key in {key_file}")
+
+
+def _wait_for_tinker(state_dir: Path, daemon: subprocess.Popen, timeout: float) -> str:
+    """The Tinker front end's URL once it listens (its ``tinker.json``)."""
+    from plexctl.common.cluster import TINKER_FILE
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return str(json.loads((state_dir / TINKER_FILE).read_text())["url"])
+        except (OSError, ValueError, KeyError):
+            if daemon.poll() is not None:
+                break
+            time.sleep(0.3)
+    _stop_local(daemon)
+    raise StartFailed(f"the Tinker API front end did not start, stopped (see {state_dir / 'tinker.log'})")
 
 
 @contextlib.contextmanager

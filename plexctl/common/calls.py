@@ -29,6 +29,10 @@ class Sampling(msgspec.Struct):
     max_tokens: int = 16
     n: int = 1
     seed: int | None = None
+    top_k: int = -1  # -1: no limit
+    stop: list[str] = msgspec.field(default_factory=list)  # strings that end a sample (besides EOS)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)  # tokens that end a sample
+    ignore_eos: bool = False  # EOS does not end a sample
 
 
 class AdapterRef(msgspec.Struct):
@@ -46,6 +50,7 @@ class GenRequest(msgspec.Struct):
     prompts: list[str]
     sampling: Sampling
     adapter: AdapterRef | None = None  # None: the base model (policy version 0)
+    prompt_tokens: list[list[int]] = msgspec.field(default_factory=list)  # prompts as token ids, after ``prompts``
 
 
 class Completion(msgspec.Struct):
@@ -160,6 +165,8 @@ class Reply(msgspec.Struct):
 class GenerateReq(Request, tag="generate"):
     prompts: list[str]
     sampling: Sampling
+    prompt_tokens: list[list[int]] = msgspec.field(default_factory=list)  # prompts given as token ids
+    version: int | None = None  # the job's policy version to sample from (None: its current; 0: the base)
 
 
 class GenerateTask(EngineTask, tag="generate"):
@@ -264,9 +271,99 @@ class RestoreRep(Reply):
     extra: dict[str, Any] | None = None  # None: no checkpoint yet
 
 
-AnyRequest = GenerateReq | TrainStepReq | PublishReq | CheckpointReq | RestoreReq
-AnyTask = GenerateTask | TrainStepTask | PublishTask | CheckpointTask | RestoreTask
-AnyResult = GenerateResult | TrainStepResult | PublishResult | CheckpointResult | RestoreResult
+# forward_backward and optim_step: token-level losses as the Tinker API defines them. A
+# forward_backward call computes a loss call's per-token log-probs and loss and changes nothing;
+# optim_step takes the loss calls made since the last step (kept by the client), computes their
+# summed gradient and makes one AdamW step. So no gradient outlives a call: a job's state moves
+# between tiers between any two calls as it does between train steps.
+
+TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+
+class TokenDatum(msgspec.Struct):
+    """One sequence: the model input's tokens and, at each of its positions ``i``, the loss inputs
+    for predicting ``target_tokens[i]`` (the next token). Each list present has ``len(tokens)``."""
+
+    tokens: list[int]
+    target_tokens: list[int]
+    weights: list[float] | None = None  # cross_entropy
+    logprobs: list[float] | None = None  # the sampler's, for the importance-weighted losses
+    advantages: list[float] | None = None
+
+
+class LossCall(msgspec.Struct):
+    """The data and loss of one forward_backward call; ``loss_fn`` one of ``TOKEN_LOSSES``."""
+
+    data: list[TokenDatum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class AdamStep(msgspec.Struct):
+    """One AdamW step's settings (torch.optim.AdamW; ``grad_clip_norm`` 0: no clipping)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class ForwardBackwardReq(Request, tag="forward_backward"):
+    call: LossCall
+
+
+class ForwardBackwardTask(EngineTask, tag="forward_backward"):
+    trainer: TrainerContext
+    call: LossCall
+
+
+class ForwardBackwardResult(Result, tag="forward_backward"):
+    logprobs: list[list[float]]  # per datum, at each position: log p(target_tokens[i])
+    loss: float  # the loss's sum over tokens and data
+
+
+class ForwardBackwardRep(Reply):
+    logprobs: list[list[float]]
+    loss: float
+
+
+class OptimStepReq(Request, tag="optim_step"):
+    calls: list[LossCall]  # the forward_backward calls since the last step, in order
+    adam: AdamStep = msgspec.field(default_factory=AdamStep)
+    publish: bool = False
+
+
+class OptimStepTask(EngineTask, tag="optim_step"):
+    trainer: TrainerContext
+    calls: list[LossCall]
+    adam: AdamStep
+    publish_dir: str = ""
+
+
+class OptimStepResult(Result, tag="optim_step"):
+    metrics: dict[str, float]
+
+
+class OptimStepRep(Reply):
+    metrics: dict[str, float]
+    version: int = 0  # the policy version it published (0: it did not)
+
+
+AnyRequest = GenerateReq | TrainStepReq | PublishReq | CheckpointReq | RestoreReq | ForwardBackwardReq | OptimStepReq
+AnyTask = (
+    GenerateTask | TrainStepTask | PublishTask | CheckpointTask | RestoreTask | ForwardBackwardTask | OptimStepTask
+)
+AnyResult = (
+    GenerateResult
+    | TrainStepResult
+    | PublishResult
+    | CheckpointResult
+    | RestoreResult
+    | ForwardBackwardResult
+    | OptimStepResult
+)
 
 
 @dataclass(frozen=True)
@@ -289,6 +386,15 @@ METHODS: dict[str, Method] = {
         Method("publish", "trainer", PublishReq, PublishTask, PublishResult, PublishRep),
         Method("checkpoint", "trainer", CheckpointReq, CheckpointTask, CheckpointResult, CheckpointRep),
         Method("restore", "trainer", RestoreReq, RestoreTask, RestoreResult, RestoreRep),
+        Method(
+            "forward_backward",
+            "trainer",
+            ForwardBackwardReq,
+            ForwardBackwardTask,
+            ForwardBackwardResult,
+            ForwardBackwardRep,
+        ),
+        Method("optim_step", "trainer", OptimStepReq, OptimStepTask, OptimStepResult, OptimStepRep),
     )
 }
 

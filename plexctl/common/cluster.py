@@ -59,6 +59,10 @@ def endpoint_path(state_dir: Path) -> Path:
     return state_dir / "endpoint.json"
 
 
+TINKER_FILE = "tinker.json"  # in the state directory: {"url", "pid"} while the Tinker front end listens
+TINKER_KEY_FILE = "tinker-keys.json"  # in the state directory: sha256 of each Tinker API key -> its user
+
+
 def read_endpoint(state_dir: Path) -> Endpoint:
     path = endpoint_path(state_dir)
     if not state_dir.exists():

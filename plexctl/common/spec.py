@@ -58,6 +58,7 @@ PATH_FIELDS = (
     ("algo", "path"),
 )
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo")
+TINKER_ALGO = "tinker"  # a Tinker API training client's job: its calls come from the Tinker front end
 DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
 DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
 LOSS_PARAM_NAMES = {"pg-clip": (), "pg-tis": ("cap",)}
@@ -180,10 +181,11 @@ class AlgoSpec(_Section, kw_only=True):
     """The RL algorithm and its hyperparameters: a built-in ``name``, or your own ``loop``."""
 
     name: Annotated[
-        Literal["grpo", "dr_grpo", "dapo", "rloo"],
+        Literal["grpo", "dr_grpo", "dapo", "rloo", "tinker"],
         _doc(
             "Built-in algorithm: grpo, dr_grpo (no std or length normalisation), dapo (clip-higher, "
-            "dynamic sampling, overlong penalty), rloo (leave-one-out baseline)"
+            "dynamic sampling, overlong penalty), rloo (leave-one-out baseline); tinker names the job of a "
+            "Tinker API training client, which its front end makes (`plexctl up --tinker-port`)"
         ),
     ] = "grpo"
     loop: Annotated[
@@ -549,6 +551,12 @@ def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
 def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues) -> None:
     """Keys that belong to one algorithm, loss or loop are refused elsewhere, with the reason."""
     name = algo.get("name", "grpo")
+    if name == TINKER_ALGO:
+        issues.add(
+            ("algo", "name"),
+            "tinker: the job of a Tinker API training client, made by the cluster's Tinker front end "
+            "(`plexctl up --tinker-port`), not submitted",
+        )
     if algo.get("loop") is not None and "name" in algo:
         issues.add(("algo", "loop"), "set either `name` (a built-in algorithm) or `loop` (your own), not both")
     if algo.get("path") is not None and algo.get("loop") is None and algo.get("loss_fn") is None:

@@ -1,0 +1,325 @@
+"""The Tinker front end's ``Backend`` on a PlexRL cluster: each training client is a job.
+
+A Tinker "model" (LoRA training run) is a job of ``algo.name: tinker``, submitted for the user its
+API key maps to and scheduled with every other job; its driver only holds it, and its calls are
+this process's typed service calls (``plexctl.rl.JobClient``, with the cluster's internal key).
+``forward_backward`` calls are kept, in order, until the ``optim_step`` that takes their gradient
+(``calls.OptimStepReq``), so no gradient outlives a call. Saved sampler weights are the job's
+published policy versions (a Tinker job keeps every one: ``tinker://`` paths never change), and
+sampling is a generate call of the run's job at that version. What each run has saved is kept in
+``<state>/tinker/runs.json``, written atomically, so a restarted front end knows its paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from plexctl.common import auth
+from plexctl.common import calls as C
+from plexctl.common.atomic import write_json_atomic
+from plexctl.common.client import Client
+from plexctl.common.cluster import endpoint_path, read_endpoint
+from plexctl.common.spec import TINKER_ALGO, spec_from_wire, spec_to_wire
+from plexctl.rl import CallFailed, JobClient
+from plexctl.tinker import keys
+from plexctl.tinker.backend import (
+    Backend,
+    CheckpointInfo,
+    ForwardResult,
+    SampledSequence,
+    SampleParams,
+    Sampler,
+    SampleResult,
+    ServedModel,
+    TrainingRun,
+    UserError,
+    checkpoint_path,
+    parse_checkpoint_path,
+    sdk_model_id,
+)
+
+log = logging.getLogger("plexrl.tinker")
+
+LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
+START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
+
+
+class RunRecord(msgspec.Struct):
+    """What is kept of a run across restarts of the front end."""
+
+    model_id: str
+    job_id: str
+    user: str
+    base_model: str
+    model_path: str
+    rank: int
+    samplers: dict[str, int] = msgspec.field(default_factory=dict)  # name -> policy version
+    states: dict[str, list[Any]] = msgspec.field(default_factory=dict)  # name -> [checkpoint dir, unix time]
+
+
+class Run:
+    """A run's record with its live parts: the job's client and the loss calls since the last step."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+        self.pending: list[C.LossCall] = []
+        self.lock = threading.Lock()  # one call of the job's client at a time
+        self.client: JobClient | None = None
+        self.steps = 0
+
+
+class ClusterBackend(Backend):
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.registry = state_dir / "tinker" / "runs.json"
+        self.runs: dict[str, Run] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        try:
+            saved = json.loads(self.registry.read_text())
+        except FileNotFoundError:
+            saved = {}
+        for model_id, record in saved.items():
+            self.runs[model_id] = Run(msgspec.convert(record, RunRecord))
+
+    # ------------------------------------------------------------ the cluster
+
+    def _client(self) -> Client:
+        """This thread's client of the daemon, with the internal key (the front end submits and
+        ends jobs for the users its keys name)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            address = read_endpoint(self.state_dir).address
+            client = self._local.client = Client(address, timeout=30.0, keys=auth.internal_keys_from_env())
+        return client
+
+    def _job_client(self, run: Run) -> JobClient:
+        if run.client is None:
+            address = read_endpoint(self.state_dir).address
+            run.client = JobClient(
+                address,
+                run.record.job_id,
+                endpoint_file=endpoint_path(self.state_dir),
+                log=log.info,
+                identity=f"tinker:{run.record.job_id}:{os.getpid()}",
+            )
+        return run.client
+
+    def _save(self) -> None:
+        with self._lock:
+            records = {m: msgspec.to_builtins(r.record) for m, r in self.runs.items()}
+            write_json_atomic(self.registry, records)
+
+    def _run(self, user: str, model_id: str) -> Run:
+        run = self.runs.get(model_id)
+        if run is None or run.record.user != user:
+            raise UserError(f"no training run {model_id!r} of yours")
+        return run
+
+    def _call(self, run: Run, request: C.Request) -> Any:
+        with run.lock:
+            try:
+                client = self._job_client(run)
+                return client.wait(client.call_async(request))
+            except CallFailed as failed:
+                raise UserError(str(failed)) from None
+
+    # ------------------------------------------------------------ Backend
+
+    def authenticate(self, api_key: str) -> str | None:
+        return keys.user_of(self.state_dir, api_key)
+
+    def models(self) -> list[ServedModel]:
+        paths = sorted({e.model for e in self._client().status().engines})
+        return [ServedModel(os.path.basename(p), _context(p), tokenizer_dir=p) for p in paths]
+
+    def _model_path(self, base_model: str) -> str:
+        served = {m.name: m.tokenizer_dir for m in self.models()}
+        path = served.get(base_model) or served.get(os.path.basename(base_model.rstrip("/")))
+        if path is None:
+            raise UserError(f"base model {base_model!r} is not served here (served: {', '.join(sorted(served))})")
+        return path
+
+    def create_model(
+        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None
+    ) -> TrainingRun:
+        model_id = sdk_model_id(session_id, model_seq_id)
+        known = self.runs.get(model_id)
+        if known is not None and known.record.user == user:
+            return _training_run(known.record)
+        path = self._model_path(base_model)
+        name = "tinker-" + hashlib.sha256(model_id.encode()).hexdigest()[:12]
+        spec = spec_from_wire(
+            {
+                "name": name,
+                "model": {"path": path},
+                "lora": {"rank": rank, "alpha": LORA_ALPHA},
+                "data": {"path": ""},
+                "reward": {"name": "arith"},
+                "algo": {"name": TINKER_ALGO},
+                "checkpoint": {"every": 0},
+                "seed": seed or 0,
+            }
+        )
+        rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
+        job = self._wait_running(rep.job_id)
+        record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank)
+        self.runs[model_id] = Run(record)
+        self._save()
+        log.info("run %s of %s: job %s on %s", model_id, user, job, path)
+        return _training_run(record)
+
+    def _wait_running(self, job_id: str) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            info = self._client().status(job_id).jobs[0]
+            if info.state == "running":
+                return job_id
+            if info.state in ("failed", "cancelled", "succeeded"):
+                raise UserError(f"its job {job_id} {info.state}: {info.error or info.reason}")
+            time.sleep(0.2)
+        raise UserError(f"its job {job_id} did not start within {START_TIMEOUT_S:.0f} s")
+
+    def weights_info(self, user: str, path: str) -> TrainingRun:
+        where = parse_checkpoint_path(path)
+        return _training_run(self._run(user, where.model_id).record)
+
+    def forward_backward(self, user: str, model_id: str, call: C.LossCall, forward_only: bool) -> ForwardResult:
+        run = self._run(user, model_id)
+        rep: C.ForwardBackwardRep = self._call(run, C.ForwardBackwardReq(call))
+        if not forward_only:
+            run.pending.append(call)
+        return ForwardResult(rep.logprobs, rep.loss)
+
+    def optim_step(self, user: str, model_id: str, adam: C.AdamStep) -> dict[str, float]:
+        run = self._run(user, model_id)
+        rep: C.OptimStepRep = self._call(run, C.OptimStepReq(list(run.pending), adam))
+        run.pending.clear()
+        run.steps += 1
+        return {k: float(v) for k, v in rep.metrics.items() if k.count(":") == 1}
+
+    def _publish(self, run: Run) -> int:
+        rep: C.PublishRep = self._call(run, C.PublishReq())
+        return rep.version
+
+    def save_weights_for_sampler(self, user: str, model_id: str, name: str) -> str:
+        run = self._run(user, model_id)
+        path = checkpoint_path(model_id, "sampler", name)
+        if name in run.record.samplers:
+            raise UserError(f"{path} exists (a saved checkpoint does not change)")
+        run.record.samplers[name] = self._publish(run)
+        self._save()
+        return path
+
+    def save_state(self, user: str, model_id: str, name: str) -> str:
+        run = self._run(user, model_id)
+        path = checkpoint_path(model_id, "training", name)
+        if name in run.record.states:
+            raise UserError(f"{path} exists (a saved checkpoint does not change)")
+        rep: C.CheckpointRep = self._call(run, C.CheckpointReq(len(run.record.states) + 1, {"tinker": name}))
+        run.record.states[name] = [rep.path, time.time()]
+        self._save()
+        return path
+
+    def load_state(self, user: str, model_id: str, path: str, optimizer: bool) -> None:
+        run = self._run(user, model_id)
+        where = parse_checkpoint_path(path)
+        latest = max(run.record.states.items(), key=lambda kv: kv[1][1], default=None)
+        if where.model_id != model_id or latest is None or where.name != latest[0]:
+            raise UserError(f"{path}: this cluster loads a run's own latest saved state only")
+        self._call(run, C.RestoreReq())
+        run.pending.clear()
+
+    def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
+        if model_path:
+            where = parse_checkpoint_path(model_path)
+            run = self._run(user, where.model_id)
+            version = run.record.samplers.get(where.name) if where.kind == "sampler" else None
+            if version is None:
+                raise UserError(f"no sampler weights at {model_path}")
+            return Sampler(f"{where.model_id}:v{version}", run.record.base_model, model_path)
+        assert base_model is not None
+        path = self._model_path(base_model)
+        mine = [r for r in self.runs.values() if r.record.user == user and r.record.model_path == path]
+        if not mine:
+            raise UserError(f"sampling {base_model} alone needs a training client of yours on it here")
+        return Sampler(f"{mine[-1].record.model_id}:v0", mine[-1].record.base_model)
+
+    def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
+        run = self._run(user, model_id)
+        version = self._publish(run)
+        return Sampler(f"{model_id}:v{version}", run.record.base_model)
+
+    def sample(
+        self,
+        user: str,
+        sampler_id: str,
+        prompt_tokens: list[int],
+        num_samples: int,
+        params: SampleParams,
+        prompt_logprobs: bool,
+    ) -> SampleResult:
+        model_id, _, version = sampler_id.rpartition(":v")
+        run = self._run(user, model_id)
+        if prompt_logprobs:
+            raise UserError("prompt logprobs are not served by this cluster yet")
+        max_tokens = params.max_tokens or max(1, _context(run.record.model_path) - len(prompt_tokens))
+        sampling = C.Sampling(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            n=num_samples,
+            seed=params.seed,
+            top_k=params.top_k,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+        rep: C.GenerateRep = self._call(run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version)))
+        return SampleResult(
+            [
+                SampledSequence(c.token_ids, c.logprobs, "length" if c.finish_reason == "length" else "stop")
+                for c in rep.completions
+            ]
+        )
+
+    def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
+        run = self._run(user, model_id)
+        out = [
+            CheckpointInfo(checkpoint_path(model_id, "training", name), float(when))
+            for name, (_, when) in run.record.states.items()
+        ]
+        published = run.record.samplers.items()
+        out += [CheckpointInfo(checkpoint_path(model_id, "sampler", name), 0.0) for name, _ in published]
+        return out
+
+    def end_session(self, user: str, session_id: str) -> None:
+        for model_id, run in list(self.runs.items()):
+            if run.record.user == user and model_id.startswith(f"{session_id}:"):
+                try:
+                    self._client().cancel(run.record.job_id)  # ended by its client: the job succeeded
+                except Exception:  # noqa: BLE001 - the session ends anyway
+                    log.warning("ending job %s failed", run.record.job_id, exc_info=True)
+                if run.client is not None:
+                    run.client.close()
+                    run.client = None
+
+
+def _training_run(record: RunRecord) -> TrainingRun:
+    return TrainingRun(record.model_id, record.base_model, record.rank, tokenizer_dir=record.model_path)
+
+
+def _context(model_path: str) -> int:
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError):
+        return 4096

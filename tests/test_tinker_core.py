@@ -1,0 +1,129 @@
+"""A Tinker training client's job in the daemon's core and its API keys (no socket, no process).
+
+What the Tinker front end relies on: the job's driver only holds it, so ending it needs no call
+boundary (the driver is stopped at once); ended by the front end (its client's session finished)
+it succeeded, cancelled by its user it was cancelled; every policy version it publishes is kept
+(saved sampler weights never move), and a generate may sample from any of them or from the base.
+A key is ``tml-`` and random, kept 0600, and the cluster stores only its digest.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from test_daemon_core import call, register, tasks
+
+from daemon.core import Prune, StartDriver, StopDriver
+from plexctl.common import calls as C
+from plexctl.common import protocol as P
+from plexctl.common.client import current_user
+from plexctl.common.spec import spec_from_wire, spec_to_wire
+from plexctl.tinker import keys
+
+
+def tinker_job(d, model: Path, name: str = "run") -> str:
+    spec = spec_from_wire(
+        {
+            "name": name,
+            "model": {"path": str(model)},
+            "lora": {"rank": 8},
+            "data": {"path": ""},
+            "reward": {"name": "arith"},
+            "algo": {"name": "tinker"},
+        }
+    )
+    d.send(b"front", P.Op.SUBMIT, P.SubmitReq(f"sid-{name}", spec_to_wire(spec), current_user()))
+    (reply,) = [body for to, op, body in d.sent if op == P.Op.REPLY and to == b"front"]
+    d.sent.clear()
+    assert StartDriver(reply.job_id) in d.chores()
+    d.driver_started(reply.job_id, 4242)
+    return reply.job_id
+
+
+def publish(d, job: str, msg_id: int) -> str:
+    call(d, job, C.PublishReq(), msg_id)
+    d.place()
+    (task,) = tasks(d)
+    d.send(b"w0", P.Op.RESULT, P.ResultBody(task.task_id, True, C.PublishResult()))
+    Path(task.task.out_dir).mkdir(parents=True)
+    return task.task.out_dir
+
+
+def test_a_session_that_ends_ends_its_job_at_once_and_it_succeeded(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = tinker_job(d, tiny_model)
+    d.send(b"front", P.Op.CANCEL, P.JobRef(job), msg_id=9)  # the front end: its session finished
+    assert StopDriver(job) in d.chores()  # no call boundary to wait for: its driver only holds it
+    d.driver_exited(job, 143)
+    assert d.journal.job(job).state == "succeeded"
+
+
+def test_its_user_cancelling_it_cancels_it(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = tinker_job(d, tiny_model)
+    d.send(b"cli", P.Op.CANCEL, P.JobRef(job), msg_id=9, user=current_user())
+    assert StopDriver(job) in d.chores()
+    d.driver_exited(job, 143)
+    assert d.journal.job(job).state == "cancelled"
+
+
+def test_every_version_is_kept_and_a_generate_samples_from_the_one_named(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = tinker_job(d, tiny_model)
+    dirs = [publish(d, job, msg_id) for msg_id in (1, 2, 3, 4, 5)]
+    assert not [e for e in d.effects if isinstance(e, Prune)]  # sampler weights never go
+    cases = ((2, P.AdapterRef(job, 2, dirs[1])), (0, None), (None, P.AdapterRef(job, 5, dirs[4])))
+    for msg_id, (version, want) in enumerate(cases, start=10):
+        call(d, job, C.GenerateReq([], C.Sampling(), [[1, 2, 3]], version=version), msg_id)
+        d.place()
+        (gen,) = tasks(d)
+        assert gen.task.request.adapter == want and gen.task.request.prompt_tokens == [[1, 2, 3]]
+        d.send(b"w0", P.Op.RESULT, P.ResultBody(gen.task_id, True, C.GenerateResult([])))
+    call(d, job, C.GenerateReq([], C.Sampling(), [[1]], version=9), 30)
+    (error,) = [body for _, op, body in d.sent if op == P.Op.ERROR]
+    assert "version 9" in error.message
+
+
+def test_token_loss_calls_become_trainer_tasks_with_their_data(core, tiny_model):
+    d = core
+    register(d, "w0", tiny_model)
+    job = tinker_job(d, tiny_model)
+    loss = C.LossCall([C.TokenDatum([1, 2], [2, 3], weights=[0.0, 1.0])], "cross_entropy")
+    call(d, job, C.ForwardBackwardReq(loss), 1)
+    d.place()
+    (fb,) = tasks(d)
+    assert isinstance(fb.task, C.ForwardBackwardTask) and fb.task.call == loss
+    d.send(b"w0", P.Op.RESULT, P.ResultBody(fb.task_id, True, C.ForwardBackwardResult([[-0.5, -0.25]], 0.25)))
+    assert C.ForwardBackwardRep([[-0.5, -0.25]], 0.25) in [body for _, op, body in d.sent if op == P.Op.REPLY]
+    call(d, job, C.OptimStepReq([loss], C.AdamStep(learning_rate=0.5), publish=True), 2)
+    d.place()
+    (step,) = tasks(d)
+    assert isinstance(step.task, C.OptimStepTask) and step.task.adam.learning_rate == 0.5
+    assert step.task.publish_dir.endswith("v000001") and step.task.calls == [loss]
+    d.send(b"w0", P.Op.RESULT, P.ResultBody(step.task_id, True, C.OptimStepResult({"loss:sum": 0.25})))
+    assert C.OptimStepRep({"loss:sum": 0.25}, version=1) in [body for _, op, body in d.sent if op == P.Op.REPLY]
+
+
+def test_a_key_is_kept_private_and_the_cluster_keeps_only_its_digest(tmp_path):
+    state, home = tmp_path / "state", tmp_path / "home"
+    state.mkdir()
+    path = keys.ensure_key(state, "alice", user_home=home)
+    key = path.read_text().strip()
+    assert key.startswith("tml-") and len(key) == 52
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert keys.ensure_key(state, "alice", user_home=home) == path and path.read_text().strip() == key  # kept
+    assert keys.user_of(state, key) == "alice"
+    assert keys.user_of(state, "tml-" + "0" * 48) is None and keys.user_of(state, key[4:]) is None
+    assert key not in (state / "tinker-keys.json").read_text()
+
+
+def test_every_service_call_travels_the_wire():
+    """Each call of ``METHODS``, its task and its result decode on the far side (the wire's unions)."""
+    import typing
+
+    for union, part in ((C.AnyRequest, "request"), (C.AnyTask, "task"), (C.AnyResult, "result")):
+        assert set(typing.get_args(union)) == {getattr(m, part) for m in C.METHODS.values()}, part

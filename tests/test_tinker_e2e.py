@@ -1,0 +1,153 @@
+"""The real ``tinker`` SDK (from PyPI) against a local cluster started with ``--tinker-port``.
+
+What a researcher with Tinker code checks: only ``base_url`` and the API key change; a training
+client is a PlexRL job of theirs (in ``status``, scheduled with the YAML jobs); cross-entropy
+steps lower the loss on a small supervised set; sampling from saved weights gives tokens with
+their log-probs; an update made through the Tinker API is bit-identical to the same update made
+through ``plexctl.rl``; a wrong key is refused; closing the session ends the job.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import Cluster
+
+tinker = pytest.importorskip("tinker")
+
+from plexctl.common import auth  # noqa: E402
+from plexctl.common import calls as C  # noqa: E402
+from plexctl.common.client import current_user  # noqa: E402
+from plexctl.common.cluster import read_endpoint  # noqa: E402
+from plexctl.rl import JobClient  # noqa: E402
+from worker.tiny_models import train_problems  # noqa: E402
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("plexrl-tinker"), env={"TINKER_TELEMETRY": "0"}).up(
+        tiny_model, "--tinker-port", "0"
+    )
+    yield c
+    c.run("down", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def service(cluster: Cluster, monkeypatch_module):
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    key = (cluster.home / "tinker-api-key").read_text().strip()
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    client = tinker.ServiceClient(base_url=url, api_key=key)
+    yield client
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def supervised_data(tokenizer, n: int = 32) -> list:
+    """'a+b=' -> 'c<eos>': the answer's tokens are the targets, the prompt's weigh 0."""
+    out = []
+    for p in train_problems()[:n]:
+        prompt = tokenizer(p.prompt)["input_ids"]
+        answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        tokens = prompt + answer
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
+        out.append(
+            tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+            )
+        )
+    return out
+
+
+def test_cross_entropy_steps_lower_the_loss_and_the_run_is_a_job(service, cluster: Cluster):
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8).result()
+    tokenizer = training.get_tokenizer()
+    data = supervised_data(tokenizer)
+    losses = []
+    for _ in range(STEPS):
+        fb = training.forward_backward(data, "cross_entropy").result()
+        losses.append(fb.metrics["loss:sum"])
+        training.optim_step(tinker.AdamParams(learning_rate=3e-3)).result()
+        assert len(fb.loss_fn_outputs) == len(data)
+    assert losses[-1] < losses[0] * 0.95, losses
+    jobs = [j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-")]
+    assert [j["state"] for j in jobs] == ["running"] and jobs[0]["user"] == current_user()
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tinker.ModelInput.from_ints(tokenizer("3+4=")["input_ids"])
+    out = sampler.sample(prompt, num_samples=4, sampling_params=tinker.SamplingParams(max_tokens=3, seed=1)).result()
+    assert len(out.sequences) == 4
+    for seq in out.sequences:
+        assert 1 <= len(seq.tokens) <= 3 and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs)
+
+
+def test_an_update_through_the_tinker_api_equals_the_same_update_through_plexctl_rl(service, cluster: Cluster):
+    tinker_run = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=5).result()
+    other = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=5).result()
+    tokenizer = tinker_run.get_tokenizer()
+    data = supervised_data(tokenizer, 8)
+    probe = supervised_data(tokenizer, 12)[8:]
+    tinker_run.forward_backward(data, "cross_entropy").result()
+    tinker_run.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    via_tinker = tinker_run.forward(probe, "cross_entropy").result()
+
+    # the second run's job (same seed: the same adapter), driven through plexctl.rl with the same data
+    call = C.LossCall([_token_datum(d) for d in data], "cross_entropy")
+    endpoint = read_endpoint(cluster.state_dir)  # calls come from the cluster's processes: its internal key
+    keys = auth.internal_keys(auth.keys_dir(cluster.state_dir))
+    client = JobClient(endpoint.address, _job_of(cluster, other), keys=keys, identity="test:plexctl.rl")
+    client.forward_backward(call)
+    client.optim_step([call], C.AdamStep(learning_rate=1e-2))
+    via_rl = client.forward_backward(C.LossCall([_token_datum(d) for d in probe], "cross_entropy"))
+    client.close()
+    assert [list(o["logprobs"].tolist()) for o in via_tinker.loss_fn_outputs] == via_rl.logprobs
+
+
+def _token_datum(d) -> C.TokenDatum:
+    return C.TokenDatum(
+        tokens=d.model_input.to_ints(),
+        target_tokens=[int(x) for x in d.loss_fn_inputs["target_tokens"].tolist()],
+        weights=[float(x) for x in d.loss_fn_inputs["weights"].tolist()],
+    )
+
+
+def _job_of(cluster: Cluster, training) -> str:
+    runs = json.loads((cluster.state_dir / "tinker" / "runs.json").read_text())
+    return runs[training.model_id]["job_id"]
+
+
+def test_a_wrong_key_is_refused(cluster: Cluster):
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    client = tinker.ServiceClient(base_url=url, api_key="tml-" + "0" * 48)
+    with pytest.raises(Exception, match="401|[Aa]uthentic|refused"):
+        client.create_lora_training_client(base_model="tiny-arith", rank=8)
+
+
+def test_tinker_clients_share_the_engines_with_a_yaml_job_and_a_closed_session_ends_its_job(cluster: Cluster):
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    key = (cluster.home / "tinker-api-key").read_text().strip()
+    spec = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.yaml")
+    yaml_job = cluster.run(
+        "submit", spec, "--set", "algo.steps=8", "--set", "checkpoint.every=0", "--name", "beside", "-q", check=True
+    ).stdout.strip()
+    service = tinker.ServiceClient(base_url=url, api_key=key)
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=4).result()
+    data = supervised_data(training.get_tokenizer(), 16)
+    while cluster.job(yaml_job)["state"] in ("queued", "running"):  # Tinker steps while the YAML job runs
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+    assert cluster.job(yaml_job)["state"] == "succeeded"
+    job = _job_of(cluster, training)
+    assert cluster.job(job)["state"] == "running"
+    service.close("success").result()  # the session ends: so does its job, which succeeded
+    cluster.wait_for(job, lambda j: j["state"] == "succeeded", timeout=60, what="its job ended by close()")

@@ -1,0 +1,666 @@
+"""The Tinker front end as a user of the real SDK (tinker 0.38.0) meets it: a uvicorn server on a
+free port, over an in-memory fake backend that computes toy numbers and records what it was asked.
+Then the server alone over raw HTTP (ordering, futures, sessions, errors) and the wire conversions
+alone, checked against the SDK's own encoders and decoders."""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from tinker import types  # noqa: E402
+from tinker.proto import request_conv, response_conv  # noqa: E402
+
+from plexctl.common import calls as C  # noqa: E402
+from plexctl.tinker import server as S  # noqa: E402
+from plexctl.tinker import wire  # noqa: E402
+from plexctl.tinker.backend import (  # noqa: E402
+    Backend,
+    CheckpointInfo,
+    ForwardResult,
+    SampledSequence,
+    SampleParams,
+    Sampler,
+    SampleResult,
+    ServedModel,
+    TrainingRun,
+    UserError,
+    checkpoint_path,
+    parse_checkpoint_path,
+    sdk_model_id,
+)
+
+MODEL = "fake/tiny"
+KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
+VOCAB = {"[UNK]": 0, "hello": 1, "world": 2, "the": 3, "</s>": 4}
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+class FakeBackend(Backend):
+    """Toy numbers: a run has a "weight" w; every token's log-prob is -w - target/1000; each
+    optim_step lowers w by learning_rate x the calls since the last step. Samples count up from the
+    prompt's last token. Every call is recorded in ``log`` as (method, model or sampler, details)."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.lock = threading.Lock()
+        self.log: list[tuple[str, str, Any]] = []
+        self.runs: dict[str, TrainingRun] = {}
+        self.weight: dict[str, float] = {}
+        self.pending: dict[str, list[C.LossCall]] = {}
+        self.saved: dict[str, tuple[CheckpointInfo, str, float]] = {}  # path -> info, model, weight
+        self.samplers: dict[str, tuple[Sampler, float]] = {}
+        self.ended: list[tuple[str, str]] = []
+        self.sample_barrier: threading.Barrier | None = None
+
+    def record(self, method: str, key: str, details: Any = None) -> None:
+        with self.lock:
+            self.log.append((method, key, details))
+
+    def calls(self, method: str, key: str | None = None) -> list[Any]:
+        with self.lock:
+            return [d for m, k, d in self.log if m == method and key in (None, k)]
+
+    def authenticate(self, api_key: str) -> str | None:
+        return KEYS.get(api_key)
+
+    def models(self) -> list[ServedModel]:
+        return [ServedModel(MODEL, 128, self.tokenizer_dir)]
+
+    def create_model(
+        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None
+    ) -> TrainingRun:
+        if base_model != MODEL:
+            raise UserError(f"base model {base_model!r} is not served here")
+        run = TrainingRun(sdk_model_id(session_id, model_seq_id), base_model, rank, self.tokenizer_dir)
+        with self.lock:
+            self.runs[run.model_id], self.weight[run.model_id], self.pending[run.model_id] = run, 1.0, []
+        self.record("create_model", run.model_id, (user, rank, seed))
+        return run
+
+    def weights_info(self, user: str, path: str) -> TrainingRun:
+        if path not in self.saved:
+            raise UserError(f"no checkpoint at {path}")
+        return self.runs[self.saved[path][1]]
+
+    def forward_backward(self, user: str, model_id: str, call: C.LossCall, forward_only: bool) -> ForwardResult:
+        w = self.weight[model_id]
+        logprobs = [[-w - t / 1000 for t in d.target_tokens] for d in call.data]
+        loss = 0.0
+        for d, lp in zip(call.data, logprobs):
+            if call.loss_fn == "cross_entropy":
+                loss += sum(-x * wt for x, wt in zip(lp, d.weights or []))
+            else:
+                loss += -sum(math.exp(x - s) * a for x, s, a in zip(lp, d.logprobs or [], d.advantages or []))
+        result = ForwardResult(logprobs, loss)
+        if not forward_only:
+            self.pending[model_id].append(call)
+        self.record("forward_backward", model_id, (call, forward_only, result))
+        return result
+
+    def optim_step(self, user: str, model_id: str, adam: C.AdamStep) -> dict[str, float]:
+        n = len(self.pending[model_id])
+        self.weight[model_id] = max(0.01, self.weight[model_id] - adam.learning_rate * n)
+        self.pending[model_id] = []
+        self.record("optim_step", model_id, adam)
+        return {"calls": float(n), "weight": self.weight[model_id]}
+
+    def _save(self, model_id: str, kind: Any, name: str) -> str:
+        path = checkpoint_path(model_id, kind, name)
+        self.saved[path] = (CheckpointInfo(path, time.time(), 1234), model_id, self.weight[model_id])
+        self.record(f"save_{kind}", model_id, path)
+        return path
+
+    def save_weights_for_sampler(self, user: str, model_id: str, name: str) -> str:
+        return self._save(model_id, "sampler", name)
+
+    def save_state(self, user: str, model_id: str, name: str) -> str:
+        return self._save(model_id, "training", name)
+
+    def load_state(self, user: str, model_id: str, path: str, optimizer: bool) -> None:
+        if path not in self.saved:
+            raise UserError(f"no checkpoint at {path}")
+        self.weight[model_id] = self.saved[path][2]
+        self.record("load_state", model_id, (path, optimizer))
+
+    def _new_sampler(self, base_model: str, path: str | None, weight: float) -> Sampler:
+        with self.lock:
+            sampler = Sampler(f"smp-{len(self.samplers)}", base_model, path)
+            self.samplers[sampler.sampler_id] = (sampler, weight)
+        return sampler
+
+    def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
+        if model_path is not None:
+            if model_path not in self.saved:
+                raise UserError(f"no checkpoint at {model_path}")
+            info, model_id, weight = self.saved[model_path]
+            return self._new_sampler(self.runs[model_id].base_model, model_path, weight)
+        return self._new_sampler(base_model or MODEL, None, 1.0)
+
+    def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
+        self.record("sampler_for_weights", model_id, seq)
+        return self._new_sampler(self.runs[model_id].base_model, None, self.weight[model_id])
+
+    def sample(
+        self, user: str, sampler_id: str, prompt_tokens: list[int], num_samples: int, params: SampleParams, lp: bool
+    ) -> SampleResult:
+        self.record("sample", sampler_id, (prompt_tokens, num_samples, params, lp))
+        if self.sample_barrier is not None:
+            self.sample_barrier.wait()
+        weight = self.samplers[sampler_id][1]
+        n = params.max_tokens or 4
+        seqs = [
+            SampledSequence([prompt_tokens[-1] + i * 10 + k + 1 for k in range(n)], [-weight] * n, "length")
+            for i in range(num_samples)
+        ]
+        prompt = [None, *[-1.5 + 0.25 * k for k in range(len(prompt_tokens) - 1)]] if lp else None
+        return SampleResult(seqs, prompt)
+
+    def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
+        return [info for info, mid, _ in self.saved.values() if mid == model_id]
+
+    def end_session(self, user: str, session_id: str) -> None:
+        with self.lock:
+            self.ended.append((user, session_id))
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = tmp_path_factory.mktemp("tokenizer") / "fake-tiny"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer_dir: Path) -> Iterator[tuple[str, FakeBackend]]:
+    """The app on a free port, in a thread; the SDK's telemetry off, the hub offline."""
+    backend = FakeBackend(str(tokenizer_dir))
+    sock = socket.create_server(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        S.create_app(backend, max_workers=16), log_level="warning", access_log=False, timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_TELEMETRY", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.started
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", backend
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def alice(served: tuple[str, FakeBackend]) -> Iterator[Any]:
+    client = tinker.ServiceClient(base_url=served[0], api_key="tml-alice")
+    yield client
+    client.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def trainer(alice: Any) -> Any:
+    return alice.create_lora_training_client(base_model=MODEL, rank=8).result()
+
+
+@pytest.fixture
+def backend(served: tuple[str, FakeBackend]) -> FakeBackend:
+    return served[1]
+
+
+def datum(tokens: list[int], **inputs: Any) -> Any:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+
+
+def ce_datum(start: int, n: int = 2) -> Any:
+    return datum(list(range(start, start + n)), target_tokens=list(range(start + 1, start + n + 1)))
+
+
+# ---------------------------------------------------------------- the SDK, end to end
+
+
+def test_a_training_client_gets_its_model_and_an_offline_tokenizer(served: Any, trainer: Any) -> None:
+    caps = tinker.RestClient(base_url=served[0], api_key="tml-alice").get_server_capabilities().result()
+    assert [(m.model_name, m.max_context_length) for m in caps.supported_models] == [(MODEL, 128)]
+    assert re.fullmatch(r"s-[0-9a-f]{16}:train:0", trainer.model_id)
+    info = trainer.get_info()
+    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (MODEL, 8, True)
+    assert trainer.get_tokenizer().encode("hello world the", add_special_tokens=False) == [1, 2, 3]
+
+
+def test_cross_entropy_returns_the_backends_logprobs_and_loss(trainer: Any, backend: FakeBackend) -> None:
+    out = trainer.forward_backward(
+        [datum([1, 2, 3], target_tokens=[2, 3, 4], weights=[0.0, 1.0, 0.3]), datum([5, 6], target_tokens=[6, 7])],
+        "cross_entropy",
+    ).result()
+    call, forward_only, result = backend.calls("forward_backward", trainer.model_id)[-1]
+    assert not forward_only and call.loss_fn == "cross_entropy" and call.loss_fn_config == {}
+    assert call.data == [
+        C.TokenDatum([1, 2, 3], [2, 3, 4], [0.0, 1.0, f32(0.3)]),
+        C.TokenDatum([5, 6], [6, 7], [1.0, 1.0]),  # weights default to 1
+    ]
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[f32(x) for x in r] for r in result.logprobs]
+    assert out.metrics == {"loss:sum": result.loss}
+
+
+def test_importance_sampling_and_ppo_get_the_clients_floats(trainer: Any, backend: FakeBackend) -> None:
+    d = datum([1, 2], target_tokens=[2, 3], logprobs=[-1.1, -0.3], advantages=[0.7, -2.0])
+    out = trainer.forward_backward([d], "importance_sampling").result()
+    call, _, result = backend.calls("forward_backward", trainer.model_id)[-1]
+    assert call.data == [C.TokenDatum([1, 2], [2, 3], None, [f32(-1.1), f32(-0.3)], [f32(0.7), -2.0])]
+    assert out.metrics["loss:sum"] == result.loss
+    trainer.forward_backward([d], "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.25}).result()
+    call, _, _ = backend.calls("forward_backward", trainer.model_id)[-1]
+    assert (call.loss_fn, call.loss_fn_config) == ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.25})
+
+
+def test_optim_step_gets_the_adam_params_and_lowers_the_loss(trainer: Any, backend: FakeBackend) -> None:
+    d = ce_datum(1)
+    before = trainer.forward([d], "cross_entropy").result().metrics["loss:sum"]
+    assert backend.calls("forward_backward", trainer.model_id)[-1][1]  # forward_only
+    trainer.forward_backward([d], "cross_entropy").result()
+    adam = types.AdamParams(learning_rate=0.05, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+    step = trainer.optim_step(adam).result()
+    assert backend.calls("optim_step", trainer.model_id)[-1] == C.AdamStep(0.05, 0.8, 0.99, 1e-8, 0.01, 1.0)
+    assert step.metrics is not None and step.metrics["calls"] >= 1
+    after = trainer.forward([d], "cross_entropy").result().metrics["loss:sum"]
+    assert after < before
+
+
+def test_requests_sent_without_waiting_run_in_their_order(trainer: Any, backend: FakeBackend) -> None:
+    trainer.optim_step(types.AdamParams(learning_rate=0.0)).result()  # nothing pending from before
+    seen = len(backend.log)
+    futures = [trainer.forward_backward([ce_datum(10 * i)], "cross_entropy") for i in range(1, 6)]
+    step = trainer.optim_step(types.AdamParams(learning_rate=0.01))
+    assert [len(f.result().loss_fn_outputs) for f in futures] == [1] * 5
+    assert step.result().metrics == {"calls": 5.0, "weight": pytest.approx(backend.weight[trainer.model_id])}
+    mine = [(m, d) for m, k, d in backend.log[seen:] if k == trainer.model_id]
+    assert [m for m, _ in mine] == ["forward_backward"] * 5 + ["optim_step"]
+    assert [d[0].data[0].tokens[0] for _, d in mine[:5]] == [10, 20, 30, 40, 50]
+
+
+def test_chunks_sent_out_of_order_run_in_order(served: Any, backend: FakeBackend, monkeypatch: Any) -> None:
+    monkeypatch.setitem(S.CLIENT_CONFIG, "fwdbwd_max_chunk_len", 2)  # the SDK splits, sends the first chunk last
+    arrived: list[int] = []
+    submit = S.FrontEnd.submit
+
+    def recording_submit(self: S.FrontEnd, user: str, model_id: str, seq_id: int, job: Any) -> str:
+        arrived.append(seq_id)
+        return submit(self, user, model_id, seq_id, job)
+
+    monkeypatch.setattr(S.FrontEnd, "submit", recording_submit)
+    client = tinker.ServiceClient(base_url=served[0], api_key="tml-alice")
+    try:
+        tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+        out = tc.forward_backward([ce_datum(100 + 10 * i) for i in range(5)], "cross_entropy").result()
+        assert sorted(arrived) == [1, 2, 3] and arrived[-1] == 1  # the first chunk came last
+        chunks = [call.data for call, _, _ in backend.calls("forward_backward", tc.model_id)]
+        assert [[d.tokens[0] for d in chunk] for chunk in chunks] == [[100, 110], [120, 130], [140]]
+        assert [o["logprobs"].tolist()[0] for o in out.loss_fn_outputs] == [
+            f32(-1 - (101 + 10 * i) / 1000) for i in range(5)
+        ]
+        assert out.metrics["loss:sum"] == pytest.approx(
+            sum(r.loss for _, _, r in backend.calls("forward_backward", tc.model_id))
+        )
+    finally:
+        client.close("success").result()
+
+
+def test_sampling_from_saved_weights(alice: Any, trainer: Any, backend: FakeBackend) -> None:
+    saved = trainer.save_weights_for_sampler("s1").result()
+    assert saved.path == f"tinker://{trainer.model_id}/sampler_weights/s1"
+    sampler = alice.create_sampling_client(model_path=saved.path).result()
+    assert sampler.get_base_model() == MODEL
+    params = types.SamplingParams(max_tokens=3, stop=["</s>"], temperature=0.7, seed=5)
+    r = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params, include_prompt_logprobs=True).result()
+    weight = backend.saved[saved.path][2]
+    assert [s.tokens for s in r.sequences] == [[4, 5, 6], [14, 15, 16]]
+    assert [s.logprobs for s in r.sequences] == [[f32(-weight)] * 3] * 2
+    assert [s.stop_reason for s in r.sequences] == ["length", "length"]
+    assert len({s.sequence_id for s in r.sequences}) == 2
+    assert r.prompt_logprobs == [None, -1.5, -1.25]
+    tokens, n, got, lp = backend.calls("sample")[-1]
+    assert (tokens, n, lp) == ([1, 2, 3], 2, True)
+    assert got == SampleParams(max_tokens=3, temperature=0.7, seed=5, stop=["</s>"])
+    stopless = sampler.sample(types.ModelInput.from_ints([1]), 1, types.SamplingParams(max_tokens=1, stop=[])).result()
+    assert stopless.prompt_logprobs is None and backend.calls("sample")[-1][2].ignore_eos
+
+
+def test_save_weights_and_get_sampling_client(trainer: Any, backend: FakeBackend) -> None:
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    assert backend.calls("sampler_for_weights", trainer.model_id)
+    r = sampler.sample(types.ModelInput.from_ints([7]), 1, types.SamplingParams(max_tokens=2)).result()
+    assert r.sequences[0].tokens == [8, 9]
+    assert r.sequences[0].logprobs == [f32(-backend.weight[trainer.model_id])] * 2
+
+
+def test_samples_of_one_sampler_run_at_once(alice: Any, backend: FakeBackend) -> None:
+    sampler = alice.create_sampling_client(base_model=MODEL).result()
+    backend.sample_barrier = threading.Barrier(2, timeout=10)  # neither returns until both have started
+    try:
+        futures = [
+            sampler.sample(types.ModelInput.from_ints([t]), 1, types.SamplingParams(max_tokens=1)) for t in (1, 2)
+        ]
+        assert [f.result().sequences[0].tokens for f in futures] == [[2], [3]]
+    finally:
+        backend.sample_barrier = None
+
+
+def test_save_and_load_state_and_a_client_from_state(alice: Any, trainer: Any, backend: FakeBackend) -> None:
+    path = trainer.save_state("ck1").result().path
+    assert path == f"tinker://{trainer.model_id}/weights/ck1"
+    with pytest.warns(FutureWarning, match="load_state"):  # the SDK's deprecation; it still works
+        trainer.load_state(path).result()
+        trainer.load_state_with_optimizer(path).result()
+    assert backend.calls("load_state", trainer.model_id)[-2:] == [(path, False), (path, True)]
+    restored = alice.create_training_client_from_state_with_optimizer(path).result()
+    assert restored.model_id.split(":")[0] == trainer.model_id.split(":")[0] != restored.model_id
+    assert backend.calls("load_state", restored.model_id) == [(path, True)]
+    assert restored.get_info().lora_rank == 8
+    restored.forward_backward([ce_datum(1)], "cross_entropy").result()
+
+
+def test_checkpoints_and_runs_through_the_rest_client(served: Any, trainer: Any) -> None:
+    trainer.save_state("listed").result()
+    trainer.save_weights_for_sampler("listed-s").result()
+    rest = tinker.RestClient(base_url=served[0], api_key="tml-alice")
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(trainer.model_id).result().checkpoints}
+    assert listed["weights/listed"].checkpoint_type == "training"
+    assert listed["weights/listed"].tinker_path == f"tinker://{trainer.model_id}/weights/listed"
+    assert listed["sampler_weights/listed-s"].checkpoint_type == "sampler"
+    assert listed["weights/listed"].size_bytes == 1234
+    run = rest.get_training_run(trainer.model_id).result()
+    assert (run.model_owner, run.base_model, run.lora_rank) == ("alice", MODEL, 8)
+    assert run.last_checkpoint is not None and run.last_sampler_checkpoint is not None
+    info = rest.get_weights_info_by_tinker_path(f"tinker://{trainer.model_id}/weights/listed").result()
+    assert (info.base_model, info.lora_rank, info.is_lora) == (MODEL, 8, True)
+
+
+def test_a_wrong_api_key_is_refused(served: Any) -> None:
+    import httpx
+
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=served[0], api_key="tml-nobody").create_lora_training_client(
+            base_model=MODEL, rank=8
+        ).result()
+    reply = httpx.post(f"{served[0]}/api/v1/client/config", json={}, headers={"X-API-Key": "tml-nobody"})
+    assert reply.status_code == 401 and reply.json()["error"] == "API key refused"
+
+
+def test_another_users_model_is_refused(served: Any, trainer: Any) -> None:
+    import httpx
+
+    path = trainer.save_state("mine").result().path
+    bob = tinker.ServiceClient(base_url=served[0], api_key="tml-bob")
+    try:
+        with pytest.raises(tinker.PermissionDeniedError):
+            tinker.RestClient(base_url=served[0], api_key="tml-bob").list_checkpoints(trainer.model_id).result()
+        with pytest.raises(tinker.PermissionDeniedError):
+            bob.create_sampling_client(model_path=path).result()
+    finally:
+        bob.close("success").result()
+    body = {"model_id": trainer.model_id, "seq_id": 10_000, "adam_params": {}}
+    reply = httpx.post(f"{served[0]}/api/v1/optim_step", json=body, headers={"X-API-Key": "tml-bob"})
+    assert reply.status_code == 403 and "another user" in reply.json()["error"]
+
+
+def test_an_unsupported_loss_fails_with_its_name(trainer: Any) -> None:
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        trainer.forward_backward([ce_datum(1)], "gspo").result()
+    assert "'gspo' is not supported" in str(failed.value)
+    assert failed.value.category == types.RequestErrorCategory.User
+    assert trainer.forward([ce_datum(1)], "cross_entropy").result().loss_fn_outputs  # the client goes on
+
+
+def test_a_backend_user_error_reaches_the_sdk(alice: Any) -> None:
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        alice.create_lora_training_client(base_model="no/such-model", rank=8).result()
+    assert "base model 'no/such-model' is not served here" in str(failed.value)
+    assert failed.value.category == types.RequestErrorCategory.User
+
+
+def test_closing_the_service_client_ends_its_session(served: Any, backend: FakeBackend) -> None:
+    client = tinker.ServiceClient(base_url=served[0], api_key="tml-alice")
+    session_id = client.create_lora_training_client(base_model=MODEL, rank=2).result().model_id.split(":")[0]
+    client.close("success").result()
+    assert ("alice", session_id) in backend.ended
+
+
+# ---------------------------------------------------------------- the server over raw HTTP
+
+
+@pytest.fixture
+def raw(tokenizer_dir: Path) -> Iterator[tuple[TestClient, FakeBackend]]:
+    backend = FakeBackend(str(tokenizer_dir))
+    with TestClient(S.create_app(backend, poll_s=0.2, session_ttl_s=1.0), headers={"X-API-Key": "tml-alice"}) as c:
+        yield c, backend
+
+
+def retrieve(client: TestClient, request_id: str) -> Any:
+    for _ in range(50):
+        reply = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if reply.status_code != 408:
+            return reply
+    raise AssertionError("never done")
+
+
+def new_model(client: TestClient) -> str:
+    session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 4}}
+    request_id = client.post("/api/v1/create_model", json=body).json()["request_id"]
+    assert client.post("/api/v1/create_model", json=body).json()["request_id"] == request_id  # a repeat
+    return str(retrieve(client, request_id).json()["model_id"])
+
+
+def test_a_request_waits_for_the_seq_ids_before_it(raw: tuple[TestClient, FakeBackend]) -> None:
+    client, backend = raw
+    model_id = new_model(client)
+    second = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.5}}
+    first = {"model_id": model_id, "seq_id": 1, "path": "early"}
+    second_id = client.post("/api/v1/optim_step", json=second).json()["request_id"]
+    pending = client.post("/api/v1/retrieve_future", json={"request_id": second_id})
+    assert pending.status_code == 408 and pending.json() == {"detail": "pending", "queue_state": "active"}
+    assert not backend.calls("optim_step")
+    assert client.post("/api/v1/optim_step", json=second).json()["request_id"] == second_id  # a retry
+    first_id = client.post("/api/v1/save_weights", json=first).json()["request_id"]
+    assert retrieve(client, second_id).json() == {"metrics": {"calls": 0.0, "weight": 1.0}, "type": "optim_step"}
+    assert retrieve(client, first_id).json()["path"] == f"tinker://{model_id}/weights/early"
+    assert [m for m, k, _ in backend.log if k == model_id] == ["create_model", "save_training", "optim_step"]
+    assert retrieve(client, second_id).status_code == 200  # results stay
+    reused = client.post("/api/v1/optim_step", json={**second, "seq_id": 1})
+    assert reused.status_code == 200  # seq_id 1 is remembered: the repeat gets save_weights' id
+    assert reused.json()["request_id"] == first_id
+
+
+def test_http_errors_have_a_json_line(raw: tuple[TestClient, FakeBackend]) -> None:
+    client, _ = raw
+    assert client.post("/api/v1/client/config", json={}, headers={"X-API-Key": ""}).json() == {
+        "error": "no API key: pass api_key= or set TINKER_API_KEY",
+        "category": "user",
+    }
+    unknown = client.post("/api/v1/retrieve_future", json={"request_id": "nope"})
+    assert unknown.status_code == 404 and "unknown request" in unknown.json()["error"]
+    malformed = client.post("/api/v1/optim_step", json={"model_id": "m"})
+    assert malformed.status_code == 400 and "seq_id" in malformed.json()["error"]
+    garbage = client.post("/api/v1/forward_backward", content=b"\xff\xff", headers={"Content-Type": S.PROTO})
+    assert garbage.status_code == 400 and "ForwardBackwardRequest" in garbage.json()["error"]
+    assert client.post("/api/v1/client/dynamic_config", json={}).status_code == 404
+    assert client.get("/api/v1/healthz", headers={"X-API-Key": ""}).json() == {"status": "ok"}
+
+
+def test_a_silent_session_ends(raw: tuple[TestClient, FakeBackend]) -> None:
+    client, backend = raw
+    session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+    deadline = time.monotonic() + 5
+    while ("alice", session_id) not in backend.ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ("alice", session_id) in backend.ended
+    assert client.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 410
+
+
+def test_serve_writes_its_ready_file(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import httpx
+
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'tests')\n"
+        "from test_tinker_server import FakeBackend\n"
+        "from plexctl.tinker.server import serve\n"
+        "serve(FakeBackend(''), '127.0.0.1', 0, Path(sys.argv[1]))\n"
+    )
+    ready = tmp_path / "tinker.json"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        written = msgspec.json.decode(ready.read_bytes())
+        assert written["pid"] == proc.pid and ready.stat().st_mode & 0o777 == 0o600
+        assert httpx.get(f"{written['url']}/api/v1/healthz").json() == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------- wire conversions
+
+
+def proto_body(data: list[Any], loss_fn: str = "cross_entropy", config: dict[str, Any] | None = None) -> bytes:
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="m",
+        seq_id=1,
+    )
+    return request_conv.forward_backward_request_to_proto(request).SerializeToString()
+
+
+def call_of(body: bytes, encoding: str | None = None) -> C.LossCall:
+    return wire.loss_call(wire.parse_forward_backward(body, encoding))
+
+
+def test_a_zstd_request_with_sparse_inputs_and_config() -> None:
+    import zstandard
+
+    weights = types.TensorData(
+        data=np.array([0.5, 2.0], np.float32),
+        dtype="float32",
+        shape=[4, 1],
+        sparse_crow_indices=[0, 1, 1, 2, 2],
+        sparse_col_indices=[0, 0],
+    )
+    chunks = [types.EncodedTextChunk(tokens=[1, 2]), types.EncodedTextChunk(tokens=[3, 4])]
+    d = types.Datum(
+        model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": weights}
+    )
+    body = zstandard.ZstdCompressor().compress(proto_body([d], "cross_entropy"))
+    assert call_of(body, "zstd") == C.LossCall([C.TokenDatum([1, 2, 3, 4], [2, 3, 4, 5], [0.5, 0.0, 2.0, 0.0])])
+    ppo = datum([1], target_tokens=[2], logprobs=[-1.0], advantages=[1.0])
+    assert call_of(proto_body([ppo], "cispo", {"clip_high_threshold": 4})).loss_fn_config == {
+        "clip_high_threshold": 4.0
+    }
+
+
+@pytest.mark.parametrize(
+    ("data", "loss_fn", "config", "error"),
+    [
+        ([ce_datum(1)], "gspo", None, "loss 'gspo' is not supported (supported: cross_entropy, importance_sampling"),
+        ([ce_datum(1)], "cross_entropy", {"beta": 1.0}, "'beta' is not used by cross_entropy (it takes none)"),
+        ([ce_datum(1)], "dro", {"beta": "x"}, "loss_fn_config 'beta' must be a number"),
+        (
+            [ce_datum(1)],
+            "importance_sampling",
+            None,
+            "datum 0: importance_sampling needs loss input(s) logprobs, advantages",
+        ),
+        ([datum([1, 2], target_tokens=[2])], "cross_entropy", None, "has 1 values for 2 tokens"),
+        (
+            [datum([1], target_tokens=[2], sequence_ratio_mask=[1.0])],
+            "cross_entropy",
+            None,
+            "loss input 'sequence_ratio_mask' is not supported",
+        ),
+        ([datum([1, 2], target_tokens=np.array([[2, 3], [3, 4]]))], "cross_entropy", None, "no top-k targets"),
+        (
+            [
+                types.Datum(
+                    model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"x", format="png")]), loss_fn_inputs={}
+                )
+            ],
+            "cross_entropy",
+            None,
+            "datum 0: image inputs are not supported",
+        ),
+    ],
+)
+def test_requests_refused_with_one_line(data: list[Any], loss_fn: str, config: Any, error: str) -> None:
+    with pytest.raises(UserError, match=re.escape(error)):
+        call_of(proto_body(data, loss_fn, config))
+
+
+def test_outputs_decode_in_the_sdk() -> None:
+    out = response_conv.deserialize_forward_backward_output(
+        wire.forward_backward_output(ForwardResult([[-0.5, -1.25], [-2.0]], 3.75), 2)
+    )
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-0.5, -1.25], [-2.0]]
+    assert out.metrics == {"loss:sum": 3.75}
+    sample = SampleResult([SampledSequence([5, 6], [-0.5, -0.25], "stop")], [None, -1.5])
+    resp = response_conv.deserialize_sample_response(wire.sample_response(sample, 1, 2))
+    assert (resp.sequences[0].tokens, resp.sequences[0].logprobs, resp.sequences[0].stop_reason) == (
+        [5, 6],
+        [-0.5, -0.25],
+        "stop",
+    )
+    assert resp.prompt_logprobs == [None, -1.5]
+    with pytest.raises(ValueError, match="2 log-prob rows for 3 data"):
+        wire.forward_backward_output(ForwardResult([[0.0], [0.0]], 0.0), 3)
+
+
+def test_sampling_params_and_checkpoint_paths() -> None:
+    assert wire.sample_params(wire.SamplingParamsWire(stop="\n")).stop == ["\n"]
+    assert wire.sample_params(wire.SamplingParamsWire(stop=[7, 8])).stop_token_ids == [7, 8]
+    assert not wire.sample_params(wire.SamplingParamsWire()).ignore_eos
+    with pytest.raises(UserError, match="mixes strings and token ids"):
+        wire.sample_params(wire.SamplingParamsWire(stop=["a", 1]))
+    req = msgspec.json.decode(
+        b'{"prompt":{"chunks":[]},"sampling_params":{},"topk_prompt_logprobs":3}', type=wire.SampleReq
+    )
+    with pytest.raises(UserError, match="not supported: topk_prompt_logprobs"):
+        wire.check_sample_request(req)
+    parsed = parse_checkpoint_path("tinker://s-1:train:0/sampler_weights/step-3")
+    assert (parsed.model_id, parsed.kind, parsed.name) == ("s-1:train:0", "sampler", "step-3")
+    for bad in ("tinker://m/weights", "tinker://m/other/x", "file://m/weights/x"):
+        with pytest.raises(UserError, match="not a checkpoint path"):
+            parse_checkpoint_path(bad)
+    with pytest.raises(UserError, match="must be non-empty, without '/'"):
+        checkpoint_path("m", "training", "a/b")
