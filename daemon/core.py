@@ -596,6 +596,7 @@ class DaemonCore:
                         device=decl.device,
                         suspect=w.suspect_since is not None,
                         silent_s=now - w.last_seen if w.suspect_since is not None else 0.0,
+                        weights=self._weights_state(w, decl) if decl.kind == "rollout" else "",
                     )
                 )
         # idle share of engine time since this daemon started (running totals: no scan of past tasks)
@@ -619,6 +620,20 @@ class DaemonCore:
             ),
             header.msg_id,
         )
+
+    def _weights_state(self, w: WorkerState, decl: P.EngineDecl) -> str:
+        """A rollout engine's model: ``resident``, or, when the worker's engines take turns,
+        ``awake`` (the one serving now or last; before any, the one built last) or ``asleep``."""
+        if not decl.sleeps:
+            return "resident"
+        turns = [d.engine_id for d in w.engines if d.kind == "rollout" and d.sleeps]
+        engines = self.sched.engines
+
+        def latest(engine_id: str) -> tuple[bool, float, int]:
+            e = engines.get(engine_id)
+            return (bool(e and e.running), e.last_done_at if e else 0.0, turns.index(engine_id))
+
+        return "awake" if max(turns, key=latest) == decl.engine_id else "asleep"
 
     def snapshot_gauges(self, now: float) -> None:
         """Refresh what a Prometheus scrape sees (cheap sums; the HTTP thread only renders them)."""

@@ -66,6 +66,7 @@ class Engine:
     busy_seconds: float = 0.0  # union of busy time (tasks overlap when capacity > 1)
     busy_by_job: dict[str, float] = field(default_factory=dict)  # task seconds per job (slots overlap)
     tasks_done: int = 0
+    last_done_at: float = 0.0  # when its latest task ended
     up_at: float | None = None
     last_job: str | None = None  # job of the task started last
     streak: int = 0  # consecutive tasks of last_job started
@@ -392,6 +393,7 @@ class Scheduler:
         task = engine.running.pop(task_id)
         start = engine.started_at.pop(task_id)
         engine.tasks_done += 1
+        engine.last_done_at = now
         if not engine.running and engine.busy_since is not None:
             engine.busy_seconds += now - engine.busy_since
             engine.busy_since = None

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from daemon.node import worker_command
@@ -155,3 +156,39 @@ def test_the_daemon_keeps_each_job_on_the_engines_of_its_own_model(core, tiny_mo
     d.place()
     (gen,) = tasks(d)
     assert gen.engine_id == "w0/m1/rollout" and gen.task.request.adapter.version == 2
+
+
+def test_status_says_which_model_a_worker_s_rollout_engines_have_awake(core, tiny_model, tmp_path):
+    """Engines that take turns (on a GPU): the one that served last is awake, the others asleep;
+    before any served, the one built last. Resident engines say so."""
+    from test_daemon_core import GENERATE, call, running, tasks
+
+    second = tmp_path / "second-model"
+    shutil.copytree(tiny_model, second)
+    d = core
+    engines = [
+        P.EngineDecl(engine_id("w0", k, m), k, str(model), 4 if k == "rollout" else 1, sleeps=k == "rollout")
+        for m, model in enumerate((tiny_model, second))
+        for k in ("rollout", "trainer")
+    ]
+    d.send(b"w0", P.Op.REGISTER, P.RegisterReq("w0", "node", 1, engines, True, resident={}))
+
+    def weights() -> dict[str, str]:
+        d.sent.clear()
+        d.send(b"cli", P.Op.STATUS, P.StatusReq())
+        (rep,) = [body for _, op, body in d.sent if op == P.Op.REPLY]
+        d.sent.clear()
+        return {e.engine_id: e.weights for e in rep.engines if e.kind == "rollout"}
+
+    assert weights() == {"w0/rollout": "asleep", "w0/m1/rollout": "awake"}
+    job = running(d, tiny_model, "a")
+    call(d, job, GENERATE, 1)
+    d.place()
+    sent = tasks(d)
+    assert [t.engine_id for t in sent] == ["w0/rollout"], sent
+    gen = sent[0]
+    d.send(b"w0", P.Op.RESULT, P.ResultBody(gen.task_id, True, C.GenerateResult([])))
+    assert weights() == {"w0/rollout": "awake", "w0/m1/rollout": "asleep"}
+    resident = [msgspec.structs.replace(e, engine_id=f"w1/{e.kind}", sleeps=False) for e in engines[:2]]
+    d.send(b"w1", P.Op.REGISTER, P.RegisterReq("w1", "node", 2, resident, True, resident={}))
+    assert weights()["w1/rollout"] == "resident"

@@ -793,6 +793,7 @@ def main(argv: list[str] | None = None) -> None:
         option_error = ""
     device = options.device if options else "cpu"
     max_lora_rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
+    sleep_mode = sleep_between_models(device, len(models))
     decls = [
         P.EngineDecl(
             engine_id(args.worker_id, k, m),
@@ -803,6 +804,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype=options.dtype if options else "",
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
+            sleeps=sleep_mode and k == "rollout",
         )
         for m, model in enumerate(models)
         for k in kinds
@@ -845,7 +847,6 @@ def main(argv: list[str] | None = None) -> None:
     outbox = Outbox()
 
     t0 = time.perf_counter()
-    sleep_mode = sleep_between_models(device, len(models))
     rollouts: dict[str, Any] = {}
     stores: dict[str, Any] = {}
     try:

@@ -27,6 +27,7 @@ from rich.text import Text
 from plexctl.cli.views import (
     STATE_STYLE,
     cluster_line,
+    engine_model,
     fmt_duration,
     fmt_reward,
     job_row,
@@ -226,7 +227,7 @@ def top_view(f: TopFrame) -> Group:
         engines.add_row(
             e.engine_id,
             e.kind,
-            model_name(e.model),
+            engine_model(e),
             fmt_share(util),
             ProgressBar(total=1.0, completed=util or 0.0, width=10),
             fmt_share(f.busy_delta.get(e.engine_id)),
@@ -267,7 +268,7 @@ def plain_top(f: TopFrame) -> str:
     )
     for e in f.rep.engines:
         lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {model_name(e.model)[:14]:<14} {fmt_share(utilization(e, f.uptime)):>5} "
+            f"{e.engine_id:<14} {e.kind:<8} {engine_model(e)[:14]:<14} {fmt_share(utilization(e, f.uptime)):>5} "
             f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
             f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}"
         )

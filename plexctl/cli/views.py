@@ -124,7 +124,7 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
         t.add_row(
             e.engine_id,
             e.kind,
-            model_name(e.model),
+            engine_model(e),
             placement_text(e),
             ready_text(e),
             ",".join(e.running) or "-",
@@ -140,6 +140,12 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
 def model_name(path: str) -> str:
     """A model as tables show it: its directory's name."""
     return os.path.basename(path.rstrip("/")) or "-"
+
+
+def engine_model(e: EngineInfo) -> str:
+    """An engine's model, and whether it is awake or asleep where its worker's engines take turns."""
+    name = model_name(e.model)
+    return f"{name} ({e.weights})" if e.weights in ("awake", "asleep") else name
 
 
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -221,7 +227,7 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     for e in engines:
         busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
         lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {model_name(e.model)[:14]:<14} {placement_text(e):<12} {ready_text(e):<8} "
+            f"{e.engine_id:<14} {e.kind:<8} {engine_model(e)[:14]:<14} {placement_text(e):<12} {ready_text(e):<8} "
             f"{busy:>5} "
             f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
             + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")

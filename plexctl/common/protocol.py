@@ -176,6 +176,7 @@ class EngineInfo(msgspec.Struct):
     device: str = ""
     suspect: bool = False  # its worker missed heartbeats: no new calls until it answers again (or is lost)
     silent_s: float = 0.0  # seconds since its worker's last heartbeat, when suspect
+    weights: str = ""  # a rollout engine's model: resident, awake or asleep (taking turns with others')
 
 
 class StatusReq(msgspec.Struct):
@@ -282,6 +283,7 @@ class EngineDecl(msgspec.Struct):
     device: str = ""  # cpu | cuda
     max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
     max_model_len: int = 0  # the longest sequence (prompt and completion) a rollout engine holds (0: not said)
+    sleeps: bool = False  # a rollout engine that takes turns with its worker's other models' (vLLM sleep mode)
 
 
 class RegisterReq(msgspec.Struct):
