@@ -10,6 +10,8 @@ through ``plexctl.rl``; a wrong key is refused; closing the session ends the job
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,12 @@ from plexctl.common import calls as C  # noqa: E402
 from plexctl.common.client import current_user  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.rl import JobClient  # noqa: E402
-from worker.tiny_models import train_problems  # noqa: E402
+from worker.tiny_models import all_problems, train_problems  # noqa: E402
 
 STEPS = 6
+RL_STEPS = 50
+RL_LR = 2e-3
+RL_GAIN = 0.005  # the exact expected accuracy's rise; docs/tinker.md has the measured ones
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +56,10 @@ def monkeypatch_module():
         yield mp
 
 
-def supervised_data(tokenizer, n: int = 32) -> list:
+def supervised_data(tokenizer, n: int = 32, problems: list | None = None) -> list:
     """'a+b=' -> 'c<eos>': the answer's tokens are the targets, the prompt's weigh 0."""
     out = []
-    for p in train_problems()[:n]:
+    for p in (problems or train_problems())[:n]:
         prompt = tokenizer(p.prompt)["input_ids"]
         answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         tokens = prompt + answer
@@ -151,3 +156,61 @@ def test_tinker_clients_share_the_engines_with_a_yaml_job_and_a_closed_session_e
     assert cluster.job(job)["state"] == "running"
     service.close("success").result()  # the session ends: so does its job, which succeeded
     cluster.wait_for(job, lambda j: j["state"] == "succeeded", timeout=60, what="its job ended by close()")
+
+
+def expected_accuracy(training, tokenizer) -> float:
+    """The exact temperature-1 chance of answering each evaluation problem right (its answer's
+    tokens and <eos>), from ``forward`` log-probs: no sampling noise."""
+    data = supervised_data(tokenizer, len(all_problems()), all_problems())
+    out = training.forward(data, "cross_entropy").result()
+    total = 0.0
+    for datum, o in zip(data, out.loss_fn_outputs):
+        weights = datum.loss_fn_inputs["weights"].tolist()
+        total += math.exp(sum(lp * w for lp, w in zip(o["logprobs"].tolist(), weights)))
+    return total / len(data)
+
+
+def test_a_cookbook_style_rl_loop_raises_the_evaluation_reward(service):
+    """tinker-cookbook's minimal RL loop on the tiny task: sample groups from the latest weights,
+    score them, importance-sampling forward_backward on group-centred advantages, optim_step."""
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=7).result()
+    tokenizer = training.get_tokenizer()
+    rng = random.Random(0)
+    problems = train_problems()
+    first = expected_accuracy(training, tokenizer)
+    for step in range(RL_STEPS):
+        sampler = training.save_weights_and_get_sampling_client().result()
+        batch = rng.sample(problems, 16)
+        prompts = [tokenizer(p.prompt)["input_ids"] for p in batch]
+        futures = [
+            sampler.sample(
+                tinker.ModelInput.from_ints(ids),
+                num_samples=8,
+                sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0, seed=1000 * step + i),
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        data = []
+        for p, ids, future in zip(batch, prompts, futures):
+            seqs = future.result().sequences
+            rewards = [float(tokenizer.decode(s.tokens, skip_special_tokens=True).strip() == p.answer) for s in seqs]
+            mean = sum(rewards) / len(rewards)
+            for seq, reward in zip(seqs, rewards):
+                if reward == mean:
+                    continue  # no signal in a group that all scored the same
+                tokens, pad = ids + list(seq.tokens), len(ids) - 1
+                data.append(
+                    tinker.Datum(
+                        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": tokens[1:],
+                            "logprobs": [0.0] * pad + list(seq.logprobs),
+                            "advantages": [0.0] * pad + [reward - mean] * len(seq.tokens),
+                        },
+                    )
+                )
+        if data:
+            training.forward_backward(data, "importance_sampling").result()
+            training.optim_step(tinker.AdamParams(learning_rate=RL_LR)).result()
+    last = expected_accuracy(training, tokenizer)
+    assert last > first + RL_GAIN, (first, last)
