@@ -176,7 +176,7 @@ def run_mode(
         "engine_seconds": engine_seconds,
         "steps": total_steps,
         "engine_s_per_step": engine_seconds / total_steps,
-        "bubble_ratio": 1.0 - busy / (n_engines * makespan),
+        "bubble_ratio": 1.0 - busy / (len(engines) * makespan),  # idle share of the engines' time
         "jobs": curves,
         "swaps": swaps,
         "swap": swap_summary(swaps, background),

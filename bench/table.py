@@ -51,7 +51,8 @@ def multiplex(d: dict[str, Any]) -> Row:
     result = (
         f"engine-s/step shared/isolated **{ratio:.2f}**{spread}, makespan {s['makespan_ratio']:.2f}; "
         f"trainer {tiers.get('device_slots', '?')} device slots, host tier {tiers.get('host_mem', '?')}; "
-        f"reward curves max diff {diff:.4f}; swap time hidden {_pct(s['swap_hidden_share'])}"
+        f"reward curves max diff {diff:.4f}; "
+        + (f"swap time hidden {_pct(s['swap_hidden_share'])}" if s["swap_hidden_share"] is not None else "no swaps")
     )
     busy = {
         mode: m["cpu"]["seconds"] / (m["cpu"]["cores"] * m["makespan_s"])
