@@ -63,7 +63,7 @@ def test_what_runs_here_is_the_in_process_cpu_engine_with_its_workarounds() -> N
         "max_num_seqs": 256,
         "max_num_batched_tokens": 256 * 64,
         "enable_lora": True,
-        "max_lora_rank": DEFAULT_MAX_LORA_RANK,
+        "max_lora_rank": DEFAULT_MAX_LORA_RANK["cpu"],
         "max_loras": 2,
         "max_cpu_loras": 2,
         "enforce_eager": True,
@@ -119,14 +119,22 @@ def test_a_bad_rank_error_lists_the_ranks_vllm_accepts() -> None:
 
 
 def test_the_default_max_lora_rank_loads_every_shipped_config_and_rounds_up_to_a_vllm_rank() -> None:
-    specs = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "configs").glob("*.yaml"))]
-    ranks = [spec["lora"]["rank"] for spec in specs if "lora" in spec]  # full fine-tuning ones have none
-    assert 32 in ranks  # the 7B example
-    assert default_max_lora_rank() == DEFAULT_MAX_LORA_RANK >= 64 and DEFAULT_MAX_LORA_RANK in LORA_RANKS
-    assert default_max_lora_rank(ranks) == DEFAULT_MAX_LORA_RANK >= max(ranks)
-    assert default_max_lora_rank([100]) == 128 and default_max_lora_rank([256]) == 256  # the spec's maximum
+    specs = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "configs").glob("*.yaml"))}
+    ranks = {name: spec["lora"]["rank"] for name, spec in specs.items() if "lora" in spec}  # full FT: none
+    assert 32 in ranks.values()  # the 7B example
+    gpu = default_max_lora_rank("cuda")
+    assert gpu == DEFAULT_MAX_LORA_RANK["cuda"] >= max(ranks.values()) and gpu in LORA_RANKS
+    assert default_max_lora_rank("cuda", ranks.values()) == gpu
+    assert default_max_lora_rank("cuda", [100]) == 128 and default_max_lora_rank("cuda", [256]) == 256
     with pytest.raises(EngineArgsError, match="up to rank 512"):
-        default_max_lora_rank([600])
+        default_max_lora_rank("cuda", [600])
+    # CPU: every adapter slot is multiplied at the padded rank, so the default is the smallest
+    # vLLM rank above the tiny configs' (those that run on CPU), not the GPU's
+    tiny = [rank for name, rank in ranks.items() if name.startswith("tiny")]
+    cpu = default_max_lora_rank("cpu")
+    assert tiny and cpu >= max(tiny) and cpu < gpu
+    assert rollout_engine_args("cpu", "/m").llm_kwargs["max_lora_rank"] == cpu
+    assert rollout_engine_args("cuda", "/m").llm_kwargs["max_lora_rank"] == gpu
 
 
 def test_adapter_slots_grow_with_the_jobs_up_to_a_cap_with_a_host_cache_twice_as_large() -> None:

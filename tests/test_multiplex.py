@@ -30,7 +30,7 @@ def metrics(cluster: Cluster, job: str) -> list[dict]:
 def isolated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     # small tiers: a job whose state fits none of them is refused at submit, with the numbers
     c = Cluster(tmp_path_factory.mktemp("plexrl-isolated")).up(
-        tiny_model, "--policy", "isolated", "--host-mem", "1M", "--nvme-bytes", "2M"
+        tiny_model, "--policy", "isolated", "--host-mem", "512K", "--nvme-bytes", "768K"
     )
     yield c
     c.run("down", timeout=120)
@@ -108,9 +108,9 @@ def test_shared_learning_curve_equals_alone(isolated, cluster, shared_jobs):
 
 
 def test_a_job_whose_state_fits_no_tier_is_refused_at_submit_with_the_numbers(isolated):
-    proc = isolated.run("submit", TINY, "--set", "lora.rank=64", "--name", "too-big", "-q")
+    proc = isolated.run("submit", TINY, "--set", "lora.rank=16", "--name", "too-big", "-q")
     assert proc.returncode == 7, proc.stdout + proc.stderr
-    assert "state takes" in proc.stderr and "more than any trainer's largest tier holds (2.0 MiB)" in proc.stderr
+    assert "state takes" in proc.stderr and "more than any trainer's largest tier holds (768.0 KiB)" in proc.stderr
     assert "too-big" not in {j["name"] for j in isolated.status()["jobs"]}  # nothing queued
 
 

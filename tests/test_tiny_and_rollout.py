@@ -279,9 +279,8 @@ def test_bad_adapter_is_a_typed_error_and_engine_keeps_serving(
 ) -> None:
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         engine.generate([GenRequest("broken", ["1+1="], Sampling(), AdapterRef("broken", 1, str(tmp_path)))])
-    from worker.engine_args import DEFAULT_MAX_LORA_RANK
 
-    too_big = make_adapter(tiny.model_dir, tmp_path / "big", seed=0, rank=2 * DEFAULT_MAX_LORA_RANK)  # > max_lora_rank
+    too_big = make_adapter(tiny.model_dir, tmp_path / "big", seed=0, rank=2 * engine.max_lora_rank)  # > max_lora_rank
     with pytest.raises(AdapterError, match="failed to load"):
         engine.generate([GenRequest("broken", ["1+1="], Sampling(), AdapterRef("broken", 2, str(too_big)))])
     [completions] = engine.generate([GenRequest("base", ["1+1="], Sampling(max_tokens=3, seed=0))])

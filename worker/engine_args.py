@@ -31,7 +31,10 @@ PLATFORMS: tuple[Platform, ...] = ("cpu", "cuda")
 GiB = 1 << 30
 MAX_NUM_SEQS = 256  # sequences per engine step
 BATCHED_TOKENS = MAX_NUM_SEQS * 64  # tokens per engine step, at least one whole sequence
-DEFAULT_MAX_LORA_RANK = 64  # above the shipped configs' ranks (7B: 32); every slot is padded to it
+# Highest LoRA rank an engine loads unless told: every adapter slot is padded to it. On GPUs, above
+# the shipped configs' ranks (7B: 32); on CPU the LoRA ops multiply every slot at the padded rank,
+# so it is the smallest that holds the CPU configs' (tiny models: 8).
+DEFAULT_MAX_LORA_RANK: dict[Platform, int] = {"cpu": 16, "cuda": 64}
 CPU_MEMORY_UTILIZATION = 0.3  # on CPU vLLM reads the fraction as one of host memory
 GPU_MEMORY_UTILIZATION = 0.90  # weights, activations and KV cache on a GPU the engine owns
 MAX_LORA_SLOTS = {"cpu": 4, "cuda": 16}  # adapters in one batch: CPU LoRA ops multiply by every slot
@@ -73,10 +76,11 @@ def check_lora_rank(rank: int) -> int:
     return rank
 
 
-def default_max_lora_rank(job_ranks: Iterable[int] = ()) -> int:
-    """The smallest rank vLLM accepts that holds every given job's rank, at least
-    ``DEFAULT_MAX_LORA_RANK``."""
-    need = max([DEFAULT_MAX_LORA_RANK, *job_ranks])
+def default_max_lora_rank(platform: Platform, job_ranks: Iterable[int] = ()) -> int:
+    """The smallest rank vLLM accepts that holds every given job's rank, at least the
+    platform's ``DEFAULT_MAX_LORA_RANK``."""
+    _check_platform(platform)
+    need = max([DEFAULT_MAX_LORA_RANK[platform], *job_ranks])
     fits = [r for r in LORA_RANKS if r >= need]
     if not fits:
         raise EngineArgsError(f"lora rank {need}: vLLM loads adapters up to rank {LORA_RANKS[-1]}")
@@ -111,7 +115,7 @@ def rollout_engine_args(
     platform: Platform,
     model_path: str,
     dtype: str = "float32",
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+    max_lora_rank: int | None = None,
     max_loras: int = 4,
     max_cpu_loras: int = 8,
     max_model_len: int = 64,
@@ -124,8 +128,10 @@ def rollout_engine_args(
     """The plan for one rollout engine. ``max_cpu_loras`` is raised to ``max_loras`` if below
     it (vLLM requires it). ``sleep_mode`` (CUDA only, see ``sleep_between_models``): the engine
     can put its weights in pinned host memory and drop its KV cache while another model's
-    engine serves."""
+    engine serves. ``max_lora_rank`` None: the platform's ``DEFAULT_MAX_LORA_RANK``."""
     _check_platform(platform)
+    if max_lora_rank is None:
+        max_lora_rank = DEFAULT_MAX_LORA_RANK[platform]
     check_lora_rank(max_lora_rank)
     for name, value in (
         ("max_loras", max_loras),

@@ -54,7 +54,7 @@ from plexctl.common import protocol as P
 from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.common.sizes import parse_bytes
-from worker.engine_args import DEFAULT_MAX_LORA_RANK, Platform, adapter_slots, sleep_between_models
+from worker.engine_args import Platform, adapter_slots, default_max_lora_rank, sleep_between_models
 from worker.engine_options import (
     DTYPES,
     EngineOptions,
@@ -755,7 +755,7 @@ def build_engines(
         engines["rollout"] = RolloutEngine(
             model,
             dtype=options.dtype,
-            max_lora_rank=args.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+            max_lora_rank=args.max_lora_rank or default_max_lora_rank(options.device),
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
             max_model_len=args.max_model_len or default_max_model_len(model),
@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         option_error = ""
     device = options.device if options else "cpu"
-    max_lora_rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
+    max_lora_rank = args.max_lora_rank or default_max_lora_rank(device)
     sleep_mode = sleep_between_models(device, len(models))
     decls = [
         P.EngineDecl(

@@ -45,7 +45,6 @@ import torch
 from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
 from worker.engine_args import (
-    DEFAULT_MAX_LORA_RANK,
     GPU_MEMORY_UTILIZATION,
     EngineArgsPlan,
     Platform,
@@ -293,7 +292,7 @@ class RolloutEngine:
         self,
         model_path: str,
         dtype: str = "float32",
-        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        max_lora_rank: int | None = None,
         max_loras: int = 4,
         max_cpu_loras: int = 8,
         max_model_len: int = 64,
@@ -308,10 +307,9 @@ class RolloutEngine:
         ``wake()`` let it take turns with other models' engines on the same GPUs. ``platform``
         None: "cuda" when torch sees a GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on
         CPU, ``gpu_memory_utilization`` on CUDA (see ``worker.engine_args``; bad values raise
-        ``EngineArgsError``). Adapters of rank above ``max_lora_rank`` are refused with
-        ``AdapterError``."""
+        ``EngineArgsError``). Adapters of rank above ``max_lora_rank`` (None: the platform's
+        default, ``worker.engine_args.DEFAULT_MAX_LORA_RANK``) are refused with ``AdapterError``."""
         self.model_path = str(model_path)
-        self.max_lora_rank = max_lora_rank
         self.plan: EngineArgsPlan = rollout_engine_args(
             platform or engine_args.platform(),
             self.model_path,
@@ -326,6 +324,7 @@ class RolloutEngine:
             tensor_parallel_size=tensor_parallel_size,
             sleep_mode=sleep_mode,
         )
+        self.max_lora_rank: int = self.plan.llm_kwargs["max_lora_rank"]
         self._registry = AdapterRegistry()
         self._counters = {"requests": 0, "prompts": 0, "sequences": 0, "tokens_generated": 0}
         self._closed = False

@@ -51,7 +51,8 @@ def up(
         typer.Option(min=1, help="adapter slots in the rollout engine (default: 4 on CPU, sized for the jobs on GPUs)"),
     ] = None,
     max_lora_rank: Annotated[
-        Optional[int], typer.Option(min=1, help="highest LoRA rank the rollout engines load (default 64)")
+        Optional[int],
+        typer.Option(min=1, help="highest LoRA rank the rollout engines load (default 64 on GPUs, 16 on CPU)"),
     ] = None,
     device: Annotated[
         str, typer.Option(help="where engines run: auto (a GPU when the worker sees one) | cpu | cuda")
