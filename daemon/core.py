@@ -591,6 +591,8 @@ class DaemonCore:
                         tasks_done=eng.tasks_done if eng else 0,
                         tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
                         swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
+                        swaps_by_kind=self.engine_stats.get(decl.engine_id, {}).get("swaps_by_kind", {}),
+                        switches=eng.switches if eng else 0,
                         devices=w.devices,
                         dtype=decl.dtype,
                         device=decl.device,
@@ -833,6 +835,8 @@ class DaemonCore:
                             os.path.realpath(decl.model),
                             decl.capacity,
                             state_capacity_bytes=decl.state_capacity_bytes,
+                            device=body.worker_id if decl.sleeps else "",  # models that take turns on its GPUs
+                            holds=os.path.realpath(decl.model),  # a rollout engine starts on its base
                         ),
                         now=now,
                     )
@@ -942,7 +946,9 @@ class DaemonCore:
 
     def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
         now = self.now
-        task = self.sched.done(body.task_id, now, body.seconds if body.ok else None)
+        task = self.sched.done(
+            body.task_id, now, body.seconds if body.ok else None, switch_seconds=body.switch_seconds or None
+        )
         if task is not None:
             self.telemetry.task_done(task.method, body.ok, body.seconds, now - task.submitted_at)
             if isinstance(body.value, C.TrainStepResult) and body.value.metrics.get("swap_bytes"):
@@ -1060,7 +1066,12 @@ class DaemonCore:
         where = {job: tier for tier, info in tiers.items() for job in info.get("jobs", [])}
         if where != self.engine_stats.get(engine_id, {}).get("where"):  # states moved: a prefetch may be asked again
             self.prefetched.pop(engine_id, None)
-        self.engine_stats[engine_id] = {"tiers": tiers, "swaps": inv.get("swaps", {}), "where": where}
+        self.engine_stats[engine_id] = {
+            "tiers": tiers,
+            "swaps": inv.get("swaps", {}),
+            "swaps_by_kind": inv.get("swaps_by_kind", {}),
+            "where": where,
+        }
         for job, tier in where.items():
             if job in self.runtimes:
                 self.sched.state_location(job, engine_id, tier)
@@ -1181,7 +1192,11 @@ class DaemonCore:
         if not rt.model:
             rt.model = os.path.realpath(spec.model.path)
         kind = C.METHODS[req.method].kind
-        queued = Task(next(self.task_ids), rt.job_id, kind, req.method, rt.model, self.now, spec.priority)
+        weights = ""  # a trainer holds every base it trains, and a job's full weights are its state
+        if isinstance(task, C.GenerateTask):  # the base, or a full fine-tuning job's policy
+            ref = task.request.adapter
+            weights = f"{ref.job_id}@v{ref.version}" if ref is not None and ref.full else rt.model
+        queued = Task(next(self.task_ids), rt.job_id, kind, req.method, rt.model, self.now, spec.priority, weights)
         self.calls[queued.task_id] = call
         return queued
 
@@ -1256,7 +1271,7 @@ class DaemonCore:
             self.journal.event(body.job_id, "note", body.message)
 
     def _place(self, now: float) -> None:
-        for placement in self._grouped_by_weights(self.sched.tick(now)):
+        for placement in self.sched.tick(now):
             task = placement.task
             call = self.calls.get(task.task_id)
             if call is None:
@@ -1360,35 +1375,6 @@ class DaemonCore:
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)
             running += 1
-
-    def _grouped_by_weights(self, placements: list[Any]) -> list[Any]:
-        """The tick's placements with each rollout engine's generates grouped by the weights they
-        sample from (a full fine-tuning job's published version, else the base), groups in order
-        of first appearance: the engine loads weights in place on a switch only, so one load
-        serves every request of a group. Relative order within a group, and of all else, stays."""
-        keys: dict[int, tuple[str, Any]] = {}
-        for placement in placements:
-            call = self.calls.get(placement.task.task_id)
-            task = call.task if call is not None else None
-            if isinstance(task, C.GenerateTask):
-                ref = task.request.adapter
-                keys[placement.task.task_id] = (
-                    placement.engine_id,
-                    (ref.job_id, ref.version) if ref is not None and ref.full else None,
-                )
-        if len({key for key in keys.values()}) <= len({engine for engine, _ in keys.values()}):
-            return placements  # one group per engine: nothing to reorder
-        first: dict[tuple[str, Any], int] = {}
-        for i, placement in enumerate(placements):
-            key = keys.get(placement.task.task_id)
-            if key is not None:
-                first.setdefault(key, i)
-        slots = [i for i, p in enumerate(placements) if p.task.task_id in keys]
-        grouped = sorted((placements[i] for i in slots), key=lambda p: first[keys[p.task.task_id]])  # stable
-        out = list(placements)
-        for i, placement in zip(slots, grouped):
-            out[i] = placement
-        return out
 
     def _spec(self, job_id: str) -> JobSpec:
         spec = self.specs.get(job_id)

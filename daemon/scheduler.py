@@ -19,6 +19,17 @@ stays with the trainer that holds it, so its trainer tasks wait there; a *suspec
 starts nothing new and is no job's new home, yet keeps its jobs and their state until
 ``engine_down``. Accounting: finished tasks feed ``busy_seconds`` and ``bubble_ratio``.
 
+Weights. A task may name the weights its engine must hold (``Task.weights``: a base model, or a
+full fine-tuning job's own policy); an engine holds one set at a time (``Engine.holds``), and
+engines that name the same ``device`` take turns on it (one runs tasks at a time: several
+models' engines on one GPU, one sleeping while another serves). Loading other weights, or waking
+a sleeping engine, is a *switch*: its estimate (``switch_estimate``, learned from ``done``) is
+charged with the task that needs it, and calls are grouped to amortise it. An engine keeps
+serving the weights it holds while tasks for them wait, for at most ``max_group`` tasks in a row
+when others wait for a switch; a switch starts only on an engine with nothing running (the
+tasks of the weights it holds drain first); a device passes to a sleeping engine only when its
+awake one is idle, to the one whose waiting task comes first in the order.
+
 Hints: ``upcoming`` / ``expected`` order a trainer's jobs by when they need it (the state
 manager prefetches the first, evicts the last). Cost: ``tick`` looks only at engines whose queue
 or capacity changed and at new backfill candidates: O(changed engines + their queues). It does
@@ -34,6 +45,7 @@ from typing import Iterable, NamedTuple
 from plexctl.common.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
 
 DEFAULT_ESTIMATE = 1.0
+DEFAULT_SWITCH_ESTIMATE = 1.0  # seconds of a switch (a weights load or a wake) before one is measured
 EMA = 0.3
 INTERVALS_KEPT = 100_000
 SERIAL_KINDS = frozenset({"trainer"})  # a job's tasks of these kinds run one at a time, in order
@@ -50,6 +62,7 @@ class Task:
     model: str
     submitted_at: float
     priority: int = 0
+    weights: str = ""  # what its engine must hold to run it ("": whatever it holds)
 
 
 @dataclass
@@ -71,6 +84,10 @@ class Engine:
     last_job: str | None = None  # job of the task started last
     streak: int = 0  # consecutive tasks of last_job started
     suspect: bool = False  # its worker fell silent: nothing new starts here until it is back
+    device: str = ""  # engines naming the same device take turns on it ("": the engine's own)
+    holds: str = ""  # the weights it holds ("": none known; the first task that names some loads them)
+    group: int = 0  # tasks started since its last switch
+    switches: int = 0  # switches started here (weights loaded, or a wake)
 
     @property
     def free(self) -> int:
@@ -128,25 +145,32 @@ class Running:
     job: Job  # the record it was started for (a job id may be released and reused)
     user: str
     charge: float  # estimated engine-seconds charged to the user's fair share until done
+    switch: str | None = None  # the weights it switched the engine to (None: no switch)
 
 
 class Scheduler:
-    def __init__(self, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4) -> None:
+    def __init__(
+        self, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4, max_group: int = 16
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if jobs_per_engine < 1:
             raise ValueError(f"jobs_per_engine must be >= 1, not {jobs_per_engine}")
         if max_switches < 0:
             raise ValueError(f"max_switches must be >= 0, not {max_switches}")
+        if max_group < 1:
+            raise ValueError(f"max_group must be >= 1, not {max_group}")
         self.policy = policy
         self.jobs_per_engine = jobs_per_engine
         self.max_switches = max_switches
+        self.max_group = max_group
         self.engines: dict[str, Engine] = {}
         self.queue: dict[int, Task] = {}  # every queued (not running) task
         self.jobs: dict[str, Job] = {}
         self.home: dict[str, str] = {}  # job_id -> home trainer engine (holds its state)
         self.rollout_home: dict[str, str] = {}  # job_id -> home rollout engine
         self.estimates: dict[tuple[str, str], float] = {}
+        self.switch_estimates: dict[str, float] = {}  # weights -> seconds of switching an engine to them
         self.shares: dict[str, float] = {}  # user -> weight (default 1)
         self.served: dict[str, float] = {}  # user -> engine-seconds of finished tasks
         self.charged: dict[str, float] = {}  # user -> estimated engine-seconds of running tasks
@@ -165,6 +189,8 @@ class Scheduler:
         self._dirty: dict[str, None] = {}  # engines to fill at the next tick
         self._bf_dirty: dict[Key, None] = {}  # keys whose backfill may have changed
         self._homeless_dirty = False
+        self._devices: dict[str, dict[str, None]] = {}  # device -> its engines
+        self._awake: dict[str, str] = {}  # device -> the engine that ran last (or came up last)
 
     # -- engines
 
@@ -181,6 +207,9 @@ class Scheduler:
         self._pending[eid] = {}
         if engine.free > 0:
             self._free.setdefault(key, {})[eid] = None
+        if engine.device:
+            self._devices.setdefault(engine.device, {})[eid] = None
+            self._awake[engine.device] = eid
         self._bf_dirty[key] = None
         self._homeless_dirty = True
 
@@ -199,6 +228,14 @@ class Scheduler:
         self._buckets[key][len(self._homed[engine_id])].pop(engine_id, None)
         self._free.get(key, {}).pop(engine_id, None)
         self._dirty.pop(engine_id, None)
+        if engine.device:
+            mates = self._devices[engine.device]
+            mates.pop(engine_id, None)
+            if self._awake.get(engine.device) == engine_id:
+                self._awake.pop(engine.device)
+                if mates:
+                    self._awake[engine.device] = next(reversed(mates))
+            self._dirty.update(dict.fromkeys(mates))
         requeued = []  # the running tasks of jobs still known (a released job's are dropped)
         for task in engine.running.values():
             run = self._running.pop(task.task_id)
@@ -383,7 +420,12 @@ class Scheduler:
         """Nothing runs on the engine and nothing waits for it."""
         return not self.engines[engine_id].running and not self._pending.get(engine_id)
 
-    def done(self, task_id: int, now: float, seconds: float | None = None) -> Task | None:
+    def done(
+        self, task_id: int, now: float, seconds: float | None = None, switch_seconds: float | None = None
+    ) -> Task | None:
+        """A task ended. ``seconds``: what the call itself took, its engine's switch left out
+        (learned as its job's estimate for the method); ``switch_seconds``: what that switch
+        took, when it needed one (learned as the switch estimate of its weights)."""
         run = self._running.pop(task_id, None)
         if run is None:
             return None
@@ -414,9 +456,69 @@ class Scheduler:
             head = self._serial_head(job, task.kind)
             if head is not None and self._eligible(job, head):
                 self._enqueue(head)
+        if run.switch is not None and switch_seconds is not None:
+            old = self.switch_estimates.get(run.switch)
+            self.switch_estimates[run.switch] = (
+                switch_seconds if old is None else (1 - EMA) * old + EMA * switch_seconds
+            )
         if was_full and engine.free > 0 and not engine.suspect:
             self._engine_freed(engine)
+        elif not engine.running and self._pending[engine_id] and not engine.suspect:
+            self._dirty[engine_id] = None  # a switch may have waited for it to drain
+        if engine.device and not engine.running:  # the device may pass to another engine
+            for mate in self._devices[engine.device]:
+                if mate != engine_id and self._pending.get(mate):
+                    self._dirty[mate] = None
         return task
+
+    # -- switches
+
+    def switch_estimate(self, weights: str) -> float:
+        """Seconds of switching an engine to ``weights`` (a load, a wake): learned, else the default."""
+        return self.switch_estimates.get(weights, DEFAULT_SWITCH_ESTIMATE)
+
+    def set_switch_estimate(self, weights: str, seconds: float) -> None:
+        """What switching to ``weights`` costs, known beforehand (e.g. from their size)."""
+        if seconds < 0:
+            raise ValueError(f"a switch takes >= 0 seconds, not {seconds}")
+        self.switch_estimates[weights] = seconds
+
+    def _switch_to(self, engine: Engine, task: Task) -> str | None:
+        """The weights ``task`` switches ``engine`` to (its own, or for a wake whatever the engine
+        holds), or None if the engine runs it as it is."""
+        asleep = bool(engine.device) and self._awake.get(engine.device) != engine.engine_id
+        if task.weights and task.weights != engine.holds:
+            return task.weights
+        if asleep:
+            return engine.holds or engine.model
+        return None
+
+    def _device_turn(self, engine: Engine, now: float) -> bool:
+        """Whether ``engine`` may start tasks now: alone on its device; or its device's other
+        engines idle and the turn its (see the module doc)."""
+        mates = self._devices.get(engine.device) if engine.device else None
+        if not mates or len(mates) == 1:
+            return True
+        eid = engine.engine_id
+        if any(self.engines[m].running for m in mates if m != eid):
+            return False
+        awake = self._awake.get(engine.device)
+        others = [m for m in mates if m != awake and self._pending.get(m)]
+        if eid == awake:
+            return not others or engine.group < self.max_group
+        if awake is not None and self._pending.get(awake) and self.engines[awake].group < self.max_group:
+            return False  # the awake engine keeps its turn while its tasks wait
+        if awake is not None and self.engines[awake].running:
+            return False
+        best = min(others, key=lambda m: min(self._order_key(t, now) for t in self._pending[m].values()))
+        return best == eid
+
+    def _group_first(self, engine: Engine, order: list[Task]) -> list[Task]:
+        """Tasks for the weights the engine holds first, while its group may grow."""
+        if engine.group >= self.max_group or not any(t.weights and t.weights != engine.holds for t in order):
+            return order
+        same = [t for t in order if not t.weights or t.weights == engine.holds]
+        return [*same, *(t for t in order if t.weights and t.weights != engine.holds)]
 
     # -- ordering
 
@@ -478,9 +580,13 @@ class Scheduler:
         return placements
 
     def _fill(self, engine: Engine, now: float, placements: list[Placement]) -> None:
+        if not self._device_turn(engine, now):
+            return
         pending = self._pending[engine.engine_id]
         order = sorted(pending.values(), key=lambda t: self._order_key(t, now))
-        for task in self._switch_first(engine, order)[: engine.free]:
+        for task in self._group_first(engine, self._switch_first(engine, order)):
+            if engine.free <= 0 or (engine.running and self._switch_to(engine, task) is not None):
+                break  # a switch waits for the engine to drain; the tasks behind it wait too
             self._dequeue(task)
             self._start(task, engine, now, placements)
 
@@ -501,12 +607,12 @@ class Scheduler:
         idle = iter(list(free))  # rollout: the idle engines in turn, each until it is full
         engine: Engine | None = None
         for task in candidates:
-            while engine is None or engine.free <= 0:
+            while engine is None or engine.free <= 0 or (engine.running and self._switch_to(engine, task)):
                 engine_id = next(idle, None)
                 if engine_id is None:
                     return
                 engine = self.engines[engine_id]
-                if engine.free <= 0 or self._pending[engine_id]:
+                if engine.free <= 0 or self._pending[engine_id] or not self._device_turn(engine, now):
                     engine = None
             self._dequeue(task)
             self._start(task, engine, now, placements)
@@ -549,8 +655,16 @@ class Scheduler:
         else:
             engine.last_job, engine.streak = task.job_id, 1
         charge = self.estimate(task) / engine.capacity
+        switch = self._switch_to(engine, task)
+        if switch is not None:  # the task pays for it: the engine serves nothing else meanwhile
+            charge += self.switch_estimate(switch)
+            engine.holds, engine.group = switch, 0
+            engine.switches += 1
+            if engine.device:
+                self._awake[engine.device] = engine.engine_id
+        engine.group += 1
         self.charged[job.user] = self.charged.get(job.user, 0.0) + charge
-        self._running[task.task_id] = Running(engine.engine_id, job, job.user, charge)
+        self._running[task.task_id] = Running(engine.engine_id, job, job.user, charge, switch)
         placements.append(Placement(task, engine.engine_id))
         if engine.free <= 0:
             self._engine_filled(engine)

@@ -29,8 +29,9 @@ job's generate ran there since: its publish updated them in place); on a trainer
 base (a full fine-tuning job's weights are part of its state, which the tiers move). Tasks
 that start while the weights load wait for them. The seconds are counted as switch time, not
 as busy time. Traces without weights sizes (``TraceJob.weights_bytes`` 0) switch for free.
-The core does not know of the switches (it neither groups calls by weights nor counts the wake
-in a call's cost): what they cost here is what the placement of today pays.
+Each task names the weights it needs (``Task.weights``) and the core knows what a switch to them
+costs (``Scheduler.set_switch_estimate``, from their size): it groups calls by weights and
+charges the switch to the call that needs it (``daemon/scheduler.py``).
 
 Not modelled: two sets of weights resident on one engine at once (a chunk of another job's
 weights that starts while a chunk runs is charged a switch; the running chunk is not delayed),
@@ -368,7 +369,7 @@ class Simulation:
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.tid = 0
-        self.tasks: dict[int, tuple[_Shard, str, float]] = {}  # running task -> shard, engine, start
+        self.tasks: dict[int, tuple[_Shard, str, float, float]] = {}  # running task -> shard, engine, start, switch s
         self.durations: dict[int, float] = {}  # queued task -> seconds of work (swap excluded)
         self.refs: dict[str, int] = {}  # engine -> shards homed + tasks running
         self.held = 0  # engines with a shard homed or a task running
@@ -480,11 +481,28 @@ class Simulation:
     def _submit(self, shard: _Shard, kind: str, method: str, seconds: float, now: float) -> None:
         self.tid += 1
         self.durations[self.tid] = seconds
-        self.sched.submit(Task(self.tid, shard.core_id, kind, method, shard.job.tj.model, now, shard.job.tj.priority))
+        tj = shard.job.tj
+        weights = self._weights(tj, kind)
+        if weights and weights not in self.sched.switch_estimates:  # the core knows what a switch costs
+            self.sched.set_switch_estimate(weights, self._load_seconds(tj))
+        self.sched.submit(Task(self.tid, shard.core_id, kind, method, tj.model, now, tj.priority, weights))
+
+    @staticmethod
+    def _weights(tj: TraceJob, kind: str) -> str:
+        """What an engine must hold for a task of this job: for rollouts its base, or a full
+        fine-tuning job's own weights; for a LoRA job's training its base ("": not modelled)."""
+        if not tj.weights_bytes or (kind == TRAINER and tj.full_weights):
+            return ""
+        return tj.job_id if kind != TRAINER and tj.full_weights else (tj.base or tj.model)
+
+    def _load_seconds(self, tj: TraceJob) -> float:
+        """A switch to this job's weights: the wake, then the weights from pinned host memory."""
+        cfg = self.cfg
+        return cfg.switch_s + tj.weights_bytes / (cfg.gpus_per_engine * cfg.h2d_gbps * GB)
 
     def _done(self, task_id: int, now: float) -> None:
-        shard, engine_id, started = self.tasks.pop(task_id)
-        self.sched.done(task_id, now, now - started)
+        shard, engine_id, started, switched = self.tasks.pop(task_id)
+        self.sched.done(task_id, now, now - started - switched, switch_seconds=switched)
         self._hold(engine_id, -1, now)
         job = shard.job
         job.outstanding -= 1
@@ -531,7 +549,7 @@ class Simulation:
     def _start(self, task: Task, engine_id: str, now: float) -> None:
         shard = self.shard_of[task.job_id]
         seconds = self.durations.pop(task.task_id)
-        took = seconds
+        took, switched = seconds, 0.0
         if task.kind == TRAINER:
             if engine_id != shard.trainer:  # a trainer backfill moved its home
                 self._hold(shard.trainer, -1, now)
@@ -541,12 +559,13 @@ class Simulation:
             self._prefetch(engine_id, now)
             self.busy[engine_id] += took
             if not shard.job.tj.full_weights:
-                took += self._switch(engine_id, shard.job.tj, "trainer base", now)
+                switched = self._switch(engine_id, shard.job.tj, "trainer base", now)
         else:
             self.busy[engine_id] += took / self.cfg.rollout_slots
             full = shard.job.tj.full_weights
-            took += self._switch(engine_id, shard.job.tj, "rollout full weights" if full else "rollout base", now)
-        self.tasks[task.task_id] = (shard, engine_id, now)
+            switched = self._switch(engine_id, shard.job.tj, "rollout full weights" if full else "rollout base", now)
+        took += switched
+        self.tasks[task.task_id] = (shard, engine_id, now, switched)
         self._hold(engine_id, +1, now)
         self.n_tasks += 1
         if self.record:
@@ -564,8 +583,7 @@ class Simulation:
             if wait:
                 self.switches.add(kind, 0, wait, load=False)
             return wait
-        cfg = self.cfg
-        seconds = cfg.switch_s + tj.weights_bytes / (cfg.gpus_per_engine * cfg.h2d_gbps * GB)
+        seconds = self._load_seconds(tj)
         self.loaded[engine_id], self.loaded_at[engine_id] = wanted, now + seconds
         self.switches.add(kind, tj.weights_bytes, seconds, load=True)
         return seconds

@@ -81,7 +81,7 @@ def test_a_full_job_whose_state_fits_no_tier_is_refused_at_submit_with_the_numbe
     assert all(j.name != "too-big" for j in d.journal.jobs())  # nothing queued
 
 
-def test_a_full_jobs_generates_are_sent_together_so_one_weight_load_serves_them(core, tiny_model):
+def test_a_full_jobs_generates_wait_for_the_engine_to_drain_then_one_weight_load_serves_them(core, tiny_model):
     d = core
     register(d, "w0", tiny_model, capacity=1 << 30)
     [(_, reply)] = submit_full(d, tiny_model, "full")
@@ -99,5 +99,18 @@ def test_a_full_jobs_generates_are_sent_together_so_one_weight_load_serves_them(
     call(d, full, GENERATE, 4)
     call(d, lora, GENERATE, 5)
     d.place()
-    sent = [(t.job_id, t.task.request.adapter is not None and t.task.request.adapter.full) for t in tasks(d)]
-    assert sent == [(full, True), (full, True), (lora, False), (lora, False)]
+
+    def sent(batch: list[P.TaskBody]) -> list[tuple[str, bool]]:
+        return [(t.job_id, t.task.request.adapter is not None and t.task.request.adapter.full) for t in batch]
+
+    first = tasks(d)  # the engine holds the base: the LoRA job's generates need no load and go first
+    assert sent(first) == [(lora, False), (lora, False)]
+    answer(d, "w0", first[0], C.GenerateResult([]))
+    d.place()
+    assert tasks(d) == []  # no load while a generate on the base runs
+    answer(d, "w0", first[1], C.GenerateResult([]))
+    d.place()
+    second = tasks(d)
+    assert sent(second) == [(full, True), (full, True)]  # then both at once: one load serves them
+    engine = d.sched.engines["w0/rollout"]
+    assert engine.switches == 1 and engine.holds == f"{full}@v1"

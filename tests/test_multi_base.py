@@ -5,6 +5,7 @@ test_multi_base_e2e.py)."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,9 +26,14 @@ class Recorded:
 
     def __init__(self) -> None:
         self.results: list[tuple[int, bool, str]] = []
+        self.switched: dict[int, float] = {}  # task -> the switch reported with it
 
-    def result(self, task_id: int, ok: bool, value=None, error: str = "", seconds: float = 0.0, info=None) -> None:
+    def result(
+        self, task_id: int, ok: bool, value=None, error: str = "", seconds: float = 0.0, info=None, switch_seconds=0.0
+    ) -> None:
         self.results.append((task_id, ok, error))
+        if switch_seconds:
+            self.switched[task_id] = switch_seconds
 
 
 class Engine:
@@ -52,6 +58,7 @@ class Engine:
 
     def wake(self) -> None:
         self.log.append(f"{self.name}:wake")
+        time.sleep(0.01)  # what the scheduler learns a wake costs
         self.awake = True
 
     def in_flight_of(self, job_id):
@@ -82,6 +89,7 @@ def test_engines_that_take_turns_serve_each_waiting_group_after_one_wake():
     rollouts.serve([generate(1, A), generate(2, B), generate(3, A), generate(4, B), generate(5, A)], out)
     assert sorted(t for t, ok, _ in out.results if ok) == [1, 2, 3, 4, 5]
     assert log == ["b:step[2, 4]", "b:sleep", "a:wake", "a:step[1, 3, 5]"]  # one switch for the whole group
+    assert list(out.switched) == [1] and out.switched[1] >= 0.01  # the wake, reported with its group's first
     rollouts.serve([generate(6, A)], out)  # the awake engine serves at once
     assert log[-1] == "a:step[6]" and log.count("a:wake") == 1
 

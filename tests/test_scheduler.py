@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from daemon.scheduler import POLICIES, Admission, Engine, Scheduler, Task
+from daemon.scheduler import EMA, POLICIES, Admission, Engine, Scheduler, Task
 
 
 def task(tid: int, job: str, kind: str = "rollout", method: str = "generate", t: float = 0.0, prio: int = 0) -> Task:
@@ -669,3 +669,97 @@ def test_indexes_stay_consistent_under_random_events(policy):
             add_engine(rng.choice(["rollout", "trainer"]))
         s.tick(now)
         check_indexes(s)
+
+
+# -- weights: grouping calls by the weights their engine must hold, devices that take turns
+
+
+def wtask(tid: int, job: str, weights: str, model: str = "m", t: float = 0.0) -> Task:
+    return Task(tid, job, "rollout", "generate", model, t, 0, weights)
+
+
+def test_calls_are_grouped_by_weights_and_a_switch_waits_for_the_engine_to_drain():
+    s = Scheduler(max_group=3)
+    s.engine_up(Engine("r", "w0", "rollout", "m", capacity=2, holds="base"))
+    s.set_switch_estimate("full@v1", 5.0)
+    # a full fine-tuning job's generate comes first, yet the engine holds the base: the LoRA
+    # jobs' calls (base weights) go first while the group may grow
+    s.submit(wtask(1, "full", "full@v1", t=0.0))
+    s.submit(wtask(2, "a", "base", t=0.1))
+    s.submit(wtask(3, "b", "base", t=0.2))
+    assert sorted(p.task.task_id for p in s.tick(1.0)) == [2, 3]
+    s.done(2, 2.0, 1.0)
+    assert s.tick(2.0) == []  # a free slot, but the switch waits for task 3: no two weights at once
+    s.submit(wtask(4, "a", "base", t=2.0))
+    assert [p.task.task_id for p in s.tick(2.0)] == [4]  # group of 3 reached: no more base calls after this one
+    s.submit(wtask(5, "b", "base", t=2.5))
+    assert s.tick(2.5) == []  # the engine drains for the switch
+    s.done(3, 3.0, 1.0)
+    s.done(4, 3.0, 1.0)
+    assert [p.task.task_id for p in s.tick(3.0)] == [1]  # the switch, alone
+    engine = s.engines["r"]
+    assert (engine.holds, engine.switches) == ("full@v1", 1)
+    assert s.charged[""] == pytest.approx(s.estimate(wtask(1, "full", "")) / 2 + 5.0)  # the switch is charged
+    s.done(1, 9.0, seconds=1.0, switch_seconds=6.0)
+    assert s.switch_estimate("full@v1") == pytest.approx((1 - EMA) * 5.0 + EMA * 6.0)  # learned from what it took
+    assert [p.task.task_id for p in s.tick(9.0)] == [5]  # and back: a second switch
+    assert engine.switches == 2
+
+
+def test_engines_that_take_turns_on_a_device_never_run_at_once_and_switch_once_per_group():
+    s = Scheduler(max_group=4)
+    s.engine_up(Engine("w0/a", "w0", "rollout", "ma", capacity=2, device="w0", holds="ma"))
+    s.engine_up(Engine("w0/b", "w0", "rollout", "mb", capacity=2, device="w0", holds="mb"))  # up last: awake
+    s.submit(wtask(1, "ja", "ma", model="ma", t=0.0))
+    s.submit(wtask(2, "jb", "mb", model="mb", t=0.1))
+    s.submit(wtask(3, "ja2", "ma", model="ma", t=0.2))
+    assert [p.engine_id for p in s.tick(1.0)] == ["w0/b"]  # the awake engine serves; a's wait for it
+    s.submit(wtask(4, "jb", "mb", model="mb", t=1.0))
+    assert [p.task.task_id for p in s.tick(1.0)] == [4]
+    s.done(2, 2.0, 1.0)
+    assert s.tick(2.0) == []  # b still runs task 4
+    s.done(4, 3.0, 1.0)
+    woke = s.tick(3.0)
+    assert sorted(p.task.task_id for p in woke) == [1, 3] and {p.engine_id for p in woke} == {"w0/a"}
+    assert s.engines["w0/a"].switches == 1 and s.engines["w0/b"].switches == 0  # one wake for the group
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_weights_and_turns_hold_under_random_arrivals_and_every_call_runs(seed: int):
+    rng = random.Random(seed)
+    s = Scheduler(max_group=4)
+    s.engine_up(Engine("w0/a", "w0", "rollout", "ma", capacity=3, device="w0", holds="ma"))
+    s.engine_up(Engine("w0/b", "w0", "rollout", "mb", capacity=3, device="w0", holds="mb"))
+    jobs = [("la", "ma", "ma"), ("lb", "mb", "mb"), ("fa", "ma", "fa@v1"), ("fb", "mb", "fb@v1")]
+    running: dict[int, tuple[str, str, float]] = {}  # task -> engine, weights, end
+    now, tid, ran, switches_fifo, last = 0.0, 0, 0, 0, None
+    for _ in range(400):
+        now += rng.expovariate(12.0)  # calls queue up: more than the device serves
+        if rng.random() < 0.6:
+            tid += 1
+            job, model, weights = rng.choice(jobs)
+            s.submit(wtask(tid, job, weights, model=model, t=now))
+            switches_fifo += (model, weights) != last  # served in arrival order, one switch per change
+            last = (model, weights)
+        for task_id, (_, _, end) in sorted(running.items()):
+            if end <= now:
+                del running[task_id]
+                s.done(task_id, now, 0.3)
+        for p in s.tick(now):
+            running[p.task.task_id] = (p.engine_id, p.task.weights, now + rng.uniform(0.1, 0.5))
+            ran += 1
+        busy = {e for e, _, _ in running.values()}
+        assert len(busy) <= 1, busy  # one engine of the device at a time
+        for e in busy:
+            assert len({w for en, w, _ in running.values() if en == e}) == 1  # one set of weights on it
+    while running or s.queue:
+        now += 0.5
+        for task_id in list(running):
+            del running[task_id]
+            s.done(task_id, now, 0.3)
+        for p in s.tick(now):
+            running[p.task.task_id] = (p.engine_id, p.task.weights, now)
+            ran += 1
+    assert ran == tid  # nothing starves
+    switches = sum(e.switches for e in s.engines.values())
+    assert switches < switches_fifo / 2  # grouped: far fewer switches than serving in arrival order

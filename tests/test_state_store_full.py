@@ -64,6 +64,13 @@ def test_full_job_through_a_tier_trains_like_alone(
         assert store.wait_written(timeout=60)
     assert got == expected
     assert sources == [None] + [tier] * (STEPS - 1)  # swapped out and in every step
+    # the moves by kind: the whole model's and the adapter's, adding up to those by direction
+    inventory = store.inventory()
+    by_kind, by_direction = inventory["swaps_by_kind"], inventory["swaps"].values()
+    assert by_kind["model"]["count"] >= STEPS - 1 and by_kind["adapter"]["count"] >= STEPS - 1
+    assert by_kind["model"]["bytes"] >= (STEPS - 1) * full_bytes > by_kind["adapter"]["bytes"]
+    for field in ("count", "bytes"):
+        assert sum(k[field] for k in by_kind.values()) == sum(d[field] for d in by_direction)
     store.ensure_resident("F", None, 5, HP_FULL.weight_decay)
     assert_like_alone(trainer, "F", job_state(alone, "F"))
 

@@ -256,3 +256,17 @@ def test_status_and_top_say_whether_a_job_trains_an_adapter_or_all_weights():
         rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("j000")}
         assert "all weights" in rows["j0002"] and "adapter" not in rows["j0002"]
         assert "adapter" in rows["j0001"] and "all weights" not in rows["j0001"]
+
+
+def test_swaps_say_how_much_was_whole_models_and_engines_their_switches():
+    from plexctl.cli.views import plain_engines, swaps_text
+
+    engine = made_up_frame().rep.engines[0]
+    assert swaps_text(engine) == "3 (3.0 MiB, 0.10 s)"  # adapters only: as before
+    engine.swaps_by_kind = {
+        "adapter": {"count": 1, "bytes": 1 << 20, "seconds": 0.05},
+        "model": {"count": 2, "bytes": 2 << 20, "seconds": 0.05},
+    }
+    assert swaps_text(engine) == "3 (3.0 MiB, 0.10 s): 1 adapter (1.0 MiB), 2 whole-model (2.0 MiB)"
+    engine.switches = 4
+    assert "switches: 4" in plain_engines([engine], uptime=90.0)

@@ -253,8 +253,17 @@ class Outbox:
         error: str = "",
         seconds: float = 0.0,
         info: dict[str, Any] | None = None,
+        switch_seconds: float = 0.0,
     ) -> None:
-        body = P.ResultBody(task_id=task_id, ok=ok, value=value, error=error, seconds=seconds, info=info or {})
+        body = P.ResultBody(
+            task_id=task_id,
+            ok=ok,
+            value=value,
+            error=error,
+            seconds=seconds,
+            switch_seconds=switch_seconds,
+            info=info or {},
+        )
         waiting = self.followers.task_ended(task_id, ok) if self.followers is not None else []
         send_frames(self.sock, P.encode(P.Op.RESULT, body)[0])
         if self.followers is not None:  # after the result: the daemon hears of this task first
@@ -283,23 +292,27 @@ class RolloutServer:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.started: dict[int, float] = {}  # task id -> start time, for the tasks in flight
+        self.switched: dict[int, float] = {}  # task id -> seconds its engine switched weights (or woke) for it
 
     @property
     def busy(self) -> bool:
         return bool(self.started)
 
-    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox, woke_s: float = 0.0) -> None:
         """Start the generate tasks of ``batch``; carry out a release (after failing that job's
-        tasks in flight) and refuse other methods. A bad request fails its own task only."""
+        tasks in flight) and refuse other methods. A bad request fails its own task only.
+        ``woke_s``: the engine just woke for this batch (reported with its first task)."""
         for t in batch:
             if isinstance(t, P.ReleaseBody):
                 for key in self.engine.in_flight_of(t.job_id):
                     self.started.pop(key, None)
+                    self.switched.pop(key, None)
                     out.result(key, False, error="the job was released")
                 self.engine.drop_job(t.job_id)
             elif not isinstance(t.task, C.GenerateTask):
                 out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
             elif t.task_id not in self.started:  # a repeat of a task in flight is answered once
+                loads, t0 = getattr(self.engine, "weight_loads", 0), time.perf_counter()
                 try:
                     self.engine.start(t.task_id, t.task.request)
                 except Exception as exc:  # noqa: BLE001 - reported to its job, the engine stays up
@@ -307,6 +320,10 @@ class RolloutServer:
                     out.result(t.task_id, False, error=_error_text(exc))
                     continue
                 self.started[t.task_id] = time.perf_counter()
+                loaded = self.started[t.task_id] - t0 if getattr(self.engine, "weight_loads", 0) != loads else 0.0
+                if loaded or woke_s:
+                    self.switched[t.task_id] = loaded + woke_s
+                    woke_s = 0.0
 
     def step(self, out: Outbox) -> None:
         """One engine step; answer the tasks it finished. A failed step fails every task in flight."""
@@ -317,13 +334,15 @@ class RolloutServer:
             keys = list(self.started)
             self.engine.abort(keys)
             self.started.clear()
+            self.switched.clear()
             for key in keys:
                 out.result(key, False, error=_error_text(exc))
             return
         now = time.perf_counter()
         for key, completions in finished:
             t0 = self.started.pop(key, now)
-            out.result(key, True, C.GenerateResult(completions), seconds=now - t0)
+            switched = self.switched.pop(key, 0.0)
+            out.result(key, True, C.GenerateResult(completions), seconds=now - t0, switch_seconds=switched)
 
     def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
         """A fixed batch, run to the end."""
@@ -494,14 +513,17 @@ class Rollouts:
     def _switch(self, out: Outbox) -> None:
         """Wake the engine of the oldest waiting task, sleeping the awake one; admit its group."""
         to = next_awake(self.awake, [t.engine_id for t in self.waiting])
+        woke_s = 0.0
         if to != self.awake:
+            t0 = time.perf_counter()
             self.servers[self.awake].engine.sleep()
             self.servers[to].engine.wake()
-            log.info("rollout engine %s awake (%s asleep)", to, self.awake)
+            woke_s = time.perf_counter() - t0
+            log.info("rollout engine %s awake (%s asleep) in %.2f s", to, self.awake, woke_s)
             self.awake = to
         group = [t for t in self.waiting if t.engine_id == to]
         self.waiting = [t for t in self.waiting if t.engine_id != to]
-        self.servers[to].admit(group, out)
+        self.servers[to].admit(group, out, woke_s)
 
     def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
         self.admit(batch, out)

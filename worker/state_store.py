@@ -100,6 +100,13 @@ class _Placement:
     demote: list[_Record]  # host copies to write to nvme first
 
 
+STATE_KINDS = ("adapter", "model")  # a LoRA job's state, a full fine-tuning job's
+
+
+def state_kind(record: "_Record") -> str:
+    return "adapter" if record.lora is not None else "model"
+
+
 @dataclass
 class _SwapStats:
     count: int = 0
@@ -210,6 +217,7 @@ class StateStore:
         self._upcoming = Upcoming()
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
+        self._swaps_by_kind = {kind: _SwapStats() for kind in STATE_KINDS}  # the same moves, by what moved
         self._background: deque[BackgroundMove] = deque(maxlen=BACKGROUND_MOVES_KEPT)
         self._background_seq = 0  # background moves ever logged
         self._behind_bytes = 0  # bytes of copies handed to the write-behind thread, not yet written
@@ -308,7 +316,7 @@ class StateStore:
         with self._cond:
             record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
             doomed = self._retire_nvme(record)
-            self._swaps["nvme->host"].add(state.nbytes, seconds, critical=False, overlap_s=overlap)
+            self._swapped("nvme->host", record, state.nbytes, seconds, critical=False, overlap_s=overlap)
             self._log_background(BackgroundMove("nvme->host", job_id, wall, wall + seconds))
             self._cond.notify_all()
         unlink_all(doomed)
@@ -355,6 +363,11 @@ class StateStore:
             new = self._background_seq - max(0, since)
             return self._background_seq, list(self._background)[max(0, len(self._background) - new) :]
 
+    def _swapped(self, direction: str, record: _Record, nbytes: int, seconds: float, **kw: Any) -> None:
+        """Count one move of ``record``'s state (under the lock), by direction and by kind."""
+        self._swaps[direction].add(nbytes, seconds, **kw)
+        self._swaps_by_kind[state_kind(record)].add(nbytes, seconds, **kw)
+
     def swap_stats(self, direction: str) -> dict[str, Any]:
         """One direction's swap counters (``inventory()["swaps"][direction]``), without building
         the rest of the inventory: for a caller timing moves one by one."""
@@ -394,7 +407,8 @@ class StateStore:
                 if r.moving_to in (DEVICE, HOST, NVME)
             }
             swaps = {d: s.to_json() for d, s in self._swaps.items()}
-            return {**tiers, "in_flight": in_flight, "swaps": swaps}
+            by_kind = {k: s.to_json() for k, s in self._swaps_by_kind.items()}
+            return {**tiers, "in_flight": in_flight, "swaps": swaps, "swaps_by_kind": by_kind}
 
     @staticmethod
     def job_bytes(lora: LoraConfig | None, model_config: Mapping[str, Any] | Any) -> int:
@@ -451,7 +465,7 @@ class StateStore:
             doomed = self._retire_nvme(record) if source == NVME else []
             self._touch(record)
             if incoming is not None:
-                self._swaps[f"{source}->device"].add(incoming.nbytes, seconds)
+                self._swapped(f"{source}->device", record, incoming.nbytes, seconds)
             self._cond.notify_all()
         unlink_all(doomed)
         if incoming is not None:
@@ -522,7 +536,7 @@ class StateStore:
             victim.tier, victim.moving_to, victim.nbytes, victim.nvme = tier, None, state.nbytes, written
             victim.host_copy = state if tier == HOST else None
             victim.host_buffer = state.memory if tier == HOST else None
-            self._swaps[f"device->{tier}"].add(state.nbytes, export_seconds + write_seconds)
+            self._swapped(f"device->{tier}", victim, state.nbytes, export_seconds + write_seconds)
             self._cond.notify_all()
         if tier == NVME:  # written: its buffer is free again
             self._give_back(state)
@@ -560,7 +574,7 @@ class StateStore:
         with self._cond:
             victim.tier, victim.nbytes, victim.host_copy, victim.host_buffer = HOST, state.nbytes, state, state.memory
             victim.moving_to = NVME if placement.tier == NVME else None
-            self._swaps["device->host"].add(state.nbytes, export_seconds)
+            self._swapped("device->host", victim, state.nbytes, export_seconds)
             handoffs = []
             for record in writes:
                 record.behind = next(self._handoffs)
@@ -675,7 +689,7 @@ class StateStore:
             if handoff is None or record.behind == handoff:
                 record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
                 record.nvme, record.behind = written, None
-                self._swaps["host->nvme"].add(state.nbytes, seconds, critical=critical, overlap_s=overlap)
+                self._swapped("host->nvme", record, state.nbytes, seconds, critical=critical, overlap_s=overlap)
                 if not critical:
                     self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
                 self._cond.notify_all()

@@ -117,6 +117,7 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
         "TASKS",
         "STATE TIERS",
         "SWAPS",
+        "SWITCHES",
     ):
         t.add_column(col, no_wrap=True)
     for e in engines:
@@ -133,6 +134,7 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
             str(e.tasks_done),
             tiers_text(e),
             swaps_text(e),
+            str(e.switches) if e.switches else "-",
         )
     return t
 
@@ -188,7 +190,14 @@ def swaps_text(e: EngineInfo) -> str:
     count = sum(s.get("count", 0) for s in e.swaps.values())
     nbytes = sum(s.get("bytes", 0) for s in e.swaps.values())
     seconds = sum(s.get("seconds", 0.0) for s in e.swaps.values())
-    return f"{count} ({fmt_bytes(nbytes)}, {seconds:.2f} s)"
+    text = f"{count} ({fmt_bytes(nbytes)}, {seconds:.2f} s)"
+    kinds = {k: s for k, s in e.swaps_by_kind.items() if s.get("count")}
+    if "model" in kinds:  # whole models moved: say how much of it was which
+        text += ": " + ", ".join(
+            f"{s['count']} {'whole-model' if k == 'model' else k} ({fmt_bytes(s.get('bytes', 0))})"
+            for k, s in sorted(kinds.items())
+        )
+    return text
 
 
 def cluster_line(rep: StatusRep) -> str:
@@ -231,6 +240,7 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
             f"{busy:>5} "
             f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
             + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")
+            + (f"  switches: {e.switches}" if e.switches else "")
         )
     return "\n".join(lines)
 

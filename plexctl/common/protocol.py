@@ -171,12 +171,14 @@ class EngineInfo(msgspec.Struct):
     tasks_done: int
     tiers: dict[str, Any] = msgspec.field(default_factory=dict)  # state tiers: capacity, used, jobs
     swaps: dict[str, Any] = msgspec.field(default_factory=dict)  # per direction: count, bytes, seconds
+    swaps_by_kind: dict[str, Any] = msgspec.field(default_factory=dict)  # the same, per state: adapter | model
     devices: list[str] = msgspec.field(default_factory=list)  # its worker's CUDA_VISIBLE_DEVICES ids
     dtype: str = ""
     device: str = ""
     suspect: bool = False  # its worker missed heartbeats: no new calls until it answers again (or is lost)
     silent_s: float = 0.0  # seconds since its worker's last heartbeat, when suspect
     weights: str = ""  # a rollout engine's model: resident, awake or asleep (taking turns with others')
+    switches: int = 0  # weight loads and wakes the scheduler started on it
 
 
 class StatusReq(msgspec.Struct):
@@ -339,7 +341,8 @@ class ResultBody(msgspec.Struct):
     ok: bool
     value: AnyResult | None = None  # None when not ok
     error: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # the call's own time, on the engine
+    switch_seconds: float = 0.0  # before it: the engine's switch to the weights it needed (a load, a wake)
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. the trainer's tier inventory
 
 
