@@ -178,6 +178,18 @@ def cli_startup(d: dict[str, Any]) -> Row:
     return result, f"--help, status, logs < {d['target_s']:g} s", met, _machine(d)
 
 
+def tinker(d: dict[str, Any]) -> Row:
+    fb, sample, rl = d["fb_added"], d["sample_added"], d["rl_step"]
+    result = (
+        f"HTTP adds p50 {fb['p50_ms']:.1f} ms / p99 {fb['p99_ms']:.1f} ms per `forward_backward` "
+        f"(native p50 {d['fb_native']['p50_ms']:.1f} ms), p50 {sample['p50_ms']:.1f} ms / p99 "
+        f"{sample['p99_ms']:.1f} ms per `sample` (native p50 {d['sample_native']['p50_ms']:.1f} ms); "
+        f"RL step {rl['http_median_s']:.3f} s vs {rl['native_median_s']:.3f} s through `plexctl.rl` "
+        f"({rl['ratio']:.2f}x)"
+    )
+    return result, "measured (no target)", "-", _machine(d)
+
+
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -204,8 +216,10 @@ BENCHES: list[tuple[str, str, Callable[[dict[str, Any]], Row]]] = [
     ("status_load", "1,000 status calls/s while jobs run", status_load),
     ("tools", "a tool-latency-heavy job alone vs with neighbours", tools),
     ("cli_startup", "each verb's start-up beside a bare interpreter", cli_startup),
+    ("tinker", "the Tinker HTTP front end vs the native client, same cluster", tinker),
 ]
-SCRIPTS = {"daemon": "daemon_rtt", "multiplex-mixed": "multiplex"}  # results file -> script, where they differ
+# results file -> script, where they differ
+SCRIPTS = {"daemon": "daemon_rtt", "multiplex-mixed": "multiplex", "tinker": "tinker_latency"}
 
 
 def table(results: Path = RESULTS) -> str:

@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--macro-steps", type=int, help="simulated steps per job at most (default 12; 8 with --quick)")
     ap.add_argument("--jobs-per-engine", type=int, default=4, help="for pack / spread / spread+backfill")
+    ap.add_argument(
+        "--max-group", type=int, default=16, help="calls for the weights an engine holds in a row (1: no grouping)"
+    )
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     ap.add_argument(
         "--multiplex", type=Path, default=defaults.multiplex, help="calibrate against this bench/multiplex.py JSON"
@@ -161,7 +164,10 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
         tuned_on = f"a held-out trace: {tune_n} jobs on {tune_gpus} GPUs, seed {args.seed + 1}"
     if args.save_trace:
         write_trace(args.save_trace, trace)
-    cfg = SimConfig(macro_steps=args.macro_steps or (8 if args.quick else 12))
+    if args.max_group < 1:
+        print(f"error: --max-group must be >= 1, not {args.max_group}", file=sys.stderr)
+        return 2
+    cfg = SimConfig(macro_steps=args.macro_steps or (8 if args.quick else 12), max_group=args.max_group)
     jpe = args.jobs_per_engine
 
     pool: Executor = ProcessPoolExecutor(args.workers) if args.workers > 1 else _Inline()

@@ -75,6 +75,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     h2d_gbps: float = 25.0  # pinned host <-> device, as a swap benchmark measures on a PCIe GPU node
     nvme_gbps: float = 5.0  # NVMe sequential
     switch_s: float = 2.0  # fixed part of a model switch: waking a sleeping engine, its KV cache made again
+    max_group: int = 16  # the core's bound on calls for the weights an engine holds in a row (Scheduler)
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -349,7 +350,7 @@ class Simulation:
         self.cfg = cfg = config or SimConfig()
         self.trace, self.policy, self.gpus = trace, policy, gpus
         self.jpe, self.max_switches = jobs_per_engine, max_switches
-        self.sched = Scheduler(policy, jobs_per_engine, max_switches)
+        self.sched = Scheduler(policy, jobs_per_engine, max_switches, cfg.max_group)
         self.record = record_intervals
         self.pools = partition(trace, gpus)
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)

@@ -1,4 +1,4 @@
-"""The swap, daemon, overhead and status-load benchmarks still run, in ``--quick`` mode, and
+"""The swap, daemon, overhead, status-load and Tinker benchmarks still run, in ``--quick`` mode, and
 write JSON of the shape README's results table is generated from. Benchmarks are programs,
 not tests: nothing here asserts on a time, a throughput figure or whether a target was met,
 only that the numbers are there and sane."""
@@ -120,6 +120,19 @@ def test_status_load_quick_serves_status_calls_while_the_jobs_run(tmp_path: Path
     assert set(result["met"]) == {"rate", "no_errors", "bound", "fixed_bound"}
     assert result["met"]["no_errors"] is True
     assert summary["same_rewards"] is True  # the status load does not change what the jobs learn
+
+
+def test_tinker_quick_times_both_paths_of_each_call_and_an_rl_step(tmp_path: Path) -> None:
+    pytest.importorskip("tinker")
+    result = run_quick("tinker_latency.py", tmp_path / "tinker.json")
+    for call in ("fb", "sample"):
+        for path in ("http", "native"):
+            timing = result[f"{call}_{path}"]
+            assert timing["n"] == result["calls"] and 0 < timing["p50_ms"] <= timing["p99_ms"]
+        added = result[f"{call}_added"]
+        assert added["p50_ms"] == pytest.approx(result[f"{call}_http"]["p50_ms"] - result[f"{call}_native"]["p50_ms"])
+    rl = result["rl_step"]
+    assert rl["http_median_s"] > 0 and rl["native_median_s"] > 0 and rl["steps"] == 2
 
 
 def test_readme_results_table_is_the_one_generated_from_the_committed_json() -> None:
