@@ -85,6 +85,7 @@ def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
 
 def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, extra: list[str]) -> dict[str, Any]:
     """The engines exactly as ``plexw`` builds them from its command line."""
+    from worker.engine_args import DEFAULT_MAX_LORA_RANK
     from worker.engine_options import engine_options
     from worker.main import build_engines, build_parser
 
@@ -100,6 +101,8 @@ def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, ex
             device,
             "--scratch",
             str(scratch),
+            "--max-lora-rank",  # the GPU's default, on CPU too: the check's adapters are rank 32
+            str(DEFAULT_MAX_LORA_RANK["cuda"]),
             *extra,
         ]
     )

@@ -835,7 +835,8 @@ class DaemonCore:
                             os.path.realpath(decl.model),
                             decl.capacity,
                             state_capacity_bytes=decl.state_capacity_bytes,
-                            device=body.worker_id if decl.sleeps else "",  # models that take turns on its GPUs
+                            # a worker's engines of one kind that take turns on its GPUs (one model at a time)
+                            device=f"{body.worker_id}/{decl.kind}" if decl.sleeps else "",
                             holds=os.path.realpath(decl.model),  # a rollout engine starts on its base
                         ),
                         now=now,

@@ -264,3 +264,37 @@ def test_a_socket_made_after_another_was_closed_gets_its_own_monitor() -> None:
         for m in monitors:
             m.close(linger=0)
     assert len(monitors) == 50
+
+
+def test_another_users_tinker_key_is_let_in_by_the_owner_and_a_digest_belongs_to_one_user(cluster: Cluster) -> None:
+    from plexctl.tinker import keys as tinker_keys
+
+    out = cluster.cli("bob", "keygen")
+    assert out.returncode == 0, out.stderr
+    key = (cluster.home("bob") / "tinker-api-key").read_text().strip()
+    assert _mode(cluster.home("bob") / "tinker-api-key") == 0o600 and key.startswith("tml-")
+    digest = tinker_keys.digest(key)
+    assert f"--tinker-key-sha256 {digest}" in out.stdout and key not in out.stdout  # the secret stays home
+    assert tinker_keys.user_of(cluster.state, key) is None  # not in until the owner says so
+    public = str(cluster.home("bob") / "keys" / "bob.key")
+
+    # a malformed digest, or bob's for another user: one line, exit 2, nothing granted or registered
+    carol = str(cluster.keygen("carol"))
+    before = (cluster.state / "tinker-keys.json").read_bytes() if (cluster.state / "tinker-keys.json").exists() else b""
+    bad = cluster.cli(OWNER, "share", "carol", "--key", carol, "--tinker-key-sha256", "xyz")
+    assert bad.returncode == ExitCode.USAGE and "not 64 hex digits" in bad.stderr
+    assert not (cluster.state / "keys" / "clients" / "carol.key").exists()
+
+    share = cluster.cli(OWNER, "share", "bob", "--key", public, "--tinker-key-sha256", digest)
+    assert share.returncode == 0, share.stderr
+    assert tinker_keys.user_of(cluster.state, key) == "bob"
+    assert before != (cluster.state / "tinker-keys.json").read_bytes()
+    assert (
+        _mode(cluster.state / "tinker-keys.json") == 0o600
+        and key not in (cluster.state / "tinker-keys.json").read_text()
+    )
+
+    stolen = cluster.cli(OWNER, "share", "carol", "--key", carol, "--tinker-key-sha256", digest)
+    assert stolen.returncode == ExitCode.USAGE and "already bob's key" in stolen.stderr
+    assert tinker_keys.user_of(cluster.state, key) == "bob"
+    assert not (cluster.state / "keys" / "clients" / "carol.key").exists()

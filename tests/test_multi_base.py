@@ -200,3 +200,67 @@ def test_status_says_which_model_a_worker_s_rollout_engines_have_awake(core, tin
     resident = [msgspec.structs.replace(e, engine_id=f"w1/{e.kind}", sleeps=False) for e in engines[:2]]
     d.send(b"w1", P.Op.REGISTER, P.RegisterReq("w1", "node", 2, resident, True, resident={}))
     assert weights()["w1/rollout"] == "resident"
+
+
+class Base:
+    """A trainer engine's base that records its sleeps and wakes."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.awake = name, log, True
+
+    def sleep(self) -> None:
+        self.log.append(f"{self.name}:sleep")
+        self.awake = False
+
+    def wake(self) -> None:
+        self.log.append(f"{self.name}:wake")
+        time.sleep(0.01)
+        self.awake = True
+
+
+def trainer_task(task_id: int, engine: str) -> P.TaskBody:
+    return P.TaskBody(task_id=task_id, job_id="j", engine_id=engine, task=None)  # type: ignore[arg-type]
+
+
+def test_trainers_that_take_turns_keep_one_base_on_the_device_and_report_each_switch():
+    TA, TB = engine_id("w0", "trainer", 0), engine_id("w0", "trainer", 1)
+    log: list[str] = []
+    bases = {TA: Base("a", log), TB: Base("b", log)}
+    trainers = Trainers({e: SimpleNamespace(trainer=b) for e, b in bases.items()}, one_awake=True)
+    assert log == ["a:sleep"] and trainers.awake == TB  # the one built last stays awake
+    ran: list[tuple[int, bool, bool]] = []  # task, a awake, b awake: what each task found
+    for server in trainers.servers.values():
+        server.serve = lambda t, out: (  # type: ignore[method-assign]
+            ran.append((t.task_id, bases[TA].awake, bases[TB].awake)),
+            out.result(t.task_id, True),
+        )
+    out = Recorded()
+    for task_id, engine in enumerate([TB, TA, TA, TB], start=1):
+        trainers.serve(trainer_task(task_id, engine), out)
+    assert ran == [(1, False, True), (2, True, False), (3, True, False), (4, False, True)]
+    assert log == ["a:sleep", "b:sleep", "a:wake", "a:sleep", "b:wake"]  # a switch only where the model changes
+    assert sorted(out.switched) == [2, 4] and all(s >= 0.01 for s in out.switched.values())
+    log.clear()
+    resident = Trainers({e: SimpleNamespace(trainer=b) for e, b in bases.items()})  # on the CPU: all stay
+    assert log == [] and not resident.one_awake
+
+
+def test_a_trainer_base_that_slept_and_woke_trains_on_bit_for_bit(tmp_path: Path):
+    import torch
+
+    from tests.test_state_store import tiny_qwen2
+    from tests.test_trainer import make_batch, without_seconds
+    from worker.trainer import TrainerEngine
+
+    model, steps = tiny_qwen2(tmp_path / "m"), {}
+    for sleeps in (False, True):
+        engine = TrainerEngine(model, threads=1)
+        engine.ensure_job("j", P.LoraConfig(rank=4), seed=0)
+        weights = {k: p.detach().clone() for k, p in engine._base_params.items()}
+        if sleeps:
+            engine.sleep()
+            assert not engine.awake
+            engine.wake()
+        assert engine.awake and all(torch.equal(p, weights[k]) for k, p in engine._base_params.items())
+        steps[sleeps] = without_seconds(engine.train_step("j", make_batch(7, rows=4), P.TrainHParams(lr=1e-2)))
+    assert steps[True] == steps[False]  # the same step, to the last bit

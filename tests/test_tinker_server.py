@@ -5,6 +5,7 @@ alone, checked against the SDK's own encoders and decoders."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import socket
@@ -664,3 +665,59 @@ def test_sampling_params_and_checkpoint_paths() -> None:
             parse_checkpoint_path(bad)
     with pytest.raises(UserError, match="must be non-empty, without '/'"):
         checkpoint_path("m", "training", "a/b")
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+def test_hostile_bodies_on_every_route_get_a_json_error_and_the_server_goes_on(tokenizer_dir: Path) -> None:
+    import random
+
+    backend = FakeBackend(str(tokenizer_dir))
+    app = S.create_app(backend, poll_s=0.2, session_ttl_s=60.0, max_body_bytes=64 << 10)
+    routes = sorted(r.path for r in app.routes if "POST" in getattr(r, "methods", ()))
+    assert len(routes) > 15
+    rng = random.Random(0)
+    bodies = [
+        b"",
+        b"{",
+        b"null",
+        b"[]",
+        b"42",
+        b'"x"',
+        b"[" * 5000 + b"]" * 5000,
+        json.dumps({"model_id": 7, "seq_id": "one", "session_id": [], "request_id": {"a": 1}}).encode(),
+        json.dumps({"model_id": "tml-alice", "seq_id": -1, "path": "tinker://someone-else/weights/x"}).encode(),
+        bytes(rng.randrange(256) for _ in range(512)),
+        b'{"a": "' + b"x" * (70 << 10) + b'"}',  # over the limit
+    ]
+    with TestClient(app, headers={"X-API-Key": "tml-alice"}) as client:
+        for route in routes:
+            for body in bodies:
+                for content_type in ("application/json", S.PROTO):
+                    reply = client.post(route, content=body, headers={"Content-Type": content_type})
+                    assert 400 <= reply.status_code < 500 or reply.status_code == 200, (route, body[:40], reply.text)
+                    if reply.status_code != 200:
+                        assert set(reply.json()) >= {"error"} or reply.status_code == 408, (route, reply.text)
+        big = client.post("/api/v1/optim_step", content=b'{"a": "' + b"x" * (70 << 10) + b'"}')
+        assert big.status_code == 413 and "limit" in big.json()["error"]
+        assert client.post("/api/v1/no_such_route", json={}).status_code == 404
+        assert new_model(client)  # still serving
+
+
+def test_a_zstd_bomb_is_refused_without_inflating_it() -> None:
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))  # 8 MiB of zeros in a few hundred bytes
+    assert len(bomb) < 4096
+    with pytest.raises(wire.TooLarge, match="once decompressed"):
+        wire.parse_forward_backward(bomb, "zstd", max_bytes=1 << 20)
+
+
+def test_another_users_future_is_not_theirs(raw: tuple[TestClient, FakeBackend]) -> None:
+    client, _ = raw
+    model_id = new_model(client)
+    request_id = client.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1}).json()["request_id"]
+    as_bob = client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": "tml-bob"})
+    assert as_bob.status_code in (403, 404) and "error" in as_bob.json()
+    assert retrieve(client, request_id).status_code == 200  # alice's is still hers

@@ -202,8 +202,8 @@ def _check_platform(name: str) -> None:
 
 
 def sleep_between_models(platform: Platform, models: int) -> bool:
-    """Whether a worker's rollout engines take turns on its GPUs: on CUDA with more than one
-    model, the engines of models not being served sleep (weights in pinned host memory, KV
-    cache dropped) and one wakes when a call needs it; on CPU they stay resident (vLLM's CPU
-    engine cannot sleep; the memory plan counts every model's weights)."""
+    """Whether a worker's engines of a kind take turns on its GPUs: on CUDA with more than one
+    model, the engines of models not being served sleep (weights in pinned host memory; a
+    rollout engine's KV cache dropped) and one wakes when a call needs it; on CPU they stay
+    resident (vLLM's CPU engine cannot sleep; the memory plan counts every model's weights)."""
     return platform == "cuda" and models > 1

@@ -540,11 +540,20 @@ def next_awake(awake: str, waiting: list[str]) -> str:
 class Trainers:
     """The worker's trainer engines, one per model, each behind its ``TrainerServer``: a task
     goes to the one its ``engine_id`` names; one task at a time, whichever model (one device).
-    ``stores``: engine id -> store, or one store, which serves every task."""
+    ``stores``: engine id -> store, or one store, which serves every task. Engines that take
+    turns (``one_awake``: several bases on a GPU) keep one base on the device: before a task of
+    another model's engine, the awake one's base sleeps to host memory and the task's wakes,
+    the seconds reported with that task (``switch_seconds``)."""
 
-    def __init__(self, stores: dict[str, Any] | Any) -> None:
+    def __init__(self, stores: dict[str, Any] | Any, one_awake: bool = False) -> None:
         stores = stores if isinstance(stores, dict) else {"": stores}
         self.servers = {engine_id: TrainerServer(store, engine_id) for engine_id, store in stores.items()}
+        self.one_awake = one_awake and len(self.servers) > 1
+        self.awake = next(reversed(self.servers))  # the one built last, until a task names another
+        if self.one_awake:
+            for engine_id, server in self.servers.items():
+                if engine_id != self.awake:
+                    server.store.trainer.sleep()
 
     def serve(self, t: P.TaskBody | P.ReleaseBody, out: Outbox) -> None:
         one = next(iter(self.servers.values())) if len(self.servers) == 1 else None
@@ -553,7 +562,30 @@ class Trainers:
             if isinstance(t, P.TaskBody):
                 out.result(t.task_id, False, error=f"no engine {t.engine_id!r} on this worker")
             return
+        if self.one_awake and t.engine_id != self.awake and isinstance(t, P.TaskBody):
+            t0 = time.perf_counter()
+            self.servers[self.awake].store.trainer.sleep()
+            server.store.trainer.wake()
+            switched = time.perf_counter() - t0
+            log.info("trainer %s awake (%s asleep) in %.2f s", t.engine_id, self.awake, switched)
+            self.awake = t.engine_id
+            out = _WithSwitch(out, t.task_id, switched)  # type: ignore[assignment]
         server.serve(t, out)
+
+
+class _WithSwitch:
+    """An outbox that reports ``seconds`` of switching with the result of ``task_id``."""
+
+    def __init__(self, out: Outbox, task_id: int, seconds: float) -> None:
+        self.out, self.task_id, self.seconds = out, task_id, seconds
+
+    def result(self, task_id: int, ok: bool, *args: Any, **kwargs: Any) -> None:
+        if task_id == self.task_id:
+            kwargs["switch_seconds"] = self.seconds
+        self.out.result(task_id, ok, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.out, name)
 
 
 def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
@@ -592,10 +624,13 @@ def _take_waiting(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) 
 
 
 def trainer_loop(
-    stores: dict[str, Any] | Any, tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", followers: Followers | None = None
+    stores: dict[str, Any] | Any,
+    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    followers: Followers | None = None,
+    one_awake: bool = False,
 ) -> None:
-    """Trainer tasks one at a time; ``stores`` as ``Trainers`` takes them."""
-    server, out = Trainers(stores), Outbox(followers)
+    """Trainer tasks one at a time; ``stores`` and ``one_awake`` as ``Trainers`` takes them."""
+    server, out = Trainers(stores, one_awake), Outbox(followers)
     while True:
         server.serve(tasks.get(), out)
 
@@ -606,12 +641,13 @@ def shared_loop(
     tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
     capacity: int,
     followers: Followers | None = None,
+    one_awake: bool = False,
 ) -> None:
     """Both engines of this worker served from one thread, from one queue: the generates
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
     goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
     per calling thread: two engine threads mean two teams spinning on the same cores."""
-    trainer, out = Trainers(stores), Outbox(followers)
+    trainer, out = Trainers(stores, one_awake), Outbox(followers)
     while True:
         batch = _take(tasks, 1 << 10)
         gens = [t for t in batch if t.engine_id.endswith("/rollout")]
@@ -826,7 +862,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype=options.dtype if options else "",
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
-            sleeps=sleep_mode and k == "rollout",
+            sleeps=sleep_mode,  # its worker's engines of its kind take turns on the GPU
         )
         for m, model in enumerate(models)
         for k in kinds
@@ -916,18 +952,18 @@ def main(argv: list[str] | None = None) -> None:
         ).start()
     rollout = Rollouts(rollouts, one_awake=sleep_mode) if rollouts else None
     if rollout is not None and stores and shared:
-        shared_loop(rollout, stores, queues[decls[0].engine_id], args.rollout_capacity, followers)
+        shared_loop(rollout, stores, queues[decls[0].engine_id], args.rollout_capacity, followers, sleep_mode)
     elif rollout is not None:
         if stores:
             threading.Thread(
                 target=trainer_loop,
-                args=(stores, queues[next(iter(stores))], followers),
+                args=(stores, queues[next(iter(stores))], followers, sleep_mode),
                 name="plexw-trainer",
                 daemon=True,
             ).start()
         rollout_loop(rollout, queues[next(iter(rollouts))], args.rollout_capacity, followers)
     else:
-        trainer_loop(stores, queues[next(iter(stores))], followers)
+        trainer_loop(stores, queues[next(iter(stores))], followers, sleep_mode)
 
 
 def engine_id(worker_id: str, kind: str, model_index: int) -> str:

@@ -123,6 +123,37 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self._adapters_made = 0
         self._parked = []  # oldest first
         self._user_losses = {}
+        self.awake = True  # the base's weights on the engine's device (see ``sleep``)
+
+    # ------------------------------------------------------------ taking turns with other bases
+
+    def sleep(self) -> None:
+        """Give the device to another base's trainer: the base model's own weights (the params it
+        had before any adapter; a full fine-tuning job's weights while it is resident) move to
+        host memory (pinned on CUDA), what the adapters, AdamW states and the store's tiers hold
+        stays where it is. ``wake`` brings them back, the same bits; no step may run asleep."""
+        if not self.awake:
+            return
+        pin = self._cuda
+        with torch.no_grad():
+            for p in self._base_params.values():
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                host.copy_(p.data)
+                p.data = host
+        if self._cuda:
+            torch.cuda.empty_cache()
+        self.awake = False
+
+    def wake(self) -> None:
+        """The base's weights back on the engine's device (``sleep`` undone)."""
+        if self.awake:
+            return
+        with torch.no_grad():
+            for p in self._base_params.values():
+                p.data = p.data.to(self.device, non_blocking=self._cuda)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self.awake = True
 
     # ------------------------------------------------------------ adapters and checkpoints
 

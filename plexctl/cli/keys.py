@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -16,17 +16,23 @@ def keygen() -> None:
     from plexctl.common import auth
     from plexctl.common.client import current_user
     from plexctl.common.cluster import plexrl_home
+    from plexctl.tinker import keys as tinker_keys
 
     user = current_user()
     public = auth.ensure_user_keys(plexrl_home(), user)
+    tinker = tinker_keys.digest(tinker_keys.own_key())  # the Tinker API key's, for the owner to register
     print(public)  # not wrapped: scripts take the path from the first line
-    print(f"ask the cluster's owner to run: plexctl share {user} --key {public}")
+    print(f"tinker API key in {tinker_keys.key_file()} (sha256 {tinker})")
+    print(f"ask the cluster's owner to run: plexctl share {user} --key {public} --tinker-key-sha256 {tinker}")
 
 
 def share(
     ctx: typer.Context,
     user: Annotated[str, typer.Argument(help="the user to let in")],
     key: Annotated[Path, typer.Option("--key", help="their public key file (`plexctl keygen` makes it)")],
+    tinker_key_sha256: Annotated[
+        Optional[str], typer.Option(help="their Tinker API key's sha256 (`plexctl keygen` prints it)")
+    ] = None,
 ) -> None:
     """Let another user's key into this cluster (owner only): they see and cancel their own jobs."""
     from plexctl.common import auth
@@ -40,5 +46,15 @@ def share(
         raise UsageError(f"only the cluster's owner ({owner}) may share it")
     if user == owner:
         raise UsageError(f"{user} owns this cluster: `plexctl up` lets their key in")
+    if tinker_key_sha256 is not None:
+        from plexctl.tinker import keys as tinker_keys
+
+        try:  # checked before anything is granted
+            tinker_key_sha256 = tinker_keys.check_digest(c.state_dir, user, tinker_key_sha256)
+        except tinker_keys.KeyError_ as e:
+            raise UsageError(str(e)) from None
     auth.grant(c.state_dir, user, key)
-    console().print(f"{user} may now use the cluster at {c.state_dir}", markup=False, highlight=False)
+    if tinker_key_sha256 is not None:
+        tinker_keys.register(c.state_dir, user, tinker_key_sha256)
+    also = " (and its Tinker API key)" if tinker_key_sha256 is not None else ""
+    console().print(f"{user} may now use the cluster at {c.state_dir}{also}", markup=False, highlight=False)

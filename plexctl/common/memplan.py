@@ -243,9 +243,8 @@ class ClusterOptions:
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
     logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
     cpu_kv_cache_bytes: int = 1 * GiB  # KV cache of a CPU rollout engine (its `kv_cache_gib`)
-    # the cluster's other base models, in the engines' dtype (``plans_for_specs``): a trainer holds
-    # every base resident; a GPU rollout engine's other models sleep in pinned host memory, a CPU
-    # one's stay resident
+    # the cluster's other base models, in the engines' dtype (``plans_for_specs``): on a GPU an
+    # engine's other models sleep in pinned host memory, on the CPU they stay resident
     other_weights_bytes: int = 0
 
 
@@ -529,7 +528,7 @@ def plan_memory(
             runtime_bytes=TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES,
             host_tier_bytes=options.host_tier_bytes,
             nvme_tier_bytes=options.nvme_tier_bytes,
-            other_bases_bytes=options.other_weights_bytes,
+            other_bases_bytes=0 if on_gpu else options.other_weights_bytes,  # a GPU's sleep in host memory
         )
 
     kinds = {"rollout": 0, "trainer": 0}
@@ -551,10 +550,11 @@ def plan_memory(
             rollouts[position] = rollout_plan(position, index_of[position], engine, left)
             if t is not None:
                 trainers[partner[position]] = replace(t, rollout_bytes=rollouts[position].budget_bytes)
-    # a rollout engine's other models: resident beside it on the CPU, asleep in pinned host memory on a GPU
-    cpu_rollout_bytes = sum(r.budget_bytes for p, r in rollouts.items() if p in cpu) + len(rollouts) * (
-        options.other_weights_bytes
-    )
+    # an engine's other models: resident beside it on the CPU, asleep in pinned host memory on a GPU
+    # (a rollout engine's, and a GPU trainer's; a CPU trainer's count in its own plan)
+    cpu_rollout_bytes = sum(r.budget_bytes for p, r in rollouts.items() if p in cpu) + (
+        len(rollouts) + len(trainers)
+    ) * (options.other_weights_bytes)
     cpu_trainers = [p for p, e in enumerate(engines) if e.kind == "trainer" and p in cpu]
     for position in cpu_trainers:
         left = (node.host_bytes - host_tiers - cpu_rollout_bytes) // len(cpu_trainers)

@@ -285,7 +285,7 @@ class EngineDecl(msgspec.Struct):
     device: str = ""  # cpu | cuda
     max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
     max_model_len: int = 0  # the longest sequence (prompt and completion) a rollout engine holds (0: not said)
-    sleeps: bool = False  # a rollout engine that takes turns with its worker's other models' (vLLM sleep mode)
+    sleeps: bool = False  # takes turns with its worker's other models' engines of its kind on the GPU
 
 
 class RegisterReq(msgspec.Struct):

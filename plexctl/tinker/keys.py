@@ -1,6 +1,9 @@
 """Tinker API keys: each user's key (``tml-`` and 48 hex digits, the form the SDK accepts) in a
 0600 file of their own, and the cluster's map from each key's sha256 to its user, which the
-front end reads. The map holds no key; both files are written atomically."""
+front end reads. The map holds no key; both files are written atomically. The owner's key is
+made and registered by ``plexctl up``; another user makes theirs with ``plexctl keygen``, which
+prints its sha256, and the owner registers that with ``plexctl share``. A digest belongs to one
+user: registering it for another is refused."""
 
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def ensure_key(state_dir: Path, user: str, user_home: Path | None = None) -> Path:
-    """This user's key (made once), registered with the cluster at ``state_dir``; its file."""
+def own_key(user_home: Path | None = None) -> str:
+    """This user's key, made once (its file 0600)."""
     path = key_file(user_home)
     try:
         key = path.read_text().strip()
@@ -35,11 +38,37 @@ def ensure_key(state_dir: Path, user: str, user_home: Path | None = None) -> Pat
         key = PREFIX + secrets.token_hex(24)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(path, (key + "\n").encode(), 0o600)
+    return key
+
+
+def ensure_key(state_dir: Path, user: str, user_home: Path | None = None) -> Path:
+    """This user's key (made once), registered with the cluster at ``state_dir``; its file."""
+    register(state_dir, user, digest(own_key(user_home)))
+    return key_file(user_home)
+
+
+class KeyError_(ValueError):
+    """A digest that is not one, or that belongs to another user (one line)."""
+
+
+def check_digest(state_dir: Path, user: str, key_digest: str) -> str:
+    """``key_digest`` as ``register`` takes it, or ``KeyError_`` saying why not (nothing written)."""
+    key_digest = key_digest.strip().lower()
+    if len(key_digest) != 64 or any(c not in "0123456789abcdef" for c in key_digest):
+        raise KeyError_(f"tinker key sha256 {key_digest!r}: not 64 hex digits (`plexctl keygen` prints it)")
+    holder = registered(state_dir).get(key_digest)
+    if holder is not None and holder != user:
+        raise KeyError_(f"tinker key sha256 {key_digest[:12]}...: already {holder}'s key")
+    return key_digest
+
+
+def register(state_dir: Path, user: str, key_digest: str) -> None:
+    """Let the key whose sha256 is ``key_digest`` in as ``user``."""
+    key_digest = check_digest(state_dir, user, key_digest)
     users = registered(state_dir)
-    if users.get(digest(key)) != user:
-        users[digest(key)] = user
+    if users.get(key_digest) != user:
+        users[key_digest] = user
         write_json_atomic(state_dir / TINKER_KEY_FILE, users, mode=0o600)
-    return path
 
 
 def registered(state_dir: Path) -> dict[str, str]:

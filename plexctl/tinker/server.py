@@ -574,10 +574,12 @@ def create_app(
     session_ttl_s: float = 600.0,
     result_ttl_s: float = 3600.0,
     poll_s: float = POLL_S,
+    max_body_bytes: int = wire.MAX_BODY_BYTES,
 ) -> FastAPI:
     """The Tinker API on ``backend``. ``max_workers``: backend calls at once (samples run in
     parallel up to it); ``session_ttl_s``: a session not heard from this long ends;
-    ``result_ttl_s``: an unfetched result is kept this long."""
+    ``result_ttl_s``: an unfetched result is kept this long; ``max_body_bytes``: a request body
+    (decompressed) larger than this is refused with 413."""
     front = FrontEnd(backend, max_workers, session_ttl_s, result_ttl_s, poll_s)
 
     @contextlib.asynccontextmanager
@@ -597,6 +599,10 @@ def create_app(
     async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
         return _error(e.status, str(e))
 
+    @app.exception_handler(wire.TooLarge)
+    async def on_too_large(request: Request, e: wire.TooLarge) -> JSONResponse:
+        return _error(413, str(e))
+
     @app.exception_handler(wire.Malformed)
     async def on_malformed(request: Request, e: wire.Malformed) -> JSONResponse:
         return _error(400, str(e))
@@ -609,8 +615,21 @@ def create_app(
     async def on_error(request: Request, e: Exception) -> JSONResponse:  # the server logs its traceback
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server")
 
+    async def read(request: Request) -> bytes:
+        """The request's body, refused (413) past ``max_body_bytes``, announced or sent."""
+        announced = request.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > max_body_bytes:
+            raise wire.TooLarge(f"request body of {announced} bytes: the limit is {max_body_bytes}")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_body_bytes:
+                raise wire.TooLarge(f"request body over the limit of {max_body_bytes} bytes")
+            parts.append(part)
+        return b"".join(parts)
+
     async def body(request: Request, kind: type[T]) -> T:
-        return wire.decode(await request.body(), kind)
+        return wire.decode(await read(request), kind)
 
     api = "/api/v1"
 
@@ -663,8 +682,10 @@ def create_app(
 
     @app.post(f"{api}/forward_backward")
     async def forward_backward(request: Request, user: User) -> dict[str, Any]:
-        raw = await request.body()
-        msg = await front.quick(wire.parse_forward_backward, raw, request.headers.get("content-encoding"))
+        raw = await read(request)
+        msg = await front.quick(
+            wire.parse_forward_backward, raw, request.headers.get("content-encoding"), max_body_bytes
+        )
         return {"request_id": front.forward_backward(user, msg), "model_id": msg.model_id}
 
     @app.post(f"{api}/optim_step")

@@ -210,14 +210,31 @@ def check_optimizer(config: OptimizerConfigWire | None) -> None:
 # ---------------------------------------------------------------- forward_backward
 
 
-def parse_forward_backward(body: bytes, content_encoding: str | None) -> pb.ForwardBackwardRequest:
-    """The request's protobuf, decompressed if ``content_encoding`` is zstd."""
+MAX_BODY_BYTES = 256 << 20  # a request body, decompressed: larger ones are refused (413)
+
+
+class TooLarge(Malformed):
+    """A body over the limit, as sent or once decompressed."""
+
+
+def parse_forward_backward(
+    body: bytes, content_encoding: str | None, max_bytes: int = MAX_BODY_BYTES
+) -> pb.ForwardBackwardRequest:
+    """The request's protobuf, decompressed if ``content_encoding`` is zstd (at most
+    ``max_bytes`` of it: a small body that would expand past that is refused, not inflated)."""
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "zstd":
         try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 34)
+            parts, size = [], 0
+            with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+                while size <= max_bytes and (part := reader.read(min(1 << 20, max_bytes + 1 - size))):
+                    parts.append(part)
+                    size += len(part)
+            body = b"".join(parts)
         except zstandard.ZstdError as e:
             raise Malformed(f"forward_backward body is not valid zstd: {e}") from None
+        if len(body) > max_bytes:
+            raise TooLarge(f"forward_backward body: more than {max_bytes} bytes once decompressed")
     elif encoding != "identity":
         raise Malformed(f"Content-Encoding {content_encoding!r} is not supported (zstd is)")
     msg = pb.ForwardBackwardRequest()
