@@ -96,6 +96,22 @@ def test_cross_entropy_steps_lower_the_loss_and_the_run_is_a_job(service, cluste
         assert all(lp <= 0 for lp in seq.logprobs)
 
 
+def test_prompt_logprobs_of_saved_weights_are_those_the_trainer_computes(service, cluster: Cluster):
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=3).result()
+    tokenizer = training.get_tokenizer()
+    data = supervised_data(tokenizer, 4)
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokens = data[0].model_input.to_ints() + [int(data[0].loss_fn_inputs["target_tokens"].tolist()[-1])]
+    got = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+    assert len(got) == len(tokens) and got[0] is None
+    # the trainer's log-probs of the same tokens under the same weights (forward changes nothing)
+    trained = training.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(trained) == len(tokens) - 1
+    assert max(abs(a - b) for a, b in zip(got[1:], trained)) < 1e-3
+
+
 def test_an_update_through_the_tinker_api_equals_the_same_update_through_plexctl_rl(service, cluster: Cluster):
     tinker_run = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=5).result()
     other = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=5).result()

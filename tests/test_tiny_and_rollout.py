@@ -153,6 +153,28 @@ def test_logprobs_are_the_sampled_tokens_and_match_transformers(tiny: TinyPaths,
     assert worst < 1e-3, worst
 
 
+def test_prompt_logprobs_are_each_prompt_tokens_and_match_transformers(tiny: TinyPaths, engine: RolloutEngine) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32).eval()
+    [completions] = engine.generate(
+        [GenRequest("base", PROMPTS[:5], Sampling(max_tokens=1, n=2, seed=1, prompt_logprobs=True))]
+    )
+    [plain] = engine.generate([GenRequest("base", PROMPTS[:1], Sampling(max_tokens=1, seed=1))])
+    assert plain[0].prompt_logprobs == []  # only when asked for
+    worst = 0.0
+    for c in completions:
+        ids = torch.tensor([c.prompt_token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        expected = [float(logp[t - 1, tok]) for t, tok in enumerate(c.prompt_token_ids) if t > 0]
+        assert len(c.prompt_logprobs) == len(c.prompt_token_ids) >= 2 and c.prompt_logprobs[0] is None
+        got = [float(x) for x in c.prompt_logprobs[1:] if x is not None]
+        assert len(got) == len(expected)
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, expected)))
+    assert worst < 1e-3, worst
+
+
 def test_completions_equal_vllms_own_detokenized_output(engine: RolloutEngine) -> None:
     """The engine decodes each completion once and reads flat log-probs; what it hands back
     equals vLLM's own per-token detokenizer and log-prob dicts for the same seeds."""

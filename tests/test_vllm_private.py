@@ -147,3 +147,19 @@ def test_in_place_weight_loads_reach_the_model_runner_of_both_platforms():
     assert set(vllm_private.RELOAD_WEIGHTS_KWARGS) <= set(parameters(runner)), parameters(runner)
     for worker_module, worker_cls in vllm_private.RELOAD_WEIGHTS_WORKERS:
         assert callable(resolve(worker_module, worker_cls, method))  # what collective_rpc calls by name
+
+
+def test_prompt_logprobs_are_read_from_flat_lists_and_from_dicts() -> None:
+    from types import SimpleNamespace
+
+    from worker.vllm_private import prompt_token_logprobs
+
+    prompt = [5, 7, 9]
+    # positions 1 and 2 (the first left out), each with the prompt token's entry among others
+    flat = SimpleNamespace(start_indices=[0, 2], token_ids=[3, 7, 9, 4], logprobs=[-0.1, -0.2, -0.3, -0.4])
+    assert prompt_token_logprobs(prompt, flat) == [None, -0.2, -0.3]
+    entry = lambda lp: SimpleNamespace(logprob=lp)  # noqa: E731
+    dicts = [None, {7: entry(-1.5)}, {9: entry(-2.5), 1: entry(-0.1)}]
+    assert prompt_token_logprobs(prompt, dicts) == [None, -1.5, -2.5]
+    with pytest.raises(ValueError, match="prompt log-probs for 3 prompt tokens"):
+        prompt_token_logprobs(prompt, [None])

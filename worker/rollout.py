@@ -183,6 +183,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         ignore_eos=s.ignore_eos,
         seed=prompt_seed(s, prompt_index),
         logprobs=0,  # 0: only the sampled token's log-prob
+        prompt_logprobs=0 if s.prompt_logprobs else None,  # 0: only the prompt token's own
         skip_special_tokens=True,
         detokenize=False,
         flat_logprobs=True,
@@ -206,6 +207,8 @@ def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Compl
     each text is its tokens decoded at once (special tokens skipped, no clean-up of spaces:
     what vLLM's own detokenizer gives)."""
     prompt_ids = list(output.prompt_token_ids or [])
+    prompt_lps = getattr(output, "prompt_logprobs", None)
+    prompt_logprobs = [] if prompt_lps is None else vllm_private.prompt_token_logprobs(prompt_ids, prompt_lps)
     samples = sorted(output.outputs, key=lambda c: c.index)
     token_ids = [list(c.token_ids) for c in samples]
     texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -217,6 +220,7 @@ def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Compl
             token_ids=ids,
             logprobs=sampled_logprobs(ids, c.logprobs),
             finish_reason=c.finish_reason or "unknown",
+            prompt_logprobs=prompt_logprobs,
         )
         for c, ids, text in zip(samples, token_ids, texts)
     ]

@@ -104,6 +104,32 @@ def sampled_token_logprobs(steps: Any) -> tuple[list[int], list[float]]:
     return [ids[i] for i in starts], [float(values[i]) for i in starts]
 
 
+def prompt_token_logprobs(prompt_ids: list[int], steps: Any) -> list[float | None]:
+    """Each prompt token's log-prob (None for the first, which nothing predicts) from vLLM's
+    prompt log-probs with ``prompt_logprobs=0``: a ``FlatLogprobs`` (positions by start index,
+    the prompt token's entry among each position's) or a list of per-position dicts (None at
+    the first). A list one shorter than the prompt leaves the first position out."""
+    if hasattr(steps, "start_indices"):
+        starts, ids, values = list(steps.start_indices), steps.token_ids, steps.logprobs
+        positions = list(zip(starts, [*starts[1:], len(ids)]))
+    else:
+        positions = list(steps)
+    skip = len(prompt_ids) - len(positions)
+    if skip not in (0, 1):
+        raise ValueError(f"vLLM gave {len(positions)} prompt log-probs for {len(prompt_ids)} prompt tokens")
+    out: list[float | None] = [None] * skip
+    for position, token in zip(positions, prompt_ids[skip:]):
+        if position is None:
+            out.append(None)
+        elif isinstance(position, tuple):
+            a, b = position
+            out.append(next((float(values[i]) for i in range(a, b) if ids[i] == token), None))
+        else:
+            entry = position.get(token)
+            out.append(None if entry is None else float(entry.logprob))
+    return out
+
+
 # ---------------------------------------------------------------- the CPU backend
 
 # vLLM's pure-torch LoRA ops, which worker/cpu_lora_ops.py replaces: the three bgmv ops in the

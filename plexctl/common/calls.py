@@ -33,6 +33,7 @@ class Sampling(msgspec.Struct):
     stop: list[str] = msgspec.field(default_factory=list)  # strings that end a sample (besides EOS)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)  # tokens that end a sample
     ignore_eos: bool = False  # EOS does not end a sample
+    prompt_logprobs: bool = False  # also each prompt token's log-prob (``Completion.prompt_logprobs``)
 
 
 class AdapterRef(msgspec.Struct):
@@ -60,6 +61,8 @@ class Completion(msgspec.Struct):
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the behaviour policy
     finish_reason: str
+    # asked for (``Sampling.prompt_logprobs``): each prompt token's log-prob, None for the first
+    prompt_logprobs: list[float | None] = msgspec.field(default_factory=list)
 
 
 class TrainBatch(msgspec.Struct):

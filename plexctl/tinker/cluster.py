@@ -270,8 +270,6 @@ class ClusterBackend(Backend):
     ) -> SampleResult:
         model_id, _, version = sampler_id.rpartition(":v")
         run = self._run(user, model_id)
-        if prompt_logprobs:
-            raise UserError("prompt logprobs are not served by this cluster yet")
         max_tokens = params.max_tokens or max(1, _context(run.record.model_path) - len(prompt_tokens))
         sampling = C.Sampling(
             temperature=params.temperature,
@@ -283,13 +281,15 @@ class ClusterBackend(Backend):
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            prompt_logprobs=prompt_logprobs,
         )
         rep: C.GenerateRep = self._call(run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version)))
         return SampleResult(
             [
                 SampledSequence(c.token_ids, c.logprobs, "length" if c.finish_reason == "length" else "stop")
                 for c in rep.completions
-            ]
+            ],
+            (rep.completions[0].prompt_logprobs if rep.completions else None) if prompt_logprobs else None,
         )
 
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
