@@ -268,6 +268,12 @@ class DaemonCore:
                     self._out.append(StopDriver(rt.job_id))
             elif now - rt.cancel_requested_at > CANCEL_GRACE_S:
                 self._out.append(StopDriver(rt.job_id, kill=True))
+        if self.drain_deadline is not None:  # a Tinker job has no step to end: it stops between calls
+            busy = {c.job_id for c in self.calls.values()}
+            for rt in self.runtimes.values():
+                if rt.spec.algo.name == TINKER_ALGO and not rt.stop_sent and rt.job_id not in busy and rt.pid:
+                    rt.stop_sent = True
+                    self._out.append(StopDriver(rt.job_id))
         if self.adopting:
             self._admit_adopted(now)
         if self.drain_deadline is not None:
@@ -1365,13 +1371,14 @@ class DaemonCore:
                 self.reasons[info.job_id] = adm.reason
                 continue
             # its runtime now; ``driver_started`` (or ``driver_not_started``) once the server tried
-            self.runtimes[info.job_id] = JobRuntime(
+            rt = self.runtimes[info.job_id] = JobRuntime(
                 info.job_id,
                 spec,
                 self.jobs_dir / info.job_id,
                 policy_version=info.policy_version,
                 user=info.user,
             )
+            rt.adapter = self._kept_version(rt, info.policy_version)  # a resumed job samples its latest policy
             self._out.append(StartDriver(info.job_id))
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)

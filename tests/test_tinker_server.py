@@ -721,3 +721,28 @@ def test_another_users_future_is_not_theirs(raw: tuple[TestClient, FakeBackend])
     as_bob = client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": "tml-bob"})
     assert as_bob.status_code in (403, 404) and "error" in as_bob.json()
     assert retrieve(client, request_id).status_code == 200  # alice's is still hers
+
+
+def test_a_restarted_server_takes_back_the_runs_its_backend_holds(tokenizer_dir: Path) -> None:
+    """After a restart the SDK's clients go on: their runs and sessions are taken back, a model's
+    count resumes at the first seq_ids that come (in any order), lost requests are said."""
+    backend = FakeBackend(str(tokenizer_dir))
+    session_id = "s-0123456789abcdef"
+    run = backend.create_model("alice", session_id, 0, MODEL, 4, None)
+    backend.known_runs = lambda: [("alice", run)]  # type: ignore[method-assign]
+    with TestClient(S.create_app(backend, poll_s=0.2), headers={"X-API-Key": "tml-alice"}) as client:
+        later = {"model_id": run.model_id, "seq_id": 42, "adam_params": {"learning_rate": 0.5}}
+        earlier = {"model_id": run.model_id, "seq_id": 41, "path": "after-restart"}
+        later_id = client.post("/api/v1/optim_step", json=later).json()["request_id"]
+        earlier_id = client.post("/api/v1/save_weights", json=earlier).json()["request_id"]
+        assert retrieve(client, later_id).json()["type"] == "optim_step"
+        assert retrieve(client, earlier_id).json()["path"] == f"tinker://{run.model_id}/weights/after-restart"
+        assert [m for m, k, _ in backend.log if k == run.model_id] == ["create_model", "save_training", "optim_step"]
+        assert client.post("/api/v1/session_heartbeat", json={"session_id": session_id}).status_code == 200
+        bob = {"X-API-Key": "tml-bob"}
+        assert client.post("/api/v1/session_heartbeat", json={"session_id": session_id}, headers=bob).status_code == 403
+        assert client.post("/api/v1/optim_step", json={**later, "seq_id": 43}, headers=bob).status_code == 403
+        lost_sample = client.post("/api/v1/retrieve_future", json={"request_id": f"{S.SAMPLE_ID_PREFIX}{'0' * 32}"})
+        assert lost_sample.status_code == 410  # the SDK's sampler sends it again
+        lost = client.post("/api/v1/retrieve_future", json={"request_id": "0" * 32})
+        assert lost.status_code == 404 and "restarted" in lost.json()["error"]

@@ -212,3 +212,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def end_session(self, user: str, session_id: str) -> None:
         """The session ended (closed by the client, or silent too long): free what it holds."""
+
+    def known_runs(self) -> list[tuple[str, TrainingRun]]:
+        """The runs, with their users, that a restarted front end takes back (their sessions have
+        not ended): their clients' next calls go on. None by default."""
+        return []
+
+    def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:
+        """A sampler of ``user``'s that a restarted front end takes back; None: unknown."""
+        return None

@@ -6,8 +6,11 @@ this process's typed service calls (``plexctl.rl.JobClient``, with the cluster's
 ``forward_backward`` calls are kept, in order, until the ``optim_step`` that takes their gradient
 (``calls.OptimStepReq``), so no gradient outlives a call. Saved sampler weights are the job's
 published policy versions (a Tinker job keeps every one: ``tinker://`` paths never change), and
-sampling is a generate call of the run's job at that version. What each run has saved is kept in
-``<state>/tinker/runs.json``, written atomically, so a restarted front end knows its paths.
+sampling is a generate call of the run's job at that version. What each run has saved, and its
+step count, is kept in ``<state>/tinker/runs.json``, written atomically, so a restarted front end
+knows its paths and takes its runs back: a run's first call after the restart waits for its job to
+run again, restores the last saved state (the job's own checkpoint; none: the run starts afresh)
+and says, in the front end's log and the job's events, which steps were lost.
 """
 
 from __future__ import annotations
@@ -63,7 +66,24 @@ class RunRecord(msgspec.Struct):
     model_path: str
     rank: int
     samplers: dict[str, int] = msgspec.field(default_factory=dict)  # name -> policy version
-    states: dict[str, list[Any]] = msgspec.field(default_factory=dict)  # name -> [checkpoint dir, unix time]
+    states: dict[str, list[Any]] = msgspec.field(default_factory=dict)  # name -> [checkpoint dir, unix time, step]
+    steps: int = 0  # optim_steps taken (as of the last one)
+    ended: bool = False  # its session ended: its job is over
+
+
+class Resumed(msgspec.Struct):
+    """What a run taken back after a restart lost: the steps since its last saved state."""
+
+    state: str  # the tinker:// path it went on from ("": it started afresh)
+    step: int
+    lost_steps: int
+
+    def line(self, model_id: str) -> str:
+        origin = f"its last saved state {self.state}" if self.state else "the start (no state was saved)"
+        return (
+            f"run {model_id} resumed after a restart of the cluster from {origin}, step {self.step}: "
+            f"{self.lost_steps} optim_step(s) since then, and forward_backward calls not yet stepped, were lost"
+        )
 
 
 class Run:
@@ -74,7 +94,8 @@ class Run:
         self.pending: list[C.LossCall] = []
         self.lock = threading.Lock()  # one call of the job's client at a time
         self.client: JobClient | None = None
-        self.steps = 0
+        self.resuming = False  # taken back after a restart: its first call restores its saved state
+        self.resumed: Resumed | None = None  # until its next forward_backward: what the restart lost
 
 
 class ClusterBackend(Backend):
@@ -89,7 +110,8 @@ class ClusterBackend(Backend):
         except FileNotFoundError:
             saved = {}
         for model_id, record in saved.items():
-            self.runs[model_id] = Run(msgspec.convert(record, RunRecord))
+            run = self.runs[model_id] = Run(msgspec.convert(record, RunRecord))
+            run.resuming = not run.record.ended
 
     # ------------------------------------------------------------ the cluster
 
@@ -128,10 +150,31 @@ class ClusterBackend(Backend):
     def _call(self, run: Run, request: C.Request) -> Any:
         with run.lock:
             try:
+                if run.resuming:
+                    self._resume(run)
                 client = self._job_client(run)
                 return client.wait(client.call_async(request))
             except CallFailed as failed:
                 raise UserError(str(failed)) from None
+
+    def _resume(self, run: Run) -> None:
+        """A run taken back after a restart: once its job runs again, its last saved state (the
+        job's latest checkpoint) is restored; what was lost is said once."""
+        record = run.record
+        self._wait_running(record.job_id)
+        client = self._job_client(run)
+        client.wait(client.call_async(C.RestoreReq()))
+        latest = max(record.states.items(), key=lambda kv: kv[1][1], default=None)
+        name, step = (latest[0], int(latest[1][2]) if len(latest[1]) > 2 else 0) if latest else ("", 0)
+        path = checkpoint_path(record.model_id, "training", name) if name else ""
+        run.resumed = Resumed(path, step, max(0, record.steps - step))
+        line = run.resumed.line(record.model_id)
+        log.warning("%s", line)
+        client.report("note", step, {}, line)
+        record.steps = step
+        run.pending.clear()
+        run.resuming = False
+        self._save()
 
     # ------------------------------------------------------------ Backend
 
@@ -198,13 +241,23 @@ class ClusterBackend(Backend):
         rep: C.ForwardBackwardRep = self._call(run, C.ForwardBackwardReq(call))
         if not forward_only:
             run.pending.append(call)
+            run.resumed = None
         return ForwardResult(rep.logprobs, rep.loss)
 
     def optim_step(self, user: str, model_id: str, adam: C.AdamStep) -> dict[str, float]:
         run = self._run(user, model_id)
+        if run.resuming or run.resumed is not None:
+            with run.lock:
+                if run.resuming:
+                    self._resume(run)
+            assert run.resumed is not None
+            raise UserError(f"{run.resumed.line(model_id)}: send them again before this optim_step")
         rep: C.OptimStepRep = self._call(run, C.OptimStepReq(list(run.pending), adam))
         run.pending.clear()
-        run.steps += 1
+        run.record.steps += 1
+        self._save()
+        if run.client is not None:  # status shows the run's step
+            run.client.report("step", run.record.steps, {})
         return {k: float(v) for k, v in rep.metrics.items() if k.count(":") == 1}
 
     def _publish(self, run: Run) -> int:
@@ -226,7 +279,7 @@ class ClusterBackend(Backend):
         if name in run.record.states:
             raise UserError(f"{path} exists (a saved checkpoint does not change)")
         rep: C.CheckpointRep = self._call(run, C.CheckpointReq(len(run.record.states) + 1, {"tinker": name}))
-        run.record.states[name] = [rep.path, time.time()]
+        run.record.states[name] = [rep.path, time.time(), run.record.steps]
         self._save()
         return path
 
@@ -238,6 +291,8 @@ class ClusterBackend(Backend):
             raise UserError(f"{path}: this cluster loads a run's own latest saved state only")
         self._call(run, C.RestoreReq())
         run.pending.clear()
+        run.record.steps = int(latest[1][2]) if len(latest[1]) > 2 else run.record.steps
+        self._save()
 
     def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
         if model_path:
@@ -302,9 +357,22 @@ class ClusterBackend(Backend):
         out += [CheckpointInfo(checkpoint_path(model_id, "sampler", name), 0.0) for name, _ in published]
         return out
 
+    def known_runs(self) -> list[tuple[str, TrainingRun]]:
+        return [(r.record.user, _training_run(r.record)) for r in self.runs.values() if not r.record.ended]
+
+    def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:
+        model_id, _, version = sampler_id.rpartition(":v")
+        run = self.runs.get(model_id)
+        if run is None or run.record.user != user or not version.isdigit():
+            return None
+        paths = {v: checkpoint_path(model_id, "sampler", n) for n, v in run.record.samplers.items()}
+        return Sampler(sampler_id, run.record.base_model, paths.get(int(version)))
+
     def end_session(self, user: str, session_id: str) -> None:
         for model_id, run in list(self.runs.items()):
-            if run.record.user == user and model_id.startswith(f"{session_id}:"):
+            if run.record.user == user and model_id.startswith(f"{session_id}:") and not run.record.ended:
+                run.record.ended = True
+                self._save()
                 try:
                     self._client().cancel(run.record.job_id)  # ended by its client: the job succeeded
                 except Exception:  # noqa: BLE001 - the session ends anyway

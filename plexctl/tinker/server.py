@@ -13,8 +13,10 @@ its outcome is fetched with ``retrieve_future``, which waits up to ``POLL_S`` fo
   key (``X-API-Key``) is checked on every request but ``healthz``.
 * A session not heard from for ``session_ttl_s`` (the SDK heartbeats every 10 s) ends as if closed.
 
-What the server knows is in memory: after a restart the SDK's clients must start again; the runs
-and checkpoints themselves live in the backend.
+What the server knows is in memory; a restarted server takes back the runs the backend still
+holds (``Backend.known_runs``) and their sessions, so an SDK client that outlived it goes on: a
+model's count resumes at the first seq_id that comes after the restart, a request in flight at the
+restart is answered as lost (a sample, 410: the SDK sends it again).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ GAP_S = 300.0  # requests held this long behind a seq_id that never came fail (t
 KEEP_RETRIEVED_S = 300.0  # a fetched result stays this long: a fetch whose answer was lost is retried
 GRACE_S = 3  # at shutdown, open requests (long polls) get this long to finish
 KEEP_SEQ_IDS = 256  # a model's latest seq_ids whose request ids a repeated submit gets back
+RESUMING = 0  # a taken-back model's next seq_id: the lowest that comes within RESUME_SETTLE_S
+RESUME_SETTLE_S = 0.5  # requests sent together before a restart may arrive out of order
+SAMPLE_ID_PREFIX = "smp-"  # a sample's request id: the SDK sends a lost one again (410)
 CLIENT_CONFIG = {  # the SDK's feature flags: none of the routes this server lacks, one fwd/bwd chunk per call
     "pjwt_auth_enabled": False,
     "parallel_fwdbwd_chunks": True,
@@ -169,8 +174,8 @@ class FrontEnd:
     def in_thread(self, fn: Callable[[], Reply]) -> Job:
         return lambda: self.call(fn)
 
-    def new_future(self, user: str) -> tuple[str, _Future]:
-        request_id = uuid.uuid4().hex
+    def new_future(self, user: str, prefix: str = "") -> tuple[str, _Future]:
+        request_id = prefix + uuid.uuid4().hex
         fut = self.futures[request_id] = _Future(user)
         return request_id, fut
 
@@ -179,9 +184,9 @@ class FrontEnd:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def start(self, user: str, job: Job) -> str:
+    def start(self, user: str, job: Job, prefix: str = "") -> str:
         """A request id for ``job``, which starts now."""
-        request_id, fut = self.new_future(user)
+        request_id, fut = self.new_future(user, prefix)
         self.spawn(self.execute(fut, job))
         return request_id
 
@@ -205,8 +210,12 @@ class FrontEnd:
 
     async def retrieve(self, user: str, request_id: str) -> Response:
         fut = self.futures.get(request_id)
+        if fut is None and request_id.startswith(SAMPLE_ID_PREFIX):
+            raise ApiError(410, f"unknown sample request {request_id!r} (lost in a restart, or expired): send it again")
         if fut is None:
-            raise ApiError(404, f"unknown request {request_id!r} (or its result expired)")
+            raise ApiError(
+                404, f"unknown request {request_id!r}: its result expired, or the cluster restarted while it ran"
+            )
         if fut.user != user:
             raise ApiError(403, f"request {request_id!r} belongs to another user")
         if not fut.done.is_set():
@@ -233,8 +242,14 @@ class FrontEnd:
         q.held[seq_id] = _Held(request_id, job, time.time())
         if not q.running:
             q.running = True
-            self.spawn(self.drain(q))
+            self.spawn(self.resume(q) if q.next_seq == RESUMING else self.drain(q))
         return request_id
+
+    async def resume(self, q: _ModelQueue) -> None:
+        """A taken-back model's first requests: its count goes on from the lowest that came."""
+        await asyncio.sleep(RESUME_SETTLE_S)
+        q.next_seq = min(q.held)
+        await self.drain(q)
 
     async def drain(self, q: _ModelQueue) -> None:
         """Run the model's held requests while the next one in order is there."""
@@ -263,9 +278,14 @@ class FrontEnd:
     # ------------------------------------------------------------ who owns what
 
     def session_of(self, user: str, session_id: str) -> _Session:
+        """The user's session; one this server does not know (made before it restarted) is the
+        caller's from now on: what it held is the backend's, owned as before."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise ApiError(404, f"unknown session {session_id!r}")
+            if not ID_PATTERN.fullmatch(session_id):
+                raise ApiError(400, f"{session_id!r} is not a session id")
+            log.info("taking back session %s of %s", session_id, user)
+            session = self.sessions[session_id] = _Session(user, time.time())
         if session.user != user:
             raise ApiError(403, f"session {session_id!r} belongs to another user")
         return session
@@ -287,6 +307,9 @@ class FrontEnd:
 
     def sampler_of(self, user: str, sampler_id: str) -> Sampler:
         entry = self.samplers.get(sampler_id)
+        if entry is None and (known := self.backend.known_sampler(user, sampler_id)) is not None:
+            self.add_sampler(user, known)
+            entry = self.samplers[sampler_id]
         if entry is None:
             raise ApiError(404, f"unknown sampler {sampler_id!r}")
         if entry.user != user:
@@ -307,6 +330,15 @@ class FrontEnd:
         if ":" in run.tokenizer_dir:
             raise ValueError(f"tokenizer_dir {run.tokenizer_dir!r} holds ':', which the SDK cuts off")
         self.runs.setdefault(run.model_id, _Run(user, run, time.time()))
+
+    def take_back(self) -> None:
+        """The runs the backend still holds, and their sessions, as before a restart."""
+        now = time.time()
+        for user, run in self.backend.known_runs():
+            self.runs[run.model_id] = _Run(user, run, now, _ModelQueue(next_seq=RESUMING))
+            session_id = run.model_id.partition(":train:")[0]
+            self.sessions.setdefault(session_id, _Session(user, now))
+            log.info("took back run %s of %s", run.model_id, user)
 
     def add_sampler(self, user: str, sampler: Sampler) -> None:
         if not ID_PATTERN.fullmatch(sampler.sampler_id):
@@ -329,11 +361,9 @@ class FrontEnd:
         return {"session_id": session_id, "type": "create_session"}
 
     def heartbeat(self, user: str, session_id: str) -> dict[str, Any]:
-        session = self.sessions.get(session_id)
-        if session is None or session.ended:
+        session = self.session_of(user, session_id)
+        if session.ended:
             raise ApiError(410, f"session {session_id!r} has ended")
-        if session.user != user:
-            raise ApiError(403, f"session {session_id!r} belongs to another user")
         session.last_seen = time.time()
         return {"type": "session_heartbeat"}
 
@@ -503,7 +533,7 @@ class FrontEnd:
             result = self.backend.sample(user, sampler.sampler_id, tokens, n, params, want_prompt)
             return wire.sample_response(result, n, len(tokens) if want_prompt else None)
 
-        request_id = self.start(user, self.in_thread(work))
+        request_id = self.start(user, self.in_thread(work), SAMPLE_ID_PREFIX)
         sequence_ids = [f"{request_id}-{i}" for i in range(max(n, 0))]
         if key is not None:
             self.samples[key] = (request_id, sequence_ids)
@@ -584,6 +614,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await front.quick(front.take_back)
         chores = asyncio.create_task(front.chores())
         try:
             yield
