@@ -147,6 +147,32 @@ def _job_of(cluster: Cluster, training) -> str:
     return runs[training.model_id]["job_id"]
 
 
+def test_a_base_model_is_sampled_without_a_training_client(cluster: Cluster):
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    key = (cluster.home / "tinker-api-key").read_text().strip()
+    service = tinker.ServiceClient(base_url=url, api_key=key)
+    # by its path: the SDK loads a sampling client's tokenizer by the name it was given
+    path = cluster.status()["engines"][0]["model"]
+    base = service.create_sampling_client(base_model=path).result()
+    sampler_jobs = [j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-sample-")]
+    assert [j["state"] for j in sampler_jobs] == ["running"]  # the user's job that samples the base
+    tokenizer = base.get_tokenizer()
+    datum = supervised_data(tokenizer, 1)[0]
+    tokens = datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].tolist()[-1])]
+    got = base.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+    out = base.sample(
+        tinker.ModelInput.from_ints(tokens[:4]), num_samples=2, sampling_params=tinker.SamplingParams(max_tokens=3)
+    ).result()
+    assert len(out.sequences) == 2 and all(len(s.tokens) == len(s.logprobs) for s in out.sequences)
+    # a fresh adapter changes nothing: the base's log-probs are a new training client's
+    fresh = service.create_lora_training_client(base_model="tiny-arith", rank=4).result()
+    trained = fresh.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert max(abs(a - b) for a, b in zip(got[1:], trained)) < 1e-3
+    service.close("success").result()
+    for job in sampler_jobs:
+        cluster.wait_for(job["job_id"], lambda j: j["state"] == "succeeded", timeout=60, what="ended with its session")
+
+
 def test_a_wrong_key_is_refused(cluster: Cluster):
     url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
     client = tinker.ServiceClient(base_url=url, api_key="tml-" + "0" * 48)

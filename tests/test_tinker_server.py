@@ -148,7 +148,7 @@ class FakeBackend(Backend):
             self.samplers[sampler.sampler_id] = (sampler, weight)
         return sampler
 
-    def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
+    def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
         if model_path is not None:
             if model_path not in self.saved:
                 raise UserError(f"no checkpoint at {model_path}")

@@ -185,8 +185,9 @@ class Backend(abc.ABC):
         """Load the weights saved at ``path`` (and, with ``optimizer``, the optimizer state)."""
 
     @abc.abstractmethod
-    def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
-        """A sampler of the sampler weights at ``model_path``, or of ``base_model`` alone."""
+    def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
+        """A sampler of the sampler weights at ``model_path``, or of ``base_model`` alone, for
+        ``session_id`` (what it holds is freed when the session ends)."""
 
     @abc.abstractmethod
     def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
@@ -215,7 +216,8 @@ class Backend(abc.ABC):
 
     def known_runs(self) -> list[tuple[str, TrainingRun]]:
         """The runs, with their users, that a restarted front end takes back (their sessions have
-        not ended): their clients' next calls go on. None by default."""
+        not ended): their clients' next calls go on. A run's id starts with its session's and a
+        ``:``. None by default."""
         return []
 
     def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:

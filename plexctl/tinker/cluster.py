@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ from plexctl.tinker.backend import (
 log = logging.getLogger("plexrl.tinker")
 
 LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
+BASE_SAMPLER_RANK = 1  # a base model's sampler job holds the smallest adapter; it samples the base (version 0)
 START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
 
 
@@ -69,6 +71,7 @@ class RunRecord(msgspec.Struct):
     states: dict[str, list[Any]] = msgspec.field(default_factory=dict)  # name -> [checkpoint dir, unix time, step]
     steps: int = 0  # optim_steps taken (as of the last one)
     ended: bool = False  # its session ended: its job is over
+    sampling: bool = False  # a base model's sampler (no training client): its job only samples
 
 
 class Resumed(msgspec.Struct):
@@ -104,6 +107,7 @@ class ClusterBackend(Backend):
         self.registry = state_dir / "tinker" / "runs.json"
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
+        self._starting: dict[str, threading.Lock] = {}  # a base model's sampler job, while it starts
         self._local = threading.local()
         try:
             saved = json.loads(self.registry.read_text())
@@ -162,6 +166,9 @@ class ClusterBackend(Backend):
         job's latest checkpoint) is restored; what was lost is said once."""
         record = run.record
         self._wait_running(record.job_id)
+        if record.sampling:  # a base model's sampler: nothing saved, nothing lost
+            run.resuming = False
+            return
         client = self._job_client(run)
         client.wait(client.call_async(C.RestoreReq()))
         latest = max(record.states.items(), key=lambda kv: kv[1][1], default=None)
@@ -199,8 +206,14 @@ class ClusterBackend(Backend):
         known = self.runs.get(model_id)
         if known is not None and known.record.user == user:
             return _training_run(known.record)
-        path = self._model_path(base_model)
-        name = "tinker-" + hashlib.sha256(model_id.encode()).hexdigest()[:12]
+        return _training_run(self._start_run(user, model_id, self._model_path(base_model), rank, seed or 0))
+
+    def _start_run(
+        self, user: str, model_id: str, path: str, rank: int, seed: int, sampling: bool = False
+    ) -> RunRecord:
+        """Submit the run's job for ``user`` and wait until it runs; its record, saved."""
+        digest = hashlib.sha256(model_id.encode()).hexdigest()[:12]
+        name = f"tinker-sample-{digest}" if sampling else f"tinker-{digest}"
         spec = spec_from_wire(
             {
                 "name": name,
@@ -210,16 +223,16 @@ class ClusterBackend(Backend):
                 "reward": {"name": "arith"},
                 "algo": {"name": TINKER_ALGO},
                 "checkpoint": {"every": 0},
-                "seed": seed or 0,
+                "seed": seed,
             }
         )
         rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
         job = self._wait_running(rep.job_id)
-        record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank)
+        record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling)
         self.runs[model_id] = Run(record)
         self._save()
-        log.info("run %s of %s: job %s on %s", model_id, user, job, path)
-        return _training_run(record)
+        log.info("%s %s of %s: job %s on %s", "sampler" if sampling else "run", model_id, user, job, path)
+        return record
 
     def _wait_running(self, job_id: str) -> str:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -294,7 +307,7 @@ class ClusterBackend(Backend):
         run.record.steps = int(latest[1][2]) if len(latest[1]) > 2 else run.record.steps
         self._save()
 
-    def create_sampler(self, user: str, model_path: str | None, base_model: str | None) -> Sampler:
+    def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
         if model_path:
             where = parse_checkpoint_path(model_path)
             run = self._run(user, where.model_id)
@@ -304,10 +317,16 @@ class ClusterBackend(Backend):
             return Sampler(f"{where.model_id}:v{version}", run.record.base_model, model_path)
         assert base_model is not None
         path = self._model_path(base_model)
-        mine = [r for r in self.runs.values() if r.record.user == user and r.record.model_path == path]
-        if not mine:
-            raise UserError(f"sampling {base_model} alone needs a training client of yours on it here")
-        return Sampler(f"{mine[-1].record.model_id}:v0", mine[-1].record.base_model)
+        model_id = f"{session_id}:base:{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(path))}"
+        with self._lock:
+            starting = self._starting.setdefault(model_id, threading.Lock())
+        with starting:  # one sampler job per session and base: its samplers share it
+            held = self.runs.get(model_id)
+            if held is None or held.record.ended:
+                self._start_run(user, model_id, path, BASE_SAMPLER_RANK, 0, sampling=True)
+            elif held.record.user != user:
+                raise UserError(f"session {session_id} is another user's")
+        return Sampler(f"{model_id}:v0", os.path.basename(path))
 
     def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
         run = self._run(user, model_id)

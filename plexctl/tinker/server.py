@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -64,6 +65,7 @@ GAP_S = 300.0  # requests held this long behind a seq_id that never came fail (t
 KEEP_RETRIEVED_S = 300.0  # a fetched result stays this long: a fetch whose answer was lost is retried
 GRACE_S = 3  # at shutdown, open requests (long polls) get this long to finish
 KEEP_SEQ_IDS = 256  # a model's latest seq_ids whose request ids a repeated submit gets back
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # no ':': a run's id is "<session>:..."
 RESUMING = 0  # a taken-back model's next seq_id: the lowest that comes within RESUME_SETTLE_S
 RESUME_SETTLE_S = 0.5  # requests sent together before a restart may arrive out of order
 SAMPLE_ID_PREFIX = "smp-"  # a sample's request id: the SDK sends a lost one again (410)
@@ -282,7 +284,7 @@ class FrontEnd:
         caller's from now on: what it held is the backend's, owned as before."""
         session = self.sessions.get(session_id)
         if session is None:
-            if not ID_PATTERN.fullmatch(session_id):
+            if not SESSION_ID_PATTERN.fullmatch(session_id):
                 raise ApiError(400, f"{session_id!r} is not a session id")
             log.info("taking back session %s of %s", session_id, user)
             session = self.sessions[session_id] = _Session(user, time.time())
@@ -336,7 +338,7 @@ class FrontEnd:
         now = time.time()
         for user, run in self.backend.known_runs():
             self.runs[run.model_id] = _Run(user, run, now, _ModelQueue(next_seq=RESUMING))
-            session_id = run.model_id.partition(":train:")[0]
+            session_id = run.model_id.partition(":")[0]  # a run's id starts with its session's
             self.sessions.setdefault(session_id, _Session(user, now))
             log.info("took back run %s of %s", run.model_id, user)
 
@@ -509,7 +511,8 @@ class FrontEnd:
         key = (req.session_id, req.sampling_session_seq_id)
         task = self.sampler_creates.get(key)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.ensure_future(self.call(self.backend.create_sampler, user, req.model_path, req.base_model))
+            args = (user, req.session_id, req.model_path, req.base_model)
+            task = asyncio.ensure_future(self.call(self.backend.create_sampler, *args))
             self.sampler_creates[key] = task
         sampler = await asyncio.shield(task)
         self.add_sampler(user, sampler)
