@@ -1187,6 +1187,13 @@ class DaemonCore:
         elif isinstance(req, C.CheckpointReq):
             call.step, call.out_dir = req.step, str(rt.job_dir / "ckpt" / f"step-{req.step:06d}")
             task = C.CheckpointTask(trainer, call.out_dir, req.extra)
+        elif req.ckpt_dir:
+            ckpt = self._users_checkpoint(rt, req.ckpt_dir)
+            if ckpt is None:
+                why = f"{req.ckpt_dir} is not a checkpoint of a job of {rt.user or 'this user'}"
+                self._error(identity, header.msg_id, "bad_request", why)
+                return None
+            task = C.RestoreTask(trainer, ckpt, req.weights_only)
         else:
             latest = rt.job_dir / "ckpt" / "latest.json"
             if not latest.exists():
@@ -1194,7 +1201,7 @@ class DaemonCore:
                 return None
             info = json.loads(latest.read_text())
             rt.policy_version = max(rt.policy_version, int(info.get("policy_version", 0)))
-            task = C.RestoreTask(trainer, info["dir"])
+            task = C.RestoreTask(trainer, info["dir"], req.weights_only)
         call.task = task
         if not rt.model:
             rt.model = os.path.realpath(spec.model.path)
@@ -1240,6 +1247,16 @@ class DaemonCore:
             rt.held_calls[call.msg_id] = held
         else:
             del rt.held_calls[call.msg_id]
+
+    def _users_checkpoint(self, rt: JobRuntime, ckpt_dir: str) -> str | None:
+        """``ckpt_dir`` resolved, if it is a checkpoint of a job of ``rt``'s user
+        (``<jobs>/<job>/ckpt/<name>``); else None."""
+        path = Path(os.path.realpath(ckpt_dir))
+        jobs = Path(os.path.realpath(self.jobs_dir))
+        if path.parent.name != "ckpt" or path.parent.parent.parent != jobs or not path.is_dir():
+            return None
+        owner = self.journal.job(path.parent.parent.name)
+        return str(path) if owner is not None and owner.user == rt.user else None
 
     @staticmethod
     def _kept_version(rt: JobRuntime, version: int) -> P.AdapterRef | None:

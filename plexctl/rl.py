@@ -451,13 +451,17 @@ class InprocClient(CallClient):
         )
         return C.CheckpointRep(str(out))
 
-    def _restore(self, _req: C.RestoreReq) -> C.Reply:
+    def _restore(self, req: C.RestoreReq) -> C.Reply:
+        if req.ckpt_dir:
+            extra = self.trainer.load_checkpoint(self.job_id, req.ckpt_dir, self.lora, self.seed, req.weights_only)
+            return C.RestoreRep(extra)
         try:
             latest = json.loads((self.job_dir / "ckpt" / "latest.json").read_text())
         except FileNotFoundError:
             return C.RestoreRep(None)
         self.version = max(self.version, int(latest.get("policy_version", 0)))
-        return C.RestoreRep(self.trainer.load_checkpoint(self.job_id, latest["dir"], self.lora, self.seed))
+        extra = self.trainer.load_checkpoint(self.job_id, latest["dir"], self.lora, self.seed, req.weights_only)
+        return C.RestoreRep(extra)
 
 
 # ---------------------------------------------------------------- a step's samples

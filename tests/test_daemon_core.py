@@ -171,3 +171,38 @@ def test_a_drain_admits_nothing_tells_each_job_at_its_publish_and_stops_once_the
     assert d.stopping
     d.take(d.core.interrupt_running())
     assert (b"w0", P.Op.SHUTDOWN, P.Empty()) in d.sent
+
+
+def test_a_restore_names_a_checkpoint_of_the_users_own_jobs_only(core, tiny_model, tmp_path):
+    from plexctl.common import auth
+
+    d = core
+    register(d, "w0", tiny_model)
+    mine, other = running(d, tiny_model, "mine"), running(d, tiny_model, "other", pid=4243)
+    spec = spec_to_wire(load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "theirs"))
+    d.send(b"fe", P.Op.SUBMIT, P.SubmitReq("sid-theirs", spec, "bob"), user=auth.INTERNAL_USER)
+    assert [b for _, op, b in d.sent if op == P.Op.ERROR] == []
+    theirs = next(j.job_id for j in d.journal.jobs() if j.user == "bob")
+    for job in (other, theirs):
+        (d.jobs_dir / job / "ckpt" / "step-000001").mkdir(parents=True)
+    d.sent.clear()
+
+    call(d, mine, C.RestoreReq(str(d.jobs_dir / other / "ckpt" / "step-000001"), weights_only=True), 1)
+    d.place()
+    (restore,) = tasks(d)
+    assert restore.task.ckpt_dir == str(d.jobs_dir / other / "ckpt" / "step-000001") and restore.task.weights_only
+    outside = tmp_path / "ckpt" / "step-000001"
+    outside.mkdir(parents=True)
+    refused = [
+        d.jobs_dir / theirs / "ckpt" / "step-000001",  # another user's job
+        d.jobs_dir / other / "ckpt" / ".." / ".." / theirs / "ckpt" / "step-000001",
+        d.jobs_dir / other / "adapters",  # not a checkpoint
+        outside,
+    ]
+    for msg_id, path in enumerate(refused, start=2):
+        d.sent.clear()
+        call(d, mine, C.RestoreReq(str(path)), msg_id)
+        ((op, error),) = [(op, body) for to, op, body in d.sent if to == f"drv:{mine}".encode()]
+        assert op == P.Op.ERROR and "is not a checkpoint of a job of" in error.message, path
+    d.place()
+    assert tasks(d) == []

@@ -173,6 +173,42 @@ def test_a_base_model_is_sampled_without_a_training_client(cluster: Cluster):
         cluster.wait_for(job["job_id"], lambda j: j["state"] == "succeeded", timeout=60, what="ended with its session")
 
 
+def test_saved_states_load_into_any_run_of_the_user_with_or_without_the_optimizer(service, cluster: Cluster):
+    run = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=11).result()
+    data = supervised_data(run.get_tokenizer(), 8)
+    adam = tinker.AdamParams(learning_rate=1e-2)
+
+    def step(training) -> float:
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam).result()
+        return training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    step(run)
+    early = run.save_state("early").result().path
+    at_early = run.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    after_early = step(run)  # with early's AdamW moments
+    step(run)
+    run.save_state("late").result()
+
+    # an earlier state of the run, with its optimizer: the same next step as the first time
+    run.load_state_with_optimizer(early).result()
+    assert run.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_early, rel=1e-6)
+    assert step(run) == pytest.approx(after_early, rel=1e-6)
+    # weights only: the optimizer starts afresh, so the next step differs
+    run.load_state(early).result()
+    assert step(run) != pytest.approx(after_early, rel=1e-4)
+    # another run of the user's, made from the state (the SDK's create_training_client_from_state)
+    other = service.create_training_client_from_state_with_optimizer(early).result()
+    assert other.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_early, rel=1e-6)
+    assert step(other) == pytest.approx(after_early, rel=1e-6)
+    # a state of another rank does not fit: said, nothing changed
+    narrow = service.create_lora_training_client(base_model="tiny-arith", rank=4).result()
+    before = narrow.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    with pytest.raises(Exception, match="rank 8"):
+        narrow.load_state(early).result()
+    assert narrow.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
+
+
 def test_a_wrong_key_is_refused(cluster: Cluster):
     url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
     client = tinker.ServiceClient(base_url=url, api_key="tml-" + "0" * 48)

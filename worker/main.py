@@ -367,7 +367,7 @@ class TrainerServer:
             "publish": lambda job, t: self._publish(engine, job, t),
             "checkpoint": lambda job, t: C.CheckpointResult(engine.save_checkpoint(job, t.out_dir, t.extra)),
             "restore": lambda job, t: C.RestoreResult(
-                engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed)
+                engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed, t.weights_only)
             ),
             "forward_backward": lambda job, t: engine.forward_backward(job, t.call),
             "optim_step": lambda job, t: self._optim_step(engine, job, t),

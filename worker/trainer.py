@@ -186,8 +186,11 @@ class TrainerEngine(TokenLossMath, TrainingMath):
             nbytes=sum(len(data) for data in payload.values()),
         )
 
-    def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraConfig | None, seed: int) -> dict:
-        """Verify a checkpoint, restore the job's adapter and optimizer exactly; return ``extra``."""
+    def load_checkpoint(
+        self, job_id: str, ckpt_dir: str, lora: LoraConfig | None, seed: int, weights_only: bool = False
+    ) -> dict:
+        """Verify a checkpoint, restore the job's adapter and optimizer exactly (``weights_only``:
+        the optimizer as before its first step); return ``extra``."""
         directory = Path(ckpt_dir)
         manifest = read_manifest(directory)
         verify_checksums(directory, manifest)
@@ -200,6 +203,11 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.ensure_job(job_id, lora, seed)
         try:
             _restore_job_state(self._jobs[job_id], tensors, trainer_state, directory)
+            if weights_only:
+                with torch.no_grad():
+                    for views in self._jobs[job_id].slot.moments.values():
+                        for view in views.values():
+                            view.zero_()
         except BaseException:
             if created:
                 self.release(job_id)

@@ -254,16 +254,18 @@ class CheckpointRep(Reply):
     path: str
 
 
-# restore: the latest checkpoint back into the trainer
+# restore: the latest checkpoint (or a named one of the user's jobs) back into the trainer
 
 
 class RestoreReq(Request, tag="restore"):
-    pass
+    ckpt_dir: str = ""  # "": the job's latest; else a checkpoint of one of its user's jobs
+    weights_only: bool = False  # the optimizer starts afresh (AdamW moments and step zeroed)
 
 
 class RestoreTask(EngineTask, tag="restore"):
     trainer: TrainerContext
     ckpt_dir: str
+    weights_only: bool = False
 
 
 class RestoreResult(Result, tag="restore"):

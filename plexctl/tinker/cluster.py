@@ -72,6 +72,8 @@ class RunRecord(msgspec.Struct):
     steps: int = 0  # optim_steps taken (as of the last one)
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
+    # the last load_state: [tinker path, checkpoint dir, unix time, step, weights only]
+    loaded: list[Any] = msgspec.field(default_factory=list)
 
 
 class Resumed(msgspec.Struct):
@@ -170,10 +172,15 @@ class ClusterBackend(Backend):
             run.resuming = False
             return
         client = self._job_client(run)
-        client.wait(client.call_async(C.RestoreReq()))
+        path, ckpt, step, weights_only = "", "", 0, False  # none saved: the run starts afresh
         latest = max(record.states.items(), key=lambda kv: kv[1][1], default=None)
-        name, step = (latest[0], int(latest[1][2]) if len(latest[1]) > 2 else 0) if latest else ("", 0)
-        path = checkpoint_path(record.model_id, "training", name) if name else ""
+        if latest is not None:
+            path, ckpt = checkpoint_path(record.model_id, "training", latest[0]), latest[1][0]
+            step = int(latest[1][2]) if len(latest[1]) > 2 else 0
+        if record.loaded and (latest is None or record.loaded[2] > latest[1][1]):  # loaded since its last save
+            path, ckpt, _, step, weights_only = record.loaded
+        if ckpt:
+            client.wait(client.call_async(C.RestoreReq(ckpt, weights_only=weights_only)))
         run.resumed = Resumed(path, step, max(0, record.steps - step))
         line = run.resumed.line(record.model_id)
         log.warning("%s", line)
@@ -299,12 +306,20 @@ class ClusterBackend(Backend):
     def load_state(self, user: str, model_id: str, path: str, optimizer: bool) -> None:
         run = self._run(user, model_id)
         where = parse_checkpoint_path(path)
-        latest = max(run.record.states.items(), key=lambda kv: kv[1][1], default=None)
-        if where.model_id != model_id or latest is None or where.name != latest[0]:
-            raise UserError(f"{path}: this cluster loads a run's own latest saved state only")
-        self._call(run, C.RestoreReq())
+        source = self._run(user, where.model_id).record
+        saved = source.states.get(where.name) if where.kind == "training" else None
+        if saved is None:
+            raise UserError(f"no saved state at {path} (save_state makes one)")
+        if (source.model_path, source.rank) != (run.record.model_path, run.record.rank):
+            raise UserError(
+                f"{path} is a state of {source.base_model} at LoRA rank {source.rank}; "
+                f"run {model_id} trains {run.record.base_model} at rank {run.record.rank}"
+            )
+        self._call(run, C.RestoreReq(saved[0], weights_only=not optimizer))
         run.pending.clear()
-        run.record.steps = int(latest[1][2]) if len(latest[1]) > 2 else run.record.steps
+        run.resumed = None
+        run.record.steps = int(saved[2]) if len(saved) > 2 else 0
+        run.record.loaded = [path, saved[0], time.time(), run.record.steps, not optimizer]
         self._save()
 
     def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
