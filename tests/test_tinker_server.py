@@ -746,3 +746,49 @@ def test_a_restarted_server_takes_back_the_runs_its_backend_holds(tokenizer_dir:
         assert lost_sample.status_code == 410  # the SDK's sampler sends it again
         lost = client.post("/api/v1/retrieve_future", json={"request_id": "0" * 32})
         assert lost.status_code == 404 and "restarted" in lost.json()["error"]
+
+
+def test_sixteen_sdk_clients_at_once_each_get_exactly_their_own_updates(served: Any, backend: FakeBackend) -> None:
+    """The HTTP counterpart of the socket's load test: 16 users' SDK clients, each training and
+    sampling with requests in flight together; every update lands once, in order, on its own run."""
+    url, _ = served
+    rounds, lr = 6, 0.01
+    errors: list[BaseException] = []
+    runs: dict[int, tuple[str, list[float]]] = {}
+
+    def client(i: int) -> None:
+        try:
+            service = tinker.ServiceClient(base_url=url, api_key="tml-alice" if i % 2 else "tml-bob")
+            training = service.create_lora_training_client(base_model=MODEL, rank=8).result()
+            losses = []
+            for r in range(rounds):
+                fbs = [training.forward_backward([ce_datum(100 * i + 10 * r + k)], "cross_entropy") for k in range(3)]
+                step = training.optim_step(types.AdamParams(learning_rate=lr))
+                assert [len(f.result().loss_fn_outputs) for f in fbs] == [1, 1, 1]
+                assert step.result().metrics["calls"] == 3.0
+                losses.append(training.forward([ce_datum(0)], "cross_entropy").result().metrics["loss:sum"])
+                sampler = training.save_weights_and_get_sampling_client().result()
+                prompt = types.ModelInput.from_ints([i, r])
+                out = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=2))
+                assert len(out.result().sequences) == 2
+            runs[i] = (training.model_id, losses)
+            service.close("success").result()
+        except BaseException as e:  # noqa: BLE001 - reported below, with the others
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert len(runs) == 16 and len({m for m, _ in runs.values()}) == 16
+    for i, (model_id, losses) in runs.items():
+        # each optim_step lowered the run's weight by lr x its 3 calls, once: no other run's, no repeat
+        weights = [1.0 - lr * 3 * (r + 1) for r in range(rounds)]
+        assert losses == pytest.approx([2 * w + 0.003 for w in weights]), i  # datum 0: targets 1 and 2
+        mine = [(m, d) for m, k, d in backend.log if k == model_id and m in ("forward_backward", "optim_step")]
+        trained = [m for m, d in mine if m == "optim_step" or not d[1]]  # forward_only calls left out
+        assert trained == (["forward_backward"] * 3 + ["optim_step"]) * rounds
+        starts = [d[0].data[0].tokens[0] for m, d in mine if m == "forward_backward" and not d[1]]
+        assert starts == [100 * i + 10 * r + k for r in range(rounds) for k in range(3)]  # in the order sent
