@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -138,6 +139,22 @@ def test_vllm_generates_and_stops_on_eos(engine: RolloutEngine, tokenizer) -> No
         assert tokenizer.decode(c.token_ids, skip_special_tokens=True) == c.text
     for c in completions[::37]:  # vLLM and transformers tokenize prompts alike (<bos> first)
         assert c.prompt_token_ids == tokenizer(PROMPTS[c.prompt_index])["input_ids"]
+
+
+def test_a_stop_string_ends_a_sample_its_tokens_kept(engine: RolloutEngine, tokenizer) -> None:
+    free = Sampling(temperature=1.0, max_tokens=8, n=8, seed=3, ignore_eos=True)
+    [unstopped] = engine.generate([GenRequest("base", PROMPTS[:20], free)])
+    stop = "1"  # a character the tiny model writes often
+    [stopped] = engine.generate([GenRequest("base", PROMPTS[:20], msgspec.structs.replace(free, stop=[stop]))])
+    cut = 0
+    for a, b in zip(unstopped, stopped):  # the same seeds: the same tokens up to the stop string
+        assert a.token_ids[: len(b.token_ids)] == b.token_ids
+        if stop in tokenizer.decode(a.token_ids[:-1]):
+            cut += 1
+            assert b.finish_reason == "stop" and len(b.token_ids) < len(a.token_ids)
+            assert tokenizer.decode(b.token_ids).endswith(stop)  # its tokens end with the stop string's
+            assert stop not in tokenizer.decode(b.token_ids[:-1])
+    assert cut >= 10, cut
 
 
 def test_logprobs_are_the_sampled_tokens_and_match_transformers(tiny: TinyPaths, engine: RolloutEngine) -> None:

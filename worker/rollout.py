@@ -168,7 +168,8 @@ def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
 
 def sampling_params(s: Sampling, prompt_index: int) -> Any:
     """vLLM's parameters for one prompt: token ids and flat log-probs only; the engine
-    decodes each finished sample itself (``to_completions``)."""
+    decodes each finished sample itself (``to_completions``), vLLM only where it must match
+    ``stop`` strings."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -185,7 +186,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         logprobs=0,  # 0: only the sampled token's log-prob
         prompt_logprobs=0 if s.prompt_logprobs else None,  # 0: only the prompt token's own
         skip_special_tokens=True,
-        detokenize=False,
+        detokenize=bool(s.stop),  # vLLM matches stop strings on the text it decodes
         flat_logprobs=True,
         output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, when it finished
     )
