@@ -190,6 +190,16 @@ def tinker(d: dict[str, Any]) -> Row:
     return result, "measured (no target)", "-", _machine(d)
 
 
+def tinker_cookbook(d: dict[str, Any]) -> Row:
+    s = d["summary"]
+    result = (
+        f"tinker-cookbook {d['cookbook']}: `chat_sl.train` {s['sl_steps']} steps, train NLL "
+        f"{s['sl_nll_first']:.2f} -> {s['sl_nll_last']:.2f}; `rl_basic` (arithmetic env) {s['rl_steps']} steps "
+        f"end to end; {len(d['jobs'])} Tinker jobs on the cluster"
+    )
+    return result, "both recipes run unchanged", _yes(s["sl_ok"] and s["rl_ok"]), _machine(d)
+
+
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -217,6 +227,7 @@ BENCHES: list[tuple[str, str, Callable[[dict[str, Any]], Row]]] = [
     ("tools", "a tool-latency-heavy job alone vs with neighbours", tools),
     ("cli_startup", "each verb's start-up beside a bare interpreter", cli_startup),
     ("tinker", "the Tinker HTTP front end vs the native client, same cluster", tinker),
+    ("tinker_cookbook", "tinker-cookbook's recipes, unchanged, against a local cluster", tinker_cookbook),
 ]
 # results file -> script, where they differ
 SCRIPTS = {"daemon": "daemon_rtt", "multiplex-mixed": "multiplex", "tinker": "tinker_latency"}
