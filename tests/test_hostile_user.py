@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -81,7 +82,9 @@ def eve() -> tuple[int, int, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
-    c = Cluster(tmp_path_factory.mktemp("owner-home")).up(tiny_model, "--workers", "1")
+    c = Cluster(tmp_path_factory.mktemp("owner-home"), env={"TINKER_TELEMETRY": "0"}).up(
+        tiny_model, "--workers", "1", "--tinker-port", "0"
+    )
     yield c
     c.run("down", timeout=120)
 
@@ -408,3 +411,56 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
         client.export(other, "adapter")
     assert getattr(refused.value, "code", "") == "not_found"
     cluster.run("cancel", other)
+
+
+def test_a_shared_users_tinker_client_trains_as_their_jailed_job_and_reaches_nothing_of_the_owners(
+    cluster, eve, tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eve's Tinker key, let in by the owner: her training client is a job of hers, its driver
+    jailed under her uid; it trains and samples; the owner's runs and saved states are not hers."""
+    tinker = pytest.importorskip("tinker")
+    from test_tinker_e2e import supervised_data
+
+    from plexctl.tinker import keys as tinker_keys
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    uid, _, home = eve
+    key = tinker_keys.own_key(home / ".plexrl")
+    public = auth.ensure_user_keys(home / ".plexrl", EVE)
+    cluster.run("share", EVE, "--key", str(public), "--tinker-key-sha256", tinker_keys.digest(key), check=True)
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    owner = tinker.ServiceClient(base_url=url, api_key=(cluster.home / "tinker-api-key").read_text().strip())
+    owners_run = owner.create_lora_training_client(base_model=tiny_model.name, rank=8).result()
+    owners_state = owners_run.save_state("private").result().path
+
+    service = tinker.ServiceClient(base_url=url, api_key=key)
+    training = service.create_lora_training_client(base_model=tiny_model.name, rank=8).result()
+    job = next(j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-") and j["user"] == EVE)
+    data = supervised_data(training.get_tokenizer(), 8)
+    first = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    for _ in range(3):
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(tinker.AdamParams(learning_rate=3e-3)).result()
+    assert training.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+    sampler = training.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(data[0].model_input, num_samples=2, sampling_params=tinker.SamplingParams(max_tokens=3))
+    assert len(out.result().sequences) == 2
+    argv = f'"--job-id", "{job["job_id"]}"'  # the jail's bootstrap carries the driver's argv as JSON
+    jailed = [p for p in Path("/proc").glob("[0-9]*") if argv in _cmdline(p)]  # its supervisor, the driver
+    status = {p.name: (p / "status").read_text() for p in jailed}
+    drivers = [s for s in status.values() if re.search(r"^PPid:\t(\d+)$", s, re.M).group(1) in status]
+    assert len(drivers) == 1 and f"Uid:\t{uid}\t" in drivers[0], status  # the driver runs as eve
+
+    with pytest.raises(Exception, match="another user|not yours|of yours|403"):
+        service.create_training_client_from_state(owners_state).result()
+    with pytest.raises(Exception, match="another user|of yours|403"):
+        service.create_sampling_client(model_path=owners_state.replace("/weights/", "/sampler_weights/")).result()
+    service.close("success").result()
+    owner.close("success").result()
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
