@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sqlite3
 import subprocess
 import time
@@ -53,8 +54,11 @@ def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         env={**os.environ, "PLEXRL_SLURM_GPUS": "2"},
     )  # as WORKERS
     assert start.returncode == 0, start.stdout + start.stderr
-    c = Cluster(tmp_path_factory.mktemp("plexrl-slurm-home"))
+    c = Cluster(tmp_path_factory.mktemp("plexrl-slurm-home"), env={"TINKER_TELEMETRY": "0"})
     c.state_dir = c.home / "clusters" / "ci"
+    with socket.socket() as probe:  # a fixed Tinker port: a client's base_url outlives a requeue
+        probe.bind(("", 0))
+        c.tinker_port = probe.getsockname()[1]
     # one CPU per node's task (of the test nodes' two): a joining allocation needs the other
     up = c.run(
         "up",
@@ -77,6 +81,8 @@ def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         "60",
         "--model",
         str(tiny_model),
+        "--tinker-port",
+        str(c.tinker_port),
         timeout=900,
     )
     try:
@@ -180,8 +186,23 @@ def test_each_worker_sees_only_its_own_gpu_and_keeps_its_own_scratch(slurm_clust
     assert all(not d or d == [WORKERS[w]] for w, d in reported.items()), reported  # where the worker reports them
 
 
-def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_step(slurm_cluster, reference_job):
+def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_step(
+    slurm_cluster, reference_job, monkeypatch: pytest.MonkeyPatch
+):
     c = slurm_cluster
+    # a Tinker client, with a saved state: it goes on from that state once the allocation is back
+    tinker = pytest.importorskip("tinker")
+    from test_tinker_e2e import supervised_data
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url = json.loads((c.state_dir / "tinker.json").read_text())["url"]
+    service = tinker.ServiceClient(base_url=url, api_key=(c.home / "tinker-api-key").read_text().strip())
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=2).result()
+    data = supervised_data(training.get_tokenizer(), 8)
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=3e-3)).result()
+    saved = training.save_state("before-preemption").result().path
+    at_save = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     job = c.run("submit", TINY, "--name", "preempted", "-q", *JOB_ARGS, check=True).stdout.strip()
     c.wait_for(job, lambda j: j["step"] >= 8, timeout=300, what="8 steps")
     slurm("scancel", "--signal=USR1", c.slurm_job)  # what Slurm sends --signal-grace s before the end
@@ -203,6 +224,13 @@ def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_st
     info = c.job(job)
     assert info["state"] == "succeeded" and info["restarts"] == 1
     assert "Restarts=1" in slurm("scontrol", "show", "job", c.slurm_job)
+
+    # the Tinker client's next call found the front end of the new allocation, at its saved state
+    assert training.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
+    assert saved in (c.state_dir / "tinker.log").read_text()  # what the requeue lost is said
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=3e-3)).result()
+    service.close("success").result()
 
     rows = metrics(c, job)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # none lost, none applied twice
@@ -293,6 +321,8 @@ def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_m
         "sbatch",
         "--model",
         str(tiny_model),
+        "--tinker-port",
+        str(c.tinker_port),
         timeout=900,
     )
     assert up.returncode == 0, up.stdout + up.stderr  # the plain sbatch path this time
