@@ -792,3 +792,27 @@ def test_sixteen_sdk_clients_at_once_each_get_exactly_their_own_updates(served: 
         assert trained == (["forward_backward"] * 3 + ["optim_step"]) * rounds
         starts = [d[0].data[0].tokens[0] for m, d in mine if m == "forward_backward" and not d[1]]
         assert starts == [100 * i + 10 * r + k for r in range(rounds) for k in range(3)]  # in the order sent
+
+
+def test_forward_backward_custom_sends_the_gradient_of_the_clients_loss(trainer: Any, backend: FakeBackend) -> None:
+    """The SDK computes a custom loss on the client: a forward, then a cross-entropy backward
+    whose weights are -dLoss/dlogprob; the server runs both in order and the step uses them."""
+    import torch
+
+    trainer.optim_step(types.AdamParams(learning_rate=0.0)).result()  # nothing pending from before
+    seen = len(backend.log)
+    d = ce_datum(20, 3)
+
+    def squared(data: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        loss = sum((lp**2).sum() for lp in logprobs)
+        return loss, {"squared": float(loss.detach())}
+
+    out = trainer.forward_backward_custom([d], squared).result()
+    mine = [(m, det) for m, k, det in backend.log[seen:] if k == trainer.model_id]
+    assert [m for m, _ in mine] == ["forward_backward", "forward_backward"]
+    (_, forward_only, result), (backward, backward_only, _) = mine[0][1], mine[1][1]
+    assert forward_only and not backward_only and backward.loss_fn == "cross_entropy"
+    logprobs = torch.tensor(result.logprobs[0])
+    assert backward.data[0].weights == pytest.approx((-2 * logprobs).tolist())  # -d(sum lp^2)/d lp
+    assert out.metrics["squared"] == pytest.approx(float((logprobs**2).sum()))
+    assert trainer.optim_step(types.AdamParams(learning_rate=0.01)).result().metrics["calls"] == 1.0
