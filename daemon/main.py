@@ -192,7 +192,7 @@ class Daemon:
         ``tinker.json`` once it does."""
         (self.state_dir / TINKER_FILE).unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "plexctl.tinker", "--state-dir", str(self.state_dir), "--host", host]
-        cmd += ["--port", str(port)]
+        cmd += ["--port", str(port), "--parent-pid", str(os.getpid())]
         with open(self.state_dir / "tinker.log", "ab") as out:
             self.tinker = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT

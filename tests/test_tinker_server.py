@@ -5,8 +5,10 @@ alone, checked against the SDK's own encoders and decoders."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import socket
 import threading
@@ -552,6 +554,52 @@ def test_serve_writes_its_ready_file(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_front_end_stops_once_its_daemon_is_gone(tmp_path: Path) -> None:
+    """A killed daemon leaves no front end holding the cluster's Tinker port for the next one."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (  # a stand-in daemon: starts the front end as the daemon does, then waits
+        "import os, subprocess, sys, time\n"
+        "cmd = [sys.executable, '-m', 'plexctl.tinker', '--state-dir', sys.argv[1], '--port', sys.argv[2],"
+        " '--parent-pid', str(os.getpid())]\n"
+        "print(subprocess.Popen(cmd).pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    repo = Path(__file__).parents[1]
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), str(port)], cwd=repo, stdout=subprocess.PIPE, text=True
+    )
+    assert daemon.stdout is not None
+    front = int(daemon.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "tinker.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert msgspec.json.decode((tmp_path / "tinker.json").read_bytes())["pid"] == front
+        daemon.kill()  # SIGKILL: the daemon cannot stop its front end itself
+        daemon.wait(10)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{front}").exists() and "Z" not in _proc_state(front) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{front}").exists() or "Z" in _proc_state(front), "the front end outlived its daemon"
+    finally:
+        daemon.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(front, signal.SIGKILL)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 # ---------------------------------------------------------------- wire conversions

@@ -1,9 +1,16 @@
-"""``python -m plexctl.tinker``: the Tinker API front end of a cluster (started by its daemon)."""
+"""``python -m plexctl.tinker``: the Tinker API front end of a cluster (started by its daemon).
+
+It lives as long as the daemon that started it: once that process is gone (killed; the next
+daemon starts a front end of its own), it stops as at SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 from plexctl.common.cluster import TINKER_FILE
@@ -14,12 +21,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--parent-pid", type=int, default=0, help="stop once this process (the daemon) is gone")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.parent_pid:
+        threading.Thread(target=_stop_without, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
     from plexctl.tinker.cluster import ClusterBackend
     from plexctl.tinker.server import serve
 
     serve(ClusterBackend(args.state_dir), args.host, args.port, ready_file=args.state_dir / TINKER_FILE)
+
+
+def _stop_without(parent: int) -> None:
+    """SIGTERM to this process once ``parent`` is no longer its parent (it exited or was killed)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    logging.getLogger("plexrl.tinker").warning("its daemon (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import errno
 import logging
 import os
 import re
@@ -63,6 +64,7 @@ JSON = "application/json"
 POLL_S = 25.0  # retrieve_future waits this long for a result: under the SDK's 45 s read timeout
 GAP_S = 300.0  # requests held this long behind a seq_id that never came fail (the client is gone)
 KEEP_RETRIEVED_S = 300.0  # a fetched result stays this long: a fetch whose answer was lost is retried
+BIND_WAIT_S = 30.0  # how long serve waits for a fixed port in use to be freed
 GRACE_S = 3  # at shutdown, open requests (long polls) get this long to finish
 KEEP_SEQ_IDS = 256  # a model's latest seq_ids whose request ids a repeated submit gets back
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # no ':': a run's id is "<session>:..."
@@ -782,7 +784,15 @@ def serve(backend: Backend, host: str, port: int, ready_file: Path | None = None
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:  # a fixed port may still be held by the front end of a daemon that just died
+        try:
+            sock = socket.create_server((host, port), family=family)
+            break
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     bound = sock.getsockname()[1]
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
     url = f"http://[{shown}]:{bound}" if ":" in shown else f"http://{shown}:{bound}"
