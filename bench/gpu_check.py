@@ -7,17 +7,19 @@ memory, not learning) and runs, each part bounded and recorded as it ends:
    state store and trainer engine; GRPO steps of ROWS x SEQ tokens on the 152k vocabulary with
    a rank-32 LoRA on every projection, micro-batched by the token budget; step time and peak
    GPU memory;
-2. ``swap``: the same store swaps several jobs through device and pinned host memory; the
+2. ``trainer_sleep``: the trainer's base weights to pinned host memory and back (another base's
+   turn on the GPU): seconds, GB/s, memory freed, and the same log-probs after the wake;
+3. ``swap``: the same store swaps several jobs through device and pinned host memory; the
    state copies' bandwidth beside a raw pinned ``copy_`` (cudaMemcpy) of the same bytes, in the
    same run;
-3. ``rollout``: when vLLM imports, the worker's rollout engine on the same GPU (after the
+4. ``rollout``: when vLLM imports, the worker's rollout engine on the same GPU (after the
    trainer is gone) generates from the base model and from a bf16 adapter the trainer
    published; tokens per second;
-4. ``weights``: a whole-model weight load, as an engine switching to another base (or a full
+5. ``weights``: a whole-model weight load, as an engine switching to another base (or a full
    fine-tuning job's rollout engine taking its latest weights) does it: the model's safetensors
    read into host memory (pinned on CUDA), then copied into device tensors; seconds and GB/s of
    each, beside a raw pinned ``copy_`` of the same bytes. Runs on CPU too (the copies only);
-5. ``sleep_wake``: CUDA and vLLM only (vLLM's sleep mode is CUDA-only; skipped otherwise, with
+6. ``sleep_wake``: CUDA and vLLM only (vLLM's sleep mode is CUDA-only; skipped otherwise, with
    the reason): a vLLM engine with ``enable_sleep_mode`` generates, sleeps at level 1 (weights
    to pinned host memory, KV cache dropped), wakes and generates again: the seconds of sleep and
    of wake, the GPU memory freed by the sleep, and whether the same seeded request gives the
@@ -172,9 +174,45 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     result["step_seconds"] = times
     result["step_seconds_warm"] = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     result["tokens_per_second"] = a.rows * a.seq / result["step_seconds_warm"]
+    from plexctl.common.memplan import trainer_activation_bytes
+
+    weights = sum(p.numel() * p.element_size() for p in trainer._base_params.values())
+    result["base_weights_gib"] = weights / 2**30
+    planned = trainer_activation_bytes(ctx["shape"], options.micro_batch_tokens, options.dtype)
+    result["plan_activation_gib"] = planned / 2**30  # the memory plan's estimate (checkpointed layers)
     if torch.cuda.is_available():
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["gpu_total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def part_trainer_sleep(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    """The trainer's base to pinned host memory and back, as ``Trainers`` does when another base's
+    task comes: seconds, GB/s and GPU memory freed, and the same log-probs after the wake."""
+    import torch
+
+    trainer = ctx["store"].trainer
+    batch = grpo_batch(min(a.rows, 8), a.seq, a.seq // 4, ctx["vocab"], 1)
+    before = trainer.logprobs("job0", batch.input_ids, batch.loss_mask)
+    nbytes = sum(p.numel() * p.element_size() for p in trainer._base_params.values())
+    cuda = torch.cuda.is_available()
+    free = torch.cuda.mem_get_info()[0] if cuda else 0
+    sync()
+    t0 = time.perf_counter()
+    trainer.sleep()
+    sync()
+    result["sleep_seconds"] = time.perf_counter() - t0
+    if cuda:
+        result["freed_gib"] = (torch.cuda.mem_get_info()[0] - free) / 2**30
+    t0 = time.perf_counter()
+    trainer.wake()
+    sync()
+    result["wake_seconds"] = time.perf_counter() - t0
+    result.update(
+        base_bytes=nbytes,
+        sleep_gb_per_s=nbytes / result["sleep_seconds"] / 1e9,
+        wake_gb_per_s=nbytes / result["wake_seconds"] / 1e9,
+    )
+    result["same_logprobs_after_wake"] = trainer.logprobs("job0", batch.input_ids, batch.loss_mask) == before
 
 
 def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
@@ -371,7 +409,7 @@ def main() -> int:
     except ImportError as exc:
         results["error"] = f"torch not importable: {exc}"
     scratch = Path(tempfile.mkdtemp(prefix="plexrl-gpu-check-"))
-    ctx: dict[str, Any] = {"scratch": scratch, "model": scratch / "model", "vocab": shape["vocab_size"]}
+    ctx: dict[str, Any] = {"scratch": scratch, "model": scratch / "model", "vocab": shape["vocab_size"], "shape": shape}
     failed = False
 
     def record() -> None:
@@ -381,6 +419,7 @@ def main() -> int:
 
     parts: list[tuple[str, Callable[..., None]]] = [
         ("trainer", part_trainer),
+        ("trainer_sleep", part_trainer_sleep),
         ("swap", part_swap),
         ("rollout", part_rollout),
         ("weights", part_weights),

@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 mkdir -p bench/results
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "gpu_check: installing .whl/ failed" >&2
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > bench/results/nvidia-smi-gpu.txt 2>&1

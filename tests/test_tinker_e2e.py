@@ -41,13 +41,16 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c.run("down", timeout=120)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def service(cluster: Cluster, monkeypatch_module):
+    """A session of the test's own: closed after it, so its runs' jobs end and free the engines'
+    places (a trainer engine holds ``jobs_per_engine`` jobs; more wait in the queue)."""
     url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
     key = (cluster.home / "tinker-api-key").read_text().strip()
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
     client = tinker.ServiceClient(base_url=url, api_key=key)
     yield client
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,9 @@ def test_saved_states_load_into_any_run_of_the_user_with_or_without_the_optimize
     after_early = step(run)  # with early's AdamW moments
     step(run)
     run.save_state("late").result()
+    rest = service.create_rest_client()
+    listed = {c.checkpoint_id for c in rest.list_checkpoints(run.model_id).result().checkpoints}
+    assert listed == {"weights/early", "weights/late"}
 
     # an earlier state of the run, with its optimizer: the same next step as the first time
     run.load_state_with_optimizer(early).result()
@@ -207,6 +213,26 @@ def test_saved_states_load_into_any_run_of_the_user_with_or_without_the_optimize
     with pytest.raises(Exception, match="rank 8"):
         narrow.load_state(early).result()
     assert narrow.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
+
+
+def test_a_custom_loss_computed_by_the_sdk_makes_the_update_its_builtin_twin_makes(service):
+    """``forward_backward_custom`` with cross-entropy written by hand: the same step as the
+    built-in ``cross_entropy`` on a run of the same seed."""
+    builtin = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=13).result()
+    custom = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=13).result()
+    data = supervised_data(builtin.get_tokenizer(), 8)
+
+    def cross_entropy(batch, logprobs):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs))
+        return loss, {}
+
+    adam = tinker.AdamParams(learning_rate=1e-2)
+    builtin.forward_backward(data, "cross_entropy").result()
+    builtin.optim_step(adam).result()
+    custom.forward_backward_custom(data, cross_entropy).result()
+    custom.optim_step(adam).result()
+    after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (builtin, custom)]
+    assert after[1] == pytest.approx(after[0], rel=1e-5)
 
 
 def test_a_wrong_key_is_refused(cluster: Cluster):

@@ -45,6 +45,7 @@ from plexctl.tinker.backend import (  # noqa: E402
     UserError,
     checkpoint_path,
     parse_checkpoint_path,
+    say_waiting,
     sdk_model_id,
 )
 
@@ -73,6 +74,7 @@ class FakeBackend(Backend):
         self.samplers: dict[str, tuple[Sampler, float]] = {}
         self.ended: list[tuple[str, str]] = []
         self.sample_barrier: threading.Barrier | None = None
+        self.capacity: threading.Event | None = None  # set: create_model waits for it, saying why
 
     def record(self, method: str, key: str, details: Any = None) -> None:
         with self.lock:
@@ -93,6 +95,10 @@ class FakeBackend(Backend):
     ) -> TrainingRun:
         if base_model != MODEL:
             raise UserError(f"base model {base_model!r} is not served here")
+        if self.capacity is not None:
+            say_waiting("its job is queued: every trainer engine holds 8 jobs")
+            self.capacity.wait(10)
+            say_waiting(None)
         run = TrainingRun(sdk_model_id(session_id, model_seq_id), base_model, rank, self.tokenizer_dir)
         with self.lock:
             self.runs[run.model_id], self.weight[run.model_id], self.pending[run.model_id] = run, 1.0, []
@@ -502,6 +508,27 @@ def test_a_request_waits_for_the_seq_ids_before_it(raw: tuple[TestClient, FakeBa
     reused = client.post("/api/v1/optim_step", json={**second, "seq_id": 1})
     assert reused.status_code == 200  # seq_id 1 is remembered: the repeat gets save_weights' id
     assert reused.json()["request_id"] == first_id
+
+
+def test_a_run_waiting_for_capacity_says_why_until_it_runs(raw: tuple[TestClient, FakeBackend]) -> None:
+    """The SDK logs the reason of a "paused_capacity" answer: the user sees why create_model waits."""
+    client, backend = raw
+    backend.capacity = threading.Event()
+    session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 4}}
+    request_id = client.post("/api/v1/create_model", json=body).json()["request_id"]
+    for _ in range(50):
+        pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        assert pending.status_code == 408
+        if pending.json()["queue_state"] != "active":
+            break
+    assert pending.json() == {
+        "detail": "pending",
+        "queue_state": "paused_capacity",
+        "queue_state_reason": "its job is queued: every trainer engine holds 8 jobs",
+    }
+    backend.capacity.set()
+    assert retrieve(client, request_id).json()["model_id"] == f"{session_id}:train:0"
 
 
 def test_http_errors_have_a_json_line(raw: tuple[TestClient, FakeBackend]) -> None:

@@ -7,6 +7,10 @@ The server has already authenticated the caller and checked that the model or sa
 another user's run, a base model it does not serve). Calls on one model come one at a time, in the
 order the user's training client numbered them; ``sample`` calls may overlap, on one sampler too.
 
+A call that waits for the cluster's capacity (its job is queued behind others) says so with
+``say_waiting(reason)``: the SDK's polls of its future are then answered "paused_capacity" with
+that reason, which the SDK logs; ``say_waiting(None)`` once it runs.
+
 Errors: raise ``UserError`` for what the user can fix (its message, one line, is what they see, with
 category "user"); anything else reaches them as an internal error (category "server") and is logged
 with its traceback.
@@ -21,6 +25,9 @@ from __future__ import annotations
 
 import abc
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Literal
 
 import msgspec
@@ -33,6 +40,26 @@ STOP_REASONS = ("stop", "length")  # a stop string, token or EOS ended it; max_t
 _SEGMENT_OF_KIND: dict[str, str] = {"training": "weights", "sampler": "sampler_weights"}
 _KIND_OF_SEGMENT: dict[str, CheckpointKind] = {"weights": "training", "sampler_weights": "sampler"}
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")  # fits a URL path segment and a tinker:// path
+
+
+_WAITING: ContextVar[Callable[[str | None], None] | None] = ContextVar("tinker_waiting", default=None)
+
+
+def say_waiting(reason: str | None) -> None:
+    """The request being served waits for capacity because of ``reason`` (None: no longer)."""
+    tell = _WAITING.get()
+    if tell is not None:
+        tell(reason)
+
+
+@contextmanager
+def waits_told_to(tell: Callable[[str | None], None]) -> Iterator[None]:
+    """Within: ``say_waiting`` calls ``tell`` (the server, around the work of one request)."""
+    token = _WAITING.set(tell)
+    try:
+        yield
+    finally:
+        _WAITING.reset(token)
 
 
 class UserError(Exception):

@@ -48,6 +48,7 @@ from plexctl.tinker.backend import (
     UserError,
     checkpoint_path,
     parse_checkpoint_path,
+    say_waiting,
     sdk_model_id,
 )
 
@@ -56,6 +57,24 @@ log = logging.getLogger("plexrl.tinker")
 LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
 BASE_SAMPLER_RANK = 1  # a base model's sampler job holds the smallest adapter; it samples the base (version 0)
 START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
+
+
+class SavedState(msgspec.Struct, array_like=True):
+    """A ``save_state``: the job's checkpoint directory, when it was made, the run's step then."""
+
+    ckpt_dir: str
+    at: float
+    step: int = 0
+
+
+class LoadedState(msgspec.Struct, array_like=True):
+    """The last ``load_state``: its path, that state's directory, when, its step, whether weights only."""
+
+    path: str
+    ckpt_dir: str
+    at: float
+    step: int
+    weights_only: bool
 
 
 class RunRecord(msgspec.Struct):
@@ -68,12 +87,11 @@ class RunRecord(msgspec.Struct):
     model_path: str
     rank: int
     samplers: dict[str, int] = msgspec.field(default_factory=dict)  # name -> policy version
-    states: dict[str, list[Any]] = msgspec.field(default_factory=dict)  # name -> [checkpoint dir, unix time, step]
+    states: dict[str, SavedState] = msgspec.field(default_factory=dict)  # by name
     steps: int = 0  # optim_steps taken (as of the last one)
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
-    # the last load_state: [tinker path, checkpoint dir, unix time, step, weights only]
-    loaded: list[Any] = msgspec.field(default_factory=list)
+    loaded: LoadedState | None = None
 
 
 class Resumed(msgspec.Struct):
@@ -172,15 +190,10 @@ class ClusterBackend(Backend):
             run.resuming = False
             return
         client = self._job_client(run)
-        path, ckpt, step, weights_only = "", "", 0, False  # none saved: the run starts afresh
-        latest = max(record.states.items(), key=lambda kv: kv[1][1], default=None)
+        latest = _restore_point(record)
+        path, step = (latest.path, latest.step) if latest else ("", 0)  # none: the run starts afresh
         if latest is not None:
-            path, ckpt = checkpoint_path(record.model_id, "training", latest[0]), latest[1][0]
-            step = int(latest[1][2]) if len(latest[1]) > 2 else 0
-        if record.loaded and (latest is None or record.loaded[2] > latest[1][1]):  # loaded since its last save
-            path, ckpt, _, step, weights_only = record.loaded
-        if ckpt:
-            client.wait(client.call_async(C.RestoreReq(ckpt, weights_only=weights_only)))
+            client.wait(client.call_async(C.RestoreReq(latest.ckpt_dir, weights_only=latest.weights_only)))
         run.resumed = Resumed(path, step, max(0, record.steps - step))
         line = run.resumed.line(record.model_id)
         log.warning("%s", line)
@@ -246,9 +259,12 @@ class ClusterBackend(Backend):
         while time.monotonic() < deadline:
             info = self._client().status(job_id).jobs[0]
             if info.state == "running":
+                say_waiting(None)
                 return job_id
             if info.state in ("failed", "cancelled", "succeeded"):
                 raise UserError(f"its job {job_id} {info.state}: {info.error or info.reason}")
+            if info.state == "queued":
+                say_waiting(f"its job {job_id} is queued: {info.reason or 'waiting for engines'}")
             time.sleep(0.2)
         raise UserError(f"its job {job_id} did not start within {START_TIMEOUT_S:.0f} s")
 
@@ -299,7 +315,7 @@ class ClusterBackend(Backend):
         if name in run.record.states:
             raise UserError(f"{path} exists (a saved checkpoint does not change)")
         rep: C.CheckpointRep = self._call(run, C.CheckpointReq(len(run.record.states) + 1, {"tinker": name}))
-        run.record.states[name] = [rep.path, time.time(), run.record.steps]
+        run.record.states[name] = SavedState(rep.path, time.time(), run.record.steps)
         self._save()
         return path
 
@@ -315,11 +331,11 @@ class ClusterBackend(Backend):
                 f"{path} is a state of {source.base_model} at LoRA rank {source.rank}; "
                 f"run {model_id} trains {run.record.base_model} at rank {run.record.rank}"
             )
-        self._call(run, C.RestoreReq(saved[0], weights_only=not optimizer))
+        self._call(run, C.RestoreReq(saved.ckpt_dir, weights_only=not optimizer))
         run.pending.clear()
         run.resumed = None
-        run.record.steps = int(saved[2]) if len(saved) > 2 else 0
-        run.record.loaded = [path, saved[0], time.time(), run.record.steps, not optimizer]
+        run.record.steps = saved.step
+        run.record.loaded = LoadedState(path, saved.ckpt_dir, time.time(), saved.step, not optimizer)
         self._save()
 
     def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
@@ -384,8 +400,8 @@ class ClusterBackend(Backend):
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
         run = self._run(user, model_id)
         out = [
-            CheckpointInfo(checkpoint_path(model_id, "training", name), float(when))
-            for name, (_, when) in run.record.states.items()
+            CheckpointInfo(checkpoint_path(model_id, "training", name), saved.at)
+            for name, saved in run.record.states.items()
         ]
         published = run.record.samplers.items()
         out += [CheckpointInfo(checkpoint_path(model_id, "sampler", name), 0.0) for name, _ in published]
@@ -414,6 +430,20 @@ class ClusterBackend(Backend):
                 if run.client is not None:
                     run.client.close()
                     run.client = None
+
+
+def _restore_point(record: RunRecord) -> LoadedState | None:
+    """Where a run taken back after a restart goes on from: its latest saved state, or the state
+    it loaded after that (None: nothing saved or loaded, it starts afresh)."""
+    latest = max(record.states.items(), key=lambda kv: kv[1].at, default=None)
+    saved = None
+    if latest is not None:
+        name, state = latest
+        path = checkpoint_path(record.model_id, "training", name)
+        saved = LoadedState(path, state.ckpt_dir, state.at, state.step, weights_only=False)
+    if record.loaded is not None and (saved is None or record.loaded.at > saved.at):
+        return record.loaded
+    return saved
 
 
 def _training_run(record: RunRecord) -> TrainingRun:

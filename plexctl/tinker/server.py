@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import errno
 import logging
@@ -55,6 +56,7 @@ from plexctl.tinker.backend import (
     check_name,
     parse_checkpoint_path,
     sdk_model_id,
+    waits_told_to,
 )
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,10 @@ class _Future:
     done_at: float = 0.0
     retrieved_at: float = 0.0
     sample_key: tuple[str, int] | None = None  # (sampler, seq_id) under which a repeat finds it
+    waiting: str | None = None  # why its work waits for the cluster's capacity (``say_waiting``)
+
+    def tell_waiting(self, reason: str | None) -> None:
+        self.waiting = reason
 
 
 @dataclass
@@ -168,8 +174,9 @@ class FrontEnd:
     # ------------------------------------------------------------ threads, futures
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a work thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.work_pool, partial(fn, *args))
+        """``fn(*args)`` on a work thread, in this task's context (``say_waiting`` reaches its request)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self.work_pool, partial(context.run, fn, *args))
 
     async def quick(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a thread kept free of long work."""
@@ -196,7 +203,8 @@ class FrontEnd:
 
     async def execute(self, fut: _Future, job: Job) -> None:
         try:
-            reply = await job()
+            with waits_told_to(fut.tell_waiting):
+                reply = await job()
         except (UserError, ApiError, wire.Malformed) as e:
             reply = {"error": str(e), "category": "user"}
         except Exception as e:
@@ -226,6 +234,9 @@ class FrontEnd:
             try:
                 await asyncio.wait_for(fut.done.wait(), self.poll_s)
             except asyncio.TimeoutError:
+                if fut.waiting:
+                    body = {"detail": "pending", "queue_state": "paused_capacity", "queue_state_reason": fut.waiting}
+                    return JSONResponse(body, status_code=408)
                 return JSONResponse({"detail": "pending", "queue_state": "active"}, status_code=408)
         fut.retrieved_at = fut.retrieved_at or time.time()
         return Response(fut.body, media_type=fut.media_type)
