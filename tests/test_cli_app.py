@@ -20,6 +20,7 @@ from plexctl.cli import app as A
         ([], None),
         (["stauts"], None),  # a typo goes to the full app, which suggests the verb
         (["--cluster", "status", "ls"], "ls"),  # a cluster named like a verb is the option's value
+        (["-c", "lab", "tinker-proxy", "--port", "8001"], "tinker-proxy"),
     ],
 )
 def test_the_verb_of_a_command_line(argv: list[str], verb: str | None) -> None:

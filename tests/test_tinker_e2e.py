@@ -21,9 +21,11 @@ tinker = pytest.importorskip("tinker")
 
 from plexctl.common import auth  # noqa: E402
 from plexctl.common import calls as C  # noqa: E402
+from plexctl.common import protocol as P  # noqa: E402
 from plexctl.common.client import current_user  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.rl import JobClient  # noqa: E402
+from plexctl.tinker.client import full_training_client  # noqa: E402
 from worker.tiny_models import all_problems, train_problems  # noqa: E402
 
 STEPS = 6
@@ -233,6 +235,35 @@ def test_a_custom_loss_computed_by_the_sdk_makes_the_update_its_builtin_twin_mak
     custom.optim_step(adam).result()
     after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (builtin, custom)]
     assert after[1] == pytest.approx(after[0], rel=1e-5)
+
+
+def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_trained(service, cluster: Cluster):
+    """A training client without a LoRA config (``plexctl.tinker.client.full_training_client``):
+    its job trains every weight, cross-entropy steps lower the loss, and the sampler of its saved
+    weights computes the log-probs the trainer computes for them (the engine serves those weights,
+    not the base's)."""
+    training = full_training_client(service, "tiny-arith")
+    assert training.get_info().lora_rank is None
+    run = service.create_rest_client().get_training_run(training.model_id).result()
+    assert run.is_lora is False
+    jobs = [j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-") and j["state"] == "running"]
+    assert any(j["trains"] == P.TRAINS_ALL for j in jobs), jobs
+    tokenizer = training.get_tokenizer()
+    data = supervised_data(tokenizer, 16)
+    losses = []
+    for _ in range(4):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+    assert losses[-1] < losses[0] * 0.95, losses
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokens = data[0].model_input.to_ints() + [int(data[0].loss_fn_inputs["target_tokens"].tolist()[-1])]
+    got = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+    trained = training.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert max(abs(a - b) for a, b in zip(got[1:], trained)) < 1e-3
+    base = service.create_sampling_client(base_model=cluster.status()["engines"][0]["model"]).result()
+    untrained = base.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+    assert max(abs(a - b) for a, b in zip(got[1:], untrained[1:])) > 1e-2  # not the base's weights
 
 
 def test_a_wrong_key_is_refused(cluster: Cluster):

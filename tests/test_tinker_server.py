@@ -48,6 +48,7 @@ from plexctl.tinker.backend import (  # noqa: E402
     say_waiting,
     sdk_model_id,
 )
+from plexctl.tinker.client import full_training_client  # noqa: E402
 
 MODEL = "fake/tiny"
 KEYS = {"tml-alice": "alice", "tml-bob": "bob"}
@@ -91,7 +92,7 @@ class FakeBackend(Backend):
         return [ServedModel(MODEL, 128, self.tokenizer_dir)]
 
     def create_model(
-        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None
+        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int | None, seed: int | None
     ) -> TrainingRun:
         if base_model != MODEL:
             raise UserError(f"base model {base_model!r} is not served here")
@@ -264,6 +265,17 @@ def test_a_training_client_gets_its_model_and_an_offline_tokenizer(served: Any, 
     info = trainer.get_info()
     assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (MODEL, 8, True)
     assert trainer.get_tokenizer().encode("hello world the", add_special_tokens=False) == [1, 2, 3]
+
+
+def test_a_client_without_lora_config_trains_every_weight(served: Any, alice: Any, backend: FakeBackend) -> None:
+    training = full_training_client(alice, MODEL)
+    assert backend.calls("create_model", training.model_id) == [("alice", None, None)]
+    info = training.get_info()
+    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (MODEL, None, False)
+    rest = tinker.RestClient(base_url=served[0], api_key="tml-alice")
+    assert rest.get_training_run(training.model_id).result().is_lora is False
+    fb = training.forward_backward([ce_datum(1)], "cross_entropy").result()
+    assert len(fb.loss_fn_outputs) == 1
 
 
 def test_cross_entropy_returns_the_backends_logprobs_and_loss(trainer: Any, backend: FakeBackend) -> None:
@@ -891,3 +903,78 @@ def test_forward_backward_custom_sends_the_gradient_of_the_clients_loss(trainer:
     assert backward.data[0].weights == pytest.approx((-2 * logprobs).tolist())  # -d(sum lp^2)/d lp
     assert out.metrics["squared"] == pytest.approx(float((logprobs**2).sum()))
     assert trainer.optim_step(types.AdamParams(learning_rate=0.01)).result().metrics["calls"] == 1.0
+
+
+# ---------------------------------------------------------------- the proxy: an address that stays
+
+
+@contextlib.contextmanager
+def listening(app: Any) -> Iterator[tuple[str, Any]]:
+    """``app`` served by uvicorn on a free port, in a thread, until the block ends."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_the_proxy_follows_the_front_end_to_its_new_address(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A client of the proxy's fixed address goes on when the front end moves (a requeue onto
+    another node): while none is listed it is told to retry (503), then its calls reach the new one."""
+    import httpx
+
+    from plexctl.tinker import proxy
+
+    backend = FakeBackend(str(tokenizer_dir))
+    made: list[tuple[str, TrainingRun]] = []
+    original = backend.create_model
+
+    def create_model(user: str, *args: Any) -> TrainingRun:
+        made.append((user, original(user, *args)))
+        return made[-1][1]
+
+    backend.create_model = create_model  # type: ignore[method-assign]
+    backend.known_runs = lambda: list(made)  # type: ignore[method-assign]
+    ready = tmp_path / "tinker.json"
+    with pytest.MonkeyPatch.context() as mp, listening(proxy.create_app(tmp_path, max_body_bytes=1 << 20)) as (url, _):
+        mp.setenv("TINKER_TELEMETRY", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        away = httpx.post(f"{url}/api/v1/healthz", json={})
+        assert away.status_code == 503 and away.headers["x-should-retry"] == "true"
+        assert "tinker.json" in away.json()["error"]
+        big = httpx.post(f"{url}/api/v1/forward", content=b"x" * (2 << 20), headers={"X-API-Key": "tml-alice"})
+        assert big.status_code == 413
+
+        with listening(S.create_app(backend)) as (first, server):
+            ready.write_text(json.dumps({"url": first, "pid": os.getpid()}))
+            service = tinker.ServiceClient(base_url=url, api_key="tml-alice")
+            training = service.create_lora_training_client(base_model=MODEL, rank=8).result()
+            training.forward_backward([ce_datum(1)], "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=0.5)).result()
+        ready.unlink()  # the old front end is gone, the new one not up yet
+        assert httpx.post(f"{url}/api/v1/healthz", json={}).status_code == 503
+        sent_while_away = training.forward_backward([ce_datum(3)], "cross_entropy")
+        time.sleep(1.0)
+        with listening(S.create_app(backend)) as (second, _):
+            assert second != first
+            ready.write_text(json.dumps({"url": second, "pid": os.getpid()}))
+            out = sent_while_away.result()
+            training.optim_step(types.AdamParams(learning_rate=0.5)).result()
+            assert len(out.loss_fn_outputs) == 1
+            service.close("success").result()
+    assert [m for m, k, _ in backend.log if k == training.model_id] == [
+        "create_model",
+        "forward_backward",
+        "optim_step",
+        "forward_backward",
+        "optim_step",
+    ]

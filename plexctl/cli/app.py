@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from plexctl.cli import demo, jobs, keys, specs, start_stop
+from plexctl.cli import demo, jobs, keys, specs, start_stop, tinker
 from plexctl.cli.context import Ctx
 from plexctl.common.errors import ExitCode, PlexError
 
@@ -39,7 +39,7 @@ def _global(
 
 
 VERBS = {
-    verb.__name__: verb
+    verb.__name__.replace("_", "-"): verb  # as typer names the command
     for verb in (
         start_stop.up,
         start_stop.down,
@@ -58,6 +58,7 @@ VERBS = {
         jobs.wait,
         demo.demo,
         demo.simulate,
+        tinker.tinker_proxy,
     )
 }
 _GLOBAL_VALUED = {"--cluster", "-c", "--state-dir"}

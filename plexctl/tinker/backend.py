@@ -76,12 +76,17 @@ class ServedModel(msgspec.Struct, frozen=True):
 
 
 class TrainingRun(msgspec.Struct, frozen=True):
-    """A LoRA training run (a Tinker "model"); ``tokenizer_dir`` as in ``ServedModel``."""
+    """A training run (a Tinker "model"): a LoRA adapter of ``lora_rank``, or every weight of the
+    base when ``lora_rank`` is None (full fine-tuning); ``tokenizer_dir`` as in ``ServedModel``."""
 
     model_id: str
     base_model: str
-    lora_rank: int
+    lora_rank: int | None
     tokenizer_dir: str = ""
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_rank is not None
 
 
 class ForwardResult(msgspec.Struct, frozen=True):
@@ -182,13 +187,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def create_model(
-        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None
+        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int | None, seed: int | None
     ) -> TrainingRun:
-        """A new LoRA run on ``base_model``, with id ``sdk_model_id(session_id, model_seq_id)``."""
+        """A new run on ``base_model`` (a LoRA adapter of ``rank``; None: every weight), with id
+        ``sdk_model_id(session_id, model_seq_id)``."""
 
     @abc.abstractmethod
     def weights_info(self, user: str, path: str) -> TrainingRun:
-        """The run that saved the checkpoint at ``path`` (its base model and LoRA rank)."""
+        """The run that saved the checkpoint at ``path`` (its base model and LoRA rank, None for full fine-tuning)."""
 
     @abc.abstractmethod
     def forward_backward(self, user: str, model_id: str, call: C.LossCall, forward_only: bool) -> ForwardResult:

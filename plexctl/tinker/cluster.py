@@ -85,7 +85,7 @@ class RunRecord(msgspec.Struct):
     user: str
     base_model: str
     model_path: str
-    rank: int
+    rank: int | None  # None: full fine-tuning
     samplers: dict[str, int] = msgspec.field(default_factory=dict)  # name -> policy version
     states: dict[str, SavedState] = msgspec.field(default_factory=dict)  # by name
     steps: int = 0  # optim_steps taken (as of the last one)
@@ -220,7 +220,7 @@ class ClusterBackend(Backend):
         return path
 
     def create_model(
-        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None
+        self, user: str, session_id: str, model_seq_id: int, base_model: str, rank: int | None, seed: int | None
     ) -> TrainingRun:
         model_id = sdk_model_id(session_id, model_seq_id)
         known = self.runs.get(model_id)
@@ -229,23 +229,23 @@ class ClusterBackend(Backend):
         return _training_run(self._start_run(user, model_id, self._model_path(base_model), rank, seed or 0))
 
     def _start_run(
-        self, user: str, model_id: str, path: str, rank: int, seed: int, sampling: bool = False
+        self, user: str, model_id: str, path: str, rank: int | None, seed: int, sampling: bool = False
     ) -> RunRecord:
         """Submit the run's job for ``user`` and wait until it runs; its record, saved."""
         digest = hashlib.sha256(model_id.encode()).hexdigest()[:12]
         name = f"tinker-sample-{digest}" if sampling else f"tinker-{digest}"
-        spec = spec_from_wire(
-            {
-                "name": name,
-                "model": {"path": path},
-                "lora": {"rank": rank, "alpha": LORA_ALPHA},
-                "data": {"path": ""},
-                "reward": {"name": "arith"},
-                "algo": {"name": TINKER_ALGO},
-                "checkpoint": {"every": 0},
-                "seed": seed,
-            }
-        )
+        doc: dict[str, Any] = {
+            "name": name,
+            "model": {"path": path},
+            "data": {"path": ""},
+            "reward": {"name": "arith"},
+            "algo": {"name": TINKER_ALGO},
+            "checkpoint": {"every": 0},
+            "seed": seed,
+        }
+        if rank is not None:  # no lora section: the job trains every weight
+            doc["lora"] = {"rank": rank, "alpha": LORA_ALPHA}
+        spec = spec_from_wire(doc)
         rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
         job = self._wait_running(rep.job_id)
         record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling)
@@ -328,8 +328,8 @@ class ClusterBackend(Backend):
             raise UserError(f"no saved state at {path} (save_state makes one)")
         if (source.model_path, source.rank) != (run.record.model_path, run.record.rank):
             raise UserError(
-                f"{path} is a state of {source.base_model} at LoRA rank {source.rank}; "
-                f"run {model_id} trains {run.record.base_model} at rank {run.record.rank}"
+                f"{path} is a state of {source.base_model} {_trains(source.rank)}; "
+                f"run {model_id} trains {run.record.base_model} {_trains(run.record.rank)}"
             )
         self._call(run, C.RestoreReq(saved.ckpt_dir, weights_only=not optimizer))
         run.pending.clear()
@@ -444,6 +444,10 @@ def _restore_point(record: RunRecord) -> LoadedState | None:
     if record.loaded is not None and (saved is None or record.loaded.at > saved.at):
         return record.loaded
     return saved
+
+
+def _trains(rank: int | None) -> str:
+    return "with every weight" if rank is None else f"at LoRA rank {rank}"
 
 
 def _training_run(record: RunRecord) -> TrainingRun:

@@ -25,11 +25,8 @@ import asyncio
 import contextlib
 import contextvars
 import datetime as dt
-import errno
 import logging
-import os
 import re
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,8 +41,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tinker.proto import tinker_public_pb2 as pb
 
-from plexctl.common.atomic import write_json_atomic
-from plexctl.tinker import wire
+from plexctl.tinker import listen, wire
 from plexctl.tinker.backend import (
     ID_PATTERN,
     Backend,
@@ -66,8 +62,6 @@ JSON = "application/json"
 POLL_S = 25.0  # retrieve_future waits this long for a result: under the SDK's 45 s read timeout
 GAP_S = 300.0  # requests held this long behind a seq_id that never came fail (the client is gone)
 KEEP_RETRIEVED_S = 300.0  # a fetched result stays this long: a fetch whose answer was lost is retried
-BIND_WAIT_S = 30.0  # how long serve waits for a fixed port in use to be freed
-GRACE_S = 3  # at shutdown, open requests (long polls) get this long to finish
 KEEP_SEQ_IDS = 256  # a model's latest seq_ids whose request ids a repeated submit gets back
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # no ':': a run's id is "<session>:..."
 RESUMING = 0  # a taken-back model's next seq_id: the lowest that comes within RESUME_SETTLE_S
@@ -417,7 +411,8 @@ class FrontEnd:
 
             async def job() -> Reply:
                 wire.check_optimizer(req.optimizer_config)
-                rank, seed = req.lora_config.rank, req.lora_config.seed
+                lora = req.lora_config
+                rank, seed = (lora.rank, lora.seed) if lora is not None else (None, None)
                 run = await self.call(
                     self.backend.create_model, user, req.session_id, req.model_seq_id, req.base_model, rank, seed
                 )
@@ -458,7 +453,7 @@ class FrontEnd:
             "model_id": run.model_id,
             "model_data": model_data,
             "model_name": run.base_model,
-            "is_lora": True,
+            "is_lora": run.is_lora,
             "lora_rank": run.lora_rank,
         }
 
@@ -570,7 +565,7 @@ class FrontEnd:
             "training_run_id": model_id,
             "base_model": entry.run.base_model,
             "model_owner": entry.user,
-            "is_lora": True,
+            "is_lora": entry.run.is_lora,
             "corrupted": False,
             "lora_rank": entry.run.lora_rank,
             "last_request_time": _iso(entry.last_request),
@@ -783,7 +778,7 @@ def create_app(
     async def weights_info(request: Request, user: User) -> dict[str, Any]:
         path = front.check_path(user, (await body(request, wire.WeightsInfoReq)).tinker_path)
         info = await front.quick(backend.weights_info, user, path)
-        return {"base_model": info.base_model, "is_lora": True, "lora_rank": info.lora_rank}
+        return {"base_model": info.base_model, "is_lora": info.is_lora, "lora_rank": info.lora_rank}
 
     return app
 
@@ -792,34 +787,4 @@ def serve(backend: Backend, host: str, port: int, ready_file: Path | None = None
     """Serve the Tinker API on ``host:port`` (0: any free port) in this process until SIGINT or
     SIGTERM. Once it listens, ``ready_file`` (if given) holds ``{"url", "pid"}``, written atomically
     and left behind at exit (a reader checks the pid). ``app_options`` go to ``create_app``."""
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    deadline = time.monotonic() + BIND_WAIT_S
-    while True:  # a fixed port may still be held by the front end of a daemon that just died
-        try:
-            sock = socket.create_server((host, port), family=family)
-            break
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-    bound = sock.getsockname()[1]
-    shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
-    url = f"http://[{shown}]:{bound}" if ":" in shown else f"http://{shown}:{bound}"
-    app = create_app(backend, **app_options)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
-    server = uvicorn.Server(config)
-
-    async def run() -> None:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if server.started and ready_file is not None:
-            write_json_atomic(ready_file, {"url": url, "pid": os.getpid()})
-        await serving
-
-    try:
-        asyncio.run(run())
-    finally:
-        sock.close()
+    listen.run(partial(create_app, backend, **app_options), host, port, ready_file)

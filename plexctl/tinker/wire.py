@@ -87,7 +87,7 @@ class CreateModelReq(Request):
     session_id: str
     model_seq_id: int
     base_model: str
-    lora_config: LoraConfigWire
+    lora_config: LoraConfigWire | None = None  # None: full fine-tuning (every weight of the base)
     optimizer_config: OptimizerConfigWire | None = None
 
 

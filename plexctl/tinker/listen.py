@@ -1,0 +1,74 @@
+"""Serving an ASGI app on a host and port, for the Tinker front end and its proxy: bind (waiting
+for a fixed port still held by a process that just died), run uvicorn until SIGINT or SIGTERM,
+and write ``{"url", "pid"}`` atomically once it listens."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from plexctl.common.atomic import write_json_atomic
+
+BIND_WAIT_S = 30.0  # how long to wait for a fixed port in use to be freed
+GRACE_S = 3  # at shutdown, open requests (long polls) get this long to finish
+
+
+def bind(host: str, port: int, wait_s: float = BIND_WAIT_S) -> socket.socket:
+    """A listening socket on ``host:port`` (0: any free port); a port in use is tried again for
+    ``wait_s`` (the front end of a daemon that just died may still hold it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return socket.create_server((host, port), family=family)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def url_of(sock: socket.socket, host: str) -> str:
+    """The URL others reach ``sock`` at: this machine's name where it listens on every interface."""
+    shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    port = sock.getsockname()[1]
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def run(
+    make_app: Callable[[], Any],
+    host: str,
+    port: int,
+    ready_file: Path | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Bind, then serve the app ``make_app`` makes until SIGINT or SIGTERM; once it listens,
+    ``ready_file`` (if given) holds ``{"url", "pid"}`` (left behind at exit: a reader checks the
+    pid) and ``on_ready`` gets the URL."""
+    import uvicorn
+
+    sock = bind(host, port)
+    url = url_of(sock, host)
+    config = uvicorn.Config(make_app(), log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            if ready_file is not None:
+                write_json_atomic(ready_file, {"url": url, "pid": os.getpid()})
+            if on_ready is not None:
+                on_ready(url)
+        await serving
+
+    try:
+        asyncio.run(serve())
+    finally:
+        sock.close()
