@@ -244,8 +244,9 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_train
     not the base's)."""
     training = full_training_client(service, "tiny-arith")
     assert training.get_info().lora_rank is None
-    run = service.create_rest_client().get_training_run(training.model_id).result()
-    assert run.is_lora is False
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    rest = tinker.RestClient(base_url=url, api_key=(cluster.home / "tinker-api-key").read_text().strip())
+    assert rest.get_training_run(training.model_id).result().is_lora is False
     jobs = [j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-") and j["state"] == "running"]
     assert any(j["trains"] == P.TRAINS_ALL for j in jobs), jobs
     tokenizer = training.get_tokenizer()
@@ -253,7 +254,7 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_train
     losses = []
     for _ in range(4):
         losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
-        training.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+        training.optim_step(tinker.AdamParams(learning_rate=1e-4)).result()
     assert losses[-1] < losses[0] * 0.95, losses
 
     sampler = training.save_weights_and_get_sampling_client().result()
@@ -264,6 +265,12 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_train
     base = service.create_sampling_client(base_model=cluster.status()["engines"][0]["model"]).result()
     untrained = base.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
     assert max(abs(a - b) for a, b in zip(got[1:], untrained[1:])) > 1e-2  # not the base's weights
+
+    saved = training.save_state("full").result().path  # every weight and AdamW's moments
+    copy = service.create_training_client_from_state_with_optimizer(saved).result()
+    assert copy.get_info().lora_rank is None
+    loss = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (training, copy)]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-6)
 
 
 def test_a_wrong_key_is_refused(cluster: Cluster):
