@@ -89,8 +89,12 @@ def test_cross_entropy_steps_lower_the_loss_and_the_run_is_a_job(service, cluste
         training.optim_step(tinker.AdamParams(learning_rate=3e-3)).result()
         assert len(fb.loss_fn_outputs) == len(data)
     assert losses[-1] < losses[0] * 0.95, losses
-    jobs = [j for j in cluster.status()["jobs"] if j["name"].startswith("tinker-")]
+    status = cluster.status()
+    jobs = [j for j in status["jobs"] if j["name"].startswith("tinker-")]
     assert [j["state"] for j in jobs] == ["running"] and jobs[0]["user"] == current_user()
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    assert status["tinker_url"] == url  # status says where the API is
+    assert f"Tinker API: base_url={url}" in cluster.run("status", check=True).stdout
 
     sampler = training.save_weights_and_get_sampling_client().result()
     prompt = tinker.ModelInput.from_ints(tokenizer("3+4=")["input_ids"])

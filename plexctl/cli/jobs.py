@@ -44,26 +44,30 @@ def status(
             else:
                 print(note)
             return
+    from plexctl.common.cluster import tinker_url
+
     client = c.client()
     if watch and not as_json and console().is_terminal:
         live(c, client, job, interval, until_done=False)
         return
     while True:
         rep = client.status(job)
+        tinker = tinker_url(c.state_dir)
         if as_json:
             print(
                 json.dumps(
                     {
                         "jobs": [views.job_row(j, rep.now) for j in rep.jobs],
                         "engines": msgspec.to_builtins(rep.engines),
+                        **({"tinker_url": tinker} if tinker else {}),
                     },
                     indent=2,
                 )
             )
         elif console().is_terminal:
-            console().print(views.status_view(rep, c.uptime()))
+            console().print(views.status_view(rep, c.uptime(), tinker))
         else:
-            print(views.plain_status(rep, c.uptime()), flush=True)
+            print(views.plain_status(rep, c.uptime(), tinker), flush=True)
         if not watch:
             return
         time.sleep(interval)
@@ -77,12 +81,14 @@ def live(
     from rich.live import Live
 
     from plexctl.cli import views
+    from plexctl.common.cluster import tinker_url
 
     with Live(console=console(), refresh_per_second=4) as live:
         while True:
             rep = client.status(job)
             jobs = [j for j in rep.jobs if job_ids is None or j.job_id in job_ids]
-            live.update(views.status_view(msgspec.structs.replace(rep, jobs=jobs), c.uptime()))
+            view = views.status_view(msgspec.structs.replace(rep, jobs=jobs), c.uptime(), tinker_url(c.state_dir))
+            live.update(view)
             if until_done and all(j.state in TERMINAL for j in jobs):
                 return jobs
             time.sleep(interval)

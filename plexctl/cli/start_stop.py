@@ -341,16 +341,16 @@ def up(
 
 def _wait_for_tinker(state_dir: Path, daemon: subprocess.Popen, timeout: float) -> str:
     """The Tinker front end's URL once it listens (its ``tinker.json``)."""
-    from plexctl.common.cluster import TINKER_FILE
+    from plexctl.common.cluster import tinker_url
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            return str(json.loads((state_dir / TINKER_FILE).read_text())["url"])
-        except (OSError, ValueError, KeyError):
-            if daemon.poll() is not None:
-                break
-            time.sleep(0.3)
+        url = tinker_url(state_dir)
+        if url is not None:
+            return url
+        if daemon.poll() is not None:
+            break
+        time.sleep(0.3)
     _stop_local(daemon)
     raise StartFailed(f"the Tinker API front end did not start, stopped (see {state_dir / 'tinker.log'})")
 

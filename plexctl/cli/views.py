@@ -205,11 +205,16 @@ def cluster_line(rep: StatusRep) -> str:
     return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
 
 
-def status_view(rep: StatusRep, uptime: float) -> Group:
+def tinker_line(url: str | None) -> str:
+    return "" if url is None else f"\nTinker API: base_url={url}"
+
+
+def status_view(rep: StatusRep, uptime: float, tinker: str | None = None) -> Group:
     from rich.console import Group
     from rich.text import Text
 
-    return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), Text(cluster_line(rep)))
+    table = Text(cluster_line(rep) + tinker_line(tinker))
+    return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), table)
 
 
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
@@ -245,5 +250,7 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     return "\n".join(lines)
 
 
-def plain_status(rep: StatusRep, uptime: float) -> str:
-    return plain_jobs(rep.jobs, rep.now) + "\n\n" + plain_engines(rep.engines, uptime) + "\n" + cluster_line(rep)
+def plain_status(rep: StatusRep, uptime: float, tinker: str | None = None) -> str:
+    """``tinker``: the Tinker API's URL, where the cluster serves it."""
+    engines = plain_engines(rep.engines, uptime)
+    return plain_jobs(rep.jobs, rep.now) + "\n\n" + engines + "\n" + cluster_line(rep) + tinker_line(tinker)

@@ -111,3 +111,14 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def tinker_url(state_dir: Path) -> str | None:
+    """Where the cluster's Tinker API front end listens (its ``tinker.json``); None while it does
+    not (the daemon removes the file when it starts one and when it stops)."""
+    import json
+
+    try:
+        return str(json.loads((state_dir / TINKER_FILE).read_text())["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
