@@ -277,6 +277,15 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_train
     assert loss[1] == pytest.approx(loss[0], rel=1e-6)
 
 
+def test_a_model_or_rank_the_cluster_does_not_serve_is_refused_with_the_reason(service, cluster: Cluster):
+    before = {j["job_id"] for j in cluster.status()["jobs"]}
+    with pytest.raises(tinker.TinkerError, match=r"base model 'no/such-model' is not served here \(served: tiny-arith"):
+        service.create_lora_training_client(base_model="no/such-model", rank=8).result()
+    with pytest.raises(tinker.TinkerError, match=r"rank 128.*16"):
+        service.create_lora_training_client(base_model="tiny-arith", rank=128).result()
+    assert {j["job_id"] for j in cluster.status()["jobs"]} == before  # nothing queued
+
+
 def test_a_wrong_key_is_refused(cluster: Cluster):
     url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
     client = tinker.ServiceClient(base_url=url, api_key="tml-" + "0" * 48)
