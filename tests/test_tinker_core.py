@@ -127,3 +127,46 @@ def test_every_service_call_travels_the_wire():
 
     for union, part in ((C.AnyRequest, "request"), (C.AnyTask, "task"), (C.AnyResult, "result")):
         assert set(typing.get_args(union)) == {getattr(m, part) for m in C.METHODS.values()}, part
+
+
+def test_the_runs_a_front_end_kept_are_read_back_as_it_wrote_them(tmp_path):
+    """``runs.json`` round-trips through a restarted front end; records in the list form that
+    saved states and loads had before (``[dir, time, step]``, ``loaded: []``) read as the same."""
+    import json
+
+    from plexctl.tinker.cluster import ClusterBackend, LoadedState, SavedState, _restore_point
+
+    registry = tmp_path / "tinker" / "runs.json"
+    registry.parent.mkdir()
+    common = {"job_id": "j1", "user": "alice", "base_model": "tiny", "model_path": "/m/tiny", "steps": 5}
+    registry.write_text(
+        json.dumps(
+            {
+                "s-1:train:0": {
+                    **common,
+                    "model_id": "s-1:train:0",
+                    "rank": 8,
+                    "states": {"a": ["/c/1", 10.0, 2]},
+                    "loaded": [],
+                },
+                "s-1:train:1": {
+                    **common,
+                    "model_id": "s-1:train:1",
+                    "rank": None,
+                    "states": {},
+                    "loaded": ["tinker://s-1:train:0/weights/a", "/c/1", 20.0, 2, True],
+                },
+            }
+        )
+    )
+    backend = ClusterBackend(tmp_path)
+    lora, full = backend.runs["s-1:train:0"].record, backend.runs["s-1:train:1"].record
+    assert (lora.rank, lora.states, lora.loaded) == (8, {"a": SavedState("/c/1", 10.0, 2)}, None)
+    assert (full.rank, full.loaded) == (None, LoadedState("tinker://s-1:train:0/weights/a", "/c/1", 20.0, 2, True))
+    assert _restore_point(lora) == LoadedState("tinker://s-1:train:0/weights/a", "/c/1", 10.0, 2, False)
+    assert _restore_point(full) == full.loaded
+    assert all(r.resuming for r in backend.runs.values())  # their sessions had not ended
+
+    backend._save()
+    again = ClusterBackend(tmp_path)
+    assert {m: r.record for m, r in again.runs.items()} == {m: r.record for m, r in backend.runs.items()}

@@ -134,6 +134,8 @@ class ClusterBackend(Backend):
         except FileNotFoundError:
             saved = {}
         for model_id, record in saved.items():
+            if record.get("loaded") == []:  # how a record said "nothing loaded" before LoadedState
+                record["loaded"] = None
             run = self.runs[model_id] = Run(msgspec.convert(record, RunRecord))
             run.resuming = not run.record.ended
 
