@@ -170,3 +170,31 @@ def test_the_runs_a_front_end_kept_are_read_back_as_it_wrote_them(tmp_path):
     backend._save()
     again = ClusterBackend(tmp_path)
     assert {m: r.record for m, r in again.runs.items()} == {m: r.record for m, r in backend.runs.items()}
+
+
+def test_runs_a_front_end_cannot_read_are_kept_aside_and_the_rest_taken_back(tmp_path, caplog):
+    import json
+
+    from plexctl.tinker.cluster import ClusterBackend
+
+    registry = tmp_path / "tinker" / "runs.json"
+    registry.parent.mkdir()
+    good = {
+        "model_id": "s-1:train:0",
+        "job_id": "j1",
+        "user": "alice",
+        "base_model": "t",
+        "model_path": "/m/t",
+        "rank": 8,
+    }
+    registry.write_text(json.dumps({"s-1:train:0": good, "s-1:train:1": {**good, "rank": "eight"}}))
+    backend = ClusterBackend(tmp_path)
+    assert list(backend.runs) == ["s-1:train:0"]
+    kept = list(registry.parent.glob("runs.json.unreadable-*"))
+    assert len(kept) == 1 and "eight" in kept[0].read_text()  # nothing lost
+    assert "s-1:train:1" in caplog.text and str(kept[0]) in caplog.text
+
+    registry.write_text("{not json")
+    assert ClusterBackend(tmp_path).runs == {}
+    assert "unreadable" in caplog.text and registry.read_text() == "{not json"
+    assert len(list(registry.parent.glob("runs.json.unreadable-*"))) == 2  # each kept, none overwritten

@@ -1,16 +1,17 @@
 """The Tinker front end's ``Backend`` on a PlexRL cluster: each training client is a job.
 
-A Tinker "model" (LoRA training run) is a job of ``algo.name: tinker``, submitted for the user its
-API key maps to and scheduled with every other job; its driver only holds it, and its calls are
-this process's typed service calls (``plexctl.rl.JobClient``, with the cluster's internal key).
-``forward_backward`` calls are kept, in order, until the ``optim_step`` that takes their gradient
-(``calls.OptimStepReq``), so no gradient outlives a call. Saved sampler weights are the job's
-published policy versions (a Tinker job keeps every one: ``tinker://`` paths never change), and
-sampling is a generate call of the run's job at that version. What each run has saved, and its
-step count, is kept in ``<state>/tinker/runs.json``, written atomically, so a restarted front end
-knows its paths and takes its runs back: a run's first call after the restart waits for its job to
-run again, restores the last saved state (the job's own checkpoint; none: the run starts afresh)
-and says, in the front end's log and the job's events, which steps were lost.
+A Tinker "model" (a training run: a LoRA adapter, or every weight) is a job of ``algo.name:
+tinker``, submitted for the user its API key maps to and scheduled with every other job; its driver
+only holds it, and its calls are this process's typed service calls (``plexctl.rl.JobClient``, with
+the cluster's internal key). ``forward_backward`` calls are kept, in order, until the
+``optim_step`` that takes their gradient (``calls.OptimStepReq``), so no gradient outlives a call.
+Saved sampler weights are the job's published policy versions (a Tinker job keeps every one:
+``tinker://`` paths never change), and sampling is a generate call of the run's job at that
+version. What each run has saved, and its step count, is kept in ``<state>/tinker/runs.json``,
+written atomically, so a restarted front end knows its paths and takes its runs back: a run's first
+call after the restart waits for its job to run again, restores the last saved state (the job's own
+checkpoint; none: the run starts afresh) and says, in the front end's log and the job's events,
+which steps were lost.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -129,15 +131,38 @@ class ClusterBackend(Backend):
         self._lock = threading.Lock()
         self._starting: dict[str, threading.Lock] = {}  # a base model's sampler job, while it starts
         self._local = threading.local()
+        for model_id, record in self._read_registry().items():
+            run = self.runs[model_id] = Run(record)
+            run.resuming = not record.ended
+
+    def _read_registry(self) -> dict[str, RunRecord]:
+        """The runs ``runs.json`` keeps. What cannot be read is not taken back, and not lost: the
+        file is kept beside (``runs.json.unreadable-<time>``) and the log says which runs."""
         try:
             saved = json.loads(self.registry.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"a JSON object of runs, not {type(saved).__name__}")
         except FileNotFoundError:
-            saved = {}
+            return {}
+        except (OSError, ValueError) as e:
+            self._keep_aside(f"unreadable ({e}); no run is taken back")
+            return {}
+        records, bad = {}, []
         for model_id, record in saved.items():
-            if record.get("loaded") == []:  # how a record said "nothing loaded" before LoadedState
-                record["loaded"] = None
-            run = self.runs[model_id] = Run(msgspec.convert(record, RunRecord))
-            run.resuming = not run.record.ended
+            try:
+                if isinstance(record, dict) and record.get("loaded") == []:  # "nothing loaded" before LoadedState
+                    record["loaded"] = None
+                records[model_id] = msgspec.convert(record, RunRecord)
+            except msgspec.ValidationError as e:
+                bad.append(f"{model_id} ({e})")
+        if bad:
+            self._keep_aside(f"has runs it cannot read, not taken back: {'; '.join(bad)}")
+        return records
+
+    def _keep_aside(self, why: str) -> None:
+        aside = self.registry.with_name(f"{self.registry.name}.unreadable-{time.time_ns()}")
+        shutil.copy2(self.registry, aside)
+        log.error("%s %s: kept as %s", self.registry, why, aside)
 
     # ------------------------------------------------------------ the cluster
 
