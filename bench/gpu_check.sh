@@ -8,8 +8,9 @@
 # time, peak GPU memory), pinned swaps against raw cudaMemcpy in the same run, and the rollout
 # engine when vLLM imports there. It writes bench/results/gpu.json after each part (copied to
 # $OUT), so a timeout keeps what ran. The machine's python3 must have torch with CUDA,
-# transformers, peft, safetensors; pure-Python wheels it lacks (msgspec, xxhash) may travel in
-# .whl/ (`pip download --only-binary=:all: -d .whl msgspec xxhash`, excluded from git).
+# transformers, peft, safetensors; wheels it lacks (msgspec, pyzmq) travel in .whl/, excluded from
+# git: `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl msgspec pyzmq`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
