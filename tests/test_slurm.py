@@ -211,7 +211,8 @@ def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_st
     said = set()
     while "recovered" not in [k for k, _ in events(c, job)]:
         assert time.monotonic() < deadline, events(c, job)
-        said.add((c.run("status").stdout.strip().splitlines() or [""])[0])
+        shown = c.run("status")
+        said.add((shown.stdout.strip().splitlines() or [f"(exit {shown.returncode}) {shown.stderr.strip()}"])[0])
         time.sleep(0.5)
     # while requeued, status says what Slurm says (requeued jobs wait for their BeginTime)
     assert any(line.startswith(f"cluster ci: pending in Slurm as job {c.slurm_job} (") for line in said), said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,40 @@ def test_slurm_time_formats(text: str, minutes: int) -> None:
 def test_a_bad_time_is_a_usage_error(text: str) -> None:
     with pytest.raises(UsageError, match="--time"):
         S.time_minutes(text)
+
+
+@pytest.mark.parametrize(
+    ("rc", "out", "err", "said"),
+    [
+        (0, "PENDING|BeginTime\n", "", ("PENDING", "BeginTime")),
+        (0, "", "", ("GONE", "")),  # left the queue
+        (1, "", "slurm_load_jobs error: Invalid job id specified\n", ("GONE", "")),
+        # the controller busy or away says nothing of the job: not its end
+        (
+            1,
+            "",
+            "slurm_load_jobs error: Socket timed out on send/recv operation\n",
+            ("", "slurm_load_jobs error: Socket timed out on send/recv operation"),
+        ),
+    ],
+)
+def test_a_job_is_gone_only_when_slurm_says_so(tmp_path, monkeypatch, rc, out, err, said):
+    squeue = tmp_path / "squeue"
+    squeue.write_text(f"#!/bin/sh\nprintf '%s' '{out}'\nprintf '%s' '{err}' >&2\nexit {rc}\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert S.job_state("42") == said
+
+
+def test_status_says_slurm_did_not_answer_rather_than_failing(tmp_path, monkeypatch):
+    from plexctl.cli.start_stop import slurm_note
+
+    S.record_allocation(tmp_path, S.Allocation("42", 1, False, 0.0, "sbatch", 60.0))
+    squeue = tmp_path / "squeue"
+    squeue.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert slurm_note(tmp_path) == (
+        f"cluster {tmp_path.name}: the daemon does not answer, and Slurm did not say where job 42 is "
+        "(slurm_load_jobs error: Unable to contact slurm controller)"
+    )

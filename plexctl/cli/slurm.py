@@ -38,6 +38,8 @@ from plexctl.common.layout import engine_kinds, place_workers
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: sbatch runs daemon.node from here
 SLURM_FILE = "slurm.json"
 SIGNAL = "USR1"
+SQUEUE_TIMEOUT_S = 30.0  # a busy controller may take seconds; longer, and what it would say is unknown
+SQUEUE_TRIES = 3
 # Asked per node when GPUs are and the spec says nothing else (cpus_per_task, mem override them).
 CPUS_PER_GPU = 8  # an engine's process, its tokenizer/detokenizer, the trainer's data and copy-I/O threads,
 #                   and on the first node the daemon and the jobs' drivers (rewards run on CPU); GPU nodes
@@ -422,15 +424,32 @@ def read_allocations(state_dir: Path) -> list[Allocation]:
 
 
 def job_state(job_id: str) -> tuple[str, str]:
-    """(state, reason) of a Slurm job: ``PENDING``/``RUNNING``/... or ``GONE`` once it left the queue."""
+    """(state, reason) of a Slurm job: ``PENDING``/``RUNNING``/... or ``GONE`` once it left the
+    queue; ``""`` and why when Slurm did not say (its controller busy or away: not the job's end)."""
     squeue = shutil.which("squeue")
     if squeue is None:
         return "", "squeue not found"
-    result = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True)
-    if result.returncode != 0 or not result.stdout.strip():
+    for _ in range(SQUEUE_TRIES - 1):  # a controller busy for a moment answers the next ask
+        state, reason = _squeue_state(squeue, job_id)
+        if state:
+            return state, reason
+        time.sleep(1.0)
+    return _squeue_state(squeue, job_id)
+
+
+def _squeue_state(squeue: str, job_id: str) -> tuple[str, str]:
+    try:
+        result = subprocess.run(
+            [squeue, "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return "", f"squeue did not answer within {SQUEUE_TIMEOUT_S:.0f} s"
+    if result.returncode == 0 and result.stdout.strip():
+        state, _, reason = result.stdout.strip().splitlines()[0].partition("|")
+        return state, reason
+    if result.returncode == 0 or "invalid job id" in result.stderr.lower():
         return "GONE", ""
-    state, _, reason = result.stdout.strip().splitlines()[0].partition("|")
-    return state, reason
+    return "", (result.stderr.strip().splitlines() or [f"squeue exited {result.returncode}"])[-1]
 
 
 def cancel(job_id: str) -> None:

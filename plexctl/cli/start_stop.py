@@ -478,8 +478,13 @@ def slurm_note(state_dir: Path) -> str | None:
         if alloc.join:
             continue
         state, reason = S.job_state(alloc.job_id)
-        if state in ("", "GONE"):
+        if state == "GONE":
             return None
+        if state == "":
+            return (
+                f"cluster {state_dir.name}: the daemon does not answer, and Slurm did not say "
+                f"where job {alloc.job_id} is ({reason})"
+            )
         why = f" ({reason})" if reason and reason != "None" else ""
         if state == "PENDING":
             return f"cluster {state_dir.name}: pending in Slurm as job {alloc.job_id}{why}"
