@@ -41,7 +41,7 @@ class Ctx:
         self.named = cluster is not None or state_dir is not None
         self.state_dir = state_dir or cluster_dir(cluster or _only_cluster())
 
-    def client(self, timeout: float = 10.0) -> Client:
+    def client(self, timeout: float = 10.0, retries: int = 2) -> Client:
         from plexctl.common.client import Client
         from plexctl.common.cluster import pid_alive, read_endpoint
 
@@ -51,7 +51,7 @@ class Ctx:
                 f"cluster at {self.state_dir} is not running (its daemon, pid {ep.pid}, "
                 "has exited; start it with `plexctl up --local`)"
             )
-        return Client(ep.address, timeout=timeout)
+        return Client(ep.address, timeout=timeout, retries=retries)
 
     def uptime(self) -> float:
         """Seconds since the cluster's daemon started (0 when it is not known)."""

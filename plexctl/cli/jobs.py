@@ -34,24 +34,36 @@ def status(
     from plexctl.cli import views
     from plexctl.cli.slurm import SLURM_FILE
     from plexctl.cli.start_stop import ping_or_none, slurm_note
+    from plexctl.common.cluster import tinker_url
+    from plexctl.common.errors import DaemonUnreachable
 
     c: Ctx = ctx.obj
-    if (c.state_dir / SLURM_FILE).exists() and ping_or_none(c.state_dir) is None:
-        note = slurm_note(c.state_dir)
-        if note is not None:
-            if as_json:
-                print(json.dumps({"jobs": [], "engines": [], "slurm": note}, indent=2))
-            else:
-                print(note)
-            return
-    from plexctl.common.cluster import tinker_url
+    slurm = (c.state_dir / SLURM_FILE).exists()
 
-    client = c.client()
+    def slurm_says() -> bool:
+        """What Slurm says of the allocation, shown where its daemon does not answer."""
+        note = slurm_note(c.state_dir) if slurm else None
+        if note is not None:
+            print(json.dumps({"jobs": [], "engines": [], "slurm": note}, indent=2) if as_json else note, flush=True)
+        return note is not None
+
+    if slurm and ping_or_none(c.state_dir) is None and slurm_says():
+        return
+    # a Slurm cluster's daemon may stop at any time (a requeue): then Slurm is asked at once
+    client = c.client(timeout=3.0, retries=0) if slurm else c.client()
     if watch and not as_json and console().is_terminal:
         live(c, client, job, interval, until_done=False)
         return
     while True:
-        rep = client.status(job)
+        try:
+            rep = client.status(job)
+        except DaemonUnreachable:
+            if not slurm_says():
+                raise
+            if not watch:
+                return
+            time.sleep(interval)
+            continue
         tinker = tinker_url(c.state_dir)
         if as_json:
             print(
