@@ -5,6 +5,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# DEMO_ARGS='--steps 3': the quick demo (what tests/test_journey_demo.py runs)
+DEMO_ARGS ?=
 
 .PHONY: setup demo test test-fast lint typecheck clean
 
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/plexctl demo
+	$(VENV)/bin/plexctl demo $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -129,12 +129,14 @@ def llama_model(tiny_model: Path) -> Path:
     return build_tiny("tiny-llama")
 
 
-# What each test file needs, as a pytest marker (``make test-fast`` runs ``-m unit``): slurm (a
-# real Slurm cluster), bench (a benchmark's quick mode), learning (runs until the tiny task is
+# What each test file needs, as a pytest marker (``make test-fast`` runs ``-m unit``): journey (what
+# README and docs tell a user to type, run as they type it: the CLI in a subprocess, a fresh HOME),
+# slurm (a real Slurm cluster), bench (a benchmark's quick mode), learning (runs until the tiny task is
 # learned), e2e (real engines, clusters or daemons in processes of their own); the rest: unit.
 MARKS = {
     "unit": {"test_daemon_core.py"},
     "slurm": {"test_slurm.py"},
+    "journey": {"test_journey_demo.py", "test_journey_readme.py", "test_journey_security.py", "test_journey_tinker.py"},
     "bench": {"test_bench_multiplex.py", "test_bench_quick.py", "test_bench_cli_startup.py"},
     "learning": {"test_algos_learning.py", "test_tool_learning.py", "test_multiplex.py", "test_e2e.py"},
     "e2e": {

@@ -48,6 +48,9 @@ def demo(
     ctx: typer.Context,
     configs: Annotated[Optional[list[Path]], typer.Argument(help="job specs to run")] = None,
     keep: Annotated[bool, typer.Option(help="leave the cluster up afterwards")] = False,
+    steps: Annotated[
+        Optional[int], typer.Option(min=1, help="optimizer steps of each job (default: each spec's own, 200)")
+    ] = None,
 ) -> None:
     """The end-to-end demo: build the tiny model, start a local cluster, run two tiny jobs live."""
     from plexctl.cli import views
@@ -63,9 +66,11 @@ def demo(
     subprocess.run(
         [sys.executable, "-m", "worker.tiny_models", "--root", str(root), *only], check=True, env=_child_env()
     )
-    specs = [load_or_exit(f, [], None) for f in configs]
+    overrides = [f"algo.steps={steps}"] if steps else []
+    specs = [load_or_exit(f, overrides, None) for f in configs]
+    models = list(dict.fromkeys(Path(s.model.path) for s in specs))  # each base the jobs name, once
     console().rule("starting the local cluster")
-    ctx.invoke(up, ctx=ctx, model=Path(specs[0].model.path))
+    ctx.invoke(up, ctx=ctx, model=models)
     client = c.client()
     ids = [client.submit(spec_to_wire(s), submit_id=uuid.uuid4().hex).job_id for s in specs]
     console().rule(f"running {', '.join(ids)}")
