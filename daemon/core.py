@@ -561,9 +561,8 @@ class DaemonCore:
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
         if body.job_id:
-            job_id = self._find(body.job_id)
+            job_id = self._find(identity, header, body.job_id)
             if job_id is None:
-                self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
                 return
             jobs = [self._known_job(job_id)]
         else:
@@ -665,13 +664,27 @@ class DaemonCore:
         assert info is not None
         return info
 
-    def _find(self, ref: str) -> str | None:
-        """A job id the sender may see, from an id or a name (their newest job of that name)."""
-        job_id = self.journal.find(ref)
-        if job_id is not None and self._visible(self._known_job(job_id).user):
-            return job_id
-        mine = [j for j in self.journal.jobs() if j.name == ref and self._visible(j.user)]
-        return mine[-1].job_id if mine else None
+    def _find(self, identity: bytes, header: P.Header, ref: str) -> str | None:
+        """A job id the sender may see, from an id, ``USER/NAME`` or a bare name; a bare name is
+        the sender's own newest job of that name, never another user's (the cluster's own
+        processes name any job). What names nothing the sender may see gets its error reply."""
+        if (info := self.journal.job(ref)) is not None and self._visible(info.user):
+            return ref
+        user, _, name = ref.rpartition("/")
+        if not user and self.sender != auth.INTERNAL_USER:
+            user = self.sender
+        named = [j for j in self.journal.jobs() if j.name == name and (j.user == user or not user)]
+        named = [j for j in named if self._visible(j.user)]
+        if named:
+            return named[-1].job_id
+        others = [j for j in self.journal.jobs() if j.name == name and self._visible(j.user) and j.user != user]
+        if others and "/" not in ref:
+            ids = ", ".join(f"{j.user}/{j.name} ({j.job_id})" for j in others[-5:])
+            why = f"no job of yours named {ref!r}; other users' jobs of that name: {ids}: name one by USER/NAME or id"
+        else:
+            why = f"no job {ref!r}"
+        self._error(identity, header.msg_id, "not_found", why)
+        return None
 
     def _with_live_fields(self, job: P.JobInfo) -> P.JobInfo:
         """Add what only the running daemon knows: why a job waits, where its state lives, and
@@ -697,9 +710,8 @@ class DaemonCore:
         return (P.TRAINS_ALL if spec.lora is None else P.TRAINS_ADAPTER), os.path.realpath(spec.model.path)
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
-        job_id = self._find(body.job_id)
+        job_id = self._find(identity, header, body.job_id)
         if job_id is None:
-            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
         rt = self.runtimes.get(job_id)
         if rt is not None and rt.spec.algo.name == TINKER_ALGO and self.sender == auth.INTERNAL_USER:
@@ -722,9 +734,8 @@ class DaemonCore:
                 self.journal.event(job_id, "cancel_requested", why)
 
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
-        job_id = self._find(body.job_id)
+        job_id = self._find(identity, header, body.job_id)
         if job_id is None:
-            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
         name = {"log": "driver.log", "metrics": "metrics.jsonl"}.get(body.kind)
         if name is None:
@@ -761,9 +772,8 @@ class DaemonCore:
     def on_export(self, identity: bytes, header: P.Header, body: P.ExportReq) -> None:
         """A job's latest adapter or checkpoint, for its user to copy out with their own rights:
         the listing, then each file in chunks. Nothing outside that directory is ever read."""
-        job_id = self._find(body.job_id)
+        job_id = self._find(identity, header, body.job_id)
         if job_id is None:
-            self._error(identity, header.msg_id, "not_found", f"no job {body.job_id!r}")
             return
         if body.what not in ("adapter", "checkpoint"):
             self._error(

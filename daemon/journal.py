@@ -84,7 +84,6 @@ class Journal:
         self._jobs: dict[str, JobInfo] = {  # job_id -> its row, in submit order; never mutated in place
             r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")
         }
-        self._names: dict[str, str] = {info.name: job_id for job_id, info in self._jobs.items()}  # newest
 
     def close(self) -> None:
         self.db.close()
@@ -120,7 +119,6 @@ class Journal:
             self.db.execute("INSERT INTO events (job_id, t, kind) VALUES (?,?,?)", (job_id, now, "submitted"))
         row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         self._jobs[job_id] = self._info(row)
-        self._names[name] = job_id
         return job_id, True
 
     def submitted(self, submit_id: str) -> str | None:
@@ -158,10 +156,6 @@ class Journal:
     def spec(self, job_id: str) -> dict[str, Any]:
         row = self.db.execute("SELECT spec FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return json.loads(row["spec"])
-
-    def find(self, ref: str) -> str | None:
-        """A job id from an id or a name (the newest job of that name)."""
-        return ref if ref in self._jobs else self._names.get(ref)
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobInfo]:
         if not states:

@@ -206,3 +206,36 @@ def test_a_restore_names_a_checkpoint_of_the_users_own_jobs_only(core, tiny_mode
         assert op == P.Op.ERROR and "is not a checkpoint of a job of" in error.message, path
     d.place()
     assert tasks(d) == []
+
+
+def test_a_name_resolves_among_the_callers_own_jobs(core, tiny_model):
+    """A shared user's job of the same name never captures the owner's `status/cancel NAME`; another
+    user's job is named `USER/NAME` or by id, and a name only others hold is refused with their ids."""
+    d = core
+    owner = current_user()
+    spec = spec_to_wire(load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "fault"))
+    mine = submit(d, tiny_model, "fault")
+    d.send(b"bob", P.Op.SUBMIT, P.SubmitReq("sid-bob", spec, "bob"), user="bob")
+    d.send(b"bob", P.Op.SUBMIT, P.SubmitReq("sid-bob-only", {**spec, "name": "solo"}, "bob"), user="bob")
+    bobs, solo = [j.job_id for j in d.journal.jobs() if j.user == "bob"]
+    d.sent.clear()
+
+    def ask(user: str, op: bytes, ref: str):
+        d.sent.clear()
+        body = P.StatusReq(ref) if op == P.Op.STATUS else P.JobRef(ref)
+        d.send(user.encode(), op, body, user=user)
+        ((reply_op, reply),) = [(o, b) for to, o, b in d.sent if to == user.encode()]
+        if reply_op == P.Op.ERROR:
+            return reply.message
+        return reply.jobs[0].job_id if op == P.Op.STATUS else reply.job_id
+
+    assert ask(owner, P.Op.STATUS, "fault") == mine  # bob's is newer: it does not capture the name
+    assert ask(owner, P.Op.STATUS, "bob/fault") == bobs
+    assert ask(owner, P.Op.STATUS, bobs) == bobs
+    assert ask("bob", P.Op.STATUS, "fault") == bobs
+    assert ask("bob", P.Op.STATUS, f"{owner}/fault") == f"no job '{owner}/fault'"  # not his to see
+    assert ask("bob", P.Op.STATUS, mine) == f"no job '{mine}'"
+    refused = ask(owner, P.Op.STATUS, "solo")
+    assert f"bob/solo ({solo})" in refused and "USER/NAME" in refused
+    assert ask(owner, P.Op.CANCEL, "fault") == mine
+    assert {j.job_id: j.state for j in d.journal.jobs()}[bobs] == "queued"  # bob's job untouched

@@ -33,7 +33,13 @@ def _typer() -> typer.Typer:
 def _global(
     ctx: typer.Context,
     cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="cluster name")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option(help="cluster state directory")] = None,
+    state_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            readable=False,  # another user's is 0711: only its endpoint.json is read, by name
+            help="cluster state directory (another user's: only its endpoint.json need be readable)",
+        ),
+    ] = None,
 ) -> None:
     ctx.obj = Ctx(cluster, state_dir)
 

@@ -38,7 +38,10 @@ def status(
     from plexctl.common.errors import DaemonUnreachable
 
     c: Ctx = ctx.obj
-    slurm = (c.state_dir / SLURM_FILE).exists()
+    try:
+        slurm = (c.state_dir / SLURM_FILE).exists()
+    except PermissionError:  # a directory on the way others may not pass: `c.client()` says which
+        slurm = False
 
     def slurm_says() -> bool:
         """What Slurm says of the allocation, shown where its daemon does not answer."""

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from plexctl.cli.context import Ctx, console
+from plexctl.cli.context import Ctx
 from plexctl.common.errors import UsageError
 
 
@@ -37,6 +37,7 @@ def share(
     """Let another user's key into this cluster (owner only): they see and cancel their own jobs."""
     from plexctl.common import auth
     from plexctl.common.client import current_user
+    from plexctl.common.cluster import closed_to_others
 
     c: Ctx = ctx.obj
     if not (auth.keys_dir(c.state_dir) / "owner").exists():
@@ -57,4 +58,9 @@ def share(
     if tinker_key_sha256 is not None:
         tinker_keys.register(c.state_dir, user, tinker_key_sha256)
     also = " (and its Tinker API key)" if tinker_key_sha256 is not None else ""
-    console().print(f"{user} may now use the cluster at {c.state_dir}{also}", markup=False, highlight=False)
+    state_dir = c.state_dir.absolute()
+    print(f"{user} may now use the cluster at {state_dir}{also}")  # not wrapped: they copy the next line
+    print(f"they reach it with: plexctl --state-dir {state_dir} status")
+    closed = closed_to_others(state_dir)
+    if closed is not None:
+        print(f"note: others may not pass through {closed} (chmod o+x {closed}): {user} cannot reach it yet")

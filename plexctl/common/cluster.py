@@ -64,23 +64,51 @@ TINKER_KEY_FILE = "tinker-keys.json"  # in the state directory: sha256 of each T
 
 
 def read_endpoint(state_dir: Path) -> Endpoint:
+    """The cluster's endpoint, read by name: the state directory need not be listable (another
+    user's is 0711), only ``endpoint.json`` and the directories above it passable."""
     path = endpoint_path(state_dir)
-    if not state_dir.exists():
-        raise NotFound(f"no cluster at {state_dir} (start one with `plexctl up --local`)")
-    if not state_dir.is_dir():
-        raise NotFound(f"{state_dir} is not a cluster directory (it is a file)")
     try:
-        ep = msgspec.convert(json.loads(path.read_text()), Endpoint)
-    except FileNotFoundError:
+        text = path.read_text()
+    except PermissionError:
+        raise DaemonUnreachable(unreadable_endpoint(path)) from None
+    except (FileNotFoundError, NotADirectoryError):
+        if not state_dir.exists():
+            raise NotFound(f"no cluster at {state_dir} (start one with `plexctl up --local`)") from None
+        if not state_dir.is_dir():
+            raise NotFound(f"{state_dir} is not a cluster directory (it is a file)") from None
         raise DaemonUnreachable(f"cluster at {state_dir} is not running (start it with `plexctl up --local`)") from None
-    except (ValueError, msgspec.ValidationError) as exc:
-        raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
     except OSError as exc:
         raise DaemonUnreachable(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        ep = msgspec.convert(json.loads(text), Endpoint)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise DaemonUnreachable(f"unreadable {path}: {exc}") from None
     from plexctl.common.auth import remember_server  # zmq.auth: only where a key is kept
 
     remember_server(ep.address, ep.server_key, state_dir)
     return ep
+
+
+def unreadable_endpoint(path: Path) -> str:
+    """Why this user cannot read a cluster's ``endpoint.json``, and what its owner can change: the
+    first directory on the way that others may not pass through, else the file's own mode."""
+    blocked = next((d for d in reversed(path.absolute().parents) if not os.access(d, os.X_OK)), None)
+    if blocked is not None:
+        fix = f"ask the cluster's owner to let others pass through {blocked}: chmod o+x {blocked}"
+    else:
+        fix = f"ask the cluster's owner to make it readable: chmod o+r {path}"
+    return f"cannot read {path}: permission denied ({fix})"
+
+
+def closed_to_others(state_dir: Path) -> Path | None:
+    """The first directory on the way to ``state_dir`` (itself included) that other users may not
+    pass through, as its owner sees the modes; None when they can reach ``endpoint.json``."""
+    import stat
+
+    for d in [*reversed(state_dir.absolute().parents), state_dir.absolute()]:
+        if not d.stat().st_mode & stat.S_IXOTH:
+            return d
+    return None
 
 
 def orphan_grace() -> float:
