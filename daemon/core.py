@@ -41,6 +41,7 @@ from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.memplan import VLLM_LORA_RANKS
 from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
@@ -535,10 +536,12 @@ class DaemonCore:
             )
         ranks = [d.max_lora_rank for d in decls if d.kind == "rollout" and d.max_lora_rank]
         if spec.lora is not None and ranks and spec.lora.rank > max(ranks):
-            return (
-                f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)} "
-                f"(`plexctl up --max-lora-rank`)"
-            )
+            fits = [r for r in VLLM_LORA_RANKS if r >= spec.lora.rank]
+            if fits:
+                fix = f"start the cluster with `plexctl up --max-lora-rank {fits[0]}`"
+            else:
+                fix = f"vLLM loads adapters up to rank {VLLM_LORA_RANKS[-1]}"
+            return f"lora.rank {spec.lora.rank}: the rollout engines load adapters up to rank {max(ranks)}; {fix}"
         lengths = [d.max_model_len for d in decls if d.kind == "rollout" and d.max_model_len]
         if lengths and spec.sampling.max_tokens >= min(lengths):  # a prompt takes one token at least
             return (

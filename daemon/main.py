@@ -2,12 +2,12 @@
 
 ``Daemon`` owns what the core does not: the ROUTER socket (one for every peer: CLI clients,
 job drivers, workers, Slurm node tasks; CURVE-authenticated, ``daemon.auth``), the signals, the
-processes (job drivers, jailed or not, and in ``--local-worker`` mode the workers), the port,
-endpoint and metrics files. One poll loop decodes each message and hands it to
-``DaemonCore.handle``; heartbeats, chores and placement run on timers; the effects the core
-returns are carried out here (``Send``, ``StartDriver``, ``StopDriver``, ``Prune``), and what
-happens to processes goes back to the core as events (``driver_started``, ``driver_exited``,
-``worker_process_exited``).
+processes (job drivers, jailed or not, in ``--local-worker`` mode the workers, and the Tinker
+API front end, started again with backoff when it dies), the port, endpoint and metrics files.
+One poll loop decodes each message and hands it to ``DaemonCore.handle``; heartbeats, chores
+and placement run on timers; the effects the core returns are carried out here (``Send``,
+``StartDriver``, ``StopDriver``, ``Prune``), and what happens to processes goes back to the core
+as events (``driver_started``, ``driver_exited``, ``worker_process_exited``).
 
 Stopping drains: on ``plexctl down``, SIGTERM or SIGUSR1/2 (a Slurm allocation ending) the core
 admits nothing more and asks each running job to checkpoint at its step's end; the loop stops
@@ -63,7 +63,7 @@ from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
-from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home
+from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home, tinker_url
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("plexd")
@@ -86,6 +86,8 @@ __all__ = [
 
 CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
+TINKER_BACKOFF_S = (1.0, 30.0)  # a dead Tinker front end is started again after 1 s, doubling up to 30 s
+TINKER_STABLE_S = 60.0  # a front end that lived this long starts the backoff afresh when it dies
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -136,6 +138,10 @@ class Daemon:
         self.rejected_peers: set[bytes] = set()
         self.metrics_port: int | None = None
         self.tinker: subprocess.Popen | None = None  # the Tinker API front end (``plexctl.tinker``)
+        self.tinker_at: tuple[str, int] = ("", 0)  # its host and port (the port it took, once it listens)
+        self.tinker_started = 0.0
+        self.tinker_deaths = 0  # in a row: each doubles the wait before the next start
+        self.tinker_retry_at: float | None = None  # it died: when it starts again
         self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-prune")
 
         # its own context: the ZAP handler's inproc address is per context (a daemon started after
@@ -197,7 +203,37 @@ class Daemon:
             self.tinker = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
             )
+        self.tinker_at, self.tinker_started, self.tinker_retry_at = (host, port), time.time(), None
         log.info("started the Tinker API front end, pid %d", self.tinker.pid)
+
+    def _supervise_tinker(self, now: float) -> None:
+        """A front end that died is started again, on the port it had, after a wait that doubles
+        with each death in a row (``TINKER_BACKOFF_S``); meanwhile ``tinker.json`` says it is
+        restarting (no URL), so ``status`` and the proxy do not send clients to a closed port."""
+        proc = self.tinker
+        if proc is None or self.core.stopping:
+            return
+        host, port = self.tinker_at
+        rc = proc.poll()
+        if rc is None:
+            if not port:  # a free port was asked for: the one it took, kept for its successors
+                url = tinker_url(self.state_dir)
+                port = int(url.rsplit(":", 1)[1]) if url else 0
+                self.tinker_at = (host, port)
+            if now - self.tinker_started >= TINKER_STABLE_S:
+                self.tinker_deaths = 0
+            return
+        if self.tinker_retry_at is None:
+            first, most = TINKER_BACKOFF_S
+            wait = min(most, first * 2**self.tinker_deaths)
+            self.tinker_deaths += 1
+            self.tinker_retry_at = now + wait
+            write_json_atomic(
+                self.state_dir / TINKER_FILE, {"restarting": True, "exit_code": rc, "retry_at": self.tinker_retry_at}
+            )
+            log.warning("the Tinker front end (pid %d) exited with code %s: starting it in %.0f s", proc.pid, rc, wait)
+        elif now >= self.tinker_retry_at:
+            self._start_tinker(host, port)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -318,6 +354,7 @@ class Daemon:
                 last_beat = now
                 self._carry_out(core.heartbeat(now))
                 self._poll_local_workers(now)
+                self._supervise_tinker(now)
             if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
                 last_gauges = now
                 core.snapshot_gauges(now)

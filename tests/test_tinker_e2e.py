@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -279,11 +282,94 @@ def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_train
 
 def test_a_model_or_rank_the_cluster_does_not_serve_is_refused_with_the_reason(service, cluster: Cluster):
     before = {j["job_id"] for j in cluster.status()["jobs"]}
+    log = cluster.state_dir / "tinker.log"
+    log_at = log.stat().st_size
     with pytest.raises(tinker.TinkerError, match=r"base model 'no/such-model' is not served here \(served: tiny-arith"):
         service.create_lora_training_client(base_model="no/such-model", rank=8).result()
-    with pytest.raises(tinker.TinkerError, match=r"rank 128.*16"):
-        service.create_lora_training_client(base_model="tiny-arith", rank=128).result()
+    with pytest.raises(tinker.RequestFailedError) as refused:  # the user's error: one line, what to pass
+        service.create_lora_training_client(base_model="tiny-arith", rank=64).result()
+    assert refused.value.category == tinker.types.RequestErrorCategory.User
+    assert "lora.rank 64: the rollout engines load adapters up to rank 32; " in str(refused.value)
+    assert "start the cluster with `plexctl up --max-lora-rank 64`" in str(refused.value)
     assert {j["job_id"] for j in cluster.status()["jobs"]} == before  # nothing queued
+    assert "Traceback" not in log.read_text()[log_at:]
+    # `up --tinker-port` without --max-lora-rank loads the SDK's default rank (32; 16 on CPU otherwise)
+    default = service.create_lora_training_client(base_model="tiny-arith").result()
+    assert default.get_info().lora_rank == 32
+    sampler = default.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(tinker.ModelInput.from_ints([1, 2]), 1, tinker.SamplingParams(max_tokens=2)).result()
+    assert len(out.sequences[0].tokens) >= 1
+
+
+def test_every_tokenizer_loads_offline_and_samplers_say_their_weights(service, cluster: Cluster, monkeypatch):
+    """With the network absent, the tokenizer of a training client and of every kind of sampler
+    loads at once (the SDK loads it by the model's directory, which the server reports);
+    ``get_sampler`` names a sampler's weights as a ``tinker://`` path that makes a sampler again;
+    saved sampler weights are listed with the time they were saved."""
+    from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
+
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=17).result()
+    saved = training.save_weights_for_sampler("offline").result().path
+    samplers = {
+        "of the current weights": training.save_weights_and_get_sampling_client().result(),
+        "of saved weights": service.create_sampling_client(model_path=saved).result(),
+        "of the base, by its path": service.create_sampling_client(base_model=_model_dir(cluster)).result(),
+    }
+    loaders = {"training client": training.get_tokenizer, **{k: s.get_tokenizer for k, s in samplers.items()}}
+    for what, load in loaders.items():
+        _load_tokenizer_from_model_info.cache_clear()  # the SDK's cache: each loads afresh
+        t0 = time.monotonic()
+        tokenizer = load()
+        assert time.monotonic() - t0 < 10, what
+        ids = tokenizer("12+7=")["input_ids"]
+        assert tokenizer(tokenizer.decode(ids, skip_special_tokens=True))["input_ids"] == ids, what
+
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    rest = tinker.RestClient(base_url=url, api_key=(cluster.home / "tinker-api-key").read_text().strip())
+    current = rest.get_sampler(samplers["of the current weights"]._sampling_session_id).result()
+    assert current.model_path and current.model_path.startswith(f"tinker://{training.model_id}/sampler_weights/")
+    assert rest.get_sampler(samplers["of saved weights"]._sampling_session_id).result().model_path == saved
+    again = service.create_sampling_client(model_path=current.model_path).result()
+    greedy = tinker.SamplingParams(max_tokens=3, temperature=0.0)
+    prompt = tinker.ModelInput.from_ints(tokenizer("3+4=")["input_ids"])
+    first = samplers["of the current weights"].sample(prompt, 1, greedy).result().sequences[0].tokens
+    assert again.sample(prompt, 1, greedy).result().sequences[0].tokens == first  # the same weights
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert abs(listed[saved].time.timestamp() - time.time()) < 600  # not 1970
+    assert training.model_id in {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    assert saved in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+
+
+def _model_dir(cluster: Cluster) -> str:
+    return str(cluster.status()["engines"][0]["model"])
+
+
+def test_top_k_prompt_logprobs_come_from_vllm(service):
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=19).result()
+    tokenizer = training.get_tokenizer()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokens = tokenizer("12+7=")["input_ids"]
+    prompt, params = tinker.ModelInput.from_ints(tokens), tinker.SamplingParams(max_tokens=1)
+    out = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=5).result()
+    own, topk = out.prompt_logprobs, out.topk_prompt_logprobs
+    assert own[0] is None and topk[0] is None and len(own) == len(topk) == len(tokens)
+    assert own == pytest.approx(sampler.compute_logprobs(prompt).result(), abs=1e-4)
+    for i in range(1, len(tokens)):
+        values = [lp for _, lp in topk[i]]
+        assert len(values) == 5 and values == sorted(values, reverse=True) and values[0] >= own[i] - 1e-4
+        mine = dict(topk[i]).get(tokens[i])
+        assert mine is None or mine == pytest.approx(own[i], abs=1e-4)  # the prompt token, if among them
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+    last = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=2, prompt_logprobs_last_n=2
+    ).result()
+    assert last.prompt_logprobs[:-2] == [None] * (len(tokens) - 2)
+    assert last.prompt_logprobs[-2:] == pytest.approx(own[-2:], abs=1e-4)
+    assert last.topk_prompt_logprobs[:-2] == [None] * (len(tokens) - 2)
+    assert [[t for t, _ in row] for row in last.topk_prompt_logprobs[-2:]] == [[t for t, _ in r[:2]] for r in topk[-2:]]
 
 
 def test_a_wrong_key_is_refused(cluster: Cluster):
@@ -311,6 +397,40 @@ def test_tinker_clients_share_the_engines_with_a_yaml_job_and_a_closed_session_e
     assert cluster.job(job)["state"] == "running"
     service.close("success").result()  # the session ends: so does its job, which succeeded
     cluster.wait_for(job, lambda j: j["state"] == "succeeded", timeout=60, what="its job ended by close()")
+
+
+def test_a_killed_front_end_is_started_again_and_status_says_so_meanwhile(cluster: Cluster):
+    """SIGKILL to the front end alone: status stops naming its URL and says it is restarting; the
+    daemon starts it again on the same port (the SDK's base_url), where the SDK is served again."""
+    from plexctl.common.cluster import tinker_state
+
+    ready = cluster.state_dir / "tinker.json"
+    before = json.loads(ready.read_text())
+    os.kill(before["pid"], signal.SIGKILL)
+    url, note = tinker_state(cluster.state_dir)
+    assert url is None and note.startswith("restarting"), (url, note)
+    shown = cluster.status()
+    if shown.get("tinker_url") is None:  # not yet back (the daemon waits a second, the start takes a few)
+        assert shown["tinker_note"].startswith("restarting"), shown.get("tinker_note")
+        assert "Tinker API: restarting" in cluster.run("status", check=True).stdout.replace("\n", " ")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        now = json.loads(ready.read_text()) if ready.exists() else {}
+        if now.get("pid") not in (None, before["pid"]) and tinker_state(cluster.state_dir)[0]:
+            break
+        time.sleep(0.5)
+    assert now.get("url") == before["url"], now  # the same address: the SDK's base_url still holds
+    assert cluster.status()["tinker_url"] == before["url"]
+    service = tinker.ServiceClient(
+        base_url=before["url"], api_key=(cluster.home / "tinker-api-key").read_text().strip()
+    )
+    try:
+        training = service.create_lora_training_client(base_model="tiny-arith", rank=4).result()
+        data = supervised_data(training.get_tokenizer(), 2)
+        assert len(training.forward_backward(data, "cross_entropy").result().loss_fn_outputs) == 2
+    finally:
+        service.close("success").result()
+    assert "exited with code -9: starting it in 1 s" in (cluster.state_dir / "daemon.log").read_text()
 
 
 def expected_accuracy(training, tokenizer) -> float:

@@ -106,6 +106,11 @@ class FakeBackend(Backend):
         self.record("create_model", run.model_id, (user, rank, seed))
         return run
 
+    def capacity_note(self) -> str | None:
+        if self.capacity is not None and not self.capacity.is_set():
+            return "the cluster is full: 1 job(s) wait for room (every trainer engine holds 8 jobs)"
+        return None
+
     def weights_info(self, user: str, path: str) -> TrainingRun:
         if path not in self.saved:
             raise UserError(f"no checkpoint at {path}")
@@ -153,7 +158,7 @@ class FakeBackend(Backend):
 
     def _new_sampler(self, base_model: str, path: str | None, weight: float) -> Sampler:
         with self.lock:
-            sampler = Sampler(f"smp-{len(self.samplers)}", base_model, path)
+            sampler = Sampler(f"smp-{len(self.samplers)}", base_model, path, self.tokenizer_dir)
             self.samplers[sampler.sampler_id] = (sampler, weight)
         return sampler
 
@@ -170,8 +175,17 @@ class FakeBackend(Backend):
         return self._new_sampler(self.runs[model_id].base_model, None, self.weight[model_id])
 
     def sample(
-        self, user: str, sampler_id: str, prompt_tokens: list[int], num_samples: int, params: SampleParams, lp: bool
+        self,
+        user: str,
+        sampler_id: str,
+        prompt_tokens: list[int],
+        num_samples: int,
+        params: SampleParams,
+        lp: bool,
+        topk: int = 0,
     ) -> SampleResult:
+        """Prompt log-probs count up from -1.5 by 0.25; the top k at position p are tokens p+1..p+k
+        at log-probs -0.5, -1, ..."""
         self.record("sample", sampler_id, (prompt_tokens, num_samples, params, lp))
         if self.sample_barrier is not None:
             self.sample_barrier.wait()
@@ -182,7 +196,9 @@ class FakeBackend(Backend):
             for i in range(num_samples)
         ]
         prompt = [None, *[-1.5 + 0.25 * k for k in range(len(prompt_tokens) - 1)]] if lp else None
-        return SampleResult(seqs, prompt)
+        rows: list[list[tuple[int, float]] | None] = [None]
+        rows += [[(p + j + 1, -0.5 * (j + 1)) for j in range(topk)] for p in range(1, len(prompt_tokens))]
+        return SampleResult(seqs, prompt, rows if topk else None)
 
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
         return [info for info, mid, _ in self.saved.values() if mid == model_id]
@@ -262,8 +278,8 @@ def test_a_training_client_gets_its_model_and_an_offline_tokenizer(served: Any, 
     caps = tinker.RestClient(base_url=served[0], api_key="tml-alice").get_server_capabilities().result()
     assert [(m.model_name, m.max_context_length) for m in caps.supported_models] == [(MODEL, 128)]
     assert re.fullmatch(r"s-[0-9a-f]{16}:train:0", trainer.model_id)
-    info = trainer.get_info()
-    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (MODEL, 8, True)
+    info = trainer.get_info()  # the model by its directory: the name its samplers load their tokenizer by
+    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (served[1].tokenizer_dir, 8, True)
     assert trainer.get_tokenizer().encode("hello world the", add_special_tokens=False) == [1, 2, 3]
 
 
@@ -271,7 +287,7 @@ def test_a_client_without_lora_config_trains_every_weight(served: Any, alice: An
     training = full_training_client(alice, MODEL)
     assert backend.calls("create_model", training.model_id) == [("alice", None, None)]
     info = training.get_info()
-    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (MODEL, None, False)
+    assert (info.model_data.model_name, info.lora_rank, info.is_lora) == (backend.tokenizer_dir, None, False)
     rest = tinker.RestClient(base_url=served[0], api_key="tml-alice")
     assert rest.get_training_run(training.model_id).result().is_lora is False
     fb = training.forward_backward([ce_datum(1)], "cross_entropy").result()
@@ -360,7 +376,7 @@ def test_sampling_from_saved_weights(alice: Any, trainer: Any, backend: FakeBack
     saved = trainer.save_weights_for_sampler("s1").result()
     assert saved.path == f"tinker://{trainer.model_id}/sampler_weights/s1"
     sampler = alice.create_sampling_client(model_path=saved.path).result()
-    assert sampler.get_base_model() == MODEL
+    assert sampler.get_base_model() == backend.tokenizer_dir  # what it loads its tokenizer by
     params = types.SamplingParams(max_tokens=3, stop=["</s>"], temperature=0.7, seed=5)
     r = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params, include_prompt_logprobs=True).result()
     weight = backend.saved[saved.path][2]
@@ -424,6 +440,91 @@ def test_checkpoints_and_runs_through_the_rest_client(served: Any, trainer: Any)
     assert run.last_checkpoint is not None and run.last_sampler_checkpoint is not None
     info = rest.get_weights_info_by_tinker_path(f"tinker://{trainer.model_id}/weights/listed").result()
     assert (info.base_model, info.lora_rank, info.is_lora) == (MODEL, 8, True)
+
+
+def test_every_samplers_tokenizer_loads_offline_and_at_once(
+    served: Any, alice: Any, trainer: Any, monkeypatch: Any
+) -> None:
+    """The SDK loads a sampler's tokenizer by the base model's name the server reports (get_info,
+    get_sampler): the model's directory, so no sampler goes to the hub."""
+    from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
+
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    saved = trainer.save_weights_for_sampler("for-tokenizer").result().path
+    samplers = {
+        "of the current weights": trainer.save_weights_and_get_sampling_client().result(),
+        "of saved weights": alice.create_sampling_client(model_path=saved).result(),
+        "of the base, by its path": alice.create_sampling_client(base_model=served[1].tokenizer_dir).result(),
+    }
+    for what, sampler in samplers.items():
+        _load_tokenizer_from_model_info.cache_clear()  # the SDK's cache: each loads afresh
+        t0 = time.monotonic()
+        tokenizer = sampler.get_tokenizer()
+        assert time.monotonic() - t0 < 5, what
+        ids = tokenizer.encode("hello world", add_special_tokens=False)
+        assert ids == [1, 2] and tokenizer.decode(ids) == "hello world", what
+
+
+def test_rest_lists_each_users_own_runs_checkpoints_and_sessions(served: Any, alice: Any, trainer: Any) -> None:
+    trainer.save_state("rest-listed").result()
+    bob = tinker.ServiceClient(base_url=served[0], api_key="tml-bob")
+    try:
+        bobs = bob.create_lora_training_client(base_model=MODEL, rank=4).result()
+        bobs.save_weights_for_sampler("bobs").result()
+        bob_sampler = bobs.save_weights_and_get_sampling_client().result()
+        rest = {who: tinker.RestClient(base_url=served[0], api_key=f"tml-{who}") for who in ("alice", "bob")}
+        runs = {who: rest[who].list_training_runs(limit=100).result() for who in rest}
+        assert {r.model_owner for r in runs["alice"].training_runs} == {"alice"}
+        assert [r.training_run_id for r in runs["bob"].training_runs] == [bobs.model_id]
+        assert trainer.model_id in {r.training_run_id for r in runs["alice"].training_runs}
+        assert runs["alice"].cursor.total_count == len(runs["alice"].training_runs) > 1
+        first = rest["alice"].list_training_runs(limit=1, offset=1).result()
+        assert [r.training_run_id for r in first.training_runs] == [runs["alice"].training_runs[1].training_run_id]
+
+        checkpoints = {who: rest[who].list_user_checkpoints().result().checkpoints for who in rest}
+        assert [c.tinker_path for c in checkpoints["bob"]] == [f"tinker://{bobs.model_id}/sampler_weights/bobs"]
+        mine = [c.tinker_path for c in checkpoints["alice"]]
+        assert f"tinker://{trainer.model_id}/weights/rest-listed" in mine
+        assert not any(bobs.model_id in p for p in mine)
+        assert [c.time for c in checkpoints["alice"]] == sorted((c.time for c in checkpoints["alice"]), reverse=True)
+
+        sessions = {who: rest[who].list_sessions(limit=100).result().sessions for who in rest}
+        bob_session = bobs.model_id.split(":")[0]
+        assert sessions["bob"] == [bob_session] and bob_session not in sessions["alice"]
+        assert trainer.model_id.split(":")[0] in sessions["alice"]
+        held = rest["bob"].get_session(bob_session).result()
+        assert (held.training_run_ids, held.sampler_ids) == ([bobs.model_id], [bob_sampler._sampling_session_id])
+        with pytest.raises(tinker.PermissionDeniedError):
+            rest["alice"].get_session(bob_session).result()
+    finally:
+        bob.close("success").result()
+
+
+def test_top_k_prompt_logprobs_of_the_last_n_prompt_tokens(alice: Any, backend: FakeBackend) -> None:
+    sampler = alice.create_sampling_client(base_model=MODEL).result()
+    prompt, params = types.ModelInput.from_ints([1, 2, 3, 4]), types.SamplingParams(max_tokens=1)
+    full = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
+    assert full.prompt_logprobs == [None, -1.5, -1.25, -1.0]
+    assert full.topk_prompt_logprobs == [None, [(2, -0.5), (3, -1.0)], [(3, -0.5), (4, -1.0)], [(4, -0.5), (5, -1.0)]]
+    last = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=2
+    ).result()
+    assert last.prompt_logprobs == [None, None, -1.25, -1.0]
+    assert last.topk_prompt_logprobs == [
+        None,
+        None,
+        [(3, -0.5), (4, -1.0), (5, -1.5)],
+        [(4, -0.5), (5, -1.0), (6, -1.5)],
+    ]
+    topk_only = sampler.sample(prompt, 1, params, topk_prompt_logprobs=1).result()
+    assert topk_only.prompt_logprobs is None and topk_only.topk_prompt_logprobs[1] == [(2, -0.5)]
+    assert sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result() == [None, None, None, -1.0]
+    with pytest.raises(tinker.RequestFailedError, match="between 1 and 3"):
+        sampler.sample(
+            types.ModelInput.from_ints([1, 2, 3, 4]), 1, params, include_prompt_logprobs=True, prompt_logprobs_last_n=4
+        ).result()
 
 
 def test_a_wrong_api_key_is_refused(served: Any) -> None:
@@ -529,18 +630,62 @@ def test_a_run_waiting_for_capacity_says_why_until_it_runs(raw: tuple[TestClient
     session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
     body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 4}}
     request_id = client.post("/api/v1/create_model", json=body).json()["request_id"]
-    for _ in range(50):
-        pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        assert pending.status_code == 408
-        if pending.json()["queue_state"] != "active":
-            break
-    assert pending.json() == {
-        "detail": "pending",
+    why = {
         "queue_state": "paused_capacity",
         "queue_state_reason": "its job is queued: every trainer engine holds 8 jobs",
     }
+    for _ in range(50):
+        pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if pending.status_code == 200:
+            break
+        assert pending.json() == {"detail": "pending", "queue_state": "active"}
+    # once it waits, a poll is answered "try_again" (the SDK warns of it at its default log level) ...
+    assert pending.json() == {"type": "try_again", "request_id": request_id, **why}
+    # ... then, for a minute, 408 with the reason (the SDK's queue-state observers get it)
+    again = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+    assert again.status_code == 408 and again.json() == {"detail": "pending", **why}
     backend.capacity.set()
     assert retrieve(client, request_id).json()["model_id"] == f"{session_id}:train:0"
+
+
+def test_a_client_whose_run_waits_for_room_is_told_at_the_sdks_default_log_level(
+    served: tuple[str, FakeBackend],
+) -> None:
+    """A script that configures no logging (the SDK's default: warnings to stderr) is told, as its
+    session starts, that the cluster is full and why, and while its training client waits, that its
+    request is retried; its run starts once there is room."""
+    import subprocess
+    import sys
+
+    url, backend = served
+    script = (
+        "import sys, tinker\n"
+        "service = tinker.ServiceClient(base_url=sys.argv[1], api_key='tml-alice')\n"
+        "training = service.create_lora_training_client(base_model=sys.argv[2], rank=4).result()\n"
+        "print('created', training.model_id, flush=True)\n"
+        "service.close('success').result()\n"
+    )
+    backend.capacity = threading.Event()
+    env = {**os.environ, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+    env.pop("TINKER_LOG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, url, MODEL], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("because of try_again" in line for line in seen) and time.monotonic() < deadline:
+            seen.append(proc.stderr.readline())
+        backend.capacity.set()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        backend.capacity = None
+    told = "".join(seen)
+    assert "the cluster is full: 1 job(s) wait for room (every trainer engine holds 8 jobs)" in told, told
+    assert "because of try_again" in told, told
+    assert proc.returncode == 0 and out.startswith("created "), (out, err)
 
 
 def test_http_errors_have_a_json_line(raw: tuple[TestClient, FakeBackend]) -> None:
@@ -723,7 +868,7 @@ def test_outputs_decode_in_the_sdk() -> None:
     assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-0.5, -1.25], [-2.0]]
     assert out.metrics == {"loss:sum": 3.75}
     sample = SampleResult([SampledSequence([5, 6], [-0.5, -0.25], "stop")], [None, -1.5])
-    resp = response_conv.deserialize_sample_response(wire.sample_response(sample, 1, 2))
+    resp = response_conv.deserialize_sample_response(wire.sample_response(sample, 1, 2, logprobs=True))
     assert (resp.sequences[0].tokens, resp.sequences[0].logprobs, resp.sequences[0].stop_reason) == (
         [5, 6],
         [-0.5, -0.25],
@@ -741,10 +886,18 @@ def test_sampling_params_and_checkpoint_paths() -> None:
     with pytest.raises(UserError, match="mixes strings and token ids"):
         wire.sample_params(wire.SamplingParamsWire(stop=["a", 1]))
     req = msgspec.json.decode(
-        b'{"prompt":{"chunks":[]},"sampling_params":{},"topk_prompt_logprobs":3}', type=wire.SampleReq
+        b'{"prompt":{"chunks":[]},"sampling_params":{},"topk_sample_logprobs":3}', type=wire.SampleReq
     )
-    with pytest.raises(UserError, match="not supported: topk_prompt_logprobs"):
-        wire.check_sample_request(req)
+    with pytest.raises(UserError, match="not supported: topk_sample_logprobs"):
+        wire.check_sample_request(req, 4)
+    for extra, error in (
+        ('"topk_prompt_logprobs":21', "topk_prompt_logprobs must be between 0 and 20, not 21"),
+        ('"prompt_logprobs_last_n":2', "set include_prompt_logprobs"),
+        ('"prompt_logprobs":true,"prompt_logprobs_last_n":4', "between 1 and 3 (the prompt's length - 1)"),
+    ):
+        body = b'{"prompt":{"chunks":[]},"sampling_params":{},' + extra.encode() + b"}"
+        with pytest.raises(UserError, match=re.escape(error)):
+            wire.check_sample_request(msgspec.json.decode(body, type=wire.SampleReq), 4)
     parsed = parse_checkpoint_path("tinker://s-1:train:0/sampler_weights/step-3")
     assert (parsed.model_id, parsed.kind, parsed.name) == ("s-1:train:0", "sampler", "step-3")
     for bad in ("tinker://m/weights", "tinker://m/other/x", "file://m/weights/x"):

@@ -717,6 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--expected-jobs", type=int, default=16, help="jobs the cluster runs at once (adapter slots)")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank the rollout engine loads")
     ap.add_argument(
+        "--min-lora-rank",
+        type=int,
+        default=0,
+        help="without --max-lora-rank, the default covers at least this rank (`up --tinker-port`: the SDK's default)",
+    )
+    ap.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
@@ -813,7 +819,7 @@ def build_engines(
         engines["rollout"] = RolloutEngine(
             model,
             dtype=options.dtype,
-            max_lora_rank=args.max_lora_rank or default_max_lora_rank(options.device),
+            max_lora_rank=_max_lora_rank(args, options.device),
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
             max_model_len=args.max_model_len or default_max_model_len(model),
@@ -827,6 +833,11 @@ def build_engines(
             ),
         )
     return engines
+
+
+def _max_lora_rank(args: argparse.Namespace, device: Platform) -> int:
+    """``--max-lora-rank``, else the platform's default raised to cover ``--min-lora-rank``."""
+    return int(args.max_lora_rank or default_max_lora_rank(device, [args.min_lora_rank] if args.min_lora_rank else []))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -850,7 +861,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         option_error = ""
     device = options.device if options else "cpu"
-    max_lora_rank = args.max_lora_rank or default_max_lora_rank(device)
+    max_lora_rank = _max_lora_rank(args, device)
     sleep_mode = sleep_between_models(device, len(models))
     decls = [
         P.EngineDecl(

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from plexctl.common.calls import MAX_TOPK, TokenLogprob
 from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
 from worker.engine_args import (
@@ -159,6 +160,8 @@ def validate_sampling(s: Sampling) -> None:
         raise RequestError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
     if s.temperature == 0 and s.n > 1:
         raise RequestError(f"greedy sampling (temperature 0) gives one sample, got n={s.n}")
+    if not 0 <= s.topk_prompt_logprobs <= MAX_TOPK:
+        raise RequestError(f"sampling.topk_prompt_logprobs must be in [0, {MAX_TOPK}], got {s.topk_prompt_logprobs}")
 
 
 def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
@@ -184,7 +187,8 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         ignore_eos=s.ignore_eos,
         seed=prompt_seed(s, prompt_index),
         logprobs=0,  # 0: only the sampled token's log-prob
-        prompt_logprobs=0 if s.prompt_logprobs else None,  # 0: only the prompt token's own
+        # 0: only the prompt token's own; k: with the k likeliest
+        prompt_logprobs=s.topk_prompt_logprobs if s.prompt_logprobs or s.topk_prompt_logprobs else None,
         skip_special_tokens=True,
         detokenize=bool(s.stop),  # vLLM matches stop strings on the text it decodes
         flat_logprobs=True,
@@ -203,13 +207,16 @@ def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
     return values
 
 
-def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Completion]:
+def to_completions(output: Any, prompt_index: int, tokenizer: Any, s: Sampling) -> list[Completion]:
     """One vLLM ``RequestOutput`` (n samples of one prompt) as Completions, index order;
     each text is its tokens decoded at once (special tokens skipped, no clean-up of spaces:
-    what vLLM's own detokenizer gives)."""
+    what vLLM's own detokenizer gives). The prompt's log-probs and top-k as ``s`` asks."""
     prompt_ids = list(output.prompt_token_ids or [])
     prompt_lps = getattr(output, "prompt_logprobs", None)
-    prompt_logprobs = [] if prompt_lps is None else vllm_private.prompt_token_logprobs(prompt_ids, prompt_lps)
+    own = prompt_lps is not None and s.prompt_logprobs
+    prompt_logprobs = vllm_private.prompt_token_logprobs(prompt_ids, prompt_lps) if own else []
+    k = s.topk_prompt_logprobs
+    topk = vllm_private.prompt_topk_logprobs(prompt_ids, prompt_lps, k) if prompt_lps is not None and k else []
     samples = sorted(output.outputs, key=lambda c: c.index)
     token_ids = [list(c.token_ids) for c in samples]
     texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -222,6 +229,7 @@ def to_completions(output: Any, prompt_index: int, tokenizer: Any) -> list[Compl
             logprobs=sampled_logprobs(ids, c.logprobs),
             finish_reason=c.finish_reason or "unknown",
             prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=[None if row is None else [TokenLogprob(t, lp) for t, lp in row] for row in topk],
         )
         for c, ids, text in zip(samples, token_ids, texts)
     ]
@@ -495,7 +503,7 @@ class RolloutEngine:
                     completions = [
                         c
                         for pi in range(len(flight.prompt_of))
-                        for c in to_completions(flight.outputs[pi], pi, self._tokenizer)
+                        for c in to_completions(flight.outputs[pi], pi, self._tokenizer, flight.request.sampling)
                     ]
                     self._count(flight.request, completions)
                     if flight.request.adapter is not None and not flight.request.adapter.full:

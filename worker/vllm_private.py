@@ -93,7 +93,7 @@ def release_process_state() -> None:
 # ---------------------------------------------------------------- outputs
 
 FLAT_LOGPROBS_AT = ("vllm.logprobs", "FlatLogprobs")
-FLAT_LOGPROBS_FIELDS = ("start_indices", "token_ids", "logprobs")
+FLAT_LOGPROBS_FIELDS = ("start_indices", "token_ids", "logprobs", "ranks")
 
 
 def sampled_token_logprobs(steps: Any) -> tuple[list[int], list[float]]:
@@ -127,6 +127,35 @@ def prompt_token_logprobs(prompt_ids: list[int], steps: Any) -> list[float | Non
         else:
             entry = position.get(token)
             out.append(None if entry is None else float(entry.logprob))
+    return out
+
+
+def prompt_topk_logprobs(prompt_ids: list[int], steps: Any, k: int) -> list[list[tuple[int, float]] | None]:
+    """The ``k`` likeliest tokens at each prompt position, most likely first (None for the first
+    position), from vLLM's prompt log-probs with ``prompt_logprobs=k``: each position holds the
+    prompt token's entry and the top k by rank (1 is the likeliest), in a ``FlatLogprobs`` (with
+    its ``ranks``) or a per-position dict of ``Logprob`` (None at the first)."""
+    if hasattr(steps, "start_indices"):
+        starts, ids, values, ranks = list(steps.start_indices), steps.token_ids, steps.logprobs, steps.ranks
+        positions: list[Any] = [
+            [(ids[i], float(values[i]), ranks[i]) for i in range(a, b)] if b > a else None
+            for a, b in zip(starts, [*starts[1:], len(ids)])
+        ]
+    else:
+        positions = [None if p is None else [(t, float(lp.logprob), lp.rank) for t, lp in p.items()] for p in steps]
+    skip = len(prompt_ids) - len(positions)
+    if skip not in (0, 1):
+        raise ValueError(f"vLLM gave {len(positions)} prompt log-probs for {len(prompt_ids)} prompt tokens")
+    out: list[list[tuple[int, float]] | None] = [None] * skip
+    for position in positions:
+        if position is None:
+            out.append(None)
+            continue
+        best: dict[int, tuple[int, float]] = {}  # rank -> token, log-prob; the prompt token may be among them
+        for token, logprob, rank in position:
+            if rank is not None and 1 <= rank <= k:
+                best.setdefault(rank, (token, logprob))
+        out.append([best[r] for r in sorted(best)])
     return out
 
 

@@ -34,7 +34,7 @@ def status(
     from plexctl.cli import views
     from plexctl.cli.slurm import SLURM_FILE
     from plexctl.cli.start_stop import ping_or_none, slurm_note
-    from plexctl.common.cluster import tinker_url
+    from plexctl.common.cluster import tinker_state
     from plexctl.common.errors import DaemonUnreachable
 
     c: Ctx = ctx.obj
@@ -67,7 +67,7 @@ def status(
                 return
             time.sleep(interval)
             continue
-        tinker = tinker_url(c.state_dir)
+        tinker, tinker_note = tinker_state(c.state_dir)
         if as_json:
             print(
                 json.dumps(
@@ -75,14 +75,15 @@ def status(
                         "jobs": [views.job_row(j, rep.now) for j in rep.jobs],
                         "engines": msgspec.to_builtins(rep.engines),
                         **({"tinker_url": tinker} if tinker else {}),
+                        **({"tinker_note": tinker_note} if tinker_note else {}),
                     },
                     indent=2,
                 )
             )
         elif console().is_terminal:
-            console().print(views.status_view(rep, c.uptime(), tinker))
+            console().print(views.status_view(rep, c.uptime(), tinker, tinker_note))
         else:
-            print(views.plain_status(rep, c.uptime(), tinker), flush=True)
+            print(views.plain_status(rep, c.uptime(), tinker, tinker_note), flush=True)
         if not watch:
             return
         time.sleep(interval)

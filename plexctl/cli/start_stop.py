@@ -52,7 +52,11 @@ def up(
     ] = None,
     max_lora_rank: Annotated[
         Optional[int],
-        typer.Option(min=1, help="highest LoRA rank the rollout engines load (default 64 on GPUs, 16 on CPU)"),
+        typer.Option(
+            min=1,
+            help="highest LoRA rank the rollout engines load (default 64 on GPUs, 16 on CPU; with "
+            "--tinker-port at least 32, the Tinker SDK's default rank)",
+        ),
     ] = None,
     device: Annotated[
         str, typer.Option(help="where engines run: auto (a GPU when the worker sees one) | cpu | cuda")
@@ -199,6 +203,10 @@ def up(
     ):
         if setting is not None:
             engine_args.append(f"{flag}={setting}")
+    if tinker_port is not None and max_lora_rank is None:  # a training client at the SDK's default rank fits
+        from plexctl.tinker.backend import SDK_DEFAULT_RANK
+
+        engine_args.append(f"--min-lora-rank={SDK_DEFAULT_RANK}")
     c: Ctx = ctx.obj
     models = list(dict.fromkeys(m.resolve() for m in (model or [_local_model_default()])))
     for m in models:

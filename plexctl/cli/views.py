@@ -205,15 +205,18 @@ def cluster_line(rep: StatusRep) -> str:
     return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
 
 
-def tinker_line(url: str | None) -> str:
-    return "" if url is None else f"\nTinker API: base_url={url}"
+def tinker_line(url: str | None, note: str = "") -> str:
+    """The Tinker API's line: its URL, else why it has none now (``cluster.tinker_state``)."""
+    if url is not None:
+        return f"\nTinker API: base_url={url}"
+    return f"\nTinker API: {note}" if note else ""
 
 
-def status_view(rep: StatusRep, uptime: float, tinker: str | None = None) -> Group:
+def status_view(rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "") -> Group:
     from rich.console import Group
     from rich.text import Text
 
-    table = Text(cluster_line(rep) + tinker_line(tinker))
+    table = Text(cluster_line(rep) + tinker_line(tinker, tinker_note))
     return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), table)
 
 
@@ -250,7 +253,8 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     return "\n".join(lines)
 
 
-def plain_status(rep: StatusRep, uptime: float, tinker: str | None = None) -> str:
-    """``tinker``: the Tinker API's URL, where the cluster serves it."""
+def plain_status(rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "") -> str:
+    """``tinker``: the Tinker API's URL, where the cluster serves it; ``tinker_note``: why not now."""
     engines = plain_engines(rep.engines, uptime)
-    return plain_jobs(rep.jobs, rep.now) + "\n\n" + engines + "\n" + cluster_line(rep) + tinker_line(tinker)
+    tail = cluster_line(rep) + tinker_line(tinker, tinker_note)
+    return plain_jobs(rep.jobs, rep.now) + "\n\n" + engines + "\n" + tail

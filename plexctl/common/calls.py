@@ -34,6 +34,17 @@ class Sampling(msgspec.Struct):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)  # tokens that end a sample
     ignore_eos: bool = False  # EOS does not end a sample
     prompt_logprobs: bool = False  # also each prompt token's log-prob (``Completion.prompt_logprobs``)
+    topk_prompt_logprobs: int = 0  # also the k likeliest tokens at each prompt position (0: none; at most MAX_TOPK)
+
+
+MAX_TOPK = 20  # the most top-k log-probs per position a rollout engine gives (vLLM's max_logprobs)
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A token and its log-prob at one position."""
+
+    token: int
+    logprob: float
 
 
 class AdapterRef(msgspec.Struct):
@@ -63,6 +74,9 @@ class Completion(msgspec.Struct):
     finish_reason: str
     # asked for (``Sampling.prompt_logprobs``): each prompt token's log-prob, None for the first
     prompt_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    # asked for (``Sampling.topk_prompt_logprobs``): each prompt position's likeliest tokens, most
+    # likely first, None for the first position
+    topk_prompt_logprobs: list[list[TokenLogprob] | None] = msgspec.field(default_factory=list)
 
 
 class TrainBatch(msgspec.Struct):

@@ -142,11 +142,30 @@ def pid_alive(pid: int) -> bool:
 
 
 def tinker_url(state_dir: Path) -> str | None:
-    """Where the cluster's Tinker API front end listens (its ``tinker.json``); None while it does
-    not (the daemon removes the file when it starts one and when it stops)."""
-    import json
+    """Where the cluster's Tinker API front end listens; None while it does not (``tinker_state``)."""
+    return tinker_state(state_dir)[0]
+
+
+def tinker_state(state_dir: Path) -> tuple[str | None, str]:
+    """The cluster's Tinker API front end, from its ``tinker.json``: ``(url, "")`` while it
+    listens; ``(None, why)`` while its daemon starts it again (the file says so, or the process it
+    names on this host is gone, not yet noticed); ``(None, "")`` where none runs (the daemon
+    removes the file when it starts one and when it stops)."""
+    import socket
+    import time
 
     try:
-        return str(json.loads((state_dir / TINKER_FILE).read_text())["url"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        info = json.loads((state_dir / TINKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None, ""
+    if not isinstance(info, dict):
+        return None, ""
+    if info.get("restarting"):
+        wait = max(0.0, float(info.get("retry_at", 0.0)) - time.time())
+        return None, f"restarting (its front end exited with code {info.get('exit_code')}; next start in {wait:.0f} s)"
+    url, pid = info.get("url"), info.get("pid")
+    if not isinstance(url, str):
+        return None, ""
+    if info.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
+        return None, f"restarting (its front end, pid {pid}, is gone; the daemon starts it again)"
+    return url, ""

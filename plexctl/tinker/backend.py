@@ -9,7 +9,8 @@ order the user's training client numbered them; ``sample`` calls may overlap, on
 
 A call that waits for the cluster's capacity (its job is queued behind others) says so with
 ``say_waiting(reason)``: the SDK's polls of its future are then answered "paused_capacity" with
-that reason, which the SDK logs; ``say_waiting(None)`` once it runs.
+that reason; ``say_waiting(None)`` once it runs. ``capacity_note`` says, as a new session starts,
+whether a run would wait now.
 
 Errors: raise ``UserError`` for what the user can fix (its message, one line, is what they see, with
 category "user"); anything else reaches them as an internal error (category "server") and is logged
@@ -35,6 +36,7 @@ import msgspec
 from plexctl.common import calls as C
 
 CheckpointKind = Literal["training", "sampler"]
+SDK_DEFAULT_RANK = 32  # ServiceClient.create_lora_training_client's rank when none is given
 STOP_REASONS = ("stop", "length")  # a stop string, token or EOS ended it; max_tokens did
 
 _SEGMENT_OF_KIND: dict[str, str] = {"training": "weights", "sampler": "sampler_weights"}
@@ -98,11 +100,13 @@ class ForwardResult(msgspec.Struct, frozen=True):
 
 
 class Sampler(msgspec.Struct, frozen=True):
-    """Fixed weights to sample from: a base model, or a run's saved sampler weights."""
+    """Fixed weights to sample from: a base model, or a run's saved sampler weights;
+    ``tokenizer_dir`` as in ``ServedModel``."""
 
     sampler_id: str
     base_model: str
     model_path: str | None = None  # the tinker:// path of its weights; None: the base model
+    tokenizer_dir: str = ""
 
 
 class SampleParams(msgspec.Struct, frozen=True):
@@ -129,10 +133,13 @@ class SampledSequence(msgspec.Struct, frozen=True):
 
 
 class SampleResult(msgspec.Struct, frozen=True):
-    """``prompt_logprobs`` (asked for only): one per prompt token, None for the first."""
+    """``prompt_logprobs`` (asked for only): one per prompt token, None for the first;
+    ``topk_prompt_logprobs`` (asked for only): at each prompt position the k likeliest
+    ``(token, log-prob)``, most likely first, None for the first."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):
@@ -236,8 +243,11 @@ class Backend(abc.ABC):
         num_samples: int,
         params: SampleParams,
         prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> SampleResult:
-        """``num_samples`` continuations of the prompt, each with the log-prob of every token."""
+        """``num_samples`` continuations of the prompt, each with the log-prob of every token;
+        asked for, the prompt's log-probs and the ``topk_prompt_logprobs`` likeliest tokens at
+        each of its positions (at most ``calls.MAX_TOPK``)."""
 
     @abc.abstractmethod
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
@@ -246,6 +256,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def end_session(self, user: str, session_id: str) -> None:
         """The session ended (closed by the client, or silent too long): free what it holds."""
+
+    def capacity_note(self) -> str | None:
+        """Why a run created now would wait for room (one line), or None: it would start at once."""
+        return None
 
     def known_runs(self) -> list[tuple[str, TrainingRun]]:
         """The runs, with their users, that a restarted front end takes back (their sessions have

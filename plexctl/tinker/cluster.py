@@ -34,6 +34,7 @@ from plexctl.common import calls as C
 from plexctl.common.atomic import write_json_atomic
 from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
+from plexctl.common.errors import RemoteError
 from plexctl.common.spec import TINKER_ALGO, spec_from_wire, spec_to_wire
 from plexctl.rl import CallFailed, JobClient
 from plexctl.tinker import keys
@@ -59,6 +60,7 @@ log = logging.getLogger("plexrl.tinker")
 LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
 BASE_SAMPLER_RANK = 1  # a base model's sampler job holds the smallest adapter; it samples the base (version 0)
 START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
+EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
 
 
 class SavedState(msgspec.Struct, array_like=True):
@@ -89,6 +91,7 @@ class RunRecord(msgspec.Struct):
     model_path: str
     rank: int | None  # None: full fine-tuning
     samplers: dict[str, int] = msgspec.field(default_factory=dict)  # name -> policy version
+    sampler_times: dict[str, float] = msgspec.field(default_factory=dict)  # name -> when it was saved
     states: dict[str, SavedState] = msgspec.field(default_factory=dict)  # by name
     steps: int = 0  # optim_steps taken (as of the last one)
     ended: bool = False  # its session ended: its job is over
@@ -273,7 +276,10 @@ class ClusterBackend(Backend):
         if rank is not None:  # no lora section: the job trains every weight
             doc["lora"] = {"rank": rank, "alpha": LORA_ALPHA}
         spec = spec_from_wire(doc)
-        rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
+        try:
+            rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
+        except RemoteError as refused:  # the daemon refused the run's job (a rank above the engines', ...)
+            raise UserError(str(refused)) from None
         job = self._wait_running(rep.job_id)
         record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling)
         self.runs[model_id] = Run(record)
@@ -294,6 +300,15 @@ class ClusterBackend(Backend):
                 say_waiting(f"its job {job_id} is queued: {info.reason or 'waiting for engines'}")
             time.sleep(0.2)
         raise UserError(f"its job {job_id} did not start within {START_TIMEOUT_S:.0f} s")
+
+    def capacity_note(self) -> str | None:
+        waiting = [j for j in self._client().status().jobs if j.state == "queued" and j.reason]
+        if not waiting:
+            return None
+        return (
+            f"the cluster is full: {len(waiting)} job(s) wait for room ({waiting[0].reason}); a training "
+            "client made now waits in the queue behind them (`plexctl status` shows the queue)"
+        )
 
     def weights_info(self, user: str, path: str) -> TrainingRun:
         where = parse_checkpoint_path(path)
@@ -332,7 +347,10 @@ class ClusterBackend(Backend):
         path = checkpoint_path(model_id, "sampler", name)
         if name in run.record.samplers:
             raise UserError(f"{path} exists (a saved checkpoint does not change)")
+        if name.startswith(EPHEMERAL_PREFIX):
+            raise UserError(f"checkpoint names starting with {EPHEMERAL_PREFIX!r} are the server's: choose another")
         run.record.samplers[name] = self._publish(run)
+        run.record.sampler_times[name] = time.time()
         self._save()
         return path
 
@@ -369,10 +387,10 @@ class ClusterBackend(Backend):
         if model_path:
             where = parse_checkpoint_path(model_path)
             run = self._run(user, where.model_id)
-            version = run.record.samplers.get(where.name) if where.kind == "sampler" else None
+            version = _sampler_version(run.record, where.name) if where.kind == "sampler" else None
             if version is None:
                 raise UserError(f"no sampler weights at {model_path}")
-            return Sampler(f"{where.model_id}:v{version}", run.record.base_model, model_path)
+            return _sampler(run.record, version, model_path)
         assert base_model is not None
         path = self._model_path(base_model)
         model_id = f"{session_id}:base:{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(path))}"
@@ -384,12 +402,12 @@ class ClusterBackend(Backend):
                 self._start_run(user, model_id, path, BASE_SAMPLER_RANK, 0, sampling=True)
             elif held.record.user != user:
                 raise UserError(f"session {session_id} is another user's")
-        return Sampler(f"{model_id}:v0", os.path.basename(path))
+        return Sampler(f"{model_id}:v0", os.path.basename(path), tokenizer_dir=path)
 
     def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
         run = self._run(user, model_id)
         version = self._publish(run)
-        return Sampler(f"{model_id}:v{version}", run.record.base_model)
+        return _sampler(run.record, version, checkpoint_path(model_id, "sampler", f"{EPHEMERAL_PREFIX}{version}"))
 
     def sample(
         self,
@@ -399,6 +417,7 @@ class ClusterBackend(Backend):
         num_samples: int,
         params: SampleParams,
         prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> SampleResult:
         model_id, _, version = sampler_id.rpartition(":v")
         run = self._run(user, model_id)
@@ -414,14 +433,20 @@ class ClusterBackend(Backend):
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
         )
         rep: C.GenerateRep = self._call(run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version)))
+        first = rep.completions[0] if rep.completions else None
+        topk = None
+        if first is not None and topk_prompt_logprobs:
+            topk = [None if row is None else [(t.token, t.logprob) for t in row] for row in first.topk_prompt_logprobs]
         return SampleResult(
             [
                 SampledSequence(c.token_ids, c.logprobs, "length" if c.finish_reason == "length" else "stop")
                 for c in rep.completions
             ],
-            (rep.completions[0].prompt_logprobs if rep.completions else None) if prompt_logprobs else None,
+            first.prompt_logprobs if first is not None and prompt_logprobs else None,
+            topk,
         )
 
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
@@ -430,8 +455,10 @@ class ClusterBackend(Backend):
             CheckpointInfo(checkpoint_path(model_id, "training", name), saved.at)
             for name, saved in run.record.states.items()
         ]
-        published = run.record.samplers.items()
-        out += [CheckpointInfo(checkpoint_path(model_id, "sampler", name), 0.0) for name, _ in published]
+        out += [
+            CheckpointInfo(checkpoint_path(model_id, "sampler", name), run.record.sampler_times.get(name, 0.0))
+            for name in run.record.samplers
+        ]
         return out
 
     def known_runs(self) -> list[tuple[str, TrainingRun]]:
@@ -443,7 +470,10 @@ class ClusterBackend(Backend):
         if run is None or run.record.user != user or not version.isdigit():
             return None
         paths = {v: checkpoint_path(model_id, "sampler", n) for n, v in run.record.samplers.items()}
-        return Sampler(sampler_id, run.record.base_model, paths.get(int(version)))
+        ephemeral = checkpoint_path(model_id, "sampler", f"{EPHEMERAL_PREFIX}{version}")
+        if run.record.sampling:  # a base model's sampler
+            return Sampler(sampler_id, run.record.base_model, tokenizer_dir=run.record.model_path)
+        return _sampler(run.record, int(version), paths.get(int(version), ephemeral))
 
     def end_session(self, user: str, session_id: str) -> None:
         for model_id, run in list(self.runs.items()):
@@ -471,6 +501,19 @@ def _restore_point(record: RunRecord) -> LoadedState | None:
     if record.loaded is not None and (saved is None or record.loaded.at > saved.at):
         return record.loaded
     return saved
+
+
+def _sampler_version(record: RunRecord, name: str) -> int | None:
+    """The policy version the run's sampler weights ``name`` are: a saved name, or
+    ``ephemeral-<version>`` (the path of a ``save_weights_and_get_sampling_client`` sampler)."""
+    if name in record.samplers:
+        return record.samplers[name]
+    version = name.removeprefix(EPHEMERAL_PREFIX)
+    return int(version) if name.startswith(EPHEMERAL_PREFIX) and version.isdigit() else None
+
+
+def _sampler(record: RunRecord, version: int, path: str) -> Sampler:
+    return Sampler(f"{record.model_id}:v{version}", record.base_model, path, tokenizer_dir=record.model_path)
 
 
 def _trains(rank: int | None) -> str:

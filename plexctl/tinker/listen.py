@@ -1,6 +1,6 @@
 """Serving an ASGI app on a host and port, for the Tinker front end and its proxy: bind (waiting
 for a fixed port still held by a process that just died), run uvicorn until SIGINT or SIGTERM,
-and write ``{"url", "pid"}`` atomically once it listens."""
+and write ``{"url", "pid", "host"}`` atomically once it listens."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def run(
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Bind, then serve the app ``make_app`` makes until SIGINT or SIGTERM; once it listens,
-    ``ready_file`` (if given) holds ``{"url", "pid"}`` (left behind at exit: a reader checks the
-    pid) and ``on_ready`` gets the URL."""
+    ``ready_file`` (if given) holds ``{"url", "pid", "host"}`` (left behind at exit: a reader
+    checks the pid) and ``on_ready`` gets the URL."""
     import uvicorn
 
     sock = bind(host, port)
@@ -63,7 +63,7 @@ def run(
             await asyncio.sleep(0.05)
         if server.started:
             if ready_file is not None:
-                write_json_atomic(ready_file, {"url": url, "pid": os.getpid()})
+                write_json_atomic(ready_file, {"url": url, "pid": os.getpid(), "host": socket.gethostname()})
             if on_ready is not None:
                 on_ready(url)
         await serving

@@ -38,6 +38,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -66,6 +67,8 @@ KEEP_SEQ_IDS = 256  # a model's latest seq_ids whose request ids a repeated subm
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # no ':': a run's id is "<session>:..."
 RESUMING = 0  # a taken-back model's next seq_id: the lowest that comes within RESUME_SETTLE_S
 RESUME_SETTLE_S = 0.5  # requests sent together before a restart may arrive out of order
+WAITING_CHECK_S = 0.5  # a long poll looks this often whether its request began to wait for capacity
+WAITING_TOLD_EVERY_S = 60.0  # a waiting request's polls are answered "try_again" at most this often
 SAMPLE_ID_PREFIX = "smp-"  # a sample's request id: the SDK sends a lost one again (410)
 CLIENT_CONFIG = {  # the SDK's feature flags: none of the routes this server lacks, one fwd/bwd chunk per call
     "pjwt_auth_enabled": False,
@@ -101,6 +104,7 @@ class _Future:
     retrieved_at: float = 0.0
     sample_key: tuple[str, int] | None = None  # (sampler, seq_id) under which a repeat finds it
     waiting: str | None = None  # why its work waits for the cluster's capacity (``say_waiting``)
+    waiting_told: float = 0.0  # when a poll was last answered "try_again" for that (the SDK warns)
 
     def tell_waiting(self, reason: str | None) -> None:
         self.waiting = reason
@@ -135,6 +139,7 @@ class _Run:
     user: str
     run: TrainingRun
     last_request: float
+    session_id: str
     queue: _ModelQueue = field(default_factory=_ModelQueue)
 
 
@@ -142,6 +147,7 @@ class _Run:
 class _SamplerEntry:
     user: str
     sampler: Sampler
+    session_id: str = ""  # "": made before a restart of the front end
 
 
 class FrontEnd:
@@ -224,14 +230,19 @@ class FrontEnd:
             )
         if fut.user != user:
             raise ApiError(403, f"request {request_id!r} belongs to another user")
-        if not fut.done.is_set():
-            try:
-                await asyncio.wait_for(fut.done.wait(), self.poll_s)
-            except asyncio.TimeoutError:
-                if fut.waiting:
-                    body = {"detail": "pending", "queue_state": "paused_capacity", "queue_state_reason": fut.waiting}
-                    return JSONResponse(body, status_code=408)
-                return JSONResponse({"detail": "pending", "queue_state": "active"}, status_code=408)
+        deadline = time.monotonic() + self.poll_s
+        while not fut.done.is_set():
+            if fut.waiting and time.monotonic() - fut.waiting_told >= WAITING_TOLD_EVERY_S:
+                # the SDK warns of a "try_again" at its default log level (a 408 only after 15 min)
+                fut.waiting_told = time.monotonic()
+                log.info("request %s of %s waits: %s", request_id, user, fut.waiting)
+                return JSONResponse({"type": "try_again", "request_id": request_id, **_paused(fut.waiting)})
+            left = deadline - time.monotonic()
+            if left <= 0:
+                body = {"detail": "pending", **(_paused(fut.waiting) if fut.waiting else {"queue_state": "active"})}
+                return JSONResponse(body, status_code=408)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(fut.done.wait(), min(left, WAITING_CHECK_S))
         fut.retrieved_at = fut.retrieved_at or time.time()
         return Response(fut.body, media_type=fut.media_type)
 
@@ -336,23 +347,23 @@ class FrontEnd:
         expected = sdk_model_id(session_id, model_seq_id)
         if run.model_id != expected:
             raise ValueError(f"the backend named the model {run.model_id!r}; the SDK expects {expected!r}")
-        if ":" in run.tokenizer_dir:
-            raise ValueError(f"tokenizer_dir {run.tokenizer_dir!r} holds ':', which the SDK cuts off")
-        self.runs.setdefault(run.model_id, _Run(user, run, time.time()))
+        _check_tokenizer_dir(run.tokenizer_dir)
+        self.runs.setdefault(run.model_id, _Run(user, run, time.time(), session_id))
 
     def take_back(self) -> None:
         """The runs the backend still holds, and their sessions, as before a restart."""
         now = time.time()
         for user, run in self.backend.known_runs():
-            self.runs[run.model_id] = _Run(user, run, now, _ModelQueue(next_seq=RESUMING))
             session_id = run.model_id.partition(":")[0]  # a run's id starts with its session's
+            self.runs[run.model_id] = _Run(user, run, now, session_id, _ModelQueue(next_seq=RESUMING))
             self.sessions.setdefault(session_id, _Session(user, now))
             log.info("took back run %s of %s", run.model_id, user)
 
-    def add_sampler(self, user: str, sampler: Sampler) -> None:
+    def add_sampler(self, user: str, sampler: Sampler, session_id: str = "") -> None:
         if not ID_PATTERN.fullmatch(sampler.sampler_id):
             raise ValueError(f"the backend's sampler id {sampler.sampler_id!r} is not a plain id")
-        self.samplers[sampler.sampler_id] = _SamplerEntry(user, sampler)
+        _check_tokenizer_dir(sampler.tokenizer_dir)
+        self.samplers[sampler.sampler_id] = _SamplerEntry(user, sampler, session_id)
 
     # ------------------------------------------------------------ sessions
 
@@ -364,10 +375,19 @@ class FrontEnd:
             raise ApiError(401, "API key refused")
         return user
 
-    def create_session(self, user: str) -> dict[str, Any]:
+    async def create_session(self, user: str) -> dict[str, Any]:
+        """A new session; where a new run would wait for room now, a warning the SDK logs says so."""
         session_id = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[session_id] = _Session(user, time.time())
-        return {"session_id": session_id, "type": "create_session"}
+        reply: dict[str, Any] = {"session_id": session_id, "type": "create_session"}
+        try:
+            full = await self.quick(self.backend.capacity_note)
+        except Exception:  # noqa: BLE001 - a note, not the session: it is made anyway
+            log.warning("could not tell whether the cluster has room", exc_info=True)
+            full = None
+        if full:
+            reply["warning_message"] = full
+        return reply
 
     def heartbeat(self, user: str, session_id: str) -> dict[str, Any]:
         session = self.session_of(user, session_id)
@@ -444,15 +464,19 @@ class FrontEnd:
         return self.creates[key]
 
     def get_info(self, user: str, model_id: str) -> dict[str, Any]:
+        """The run's model under the name its tokenizer loads by (its directory, where the backend
+        has one): the SDK gives that name to the samplers it makes of the run, which load their
+        tokenizer by it, offline."""
         run = self.run_of(user, model_id).run
-        model_data: dict[str, Any] = {"model_name": run.base_model}
+        name = run.tokenizer_dir or run.base_model
+        model_data: dict[str, Any] = {"model_name": name}
         if run.tokenizer_dir:
             model_data["tokenizer_id"] = run.tokenizer_dir
         return {
             "type": "get_info",
             "model_id": run.model_id,
             "model_data": model_data,
-            "model_name": run.base_model,
+            "model_name": name,
             "is_lora": run.is_lora,
             "lora_rank": run.lora_rank,
         }
@@ -489,7 +513,7 @@ class FrontEnd:
                 path = await self.call(self.backend.save_weights_for_sampler, user, req.model_id, check_name(name))
                 return {"path": path, "type": "save_weights_for_sampler"}
             sampler = await self.call(self.backend.sampler_for_weights, user, req.model_id, req.seq_id)
-            self.add_sampler(user, sampler)
+            self.add_sampler(user, sampler, self.run_of(user, req.model_id).session_id)
             return {"sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
         return self.submit(user, req.model_id, req.seq_id, job)
@@ -523,7 +547,7 @@ class FrontEnd:
             task = asyncio.ensure_future(self.call(self.backend.create_sampler, *args))
             self.sampler_creates[key] = task
         sampler = await asyncio.shield(task)
-        self.add_sampler(user, sampler)
+        self.add_sampler(user, sampler, req.session_id)
         return {"sampling_session_id": sampler.sampler_id, "type": "create_sampling_session"}
 
     def sample(self, user: str, req: wire.SampleReq) -> dict[str, Any]:
@@ -537,12 +561,13 @@ class FrontEnd:
         n = req.num_samples
 
         def work() -> Reply:
-            wire.check_sample_request(req)
             tokens = wire.prompt_tokens(req.prompt)
+            wire.check_sample_request(req, len(tokens))
             params = wire.sample_params(req.sampling_params)
-            want_prompt = bool(req.prompt_logprobs)
-            result = self.backend.sample(user, sampler.sampler_id, tokens, n, params, want_prompt)
-            return wire.sample_response(result, n, len(tokens) if want_prompt else None)
+            want_prompt, k = bool(req.prompt_logprobs), req.topk_prompt_logprobs
+            result = self.backend.sample(user, sampler.sampler_id, tokens, n, params, want_prompt, k)
+            last_n = req.prompt_logprobs_last_n
+            return wire.sample_response(result, n, len(tokens), logprobs=want_prompt, topk=k, last_n=last_n)
 
         request_id = self.start(user, self.in_thread(work), SAMPLE_ID_PREFIX)
         sequence_ids = [f"{request_id}-{i}" for i in range(max(n, 0))]
@@ -572,6 +597,48 @@ class FrontEnd:
             "last_checkpoint": last["training"],
             "last_sampler_checkpoint": last["sampler"],
         }
+
+    def sessions_of(self, user: str) -> list[str]:
+        """The user's sessions, newest first (a restarted front end knows those it took back)."""
+        mine = [(s.last_seen, sid) for sid, s in self.sessions.items() if s.user == user]
+        return [sid for _, sid in sorted(mine, reverse=True)]
+
+    def session_json(self, user: str, session_id: str) -> dict[str, Any]:
+        """The SDK's ``GetSessionResponse``: the session's runs and samplers."""
+        self.session_of(user, session_id)
+        runs = [m for m, e in self.runs.items() if e.user == user and e.session_id == session_id]
+        samplers = [i for i, e in self.samplers.items() if e.user == user and e.session_id == session_id]
+        return {"training_run_ids": runs, "sampler_ids": samplers}
+
+    async def training_runs(self, user: str) -> list[dict[str, Any]]:
+        """The user's runs, the most recently used first."""
+        mine = sorted((e for e in self.runs.values() if e.user == user), key=lambda e: -e.last_request)
+        return [await self.training_run(user, e.run.model_id) for e in mine]
+
+    async def user_checkpoints(self, user: str) -> list[dict[str, Any]]:
+        """Every checkpoint of the user's runs, the newest first."""
+        infos: list[tuple[str, CheckpointInfo]] = []
+        for model_id in [m for m, e in self.runs.items() if e.user == user]:
+            infos += [(model_id, i) for i in await self.checkpoints(user, model_id)]
+        infos.sort(key=lambda mi: -mi[1].time)
+        return [{**checkpoint_json(info), "training_run_id": model_id} for model_id, info in infos]
+
+
+def _paused(reason: str) -> dict[str, str]:
+    return {"queue_state": "paused_capacity", "queue_state_reason": reason}
+
+
+def page(items: list[Any], key: str, limit: int, offset: int) -> dict[str, Any]:
+    """``items[offset:offset+limit]`` under ``key``, with the SDK's ``Cursor``."""
+    if limit < 0 or offset < 0:
+        raise ApiError(400, f"limit and offset must be 0 or more, not {limit} and {offset}")
+    cursor = {"offset": offset, "limit": limit, "total_count": len(items)}
+    return {key: items[offset : offset + limit], "cursor": cursor}
+
+
+def _check_tokenizer_dir(tokenizer_dir: str) -> None:
+    if ":" in tokenizer_dir:
+        raise ValueError(f"tokenizer_dir {tokenizer_dir!r} holds ':', which the SDK cuts off")
 
 
 def checkpoint_json(info: CheckpointInfo) -> dict[str, Any]:
@@ -653,6 +720,11 @@ def create_app(
     async def on_user_error(request: Request, e: UserError) -> JSONResponse:
         return _error(400, str(e))
 
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        return _error(400, f"malformed request: {where}")
+
     @app.exception_handler(Exception)
     async def on_error(request: Request, e: Exception) -> JSONResponse:  # the server logs its traceback
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server")
@@ -690,7 +762,7 @@ def create_app(
     @app.post(f"{api}/create_session")
     async def create_session(request: Request, user: User) -> dict[str, Any]:
         await body(request, wire.CreateSessionReq)
-        return front.create_session(user)
+        return await front.create_session(user)
 
     @app.post(f"{api}/session_heartbeat")
     async def session_heartbeat(request: Request, user: User) -> dict[str, Any]:
@@ -755,8 +827,10 @@ def create_app(
 
     @app.get(f"{api}/samplers/{{sampler_id}}")
     async def get_sampler(sampler_id: str, user: User) -> dict[str, Any]:
+        """``base_model`` under the name its tokenizer loads by (see ``get_info``): the SDK makes a
+        sampler of ``model_path`` with it."""
         s = front.sampler_of(user, sampler_id)
-        return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+        return {"sampler_id": s.sampler_id, "base_model": s.tokenizer_dir or s.base_model, "model_path": s.model_path}
 
     @app.post(f"{api}/asample")
     async def asample(request: Request, user: User) -> dict[str, Any]:
@@ -765,6 +839,22 @@ def create_app(
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request, user: User) -> Response:
         return await front.retrieve(user, (await body(request, wire.RetrieveFutureReq)).request_id)
+
+    @app.get(f"{api}/training_runs")
+    async def list_training_runs(user: User, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return page(await front.training_runs(user), "training_runs", limit, offset)
+
+    @app.get(f"{api}/checkpoints")
+    async def list_user_checkpoints(user: User, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return page(await front.user_checkpoints(user), "checkpoints", limit, offset)
+
+    @app.get(f"{api}/sessions")
+    async def list_sessions(user: User, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return {"sessions": page(front.sessions_of(user), "sessions", limit, offset)["sessions"]}
+
+    @app.get(f"{api}/sessions/{{session_id}}")
+    async def get_session(session_id: str, user: User) -> dict[str, Any]:
+        return front.session_json(user, session_id)
 
     @app.get(f"{api}/training_runs/{{model_id}}/checkpoints")
     async def list_checkpoints(model_id: str, user: User) -> dict[str, Any]:

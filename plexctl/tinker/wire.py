@@ -54,6 +54,9 @@ _STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 assert set(_STOP_REASON) == set(STOP_REASONS)
 
 
+TOPK_EMPTY = -99999.0  # the log-prob of an empty top-k cell (the SDK's ``MASK_LOGPROB``)
+
+
 class Malformed(Exception):
     """A request body that cannot be read; ``str(error)`` says where."""
 
@@ -385,14 +388,13 @@ def forward_backward_output(result: ForwardResult, num_datums: int) -> bytes:
 # ---------------------------------------------------------------- sample
 
 
-def check_sample_request(req: SampleReq) -> None:
-    """Refuse what sample asks beyond tokens, their log-probs and prompt log-probs."""
+def check_sample_request(req: SampleReq, prompt_len: int) -> None:
+    """Refuse what sample asks beyond tokens, their log-probs, prompt log-probs and their top k
+    (of the last N prompt tokens, or all)."""
     unsupported = [
-        ("topk_prompt_logprobs", req.topk_prompt_logprobs > 0),
         ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
         ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
-        ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None),
         ("record_stability_info", bool(req.record_stability_info)),
     ]
     asked = [name for name, on in unsupported if on]
@@ -400,6 +402,13 @@ def check_sample_request(req: SampleReq) -> None:
         raise UserError(f"sample option(s) not supported: {', '.join(asked)}")
     if req.num_samples < 1:
         raise UserError(f"num_samples must be at least 1, not {req.num_samples}")
+    if not 0 <= req.topk_prompt_logprobs <= C.MAX_TOPK:
+        raise UserError(f"topk_prompt_logprobs must be between 0 and {C.MAX_TOPK}, not {req.topk_prompt_logprobs}")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not req.prompt_logprobs:
+        raise UserError("prompt_logprobs_last_n applies to prompt log-probs: set include_prompt_logprobs")
+    if last_n is not None and not 1 <= last_n <= prompt_len - 1:
+        raise UserError(f"prompt_logprobs_last_n must be between 1 and {prompt_len - 1} (the prompt's length - 1)")
 
 
 def prompt_tokens(prompt: ModelInputWire) -> list[int]:
@@ -434,14 +443,28 @@ def sample_params(p: SamplingParamsWire) -> SampleParams:
     return SampleParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, stop, stop_token_ids, ignore_eos)
 
 
-def sample_response(result: SampleResult, num_samples: int, prompt_len: int | None) -> bytes:
-    """The SDK's ``SampleResponse``: tokens int32, log-probs float32, and when asked for
-    (``prompt_len`` not None) the prompt's log-probs, NaN for None."""
+def sample_response(
+    result: SampleResult,
+    num_samples: int,
+    prompt_len: int,
+    *,
+    logprobs: bool = False,
+    topk: int = 0,
+    last_n: int | None = None,
+) -> bytes:
+    """The SDK's ``SampleResponse``: tokens int32, log-probs float32; with ``logprobs``, the
+    prompt's log-probs (NaN for None); with ``topk``, the prompt's top-k matrices (a row of
+    ``topk`` per prompt token, empty cells token 0 and ``TOPK_EMPTY``). With ``last_n`` only the
+    last N prompt positions are given, the others are None (empty)."""
     if len(result.sequences) != num_samples:
         raise ValueError(f"the backend answered {len(result.sequences)} samples for {num_samples}")
-    got = None if result.prompt_logprobs is None else len(result.prompt_logprobs)
-    if prompt_len is not None and got != prompt_len:
-        raise ValueError(f"the backend answered {got} prompt log-probs for {prompt_len} prompt tokens")
+    for asked, rows, what in (
+        (logprobs, result.prompt_logprobs, "prompt log-probs"),
+        (topk > 0, result.topk_prompt_logprobs, "top-k rows"),
+    ):
+        got = None if rows is None else len(rows)
+        if asked and got != prompt_len:
+            raise ValueError(f"the backend answered {got} {what} for {prompt_len} prompt tokens")
     resp = pb.SampleResponse()
     for seq in result.sequences:
         if seq.stop_reason not in _STOP_REASON:
@@ -455,7 +478,17 @@ def sample_response(result: SampleResult, num_samples: int, prompt_len: int | No
                 logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
             )
         )
-    if prompt_len is not None and result.prompt_logprobs is not None:
-        lp = [math.nan if x is None else x for x in result.prompt_logprobs]
+    first = 0 if last_n is None else prompt_len - last_n  # the positions before it are not given
+    if logprobs and result.prompt_logprobs is not None:
+        lp = [math.nan if x is None or i < first else x for i, x in enumerate(result.prompt_logprobs)]
         resp.prompt_logprobs = np.asarray(lp, dtype=np.float32).tobytes()
+    if topk and result.topk_prompt_logprobs is not None:
+        ids = np.zeros((len(result.topk_prompt_logprobs), topk), dtype=np.int32)
+        values = np.full(ids.shape, TOPK_EMPTY, dtype=np.float32)
+        for i, row in enumerate(result.topk_prompt_logprobs):
+            for j, (token, logprob) in enumerate((row or [])[:topk] if i >= first else []):
+                ids[i, j], values[i, j] = token, logprob
+        resp.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=topk, length=len(ids))
+        )
     return resp.SerializeToString()
