@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from plexctl.common import protocol as P
 from plexctl.common.auth import USER_NAME
-from plexctl.inputs import MAX_FILES, MAX_JOB_BYTES
+from plexctl.inputs import INPUT_FIELDS, MAX_FILES, MAX_JOB_BYTES
 
 if TYPE_CHECKING:
     from _hashlib import HASH
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
+FIELDS = frozenset(f"{section}.{key}" for section, key in INPUT_FIELDS)  # the spec paths a job may upload
 
 
 class BlobError(ValueError):
@@ -99,6 +100,8 @@ class BlobStore:
         if sum(f.size for f in files) > MAX_JOB_BYTES:
             return f"inputs: more than {MAX_JOB_BYTES >> 30} GiB"
         for f in files:
+            if f.field not in FIELDS:
+                return f"inputs: {f.field[:80]!r} is not a spec path that takes files ({', '.join(sorted(FIELDS))})"
             if f.kind not in ("file", "dir") or not _safe_relpath(f.relpath):
                 return f"{f.field}: {f.relpath!r} is not a file name in its directory"
             try:
@@ -112,11 +115,19 @@ class BlobStore:
         """Link (or copy, across file systems) ``files`` into ``dest/FIELD/...``, read-only to the
         job (root's files in root's directories); each field's path there (a file field: the file)."""
         paths: dict[str, str] = {}
-        if dest.exists():
+        problem = self.check(user, files)  # checked at submit too: a journal of another version may hold anything
+        if problem:
+            raise BlobError(f"the job's inputs cannot be staged: {problem}")
+        if dest.is_symlink():
+            dest.unlink()
+        elif dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
+        root = dest.resolve()
         for f in files:
             target = dest / f.field / f.relpath
+            if not target.resolve().is_relative_to(root):
+                raise BlobError(f"{f.field}: {f.relpath!r} leaves the job's directory")
             target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
             blob = self._path(user, f.sha256)
             try:

@@ -43,7 +43,7 @@ from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.memplan import VLLM_LORA_RANKS
 from plexctl.common.sizes import fmt_bytes
-from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire
+from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire, wire_rule_problems
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
 
 log = logging.getLogger("plexd")
@@ -58,6 +58,7 @@ CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
 DRAIN_TIMEOUT_S = 120.0
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
+DRIVER_START_TRIES = 5  # a driver that cannot start is tried this often, waiting 1, 2, 4, 8 s; then its job fails
 
 INTERNAL_OPS = {
     P.Op.REGISTER,
@@ -199,6 +200,7 @@ class DaemonCore:
         self.pid = os.getpid()  # shown by ping
         self.local_workers = 0  # workers the server starts itself (ping counts their engines as expected)
         self.reasons: dict[str, str] = {}  # queued job -> why it is not running yet
+        self.start_failures: dict[str, tuple[int, float]] = {}  # job -> (drivers that failed to start, next try)
         self.specs: dict[str, JobSpec] = {}  # parsed specs of queued jobs
         self.engine_stats: dict[str, dict[str, Any]] = {}  # engine -> its latest tier inventory
         self.prefetched: dict[str, str] = {}  # trainer engine -> job whose prefetch was last asked
@@ -344,6 +346,7 @@ class DaemonCore:
         self.now = now
         rt = self.runtimes[job_id]
         rt.pid = pid
+        self.start_failures.pop(job_id, None)
         info = self._known_job(job_id)
         self.journal.update(job_id, state="running", started_at=info.started_at or now)
         self.journal.event(job_id, "started", f"driver pid {pid}")
@@ -351,14 +354,36 @@ class DaemonCore:
         return self._effects()
 
     def driver_not_started(self, job_id: str, why: str, now: float) -> list[Effect]:
-        """The driver could not be started (no disk space, no more processes): the job waits."""
+        """The driver could not be started (no disk space, no more processes, inputs it cannot
+        stage): the job waits, tried again after a wait that doubles; after ``DRIVER_START_TRIES``
+        it fails with the reason."""
         self.now = now
         self.runtimes.pop(job_id, None)
         self.sched.release(job_id)
         why = f"cannot start its driver: {why}"
+        tries = self.start_failures.get(job_id, (0, 0.0))[0] + 1
+        if tries >= DRIVER_START_TRIES:
+            self.start_failures.pop(job_id, None)
+            self.reasons.pop(job_id, None)
+            self.journal.update(job_id, state="failed", ended_at=now, error=f"{why} ({tries} tries)")
+            self.journal.event(job_id, "failed", f"{why} ({tries} tries)")
+            log.error("job %s failed: %s (%d tries)", job_id, why, tries)
+            return self._effects()
+        self.start_failures[job_id] = (tries, now + 2.0 ** (tries - 1))
         if self.reasons.get(job_id) != why:
             log.error("job %s %s", job_id, why)
         self.reasons[job_id] = why
+        return self._effects()
+
+    def limit_breached(self, job_id: str, why: str, now: float) -> list[Effect]:
+        """A jailed job went past one of its limits (``daemon.jail.JobLimits``): it fails with that
+        line, its driver killed; nothing else is touched."""
+        self.now = now
+        rt = self.runtimes.get(job_id)
+        if rt is not None and not rt.failure:
+            rt.failure = why
+            self.journal.event(job_id, "limit", why)
+            self._out.append(StopDriver(job_id, kill=True))
         return self._effects()
 
     def worker_process_exited(self, worker_id: str, code: int, now: float) -> list[Effect]:
@@ -444,8 +469,12 @@ class DaemonCore:
     def on_submit(self, identity: bytes, header: P.Header, body: P.SubmitReq) -> None:
         try:
             spec = spec_from_wire(body.spec)
+            broken = wire_rule_problems(body.spec, from_tinker_front_end=self.sender == auth.INTERNAL_USER)
         except Exception as exc:  # noqa: BLE001
             self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {exc}")
+            return
+        if broken:  # the rules the CLI ran, run again: a client may skip them
+            self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {'; '.join(broken)}")
             return
         if os.path.realpath(spec.model.path) not in self.models:
             self._error(
@@ -748,11 +777,16 @@ class DaemonCore:
         data, size = b"", 0
         info = self._known_job(job_id)
         path = self._job_output(job_id, info.user, name)
-        if path.exists():
-            with jail.open_job_file(path) as f:  # a jailed driver's file: no link, no FIFO followed
-                size = os.fstat(f.fileno()).st_size
-                f.seek(body.offset)
-                data = f.read(LOGS_CHUNK)
+        if path.is_symlink() or path.exists():
+            try:
+                with jail.open_job_file(path) as f:  # a jailed driver's file: no link, no FIFO followed
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(body.offset)
+                    data = f.read(LOGS_CHUNK)
+            except OSError:  # a link or a FIFO the job put there: its own doing, said without the host path
+                log.warning("job %s: its %s is not a regular file; not read", job_id, name)
+                self._error(identity, header.msg_id, "bad_request", f"job {job_id}'s {name} is not a regular file")
+                return
             if not (ended and body.offset + len(data) >= size):  # more to come: never half a character
                 data = data[: _chunk_end(data, whole_lines=len(data) == LOGS_CHUNK)]
         offset = body.offset + len(data)
@@ -1389,6 +1423,8 @@ class DaemonCore:
             if running >= self.max_running:
                 break
             if info.job_id in self.runtimes:  # its driver is being started
+                continue
+            if self.start_failures.get(info.job_id, (0, 0.0))[1] > now:  # its driver failed to start: later
                 continue
             spec = self._spec(info.job_id)
             model = os.path.realpath(spec.model.path)

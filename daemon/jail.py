@@ -21,8 +21,13 @@ Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and on
 before any of the job's code is imported; nothing the driver writes lies outside its output
 directory, which the daemon reads without following links (``open_job_file``).
 
+Limits (``plexctl.common.limits``): the driver's address space, processes and file size are
+rlimits set before its code runs, its ``/tmp`` a tmpfs of a set size; its output directory's bytes
+the daemon measures (``dir_bytes``). The environment is an allow-list (``jailed_env``).
+
 It deliberately does not jail without namespaces (``refusal`` says why and the daemon refuses
-such jobs at submit) or limit a driver's CPU or memory. The whole model: ``docs/security.md``.
+such jobs at submit), nor limit CPU time (the scheduler's fair share does). The whole model:
+``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -39,11 +44,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from plexctl.common.limits import JobLimits
+
 SETUP_FAILED_EXIT = 121
 JOB_UID_BASE = 1_400_000  # jobs of users with no local account: uids [BASE, BASE + JOB_UIDS), by job number
 JOB_UIDS = 100_000
 JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is given lives here
 OUT_DIR = "driver"  # in the job's directory: the one place the isolated driver writes
+KEYS_DIR = "driver-keys"  # in the job's directory: its key pair, the daemon's, bound read-only at /mnt/keys
+# A jailed driver's environment: these names and prefixes of the daemon's, nothing else (no token of
+# the owner's shell, none of the cluster's keys or the owner's home).
+ENV_NAMES = (
+    "PATH", "LANG", "LANGUAGE", "TZ", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM",
+)  # fmt: skip
+ENV_PREFIXES = ("LC_",)
+ENV_PLEXRL = ("PLEXRL_ORPHAN_GRACE_S", "PLEXRL_SANDBOX_MODE", "PLEXRL_DEBUG")  # the cluster's, that a driver reads
 SOCKET_NAME = "plexd.sock"
 MAX_READ = 1 << 30
 MODE_ENV = "PLEXRL_JAIL_MODE"  # root | userns: force a mode (e.g. to test userns as root)
@@ -176,12 +192,44 @@ def read_job_file(path: Path, offset: int = 0, limit: int = MAX_READ) -> bytes:
         return f.read(limit)
 
 
+def jailed_env(env: dict[str, str], who: Account) -> dict[str, str]:
+    """The environment a jailed driver gets: the allowed names of ``env`` (``ENV_NAMES``,
+    ``ENV_PLEXRL``, ``ENV_PREFIXES``), its own home, user, temporary directory and keys."""
+    kept = {
+        name: value for name, value in env.items() if name in ENV_NAMES + ENV_PLEXRL or name.startswith(ENV_PREFIXES)
+    }
+    own = {"TMPDIR": "/tmp", "HOME": f"{JAIL_ROOT}/job", "USER": who.user, "LOGNAME": who.user}
+    return {**kept, **own, "PLEXRL_DRIVER_KEYS": f"{JAIL_ROOT}/keys"}
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links not followed), as a breach check reads them."""
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+    return total
+
+
 def start(
-    who: Account, job_id: str, job_dir: Path, state_dir: Path, log_path: Path, hide: list[Path], env: dict[str, str]
+    who: Account,
+    job_id: str,
+    job_dir: Path,
+    state_dir: Path,
+    log_path: Path,
+    hide: list[Path],
+    keys: Path,
+    limits: JobLimits,
 ) -> subprocess.Popen:
-    """Start the driver of ``job_id`` jailed (``mode()``) and running as ``who``; its output goes
-    to ``log_path``. The process returned is the jail's supervisor: it forwards signals to the
-    driver (pid 1 of its own PID namespace), which dies with it."""
+    """Start the driver of ``job_id`` jailed (``mode()``) and running as ``who``, held to
+    ``limits``, with the key pair in ``keys`` (read-only to it); its output goes to ``log_path``.
+    The process returned is the jail's supervisor: it forwards signals to the driver (pid 1 of
+    its own PID namespace), which dies with it."""
     out = out_dir(job_dir, who)
     cfg = {
         "mode": mode(),
@@ -195,7 +243,14 @@ def start(
             )
         ),
         "job": str(out),
+        "keys": str(keys),
         "sock": str(socket_dir(state_dir)),
+        "limits": {
+            "memory": limits.memory_bytes,
+            "processes": limits.processes,
+            "file": limits.job_dir_bytes,
+            "tmp": limits.tmp_bytes,
+        },
         "hide": sorted({str(p) for p in hide}, key=lambda p: -p.count("/")),  # deepest first
         "executable": os.path.realpath(sys.executable),
         "argv": [
@@ -208,10 +263,7 @@ def start(
             "--isolated",
         ],
     }
-    child_env = {**env, "TMPDIR": "/tmp", "HOME": f"{JAIL_ROOT}/job", "USER": who.user, "LOGNAME": who.user}
-    for name in ("PLEXRL_CLUSTER_KEYS", "PLEXRL_HOME", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP"):
-        child_env.pop(name, None)
-    child_env["PLEXRL_DRIVER_KEYS"] = f"{JAIL_ROOT}/job/.keys"
+    child_env = jailed_env(dict(os.environ), who)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         return subprocess.Popen(
@@ -301,7 +353,8 @@ def _jail():
         mount(None, "/", None, REC | PRIVATE)
         mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "mode=0755,size=16m")
         os.mkdir(new + "/tmp")  # first: a bind below /tmp (a checkout there) lands in it, not under it
-        mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, "mode=1777,size=1g")
+        limits = cfg["limits"]
+        mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, "mode=1777,size=%d" % (limits["tmp"] or (1 << 40)))
         for path in cfg["system"]:
             bind(path, path)
         for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
@@ -309,6 +362,7 @@ def _jail():
         for path in cfg["paths"]:
             bind(path, path)
         bind(cfg["job"], "/mnt/job")
+        bind(cfg["keys"], "/mnt/keys")
         bind(cfg["sock"], "/mnt/sock")
         for path in cfg["hide"]:  # the cluster's state, the owner's keys: empty, wherever a bind showed them
             if os.path.isdir(new + path):
@@ -334,6 +388,12 @@ def _jail():
             os.setgroups(cfg["groups"])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        stage = "limits"
+        import resource
+        for which, value in ((resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_NPROC, limits["processes"]),
+                             (resource.RLIMIT_FSIZE, limits["file"])):
+            if value:
+                resource.setrlimit(which, (value, value))
         check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
         class CapHeader(ctypes.Structure):
             _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]

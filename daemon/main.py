@@ -65,6 +65,8 @@ from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
 from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home, tinker_url
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.common.limits import limits_for
+from plexctl.common.sizes import fmt_bytes
 
 log = logging.getLogger("plexd")
 
@@ -85,6 +87,7 @@ __all__ = [
 ]
 
 CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
+LIMITS_S = 5.0  # jailed jobs' output directories measured against their limit this often
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 TINKER_BACKOFF_S = (1.0, 30.0)  # a dead Tinker front end is started again after 1 s, doubling up to 30 s
 TINKER_STABLE_S = 60.0  # a front end that lived this long starts the backoff afresh when it dies
@@ -339,7 +342,7 @@ class Daemon:
         ):
             signal.signal(sig, lambda *_, why=why, urgent=urgent: self.drain(why, urgent))
         core = self.core
-        last_beat = last_gauges = last_chores = 0.0
+        last_beat = last_gauges = last_chores = last_limits = 0.0
         while not core.stopping:
             if self.sock.poll(50):
                 for _ in range(1000):
@@ -355,6 +358,9 @@ class Daemon:
                 self._carry_out(core.heartbeat(now))
                 self._poll_local_workers(now)
                 self._supervise_tinker(now)
+            if now - last_limits >= LIMITS_S:
+                last_limits = now
+                self._check_job_dirs(now)
             if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
                 last_gauges = now
                 core.snapshot_gauges(now)
@@ -400,6 +406,9 @@ class Daemon:
             if identity not in self.rejected_peers:
                 self.rejected_peers.add(identity)
                 log.warning("rejected message from %r: %s", identity, exc)
+            asked = P.decode_header(rest)
+            if asked is not None:  # a request that says who it is gets its error, not silence
+                self._send(identity, P.Op.ERROR, P.ErrorBody("bad_request", str(exc)[:500]), asked.msg_id)
             return
         self._carry_out(self.core.handle(identity, user, op, header, body, time.time()))
 
@@ -431,7 +440,21 @@ class Daemon:
             rc = proc.poll()
             if rc is not None:
                 del self.drivers[job_id]
+                revoke_driver_keys(self.state_dir, job_id, self.jobs_dir / job_id)  # before a restart makes new ones
                 self._carry_out(self.core.driver_exited(job_id, rc, now))
+
+    def _check_job_dirs(self, now: float) -> None:
+        """A jailed job whose output directory holds more than its limit ends (one line); its
+        neighbours and the daemon go on."""
+        for job_id in list(self.drivers):
+            info = self.journal.job(job_id)
+            if info is None or not self.core.is_isolated(info.user):
+                continue
+            limit = limits_for(self.state_dir, info.user).job_dir_bytes
+            used = jail.dir_bytes(self.jobs_dir / job_id / jail.OUT_DIR) if limit else 0
+            if limit and used > limit:
+                why = f"its output directory holds {fmt_bytes(used)}, over its limit of {fmt_bytes(limit)}"
+                self._carry_out(self.core.limit_breached(job_id, why, now))
 
     def _poll_local_workers(self, now: float) -> None:
         """A local worker whose process exited is lost at once, and started again (a few times)."""
@@ -456,7 +479,8 @@ class Daemon:
         """Start a job's driver; the core hears whether it started."""
         try:
             proc = self._spawn_driver(job_id)
-        except OSError as exc:  # no disk space, no more processes: the job waits, the daemon goes on
+        except Exception as exc:  # noqa: BLE001 - no disk, no processes, bad inputs: that job waits, the daemon goes on
+            log.warning("job %s: its driver did not start", job_id, exc_info=not isinstance(exc, (OSError, ValueError)))
             self._carry_out(self.core.driver_not_started(job_id, str(exc), time.time()))
             return
         self.drivers[job_id] = proc
@@ -509,10 +533,7 @@ class Daemon:
             section, key = name.split(".")
             spec[section][key] = f"{jail.JAIL_ROOT}/job/{Path(path).relative_to(out)}"
         write_json_atomic(out / "spec.json", spec, mode=0o644)
-        keys = out / ".keys"
-        auth.make_job_keys(self.state_dir, job_id, keys)
-        for key_path in (keys, *keys.iterdir()):
-            os.chown(key_path, who.uid, who.gid, follow_symlinks=False)
+        keys = self._make_driver_keys(job_id, job_dir, who)
         return jail.start(
             who,
             job_id,
@@ -520,8 +541,25 @@ class Daemon:
             self.state_dir,
             job_dir / "driver.log",
             hide=[self.state_dir, plexrl_home()],
-            env=child_env(),
+            keys=keys,
+            limits=limits_for(self.state_dir, user),
         )
+
+    def _make_driver_keys(self, job_id: str, job_dir: Path, who: jail.Account) -> Path:
+        """A fresh key pair for a jailed driver in ``job_dir/driver-keys``: a directory of the
+        daemon's that the job can read (bound read-only into its jail) and never write, so no path
+        the job made is followed; only the secret file just made here is handed to its uid."""
+        keys = job_dir / jail.KEYS_DIR
+        revoke_driver_keys(self.state_dir, job_id, job_dir)
+        keys.mkdir(mode=0o700)
+        keys.chmod(0o755)  # whatever the umask: its uid passes; only the secret, below, is its alone
+        auth.make_job_keys(self.state_dir, job_id, keys)
+        secret = os.open(keys / f"{auth.DRIVER}.key_secret", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(secret, who.uid, who.gid)
+        finally:
+            os.close(secret)
+        return keys
 
     def _driver_argv(self, job_id: str, job_dir: Path, user: str) -> list[str]:
         """What identifies a job's driver process (its address aside: a driver follows the daemon's)."""
@@ -532,6 +570,16 @@ class Daemon:
     def _exit_file(self, job_dir: Path, user: str) -> Path:
         """Where the driver of a job of ``user`` leaves its exit code."""
         return job_dir / jail.OUT_DIR / "driver.exit" if self.core.is_isolated(user) else job_dir / "driver.exit"
+
+
+def revoke_driver_keys(state_dir: Path, job_id: str, job_dir: Path) -> None:
+    """A jailed driver's key is let in no more, and its pair is gone (its driver exited)."""
+    (auth.keys_dir(state_dir) / "jobs" / f"{job_id}.key").unlink(missing_ok=True)
+    keys = job_dir / jail.KEYS_DIR
+    if keys.is_symlink():
+        keys.unlink()
+    elif keys.exists():
+        shutil.rmtree(keys)
 
 
 def child_env() -> dict[str, str]:

@@ -98,10 +98,30 @@ def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_go
     d.driver_not_started(job, "[Errno 28] No space left on device")  # as the server tells it
     assert d.journal.job(job).state == "queued" and job not in d.runtimes
     assert d.reasons[job] == "cannot start its driver: [Errno 28] No space left on device"
-    assert d.chores() == [StartDriver(job)]  # the next pass tries again
+    now = time.time()
+    assert d.chores(now) == []  # not at once: after a second, then 2, 4, 8
+    assert d.chores(now + 1.1) == [StartDriver(job)]
     d.driver_started(job, 4242)
     assert d.journal.job(job).state == "running" and job not in d.reasons
     assert d.runtimes[job].pid == 4242 and d.journal.events(job)[-1][1:] == ("started", "driver pid 4242")
+
+
+def test_a_driver_that_never_starts_fails_its_job_with_the_reason_after_a_bounded_backoff(core, tiny_model):
+    from daemon.core import DRIVER_START_TRIES
+
+    d = core
+    spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="never")
+    job, _ = d.journal.submit("never", "never", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    register(d, "w0", tiny_model, {})
+    now, starts = time.time(), 0
+    for _ in range(200):  # as often as the server's loop would ask, over a minute
+        now += 0.3
+        if StartDriver(job) in d.chores(now):
+            starts += 1
+            d.driver_not_started(job, "the job's inputs cannot be staged", now)
+    assert starts == DRIVER_START_TRIES
+    info = d.journal.job(job)
+    assert info.state == "failed" and "cannot be staged" in info.error and f"{starts} tries" in info.error
 
 
 def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_model):
@@ -127,7 +147,7 @@ def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_mo
     assert d.journal.job(job).state == "queued" and job not in d.drivers
     assert d.core.reasons[job].startswith("cannot start its driver: ")
     d.jobs_dir.joinpath(job).unlink()
-    d._carry_out(d.core.chores(time.time()))  # the next pass starts it
+    d._carry_out(d.core.chores(time.time() + 1.1))  # the next pass, a second later, starts it
     try:
         assert d.journal.job(job).state == "running" and job not in d.core.reasons
     finally:

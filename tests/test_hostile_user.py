@@ -31,7 +31,7 @@ from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.client import Client
 from plexctl.common.cluster import read_endpoint
-from plexctl.common.errors import RemoteError
+from plexctl.common.errors import KeyRefused, RemoteError
 from plexctl.common.spec import load_spec, spec_to_wire
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes a second Unix user (needs root)")
@@ -40,6 +40,7 @@ TINY = REPO / "configs" / "tiny-arith.yaml"
 CUSTOM_LOOP = REPO / "configs" / "examples" / "custom-loop.yaml"
 EVE = "eve"
 SECRET = "owner-secret-" + uuid.uuid4().hex
+OWNER_TOKENS = {"HF_TOKEN": "owner-token-hf", "WANDB_API_KEY": "owner-token-wandb", "PLEXRL_X": "owner-token-x"}
 
 EVIL_LOOP = r"""
 import json, os, socket
@@ -71,7 +72,80 @@ def run(job):
         job.client.job_id = targets["owner_job"]
         return job.client.call("publish", {})
     found.append(attempt("call for the owner's job", call_for_the_owner_job))
+    secrets = [name for name, value in os.environ.items() if "owner-token" in value]
+    found.append(attempt("the owner's tokens in the environment", lambda: secrets or 1 / 0))
+    found.append(attempt("write its keys directory", lambda: open("/mnt/keys/driver.key", "a").write("x")))
+    os.makedirs("/mnt/job/kept-keys", exist_ok=True)
+    for name in os.listdir("/mnt/keys"):
+        open("/mnt/job/kept-keys/" + name, "wb").write(open("/mnt/keys/" + name, "rb").read())
+    if os.path.lexists("/mnt/job/metrics.jsonl"):
+        os.unlink("/mnt/job/metrics.jsonl")
+    os.symlink("/etc/passwd", "/mnt/job/metrics.jsonl")  # the daemon must not follow it, nor say where it is
     print("FINDINGS " + json.dumps(found), flush=True)
+"""
+
+# A loop that, on its first run, swaps the key directory the daemon used to write into (and chown)
+# for a link to a directory of root's, then exits so that the daemon starts it again.
+KEYDIR_LOOP = r"""
+import json, os, sys
+
+def run(job):
+    target = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "target.json")))["dir"]
+    if not os.path.exists("/mnt/job/first-run-done"):
+        open("/mnt/job/first-run-done", "w").close()
+        for name in (".keys", "driver-keys", "kept-keys"):
+            path = "/mnt/job/" + name
+            if os.path.isdir(path) and not os.path.islink(path):
+                import shutil
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+            os.symlink(target, path)
+        sys.exit(1)
+    print("SECOND RUN", flush=True)
+"""
+
+# A loop that tries to take more than its limits allow (set low for its user by the owner).
+GREEDY_LOOP = r"""
+import json, os, signal, time
+
+def run(job):
+    found = {}
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file over the limit: EFBIG, not death
+    children = []
+    try:
+        for _ in range(300):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(20)
+                os._exit(0)
+            children.append(pid)
+    except OSError as e:
+        found["fork refused"] = type(e).__name__
+    found["forked"] = len(children)
+    for pid in children:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    try:
+        block = bytearray(1536 << 20)
+        found["allocated"] = len(block)
+        del block
+    except MemoryError:
+        found["allocated"] = 0
+    written = 0
+    try:
+        with open("/tmp/fill", "wb") as f:
+            for _ in range(256):
+                f.write(b"x" * (1 << 20))
+                written += 1 << 20
+    except OSError as e:
+        found["tmp refused"] = type(e).__name__
+    found["tmp written"] = written
+    print("GREEDY " + json.dumps(found), flush=True)
+    for i in range(8):  # each file within the file-size limit, together over the directory's
+        with open("/mnt/job/fill-%d" % i, "wb") as f:
+            f.write(b"x" * (40 << 20))
+    time.sleep(60)  # the daemon ends it before this is over
 """
 
 
@@ -82,7 +156,7 @@ def eve() -> tuple[int, int, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
-    c = Cluster(tmp_path_factory.mktemp("owner-home"), env={"TINKER_TELEMETRY": "0"}).up(
+    c = Cluster(tmp_path_factory.mktemp("owner-home"), env={"TINKER_TELEMETRY": "0", **OWNER_TOKENS}).up(
         tiny_model, "--workers", "1", "--tinker-port", "0"
     )
     yield c
@@ -212,7 +286,28 @@ def attack(cluster: Cluster, eve, owner_files: Path, tiny_model: Path) -> dict[s
     assert line is not None, log[-3000:]
     assert cluster.job(owner_job)["state"] == "running"  # untouched
     cluster.run("cancel", owner_job, check=True)
+    assert_key_revoked(cluster, job, state / "jobs" / job / jail.OUT_DIR / "kept-keys")
+    assert_link_not_followed(cluster, client, job)
     return {f["what"]: f for f in json.loads(line.removeprefix("FINDINGS "))}
+
+
+def assert_key_revoked(cluster: Cluster, job: str, kept: Path) -> None:
+    """The key a jailed driver held is let in no more once its job ended (its copy kept by the job)."""
+    keys = auth.CurveKeys(*auth.load_pair(kept, auth.DRIVER), auth.load_public(kept / f"{auth.SERVER}.key"))
+    stale = Client(read_endpoint(cluster.state_dir).address, timeout=3.0, retries=0, keys=keys)
+    with pytest.raises(KeyRefused):
+        stale.status()
+    assert not (auth.keys_dir(cluster.state_dir) / "jobs" / f"{job}.key").exists()
+    assert not (cluster.state_dir / "jobs" / job / jail.KEYS_DIR).exists()
+
+
+def assert_link_not_followed(cluster: Cluster, client: Client, job: str) -> None:
+    """`logs --metrics` on a metrics file the job made a link: one line, no host path, no traceback."""
+    before = (cluster.state_dir / "daemon.log").read_text()
+    with pytest.raises(RemoteError) as refused:
+        client.logs(job, "metrics", 0)
+    assert "not a regular file" in str(refused.value) and str(cluster.state_dir) not in str(refused.value)
+    assert "Traceback" not in (cluster.state_dir / "daemon.log").read_text()[len(before) :]
 
 
 def reached(found: dict[str, dict]) -> list[str]:
@@ -246,7 +341,7 @@ def test_a_shared_users_loop_reaches_nothing_of_the_owner_or_the_cluster(cluster
 def userns_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
     """The jail a daemon of an ordinary user makes (user namespace, the owner's uid kept), forced
     on a root daemon: its driver then holds uid 0 itself, the hardest case for the empty root."""
-    c = Cluster(tmp_path_factory.mktemp("userns-owner"), env={jail.MODE_ENV: "userns"})
+    c = Cluster(tmp_path_factory.mktemp("userns-owner"), env={jail.MODE_ENV: "userns", **OWNER_TOKENS})
     c.up(tiny_model, "--workers", "1")
     yield c
     c.run("down", timeout=120)
@@ -464,3 +559,159 @@ def _cmdline(proc: Path) -> str:
         return (proc / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def submit_loop(cluster: Cluster, eve, tiny_model: Path, loop: str, files: dict[str, str], *overrides: str) -> str:
+    """Eve's job running ``loop`` (module ``hostile``), its directory holding ``files``."""
+    uid, gid, home = eve
+    code = home / f"loop-{uuid.uuid4().hex[:6]}"
+    code.mkdir()
+    (code / "hostile.py").write_text(loop)
+    (code / "train.jsonl").write_text((REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_text())
+    for name, text in files.items():
+        (code / name).write_text(text)
+    own(code, uid, gid)
+    client = eve_client(cluster, home)
+    job_spec = spec(
+        tiny_model,
+        "algo.loop=hostile:run",
+        f"algo.path={code}",
+        f"data.path={code / 'train.jsonl'}",
+        *overrides,
+        base=CUSTOM_LOOP,
+    )
+    return inputs.submit(client, job_spec).job_id
+
+
+@pytest.mark.parametrize("jail_mode", ["root", "userns"])
+def test_a_job_that_links_its_key_directory_to_roots_files_gets_nothing_of_them(
+    request, jail_mode: str, eve, owner_files: Path, tiny_model: Path
+) -> None:
+    """Between a job's two driver starts, its writable directory held links (where the daemon
+    once wrote and chowned the driver's keys) to a directory of root's: the daemon follows none
+    of them; root's files stay root's, unchanged, and the job still runs with a key of its own."""
+    cluster = request.getfixturevalue("cluster" if jail_mode == "root" else "userns_cluster")
+    roots = owner_files.parent / f"roots-{jail_mode}"
+    roots.mkdir(mode=0o700)
+    (roots / "precious").write_text("root's own")
+    (roots / "precious").chmod(0o600)
+    before = {p.name: (p.stat().st_uid, stat.S_IMODE(p.stat().st_mode), p.read_bytes()) for p in roots.iterdir()}
+    target = {"target.json": json.dumps({"dir": str(roots)})}
+    job = submit_loop(cluster, eve, tiny_model, KEYDIR_LOOP, target, "checkpoint.max_restarts=1")
+    client = eve_client(cluster, eve[2])
+    wait_ended(client, job)
+    assert "SECOND RUN" in full_log(client, job), full_log(client, job)[-3000:]  # started again, links and all
+    after = {p.name: (p.stat().st_uid, stat.S_IMODE(p.stat().st_mode), p.read_bytes()) for p in roots.iterdir()}
+    assert after == before and stat.S_IMODE(roots.stat().st_mode) == 0o700 and roots.stat().st_uid == 0
+
+
+def test_a_forged_input_field_or_spec_is_refused_and_the_daemon_stays_up(cluster, eve, tiny_model) -> None:
+    """Fields of uploaded inputs name spec paths only (never a path of the host), and the spec's
+    rules across fields hold for a client that skips the CLI; the daemon answers and goes on."""
+    _, _, home = eve
+    client = eve_client(cluster, home)
+    data = (REPO / ".plexrl" / "data" / "arith" / "train.jsonl").read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    for offset in range(0, len(data), 1 << 20):
+        client.blob(P.BlobReq(sha, len(data), offset, data[offset : offset + (1 << 20)]))
+    job_spec = spec(tiny_model)
+    before = cluster.run("ls", "-q", check=True).stdout.split()
+    for field in ("/tmp/plexrl-forged", "../../../../tmp/plexrl-forged", "data", "data.path.x", "algo.loss_fn"):
+        forged = [P.InputFile("data.path", "file", "train.jsonl", sha, len(data))]
+        forged.append(P.InputFile(field, "file", "train.jsonl", sha, len(data)))
+        with pytest.raises(RemoteError) as refused:
+            client.submit(job_spec, uuid.uuid4().hex, inputs=forged)
+        assert refused.value.code == "bad_request" and "not a spec path" in str(refused.value), field
+    assert not Path("/tmp/plexrl-forged").exists()
+    files = [P.InputFile("data.path", "file", "train.jsonl", sha, len(data))]
+    for rule, broken in (
+        ("algo.name", {**job_spec, "algo": {**job_spec["algo"], "name": "tinker"}}),
+        ("reward", {**job_spec, "reward": {**job_spec["reward"], "fn": "mod:score"}}),
+        ("algo.loop", {**job_spec, "algo": {**job_spec["algo"], "name": "dapo", "loop": "mod:run"}}),
+    ):
+        with pytest.raises(RemoteError) as refused:
+            client.submit(broken, uuid.uuid4().hex, inputs=files)
+        assert refused.value.code == "bad_request" and rule in str(refused.value), str(refused.value)
+    assert cluster.run("ls", "-q", check=True).stdout.split() == before  # nothing queued
+    assert client.ping().version
+
+
+def test_a_name_resolves_among_the_callers_own_jobs_through_the_cli(cluster, eve, tiny_model) -> None:
+    """A shared user's job named like the owner's does not capture the owner's status, cancel or
+    wait: those act on the owner's own job; eve's is `eve/NAME` or its id."""
+    name = f"fault-{uuid.uuid4().hex[:4]}"
+    mine = cluster.run("submit", str(TINY), "--set", "algo.steps=400", "--name", name, "-q", check=True).stdout.strip()
+    client = eve_client(cluster, eve[2])
+    files, local = inputs.collect(spec(tiny_model, f"name={name}", "algo.steps=400"))
+    inputs.upload(client, files, local)
+    hers = client.submit(spec(tiny_model, f"name={name}", "algo.steps=400"), uuid.uuid4().hex, inputs=files).job_id
+    assert cluster.job(name)["job_id"] == mine
+    assert cluster.job(f"{EVE}/{name}")["job_id"] == hers
+    assert cluster.run("cancel", name, check=True).returncode == 0
+    wait = cluster.run("wait", name, "--timeout", "120")
+    assert wait.returncode == 5, wait.stdout + wait.stderr  # the owner's job, cancelled
+    assert cluster.job(hers)["state"] in ("queued", "running")  # eve's untouched
+    client.cancel(hers)
+
+
+def test_a_greedy_job_is_held_to_its_users_limits_and_ends_alone(cluster, eve, tiny_model) -> None:
+    """Limits the owner set for eve (`plexctl share --limit`): her job's forks, memory and /tmp are
+    refused past them, and writing past its directory's limit ends it with one line; the owner's
+    job beside it and the daemon go on."""
+    public = auth.ensure_user_keys(eve[2] / ".plexrl", EVE)
+    limits = ["memory=1G", "processes=64", "tmp=64M", "job-dir=128M"]
+    shared = cluster.run("share", EVE, "--key", str(public), *[a for x in limits for a in ("--limit", x)], check=True)
+    assert "processes 64" in shared.stdout
+    owners = cluster.run("submit", str(TINY), "--set", "algo.steps=400", "-q", "--name", "beside", check=True)
+    job = submit_loop(cluster, eve, tiny_model, GREEDY_LOOP, {})
+    client = eve_client(cluster, eve[2])
+    try:
+        assert wait_ended(client, job) == "failed"
+        info = client.status(job).jobs[0]
+        assert "over its limit of 128.0 MiB" in info.error, info.error
+        line = next(ln for ln in full_log(client, job).splitlines() if ln.startswith("GREEDY "))
+        found = json.loads(line.removeprefix("GREEDY "))
+        assert found["forked"] < 64 and "fork refused" in found, found
+        assert found["allocated"] == 0, found
+        assert found["tmp written"] <= 64 << 20 and "tmp refused" in found, found
+        assert cluster.job(owners.stdout.strip())["state"] == "running"
+    finally:
+        cluster.run("share", EVE, "--key", str(public), "--limit", "memory=8G", "--limit", "processes=256",
+                    "--limit", "tmp=1G", "--limit", "job-dir=2G")  # fmt: skip
+        cluster.run("cancel", owners.stdout.strip())
+
+
+FUZZ_VALUES = ["../../../etc/passwd", "/etc/shadow", "eve/../root", "x" * 100_000, "\x00", "é/ü", -1, 2**62, None,
+               [["nested"] * 3] * 3, {"a": {"b": {"c": {}}}}, 1.5, True, b"\xff\xfe"]  # fmt: skip
+
+
+def test_every_client_request_with_hostile_fields_gets_an_error_and_the_daemon_stays_up(cluster, eve) -> None:
+    """Each request a shared user may send, with each field set to hostile paths, names, sizes,
+    types and nestings: an error reply each time (nothing of another user's), and the daemon up."""
+    client = eve_client(cluster, eve[2])
+    requests = {
+        P.Op.STATUS: {"job_id": "x", "timeline": False},
+        P.Op.CANCEL: {"job_id": "x"},
+        P.Op.LOGS: {"job_id": "x", "kind": "log", "offset": 0},
+        P.Op.EXPORT: {"job_id": "x", "what": "adapter", "path": "", "offset": 0},
+        P.Op.BLOB: {"sha256": "0" * 64, "size": 1, "offset": 0, "data": b"x"},
+        P.Op.SUBMIT: {"submit_id": "s", "spec": {"name": "x"}, "user": EVE, "inputs": []},
+        P.Op.DOWN: {},
+    }
+    refused = 0
+    for op, fields in requests.items():
+        for field in [*fields, "unknown_field"]:
+            for value in FUZZ_VALUES:
+                try:
+                    reply = client.request(op, {**fields, field: value}, timeout=10.0)
+                except RemoteError as error:
+                    assert error.code in ("bad_request", "not_found", "forbidden", "refused"), (op, field, value)
+                    refused += 1
+                else:  # a request that means something (her own jobs' status, how much of her upload is
+                    # held, which a chunk at another offset asks): nothing of anyone else's
+                    if op == P.Op.BLOB:
+                        assert set(reply) == {"have"} and reply["have"] == 0, (field, value, reply)
+                    else:
+                        assert op == P.Op.STATUS and all(j["user"] == EVE for j in reply["jobs"]), (op, field, value)
+    assert refused > 300 and client.ping().version
+    assert cluster.run("status", check=True).returncode == 0

@@ -94,3 +94,9 @@ def test_uploads_are_checked_resumed_deduplicated_and_kept_per_user(tmp_path: Pa
     assert (Path(staged["algo.path"]) / "pkg" / "util.py").read_text() == "X = 1\n"
     escape = P.InputFile("algo.path", "dir", "../../outside.py", files[0].sha256, files[0].size)
     assert "not a file name" in store.check("alice", [escape])
+    for field in ("/tmp/x", "../../x", "data", "model.path"):  # a field names a spec path that takes files
+        forged = P.InputFile(field, "file", "train.jsonl", files[0].sha256, files[0].size)
+        assert "not a spec path" in store.check("alice", [forged])
+        with pytest.raises(BlobError, match="not a spec path"):
+            store.stage("alice", [forged], tmp_path / "job" / "inputs")
+    assert not (tmp_path / "x").exists()

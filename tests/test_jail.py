@@ -59,3 +59,36 @@ def test_an_isolated_drivers_identity_names_its_job_only() -> None:
     assert auth.job_of("@job:j0007") == "j0007"
     for user in ("alice", auth.INTERNAL_USER, "job:j0007"):
         assert auth.job_of(user) is None
+
+
+def test_a_jailed_driver_gets_an_allow_listed_environment_and_its_users_limits(tmp_path: Path) -> None:
+    from plexctl.common.errors import UsageError
+    from plexctl.common.limits import JobLimits, limits_for, parse_limits, set_limits
+
+    owner = {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C",
+        "HF_TOKEN": "t",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "PLEXRL_HOME": "/root/.p",
+    }
+    owner |= {"PLEXRL_CLUSTER_KEYS": "/state/keys", "PLEXRL_ORPHAN_GRACE_S": "5", "PYTHONPATH": "/root/lib"}
+    env = jail.jailed_env(owner, jail.Account("bob", 1234, 1234, ()))
+    assert env == {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C",
+        "PLEXRL_ORPHAN_GRACE_S": "5",
+        "TMPDIR": "/tmp",
+        "HOME": "/mnt/job",
+        "USER": "bob",
+        "LOGNAME": "bob",
+        "PLEXRL_DRIVER_KEYS": "/mnt/keys",
+    }
+    assert limits_for(tmp_path, "bob") == JobLimits()
+    set_limits(tmp_path, parse_limits(["memory=2G", "processes=64"]))
+    set_limits(tmp_path, parse_limits(["memory=16G", "tmp=0"]), "bob")
+    assert limits_for(tmp_path, "bob") == JobLimits(memory_bytes=16 << 30, processes=64, tmp_bytes=0)
+    assert limits_for(tmp_path, "carol") == JobLimits(memory_bytes=2 << 30, processes=64)
+    for bad in ("memory", "cpu=4", "memory=lots", "processes=-1"):
+        with pytest.raises(UsageError, match="--limit"):
+            parse_limits([bad])

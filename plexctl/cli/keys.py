@@ -33,11 +33,24 @@ def share(
     tinker_key_sha256: Annotated[
         Optional[str], typer.Option(help="their Tinker API key's sha256 (`plexctl keygen` prints it)")
     ] = None,
+    limit: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--limit",
+            metavar="NAME=VALUE",
+            help="what each of their jailed jobs may take, over the cluster's `up --job-limit`: memory, "
+            "processes, job-dir, tmp (e.g. memory=16G; 0: no limit)",
+        ),
+    ] = None,
 ) -> None:
     """Let another user's key into this cluster (owner only): they see and cancel their own jobs."""
     from plexctl.common import auth
     from plexctl.common.client import current_user
     from plexctl.common.cluster import closed_to_others
+    from plexctl.common.limits import parse_limits, set_limits
+    from plexctl.common.sizes import fmt_bytes
+
+    limits = parse_limits(limit or [])
 
     c: Ctx = ctx.obj
     if not (auth.keys_dir(c.state_dir) / "owner").exists():
@@ -61,6 +74,12 @@ def share(
     state_dir = c.state_dir.absolute()
     print(f"{user} may now use the cluster at {state_dir}{also}")  # not wrapped: they copy the next line
     print(f"they reach it with: plexctl --state-dir {state_dir} status")
+    if limits:
+        now = set_limits(c.state_dir, limits, user)
+        print(
+            f"their jailed jobs' limits: memory {fmt_bytes(now.memory_bytes)}, processes {now.processes}, "
+            f"job-dir {fmt_bytes(now.job_dir_bytes)}, tmp {fmt_bytes(now.tmp_bytes)} (0: no limit)"
+        )
     closed = closed_to_others(state_dir)
     if closed is not None:
         print(f"note: others may not pass through {closed} (chmod o+x {closed}): {user} cannot reach it yet")

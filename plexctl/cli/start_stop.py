@@ -153,6 +153,15 @@ def up(
             "and environments unjailed); repeat for several",
         ),
     ] = None,
+    job_limit: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--job-limit",
+            metavar="NAME=VALUE",
+            help="what each jailed job may take: memory=8G, processes=256, job-dir=2G, tmp=1G (the defaults; "
+            "0: no limit); per user: `plexctl share USER --limit`",
+        ),
+    ] = None,
     metrics_port: Annotated[
         Optional[int], typer.Option(min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")
     ] = None,
@@ -179,8 +188,10 @@ def up(
     from plexctl.common import auth
     from plexctl.common.client import current_user
     from plexctl.common.cluster import cluster_dir, endpoint_path, plexrl_home
+    from plexctl.common.limits import parse_limits, set_limits
     from plexctl.common.spec import model_dir_problem
 
+    limits = parse_limits(job_limit or [])
     if policy not in POLICIES:
         raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
     sizes: dict[str, int] = {}
@@ -230,6 +241,9 @@ def up(
 
             state_dir.mkdir(parents=True, exist_ok=True)
             console().print(f"Tinker API key in {ensure_key(state_dir, current_user())} (the URL: tinker.json)")
+        if limits:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            set_limits(state_dir, limits)
         spec = S.SlurmSpec(
             name=join or name or state_dir.name,
             state_dir=str(state_dir.resolve()),
@@ -264,6 +278,8 @@ def up(
         return
     c.state_dir.mkdir(parents=True, exist_ok=True)
     auth.set_up_cluster(c.state_dir, plexrl_home(), current_user())
+    if limits:
+        set_limits(c.state_dir, limits)
     if _alive(c.state_dir):
         console().print(f"cluster at {c.state_dir} is already up")
         return

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -117,7 +117,7 @@ class SubmitReq(msgspec.Struct):
 class BlobReq(msgspec.Struct):
     sha256: str  # of the whole file
     size: int  # of the whole file
-    offset: int = 0  # where ``data`` goes; a request with no data asks how much the daemon holds
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0  # where ``data`` goes; a request with no data asks what is held
     data: bytes = b""
 
 
@@ -419,6 +419,16 @@ def encode(op: bytes, body: Any, in_reply_to: int = 0) -> tuple[list[bytes], int
     msg_id = next(_ids)
     header = Header(msg_id=msg_id, in_reply_to=in_reply_to, sent_at=time.time(), sender_epoch=EPOCH)
     return [MAGIC, op, _encoder.encode(header), _encoder.encode(body)], msg_id
+
+
+def decode_header(frames: list[bytes]) -> Header | None:
+    """The header of a message whose body may not decode (to answer it), None if it has none."""
+    if len(frames) != 4 or frames[0] != MAGIC:
+        return None
+    try:
+        return _header_decoder.decode(frames[2])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode(frames: list[bytes]) -> tuple[bytes, Header, Any]:

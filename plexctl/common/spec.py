@@ -950,6 +950,33 @@ def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
     return msgspec.to_builtins(spec)
 
 
+def _written(value: Any, default: Any) -> Any:
+    """A wire spec's sections as if written: fields equal to their default left out."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return {k: _written(v, default.get(k)) for k, v in value.items() if k not in default or v != default[k]}
+    return value
+
+
+def wire_rule_problems(d: dict[str, Any], from_tinker_front_end: bool = False) -> list[str]:
+    """The rules across fields (``_check_rules``, the ones ``load_spec`` runs for the client) on a
+    spec as it came over the wire, one line each: the daemon runs them on every submit, whatever
+    client sent it. ``algo.name: tinker`` passes only from the cluster's Tinker front end."""
+    spec = spec_from_wire(d)
+    defaults = {
+        section: msgspec.to_builtins(type(getattr(spec, section))())
+        for section in ("algo", "reward", "sampling", "checkpoint")
+        if getattr(spec, section) is not None and section != "reward"
+    }
+    doc = {k: _written(v, defaults.get(k)) for k, v in spec_to_wire(spec).items() if k != "lora" or v is not None}
+    if spec.reward is not None:
+        doc["reward"] = {k: v for k, v in msgspec.to_builtins(spec.reward).items() if v is not None}
+    if from_tinker_front_end and spec.algo.name == TINKER_ALGO and isinstance(doc.get("algo"), dict):
+        doc["algo"].pop("name", None)
+    issues = _Issues("<submit>", {}, {})
+    _check_rules(doc, issues)
+    return [f"{i.path}: {i.message}" if i.path else i.message for i in issues.found]
+
+
 def spec_from_wire(d: dict[str, Any]) -> JobSpec:
     """A ``JobSpec`` from its wire form (no file checks); ``SpecError`` if it does not fit."""
     try:
