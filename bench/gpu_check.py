@@ -174,12 +174,16 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     result["step_seconds"] = times
     result["step_seconds_warm"] = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     result["tokens_per_second"] = a.rows * a.seq / result["step_seconds_warm"]
-    from plexctl.common.memplan import trainer_activation_bytes
+    from plexctl.common.memplan import JobShape, trainer_step
+    from plexctl.common.state_size import job_state_bytes
 
     weights = sum(p.numel() * p.element_size() for p in trainer._base_params.values())
     result["base_weights_gib"] = weights / 2**30
-    planned = trainer_activation_bytes(ctx["shape"], options.micro_batch_tokens, options.dtype)
-    result["plan_activation_gib"] = planned / 2**30  # the memory plan's estimate (checkpointed layers)
+    job = JobShape("job0", 32, a.seq, micro_batch_tokens=options.micro_batch_tokens)
+    state = job_state_bytes(32, list(job.target_modules), ctx["shape"], cuda=options.device == "cuda")
+    asked = "on" if result["gradient_checkpointing"] else "off"
+    planned = trainer_step(ctx["shape"], options.dtype, options.micro_batch_tokens, asked, 0, states=state, job=job)
+    result["plan_step_peak_gib"] = planned.total / 2**30  # the memory plan's estimate of max_memory_allocated
     if torch.cuda.is_available():
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["gpu_total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30

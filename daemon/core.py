@@ -41,7 +41,7 @@ from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
-from plexctl.common.memplan import VLLM_LORA_RANKS
+from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire, wire_rule_problems
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
@@ -589,6 +589,13 @@ class DaemonCore:
                 f"{what} takes {fmt_bytes(need)}, more than any "
                 f"trainer's largest tier holds ({fmt_bytes(max(capacities))})"
             )
+        rooms = [
+            TrainerRoom(d.engine_id, d.step_room_bytes, d.gradient_checkpointing == "on", d.micro_batch_tokens)
+            for d in decls
+            if d.kind == "trainer" and d.step_room_bytes and d.micro_batch_tokens
+        ]
+        if rooms and spec.lora is not None:
+            return spec_step_problem(spec, rooms, next((d.dtype for d in decls if d.dtype), "bfloat16"))
         return ""
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:

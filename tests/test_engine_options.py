@@ -48,3 +48,16 @@ def test_bad_options_are_one_line_each(call, match) -> None:
 def test_visible_devices_are_the_ids_slurm_gave() -> None:
     assert visible_device_ids("2,3") == ["2", "3"]
     assert visible_device_ids("") == [] and visible_device_ids(None) == []
+
+
+def test_a_trainer_sharing_its_gpu_is_capped_to_its_share_on_cuda_only(monkeypatch) -> None:
+    import torch
+
+    from worker.main import cap_memory
+
+    calls: list[float] = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: calls.append(f))
+    cap_memory(0.4, "cuda")
+    cap_memory(0.4, "cpu")
+    cap_memory(None, "cuda")
+    assert calls == [0.4]

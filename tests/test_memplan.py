@@ -381,3 +381,143 @@ def test_jobs_on_two_bases_get_a_plan_each_that_counts_the_other_models_weights(
     tight = plans_for_specs([lora, full], NodeShape.parse("8x141G", host="160G"), options=options)
     problems = [p for plan in tight for p in plan.problems]
     assert any(p.startswith("host memory:") and "sleeping models" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- the step's peak, held to the H200's
+
+
+def _measured_runs() -> list[Path]:
+    return sorted((REPO / "bench" / "results").glob("gpu-h200-*.json"))
+
+
+def _trainer_runs() -> list[tuple[str, dict]]:
+    runs = []
+    for path in _measured_runs():
+        d = json.loads(path.read_text())
+        trainer = d.get("parts", {}).get("trainer", {})
+        if "peak_gpu_gib" in trainer:
+            runs.append((path.name, d))
+    return runs
+
+
+def test_the_measured_h200_runs_are_committed() -> None:
+    names = [name for name, _ in _trainer_runs()]
+    assert names == [
+        "gpu-h200-gpu_check-0.5b.json",
+        "gpu-h200-gpu_check-3b.json",
+        "gpu-h200-trainer-ckpt-on-0.5b.json",
+        "gpu-h200-trainer-ckpt-on-3b.json",
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _trainer_runs()])
+def test_step_peak_holds_to_the_measured_peak_within_1_0_to_1_3(name: str) -> None:
+    """The plan's step peak against torch's max_memory_allocated on an H200 (bench/gpu_check.py at
+    ccc52d9, docs/gpu.md): the run's shape, rank-32 LoRA on 7 modules, one job's state resident."""
+    from plexctl.common.memplan import ALL_PROJECTIONS, trainer_step
+
+    d = dict(_trainer_runs())[name]
+    t, config = d["parts"]["trainer"], d["model_shape"]
+    job = JobShape("gpu_check", t["lora_rank"], t["seq"], micro_batch_tokens=t["micro_batch_tokens"])
+    assert job.target_modules == ALL_PROJECTIONS
+    state = job_state_bytes(job.rank, list(ALL_PROJECTIONS), config, cuda=True)
+    asked = "on" if t["gradient_checkpointing"] else "off"
+    step = trainer_step(config, t["dtype"], t["micro_batch_tokens"], asked, 0, states=state, job=job)
+    measured = t["peak_gpu_gib"] * GiB
+    assert step.checkpointing == t["gradient_checkpointing"]
+    assert step.weights == pytest.approx(t["base_weights_gib"] * GiB, rel=0.08)  # the plan counts the tied head once
+    assert 1.0 <= step.total / measured <= 1.3, (step.total / GiB, t["peak_gpu_gib"])
+
+
+def _grpo_3b_job() -> JobShape:
+    return JobShape("grpo-3b", 32, 1024, micro_batch_tokens=16384)  # 64 x 1,024 tokens, micro-batches of 16,384
+
+
+@pytest.mark.parametrize(("gpus", "checkpointing"), [("8x80G", True), ("8x141G", False)])
+def test_auto_checkpoints_the_3b_job_on_80g_and_not_where_it_fits(gpus: str, checkpointing: bool) -> None:
+    plan = plan_memory(model_config_for("Qwen/Qwen2.5-3B"), NodeShape.parse(gpus), jobs=[_grpo_3b_job()])
+    assert plan.fits, plan.problems
+    assert all(t.gradient_checkpointing is checkpointing for t in plan.trainers)
+    assert all(t.step_peak_bytes <= t.room_bytes for t in plan.trainers)
+
+
+def test_checkpointing_as_asked_overrides_auto() -> None:
+    config = model_config_for("Qwen/Qwen2.5-3B")
+    on = plan_memory(config, NodeShape.parse("8x141G"), options=ClusterOptions(gradient_checkpointing="on"))
+    off = plan_memory(config, NodeShape.parse("8x80G"), options=ClusterOptions(gradient_checkpointing="off"))
+    assert all(t.gradient_checkpointing for t in on.trainers)
+    assert not any(t.gradient_checkpointing for t in off.trainers)
+    assert off.trainers[0].step_peak_bytes > 5 * on.trainers[0].step_peak_bytes
+
+
+def test_the_worker_decides_as_the_plan_does_on_cuda() -> None:
+    """``worker_step`` is what plexw runs at start on a GPU: the same decision as the plan's, and a
+    memory fraction only where a rollout engine shares the GPU."""
+    from plexctl.common.memplan import worker_step
+
+    config = model_config_for("Qwen/Qwen2.5-3B")
+    h200 = int(139.8 * GiB)  # what torch reports of an H200's 141 GB
+    on_80 = worker_step(config, "bfloat16", 16384, "auto", 80 * GiB, None, 4, 64, cuda=True)
+    on_h200 = worker_step(config, "bfloat16", 16384, "auto", h200, None, 4, 64, cuda=True)
+    shared = worker_step(config, "bfloat16", 16384, "auto", h200, 0.5, 4, 64, cuda=True)
+    assert on_80.gradient_checkpointing and on_80.memory_fraction is None
+    assert not on_h200.gradient_checkpointing and on_h200.step_peak_bytes <= on_h200.room_bytes
+    assert shared.gradient_checkpointing and shared.memory_fraction == pytest.approx(0.5)
+    assert shared.step_peak_bytes <= shared.room_bytes < h200 // 2
+    cpu = worker_step(config, "float32", 16384, "auto", 0, None, 4, 16, cuda=False)
+    assert not cpu.gradient_checkpointing and cpu.memory_fraction is None
+
+
+def test_memory_fraction_is_the_share_a_rollout_engine_leaves() -> None:
+    from plexctl.common.step_memory import memory_fraction, trainer_share_bytes
+
+    assert trainer_share_bytes(80 * GiB, None) == 80 * GiB
+    assert trainer_share_bytes(80 * GiB, 0.25) == 60 * GiB
+    assert memory_fraction(60 * GiB, 80 * GiB, shared=True) == pytest.approx(0.75)
+    assert memory_fraction(80 * GiB, 80 * GiB, shared=False) is None
+    with pytest.raises(ValueError):
+        trainer_share_bytes(80 * GiB, 1.0)
+
+
+def test_a_job_whose_step_fits_no_trainer_is_told_the_numbers() -> None:
+    from plexctl.common.memplan import TrainerRoom, step_problem
+
+    config = model_config_for("Qwen/Qwen2.5-3B")
+    job = JobShape("long", 32, 65536)  # one row is a 65,536-token micro-batch
+    small = [TrainerRoom("trainer w0/trainer", 30 * GiB, False, 16384)]
+    problem = step_problem(config, job, "bfloat16", small)
+    assert problem.startswith("a step needs ") and "65,536-token micro-batch, checkpointing off" in problem
+    assert "more than trainer w0/trainer has for a step (30.0 GiB)" in problem
+    assert step_problem(config, _grpo_3b_job(), "bfloat16", [TrainerRoom("t", 30 * GiB, True, 16384)]) == ""
+    assert step_problem(config, job, "bfloat16", []) == ""
+
+
+def test_plan_command_json_has_each_trainers_step() -> None:
+    proc = _plan_cli(
+        str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gpus", "8x80G", "--gradient-checkpointing", "off", "--json"
+    )
+    assert proc.returncode == 7, proc.stderr  # a 7B step without checkpointing does not fit 80 GB
+    plans = json.loads(proc.stdout)["plans"]
+    trainers = plans[0]["trainers"]
+    assert len(trainers) == 2 and all(t["gradient_checkpointing"] is False for t in trainers)
+    assert all(t["step_peak_bytes"] > t["room_bytes"] for t in trainers)
+    assert any("checkpointing off" in p and "has for a step" in p for p in plans[0]["problems"])
+    auto = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--json")
+    assert auto.returncode == 0, auto.stdout
+    step = json.loads(auto.stdout)["plans"][0]["trainers"][0]
+    assert (
+        step["gradient_checkpointing"] is True and step["weights_bytes"] < step["step_peak_bytes"] <= step["room_bytes"]
+    )
+    bad = _plan_cli(str(REPO / "configs" / "qwen2.5-7b-math.yaml"), "--gradient-checkpointing", "sometimes")
+    assert bad.returncode == 2 and "sometimes" in bad.stderr
+
+
+def test_submit_refuses_a_spec_whose_step_fits_no_registered_trainer() -> None:
+    """What daemon.core's submit check calls with the trainers' registered steps."""
+    from plexctl.common.memplan import TrainerRoom, spec_step_problem
+
+    spec = load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", [], check_files=False)
+    tight = [TrainerRoom("w0/trainer", 20 * GiB, True, 16384)]
+    roomy = [TrainerRoom("w1/trainer", 70 * GiB, True, 16384)]
+    assert "more than w0/trainer has for a step (20.0 GiB)" in spec_step_problem(spec, tight, "bfloat16")
+    assert spec_step_problem(spec, tight + roomy, "bfloat16") == ""

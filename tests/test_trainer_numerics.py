@@ -29,7 +29,7 @@ from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
 from plexctl.common.state_size import job_state_bytes, model_config
 from worker.checkpoint_files import ADAPTER_WEIGHTS
 from worker.token_logprobs import head_logprobs, token_logprobs
-from worker.train_batches import micro_batch_bounds, pad_rows, wants_gradient_checkpointing
+from worker.train_batches import micro_batch_bounds, pad_rows
 from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -329,13 +329,3 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_dir: str, dropout
     assert len(runs["checkpointed"]) == 3 * layers  # and each layer again in the backward
     assert_same_gradients(grads_checkpointed, grads_plain, rtol=1e-5)
     assert metrics_checkpointed == pytest.approx(metrics_plain, rel=1e-6, abs=1e-7)
-
-
-def test_gradient_checkpointing_is_wanted_where_activations_crowd_the_memory() -> None:
-    gib = 1 << 30
-    qwen_7b = {"hidden_size": 3584, "num_layers": 28}  # 34 x 16384 x 3584 x 28 bytes: 52 GiB of activations
-    assert wants_gradient_checkpointing("cuda", 16384, free_bytes=80 * gib, **qwen_7b)
-    assert not wants_gradient_checkpointing("cuda", 1024, free_bytes=80 * gib, **qwen_7b)
-    assert not wants_gradient_checkpointing("cuda", 16384, free_bytes=120 * gib, **qwen_7b)
-    assert not wants_gradient_checkpointing("cpu", 16384, free_bytes=80 * gib, **qwen_7b)  # it fits
-    assert wants_gradient_checkpointing("cpu", 16384, free_bytes=32 * gib, **qwen_7b)

@@ -53,6 +53,7 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
+from plexctl.common.memplan import WorkerStep, worker_step
 from plexctl.common.sizes import parse_bytes
 from worker.engine_args import Platform, adapter_slots, default_max_lora_rank, sleep_between_models
 from worker.engine_options import (
@@ -796,14 +797,17 @@ def build_engines(
         from worker.trainer import TrainerEngine
 
         nvme_dir = nvme_dir or args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+        step = trainer_step(args, kinds, options, model)
+        cap_memory(step.memory_fraction, options.device)
         trainer = TrainerEngine(
             model,
             dtype=options.dtype,
             device=options.device,
             threads=args.threads,
             micro_batch_tokens=options.micro_batch_tokens,
-            gradient_checkpointing=_checkpointing(args.gradient_checkpointing, options, model),
+            gradient_checkpointing=step.gradient_checkpointing,
         )
+        trainer.step_info = step_info(step, options.micro_batch_tokens)
         engines["trainer"] = StateStore(
             trainer,
             device_slots=args.device_slots,
@@ -953,6 +957,22 @@ def main(argv: list[str] | None = None) -> None:
                 for d in register.engines
             ],
         )
+    if stores:  # the step each trainer runs: the daemon refuses jobs whose step fits none
+        steps = {eid: store.trainer.step_info for eid, store in stores.items()}
+        register = msgspec.structs.replace(
+            register,
+            engines=[
+                msgspec.structs.replace(
+                    d,
+                    gradient_checkpointing="on" if steps[d.engine_id]["gradient_checkpointing"] else "off",
+                    micro_batch_tokens=steps[d.engine_id]["micro_batch_tokens"],
+                    step_room_bytes=steps[d.engine_id]["room_bytes"],
+                )
+                if d.engine_id in steps and steps[d.engine_id]
+                else d
+                for d in register.engines
+            ],
+        )
     io.register = msgspec.structs.replace(register, ready=True)
     outbox.register(io.register)
 
@@ -1000,24 +1020,49 @@ def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int
     return adapter_slots(args.expected_jobs, device)
 
 
-def _checkpointing(asked: str, options: EngineOptions, model: str) -> bool:
-    """Gradient checkpointing as asked; auto: where a micro-batch's activations would not fit
-    beside the weights on the device (never on CPU, where memory is rarely the limit)."""
-    if asked != "auto":
-        return asked == "on"
+def trainer_step(args: argparse.Namespace, kinds: list[str], options: EngineOptions, model: str) -> WorkerStep:
+    """The memory plan's decision for this worker's trainer (``memplan.worker_step``): its GPU's
+    memory, the rollout engine beside it on the same GPU and its share, its device slots. On the
+    CPU: checkpointing only when asked (``on``)."""
     if options.device != "cuda":
-        return False
+        return WorkerStep(args.gradient_checkpointing == "on", 0, 0, None)
     import torch
 
-    from plexctl.common.memplan import weights_bytes
     from plexctl.common.state_size import model_config
-    from worker.train_batches import wants_gradient_checkpointing
+    from worker.engine_args import GPU_MEMORY_UTILIZATION
 
-    config = model_config(model)
-    free = torch.cuda.mem_get_info()[0] - weights_bytes(config, options.dtype)
-    return wants_gradient_checkpointing(
-        "cuda", options.micro_batch_tokens, int(config["hidden_size"]), int(config["num_hidden_layers"]), max(0, free)
+    shared = "rollout" in kinds
+    return worker_step(
+        model_config(model),
+        options.dtype,
+        options.micro_batch_tokens,
+        args.gradient_checkpointing,
+        int(torch.cuda.mem_get_info()[1]),
+        (args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) if shared else None,
+        args.device_slots,
+        _max_lora_rank(args, options.device),
+        cuda=True,
     )
+
+
+def cap_memory(fraction: float | None, device: str) -> None:
+    """Hold the process to the trainer's share of a GPU it shares (CUDA only; None: no cap)."""
+    if fraction is None or device != "cuda":
+        return
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def step_info(step: WorkerStep, micro_batch_tokens: int) -> dict[str, Any]:
+    """What ``status`` shows of a trainer's step (the device tier's ``step``)."""
+    return {
+        "gradient_checkpointing": step.gradient_checkpointing,
+        "micro_batch_tokens": micro_batch_tokens,
+        "peak_bytes": step.step_peak_bytes,
+        "room_bytes": step.room_bytes,
+        "memory_fraction": step.memory_fraction,
+    }
 
 
 def _cuda() -> bool:

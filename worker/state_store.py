@@ -380,7 +380,11 @@ class StateStore:
         flight; and swap count / bytes / seconds per direction."""
         with self._cond:
             tiers = {
-                DEVICE: {"capacity": self.device_slots, "unit": "slots"},
+                DEVICE: {
+                    "capacity": self.device_slots,
+                    "unit": "slots",
+                    "step": getattr(self.trainer, "step_info", {}),
+                },
                 HOST: {"capacity": self.host_bytes, "unit": "bytes"},
                 NVME: {
                     "capacity": self.nvme_bytes,

@@ -4,9 +4,9 @@ tensors with the loss mask shifted onto the logits that predict each token, and 
 micro-batches trimmed to their own longest row.
 
 ``micro_batch_bounds`` cuts a batch, rows in order, into micro-batches of at most so many rows
-and so many padded tokens (rows x the micro-batch's longest row); ``wants_gradient_checkpointing``
-says whether a micro-batch's saved activations would crowd the device's free memory. Both are
-pure: the worker sizes its engine with them, the tests check them without a model."""
+and so many padded tokens (rows x the micro-batch's longest row); pure, tested without a model.
+Whether a micro-batch's activations are checkpointed is the memory plan's decision
+(``plexctl.common.memplan.worker_step``), not this module's."""
 
 from __future__ import annotations
 
@@ -129,31 +129,6 @@ def micro_batch_bounds(lengths: list[int], max_rows: int | None, max_tokens: int
     if lengths:
         bounds.append((start, len(lengths)))
     return bounds
-
-
-# bytes a decoder layer keeps for its backward, per token and unit of hidden size, with 16-bit
-# activations and flash attention (Korthikanti et al. 2022: 34sbh; LoRA's own inputs on top)
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34
-ACCELERATOR_ACTIVATION_SHARE = 0.5  # of the free memory a micro-batch's activations may fill
-CPU_ACTIVATION_SHARE = 1.0
-
-
-def activation_bytes(micro_batch_tokens: int, hidden_size: int, num_layers: int) -> int:
-    """Bytes a micro-batch's decoder activations take between its forward and its backward."""
-    return ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * micro_batch_tokens * hidden_size * num_layers
-
-
-def wants_gradient_checkpointing(
-    device_type: str, micro_batch_tokens: int, hidden_size: int, num_layers: int, free_bytes: int
-) -> bool:
-    """Whether to recompute the decoder layers in the backward instead of keeping their
-    activations: when a micro-batch's activations would take more than its share of
-    ``free_bytes`` (the memory left once the weights are loaded). On an accelerator the share is
-    half (the rest holds a chunk's logits, swapped-in job states and allocator slack); on CPU,
-    where recomputing costs a third more time and memory is rarely the limit, only when they
-    would not fit at all."""
-    share = CPU_ACTIVATION_SHARE if device_type == "cpu" else ACCELERATOR_ACTIVATION_SHARE
-    return activation_bytes(micro_batch_tokens, hidden_size, num_layers) > share * free_bytes
 
 
 def slice_rows(rows: Rows, start: int, stop: int) -> Rows:

@@ -124,6 +124,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self._parked = []  # oldest first
         self._user_losses = {}
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
+        self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
 
     # ------------------------------------------------------------ taking turns with other bases
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -78,6 +79,10 @@ def plan(
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.9,
     max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
     micro_batch_tokens: Annotated[int, typer.Option(min=1)] = 16384,
+    gradient_checkpointing: Annotated[
+        str, typer.Option(help="auto|on|off, as the worker's (auto: off where the step fits without it)")
+    ] = "auto",
+    json_: Annotated[bool, typer.Option("--json", help="the plans as JSON (per trainer its step)")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
 ) -> None:
     """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
@@ -86,7 +91,12 @@ def plan(
     directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
     from plexctl.common import memplan as MP
     from plexctl.common.spec import SpecError, load_spec
+    from plexctl.common.step_memory import CHECKPOINTING
 
+    if gradient_checkpointing not in CHECKPOINTING:
+        raise UsageError(
+            f"--gradient-checkpointing {gradient_checkpointing!r}: choose one of {', '.join(CHECKPOINTING)}"
+        )
     try:
         node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
         options = MP.ClusterOptions(
@@ -99,6 +109,7 @@ def plan(
             nvme_tier_bytes=parse_bytes(nvme_bytes),
             max_model_len=max_model_len,
             micro_batch_tokens=micro_batch_tokens,
+            gradient_checkpointing=gradient_checkpointing,
         )
         specs = [load_spec(f, set_ or [], check_files=False) for f in files]
         engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)
@@ -109,7 +120,10 @@ def plan(
         raise typer.Exit(ExitCode.USAGE) from None
     except ValueError as exc:
         raise UsageError(f"--gpus {gpus!r}: {exc}" if "GPU shape" in str(exc) else str(exc)) from None
-    print("\n\n".join(MP.render_plan(result) for result in results))
+    if json_:
+        print(json.dumps({"plans": [MP.plan_json(r) for r in results]}, indent=2))
+    else:
+        print("\n\n".join(MP.render_plan(result) for result in results))
     if not all(result.fits for result in results):
         raise typer.Exit(ExitCode.REFUSED)
 

@@ -169,15 +169,20 @@ def placement_text(e: EngineInfo) -> str:
 
 
 def tiers_text(e: EngineInfo) -> str:
-    """``device 2/2 · host 3 (1.2 MiB) · nvme 0`` for a trainer (``nvme 1 (4.0 MiB, full)`` when its
-    disk ran out of space); ``-`` otherwise."""
+    """``device 2/2 ckpt on · host 3 (1.2 MiB) · nvme 0`` for a trainer (``ckpt on|off``: its gradient
+    checkpointing, as the memory plan decided it; ``nvme 1 (4.0 MiB, full)`` when its disk ran out
+    of space); ``-`` otherwise."""
     if not e.tiers:
         return "-"
     parts = []
     for tier, info in e.tiers.items():
         jobs = len(info.get("jobs", []))
         if info.get("unit") == "slots":
-            parts.append(f"{tier} {jobs}/{info.get('capacity')}")
+            step = info.get("step") or {}
+            ckpt = ""
+            if "gradient_checkpointing" in step:
+                ckpt = " ckpt on" if step["gradient_checkpointing"] else " ckpt off"
+            parts.append(f"{tier} {jobs}/{info.get('capacity')}{ckpt}")
         else:
             full = ", full" if info.get("full") else ""
             parts.append(f"{tier} {jobs} ({fmt_bytes(info.get('used_bytes', 0))}{full})")

@@ -5,11 +5,15 @@ no torch, so ``plexctl plan`` and ``plexctl up`` can show it on a login node bef
 spends GPU-hours. It owns:
 
 - the model's sizes: ``parameter_count``, ``weights_bytes``, ``kv_bytes_per_token``,
-  ``lora_slots_bytes``, ``trainer_activation_bytes``;
+  ``lora_slots_bytes``;
+- a trainer's step, decided once: ``trainer_step`` (gradient checkpointing and the step's peak,
+  from ``plexctl.common.step_memory``), ``worker_step`` (the same decision from what a worker
+  knows at start, with its memory fraction), ``step_problem`` / ``spec_step_problem`` (a job
+  whose step fits no trainer: the daemon's submit check);
 - the shapes a plan is made of: ``NodeShape`` ("8x80G"), ``EngineShape``, ``ClusterOptions``,
   ``JobShape`` (``job_shape`` makes one from a job spec), and ``default_engines``;
 - ``plan_memory`` -> ``MemoryPlan`` (a ``RolloutPlan`` / ``TrainerPlan`` per engine and a list
-  of one-line problems, each with its numbers), ``job_problems`` and ``render_plan``;
+  of one-line problems, each with its numbers), ``job_problems``, ``render_plan`` and ``plan_json``;
 - the refusals of full fine-tuning and of a model no engine can hold: ``full_job_problems``
   (pure, a list of one-line problems) and ``check_full_state_fits`` (raises ``DoesNotFit``,
   exit 7), which submit calls for a spec without ``lora:`` or on a model of its own.
@@ -47,6 +51,14 @@ from plexctl.common.state_size import (
     lora_module_shapes,
     parameter_count,
 )
+from plexctl.common.step_memory import (
+    Checkpointing,
+    StepPeak,
+    choose_checkpointing,
+    memory_fraction,
+    step_peak,
+    trainer_share_bytes,
+)
 
 if TYPE_CHECKING:
     from plexctl.common.spec import JobSpec
@@ -62,7 +74,6 @@ ROLLOUT_STEP_SEQS = 256  # sequences in one engine step (worker.rollout's MAX_NU
 ROLLOUT_GPU_RUNTIME_BYTES = 3 * GiB // 2  # CUDA graphs, CUDA context and NCCL buffers of a vLLM GPU process
 TRAINER_GPU_RUNTIME_BYTES = 2 * GiB  # CUDA context, cuBLAS and attention workspaces, allocator fragmentation
 CPU_RUNTIME_BYTES = 1 * GiB  # Python, torch and vLLM of a CPU worker process
-LOGITS_COPIES = 3  # fp32 logits of a chunk, their log-softmax and its gradient
 DEFAULT_PROMPT_TOKENS = 512  # a job spec does not bound its prompts: a plan assumes prompts of up to this many
 DEFAULT_MICRO_BATCH_TOKENS = 16384  # tokens of one trainer micro-batch (a micro-batch holds at least one sequence)
 DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # tokens whose logits the trainer materialises at once (chunked log-probs)
@@ -120,26 +131,45 @@ def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int = 1)
     return step + sampler
 
 
-def trainer_activation_bytes(
-    config: Mapping[str, Any], tokens: int, dtype: str, chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
-) -> int:
-    """Activation peak of a micro-batch of ``tokens`` with gradient checkpointing (an estimate):
+def trainer_step(
+    config: Mapping[str, Any],
+    dtype: str,
+    tokens: int,
+    asked: str,
+    room_bytes: int,
+    *,
+    states: int,
+    job: JobShape | None = None,
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    cuda: bool = True,
+) -> StepPeak:
+    """The step a trainer runs, decided once: gradient checkpointing as ``asked`` (auto: off
+    where the step without it fits ``room_bytes``, the trainer's share of its GPU less its
+    runtime), and that step's peak (``step_memory.step_peak``) for micro-batches of ``tokens``
+    with ``states`` bytes of job state on the device. ``job``: the largest job (None: one at
+    rank 64 on every projection, the most a GPU rollout engine loads by default)."""
+    job = job or JobShape("", 64, 0)
+    weights = weights_bytes(config, dtype)
+    trainable = parameter_count(config) if job.full else adapter_params(config, job.rank, job.target_modules)
 
-    - the checkpointed input of every layer: layers x tokens x hidden x dtype bytes;
-    - one layer's full activations while it is recomputed, and their gradients: per token the
-      norm inputs (2 x hidden), q and attention output (2 x heads x head_dim), k and v
-      (2 x kv_heads x head_dim), o_proj's output (hidden), gate, up, activation and product
-      (4 x intermediate), x dtype bytes x 2;
-    - one chunk of logits in fp32: chunk_tokens x vocab x 4 x ``LOGITS_COPIES``.
-    """
-    hidden, intermediate = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads, head_dim, kv_heads = int(config["num_attention_heads"]), _head_dim(config), _kv_heads(config)
-    size = dtype_bytes(dtype)
-    checkpoints = int(config["num_hidden_layers"]) * tokens * hidden * size
-    width = 3 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * intermediate
-    layer = tokens * width * size * 2
-    logits = min(chunk_tokens, tokens) * int(config["vocab_size"]) * FP32_BYTES * LOGITS_COPIES
-    return checkpoints + layer + logits
+    def peak(checkpointing: bool) -> StepPeak:
+        return step_peak(
+            config,
+            tokens,
+            dtype,
+            checkpointing,
+            weights=weights,
+            states=states,
+            trainable_params=trainable,
+            rank=job.rank,
+            target_modules=job.target_modules,
+            full=job.full,
+            chunk_tokens=chunk_tokens,
+            cuda=cuda,
+        )
+
+    without = peak(False)
+    return peak(choose_checkpointing(asked, without.total <= room_bytes, cuda))
 
 
 def model_context(config: Mapping[str, Any]) -> int:
@@ -242,6 +272,7 @@ class ClusterOptions:
     max_model_len: int | None = None  # None: the model's context, at most CONTEXT_CAP
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
     logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+    gradient_checkpointing: Checkpointing = "auto"  # the workers' --gradient-checkpointing
     cpu_kv_cache_bytes: int = 1 * GiB  # KV cache of a CPU rollout engine (its `kv_cache_gib`)
     # the cluster's other base models, in the engines' dtype (``plans_for_specs``): on a GPU an
     # engine's other models sleep in pinned host memory, on the CPU they stay resident
@@ -354,12 +385,15 @@ class TrainerPlan:
     job_state_bytes: int  # the largest job's state (no jobs: one at max_lora_rank on all projections)
     gradient_bytes: int  # fp32 gradients of the job being trained
     micro_batch_tokens: int
-    activation_bytes: int
+    activation_bytes: int  # what a micro-batch adds at the step's peak (activations, logits chunk, casts)
     runtime_bytes: int
     host_tier_bytes: int
     nvme_tier_bytes: int
     rollout_bytes: int = 0  # shared: the budget of the rollout engine on its GPU
     other_bases_bytes: int = 0  # the cluster's other base models, which it holds beside this one
+    gradient_checkpointing: bool = True  # decided by ``trainer_step``
+    step_peak_bytes: int = 0  # the step's estimated max_memory_allocated (weights, states, gradients, activations)
+    room_bytes: int = 0  # its share of the GPU less runtime and other bases: what a step may reach
 
     @property
     def device_state_bytes(self) -> int:
@@ -422,15 +456,17 @@ class MemoryPlan:
 
 def _largest_job(
     config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape], dtype: str, cuda: bool
-) -> tuple[int, int]:
-    """(state bytes, fp32 gradient bytes) of the largest planned job; without jobs, of one at
-    ``max_lora_rank`` on all projections (the largest a rollout engine loads)."""
+) -> tuple[int, int, JobShape]:
+    """(state bytes, fp32 gradient bytes, the job with the most gradient) of the planned jobs;
+    without jobs, of one at ``max_lora_rank`` on all projections (the largest a rollout engine
+    loads)."""
     known = set(lora_module_shapes(config))
     shaped = [j for j in jobs if set(j.target_modules) <= known]
     if not shaped:
         shaped = [JobShape("", options.max_lora_rank, 0)]
-    sizes = [job_sizes(config, j, dtype, cuda) for j in shaped]
-    return max(state for state, _ in sizes), max(gradient for _, gradient in sizes)
+    sizes = [(*job_sizes(config, j, dtype, cuda), j) for j in shaped]
+    largest = max(sizes, key=lambda size: size[1])[2]
+    return max(size[0] for size in sizes), max(size[1] for size in sizes), largest
 
 
 def _shared_pairs(engines: Sequence[EngineShape], gpus: int) -> tuple[set[int], list[tuple[int, int]], str | None]:
@@ -473,7 +509,7 @@ def plan_memory(
     engines = tuple(engines if engines is not None else default_engines(node.gpus))
     max_model_len = options.max_model_len or min(model_context(config), CONTEXT_CAP)
     weights = weights_bytes(config, dtype)
-    state, gradient = _largest_job(config, options, jobs, dtype, cuda=node.gpus > 0)
+    state, gradient, largest = _largest_job(config, options, jobs, dtype, cuda=node.gpus > 0)
     # the largest micro-batch of the jobs (without jobs: the budget); a job beyond the budget is its own problem
     micro_tokens = max(
         (min(j.peak_tokens, options.micro_batch_tokens) for j in jobs), default=options.micro_batch_tokens
@@ -514,6 +550,20 @@ def plan_memory(
 
     def trainer_plan(position: int, index: int, engine: EngineShape, capacity: int) -> TrainerPlan:
         on_gpu = engine.gpus > 0 and position not in cpu
+        runtime = TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES
+        other = 0 if on_gpu else options.other_weights_bytes  # a GPU's sleep in host memory
+        share = trainer_share_bytes(capacity, options.gpu_memory_utilization if position in partner else None)
+        step = trainer_step(
+            config,
+            dtype,
+            micro_tokens,
+            options.gradient_checkpointing,
+            share - runtime - other,
+            states=options.device_slots * state,
+            job=largest,
+            chunk_tokens=options.logits_chunk_tokens,
+            cuda=on_gpu,
+        )
         return TrainerPlan(
             index=index,
             gpus=engine.gpus if on_gpu else 0,
@@ -524,11 +574,14 @@ def plan_memory(
             job_state_bytes=state,
             gradient_bytes=gradient,
             micro_batch_tokens=micro_tokens,
-            activation_bytes=trainer_activation_bytes(config, micro_tokens, dtype, options.logits_chunk_tokens),
-            runtime_bytes=TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES,
+            activation_bytes=step.total - weights - options.device_slots * state - gradient,
+            runtime_bytes=runtime,
             host_tier_bytes=options.host_tier_bytes,
             nvme_tier_bytes=options.nvme_tier_bytes,
-            other_bases_bytes=0 if on_gpu else options.other_weights_bytes,  # a GPU's sleep in host memory
+            other_bases_bytes=other,
+            gradient_checkpointing=step.checkpointing,
+            step_peak_bytes=step.total,
+            room_bytes=share - runtime - other,
         )
 
     kinds = {"rollout": 0, "trainer": 0}
@@ -694,20 +747,116 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
             f"{prefix}its state {_size(state)} exceeds the largest tier (host {_size(plan.options.host_tier_bytes)}, "
             f"NVMe {_size(plan.options.nvme_tier_bytes)})"
         )
-    if plan.trainers:
-        t = max(plan.trainers, key=lambda t: t.capacity_bytes)
-        activations = trainer_activation_bytes(
-            plan.config, job.peak_tokens, plan.dtype, plan.options.logits_chunk_tokens
+    if plan.trainers and all(t.weights_bytes <= t.capacity_bytes for t in plan.trainers):
+        rooms = [
+            TrainerRoom(f"trainer engine {t.index}", t.room_bytes, t.gradient_checkpointing, t.micro_batch_tokens)
+            for t in plan.trainers
+        ]
+        problem = step_problem(
+            plan.config, job, plan.dtype, rooms, plan.options.logits_chunk_tokens, cuda=plan.node.gpus > 0
         )
-        need = t.weights_bytes + state + activations + gradient + t.runtime_bytes
-        if need > t.capacity_bytes and t.weights_bytes <= t.capacity_bytes:
-            say(
-                f"{prefix}needs {_size(need)} on a trainer (weights {_size(t.weights_bytes)} + its state "
-                f"{_size(state)} + activations of its {job.peak_tokens:,}-token micro-batch {_size(activations)} + "
-                f"gradients and runtime {_size(gradient + t.runtime_bytes)}), the trainer has "
-                f"{_size(t.capacity_bytes)}"
-            )
+        if problem:
+            say(f"{prefix}{problem}")
     return problems
+
+
+@dataclass(frozen=True)
+class WorkerStep:
+    """A GPU trainer's step as its worker builds it: checkpointing, the step's estimated peak, the
+    room a step may reach, and the memory fraction to cap the process at (None: owns its GPU)."""
+
+    gradient_checkpointing: bool
+    step_peak_bytes: int
+    room_bytes: int
+    memory_fraction: float | None
+
+
+def worker_step(
+    config: Mapping[str, Any],
+    dtype: str,
+    micro_batch_tokens: int,
+    asked: str,
+    gpu_bytes: int,
+    rollout_utilization: float | None,
+    device_slots: int,
+    max_lora_rank: int,
+    cuda: bool,
+) -> WorkerStep:
+    """The decision ``plan_memory`` makes for a trainer, from what a worker knows at start: its
+    GPU's memory, the share a rollout engine on the same GPU was given (None: none shares it),
+    its device slots, and the largest adapter its rollout engines load (``max_lora_rank`` on all
+    projections) as the job to plan for."""
+    job = JobShape("", max_lora_rank, 0)
+    state = job_sizes(config, job, dtype, cuda)[0]
+    runtime = TRAINER_GPU_RUNTIME_BYTES if cuda else CPU_RUNTIME_BYTES
+    shared = cuda and rollout_utilization is not None
+    share = trainer_share_bytes(gpu_bytes, rollout_utilization if shared else None) if cuda else 0
+    room = share - runtime
+    step = trainer_step(config, dtype, micro_batch_tokens, asked, room, states=device_slots * state, job=job, cuda=cuda)
+    return WorkerStep(
+        gradient_checkpointing=step.checkpointing,
+        step_peak_bytes=step.total,
+        room_bytes=room if cuda else 0,
+        memory_fraction=memory_fraction(share, gpu_bytes, shared),
+    )
+
+
+@dataclass(frozen=True)
+class TrainerRoom:
+    """What a submit check needs of a running trainer: the bytes a step may reach (its share of
+    the GPU less its runtime), its checkpointing and micro-batch budget, as it registered them."""
+
+    name: str
+    room_bytes: int
+    gradient_checkpointing: bool
+    micro_batch_tokens: int
+
+
+def step_problem(
+    config: Mapping[str, Any],
+    job: JobShape,
+    dtype: str,
+    trainers: Sequence[TrainerRoom],
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    cuda: bool = True,
+) -> str:
+    """Why ``job``'s step fits none of ``trainers`` (its own state alone on the device, each
+    trainer's checkpointing and micro-batch budget, a micro-batch at least one whole sequence),
+    one line with the numbers of the closest; "" when one fits or none is known."""
+    if not trainers:
+        return ""
+    state = job_sizes(config, job, dtype, cuda)[0]
+    best: tuple[int, TrainerRoom, StepPeak, int] | None = None
+    for t in trainers:
+        tokens = max(t.micro_batch_tokens, job.max_seq_len)
+        mode = "on" if t.gradient_checkpointing else "off"
+        peak = trainer_step(
+            config, dtype, tokens, mode, t.room_bytes, states=state, job=job, chunk_tokens=chunk_tokens, cuda=cuda
+        )
+        if peak.total <= t.room_bytes:
+            return ""
+        if best is None or peak.total - t.room_bytes < best[2].total - best[1].room_bytes:
+            best = (tokens, t, peak, state)
+    assert best is not None
+    tokens, t, peak, state = best
+    return (
+        f"a step needs {_size(peak.total)} (weights {_size(peak.weights)} + its state {_size(state)} + "
+        f"activations of a {tokens:,}-token micro-batch, checkpointing "
+        f"{'on' if t.gradient_checkpointing else 'off'}, {_size(peak.total - peak.weights - peak.states)}), "
+        f"more than {t.name} has for a step ({_size(t.room_bytes)})"
+    )
+
+
+def spec_step_problem(spec: JobSpec, trainers: Sequence[TrainerRoom], dtype: str) -> str:
+    """``step_problem`` of a job spec on the trainers its model's workers registered (the
+    daemon's submit check); "" for a model of no known shape (the worker's store decides)."""
+    from plexctl.common.model_shapes import UnknownModelShape, model_config_for
+
+    try:
+        config = model_config_for(spec.model.path)
+        return step_problem(config, job_shape(spec), spec.model.dtype or dtype, trainers)
+    except (OSError, KeyError, ValueError, UnknownModelShape):
+        return ""
 
 
 # ---------------------------------------------------------------- full fine-tuning, other models
@@ -885,7 +1034,8 @@ def _trainer_rows(t: TrainerPlan) -> list[Row]:
         (
             f"activations: {t.micro_batch_tokens:,}-token micro-batch",
             t.activation_bytes,
-            "gradient checkpointing, chunked logits",
+            f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}, chunked logits; "
+            f"step peak {_size(t.step_peak_bytes)}",
         ),
         ("CUDA context, workspaces" if t.gpus else "process runtime", t.runtime_bytes, ""),
     ]
@@ -977,6 +1127,56 @@ def render_plan(plan: MemoryPlan) -> str:
     else:
         lines.append("Everything fits.")
     return "\n".join(lines)
+
+
+def plan_json(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as JSON (``plexctl plan --json``): per engine its figures in bytes, per trainer
+    its step (``gradient_checkpointing`` resolved, ``step_peak_bytes``: the estimate of torch's
+    ``max_memory_allocated`` during a step), the jobs and the problems."""
+    return {
+        "model": plan.model,
+        "params": plan.params,
+        "dtype": plan.dtype,
+        "node": {"gpus": plan.node.gpus, "gpu_bytes": plan.node.gpu_bytes, "host_bytes": plan.node.host_bytes},
+        "rollouts": [
+            {
+                "index": r.index,
+                "gpus": r.gpus,
+                "shared": r.shared,
+                "budget_bytes": r.budget_bytes,
+                "vllm_gpu_memory_utilization": round(r.vllm_utilization, 4),
+                "weights_bytes": r.weights_bytes,
+                "kv_cache_bytes": r.kv_cache_bytes,
+                "kv_tokens": r.kv_tokens,
+            }
+            for r in plan.rollouts
+        ],
+        "trainers": [
+            {
+                "index": t.index,
+                "gpus": t.gpus,
+                "shared": t.shared,
+                "capacity_bytes": t.capacity_bytes,
+                "room_bytes": t.room_bytes,
+                "gradient_checkpointing": t.gradient_checkpointing,
+                "micro_batch_tokens": t.micro_batch_tokens,
+                "step_peak_bytes": t.step_peak_bytes,
+                "weights_bytes": t.weights_bytes,
+                "device_state_bytes": t.device_state_bytes,
+                "gradient_bytes": t.gradient_bytes,
+                "activation_bytes": t.activation_bytes,
+                "runtime_bytes": t.runtime_bytes,
+                "free_bytes": t.free_bytes,
+            }
+            for t in plan.trainers
+        ],
+        "jobs": [
+            {"name": j.name, "rank": j.rank, "max_seq_len": j.max_seq_len, "micro_batch_tokens": j.peak_tokens}
+            for j in plan.jobs
+        ],
+        "fits": plan.fits,
+        "problems": list(plan.problems),
+    }
 
 
 def plans_for_specs(

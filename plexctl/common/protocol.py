@@ -286,6 +286,10 @@ class EngineDecl(msgspec.Struct):
     max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
     max_model_len: int = 0  # the longest sequence (prompt and completion) a rollout engine holds (0: not said)
     sleeps: bool = False  # takes turns with its worker's other models' engines of its kind on the GPU
+    # a GPU trainer's step as the memory plan decided it (``memplan.worker_step``; 0 / "": not said)
+    gradient_checkpointing: str = ""  # on | off
+    micro_batch_tokens: int = 0
+    step_room_bytes: int = 0  # what a step may reach: its share of the GPU less the CUDA runtime
 
 
 class RegisterReq(msgspec.Struct):
