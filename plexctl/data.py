@@ -236,7 +236,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, None, dict[str, Any]]]:
             for row in rows:
                 number += 1
                 yield number, None, row
-    except Exception as e:  # pyarrow raises several unrelated types for a bad file
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several unrelated types for a bad file
         raise DataError(path, f"cannot read Parquet: {one_line(e)}") from None
 
 

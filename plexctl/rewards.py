@@ -143,7 +143,7 @@ def math_reward(completion: str, answer: str, record: dict) -> float:
         if not gold or not target:
             return 0.0
         return 1.0 if math_verify.verify(gold, target, timeout_seconds=timeout) else 0.0
-    except Exception:
+    except Exception:  # noqa: BLE001 - math_verify raises on unparsable answers: scored 0
         return 0.0
 
 
@@ -185,7 +185,7 @@ class SafeReward:
     def __call__(self, completion: str, answer: str, record: dict) -> float:
         try:
             value = float(self.fn(completion, answer, record))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's reward may raise anything: that sample's error
             return self._failed(f"{type(e).__name__}: {one_line(e)}")
         if not math.isfinite(value):
             return self._failed(f"non-finite reward {value}")

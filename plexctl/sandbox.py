@@ -126,7 +126,7 @@ def _probe_isolation() -> Isolation:
     for mode in _candidate_modes():
         try:
             result = _run(mode, _PROBE, "", Limits(wall_seconds=20))
-        except Exception:  # e.g. no uid lease directory: this mode is not available
+        except Exception:  # noqa: BLE001 - e.g. no uid lease directory: this mode is not available
             continue
         if result.ok:
             return _describe(mode)
@@ -182,7 +182,7 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits(), paths: tup
     """
     try:
         return _run(isolation().mode, code, stdin, limits, paths)
-    except Exception as e:  # the sandbox machinery itself failed: that run's failure only
+    except Exception as e:  # noqa: BLE001 - the sandbox machinery itself failed: that run's failure only
         return _failed(f"sandbox error: {type(e).__name__}: {e}", limit_hit="crash")
 
 
@@ -516,7 +516,7 @@ class SandboxSession:
         except SessionFailed:
             self.close()
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - any failure, interrupts too, closes the session first
             self.close()
             raise SessionFailed(f"sandbox error: {type(e).__name__}: {e}") from None
 

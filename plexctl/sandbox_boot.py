@@ -177,7 +177,7 @@ def boot(cfg: dict[str, Any]) -> bytes:
         if mode == "guard":
             stage = "guard"
             _install_guard(os.path.realpath(work))
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - any setup failure exits before the user's code runs
         os.write(2, f"plexrl-sandbox: setup failed at {stage}: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED_EXIT)
     return source

@@ -36,7 +36,7 @@ def import_object(target: str, path: str | None, what: str, error: type[Exceptio
     where = f" from {path}" if path else ""
     try:
         obj: Any = importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:  # the user's module may raise anything (or exit) while importing
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's module may raise anything (or exit) while importing
         raise error(f"cannot import `{module_name}`{where}: {type(e).__name__}: {one_line(e)}") from None
     for part in attr_path.split("."):
         if not hasattr(obj, part):

@@ -201,6 +201,6 @@ def read_checkpoint_payload(directory: Path) -> tuple[dict[str, torch.Tensor], d
         tensors = load_file(str(directory / ADAPTER_WEIGHTS))
         trainer_state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=True)
         extra = json.loads((directory / EXTRA).read_text())
-    except Exception as exc:  # checksums matched, so the writer itself was broken
+    except Exception as exc:  # noqa: BLE001 - checksums matched, so the writer itself was broken
         raise CheckpointError(f"checkpoint {directory}: unreadable payload ({type(exc).__name__}: {exc})") from None
     return tensors, trainer_state, extra

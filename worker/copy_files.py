@@ -486,7 +486,7 @@ def read_copy(copy: NvmeCopy, pool: BufferPool) -> tuple[JobStateCopy, torch.Ten
         checksums = _Checksums(view, spans) if len(spans) > 1 else None
         try:
             state = _copy_over(buffer, copy)
-        except Exception as exc:  # the writer's or the format's fault
+        except Exception as exc:  # noqa: BLE001 - the writer's or the format's fault
             raise CorruptCopyError(
                 f"{_where(copy)}: unreadable ({type(exc).__name__}: {exc})".replace("\n", " ")
             ) from None

@@ -89,7 +89,7 @@ def user_token_terms(
     """
     try:
         pg = fn(logp, old_logprobs, advantages, mask, dict(hp.loss_params))
-    except Exception as e:  # the user's code may raise anything
+    except Exception as e:  # noqa: BLE001 - the user's code may raise anything
         raise LossLoadError(f"loss fn `{hp.loss_fn}` raised {type(e).__name__}: {e}".splitlines()[0]) from None
     if not isinstance(pg, torch.Tensor) or pg.shape != logp.shape:
         got = tuple(pg.shape) if isinstance(pg, torch.Tensor) else type(pg).__name__

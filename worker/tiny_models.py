@@ -15,7 +15,8 @@ build lock, so two can build side by side). The first, ``tiny-arith``:
   a fixed order);
 - a short, deterministic supervised warm start on "a+b=c<eos>" that stops while the model
   is still *partial* (temperature-1.0 exact-answer accuracy of about a third), so RL has
-  room to improve it. RL from random init does not move on this scale (see DESIGN.md).
+  room to improve it. RL from random init does not move on this scale (docs/benchmarks.md,
+  "Learning check").
 
 The second, ``tiny-tool`` (``build_tiny_tool``; see its section below): the same architecture
 and tokenizer, warm-started on transcripts of the multi-turn ``python_tool`` task (``12*7=`` ->

@@ -115,7 +115,7 @@ def _import_class(target: str, path: str | None) -> type:
 def _check_instance(factory: EnvFactory, what: str) -> None:
     try:
         env = factory()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's environment class may raise anything
         raise EnvLoadError(f"{what} refused its config: {type(e).__name__}: {one_line(e)}") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:

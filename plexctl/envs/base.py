@@ -153,7 +153,7 @@ class RewardEnv:
     def step(self, completion_text: str) -> StepResult:
         try:
             value = float(self.reward_fn(completion_text, str(self.sample[self.answer_field]), self.sample))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's reward may raise anything: that sample's error
             return errored(f"reward raised {type(e).__name__}: {one_line(e)}")
         if not math.isfinite(value):
             return errored(f"reward returned {value}")
@@ -249,7 +249,7 @@ def _reset(env: Env, sample: dict, failure_reward: float) -> Episode:
     ep = Episode(sample=sample)
     try:
         ep.text = str(env.reset(sample))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's environment may raise anything: that episode's error
         ep.reward_errors += 1
         _fail(ep, failure_reward, f"reset raised {type(e).__name__}: {one_line(e)}")
     return ep
@@ -321,7 +321,7 @@ def _run_steps(
             ep.tool_timeouts += 1
             _fail(ep, failure_reward, f"step took longer than {step_timeout_s}s")
             continue
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's environment may raise anything: that episode's error
             ep.step_seconds += time.perf_counter() - began.get(k, started)
             ep.reward_errors += 1
             _fail(ep, failure_reward, f"step raised {type(e).__name__}: {one_line(e)}")

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import zstandard
+from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from plexctl.common import calls as C
@@ -243,7 +244,7 @@ def parse_forward_backward(
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
-    except Exception as e:  # google.protobuf.message.DecodeError
+    except DecodeError as e:
         raise Malformed(f"forward_backward body is not a ForwardBackwardRequest protobuf: {e}") from None
     return msg
 
