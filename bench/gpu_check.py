@@ -1,33 +1,17 @@
-"""GPU acceptance check for a lent GPU machine: the worker's own wiring on CUDA, measured.
+"""GPU acceptance check for a lent GPU machine: the worker's own wiring on CUDA, measured beside a
+plain transformers + peft step of the same shape.
 
-Builds a 0.5B-class Qwen2 in code (Qwen2.5-0.5B's shape, random init: this measures speed and
-memory, not learning) and runs, each part bounded and recorded as it ends:
+Builds a Qwen2 of ``--shape`` in code (random weights: speed and memory, not learning) and runs
+its parts in order, each bounded by ``--budget-s`` and recorded as it ends: ``trainer`` (GRPO
+steps through ``build_engines``: step time, peak memory, MFU), ``trainer_sleep`` (the base to
+its pinned host arena and back, beside a raw pinned copy), ``jobs`` (8 jobs of 8 x 1,024
+tokens trained one at a time, 0.5B shape only), ``swap`` (job states through pinned memory
+against raw copies), ``peer`` (the same step in plain transformers + peft: tokens/s, MFU, the
+trainer/peer ratio), ``rollout`` and ``sleep_wake`` (vLLM; skipped with the reason where it does
+not import or, for sleep mode, without CUDA), ``weights`` (a whole-model load).
 
-1. ``trainer``: the worker's ``build_engines`` (``--device cuda``, dtype auto -> bf16) makes the
-   state store and trainer engine; GRPO steps of ROWS x SEQ tokens on the 152k vocabulary with
-   a rank-32 LoRA on every projection, micro-batched by the token budget; step time and peak
-   GPU memory;
-2. ``trainer_sleep``: the trainer's base weights to pinned host memory and back (another base's
-   turn on the GPU): seconds, GB/s, memory freed, and the same log-probs after the wake;
-3. ``swap``: the same store swaps several jobs through device and pinned host memory; the
-   state copies' bandwidth beside a raw pinned ``copy_`` (cudaMemcpy) of the same bytes, in the
-   same run;
-4. ``rollout``: when vLLM imports, the worker's rollout engine on the same GPU (after the
-   trainer is gone) generates from the base model and from a bf16 adapter the trainer
-   published; tokens per second;
-5. ``weights``: a whole-model weight load, as an engine switching to another base (or a full
-   fine-tuning job's rollout engine taking its latest weights) does it: the model's safetensors
-   read into host memory (pinned on CUDA), then copied into device tensors; seconds and GB/s of
-   each, beside a raw pinned ``copy_`` of the same bytes. Runs on CPU too (the copies only);
-6. ``sleep_wake``: CUDA and vLLM only (vLLM's sleep mode is CUDA-only; skipped otherwise, with
-   the reason): a vLLM engine with ``enable_sleep_mode`` generates, sleeps at level 1 (weights
-   to pinned host memory, KV cache dropped), wakes and generates again: the seconds of sleep and
-   of wake, the GPU memory freed by the sleep, and whether the same seeded request gives the
-   same tokens after the wake. These timings are what ``daemon.simulator``'s model-switch cost
-   (``SimConfig.switch_s`` and ``h2d_gbps``) stands in for until they are measured.
-
-Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``), so a call cut
-short keeps what ran. ``--quick`` shrinks every shape (for a smoke run on CPU: ``--device cpu``).
+Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``). ``--quick``
+runs the same code paths at a tiny shape on CPU in seconds (``--device cpu``).
 """
 
 from __future__ import annotations
@@ -59,6 +43,26 @@ QWEN25_05B = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
+SHAPES = {  # --shape: Qwen2.5's published shapes (3B's as in /work/shared/gpu's runs)
+    "0.5b": QWEN25_05B,
+    "3b": {
+        **QWEN25_05B,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+    },
+    "7b": {
+        **QWEN25_05B,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+}
 QUICK = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -69,10 +73,52 @@ QUICK = dict(
     max_position_embeddings=256,
     tie_word_embeddings=True,
 )
+# dense bf16 TFLOP/s from the spec sheets, by a piece of the device name (first match wins)
+PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0))
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+JOBS, JOB_ROWS = 8, 8  # the ``jobs`` part: so many jobs of so many rows (x --seq tokens), one at a time
+SLEEP_RAW_MAX_BYTES = 1 << 30  # the raw pinned copy the base's sleep is compared with (bandwidth saturates well below)
 
 
-def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
-    """A random Qwen2 of ``shape`` with the tiny character tokenizer (vLLM needs one), in HF format."""
+def peak_tflops(device_name: str | None) -> float | None:
+    """The device's dense bf16 peak (``PEAK_TFLOPS``); None for a device not in the table."""
+    for piece, tflops in PEAK_TFLOPS:
+        if device_name and piece in device_name:
+            return tflops
+    return None
+
+
+def model_flops_per_token(shape: dict[str, Any], seq: int) -> float:
+    """Model FLOPs of one trained token: 4 x the matmul parameters (forward + activation
+    gradients; the base is frozen, recomputation not counted) plus causal attention (QK^T and PV
+    over seq/2 positions on average, forward and its gradients), as shared/gpu's figures count."""
+    h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * shape["vocab_size"]
+    attention = layers * 2 * 2 * seq * h / 2
+    return 4 * matmul + 2 * attention
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model-FLOP utilisation (0-1) against ``peak`` TFLOP/s; None when the peak is unknown."""
+    return tokens_per_second * flops_per_token / (peak * 1e12) if peak else None
+
+
+def put_mfu(result: dict[str, Any], tokens_per_second: float, ctx: dict[str, Any]) -> None:
+    """``result["mfu"]`` at the run's shape and ``--seq``, where the device's peak is known."""
+    value = mfu(tokens_per_second, model_flops_per_token(ctx["shape"], ctx["seq"]), ctx["peak_tflops"])
+    if value is not None:
+        result["mfu"] = value
+
+
+def micro_rows(micro_batch_tokens: int, seq: int) -> int:
+    """Rows of one peer micro-batch: as many as the trainer's token budget holds (at least one)."""
+    return max(1, micro_batch_tokens // seq)
+
+
+def build_model(path: Path, shape: dict[str, Any], dtype: str, device: str = "cpu") -> None:
+    """A random Qwen2 of ``shape`` with the tiny character tokenizer (vLLM needs one), in HF
+    format; initialised on ``device`` (a 7B's random init takes minutes on a CPU)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -80,9 +126,13 @@ def build_model(path: Path, shape: dict[str, int], dtype: str) -> None:
 
     torch.manual_seed(0)
     config = Qwen2Config(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, **shape)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the trainer's memory plan and peak start from an empty GPU
 
 
 def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, extra: list[str]) -> dict[str, Any]:
@@ -146,7 +196,16 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         ["trainer"],
         a.device,
         ctx["scratch"],
-        ["--host-mem", a.host_mem, "--device-slots", "2", "--threads", "4"],
+        [
+            "--host-mem",
+            a.host_mem,
+            "--device-slots",
+            "2",
+            "--threads",
+            "4",
+            "--gradient-checkpointing",
+            a.gradient_checkpointing,
+        ],
     )
     store, options = engines["trainer"], engines["options"]
     ctx["store"] = store
@@ -174,6 +233,8 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     result["step_seconds"] = times
     result["step_seconds_warm"] = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     result["tokens_per_second"] = a.rows * a.seq / result["step_seconds_warm"]
+    result["model_flops_per_token"] = model_flops_per_token(ctx["shape"], a.seq)
+    put_mfu(result, result["tokens_per_second"], ctx)
     from plexctl.common.memplan import JobShape, trainer_step
     from plexctl.common.state_size import job_state_bytes
 
@@ -190,8 +251,9 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
 
 
 def part_trainer_sleep(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
-    """The trainer's base to pinned host memory and back, as ``Trainers`` does when another base's
-    task comes: seconds, GB/s and GPU memory freed, and the same log-probs after the wake."""
+    """The trainer's base to its pinned host arena and back, twice (the first sleep makes and
+    pins the arena), as ``Trainers`` does when another base's task comes: seconds, GB/s and GPU
+    memory freed beside a raw pinned copy, and the same log-probs after the wakes."""
     import torch
 
     trainer = ctx["store"].trainer
@@ -199,24 +261,93 @@ def part_trainer_sleep(result: dict[str, Any], ctx: dict[str, Any], a: argparse.
     before = trainer.logprobs("job0", batch.input_ids, batch.loss_mask)
     nbytes = sum(p.numel() * p.element_size() for p in trainer._base_params.values())
     cuda = torch.cuda.is_available()
-    free = torch.cuda.mem_get_info()[0] if cuda else 0
-    sync()
-    t0 = time.perf_counter()
-    trainer.sleep()
-    sync()
-    result["sleep_seconds"] = time.perf_counter() - t0
-    if cuda:
-        result["freed_gib"] = (torch.cuda.mem_get_info()[0] - free) / 2**30
-    t0 = time.perf_counter()
-    trainer.wake()
-    sync()
-    result["wake_seconds"] = time.perf_counter() - t0
-    result.update(
-        base_bytes=nbytes,
-        sleep_gb_per_s=nbytes / result["sleep_seconds"] / 1e9,
-        wake_gb_per_s=nbytes / result["wake_seconds"] / 1e9,
-    )
+    for rnd in ("first", "warm"):
+        free = torch.cuda.mem_get_info()[0] if cuda else 0
+        sync()
+        t0 = time.perf_counter()
+        trainer.sleep()
+        sync()
+        sleep_s = time.perf_counter() - t0
+        if cuda:
+            result["freed_gib"] = (torch.cuda.mem_get_info()[0] - free) / 2**30
+        t0 = time.perf_counter()
+        trainer.wake()
+        sync()
+        wake_s = time.perf_counter() - t0
+        suffix = "_first" if rnd == "first" else ""
+        result[f"sleep_seconds{suffix}"], result[f"wake_seconds{suffix}"] = sleep_s, wake_s
+        result[f"sleep_gb_per_s{suffix}"], result[f"wake_gb_per_s{suffix}"] = (
+            nbytes / sleep_s / 1e9,
+            nbytes / wake_s / 1e9,
+        )
+    result["base_bytes"] = nbytes
+    result["host_arena_pinned"] = bool(trainer.host_arena is not None and trainer.host_arena.pinned)
+    raw = raw_copy_gb_per_s(min(nbytes, SLEEP_RAW_MAX_BYTES), cuda)
+    result.update(raw_d2h_gb_per_s=raw["d2h"], raw_h2d_gb_per_s=raw["h2d"])
+    result["sleep_over_raw"] = result["sleep_gb_per_s"] / raw["d2h"]
+    result["wake_over_raw"] = result["wake_gb_per_s"] / raw["h2d"]
     result["same_logprobs_after_wake"] = trainer.logprobs("job0", batch.input_ids, batch.loss_mask) == before
+
+
+def raw_copy_gb_per_s(nbytes: int, cuda: bool) -> dict[str, float]:
+    """GB/s of a plain ``copy_`` of ``nbytes`` between pinned host memory and the device (on CPU,
+    between two host buffers), each way, the best of 5 after a warm one."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        seconds = []
+        for _ in range(6):
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=cuda)
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        out[name] = nbytes / min(seconds[1:]) / 1e9
+    return out
+
+
+def part_jobs(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    """JOBS jobs of JOB_ROWS x ``--seq`` tokens trained one at a time through the worker's store
+    and trainer (each made resident, swapping with the others, then one step), at the 0.5B
+    shape; the round after a warm one is timed. Recorded as ``one_at_a_time`` (a grouped
+    figure sits beside it once the trainer groups jobs)."""
+    if ctx["shape_name"] not in ("0.5b", "quick"):
+        result["skipped"] = "runs at the 0.5B shape only (--shape 0.5b)"
+        return
+    store = ctx["store"]
+    trainer = store.trainer
+    lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
+    rows = min(JOB_ROWS, a.rows)
+    jobs = [f"solo{j}" for j in range(JOBS)]
+    batches = [grpo_batch(rows, a.seq, a.seq // 4, ctx["vocab"], 100 + j) for j in range(JOBS)]
+    round_s = swap_s = 0.0
+    for _round in range(2):  # the first makes the jobs and warms up
+        sync()
+        t_round, swap_s = time.perf_counter(), 0.0
+        for job, batch in zip(jobs, batches):
+            t0 = time.perf_counter()
+            store.ensure_resident(job, lora, 0)
+            sync()
+            swap_s += time.perf_counter() - t0
+            trainer.train_step(job, batch, hp)
+        sync()
+        round_s = time.perf_counter() - t_round
+    tokens = JOBS * rows * a.seq
+    result["one_at_a_time"] = {
+        "jobs": JOBS,
+        "rows": rows,
+        "seq": a.seq,
+        "device_slots": store.device_slots,
+        "round_seconds": round_s,
+        "resident_seconds": swap_s,  # of it: making each job resident (swaps)
+        "tokens_per_second": tokens / round_s,
+    }
+    put_mfu(result["one_at_a_time"], tokens / round_s, ctx)
+    for job in jobs:
+        store.drop(job)
 
 
 def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
@@ -261,6 +392,75 @@ def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
     import gc
 
     gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def part_peer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    """The LoRA GRPO step a user would write with plain transformers + peft, at the trainer
+    part's shape, rows, tokens and gradient checkpointing: rank 32 (alpha 64) on the 7
+    projections, fp32 adapter and AdamW, bf16 autocast on CUDA, micro-batches of the trainer's
+    token budget, log-probs of the completion only (fp32 log-softmax), the clipped ratio loss;
+    tokens/s, peak memory, MFU and the trainer/peer ratio."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    trainer_part = ctx["results"]["parts"].get("trainer", {})
+    cuda = a.device == "cuda" and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    ckpt = bool(trainer_part.get("gradient_checkpointing", False))
+    micro = micro_rows(int(trainer_part.get("micro_batch_tokens") or a.rows * a.seq), a.seq)
+    prompt = a.seq // 4
+    result.update(rows=a.rows, seq=a.seq, micro_rows=micro, gradient_checkpointing=ckpt, lora_rank=32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**ctx["shape"])).to(torch.bfloat16 if cuda else torch.float32)
+    model.requires_grad_(False)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, PeftLoraConfig(r=32, lora_alpha=64, target_modules=LORA_MODULES))
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    for p in adapter:
+        p.data = p.data.float()
+    model.train()
+    optimizer = torch.optim.AdamW(adapter, lr=1e-5)
+    batch = grpo_batch(a.rows, a.seq, prompt, ctx["vocab"], 0)
+    ids = torch.tensor(batch.input_ids, device=device)
+    old = torch.tensor(batch.old_logprobs, device=device)[:, prompt:]
+    adv = torch.tensor(batch.advantages, device=device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    times = []
+    for _step in range(a.steps):
+        sync()
+        t0 = time.perf_counter()
+        for start in range(0, a.rows, micro):
+            rows = ids[start : start + micro]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(input_ids=rows, logits_to_keep=a.seq - prompt + 1).logits[:, :-1]
+            logp = logits.float().log_softmax(-1).gather(-1, rows[:, prompt:, None]).squeeze(-1)
+            ratio = torch.exp(logp - old[start : start + micro])
+            gain = adv[start : start + micro, None]
+            per_token = -torch.minimum(ratio * gain, ratio.clamp(0.8, 1.2) * gain)
+            (per_token.sum() / (a.rows * (a.seq - prompt))).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+    warm = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    result.update(step_seconds=times, step_seconds_warm=warm, tokens_per_second=a.rows * a.seq / warm)
+    put_mfu(result, result["tokens_per_second"], ctx)
+    if cuda:
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["resident_before_gib"] = base_gib  # what was allocated before the peer began
+    if trainer_part.get("tokens_per_second"):
+        result["trainer_over_peer"] = trainer_part["tokens_per_second"] / result["tokens_per_second"]
+    del model, optimizer, adapter
     if cuda:
         torch.cuda.empty_cache()
 
@@ -392,14 +592,18 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--host-mem", default="16G")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the model's shape (random weights)")
+    ap.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="parts not begun by then are skipped")
     a = ap.parse_args()
     if a.quick:
         a.rows, a.seq, a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 4, 64, 2, 2, 4, 8, "1G"
-    shape = QUICK if a.quick else QWEN25_05B
+    shape = QUICK if a.quick else SHAPES[a.shape]
     results: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "device": a.device,
         "quick": a.quick,
+        "shape": "quick" if a.quick else a.shape,
         "model_shape": shape,
         "parts": {},
     }
@@ -412,8 +616,18 @@ def main() -> int:
             results["gpu_count"] = torch.cuda.device_count()
     except ImportError as exc:
         results["error"] = f"torch not importable: {exc}"
+    results["peak_tflops"] = peak_tflops(results.get("gpu")) if a.device == "cuda" else None  # MFU's; None: omitted
     scratch = Path(tempfile.mkdtemp(prefix="plexrl-gpu-check-"))
-    ctx: dict[str, Any] = {"scratch": scratch, "model": scratch / "model", "vocab": shape["vocab_size"], "shape": shape}
+    ctx: dict[str, Any] = {
+        "scratch": scratch,
+        "model": scratch / "model",
+        "vocab": shape["vocab_size"],
+        "shape": shape,
+        "shape_name": results["shape"],
+        "peak_tflops": results["peak_tflops"],
+        "seq": a.seq,
+        "results": results,
+    }
     failed = False
 
     def record() -> None:
@@ -424,14 +638,17 @@ def main() -> int:
     parts: list[tuple[str, Callable[..., None]]] = [
         ("trainer", part_trainer),
         ("trainer_sleep", part_trainer_sleep),
+        ("jobs", part_jobs),
         ("swap", part_swap),
+        ("peer", part_peer),
         ("rollout", part_rollout),
         ("weights", part_weights),
         ("sleep_wake", part_sleep_wake),
     ]
     try:
-        t0 = time.perf_counter()
-        build_model(ctx["model"], shape, "bfloat16" if a.device == "cuda" else "float32")
+        began = t0 = time.perf_counter()
+        cuda = a.device == "cuda" and "gpu" in results
+        build_model(ctx["model"], shape, "bfloat16" if a.device == "cuda" else "float32", "cuda" if cuda else "cpu")
         results["build_seconds"] = time.perf_counter() - t0
         record()
         for name, part in parts:
@@ -439,7 +656,10 @@ def main() -> int:
             results["parts"][name] = result
             t0 = time.perf_counter()
             try:
-                part(result, ctx, a)
+                if t0 - began > a.budget_s:
+                    result["skipped"] = f"out of time: {t0 - began:.0f} s of the {a.budget_s:.0f} s budget gone"
+                else:
+                    part(result, ctx, a)
             except Exception as exc:  # noqa: BLE001 - recorded; the next part still runs
                 failed = True
                 result["error"] = f"{type(exc).__name__}: {exc}"

@@ -3,12 +3,14 @@
 #
 #   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-# bench/gpu_check.py builds a 0.5B-class Qwen2 in code and runs the worker's own wiring on CUDA:
-# a GRPO step of 64 rows x 1,024 tokens on the 152k vocabulary in bf16 with micro-batches (step
-# time, peak GPU memory), pinned swaps against raw cudaMemcpy in the same run, and the rollout
-# engine when vLLM imports there. It writes bench/results/gpu.json after each part (copied to
-# $OUT), so a timeout keeps what ran. The machine's python3 must have torch with CUDA,
-# transformers, peft, safetensors; wheels it lacks (msgspec, pyzmq) travel in .whl/, excluded from
+# bench/gpu_check.py builds a Qwen2 of --shape 0.5b|3b|7b (default 0.5b; arguments pass through) in
+# code and runs the worker's own wiring on CUDA: GRPO steps of 64 rows x 1,024 tokens in bf16 with
+# micro-batches (step time, peak memory, MFU), the base's sleep through its pinned arena, 8 jobs
+# trained one at a time (0.5B), pinned swaps against raw cudaMemcpy, a plain transformers + peft
+# step of the same shape (the trainer/peer ratio), and vLLM's parts where it imports. It writes
+# bench/results/gpu.json after each part (copied to $OUT), so a timeout keeps what ran; no part
+# begins after --budget-s (420 s). The machine's python3 must have torch with CUDA, transformers,
+# peft, safetensors; wheels it lacks (msgspec, pyzmq) travel in .whl/, excluded from
 # git: `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl msgspec pyzmq`.
 set -uo pipefail

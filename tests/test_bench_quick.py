@@ -5,11 +5,13 @@ only that the numbers are there and sane."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +184,32 @@ def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_pa
     # a whole-model weight load is timed beside a raw copy; sleep/wake needs CUDA and says so
     assert parts["weights"]["bytes"] > 0 and parts["weights"]["load_over_raw"] > 0
     assert parts["sleep_wake"]["skipped"].startswith("needs CUDA")
+    # the base sleeps in its arena and wakes the same; the peer's step of the same shape is timed beside
+    assert parts["trainer_sleep"]["same_logprobs_after_wake"] is True and parts["trainer_sleep"]["sleep_over_raw"] > 0
+    assert parts["peer"]["rows"] == parts["trainer"]["rows"] and parts["peer"]["trainer_over_peer"] > 0
+    assert parts["jobs"]["one_at_a_time"]["jobs"] == 8 and parts["jobs"]["one_at_a_time"]["tokens_per_second"] > 0
+    assert "mfu" not in parts["trainer"] and "mfu" not in parts["peer"]  # a CPU's peak is not in the table
+
+
+def gpu_check_module() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_counts_model_flops_and_mfu_as_the_h200_figures_do() -> None:
+    """The pure pieces behind gpu.json's MFU, held to /work/shared/gpu's H200 rows: 59,278 tokens/s
+    at the 0.5B shape was 12.4 %, 19,911 at 3B 25.5 %, the peer's 15,151 at 3B 19.4 %."""
+    check = gpu_check_module()
+    peak = check.peak_tflops("NVIDIA H200")
+    assert peak == 989.0 and check.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert check.peak_tflops("NVIDIA GeForce RTX 4090") is None and check.peak_tflops(None) is None
+    for shape, tokens_per_second, expected in (("0.5b", 59_278, 0.124), ("3b", 19_911, 0.255), ("3b", 15_151, 0.194)):
+        flops = check.model_flops_per_token(check.SHAPES[shape], 1024)
+        assert check.mfu(tokens_per_second, flops, peak) == pytest.approx(expected, abs=0.0006)
+    assert check.mfu(1000.0, 1e9, None) is None
+    seven = check.SHAPES["7b"]  # Qwen2.5-7B: 7.07B matmul parameters in the decoder and head
+    assert (seven["hidden_size"], seven["num_hidden_layers"], seven["vocab_size"]) == (3584, 28, 152064)
+    assert check.micro_rows(16384, 1024) == 16 and check.micro_rows(16384, 32768) == 1

@@ -28,7 +28,7 @@ from tests.test_state_store import HP_SEQ, assert_like_alone, config_json, engin
 from tests.test_trainer import make_batch
 from worker.errors import TierFullError
 from worker.host_arena import PAGE_BYTES, ArenaStats, HostArena, HostMemoryError, page_round
-from worker.state_copy import BufferPool
+from worker.state_copy import PACK_ALIGN, BufferPool, packed_layout, tensors_to_device, tensors_to_host
 from worker.state_store import TRANSIT_MIN_BYTES, StateStore
 from worker.trainer import TrainerEngine
 
@@ -414,3 +414,37 @@ def test_a_copy_the_arena_cannot_hold_leaves_the_job_where_it_was(model_dir: str
     store.drop("a")  # its block is free again: b's copy takes it
     assert store.ensure_resident("c", lora, seed=2)["evicted"] == ["b"] and store.where("b") == "host"
     check_host_memory(store)
+
+
+def test_packed_tensors_start_aligned_back_to_back_in_the_order_given() -> None:
+    tensors = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(0), torch.zeros(64, dtype=torch.int8)]
+    offsets, total = packed_layout(tensors)
+    assert offsets == [0, PACK_ALIGN, 2 * PACK_ALIGN, 2 * PACK_ALIGN] and total == 2 * PACK_ALIGN + 64
+    arena = HostArena(4 * PAGE_BYTES)
+    block, views = tensors_to_host([torch.arange(7.0), torch.ones(2, 3, dtype=torch.bfloat16)], arena)
+    assert [v.data_ptr() - block.data_ptr() for v in views] == [0, PACK_ALIGN]
+    assert torch.equal(views[1], torch.ones(2, 3, dtype=torch.bfloat16)) and arena.stats().in_use == PAGE_BYTES
+    back = tensors_to_device(views, torch.device("cpu"))
+    assert torch.equal(back[0], torch.arange(7.0)) and back[0].data_ptr() != views[0].data_ptr()
+    del block, views
+    assert arena.stats().in_use == 0  # the block goes back with its last view
+
+
+def test_a_cuda_trainers_base_sleeps_in_an_arena_pinned_once_for_all_its_sleeps(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA case on a CPU: the arena the base sleeps in is registered (pinned) once, whole,
+    on the first sleep, and the next sleeps reuse it."""
+    import worker.host_arena as host_arena
+
+    registered: list[tuple[int, int]] = []
+    monkeypatch.setattr(host_arena, "_register", lambda address, nbytes: registered.append((address, nbytes)))
+    monkeypatch.setattr(host_arena, "_unregister", lambda address, mapping: None)
+    engine = TrainerEngine(model_dir, threads=1)
+    engine._cuda = True  # what a CUDA engine decides; its weights stay on the CPU here
+    for _ in range(3):
+        engine.sleep()
+        engine.wake()
+    arena = engine.host_arena
+    assert arena is not None and arena.pinned and registered == [(arena.address, arena.capacity)]
+    assert arena.capacity == page_round(packed_layout(list(engine._base_params.values()))[1])

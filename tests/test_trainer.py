@@ -19,10 +19,14 @@ import pytest
 import torch
 from conftest import random_tiny_qwen2
 from peft import PeftModel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
 from worker.errors import BatchError, CheckpointError, JobConfigError, UnknownJobError
+from worker.host_arena import PAGE_BYTES, HostArena, page_round
+from worker.state_copy import packed_layout
 from worker.trainer import TrainerEngine
 
 VOCAB = 64
@@ -495,3 +499,79 @@ def test_released_jobs_leave_at_most_a_few_parked_adapters_in_the_model(model_di
     before = snapshot(engine, "kept")
     engine.train_step("kept", make_batch(5), HP_A)  # the job left trains on
     assert any(not torch.equal(before[k], v) for k, v in snapshot(engine, "kept").items())
+
+
+# ---------------------------------------------------------------- the base's sleep
+
+
+class _NewTensors(TorchDispatchMode):
+    """Records every CPU tensor an op returns in new memory (not an input's storage) outside
+    ``[begin, end)``."""
+
+    def __init__(self, begin: int, end: int) -> None:
+        super().__init__()
+        self.begin, self.end = begin, end
+        self.outside: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+                start = t.untyped_storage().data_ptr()
+                if start not in inputs and not self.begin <= start < self.end:
+                    self.outside.append(f"{func}: {t.nbytes} bytes")
+        return out
+
+
+def test_a_sleeping_base_lives_in_one_block_of_the_host_arena_and_wakes_bit_for_bit(model_dir: str) -> None:
+    engine = TrainerEngine(model_dir, threads=1)
+    engine.ensure_job("j", LORA_A, seed=0)
+    batch = make_batch(3)
+    before = engine.logprobs("j", batch.input_ids, batch.loss_mask)
+    state = {k: t.clone() for k, t in engine._base.state_dict().items()}  # every parameter and buffer
+    weights = sum(p.numel() * p.element_size() for p in engine._base_params.values())
+    arena = engine.host_arena = HostArena(2 * weights)
+    for _ in range(2):  # the second sleep reuses the block the first gave back
+        with _NewTensors(arena.address, arena.address + arena.capacity) as dispatched:
+            engine.sleep()
+        assert dispatched.outside == []  # nothing on the host outside the arena
+        assert not engine.awake
+        assert weights <= arena.stats().in_use <= page_round(weights + 256 * len(engine._base_params))
+        assert arena.stats().blocks == 1
+        for name, p in engine._base_params.items():
+            start = p.data.untyped_storage().data_ptr()
+            assert arena.address <= start and p.data_ptr() + p.nbytes <= arena.address + arena.capacity, name
+        engine.wake()
+        assert engine.awake and arena.stats().in_use == 0
+        for k, t in engine._base.state_dict().items():
+            assert torch.equal(t, state[k]), k
+            assert not arena.address <= t.data_ptr() < arena.address + arena.capacity, k
+        assert engine.logprobs("j", batch.input_ids, batch.loss_mask) == before
+
+
+def test_a_base_its_arena_cannot_hold_sleeps_the_old_way_and_says_so(
+    model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = TrainerEngine(model_dir, threads=1)
+    state = {k: t.clone() for k, t in engine._base.state_dict().items()}
+    engine.host_arena = HostArena(PAGE_BYTES)
+    with caplog.at_level("WARNING", logger="worker.trainer"):
+        engine.sleep()
+    assert "sleeps outside its host arena" in caplog.text and "no host memory" in caplog.text
+    assert engine.host_arena.stats().in_use == 0
+    engine.wake()
+    assert all(torch.equal(t, state[k]) for k, t in engine._base.state_dict().items())
+
+
+def test_a_base_without_an_arena_gets_one_of_its_size_on_its_first_sleep(model_dir: str) -> None:
+    engine = TrainerEngine(model_dir, threads=1)
+    assert engine.host_arena is None
+    engine.sleep()
+    arena = engine.host_arena
+    assert arena is not None and not arena.pinned  # pinned on CUDA only
+    assert arena.stats().in_use == arena.capacity == page_round(packed_layout(list(engine._base_params.values()))[1])
+    engine.wake()
+    engine.sleep()
+    assert engine.host_arena is arena and arena.stats().in_use == arena.capacity
+    engine.wake()

@@ -8,7 +8,9 @@ and every copy of it are laid out the same way, so moving the state is one copy 
 ``TrainerEngine.export_state`` returns it and ``worker.state_store`` keeps it on host or
 writes it to nvme; its tensors are views made on first use (``TensorViews``,
 ``SpecBuffers``). ``BufferPool`` gives the flat buffers copies live in: blocks of a
-``HostArena`` (``worker.host_arena``), a few kept for the next copies.
+``HostArena`` (``worker.host_arena``), a few kept for the next copies. ``tensors_to_host`` /
+``tensors_to_device`` move a set of tensors (a sleeping base's weights) into one arena block and
+back: a non-blocking copy per tensor, one synchronize.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ctypes
 import itertools
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,6 +35,7 @@ OPTIM_PREFIX = "optim/"
 RNG_PREFIX = "rng/"
 POOL_KEEP = 2  # free buffers a BufferPool keeps for the next copies; parked slots that keep theirs on CPU
 POOL_ARENA_BYTES = 1 << 30  # the arena of a host pool made without one (mapped as used, never pinned)
+PACK_ALIGN = 256  # bytes: where each tensor packed by ``packed_layout`` starts (cudaMalloc's alignment)
 
 
 @dataclass(frozen=True, eq=False)
@@ -414,6 +417,48 @@ class BufferPool:
     def _drop(self, buffer: torch.Tensor) -> None:
         if self.arena is not None:
             self.arena.free(buffer)
+
+
+def packed_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets that put ``tensors`` back to back in one buffer, each starting on a
+    ``PACK_ALIGN`` boundary, in the order given; also the buffer's size."""
+    offsets, total = [], 0
+    for t in tensors:
+        total = -(-total // PACK_ALIGN) * PACK_ALIGN
+        offsets.append(total)
+        total += _tensor_bytes(t)
+    return offsets, total
+
+
+def tensors_to_host(tensors: Sequence[torch.Tensor], arena: HostArena) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copies of ``tensors`` in one block of ``arena`` (``packed_layout``): the block and a view
+    of it per tensor, of its shape and dtype. From a CUDA device each copy is non-blocking into
+    the (pinned) block, and one synchronize ends them all. ``HostMemoryError`` when the arena
+    has no block for them; nothing else is allocated on the host."""
+    offsets, total = packed_layout(tensors)
+    block = arena.allocate(total)
+    views = [
+        block[offset : offset + _tensor_bytes(t)].view(t.dtype).view(t.shape) for t, offset in zip(tensors, offsets)
+    ]
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for view, t in zip(views, tensors):
+        view.copy_(t, non_blocking=bool(devices))
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return block, views
+
+
+def tensors_to_device(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """New tensors on ``device`` with the bits of ``views`` (``tensors_to_host``'s): a
+    non-blocking copy each from pinned memory, one synchronize. The views' block may go back
+    to its arena once the caller drops them."""
+    cuda = device.type == "cuda"
+    out = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in views]
+    for dst, src in zip(out, views):
+        dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return out
 
 
 def aligned_host_buffer(nbytes: int, pinned: bool = False) -> torch.Tensor:

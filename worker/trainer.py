@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ from worker.checkpoint_files import (
     write_file,
 )
 from worker.errors import CheckpointError
-from worker.state_copy import POOL_KEEP
+from worker.host_arena import HostArena, HostMemoryError
+from worker.state_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head
 from worker.train_batches import micro_batch_bounds
 from worker.trainer_math import TrainingMath
@@ -60,6 +62,8 @@ from worker.trainer_slots import PARKED_ADAPTERS_MAX, JobState, SlabCounts, lora
 from worker.trainer_tokens import TokenLossMath
 
 __all__ = ["DTYPES", "FULL_WEIGHTS_FILE", "PARKED_ADAPTERS_MAX", "TrainerEngine", "lora_signature"]
+
+log = logging.getLogger(__name__)
 
 FULL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tuning job's published weights (model parameter names)
 DTYPES: dict[str, torch.dtype] = {
@@ -124,6 +128,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self._parked = []  # oldest first
         self._user_losses = {}
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
+        self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
 
     # ------------------------------------------------------------ taking turns with other bases
@@ -131,30 +136,45 @@ class TrainerEngine(TokenLossMath, TrainingMath):
     def sleep(self) -> None:
         """Give the device to another base's trainer: the base model's own weights (the params it
         had before any adapter; a full fine-tuning job's weights while it is resident) move to
-        host memory (pinned on CUDA), what the adapters, AdamW states and the store's tiers hold
-        stays where it is. ``wake`` brings them back, the same bits; no step may run asleep."""
+        one block of ``host_arena`` (pinned on CUDA), a non-blocking copy per weight and one
+        synchronize; what the adapters, AdamW states and the store's tiers hold stays where it
+        is. ``wake`` brings them back, the same bits, and gives the block back; no step may run
+        asleep. An arena with no block for the base: a host tensor per weight, logged."""
         if not self.awake:
             return
-        pin = self._cuda
+        params = list(self._base_params.values())
+        arena = self._sleep_arena()
         with torch.no_grad():
-            for p in self._base_params.values():
-                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-                host.copy_(p.data)
-                p.data = host
+            try:
+                _, views = tensors_to_host([p.data for p in params], arena)
+            except HostMemoryError as exc:
+                log.warning("trainer %s: the base sleeps outside its host arena, slowly (%s)", self.model_path, exc)
+                views = [torch.empty(p.shape, dtype=p.dtype, pin_memory=self._cuda).copy_(p.data) for p in params]
+            for p, view in zip(params, views):
+                p.data = view
         if self._cuda:
             torch.cuda.empty_cache()
         self.awake = False
 
     def wake(self) -> None:
-        """The base's weights back on the engine's device (``sleep`` undone)."""
+        """The base's weights back on the engine's device (``sleep`` undone; its arena block,
+        held by the weights alone, goes back to the arena as they leave it)."""
         if self.awake:
             return
+        params = list(self._base_params.values())
         with torch.no_grad():
-            for p in self._base_params.values():
-                p.data = p.data.to(self.device, non_blocking=self._cuda)
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
+            for p, on_device in zip(params, tensors_to_device([p.data for p in params], self.device)):
+                p.data = on_device
         self.awake = True
+
+    def _sleep_arena(self) -> HostArena:
+        """``host_arena``; on the first sleep without one, an arena of the base's packed size
+        (pinned on CUDA), kept for the next sleeps."""
+        if self.host_arena is None:
+            _, nbytes = packed_layout([p.data for p in self._base_params.values()])
+            self.host_arena = HostArena(nbytes, pinned=self._cuda)
+            log.info("trainer %s: a host arena of %.2f GiB for its base's sleeps", self.model_path, nbytes / 2**30)
+        return self.host_arena
 
     # ------------------------------------------------------------ adapters and checkpoints
 
