@@ -57,6 +57,8 @@ WORKER_GRACE_S = 60.0  # silent this long, a worker is lost even if its process 
 CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
 DRAIN_TIMEOUT_S = 120.0
+PASS_WINDOW_S = 0.005  # a trainer waits this long at most for more jobs' train steps to share a pass
+MAX_RUNNING = 64  # job drivers at once (processes beside the daemon); the engines' room admits within it
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
 DRIVER_START_TRIES = 5  # a driver that cannot start is tried this often, waiting 1, 2, 4, 8 s; then its job fails
 
@@ -174,8 +176,10 @@ class DaemonCore:
         state_dir: Path,
         models: Iterable[str],
         owner: str,
-        max_running: int = 16,
+        max_running: int = MAX_RUNNING,
         policy: str = "spread+backfill",
+        jobs_per_engine: int | None = None,
+        pass_window: float | None = None,  # None: each train step in a pass of its own (plexd: PASS_WINDOW_S)
         drain_timeout: float = DRAIN_TIMEOUT_S,
         trusted_users: Iterable[str] = (),
         worker_grace: float = WORKER_GRACE_S,
@@ -192,7 +196,7 @@ class DaemonCore:
         self.owner = owner
         self.max_running = max_running
         self.policy = policy
-        self.sched = Scheduler(policy=policy)
+        self.sched = Scheduler(policy=policy, jobs_per_engine=jobs_per_engine, pass_window=pass_window)
         self.drain_timeout = drain_timeout
         self.trusted_users = set(trusted_users)  # may run their own code in the trainer (algo.loss_fn)
         self.worker_grace = worker_grace  # a silent worker whose process may live is lost after this
@@ -637,6 +641,10 @@ class DaemonCore:
                         swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
                         swaps_by_kind=self.engine_stats.get(decl.engine_id, {}).get("swaps_by_kind", {}),
                         switches=eng.switches if eng else 0,
+                        shared_passes=eng.shared_passes if eng else 0,
+                        shared_tasks=eng.shared_tasks if eng else 0,
+                        last_pass=eng.last_pass if eng else 0,
+                        largest_pass=eng.largest_pass if eng else 0,
                         devices=w.devices,
                         dtype=decl.dtype,
                         device=decl.device,
@@ -895,6 +903,9 @@ class DaemonCore:
                             os.path.realpath(decl.model),
                             decl.capacity,
                             state_capacity_bytes=decl.state_capacity_bytes,
+                            job_slots=decl.adapter_slots,
+                            pass_tokens=decl.micro_batch_tokens,
+                            state_room_bytes=decl.state_room_bytes,
                             # a worker's engines of one kind that take turns on its GPUs (one model at a time)
                             device=f"{body.worker_id}/{decl.kind}" if decl.sleeps else "",
                             holds=os.path.realpath(decl.model),  # a rollout engine starts on its base
@@ -1264,7 +1275,17 @@ class DaemonCore:
         if isinstance(task, C.GenerateTask):  # the base, or a full fine-tuning job's policy
             ref = task.request.adapter
             weights = f"{ref.job_id}@v{ref.version}" if ref is not None and ref.full else rt.model
-        queued = Task(next(self.task_ids), rt.job_id, kind, req.method, rt.model, self.now, spec.priority, weights)
+        queued = Task(
+            next(self.task_ids),
+            rt.job_id,
+            kind,
+            req.method,
+            rt.model,
+            self.now,
+            spec.priority,
+            weights,
+            _pass_tokens(task),
+        )
         self.calls[queued.task_id] = call
         return queued
 
@@ -1349,7 +1370,10 @@ class DaemonCore:
             self.journal.event(body.job_id, "note", body.message)
 
     def _place(self, now: float) -> None:
-        for placement in self.sched.tick(now):
+        placements = self.sched.tick(now)
+        leads = {p.lead for p in placements if p.lead}
+        passes: dict[int, tuple[WorkerState, list[P.TaskBody]]] = {}  # lead -> its pass's bodies, lead first
+        for placement in placements:
             task = placement.task
             call = self.calls.get(task.task_id)
             if call is None:
@@ -1371,13 +1395,20 @@ class DaemonCore:
                 engine_task = msgspec.structs.replace(engine_task, trainer=trainer)
                 if self.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
                     del self.prefetched[placement.engine_id]
-            self._send(
-                worker.identity, P.Op.TASK, P.TaskBody(task.task_id, task.job_id, placement.engine_id, engine_task)
-            )
+            body = P.TaskBody(task.task_id, task.job_id, placement.engine_id, engine_task)
+            if placement.lead or task.task_id in leads:  # sent with its pass, below
+                passes.setdefault(placement.lead or task.task_id, (worker, []))[1].append(body)
+            else:
+                self._send(worker.identity, P.Op.TASK, body)
             if expected is not None:
                 self._prefetch(placement.engine_id, worker, expected)
             if rt is not None and rt.held_calls:
                 self._send_ahead(rt, call, task.task_id, placement.engine_id)
+        for worker, bodies in passes.values():
+            if len(bodies) > 1:
+                self._send(worker.identity, P.Op.TASK_PASS, P.TaskPassBody(bodies[0].engine_id, bodies))
+            else:
+                self._send(worker.identity, P.Op.TASK, bodies[0])
 
     def _admit_adopted(self, now: float) -> None:
         """Give adopted jobs their homes once engines for them are back (``_adopt``). Past
@@ -1423,12 +1454,13 @@ class DaemonCore:
 
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
-        if running >= self.max_running:
-            return
         ready_models = {(e.kind, e.model) for e in self.sched.engines.values()}
         for info in self.journal.jobs(("queued",)):
             if running >= self.max_running:
-                break
+                self.reasons[info.job_id] = (
+                    f"waiting for room: {running} jobs run (the daemon's max_running: {self.max_running})"
+                )
+                continue
             if info.job_id in self.runtimes:  # its driver is being started
                 continue
             if self.start_failures.get(info.job_id, (0, 0.0))[1] > now:  # its driver failed to start: later
@@ -1578,6 +1610,15 @@ class DaemonCore:
         P.Op.CALL: on_call,
         P.Op.REPORT: on_report,
     }
+
+
+def _pass_tokens(task: C.AnyTask) -> int:
+    """A train step's padded tokens if it may share a pass with other jobs' (a LoRA step without
+    dropout: ``TrainingMath.groupable``), else 0."""
+    if not isinstance(task, C.TrainStepTask) or task.trainer.lora is None or task.trainer.lora.dropout > 0:
+        return 0
+    rows = task.batch.input_ids
+    return len(rows) * max((len(r) for r in rows), default=0)
 
 
 def _chunk_end(data: bytes, whole_lines: bool) -> int:

@@ -46,6 +46,8 @@ from daemon.core import (
     DRAIN_TIMEOUT_S,
     DRIVER_EXIT_DRAINED,
     HEARTBEAT_S,
+    MAX_RUNNING,
+    PASS_WINDOW_S,
     VERSION,
     WORKER_GRACE_S,
     DaemonCore,
@@ -104,7 +106,7 @@ class Daemon:
         local_workers: list[list[str]],
         host: str = "127.0.0.1",
         port: int = 0,
-        max_running: int = 16,
+        max_running: int = MAX_RUNNING,
         mode: str = "local",
         policy: str = "spread+backfill",
         worker_args: list[str] | None = None,
@@ -114,6 +116,8 @@ class Daemon:
         metrics_port: int | None = None,
         worker_grace: float = WORKER_GRACE_S,
         tinker_port: int | None = None,
+        jobs_per_engine: int | None = None,
+        pass_window: float | None = None,  # shared passes, waiting at most this long (None: each step alone)
     ) -> None:
         self.state_dir = state_dir
         self.mode = mode
@@ -127,6 +131,8 @@ class Daemon:
             owner,
             max_running=max_running,
             policy=policy,
+            jobs_per_engine=jobs_per_engine,
+            pass_window=pass_window,
             drain_timeout=drain_timeout,
             trusted_users=trusted_users or [],
             worker_grace=worker_grace,
@@ -344,7 +350,8 @@ class Daemon:
         core = self.core
         last_beat = last_gauges = last_chores = last_limits = 0.0
         while not core.stopping:
-            if self.sock.poll(50):
+            wake = core.sched.next_wake()  # a trainer waiting for a shared pass's steps: not past its window
+            if self.sock.poll(50 if wake is None else max(0, min(50, int((wake - time.time()) * 1000) + 1))):
                 for _ in range(1000):
                     try:
                         parts = recv_frames(self.sock, NOBLOCK)
@@ -616,7 +623,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=MAX_RUNNING, help="job drivers running at once")
+    ap.add_argument(
+        "--jobs-per-engine",
+        type=int,
+        default=None,
+        help="cap on the jobs one engine is home to (default: as many as its memory holds)",
+    )
+    ap.add_argument(
+        "--group-window-ms",
+        type=float,
+        default=PASS_WINDOW_S * 1000,
+        help="how long a trainer waits at most for more jobs' train steps to share one pass",
+    )
+    ap.add_argument(
+        "--train-grouping",
+        action="store_true",
+        help="several LoRA jobs' train steps in shared passes (default: each in a pass of its own, bit for bit)",
+    )
     ap.add_argument("--mode", default="local")
     ap.add_argument("--policy", default="spread+backfill", choices=POLICIES)
     ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for local workers")
@@ -674,6 +698,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics_port=args.metrics_port,
             worker_grace=args.worker_grace,
             tinker_port=args.tinker_port,
+            jobs_per_engine=args.jobs_per_engine,
+            pass_window=max(0.0, args.group_window_ms) / 1000 if args.train_grouping else None,
         )
     except auth.AuthError as exc:
         print(f"plexd: {exc}", file=sys.stderr, flush=True)

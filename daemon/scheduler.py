@@ -30,6 +30,18 @@ when others wait for a switch; a switch starts only on an engine with nothing ru
 tasks of the weights it holds drain first); a device passes to a sleeping engine only when its
 awake one is idle, to the one whose waiting task comes first in the order.
 
+Room: an engine is home to as many jobs as it says it holds (``Engine.job_slots``: a rollout
+engine's adapter slots; ``Engine.state_room_bytes``: the job state a trainer's tiers hold
+together), at most ``jobs_per_engine`` when the cluster caps it; ``room_problem`` names the limit
+a waiting job meets (its admission reason).
+
+Shared passes (``pass_window`` not None): a train step that may share a pass (``Task.tokens`` >
+0: a LoRA step, its padded tokens) starts with the shareable steps queued behind it on its
+trainer, other jobs' in their order, up to the trainer's micro-batch budget (``pass_tokens``);
+they take one slot of the engine (``Engine.passes``), each is served its part of the pass's
+time. A trainer whose next step may share waits at most ``pass_window`` from that step's call
+for more, while fewer are queued than jobs homed there.
+
 Hints: ``upcoming`` / ``expected`` order a trainer's jobs by when they need it (the state
 manager prefetches the first, evicts the last). Cost: ``tick`` looks only at engines whose queue
 or capacity changed and at new backfill candidates: O(changed engines + their queues). It does
@@ -42,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+from plexctl.common.memplan import DEFAULT_MICRO_BATCH_TOKENS
 from plexctl.common.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
 
 DEFAULT_ESTIMATE = 1.0
@@ -49,6 +62,7 @@ DEFAULT_SWITCH_ESTIMATE = 1.0  # seconds of a switch (a weights load or a wake) 
 EMA = 0.3
 INTERVALS_KEPT = 100_000
 SERIAL_KINDS = frozenset({"trainer"})  # a job's tasks of these kinds run one at a time, in order
+UNDECLARED_JOBS_PER_ENGINE = 8  # jobs an engine that declares no room (an older worker, a test's) is home to
 
 Key = tuple[str, str]  # (kind, model)
 
@@ -63,6 +77,7 @@ class Task:
     submitted_at: float
     priority: int = 0
     weights: str = ""  # what its engine must hold to run it ("": whatever it holds)
+    tokens: int = 0  # padded tokens of a train step that may share a pass with other jobs' (0: runs alone)
 
 
 @dataclass
@@ -73,6 +88,8 @@ class Engine:
     model: str
     capacity: int = 1
     state_capacity_bytes: int = 0  # most job state one engine can hold on any tier; 0 = unknown
+    job_slots: int = 0  # jobs it holds at once as its memory goes (rollout: adapters it keeps loaded); 0 = not said
+    state_room_bytes: int = 0  # job state its tiers hold together (trainer: host + NVMe); 0 = not said
     running: dict[int, Task] = field(default_factory=dict)
     started_at: dict[int, float] = field(default_factory=dict)  # task_id -> start
     busy_since: float | None = None
@@ -88,10 +105,17 @@ class Engine:
     holds: str = ""  # the weights it holds ("": none known; the first task that names some loads them)
     group: int = 0  # tasks started since its last switch
     switches: int = 0  # switches started here (weights loaded, or a wake)
+    pass_tokens: int = 0  # a trainer's micro-batch budget: what one shared pass may hold (0: the default)
+    pass_of: dict[int, int] = field(default_factory=dict)  # running task -> its pass (the task that leads it)
+    passes: dict[int, int] = field(default_factory=dict)  # running pass -> its tasks still running
+    shared_passes: int = 0  # passes started here with several jobs' train steps
+    shared_tasks: int = 0  # the tasks in them
+    last_pass: int = 0  # tasks in the pass started last
+    largest_pass: int = 0
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.running)
+        return self.capacity - len(self.passes)
 
     @property
     def key(self) -> Key:
@@ -102,6 +126,7 @@ class Engine:
 class Placement:
     task: Task
     engine_id: str
+    lead: int = 0  # the task whose pass it shares (0: its own pass; see ``Scheduler._share_pass``)
 
 
 @dataclass(frozen=True)
@@ -146,24 +171,33 @@ class Running:
     user: str
     charge: float  # estimated engine-seconds charged to the user's fair share until done
     switch: str | None = None  # the weights it switched the engine to (None: no switch)
+    share: int = 1  # tasks in its pass: each is served its part of the pass's time
 
 
 class Scheduler:
     def __init__(
-        self, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4, max_group: int = 16
+        self,
+        policy: str = "spread+backfill",
+        jobs_per_engine: int | None = None,
+        max_switches: int = 4,
+        max_group: int = 16,
+        pass_window: float | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if jobs_per_engine < 1:
+        if jobs_per_engine is not None and jobs_per_engine < 1:
             raise ValueError(f"jobs_per_engine must be >= 1, not {jobs_per_engine}")
         if max_switches < 0:
             raise ValueError(f"max_switches must be >= 0, not {max_switches}")
         if max_group < 1:
             raise ValueError(f"max_group must be >= 1, not {max_group}")
+        if pass_window is not None and pass_window < 0:
+            raise ValueError(f"pass_window must be >= 0 seconds, not {pass_window}")
         self.policy = policy
-        self.jobs_per_engine = jobs_per_engine
+        self.jobs_per_engine = jobs_per_engine  # a cap on the jobs homed on one engine (None: what it holds)
         self.max_switches = max_switches
         self.max_group = max_group
+        self.pass_window = pass_window  # None: every train step runs alone; else shared passes, waiting this long
         self.engines: dict[str, Engine] = {}
         self.queue: dict[int, Task] = {}  # every queued (not running) task
         self.jobs: dict[str, Job] = {}
@@ -191,6 +225,7 @@ class Scheduler:
         self._homeless_dirty = False
         self._devices: dict[str, dict[str, None]] = {}  # device -> its engines
         self._awake: dict[str, str] = {}  # device -> the engine that ran last (or came up last)
+        self._holding: dict[str, float] = {}  # trainer -> until when it waits for more steps to share a pass
 
     # -- engines
 
@@ -252,6 +287,9 @@ class Scheduler:
                 job.serial.setdefault(task.kind, deque()).appendleft(task)
         engine.running.clear()
         engine.started_at.clear()
+        engine.pass_of.clear()
+        engine.passes.clear()
+        self._holding.pop(engine_id, None)
         stranded = list(self._pending.pop(engine_id).values())
         for task in stranded:
             self._where.pop(task.task_id, None)
@@ -434,6 +472,10 @@ class Scheduler:
         was_full = engine.free <= 0
         task = engine.running.pop(task_id)
         start = engine.started_at.pop(task_id)
+        lead = engine.pass_of.pop(task_id, task_id)
+        left = engine.passes.pop(lead, 1) - 1
+        if left > 0:
+            engine.passes[lead] = left
         engine.tasks_done += 1
         engine.last_done_at = now
         if not engine.running and engine.busy_since is not None:
@@ -442,7 +484,7 @@ class Scheduler:
         took = max(0.0, now - start)
         engine.busy_by_job[task.job_id] = engine.busy_by_job.get(task.job_id, 0.0) + took
         self.intervals.append(Interval(engine_id, task.job_id, task.method, start, now))
-        self.served[user] = self.served.get(user, 0.0) + took / engine.capacity
+        self.served[user] = self.served.get(user, 0.0) + took / engine.capacity / run.share
         self.charged[user] = self.charged.get(user, 0.0) - run.charge
         job = run.job
         job.started.pop(task_id, None)
@@ -560,6 +602,10 @@ class Scheduler:
     def tick(self, now: float) -> list[Placement]:
         self.now = now
         placements: list[Placement] = []
+        for engine_id, until in list(self._holding.items()):
+            if until <= now:
+                del self._holding[engine_id]
+                self._dirty[engine_id] = None
         if self._homeless and self._homeless_dirty:
             self._homeless_dirty = False
             for task in list(self._homeless.values()):
@@ -583,12 +629,70 @@ class Scheduler:
         if not self._device_turn(engine, now):
             return
         pending = self._pending[engine.engine_id]
-        order = sorted(pending.values(), key=lambda t: self._order_key(t, now))
-        for task in self._group_first(engine, self._switch_first(engine, order)):
+        order = self._group_first(
+            engine, self._switch_first(engine, sorted(pending.values(), key=lambda t: self._order_key(t, now)))
+        )
+        if self._waits_for_pass(engine, order, now):
+            return
+        for i, task in enumerate(order):
+            if task.task_id not in pending:  # started in an earlier task's pass
+                continue
             if engine.free <= 0 or (engine.running and self._switch_to(engine, task) is not None):
                 break  # a switch waits for the engine to drain; the tasks behind it wait too
             self._dequeue(task)
             self._start(task, engine, now, placements)
+            if task.tokens > 0 and self.pass_window is not None:
+                self._share_pass(engine, task, order[i + 1 :], now, placements)
+
+    # -- shared passes (several jobs' train steps in one forward and backward)
+
+    def _share_pass(
+        self, engine: Engine, lead: Task, rest: list[Task], now: float, placements: list[Placement]
+    ) -> None:
+        """Start in ``lead``'s pass the train steps behind it, in their order, that may share it
+        (other jobs', same weights), while the pass's tokens stay within the engine's
+        micro-batch budget: the first that would not fit ends the pass (none jumps it)."""
+        budget = engine.pass_tokens or DEFAULT_MICRO_BATCH_TOKENS
+        pending = self._pending[engine.engine_id]
+        used, members = lead.tokens, [lead]
+        for task in rest:
+            if task.tokens <= 0 or task.task_id not in pending or task.weights != lead.weights:
+                continue
+            if used + task.tokens > budget:
+                break
+            used += task.tokens
+            self._dequeue(task)
+            self._start(task, engine, now, placements, lead)
+            members.append(task)
+        engine.last_pass = len(members)
+        engine.largest_pass = max(engine.largest_pass, len(members))
+        if len(members) > 1:
+            engine.shared_passes += 1
+            engine.shared_tasks += len(members)
+            for task in members:
+                self._running[task.task_id].share = len(members)
+
+    def _waits_for_pass(self, engine: Engine, order: list[Task], now: float) -> bool:
+        """Whether a trainer waits for more train steps to share its next pass: its first task
+        may share one, fewer such steps are queued than jobs are homed on it and fill its
+        budget, and ``pass_window`` has not passed since that first task came. ``tick`` looks
+        at it again when the window ends (``next_wake``)."""
+        eid = engine.engine_id
+        if not self.pass_window or engine.kind not in SERIAL_KINDS or not order or order[0].tokens <= 0:
+            self._holding.pop(eid, None)
+            return False
+        until = order[0].submitted_at + self.pass_window
+        sharing = [t.tokens for t in order if t.tokens > 0]
+        full = sum(sharing) >= (engine.pass_tokens or DEFAULT_MICRO_BATCH_TOKENS)
+        if now >= until or full or len(sharing) >= len(self._homed[eid]):
+            self._holding.pop(eid, None)
+            return False
+        self._holding[eid] = until
+        return True
+
+    def next_wake(self) -> float | None:
+        """When a trainer waiting for a pass's steps must be looked at again (None: none waits)."""
+        return min(self._holding.values(), default=None)
 
     def _backfill(self, key: Key, now: float, placements: list[Placement]) -> None:
         free, waiting = self._free.get(key), self._waiting.get(key)
@@ -619,16 +723,16 @@ class Scheduler:
 
     def _trainer_to_move_to(self, job: Job, key: Key) -> Engine | None:
         """The idle trainer with the fewest jobs that has room for this job and its state."""
-        limit, home = self._limit(), job.homes.get(key[0])
+        home = job.homes.get(key[0])
         best: Engine | None = None
         for engine_id in self._free[key]:
             load = len(self._homed[engine_id])
             engine = self.engines[engine_id]
             if (
                 engine_id == home
-                or load >= limit
                 or self._pending[engine_id]
                 or not self._fits(engine, job.state_bytes)
+                or self.room_problem(engine, job.state_bytes)
             ):
                 continue
             if best is None or load < len(self._homed[best.engine_id]):
@@ -637,7 +741,10 @@ class Scheduler:
                     break
         return best
 
-    def _start(self, task: Task, engine: Engine, now: float, placements: list[Placement]) -> None:
+    def _start(
+        self, task: Task, engine: Engine, now: float, placements: list[Placement], lead: Task | None = None
+    ) -> None:
+        """Start ``task`` on ``engine``: alone, or (``lead``) in the pass ``lead`` started."""
         del self.queue[task.task_id]
         job = self.jobs[task.job_id]
         del job.queued[task.task_id]
@@ -650,6 +757,16 @@ class Scheduler:
             engine.busy_since = now
         engine.running[task.task_id] = task
         engine.started_at[task.task_id] = now
+        if lead is not None:  # it rides in lead's pass: the engine's order and switches are lead's
+            engine.pass_of[task.task_id] = lead.task_id
+            engine.passes[lead.task_id] += 1
+            charge = self.estimate(task) / engine.capacity
+            self.charged[job.user] = self.charged.get(job.user, 0.0) + charge
+            self._running[task.task_id] = Running(engine.engine_id, job, job.user, charge)
+            placements.append(Placement(task, engine.engine_id, lead.task_id))
+            return
+        engine.pass_of[task.task_id] = task.task_id
+        engine.passes[task.task_id] = 1
         if engine.last_job == task.job_id:
             engine.streak += 1
         else:
@@ -769,8 +886,41 @@ class Scheduler:
 
     # -- internals: homes
 
-    def _limit(self) -> int:
-        return 1 if self.policy == "isolated" else self.jobs_per_engine
+    def room_problem(self, engine: Engine, state_bytes: int = 0) -> str:
+        """Why ``engine`` cannot be home to one more job with ``state_bytes`` of state ("" if it
+        can): the policy (isolated: one job), the cluster's cap (``jobs_per_engine``), the jobs
+        its memory holds (``job_slots``: a rollout engine's adapters), the job state its tiers
+        hold together (``state_room_bytes``: a trainer's host and NVMe). An engine that declares
+        neither holds ``UNDECLARED_JOBS_PER_ENGINE``. O(jobs homed there)."""
+        homed = self._homed.get(engine.engine_id, {})
+        load = len(homed)
+        if self.policy == "isolated":
+            return "" if load < 1 else "holds a job (isolated)"
+        if self.jobs_per_engine is not None and load >= self.jobs_per_engine:
+            return f"holds {load} jobs (jobs_per_engine cap: {self.jobs_per_engine})"
+        if engine.job_slots > 0 and load >= engine.job_slots:
+            return f"holds {load} jobs (its adapter slots: {engine.job_slots})"
+        if engine.state_room_bytes > 0 and engine.kind in SERIAL_KINDS:
+            held = sum(self.jobs[j].state_bytes for j in homed)
+            if held + state_bytes > engine.state_room_bytes:
+                return (
+                    f"holds {load} jobs whose state ({_mb(held)} MB) leaves no room for {_mb(state_bytes)} MB "
+                    f"(its tiers hold {_mb(engine.state_room_bytes)} MB)"
+                )
+        elif engine.job_slots <= 0 and engine.state_room_bytes <= 0 and load >= UNDECLARED_JOBS_PER_ENGINE:
+            return f"holds {load} jobs (undeclared room: {UNDECLARED_JOBS_PER_ENGINE})"
+        return ""
+
+    def job_room(self, engine_id: str) -> int | None:
+        """How many jobs the engine may be home to by count (the cap, its slots, the undeclared
+        default; None: only its state room bounds it)."""
+        engine = self.engines[engine_id]
+        if self.policy == "isolated":
+            return 1
+        limits = [n for n in (self.jobs_per_engine, engine.job_slots or None) if n]
+        if not engine.job_slots and not engine.state_room_bytes:
+            limits.append(UNDECLARED_JOBS_PER_ENGINE)
+        return min(limits) if limits else None
 
     @staticmethod
     def _fits(engine: Engine, state_bytes: int) -> bool:
@@ -780,12 +930,14 @@ class Scheduler:
         buckets = self._buckets.get((kind, model))
         if not buckets:
             return None
-        limit = self._limit()
-        loads = range(limit - 1, -1, -1) if self.policy == "pack" else range(limit)
-        for load in loads:
-            for engine_id in buckets.get(load, ()):
+        for load in sorted((n for n, b in buckets.items() if b), reverse=self.policy == "pack"):
+            for engine_id in buckets[load]:
                 engine = self.engines[engine_id]
-                if not engine.suspect and (kind != "trainer" or self._fits(engine, state_bytes)):
+                if (
+                    not engine.suspect
+                    and (kind != "trainer" or self._fits(engine, state_bytes))
+                    and not self.room_problem(engine, state_bytes if kind == "trainer" else 0)
+                ):
                     return engine_id
         return None
 
@@ -811,12 +963,20 @@ class Scheduler:
                 )
                 counts.append(f"{free} of {len(engines)} {kind}")
             return f"waiting for dedicated engines (isolated: {' / '.join(counts)} free)"
-        kinds = [k for k, full in (("rollout", rollout_full), ("trainer", trainer_full)) if full]
-        return (
-            f"waiting for room: every {' and '.join(kinds)} engine of {model} holds "
-            f"{self.jobs_per_engine} jobs (jobs_per_engine)"
-            + (f" or cannot hold {_mb(state_bytes)} MB of state" if trainer_full and state_bytes else "")
-        )
+        parts = []
+        for kind, full in (("rollout", rollout_full), ("trainer", trainer_full)):
+            if not full:
+                continue
+            up = [self.engines[e] for e in self._by_key[(kind, model)] if not self.engines[e].suspect]
+            least = min(up, key=lambda e: len(self._homed[e.engine_id]))  # the nearest to room
+            why = self.room_problem(least, state_bytes if kind == "trainer" else 0)
+            if kind == "trainer" and not why and not self._fits(least, state_bytes):
+                why = f"cannot hold {_mb(state_bytes)} MB of state on one tier"
+            if len(up) == 1:
+                parts.append(f"the {kind} engine of {model} {why}")
+            else:
+                parts.append(f"every {kind} engine of {model} is full (the least loaded {why})")
+        return "waiting for room: " + "; ".join(parts)
 
     def _set_home(self, job: Job, kind: str, engine_id: str | None, requeue: bool = True) -> None:
         old = job.homes.get(kind)

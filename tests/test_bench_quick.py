@@ -1,4 +1,4 @@
-"""The swap, daemon, overhead, status-load and Tinker benchmarks still run, in ``--quick`` mode, and
+"""The swap, daemon, overhead, status-load, Tinker and train-batching benchmarks still run, in ``--quick`` mode, and
 write JSON of the shape README's results table is generated from. Benchmarks are programs,
 not tests: nothing here asserts on a time, a throughput figure or whether a target was met,
 only that the numbers are there and sane."""
@@ -135,6 +135,16 @@ def test_tinker_quick_times_both_paths_of_each_call_and_an_rl_step(tmp_path: Pat
         assert added["p50_ms"] == pytest.approx(result[f"{call}_http"]["p50_ms"] - result[f"{call}_native"]["p50_ms"])
     rl = result["rl_step"]
     assert rl["http_median_s"] > 0 and rl["native_median_s"] > 0 and rl["steps"] == 2
+
+
+def test_train_batching_quick_times_each_job_count_both_ways_and_compares_the_adapters(tmp_path: Path) -> None:
+    result = run_quick("train_batching.py", tmp_path / "train_batching.json")
+    assert [(r["rows"], r["jobs"]) for r in result["results"]] == [(8, 2), (8, 4)]
+    for r in result["results"]:
+        assert r["alone_s_per_job_step"] > 0 and r["grouped_s_per_job_step"] > 0
+        assert r["speedup"] == pytest.approx(r["alone_s_per_job_step"] / r["grouped_s_per_job_step"])
+        assert r["max_adapter_diff"] < 1e-3  # the same training, within float rounding
+    assert result["met"] is None  # the target is at 8 jobs, which --quick does not run
 
 
 def test_readme_results_table_is_the_one_generated_from_the_committed_json() -> None:

@@ -239,3 +239,109 @@ def test_a_name_resolves_among_the_callers_own_jobs(core, tiny_model):
     assert f"bob/solo ({solo})" in refused and "USER/NAME" in refused
     assert ask(owner, P.Op.CANCEL, "fault") == mine
     assert {j.job_id: j.state for j in d.journal.jobs()}[bobs] == "queued"  # bob's job untouched
+
+
+def register_with_room(d, worker: str, model: Path, adapter_slots: int, state_room_bytes: int) -> None:
+    """One engine pair that declares its room: the rollout engine's adapter slots, the trainer's tiers."""
+    engines = [
+        P.EngineDecl(f"{worker}/rollout", "rollout", str(model), 4, adapter_slots=adapter_slots),
+        P.EngineDecl(f"{worker}/trainer", "trainer", str(model), 1, state_room_bytes=state_room_bytes),
+    ]
+    d.send(worker.encode(), P.Op.REGISTER, P.RegisterReq(worker, "node", 1, engines, True))
+
+
+def status_reason(d, job: str) -> str:
+    d.sent.clear()
+    d.send(b"cli", P.Op.STATUS, P.StatusReq(job), user=current_user())
+    ((reply,),) = [[b for to, o, b in d.sent if to == b"cli" and o == P.Op.REPLY]]
+    return reply.jobs[0].reason
+
+
+def test_as_many_jobs_as_the_engines_declare_room_for_are_admitted_on_one_pair(core, tiny_model):
+    d = core
+    register_with_room(d, "w0", tiny_model, adapter_slots=64, state_room_bytes=72 << 30)
+    jobs = [submit(d, tiny_model, f"j{i}") for i in range(32)]
+    assert sorted(e.job_id for e in d.chores() if isinstance(e, StartDriver)) == sorted(jobs)  # all 32 at once
+    assert {d.sched.home_of(j, "trainer") for j in jobs} == {"w0/trainer"}
+
+
+def test_the_rollout_engines_adapter_slots_bound_its_jobs_and_status_names_the_limit(core, tiny_model):
+    d = core
+    register_with_room(d, "w0", tiny_model, adapter_slots=5, state_room_bytes=72 << 30)
+    jobs = [submit(d, tiny_model, f"j{i}") for i in range(7)]
+    assert len([e for e in d.chores() if isinstance(e, StartDriver)]) == 5
+    assert "the rollout engine of" in status_reason(d, jobs[-1])
+    assert "holds 5 jobs (its adapter slots: 5)" in status_reason(d, jobs[-1])
+
+
+def test_the_trainers_tiers_bound_its_jobs_by_their_state_bytes(core, tiny_model):
+    d = core
+    one = core._state_bytes(core._spec(submit(d, tiny_model, "probe")))
+    assert one > 0
+    register_with_room(d, "w0", tiny_model, adapter_slots=64, state_room_bytes=3 * one)
+    jobs = [submit(d, tiny_model, f"j{i}") for i in range(4)]
+    assert len([e for e in d.chores() if isinstance(e, StartDriver)]) == 3  # the probe and two more
+    assert "whose state" in status_reason(d, jobs[-1]) and "its tiers hold" in status_reason(d, jobs[-1])
+
+
+def test_a_cluster_cap_on_jobs_per_engine_holds_and_status_names_it(tiny_model, tmp_path):
+    from conftest import SIMULATED_USERS, DrivenCore
+
+    from daemon.core import DaemonCore
+
+    c = DaemonCore(
+        tmp_path / "state", [str(tiny_model)], current_user(), jobs_per_engine=6, trusted_users=SIMULATED_USERS
+    )
+    d = DrivenCore(c)
+    try:
+        register_with_room(d, "w0", tiny_model, adapter_slots=64, state_room_bytes=72 << 30)
+        jobs = [submit(d, tiny_model, f"j{i}") for i in range(32)]
+        assert len([e for e in d.chores() if isinstance(e, StartDriver)]) == 6
+        assert "holds 6 jobs (jobs_per_engine cap: 6)" in status_reason(d, jobs[-1])
+    finally:
+        c.close()
+
+
+def test_engines_that_declare_no_room_hold_the_undeclared_default(core, tiny_model):
+    from daemon.scheduler import UNDECLARED_JOBS_PER_ENGINE
+
+    d = core
+    register(d, "w0", tiny_model)
+    jobs = [submit(d, tiny_model, f"j{i}") for i in range(UNDECLARED_JOBS_PER_ENGINE + 2)]
+    assert len([e for e in d.chores() if isinstance(e, StartDriver)]) == UNDECLARED_JOBS_PER_ENGINE
+    assert f"undeclared room: {UNDECLARED_JOBS_PER_ENGINE}" in status_reason(d, jobs[-1])
+
+
+def test_train_steps_of_several_jobs_go_to_the_trainer_as_one_pass_each_answered_alone(tiny_model, tmp_path):
+    from conftest import SIMULATED_USERS, DrivenCore
+
+    from daemon.core import DaemonCore
+
+    c = DaemonCore(
+        tmp_path / "state", [str(tiny_model)], current_user(), pass_window=0.005, trusted_users=SIMULATED_USERS
+    )
+    d = DrivenCore(c)
+    try:
+        register(d, "w0", tiny_model)
+        jobs = [running(d, tiny_model, f"j{i}", pid=100 + i) for i in range(3)]
+        t0 = 1000.0
+        call(d, jobs[0], C.TrainStepReq(BATCH), 1)
+        d.place(t0)
+        assert not [s for s in d.sent if s[1] in (P.Op.TASK, P.Op.TASK_PASS)]  # waits for the others' steps
+        for i, job in enumerate(jobs[1:], 2):
+            call(d, job, C.TrainStepReq(BATCH), i)
+        d.place(t0 + 0.001)
+        ((to, op, body),) = [s for s in d.sent if s[1] in (P.Op.TASK, P.Op.TASK_PASS)]
+        assert to == b"w0" and op == P.Op.TASK_PASS and body.engine_id == "w0/trainer"
+        assert sorted(t.job_id for t in body.tasks) == sorted(jobs)
+        d.sent.clear()
+        for t in body.tasks:
+            reply = answer(d, "w0", t, C.TrainStepResult({"loss": 0.5, "group": 3.0}))
+            assert reply == C.TrainStepRep({"loss": 0.5, "group": 3.0}, version=0)
+        d.sent.clear()
+        d.send(b"cli", P.Op.STATUS, P.StatusReq(), user=current_user())
+        ((rep,),) = [[b for to, o, b in d.sent if to == b"cli" and o == P.Op.REPLY]]
+        trainer = next(e for e in rep.engines if e.kind == "trainer")
+        assert (trainer.shared_passes, trainer.shared_tasks, trainer.largest_pass) == (1, 3, 3)
+    finally:
+        c.close()

@@ -590,7 +590,7 @@ def check_indexes(s: Scheduler) -> None:
     if s.policy == "isolated":
         assert all(len(h) <= 1 for h in s._homed.values())
     else:
-        assert all(len(h) <= s.jobs_per_engine for h in s._homed.values())
+        assert all(len(h) <= (s.job_room(e) or len(h)) for e, h in s._homed.items())
     assert {j: e for j in s.jobs for k, e in s.jobs[j].homes.items() if k == "trainer"} == s.home
     running = sum(len(e.running) for e in s.engines.values())
     assert running == len(s._running)
@@ -763,3 +763,60 @@ def test_weights_and_turns_hold_under_random_arrivals_and_every_call_runs(seed: 
     assert ran == tid  # nothing starves
     switches = sum(e.switches for e in s.engines.values())
     assert switches < switches_fifo / 2  # grouped: far fewer switches than serving in arrival order
+
+
+def pass_cluster(window: float | None, budget: int = 100) -> Scheduler:
+    s = Scheduler("spread", pass_window=window)
+    s.engine_up(Engine("r0", "w0", "rollout", "m", capacity=4, job_slots=16), now=0.0)
+    s.engine_up(Engine("t0", "w0", "trainer", "m", pass_tokens=budget), now=0.0)
+    for job in "abcd":
+        assert s.admit(job, "m", 0.0).ok
+    return s
+
+
+def step(task_id: int, job: str, at: float, tokens: int = 30, priority: int = 0) -> Task:
+    return Task(task_id, job, "trainer", "train_step", "m", at, priority, tokens=tokens)
+
+
+def test_train_steps_share_a_pass_in_their_order_up_to_the_budget_waiting_at_most_the_window():
+    s = pass_cluster(0.005)
+    s.submit(step(1, "a", 0.0))
+    assert s.tick(0.001) == [] and s.next_wake() == 0.005  # 1 of the 4 jobs homed there has a step queued
+    s.submit(step(2, "b", 0.002))
+    s.submit(step(3, "c", 0.002, priority=1))
+    assert s.tick(0.003) == []
+    s.submit(step(4, "d", 0.003))
+    placed = s.tick(0.004)  # all 4 queued: no more waiting; 3 x 30 tokens fit the budget of 100, not 4
+    assert [(p.task.job_id, p.lead) for p in placed] == [("c", 0), ("a", 3), ("b", 3)]  # priority leads
+    t0 = s.engines["t0"]
+    assert t0.free == 0 and (t0.last_pass, t0.shared_passes, t0.shared_tasks) == (3, 1, 3)
+    for task_id in (3, 1, 2):
+        s.done(task_id, 1.004, seconds=1.0)
+    assert s.served[""] == pytest.approx(1.0)  # each served a third of the pass's second
+    assert [(p.task.job_id, p.lead) for p in s.tick(1.004)] == [("d", 0)]  # past its window: alone
+    assert t0.last_pass == 1 and t0.shared_passes == 1
+
+
+def test_a_lone_step_waits_for_company_no_longer_than_the_window_and_never_without_grouping():
+    s = pass_cluster(0.005)
+    s.submit(step(1, "a", 0.0))
+    assert s.tick(0.004) == []
+    assert [p.task.task_id for p in s.tick(0.005)] == [1]
+    alone = pass_cluster(None)
+    for i, job in enumerate("abcd", 1):
+        alone.submit(step(i, job, 0.0))
+    assert [(p.task.task_id, p.lead) for p in alone.tick(0.0)] == [(1, 0)]  # one at a time
+    assert alone.next_wake() is None
+
+
+def test_steps_that_cannot_share_run_alone_and_a_step_over_the_budget_ends_the_pass():
+    s = pass_cluster(0.0, budget=100)
+    s.submit(step(1, "a", 0.0))
+    s.submit(step(2, "b", 0.0, tokens=0))  # full fine-tuning or LoRA dropout: not shareable
+    s.submit(step(3, "c", 0.0, tokens=90))  # does not fit beside a's 30: the pass ends there
+    s.submit(step(4, "d", 0.0, tokens=10))
+    assert [(p.task.task_id, p.lead) for p in s.tick(0.0)] == [(1, 0)]
+    s.done(1, 1.0)
+    assert [(p.task.task_id, p.lead) for p in s.tick(1.0)] == [(2, 0)]
+    s.done(2, 2.0)
+    assert [(p.task.task_id, p.lead) for p in s.tick(2.0)] == [(3, 0), (4, 3)]

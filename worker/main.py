@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import msgspec
 import zmq
@@ -55,7 +55,13 @@ from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.common.memplan import WorkerStep, worker_step
 from plexctl.common.sizes import parse_bytes
-from worker.engine_args import Platform, adapter_slots, default_max_lora_rank, sleep_between_models
+from worker.engine_args import (
+    MAX_CACHED_LORAS,
+    Platform,
+    adapter_slots,
+    default_max_lora_rank,
+    sleep_between_models,
+)
 from worker.engine_options import (
     DTYPES,
     EngineOptions,
@@ -219,7 +225,7 @@ class WorkerIO(threading.Thread):
                     send_frames(self.dealer, P.encode(P.Op.RESULT, self.followers.failed(body))[0])
                     return
             self._route_task(body)
-        elif op == P.Op.RELEASE:
+        elif op in (P.Op.RELEASE, P.Op.TASK_PASS):
             self._route_task(body)
         elif op == P.Op.PREFETCH:
             self.queues[PREFETCH].put(body)
@@ -228,7 +234,7 @@ class WorkerIO(threading.Thread):
             logging.shutdown()
             os._exit(0)
 
-    def _route_task(self, body: P.TaskBody | P.ReleaseBody) -> None:
+    def _route_task(self, body: P.TaskBody | P.TaskPassBody | P.ReleaseBody) -> None:
         """To the queue of the engine it is for."""
         q = self.queues.get(body.engine_id)
         if q is None:
@@ -299,7 +305,7 @@ class RolloutServer:
     def busy(self) -> bool:
         return bool(self.started)
 
-    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox, woke_s: float = 0.0) -> None:
+    def admit(self, batch: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody], out: Outbox, woke_s: float = 0.0) -> None:
         """Start the generate tasks of ``batch``; carry out a release (after failing that job's
         tasks in flight) and refuse other methods. A bad request fails its own task only.
         ``woke_s``: the engine just woke for this batch (reported with its first task)."""
@@ -310,6 +316,9 @@ class RolloutServer:
                     self.switched.pop(key, None)
                     out.result(key, False, error="the job was released")
                 self.engine.drop_job(t.job_id)
+            elif isinstance(t, P.TaskPassBody):
+                for member in t.tasks:
+                    out.result(member.task_id, False, error=f"rollout engine cannot {member.method!r}")
             elif not isinstance(t.task, C.GenerateTask):
                 out.result(t.task_id, False, error=f"rollout engine cannot {t.method!r}")
             elif t.task_id not in self.started:  # a repeat of a task in flight is answered once
@@ -345,7 +354,7 @@ class RolloutServer:
             switched = self.switched.pop(key, 0.0)
             out.result(key, True, C.GenerateResult(completions), seconds=now - t0, switch_seconds=switched)
 
-    def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+    def serve(self, batch: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody], out: Outbox) -> None:
         """A fixed batch, run to the end."""
         self.admit(batch, out)
         while self.busy:
@@ -421,6 +430,69 @@ class TrainerServer:
         self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed, task.trainer.weight_decay)
         self.store.trainer.save_adapter(job_id, out_dir)
 
+    def serve_pass(self, p: P.TaskPassBody, out: Outbox) -> None:
+        """Several jobs' train steps in shared passes (``TrainingMath.train_group``), at most as
+        many jobs at once as the device tier holds, each step reported on its own with the
+        pass's seconds. A repeat, or a step that cannot share (no LoRA, LoRA dropout), runs
+        alone as ``serve`` runs it; a pass that fails before its steps runs them one by one."""
+        members: list[P.TaskBody] = []
+        for t in p.tasks:
+            task = t.task
+            if not isinstance(task, C.TrainStepTask):
+                self.serve(t, out)
+                continue
+            key, lora = task.trainer.call_key, task.trainer.lora
+            if (key and self.done.get(t.job_id, ("", None))[0] == key) or lora is None or lora.dropout > 0:
+                self.serve(t, out)
+            else:
+                members.append(t)
+        size = max(1, int(getattr(self.store, "device_slots", len(members)) or 1))
+        for i in range(0, len(members), size):
+            chunk = members[i : i + size]
+            if len(chunk) == 1:
+                self.serve(chunk[0], out)
+            else:
+                self._serve_shared(chunk, out)
+
+    def _serve_shared(self, chunk: list[P.TaskBody], out: Outbox) -> None:
+        """One shared pass: the members' states made resident together (they come first in the
+        store's order, so none evicts another), one ``train_group``, a result each."""
+        store, engine, t0 = self.store, self.store.trainer, time.perf_counter()
+        tasks = [cast(C.TrainStepTask, t.task) for t in chunk]
+        ids = [t.job_id for t in chunk]
+        try:
+            store.set_upcoming(ids + [j for j in tasks[0].trainer.upcoming if j not in ids])
+            moved = [
+                store.ensure_resident(j, t.trainer.lora, t.trainer.seed, t.trainer.weight_decay)
+                for j, t in zip(ids, tasks)
+            ]
+            if not set(ids) <= set(engine.jobs()):
+                raise RuntimeError(f"the device tier did not hold {', '.join(ids)} at once")
+            metrics = engine.train_group([(j, t.batch, t.hp) for j, t in zip(ids, tasks)])
+        except Exception:  # noqa: BLE001 - each step runs again alone, and reports its own error
+            log.warning("shared pass of %s failed; each runs alone: %s", ", ".join(ids), traceback.format_exc())
+            for t in chunk:
+                self.serve(t, out)
+            return
+        seconds = time.perf_counter() - t0
+        for t, task, m, mv in zip(chunk, tasks, metrics, moved):
+            try:
+                if task.publish_dir:
+                    engine.save_adapter(t.job_id, task.publish_dir)
+            except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
+                log.error("publish for %s failed: %s", t.job_id, traceback.format_exc())
+                out.result(t.task_id, False, error=_error_text(exc), seconds=seconds, info=self._info())
+                continue
+            m.update(
+                swap_bytes=float(mv.get("bytes", 0)),
+                swap_seconds=float(mv.get("seconds", 0.0)),
+                swap_evicted=float(len(mv.get("evicted", []))),
+            )
+            value = C.TrainStepResult(m)
+            if task.trainer.call_key:
+                self.done[t.job_id] = (task.trainer.call_key, value)
+            out.result(t.task_id, True, value, seconds=seconds, info=self._info())
+
     def release(self, t: P.ReleaseBody, out: Outbox) -> None:
         """Drop the job's state; the daemon hears of the inventory it leaves."""
         try:
@@ -479,7 +551,7 @@ class Rollouts:
     def __init__(self, engines: dict[str, Any], one_awake: bool = False) -> None:
         self.servers = {engine_id: RolloutServer(engine) for engine_id, engine in engines.items()}
         self.one_awake = one_awake and len(engines) > 1
-        self.waiting: list[P.TaskBody | P.ReleaseBody] = []  # for an engine asleep, oldest first
+        self.waiting: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody] = []  # for an engine asleep, oldest first
         awake = [engine_id for engine_id, engine in engines.items() if getattr(engine, "awake", True)]
         self.awake = awake[-1] if awake else next(iter(engines))
 
@@ -491,8 +563,8 @@ class Rollouts:
     def busy(self) -> bool:
         return bool(self.waiting) or any(server.busy for server in self.servers.values())
 
-    def admit(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
-        by_engine: dict[str, list[P.TaskBody | P.ReleaseBody]] = {}
+    def admit(self, batch: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody], out: Outbox) -> None:
+        by_engine: dict[str, list[P.TaskBody | P.TaskPassBody | P.ReleaseBody]] = {}
         for t in batch:
             if t.engine_id not in self.servers:
                 if isinstance(t, P.TaskBody):
@@ -526,7 +598,7 @@ class Rollouts:
         self.waiting = [t for t in self.waiting if t.engine_id != to]
         self.servers[to].admit(group, out, woke_s)
 
-    def serve(self, batch: list[P.TaskBody | P.ReleaseBody], out: Outbox) -> None:
+    def serve(self, batch: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody], out: Outbox) -> None:
         self.admit(batch, out)
         while self.busy:
             self.step(out)
@@ -556,22 +628,26 @@ class Trainers:
                 if engine_id != self.awake:
                     server.store.trainer.sleep()
 
-    def serve(self, t: P.TaskBody | P.ReleaseBody, out: Outbox) -> None:
+    def serve(self, t: P.TaskBody | P.TaskPassBody | P.ReleaseBody, out: Outbox) -> None:
         one = next(iter(self.servers.values())) if len(self.servers) == 1 else None
         server = one or self.servers.get(t.engine_id)
         if server is None:
-            if isinstance(t, P.TaskBody):
-                out.result(t.task_id, False, error=f"no engine {t.engine_id!r} on this worker")
+            for task in t.tasks if isinstance(t, P.TaskPassBody) else [t] if isinstance(t, P.TaskBody) else []:
+                out.result(task.task_id, False, error=f"no engine {t.engine_id!r} on this worker")
             return
-        if self.one_awake and t.engine_id != self.awake and isinstance(t, P.TaskBody):
+        if self.one_awake and t.engine_id != self.awake and not isinstance(t, P.ReleaseBody):
             t0 = time.perf_counter()
             self.servers[self.awake].store.trainer.sleep()
             server.store.trainer.wake()
             switched = time.perf_counter() - t0
             log.info("trainer %s awake (%s asleep) in %.2f s", t.engine_id, self.awake, switched)
             self.awake = t.engine_id
-            out = _WithSwitch(out, t.task_id, switched)  # type: ignore[assignment]
-        server.serve(t, out)
+            first = t.tasks[0].task_id if isinstance(t, P.TaskPassBody) else t.task_id
+            out = _WithSwitch(out, first, switched)  # type: ignore[assignment]
+        if isinstance(t, P.TaskPassBody):
+            server.serve_pass(t, out)
+        else:
+            server.serve(t, out)
 
 
 class _WithSwitch:
@@ -589,7 +665,9 @@ class _WithSwitch:
         return getattr(self.out, name)
 
 
-def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
+def _take(
+    tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]", limit: int
+) -> list[P.TaskBody | P.TaskPassBody | P.ReleaseBody]:
     """The next task (waiting for it) and those already queued behind it, up to ``limit``."""
     first = tasks.get()
     return [first, *_take_waiting(tasks, limit - 1)]
@@ -597,7 +675,7 @@ def _take(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[
 
 def rollout_loop(
     server: Rollouts,
-    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]",
     capacity: int,
     followers: Followers | None = None,
 ) -> None:
@@ -613,9 +691,11 @@ def rollout_loop(
         server.step(out)
 
 
-def _take_waiting(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) -> list[P.TaskBody | P.ReleaseBody]:
+def _take_waiting(
+    tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]", limit: int
+) -> list[P.TaskBody | P.TaskPassBody | P.ReleaseBody]:
     """The tasks already queued, up to ``limit``, without waiting."""
-    batch: list[P.TaskBody | P.ReleaseBody] = []
+    batch: list[P.TaskBody | P.TaskPassBody | P.ReleaseBody] = []
     while len(batch) < limit:
         try:
             batch.append(tasks.get_nowait())
@@ -626,7 +706,7 @@ def _take_waiting(tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]", limit: int) 
 
 def trainer_loop(
     stores: dict[str, Any] | Any,
-    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]",
     followers: Followers | None = None,
     one_awake: bool = False,
 ) -> None:
@@ -639,7 +719,7 @@ def trainer_loop(
 def shared_loop(
     rollout: Rollouts,
     stores: dict[str, Any],
-    tasks: "queue.Queue[P.TaskBody | P.ReleaseBody]",
+    tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]",
     capacity: int,
     followers: Followers | None = None,
     one_awake: bool = False,
@@ -715,7 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="adapter slots in the rollout engine (default: 4 on CPU; on CUDA sized for --expected-jobs)",
     )
-    ap.add_argument("--expected-jobs", type=int, default=16, help="jobs the cluster runs at once (adapter slots)")
+    ap.add_argument(
+        "--expected-jobs",
+        type=int,
+        default=MAX_CACHED_LORAS,
+        help="jobs the cluster runs at once: the rollout engine keeps this many adapters loaded (its jobs' room)",
+    )
     ap.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank the rollout engine loads")
     ap.add_argument(
         "--min-lora-rank",
@@ -874,6 +959,8 @@ def main(argv: list[str] | None = None) -> None:
             model,
             args.rollout_capacity if k == "rollout" else 1,
             state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0,
+            state_room_bytes=args.host_mem + args.nvme_bytes if k == "trainer" else 0,
+            adapter_slots=_adapter_slots(args, device)[1] if k == "rollout" else 0,
             dtype=options.dtype if options else "",
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
@@ -1014,9 +1101,11 @@ def _leave(worker_id: str) -> None:
 
 
 def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int]:
-    """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs."""
+    """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs.
+    The cached adapters are the jobs it holds at once (``EngineDecl.adapter_slots``)."""
     if args.max_loras is not None:
-        return args.max_loras, max(args.max_cpu_loras or 2 * args.max_loras, args.max_loras)
+        cached = args.max_cpu_loras or max(2 * args.max_loras, args.expected_jobs)
+        return args.max_loras, max(cached, args.max_loras)
     return adapter_slots(args.expected_jobs, device)
 
 

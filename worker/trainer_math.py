@@ -17,6 +17,14 @@ trainable during its call; a job with LoRA dropout runs on its own saved RNG str
 update is bit-for-bit (on CPU) the one it would get alone on the engine. A bfloat16 / float16
 engine runs under autocast; adapters and AdamW stay float32. ``TrainingMath`` is the part of
 ``TrainerEngine`` (``worker.trainer``) that does this.
+
+``train_group`` steps several LoRA jobs of the engine's base in one pass: their rows in shared
+micro-batches, the base's matmuls over all of them, each row through its own job's adapter
+(``_segment_adapters``: each job's rows contiguous, its low-rank product added by a hook), each
+job's loss, gradient clipping and AdamW step its own. Only ``groupable`` jobs join a group
+(LoRA, no dropout); a group's update equals each job's update alone up to float rounding (the
+base's matmuls and attention run on another batch shape and padding, same-shaped adapters in
+batched matmuls: not bit-for-bit in general; ``tests/test_trainer_grouped.py`` measures it).
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.user_code import import_object
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
 from worker.loss_terms import (
     MetricSums,
+    TokenTerms,
     aggregation_weights,
     grpo_token_terms,
     tis_token_terms,
@@ -190,6 +201,133 @@ class TrainingMath(JobSlots):
             model, part.input_ids, part.attention_mask, part.loss_mask, self.logprob_chunk_tokens, entropy
         )
 
+    # ------------------------------------------------------------ several jobs in one pass
+
+    def groupable(self, job_id: str) -> bool:
+        """Whether the job's steps may share a pass with others': a LoRA job without dropout
+        (dropout would draw every row from one stream, not each job's own)."""
+        job = self._job(job_id)
+        return job.lora is not None and job.lora.dropout <= 0
+
+    def train_group(self, steps: list[tuple[str, TrainBatch, TrainHParams]]) -> list[dict[str, float]]:
+        """One optimizer step for each (job, batch, hparams), the jobs' rows in shared
+        micro-batches; each job's metrics, in order (``seconds``: the group's time). Every job
+        must be ``groupable`` and appear once; a single step is ``train_step``'s."""
+        started = time.perf_counter()
+        if len(steps) == 1:
+            return [self.train_step(*steps[0])]
+        jobs = [self._job(job_id) for job_id, _, _ in steps]
+        if len({job.job_id for job in jobs}) != len(jobs):
+            raise BatchError("a group trains each job once")
+        for job in jobs:
+            if not self.groupable(job.job_id):
+                raise BatchError(f"job {job.job_id!r} cannot share a pass (full fine-tuning or LoRA dropout)")
+        metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps])
+        for job, (_, _, hp), m in zip(jobs, steps, metrics):
+            grad_norm = self._clip_gradients(job, hp.max_grad_norm)
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                _set_optimizer_hparams(job.optimizer, hp)
+                job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            m.update(grad_norm=grad_norm, skipped=float(skipped), group=float(len(steps)))
+        seconds = time.perf_counter() - started
+        for m in metrics:
+            m["seconds"] = seconds
+        return metrics
+
+    def group_gradients(
+        self, steps: list[tuple[str, TrainBatch, TrainHParams]]
+    ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+        """``loss_gradients`` of each job, its rows in a shared pass (for tests and diagnostics)."""
+        jobs = [self._job(job_id) for job_id, _, _ in steps]
+        metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps])
+        out = []
+        for job, m in zip(jobs, metrics):
+            out.append(({key: _grad_or_zeros(param) for key, param in job.params.items()}, m))
+            job.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def _group_forward_backward(
+        self, jobs: list[JobState], work: list[tuple[TrainBatch, TrainHParams]]
+    ) -> list[dict[str, float]]:
+        """Accumulate each job's loss gradient of its batch into its parameters, the rows of all
+        in shared micro-batches. Each job's loss weights are its own batch's; a micro-batch's
+        backward is of the sum of its jobs' losses, whose gradients reach each job's adapter
+        only from its own rows."""
+        for batch, hp in work:
+            check_batch(batch)
+            check_hparams(hp)
+        user_losses = [self._user_loss(hp) if hp.loss_fn else None for _, hp in work]
+        rows = pad_rows(
+            [r for batch, _ in work for r in batch.input_ids],
+            [r for batch, _ in work for r in batch.loss_mask],
+            self.device,
+        )
+        spans: list[tuple[int, int]] = []  # each job's rows in the group
+        olds, weights, tokens = [], [], []
+        at = 0
+        for batch, hp in work:
+            n = len(batch.input_ids)
+            own = Rows(rows.input_ids[at : at + n], rows.attention_mask[at : at + n], rows.loss_mask[at : at + n], [])
+            olds.append(pad_old_logprobs(batch.old_logprobs, own))
+            weights.append(aggregation_weights(own.loss_mask, hp.loss_agg, hp.loss_agg_len))
+            tokens.append(int(own.loss_mask.sum().item()))
+            spans.append((at, at + n))
+            at += n
+        for job, count in zip(jobs, tokens):
+            if count == 0:
+                raise BatchError(f"job {job.job_id!r}: batch has no trainable token (loss_mask is all 0)")
+        old_all, weight_all = torch.cat(olds), torch.cat(weights)
+        advantages = torch.tensor(
+            [a for batch, _ in work for a in batch.advantages], dtype=torch.float32, device=self.device
+        )
+        sums = [MetricSums() for _ in jobs]
+        assert self._peft is not None
+        for job in jobs:
+            job.optimizer.zero_grad(set_to_none=True)
+        self._peft.train(False)
+        any_kl = any(hp.kl_coef > 0 for _, hp in work)
+        for start, stop, part in self._micro_batches(rows):
+            if not part.loss_mask.any():
+                continue
+            width = part.loss_mask.shape[1]
+            ref = self._base_logprobs(part) if any_kl else None
+            segments = [
+                (job.adapter_name, min(b, stop) - max(a, start))
+                for job, (a, b) in zip(jobs, spans)
+                if max(a, start) < min(b, stop)
+            ]
+            with _segment_adapters(self._peft, segments):
+                for job in jobs:  # trainable (after the layers' set_adapter, which turns every adapter off)
+                    for param in job.params.values():
+                        param.requires_grad_(True)
+                with self._forward_context():
+                    logp, entropy = self._token_logprobs(self._peft, part, entropy=True)
+                assert entropy is not None
+                total: torch.Tensor | None = None
+                for i, (a, b) in enumerate(spans):
+                    lo, hi = max(a, start), min(b, stop)
+                    if lo >= hi:
+                        continue
+                    seg, hp = slice(lo - start, hi - start), work[i][1]
+                    mask, w = part.loss_mask[seg], weight_all[lo:hi, :width]
+                    old, adv = old_all[lo:hi, :width], advantages[lo:hi]
+                    seg_ref = ref[seg] if ref is not None and hp.kl_coef > 0 else None
+                    terms = _token_terms(user_losses[i], hp, logp[seg], old, seg_ref, adv, mask)
+                    loss = (terms.loss * w).sum()
+                    sums[i].add(mask, w, terms, loss, entropy[seg])
+                    total = loss if total is None else total + loss
+                assert total is not None
+                total.backward()
+        return [s.metrics(n) for s, n in zip(sums, tokens)]
+
+    def _base_logprobs(self, part: Rows) -> torch.Tensor:
+        """Log-probs of the micro-batch under the base model (every adapter off), no gradient."""
+        assert self._peft is not None
+        with torch.no_grad(), self._peft.disable_adapter(), self._forward_context():
+            return self._token_logprobs(self._peft, part)[0]
+
     # ------------------------------------------------------------ internals: the loss
 
     def _forward_backward(self, job: JobState, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
@@ -288,6 +426,72 @@ class TrainingMath(JobSlots):
                 torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
             yield
             store_rng(job.rng_state, self._capture_rng())
+
+
+def _token_terms(
+    user_loss: Callable[..., torch.Tensor] | None,
+    hp: TrainHParams,
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> TokenTerms:
+    """The per-token loss terms the call names (its user's loss, ``pg-tis`` or ``pg-clip``)."""
+    if user_loss is not None:
+        return user_token_terms(user_loss, hp, logp, old, ref, advantages, mask)
+    if hp.loss == "pg-tis":
+        return tis_token_terms(logp, old, ref, advantages, hp)
+    return grpo_token_terms(logp, old, ref, advantages, hp)
+
+
+@contextlib.contextmanager
+def _segment_adapters(model: torch.nn.Module, segments: list[tuple[str, int]]) -> Iterator[None]:
+    """The forwards in the block (and their recomputation in a checkpointed backward) take each
+    segment of rows, in order (``(adapter, rows)``), through its own adapter: every LoRA layer
+    runs its base layer alone over all rows, and a hook adds the segments' low-rank products.
+    Where the segments are of one size and their adapters of one shape in a layer, their
+    weights are stacked and two batched matmuls serve every segment (a few ops per layer
+    whatever the number of jobs); else each segment's product over its rows (one split and one
+    cat). Linear LoRA layers only. Each layer's own active adapter is off meanwhile;
+    ``_activate`` sets it again."""
+    sizes = [rows for _, rows in segments]
+    names = [name for name, _ in segments]
+    even = len(set(sizes)) == 1 and len(sizes) > 1
+
+    def add_segments(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if even and all(name in module.lora_A for name in names):
+            a_weights = [module.lora_A[name].weight for name in names]
+            b_weights = [module.lora_B[name].weight for name in names]
+            if len({w.shape for w in a_weights}) == 1 and len({w.shape for w in b_weights}) == 1:
+                x = args[0].to(a_weights[0].dtype)
+                scale = torch.tensor([module.scaling[name] for name in names], dtype=x.dtype, device=x.device)
+                per_job = x.reshape(len(names), -1, x.shape[-1])  # [jobs, their rows x tokens, in]
+                low = torch.bmm(per_job, torch.stack(a_weights).transpose(1, 2))
+                up = torch.bmm(low, (torch.stack(b_weights) * scale[:, None, None]).transpose(1, 2))  # scaled weights
+                return output + up.reshape(output.shape).to(output.dtype)
+        deltas = []
+        for name, part in zip(names, args[0].split(sizes)):
+            if name not in module.lora_A:
+                if name in getattr(module, "lora_embedding_A", {}):
+                    raise BatchError(f"adapter {name!r} has an embedding layer: it cannot share a pass")
+                deltas.append(output.new_zeros((part.shape[0], *output.shape[1:])))
+                continue
+            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+            x = module.lora_dropout[name](part.to(lora_a.weight.dtype))
+            deltas.append(lora_b(lora_a(x)) * module.scaling[name])
+        return output + torch.cat(deltas).to(output.dtype)
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    handles = []
+    try:
+        for layer in layers:
+            layer.set_adapter([])  # the base layer's output alone; the hook adds the segments'
+            handles.append(layer.register_forward_hook(add_segments))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

@@ -46,6 +46,26 @@ def up(
     policy: Annotated[
         str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")
     ] = "spread+backfill",
+    jobs_per_engine: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            help="cap on the jobs one engine is home to; more wait (default: as many as the engines' memory "
+            "holds: a rollout engine's adapter slots, a trainer's host and NVMe tiers)",
+        ),
+    ] = None,
+    train_grouping: Annotated[
+        bool,
+        typer.Option(
+            "--train-grouping",
+            help="train the steps of several LoRA jobs of one base in shared passes (each job's update equal "
+            "to alone within float rounding, not to the bit; off by default: bench/train_batching.py)",
+        ),
+    ] = False,
+    group_window_ms: Annotated[
+        Optional[float],
+        typer.Option(min=0.0, help="how long a trainer waits at most for more jobs' steps to share a pass (5 ms)"),
+    ] = None,
     max_loras: Annotated[
         Optional[int],
         typer.Option(min=1, help="adapter slots in the rollout engine (default: 4 on CPU, sized for the jobs on GPUs)"),
@@ -229,6 +249,14 @@ def up(
         problem = model_dir_problem(m)
         if problem:  # the engines would fail on it, after minutes of start-up on a real model
             raise StartFailed(f"--model: {problem}; nothing was started")
+    if jobs_per_engine is not None:
+        if slurm or join:
+            raise UsageError(
+                "--jobs-per-engine: local clusters only (a Slurm cluster's engines hold what memory holds)"
+            )
+        engine_args.append(f"--expected-jobs={jobs_per_engine}")  # the rollout engine keeps their adapters loaded
+    if (slurm or join) and (train_grouping or group_window_ms is not None):
+        raise UsageError("--train-grouping, --group-window-ms: local clusters only for now")
     if slurm or join:
         state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
         worker_args = [*engine_args, f"--device-slots={device_slots}", *(f"{k}={v}" for k, v in sizes.items())]
@@ -290,6 +318,12 @@ def up(
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
     cmd += ["--policy", policy, "--drain-timeout", str(30.0 if drain_timeout is None else drain_timeout)]
+    if jobs_per_engine is not None:
+        cmd += ["--jobs-per-engine", str(jobs_per_engine)]
+    if train_grouping:
+        cmd += ["--train-grouping"]
+    if group_window_ms is not None:
+        cmd += ["--group-window-ms", f"{group_window_ms:g}"]
     cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]

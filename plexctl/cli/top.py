@@ -32,6 +32,7 @@ from plexctl.cli.views import (
     fmt_reward,
     job_row,
     model_name,
+    passes_text,
     swaps_text,
     tiers_text,
 )
@@ -220,6 +221,7 @@ def top_view(f: TopFrame) -> Group:
         "TASKS",
         "SWAPS",
         "MEMORY PER TIER",
+        "SHARED PASSES",
     ):
         engines.add_column(col, no_wrap=True)
     for e in f.rep.engines:
@@ -236,6 +238,7 @@ def top_view(f: TopFrame) -> Group:
             str(e.tasks_done),
             swaps_text(e),
             tiers_text(e),
+            passes_text(e),
         )
     footer = Text(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}", style="dim")
     return Group(jobs, engines, footer)
@@ -271,6 +274,7 @@ def plain_top(f: TopFrame) -> str:
             f"{e.engine_id:<14} {e.kind:<8} {engine_model(e)[:14]:<14} {fmt_share(utilization(e, f.uptime)):>5} "
             f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
             f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}"
+            + (f"  shared passes: {passes_text(e)}" if e.shared_passes else "")
         )
     lines.append(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}")
     return "\n".join(lines)

@@ -118,6 +118,7 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
         "STATE TIERS",
         "SWAPS",
         "SWITCHES",
+        "SHARED PASSES",
     ):
         t.add_column(col, no_wrap=True)
     for e in engines:
@@ -135,6 +136,7 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
             tiers_text(e),
             swaps_text(e),
             str(e.switches) if e.switches else "-",
+            passes_text(e),
         )
     return t
 
@@ -187,6 +189,14 @@ def tiers_text(e: EngineInfo) -> str:
             full = ", full" if info.get("full") else ""
             parts.append(f"{tier} {jobs} ({fmt_bytes(info.get('used_bytes', 0))}{full})")
     return " · ".join(parts)
+
+
+def passes_text(e: EngineInfo) -> str:
+    """A trainer's shared passes: how many, their mean and largest size (jobs), the latest's."""
+    if not e.shared_passes:
+        return "-"
+    mean = e.shared_tasks / e.shared_passes
+    return f"{e.shared_passes} x {mean:.1f} jobs (max {e.largest_pass}, last {e.last_pass})"
 
 
 def swaps_text(e: EngineInfo) -> str:
@@ -254,6 +264,7 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
             f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
             + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")
             + (f"  switches: {e.switches}" if e.switches else "")
+            + (f"  shared passes: {passes_text(e)}" if e.shared_passes else "")
         )
     return "\n".join(lines)
 

@@ -67,6 +67,7 @@ class Op:
     WORKER_EXITED = b"G"  # the process of one of its workers exited: lost now, not after the grace
     # daemon -> worker
     TASK = b"T"
+    TASK_PASS = b"V"  # several jobs' train steps to run in one pass on a trainer (``TaskPassBody``)
     RELEASE = b"U"  # drop a job's state on an engine (the job ended)
     PREFETCH = b"W"  # bring a job's trainer state up from NVMe ahead of its next call
     SHUTDOWN = b"Y"  # the daemon is stopping: exit
@@ -179,6 +180,10 @@ class EngineInfo(msgspec.Struct):
     silent_s: float = 0.0  # seconds since its worker's last heartbeat, when suspect
     weights: str = ""  # a rollout engine's model: resident, awake or asleep (taking turns with others')
     switches: int = 0  # weight loads and wakes the scheduler started on it
+    shared_passes: int = 0  # a trainer's passes that trained several jobs' steps at once
+    shared_tasks: int = 0  # the steps in them
+    last_pass: int = 0  # steps in its latest pass
+    largest_pass: int = 0
 
 
 class StatusReq(msgspec.Struct):
@@ -281,6 +286,8 @@ class EngineDecl(msgspec.Struct):
     model: str
     capacity: int = 1
     state_capacity_bytes: int = 0  # most job state this engine can hold on any tier (0: unknown)
+    state_room_bytes: int = 0  # job state a trainer's tiers hold together: host + NVMe (0: not said)
+    adapter_slots: int = 0  # adapters a rollout engine keeps loaded, its jobs at once (0: not said)
     dtype: str = ""  # the weights' dtype it serves (float32 | bfloat16 | float16; "": not said)
     device: str = ""  # cpu | cuda
     max_lora_rank: int = 0  # the highest LoRA rank a rollout engine loads (0: no limit said)
@@ -340,6 +347,18 @@ class TaskBody(msgspec.Struct):
         return self.task.method
 
 
+class TaskPassBody(msgspec.Struct):
+    """Train steps of several jobs for one trainer to run in one forward and backward; each
+    gets its own result. ``tasks`` all name ``engine_id``, in the daemon's order."""
+
+    engine_id: str
+    tasks: list[TaskBody]
+
+    @property
+    def job_id(self) -> str:
+        return ",".join(t.job_id for t in self.tasks)
+
+
 class ResultBody(msgspec.Struct):
     task_id: int
     ok: bool
@@ -397,6 +416,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.RESULT: ResultBody,
     Op.INVENTORY: InventoryBody,
     Op.TASK: TaskBody,
+    Op.TASK_PASS: TaskPassBody,
     Op.RELEASE: ReleaseBody,
     Op.PREFETCH: PrefetchBody,
     Op.SHUTDOWN: Empty,
