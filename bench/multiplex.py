@@ -54,7 +54,8 @@ from daemon.metrics import hidden_by_other_jobs  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.client import Client  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
-from plexctl.common.spec import load_spec, spec_to_wire  # noqa: E402
+from plexctl.common.spec import spec_to_wire  # noqa: E402
+from plexctl.spec_files import load_spec  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
 FULL = REPO / "configs" / "tiny-arith-full.yaml"

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from bench.hostinfo import describe  # noqa: E402
 from plexctl.common import protocol as P  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
-from plexctl.common.spec import load_spec  # noqa: E402
+from plexctl.spec_files import load_spec  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-arith.yaml"
 MODEL = REPO / ".plexrl" / "models" / "tiny-arith"

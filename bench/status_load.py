@@ -57,7 +57,8 @@ from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.client import Client  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.common.errors import DaemonUnreachable, RemoteError  # noqa: E402
-from plexctl.common.spec import load_spec, spec_to_wire  # noqa: E402
+from plexctl.common.spec import spec_to_wire  # noqa: E402
+from plexctl.spec_files import load_spec  # noqa: E402
 
 TARGET_RATE = 1000.0  # status calls per second, all clients together
 FIXED_BOUND = 1.10  # a job's step time under the load / without it, whatever the machine

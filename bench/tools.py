@@ -104,7 +104,8 @@ def plexctl(home: Path, *args: str, timeout: float = 900) -> subprocess.Complete
 
 
 def submit(client: Any, overrides: list[str], name: str) -> str:
-    from plexctl.common.spec import load_spec, spec_to_wire
+    from plexctl.common.spec import spec_to_wire
+    from plexctl.spec_files import load_spec
 
     return client.submit(spec_to_wire(load_spec(CONFIG, overrides, name=name)), submit_id=uuid.uuid4().hex).job_id
 

@@ -73,7 +73,7 @@ def measure(jobs: int, rounds: int, rows: int, threads: int, pass_jobs: int) -> 
     import torch
 
     from plexctl.common.protocol import LoraConfig, TrainHParams
-    from plexctl.common.spec import load_spec
+    from plexctl.spec_files import load_spec
     from worker.trainer import TrainerEngine
 
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={MODEL}"], "bench")

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from plexctl.user_code import one_line
+from plexctl.common.user_code import one_line
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_BATCH = 1024  # rows of a Parquet file read at a time

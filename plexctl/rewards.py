@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from plexctl.user_code import import_object, one_line
+from plexctl.common.user_code import import_object, one_line
 
 if TYPE_CHECKING:
     from plexctl.sandbox import SandboxSession

@@ -22,8 +22,9 @@ from plexctl.algos.dr_grpo import DrGRPO, centred_advantages
 from plexctl.algos.grpo import GRPO, group_advantages
 from plexctl.algos.rloo import RLOO, leave_one_out_advantages
 from plexctl.common.protocol import Completion, LoraConfig, TrainBatch, TrainHParams
-from plexctl.common.spec import SpecError, load_spec
+from plexctl.common.spec import SpecError
 from plexctl.rl import Job, JobClient, Rollout
+from plexctl.spec_files import load_spec
 from worker.errors import BatchError, UntrustedCodeError
 from worker.loss_terms import aggregation_weights, grpo_token_terms, tis_token_terms
 from worker.trainer import TrainerEngine

@@ -24,7 +24,8 @@ from plexctl.common import protocol as P
 from plexctl.common.client import Client, current_user
 from plexctl.common.cluster import read_endpoint
 from plexctl.common.errors import ExitCode, RemoteError
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 from tests.conftest import local_account
 from tests.test_robustness import TINY, BareDaemon
 

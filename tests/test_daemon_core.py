@@ -15,7 +15,8 @@ from daemon.core import Prune, StartDriver, StopDriver
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.client import current_user
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = P.TrainBatch([[1, 2]], [[0, 1]], [[0.0, -1.0]], [1.0])

@@ -17,8 +17,9 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.client import current_user
 from plexctl.common.errors import ExitCode
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
 from plexctl.common.state_size import full_state_bytes, model_config
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

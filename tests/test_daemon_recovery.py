@@ -24,7 +24,8 @@ from daemon.main import Daemon
 from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

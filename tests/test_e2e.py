@@ -15,7 +15,8 @@ import pytest
 
 from plexctl.common.client import Client
 from plexctl.common.cluster import read_endpoint
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")

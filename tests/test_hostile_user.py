@@ -32,7 +32,8 @@ from plexctl.common import protocol as P
 from plexctl.common.client import Client
 from plexctl.common.cluster import read_endpoint
 from plexctl.common.errors import KeyRefused, RemoteError
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes a second Unix user (needs root)")
 

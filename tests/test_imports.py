@@ -42,6 +42,27 @@ def test_plexctl_imports_no_daemon_worker_torch_or_vllm() -> None:
     assert not bad, "plexctl/ must not import these (run them in a child process):\n" + "\n".join(bad)
 
 
+JOB_LIBRARY_ALLOWED = ("plexctl.common",)  # the wire and common modules every process may import
+FIXTURE_BUILDERS = frozenset({"worker/tiny_models.py"})  # builds the tiny models with the job library's task data
+
+
+def _job_library_imports(folder: str, skip: frozenset[str] = frozenset()) -> list[str]:
+    return [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if str(path.relative_to(REPO)) not in skip
+        for line, module in imported_modules(path)
+        if (module == "plexctl" or module.startswith("plexctl.")) and not module.startswith(JOB_LIBRARY_ALLOWED)
+    ]
+
+
+def test_common_and_the_worker_import_nothing_of_the_job_library() -> None:
+    """``plexctl.common`` sits below the job library (``plexctl.rl``, data, rewards, envs, the
+    spec's file checks in ``plexctl.spec_files``), and the engines use the common modules alone."""
+    bad = _job_library_imports("plexctl/common") + _job_library_imports("worker", FIXTURE_BUILDERS)
+    assert not bad, "imports of the job library from plexctl/common or worker/:\n" + "\n".join(bad)
+
+
 def test_the_check_sees_imports_inside_functions() -> None:
     probe = REPO / "plexctl" / "cli" / "slurm.py"
     modules = {module for _, module in imported_modules(probe)}

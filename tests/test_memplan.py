@@ -34,8 +34,9 @@ from plexctl.common.memplan import (
     weights_bytes,
 )
 from plexctl.common.model_shapes import UnknownModelShape, known_shape, model_config_for
-from plexctl.common.spec import LoraSpec, load_spec
+from plexctl.common.spec import LoraSpec
 from plexctl.common.state_size import job_state_bytes
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN_7B = "/models/Qwen2.5-7B-Instruct"

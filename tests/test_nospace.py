@@ -27,8 +27,8 @@ from test_state_store import job_state, nvme_files
 from test_trainer import assert_exactly_equal, make_batch
 
 from plexctl.common.protocol import LoraConfig, TrainHParams
-from plexctl.common.spec import load_spec
 from plexctl.rl import CallFailed, DrainCheckpointFailed, Job, JobDrained
+from plexctl.spec_files import load_spec
 from worker.errors import CheckpointError, NoSpaceError, TierFullError
 from worker.state_store import NVME_FULL_RETRY_S, StateStore
 from worker.trainer import TrainerEngine

@@ -29,7 +29,8 @@ from plexctl.common import protocol as P
 from plexctl.common.client import Client
 from plexctl.common.cluster import read_endpoint
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-arith.yaml"

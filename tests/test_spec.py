@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.common.spec import (
-    EMPTY_LORA_REFUSED,
-    JobSpec,
-    SpecError,
-    SpecIssue,
-    load_spec,
-    spec_from_wire,
-    spec_to_wire,
-)
+from plexctl.common.spec import EMPTY_LORA_REFUSED, JobSpec, SpecError, SpecIssue, spec_from_wire, spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

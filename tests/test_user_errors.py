@@ -36,8 +36,9 @@ from plexctl.common.client import Client, current_user
 from plexctl.common.cluster import read_endpoint
 from plexctl.common.errors import ExitCode, RemoteError
 from plexctl.common.frames import NOBLOCK, recv_frames
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
 from plexctl.data import scan_records
+from plexctl.spec_files import load_spec
 from tests.test_logs_follow import BareCluster
 from tests.test_robustness import TINY
 

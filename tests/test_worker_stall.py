@@ -30,7 +30,8 @@ from plexctl.cli import slurm as S
 from plexctl.cli import views
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.spec import load_spec, spec_to_wire
+from plexctl.common.spec import spec_to_wire
+from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

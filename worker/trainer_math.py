@@ -40,7 +40,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
 from plexctl.common.protocol import TrainBatch, TrainHParams
-from plexctl.user_code import import_object
+from plexctl.common.user_code import import_object
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
 from worker.loss_terms import (
     MetricSums,

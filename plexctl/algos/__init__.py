@@ -13,8 +13,8 @@ from plexctl.algos.dr_grpo import DrGRPO
 from plexctl.algos.group_loop import GroupLoop
 from plexctl.algos.grpo import GRPO
 from plexctl.algos.rloo import RLOO
+from plexctl.common.user_code import import_object
 from plexctl.rl import Job
-from plexctl.user_code import import_object
 
 ALGORITHMS: dict[str, type[GroupLoop]] = {"grpo": GRPO, "dr_grpo": DrGRPO, "dapo": DAPO, "rloo": RLOO}
 

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def load_or_exit(file: Path, overrides: list[str], name: str | None) -> JobSpec:
     """The job spec in ``file``; its issues on stderr and exit code 2 when it is not valid."""
-    from plexctl.common.spec import SpecError, load_spec
+    from plexctl.common.spec import SpecError
+    from plexctl.spec_files import load_spec
 
     try:
         return load_spec(file, overrides, name)
@@ -47,7 +48,8 @@ def validate(
         return
     if not files:
         raise UsageError("give job spec files to validate, or --explain KEY")
-    from plexctl.common.spec import SpecError, load_spec
+    from plexctl.common.spec import SpecError
+    from plexctl.spec_files import load_spec
 
     bad = False
     for f in files:
@@ -90,8 +92,9 @@ def plan(
     model when the jobs use several (each counts the others' weights). Needs no cluster; a model
     directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
     from plexctl.common import memplan as MP
-    from plexctl.common.spec import SpecError, load_spec
+    from plexctl.common.spec import SpecError
     from plexctl.common.step_memory import CHECKPOINTING
+    from plexctl.spec_files import load_spec
 
     if gradient_checkpointing not in CHECKPOINTING:
         raise UsageError(

@@ -1,16 +1,16 @@
 """The job spec: one typed schema for a PlexRL job, loaded from YAML with precise errors.
 
 This module owns the ``JobSpec`` structs (whose ``msgspec.Meta`` annotations are the
-reference documentation of every field), ``load_spec`` (YAML + ``--set`` overrides ->
-validated ``JobSpec`` with absolute paths) and the wire form of a spec.
+reference documentation of every field), ``read_spec`` (YAML + ``--set`` overrides ->
+validated ``JobSpec`` with absolute paths), the rules across fields (run by the client and, on
+the wire form, by the daemon: ``wire_rule_problems``) and the wire form of a spec.
 
 Validation walks the struct fields itself instead of converting the whole document with
 msgspec, because msgspec stops at the first error and knows nothing of YAML lines: every
 problem in a file is collected as a ``SpecIssue`` (file, line, dotted YAML path, one-line
-message) and raised together as a ``SpecError``. With ``check_files`` it also checks what the
-spec points at: the model directory (what the engines load: ``model_dir_problem``), every
-record of the data files (streamed), that ``sampling.max_tokens`` and the longest prompt fit the
-model's context, and the reward function (imported).
+message) and raised together as a ``SpecError``. What the spec points at (data files, user
+code) is checked by the job library (``plexctl.spec_files``), never here: this module imports
+nothing of the job library.
 
 It deliberately does not schedule, size or run anything, never holds a whole dataset, and
 never imports torch, transformers or vLLM (plexctl must start fast on a login node; prompts
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import difflib
-import importlib.util
 import json
 import math
 import operator
@@ -38,8 +37,6 @@ import yaml
 from msgspec import Meta
 
 from plexctl.common.errors import PlexError
-from plexctl.data import DataError, scan_records
-from plexctl.rewards import RewardLoadError, load_reward
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
@@ -350,7 +347,7 @@ def dotted(path: Key) -> str:
     return text
 
 
-class _Issues:
+class Issues:
     """Collects issues, locating each by YAML line or marking it as coming from ``--set``."""
 
     def __init__(self, file: str, lines: dict[Key, int], overridden: dict[Key, str]) -> None:
@@ -429,7 +426,7 @@ def _constraint_violation(meta: Meta, value: Any, written: Any) -> str | None:
 class _SchemaWalk:
     """Converts a YAML document to struct-shaped builtins, collecting every issue."""
 
-    def __init__(self, issues: _Issues) -> None:
+    def __init__(self, issues: Issues) -> None:
         self.issues = issues
 
     def struct(self, cls: type[msgspec.Struct], value: Any, path: Key) -> Any:
@@ -529,7 +526,7 @@ class _SchemaWalk:
 # ---------------------------------------------------------------- rules across fields
 
 
-def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
+def _check_rules(doc: dict[str, Any], issues: Issues) -> None:
     """Rules across fields, judged on what the user wrote (``doc`` before conversion)."""
     if "lora" in doc and doc["lora"] is None:
         issues.add(("lora",), EMPTY_LORA_REFUSED)
@@ -548,7 +545,7 @@ def _check_rules(doc: dict[str, Any], issues: _Issues) -> None:
         _check_algo_rules(algo, doc, issues)
 
 
-def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: _Issues) -> None:
+def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: Issues) -> None:
     """Keys that belong to one algorithm, loss or loop are refused elsewhere, with the reason."""
     name = algo.get("name", "grpo")
     if name == TINKER_ALGO:
@@ -629,156 +626,6 @@ def model_dir_problem(model_dir: Path) -> str | None:
     if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         return f"no weights in {model_dir} (no {', '.join(WEIGHT_GLOBS)} file)"
     return None
-
-
-def _check_files(doc: dict[str, Any], issues: _Issues) -> None:
-    model = doc.get("model") or {}
-    fit = None
-    if "path" in model:
-        problem = model_dir_problem(Path(model["path"]))
-        if problem:
-            issues.add(("model", "path"), problem)
-        else:
-            fit = _ContextFit.of(Path(model["path"]), doc, issues)
-    data = doc.get("data") or {}
-    for key in ("path", "eval_path"):
-        if data.get(key) is not None:
-            fields = (data.get("prompt_field", "prompt"), data.get("answer_field", "answer"))
-            _check_data_file(data[key], fields, ("data", key), issues, fit.measure(data[key]) if fit else None)
-    if fit is not None:
-        fit.check(issues)
-    _check_reward_import(doc.get("reward"), issues)
-    _check_env_import(doc.get("env"), issues)
-    algo = doc.get("algo") or {}
-    for key in ("loop", "loss_fn"):
-        if isinstance(algo, dict) and isinstance(algo.get(key), str):
-            _check_module_file(algo[key], algo.get("path"), ("algo", key), issues)
-
-
-class _ContextFit:
-    """Whether ``sampling.max_tokens`` and the longest prompt fit the model's context
-    (``max_position_embeddings``). Prompts are counted with the model's tokenizer when the
-    ``tokenizers`` library can load it; only a prompt whose UTF-8 bytes (an upper bound on its
-    tokens) with the special tokens and max_tokens could overflow is tokenized at all."""
-
-    def __init__(self, model_dir: Path, context: int, max_tokens: int) -> None:
-        self.model_dir, self.context, self.max_tokens = model_dir, context, max_tokens
-        self.tokenizer: Any = None  # False: it cannot be loaded here
-        self.longest = (0, "")  # (tokens, where) of the longest prompt counted
-
-    @classmethod
-    def of(cls, model_dir: Path, doc: dict[str, Any], issues: _Issues) -> _ContextFit | None:
-        if any(i.path == "sampling.max_tokens" for i in issues.found):
-            return None
-        try:
-            context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # no context said: the engines judge
-        sampling = doc.get("sampling")
-        if not isinstance(sampling, dict):
-            sampling = {}
-        return cls(model_dir, context, sampling.get("max_tokens", SamplingSpec().max_tokens))
-
-    def measure(self, path: str) -> Callable[[list[tuple[str, str]]], None]:
-        """What counts the prompts of data file ``path`` (``scan_records``' ``on_prompts``)."""
-
-        def count(prompts: list[tuple[str, str]]) -> None:
-            room = self.context - self.max_tokens
-            long = [(where, p) for where, p in prompts if len(p.encode()) + SPECIAL_TOKENS_BOUND > room]
-            if not long or not self._load_tokenizer():
-                return
-            for (where, _), enc in zip(long, self.tokenizer.encode_batch([p for _, p in long])):
-                if len(enc.ids) > self.longest[0]:
-                    self.longest = (len(enc.ids), f"{Path(path).name} {where}")
-
-        return count
-
-    def _load_tokenizer(self) -> bool:
-        if self.tokenizer is None:
-            try:
-                from tokenizers import Tokenizer
-
-                self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-            except Exception:  # noqa: BLE001 - no library, no tokenizer.json: the engines judge the prompts
-                self.tokenizer = False
-        return bool(self.tokenizer)
-
-    def check(self, issues: _Issues) -> None:
-        tokens, where = self.longest
-        source = f"the context of {self.model_dir.name}, {self.context} tokens (max_position_embeddings in config.json)"
-        if tokens and self.max_tokens + tokens > self.context:
-            issues.add(
-                ("sampling", "max_tokens"),
-                f"{self.max_tokens} and the longest prompt ({tokens} tokens, {where}) exceed {source}",
-            )
-        elif self.max_tokens >= self.context:
-            issues.add(("sampling", "max_tokens"), f"{self.max_tokens} leaves no room for a prompt in {source}")
-
-
-def _check_module_file(target: str, path: str | None, where: Key, issues: _Issues) -> None:
-    """The module of ``target`` exists in ``path`` (not imported: a loss imports torch, and user
-    code runs in the driver or the trainer, not in the CLI)."""
-    module = target.partition(":")[0]
-    if path is None:
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            issues.add(where, f"cannot find module `{module}` (set algo.path to the directory that holds it)")
-        return
-    if not Path(path).is_dir():
-        issues.add(("algo", "path"), f"directory not found: {path}")
-        return
-    base = Path(path).joinpath(*module.split("."))
-    if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
-        issues.add(where, f"no module `{module}` in {path}")
-
-
-def _check_data_file(
-    path: str,
-    fields: tuple[str, str],
-    where: Key,
-    issues: _Issues,
-    on_prompts: Callable[[list[tuple[str, str]]], None] | None = None,
-) -> None:
-    """Every record of the file (streamed), each bad one an issue naming its line."""
-    if not Path(path).exists():
-        issues.add(where, f"data file not found: {path}")
-        return
-    try:
-        scan = scan_records(path, *fields, on_prompts=on_prompts)
-    except DataError as e:
-        issues.add(where, str(e))
-        return
-    for problem in scan.problems:
-        issues.add(where, str(problem))
-    if scan.bad > len(scan.problems):
-        issues.add(
-            where, f"{path}: {scan.bad - len(scan.problems)} more bad records ({scan.bad} of {scan.records} in all)"
-        )
-
-
-def _check_reward_import(reward: Any, issues: _Issues) -> None:
-    if not isinstance(reward, dict) or reward.get("fn") is None or reward.get("name") is not None:
-        return
-    path = reward.get("path")
-    if path is not None and not Path(path).is_dir():
-        issues.add(("reward", "path"), f"reward directory not found: {path}")
-        return
-    try:
-        load_reward(msgspec.convert(reward, RewardSpec))
-    except RewardLoadError as e:
-        issues.add(("reward", "fn"), str(e))
-
-
-def _check_env_import(env: Any, issues: _Issues) -> None:
-    if not isinstance(env, dict):
-        return
-    from plexctl.envs import EnvLoadError, load_env  # only specs with an env pay for the import
-
-    if any(issue.path.startswith("env.") for issue in issues.found):
-        return  # the schema check already reported what is wrong with the section
-    try:
-        load_env({k: env.get(k) for k in ("name", "cls", "path", "config")})
-    except EnvLoadError as e:
-        issues.add(("env", "cls" if env.get("cls") else "name"), str(e))
 
 
 # ---------------------------------------------------------------- YAML and overrides
@@ -901,18 +748,19 @@ def _apply_override(doc: dict[str, Any], text: str, overridden: dict[Key, str]) 
 # ---------------------------------------------------------------- public API
 
 
-def load_spec(
+def read_spec(
     path: str | Path,
     overrides: Sequence[str] = (),
     name: str | None = None,
-    check_files: bool = True,
+    check: Callable[[dict[str, Any], Issues], None] | None = None,
 ) -> JobSpec:
     """Read, override, validate and resolve a job spec; raise ``SpecError`` listing every problem.
 
     ``overrides`` are ``a.b=value`` strings (value parsed as YAML), ``name`` replaces the job
     name. Relative paths (model.path, data.path, data.eval_path, reward.path), including
-    overridden ones, are made absolute against the YAML file's directory. ``check_files``
-    also checks the files the spec points at and imports a custom reward function.
+    overridden ones, are made absolute against the YAML file's directory. ``check`` adds the
+    problems of what the spec points at (``plexctl.spec_files.check_files``: the job library's,
+    which reads data and imports code) to the same list.
     """
     file = str(path)
     try:
@@ -933,14 +781,14 @@ def load_spec(
     if name is not None:
         doc["name"] = name
         overridden[("name",)] = "--name"
-    issues = _Issues(file, lines, overridden)
+    issues = Issues(file, lines, overridden)
     issues.found += problems
     converted = _SchemaWalk(issues).struct(JobSpec, doc, ())
     _check_rules(doc, issues)
     _algorithm_defaults(converted, doc)
     _resolve_paths(converted, Path(os.path.abspath(path)).parent)
-    if check_files:
-        _check_files(converted, issues)
+    if check is not None:
+        check(converted, issues)
     if issues.found:
         raise SpecError(issues.found)
     return msgspec.convert(converted, JobSpec)
@@ -972,7 +820,7 @@ def wire_rule_problems(d: dict[str, Any], from_tinker_front_end: bool = False) -
         doc["reward"] = {k: v for k, v in msgspec.to_builtins(spec.reward).items() if v is not None}
     if from_tinker_front_end and spec.algo.name == TINKER_ALGO and isinstance(doc.get("algo"), dict):
         doc["algo"].pop("name", None)
-    issues = _Issues("<submit>", {}, {})
+    issues = Issues("<submit>", {}, {})
     _check_rules(doc, issues)
     return [f"{i.path}: {i.message}" if i.path else i.message for i in issues.found]
 

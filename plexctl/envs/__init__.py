@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from plexctl.common.user_code import import_object, one_line
 from plexctl.envs.base import (
     Env,
     Episode,
@@ -33,7 +34,6 @@ from plexctl.envs.code import CodeEnv
 from plexctl.envs.math import MathEnv
 from plexctl.envs.python_tool import PythonToolEnv, python_tool_tiny_dataset
 from plexctl.envs.search import SearchEnv
-from plexctl.user_code import import_object, one_line
 
 EnvFactory = Callable[[], Env]
 

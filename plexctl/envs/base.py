@@ -37,9 +37,9 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from plexctl.common.protocol import Completion, Sampling, TrainBatch
+from plexctl.common.user_code import one_line
 from plexctl.rewards import RewardFn
 from plexctl.sandbox import SandboxPool
-from plexctl.user_code import one_line
 
 GenerateFn = Callable[[list[str], Sampling], list[Completion]]
 TURN_SEED_STRIDE = 1_000_003  # turn t of a request with seed s samples with seed s + t * stride
