@@ -3,7 +3,7 @@
 What it owns: ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal``
 (why it cannot, or ""), ``runs_as`` / ``account`` / ``job_account`` (the uid a job runs as),
 ``start`` (the driver's process) and ``read_job_file`` (what a driver wrote). Before any of the
-job's code runs, the process ``start`` makes:
+job's code runs, the process ``start`` makes (its first code: ``daemon/jail_boot.py``):
 
 - leaves the daemon's mount, network, IPC and PID namespaces (and, in ``userns`` mode, its user
   namespace): the network namespace has only a down loopback, so the one way out is the
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from daemon.jail_boot import SETUP_FAILED_EXIT as SETUP_FAILED_EXIT
 from plexctl.common.limits import JobLimits
 
-SETUP_FAILED_EXIT = 121
 JOB_UID_BASE = 1_400_000  # jobs of users with no local account: uids [BASE, BASE + JOB_UIDS), by job number
 JOB_UIDS = 100_000
 JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is given lives here
@@ -65,6 +65,7 @@ MAX_READ = 1 << 30
 MODE_ENV = "PLEXRL_JAIL_MODE"  # root | userns: force a mode (e.g. to test userns as root)
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime")
 REPO_ROOT = Path(__file__).resolve().parents[1]
+BOOT = Path(__file__).resolve().with_name("jail_boot.py")  # the jail's first code, run by path (its docstring says why)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def start(
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(cfg)],
+            [sys.executable, "-I", "-S", str(BOOT), json.dumps(cfg)],
             stdout=fd,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -276,136 +277,3 @@ def start(
         )
     finally:
         os.close(fd)
-
-
-# Runs in the new process (``python -I -S -c``): the jail, then the driver. Any failure of its own
-# exits with SETUP_FAILED_EXIT before a line of the job's code is imported.
-_BOOT = r"""
-import os, sys
-def _jail():
-    import ctypes, json, signal
-    cfg = json.loads(sys.argv[1])
-    new = "/mnt"  # where the new root is built, in the old tree; it becomes "/"
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    libc.syscall.restype = ctypes.c_long
-    class MountAttr(ctypes.Structure):
-        _fields_ = [("set", ctypes.c_uint64), ("clr", ctypes.c_uint64),
-                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
-    def check(ret, what):
-        if ret != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, what + ": " + os.strerror(err))
-    def mount(src, dst, fstype, flags, data=None):
-        check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
-                         data and data.encode()), "mount " + dst)
-    def setattr_(path, recursive, set_, clr):
-        attr = MountAttr(set_, clr, 0, 0)
-        check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path.encode()),
-                           ctypes.c_long(0x8000 if recursive else 0), ctypes.byref(attr),
-                           ctypes.c_long(ctypes.sizeof(attr))), "mount_setattr " + path)
-    BIND, REC, PRIVATE, RDONLY, NOSUID, NODEV, NOEXEC = 0x1000, 0x4000, 0x40000, 0x1, 0x2, 0x4, 0x8
-    def bind(src, dst):
-        target = new + dst
-        if os.path.islink(src):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            if not os.path.lexists(target):
-                os.symlink(os.readlink(src), target)
-            return
-        if os.path.isdir(src):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "a").close()
-        mount(src, target, None, BIND | REC)
-    stage = "namespaces"
-    try:
-        uid, gid = os.getuid(), os.getgid()
-        flags = 0x00020000 | 0x40000000 | 0x08000000 | 0x20000000  # NEWNS | NEWNET | NEWIPC | NEWPID
-        if cfg["mode"] == "userns":
-            flags |= 0x10000000  # NEWUSER: the owner's uid inside and out, no capability outside
-        check(libc.unshare(flags), "unshare")
-        if cfg["mode"] == "userns":
-            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                               ("gid_map", "%d %d 1" % (gid, gid))):
-                with open("/proc/self/" + name, "w") as f:
-                    f.write(text)
-        stage = "pid namespace"
-        supervisor = os.getpid()
-        child = os.fork()
-        if child:  # the supervisor: the daemon's handle; it forwards signals and returns the driver's code
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-                signal.signal(sig, lambda s, _f: os.kill(child, s))
-            while True:
-                try:
-                    _, status = os.waitpid(child, 0)
-                    break
-                except InterruptedError:
-                    continue
-            if os.WIFSIGNALED(status):
-                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-                os.kill(os.getpid(), os.WTERMSIG(status))
-            os._exit(os.waitstatus_to_exitcode(status))
-        check(libc.prctl(1, signal.SIGKILL, 0, 0, 0), "parent death signal")  # PR_SET_PDEATHSIG
-        os.environ["PLEXRL_DRIVER_PID"] = str(supervisor)  # the pid the daemon knows it by
-        stage = "mounts"
-        os.umask(0o022)
-        mount(None, "/", None, REC | PRIVATE)
-        mount("tmpfs", new, "tmpfs", NOSUID | NODEV, "mode=0755,size=16m")
-        os.mkdir(new + "/tmp")  # first: a bind below /tmp (a checkout there) lands in it, not under it
-        limits = cfg["limits"]
-        mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, "mode=1777,size=%d" % (limits["tmp"] or (1 << 40)))
-        for path in cfg["system"]:
-            bind(path, path)
-        for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
-            bind(dev, dev)
-        for path in cfg["paths"]:
-            bind(path, path)
-        bind(cfg["job"], "/mnt/job")
-        bind(cfg["keys"], "/mnt/keys")
-        bind(cfg["sock"], "/mnt/sock")
-        for path in cfg["hide"]:  # the cluster's state, the owner's keys: empty, wherever a bind showed them
-            if os.path.isdir(new + path):
-                mount("tmpfs", new + path, "tmpfs", NOSUID | NODEV, "mode=0755,size=1m")
-        os.mkdir(new + "/proc")
-        mount("proc", new + "/proc", "proc", NOSUID | NODEV | NOEXEC)
-        stage = "pivot_root"
-        os.mkdir(new + "/.old")
-        check(libc.syscall(ctypes.c_long(155), ctypes.c_char_p(new.encode()),
-                           ctypes.c_char_p((new + "/.old").encode())), "pivot_root")
-        os.chdir("/")
-        check(libc.umount2(b"/.old", 2), "umount /.old")  # MNT_DETACH: nothing of the old tree stays
-        os.rmdir("/.old")
-        setattr_("/", True, RDONLY | NOSUID, 0)
-        for path in ("/tmp", "/mnt/job"):
-            setattr_(path, False, 0, RDONLY)
-        stage = "python"
-        sys.path[:] = list(cfg["paths"])
-        sys.path_importer_cache.clear()
-        sys.executable = cfg["executable"]
-        stage = "drop privileges"
-        if cfg["mode"] == "root":
-            os.setgroups(cfg["groups"])
-            os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
-            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-        stage = "limits"
-        import resource
-        for which, value in ((resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_NPROC, limits["processes"]),
-                             (resource.RLIMIT_FSIZE, limits["file"])):
-            if value:
-                resource.setrlimit(which, (value, value))
-        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
-        class CapHeader(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        check(libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (ctypes.c_uint32 * 6)()), "drop capabilities")
-        os.umask(0o077)
-        os.chdir("/mnt/job")
-    except BaseException as e:
-        os.write(2, ("plexrl-jail: setup failed at %s: %s: %s\n" % (stage, type(e).__name__, e)).encode())
-        os._exit(121)
-    return cfg["argv"]
-_argv = _jail()
-del _jail
-from daemon.driver import main
-sys.exit(main(_argv))
-"""

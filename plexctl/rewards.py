@@ -12,13 +12,13 @@ reference answer and the whole sample record, and returns a float. This module o
 
 * ``SandboxedReward``, which runs a user's ``module:function`` (never the driver's own
   interpreter) in long-lived contained processes (``SandboxSession``, one per worker of the
-  sandbox pool, the function imported once), a step's samples split over them, each sample
-  under its own time limit, enforced from outside the function: a sample that overruns it
-  (its code ignored or caught the alarm) has its process killed. The user's directory is
-  staged once (its Python and small data files, copied private to the driver's user; each
-  sandbox process of another uid gets its own copy); the driver's site-packages are readable
-  too, so the function may import
-  what is installed (math_verify, numpy, ...).
+  sandbox pool, each running ``plexctl/reward_server.py``, the function imported once), a
+  step's samples split over them, each sample under its own time limit, enforced from outside
+  the function: a sample that overruns it (its code ignored or caught the alarm) has its process
+  killed. The user's directory is staged once (its Python and small data files, copied private
+  to the driver's user; each sandbox process of another uid gets its own copy); the driver's
+  site-packages are readable too, so the function may import what is installed (math_verify,
+  numpy, ...).
 
 Built-in rewards are the project's own code and run in the driver's threads. Importing the
 same module name from two different directories in one process is refused.
@@ -26,6 +26,7 @@ same module name from two different directories in one process is refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from plexctl import reward_server
 from plexctl.common.user_code import import_object, one_line
 
 if TYPE_CHECKING:
@@ -215,70 +217,6 @@ class Scorer(Protocol):
 
 # ---------------------------------------------------------------- user rewards in the sandbox
 
-# Runs inside the sandbox for as long as its session: each line on stdin is a request
-# {"target", "timeout_s", "items"}, answered by one line on stdout, the marker then a JSON list of
-# [value, error] per item (no items: import the function, answer []). Each item has its own alarm,
-# so one hanging sample fails alone and the process goes on; the driver sends one item per request
-# and kills the process of one that does not answer in time (``SandboxedReward.KILL_SLACK_S``). The
-# function itself reads an empty stdin and prints to stderr: the protocol's pipes are not its.
-_REWARD_SERVER = r"""
-import importlib, json, math, os, signal, sys, time
-requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
-replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
-empty, closed = os.pipe()
-os.close(closed)
-os.dup2(empty, 0)
-os.dup2(2, 1)
-class _Timeout(BaseException):
-    pass
-def _alarm(signum, frame):
-    raise _Timeout()
-signal.signal(signal.SIGALRM, _alarm)
-loaded = {}
-def load(target):
-    if target not in loaded:
-        module_name, _, attr_path = target.partition(":")
-        try:
-            fn = importlib.import_module(module_name)
-            for part in attr_path.split("."):
-                fn = getattr(fn, part)
-            loaded[target] = (fn, None)
-        except BaseException as e:
-            text = str(e).strip()
-            first = text.splitlines()[0] if text else ""
-            loaded[target] = (None, "cannot import %s: %s: %s" % (target, type(e).__name__, first))
-    return loaded[target]
-while True:
-    line = requests.readline()
-    if not line:
-        break
-    job = json.loads(line)
-    fn, load_error = load(job["target"])
-    out = []
-    for completion, answer, record in job["items"]:
-        if load_error:
-            out.append([None, load_error])
-            continue
-        started = time.monotonic()
-        signal.signal(signal.SIGALRM, _alarm)  # again: an earlier sample may have replaced it
-        signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
-        try:
-            value = float(fn(completion, answer, record))
-            if time.monotonic() - started > job["timeout_s"]:  # its own alarm (math_verify's) cleared ours
-                raise _Timeout()
-            out.append([value, None] if math.isfinite(value) else [None, "non-finite reward %r" % value])
-        except _Timeout:
-            out.append([None, "timed out after %gs" % job["timeout_s"]])
-        except BaseException as e:
-            text = str(e).strip()
-            out.append([None, "%s: %s" % (type(e).__name__, text.splitlines()[0] if text else "")])
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    sys.stdout.flush()
-    replies.write("PLEXRL-REWARDS " + json.dumps(out) + "\n")
-    replies.flush()
-"""
-
 _STAGE_SUFFIXES = {".py", ".json", ".jsonl", ".txt", ".yaml", ".yml", ".csv", ".tsv"}
 _STAGE_MAX_BYTES = 64 * 2**20
 _STAGE_SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
@@ -308,6 +246,12 @@ def stage_user_dir(path: str) -> Path:
             shutil.copyfile(f, dst / rel / name)
             (dst / rel / name).chmod(0o600)
     return dst
+
+
+@functools.cache
+def reward_server_source() -> str:
+    """The program each ``SandboxSession`` of a ``SandboxedReward`` runs: ``plexctl/reward_server.py``'s text."""
+    return Path(reward_server.__file__).read_text(encoding="utf-8")
 
 
 def _import_paths() -> list[str]:
@@ -412,7 +356,9 @@ class SandboxedReward:
         session = self._sessions[i]
         if session is not None and session.proc is not None:
             return session
-        session = self._sessions[i] = SandboxSession(_REWARD_SERVER, self._limits, self.paths, marker="PLEXRL-REWARDS ")
+        session = self._sessions[i] = SandboxSession(
+            reward_server_source(), self._limits, self.paths, marker=reward_server.MARKER
+        )
         try:
             session.request(
                 json.dumps({"target": self.target, "timeout_s": self.timeout_s, "items": []}),

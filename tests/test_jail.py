@@ -5,6 +5,8 @@ another file or hang."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -18,6 +20,16 @@ def test_a_daemon_that_cannot_jail_refuses_with_the_reason(monkeypatch: pytest.M
     monkeypatch.setattr(jail, "mode", lambda: "")
     why = jail.refusal("bob")
     assert "'bob'" in why and "--trust-user-code bob" in why and "\n" not in why
+
+
+def test_a_jail_that_cannot_be_set_up_exits_with_one_line_before_any_job_code() -> None:
+    # run as the daemon runs it (by path, -I -S: the standard library alone); a config without its
+    # mode fails at the first stage
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(jail.BOOT), "{}"], capture_output=True, text=True, cwd="/", timeout=60
+    )
+    assert done.returncode == jail.SETUP_FAILED_EXIT == 121
+    assert (done.stdout, done.stderr) == ("", "plexrl-jail: setup failed at namespaces: KeyError: 'mode'\n")
 
 
 def test_users_without_an_account_get_a_uid_per_job_that_no_account_has() -> None:

@@ -8,8 +8,9 @@ The reward is the fraction of tests that pass (``reward_mode: fraction``) or 1.0
 pass (``all``). A run that hits the sandbox's CPU or wall limit is a tool timeout (failure
 reward, counted); a program that crashes its interpreter scores 0.0.
 
-The harness reports ``<nonce> <passed> <total>`` on the real stdout; the nonce comes on stdin
-and the program's own prints are captured, so printing a fake result line does not score.
+The harness (``plexctl/envs/code_harness.py``) reports ``<nonce> <passed> <total>`` on the real
+stdout; the nonce comes on stdin and the program's own prints are captured, so printing a fake
+result line does not score.
 A program that inspects the harness's frames could still forge it: as any in-process test
 harness, this one guards against accidents and casual reward hacking, not a determined
 adversary. It deliberately does not install packages (standard library only) or compare
@@ -18,50 +19,18 @@ stdout against expected output (write such checks as tests).
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
+from pathlib import Path
 from typing import Any
 
+from plexctl.envs import code_harness
 from plexctl.envs.base import StepResult, errored, final, tool_timeout
 from plexctl.sandbox import Limits, run_python
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 REWARD_MODES = ("fraction", "all")
-
-_HARNESS = r"""
-import io, os, signal, sys
-
-def _plexrl_harness(program, tests, test_seconds):
-    nonce = sys.stdin.readline().strip()
-    report = os.fdopen(os.dup(1), "w")
-    sys.stdout = io.StringIO()  # the program's prints stay out of the report
-    def too_slow(signum, frame):
-        raise TimeoutError("took longer than %ss" % test_seconds)
-    signal.signal(signal.SIGALRM, too_slow)
-    def run(source, name, namespace):
-        signal.setitimer(signal.ITIMER_REAL, test_seconds)
-        try:
-            exec(compile(source, name, "exec"), namespace)
-            return None
-        except BaseException as e:
-            return "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    namespace = {"__name__": "__main__"}
-    failure = run(program, "solution.py", namespace)
-    passed = 0
-    if failure is not None:
-        print("solution: " + failure, file=sys.stderr)
-    else:
-        for i, test in enumerate(tests):
-            failure = run(test, "test_%d.py" % i, dict(namespace))
-            if failure is None:
-                passed += 1
-            else:
-                print("test %d: %s" % (i, failure), file=sys.stderr)
-    report.write("%s %d %d\n" % (nonce, passed, len(tests)))
-    report.flush()
-"""
 
 
 def extract_program(completion: str) -> str:
@@ -70,9 +39,15 @@ def extract_program(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
+@functools.cache
+def harness_source() -> str:
+    """The harness: ``plexctl/envs/code_harness.py``'s text."""
+    return Path(code_harness.__file__).read_text(encoding="utf-8")
+
+
 def harness(program: str, tests: list[str], test_seconds: float) -> str:
     """The sandboxed program: the harness with the model's program and the tests filled in."""
-    return _HARNESS + f"\n_plexrl_harness({program!r}, {tests!r}, {float(test_seconds)!r})\n"
+    return harness_source() + f"\nrun_tests({program!r}, {tests!r}, {float(test_seconds)!r})\n"
 
 
 def parse_report(stdout: str, nonce: str) -> tuple[int, int] | None:
