@@ -6,6 +6,7 @@ small job of this module's own) and on a bare daemon started with ``--metrics-po
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -14,13 +15,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from daemon.metrics import Telemetry, hidden_by_other_jobs
-from plexctl.cli.top import JobHistory, TopFrame, eta, plain_top, sparkline, top_json, top_view
-from plexctl.cli.views import plain_jobs
+from plexctl.cli.top import JobHistory, TopFrame, eta, plain_top, top_json, top_view
+from plexctl.cli.views import plain_jobs, sparkline
 from plexctl.common.protocol import TRAINS_ADAPTER, TRAINS_ALL, BusySpan, EngineInfo, JobInfo, MoveSpan, StatusRep
 from plexctl.metric_sinks import MetricSinks
 
@@ -132,7 +134,7 @@ def test_top_renders_progress_eta_sparkline_staleness_and_tiers():
     console = Console(width=200, record=True)
     console.print(top_view(frame))
     rendered = console.export_text()
-    assert "RECENT STEPS" in rendered and "MEMORY PER TIER" in rendered and "w1/trainer:host" in rendered
+    assert "RECENT STEPS" in rendered and "STATE TIERS" in rendered and "w1/trainer:host" in rendered
 
 
 def test_prometheus_text_has_every_family():
@@ -270,3 +272,58 @@ def test_swaps_say_how_much_was_whole_models_and_engines_their_switches():
     assert swaps_text(engine) == "3 (3.0 MiB, 0.10 s): 1 adapter (1.0 MiB), 2 whole-model (2.0 MiB)"
     engine.switches = 4
     assert "switches: 4" in plain_engines([engine], uptime=90.0)
+
+
+def _cells(table: Any) -> dict[str, list[str]]:
+    """A rich table's cells as the terminal shows them, by header ("" for a bar: its header is empty)."""
+    from rich.console import Console
+
+    def shown(cell: Any) -> str:
+        console = Console(width=80, record=True, file=io.StringIO())
+        console.print(cell)
+        return console.export_text().strip()
+
+    return {str(col.header): [shown(c) for c in col.cells] for col in table.columns}
+
+
+def test_status_and_top_show_the_same_value_in_each_column_they_share():
+    from plexctl.cli.views import engines_table, jobs_table, plain_engines
+
+    frame = made_up_frame()
+    failed = msgspec.structs.replace(
+        frame.rep.jobs[0],
+        job_id="j0002",
+        name="a-name-longer-than-twenty",
+        state="failed",
+        error="boom",
+        ended_at=990.0,
+        eval_last=0.42,
+    )
+    frame.rep.jobs.append(failed)
+    suspect = msgspec.structs.replace(
+        frame.rep.engines[0], engine_id="w0/rollout", kind="rollout", suspect=True, silent_s=12.0, switches=2
+    )
+    frame.rep.engines.append(suspect)
+    top_jobs, top_engines = top_view(frame).renderables[:2]
+    for status, top, must_share in (
+        (_cells(jobs_table(frame.rep.jobs, frame.rep.now)), _cells(top_jobs), {"STATE", "EVAL first→last", "ENGINE"}),
+        (_cells(engines_table(frame.rep.engines, frame.uptime)), _cells(top_engines), {"READY", "BUSY", "SWAPS"}),
+    ):
+        shared = status.keys() & top.keys()
+        assert must_share <= shared
+        for header in shared:
+            assert status[header] == top[header], header
+    # plain text: the same cells, each formatted the same, in both lines
+    status_text = plain_jobs(frame.rep.jobs, frame.rep.now) + "\n" + plain_engines(frame.rep.engines, frame.uptime)
+    top_text = plain_top(frame)
+    expected = {
+        "j0001": ("arith", " running ", "30/40", "0.410", "0.370 → -", "  v30 ", "w1/trainer:host"),
+        "j0002": ("a-name-longer-than-t ", " failed ", "0.370 → 0.420", "error: boom"),
+        "w1/trainer": ("trainer", " yes ", "  50% ", "  120  j0001 / j0001", "tiers: device 0/1", "swaps: 3 (3.0 MiB"),
+        "w0/rollout": ("rollout", "suspect (12 s silent)", "switches: 2"),
+    }
+    for key, cells in expected.items():
+        (in_status,) = [ln for ln in status_text.splitlines() if ln.startswith(key)]
+        (in_top,) = [ln for ln in top_text.splitlines() if ln.startswith(key)]
+        for cell in cells:
+            assert cell in in_status and cell in in_top, (cell, in_status, in_top)

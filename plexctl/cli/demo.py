@@ -85,8 +85,8 @@ def demo(
     console().rule("result")
     for j in final:
         console().print(
-            f"{j.job_id} {j.name:<13} {j.state:<9} reward {views.fmt_reward(j.eval_first)} → "
-            f"{views.fmt_reward(j.eval_last)}  ({j.step} steps, {j.step / minutes:.0f}/min)"
+            f"{j.job_id} {j.name:<13} {j.state:<9} reward {views.eval_text(j)}  "
+            f"({j.step} steps, {j.step / minutes:.0f}/min)"
         )
     if not keep:
         ctx.invoke(down, ctx=ctx)

@@ -1,14 +1,16 @@
 """`plexctl top`: what every job and engine is doing, fuller than `status`.
 
-Jobs: state, step/steps with a bar and ETA, reward with a sparkline of the recent steps, policy
-version and staleness, where the job's trainer state lives. Engines: utilization since start and
-since the last refresh, which job each serves now, swap traffic, memory per tier.
+Jobs: what ``status`` shows (state, step/steps with a bar, reward, eval, policy version, where
+the job's trainer state lives), plus the ETA, a sparkline of the recent steps' rewards and the
+staleness. Engines: what ``status`` shows (readiness, utilization since start, which job each
+serves now, swap traffic, state tiers, shared passes), plus utilization since the last refresh.
 
 The daemon's ``status`` reply gives the jobs and engines; the per-step history (sparkline, ETA,
 staleness) comes from each job's metrics JSONL over the daemon's ``logs`` request, read
 incrementally (a ``MetricsFeed`` keeps an offset per job), so the protocol needs nothing new.
-Rendering is pure (``top_view``, ``plain_top``, ``top_json`` take a ``TopFrame``); the CLI
-decides between a live view, plain text and JSON.
+Rendering is pure (``top_view``, ``plain_top``, ``top_json`` take a ``TopFrame``) and uses the
+job and engine rows ``views.py`` defines for ``status`` too: top picks more of their columns. The
+CLI decides between a live view, plain text and JSON.
 """
 
 from __future__ import annotations
@@ -20,39 +22,40 @@ from typing import Any
 
 import msgspec
 from rich.console import Group
-from rich.progress_bar import ProgressBar
-from rich.table import Table
 from rich.text import Text
 
 from plexctl.cli.views import (
-    STATE_STYLE,
+    ENGINE_COLUMNS,
+    ENGINE_NOTES,
+    JOB_COLUMNS,
+    JOB_NOTES,
+    RECENT_STEPS,
+    EngineRow,
+    JobRow,
     cluster_line,
-    engine_model,
     fmt_duration,
-    fmt_reward,
     job_row,
-    model_name,
-    passes_text,
-    swaps_text,
-    tiers_text,
+    pick,
+    plain_table,
+    progress,
+    rich_table,
+    utilization,
 )
-from plexctl.common.protocol import EngineInfo, JobInfo, StatusRep
+from plexctl.common.protocol import JobInfo, StatusRep
 
-SPARK = "▁▂▃▄▅▆▇█"
-RECENT_STEPS = 24  # steps in a sparkline
 RATE_STEPS = 10  # steps the ETA's rate is measured over
 MAX_READ_PER_JOB = 4 << 20  # bytes of metrics read per job and refresh (the rest on the next one)
-
-
-def sparkline(values: list[float], width: int = RECENT_STEPS) -> str:
-    """``▁▃▅█``: the last ``width`` values scaled between their min and max (flat: all ``▄``)."""
-    values = values[-width:]
-    if not values:
-        return ""
-    lo, hi = min(values), max(values)
-    if hi - lo < 1e-12:
-        return SPARK[3] * len(values)
-    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in values)
+# status's columns and what the metrics add: ETA, the recent steps' rewards, staleness; busy since the last frame
+TOP_JOBS = pick(
+    JOB_COLUMNS, "job name model trains user state step progress eta reward eval recent policy stale engine elapsed"
+)
+PLAIN_TOP_JOBS = pick(
+    JOB_COLUMNS, "job name model trains state step progress eta reward eval recent policy stale engine"
+)
+TOP_ENGINES = pick(
+    ENGINE_COLUMNS, "engine kind model on ready serving resident busy busy_bar now tasks tiers swaps switches passes"
+)
+PLAIN_TOP_ENGINES = pick(ENGINE_COLUMNS, "engine kind model on ready busy now tasks serving_resident")
 
 
 @dataclass
@@ -159,123 +162,38 @@ class Top:
         return TopFrame(rep, history, uptime, delta)
 
 
-def utilization(e: EngineInfo, uptime: float) -> float | None:
-    return min(1.0, e.busy_seconds / uptime) if uptime > 0 else None
+def job_rows(f: TopFrame) -> list[JobRow]:
+    """Each job's row: its ``JobInfo`` and what its metrics add."""
+    rows = []
+    for j in f.rep.jobs:
+        h = f.history.get(j.job_id)
+        rows.append(
+            JobRow(
+                j,
+                f.rep.now,
+                eta_s=eta(j, h, f.rep.now),
+                recent_rewards=h.rewards if h else (),
+                staleness=h.staleness if h else None,
+            )
+        )
+    return rows
 
 
-def fmt_share(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
+def engine_rows(f: TopFrame) -> list[EngineRow]:
+    return [EngineRow(e, f.uptime, f.busy_delta.get(e.engine_id)) for e in f.rep.engines]
 
 
 def top_view(f: TopFrame) -> Group:
-    now = f.rep.now
-    jobs = Table(title="jobs", title_justify="left")
-    for col in (
-        "JOB",
-        "NAME",
-        "MODEL",
-        "TRAINS",
-        "STATE",
-        "STEP",
-        "",
-        "ETA",
-        "REWARD",
-        "RECENT STEPS",
-        "POLICY",
-        "STALE",
-        "STATE AT",
-        "ELAPSED",
-    ):
-        jobs.add_column(col, no_wrap=True)
-    for j in f.rep.jobs:
-        h = f.history.get(j.job_id)
-        state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
-        if j.error or j.reason:
-            state.append(f" ({(j.error or j.reason)[:50]})", style="dim")
-        jobs.add_row(
-            j.job_id,
-            j.name,
-            model_name(j.model),
-            j.trains or "-",
-            state,
-            f"{j.step}/{j.steps}",
-            ProgressBar(total=1.0, completed=j.step / j.steps if j.steps else 0.0, width=14),
-            fmt_duration(eta(j, h, now)),
-            fmt_reward(j.reward),
-            Text(sparkline(h.rewards) if h else "", style="cyan"),
-            f"v{j.policy_version}",
-            "-" if h is None or h.staleness is None else f"{h.staleness:.0f}",
-            j.state_tier or j.engine or "-",
-            fmt_duration(_elapsed(j, now)),
-        )
-    engines = Table(title="engines", title_justify="left")
-    for col in (
-        "ENGINE",
-        "KIND",
-        "MODEL",
-        "UTIL",
-        "",
-        "NOW",
-        "SERVING",
-        "RESIDENT",
-        "TASKS",
-        "SWAPS",
-        "MEMORY PER TIER",
-        "SHARED PASSES",
-    ):
-        engines.add_column(col, no_wrap=True)
-    for e in f.rep.engines:
-        util = utilization(e, f.uptime)
-        engines.add_row(
-            e.engine_id,
-            e.kind,
-            engine_model(e),
-            fmt_share(util),
-            ProgressBar(total=1.0, completed=util or 0.0, width=10),
-            fmt_share(f.busy_delta.get(e.engine_id)),
-            ",".join(e.running) or "-",
-            ",".join(e.resident) or "-",
-            str(e.tasks_done),
-            swaps_text(e),
-            tiers_text(e),
-            passes_text(e),
-        )
+    jobs = rich_table("jobs", TOP_JOBS, job_rows(f))
+    engines = rich_table("engines", TOP_ENGINES, engine_rows(f))
     footer = Text(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}", style="dim")
     return Group(jobs, engines, footer)
 
 
 def plain_top(f: TopFrame) -> str:
-    now = f.rep.now
-    lines = [
-        f"{'JOB':<6} {'NAME':<16} {'MODEL':<14} {'TRAINS':<11} {'STATE':<10} {'STEP':>9} {'DONE':>5} {'ETA':>7} "
-        f"{'REWARD':>7} "
-        f"{'RECENT':<{RECENT_STEPS}} {'POLICY':>6} {'STALE':>5}  STATE AT"
-    ]
-    for j in f.rep.jobs:
-        h = f.history.get(j.job_id)
-        done = f"{j.step / j.steps:.0%}" if j.steps else "-"
-        lines.append(
-            f"{j.job_id:<6} {j.name[:16]:<16} {model_name(j.model)[:14]:<14} {j.trains or '-':<11} {j.state:<10} "
-            f"{f'{j.step}/{j.steps}':>9} {done:>5} "
-            f"{fmt_duration(eta(j, h, now)):>7} {fmt_reward(j.reward):>7} "
-            f"{(sparkline(h.rewards) if h else ''):<{RECENT_STEPS}} {'v' + str(j.policy_version):>6} "
-            f"{'-' if h is None or h.staleness is None else f'{h.staleness:.0f}':>5}  "
-            f"{j.state_tier or j.engine or '-'}"
-            + (f"  error: {j.error}" if j.error else "")
-            + (f"  waiting: {j.reason}" if j.reason else "")
-        )
+    lines = plain_table(PLAIN_TOP_JOBS, job_rows(f), JOB_NOTES)
     lines.append("")
-    lines.append(
-        f"{'ENGINE':<14} {'KIND':<8} {'MODEL':<14} {'UTIL':>5} {'NOW':>5} {'TASKS':>6}  "
-        "SERVING / RESIDENT  SWAPS  TIERS"
-    )
-    for e in f.rep.engines:
-        lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {engine_model(e)[:14]:<14} {fmt_share(utilization(e, f.uptime)):>5} "
-            f"{fmt_share(f.busy_delta.get(e.engine_id)):>5} {e.tasks_done:>6}  "
-            f"{','.join(e.running) or '-'} / {','.join(e.resident) or '-'}  {swaps_text(e)}  {tiers_text(e)}"
-            + (f"  shared passes: {passes_text(e)}" if e.shared_passes else "")
-        )
+    lines += plain_table(PLAIN_TOP_ENGINES, engine_rows(f), ENGINE_NOTES)
     lines.append(f"{cluster_line(f.rep)} · up {fmt_duration(f.uptime)}")
     return "\n".join(lines)
 
@@ -288,7 +206,7 @@ def top_json(f: TopFrame) -> dict[str, Any]:
         jobs.append(
             {
                 **job_row(j, now),
-                "progress": j.step / j.steps if j.steps else 0.0,
+                "progress": progress(j),
                 "eta_s": eta(j, h, now),
                 "recent_rewards": list(h.rewards) if h else [],
                 "staleness": h.staleness if h else None,
@@ -311,10 +229,6 @@ def top_json(f: TopFrame) -> dict[str, Any]:
         "uptime_s": f.uptime,
         "now": now,
     }
-
-
-def _elapsed(job: JobInfo, now: float) -> float | None:
-    return None if job.started_at is None else (job.ended_at or now) - job.started_at
 
 
 def watch_plain(top: Top, interval: float | None, stop: Any = None) -> None:

@@ -1,5 +1,11 @@
 """How jobs and engines look in the terminal: rich tables, plain text and JSON rows.
 
+A job's row and an engine's row are defined once, here: ``JOB_COLUMNS`` and ``ENGINE_COLUMNS``
+give each column's header, its cell as text (from a ``JobRow`` / ``EngineRow``), its plain-text
+layout and what rich shows instead of the text (a bar, a colour). A view picks columns by name:
+``status`` and ``ls`` here, ``top`` in ``top.py``, so a value both show reads the same in both.
+Plain text puts a row's optional columns (an error, an engine's tiers) after it as ``label: value``.
+
 Pure rendering: every function takes the daemon's ``StatusRep`` (or parts of it) and returns
 something printable. The CLI decides where it goes (live view on a TTY, plain otherwise). rich
 is imported by the functions that build its tables, so plain text and JSON start without it.
@@ -9,14 +15,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 
 from plexctl.common.sizes import fmt_bytes
 
 if TYPE_CHECKING:
-    from rich.console import Group
+    from rich.console import Group, RenderableType
     from rich.table import Table
 
     from plexctl.common.protocol import EngineInfo, JobInfo, StatusRep
@@ -29,6 +37,9 @@ STATE_STYLE = {
     "cancelled": "magenta",
     "interrupted": "yellow",
 }
+SPARK = "▁▂▃▄▅▆▇█"
+RECENT_STEPS = 24  # steps in a sparkline
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def fmt_reward(x: float | None) -> str:
@@ -44,101 +55,40 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+def fmt_share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def sparkline(values: Sequence[float], width: int = RECENT_STEPS) -> str:
+    """``▁▃▅█``: the last ``width`` values scaled between their min and max (flat: all ``▄``)."""
+    values = values[-width:]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        return SPARK[3] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in values)
+
+
 def elapsed(job: JobInfo, now: float) -> float | None:
     if job.started_at is None:
         return None
     return (job.ended_at or now) - job.started_at
 
 
+def progress(job: JobInfo) -> float:
+    """The share of its steps a job has done."""
+    return job.step / job.steps if job.steps else 0.0
+
+
+def eval_text(job: JobInfo) -> str:
+    """``0.370 → 0.410``: the job's first and latest eval reward."""
+    return f"{fmt_reward(job.eval_first)} → {fmt_reward(job.eval_last)}"
+
+
 def job_row(job: JobInfo, now: float) -> dict[str, Any]:
     """The JSON form of a job (what ``--json`` prints)."""
     return {**msgspec.to_builtins(job), "elapsed_s": elapsed(job, now)}
-
-
-def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-    from rich.text import Text
-
-    now = now or time.time()
-    t = Table(title="jobs", title_justify="left", expand=False)
-    for col in (
-        "JOB",
-        "NAME",
-        "MODEL",
-        "TRAINS",
-        "USER",
-        "STATE",
-        "STEP",
-        "",
-        "REWARD",
-        "EVAL first→last",
-        "POLICY",
-        "ENGINE",
-        "ELAPSED",
-    ):
-        t.add_column(col, no_wrap=True)
-    for j in jobs:
-        frac = j.step / j.steps if j.steps else 0.0
-        state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
-        if j.error or j.reason:
-            state.append(f" ({(j.error or j.reason)[:60]})", style="dim")
-        t.add_row(
-            j.job_id,
-            j.name,
-            model_name(j.model),
-            j.trains or "-",
-            j.user,
-            state,
-            f"{j.step}/{j.steps}",
-            ProgressBar(total=1.0, completed=frac, width=16),
-            fmt_reward(j.reward),
-            f"{fmt_reward(j.eval_first)} → {fmt_reward(j.eval_last)}",
-            f"v{j.policy_version}",
-            j.state_tier or j.engine or "-",
-            fmt_duration(elapsed(j, now)),
-        )
-    return t
-
-
-def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
-    from rich.table import Table
-
-    t = Table(title="engines", title_justify="left")
-    for col in (
-        "ENGINE",
-        "KIND",
-        "MODEL",
-        "ON",
-        "READY",
-        "SERVING",
-        "RESIDENT JOBS",
-        "BUSY",
-        "TASKS",
-        "STATE TIERS",
-        "SWAPS",
-        "SWITCHES",
-        "SHARED PASSES",
-    ):
-        t.add_column(col, no_wrap=True)
-    for e in engines:
-        busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        t.add_row(
-            e.engine_id,
-            e.kind,
-            engine_model(e),
-            placement_text(e),
-            ready_text(e),
-            ",".join(e.running) or "-",
-            ",".join(e.resident) or "-",
-            busy,
-            str(e.tasks_done),
-            tiers_text(e),
-            swaps_text(e),
-            str(e.switches) if e.switches else "-",
-            passes_text(e),
-        )
-    return t
 
 
 def model_name(path: str) -> str:
@@ -152,7 +102,9 @@ def engine_model(e: EngineInfo) -> str:
     return f"{name} ({e.weights})" if e.weights in ("awake", "asleep") else name
 
 
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+def utilization(e: EngineInfo, uptime: float) -> float | None:
+    """The share of ``uptime`` the engine was busy (at most 1)."""
+    return min(1.0, e.busy_seconds / uptime) if uptime > 0 else None
 
 
 def ready_text(e: EngineInfo) -> str:
@@ -215,6 +167,187 @@ def swaps_text(e: EngineInfo) -> str:
     return text
 
 
+# ---- the rows -----------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Column(Generic[R]):
+    """One column of a row: its header and its cell as text; how plain text lays it out; what rich
+    shows instead of the text, where that differs."""
+
+    header: str
+    text: Callable[[R], str]
+    width: int = 0  # plain text: the cell padded to this width (0: as it is, after two spaces)
+    right: bool = False  # plain text: right-aligned
+    cut: bool = False  # plain text: cut to ``width``
+    plain_header: str | None = None  # plain text's header, where it differs (a bar's column: DONE)
+    label: str = ""  # plain text's label where the column follows the row (default: the header, lower case)
+    rich: Callable[[R], RenderableType] | None = None
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """A job as a row reads it: its ``JobInfo``, the time, and what ``top`` reads from its metrics."""
+
+    job: JobInfo
+    now: float
+    eta_s: float | None = None
+    recent_rewards: Sequence[float] = ()
+    staleness: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """An engine as a row reads it: its ``EngineInfo``, the daemon's uptime, and (``top``) the share
+    of the time since the last refresh it was busy."""
+
+    engine: EngineInfo
+    uptime: float
+    busy_now: float | None = None
+
+
+def _state_cell(r: JobRow) -> RenderableType:
+    from rich.text import Text
+
+    j = r.job
+    state = Text(j.state, style=STATE_STYLE.get(j.state, ""))
+    if j.error or j.reason:
+        state.append(f" ({(j.error or j.reason)[:60]})", style="dim")
+    return state
+
+
+def _bar(completed: float, width: int) -> RenderableType:
+    from rich.progress_bar import ProgressBar
+
+    return ProgressBar(total=1.0, completed=completed, width=width)
+
+
+def _cyan(text: str) -> RenderableType:
+    from rich.text import Text
+
+    return Text(text, style="cyan")
+
+
+JOB_COLUMNS: dict[str, Column[JobRow]] = {
+    "job": Column("JOB", lambda r: r.job.job_id, width=6),
+    "name": Column("NAME", lambda r: r.job.name, width=20, cut=True),
+    "model": Column("MODEL", lambda r: model_name(r.job.model), width=14, cut=True),
+    "trains": Column("TRAINS", lambda r: r.job.trains or "-", width=11),
+    "user": Column("USER", lambda r: r.job.user, width=10),
+    "state": Column("STATE", lambda r: r.job.state, width=11, rich=_state_cell),
+    "step": Column("STEP", lambda r: f"{r.job.step}/{r.job.steps}", width=9, right=True),
+    "progress": Column(
+        "",
+        lambda r: f"{progress(r.job):.0%}" if r.job.steps else "-",
+        width=5,
+        right=True,
+        plain_header="DONE",
+        rich=lambda r: _bar(progress(r.job), 16),
+    ),
+    "eta": Column("ETA", lambda r: fmt_duration(r.eta_s), width=7, right=True),
+    "reward": Column("REWARD", lambda r: fmt_reward(r.job.reward), width=7, right=True),
+    "eval": Column("EVAL first→last", lambda r: eval_text(r.job), width=13, right=True, plain_header="EVAL"),
+    "recent": Column(
+        "RECENT STEPS",
+        lambda r: sparkline(r.recent_rewards),
+        width=RECENT_STEPS,
+        plain_header="RECENT",
+        rich=lambda r: _cyan(sparkline(r.recent_rewards)),
+    ),
+    "policy": Column("POLICY", lambda r: f"v{r.job.policy_version}", width=6, right=True),
+    "stale": Column("STALE", lambda r: "-" if r.staleness is None else f"{r.staleness:.0f}", width=5, right=True),
+    # where its trainer state lives (engine:tier) where the daemon knows it, else the engines it runs on
+    "engine": Column("ENGINE", lambda r: r.job.state_tier or r.job.engine or "-"),
+    "elapsed": Column("ELAPSED", lambda r: fmt_duration(elapsed(r.job, r.now)), width=7, right=True),
+    "error": Column("ERROR", lambda r: r.job.error),
+    "waiting": Column("WAITING", lambda r: r.job.reason),
+}
+
+ENGINE_COLUMNS: dict[str, Column[EngineRow]] = {
+    "engine": Column("ENGINE", lambda r: r.engine.engine_id, width=14),
+    "kind": Column("KIND", lambda r: r.engine.kind, width=8),
+    "model": Column("MODEL", lambda r: engine_model(r.engine), width=14, cut=True),
+    "on": Column("ON", lambda r: placement_text(r.engine), width=12),
+    "ready": Column("READY", lambda r: ready_text(r.engine), width=8),
+    "busy": Column("BUSY", lambda r: fmt_share(utilization(r.engine, r.uptime)), width=5, right=True),
+    "busy_bar": Column("", lambda r: "", rich=lambda r: _bar(utilization(r.engine, r.uptime) or 0.0, 10)),
+    "now": Column("NOW", lambda r: fmt_share(r.busy_now), width=5, right=True),
+    "serving": Column("SERVING", lambda r: ",".join(r.engine.running) or "-"),
+    "resident": Column("RESIDENT", lambda r: ",".join(r.engine.resident) or "-"),
+    "serving_resident": Column(
+        "SERVING / RESIDENT", lambda r: f"{','.join(r.engine.running) or '-'} / {','.join(r.engine.resident) or '-'}"
+    ),
+    "tasks": Column("TASKS", lambda r: str(r.engine.tasks_done), width=6, right=True),
+    "tiers": Column("STATE TIERS", lambda r: tiers_text(r.engine), label="tiers"),
+    "swaps": Column("SWAPS", lambda r: swaps_text(r.engine)),
+    "switches": Column("SWITCHES", lambda r: str(r.engine.switches) if r.engine.switches else "-"),
+    "passes": Column("SHARED PASSES", lambda r: passes_text(r.engine)),
+}
+
+
+def pick(columns: dict[str, Column[R]], names: str) -> list[Column[R]]:
+    """The columns a view shows, by name, in its order (``"job name state"``)."""
+    return [columns[name] for name in names.split()]
+
+
+def rich_table(title: str, columns: Sequence[Column[R]], rows: Iterable[R]) -> Table:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col.header, no_wrap=True)
+    for row in rows:
+        t.add_row(*(col.rich(row) if col.rich else col.text(row) for col in columns))
+    return t
+
+
+def _plain_line(columns: Sequence[Column[R]], cells: Sequence[str]) -> str:
+    parts = []
+    for i, (col, cell) in enumerate(zip(columns, cells)):
+        if col.cut:
+            cell = cell[: col.width]
+        if i:
+            parts.append(" " if col.width else "  ")
+        parts.append(cell.rjust(col.width) if col.right else cell.ljust(col.width))
+    return "".join(parts)
+
+
+def plain_table(columns: Sequence[Column[R]], rows: Iterable[R], after: Sequence[Column[R]] = ()) -> list[str]:
+    """A header line and a line per row; the ``after`` columns follow a row as ``label: value``
+    where they have a value."""
+    lines = [_plain_line(columns, [col.header if col.plain_header is None else col.plain_header for col in columns])]
+    for row in rows:
+        notes = ((col.label or col.header.lower(), col.text(row)) for col in after)
+        lines.append(
+            _plain_line(columns, [col.text(row) for col in columns])
+            + "".join(f"  {label}: {value}" for label, value in notes if value not in ("", "-"))
+        )
+    return lines
+
+
+# ---- status and ls ------------------------------------------------------------------------------
+
+STATUS_JOBS = pick(JOB_COLUMNS, "job name model trains user state step progress reward eval policy engine elapsed")
+PLAIN_JOBS = pick(JOB_COLUMNS, "job name model trains state step reward eval policy engine")
+JOB_NOTES = pick(JOB_COLUMNS, "error waiting")  # plain text: after the row
+STATUS_ENGINES = pick(
+    ENGINE_COLUMNS, "engine kind model on ready serving resident busy tasks tiers swaps switches passes"
+)
+PLAIN_ENGINES = pick(ENGINE_COLUMNS, "engine kind model on ready busy tasks serving_resident")
+ENGINE_NOTES = pick(ENGINE_COLUMNS, "tiers swaps switches passes")  # plain text: after the row
+
+
+def jobs_table(jobs: list[JobInfo], now: float | None = None) -> Table:
+    now = now or time.time()
+    return rich_table("jobs", STATUS_JOBS, [JobRow(j, now) for j in jobs])
+
+
+def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
+    return rich_table("engines", STATUS_ENGINES, [EngineRow(e, uptime) for e in engines])
+
+
 def cluster_line(rep: StatusRep) -> str:
     bubble = "-" if rep.bubble_ratio is None else f"{rep.bubble_ratio:.0%}"
     return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
@@ -236,37 +369,11 @@ def status_view(rep: StatusRep, uptime: float, tinker: str | None = None, tinker
 
 
 def plain_jobs(jobs: list[JobInfo], now: float) -> str:
-    lines = [
-        f"{'JOB':<6} {'NAME':<20} {'MODEL':<14} {'TRAINS':<11} {'STATE':<11} {'STEP':>9} {'REWARD':>7} {'EVAL':>13} "
-        f"{'POLICY':>6}  ENGINE"
-    ]
-    for j in jobs:
-        lines.append(
-            f"{j.job_id:<6} {j.name[:20]:<20} {model_name(j.model)[:14]:<14} {j.trains or '-':<11} {j.state:<11} "
-            f"{f'{j.step}/{j.steps}':>9} "
-            f"{fmt_reward(j.reward):>7} {fmt_reward(j.eval_first):>6}→{fmt_reward(j.eval_last):<6} "
-            f"{'v' + str(j.policy_version):>6}  {j.state_tier or j.engine or '-'}"
-            + (f"  error: {j.error}" if j.error else "")
-            + (f"  waiting: {j.reason}" if j.reason else "")
-        )
-    return "\n".join(lines)
+    return "\n".join(plain_table(PLAIN_JOBS, [JobRow(j, now) for j in jobs], JOB_NOTES))
 
 
 def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
-    lines = [
-        f"{'ENGINE':<14} {'KIND':<8} {'MODEL':<14} {'ON':<12} {'READY':<8} {'BUSY':>5} {'TASKS':>6}  SERVING / RESIDENT"
-    ]
-    for e in engines:
-        busy = f"{100 * e.busy_seconds / uptime:.0f}%" if uptime > 0 else "-"
-        lines.append(
-            f"{e.engine_id:<14} {e.kind:<8} {engine_model(e)[:14]:<14} {placement_text(e):<12} {ready_text(e):<8} "
-            f"{busy:>5} "
-            f"{e.tasks_done:>6}  {','.join(e.running) or '-'} / {','.join(e.resident) or '-'}"
-            + (f"  tiers: {tiers_text(e)}  swaps: {swaps_text(e)}" if e.tiers else "")
-            + (f"  switches: {e.switches}" if e.switches else "")
-            + (f"  shared passes: {passes_text(e)}" if e.shared_passes else "")
-        )
-    return "\n".join(lines)
+    return "\n".join(plain_table(PLAIN_ENGINES, [EngineRow(e, uptime) for e in engines], ENGINE_NOTES))
 
 
 def plain_status(rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "") -> str:
