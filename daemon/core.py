@@ -8,7 +8,7 @@ drivers to start or stop (``StartDriver``, ``StopDriver``), directories to prune
 
 It owns the journal (SQLite), the scheduler core, the jobs' runtimes, the pending calls and
 the workers' state, and it reads and writes the files of a job's directory that the call logic
-needs (``ckpt/latest.json``, logs and exports, uploaded inputs).
+needs (its latest checkpoint, logs and exports, uploaded inputs; names from ``JobDir``).
 
 Invariants: a call has one pending entry from its task's submission to its result (held calls
 wait in their job's runtime, keyed by the call they follow); a running job has a runtime from
@@ -20,7 +20,6 @@ each publish's reply carries the drain's reason.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import signal
@@ -40,7 +39,8 @@ from plexctl import inputs
 from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.jobdir import JobDir, LatestCheckpoint
 from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire, wire_rule_problems
@@ -133,7 +133,7 @@ class JobRuntime:
 
     job_id: str
     spec: JobSpec
-    job_dir: Path
+    job_dir: JobDir
     pid: int = 0  # its driver's process (0: not started yet)
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
@@ -324,11 +324,11 @@ class DaemonCore:
         self.now = now
         info = self._known_job(job_id)
         spec = spec_from_wire(self.journal.spec(job_id))
-        job_dir = self.jobs_dir / job_id
+        job_dir = self._job_dir(job_id)
         rt = self.runtimes[job_id] = JobRuntime(
             job_id, spec, job_dir, pid, policy_version=info.policy_version, user=info.user
         )
-        adapter_dir = job_dir / "adapters" / f"v{info.policy_version:06d}"
+        adapter_dir = job_dir.adapter(info.policy_version)
         if info.policy_version and adapter_dir.is_dir():
             rt.adapter = P.AdapterRef(job_id, info.policy_version, str(adapter_dir), full=spec.lora is None)
         asked = [kind for _, kind, _ in self.journal.events(job_id) if kind in ("started", "cancel_requested")]
@@ -545,7 +545,7 @@ class DaemonCore:
             body.submit_id, spec.name, user, body.spec, spec.algo.steps, spec.priority
         )
         if created and body.inputs:
-            write_bytes_atomic(self.jobs_dir / job_id / "inputs.json", msgspec.json.encode(body.inputs))
+            write_bytes_atomic(self._job_dir(job_id).inputs, msgspec.json.encode(body.inputs))
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
         self._send(
@@ -784,7 +784,7 @@ class DaemonCore:
         job_id = self._find(identity, header, body.job_id)
         if job_id is None:
             return
-        name = {"log": "driver.log", "metrics": "metrics.jsonl"}.get(body.kind)
+        name = {"log": JobDir.DRIVER_LOG, "metrics": JobDir.METRICS}.get(body.kind)
         if name is None:
             self._error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
             return
@@ -854,14 +854,14 @@ class DaemonCore:
 
     def _export_dir(self, job_id: str, what: str) -> Path | None:
         """The directory of the job's latest published adapter or latest checkpoint, if any."""
-        job_dir = self.jobs_dir / job_id
+        job_dir = self._job_dir(job_id)
         if what == "checkpoint":
             try:
-                latest = Path(json.loads((job_dir / "ckpt" / "latest.json").read_text())["dir"])
-            except (OSError, ValueError, KeyError, TypeError):
+                latest = job_dir.latest_checkpoint()
+            except (OSError, ValueError):
                 return None
-            return latest if latest.is_dir() and latest.parent == job_dir / "ckpt" else None
-        versions = sorted(d for d in (job_dir / "adapters").glob("v*") if d.is_dir() and any(d.iterdir()))
+            return Path(latest.dir) if latest is not None and job_dir.is_checkpoint(Path(latest.dir)) else None
+        versions = job_dir.published_adapters()
         return versions[-1] if versions else None
 
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
@@ -1059,19 +1059,15 @@ class DaemonCore:
             rt.policy_version = call.version
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir, full=rt.spec.lora is None)
             if rt.spec.algo.name != TINKER_ALGO:  # a Tinker job's versions are its samplers' weights: kept
-                prune = (rt.job_dir / "adapters", rt.spec.algo.max_staleness + 2)
+                prune = (rt.job_dir.adapters, rt.spec.algo.max_staleness + 2)
         elif isinstance(body.value, C.CheckpointResult):
-            write_json_atomic(
-                rt.job_dir / "ckpt" / "latest.json",
-                {
-                    "dir": call.out_dir,
-                    "step": call.step,
-                    "policy_version": rt.policy_version,
-                    "manifest": body.value.manifest,
-                },
+            rt.job_dir.write_latest(
+                LatestCheckpoint(
+                    dir=call.out_dir, step=call.step, policy_version=rt.policy_version, manifest=body.value.manifest
+                )
             )
             self.journal.event(rt.job_id, "checkpoint", f"step {call.step}")
-            prune = (rt.job_dir / "ckpt", 2)
+            prune = (rt.job_dir.checkpoints, 2)
         reply = self._reply(call, body.value)
         if followers:  # e.g. the next generate, sampled from the adapter just published: on its way before the reply
             for f_identity, f_header, f_body in followers:
@@ -1215,8 +1211,7 @@ class DaemonCore:
         """The task of a service call, its pending call recorded; a generate samples from
         ``adapter``, policy ``version``. None: answered here."""
         spec, req = rt.spec, body.request
-        lora = msgspec.convert(msgspec.to_builtins(spec.lora), C.LoraConfig) if spec.lora is not None else None
-        trainer = C.TrainerContext(lora=lora, seed=spec.seed)
+        trainer = C.TrainerContext(lora=spec.lora, seed=spec.seed)
         if rt.pid:  # a repeated trainer call is applied once (worker.main)
             trainer.call_key = f"{rt.pid}:{header.msg_id}"
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
@@ -1250,7 +1245,7 @@ class DaemonCore:
                 self._next_adapter(rt, call)
             task = C.OptimStepTask(trainer, req.calls, req.adam, publish_dir=call.out_dir)
         elif isinstance(req, C.CheckpointReq):
-            call.step, call.out_dir = req.step, str(rt.job_dir / "ckpt" / f"step-{req.step:06d}")
+            call.step, call.out_dir = req.step, str(rt.job_dir.checkpoint(req.step))
             task = C.CheckpointTask(trainer, call.out_dir, req.extra)
         elif req.ckpt_dir:
             ckpt = self._users_checkpoint(rt, req.ckpt_dir)
@@ -1260,13 +1255,12 @@ class DaemonCore:
                 return None
             task = C.RestoreTask(trainer, ckpt, req.weights_only)
         else:
-            latest = rt.job_dir / "ckpt" / "latest.json"
-            if not latest.exists():
+            latest = rt.job_dir.latest_checkpoint()
+            if latest is None:
                 self._send(identity, P.Op.REPLY, C.RestoreRep(None), header.msg_id)
                 return None
-            info = json.loads(latest.read_text())
-            rt.policy_version = max(rt.policy_version, int(info.get("policy_version", 0)))
-            task = C.RestoreTask(trainer, info["dir"], req.weights_only)
+            rt.policy_version = max(rt.policy_version, latest.policy_version)
+            task = C.RestoreTask(trainer, latest.dir, req.weights_only)
         call.task = task
         if not rt.model:
             rt.model = os.path.realpath(spec.model.path)
@@ -1325,19 +1319,21 @@ class DaemonCore:
 
     def _users_checkpoint(self, rt: JobRuntime, ckpt_dir: str) -> str | None:
         """``ckpt_dir`` resolved, if it is a checkpoint of a job of ``rt``'s user
-        (``<jobs>/<job>/ckpt/<name>``); else None."""
+        (``<jobs>/<job>/ckpt/step-NNNNNN``); else None."""
         path = Path(os.path.realpath(ckpt_dir))
-        jobs = Path(os.path.realpath(self.jobs_dir))
-        if path.parent.name != "ckpt" or path.parent.parent.parent != jobs or not path.is_dir():
+        job_dir = JobDir(path.parent.parent)
+        if job_dir.root.parent != Path(os.path.realpath(self.jobs_dir)) or not job_dir.is_checkpoint(path):
             return None
-        owner = self.journal.job(path.parent.parent.name)
+        owner = self.journal.job(job_dir.root.name)
         return str(path) if owner is not None and owner.user == rt.user else None
 
     @staticmethod
     def _kept_version(rt: JobRuntime, version: int) -> P.AdapterRef | None:
         """The job's published ``version`` if its directory is still there (0: the base, None)."""
-        path = rt.job_dir / "adapters" / f"v{version:06d}"
-        if version <= 0 or not path.is_dir():
+        if version <= 0:
+            return None
+        path = rt.job_dir.adapter(version)
+        if not path.is_dir():
             return None
         return P.AdapterRef(rt.job_id, version, str(path), full=rt.spec.lora is None)
 
@@ -1345,7 +1341,7 @@ class DaemonCore:
     def _next_adapter(rt: JobRuntime, call: PendingCall) -> None:
         """Make ``call`` publish the job's next policy version, into its adapter directory."""
         call.publishes, call.version = True, rt.policy_version + 1
-        call.out_dir = str(rt.job_dir / "adapters" / f"v{call.version:06d}")
+        call.out_dir = str(rt.job_dir.adapter(call.version))
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
         rt = self.runtimes.get(body.job_id)
@@ -1479,7 +1475,7 @@ class DaemonCore:
             rt = self.runtimes[info.job_id] = JobRuntime(
                 info.job_id,
                 spec,
-                self.jobs_dir / info.job_id,
+                self._job_dir(info.job_id),
                 policy_version=info.policy_version,
                 user=info.user,
             )
@@ -1506,11 +1502,16 @@ class DaemonCore:
         except (OSError, KeyError, ValueError):
             return 0  # unknown architecture: admit, the worker's store enforces its tiers
 
+    def _job_dir(self, job_id: str) -> JobDir:
+        return JobDir(self.jobs_dir / job_id)
+
     def _job_output(self, job_id: str, user: str, name: str) -> Path:
         """A file a job's driver writes (``metrics.jsonl``): in its own directory when jailed.
         The driver's log is the daemon's (it holds the file open for the driver)."""
-        job_dir = self.jobs_dir / job_id
-        return job_dir / jail.OUT_DIR / name if self.is_isolated(user) and name != "driver.log" else job_dir / name
+        job_dir = self._job_dir(job_id)
+        if self.is_isolated(user) and name != JobDir.DRIVER_LOG:
+            return job_dir.driver_out / name
+        return job_dir.root / name
 
     def driver_exited(self, job_id: str, rc: int, now: float) -> list[Effect]:
         """A job's driver exited with code ``rc``: judge how the job ended (or why it runs again)."""
@@ -1557,7 +1558,7 @@ class DaemonCore:
             return
         else:
             state = "failed"
-            error = rt.failure or _last_line(rt.job_dir / "driver.log") or f"driver exited with code {rc}"
+            error = rt.failure or _last_line(rt.job_dir.driver_log) or f"driver exited with code {rc}"
             if not rt.failure:  # the driver crashed (killed, out of memory) without reporting why
                 how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
                 crashes = sum(1 for _, kind, _ in self.journal.events(job_id) if kind == "restarting")

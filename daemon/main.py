@@ -67,6 +67,7 @@ from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
 from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home, tinker_url
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
+from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import limits_for
 from plexctl.common.sizes import fmt_bytes
 
@@ -276,9 +277,8 @@ class Daemon:
                     self._driver_argv(info.job_id, job_dir, info.user),
                     self._exit_file(job_dir, info.user),
                 )
-                proc = procs.find(job_dir / "driver.pid", argv, exit_file) or procs.exited(
-                    job_dir / "driver.pid", exit_file
-                )
+                pid_file = JobDir(job_dir).driver_pid
+                proc = procs.find(pid_file, argv, exit_file) or procs.exited(pid_file, exit_file)
             if proc is None:
                 self.core.requeue(info.job_id, info.state)
                 continue
@@ -296,7 +296,7 @@ class Daemon:
                 )
         for info in self.journal.jobs(("queued",)):  # a driver started just before the last daemon died
             job_dir = self.jobs_dir / info.job_id  # (its job not yet marked running): it starts again
-            stray = procs.find(job_dir / "driver.pid", self._driver_argv(info.job_id, job_dir, info.user))
+            stray = procs.find(JobDir(job_dir).driver_pid, self._driver_argv(info.job_id, job_dir, info.user))
             if stray is not None:
                 stray.kill()
                 log.warning("job %s: stopped a driver (pid %d) the journal did not know of", info.job_id, stray.pid)
@@ -458,7 +458,7 @@ class Daemon:
             if info is None or not self.core.is_isolated(info.user):
                 continue
             limit = limits_for(self.state_dir, info.user).job_dir_bytes
-            used = jail.dir_bytes(self.jobs_dir / job_id / jail.OUT_DIR) if limit else 0
+            used = jail.dir_bytes(JobDir(self.jobs_dir / job_id).driver_out) if limit else 0
             if limit and used > limit:
                 why = f"its output directory holds {fmt_bytes(used)}, over its limit of {fmt_bytes(limit)}"
                 self._carry_out(self.core.limit_breached(job_id, why, now))
@@ -495,8 +495,9 @@ class Daemon:
 
     def _spawn_driver(self, job_id: str) -> procs.Handle:
         job_dir = self.jobs_dir / job_id
+        layout = JobDir(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(job_dir / "spec.json", self.journal.spec(job_id))
+        write_json_atomic(layout.spec, self.journal.spec(job_id))
         info = self.journal.job(job_id)
         assert info is not None  # the core admitted it
         if self.core.is_isolated(info.user):
@@ -510,12 +511,12 @@ class Daemon:
                 self.address,
                 *self._driver_argv(job_id, job_dir, info.user),
             ]
-            with open(job_dir / "driver.log", "ab") as out:
+            with open(layout.driver_log, "ab") as out:
                 proc = subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
                 )
         try:
-            procs.record(job_dir / "driver.pid", proc, self._driver_argv(job_id, job_dir, info.user))
+            procs.record(layout.driver_pid, proc, self._driver_argv(job_id, job_dir, info.user))
         except BaseException:  # a driver no daemon could find again must not run
             proc.kill()
             proc.wait()
@@ -532,21 +533,21 @@ class Daemon:
         out = jail.out_dir(job_dir, who)
         spec = self.journal.spec(job_id)
         try:
-            files = msgspec.json.decode((job_dir / "inputs.json").read_bytes(), type=list[P.InputFile])
+            files = msgspec.json.decode(JobDir(job_dir).inputs.read_bytes(), type=list[P.InputFile])
         except FileNotFoundError:
             files = []
         staged = self.core.blobs.stage(user, files, out / "inputs")
         for name, path in staged.items():  # the job reads its uploaded copies, at their place in the jail
             section, key = name.split(".")
             spec[section][key] = f"{jail.JAIL_ROOT}/job/{Path(path).relative_to(out)}"
-        write_json_atomic(out / "spec.json", spec, mode=0o644)
+        write_json_atomic(JobDir(out).spec, spec, mode=0o644)
         keys = self._make_driver_keys(job_id, job_dir, who)
         return jail.start(
             who,
             job_id,
             job_dir,
             self.state_dir,
-            job_dir / "driver.log",
+            JobDir(job_dir).driver_log,
             hide=[self.state_dir, plexrl_home()],
             keys=keys,
             limits=limits_for(self.state_dir, user),
@@ -556,7 +557,7 @@ class Daemon:
         """A fresh key pair for a jailed driver in ``job_dir/driver-keys``: a directory of the
         daemon's that the job can read (bound read-only into its jail) and never write, so no path
         the job made is followed; only the secret file just made here is handed to its uid."""
-        keys = job_dir / jail.KEYS_DIR
+        keys = JobDir(job_dir).driver_keys
         revoke_driver_keys(self.state_dir, job_id, job_dir)
         keys.mkdir(mode=0o700)
         keys.chmod(0o755)  # whatever the umask: its uid passes; only the secret, below, is its alone
@@ -576,13 +577,14 @@ class Daemon:
 
     def _exit_file(self, job_dir: Path, user: str) -> Path:
         """Where the driver of a job of ``user`` leaves its exit code."""
-        return job_dir / jail.OUT_DIR / "driver.exit" if self.core.is_isolated(user) else job_dir / "driver.exit"
+        layout = JobDir(job_dir)
+        return layout.driver_out / JobDir.DRIVER_EXIT if self.core.is_isolated(user) else layout.driver_exit
 
 
 def revoke_driver_keys(state_dir: Path, job_id: str, job_dir: Path) -> None:
     """A jailed driver's key is let in no more, and its pair is gone (its driver exited)."""
     (auth.keys_dir(state_dir) / "jobs" / f"{job_id}.key").unlink(missing_ok=True)
-    keys = job_dir / jail.KEYS_DIR
+    keys = JobDir(job_dir).driver_keys
     if keys.is_symlink():
         keys.unlink()
     elif keys.exists():

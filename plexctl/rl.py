@@ -42,12 +42,13 @@ import zmq.utils.monitor
 from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
+from plexctl.common.atomic import write_bytes_atomic
 from plexctl.common.client import monitor_socket
 from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import recv_message, send_frames
+from plexctl.common.jobdir import JobDir, LatestCheckpoint
 from plexctl.common.protocol import Completion, Sampling, TrainBatch, TrainHParams
-from plexctl.common.spec import JobSpec
+from plexctl.common.spec import JobSpec, LoraSpec
 from plexctl.data import PromptCursor, load_records
 from plexctl.metric_sinks import MetricSinks
 from plexctl.rewards import make_scorer
@@ -349,13 +350,14 @@ class InprocClient(CallClient):
         trainer: Any,
         job_id: str,
         job_dir: Path,
-        lora: P.LoraConfig | None,
+        lora: LoraSpec | None,
         seed: int,
         before_generate: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.rollout, self.trainer = rollout, trainer
         self.job_id, self.job_dir, self.lora, self.seed = job_id, job_dir, lora, seed
+        self.layout = JobDir(job_dir)  # where it publishes and checkpoints, as the daemon does
         self.before_generate = before_generate or (lambda: None)
         self.version = 0  # the policy version last published
         self.adapter: P.AdapterRef | None = None
@@ -438,29 +440,26 @@ class InprocClient(CallClient):
 
     def _publish(self) -> int:
         self.version += 1
-        out = self.job_dir / "adapters" / f"v{self.version:06d}"
+        out = self.layout.adapter(self.version)
         self.trainer.save_adapter(self.job_id, str(out))
         self.adapter = P.AdapterRef(self.job_id, self.version, str(out), full=self.lora is None)
         return self.version
 
     def _checkpoint(self, req: C.CheckpointReq) -> C.Reply:
-        out = self.job_dir / "ckpt" / f"step-{req.step:06d}"
+        out = self.layout.checkpoint(req.step)
         self.trainer.save_checkpoint(self.job_id, str(out), req.extra)
-        write_json_atomic(
-            self.job_dir / "ckpt" / "latest.json", {"dir": str(out), "step": req.step, "policy_version": self.version}
-        )
+        self.layout.write_latest(LatestCheckpoint(dir=str(out), step=req.step, policy_version=self.version))
         return C.CheckpointRep(str(out))
 
     def _restore(self, req: C.RestoreReq) -> C.Reply:
         if req.ckpt_dir:
             extra = self.trainer.load_checkpoint(self.job_id, req.ckpt_dir, self.lora, self.seed, req.weights_only)
             return C.RestoreRep(extra)
-        try:
-            latest = json.loads((self.job_dir / "ckpt" / "latest.json").read_text())
-        except FileNotFoundError:
+        latest = self.layout.latest_checkpoint()
+        if latest is None:
             return C.RestoreRep(None)
-        self.version = max(self.version, int(latest.get("policy_version", 0)))
-        extra = self.trainer.load_checkpoint(self.job_id, latest["dir"], self.lora, self.seed, req.weights_only)
+        self.version = max(self.version, latest.policy_version)
+        extra = self.trainer.load_checkpoint(self.job_id, latest.dir, self.lora, self.seed, req.weights_only)
         return C.RestoreRep(extra)
 
 
@@ -596,7 +595,7 @@ class Job:
 
             self.reward_pool = SandboxPool()
         self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
-        self.metrics_path = self.job_dir / "metrics.jsonl"
+        self.metrics_path = JobDir(self.job_dir).metrics
         self.sinks = MetricSinks(self.job_dir, spec.name, self.log)  # TensorBoard / wandb copies, when installed
         self.env_factory: EnvFactory | None = None
         self.env_pool: SandboxPool | None = None

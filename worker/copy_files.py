@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import xxhash
 
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import NO_SPACE_ERRNOS
 from worker.errors import CorruptCopyError
 from worker.state_copy import (
@@ -196,7 +196,7 @@ class NvmeCopy:
     chunk_bytes: int  # the checksummed chunks' size when it was written
     sums: list[int]  # checksum of each chunk of the data section
     job_id: str
-    lora: LoraConfig | None  # None: full fine-tuning
+    lora: LoraSpec | None  # None: full fine-tuning
     seed: int
     weight_decay: float
     param_keys: list[str]

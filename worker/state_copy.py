@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.spec import LoraSpec
 from worker.errors import StateCopyError
 from worker.host_arena import PAGE_BYTES, HostArena, HostMemoryError, page_round
 
@@ -209,7 +209,7 @@ class JobStateCopy:
     """
 
     job_id: str
-    lora: LoraConfig | None  # None: full fine-tuning (the "adapter" is every weight)
+    lora: LoraSpec | None  # None: full fine-tuning (the "adapter" is every weight)
     seed: int
     weight_decay: float  # the AdamW param group's value when exported
     param_keys: list[str]  # the adapter's PEFT-file keys, in the optimizer's parameter order (read-only)

@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import torch
 
 from plexctl.common import state_policy
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.spec import LoraSpec
 from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
 from plexctl.common.state_size import full_state_bytes, job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
@@ -79,7 +79,7 @@ class _NoSpace(Exception):
 @dataclass
 class _Record:
     job_id: str
-    lora: LoraConfig | None  # None: full fine-tuning
+    lora: LoraSpec | None  # None: full fine-tuning
     seed: int
     weight_decay: float
     tier: str  # where the job's one complete copy is
@@ -238,7 +238,7 @@ class StateStore:
     # ------------------------------------------------------------ the public operations
 
     def ensure_resident(
-        self, job_id: str, lora: LoraConfig | None, seed: int, weight_decay: float = 0.0
+        self, job_id: str, lora: LoraSpec | None, seed: int, weight_decay: float = 0.0
     ) -> dict[str, Any]:
         """Put the job's state on the device (swap in, or create it); return what moved.
 
@@ -415,7 +415,7 @@ class StateStore:
             return {**tiers, "in_flight": in_flight, "swaps": swaps, "swaps_by_kind": by_kind}
 
     @staticmethod
-    def job_bytes(lora: LoraConfig | None, model_config: Mapping[str, Any] | Any) -> int:
+    def job_bytes(lora: LoraSpec | None, model_config: Mapping[str, Any] | Any) -> int:
         """A job's state size once it has trained (fp32 adapter, or for a full fine-tuning job
         (``lora`` None) fp32 weights, + AdamW's two moments + step counts + RNG state), from its
         LoRA config and the base model's config (a ``config.json`` mapping or a transformers
@@ -447,7 +447,7 @@ class StateStore:
         record: _Record | None,
         incoming: JobStateCopy | None,
         read_seconds: float,
-        lora: LoraConfig | None,
+        lora: LoraSpec | None,
         seed: int,
         weight_decay: float,
         moves: _Moves,
@@ -719,7 +719,7 @@ class StateStore:
             if buffer is not None:
                 self._pool.give(buffer)
 
-    def _take_back(self, job_id: str, lora: LoraConfig | None) -> _Record | None:
+    def _take_back(self, job_id: str, lora: LoraSpec | None) -> _Record | None:
         """The job's record, marked moving to the device, if its host copy was handed to the
         write-behind thread and not yet landed on nvme: the handoff is void, the copy swaps in
         from host memory (caller holds the lock). Else None."""
@@ -966,7 +966,7 @@ class StateStore:
 # ---------------------------------------------------------------- module helpers
 
 
-def _check_same_lora(record: _Record, lora: LoraConfig | None) -> None:
+def _check_same_lora(record: _Record, lora: LoraSpec | None) -> None:
     if lora_signature(record.lora) != lora_signature(lora):
         raise JobConfigError(
             f"job {record.job_id!r} is stored with LoRA {lora_signature(record.lora)}, not {lora_signature(lora)}"

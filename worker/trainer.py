@@ -36,7 +36,7 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -208,7 +208,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         )
 
     def load_checkpoint(
-        self, job_id: str, ckpt_dir: str, lora: LoraConfig | None, seed: int, weights_only: bool = False
+        self, job_id: str, ckpt_dir: str, lora: LoraSpec | None, seed: int, weights_only: bool = False
     ) -> dict:
         """Verify a checkpoint, restore the job's adapter and optimizer exactly (``weights_only``:
         the optimizer as before its first step); return ``extra``."""

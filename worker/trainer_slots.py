@@ -33,7 +33,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.spec import LoraSpec
 from worker.errors import JobConfigError, StateCopyError, UnknownJobError
 from worker.state_copy import (
     ADAPTER_PREFIX,
@@ -138,7 +138,7 @@ class Slot:
 class JobState:
     job_id: str
     adapter_name: str  # the adapter's key inside the shared PeftModel
-    lora: LoraConfig | None  # None: full fine-tuning (the slot holds every weight)
+    lora: LoraSpec | None  # None: full fine-tuning (the slot holds every weight)
     seed: int
     homes: dict[str, Home]  # PEFT-file key (full: the model's parameter name) -> where the parameter lives
     slot: Slot
@@ -166,7 +166,7 @@ class ParkedAdapter:
     """A released job's adapter modules with its slot (whose memory may have been freed)."""
 
     adapter_name: str
-    lora: LoraConfig | None  # of the job it was made for (None: full fine-tuning)
+    lora: LoraSpec | None  # of the job it was made for (None: full fine-tuning)
     signature: dict[str, Any]  # its lora_signature
     homes: dict[str, Home]
     slot: Slot
@@ -205,7 +205,7 @@ class JobSlots:
 
     # ------------------------------------------------------------ job lifecycle
 
-    def ensure_job(self, job_id: str, lora: LoraConfig | None, seed: int, weight_decay: float = 0.0) -> None:
+    def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int, weight_decay: float = 0.0) -> None:
         """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent.
         ``lora`` None: a full fine-tuning job, its weights starting as the base's."""
         existing = self._jobs.get(job_id)
@@ -394,7 +394,7 @@ class JobSlots:
         self._adapters_made += 1
         return f"adapter_{self._adapters_made}"
 
-    def _unpark_adapter(self, lora: LoraConfig | None) -> ParkedAdapter | None:
+    def _unpark_adapter(self, lora: LoraSpec | None) -> ParkedAdapter | None:
         """A parked adapter of the same LoRA shape (the latest whose slot kept its buffer, if
         any), taken off the parked list, or None."""
         parked = self._parked
@@ -414,7 +414,7 @@ class JobSlots:
             latest = (holding or matches)[-1]
         return parked.pop(latest)
 
-    def _attach_empty_adapter(self, lora: LoraConfig) -> ParkedAdapter:
+    def _attach_empty_adapter(self, lora: LoraSpec) -> ParkedAdapter:
         """A new adapter whose slot's memory is uninitialised (peft's low_cpu_mem_usage path
         puts meta placeholders where its parameters go: no init)."""
         adapter_name = self._new_adapter_name()
@@ -456,7 +456,7 @@ class JobSlots:
             self._peft.delete_adapter(adapter_name)
 
     def _register_job(
-        self, job_id: str, adapter_name: str, lora: LoraConfig | None, seed: int, homes: dict[str, Home], slot: Slot
+        self, job_id: str, adapter_name: str, lora: LoraSpec | None, seed: int, homes: dict[str, Home], slot: Slot
     ) -> JobState:
         job = JobState(job_id, adapter_name, lora, seed, homes, slot)
         self._jobs[job_id] = job
@@ -572,7 +572,7 @@ class JobSlots:
 # ---------------------------------------------------------------- helpers
 
 
-def peft_config(lora: LoraConfig, base_model_path: str) -> PeftLoraConfig:
+def peft_config(lora: LoraSpec, base_model_path: str) -> PeftLoraConfig:
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -584,7 +584,7 @@ def peft_config(lora: LoraConfig, base_model_path: str) -> PeftLoraConfig:
     )
 
 
-def lora_signature(lora: LoraConfig | None) -> dict[str, Any]:
+def lora_signature(lora: LoraSpec | None) -> dict[str, Any]:
     """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able
     (a full fine-tuning job's: ``{"full_finetune": True}``)."""
     if lora is None:

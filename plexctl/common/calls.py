@@ -10,7 +10,8 @@ engine that serves it; the job client (``plexctl.rl``), the daemon and the worke
 Requests, tasks and results are tagged structs whose tag is the method's name: the wire names the
 call, and a body of the wrong shape is refused when it is decoded. The engine data types that
 travel inside calls (``GenRequest``, ``Completion``, ``TrainBatch`` ...) live here too, so that
-the processes agree on them without importing each other. Pure msgspec: no torch, no vLLM.
+the processes agree on them without importing each other; a trainer task's LoRA settings are the
+job spec's own ``LoraSpec`` (one struct, its wire fields the spec's). Pure msgspec: no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from plexctl.common.spec import LoraSpec
 
 # ---------------------------------------------------------------- engine data types
 
@@ -129,20 +132,14 @@ class TrainHParams(msgspec.Struct):
     user_code_trusted: bool = False  # set by the daemon from the job's submitter, never by the driver
 
 
-class LoraConfig(msgspec.Struct):
-    rank: int = 8
-    alpha: int = 16
-    target_modules: list[str] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    dropout: float = 0.0
+LoraConfig = LoraSpec  # the job spec's LoRA section travels as it is; the name bench/ and tests use
 
 
 class TrainerContext(msgspec.Struct):
     """What every trainer task carries about its job: the state to make resident if it is not,
     the key that makes a repeated call a no-op, and the daemon's expected order of jobs."""
 
-    lora: LoraConfig | None  # None: full fine-tuning
+    lora: LoraSpec | None  # the spec's section; None: full fine-tuning
     seed: int
     weight_decay: float = 0.0
     call_key: str = ""  # "<driver pid>:<call id>": a repeat is answered with the last result, unapplied

@@ -95,6 +95,8 @@ class ModelSpec(_Section, kw_only=True):
 class LoraSpec(_Section, kw_only=True):
     """The LoRA adapter that is trained (the base model stays frozen)."""
 
+    # also the trainer's LoRA settings on the wire (``calls.TrainerContext.lora``): renaming a field changes the wire
+
     rank: Annotated[int, _doc("LoRA rank r", ge=1, le=256)] = 8
     alpha: Annotated[int, _doc("LoRA scaling alpha (the update is scaled by alpha / rank)", ge=1)] = 16
     target_modules: Annotated[list[str], _doc("Names of the linear modules that get adapters", min_length=1)] = (
