@@ -24,6 +24,7 @@ from pathlib import Path
 from daemon.procs import write_exit
 from plexctl.algos import run_algorithm
 from plexctl.common.cluster import endpoint_path
+from plexctl.common.jobdir import JobDir
 from plexctl.common.spec import TINKER_ALGO, spec_from_wire
 from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
 from plexctl.sandbox import kill_live_runs
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-dir", required=True, type=Path)
     args, _ = ap.parse_known_args(argv)
     rc = run(argv)
-    write_exit(args.job_dir / "driver.exit", rc)
+    write_exit(JobDir(args.job_dir).driver_exit, rc)
     return rc
 
 
@@ -64,7 +65,7 @@ def run(argv: list[str] | None = None) -> int:
     endpoint_file = None if args.isolated else endpoint_path(args.job_dir.resolve().parents[1])
     client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_file, log=log)
     try:
-        spec = spec_from_wire(json.loads((args.job_dir / "spec.json").read_text()))
+        spec = spec_from_wire(json.loads(JobDir(args.job_dir).spec.read_text()))
         if spec.algo.name == TINKER_ALGO:  # its calls come from the Tinker front end; this holds the job
             log(f"job {args.job_id} ({spec.name}): a Tinker API training client's job, held until it ends")
             while True:

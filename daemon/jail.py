@@ -45,13 +45,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from daemon.jail_boot import SETUP_FAILED_EXIT as SETUP_FAILED_EXIT
+from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import JobLimits
 
 JOB_UID_BASE = 1_400_000  # jobs of users with no local account: uids [BASE, BASE + JOB_UIDS), by job number
 JOB_UIDS = 100_000
 JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is given lives here
-OUT_DIR = "driver"  # in the job's directory: the one place the isolated driver writes
-KEYS_DIR = "driver-keys"  # in the job's directory: its key pair, the daemon's, bound read-only at /mnt/keys
+OUT_DIR = JobDir.DRIVER_OUT  # in the job's directory: the one place the isolated driver writes
+KEYS_DIR = JobDir.DRIVER_KEYS  # in the job's directory: its key pair, the daemon's, bound read-only at /mnt/keys
 # A jailed driver's environment: these names and prefixes of the daemon's, nothing else (no token of
 # the owner's shell, none of the cluster's keys or the owner's home).
 ENV_NAMES = (

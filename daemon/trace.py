@@ -49,12 +49,13 @@ import msgspec
 
 from plexctl.common.atomic import write_bytes_atomic
 from plexctl.common.model_shapes import known_shape
+from plexctl.common.spec import DEFAULT_TARGET_MODULES
 from plexctl.common.state_size import dtype_bytes, full_state_bytes, job_state_bytes, parameter_count
 
 DAY_S = 86_400.0
 GPUS_PER_SHARD = 16  # one 8-GPU rollout engine + one 8-GPU trainer engine (see daemon/simulator.py)
 FULL_FT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master copy + two fp32 AdamW moments
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = DEFAULT_TARGET_MODULES
 
 
 class TraceJob(msgspec.Struct, frozen=True, kw_only=True):
