@@ -51,6 +51,10 @@ class BlobStore:
             raise BlobError(f"not a sha256: {sha256[:80]!r}")
         return self._dir(user) / sha256
 
+    def path(self, user: str, sha256: str) -> Path:
+        """Where ``user``'s complete upload of this content lies (read by the daemon only)."""
+        return self._path(user, sha256)
+
     def have(self, user: str, sha256: str, size: int) -> int:
         """Bytes held of this content: ``size`` once complete and checked."""
         path = self._path(user, sha256)

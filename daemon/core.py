@@ -45,6 +45,7 @@ from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_probl
 from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire, wire_rule_problems
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
+from plexctl.spec_files import context_problems
 
 log = logging.getLogger("plexd")
 
@@ -60,6 +61,7 @@ DRAIN_TIMEOUT_S = 120.0
 PASS_WINDOW_S = 0.005  # a trainer waits this long at most for more jobs' train steps to share a pass
 MAX_RUNNING = 64  # job drivers at once (processes beside the daemon); the engines' room admits within it
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
+CONTEXT_CHECK_BYTES = 16 << 20  # a shared user's data the daemon measures against the context at submit
 DRIVER_START_TRIES = 5  # a driver that cannot start is tried this often, waiting 1, 2, 4, 8 s; then its job fails
 
 INTERNAL_OPS = {
@@ -518,6 +520,8 @@ class DaemonCore:
                 if missing
                 else self.blobs.check(user, body.inputs)
             )
+            if not problem:  # the CLI measured the prompts against the context; a raw submit did not
+                problem = "; ".join(self._context_problems(spec, user, body.inputs))
             if problem:
                 self._error(identity, header.msg_id, "bad_request", problem)
                 return
@@ -601,6 +605,14 @@ class DaemonCore:
         if rooms and spec.lora is not None:
             return spec_step_problem(spec, rooms, next((d.dtype for d in decls if d.dtype), "bfloat16"))
         return ""
+
+    def _context_problems(self, spec: JobSpec, user: str, files: list[P.InputFile]) -> list[str]:
+        """``sampling.max_tokens`` and the longest prompt of the uploaded data against the model's
+        context (up to ``CONTEXT_CHECK_BYTES`` of data: more is left to the job's first generate)."""
+        data = [f for f in files if f.field in ("data.path", "data.eval_path") and f.kind == "file"]
+        if not data or sum(f.size for f in data) > CONTEXT_CHECK_BYTES:
+            return []
+        return context_problems(spec, {f.relpath: self.blobs.path(user, f.sha256) for f in data})
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
         if body.job_id:

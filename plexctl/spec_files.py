@@ -189,3 +189,27 @@ def _check_env_import(env: Any, issues: Issues) -> None:
         load_env({k: env.get(k) for k in ("name", "cls", "path", "config")})
     except EnvLoadError as e:
         issues.add(("env", "cls" if env.get("cls") else "name"), str(e))
+
+
+def context_problems(spec: JobSpec, data_files: dict[str, Path]) -> list[str]:
+    """Whether ``sampling.max_tokens`` and the longest prompt of ``data_files`` (each file's name
+    as its user wrote it -> where its content is: a shared user's uploaded copy) fit the model's
+    context: ``load_spec``'s check, for a spec that came over the wire. One line each; the records
+    are judged only for their prompts' length here."""
+    import os
+    import tempfile
+
+    issues = Issues("<submit>", {}, {})
+    fit = _ContextFit.of(Path(spec.model.path), msgspec.to_builtins(spec), issues)
+    if fit is None:
+        return []
+    with tempfile.TemporaryDirectory(prefix="plexrl-fit-") as tmp:
+        for name, content in data_files.items():
+            named = Path(tmp) / Path(name).name  # the format follows the name (.jsonl, .parquet)
+            os.symlink(content, named)
+            try:
+                scan_records(named, spec.data.prompt_field, spec.data.answer_field, on_prompts=fit.measure(name))
+            except DataError:
+                continue  # unreadable: the job's driver says so, naming its line
+    fit.check(issues)
+    return [f"{i.path}: {i.message}" for i in issues.found]

@@ -633,6 +633,12 @@ def test_a_forged_input_field_or_spec_is_refused_and_the_daemon_stays_up(cluster
         with pytest.raises(RemoteError) as refused:
             client.submit(broken, uuid.uuid4().hex, inputs=files)
         assert refused.value.code == "bad_request" and rule in str(refused.value), str(refused.value)
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    too_long = {**job_spec, "sampling": {**job_spec["sampling"], "max_tokens": context - 2}}  # with its prompts
+    with pytest.raises(RemoteError) as refused:
+        client.submit(too_long, uuid.uuid4().hex, inputs=files)
+    assert "sampling.max_tokens" in str(refused.value) and "longest prompt" in str(refused.value), refused.value
+    assert str(cluster.state_dir) not in str(refused.value)  # her file's name, not where the daemon keeps it
     assert cluster.run("ls", "-q", check=True).stdout.split() == before  # nothing queued
     assert client.ping().version
 
