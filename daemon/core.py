@@ -61,6 +61,10 @@ DRAIN_TIMEOUT_S = 120.0
 PASS_WINDOW_S = 0.005  # a trainer waits this long at most for more jobs' train steps to share a pass
 MAX_RUNNING = 64  # job drivers at once (processes beside the daemon); the engines' room admits within it
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
+LIMIT_EXITS = {  # a jailed driver ended by one of its limits (daemon.jail_boot): that job fails, no restart
+    jail.CPU_LIMIT_EXIT: "its driver used up its CPU-time limit (plexctl share --limit cpu=SECONDS)",
+    -signal.SIGXFSZ: "its driver wrote a file past its job-dir limit (killed by SIGXFSZ)",
+}
 CONTEXT_CHECK_BYTES = 16 << 20  # a shared user's data the daemon measures against the context at submit
 DRIVER_START_TRIES = 5  # a driver that cannot start is tried this often, waiting 1, 2, 4, 8 s; then its job fails
 
@@ -1571,7 +1575,9 @@ class DaemonCore:
         else:
             state = "failed"
             error = rt.failure or _last_line(rt.job_dir.driver_log) or f"driver exited with code {rc}"
-            if not rt.failure:  # the driver crashed (killed, out of memory) without reporting why
+            if not rt.failure and rc in LIMIT_EXITS and self.is_isolated(rt.user):  # a limit of its jail
+                error = LIMIT_EXITS[rc]
+            elif not rt.failure:  # the driver crashed (killed, out of memory) without reporting why
                 how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
                 crashes = sum(1 for _, kind, _ in self.journal.events(job_id) if kind == "restarting")
                 limit = rt.spec.checkpoint.max_restarts

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from daemon.jail_boot import CPU_LIMIT_EXIT as CPU_LIMIT_EXIT
 from daemon.jail_boot import SETUP_FAILED_EXIT as SETUP_FAILED_EXIT
 from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import JobLimits
@@ -252,6 +253,7 @@ def start(
             "processes": limits.processes,
             "file": limits.job_dir_bytes,
             "tmp": limits.tmp_bytes,
+            "cpu": limits.cpu_seconds,
         },
         "hide": sorted({str(p) for p in hide}, key=lambda p: -p.count("/")),  # deepest first
         "executable": os.path.realpath(sys.executable),

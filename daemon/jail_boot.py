@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 SETUP_FAILED_EXIT = 121  # the jail could not be set up; the job's code never ran
+CPU_GRACE_S = 5  # CPU seconds past its limit before the kernel kills a driver that ignored SIGXCPU
+CPU_LIMIT_EXIT = 122  # the supervisor's exit code for a driver ended by its CPU-time limit
 NEW_ROOT = "/mnt"  # where the new root is built, in the old tree; it becomes "/"
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x40000000, 0x08000000, 0x20000000
@@ -120,7 +122,7 @@ def jail(cfg: dict[str, Any]) -> list[str]:
     try:
         enter_namespaces(libc, cfg["mode"])
         stage = "pid namespace"
-        supervise_driver(libc)
+        supervise_driver(libc, cfg["limits"].get("cpu", 0))
         stage = "mounts"
         build_root(libc, cfg)
         stage = "pivot_root"
@@ -164,9 +166,10 @@ def enter_namespaces(libc: Libc, mode: str) -> None:
                 f.write(text)
 
 
-def supervise_driver(libc: Libc) -> None:
+def supervise_driver(libc: Libc, cpu_seconds: int) -> None:
     """Fork the driver, which returns (dying with this process); this process, the supervisor
-    (the daemon's handle), forwards signals to it and exits as it did, never returning."""
+    (the daemon's handle), forwards signals to it and exits as it did, never returning; a driver
+    that used up its ``cpu_seconds`` exits ``CPU_LIMIT_EXIT``, whatever signal ended it."""
     supervisor = os.getpid()
     child = os.fork()
     if child:
@@ -178,9 +181,14 @@ def supervise_driver(libc: Libc) -> None:
                 break
             except InterruptedError:
                 continue
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if cpu_seconds and os.WIFSIGNALED(status) and used.ru_utime + used.ru_stime >= cpu_seconds:
+            os._exit(CPU_LIMIT_EXIT)
         if os.WIFSIGNALED(status):
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-            os.kill(os.getpid(), os.WTERMSIG(status))
+            ended_by = os.WTERMSIG(status)
+            if ended_by not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose disposition cannot be set
+                signal.signal(ended_by, signal.SIG_DFL)
+            os.kill(os.getpid(), ended_by)
         os._exit(os.waitstatus_to_exitcode(status))
     libc.die_with_parent()
     os.environ["PLEXRL_DRIVER_PID"] = str(supervisor)  # the pid the daemon knows it by
@@ -241,7 +249,8 @@ def pivot_root(libc: Libc) -> None:
 
 
 def set_limits(limits: dict[str, int]) -> None:
-    """The job's address space, processes and file size (0: no limit)."""
+    """The job's address space, processes, file size and CPU seconds (0: no limit). Past its CPU
+    seconds the driver gets SIGXCPU, which ends it (SIGKILL a few seconds later if it waits)."""
     for which, value in (
         (resource.RLIMIT_AS, limits["memory"]),
         (resource.RLIMIT_NPROC, limits["processes"]),
@@ -249,6 +258,8 @@ def set_limits(limits: dict[str, int]) -> None:
     ):
         if value:
             resource.setrlimit(which, (value, value))
+    if limits.get("cpu"):
+        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + CPU_GRACE_S))
 
 
 def run_driver(argv: list[str]) -> int:

@@ -722,3 +722,26 @@ def test_every_client_request_with_hostile_fields_gets_an_error_and_the_daemon_s
                         assert op == P.Op.STATUS and all(j["user"] == EVE for j in reply["jobs"]), (op, field, value)
     assert refused > 300 and client.ping().version
     assert cluster.run("status", check=True).returncode == 0
+
+
+SPINNING_LOOP = r"""
+def run(job):
+    while True:  # CPU, and nothing else
+        pass
+"""
+
+
+def test_a_job_past_its_cpu_time_limit_fails_with_one_line(cluster, eve, tiny_model) -> None:
+    """`plexctl share --limit cpu=SECONDS`: a driver that spins past its CPU seconds is ended by
+    the kernel (RLIMIT_CPU), and its job fails with that reason, not restarted as a crash."""
+    public = auth.ensure_user_keys(eve[2] / ".plexrl", EVE)
+    cluster.run("share", EVE, "--key", str(public), "--limit", "cpu=2", check=True)
+    try:
+        job = submit_loop(cluster, eve, tiny_model, SPINNING_LOOP, {}, "checkpoint.max_restarts=2")
+        client = eve_client(cluster, eve[2])
+        assert wait_ended(client, job, timeout=120) == "failed"
+        info = client.status(job).jobs[0]
+        assert "used up its CPU-time limit" in info.error, info.error
+        assert info.restarts == 0, info  # a limit, not a crash to restart from
+    finally:
+        cluster.run("share", EVE, "--key", str(public), "--limit", "cpu=0")

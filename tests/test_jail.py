@@ -101,6 +101,7 @@ def test_a_jailed_driver_gets_an_allow_listed_environment_and_its_users_limits(t
     set_limits(tmp_path, parse_limits(["memory=16G", "tmp=0"]), "bob")
     assert limits_for(tmp_path, "bob") == JobLimits(memory_bytes=16 << 30, processes=64, tmp_bytes=0)
     assert limits_for(tmp_path, "carol") == JobLimits(memory_bytes=2 << 30, processes=64)
-    for bad in ("memory", "cpu=4", "memory=lots", "processes=-1"):
+    assert parse_limits(["cpu=30"]) == {"cpu_seconds": 30}
+    for bad in ("memory", "gpu=4", "memory=lots", "processes=-1", "cpu=1h"):
         with pytest.raises(UsageError, match="--limit"):
             parse_limits([bad])

@@ -1,7 +1,7 @@
 """What one jailed job may take, and where the cluster keeps it.
 
-What it owns: ``JobLimits`` (a driver's address space, processes, output-directory bytes and
-``/tmp`` bytes; 0: no limit), ``LIMITS_FILE`` in the state directory (the cluster's defaults under
+What it owns: ``JobLimits`` (a driver's address space, processes, output-directory bytes,
+``/tmp`` bytes and CPU seconds; 0: no limit), ``LIMITS_FILE`` in the state directory (the cluster's defaults under
 "default", each user's under "users"), ``limits_for`` (the limits a user's next job gets: read
 at each driver start, so ``plexctl share --limit`` holds from the next job on) and ``set_limits``
 (an atomic update). ``daemon.jail`` applies them; ``docs/security.md`` says which mechanism holds.
@@ -18,7 +18,14 @@ from plexctl.common.errors import UsageError
 from plexctl.common.sizes import parse_bytes
 
 LIMITS_FILE = "limits.json"
-NAMES = {"memory": "memory_bytes", "processes": "processes", "job-dir": "job_dir_bytes", "tmp": "tmp_bytes"}
+NAMES = {
+    "memory": "memory_bytes",
+    "processes": "processes",
+    "job-dir": "job_dir_bytes",
+    "tmp": "tmp_bytes",
+    "cpu": "cpu_seconds",
+}
+COUNTS = ("processes", "cpu")  # the limits written as plain numbers, not sizes
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,7 @@ class JobLimits:
     processes: int = 256  # processes of its uid (RLIMIT_NPROC)
     job_dir_bytes: int = 2 << 30  # its output directory (the daemon measures it; each file: RLIMIT_FSIZE)
     tmp_bytes: int = 1 << 30  # its own /tmp (the tmpfs's size)
+    cpu_seconds: int = 0  # CPU time of its driver process (RLIMIT_CPU); 0: the scheduler's fair share alone
 
     def with_overrides(self, values: object) -> JobLimits:
         """These limits with the fields ``values`` (a dict read from the file) sets to integers."""
@@ -45,9 +53,9 @@ def parse_limits(items: list[str]) -> dict[str, int]:
         if not sep or name not in NAMES:
             raise UsageError(f"--limit {item!r}: expected NAME=VALUE with NAME one of {', '.join(NAMES)}")
         try:
-            parsed[NAMES[name]] = int(value) if name == "processes" else parse_bytes(value)
+            parsed[NAMES[name]] = int(value) if name in COUNTS else parse_bytes(value)
         except ValueError:
-            kind = "count" if name == "processes" else "size"
+            kind = "count" if name in COUNTS else "size"
             raise UsageError(f"--limit {item!r}: {value!r} is not a {kind}") from None
         if parsed[NAMES[name]] < 0:
             raise UsageError(f"--limit {item!r}: must be >= 0 (0: no limit)")
