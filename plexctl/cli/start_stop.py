@@ -178,8 +178,8 @@ def up(
         typer.Option(
             "--job-limit",
             metavar="NAME=VALUE",
-            help="what each jailed job may take: memory=8G, processes=256, job-dir=2G, tmp=1G (the defaults; "
-            "0: no limit); per user: `plexctl share USER --limit`",
+            help="what each jailed job may take: memory=8G, processes=256, job-dir=2G, tmp=1G, cpu=0 (the "
+            "defaults; cpu in CPU seconds; 0: no limit); per user: `plexctl share USER --limit`",
         ),
     ] = None,
     metrics_port: Annotated[
