@@ -31,37 +31,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
+from plexctl.common.model_shapes import known_shape  # noqa: E402
 from plexctl.common.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
 
-QWEN25_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-SHAPES = {  # --shape: Qwen2.5's published shapes (3B's as in /work/shared/gpu's runs)
-    "0.5b": QWEN25_05B,
-    "3b": {
-        **QWEN25_05B,
-        "hidden_size": 2048,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 16,
-    },
-    "7b": {
-        **QWEN25_05B,
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
+
+def _qwen25(name: str) -> dict[str, Any]:
+    """Qwen2.5's published shape (``plexctl.common.model_shapes``), as Qwen2Config's arguments, at
+    a 4,096-token context."""
+    shape = known_shape(name)
+    assert shape is not None, name
+    return {k: v for k, v in shape.items() if k not in ("model_type", "torch_dtype")} | {
+        "max_position_embeddings": 4096
+    }
+
+
+SHAPES = {  # --shape (3B's as in /work/shared/gpu's runs)
+    "0.5b": _qwen25("qwen2.5-0.5b-instruct"),
+    "3b": _qwen25("qwen2.5-3b"),
+    "7b": _qwen25("qwen2.5-7b"),
 }
 QUICK = dict(
     hidden_size=64,
