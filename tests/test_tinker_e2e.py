@@ -407,7 +407,10 @@ def test_a_killed_front_end_is_started_again_and_status_says_so_meanwhile(cluste
     ready = cluster.state_dir / "tinker.json"
     before = json.loads(ready.read_text())
     os.kill(before["pid"], signal.SIGKILL)
-    url, note = tinker_state(cluster.state_dir)
+    gone_by = time.monotonic() + 10  # SIGKILL is delivered asynchronously: the pid may run a moment
+    while (seen := tinker_state(cluster.state_dir))[0] is not None and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    url, note = seen
     assert url is None and note.startswith("restarting"), (url, note)
     shown = cluster.status()
     if shown.get("tinker_url") is None:  # not yet back (the daemon waits a second, the start takes a few)
