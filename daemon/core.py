@@ -26,7 +26,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, cast
 
 import msgspec
 
@@ -171,6 +171,67 @@ class PendingCall:
     publishes: bool = False  # a publish, or a train_step that publishes
     out_dir: str = ""  # where a publish or a checkpoint writes
     step: int = 0  # a checkpoint's
+
+
+def _kept_adapter(rt: JobRuntime, version: int) -> P.AdapterRef | None:
+    """The job's published ``version`` if its directory is still there (0: the base, None)."""
+    if version <= 0:
+        return None
+    path = rt.job_dir.adapter(version)
+    if not path.is_dir():
+        return None
+    return P.AdapterRef(rt.job_id, version, str(path), full=rt.spec.lora is None)
+
+
+class _CallSite:
+    """``calls.CallSite`` for one call of one job: the daemon's decisions, recorded in the call.
+    ``adapter``/``version``: the policy a generate samples unless it names another."""
+
+    def __init__(
+        self, core: DaemonCore, rt: JobRuntime, call: PendingCall, adapter: P.AdapterRef | None, version: int
+    ) -> None:
+        self.core, self.rt, self.call = core, rt, call
+        self.adapter, self.version = adapter, version
+        self.job_id = rt.job_id
+        self.trainer = C.TrainerContext(lora=rt.spec.lora, seed=rt.spec.seed)
+        self.trusted = rt.user in core.trusted_users
+
+    def sample_from(self, version: int | None) -> P.AdapterRef | None:
+        adapter = self.adapter
+        if version is not None and version != self.version:  # an earlier version it kept (a Tinker sampler's)
+            adapter = _kept_adapter(self.rt, version)
+            if version and adapter is None:
+                raise C.CallRefused("bad_request", f"policy version {version} is not kept")
+            self.call.version = version
+        else:
+            self.call.version = self.version
+        return adapter
+
+    def reserve(self) -> str:
+        call = self.call
+        call.publishes, call.version = True, self.rt.policy_version + 1
+        call.out_dir = str(self.rt.job_dir.adapter(call.version))
+        return call.out_dir
+
+    def checkpoint_to(self, step: int) -> str:
+        self.call.step, self.call.out_dir = step, str(self.rt.job_dir.checkpoint(step))
+        return self.call.out_dir
+
+    def restore_from(self, ckpt_dir: str) -> str | None:
+        rt = self.rt
+        if not ckpt_dir:
+            latest = rt.job_dir.latest_checkpoint()
+            if latest is None:
+                return None
+            rt.policy_version = max(rt.policy_version, latest.policy_version)
+            return latest.dir
+        path = Path(os.path.realpath(ckpt_dir))  # a checkpoint of a job of the user's: <jobs>/<job>/ckpt/step-N
+        job_dir = JobDir(path.parent.parent)
+        if job_dir.root.parent == Path(os.path.realpath(self.core.jobs_dir)) and job_dir.is_checkpoint(path):
+            owner = self.core.journal.job(job_dir.root.name)
+            if owner is not None and owner.user == rt.user:
+                return str(path)
+        raise C.CallRefused("bad_request", f"{ckpt_dir} is not a checkpoint of a job of {rt.user or 'this user'}")
 
 
 class DaemonCore:
@@ -1103,26 +1164,11 @@ class DaemonCore:
 
     def _reply(self, call: PendingCall, result: C.AnyResult | None) -> C.Reply:
         """The loop's reply to a call whose task succeeded with ``result``."""
+        method = C.METHODS[call.method]
+        if not isinstance(result, method.result):
+            raise ValueError(f"{call.method}: its engine answered {type(result).__name__}")
         drain = self.drain_reason if self.drain_deadline is not None else ""  # checkpoint at this step's end, exit
-        if isinstance(result, C.GenerateResult):
-            return C.GenerateRep(result.completions, call.version)
-        if isinstance(result, C.TrainStepResult):
-            return (
-                C.TrainStepRep(result.metrics, call.version, drain)
-                if call.publishes
-                else C.TrainStepRep(result.metrics)
-            )
-        if isinstance(result, C.PublishResult):
-            return C.PublishRep(call.version, drain)
-        if isinstance(result, C.CheckpointResult):
-            return C.CheckpointRep(call.out_dir)
-        if isinstance(result, C.RestoreResult):
-            return C.RestoreRep(result.extra)
-        if isinstance(result, C.ForwardBackwardResult):
-            return C.ForwardBackwardRep(result.logprobs, result.loss)
-        if isinstance(result, C.OptimStepResult):
-            return C.OptimStepRep(result.metrics, call.version if call.publishes else 0)
-        raise ValueError(f"{call.method}: its engine answered {type(result).__name__}")
+        return method.reply_of(result, call, drain)
 
     def _take_inventory(self, identity: bytes, info: dict[str, Any]) -> None:
         """A trainer's tier inventory and background moves, from a result or an INVENTORY message."""
@@ -1227,56 +1273,19 @@ class DaemonCore:
         """The task of a service call, its pending call recorded; a generate samples from
         ``adapter``, policy ``version``. None: answered here."""
         spec, req = rt.spec, body.request
-        trainer = C.TrainerContext(lora=spec.lora, seed=spec.seed)
-        if rt.pid:  # a repeated trainer call is applied once (worker.main)
-            trainer.call_key = f"{rt.pid}:{header.msg_id}"
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
-        task: C.AnyTask
-        if isinstance(req, C.GenerateReq):
-            if req.version is not None and req.version != version:  # an earlier version it kept (a Tinker sampler's)
-                adapter, version = self._kept_version(rt, req.version), req.version
-                if req.version and adapter is None:
-                    self._error(identity, header.msg_id, "bad_request", f"policy version {req.version} is not kept")
-                    return None
-            gen = P.GenRequest(
-                job_id=rt.job_id,
-                prompts=req.prompts,
-                sampling=req.sampling,
-                adapter=adapter,
-                prompt_tokens=req.prompt_tokens,
-            )
-            task, call.version = C.GenerateTask(gen), version  # the policy the samples come from
-        elif isinstance(req, C.TrainStepReq):
-            hp = msgspec.structs.replace(req.hp, user_code_trusted=rt.user in self.trusted_users)  # re-checked there
-            if req.publish:  # and make the result the rollout policy: one call, not two
-                self._next_adapter(rt, call)
-            task = C.TrainStepTask(trainer, req.batch, hp, publish_dir=call.out_dir)
-        elif isinstance(req, C.PublishReq):
-            self._next_adapter(rt, call)
-            task = C.PublishTask(trainer, call.out_dir)
-        elif isinstance(req, C.ForwardBackwardReq):
-            task = C.ForwardBackwardTask(trainer, req.call)
-        elif isinstance(req, C.OptimStepReq):
-            if req.publish:
-                self._next_adapter(rt, call)
-            task = C.OptimStepTask(trainer, req.calls, req.adam, publish_dir=call.out_dir)
-        elif isinstance(req, C.CheckpointReq):
-            call.step, call.out_dir = req.step, str(rt.job_dir.checkpoint(req.step))
-            task = C.CheckpointTask(trainer, call.out_dir, req.extra)
-        elif req.ckpt_dir:
-            ckpt = self._users_checkpoint(rt, req.ckpt_dir)
-            if ckpt is None:
-                why = f"{req.ckpt_dir} is not a checkpoint of a job of {rt.user or 'this user'}"
-                self._error(identity, header.msg_id, "bad_request", why)
-                return None
-            task = C.RestoreTask(trainer, ckpt, req.weights_only)
-        else:
-            latest = rt.job_dir.latest_checkpoint()
-            if latest is None:
-                self._send(identity, P.Op.REPLY, C.RestoreRep(None), header.msg_id)
-                return None
-            rt.policy_version = max(rt.policy_version, latest.policy_version)
-            task = C.RestoreTask(trainer, latest.dir, req.weights_only)
+        site = _CallSite(self, rt, call, adapter, version)
+        if rt.pid:  # a repeated trainer call is applied once (worker.main)
+            site.trainer.call_key = f"{rt.pid}:{header.msg_id}"
+        try:
+            made = C.METHODS[req.method].task_of(req, site)
+        except C.CallRefused as refused:
+            self._error(identity, header.msg_id, refused.code, refused.why)
+            return None
+        if isinstance(made, C.Reply):
+            self._send(identity, P.Op.REPLY, made, header.msg_id)
+            return None
+        task = cast(C.AnyTask, made)
         call.task = task
         if not rt.model:
             rt.model = os.path.realpath(spec.model.path)
@@ -1332,32 +1341,6 @@ class DaemonCore:
             rt.held_calls[call.msg_id] = held
         else:
             del rt.held_calls[call.msg_id]
-
-    def _users_checkpoint(self, rt: JobRuntime, ckpt_dir: str) -> str | None:
-        """``ckpt_dir`` resolved, if it is a checkpoint of a job of ``rt``'s user
-        (``<jobs>/<job>/ckpt/step-NNNNNN``); else None."""
-        path = Path(os.path.realpath(ckpt_dir))
-        job_dir = JobDir(path.parent.parent)
-        if job_dir.root.parent != Path(os.path.realpath(self.jobs_dir)) or not job_dir.is_checkpoint(path):
-            return None
-        owner = self.journal.job(job_dir.root.name)
-        return str(path) if owner is not None and owner.user == rt.user else None
-
-    @staticmethod
-    def _kept_version(rt: JobRuntime, version: int) -> P.AdapterRef | None:
-        """The job's published ``version`` if its directory is still there (0: the base, None)."""
-        if version <= 0:
-            return None
-        path = rt.job_dir.adapter(version)
-        if not path.is_dir():
-            return None
-        return P.AdapterRef(rt.job_id, version, str(path), full=rt.spec.lora is None)
-
-    @staticmethod
-    def _next_adapter(rt: JobRuntime, call: PendingCall) -> None:
-        """Make ``call`` publish the job's next policy version, into its adapter directory."""
-        call.publishes, call.version = True, rt.policy_version + 1
-        call.out_dir = str(rt.job_dir.adapter(call.version))
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
         rt = self.runtimes.get(body.job_id)
@@ -1495,7 +1478,7 @@ class DaemonCore:
                 policy_version=info.policy_version,
                 user=info.user,
             )
-            rt.adapter = self._kept_version(rt, info.policy_version)  # a resumed job samples its latest policy
+            rt.adapter = _kept_adapter(rt, info.policy_version)  # a resumed job samples its latest policy
             self._out.append(StartDriver(info.job_id))
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)

@@ -4,8 +4,10 @@ A call goes four ways: the job's loop sends a *request* (``CallReq.request``); t
 it an engine *task* (``TaskBody.task``), adding what only it knows (the adapter to sample from,
 the job's trainer context, where to write); the engine answers with a *result*
 (``ResultBody.value``); the daemon answers the loop with the *reply*, adding what it decided
-(the policy version, a drain). ``METHODS`` names, for each call, those four types and the kind of
-engine that serves it; the job client (``plexctl.rl``), the daemon and the worker all read it.
+(the policy version, a drain). Each call is one ``Method``: its four types, the kind of engine
+that serves it, and how the daemon makes the task and the reply through a ``CallSite`` (the
+daemon's view of the job). ``METHODS`` holds them all; the job client (``plexctl.rl``), the
+daemon and the worker all read it.
 
 Requests, tasks and results are tagged structs whose tag is the method's name: the wire names the
 call, and a body of the wrong shape is refused when it is decoded. The engine data types that
@@ -16,8 +18,7 @@ job spec's own ``LoraSpec`` (one struct, its wire fields the spec's). Pure msgsp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -382,36 +383,157 @@ AnyResult = (
 )
 
 
-@dataclass(frozen=True)
-class Method:
-    """One service call: its name, the engine kind that serves it, its four message types."""
+class CallRefused(Exception):
+    """A call the daemon answers with an error instead of a task: ``code`` (a protocol error
+    code, e.g. ``bad_request``) and one line ``why``."""
 
-    name: str
-    kind: str  # rollout | trainer
-    request: type[Request]
-    task: type[EngineTask]
-    result: type[Result]
-    reply: type[Reply]
+    def __init__(self, code: str, why: str) -> None:
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+class CallSite(Protocol):
+    """The daemon's side of one call of one job, as a method makes its task: what it knows of
+    the job, and the decisions only it takes (which policy to sample, the next version's
+    directory, where checkpoints live). The ``reserve``/``checkpoint_to`` decisions are recorded
+    in the call (``Made``) for its reply."""
+
+    job_id: str
+    trainer: TrainerContext  # the job's, with this call's key
+    trusted: bool  # the job's user may run code in the trainer
+
+    def sample_from(self, version: int | None) -> AdapterRef | None:
+        """The adapter of the job's policy ``version`` (None: the current; 0 or None back: the
+        base); ``CallRefused`` if that version is not kept."""
+        ...
+
+    def reserve(self) -> str:
+        """Make the call publish the job's next policy version: its directory."""
+        ...
+
+    def checkpoint_to(self, step: int) -> str:
+        """The directory of the job's checkpoint at ``step``."""
+        ...
+
+    def restore_from(self, ckpt_dir: str) -> str | None:
+        """The checkpoint to restore: ``ckpt_dir`` if it is one of the user's jobs'
+        (``CallRefused`` if not), or with ``""`` the job's latest (None: none yet)."""
+        ...
+
+
+class Made(Protocol):
+    """What the daemon recorded when it made a call's task, that its reply tells."""
+
+    version: int  # generate: the policy sampled; a publishing call: the version it made
+    publishes: bool
+    out_dir: str  # where a publish or a checkpoint wrote
+
+
+class Method:
+    """One service call: its name, the engine kind that serves it, its four message types, and
+    how the daemon makes its engine task from the request (``task_of``) and the loop's reply from
+    the engine's result (``reply_of``). Adding a call is a subclass here (its messages above, a
+    row in the unions and ``METHODS``) and, for a trainer call, one handler in the worker's
+    ``TrainerServer``."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]  # rollout | trainer
+    request: ClassVar[type[Request]]
+    task: ClassVar[type[EngineTask]]
+    result: ClassVar[type[Result]]
+    reply: ClassVar[type[Reply]]
+
+    def task_of(self, req: Any, site: CallSite) -> EngineTask | Reply:
+        """The engine task of ``req``, or a reply the daemon gives at once."""
+        raise NotImplementedError
+
+    def reply_of(self, result: Any, made: Made, drain: str) -> Reply:
+        """The loop's reply to ``result``; ``drain``: why the cluster stops ("" if it does not)."""
+        raise NotImplementedError
+
+
+class Generate(Method):
+    name, kind = "generate", "rollout"
+    request, task, result, reply = GenerateReq, GenerateTask, GenerateResult, GenerateRep
+
+    def task_of(self, req: GenerateReq, site: CallSite) -> GenerateTask:
+        adapter = site.sample_from(req.version)
+        return GenerateTask(GenRequest(site.job_id, req.prompts, req.sampling, adapter, req.prompt_tokens))
+
+    def reply_of(self, result: GenerateResult, made: Made, drain: str) -> GenerateRep:
+        return GenerateRep(result.completions, made.version)
+
+
+class TrainStep(Method):
+    name, kind = "train_step", "trainer"
+    request, task, result, reply = TrainStepReq, TrainStepTask, TrainStepResult, TrainStepRep
+
+    def task_of(self, req: TrainStepReq, site: CallSite) -> TrainStepTask:
+        hp = msgspec.structs.replace(req.hp, user_code_trusted=site.trusted)  # checked again in the trainer
+        return TrainStepTask(site.trainer, req.batch, hp, publish_dir=site.reserve() if req.publish else "")
+
+    def reply_of(self, result: TrainStepResult, made: Made, drain: str) -> TrainStepRep:
+        return TrainStepRep(result.metrics, made.version, drain) if made.publishes else TrainStepRep(result.metrics)
+
+
+class Publish(Method):
+    name, kind = "publish", "trainer"
+    request, task, result, reply = PublishReq, PublishTask, PublishResult, PublishRep
+
+    def task_of(self, req: PublishReq, site: CallSite) -> PublishTask:
+        return PublishTask(site.trainer, site.reserve())
+
+    def reply_of(self, result: PublishResult, made: Made, drain: str) -> PublishRep:
+        return PublishRep(made.version, drain)
+
+
+class Checkpoint(Method):
+    name, kind = "checkpoint", "trainer"
+    request, task, result, reply = CheckpointReq, CheckpointTask, CheckpointResult, CheckpointRep
+
+    def task_of(self, req: CheckpointReq, site: CallSite) -> CheckpointTask:
+        return CheckpointTask(site.trainer, site.checkpoint_to(req.step), req.extra)
+
+    def reply_of(self, result: CheckpointResult, made: Made, drain: str) -> CheckpointRep:
+        return CheckpointRep(made.out_dir)
+
+
+class Restore(Method):
+    name, kind = "restore", "trainer"
+    request, task, result, reply = RestoreReq, RestoreTask, RestoreResult, RestoreRep
+
+    def task_of(self, req: RestoreReq, site: CallSite) -> RestoreTask | RestoreRep:
+        ckpt = site.restore_from(req.ckpt_dir)
+        return RestoreRep(None) if ckpt is None else RestoreTask(site.trainer, ckpt, req.weights_only)
+
+    def reply_of(self, result: RestoreResult, made: Made, drain: str) -> RestoreRep:
+        return RestoreRep(result.extra)
+
+
+class ForwardBackward(Method):
+    name, kind = "forward_backward", "trainer"
+    request, task, result, reply = ForwardBackwardReq, ForwardBackwardTask, ForwardBackwardResult, ForwardBackwardRep
+
+    def task_of(self, req: ForwardBackwardReq, site: CallSite) -> ForwardBackwardTask:
+        return ForwardBackwardTask(site.trainer, req.call)
+
+    def reply_of(self, result: ForwardBackwardResult, made: Made, drain: str) -> ForwardBackwardRep:
+        return ForwardBackwardRep(result.logprobs, result.loss)
+
+
+class OptimStep(Method):
+    name, kind = "optim_step", "trainer"
+    request, task, result, reply = OptimStepReq, OptimStepTask, OptimStepResult, OptimStepRep
+
+    def task_of(self, req: OptimStepReq, site: CallSite) -> OptimStepTask:
+        return OptimStepTask(site.trainer, req.calls, req.adam, publish_dir=site.reserve() if req.publish else "")
+
+    def reply_of(self, result: OptimStepResult, made: Made, drain: str) -> OptimStepRep:
+        return OptimStepRep(result.metrics, made.version if made.publishes else 0)
 
 
 METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("generate", "rollout", GenerateReq, GenerateTask, GenerateResult, GenerateRep),
-        Method("train_step", "trainer", TrainStepReq, TrainStepTask, TrainStepResult, TrainStepRep),
-        Method("publish", "trainer", PublishReq, PublishTask, PublishResult, PublishRep),
-        Method("checkpoint", "trainer", CheckpointReq, CheckpointTask, CheckpointResult, CheckpointRep),
-        Method("restore", "trainer", RestoreReq, RestoreTask, RestoreResult, RestoreRep),
-        Method(
-            "forward_backward",
-            "trainer",
-            ForwardBackwardReq,
-            ForwardBackwardTask,
-            ForwardBackwardResult,
-            ForwardBackwardRep,
-        ),
-        Method("optim_step", "trainer", OptimStepReq, OptimStepTask, OptimStepResult, OptimStepRep),
-    )
+    m.name: m for m in (Generate(), TrainStep(), Publish(), Checkpoint(), Restore(), ForwardBackward(), OptimStep())
 }
 
 
