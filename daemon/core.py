@@ -43,7 +43,7 @@ from plexctl.common.atomic import write_bytes_atomic
 from plexctl.common.jobdir import JobDir, LatestCheckpoint
 from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
-from plexctl.common.spec import TINKER_ALGO, JobSpec, SpecError, spec_from_wire, wire_rule_problems
+from plexctl.common.spec import EXTERNAL, JobSpec, SpecError, spec_from_wire, wire_rule_problems
 from plexctl.common.state_size import full_state_bytes, job_state_bytes, model_config
 from plexctl.spec_files import context_problems
 
@@ -144,7 +144,6 @@ class JobRuntime:
     policy_version: int = 0
     adapter: P.AdapterRef | None = None
     cancel_requested_at: float | None = None
-    stop_sent: bool = False  # a Tinker job's holding driver was told to stop
     ended_by_client: bool = False  # a Tinker job whose client's session finished: it succeeded
     rolled_back: str = ""  # why the job's state was lost: its driver is stopped and the job resumes from its checkpoint
     failure: str = ""
@@ -333,21 +332,17 @@ class DaemonCore:
         """Stop drivers past their cancel grace, place adopted jobs, admit queued ones (or, while
         draining, decide when to stop)."""
         self.now = now
-        for rt in self.runtimes.values():
-            if rt.cancel_requested_at is None:
-                continue
-            if rt.spec.algo.name == TINKER_ALGO:  # its driver only holds the job: no call boundary to wait for
-                if not rt.stop_sent:
-                    rt.stop_sent = True
-                    self._out.append(StopDriver(rt.job_id))
-            elif now - rt.cancel_requested_at > CANCEL_GRACE_S:
+        busy = {c.job_id for c in self.calls.values()}
+        for rt in list(self.runtimes.values()):
+            if rt.spec.kind == EXTERNAL:  # no driver: it ends between its client's calls
+                if rt.cancel_requested_at is not None and (
+                    rt.job_id not in busy or now - rt.cancel_requested_at > CANCEL_GRACE_S
+                ):
+                    self._judge_exit(rt, 0, now)
+                elif self.drain_deadline is not None and rt.job_id not in busy:
+                    self._judge_exit(rt, DRIVER_EXIT_DRAINED, now)
+            elif rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
                 self._out.append(StopDriver(rt.job_id, kill=True))
-        if self.drain_deadline is not None:  # a Tinker job has no step to end: it stops between calls
-            busy = {c.job_id for c in self.calls.values()}
-            for rt in self.runtimes.values():
-                if rt.spec.algo.name == TINKER_ALGO and not rt.stop_sent and rt.job_id not in busy and rt.pid:
-                    rt.stop_sent = True
-                    self._out.append(StopDriver(rt.job_id))
         if self.adopting:
             self._admit_adopted(now)
         if self.drain_deadline is not None:
@@ -403,7 +398,9 @@ class DaemonCore:
             rt.cancel_requested_at = now
         if alive:
             self.adopting[job_id] = now + ADOPT_TIMEOUT_S
-            self.journal.event(job_id, "reattached", f"driver pid {pid} outlived the daemon")
+            self.journal.event(
+                job_id, "reattached", f"driver pid {pid} outlived the daemon" if pid else "its external client goes on"
+            )
         return self._effects()
 
     def requeue(self, job_id: str, was: str) -> None:
@@ -418,11 +415,14 @@ class DaemonCore:
         rt = self.runtimes[job_id]
         rt.pid = pid
         self.start_failures.pop(job_id, None)
-        info = self._known_job(job_id)
-        self.journal.update(job_id, state="running", started_at=info.started_at or now)
-        self.journal.event(job_id, "started", f"driver pid {pid}")
-        log.info("job %s started (driver pid %d)", job_id, pid)
+        self._running(job_id, f"driver pid {pid}")
         return self._effects()
+
+    def _running(self, job_id: str, how: str) -> None:
+        info = self._known_job(job_id)
+        self.journal.update(job_id, state="running", started_at=info.started_at or self.now)
+        self.journal.event(job_id, "started", how)
+        log.info("job %s started (%s)", job_id, how)
 
     def driver_not_started(self, job_id: str, why: str, now: float) -> list[Effect]:
         """The driver could not be started (no disk space, no more processes, inputs it cannot
@@ -838,7 +838,7 @@ class DaemonCore:
         if job_id is None:
             return
         rt = self.runtimes.get(job_id)
-        if rt is not None and rt.spec.algo.name == TINKER_ALGO and self.sender == auth.INTERNAL_USER:
+        if rt is not None and rt.spec.kind == EXTERNAL and self.sender == auth.INTERNAL_USER:
             rt.ended_by_client = True  # the Tinker front end ends the job: its client's session finished
         self._cancel(job_id, "its Tinker session finished" if rt is not None and rt.ended_by_client else "")
         self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
@@ -1135,7 +1135,7 @@ class DaemonCore:
         if call.publishes:
             rt.policy_version = call.version
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir, full=rt.spec.lora is None)
-            if rt.spec.algo.name != TINKER_ALGO:  # a Tinker job's versions are its samplers' weights: kept
+            if rt.spec.kind != EXTERNAL:  # a Tinker job's versions are its samplers' weights: kept
                 prune = (rt.job_dir.adapters, rt.spec.algo.max_staleness + 2)
         elif isinstance(body.value, C.CheckpointResult):
             rt.job_dir.write_latest(
@@ -1479,7 +1479,10 @@ class DaemonCore:
                 user=info.user,
             )
             rt.adapter = _kept_adapter(rt, info.policy_version)  # a resumed job samples its latest policy
-            self._out.append(StartDriver(info.job_id))
+            if spec.kind == EXTERNAL:  # no driver: it runs, driven by its client's calls
+                self._running(info.job_id, "driven by its external client")
+            else:
+                self._out.append(StartDriver(info.job_id))
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)
             running += 1

@@ -25,7 +25,7 @@ from daemon.procs import write_exit
 from plexctl.algos import run_algorithm
 from plexctl.common.cluster import endpoint_path
 from plexctl.common.jobdir import JobDir
-from plexctl.common.spec import TINKER_ALGO, spec_from_wire
+from plexctl.common.spec import spec_from_wire
 from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
 from plexctl.sandbox import kill_live_runs
 
@@ -66,10 +66,6 @@ def run(argv: list[str] | None = None) -> int:
     client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_file, log=log)
     try:
         spec = spec_from_wire(json.loads(JobDir(args.job_dir).spec.read_text()))
-        if spec.algo.name == TINKER_ALGO:  # its calls come from the Tinker front end; this holds the job
-            log(f"job {args.job_id} ({spec.name}): a Tinker API training client's job, held until it ends")
-            while True:
-                time.sleep(3600)
         log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, {spec.algo.steps} steps")
         job = Job(client, spec, args.job_dir, log)
         try:

@@ -70,6 +70,7 @@ from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import limits_for
 from plexctl.common.sizes import fmt_bytes
+from plexctl.common.spec import EXTERNAL, spec_from_wire
 
 log = logging.getLogger("plexd")
 
@@ -272,6 +273,9 @@ class Daemon:
         for info in self.journal.jobs(("running", "interrupted")):
             job_dir = self.jobs_dir / info.job_id
             proc = None
+            if info.state == "running" and spec_from_wire(self.journal.spec(info.job_id)).kind == EXTERNAL:
+                self._carry_out(self.core.adopt(info.job_id, 0, now))  # no driver: its client goes on
+                continue
             if info.state == "running":  # its driver runs on, or ended (and said how) while no daemon ran
                 argv, exit_file = (
                     self._driver_argv(info.job_id, job_dir, info.user),

@@ -584,17 +584,18 @@ class Job:
     checkpoint_step: int = 0  # the step of the last checkpoint written or resumed from (0: none)
 
     def __post_init__(self) -> None:
-        d, spec = self.spec.data, self.spec
+        spec = self.spec
+        d, reward = self.data, self.reward_spec = spec.loop_parts()
         self.records = load_records(d.path, d.prompt_field, d.answer_field)
         self.eval_records = load_records(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else None
         self.prompts = PromptCursor(self.records, seed=d.shuffle_seed)
         self.rng = random.Random(spec.seed)
         self.reward_pool: SandboxPool | None = None
-        if spec.reward.fn:  # a user's reward runs in the sandbox pool, never in this process
+        if reward.fn:  # a user's reward runs in the sandbox pool, never in this process
             from plexctl.sandbox import SandboxPool
 
             self.reward_pool = SandboxPool()
-        self.reward = make_scorer(spec.reward, spec.reward.failure_reward, self.reward_pool, spec.reward.timeout_s)
+        self.reward = make_scorer(reward, reward.failure_reward, self.reward_pool, reward.timeout_s)
         self.metrics_path = JobDir(self.job_dir).metrics
         self.sinks = MetricSinks(self.job_dir, spec.name, self.log)  # TensorBoard / wandb copies, when installed
         self.env_factory: EnvFactory | None = None
@@ -635,7 +636,7 @@ class Job:
 
     def score(self, records: list[dict], comps: list[Completion], n: int) -> list[float]:
         """The job's reward of each completion (``n`` per record); failures give failure_reward."""
-        d = self.spec.data
+        d = self.data
         return self.reward.score_many(
             [(c.text, str(records[i // n][d.answer_field]), records[i // n]) for i, c in enumerate(comps)]
         )
@@ -655,7 +656,7 @@ class Job:
             msgspec.structs.replace(sampling, n=1),
             e.max_turns,
             self.env_pool,
-            failure_reward=self.spec.reward.failure_reward,
+            failure_reward=self.reward_spec.failure_reward,
             truncated_reward=e.truncated_reward,
             step_timeout_s=e.step_timeout_s,
             max_total_tokens=e.max_total_tokens,
@@ -669,7 +670,7 @@ class Job:
         turn waits on the last one's tools): they run when waited on."""
         msg_id = None
         if not self.multi_turn:
-            prompts = [r[self.spec.data.prompt_field] for r in records]
+            prompts = [r[self.data.prompt_field] for r in records]
             msg_id = self.client.generate_async(
                 prompts, msgspec.structs.replace(sampling, n=n), after.msg_id if after is not None else None
             )
@@ -787,7 +788,7 @@ class Job:
         if self.multi_turn:
             rewards = [ep.reward for ep in self.episodes(self.eval_records, n, sampling)]
         else:
-            prompts = [r[self.spec.data.prompt_field] for r in self.eval_records]
+            prompts = [r[self.data.prompt_field] for r in self.eval_records]
             rewards = self.score(self.eval_records, self.client.generate(prompts, sampling), n)
         value = sum(rewards) / len(rewards)
         self.client.report("eval", step, {"eval_reward": value})

@@ -201,14 +201,15 @@ def context_problems(spec: JobSpec, data_files: dict[str, Path]) -> list[str]:
 
     issues = Issues("<submit>", {}, {})
     fit = _ContextFit.of(Path(spec.model.path), msgspec.to_builtins(spec), issues)
-    if fit is None:
+    data = spec.data
+    if fit is None or data is None:
         return []
     with tempfile.TemporaryDirectory(prefix="plexrl-fit-") as tmp:
         for name, content in data_files.items():
             named = Path(tmp) / Path(name).name  # the format follows the name (.jsonl, .parquet)
             os.symlink(content, named)
             try:
-                scan_records(named, spec.data.prompt_field, spec.data.answer_field, on_prompts=fit.measure(name))
+                scan_records(named, data.prompt_field, data.answer_field, on_prompts=fit.measure(name))
             except DataError:
                 continue  # unreadable: the job's driver says so, naming its line
     fit.check(issues)

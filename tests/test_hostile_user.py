@@ -626,7 +626,7 @@ def test_a_forged_input_field_or_spec_is_refused_and_the_daemon_stays_up(cluster
     assert not Path("/tmp/plexrl-forged").exists()
     files = [P.InputFile("data.path", "file", "train.jsonl", sha, len(data))]
     for rule, broken in (
-        ("algo.name", {**job_spec, "algo": {**job_spec["algo"], "name": "tinker"}}),
+        ("kind", {**job_spec, "kind": "external"}),
         ("reward", {**job_spec, "reward": {**job_spec["reward"], "fn": "mod:score"}}),
         ("algo.loop", {**job_spec, "algo": {**job_spec["algo"], "name": "dapo", "loop": "mod:run"}}),
     ):

@@ -1,7 +1,7 @@
 """A Tinker training client's job in the daemon's core and its API keys (no socket, no process).
 
-What the Tinker front end relies on: the job's driver only holds it, so ending it needs no call
-boundary (the driver is stopped at once); ended by the front end (its client's session finished)
+What the Tinker front end relies on: its job is ``external``, with no driver, running once
+admitted; it ends between its client's calls (a cancel, a drain); ended by the front end (its client's session finished)
 it succeeded, cancelled by its user it was cancelled; every policy version it publishes is kept
 (saved sampler weights never move), and a generate may sample from any of them or from the base.
 A key is ``tml-`` and random, kept 0600, and the cluster stores only its digest.
@@ -28,16 +28,14 @@ def tinker_job(d, model: Path, name: str = "run") -> str:
             "name": name,
             "model": {"path": str(model)},
             "lora": {"rank": 8},
-            "data": {"path": ""},
-            "reward": {"name": "arith"},
-            "algo": {"name": "tinker"},
+            "kind": "external",
         }
     )
     d.send(b"front", P.Op.SUBMIT, P.SubmitReq(f"sid-{name}", spec_to_wire(spec), current_user()))
     (reply,) = [body for to, op, body in d.sent if op == P.Op.REPLY and to == b"front"]
     d.sent.clear()
-    assert StartDriver(reply.job_id) in d.chores()
-    d.driver_started(reply.job_id, 4242)
+    assert not [e for e in d.chores() if isinstance(e, StartDriver)]  # no driver: its client drives it
+    assert d.journal.job(reply.job_id).state == "running"
     return reply.job_id
 
 
@@ -55,9 +53,9 @@ def test_a_session_that_ends_ends_its_job_at_once_and_it_succeeded(core, tiny_mo
     register(d, "w0", tiny_model)
     job = tinker_job(d, tiny_model)
     d.send(b"front", P.Op.CANCEL, P.JobRef(job), msg_id=9)  # the front end: its session finished
-    assert StopDriver(job) in d.chores()  # no call boundary to wait for: its driver only holds it
-    d.driver_exited(job, 143)
+    assert not [e for e in d.chores() if isinstance(e, StopDriver)]  # no driver to stop: it ends between calls
     assert d.journal.job(job).state == "succeeded"
+    assert job not in d.runtimes
 
 
 def test_its_user_cancelling_it_cancels_it(core, tiny_model):
@@ -65,8 +63,7 @@ def test_its_user_cancelling_it_cancels_it(core, tiny_model):
     register(d, "w0", tiny_model)
     job = tinker_job(d, tiny_model)
     d.send(b"cli", P.Op.CANCEL, P.JobRef(job), msg_id=9, user=current_user())
-    assert StopDriver(job) in d.chores()
-    d.driver_exited(job, 143)
+    d.chores()
     assert d.journal.job(job).state == "cancelled"
 
 
@@ -198,3 +195,21 @@ def test_runs_a_front_end_cannot_read_are_kept_aside_and_the_rest_taken_back(tmp
     assert ClusterBackend(tmp_path).runs == {}
     assert "unreadable" in caplog.text and registry.read_text() == "{not json"
     assert len(list(registry.parent.glob("runs.json.unreadable-*"))) == 2  # each kept, none overwritten
+
+
+def test_an_external_job_stops_with_the_cluster_between_its_calls_and_is_interrupted(core, tiny_model):
+    """No driver checkpoints it: a drain waits for the call in flight, then the job is interrupted
+    (queued again at the next ``up``, where its client restores what it saved)."""
+    d = core
+    register(d, "w0", tiny_model)
+    job = tinker_job(d, tiny_model)
+    call(d, job, C.PublishReq(), 1)
+    d.place()
+    (task,) = tasks(d)
+    d.drain("the allocation ends")
+    d.chores()
+    assert d.journal.job(job).state == "running"  # its publish is in flight
+    d.send(b"w0", P.Op.RESULT, P.ResultBody(task.task_id, True, C.PublishResult()))
+    d.chores()
+    assert d.journal.job(job).state == "interrupted" and job not in d.runtimes
+    assert not [e for e in d.effects if isinstance(e, (StartDriver, StopDriver))]

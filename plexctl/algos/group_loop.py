@@ -67,10 +67,10 @@ class GroupLoop(abc.ABC):
 
     def check_error_rate(self, step: int, seen: Rollout) -> float:
         rate = seen.errors / len(seen.rewards)
-        if rate > self.spec.reward.max_error_rate:
+        if rate > self.job.reward_spec.max_error_rate:
             raise ErrorRateExceeded(
                 f"{rate:.0%} of step {step + 1}'s samples hit a reward error or tool timeout "
-                f"(reward.max_error_rate {self.spec.reward.max_error_rate:.0%})"
+                f"(reward.max_error_rate {self.job.reward_spec.max_error_rate:.0%})"
             )
         return rate
 

@@ -55,7 +55,8 @@ PATH_FIELDS = (
     ("algo", "path"),
 )
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo")
-TINKER_ALGO = "tinker"  # a Tinker API training client's job: its calls come from the Tinker front end
+KINDS = ("loop", "external")
+EXTERNAL = "external"  # a job driven by a client outside the cluster (a Tinker API training client)
 DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
 DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
 LOSS_PARAM_NAMES = {"pg-clip": (), "pg-tis": ("cap",)}
@@ -180,11 +181,10 @@ class AlgoSpec(_Section, kw_only=True):
     """The RL algorithm and its hyperparameters: a built-in ``name``, or your own ``loop``."""
 
     name: Annotated[
-        Literal["grpo", "dr_grpo", "dapo", "rloo", "tinker"],
+        Literal["grpo", "dr_grpo", "dapo", "rloo"],
         _doc(
             "Built-in algorithm: grpo, dr_grpo (no std or length normalisation), dapo (clip-higher, "
-            "dynamic sampling, overlong penalty), rloo (leave-one-out baseline); tinker names the job of a "
-            "Tinker API training client, which its front end makes (`plexctl up --tinker-port`)"
+            "dynamic sampling, overlong penalty), rloo (leave-one-out baseline)"
         ),
     ] = "grpo"
     loop: Annotated[
@@ -291,6 +291,15 @@ class JobSpec(_Section, kw_only=True):
             pattern=NAME_PATTERN,
         ),
     ]
+    kind: Annotated[
+        Literal["loop", "external"],
+        _doc(
+            "loop: the cluster runs the job's algorithm in a driver process; external: a client "
+            "outside the cluster drives the job through the service calls (a Tinker API training "
+            "client's job, made by the cluster's Tinker front end, not submitted): no driver, no data, "
+            "no reward"
+        ),
+    ] = "loop"
     model: ModelSpec
     lora: Annotated[
         LoraSpec | None,
@@ -299,14 +308,20 @@ class JobSpec(_Section, kw_only=True):
             "the job's state is its weights plus AdamW moments)"
         ),
     ] = None
-    data: DataSpec
-    reward: RewardSpec
+    data: Annotated[DataSpec | None, _doc("The prompts (a loop job's; required there)")] = None
+    reward: Annotated[RewardSpec | None, _doc("How a completion is scored (a loop job's; required there)")] = None
     env: Annotated[EnvSpec | None, _doc("Multi-turn environment with tools (null: single-turn)")] = None
     algo: AlgoSpec = msgspec.field(default_factory=AlgoSpec)
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     checkpoint: CheckpointSpec = msgspec.field(default_factory=CheckpointSpec)
     priority: Annotated[int, _doc("Scheduling priority; higher runs first", ge=-(2**31), le=2**31 - 1)] = 0
     seed: Annotated[int, _doc("Seed of sampling and initialisation", ge=0, le=2**32 - 1)] = 0
+
+    def loop_parts(self) -> tuple[DataSpec, RewardSpec]:
+        """A loop job's data and reward (``ValueError`` for an external job, which has neither)."""
+        if self.data is None or self.reward is None:
+            raise ValueError(f"job {self.name} is {self.kind}: it has no data and reward for a loop")
+        return self.data, self.reward
 
     @property
     def full_finetune(self) -> bool:
@@ -530,6 +545,16 @@ class _SchemaWalk:
 
 def _check_rules(doc: dict[str, Any], issues: Issues) -> None:
     """Rules across fields, judged on what the user wrote (``doc`` before conversion)."""
+    if doc.get("kind") == EXTERNAL:
+        issues.add(
+            ("kind",),
+            "external: the job of a Tinker API training client, made by the cluster's Tinker front end "
+            "(`plexctl up --tinker-port`), not submitted",
+        )
+    elif doc.get("kind", "loop") == "loop":
+        for section in ("data", "reward"):
+            if doc.get(section) is None:
+                issues.add((section,), f"missing required key `{section}` (a loop job's)")
     if "lora" in doc and doc["lora"] is None:
         issues.add(("lora",), EMPTY_LORA_REFUSED)
     reward = doc.get("reward")
@@ -550,12 +575,6 @@ def _check_rules(doc: dict[str, Any], issues: Issues) -> None:
 def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: Issues) -> None:
     """Keys that belong to one algorithm, loss or loop are refused elsewhere, with the reason."""
     name = algo.get("name", "grpo")
-    if name == TINKER_ALGO:
-        issues.add(
-            ("algo", "name"),
-            "tinker: the job of a Tinker API training client, made by the cluster's Tinker front end "
-            "(`plexctl up --tinker-port`), not submitted",
-        )
     if algo.get("loop") is not None and "name" in algo:
         issues.add(("algo", "loop"), "set either `name` (a built-in algorithm) or `loop` (your own), not both")
     if algo.get("path") is not None and algo.get("loop") is None and algo.get("loss_fn") is None:
@@ -810,7 +829,8 @@ def _written(value: Any, default: Any) -> Any:
 def wire_rule_problems(d: dict[str, Any], from_tinker_front_end: bool = False) -> list[str]:
     """The rules across fields (``_check_rules``, the ones ``load_spec`` runs for the client) on a
     spec as it came over the wire, one line each: the daemon runs them on every submit, whatever
-    client sent it. ``algo.name: tinker`` passes only from the cluster's Tinker front end."""
+    client sent it. ``kind: external`` passes only from the cluster's Tinker front end, where
+    ``data`` and ``reward`` are left out."""
     spec = spec_from_wire(d)
     defaults = {
         section: msgspec.to_builtins(type(getattr(spec, section))())
@@ -820,8 +840,11 @@ def wire_rule_problems(d: dict[str, Any], from_tinker_front_end: bool = False) -
     doc = {k: _written(v, defaults.get(k)) for k, v in spec_to_wire(spec).items() if k != "lora" or v is not None}
     if spec.reward is not None:
         doc["reward"] = {k: v for k, v in msgspec.to_builtins(spec.reward).items() if v is not None}
-    if from_tinker_front_end and spec.algo.name == TINKER_ALGO and isinstance(doc.get("algo"), dict):
-        doc["algo"].pop("name", None)
+    if from_tinker_front_end and spec.kind == EXTERNAL:
+        doc.pop("kind", None)
+        if spec.data is not None or spec.reward is not None or spec.env is not None:
+            return ["an external job has no data, reward or env"]
+        return []
     issues = Issues("<submit>", {}, {})
     _check_rules(doc, issues)
     return [f"{i.path}: {i.message}" if i.path else i.message for i in issues.found]

@@ -1,8 +1,8 @@
 """The Tinker front end's ``Backend`` on a PlexRL cluster: each training client is a job.
 
-A Tinker "model" (a training run: a LoRA adapter, or every weight) is a job of ``algo.name:
-tinker``, submitted for the user its API key maps to and scheduled with every other job; its driver
-only holds it, and its calls are this process's typed service calls (``plexctl.rl.JobClient``, with
+A Tinker "model" (a training run: a LoRA adapter, or every weight) is an ``external`` job (no
+driver, no data, no reward), submitted for the user its API key maps to and scheduled with every
+other job; its calls are this process's typed service calls (``plexctl.rl.JobClient``, with
 the cluster's internal key). ``forward_backward`` calls are kept, in order, until the
 ``optim_step`` that takes their gradient (``calls.OptimStepReq``), so no gradient outlives a call.
 Saved sampler weights are the job's published policy versions (a Tinker job keeps every one:
@@ -35,7 +35,7 @@ from plexctl.common.atomic import write_json_atomic
 from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
 from plexctl.common.errors import RemoteError
-from plexctl.common.spec import TINKER_ALGO, spec_from_wire, spec_to_wire
+from plexctl.common.spec import EXTERNAL, spec_from_wire, spec_to_wire
 from plexctl.rl import CallFailed, JobClient
 from plexctl.tinker import keys
 from plexctl.tinker.backend import (
@@ -266,10 +266,8 @@ class ClusterBackend(Backend):
         name = f"tinker-sample-{digest}" if sampling else f"tinker-{digest}"
         doc: dict[str, Any] = {
             "name": name,
+            "kind": EXTERNAL,
             "model": {"path": path},
-            "data": {"path": ""},
-            "reward": {"name": "arith"},
-            "algo": {"name": TINKER_ALGO},
             "checkpoint": {"every": 0},
             "seed": seed,
         }
