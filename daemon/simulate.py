@@ -15,7 +15,10 @@ one less the latter), bubble ratio, queueing p50 / p99, swap traffic, model swit
 loaded because an engine held others), the scheduler's decision latency, and the trace's
 critical-path bound. With ``--multiplex FILE`` (a ``bench/multiplex.py`` result) the table
 also shows the simulator's prediction of that real run beside what it measured
-(``daemon.simulator.predict``). Writes a JSON file (``--out``; ``./simulate.json``). The
+(``daemon.simulator.predict``). ``--train-grouping`` (``--group-window-ms``, ``--train-tokens``)
+runs every policy with shared train passes, the daemon's option, charged by the simulator's
+cost model (``daemon.simulator.TrainPassCost``); the table's note gives the passes and the
+trainer engine-hours they saved. Writes a JSON file (``--out``; ``./simulate.json``). The
 benchmark ``bench/simulate.py`` is this with the benchmark's defaults (``Defaults``). It
 imports neither torch nor vLLM: it runs anywhere the package is installed.
 """
@@ -34,9 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from daemon.core import PASS_WINDOW_S
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate
 from daemon.trace import DAY_S, SCENARIOS, Trace, generate_trace, read_trace, write_trace
 from plexctl.common.atomic import write_json_atomic
@@ -134,6 +139,23 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     ap.add_argument(
         "--max-group", type=int, default=16, help="calls for the weights an engine holds in a row (1: no grouping)"
     )
+    ap.add_argument(
+        "--train-grouping",
+        action="store_true",
+        help="shared train passes: several LoRA jobs' steps on one trainer in one pass (the daemon's option)",
+    )
+    ap.add_argument(
+        "--group-window-ms",
+        type=float,
+        default=PASS_WINDOW_S * 1000,
+        help="with --train-grouping: how long a trainer waits for more steps to share a pass",
+    )
+    ap.add_argument(
+        "--train-tokens",
+        type=int,
+        default=SimConfig().train_tokens,
+        help="with --train-grouping: padded tokens of one LoRA train step (the pass budget and cost model)",
+    )
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     ap.add_argument(
         "--multiplex", type=Path, default=defaults.multiplex, help="calibrate against this bench/multiplex.py JSON"
@@ -167,7 +189,16 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
     if args.max_group < 1:
         print(f"error: --max-group must be >= 1, not {args.max_group}", file=sys.stderr)
         return 2
-    cfg = SimConfig(macro_steps=args.macro_steps or (8 if args.quick else 12), max_group=args.max_group)
+    if args.group_window_ms < 0 or args.train_tokens < 1:
+        print("error: --group-window-ms must be >= 0 and --train-tokens >= 1", file=sys.stderr)
+        return 2
+    cfg = SimConfig(
+        macro_steps=args.macro_steps or (8 if args.quick else 12),
+        max_group=args.max_group,
+        train_grouping=args.train_grouping,
+        group_window_s=args.group_window_ms / 1000,
+        train_tokens=args.train_tokens,
+    )
     jpe = args.jobs_per_engine
 
     pool: Executor = ProcessPoolExecutor(args.workers) if args.workers > 1 else _Inline()
@@ -241,6 +272,14 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
         f"GPU-hours saved against isolated: {best_row['gpu_hours_saved']:.2%} ({best_label}; spread+backfill at "
         f"jpe={jpe} {rows['spread+backfill']['gpu_hours_saved']:.2%}); PlexRL reports {PLEXRL_GPU_HOURS_SAVED:.2%}."
     )
+    if cfg.train_grouping:
+        passes = results[best_label].passes
+        console.print(
+            f"shared train passes ({best_label}): {passes.passes:,} passes of {passes.steps:,} steps, "
+            f"largest {passes.largest}; trainer engine-h {results[best_label].trainer_busy_s / 3600:,.1f}, "
+            f"{passes.saved_s / 3600:,.1f} saved against the same steps alone "
+            f"(window {cfg.group_window_s * 1000:g} ms, {cfg.train_tokens} tokens a step)."
+        )
     if calib is not None:
         ct = Table(title="calibration against bench/multiplex.py (4 tiny jobs, 1 rollout + 1 trainer engine)")
         for col in ("", "engine-s/step isolated", "engine-s/step shared", "shared/isolated", "bubble iso / shared"):
@@ -304,7 +343,7 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
                 "critical_path_s": bound,
                 "critical_path_vs_isolated": bound / iso.makespan_s,
             },
-            "config": {"jobs_per_engine": jpe, **{k: getattr(cfg, k) for k in cfg.__struct_fields__}},
+            "config": {"jobs_per_engine": jpe, **msgspec.to_builtins(cfg)},
             "policies": rows,
             "best": {
                 "label": best_label,

@@ -33,6 +33,15 @@ Each task names the weights it needs (``Task.weights``) and the core knows what 
 costs (``Scheduler.set_switch_estimate``, from their size): it groups calls by weights and
 charges the switch to the call that needs it (``daemon/scheduler.py``).
 
+Shared passes (``SimConfig.train_grouping``, the daemon's ``--train-grouping``): the core gets
+the ``group_window_s`` wait and each LoRA train step its padded tokens (``train_tokens``) and its
+base as weights, so it forms passes by its own rule (``daemon/scheduler.py``, "Shared passes");
+full fine-tuning steps never share. A pass runs as the worker runs one (``worker/main.py``,
+``serve_pass``): in chunks of at most ``device_slots`` steps, one after another, each chunk's
+states made resident together and its steps ending together, after ``TrainPassCost`` says (the
+per-pass work once, each step's own work a little slower beside the others' tokens). A
+coarsened step shares a pass as a whole.
+
 Not modelled: two sets of weights resident on one engine at once (a chunk of another job's
 weights that starts while a chunk runs is charged a switch; the running chunk is not delayed),
 gang scheduling of trainer shards, interference beyond slots, dispatch overhead, failures,
@@ -54,14 +63,78 @@ from typing import Any
 
 import msgspec
 
-from daemon.scheduler import POLICIES, Engine, Scheduler, Task
+from daemon.core import PASS_WINDOW_S
+from daemon.scheduler import POLICIES, Engine, Placement, Scheduler, Task
 from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
 from plexctl.common import state_policy
 from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
-_ARRIVE, _DONE, _PHASE = 0, 1, 2
+_ARRIVE, _DONE, _PHASE, _WAKE = 0, 1, 2, 3
+BENCH_ROW_TOKENS = 28  # bench/train_batching.py's rows (10-30 tokens) padded to the longest: 26.6 of 8, 28.7 of 32
+
+
+class TrainPassCost(msgspec.Struct, frozen=True, kw_only=True):
+    """What a shared train pass costs, from its steps' tokens: a step alone takes
+    ``pass_s + job_s + token_s * tokens``; a pass of steps with tokens ``t_i`` (``T`` in all)
+    takes ``pass_s + sum(job_s + token_s * t_i * (1 + crowding * (T - t_i)))``.
+
+    ``pass_s`` is the work a pass does once whatever it holds (the forward and backward's
+    launch, Python and per-op overhead): what grouping saves. ``job_s`` is what each step still
+    does on its own (its adapter switched in, its loss, clipping and AdamW step). ``token_s`` is
+    the base's matmuls over a step's rows; ``crowding`` (per token of the other steps in the
+    pass) is how much slower they run beside more rows (activations that leave the caches). The
+    figures are seconds of ``bench/train_batching.py``'s tiny model on one CPU thread: the
+    simulator uses their ratios, scaled to each step's seconds in the trace (``pass_seconds``).
+    The defaults are ``fit`` of ``bench/results/train_batching.json`` (8 jobs of 8 and 32 rows):
+    1.12x less time grouped at 8 rows, 0.92x at 32. What a GPU's figures would be is not measured.
+    """
+
+    pass_s: float = 2.15e-3
+    job_s: float = 6.70e-3
+    token_s: float = 2.77e-5
+    crowding: float = 3.02e-5
+
+    def alone_s(self, tokens: int) -> float:
+        """A step of ``tokens`` alone, in the model's own seconds."""
+        return self.pass_s + self.job_s + self.token_s * tokens
+
+    def pass_seconds(self, steps: Sequence[tuple[float, int]]) -> float:
+        """Seconds of one pass of ``steps``, each ``(seconds alone, tokens)``: each step's parts
+        scaled to its seconds alone, the per-pass part paid once (the largest of the steps'),
+        so that a pass of one step takes its seconds alone."""
+        total = sum(t for _, t in steps)
+        once, own = 0.0, 0.0
+        for seconds, tokens in steps:
+            scale = seconds / self.alone_s(tokens)
+            once = max(once, scale * self.pass_s)
+            own += scale * (self.job_s + self.token_s * tokens * (1.0 + self.crowding * (total - tokens)))
+        return once + own
+
+    @classmethod
+    def fit(
+        cls, train_batching: str | Path | dict[str, Any], jobs: int = 8, row_tokens: float = BENCH_ROW_TOKENS
+    ) -> TrainPassCost:
+        """The model that reproduces ``bench/train_batching.py``'s result (a path or its loaded
+        dict) at ``jobs`` jobs a pass, for its two smallest row counts: the alone figures give
+        ``token_s`` and ``pass_s + job_s`` (a line through them), the grouped ones ``pass_s``
+        and ``crowding`` (what a pass saves, less what it loses beside the others' tokens)."""
+        data = json.loads(Path(train_batching).read_text()) if not isinstance(train_batching, dict) else train_batching
+        by_rows = {r["rows"]: r for r in data["results"] if r["jobs"] == jobs}
+        if len(by_rows) < 2:
+            raise ValueError(f"the result holds {len(by_rows)} row count(s) at {jobs} jobs: the fit needs two")
+        small, large = (by_rows[r] for r in sorted(by_rows)[:2])
+        t1, t2 = small["rows"] * row_tokens, large["rows"] * row_tokens
+        a1, a2 = small["alone_s_per_job_step"], large["alone_s_per_job_step"]
+        d1, d2 = a1 - small["grouped_s_per_job_step"], a2 - large["grouped_s_per_job_step"]
+        token_s = (a2 - a1) / (t2 - t1)
+        fixed = a1 - token_s * t1
+        # a job-step saves pass_s * (1 - 1/n) and loses token_s * t * crowding * (n - 1) * t
+        crowding = max(0.0, (d1 - d2) / (token_s * (jobs - 1) * (t2 * t2 - t1 * t1)))
+        pass_s = (d1 + crowding * token_s * (jobs - 1) * t1 * t1) / (1 - 1 / jobs)
+        pass_s = min(max(0.0, pass_s), fixed)
+        return cls(pass_s=pass_s, job_s=fixed - pass_s, token_s=token_s, crowding=crowding)
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +149,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     nvme_gbps: float = 5.0  # NVMe sequential
     switch_s: float = 2.0  # fixed part of a model switch: waking a sleeping engine, its KV cache made again
     max_group: int = 16  # the core's bound on calls for the weights an engine holds in a row (Scheduler)
+    train_grouping: bool = False  # shared train passes of several LoRA jobs' steps (the daemon's --train-grouping)
+    group_window_s: float = PASS_WINDOW_S  # a trainer waits at most this long for more steps to share a pass
+    train_tokens: int = 224  # padded tokens of one LoRA train step: 8 rows of 28, the benchmark's small job
+    pass_tokens: int = 0  # a trainer's micro-batch budget, the tokens one pass holds (0: the core's default)
+    train_cost: TrainPassCost = TrainPassCost()
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -107,6 +185,15 @@ class SwitchStats(msgspec.Struct, kw_only=True):
 
 
 SWITCH_KINDS = ("rollout base", "rollout full weights", "trainer base")
+
+
+class PassStats(msgspec.Struct, kw_only=True):
+    """Shared train passes run (chunks of two steps or more, as the worker runs them)."""
+
+    passes: int = 0
+    steps: int = 0  # train steps in them
+    largest: int = 0
+    saved_s: float = 0.0  # trainer seconds their steps would have taken alone, less what the passes took
 
 
 class JobOutcome(msgspec.Struct, array_like=True):
@@ -146,6 +233,9 @@ class SimResult(msgspec.Struct, kw_only=True):
     outcomes: list[JobOutcome]
     intervals: list[tuple[str, str, float, float]] = []  # (engine, job, start, end) when recorded
     switches: SwitchStats = msgspec.field(default_factory=SwitchStats)
+    train_grouping: bool = False
+    trainer_busy_s: float = 0.0  # busy seconds of the trainer engines (swap-ins included)
+    passes: PassStats = msgspec.field(default_factory=PassStats)
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, without per-engine and per-job detail."""
@@ -350,7 +440,10 @@ class Simulation:
         self.cfg = cfg = config or SimConfig()
         self.trace, self.policy, self.gpus = trace, policy, gpus
         self.jpe, self.max_switches = jobs_per_engine, max_switches
-        self.sched = Scheduler(policy, jobs_per_engine, max_switches, cfg.max_group)
+        if cfg.train_grouping and cfg.train_tokens < 1:
+            raise ValueError(f"train_tokens must be >= 1 with train grouping, not {cfg.train_tokens}")
+        window = cfg.group_window_s if cfg.train_grouping else None
+        self.sched = Scheduler(policy, jobs_per_engine, max_switches, cfg.max_group, window)
         self.record = record_intervals
         self.pools = partition(trace, gpus)
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
@@ -359,7 +452,8 @@ class Simulation:
             for i in range(pairs):
                 w = f"{model}/n{i}"
                 self.sched.engine_up(Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots), now=0.0)
-                self.sched.engine_up(Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap), now=0.0)
+                trainer = Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap, pass_tokens=cfg.pass_tokens)
+                self.sched.engine_up(trainer, now=0.0)
                 self.nodes[f"{w}/t"] = NodeTiers(
                     cfg.device_slots, int(cfg.device_state_gb * GB), int(cfg.host_gb * GB), int(cfg.nvme_gb * GB)
                 )
@@ -384,6 +478,8 @@ class Simulation:
         self.latencies: list[float] = []
         self.intervals: list[tuple[str, str, float, float]] = []
         self.outcomes: list[JobOutcome] = []
+        self.passes = PassStats()
+        self.wakes: set[float] = set()  # when a trainer waiting for a pass's steps is looked at again
         self.n_tasks = 0
         self.jobs = []
         for tj in trace.jobs:
@@ -410,13 +506,18 @@ class Simulation:
                     self._done(what, now)
                 elif kind == _PHASE:
                     self._next_phase(what, now)
+                elif kind == _WAKE:
+                    self.wakes.discard(now)
                 else:
                     self._arrive(what, now)
             t0 = perf()
             placements = sched.tick(now)
             latencies.append(perf() - t0)
-            for p in placements:
-                self._start(p.task, p.engine_id, now)
+            self._start_all(placements, now)
+            wake = sched.next_wake()
+            if wake is not None and wake > now and wake not in self.wakes:
+                self.wakes.add(wake)
+                self._push(wake, _WAKE, None)
         return self._result(time.perf_counter() - wall0)
 
     def _push(self, at: float, kind: int, what: Any) -> None:
@@ -486,19 +587,26 @@ class Simulation:
         weights = self._weights(tj, kind)
         if weights and weights not in self.sched.switch_estimates:  # the core knows what a switch costs
             self.sched.set_switch_estimate(weights, self._load_seconds(tj))
-        self.sched.submit(Task(self.tid, shard.core_id, kind, method, tj.model, now, tj.priority, weights))
+        shares = kind == TRAINER and self.cfg.train_grouping and not tj.full_weights
+        tokens = self.cfg.train_tokens if shares else 0
+        self.sched.submit(Task(self.tid, shard.core_id, kind, method, tj.model, now, tj.priority, weights, tokens))
 
-    @staticmethod
-    def _weights(tj: TraceJob, kind: str) -> str:
+    def _weights(self, tj: TraceJob, kind: str) -> str:
         """What an engine must hold for a task of this job: for rollouts its base, or a full
-        fine-tuning job's own weights; for a LoRA job's training its base ("": not modelled)."""
-        if not tj.weights_bytes or (kind == TRAINER and tj.full_weights):
+        fine-tuning job's own weights; for a LoRA job's training its base ("": not modelled; with
+        train grouping always named, for a pass holds one base's steps)."""
+        if kind == TRAINER and tj.full_weights:
             return ""
+        if not tj.weights_bytes:
+            return (tj.base or tj.model) if kind == TRAINER and self.cfg.train_grouping else ""
         return tj.job_id if kind != TRAINER and tj.full_weights else (tj.base or tj.model)
 
     def _load_seconds(self, tj: TraceJob) -> float:
-        """A switch to this job's weights: the wake, then the weights from pinned host memory."""
+        """A switch to this job's weights: the wake, then the weights from pinned host memory
+        (none: weights of no size are not switched)."""
         cfg = self.cfg
+        if not tj.weights_bytes:
+            return 0.0
         return cfg.switch_s + tj.weights_bytes / (cfg.gpus_per_engine * cfg.h2d_gbps * GB)
 
     def _done(self, task_id: int, now: float) -> None:
@@ -547,6 +655,20 @@ class Simulation:
 
     # -- starting a task, with its swap
 
+    def _start_all(self, placements: list[Placement], now: float) -> None:
+        """Start the tick's placements in order; a shared pass's steps start with its lead."""
+        members: dict[int, list[Task]] = {}
+        for p in placements:
+            if p.lead:
+                members.setdefault(p.lead, []).append(p.task)
+        for p in placements:
+            if p.lead:
+                continue
+            if p.task.task_id in members:
+                self._start_pass([p.task, *members[p.task.task_id]], p.engine_id, now)
+            else:
+                self._start(p.task, p.engine_id, now)
+
     def _start(self, task: Task, engine_id: str, now: float) -> None:
         shard = self.shard_of[task.job_id]
         seconds = self.durations.pop(task.task_id)
@@ -573,6 +695,46 @@ class Simulation:
             self.intervals.append((engine_id, shard.job.tj.job_id, now, now + took))
         self._push(now + took, _DONE, task.task_id)
 
+    def _start_pass(self, tasks: list[Task], engine_id: str, now: float) -> None:
+        """Start a shared pass (``tasks``, its lead first) as the worker runs one: after the
+        lead's base is in place, in chunks of at most ``device_slots`` steps, one after another;
+        a chunk's states are made resident together (none evicts another), then its steps run
+        for ``TrainPassCost.pass_seconds`` and end together. Each step reports its chunk's
+        seconds, the lead also the switch."""
+        cfg, work = self.cfg, self.durations
+        shards = [self.shard_of[t.job_id] for t in tasks]
+        for shard in shards:
+            if engine_id != shard.trainer:  # a trainer backfill moved its home
+                self._hold(shard.trainer, -1, now)
+                self._hold(engine_id, +1, now)
+                shard.trainer = engine_id
+        lead_tj = shards[0].job.tj
+        switched = self._switch(engine_id, lead_tj, "trainer base", now) if not lead_tj.full_weights else 0.0
+        at, size = now + switched, max(1, cfg.device_slots)
+        for i in range(0, len(tasks), size):
+            chunk, chunk_shards = tasks[i : i + size], shards[i : i + size]
+            first = [s.core_id for s in chunk_shards]
+            swap = sum(self._swap_in(s, engine_id, now, first) for s in chunk_shards)
+            alone = [(work.pop(t.task_id), cfg.train_tokens) for t in chunk]
+            seconds = cfg.train_cost.pass_seconds(alone)
+            if len(chunk) > 1:
+                self.passes.passes += 1
+                self.passes.steps += len(chunk)
+                self.passes.largest = max(self.passes.largest, len(chunk))
+                self.passes.saved_s += sum(s for s, _ in alone) - seconds
+            self.busy[engine_id] += swap + seconds
+            end = at + swap + seconds
+            for task, shard in zip(chunk, chunk_shards):
+                lead = task is tasks[0]
+                self.tasks[task.task_id] = (shard, engine_id, now if lead else at, switched if lead else 0.0)
+                self._hold(engine_id, +1, now)
+                self.n_tasks += 1
+                if self.record:
+                    self.intervals.append((engine_id, shard.job.tj.job_id, at, end))
+                self._push(end, _DONE, task.task_id)
+            at = end
+        self._prefetch(engine_id, now)
+
     def _switch(self, engine_id: str, tj: TraceJob, kind: str, now: float) -> float:
         """Seconds before the task's weights are in place on the engine: the rest of a load under
         way, or a load of its base (a full fine-tuning job's rollouts: of its own weights)."""
@@ -592,13 +754,19 @@ class Simulation:
     def _count(self, direction: str, nbytes: int) -> None:
         self.swaps.bytes[direction] = self.swaps.bytes.get(direction, 0) + nbytes
 
-    def _swap_in(self, shard: _Shard, engine_id: str, now: float) -> float:
+    def _swap_in(self, shard: _Shard, engine_id: str, now: float, first: Sequence[str] = ()) -> float:
         """Make the shard's state resident on this trainer's device; the seconds it costs.
+        ``first``: the jobs that need the device before any other (a shared pass's chunk).
         Evictions and demotions are copies that overlap the next task: counted, not charged."""
         if shard.node is not None and shard.node != engine_id:  # the core keeps a trainer task where its state is
             raise RuntimeError(f"{shard.core_id}: trainer task placed on {engine_id}, its state is on {shard.node}")
         cfg, n = self.cfg, shard.state_bytes
-        moved = self.nodes[engine_id].swap_in(shard.core_id, n, lambda: self.sched.expected(engine_id, now))
+
+        def expected() -> list[str]:
+            order = self.sched.expected(engine_id, now)
+            return [*first, *(j for j in order if j not in first)] if first else order
+
+        moved = self.nodes[engine_id].swap_in(shard.core_id, n, expected)
         for core_id in moved.demoted:
             self._count("host->nvme", self.shard_of[core_id].state_bytes)
             self.sched.state_location(core_id, engine_id, NVME)
@@ -687,6 +855,9 @@ class Simulation:
             outcomes=sorted(self.outcomes, key=lambda o: o.job_id),
             intervals=self.intervals,
             switches=self.switches,
+            train_grouping=self.cfg.train_grouping,
+            trainer_busy_s=sum(b for e, b in self.busy.items() if self.sched.engines[e].kind == TRAINER),
+            passes=self.passes,
         )
 
     def _hold_flush(self, now: float) -> None:

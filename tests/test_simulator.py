@@ -456,3 +456,34 @@ def test_a_full_fine_tuning_job_loads_its_own_weights_before_generating_once_oth
     shared = simulate(two_bases(full=True), "spread", jobs_per_engine=2, config=cfg)
     assert shared.switches.count["rollout full weights"] > 1
     assert "trainer full weights" not in shared.switches.count  # on the trainer they move with its state
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("spread+backfill", (9948.539531341687, 318.9793625537873, 188.17326802221504, 1792, 0, 127325.57364514476)),
+        ("pack, swaps", (16896.025795972382, 247.79194187953502, 188.23988773716198, 1792, 221, 210573.05953808618)),
+    ],
+)
+def test_without_train_grouping_a_replay_is_what_it_was_before_the_option(case, expected):
+    """The figures of these replays before shared passes came to the simulator: with the option
+    off (the default) nothing in a replay changes."""
+    if case == "pack, swaps":
+        r = simulate(burst(), "pack", jobs_per_engine=8, config=SimConfig(device_slots=1, host_gb=4.5))
+    else:
+        r = simulate(burst(), "spread+backfill", jobs_per_engine=4)
+    got = (
+        r.makespan_s,
+        r.gpu_hours,
+        r.busy_gpu_hours,
+        r.tasks,
+        r.swaps.swap_ins,
+        sum(o.finished_s for o in r.outcomes),
+    )
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert not r.train_grouping and r.passes.passes == 0
+    full = simulate(two_bases(full=True), "spread", jobs_per_engine=2, config=SimConfig(macro_steps=4, rollout_slots=1))
+    assert (full.makespan_s, full.switches.count) == (
+        pytest.approx(556.64, rel=1e-12),
+        {"rollout base": 4, "rollout full weights": 4, "trainer base": 1},
+    )
