@@ -1,7 +1,9 @@
 """Benchmark: what the daemon costs one job. The same GRPO loop, on the same engines, run
 
-- ``in-process``: the loop calls a vLLM ``RolloutEngine`` and a torch ``TrainerEngine`` built in
-  its own process (no daemon, no sockets, no serialisation, no scheduler);
+- ``in-process``: the loop's calls go through ``daemon.inproc.InprocClient``: the daemon's core
+  (journal, scheduler, call logic) and a worker's servers around a vLLM ``RolloutEngine`` and a
+  torch ``TrainerEngine`` built in its own process (no daemon process, no sockets, no
+  serialisation, no other process to wait for);
 - ``daemon``: ``plexctl up --local --workers 1`` (both engines in one worker process, as
   in-process) and the job submitted through the CLI (driver process, ZeroMQ, msgpack, the
   scheduler, the state store).
@@ -38,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 from rich.console import Console
 from rich.table import Table
 
@@ -46,7 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
-from plexctl.common import protocol as P  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.spec_files import load_spec  # noqa: E402
 
@@ -152,32 +152,22 @@ class InProcess:
 
     def run(self, overrides: list[str]) -> None:
         """The job's loop, on the calling thread, to its end (or the bench's abort)."""
+        from daemon.inproc import InprocClient
         from plexctl.algos import run_algorithm
-        from plexctl.rl import InprocClient, Job
+        from plexctl.rl import Job
 
         spec = load_spec(CONFIG, overrides, "overhead")
         job_dir = self.metrics.parent
         job_dir.mkdir(parents=True)
-        job = Job(
-            InprocClient(
-                self.rollout,
-                self.trainer,
-                "j0001",
-                job_dir,
-                P.LoraConfig(**msgspec.to_builtins(spec.lora)),
-                spec.seed,
-                before_generate=self.gate.wait,
-            ),
-            spec,
-            job_dir,
-            log=lambda _m: None,
-        )
+        client = InprocClient(self.rollout, self.trainer, spec, job_dir, before_generate=self.gate.wait)
+        job = Job(client, spec, job_dir, log=lambda _m: None)
         try:
             run_algorithm(job)
         except BaseException as exc:  # noqa: BLE001 - raised in the bench's thread by ``done``
             self.error = exc
         finally:
             job.close()
+            client.close()
             self.finished = True
             self.gate.finish()
 

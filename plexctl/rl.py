@@ -7,7 +7,8 @@ loop owns only its control logic, on this module alone:
   ``train_and_publish``, ``checkpoint``, ``restore``; ``*_async`` / ``wait`` to overlap them),
   written once on the typed requests and replies of ``plexctl.common.calls``, over a transport:
   ``JobClient`` (ZeroMQ to the daemon, which schedules each call on a shared engine; it survives
-  a daemon restart) or ``InprocClient`` (engines built in this process, no daemon).
+  a daemon restart) or ``daemon.inproc.InprocClient`` (the daemon's core and engines in the
+  caller's process, for a one-job script).
 * ``Job``: the job as its loop sees it: ``client``, ``spec``, ``prompts`` (a ``PromptCursor``),
   ``rng`` (seeded by ``spec.seed``, saved in checkpoints), ``reward`` (built-ins here, a custom
   ``fn`` in the sandbox pool), ``log``; and helpers that compose the calls: ``rollout`` (generate
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import itertools
 import json
 import os
 import random
@@ -46,9 +46,9 @@ from plexctl.common.atomic import write_bytes_atomic
 from plexctl.common.client import monitor_socket
 from plexctl.common.cluster import endpoint_address, orphan_grace
 from plexctl.common.frames import recv_message, send_frames
-from plexctl.common.jobdir import JobDir, LatestCheckpoint
+from plexctl.common.jobdir import JobDir
 from plexctl.common.protocol import Completion, Sampling, TrainBatch, TrainHParams
-from plexctl.common.spec import JobSpec, LoraSpec
+from plexctl.common.spec import JobSpec
 from plexctl.data import PromptCursor, load_records
 from plexctl.metric_sinks import MetricSinks
 from plexctl.rewards import make_scorer
@@ -62,7 +62,6 @@ __all__ = [
     "CallFailed",
     "Completion",
     "DaemonLost",
-    "InprocClient",
     "Job",
     "JobCancelled",
     "JobClient",
@@ -107,8 +106,8 @@ class CallClient(abc.ABC):
     (send a typed request, return its call id), ``wait`` (that call's typed reply, or
     ``JobCancelled`` / ``CallFailed``), ``report`` and ``close``; the calls a loop makes
     (``generate``, ``train_step``, ``publish`` ...) are written once, here, on the requests and
-    replies of ``plexctl.common.calls``. ``JobClient`` reaches the daemon over ZeroMQ; ``InprocClient``
-    runs the calls on engines in this process."""
+    replies of ``plexctl.common.calls``. ``JobClient`` reaches the daemon over ZeroMQ;
+    ``daemon.inproc.InprocClient`` drives the daemon's core and the engines in this process."""
 
     def __init__(self) -> None:
         self.drain = ""  # why the daemon asked the job to checkpoint and stop (set by a publish's reply)
@@ -329,138 +328,6 @@ class JobClient(CallClient):
     def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
         frames, _ = P.encode(P.Op.REPORT, P.ReportBody(self.job_id, event, step, metrics, message))
         send_frames(self._sock, frames)
-
-
-class InprocClient(CallClient):
-    """The service calls of one job served by engines in this process: no daemon, no socket, no
-    scheduler (what a one-job script does, and the in-process side of ``bench/overhead.py``).
-
-    ``rollout`` has ``generate(list[GenRequest]) -> list[list[Completion]]``; ``trainer`` has the
-    ``TrainerEngine`` methods (``ensure_job``, ``train_step``, ``save_adapter``,
-    ``save_checkpoint``, ``load_checkpoint``). Calls run in the order they are made: trainer calls
-    when sent, a generate when waited on (from the adapter current when it was sent), after
-    ``before_generate`` (a caller's hook, e.g. a benchmark's turn-taking). Adapters and
-    checkpoints are written under ``job_dir`` as the daemon lays them out. ``lora`` None: the job
-    trains every weight, and its generates sample from its own published weights.
-    """
-
-    def __init__(
-        self,
-        rollout: Any,
-        trainer: Any,
-        job_id: str,
-        job_dir: Path,
-        lora: LoraSpec | None,
-        seed: int,
-        before_generate: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self.rollout, self.trainer = rollout, trainer
-        self.job_id, self.job_dir, self.lora, self.seed = job_id, job_dir, lora, seed
-        self.layout = JobDir(job_dir)  # where it publishes and checkpoints, as the daemon does
-        self.before_generate = before_generate or (lambda: None)
-        self.version = 0  # the policy version last published
-        self.adapter: P.AdapterRef | None = None
-        self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[str, Callable[[], C.Reply]]] = {}  # call id -> (method, what ``wait`` runs)
-        self._done: dict[int, C.Reply | BaseException] = {}  # trainer calls, run when sent
-        self.handlers: dict[str, Callable[[Any], Callable[[], C.Reply]]] = {
-            "generate": self._generate,
-            "train_step": self._trainer_call(self._train_step),
-            "publish": self._trainer_call(lambda _req: C.PublishRep(self._publish())),
-            "checkpoint": self._trainer_call(self._checkpoint),
-            "restore": self._trainer_call(self._restore),
-            "forward_backward": self._trainer_call(
-                lambda req: C.ForwardBackwardRep(
-                    **msgspec.structs.asdict(self.trainer.forward_backward(job_id, req.call))
-                )
-            ),
-            "optim_step": self._trainer_call(self._optim_step),
-        }
-        trainer.ensure_job(job_id, lora, seed)
-
-    def call_async(self, request: C.Request, after: int | None = None) -> int:
-        """``after``: nothing to do in one process, where calls run in the order they are made."""
-        call_id = next(self._ids)
-        self.train_calls += request.method == "train_step"
-        self._pending[call_id] = (request.method, self.handlers[C.METHODS[request.method].name](request))
-        return call_id
-
-    def wait(self, call_id: int) -> Any:
-        method, run = self._pending.pop(call_id)
-        try:
-            return run()
-        except Exception as exc:  # noqa: BLE001 - worded as the daemon words a failed call
-            raise CallFailed(f"call_failed: {method} failed: {type(exc).__name__}: {exc}") from None
-
-    def report(self, event: str, step: int, metrics: dict[str, float], message: str = "") -> None:
-        pass
-
-    def _generate(self, req: C.GenerateReq) -> Callable[[], C.Reply]:
-        """Sampled when waited on, from the adapter of now."""
-        gen = P.GenRequest(
-            job_id=self.job_id,
-            prompts=req.prompts,
-            sampling=req.sampling,
-            adapter=self.adapter,
-            prompt_tokens=req.prompt_tokens,
-        )
-        version = self.version
-
-        def run() -> C.Reply:
-            self.before_generate()
-            return C.GenerateRep(self.rollout.generate([gen])[0], version)
-
-        return run
-
-    def _trainer_call(self, handler: Callable[[Any], C.Reply]) -> Callable[[Any], Callable[[], C.Reply]]:
-        """A trainer call runs when sent; ``wait`` returns its reply (or raises its error)."""
-
-        def send(req: C.Request) -> Callable[[], C.Reply]:
-            try:
-                reply = handler(req)
-            except Exception as exc:  # noqa: BLE001 - raised by ``wait``, as a remote failure is
-                error = exc
-
-                def fail() -> C.Reply:
-                    raise error
-
-                return fail
-            return lambda: reply
-
-        return send
-
-    def _optim_step(self, req: C.OptimStepReq) -> C.Reply:
-        result = self.trainer.optim_step(self.job_id, req.calls, req.adam)
-        return C.OptimStepRep(result.metrics, self._publish() if req.publish else 0)
-
-    def _train_step(self, req: C.TrainStepReq) -> C.Reply:
-        metrics = self.trainer.train_step(self.job_id, req.batch, req.hp)
-        return C.TrainStepRep(metrics, self._publish() if req.publish else 0)
-
-    def _publish(self) -> int:
-        self.version += 1
-        out = self.layout.adapter(self.version)
-        self.trainer.save_adapter(self.job_id, str(out))
-        self.adapter = P.AdapterRef(self.job_id, self.version, str(out), full=self.lora is None)
-        return self.version
-
-    def _checkpoint(self, req: C.CheckpointReq) -> C.Reply:
-        out = self.layout.checkpoint(req.step)
-        self.trainer.save_checkpoint(self.job_id, str(out), req.extra)
-        self.layout.write_latest(LatestCheckpoint(dir=str(out), step=req.step, policy_version=self.version))
-        return C.CheckpointRep(str(out))
-
-    def _restore(self, req: C.RestoreReq) -> C.Reply:
-        if req.ckpt_dir:
-            extra = self.trainer.load_checkpoint(self.job_id, req.ckpt_dir, self.lora, self.seed, req.weights_only)
-            return C.RestoreRep(extra)
-        latest = self.layout.latest_checkpoint()
-        if latest is None:
-            return C.RestoreRep(None)
-        self.version = max(self.version, latest.policy_version)
-        extra = self.trainer.load_checkpoint(self.job_id, latest.dir, self.lora, self.seed, req.weights_only)
-        return C.RestoreRep(extra)
 
 
 # ---------------------------------------------------------------- a step's samples

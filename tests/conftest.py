@@ -155,6 +155,7 @@ MARKS = {
         "test_tinker_server.py",
         "test_train_passes_e2e.py",
         "test_wheel.py",
+        "test_inproc.py",
     },
 }
 

@@ -1,6 +1,6 @@
 """The layout of a job's directory (``<state>/jobs/<job id>/``): every name in it, spelled once.
 
-``JobDir`` owns the paths the daemon, its server and the job library's in-process client write
+``JobDir`` owns the paths the daemon, its server and ``daemon.inproc``'s in-process client write
 and read there: the published policies (``adapters/v000012``), the checkpoints
 (``ckpt/step-000040``) and ``ckpt/latest.json`` naming the newest, and the files kept beside
 them (the spec, the uploaded inputs, the driver's log, pid and exit code, the metrics, a jailed
