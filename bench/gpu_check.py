@@ -10,8 +10,14 @@ against raw copies), ``peer`` (the same step in plain transformers + peft: token
 trainer/peer ratio), ``rollout`` and ``sleep_wake`` (vLLM; skipped with the reason where it does
 not import or, for sleep mode, without CUDA), ``weights`` (a whole-model load).
 
+The trainer's speed levers (``docs/gpu.md``) are flags, recorded in the ``trainer`` part:
+``--length-buckets`` (with ``--ragged`` rows of mixed lengths, the only batches it changes; the
+padded tokens with and without it are recorded), ``--checkpoint-scope``, ``--compile-layers``;
+``--parts`` runs a subset (``trainer`` alone: a lever's A/B in a minute).
+
 Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``). ``--quick``
-runs the same code paths at a tiny shape on CPU in seconds (``--device cpu``).
+runs the same code paths at a tiny shape on CPU in seconds (``--device cpu``; ``--rows`` and
+``--seq`` given beside it are kept).
 """
 
 from __future__ import annotations
@@ -157,15 +163,29 @@ def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, ex
     return {"options": options, **build_engines(args, kinds, options, str(model))}
 
 
-def grpo_batch(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> TrainBatch:
+def grpo_batch(rows: int, seq: int, prompt: int, vocab: int, seed: int, ragged: bool = False) -> TrainBatch:
+    """``rows`` rows of ``seq`` tokens, the first ``prompt`` untrained; ``ragged``: each row's
+    completion cut to a length drawn uniformly from 1 to ``seq - prompt`` (rollouts that stop
+    early), the rows in no order."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, seq), generator=g).tolist()
-    mask = [[0] * prompt + [1] * (seq - prompt) for _ in range(rows)]
-    old = [[0.0] * prompt + [-12.0] * (seq - prompt) for _ in range(rows)]
+    lengths = torch.randint(prompt + 1, seq + 1, (rows,), generator=g).tolist() if ragged else [seq] * rows
+    ids = [row[:n] for row, n in zip(ids, lengths)]
+    mask = [[0] * prompt + [1] * (n - prompt) for n in lengths]
+    old = [[0.0] * prompt + [-12.0] * (n - prompt) for n in lengths]
     adv = (torch.randn(rows, generator=g)).tolist()
     return TrainBatch(input_ids=ids, loss_mask=mask, old_logprobs=old, advantages=adv)
+
+
+def padded_tokens(lengths: list[int], order: list[int] | None, micro_batch_tokens: int | None) -> int:
+    """Padded tokens of ``lengths`` cut into micro-batches in ``order`` (None: as they come)."""
+    from worker.train_batches import micro_batch_bounds
+
+    ordered = [lengths[i] for i in order] if order is not None else lengths
+    bounds = micro_batch_bounds(ordered, None, micro_batch_tokens)
+    return sum((stop - start) * max(ordered[start:stop]) for start, stop in bounds)
 
 
 def sync() -> None:
@@ -192,20 +212,36 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
             "4",
             "--gradient-checkpointing",
             a.gradient_checkpointing,
+            *(["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []),
         ],
     )
     store, options = engines["trainer"], engines["options"]
     ctx["store"] = store
     trainer = store.trainer
+    from worker.train_batches import length_order
+
+    trainer.length_buckets = a.length_buckets == "on"
+    compile_backend = None if a.compile_layers == "off" else a.compile_layers
+    if a.checkpoint_scope != "layer" or compile_backend is not None:
+        trainer.set_layer_options(trainer.gradient_checkpointing, a.checkpoint_scope, compile_backend)
     result.update(
         device=options.device,
         dtype=options.dtype,
         micro_batch_tokens=options.micro_batch_tokens,
         gradient_checkpointing=bool(getattr(trainer, "gradient_checkpointing", False)),
+        checkpoint_scope=trainer.checkpoint_scope,
+        compile_layers=trainer.compile_layers,
+        length_buckets=trainer.length_buckets,
+        ragged=a.ragged,
     )
     lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
-    batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0)
-    result.update(rows=a.rows, seq=a.seq, vocab=ctx["vocab"], lora_rank=32)
+    batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0, ragged=a.ragged)
+    lengths = [len(row) for row in batch.input_ids]
+    order = length_order(lengths, None, options.micro_batch_tokens)
+    result.update(rows=a.rows, seq=a.seq, vocab=ctx["vocab"], lora_rank=32, tokens=sum(lengths))
+    result["padded_tokens_in_order"] = padded_tokens(lengths, None, options.micro_batch_tokens)
+    result["padded_tokens_bucketed"] = padded_tokens(lengths, order, options.micro_batch_tokens)
+    result["padded_tokens"] = result["padded_tokens_bucketed" if trainer.length_buckets else "padded_tokens_in_order"]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -219,7 +255,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         result["loss"] = metrics["loss"]
     result["step_seconds"] = times
     result["step_seconds_warm"] = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    result["tokens_per_second"] = a.rows * a.seq / result["step_seconds_warm"]
+    result["tokens_per_second"] = sum(lengths) / result["step_seconds_warm"]  # real tokens, not padding
     result["model_flops_per_token"] = model_flops_per_token(ctx["shape"], a.seq)
     put_mfu(result, result["tokens_per_second"], ctx)
     from plexctl.common.memplan import JobShape, trainer_step
@@ -572,8 +608,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rows", type=int, default=None, help="rows per step (64; --quick: 4)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per row (1024; --quick: 64)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--swap-rounds", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=64)
@@ -582,9 +618,17 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the model's shape (random weights)")
     ap.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--budget-s", type=float, default=420.0, help="parts not begun by then are skipped")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="the worker's (default: its own)")
+    ap.add_argument("--ragged", action="store_true", help="the trainer's rows of mixed lengths (see grpo_batch)")
+    ap.add_argument("--length-buckets", choices=["on", "off"], default="off", help="the trainer's rows cut by length")
+    ap.add_argument("--checkpoint-scope", choices=["layer", "mlp", "attn"], default="layer")
+    ap.add_argument("--compile-layers", default="off", help="torch.compile backend of the decoder layers (inductor)")
+    ap.add_argument("--parts", default=None, help="comma-separated parts to run (default: all, in order)")
     a = ap.parse_args()
     if a.quick:
-        a.rows, a.seq, a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 4, 64, 2, 2, 4, 8, "1G"
+        a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 2, 2, 4, 8, "1G"
+    a.rows = a.rows or (4 if a.quick else 64)
+    a.seq = a.seq or (64 if a.quick else 1024)
     shape = QUICK if a.quick else SHAPES[a.shape]
     results: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -632,6 +676,12 @@ def main() -> int:
         ("weights", part_weights),
         ("sleep_wake", part_sleep_wake),
     ]
+    if a.parts:
+        wanted = a.parts.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in parts})
+        if unknown:
+            ap.error(f"--parts: no part {', '.join(unknown)}")
+        parts = [(name, part) for name, part in parts if name in wanted]
     try:
         began = t0 = time.perf_counter()
         cuda = a.device == "cuda" and "gpu" in results

@@ -5,6 +5,9 @@ micro-batches trimmed to their own longest row.
 
 ``micro_batch_bounds`` cuts a batch, rows in order, into micro-batches of at most so many rows
 and so many padded tokens (rows x the micro-batch's longest row); pure, tested without a model.
+``length_order`` is the order that buckets rows by length before the cut (longest first,
+stable, within each span of rows that must stay together), so a micro-batch pads only to its
+own longest row; ``permute_rows`` applies it, and the caller puts per-row results back.
 Whether a micro-batch's activations are checkpointed is the memory plan's decision
 (``plexctl.common.memplan.worker_step``), not this module's."""
 
@@ -129,6 +132,36 @@ def micro_batch_bounds(lengths: list[int], max_rows: int | None, max_tokens: int
     if lengths:
         bounds.append((start, len(lengths)))
     return bounds
+
+
+def length_order(
+    lengths: list[int],
+    max_rows: int | None,
+    max_tokens: int | None,
+    spans: list[tuple[int, int]] | None = None,
+) -> list[int] | None:
+    """The rows' order for micro-batches of like lengths: longest first (rows of one length keep
+    their order), each of ``spans`` ([start, stop), covering the batch; None: one span) sorted
+    within itself and kept in place. None where bucketing would change nothing: the batch is
+    one micro-batch as it stands, or already in that order."""
+    if len(micro_batch_bounds(lengths, max_rows, max_tokens)) <= 1:
+        return None
+    order = []
+    for start, stop in spans or [(0, len(lengths))]:
+        order.extend(sorted(range(start, stop), key=lambda i: -lengths[i]))
+    return None if order == list(range(len(lengths))) else order
+
+
+def permute_rows(rows: Rows, order: list[int]) -> Rows:
+    """``rows`` in ``order`` (row i of the result is row ``order[i]``), still padded to the
+    batch's longest row."""
+    index = torch.tensor(order, dtype=torch.long, device=rows.input_ids.device)
+    return Rows(
+        rows.input_ids[index],
+        rows.attention_mask[index],
+        rows.loss_mask[index],
+        [rows.lengths[i] for i in order],
+    )
 
 
 def slice_rows(rows: Rows, start: int, stop: int) -> Rows:

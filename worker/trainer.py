@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import (
@@ -52,6 +51,8 @@ from worker.checkpoint_files import (
     write_dir_atomically,
     write_file,
 )
+from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
+from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.errors import CheckpointError
 from worker.host_arena import HostArena, HostMemoryError
 from worker.state_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
@@ -66,6 +67,7 @@ __all__ = ["DTYPES", "FULL_WEIGHTS_FILE", "PARKED_ADAPTERS_MAX", "TrainerEngine"
 log = logging.getLogger(__name__)
 
 FULL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tuning job's published weights (model parameter names)
+LENGTH_BUCKETS = False  # ``TrainerEngine(length_buckets=...)``: off while a GPU A/B is pending (docs/gpu.md)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -89,12 +91,19 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         micro_batch_tokens: int | None = None,
         logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
         gradient_checkpointing: bool = False,
+        checkpoint_scope: str = "layer",
+        compile_layers: str | None = None,
+        length_buckets: bool = LENGTH_BUCKETS,
     ) -> None:
         """``dtype``: the base weights' (bfloat16 / float16 engines also compute under autocast;
         adapters and AdamW stay float32). ``micro_batch_rows`` / ``micro_batch_tokens``: a
         forward/backward takes at most so many rows / padded tokens (None: no limit).
         ``logprob_chunk_tokens``: positions whose logits exist at once. ``gradient_checkpointing``:
-        the decoder layers recompute their activations in the backward."""
+        the decoder layers recompute their activations in the backward; ``checkpoint_scope``
+        which: ``"layer"`` (whole layers), ``"mlp"`` or ``"attn"`` (that part of each layer,
+        ``worker.decoder_layers``). ``compile_layers``: the ``torch.compile`` backend the decoder
+        layers run under (``"inductor"``; None: eager). ``length_buckets``: a batch of several
+        micro-batches is cut with its rows ordered by length (``worker.train_batches.length_order``)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
@@ -108,14 +117,14 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.micro_batch_rows = micro_batch_rows
         self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk_tokens = logprob_chunk_tokens
-        self.gradient_checkpointing = gradient_checkpointing
+        self.length_buckets = length_buckets
         self._torch_dtype = DTYPES[dtype]
-        self._base = _load_base_model(model_path, self._torch_dtype, self.device, gradient_checkpointing)
+        self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names
-        # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
-        self._checkpointed_layers = [
-            m for m in self._base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
-        ]
+        self.gradient_checkpointing, self.checkpoint_scope, self.compile_layers = False, "layer", None
+        self._checkpointed_layers: list[torch.nn.Module] = []
+        self._layers_rewired = False  # a scope's wrappers or compiled layers are in place (not undone)
+        self.set_layer_options(gradient_checkpointing, checkpoint_scope, compile_layers)
         self._peft = None  # created with the first job's adapter
         self._jobs = {}
         self._cuda = self.device.type == "cuda"
@@ -130,6 +139,36 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
         self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
+
+    def set_layer_options(
+        self, gradient_checkpointing: bool, checkpoint_scope: str = "layer", compile_layers: str | None = None
+    ) -> None:
+        """How the decoder layers run (the constructor's options of those names). Whole-layer
+        checkpointing may be switched on and off; a part's checkpointing or compiled layers are
+        set once (``RuntimeError`` after that), before or after the first job."""
+        if checkpoint_scope not in CHECKPOINT_SCOPES:
+            raise ValueError(f"checkpoint_scope must be one of {CHECKPOINT_SCOPES}, got {checkpoint_scope!r}")
+        selective = gradient_checkpointing and checkpoint_scope != "layer"
+        if self._layers_rewired and (selective or compile_layers is not None):
+            raise RuntimeError("a trainer's checkpoint scope and compiled layers are set once")
+        whole = gradient_checkpointing and checkpoint_scope == "layer"
+        model: Any = self._base  # a transformers PreTrainedModel
+        if whole:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # non-reentrant checkpoints reach the adapters inside a layer without a grad-requiring
+            # input: the embeddings' hook transformers adds would only extend the backward
+            model.disable_input_require_grads()
+        elif model.is_gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        if selective:
+            checkpoint_submodules(self._base, checkpoint_scope)
+        if compile_layers is not None:
+            compile_decoder_layers(self._base, compile_layers)
+        self._layers_rewired = self._layers_rewired or selective or compile_layers is not None
+        self.gradient_checkpointing, self.checkpoint_scope = gradient_checkpointing, checkpoint_scope
+        self.compile_layers = compile_layers or self.compile_layers
+        # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
+        self._checkpointed_layers = [m for m in decoder_layers(self._base) if whole]
 
     # ------------------------------------------------------------ taking turns with other bases
 
@@ -295,19 +334,12 @@ class TrainerEngine(TokenLossMath, TrainingMath):
 # ---------------------------------------------------------------- model helpers
 
 
-def _load_base_model(
-    model_path: str, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool
-) -> torch.nn.Module:
+def _load_base_model(model_path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     check_plain_head(model.config)
     model.to(device)  # type: ignore[arg-type]  # transformers' functools.wraps on .to
     model.eval()
     model.requires_grad_(False)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # non-reentrant checkpoints reach the adapters inside a layer without a grad-requiring
-        # input: the embeddings' hook transformers adds would only extend the backward
-        model.disable_input_require_grads()
     return model
 
 

@@ -11,7 +11,10 @@ and micro-batching in ``worker.train_batches``.
 
 Invariants. A step runs in micro-batches of at most ``micro_batch_rows`` rows and
 ``micro_batch_tokens`` padded tokens, with the loss weights computed over the whole batch first,
-so the micro-batches' gradients add up to the batch's; no batch's full logits ever exist (fp32
+so the micro-batches' gradients add up to the batch's; with ``length_buckets`` a batch of more
+than one micro-batch is cut with its rows ordered by length (``length_order``; each job's rows
+in a group kept together), every per-row input permuted alike and every per-row result put back
+in the batch's order, so only the float summation order changes; no batch's full logits ever exist (fp32
 log-softmax ``logprob_chunk_tokens`` positions at a time). Only the job's adapter is active and
 trainable during its call; a job with LoRA dropout runs on its own saved RNG stream. So a job's
 update is bit-for-bit (on CPU) the one it would get alone on the engine. A bfloat16 / float16
@@ -41,6 +44,7 @@ from peft.tuners.lora import LoraLayer
 
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.user_code import import_object
+from worker.decoder_layers import keep_adapters_eager
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
 from worker.loss_terms import (
     MetricSums,
@@ -56,9 +60,11 @@ from worker.train_batches import (
     check_batch,
     check_hparams,
     check_token_rows,
+    length_order,
     micro_batch_bounds,
     pad_old_logprobs,
     pad_rows,
+    permute_rows,
     slice_rows,
 )
 from worker.trainer_slots import JobSlots, JobState, store_rng
@@ -71,6 +77,8 @@ class TrainingMath(JobSlots):
     micro_batch_rows: int | None
     micro_batch_tokens: int | None
     logprob_chunk_tokens: int
+    length_buckets: bool
+    compile_layers: str | None
     _torch_dtype: torch.dtype
     _checkpointed_layers: list[torch.nn.Module]
     _user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]]
@@ -114,13 +122,22 @@ class TrainingMath(JobSlots):
         job = self._job(job_id)
         check_token_rows(input_ids, loss_mask)
         rows = pad_rows(input_ids, loss_mask, self.device)
+        order = self._length_order(rows.lengths)
+        if order is not None:
+            rows = permute_rows(rows, order)
         model = self._activate(job, train=False)
         columns: list[torch.Tensor] = []
         with torch.no_grad(), self._job_weights(job, grad=False), self._forward_context():
             for _, _, part in self._micro_batches(rows):
                 logp, _ = self._token_logprobs(model, part)
                 columns.extend(logp.cpu())
-        return [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
+        out = [[0.0] + col[: n - 1].tolist() for col, n in zip(columns, rows.lengths)]
+        if order is None:
+            return out
+        in_order: list[list[float]] = [[] for _ in out]
+        for at, row in zip(order, out):
+            in_order[at] = row
+        return in_order
 
     def _activate(self, job: JobState, train: bool) -> torch.nn.Module:
         """Make the job's adapter the only active (and trainable) one; set train/eval mode. A
@@ -167,6 +184,12 @@ class TrainingMath(JobSlots):
                 base.grad = None
                 base.requires_grad_(False)
 
+    def _length_order(self, lengths: list[int], spans: list[tuple[int, int]] | None = None) -> list[int] | None:
+        """The order the batch's rows are cut in (``length_order``); None: as they come."""
+        if not self.length_buckets:
+            return None
+        return length_order(lengths, self.micro_batch_rows, self.micro_batch_tokens, spans)
+
     def _micro_batches(self, rows: Rows) -> Iterator[tuple[int, int, Rows]]:
         """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch."""
         for start, stop in micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens):
@@ -182,6 +205,8 @@ class TrainingMath(JobSlots):
             if self._torch_dtype != torch.float32
             else contextlib.nullcontext()
         )
+        if self.compile_layers is not None:
+            keep_adapters_eager(self._peft if self._peft is not None else self._base)
         layers = self._checkpointed_layers if torch.is_grad_enabled() else []
         modes = [layer.training for layer in layers]
         for layer in layers:
@@ -282,6 +307,10 @@ class TrainingMath(JobSlots):
         advantages = torch.tensor(
             [a for batch, _ in work for a in batch.advantages], dtype=torch.float32, device=self.device
         )
+        order = self._length_order(rows.lengths, spans)  # each job's rows stay within its span
+        if order is not None:
+            rows = permute_rows(rows, order)
+            old_all, weight_all, advantages = (t[order] for t in (old_all, weight_all, advantages))
         sums = [MetricSums() for _ in jobs]
         assert self._peft is not None
         for job in jobs:
@@ -342,6 +371,10 @@ class TrainingMath(JobSlots):
         tokens = int(rows.loss_mask.sum().item())
         if tokens == 0:
             raise BatchError("batch has no trainable token (loss_mask is all 0 after the first column)")
+        order = self._length_order(rows.lengths)  # after the weights: they are the batch's, row for row
+        if order is not None:
+            rows = permute_rows(rows, order)
+            old_logprobs, advantages, weights = (t[order] for t in (old_logprobs, advantages, weights))
         job.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
         with self._job_rng(job):
