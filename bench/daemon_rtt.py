@@ -1,31 +1,19 @@
 """Benchmark: the daemon's own overhead, a no-op call's round trip and messages per second.
 
-Starts a real daemon with no workers in a temporary state directory (``python -m daemon.main
---state-dir DIR``, the way ``plexctl up`` does), finds it through ``DIR/endpoint.json`` and
-measures on loopback:
+Starts a real daemon with no workers in a temporary state directory (as ``plexctl up`` does) and
+measures on loopback, CURVE on: the round trip of one PING at a time (p50 / p90 / p99 / max;
+target p50 < 1 ms) and the replies per second of ``--clients`` DEALER sockets over ``--procs``
+client processes, ``--depth`` PINGs in flight each (target >= 20,000/s), with the daemon's CPU
+seconds per message. PING is the no-op: its handler only reads in-memory counters. When a target
+is missed (or with ``--profile``), the same load runs against a daemon in this process under
+cProfile and the functions that take its time are printed. Method: ``docs/benchmarks.md``.
 
-- round trip: one ``plexctl.common.client.Client`` sends PING and waits for the Pong, one request
-  at a time; p50 / p90 / p99 / max after a warm-up. Target: p50 < 1 ms.
-- messages per second: ``--clients`` DEALER sockets (default 100), spread over ``--procs``
-  client processes (default: all cores but one, which is left to the daemon), each socket
-  keeping ``--depth`` PINGs in flight (a new one is sent for every reply); replies counted
-  over a fixed window, the best of a few windows reported (on a machine shared with other
-  processes, slower windows measure the neighbours). Target: >= 20,000 replies/s. The
-  daemon's CPU seconds over the window (from ``/proc``) give its CPU cost per message, a
-  figure that does not depend on how many cores the clients or the neighbours took.
-
-The no-op is PING: the protocol has no dedicated no-op request, and PING's handler only
-reads in-memory counters and answers a small ``Pong``. When a target is missed (or with
-``--profile``), the same load is run against a daemon built in this process under
-cProfile, and the functions that take its time are printed; the daemon is not changed.
-
-What it deliberately does not do: no workers, jobs or service calls (those are the other
-benchmarks), no remote hosts (loopback only); CURVE on, as in every cluster. Clients share this machine's cores
-with the daemon, so the throughput is this machine's, clients included.
+It deliberately runs no workers, jobs or service calls (the other benchmarks do) and no remote
+hosts; the clients share this machine's cores with the daemon, so the throughput is this
+machine's, clients included.
 
 Usage: ``python bench/daemon_rtt.py [--quick] [--clients N] [--procs N] [--depth N] [--profile]
-[--out FILE]``; writes
-``bench/results/daemon.json`` (``daemon-quick.json`` with ``--quick``).
+[--out FILE]``; writes ``bench/results/daemon.json`` (``daemon-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,22 @@
 """Benchmark: the same mixed set of tiny jobs run ``isolated`` and shared, in one run.
 
-Each mode starts its own local cluster of one rollout engine and one trainer engine (real
-vLLM on CPU, real torch + peft) and submits the same jobs (``JOBS``: four shapes, three with
-``--quick``):
+Each mode starts its own local cluster of one rollout engine and one trainer engine (real vLLM on
+CPU, real torch + peft) and submits the same jobs (``JOBS``: four shapes, three with ``--quick``):
+``isolated``, every job owns the engine pair while it runs, so jobs queue; ``spread+backfill``
+(shared), all jobs at once on the same pair. The trainer's ``--device-slots`` and ``--host-mem``
+are small, so sharing swaps states device <-> host <-> NVMe. ``--case mixed`` (``MIXED``) runs
+jobs on two bases, one of them full fine-tuning.
 
-- ``isolated``: every job owns the engine pair while it runs (today's frameworks), so jobs
-  queue; each job is billed 2 engines x its own run time;
-- ``spread+backfill`` (shared): all jobs at once on the same pair; billed 2 engines x the
-  makespan.
-
-The trainer keeps ``--device-slots`` jobs' state on its device (default half the jobs) and
-``--host-mem`` of swapped-out state in host memory (default 512K: one tiny job's state), so
-sharing swaps states device <-> host <-> NVMe.
-
-Reported per mode: engine-seconds per effective training step, makespan, bubble ratio (idle
-share of engine time while jobs ran), each job's reward curve, the trainer's swap counters
-and the share of swap time hidden behind other jobs' compute (``swap_summary``), and the CPU
-seconds of the cluster's processes (``cluster_cpu_s``); then the shared / isolated ratios and
-how far each job's per-step reward curve moved between the modes (the same seeds give the
-same samples, so a correct runtime gives identical curves). Method: ``docs/benchmarks.md``.
-
-``--case mixed``: two bases and full fine-tuning (``MIXED``): both clusters serve tiny-arith and
-tiny-llama (each worker an engine of its kind per model); a LoRA and a full fine-tuning job on
-tiny-arith and two LoRA jobs on tiny-llama. ``isolated`` then runs the jobs one after another (each
-has the workers to itself). Both cases bill the workers (the devices), not the engines on them.
+Reported per mode: engine-seconds per effective training step, makespan, bubble ratio, each job's
+reward curve, the trainer's swap counters and the hidden share of swap time (``swap_summary``), and
+the CPU seconds of the cluster's processes (``cluster_cpu_s``); then the shared / isolated ratios
+and how far each job's per-step reward curve moved between the modes (a correct runtime gives
+identical curves). Method and billing: ``docs/benchmarks.md``.
 
 Usage: ``python bench/multiplex.py [--case classic|mixed] [--quick] [--steps N] [--repeat N]
 [--device-slots N] [--host-mem SIZE]`` (``--repeat``: the modes alternate N times and the median
-pair is reported: shared machines are noisy); writes ``bench/results/multiplex.json``
-(``multiplex-mixed.json`` for the mixed case, ``-quick`` with ``--quick``).
+pair is reported); writes ``bench/results/multiplex.json`` (``multiplex-mixed.json`` for the
+mixed case, ``-quick`` with ``--quick``).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Benchmark: what the daemon costs one job. The same GRPO loop, on the same engines, run
 
-- ``in-process``: the loop's calls go through ``daemon.inproc.InprocClient``: the daemon's core
-  (journal, scheduler, call logic) and a worker's servers around a vLLM ``RolloutEngine`` and a
-  torch ``TrainerEngine`` built in its own process (no daemon process, no sockets, no
-  serialisation, no other process to wait for);
-- ``daemon``: ``plexctl up --local --workers 1`` (both engines in one worker process, as
-  in-process) and the job submitted through the CLI (driver process, ZeroMQ, msgpack, the
-  scheduler, the state store).
+- ``in-process``: the loop's calls go through ``daemon.inproc.InprocClient``, the daemon's core and
+  a worker's servers built in this process (no daemon process, no sockets, no serialisation);
+- ``daemon``: ``plexctl up --local --workers 1`` and the job submitted through the CLI (driver
+  process, ZeroMQ, msgpack, the scheduler, the state store).
 
-Both modes run ``configs/tiny-arith.yaml`` with the same seed for ``--steps`` steps, as two
-jobs that take turns of ``--block`` steps: while one runs, the other waits (the in-process
-loop before its next generate, the daemon job's driver stopped with ``SIGSTOP``), so both meet
-the machine's slow and fast spells alike. Shared machines are noisy: runs of the same mode a
-minute apart differ by 10-30 % here, in spells of seconds to minutes; turns of about 1.5 s keep
-a spell from landing on one mode only. A step counts when it starts at least ``--settle``
-seconds after its turn began (what the other mode left in flight is done by then) and ends
-inside its turn; the first ``--warmup`` steps of each job (start-up, first compilations) do
-not count. Reported: each mode's median step time and ``overhead = daemon / in-process - 1``
-of those (target <= 5 %); each mode's median generate, train and rest-of-step time; each
-pair of adjacent turns' own ratio; and whether both jobs' per-step rewards are identical
-(they should be: same samples, same updates).
+Both modes run ``configs/tiny-arith.yaml`` with the same seed for ``--steps`` steps, as two jobs
+that take turns of ``--block`` steps (the other one paused meanwhile), so both meet the machine's
+slow and fast spells alike; a step counts from ``--settle`` seconds into its turn, after
+``--warmup`` steps. Reported: each mode's median step time and
+``overhead = daemon / in-process - 1`` (target <= 5 %); each mode's median generate, train and
+rest-of-step time; adjacent turns' own ratios; and whether both jobs' per-step rewards are
+identical (same samples, same updates). Method: ``docs/benchmarks.md``.
 
 Usage: ``python bench/overhead.py [--quick] [--steps N] [--block N] [--set KEY=VALUE]``; writes
 ``bench/results/overhead.json`` (``overhead-quick.json`` with ``--quick``).

@@ -3,26 +3,23 @@
 One real local cluster (``plexctl up --local``: the daemon, a vLLM rollout worker and a torch
 trainer worker on the tiny model) runs the demo's two jobs (``configs/tiny-arith.yaml`` and
 ``configs/tiny-arith-b.yaml``, ``--steps`` steps each, no evaluation, no periodic checkpoint)
-again and again, in phases one after the other: ``baseline-1``, ``load-1``, ``baseline-2``, ...,
-``load-N``, ``baseline-N+1`` (``--rounds N``; 2, or 1 with ``--quick``). In a ``load`` phase,
-``--procs`` client processes call status at ``--rate`` calls/s in all (default 1,000/s) from
-just before the jobs are submitted until both have ended; in a ``baseline`` phase nothing does.
-Each load phase is compared with the baselines right before and after it; the baselines'
-spread (``control_ratio``: slowest / fastest) is the noise floor.
+again and again, in phases: ``baseline-1``, ``load-1``, ..., ``load-N``, ``baseline-N+1``
+(``--rounds N``; 2, or 1 with ``--quick``). In a ``load`` phase, ``--procs`` client processes (each
+a user's ``plexctl status`` loop, paced open-loop) call status at ``--rate`` calls/s in all
+(default 1,000/s) from just before the jobs are submitted until both have ended. Each load phase
+is compared with the baselines right before and after it; their spread (``control_ratio``:
+slowest / fastest) is the noise floor.
 
-Each client is a user's ``plexctl status`` loop (a real ``plexctl.common.client.Client`` with this
-user's CURVE key), one call at a time, alternating ``status()`` and ``status(NAME)``, paced
-open-loop: latency counts from when a call was due; no reply within ``--timeout`` is a timeout.
-
-Reported: status calls offered and served, latency percentiles, errors and timeouts; each
-job's step time per phase (after ``--warmup`` steps) and its parts; whether every phase's
-per-step rewards equal the first's; the daemon's and the clients' CPU; the step time ratio
-under load against the bound ``C / (C - L)`` (``cpu_bound``: status calls cost the jobs no
-more than the CPU they take) and ``FIXED_BOUND``. Method: ``docs/benchmarks.md``. It does
-not send other requests than status, run remote clients or run more than two jobs.
+Reported: status calls offered and served, latency percentiles, errors and timeouts (no reply
+within ``--timeout``); each job's step time per phase (after ``--warmup`` steps) and its parts;
+whether every phase's per-step rewards equal the first's; the daemon's and the clients' CPU; the
+step time ratio under load against ``cpu_bound`` (``C / (C - L)``) and ``FIXED_BOUND``. Method:
+``docs/benchmarks.md``. It sends no other requests than status, runs no remote clients and no
+more than two jobs.
 
 Usage: ``python bench/status_load.py [--quick] [--steps N] [--rounds N] [--rate R] [--procs N]
-[--timeout S] [--out FILE]``; writes ``bench/results/status_load.json`` (``status_load-quick.json`` with ``--quick``).
+[--timeout S] [--out FILE]``; writes ``bench/results/status_load.json``
+(``status_load-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,24 @@
 """Benchmark: trainer-state swap throughput through each tier, against the raw hardware.
 
-A job's trainer state moves between three tiers (``worker/state_store.py``): the device (live
-in the ``TrainerEngine``), host memory (a ``JobStateCopy``) and NVMe (the store's checksummed
-copy directory). This script moves real states of several sizes through a real ``StateStore``
-with the calls the worker makes (``ensure_resident``, ``prefetch``, ``set_upcoming``;
-``SwapCycle``) and reads each move's seconds from the store's own swap counters
-(``swap_stats``); in the same run, interleaved, on the same sizes, it times the raw operation
-underneath each path: device->host and host->device against a memcpy (on CUDA a pinned copy),
-host->nvme against a write + ``fdatasync`` of one file, nvme->host against a cold read of it.
+A job's trainer state moves between three tiers (``worker/state_store.py``): the device, host
+memory and NVMe. This script moves real states of several sizes through a real ``StateStore``
+with the calls the worker makes (``SwapCycle``), reads each move's seconds from the store's own
+counters (``swap_stats``), and in the same run, interleaved, on the same sizes, times the raw
+operation under each path (a memcpy, on CUDA a pinned copy; a file write + ``fdatasync``; a cold
+read), on the same memory as the store's move (``SameMemory``) and on the bench's own buffers.
+Every timed unit starts with the CPU caches flushed (``CacheFlush``), every read is cold, every
+figure is the median of as many interleaved runs (``Samples``). Target: every path at >= 80 % of
+its raw figure on the same memory.
 
-Each path is held against the raw operation on the same memory as the store's move
-(``SameMemory``) and, beside it, on the bench's own buffers; a raw file figure is the best of
-buffered and O_DIRECT I/O. Every timed unit starts with the CPU caches flushed (``CacheFlush``),
-every read is cold, every figure is the median of as many interleaved runs (``Samples``).
+Sizes: ``adapter`` (the tiny job's own state), then ``SIZES`` (``SIZES_QUICK`` with ``--quick``):
+LoRA states of 0.5B- and 7B-class models and larger, reached by raising the LoRA rank on the tiny
+model; then ``WHOLE_MODEL_SIZES`` (``--model-scale`` multiplies them): full fine-tuning states
+moved by the store's copy machinery (``worker.state_copy``, ``worker.copy_files``;
+``WholeModelCycle``), not by the trainer and the store's policy. Method and history:
+``docs/benchmarks.md``.
 
-Sizes: ``adapter``, the tiny job's own state (~0.4 MB), then ``SIZES`` (``SIZES_QUICK`` with
-``--quick``): a rank-8 q/v LoRA of a 0.5B- and a 7B-class model with its AdamW moments (6 and
-48 MiB), 128 MiB and 1 GiB, reached by raising the LoRA rank on the tiny model, so the bytes
-take the code a real state takes. Target: every path at >= 80 % of its raw figure on the same
-memory. Also reported: the hidden share of swap time in ``bench/results/multiplex.json``.
-
-Whole-model sizes (``WHOLE_MODEL_SIZES``, 512 MiB and 2 GiB; ``--model-scale`` multiplies them,
-``--quick`` runs one of 32 MiB): a full fine-tuning job's state as a whole-model state is laid
-out (each tensor's bf16 weights, fp32 master and two fp32 AdamW moments, Qwen2.5-0.5B's layer
-shapes), moved device -> host -> nvme -> host -> device by the copy machinery the store moves
-states with (``worker.state_copy``: one flat buffer from a ``BufferPool`` over a ``HostArena``;
-``worker.copy_files``: ``write_copy`` / ``read_copy``, checksummed, O_DIRECT where it works)
-beside the same raw figures. The trainer does not hold such states yet, so these rows time the
-copies, not ``export_state`` / ``import_state`` and the store's policy (``WholeModelCycle``).
-Method and history: ``docs/benchmarks.md``.
-
-Usage: ``python bench/swap.py [--quick] [--out FILE] [--nvme-dir DIR] [--reps N] [--threads N]``; writes
-``bench/results/swap.json`` (``swap-quick.json`` with ``--quick``).
+Usage: ``python bench/swap.py [--quick] [--out FILE] [--nvme-dir DIR] [--reps N] [--threads N]``;
+writes ``bench/results/swap.json`` (``swap-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations

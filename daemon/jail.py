@@ -1,33 +1,23 @@
 """The isolated driver: a job of a user the cluster does not trust runs held to that user's rights.
 
-What it owns: ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal``
-(why it cannot, or ""), ``runs_as`` / ``account`` / ``job_account`` (the uid a job runs as),
-``start`` (the driver's process) and ``read_job_file`` (what a driver wrote). Before any of the
-job's code runs, the process ``start`` makes (its first code: ``daemon/jail_boot.py``):
-
-- leaves the daemon's mount, network, IPC and PID namespaces (and, in ``userns`` mode, its user
-  namespace): the network namespace has only a down loopback, so the one way out is the
-  daemon's Unix socket; the driver is pid 1 of its own PID namespace, under a supervisor that
-  is the daemon's handle on it and takes it down with it;
-- gets a new, empty root (``pivot_root``): the system directories, the interpreter and the
-  import path at their own paths, read-only, its own ``/proc`` and ``/tmp``, and under ``/mnt``
-  its output directory (writable; its uploaded inputs read-only in it) and the daemon's socket.
-  The state directory and the owner's PLEXRL_HOME are covered by empty mounts;
-- drops every capability and sets ``no_new_privs``; in ``root`` mode it first takes the
-  submitting user's uid, gid and groups (or a uid of the job's own), in ``userns`` mode it keeps
-  the owner's uid, which the empty root leaves nothing of the owner's to use.
+It owns ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal`` (why
+it cannot, or ""), ``runs_as`` / ``account`` / ``job_account`` (the uid a job runs as), ``start``
+(the driver's process, whose first code is ``daemon/jail_boot.py``), ``jailed_env`` (the
+environment's allow-list) and ``read_job_file`` (what a driver wrote). Before any of the job's
+code runs, that process leaves the daemon's mount, network (keeping only a down loopback), IPC
+and PID namespaces (in ``userns`` mode its user namespace too); pivots into a new, empty root that
+holds, read-only, the system, the interpreter and the import path, and under ``/mnt`` its output
+directory (writable) and the daemon's socket; in ``root`` mode takes the submitting user's uid
+(or a uid of the job's own); sets its rlimits (``plexctl.common.limits``); then drops every
+capability and sets ``no_new_privs``.
 
 Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and one line on stderr
-before any of the job's code is imported; nothing the driver writes lies outside its output
-directory, which the daemon reads without following links (``open_job_file``).
-
-Limits (``plexctl.common.limits``): the driver's address space, processes and file size are
-rlimits set before its code runs, its ``/tmp`` a tmpfs of a set size; its output directory's bytes
-the daemon measures (``dir_bytes``). The environment is an allow-list (``jailed_env``).
+before any of the job's code is imported; the state directory and the owner's PLEXRL_HOME are
+covered by empty mounts inside; nothing the driver writes lies outside its output directory,
+which the daemon measures (``dir_bytes``) and reads without following links (``open_job_file``).
 
 It deliberately does not jail without namespaces (``refusal`` says why and the daemon refuses
-such jobs at submit), nor limit CPU time (the scheduler's fair share does). The whole model:
-``docs/security.md``.
+such jobs at submit), nor use cgroups. The whole model and the limits: ``docs/security.md``.
 """
 
 from __future__ import annotations

@@ -1,51 +1,26 @@
 """The task scheduler: a pure core that admits jobs and places their service calls on engines.
 
 The unit of scheduling is one *call* of one job (``generate`` on a rollout engine,
-``train_step`` / ``publish`` / ``checkpoint`` / ``restore`` on a trainer engine), never a
-whole job. The core owns no sockets and no clock: the daemon (and the simulator) feed it
-``engine_up`` / ``engine_down``, ``engine_suspect`` / ``engine_back``, ``admit`` / ``release``,
-``submit``, ``claim``, ``done`` and ``state_location`` events and ask ``tick(now)`` for placements.
+``train_step`` / ``publish`` / ``checkpoint`` / ``restore`` on a trainer engine), never a whole
+job. The core owns no sockets and no clock: the daemon (and the simulator) feed it engine events
+(``engine_up`` / ``engine_down``, ``engine_suspect`` / ``engine_back``) and job events (``admit`` /
+``release``, ``submit``, ``claim``, ``done``, ``state_location``) and ask ``tick(now)`` for placements.
 
-What it decides, per cluster placement policy (``POLICIES``; the rules in full are in
-``docs/sharing.md``): each job's *home* rollout and trainer engine (``admit``); the order of the
-tasks queued on an engine (priority, per-user weighted fair share, response ratio with estimates
-learned per (job, method), submission), under a switch bound: a trainer engine may keep serving
-the job it ran last, to avoid a state swap, for at most ``max_switches`` tasks in a row; and,
-under ``spread+backfill`` only, which task may run on an idle engine other than its home.
+It decides, per placement policy (``POLICIES``): each job's *home* rollout and trainer engine,
+within each engine's room (``Engine.job_slots``, ``Engine.state_room_bytes``, ``jobs_per_engine``;
+``room_problem`` names the limit a waiting job meets); the order of each engine's queue (priority,
+per-user weighted fair share, response ratio, submission) under the ``max_switches`` and
+``max_group`` bounds; which task may backfill an idle engine (``spread+backfill`` only); which LoRA
+train steps share one pass (``pass_window``, ``pass_tokens``); the ``upcoming`` / ``expected`` hints.
 
-Invariants: a task runs on its job's home engine of its kind unless backfilled or claimed; a
-job's trainer calls run one at a time in submission order; a job's state, on whatever tier,
-stays with the trainer that holds it, so its trainer tasks wait there; a *suspect* engine
-starts nothing new and is no job's new home, yet keeps its jobs and their state until
-``engine_down``. Accounting: finished tasks feed ``busy_seconds`` and ``bubble_ratio``.
-
-Weights. A task may name the weights its engine must hold (``Task.weights``: a base model, or a
-full fine-tuning job's own policy); an engine holds one set at a time (``Engine.holds``), and
-engines that name the same ``device`` take turns on it (one runs tasks at a time: several
-models' engines on one GPU, one sleeping while another serves). Loading other weights, or waking
-a sleeping engine, is a *switch*: its estimate (``switch_estimate``, learned from ``done``) is
-charged with the task that needs it, and calls are grouped to amortise it. An engine keeps
-serving the weights it holds while tasks for them wait, for at most ``max_group`` tasks in a row
-when others wait for a switch; a switch starts only on an engine with nothing running (the
-tasks of the weights it holds drain first); a device passes to a sleeping engine only when its
-awake one is idle, to the one whose waiting task comes first in the order.
-
-Room: an engine is home to as many jobs as it says it holds (``Engine.job_slots``: a rollout
-engine's adapter slots; ``Engine.state_room_bytes``: the job state a trainer's tiers hold
-together), at most ``jobs_per_engine`` when the cluster caps it; ``room_problem`` names the limit
-a waiting job meets (its admission reason).
-
-Shared passes (``pass_window`` not None): a train step that may share a pass (``Task.tokens`` >
-0: a LoRA step, its padded tokens) starts with the shareable steps queued behind it on its
-trainer, other jobs' in their order, up to the trainer's micro-batch budget (``pass_tokens``);
-they take one slot of the engine (``Engine.passes``), each is served its part of the pass's
-time. A trainer whose next step may share waits at most ``pass_window`` from that step's call
-for more, while fewer are queued than jobs homed there.
-
-Hints: ``upcoming`` / ``expected`` order a trainer's jobs by when they need it (the state
-manager prefetches the first, evicts the last). Cost: ``tick`` looks only at engines whose queue
-or capacity changed and at new backfill candidates: O(changed engines + their queues). It does
-not move state, prefetch or evict (the state manager does), nor preempt running tasks.
+Invariants: a task runs on its job's home engine of its kind unless backfilled or claimed; a job's
+trainer calls run one at a time in submission order; a job's state stays with the trainer that
+holds it, on whatever tier, so its trainer tasks wait there; a *suspect* engine starts nothing new
+and is no job's new home, yet keeps its jobs and state until ``engine_down``; an engine holds one
+set of weights at a time, engines sharing a ``device`` run one at a time, and a switch starts only
+on an engine with nothing running, charged to the task that needs it. ``tick`` costs O(changed
+engines + their queues). It does not move state, prefetch or evict (the state manager does), nor
+preempt running tasks. The rules in full: ``docs/sharing.md``.
 """
 
 from __future__ import annotations

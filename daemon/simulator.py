@@ -4,48 +4,23 @@ simulated clock, fed by a job trace.
 ``simulate(trace, policy, gpus)`` replays a ``Trace`` (``daemon/trace.py``) on ``gpus`` GPUs
 through ``daemon.scheduler.Scheduler`` (the code the daemon runs), with a discrete-event heap
 instead of sleeps, and returns a ``SimResult``: makespan, GPU-hours per training step, queueing
-delay, bubble ratio, swap traffic, and the wall time of every ``tick`` (decision latency).
+delay, bubble ratio, swap traffic, model switches, and the wall time of every ``tick``.
 
-The model. An engine is one 8-GPU node serving one base model; the cluster is ``gpus / 16``
-rollout + trainer engine pairs, split between model classes by their isolated GPU-time. A job on
-``g`` GPUs is ``g / 16`` shards, each one scheduler job with a home pair: isolated, a shard owns
-it; shared, it is one of up to ``jobs_per_engine`` tenants. Admission is first come, first served
-per model class. A shard's step: per turn, ``rollout_slots`` generate chunks (one long, the rest
-shorter: the tail), a tool or reward stall, then one trainer task; each phase ends at a barrier
-across the job's shards. ``macro_steps`` coarsens a job to at most that many simulated steps.
+What it owns is the model around the core: engines as 8-GPU nodes in rollout + trainer pairs,
+jobs as shards with a home pair each, a step's phases with barriers across a job's shards
+(``macro_steps`` coarsens them), swap-ins charged by tier bandwidth, model switches by the
+weights' size, and shared train passes timed by ``TrainPassCost``.
 
-State. Each trainer node's tiers are a ``NodeTiers``, moved by ``plexctl.common.state_policy`` as
-``worker.state_store`` moves the real ones (a test holds the two to the same moves). A trainer
-task is charged its swap-in (host at ``h2d_gbps``, NVMe at ``nvme_gbps``, plus what is left of a
-prefetch); evictions and demotions overlap the next task: counted, not charged. The core hears
-of every move through ``state_location``.
+Invariants: every placement and order is the core's and every state move the policy's
+(``plexctl.common.state_policy`` moves each trainer node's ``NodeTiers`` as ``worker.state_store``
+moves the real tiers; a test holds the two to the same moves); the core hears of every move
+through ``state_location`` and of each switch's cost through ``Scheduler.set_switch_estimate``;
+evictions and demotions overlap the next task (counted, not charged); a pass runs as the worker
+runs one (``worker/main.py``, ``serve_pass``).
 
-Models. A class's engines serve every base model of its jobs (``TraceJob.base``), one set of
-weights at a time. A task that finds its engine holding other weights is charged the switch
-(``SimConfig.switch_s`` plus the weights at ``h2d_gbps`` per GPU of the engine, from pinned
-host memory, as vLLM's sleep mode keeps a sleeping model): on a rollout engine, the job's base,
-or for a full fine-tuning job its own latest weights (the engine holds them while no other
-job's generate ran there since: its publish updated them in place); on a trainer, a LoRA job's
-base (a full fine-tuning job's weights are part of its state, which the tiers move). Tasks
-that start while the weights load wait for them. The seconds are counted as switch time, not
-as busy time. Traces without weights sizes (``TraceJob.weights_bytes`` 0) switch for free.
-Each task names the weights it needs (``Task.weights``) and the core knows what a switch to them
-costs (``Scheduler.set_switch_estimate``, from their size): it groups calls by weights and
-charges the switch to the call that needs it (``daemon/scheduler.py``).
-
-Shared passes (``SimConfig.train_grouping``, the daemon's ``--train-grouping``): the core gets
-the ``group_window_s`` wait and each LoRA train step its padded tokens (``train_tokens``) and its
-base as weights, so it forms passes by its own rule (``daemon/scheduler.py``, "Shared passes");
-full fine-tuning steps never share. A pass runs as the worker runs one (``worker/main.py``,
-``serve_pass``): in chunks of at most ``device_slots`` steps, one after another, each chunk's
-states made resident together and its steps ending together, after ``TrainPassCost`` says (the
-per-pass work once, each step's own work a little slower beside the others' tokens). A
-coarsened step shares a pass as a whole.
-
-Not modelled: two sets of weights resident on one engine at once (a chunk of another job's
-weights that starts while a chunk runs is charged a switch; the running chunk is not delayed),
-gang scheduling of trainer shards, interference beyond slots, dispatch overhead, failures,
-checkpoints. See docs/state.md.
+Not modelled: two sets of weights resident on one engine at once, gang scheduling of trainer
+shards, interference beyond slots, dispatch overhead, failures, checkpoints. The model in full:
+docs/state.md, "The simulator's model".
 """
 
 from __future__ import annotations

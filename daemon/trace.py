@@ -1,41 +1,20 @@
 """Job traces for the simulator: a seeded generator of cluster-scale RL job mixes, and their files.
 
-A ``Trace`` is a list of ``TraceJob`` records, one per RL fine-tuning job: when it arrives,
-its base model class, how many GPUs it gets when it runs isolated, how many training steps
-it runs, the size of its trainer state, and the *shape* of one step:
+A ``Trace`` is a list of ``TraceJob`` records, one per RL fine-tuning job: when it arrives, its
+base model class and base, how many GPUs it gets when it runs isolated, how many training steps
+it runs, the sizes of its trainer state and weights, and the *shape* of one step:
 
     [generate (longest chunk) -> tool stall] x (turns - 1), generate, reward stall, train_step+publish
 
-``generate_s`` is the wall time of the rollout phase (all turns): its GPUs are busy only
-``tail_share`` of it on average, the rest is the long tail (few sequences still decoding).
-``tool_s`` and ``reward_s`` are stalls where all of the job's GPUs idle (tool calls between
-turns, reward / verifier waits). ``train_s`` is the trainer's forward, backward, optimizer
-step and publish. Run isolated, a job holds half its GPUs as rollout engines and half as
-trainer engines, so its bubble ratio is ``1 - (generate_s * tail_share + train_s) / (2 * step_s)``.
-
-``generate_trace`` draws jobs of one of two scenarios (``SCENARIOS``) over ``days`` of bursty,
-diurnal arrivals (``arrival_times``):
-
-- ``classic`` (``MODEL_CLASSES``): jobs that mirror published shapes: 7B-, 30B- and 235B-class
-  jobs on 16 to 192 GPUs; bubble ratios in ``BUBBLE_RANGE``; single- and multi-turn; LoRA or
-  full fine-tune state (a full state counted as ``FULL_FT_BYTES_PER_PARAM`` a parameter); one
-  base model per class. The figures in docs/benchmarks.md before the mixed case are this one's.
-- ``mixed`` (``MIXED_CLASSES``): 7B-, 14B-, 32B- and 70B-class jobs, a quarter to two fifths
-  of them full fine-tuning, on several base models (Qwen2.5 beside Llama 3.1 in the 7B and
-  70B classes), each with the real sizes of its base (``plexctl.common.model_shapes``): a full
-  fine-tuning job's state is its bf16 weights, fp32 masters and AdamW moments
-  (``state_size.full_state_bytes``), and every job records its base's weights
-  (``weights_bytes``: what an engine loads to switch to that base, or to a full fine-tuning
-  job's own weights before its generate).
-
-Step counts are scaled so that the jobs' isolated GPU-time is ``load`` times the cluster's
-GPU-time over the arrival window (``load > 1``: a backlog builds, so placement decides the
-makespan).
+``generate_trace`` draws the jobs of one scenario (``SCENARIOS``: ``classic``, ``mixed``) over
+``days`` of bursty, diurnal arrivals (``arrival_times``), with step counts scaled so that the
+jobs' isolated GPU-time is ``load`` times the cluster's GPU-time over the arrival window.
 
 Files: ``.jsonl`` holds one ``TraceJob`` per line, any other name the whole ``Trace``; writes
-are atomic. What it deliberately does not model: per-token or per-request timing (a step's
-phases are its unit), failures and restarts, changes of shape during a job, and asynchronous
-(off-policy) overlap of a job's own phases.
+are atomic. It deliberately does not model per-token or per-request timing (a step's phases are
+its unit), failures and restarts, changes of shape during a job, or asynchronous (off-policy)
+overlap of a job's own phases. The fields, the scenarios and the bubble ratio they imply:
+docs/state.md, "The trace".
 """
 
 from __future__ import annotations

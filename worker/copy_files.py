@@ -1,36 +1,22 @@
 """An nvme copy of a job's trainer state: its file written, and read back verified.
 
 ``write_copy`` writes a ``JobStateCopy``'s data section (its tensors back to back, page-aligned,
-padded with zeros to a whole page) as one file and returns an ``NvmeCopy``: the file's path
-and everything else about the copy (LoRA config, seed, optimizer hyper-parameters, layout,
-a checksum per chunk), which the state store keeps in memory; ``read_copy`` reads it back into
-a pool buffer, verified, or raises a one-line ``CorruptCopyError``. ``worker.state_store``
-decides which copies go to nvme; ``worker.copy_dir`` names their files and keeps those to reuse.
+padded with zeros to a whole page) as one file and returns an ``NvmeCopy``: the file's path and
+everything else about the copy (LoRA config, seed, optimizer hyper-parameters, layout, an xxh3-64
+checksum per 8 MiB chunk), which the state store keeps in memory; ``read_copy`` reads it back
+into a pool buffer, verified, or raises a one-line ``CorruptCopyError``.
 
-How a copy moves fast (``bench/swap.py`` holds it against memcpy and raw sequential file I/O).
-A host copy is one flat page-aligned buffer from the store's ``HostBufferPool`` (pinned when
-CUDA is available) holding the copy's tensors back to back exactly as its file on nvme does:
-``export_state`` copies a leaving job into one, a read from nvme lands in one, and it goes back
-to the pool once the copy is imported, demoted or dropped (on CPU the engine likewise keeps
-released jobs' device buffers), so a swap neither allocates nor faults in fresh pages. The data
-section is cut into 8 MiB chunks, each with its own checksum: xxh3-64 (``xxhash``; it releases
-the GIL and runs at ~60 GB/s here, against ~4 GB/s for zlib's crc32 and less for sha256, so
-checking a copy costs a few percent of reading it; an accidental corruption is what it is for,
-not an attacker). A span under ``SUM_ASIDE_MIN_BYTES`` is summed by the thread holding it (a
-hand-off to another thread costs more than the sum). Files are read and written with O_DIRECT
-where the filesystem takes it (buffered elsewhere, e.g. tmpfs, a written file then dropped from
-the page cache). Writes: straight from the copy's buffer, one request per chunk on the copy-I/O
-threads, each checksumming its chunk; the calling thread writes the last chunk while the
-checksum thread checksums it (a copy over other memory is gathered through ``WRITE_BOUNCES``
-bounce buffers). Reads: the copy is laid over a pool buffer from its record, then the first
-chunk is read by the calling thread while the others are in flight on the copy-I/O threads
-(IO_DEPTH at once, as writes), each one's checksum on the checksum thread as it lands, in
-whatever order they land: one slow request holds up no other (the reader sums the last to land,
-and takes over those not started by then). Reading with O_DIRECT (``READ_DIRECT``) keeps no
-page-cache copy of a file that is not read again; on the VM disk this was measured on, buffered
-reads of a 1 GiB copy ran at 55-75 % of raw whenever the page cache's pages had to be faulted
-back in. A copy costs one ``fdatasync``, of its file (the directory is not synced: the copy is
-scratch); the sync is there so that a demoted copy really left host memory.
+Invariants: a host copy is one flat page-aligned pool buffer laid out exactly as its file, so a
+swap neither allocates nor faults in fresh pages; files are written and read with O_DIRECT where
+the filesystem takes it, else buffered (reads too, ``READ_DIRECT``: no page-cache copy is kept of
+a file that is not read again), up to ``IO_DEPTH`` chunk requests in flight on the copy-I/O
+threads, each chunk checksummed as it lands, in whatever order; a copy costs one ``fdatasync``, of
+its file, so a demoted copy really left host memory (the directory is not synced: the copy is
+scratch).
+
+It does not decide which copies go to nvme (``worker.state_store`` does), nor name their files or
+keep those to reuse (``worker.copy_dir`` does). How it moves fast, with the measurements:
+docs/state.md, "How a copy moves fast".
 """
 
 from __future__ import annotations

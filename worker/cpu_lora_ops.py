@@ -1,10 +1,8 @@
 """Multi-LoRA ops for vLLM's CPU punica wrapper: one matrix multiply per op, not a weight per token.
 
-vLLM's pure-torch LoRA ops (``vllm/lora/ops/torch_ops/lora_ops.py``, which its CPU punica
-wrapper calls for every LoRA linear layer) gather ``weights[indices]``: a copy of a whole
-``(out, in)`` adapter matrix per token, then a batched matrix-vector product. With the tiny
-model that was about half of a generate call's time. These replacements compute the same
-products as plain matrix multiplies over the stacked adapter slots:
+vLLM's pure-torch LoRA ops gather a copy of a whole adapter matrix per token (why that matters:
+docs/gpu.md, "The rollout engine on CPU"). These replacements compute the same products as plain
+matrix multiplies over the stacked adapter slots:
 
 - **shrink** (``in`` large, ``out`` = rank): every token times every slot's matrix in one
   multiply, ``x @ W[L*out, in].T``, then each token keeps its own slot's columns;
@@ -12,12 +10,11 @@ products as plain matrix multiplies over the stacked adapter slots:
   of an ``L*in`` row of zeros, and one multiply by the slots stacked along ``in`` gives every
   token's own delta; the other blocks add exact zeros.
 
-A token's result depends only on its own input and its slot's weights, never on which slot
-holds them, which other adapters share the batch or how many tokens it has
-(``tests/test_cpu_lora_ops.py``): the stack always has ``max_loras`` slots, and every multiply
-is one of ``TILE`` rows, zero-padded, since matrix kernels choose their method by shape. Index -1
-("no LoRA") gives a zero delta: vLLM 0.32's ops picked the last slot there (index -1 wraps
-around; upstream PR #48421).
+Invariants (``tests/test_cpu_lora_ops.py``): a token's result depends only on its own input and
+its slot's weights, never on which slot holds them, which other adapters share the batch or how
+many tokens it has: the stack always has ``max_loras`` slots, and every multiply is one of
+``TILE`` rows, zero-padded, since matrix kernels choose their method by shape. Index -1 ("no
+LoRA") gives a zero delta.
 
 The ``sgmv`` (prefill) ops expand per-sequence indices to per-token indices and call the
 ``bgmv`` ops through their module's globals, so replacing the three ``bgmv`` functions in

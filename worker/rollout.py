@@ -2,27 +2,25 @@
 and full fine-tuning jobs' own weights, loaded in place by turns.
 
 ``RolloutEngine`` owns one offline ``vllm.LLM`` (``enable_lora=True``, built by
-``worker.engine_args.rollout_engine_args``) and maps adapter versions onto ``LoRARequest``s:
+``worker.engine_args.rollout_engine_args``), batching continuously: ``start(key, request)`` adds a
+job's ``GenRequest`` to the running batch, ``step()`` runs one engine step over everything in
+flight (any jobs, any adapters) and hands back each request once all its prompts finished;
+``generate(requests)`` runs a fixed set to the end; ``abort`` drops requests.
 
-- continuous batching: ``start(key, request)`` adds a job's ``GenRequest`` to the running batch
-  and ``step()`` runs one engine step over everything in flight, handing back each request as
-  soon as all its prompts finished; requests of different jobs and adapters share every step.
-  ``generate(requests)`` is the same for a fixed set, run to the end; ``abort`` drops requests;
-- each ``(job_id, version)`` gets a stable, unique LoRA id; only a job's newest version stays
-  loaded (unless a request in flight uses an older one); vLLM reloads an evicted one on demand;
-- a full fine-tuning job's version (``AdapterRef.full``) is its weights, loaded in place before
-  its requests start, the base's put back before a LoRA or base request, only on a switch
-  (requests in flight finish on their weights first): no job samples from another's weights.
+Invariants: each ``(job_id, version)`` gets a stable, unique LoRA id; only a job's newest version
+stays loaded (unless a request in flight uses an older one); vLLM reloads an evicted one on
+demand. A full fine-tuning job's version (``AdapterRef.full``) is its weights, loaded in place
+before its requests start, the base's put back before a LoRA or base request, only on a switch
+(requests in flight finish on their weights first): no job samples from another's weights. A
+``Completion``'s ``token_ids`` include EOS when the sample stopped on it, its ``text`` never; its
+``logprobs`` are under the model's own distribution (before temperature and top-p). With
+``Sampling.seed = s`` and ``n`` samples per prompt, prompt ``i``'s sample ``j`` gets the vLLM seed
+``s + i * n + j``: samples do not depend on the rest of the batch.
 
-A ``Completion``'s ``token_ids`` include EOS when the sample stopped on it, its ``text`` never;
-its ``logprobs`` are under the model's own distribution (before temperature and top-p).
-
-Seeds: with ``Sampling.seed = s`` and ``n`` samples per prompt, prompt ``i`` gets the vLLM seed
-``s + i * n`` and its sample ``j`` ``s + i * n + j``: samples do not depend on the rest of the
-batch. On CPU the engine core runs in this process with the workarounds its ``EngineArgsPlan``
-flags (``docs/gpu.md``). Calls are serialized by a lock (a heartbeat thread may ask for
-``stats()`` mid-generate). It does not queue requests (the daemon does), compute rewards, write
-adapters (the trainer publishes them), or stream partial outputs.
+On CPU the engine core runs in this process with the workarounds its ``EngineArgsPlan`` flags
+(``docs/gpu.md``). Calls are serialized by a lock (a heartbeat thread may ask for ``stats()``
+mid-generate). It does not queue requests (the daemon does), compute rewards, write adapters
+(the trainer publishes them), or stream partial outputs.
 """
 
 from __future__ import annotations

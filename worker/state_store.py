@@ -1,28 +1,26 @@
 """The state store: which memory tier each job's trainer state lives on, and the moves between them.
 
-``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter or
-a full fine-tuning job's weights, AdamW step counts and moments, RNG state) on one tier:
-``device`` (live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in
-the store's ``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``, up to
-``nvme_bytes``, described only in memory: scratch that never outlives the process). Which job
-leaves the device, where its state goes and what comes up ahead of need are decided by
-``plexctl.common.state_policy``; this module carries the decisions out: ``ensure_resident`` (before each
-trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
+``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter or a
+full fine-tuning job's weights, AdamW step counts and moments, RNG state) on one tier: ``device``
+(live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in the store's
+``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``,
+up to ``nvme_bytes``, described only in memory: scratch that never outlives the process). The
+decisions are ``plexctl.common.state_policy``'s; this module carries them out: ``ensure_resident``
+(before each trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
 ``set_upcoming`` (the scheduler's order), ``inventory`` and ``background_moves`` (what moved).
 
 Invariants. A job has one complete copy, on one tier. A record points at an nvme file only once
 its write and fdatasync completed; a copy is verified when read (else ``CorruptCopyError``, never
-imported). Capacity is reserved on the destination when a move is planned, so a moving copy
-counts on both tiers until it lands. ``nvme_bytes`` bounds the files on disk, spare files kept
-for reuse included. When nothing fits, ``TierFullError``, and the job stays where it was. With
-``write_behind_bytes``, nvme writes run on a write-behind thread and their copies stay in host
-memory (over ``host_bytes`` by at most that) until written. A disk out of space marks nvme full
-for ``NVME_FULL_RETRY_S``; meanwhile host may hold ``host_spill_bytes`` over its budget.
+imported). Capacity is reserved on the destination when a move is planned, so a moving copy counts
+on both tiers until it lands; ``nvme_bytes`` bounds the files on disk, spares included. When
+nothing fits, ``TierFullError``, and the job stays where it was. Write-behind copies stay in host
+memory (over ``host_bytes`` by at most ``write_behind_bytes``) until written. A full disk marks
+nvme ``full`` for ``NVME_FULL_RETRY_S`` (``inventory``: ``nospace``, ``full``, ``error``), while host
+may hold ``host_spill_bytes`` over its budget.
 
-Threads: ``ensure_resident`` and ``drop`` run on the trainer's thread, the others on any. One
-condition variable guards the bookkeeping; copies and file I/O run outside it, on records marked
-in flight. Not here: durable checkpoints (``TrainerEngine.save_checkpoint``), moves across nodes,
-scheduling. docs/state.md has the details.
+Threads: ``ensure_resident`` and ``drop`` run on the trainer's thread, the others on any; one
+condition variable guards the bookkeeping, copies and file I/O run outside it on records marked in
+flight. Not here: durable checkpoints, moves across nodes, scheduling. Details: docs/state.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""The tiny model and task that let PlexRL run real RL end to end on a CPU.
+"""The tiny models and tasks that let PlexRL run real RL end to end on a CPU.
 
-This module owns two recipes, built in code and cached on disk by the same CLI
-(``python -m worker.tiny_models --root DIR`` builds both, ``--only NAME`` one; each has its own
-build lock, so two can build side by side). The first, ``tiny-arith``:
-
-- a Qwen2-style causal LM (hidden 128, 2 layers, 2 heads of dim 64, float32) saved in
-  Hugging Face format, so vLLM and transformers load it through the same code path as a
-  real checkpoint;
-- a character-level tokenizer (``tokenizers`` WordLevel over single characters, joined back
-  without spaces), saved with ``save_pretrained`` so ``AutoTokenizer.from_pretrained(dir)``
-  works;
-- the task: single-digit addition ("3+5=" -> "8"), written as ``data/arith/train.jsonl``
-  (the 100 problems, shuffled with the seed) and ``data/arith/eval.jsonl`` (the same 100 in
-  a fixed order);
-- a short, deterministic supervised warm start on "a+b=c<eos>" that stops while the model
-  is still *partial* (temperature-1.0 exact-answer accuracy of about a third), so RL has
-  room to improve it. RL from random init does not move on this scale (docs/benchmarks.md,
-  "Learning check").
-
-The second, ``tiny-tool`` (``build_tiny_tool``; see its section below): the same architecture
-and tokenizer, warm-started on transcripts of the multi-turn ``python_tool`` task (``12*7=`` ->
-``call:12*7;`` -> observation ``=84;`` -> ``84``) so that it knows the call format and copies the
-observation, but calls the tool on only about 30 % of its samples; written with
-``data/tool/train.jsonl`` and ``data/tool/eval.jsonl`` (64 held-out problems).
-
-A variant of the first, ``tiny-llama`` (``build_tiny(root, name="tiny-llama")``): the same task,
-tokenizer and warm start on a Llama-style model of another size (hidden 192, 3 layers,
-grouped-query attention), with its data under ``data/arith-llama``: the second base of a
-cluster that serves two.
+This module owns the recipes of three tiny bases, built in code and cached on disk by one CLI
+(``python -m worker.tiny_models --root DIR`` builds them, ``--only NAME`` one; each has its own
+build lock): ``tiny-arith`` (a Qwen2-style float32 LM, a character-level tokenizer, single-digit
+addition as ``data/arith``), ``tiny-tool`` (``build_tiny_tool``: the same model warm-started on the
+multi-turn ``python_tool`` task, ``data/tool``) and ``tiny-llama`` (``build_tiny(root,
+name="tiny-llama")``: tiny-arith's task on a Llama-style model of another size). Each is saved in
+Hugging Face format, so vLLM and transformers load it as a real checkpoint, and gets a short,
+deterministic supervised warm start that stops while the model is still *partial*, so RL has room
+to improve it. Sizes, data and the stop criterion: docs/benchmarks.md, "The tiny models".
 
 Token conventions, which every engine must agree on:
 
@@ -36,12 +17,6 @@ Token conventions, which every engine must agree on:
   ``prompt_token_ids`` that vLLM returns start with ``BOS_ID``;
 - a completion ends with ``<eos>`` (``EOS_ID``, also in config.json and
   generation_config.json so vLLM stops on it); the model is trained to emit it.
-
-Exact-answer accuracy is measured without sampling noise: the probability, under
-temperature-1.0 sampling, of emitting exactly the answer digits followed by ``<eos>``,
-averaged over the 100 problems. That is the expected value of the sampled accuracy, so the
-stop criterion is deterministic; a Monte-Carlo estimate with a fixed generator is reported
-beside it as a check.
 
 It deliberately does not: download anything, train to convergence, run RL, or know about
 vLLM (the rollout engine only gets the model directory).

@@ -11,19 +11,17 @@ The interface (``plexctl.envs.base``): a class whose instances each run ONE epis
 
 - ``reset(sample: dict) -> str`` returns the first prompt text (here the sample's ``prompt``,
   e.g. ``guess:``) and keeps what the episode needs (the secret digit, from ``answer``).
-- ``step(completion_text: str) -> StepResult`` reads one model turn. A tool call (here
-  ``try:5;``) returns ``StepResult(observation, done=False, reward=None, info={"tool_call": True})``:
-  the observation text (``=higher;``) is appended and the model continues. A final answer
-  returns ``done=True`` with a float reward. ``reward=None`` with ``done=True`` means the
-  episode failed: the job's ``failure_reward`` is used and the failure is counted (set
-  ``info["malformed"]``, ``info["tool_timeout"]`` or ``info["error"]`` to say which kind).
-  The helpers ``observe``, ``final``, ``malformed`` build these results.
-- A step that raises is counted in ``reward_errors`` and gets the failure reward; the job goes
-  on. Steps run in the driver's pool threads, concurrently across episodes: keep per-episode
-  state on ``self``, and run untrusted code with ``plexctl.sandbox.run_python``.
+- ``step(completion_text: str) -> StepResult`` reads one model turn. A tool call (here ``try:5;``)
+  returns ``StepResult(observation, done=False, reward=None, info={"tool_call": True})``: the
+  observation (``=higher;``) is appended and the model continues. A final answer returns
+  ``done=True`` with a float reward; ``reward=None`` with ``done=True`` fails the episode: it gets
+  the job's ``failure_reward`` and is counted (``info["malformed"]``, ``info["tool_timeout"]`` or
+  ``info["error"]`` says which kind). The helpers ``observe``, ``final``, ``malformed`` build these.
+- A step that raises is counted in ``reward_errors`` and gets the failure reward; the job goes on.
+  Steps run concurrently across episodes in the driver's pool threads: keep per-episode state on
+  ``self``; run untrusted code with ``plexctl.sandbox.run_python``.
 
-Keyword arguments of ``__init__`` are the ``config`` of the spec; they are checked when the
-job is loaded (one instance is built then).
+Keyword arguments of ``__init__`` are the spec's ``config``, checked at load (one instance is built).
 """
 
 from __future__ import annotations

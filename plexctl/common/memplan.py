@@ -1,35 +1,25 @@
 """The memory plan of a node: what each engine holds, how much KV cache and job state fit, what does not.
 
-Pure arithmetic over a model's ``config.json`` (Llama/Qwen2-style) and the cluster's options,
-no torch, so ``plexctl plan`` and ``plexctl up`` can show it on a login node before anyone
-spends GPU-hours. It owns:
+Pure arithmetic over a model's ``config.json`` (Llama/Qwen2-style) and the cluster's options, no
+torch, so ``plexctl plan`` and ``plexctl up`` can show it on a login node before anyone spends
+GPU-hours. It owns the model's sizes (``parameter_count``, ``weights_bytes``, ``kv_bytes_per_token``,
+``lora_slots_bytes``); a trainer's step, decided once (``trainer_step``, and ``worker_step`` from
+what a worker knows at start: gradient checkpointing and the peak from
+``plexctl.common.step_memory``); the shapes a plan is made of (``NodeShape`` "8x80G",
+``EngineShape``, ``ClusterOptions``, ``JobShape``, ``default_engines``); ``plan_memory`` ->
+``MemoryPlan`` with ``render_plan`` / ``plan_json``; and submit's refusals (``step_problem`` /
+``spec_step_problem``, ``job_problems``, ``full_job_problems``, ``check_full_state_fits``: exit 7).
 
-- the model's sizes: ``parameter_count``, ``weights_bytes``, ``kv_bytes_per_token``,
-  ``lora_slots_bytes``;
-- a trainer's step, decided once: ``trainer_step`` (gradient checkpointing and the step's peak,
-  from ``plexctl.common.step_memory``), ``worker_step`` (the same decision from what a worker
-  knows at start, with its memory fraction), ``step_problem`` / ``spec_step_problem`` (a job
-  whose step fits no trainer: the daemon's submit check);
-- the shapes a plan is made of: ``NodeShape`` ("8x80G"), ``EngineShape``, ``ClusterOptions``,
-  ``JobShape`` (``job_shape`` makes one from a job spec), and ``default_engines``;
-- ``plan_memory`` -> ``MemoryPlan`` (a ``RolloutPlan`` / ``TrainerPlan`` per engine and a list
-  of one-line problems, each with its numbers), ``job_problems``, ``render_plan`` and ``plan_json``;
-- the refusals of full fine-tuning and of a model no engine can hold: ``full_job_problems``
-  (pure, a list of one-line problems) and ``check_full_state_fits`` (raises ``DoesNotFit``,
-  exit 7), which submit calls for a spec without ``lora:`` or on a model of its own.
-
-Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the
-weights, of the KV heads and of the sharded LoRA factors); a plan with no problems fits with
-the estimates below; a job ``job_problems`` refuses can never run on these engines, whatever
-else is running. The estimates (activation peaks, CUDA reserves) are documented constants,
-deliberately a little generous: a plan says "fits" only with room to spare. It does not
-place engines on real GPUs (``plexctl.common.layout`` does) nor measure anything.
+Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the weights,
+of the KV heads and of the sharded LoRA factors); a plan with no problems fits with the estimates
+here (activation peaks, CUDA reserves: documented constants, a little generous, so "fits" leaves
+room to spare); a job ``job_problems`` refuses can never run on these engines, whatever else runs.
 
 Placement rule: engines own their GPUs. When they ask for more GPUs than the node has, each
-missing GPU is one single-GPU trainer and one single-GPU rollout engine sharing a GPU (the
-1-GPU layout): the trainer is planned first, and the rollout engine gets
-``gpu_memory_utilization`` of what the trainer leaves. Engines of 0 GPUs run on the CPU, in
-host memory, beside the host tiers.
+missing GPU is one single-GPU trainer and one single-GPU rollout engine sharing a GPU (the 1-GPU
+layout): the trainer is planned first, and the rollout engine gets ``gpu_memory_utilization`` of
+what the trainer leaves. Engines of 0 GPUs run on the CPU, in host memory, beside the host tiers.
+It does not place engines on real GPUs (``plexctl.common.layout`` does) nor measure anything.
 """
 
 from __future__ import annotations

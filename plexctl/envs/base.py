@@ -12,13 +12,9 @@ reward function as an environment); ``parse_tool_call`` (the ``name:argument;`` 
 enough for a character-level model: ``call:12*7;`` -> observation ``=84;``); ``Episode`` and
 ``run_episodes``, with ``episode_batch`` / ``episode_metrics`` to hand episodes to the trainer.
 
-Token bookkeeping: the engine's ``prompt_token_ids`` for turn k+1 are authoritative. The
-episode keeps the longest common prefix of its tokens so far and that prompt; later prompt
-tokens (the observation) get mask 0 and log-prob 0. A turn's trailing ``<eos>`` is not in the
-next prompt and is dropped; other generated tokens past the split point (a re-tokenization
-across the completion/observation boundary) are masked out, counted in ``prefix_mismatches`` /
-``dropped_tokens``, never trained with another context's log-prob.
-
+Invariants: the engine's ``prompt_token_ids`` for turn k+1 are authoritative; later prompt
+tokens (the observation) get mask 0 and log-prob 0, and no token is trained with another
+context's log-prob (mismatches are counted in ``prefix_mismatches`` / ``dropped_tokens``).
 Failures never stop a job: a step that raises or times out, a malformed call, or a final answer
 without a usable reward gets ``failure_reward`` and is counted on the episode. It deliberately
 does not batch turns of one episode, stream tokens, stop generation on tool-call syntax, or
