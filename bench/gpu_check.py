@@ -335,8 +335,10 @@ def raw_copy_gb_per_s(nbytes: int, cuda: bool) -> dict[str, float]:
 def part_jobs(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
     """JOBS jobs of JOB_ROWS x ``--seq`` tokens trained one at a time through the worker's store
     and trainer (each made resident, swapping with the others, then one step), at the 0.5B
-    shape; the round after a warm one is timed. Recorded as ``one_at_a_time`` (a grouped
-    figure sits beside it once the trainer groups jobs)."""
+    shape; the round after a warm one is timed. Recorded as ``one_at_a_time``; beside it,
+    ``grouped``: the same steps in shared passes (``TrainingMath.train_group``), as many jobs a
+    pass as the device tier holds at once, made resident together as the worker does, and
+    ``grouped_speedup`` (one-at-a-time round over grouped round)."""
     if ctx["shape_name"] not in ("0.5b", "quick"):
         result["skipped"] = "runs at the 0.5B shape only (--shape 0.5b)"
         return
@@ -369,6 +371,30 @@ def part_jobs(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
         "tokens_per_second": tokens / round_s,
     }
     put_mfu(result["one_at_a_time"], tokens / round_s, ctx)
+    size = max(1, store.device_slots)
+    for _round in range(2):  # the first warms the grouped path up
+        sync()
+        t_round, swap_s = time.perf_counter(), 0.0
+        for i in range(0, JOBS, size):
+            chunk = list(zip(jobs, batches))[i : i + size]
+            t0 = time.perf_counter()
+            store.set_upcoming([job for job, _ in chunk])
+            for job, _ in chunk:
+                store.ensure_resident(job, lora, 0)
+            sync()
+            swap_s += time.perf_counter() - t0
+            trainer.train_group([(job, batch, hp) for job, batch in chunk])
+        sync()
+        grouped_s = time.perf_counter() - t_round
+    result["grouped"] = {
+        "jobs": JOBS,
+        "jobs_per_pass": min(size, JOBS),
+        "round_seconds": grouped_s,
+        "resident_seconds": swap_s,
+        "tokens_per_second": tokens / grouped_s,
+    }
+    put_mfu(result["grouped"], tokens / grouped_s, ctx)
+    result["grouped_speedup"] = round_s / grouped_s
     for job in jobs:
         store.drop(job)
 

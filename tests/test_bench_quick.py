@@ -198,6 +198,8 @@ def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_pa
     assert parts["trainer_sleep"]["same_logprobs_after_wake"] is True and parts["trainer_sleep"]["sleep_over_raw"] > 0
     assert parts["peer"]["rows"] == parts["trainer"]["rows"] and parts["peer"]["trainer_over_peer"] > 0
     assert parts["jobs"]["one_at_a_time"]["jobs"] == 8 and parts["jobs"]["one_at_a_time"]["tokens_per_second"] > 0
+    assert parts["jobs"]["grouped"]["jobs"] == 8 and parts["jobs"]["grouped"]["tokens_per_second"] > 0
+    assert parts["jobs"]["grouped_speedup"] > 0
     assert "mfu" not in parts["trainer"] and "mfu" not in parts["peer"]  # a CPU's peak is not in the table
 
 
