@@ -40,6 +40,7 @@ from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.cluster_config import DEFAULTS, drain_timeout_s
 from plexctl.common.jobdir import JobDir, LatestCheckpoint
 from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
@@ -54,11 +55,11 @@ HEARTBEAT_S = 1.0
 LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
 EXPORT_CHUNK = 8 << 20  # bytes of an exported file one reply carries
 WORKER_LIVENESS = 3  # heartbeats missed before a worker is suspect: its engines get no new calls
-WORKER_GRACE_S = 60.0  # silent this long, a worker is lost even if its process may live (a 30 s stall survives)
+WORKER_GRACE_S = DEFAULTS.worker_grace  # silent this long, a worker is lost even if its process may live
 CANCEL_GRACE_S = 30.0
 DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
-DRAIN_TIMEOUT_S = 120.0
-PASS_WINDOW_S = 0.005  # a trainer waits this long at most for more jobs' train steps to share a pass
+DRAIN_TIMEOUT_S = drain_timeout_s(DEFAULTS, slurm=False)  # a core built without a config: a local cluster's
+PASS_WINDOW_S = DEFAULTS.group_window_ms / 1000  # a trainer waits this long at most for more steps to share a pass
 MAX_RUNNING = 64  # job drivers at once (processes beside the daemon); the engines' room admits within it
 ADOPT_TIMEOUT_S = 60.0  # an adopted job whose engines are not back by then restarts from its checkpoint
 LIMIT_EXITS = {  # a jailed driver ended by one of its limits (daemon.jail_boot): that job fails, no restart

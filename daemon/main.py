@@ -11,7 +11,13 @@ as events (``driver_started``, ``driver_exited``, ``worker_process_exited``).
 
 Stopping drains: on ``plexctl down``, SIGTERM or SIGUSR1/2 (a Slurm allocation ending) the core
 admits nothing more and asks each running job to checkpoint at its step's end; the loop stops
-when they have exited or ``--drain-timeout`` passed; a second SIGTERM stops at once.
+when they have exited or the drain timeout passed (the cluster config's ``drain_timeout``, derived by
+``drain_timeout_s`` when unset); a second SIGTERM stops at once.
+
+Its settings are the cluster's config file (``plexctl.common.cluster_config``: ``cluster.json`` in
+the state directory unless ``--cluster-config`` names another), which ``plexctl up`` wrote; every
+default when there is none. Its command line says only where it runs (state directory, host,
+port, mode) and which local workers it starts; these read the same file.
 
 A daemon that dies does not take its jobs with it: drivers and local workers outlive it, and
 the next daemon on the same state directory binds the same port and adopts them
@@ -43,11 +49,9 @@ from daemon.auth import secure
 from daemon.core import (
     ADOPT_TIMEOUT_S,
     CANCEL_GRACE_S,
-    DRAIN_TIMEOUT_S,
     DRIVER_EXIT_DRAINED,
     HEARTBEAT_S,
     MAX_RUNNING,
-    PASS_WINDOW_S,
     VERSION,
     WORKER_GRACE_S,
     DaemonCore,
@@ -60,12 +64,12 @@ from daemon.core import (
     StopDriver,
     WorkerState,
 )
-from daemon.scheduler import POLICIES
 from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
 from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home, tinker_url
+from plexctl.common.cluster_config import ClusterConfig, ConfigError, config_path, drain_timeout_s, read_config
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import limits_for
@@ -110,17 +114,13 @@ class Daemon:
         port: int = 0,
         max_running: int = MAX_RUNNING,
         mode: str = "local",
-        policy: str = "spread+backfill",
-        worker_args: list[str] | None = None,
+        config: ClusterConfig | None = None,
         advertise_host: str | None = None,
-        drain_timeout: float = DRAIN_TIMEOUT_S,
-        trusted_users: list[str] | None = None,
-        metrics_port: int | None = None,
-        worker_grace: float = WORKER_GRACE_S,
-        tinker_port: int | None = None,
-        jobs_per_engine: int | None = None,
-        pass_window: float | None = None,  # shared passes, waiting at most this long (None: each step alone)
+        trusted_users: list[str] | None = None,  # beside the config's (tests' simulated users)
+        config_file: Path | None = None,  # where the local workers read the config (None: the state directory's)
     ) -> None:
+        config = config or ClusterConfig()
+        self.config_file = config_file or config_path(state_dir)
         self.state_dir = state_dir
         self.mode = mode
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -132,16 +132,15 @@ class Daemon:
             models,
             owner,
             max_running=max_running,
-            policy=policy,
-            jobs_per_engine=jobs_per_engine,
-            pass_window=pass_window,
-            drain_timeout=drain_timeout,
-            trusted_users=trusted_users or [],
-            worker_grace=worker_grace,
+            policy=config.policy,
+            jobs_per_engine=config.jobs_per_engine,
+            pass_window=config.group_window_ms / 1000 if config.train_grouping else None,
+            drain_timeout=drain_timeout_s(config, slurm=mode == "slurm"),
+            trusted_users=[*config.trusted_users, *(trusted_users or [])],
+            worker_grace=config.worker_grace,
         )
         self.jobs_dir = self.core.jobs_dir
         self.journal = self.core.journal
-        self.worker_args = worker_args or []
         self.drivers: dict[str, procs.Handle] = {}  # running job -> its driver's process
         self.worker_procs: dict[str, procs.Handle] = {}
         self.local_layouts: dict[str, tuple[list[str], list[str]]] = {}  # local worker -> (engines, models)
@@ -171,19 +170,20 @@ class Daemon:
             "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") and mode == "local" else socket.gethostname()
         )
         self.address = f"tcp://{connect_host}:{port}"
-        if metrics_port is not None:
-            self.metrics_port = self.core.telemetry.serve(host, metrics_port)
+        if config.metrics_port is not None:
+            self.metrics_port = self.core.telemetry.serve(host, config.metrics_port)
             url = f"http://{connect_host}:{self.metrics_port}/metrics"
             write_json_atomic(state_dir / M.METRICS_FILE, {"url": url, "pid": os.getpid()})
             log.info("Prometheus metrics on %s", url)
 
         self._recover_jobs()
+        self.local_worker_count = max(1, len(local_workers))
         for i, engines in enumerate(local_workers):
             self._spawn_local_worker(f"w{i}", engines, models)
         self.core.local_workers = len(self.worker_procs)
         self._write_endpoint(mode)
-        if tinker_port is not None:
-            self._start_tinker(host, tinker_port)
+        if config.tinker_port is not None:
+            self._start_tinker(host, config.tinker_port)
 
     def _write_endpoint(self, mode: str) -> None:
         state_dir = self.state_dir
@@ -324,7 +324,10 @@ class Daemon:
             str(self.state_dir / "nodes" / worker_id),
             "--endpoint-file",
             str(endpoint_path(self.state_dir)),
-            *self.worker_args,
+            "--cluster-config",
+            str(self.config_file),
+            "--threads",
+            str(max(1, (os.cpu_count() or 1) // self.local_worker_count)),  # this machine's cores, shared out
         ]
         pid_file = logs / f"{worker_id}.pid"
         argv = [a for a in cmd[1:] if a != self.address]  # a survivor follows the daemon's address
@@ -618,9 +621,14 @@ def _prune(parent: Path, keep: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="plexd", description="PlexRL daemon (started by `plexctl up`).")
+    ap = argparse.ArgumentParser(
+        prog="plexd",
+        description="PlexRL daemon (started by `plexctl up`); the cluster's settings are in its config file.",
+    )
     ap.add_argument("--state-dir", required=True, type=Path)
-    ap.add_argument("--model", action="append", default=[], help="a base model the engines serve; repeat for several")
+    ap.add_argument(
+        "--cluster-config", type=Path, default=None, help="the cluster's settings (default: STATE_DIR/cluster.json)"
+    )
     ap.add_argument(
         "--local-worker",
         action="append",
@@ -630,84 +638,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=MAX_RUNNING, help="job drivers running at once")
-    ap.add_argument(
-        "--jobs-per-engine",
-        type=int,
-        default=None,
-        help="cap on the jobs one engine is home to (default: as many as its memory holds)",
-    )
-    ap.add_argument(
-        "--group-window-ms",
-        type=float,
-        default=PASS_WINDOW_S * 1000,
-        help="how long a trainer waits at most for more jobs' train steps to share one pass",
-    )
-    ap.add_argument(
-        "--train-grouping",
-        action="store_true",
-        help="several LoRA jobs' train steps in shared passes (default: each in a pass of its own, bit for bit)",
-    )
     ap.add_argument("--mode", default="local")
-    ap.add_argument("--policy", default="spread+backfill", choices=POLICIES)
-    ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for local workers")
     ap.add_argument("--advertise-host", default=None, help="address peers on other nodes connect to")
-    ap.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=DRAIN_TIMEOUT_S,
-        help="seconds running jobs get to checkpoint when the daemon stops",
-    )
-    ap.add_argument(
-        "--trust-user-code",
-        action="append",
-        default=[],
-        metavar="USER",
-        help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)",
-    )
-    ap.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (0: a free one; default: off)",
-    )
-    ap.add_argument(
-        "--tinker-port",
-        type=int,
-        default=None,
-        help="serve the Tinker API on this port (0: a free one; default: off)",
-    )
-    ap.add_argument(
-        "--worker-grace",
-        type=float,
-        default=WORKER_GRACE_S,
-        help="seconds a worker that misses heartbeats (suspect: no new calls) may stay silent "
-        "before it is lost; a worker whose process exited is lost at once",
-    )
     args = ap.parse_args(argv)
     os.umask(0o077)  # what the daemon and its children write is the owner's alone
     args.state_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config_file = (args.cluster_config or config_path(args.state_dir)).resolve()
     try:
+        config = read_config(config_file)
         daemon = Daemon(
             args.state_dir,
-            args.model,
+            config.models,
             [w.split(",") for w in args.local_worker],
             args.host,
             args.port,
             args.max_running,
             args.mode,
-            args.policy,
-            args.worker_arg,
+            config,
             args.advertise_host,
-            args.drain_timeout,
-            args.trust_user_code,
-            metrics_port=args.metrics_port,
-            worker_grace=args.worker_grace,
-            tinker_port=args.tinker_port,
-            jobs_per_engine=args.jobs_per_engine,
-            pass_window=max(0.0, args.group_window_ms) / 1000 if args.train_grouping else None,
+            config_file=config_file,
         )
-    except auth.AuthError as exc:
+    except (auth.AuthError, ConfigError) as exc:
         print(f"plexd: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     daemon.run()

@@ -1,5 +1,10 @@
 """What runs on each node of a Slurm allocation (one task per node, under ``srun``).
 
+Its command line names the state directory and, for a joining allocation, its own config; the
+settings (models, engines per node, GPUs, the daemon's) are the cluster's config file
+(``plexctl.common.cluster_config``), which ``plexctl up`` wrote and which the daemon and the
+workers this task starts read too.
+
 The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then the node's
 workers; every other task starts its workers once the daemon's endpoint answers. A task of a
 joining allocation (``--join``) starts workers only, against the daemon that already runs.
@@ -44,6 +49,7 @@ from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
+from plexctl.common.cluster_config import ConfigError, config_path, read_config
 from plexctl.common.errors import ExitCode, PlexError
 from plexctl.common.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
 
@@ -124,9 +130,10 @@ def worker_command(
     scratch: Path,
     tp: int,
     threads: int | None,
-    extra: list[str],
+    config_file: Path,
 ) -> list[str]:
-    """``python -m worker.main ...`` for one placement (the tensor-parallel size only when > 1)."""
+    """``python -m worker.main ...`` for one placement: what identifies the worker (its settings
+    are in ``config_file``); the tensor-parallel size only when > 1."""
     cmd = [
         sys.executable,
         "-m",
@@ -142,12 +149,14 @@ def worker_command(
         *(arg for m in ([model] if isinstance(model, str) else model) for arg in ("--model", m)),
         "--scratch",
         str(scratch),
+        "--cluster-config",
+        str(config_file),
     ]
     if "rollout" in p.engines and tp > 1:
         cmd += ["--tensor-parallel-size", str(tp)]
     if threads is not None:
         cmd += ["--threads", str(threads)]
-    return cmd + extra
+    return cmd
 
 
 def _spawn(cmd: list[str], log_path: Path, devices: list[str] | None = None) -> subprocess.Popen:
@@ -222,78 +231,46 @@ def requeue(job_id: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="plexrl-node", description="One PlexRL task of a Slurm allocation.")
+    ap = argparse.ArgumentParser(
+        prog="plexrl-node",
+        description="One PlexRL task of a Slurm allocation; the cluster's settings are in its config file.",
+    )
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument(
-        "--model", action="append", required=True, help="a base model the engines serve; repeat for several"
-    )
-    ap.add_argument(
-        "--engines",
-        action="append",
-        default=[],
-        help="engines of node i: the (i mod n)-th value, e.g. rollout,trainer (default: both)",
+        "--cluster-config", type=Path, default=None, help="the cluster's settings (default: STATE_DIR/cluster.json)"
     )
     ap.add_argument("--join", action="store_true", help="workers only, for a daemon that already runs")
-    ap.add_argument("--scratch", default=None, help="node-local directory (default: $SLURM_TMPDIR, $TMPDIR)")
-    ap.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=0,
-        help="GPUs the allocation asked per node: fewer on the node is an error (0: what it has)",
-    )
-    ap.add_argument(
-        "--rollout-gpus",
-        type=int,
-        default=None,
-        help="GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)",
-    )
-    ap.add_argument(
-        "--trainer-gpus",
-        type=int,
-        default=None,
-        help="GPUs of a node for trainers, one each (default: the GPUs rollout leaves)",
-    )
-    ap.add_argument("--tp", type=int, default=1, help="GPUs per rollout engine (tensor-parallel size)")
-    ap.add_argument("--policy", default="spread+backfill")
-    ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--wait-daemon", type=float, default=600.0, help="seconds a worker waits for the daemon")
-    ap.add_argument("--worker-arg", action="append", default=[], help="extra argument for the worker")
-    ap.add_argument("--metrics-port", type=int, default=None, help="the daemon's Prometheus port (0: any)")
-    ap.add_argument("--tinker-port", type=int, default=None, help="the daemon's Tinker API port (0: any)")
-    ap.add_argument(
-        "--trust-user-code",
-        action="append",
-        default=[],
-        metavar="USER",
-        help="a user whose code runs with the owner's rights (trainer loss, unjailed driver)",
-    )
-    ap.add_argument(
-        "--worker-grace",
-        type=float,
-        default=None,
-        help="seconds a silent worker stays suspect before the daemon declares it lost",
-    )
     args = ap.parse_args(argv)
     os.umask(0o077)  # the workers' scratch and logs are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     env = slurm_env()
     state_dir = args.state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
+    config_file = (args.cluster_config or config_path(state_dir)).resolve()
+    try:
+        config = read_config(config_file)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return ExitCode.USAGE
+    if not config.models:
+        log.error("%s: no models to serve", config_file)
+        return ExitCode.USAGE
     os.environ[auth.KEYS_ENV] = str(auth.keys_dir(state_dir))  # this task and its worker present the internal key
     first = env["procid"] == "0" and not args.join
     node_index = int(os.environ.get("SLURM_NODEID", env["procid"]))
-    engines = (args.engines or ["rollout,trainer"])[node_index % max(1, len(args.engines or [1]))]
+    engines = config.engines[node_index % len(config.engines)]
     base_id = env["node"] if not args.join else f"{env['node']}-{env['job_id']}"
     try:
-        gpus = check_gpus(env["node"], node_gpus(os.environ), args.gpus_per_node)
+        gpus = check_gpus(env["node"], node_gpus(os.environ), config.gpus_per_node)
         placements = place_workers(
             base_id,
             gpus,
             engine_kinds(engines),
-            rollout_gpus=args.rollout_gpus,
-            trainer_gpus=args.trainer_gpus,
-            tp=args.tp,
+            rollout_gpus=config.rollout_gpus,
+            trainer_gpus=config.trainer_gpus,
+            tp=config.tp,
         )
     except LayoutError as exc:
         log.error("%s", exc)
@@ -338,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 "daemon.main",
                 "--state-dir",
                 str(state_dir),
-                *(arg for m in args.model for arg in ("--model", m)),
+                "--cluster-config",
+                str(config_file),
                 "--host",
                 "0.0.0.0",
                 "--port",
@@ -347,14 +325,6 @@ def main(argv: list[str] | None = None) -> int:
                 "slurm",
                 "--advertise-host",
                 advertise_address(),
-                "--policy",
-                args.policy,
-                "--drain-timeout",
-                str(args.drain_timeout),
-                *(f"--trust-user-code={u}" for u in args.trust_user_code),
-                *(["--metrics-port", str(args.metrics_port)] if args.metrics_port is not None else []),
-                *(["--tinker-port", str(args.tinker_port)] if args.tinker_port is not None else []),
-                *(["--worker-grace", f"{args.worker_grace:g}"] if args.worker_grace is not None else []),
             ],
             state_dir / "daemon.log",
         )
@@ -367,14 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         _stop(daemon)
         return 1
-    scratch = node_scratch(args.scratch, env["job_id"], env["node"])
-    own_threads = n > 1 and not any(a.startswith("--threads") for a in args.worker_arg)
-    threads = max(1, task_cpus() // n) if own_threads else None  # the node's cores, shared out
+    scratch = node_scratch(config.scratch, env["job_id"], env["node"])
+    threads = max(1, task_cpus() // n) if n > 1 else None  # the node's cores, shared out
     for p in placements:
         w_scratch = scratch / p.scratch_name if p.scratch_name else scratch
         log_path = state_dir / "workers" / f"{p.worker_id}.log"
         proc = _spawn(
-            worker_command(p, address, env["node"], args.model, w_scratch, args.tp, threads, args.worker_arg),
+            worker_command(p, address, env["node"], config.models, w_scratch, config.tp, threads, config_file),
             log_path,
             p.devices,
         )
@@ -418,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.2)
     for w in workers:
         shutil.rmtree(w.scratch, ignore_errors=True)
-    if not args.scratch:  # ours: the job's directory on this node
+    if not config.scratch:  # ours: the job's directory on this node
         shutil.rmtree(scratch, ignore_errors=True)
     if first and signalled and signalled[0] in REQUEUE_SIGNALS and code == 0:
         ok = requeue(env["job_id"])

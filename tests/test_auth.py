@@ -105,7 +105,7 @@ def test_key_files_are_private_and_a_readable_secret_stops_the_daemon(cluster: C
     cluster.daemon.stop()
     os.chmod(keys / "server.key_secret", 0o644)
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.main", "--state-dir", str(cluster.state), "--model", str(tiny_model)],
+        [sys.executable, "-m", "daemon.main", "--state-dir", str(cluster.state)],  # its cluster.json names the model
         cwd=REPO,
         env=cluster.env(OWNER),
         capture_output=True,

@@ -185,11 +185,15 @@ def test_engine_kinds_reads_a_nodes_engines_value() -> None:
 
 def test_a_worker_is_told_its_id_engines_scratch_and_tensor_parallel_size() -> None:
     rollout, trainer = place_workers("n1", EIGHT[:4], BOTH, rollout_gpus=2, tp=2)[:2]
-    argv = worker_command(rollout, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g0"), 2, 4, ["--max-loras=8"])
+    config = Path("/s/cluster.json")
+    argv = worker_command(rollout, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g0"), 2, 4, config)
     assert argv[argv.index("--worker-id") + 1] == "n1-g0" and argv[argv.index("--engines") + 1] == "rollout"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--threads") + 1] == "4"
-    assert argv[argv.index("--scratch") + 1] == "/scratch/n1-g0" and argv[-1] == "--max-loras=8"
-    argv = worker_command(trainer, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g2"), 2, None, [])
+    assert argv[argv.index("--scratch") + 1] == "/scratch/n1-g0"
+    assert argv[argv.index("--cluster-config") + 1] == "/s/cluster.json"  # its settings
+    argv = worker_command(trainer, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g2"), 2, None, config)
     assert "--tensor-parallel-size" not in argv and "--threads" not in argv  # a trainer has no tp; default threads
     single = place_workers("n1", EIGHT[:2], ["rollout"])[0]
-    assert "--tensor-parallel-size" not in worker_command(single, "tcp://n0:5555", "n1", "/m", Path("/s"), 1, None, [])
+    assert "--tensor-parallel-size" not in worker_command(
+        single, "tcp://n0:5555", "n1", "/m", Path("/s"), 1, None, config
+    )

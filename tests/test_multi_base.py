@@ -16,6 +16,7 @@ from daemon.node import worker_command
 from plexctl.cli.slurm import SlurmSpec, node_command
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
+from plexctl.common.cluster_config import ClusterConfig, config_path, read_config, write_config
 from plexctl.common.layout import WorkerPlacement
 from worker.engine_args import EngineArgsError, rollout_engine_args, sleep_between_models
 from worker.main import Rollouts, Trainers, engine_id, next_awake
@@ -128,12 +129,14 @@ def test_rollout_engines_sleep_between_models_on_cuda_only():
         rollout_engine_args("cpu", "/m", sleep_mode=True)
 
 
-def test_every_model_reaches_the_workers_and_the_daemon():
+def test_every_model_reaches_the_workers_and_the_daemon(tmp_path):
     placement = WorkerPlacement("n1-g0", ["rollout"], ["0"], "n1-g0")
-    argv = worker_command(placement, "tcp://n0:5555", "n1", ["/m/a", "/m/b"], Path("/s"), 1, None, [])
+    argv = worker_command(placement, "tcp://n0:5555", "n1", ["/m/a", "/m/b"], Path("/s"), 1, None, Path("/s/c.json"))
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--model"] == ["/m/a", "/m/b"]
-    cmd = node_command(SlurmSpec(name="c", state_dir="/s", model="/m/a", more_models=["/m/b"]))
-    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--model"] == ["/m/a", "/m/b"]
+    spec = SlurmSpec(name="c", state_dir=str(tmp_path), config=ClusterConfig(models=["/m/a", "/m/b"]))
+    write_config(config_path(tmp_path), spec.config)  # as `up --slurm` does before it submits
+    assert node_command(spec)[2:] == ["daemon.node", "--state-dir", str(tmp_path)]  # the node reads the rest
+    assert read_config(config_path(tmp_path)).models == ["/m/a", "/m/b"]
 
 
 def test_the_daemon_keeps_each_job_on_the_engines_of_its_own_model(core, tiny_model, tmp_path):

@@ -28,6 +28,7 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.client import Client
 from plexctl.common.cluster import read_endpoint
+from plexctl.common.cluster_config import ClusterConfig, config_path, write_config
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.spec import spec_to_wire
 from plexctl.spec_files import load_spec
@@ -40,15 +41,17 @@ class BareDaemon:
     """A daemon and its own PLEXRL_HOME; ``keys`` is the cluster's internal key (every operation)."""
 
     def __init__(
-        self, state_dir: Path, model: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+        self, state_dir: Path, model: Path, env: dict[str, str] | None = None, trusted_users: tuple[str, ...] = ()
     ) -> None:
         self.state_dir = state_dir
         self.log_path = state_dir / "daemon.log"
         state_dir.mkdir(parents=True, exist_ok=True)
+        config = ClusterConfig(models=[str(model)], trusted_users=list(trusted_users))
+        write_config(config_path(state_dir), config)  # what `up` writes
         env = env or {**os.environ, "PLEXRL_HOME": str(state_dir.parent / "home")}
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir), "--model", str(model), *args],
+                [sys.executable, "-m", "daemon.main", "--state-dir", str(state_dir)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
@@ -74,7 +77,7 @@ class BareDaemon:
 @pytest.fixture
 def daemon(tiny_model: Path, tmp_path: Path):
     # the simulated users (user0..user3) have no Unix accounts: trusted, their jobs need none
-    d = BareDaemon(tmp_path / "state", tiny_model, args=tuple(f"--trust-user-code=user{u}" for u in range(4)))
+    d = BareDaemon(tmp_path / "state", tiny_model, trusted_users=tuple(f"user{u}" for u in range(4)))
     yield d
     d.stop()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from plexctl.cli import slurm as S
+from plexctl.common.cluster_config import ClusterConfig, drain_timeout_s
 from plexctl.common.errors import UsageError
 from plexctl.common.layout import LayoutError
 
@@ -15,14 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
 
 
-def two_node_spec(**changes) -> S.SlurmSpec:
-    fields = dict(
-        name="research",
-        state_dir="/shared/alice/.plexrl/clusters/research",
-        model="/shared/models/qwen2.5-7b",
+def two_node_spec(state_dir: str = "/shared/alice/.plexrl/clusters/research", join: bool = False, **changes):
+    settings = dict(
+        models=["/shared/models/qwen2.5-7b"],
         nodes=2,
         gpus_per_node=8,
-        time="2-00:00:00",
+        time_limit="2-00:00:00",
         partition="gpu",
         account="rl-lab",
         qos="high",
@@ -31,11 +30,17 @@ def two_node_spec(**changes) -> S.SlurmSpec:
         signal_grace=300,
         engines=["rollout,trainer"],
         scratch=None,
-        worker_args=["--max-loras=8"],
+        max_loras=8,
+    )
+    settings.update(changes)
+    return S.SlurmSpec(
+        name="research",
+        state_dir=state_dir,
+        config=ClusterConfig(**settings),
+        config_file=str(Path(state_dir) / ("slurm/join-1.json" if join else "cluster.json")),
+        join=join,
         python="/shared/alice/venv/bin/python",
     )
-    fields.update(changes)
-    return S.SlurmSpec(**fields)
 
 
 def test_the_batch_script_matches_its_golden_file() -> None:
@@ -60,7 +65,7 @@ def test_a_gpu_allocation_asks_for_gpus_cpus_and_memory_and_passes_the_layout() 
         "64",
         "0",
     )  # 8 CPUs a GPU, the node's memory
-    assert "--gpus-per-node 8 --rollout-gpus 4 --trainer-gpus 4 --tp 2" in text  # each node checks what it got
+    assert "--tp" not in text  # the layout is the config's: each node checks what it got
     assert S.planned_workers(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2)) == 2 * (2 + 4)
 
 
@@ -112,17 +117,13 @@ def test_a_layout_that_cannot_fit_is_refused_before_anything_is_submitted(tmp_pa
 def test_a_joining_allocation_runs_workers_only() -> None:
     text = S.render_sbatch(two_node_spec(join=True, nodes=3))
     assert "#SBATCH --job-name=plexrl-research-join" in text and "#SBATCH --nodes=3" in text
-    assert text.rstrip().endswith("--join --worker-arg=--max-loras=8")
+    # its own config (the cluster's cluster.json is the running daemon's)
+    assert text.rstrip().endswith("--cluster-config /shared/alice/.plexrl/clusters/research/slurm/join-1.json --join")
 
 
-def test_trusted_users_reach_the_daemon() -> None:
-    text = S.render_sbatch(two_node_spec(trusted_users=["alice", "bob"]))
-    assert "--trust-user-code=alice --trust-user-code=bob" in text
-
-
-def test_the_metrics_port_reaches_the_daemon_of_the_first_allocation_only() -> None:
-    assert "--metrics-port 9400" in S.render_sbatch(two_node_spec(metrics_port=9400))
-    assert "--metrics-port" not in S.render_sbatch(two_node_spec(metrics_port=9400, join=True))
+def test_the_node_tasks_are_told_where_the_cluster_is_and_nothing_of_its_settings() -> None:
+    spec = two_node_spec(trusted_users=["alice"], metrics_port=9400, policy="pack", drain_timeout=100.0)
+    assert S.node_command(spec)[1:] == ["-m", "daemon.node", "--state-dir", spec.state_dir]
 
 
 def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
@@ -138,10 +139,14 @@ def test_the_shipped_sbatch_file_is_the_rendered_template() -> None:
 
 
 def test_the_drain_leaves_a_margin_before_the_allocation_ends() -> None:
-    assert S.drain_timeout(two_node_spec(signal_grace=300)) == 240
-    assert S.drain_timeout(two_node_spec(signal_grace=60)) == 45
-    assert S.drain_timeout(two_node_spec(signal_grace=20)) == 10
-    assert S.drain_timeout(two_node_spec(drain_timeout=7.0)) == 7.0
+    def drain(**settings) -> float:
+        return drain_timeout_s(two_node_spec(**settings).config, slurm=True)
+
+    assert drain(signal_grace=300) == 240
+    assert drain(signal_grace=60) == 45
+    assert drain(signal_grace=20) == 10
+    assert drain(drain_timeout=7.0) == 7.0
+    assert drain_timeout_s(two_node_spec().config, slurm=False) == 30  # a local cluster's
 
 
 @pytest.mark.parametrize(

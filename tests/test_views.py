@@ -195,11 +195,14 @@ def test_tensorboard_events_are_written_by_the_driver(cluster, small_job):
 
 
 def test_daemon_serves_prometheus_metrics(tmp_path):
-    """A bare daemon (no workers) with --metrics-port 0 writes its URL and serves every family."""
+    """A bare daemon (no workers) with metrics_port 0 writes its URL and serves every family."""
+    from plexctl.common.cluster_config import ClusterConfig, config_path, write_config
+
     state = tmp_path / "state"
+    write_config(config_path(state), ClusterConfig(metrics_port=0))
     env = {**os.environ, "PLEXRL_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.main", "--state-dir", str(state), "--metrics-port", "0"],
+        [sys.executable, "-m", "daemon.main", "--state-dir", str(state)],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

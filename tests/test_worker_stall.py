@@ -26,7 +26,6 @@ from conftest import Cluster
 
 from daemon.core import WORKER_GRACE_S
 from daemon.scheduler import Engine, Scheduler, Task
-from plexctl.cli import slurm as S
 from plexctl.cli import views
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
@@ -176,14 +175,20 @@ def test_a_worker_whose_process_exited_is_lost_at_once(core, tiny_model):
     assert "w0" not in d.workers and "process exited" in d.runtimes[job2].rolled_back
 
 
-def test_the_worker_grace_reaches_the_daemon_of_a_slurm_allocation():
-    spec = S.SlurmSpec(name="c", state_dir="/s", model="/m", worker_grace=45)
-    cmd = S.node_command(spec)
-    assert cmd[cmd.index("--worker-grace") + 1] == "45"
-    assert "--worker-grace" not in S.node_command(
-        S.SlurmSpec(name="c", state_dir="/s", model="/m", join=True, worker_grace=45)
-    )
-    assert "--worker-grace" not in S.node_command(S.SlurmSpec(name="c", state_dir="/s", model="/m"))
+def test_the_worker_grace_reaches_the_daemon_through_the_cluster_config(tmp_path, monkeypatch):
+    from daemon.main import Daemon
+    from plexctl.common import auth
+    from plexctl.common.cluster_config import ClusterConfig, config_path, read_config, write_config
+
+    monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(auth.KEYS_ENV, raising=False)  # the daemon sets it: put back after the test
+    state = tmp_path / "state"
+    write_config(config_path(state), ClusterConfig(worker_grace=45))  # what `up` writes
+    d = Daemon(state, [], [], config=read_config(config_path(state)))
+    try:
+        assert d.core.worker_grace == 45
+    finally:
+        d.shutdown()
 
 
 # ---------------------------------------------------------------- a real local cluster

@@ -52,6 +52,7 @@ from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.cluster import endpoint_address, orphan_grace
+from plexctl.common.cluster_config import ClusterConfig, ConfigError, min_lora_rank, read_config
 from plexctl.common.frames import NOBLOCK, recv_frames, recv_message, send_frames
 from plexctl.common.memplan import WorkerStep, worker_step
 from plexctl.common.sizes import parse_bytes
@@ -763,7 +764,11 @@ def write_behind_bytes(asked: int | None, host_mem: int) -> int:
     return asked if asked is not None else max(host_mem // 4, 1 << 30)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config: ClusterConfig | None = None) -> argparse.ArgumentParser:
+    """The worker's command line: what identifies it (endpoint, id, node, its engines and models,
+    scratch), and the cluster settings its engines are built with, whose defaults are ``config``'s
+    (the cluster config the worker was pointed at, every default without one): a flag here
+    overrides one setting for this worker (benchmarks and checks build engines so)."""
     ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--worker-id", default=socket.gethostname())
@@ -776,75 +781,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="a base model the engines serve; repeat for several (an engine of each kind per model)",
     )
     ap.add_argument(
-        "--device",
-        default="auto",
-        help="where the engines run: auto (cuda when this process sees a GPU, else cpu), cpu or cuda",
-    )
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="weight dtype of the engines (auto: bfloat16 on CUDA, float32 on CPU)",
+        "--cluster-config", type=Path, default=None, help="the cluster's settings (cluster.json; none: every default)"
     )
     ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
     ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
-    ap.add_argument(
-        "--max-loras",
-        type=int,
-        default=None,
-        help="adapter slots in the rollout engine (default: 4 on CPU; on CUDA sized for --expected-jobs)",
-    )
-    ap.add_argument(
-        "--expected-jobs",
-        type=int,
-        default=MAX_CACHED_LORAS,
-        help="jobs the cluster runs at once: the rollout engine keeps this many adapters loaded (its jobs' room)",
-    )
-    ap.add_argument("--max-lora-rank", type=int, default=None, help="highest LoRA rank the rollout engine loads")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one rollout engine")
+    ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
     ap.add_argument(
         "--min-lora-rank",
         type=int,
-        default=0,
-        help="without --max-lora-rank, the default covers at least this rank (`up --tinker-port`: the SDK's default)",
-    )
-    ap.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="share of its GPUs' memory the rollout engine takes (weights, KV cache); CUDA only",
-    )
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one rollout engine")
-    ap.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=None,
-        help="padded tokens of one trainer micro-batch (default: by device)",
-    )
-    ap.add_argument(
-        "--gradient-checkpointing",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="recompute activations in backward (auto: where the memory plan says it pays)",
-    )
-    ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
-    ap.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="tokens of a sequence the rollout engine holds (default: the model's context, at most 4096)",
-    )
-    ap.add_argument("--device-slots", type=int, default=4, help="jobs whose trainer state stays on device")
-    ap.add_argument("--host-mem", type=parse_bytes, default=8 << 30, help="host tier for swapped-out state")
-    ap.add_argument("--nvme-dir", type=Path, default=None, help="NVMe tier (default: SCRATCH/nvme)")
-    ap.add_argument("--nvme-bytes", type=parse_bytes, default=64 << 30, help="capacity of the NVMe tier")
-    ap.add_argument(
-        "--write-behind",
-        type=parse_bytes,
-        default=None,
-        help="host memory beyond --host-mem for states on their way to NVMe, written after the "
-        "call that evicted them went on (default: a quarter of --host-mem, at least 1G; "
-        "0: written before it)",
+        help="without --max-lora-rank, the default covers at least this rank (with tinker_port: the SDK's default)",
     )
     ap.add_argument(
         "--exit-with-parent",
@@ -862,7 +809,57 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--endpoint-file", type=Path, default=None, help="the cluster's endpoint.json: where a restarted daemon is"
     )
+    settings = ap.add_argument_group("cluster settings", "defaults: the cluster config's (docs/cluster-reference.md)")
+    settings.add_argument("--device", help="where the engines run: auto, cpu or cuda")
+    settings.add_argument("--dtype", choices=["auto", *DTYPES], help="weight dtype of the engines")
+    settings.add_argument("--max-loras", type=int, help="adapter slots in the rollout engine")
+    settings.add_argument("--jobs-per-engine", type=int, help="jobs the rollout engine keeps adapters loaded for")
+    settings.add_argument("--max-lora-rank", type=int, help="highest LoRA rank the rollout engine loads")
+    settings.add_argument(
+        "--gpu-memory-utilization", type=float, help="share of its GPUs' memory the rollout engine takes"
+    )
+    settings.add_argument("--micro-batch-tokens", type=int, help="padded tokens of one trainer micro-batch")
+    settings.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], help="recompute activations")
+    settings.add_argument("--max-model-len", type=int, help="tokens of a sequence the rollout engine holds")
+    settings.add_argument("--device-slots", type=int, help="jobs whose trainer state stays on device")
+    settings.add_argument("--host-mem", type=parse_bytes, help="host tier for swapped-out state")
+    settings.add_argument("--nvme-dir", type=Path, help="NVMe tier (none: SCRATCH/nvme)")
+    settings.add_argument("--nvme-bytes", type=parse_bytes, help="capacity of the NVMe tier")
+    settings.add_argument("--write-behind", type=parse_bytes, help="host memory for states on their way to NVMe")
+    ap.set_defaults(**worker_settings(config or ClusterConfig()))
     return ap
+
+
+def worker_settings(config: ClusterConfig) -> dict[str, Any]:
+    """The cluster settings a worker builds its engines with, as its parser's defaults."""
+    return {
+        "device": config.device,
+        "dtype": config.dtype,
+        "max_loras": config.max_loras,
+        "jobs_per_engine": config.jobs_per_engine,
+        "max_lora_rank": config.max_lora_rank,
+        "min_lora_rank": min_lora_rank(config),
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "max_model_len": config.max_model_len,
+        "device_slots": config.device_slots,
+        "host_mem": parse_bytes(config.host_mem),
+        "nvme_dir": None if config.nvme_dir is None else Path(config.nvme_dir),
+        "nvme_bytes": parse_bytes(config.nvme_bytes),
+        "write_behind": None if config.write_behind is None else parse_bytes(config.write_behind),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments: its ``--cluster-config`` read first, its settings the defaults."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--cluster-config", type=Path, default=None)
+    try:
+        config = read_config(pre.parse_known_args(argv)[0].cluster_config)
+    except ConfigError as exc:
+        build_parser().error(str(exc))
+    return build_parser(config).parse_args(argv)
 
 
 def build_engines(
@@ -930,8 +927,7 @@ def _max_lora_rank(args: argparse.Namespace, device: Platform) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     os.umask(0o077)  # checkpoints, adapters and scratch copies are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
@@ -940,7 +936,7 @@ def main(argv: list[str] | None = None) -> None:
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
     unknown = set(kinds) - {"rollout", "trainer"}
     if unknown or not kinds:
-        ap.error(f"--engines: unknown engine kinds {sorted(unknown)}")
+        build_parser().error(f"--engines: unknown engine kinds {sorted(unknown)}")
     models = list(dict.fromkeys(os.path.realpath(m) for m in args.model))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
@@ -1103,10 +1099,11 @@ def _leave(worker_id: str) -> None:
 def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int]:
     """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs.
     The cached adapters are the jobs it holds at once (``EngineDecl.adapter_slots``)."""
+    expected_jobs = args.jobs_per_engine or MAX_CACHED_LORAS  # no cap: as many as the cache holds
     if args.max_loras is not None:
-        cached = args.max_cpu_loras or max(2 * args.max_loras, args.expected_jobs)
+        cached = args.max_cpu_loras or max(2 * args.max_loras, expected_jobs)
         return args.max_loras, max(cached, args.max_loras)
-    return adapter_slots(args.expected_jobs, device)
+    return adapter_slots(expected_jobs, device)
 
 
 def trainer_step(args: argparse.Namespace, kinds: list[str], options: EngineOptions, model: str) -> WorkerStep:

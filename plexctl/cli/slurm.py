@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 
 from plexctl.common.atomic import write_json_atomic
+from plexctl.common.cluster_config import ClusterConfig, config_path
 from plexctl.common.errors import PlexError, UsageError
 from plexctl.common.layout import engine_kinds, place_workers
 
@@ -55,36 +56,13 @@ class SlurmUnavailable(PlexError):
 
 
 class SlurmSpec(msgspec.Struct, kw_only=True):
-    """One allocation of a cluster, as ``plexctl up --slurm`` was asked for it."""
+    """One allocation of a cluster: its settings, and where its node tasks read them."""
 
     name: str
     state_dir: str
-    model: str
-    more_models: list[str] = msgspec.field(default_factory=list)  # further base models (``up --model`` repeated)
-    nodes: int = 1
-    gpus_per_node: int = 0
-    time: str = "24:00:00"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    exclusive: bool = False
-    constraint: str | None = None
-    cpus_per_task: int | None = None  # default: CPUS_PER_GPU per GPU, none asked without GPUs
-    mem: str | None = None  # default: MEM_WITH_GPUS with GPUs, none asked without
-    rollout_gpus: int | None = None  # GPUs per node for rollout engines (None: plexctl.common.layout's split)
-    trainer_gpus: int | None = None  # GPUs per node for trainers, one each (None: the rest)
-    tp: int = 1  # GPUs per rollout engine (its tensor-parallel size)
-    signal_grace: int = 300
-    drain_timeout: float | None = None  # default: signal_grace minus a margin for the requeue
-    engines: list[str] = msgspec.field(default_factory=lambda: ["rollout,trainer"])
-    scratch: str | None = None
-    policy: str = "spread+backfill"
+    config: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    config_file: str = ""  # the config the node tasks read ("": the state directory's cluster.json)
     join: bool = False
-    worker_args: list[str] = msgspec.field(default_factory=list)
-    trusted_users: list[str] = msgspec.field(default_factory=list)  # may run their own loss code
-    metrics_port: int | None = None  # Prometheus metrics of the daemon, on the first node
-    tinker_port: int | None = None  # the Tinker API front end, beside the daemon on the first node
-    worker_grace: float | None = None  # seconds a silent worker stays suspect before it is lost (None: the daemon's)
     python: str = sys.executable
 
 
@@ -94,7 +72,12 @@ class Allocation(msgspec.Struct):
     join: bool
     submitted_at: float
     via: str  # submitit | sbatch
-    drain_timeout: float = 240.0  # seconds its daemon gives jobs to checkpoint when it stops
+    drain_timeout: float  # seconds its daemon gives jobs to checkpoint when it stops
+
+
+def join_config_path(state_dir: Path) -> Path:
+    """Where a joining allocation's config goes (its own: the cluster's ``cluster.json`` is the daemon's)."""
+    return state_dir / "slurm" / f"join-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 # ---------------------------------------------------------------- parsing user input
@@ -121,37 +104,31 @@ def time_minutes(text: str) -> int:
     return total
 
 
-def drain_timeout(spec: SlurmSpec) -> float:
-    """How long jobs get to checkpoint after the signal: what the grace leaves after a margin."""
-    if spec.drain_timeout is not None:
-        return spec.drain_timeout
-    return max(10.0, spec.signal_grace - max(15.0, spec.signal_grace * 0.2))
-
-
 def task_resources(spec: SlurmSpec) -> tuple[int | None, str | None]:
     """(CPUs, memory) each node's task asks for: the spec's, else the GPU defaults (none without GPUs)."""
-    cpus = spec.cpus_per_task or (CPUS_PER_GPU * spec.gpus_per_node if spec.gpus_per_node else None)
-    mem = spec.mem or (MEM_WITH_GPUS if spec.gpus_per_node else None)
+    c = spec.config
+    cpus = c.cpus_per_task or (CPUS_PER_GPU * c.gpus_per_node if c.gpus_per_node else None)
+    mem = c.mem or (MEM_WITH_GPUS if c.gpus_per_node else None)
     return cpus, mem
 
 
 def planned_workers(spec: SlurmSpec) -> int:
     """How many workers the allocation starts, if each node gets the GPUs asked for; raises
     ``plexctl.common.layout.LayoutError`` where the GPU options do not fit a node."""
-    gpus = [str(i) for i in range(spec.gpus_per_node)]
-    engines = spec.engines or ["rollout,trainer"]
+    c = spec.config
+    gpus = [str(i) for i in range(c.gpus_per_node)]
     return sum(
         len(
             place_workers(
                 f"#{i}",
                 gpus,
-                engine_kinds(engines[i % len(engines)]),
-                rollout_gpus=spec.rollout_gpus,
-                trainer_gpus=spec.trainer_gpus,
-                tp=spec.tp,
+                engine_kinds(c.engines[i % len(c.engines)]),
+                rollout_gpus=c.rollout_gpus,
+                trainer_gpus=c.trainer_gpus,
+                tp=c.tp,
             )
         )
-        for i in range(spec.nodes)
+        for i in range(c.nodes)
     )
 
 
@@ -159,67 +136,40 @@ def planned_workers(spec: SlurmSpec) -> int:
 
 
 def node_command(spec: SlurmSpec) -> list[str]:
-    """The command each task runs (``python -m daemon.node ...``), unquoted."""
-    cmd = [
-        spec.python,
-        "-m",
-        "daemon.node",
-        "--state-dir",
-        spec.state_dir,
-        *(arg for m in [spec.model, *spec.more_models] for arg in ("--model", m)),
-        "--policy",
-        spec.policy,
-        "--drain-timeout",
-        f"{drain_timeout(spec):g}",
-    ]
-    for e in spec.engines:
-        cmd += ["--engines", e]
-    if spec.gpus_per_node:
-        cmd += ["--gpus-per-node", str(spec.gpus_per_node)]
-    if spec.rollout_gpus is not None:
-        cmd += ["--rollout-gpus", str(spec.rollout_gpus)]
-    if spec.trainer_gpus is not None:
-        cmd += ["--trainer-gpus", str(spec.trainer_gpus)]
-    if spec.tp != 1:
-        cmd += ["--tp", str(spec.tp)]
-    if spec.scratch:
-        cmd += ["--scratch", spec.scratch]
+    """The command each task runs (``python -m daemon.node ...``), unquoted: what identifies the
+    allocation; its settings are in its config file."""
+    cmd = [spec.python, "-m", "daemon.node", "--state-dir", spec.state_dir]
+    if spec.config_file and Path(spec.config_file) != config_path(Path(spec.state_dir)):
+        cmd += ["--cluster-config", spec.config_file]
     if spec.join:
         cmd.append("--join")
-    cmd += [f"--trust-user-code={u}" for u in spec.trusted_users]
-    if spec.metrics_port is not None and not spec.join:
-        cmd += ["--metrics-port", str(spec.metrics_port)]
-    if spec.tinker_port is not None and not spec.join:
-        cmd += ["--tinker-port", str(spec.tinker_port)]
-    if spec.worker_grace is not None and not spec.join:
-        cmd += ["--worker-grace", f"{spec.worker_grace:g}"]
-    cmd += [f"--worker-arg={a}" for a in spec.worker_args]
     return cmd
 
 
 def sbatch_options(spec: SlurmSpec) -> list[tuple[str, str | None]]:
+    c = spec.config
     opts: list[tuple[str, str | None]] = [
         ("job-name", f"plexrl-{spec.name}" + ("-join" if spec.join else "")),
-        ("nodes", str(spec.nodes)),
+        ("nodes", str(c.nodes)),
         ("ntasks-per-node", "1"),
     ]
     cpus, mem = task_resources(spec)
-    if spec.gpus_per_node:
-        opts.append(("gpus-per-node", str(spec.gpus_per_node)))
+    if c.gpus_per_node:
+        opts.append(("gpus-per-node", str(c.gpus_per_node)))
     if cpus:
         opts.append(("cpus-per-task", str(cpus)))
     if mem:
         opts.append(("mem", mem))
-    opts.append(("time", spec.time))
+    opts.append(("time", c.time_limit))
     for key in ("partition", "account", "qos", "constraint"):
-        value = getattr(spec, key)
+        value = getattr(c, key)
         if value:
             opts.append((key, value))
-    if spec.exclusive:
+    if c.exclusive:
         opts.append(("exclusive", None))
     opts += [
         ("requeue", None),
-        ("signal", f"{SIGNAL}@{spec.signal_grace}"),
+        ("signal", f"{SIGNAL}@{c.signal_grace}"),
         ("open-mode", "append"),
         ("output", f"{spec.state_dir}/slurm/%j.out"),
     ]
@@ -269,13 +219,12 @@ TEMPLATE_HEADER = """\
 #   PLEXRL_ENGINES       engines per node: "rollout,trainer" on every node (default), or a
 #                        space-separated list cycled over the nodes, e.g. "rollout trainer"
 #   PLEXRL_SCRATCH       node-local directory for the NVMe tier (default: $SLURM_TMPDIR, $TMPDIR)
-#   PLEXRL_POLICY        placement policy (default: spread+backfill)
-#   PLEXRL_DRAIN_TIMEOUT seconds jobs get to checkpoint after the signal (default: 240; keep it
-#                        below the signal's lead time)
 #   PLEXRL_JOIN          set to 1 for workers that join a daemon already running on the state dir
-#   PLEXRL_ROLLOUT_GPUS  GPUs of a node for rollout engines (default: 3 in 4 on a node of both kinds)
-#   PLEXRL_TRAINER_GPUS  GPUs of a node for trainers, one each (default: the GPUs rollout leaves)
-#   PLEXRL_TP            GPUs per rollout engine, its tensor-parallel size (default: 1)
+#   PLEXRL_SETTINGS      further cluster settings, KEY=VALUE separated by spaces (docs/cluster-reference.md),
+#                        e.g. "policy=pack tp=2 rollout_gpus=4 drain_timeout=200 gpus_per_node=8"
+#                        (the drain timeout defaults to what the signal's 300 s lead leaves: 240)
+#
+# The settings go into $PLEXRL_STATE_DIR/slurm/cluster-$SLURM_JOB_ID.json, which every node's task reads.
 #
 # A node with GPUs runs one worker per engine, each on its own GPUs; a node without, one worker.
 # With --gpus-per-node=G also ask --cpus-per-task=8G (8 per GPU) and --mem=0 (all of the node's
@@ -289,9 +238,7 @@ TEMPLATE_HEADER = """\
 
 def render_template() -> str:
     """``slurm/plexrl.sbatch``: the same script with its values taken from the environment."""
-    spec = SlurmSpec(
-        name="plexrl", state_dir="$PLEXRL_STATE_DIR", model="$PLEXRL_MODEL", nodes=2, time="24:00:00", signal_grace=300
-    )
+    spec = SlurmSpec(name="plexrl", state_dir="$PLEXRL_STATE_DIR", config=ClusterConfig(nodes=2))
     opts = [(k, v) for k, v in sbatch_options(spec) if k not in ("job-name", "nodes", "output")]
     lines = [TEMPLATE_HEADER.rstrip("\n"), "#SBATCH --job-name=plexrl", "#SBATCH --nodes=2"]
     lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in opts]
@@ -300,19 +247,18 @@ def render_template() -> str:
         "set -euo pipefail",
         ': "${PLEXRL_STATE_DIR:?set PLEXRL_STATE_DIR to the cluster state directory}"',
         ': "${PLEXRL_MODEL:?set PLEXRL_MODEL to the base model directory}"',
-        "engines=()",
-        'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines+=(--engines "$e"); done',
-        "extra=()",
-        '[ -n "${PLEXRL_SCRATCH:-}" ] && extra+=(--scratch "$PLEXRL_SCRATCH")',
-        '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
-        '[ -n "${PLEXRL_ROLLOUT_GPUS:-}" ] && extra+=(--rollout-gpus "$PLEXRL_ROLLOUT_GPUS")',
-        '[ -n "${PLEXRL_TRAINER_GPUS:-}" ] && extra+=(--trainer-gpus "$PLEXRL_TRAINER_GPUS")',
-        '[ -n "${PLEXRL_TP:-}" ] && extra+=(--tp "$PLEXRL_TP")',
+        'config="$PLEXRL_STATE_DIR/slurm/cluster-$SLURM_JOB_ID.json"',
+        'engines=""',
+        'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines="$engines\\"$e\\","; done',
+        'settings=("models=[\\"$PLEXRL_MODEL\\"]" "engines=[${engines%,}]")',
+        '[ -n "${PLEXRL_SCRATCH:-}" ] && settings+=("scratch=$PLEXRL_SCRATCH")',
+        'read -r -a more <<< "${PLEXRL_SETTINGS:-}"',
         'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
+        '"${PLEXRL_PYTHON:-python3}" -m plexctl.common.cluster_config "$config" "${settings[@]}" "${more[@]}"',
+        "extra=()",
+        '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
         'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
-        '    --state-dir "$PLEXRL_STATE_DIR" --model "$PLEXRL_MODEL" \\',
-        '    --policy "${PLEXRL_POLICY:-spread+backfill}" --drain-timeout "${PLEXRL_DRAIN_TIMEOUT:-240}" \\',
-        '    "${engines[@]}" "${extra[@]}"',
+        '    --state-dir "$PLEXRL_STATE_DIR" --cluster-config "$config" "${extra[@]}"',
         "",
     ]
     return "\n".join(lines)
@@ -361,28 +307,29 @@ def run_module(module: str, argv: list[str]) -> int:
 def submitit_parameters(spec: SlurmSpec) -> dict[str, object]:
     """``SlurmExecutor.update_parameters`` for the allocation: what ``sbatch_options`` asks for."""
     additional: dict[str, object] = {"requeue": True, "open-mode": "append"}
+    c = spec.config
     for key in ("account", "qos", "constraint"):
-        if getattr(spec, key):
-            additional[key] = getattr(spec, key)
-    if spec.exclusive:
+        if getattr(c, key):
+            additional[key] = getattr(c, key)
+    if c.exclusive:
         additional["exclusive"] = True
     params: dict[str, object] = dict(
         job_name=f"plexrl-{spec.name}" + ("-join" if spec.join else ""),
-        nodes=spec.nodes,
+        nodes=c.nodes,
         ntasks_per_node=1,
-        time=time_minutes(spec.time),
-        signal_delay_s=spec.signal_grace,
+        time=time_minutes(c.time_limit),
+        signal_delay_s=c.signal_grace,
         additional_parameters=additional,
     )
     cpus, mem = task_resources(spec)
-    if spec.gpus_per_node:
-        params["gpus_per_node"] = spec.gpus_per_node
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
     if cpus:
         params["cpus_per_task"] = cpus
     if mem:
         params["mem"] = mem
-    if spec.partition:
-        params["partition"] = spec.partition
+    if c.partition:
+        params["partition"] = c.partition
     return params
 
 

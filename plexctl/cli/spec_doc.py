@@ -10,6 +10,9 @@ of ``plexctl validate --explain KEY``.
 Regenerate the page:   python -m plexctl.cli.spec_doc > docs/spec-reference.md
 Check it is current:   python -m plexctl.cli.spec_doc --check docs/spec-reference.md  (exit 1 if stale)
 
+The same walk over ``plexctl.common.cluster_config.ClusterConfig`` renders the cluster settings'
+page, ``docs/cluster-reference.md`` (``render_cluster_reference``; ``--cluster`` with either command).
+
 It deliberately does not validate specs (``plexctl.common.spec`` does), does not document the rules
 that span several fields beyond what the docstrings say, and never imports torch or vLLM.
 """
@@ -37,6 +40,8 @@ from plexctl.common.spec import JobSpec, unwrap_type
 
 REGENERATE = "python -m plexctl.cli.spec_doc > docs/spec-reference.md"
 CHECK = "python -m plexctl.cli.spec_doc --check docs/spec-reference.md"
+CLUSTER_REGENERATE = "python -m plexctl.cli.spec_doc --cluster > docs/cluster-reference.md"
+CLUSTER_CHECK = "python -m plexctl.cli.spec_doc --cluster --check docs/cluster-reference.md"
 REQUIRED = "required"  # the default column of a key without a default
 ALL_DEFAULTS = "all defaults"  # the default column of a section built from its own defaults
 
@@ -248,6 +253,52 @@ def render_reference() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def render_cluster_reference() -> str:
+    """The Markdown reference of the cluster settings (what ``docs/cluster-reference.md`` holds)."""
+    from plexctl.common import cluster_config as K
+
+    (section,) = list(sections(K.ClusterConfig))
+    lines = [
+        "<!-- Generated from plexctl/common/cluster_config.py by plexctl/cli/spec_doc.py; do not edit by hand. -->",
+        "",
+        "# Cluster settings reference",
+        "",
+        "Generated from `ClusterConfig` in `plexctl/common/cluster_config.py`; do not edit by hand. After",
+        "changing a setting, regenerate it and commit the result:",
+        "",
+        f"    {CLUSTER_REGENERATE}",
+        "",
+        f"`{CLUSTER_CHECK}` exits 1 when this file is stale; `tests/test_cluster_config.py` checks the same.",
+        "",
+        section.intro,
+        "",
+        "`plexctl up` takes each setting as the option the second column names (the same help, the same",
+        "default); it writes them to `cluster.json` in the state directory. Those marked *local* or *Slurm*",
+        "apply to that kind of cluster only. `slurm/plexrl.sbatch` takes them as `KEY=VALUE` in",
+        "`PLEXRL_SETTINGS`; `python -m plexctl.common.cluster_config FILE KEY=VALUE ...` writes a config file.",
+        "",
+        "| setting | `up` option | type | default | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in section.fields:
+        where = {K.LOCAL: " *(local)*", K.SLURM: " *(Slurm)*"}.get(K.scope(f.key) or "", "")
+        row = [
+            f"`{f.key}`",
+            f"`{K.option_name(f.key)}`{where}",
+            _cell(f.type),
+            _cell(_code(f.default)),
+            _cell(f.meaning),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    derived = (
+        "Derived defaults (one function each in `plexctl/common/cluster_config.py`): `drain_timeout_s` (30 s on a "
+        "local cluster; on Slurm the signal grace less max(15 s, 20 %), at least 10 s: 240 s for the default 300 s) "
+        "and `min_lora_rank` (the Tinker SDK's default rank when `tinker_port` is set). What the engines' platform "
+        "decides (null engine settings) is `worker/engine_args.py` and `worker/engine_options.py`."
+    )
+    return "\n".join([*lines, "", derived]) + "\n"
+
+
 # ---------------------------------------------------------------- one key: plexctl validate --explain
 
 
@@ -292,13 +343,15 @@ def explain(key: str) -> str:
 # ---------------------------------------------------------------- python -m plexctl.cli.spec_doc
 
 
-def check(path: Path) -> str | None:
-    """None when ``path`` holds the current reference, else a one-line hint saying what differs."""
-    expected = render_reference()
+def check(path: Path, cluster: bool = False) -> str | None:
+    """None when ``path`` holds the current reference (the cluster settings' with ``cluster``), else a
+    one-line hint saying what differs."""
+    expected = render_cluster_reference() if cluster else render_reference()
+    regenerate = CLUSTER_REGENERATE if cluster else REGENERATE
     try:
         actual = path.read_text(encoding="utf-8")
     except OSError as e:
-        return f"{path}: cannot read ({e.strerror or e}); generate it with: {REGENERATE}"
+        return f"{path}: cannot read ({e.strerror or e}); generate it with: {regenerate}"
     if actual == expected:
         return None
     old, new = actual.splitlines(), expected.splitlines()
@@ -307,7 +360,7 @@ def check(path: Path) -> str | None:
     want = new[line] if line < len(new) else "<end of file>"
     return (
         f"{path} is stale: line {line + 1} is {got[:80]!r}, the schema gives {want[:80]!r}; "
-        f"regenerate it with: {REGENERATE}"
+        f"regenerate it with: {regenerate}"
     )
 
 
@@ -322,11 +375,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         help="exit 1 (with a one-line hint) if FILE differs from the generated reference",
     )
+    parser.add_argument("--cluster", action="store_true", help="the cluster settings' reference instead")
     args = parser.parse_args(argv)
     if args.check is None:
-        sys.stdout.write(render_reference())
+        sys.stdout.write(render_cluster_reference() if args.cluster else render_reference())
         return 0
-    problem = check(args.check)
+    problem = check(args.check, args.cluster)
     if problem:
         print(problem, file=sys.stderr)
         return 1

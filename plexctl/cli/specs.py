@@ -6,11 +6,13 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional, cast
+from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
 
 import typer
 
 from plexctl.cli.context import console
+from plexctl.cli.start_stop import setting_option
+from plexctl.common.cluster_config import DEFAULTS as D
 from plexctl.common.errors import ExitCode, UsageError
 from plexctl.common.sizes import parse_bytes
 
@@ -69,21 +71,21 @@ def plan(
     gpus: Annotated[str, typer.Option(help="the node's GPUs, e.g. 8x80G, 4x141G; 0 for a CPU node")] = "8x80G",
     node_mem: Annotated[str, typer.Option(help="the node's host memory")] = "256G",
     node_nvme: Annotated[str, typer.Option(help="the node's local NVMe")] = "1T",
-    tp: Annotated[int, typer.Option(min=1, help="GPUs of one rollout engine (tensor parallel)")] = 1,
-    rollout_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to rollout engines")] = None,
-    trainer_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs given to trainers, one each")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="engine dtype (default: bfloat16 on GPUs)")] = None,
-    max_lora_rank: Annotated[int, typer.Option(min=1, help="as `plexctl up --max-lora-rank`")] = 64,
-    max_loras: Annotated[int, typer.Option(min=1, help="adapter slots of a rollout engine")] = 4,
-    device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state a trainer keeps on its GPU")] = 4,
-    host_mem: Annotated[str, typer.Option(help="host tier of each trainer, as `up --host-mem`")] = "8G",
-    nvme_bytes: Annotated[str, typer.Option(help="NVMe tier of each trainer, as `up --nvme-bytes`")] = "64G",
-    gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.9,
-    max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
-    micro_batch_tokens: Annotated[int, typer.Option(min=1)] = 16384,
-    gradient_checkpointing: Annotated[
-        str, typer.Option(help="auto|on|off, as the worker's (auto: off where the step fits without it)")
-    ] = "auto",
+    tp: Annotated[int, setting_option("tp", scoped=False)] = D.tp,
+    rollout_gpus: Annotated[Optional[int], setting_option("rollout_gpus", scoped=False)] = D.rollout_gpus,
+    trainer_gpus: Annotated[Optional[int], setting_option("trainer_gpus", scoped=False)] = D.trainer_gpus,
+    dtype: Annotated[str, setting_option("dtype")] = D.dtype,
+    max_lora_rank: Annotated[Optional[int], setting_option("max_lora_rank")] = D.max_lora_rank,
+    max_loras: Annotated[Optional[int], setting_option("max_loras")] = D.max_loras,
+    device_slots: Annotated[int, setting_option("device_slots")] = D.device_slots,
+    host_mem: Annotated[str, setting_option("host_mem")] = D.host_mem,
+    nvme_bytes: Annotated[str, setting_option("nvme_bytes")] = D.nvme_bytes,
+    gpu_memory_utilization: Annotated[Optional[float], setting_option("gpu_memory_utilization")] = (
+        D.gpu_memory_utilization
+    ),
+    max_model_len: Annotated[Optional[int], setting_option("max_model_len")] = D.max_model_len,
+    micro_batch_tokens: Annotated[Optional[int], setting_option("micro_batch_tokens")] = D.micro_batch_tokens,
+    gradient_checkpointing: Annotated[str, setting_option("gradient_checkpointing")] = D.gradient_checkpointing,
     json_: Annotated[bool, typer.Option("--json", help="the plans as JSON (per trainer its step)")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
 ) -> None:
@@ -96,23 +98,28 @@ def plan(
     from plexctl.common.step_memory import CHECKPOINTING
     from plexctl.spec_files import load_spec
 
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype {dtype!r}: choose one of auto, float32, bfloat16, float16")
     if gradient_checkpointing not in CHECKPOINTING:
         raise UsageError(
             f"--gradient-checkpointing {gradient_checkpointing!r}: choose one of {', '.join(CHECKPOINTING)}"
         )
     try:
         node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
+        derived: dict[str, Any] = {  # left to the platform: the plan's GPU defaults (``memplan.ClusterOptions``)
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_lora_rank": max_lora_rank,
+            "max_loras": max_loras,
+            "micro_batch_tokens": micro_batch_tokens,
+        }
         options = MP.ClusterOptions(
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_lora_rank=max_lora_rank,
-            max_loras=max_loras,
+            dtype=None if dtype == "auto" else dtype,
             device_slots=device_slots,
             host_tier_bytes=parse_bytes(host_mem),
             nvme_tier_bytes=parse_bytes(nvme_bytes),
             max_model_len=max_model_len,
-            micro_batch_tokens=micro_batch_tokens,
             gradient_checkpointing=gradient_checkpointing,
+            **{k: v for k, v in derived.items() if v is not None},
         )
         specs = [load_spec(f, set_ or [], check_files=False) for f in files]
         engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)

@@ -14,17 +14,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from plexctl.cli.context import Ctx, console
+from plexctl.common import cluster_config as K
 from plexctl.common.errors import DaemonUnreachable, KeyRefused, PlexError, StartFailed, Timeout, UsageError
-from plexctl.common.scheduling import POLICIES
-from plexctl.common.sizes import parse_bytes
 
 if TYPE_CHECKING:
-    from plexctl.cli.slurm import SlurmSpec
     from plexctl.common.protocol import Pong
 
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: the daemon starts from here
@@ -34,213 +32,104 @@ def _local_model_default() -> Path:
     return Path.cwd() / ".plexrl" / "models" / "tiny-arith"
 
 
+def setting_option(name: str, help_extra: str = "", scoped: bool = True, **kw: Any) -> Any:
+    """The option of a cluster setting (``up``'s, ``plan``'s): its name, help and bounds from ``ClusterConfig``."""
+    bounds = K.bounds(name)
+    help_ = K.help_text(name, scoped) + help_extra
+    return typer.Option(K.option_name(name), help=help_, min=bounds.get("min"), max=bounds.get("max"), **kw)
+
+
+_setting = setting_option
+
+
+D = K.DEFAULTS  # each option's default is its setting's
+
+
 def up(
     ctx: typer.Context,
     local: Annotated[bool, typer.Option("--local", help="embedded cluster on this machine (default)")] = True,
     slurm: Annotated[bool, typer.Option("--slurm", help="a Slurm allocation")] = False,
-    model: Annotated[
-        Optional[list[Path]],
-        typer.Option(help="a base model the engines serve (Hugging Face directory); repeat for several"),
-    ] = None,
-    workers: Annotated[int, typer.Option(min=1, max=8, help="local workers (1: both engines in one)")] = 2,
-    policy: Annotated[
-        str, typer.Option(help="placement: isolated | pack | spread | spread+backfill")
-    ] = "spread+backfill",
-    jobs_per_engine: Annotated[
-        Optional[int],
-        typer.Option(
-            min=1,
-            help="cap on the jobs one engine is home to; more wait (default: as many as the engines' memory "
-            "holds: a rollout engine's adapter slots, a trainer's host and NVMe tiers)",
-        ),
-    ] = None,
-    train_grouping: Annotated[
-        bool,
-        typer.Option(
-            "--train-grouping",
-            help="train the steps of several LoRA jobs of one base in shared passes (each job's update equal "
-            "to alone within float rounding, not to the bit; off by default: bench/train_batching.py)",
-        ),
-    ] = False,
-    group_window_ms: Annotated[
-        Optional[float],
-        typer.Option(min=0.0, help="how long a trainer waits at most for more jobs' steps to share a pass (5 ms)"),
-    ] = None,
-    max_loras: Annotated[
-        Optional[int],
-        typer.Option(min=1, help="adapter slots in the rollout engine (default: 4 on CPU, sized for the jobs on GPUs)"),
-    ] = None,
-    max_lora_rank: Annotated[
-        Optional[int],
-        typer.Option(
-            min=1,
-            help="highest LoRA rank the rollout engines load (default 64 on GPUs, 16 on CPU; with "
-            "--tinker-port at least 32, the Tinker SDK's default rank)",
-        ),
-    ] = None,
-    device: Annotated[
-        str, typer.Option(help="where engines run: auto (a GPU when the worker sees one) | cpu | cuda")
-    ] = "auto",
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="weight dtype of the engines: auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16"
-        ),
-    ] = "auto",
-    gpu_memory_utilization: Annotated[
-        Optional[float],
-        typer.Option(min=0.05, max=1.0, help="share of its GPUs' memory a rollout engine takes (default 0.9)"),
-    ] = None,
-    micro_batch_tokens: Annotated[
-        Optional[int], typer.Option(min=1, help="padded tokens of one trainer micro-batch (default 16384)")
-    ] = None,
-    rollout_gpus: Annotated[
-        Optional[int],
-        typer.Option(min=1, help="--slurm: GPUs of each node given to rollout engines (default: 3/4 of them)"),
-    ] = None,
-    trainer_gpus: Annotated[
-        Optional[int],
-        typer.Option(
-            min=1, help="--slurm: GPUs of each node given to trainer engines, one each (default: 1/4 of them)"
-        ),
-    ] = None,
-    tp: Annotated[int, typer.Option(min=1, help="--slurm: GPUs of one rollout engine (tensor parallel)")] = 1,
-    max_model_len: Annotated[
-        Optional[int],
-        typer.Option(
-            min=16,
-            help="tokens of a sequence (prompt and completion) the rollout engine holds "
-            "(default: the model's context, at most 4096)",
-        ),
-    ] = None,
-    device_slots: Annotated[int, typer.Option(min=1, help="jobs whose state the trainer keeps on device")] = 4,
-    host_mem: Annotated[
-        str,
-        typer.Option(
-            help="host-memory tier for swapped-out job state; each trainer makes one arena (pinned on CUDA) "
-            "of this plus its spill, write-behind and transit allowances, 13/8 of it by default"
-        ),
-    ] = "8G",
-    nvme_dir: Annotated[Optional[Path], typer.Option(help="node-local NVMe tier (default: node scratch)")] = None,
-    nvme_bytes: Annotated[str, typer.Option(help="capacity of the NVMe tier")] = "64G",
-    write_behind: Annotated[
-        Optional[str],
-        typer.Option(
-            help="host memory beyond --host-mem for job state on its way to NVMe, written while the "
-            "trainer goes on (default: a quarter of --host-mem, at least 1G; 0: written first)"
-        ),
-    ] = None,
+    models: Annotated[Optional[list[Path]], _setting("models", help_extra="; repeat for several")] = None,
+    workers: Annotated[int, _setting("workers")] = D.workers,
+    policy: Annotated[str, _setting("policy")] = D.policy,
+    jobs_per_engine: Annotated[Optional[int], _setting("jobs_per_engine")] = D.jobs_per_engine,
+    train_grouping: Annotated[bool, _setting("train_grouping")] = D.train_grouping,
+    group_window_ms: Annotated[float, _setting("group_window_ms")] = D.group_window_ms,
+    max_loras: Annotated[Optional[int], _setting("max_loras")] = D.max_loras,
+    max_lora_rank: Annotated[Optional[int], _setting("max_lora_rank")] = D.max_lora_rank,
+    device: Annotated[str, _setting("device")] = D.device,
+    dtype: Annotated[str, _setting("dtype")] = D.dtype,
+    gpu_memory_utilization: Annotated[Optional[float], _setting("gpu_memory_utilization")] = D.gpu_memory_utilization,
+    micro_batch_tokens: Annotated[Optional[int], _setting("micro_batch_tokens")] = D.micro_batch_tokens,
+    gradient_checkpointing: Annotated[str, _setting("gradient_checkpointing")] = D.gradient_checkpointing,
+    rollout_gpus: Annotated[Optional[int], _setting("rollout_gpus")] = D.rollout_gpus,
+    trainer_gpus: Annotated[Optional[int], _setting("trainer_gpus")] = D.trainer_gpus,
+    tp: Annotated[int, _setting("tp")] = D.tp,
+    max_model_len: Annotated[Optional[int], _setting("max_model_len")] = D.max_model_len,
+    device_slots: Annotated[int, _setting("device_slots")] = D.device_slots,
+    host_mem: Annotated[str, _setting("host_mem")] = D.host_mem,
+    nvme_dir: Annotated[Optional[Path], _setting("nvme_dir")] = None,
+    nvme_bytes: Annotated[str, _setting("nvme_bytes")] = D.nvme_bytes,
+    write_behind: Annotated[Optional[str], _setting("write_behind")] = D.write_behind,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0,
-    drain_timeout: Annotated[
-        Optional[float],
-        typer.Option(
-            help="seconds running jobs get to checkpoint when the cluster stops (default: 30 local; "
-            "--slurm: the signal grace less a margin)"
-        ),
-    ] = None,
+    drain_timeout: Annotated[Optional[float], _setting("drain_timeout")] = D.drain_timeout,
     name: Annotated[Optional[str], typer.Option(help="--slurm: the cluster's name (its state directory)")] = None,
-    nodes: Annotated[int, typer.Option(min=1, help="--slurm: nodes, one worker each")] = 1,
-    gpus_per_node: Annotated[int, typer.Option(min=0, help="--slurm: GPUs per node")] = 0,
-    time_limit: Annotated[
-        str, typer.Option("--time", help="--slurm: time limit (minutes, HH:MM:SS, D-HH:MM:SS)")
-    ] = "24:00:00",
-    partition: Annotated[Optional[str], typer.Option(help="--slurm: partition")] = None,
-    account: Annotated[Optional[str], typer.Option(help="--slurm: account")] = None,
-    qos: Annotated[Optional[str], typer.Option(help="--slurm: quality of service")] = None,
-    exclusive: Annotated[bool, typer.Option("--exclusive", help="--slurm: whole nodes")] = False,
-    constraint: Annotated[Optional[str], typer.Option(help="--slurm: node features")] = None,
-    cpus_per_task: Annotated[Optional[int], typer.Option(min=1, help="--slurm: CPUs per node's task")] = None,
-    mem: Annotated[Optional[str], typer.Option(help="--slurm: memory per node, e.g. 200G")] = None,
-    signal_grace: Annotated[
-        int, typer.Option(min=10, help="--slurm: seconds between the drain signal and the end of the allocation")
-    ] = 300,
-    engines: Annotated[
-        Optional[list[str]], typer.Option(help="--slurm: engines of node i, cycled (default rollout,trainer on each)")
-    ] = None,
-    scratch: Annotated[
-        Optional[str],
-        typer.Option(help="--slurm: node-local directory for the NVMe tier (default $SLURM_TMPDIR, $TMPDIR)"),
-    ] = None,
+    nodes: Annotated[int, _setting("nodes")] = D.nodes,
+    gpus_per_node: Annotated[int, _setting("gpus_per_node")] = D.gpus_per_node,
+    time_limit: Annotated[str, _setting("time_limit")] = D.time_limit,
+    partition: Annotated[Optional[str], _setting("partition")] = D.partition,
+    account: Annotated[Optional[str], _setting("account")] = D.account,
+    qos: Annotated[Optional[str], _setting("qos")] = D.qos,
+    exclusive: Annotated[bool, _setting("exclusive")] = D.exclusive,
+    constraint: Annotated[Optional[str], _setting("constraint")] = D.constraint,
+    cpus_per_task: Annotated[Optional[int], _setting("cpus_per_task")] = D.cpus_per_task,
+    mem: Annotated[Optional[str], _setting("mem")] = D.mem,
+    signal_grace: Annotated[int, _setting("signal_grace")] = D.signal_grace,
+    engines: Annotated[Optional[list[str]], _setting("engines", help_extra=", cycled")] = None,
+    scratch: Annotated[Optional[str], _setting("scratch")] = D.scratch,
     join: Annotated[Optional[str], typer.Option(help="--slurm: add workers to the running cluster NAME")] = None,
     submit_with: Annotated[str, typer.Option(help="--slurm: submitit | sbatch")] = "submitit",
     no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm: return once submitted")] = False,
-    trust_user_code: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--trust-user-code",
-            metavar="USER",
-            help="a user whose code runs with your rights (algo.loss_fn in the trainer, loops "
-            "and environments unjailed); repeat for several",
-        ),
+    trusted_users: Annotated[
+        Optional[list[str]], _setting("trusted_users", metavar="USER", help_extra="; repeat for several")
     ] = None,
-    job_limit: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--job-limit",
-            metavar="NAME=VALUE",
-            help="what each jailed job may take: memory=8G, processes=256, job-dir=2G, tmp=1G, cpu=0 (the "
-            "defaults; cpu in CPU seconds; 0: no limit); per user: `plexctl share USER --limit`",
-        ),
-    ] = None,
-    metrics_port: Annotated[
-        Optional[int], typer.Option(min=0, help="serve Prometheus metrics on this port (0: a free one; default: off)")
-    ] = None,
-    tinker_port: Annotated[
-        Optional[int],
-        typer.Option(
-            min=0,
-            help="serve the Tinker API on this port (0: a free one; default: off): Tinker SDK code runs "
-            "here with base_url and the API key `up` prints the path of",
-        ),
-    ] = None,
-    worker_grace: Annotated[
-        Optional[float],
-        typer.Option(
-            min=1.0,
-            help="seconds a worker that misses heartbeats (suspect: no new calls, its jobs kept) may "
-            "stay silent before it is lost (default 60: a 30 s stall survives); a worker whose "
-            "process exits is lost at once",
-        ),
-    ] = None,
+    job_limits: Annotated[Optional[list[str]], _setting("job_limits", metavar="NAME=VALUE")] = None,
+    metrics_port: Annotated[Optional[int], _setting("metrics_port")] = D.metrics_port,
+    tinker_port: Annotated[Optional[int], _setting("tinker_port")] = D.tinker_port,
+    worker_grace: Annotated[float, _setting("worker_grace")] = D.worker_grace,
 ) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
-    from plexctl.cli import slurm as S
-    from plexctl.common import auth
-    from plexctl.common.client import current_user
-    from plexctl.common.cluster import cluster_dir, endpoint_path, plexrl_home
-    from plexctl.common.limits import parse_limits, set_limits
+    given = dict(locals())
+    config = K.ClusterConfig(
+        **{
+            **{s: given[s] for s in K.settings()},
+            "models": [str(m.resolve()) for m in dict.fromkeys(models or [_local_model_default()])],
+            "nvme_dir": None if nvme_dir is None else str(nvme_dir if slurm or join else nvme_dir.resolve()),
+            "engines": engines or D.engines,
+            "trusted_users": trusted_users or [],
+            "job_limits": job_limits or [],
+        }
+    )
+    c: Ctx = ctx.obj
+    _check(config, slurm=bool(slurm or join))
+    if slurm or join:
+        _up_slurm(config, c, name, join, submit_with, timeout, no_wait)
+    else:
+        _up_local(config, c, timeout)
+
+
+def _check(config: K.ClusterConfig, slurm: bool) -> None:
+    """Refuse a config that cannot start: one line per bad value, then the models."""
     from plexctl.common.spec import model_dir_problem
 
-    limits = parse_limits(job_limit or [])
-    if policy not in POLICIES:
-        raise UsageError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    sizes: dict[str, int] = {}
-    for option, value in (("--host-mem", host_mem), ("--nvme-bytes", nvme_bytes), ("--write-behind", write_behind)):
-        if value is not None:
-            try:
-                sizes[option] = parse_bytes(value)
-            except ValueError as exc:
-                raise UsageError(f"{option}: {exc}") from None
-    if device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
-    engine_args = [f"--device={device}", f"--dtype={dtype}"]
-    for flag, setting in (
-        ("--max-loras", max_loras),
-        ("--max-lora-rank", max_lora_rank),
-        ("--gpu-memory-utilization", gpu_memory_utilization),
-        ("--micro-batch-tokens", micro_batch_tokens),
-    ):
-        if setting is not None:
-            engine_args.append(f"{flag}={setting}")
-    if tinker_port is not None and max_lora_rank is None:  # a training client at the SDK's default rank fits
-        from plexctl.tinker.backend import SDK_DEFAULT_RANK
-
-        engine_args.append(f"--min-lora-rank={SDK_DEFAULT_RANK}")
-    c: Ctx = ctx.obj
-    models = list(dict.fromkeys(m.resolve() for m in (model or [_local_model_default()])))
-    for m in models:
+    problems = K.config_problems(config)
+    if slurm and (config.jobs_per_engine is not None):
+        problems.append("--jobs-per-engine: local clusters only (a Slurm cluster's engines hold what memory holds)")
+    if slurm and config.train_grouping:
+        problems.append("--train-grouping, --group-window-ms: local clusters only for now")
+    if problems:
+        raise UsageError("\n".join(problems))
+    for m in map(Path, config.models):
         if not (m / "config.json").exists():
             raise UsageError(
                 f"--model {m}: not a Hugging Face model directory (no config.json); "
@@ -249,103 +138,34 @@ def up(
         problem = model_dir_problem(m)
         if problem:  # the engines would fail on it, after minutes of start-up on a real model
             raise StartFailed(f"--model: {problem}; nothing was started")
-    if jobs_per_engine is not None:
-        if slurm or join:
-            raise UsageError(
-                "--jobs-per-engine: local clusters only (a Slurm cluster's engines hold what memory holds)"
-            )
-        engine_args.append(f"--expected-jobs={jobs_per_engine}")  # the rollout engine keeps their adapters loaded
-    if (slurm or join) and (train_grouping or group_window_ms is not None):
-        raise UsageError("--train-grouping, --group-window-ms: local clusters only for now")
-    if slurm or join:
-        state_dir = c.state_dir if c.named or not (name or join) else cluster_dir(join or name)
-        worker_args = [*engine_args, f"--device-slots={device_slots}", *(f"{k}={v}" for k, v in sizes.items())]
-        if nvme_dir is not None:
-            worker_args.append(f"--nvme-dir={nvme_dir}")
-        if max_model_len is not None:
-            worker_args.append(f"--max-model-len={max_model_len}")
-        if tinker_port is not None and not join:
-            from plexctl.tinker.keys import ensure_key
 
-            state_dir.mkdir(parents=True, exist_ok=True)
-            console().print(f"Tinker API key in {ensure_key(state_dir, current_user())} (the URL: tinker.json)")
-        if limits:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            set_limits(state_dir, limits)
-        spec = S.SlurmSpec(
-            name=join or name or state_dir.name,
-            state_dir=str(state_dir.resolve()),
-            model=str(models[0]),
-            more_models=[str(m) for m in models[1:]],
-            nodes=nodes,
-            gpus_per_node=gpus_per_node,
-            time=time_limit,
-            partition=partition,
-            account=account,
-            qos=qos,
-            exclusive=exclusive,
-            constraint=constraint,
-            cpus_per_task=cpus_per_task,
-            mem=mem,
-            signal_grace=signal_grace,
-            engines=engines or ["rollout,trainer"],
-            scratch=scratch,
-            policy=policy,
-            join=join is not None,
-            worker_args=worker_args,
-            drain_timeout=drain_timeout,
-            trusted_users=list(trust_user_code or []),
-            metrics_port=metrics_port,
-            tinker_port=tinker_port,
-            rollout_gpus=rollout_gpus,
-            trainer_gpus=trainer_gpus,
-            tp=tp,
-            worker_grace=worker_grace,
-        )
-        _up_slurm(spec, submit_with, timeout, no_wait)
-        return
+
+def _up_local(config: K.ClusterConfig, c: Ctx, timeout: float) -> None:
+    """Write the config into the state directory, start the daemon (which starts the workers) and
+    wait until every engine is ready."""
+    from plexctl.common import auth
+    from plexctl.common.client import current_user
+    from plexctl.common.cluster import endpoint_path, plexrl_home
+    from plexctl.common.limits import parse_limits, set_limits
+
     c.state_dir.mkdir(parents=True, exist_ok=True)
     auth.set_up_cluster(c.state_dir, plexrl_home(), current_user())
-    if limits:
-        set_limits(c.state_dir, limits)
+    if config.job_limits:
+        set_limits(c.state_dir, parse_limits(config.job_limits))
     if _alive(c.state_dir):
         console().print(f"cluster at {c.state_dir} is already up")
         return
+    K.write_config(K.config_path(c.state_dir), config)
     endpoint_path(c.state_dir).unlink(missing_ok=True)
-    layouts = [["rollout", "trainer"]] if workers == 1 else [["rollout"]] + [["trainer"]] * (workers - 1)
+    n = config.workers
+    layouts = [["rollout", "trainer"]] if n == 1 else [["rollout"]] + [["trainer"]] * (n - 1)
     cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir)]
-    cmd += [arg for m in models for arg in ("--model", str(m))]
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
-    cmd += ["--policy", policy, "--drain-timeout", str(30.0 if drain_timeout is None else drain_timeout)]
-    if jobs_per_engine is not None:
-        cmd += ["--jobs-per-engine", str(jobs_per_engine)]
-    if train_grouping:
-        cmd += ["--train-grouping"]
-    if group_window_ms is not None:
-        cmd += ["--group-window-ms", f"{group_window_ms:g}"]
-    cmd += [f"--trust-user-code={user}" for user in trust_user_code or []]
-    if metrics_port is not None:
-        cmd += ["--metrics-port", str(metrics_port)]
-    if tinker_port is not None:
+    if config.tinker_port is not None:
         from plexctl.tinker.keys import ensure_key
 
         key_file = ensure_key(c.state_dir, current_user())
-        cmd += ["--tinker-port", str(tinker_port)]
-    if worker_grace is not None:
-        cmd += ["--worker-grace", f"{worker_grace:g}"]
-    threads = max(1, (os.cpu_count() or 1) // len(layouts))  # the workers share this machine's cores
-    worker_args = [
-        *engine_args,
-        f"--device-slots={device_slots}",
-        f"--threads={threads}",
-        *(f"{k}={v}" for k, v in sizes.items()),
-    ]
-    if nvme_dir is not None:
-        worker_args.append(f"--nvme-dir={nvme_dir.resolve()}")
-    if max_model_len is not None:
-        worker_args.append(f"--max-model-len={max_model_len}")
-    cmd += [f"--worker-arg={a}" for a in worker_args]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(IMPORT_ROOT), env.get("PYTHONPATH")]))
     t0 = time.monotonic()
@@ -385,14 +205,15 @@ def up(
                     if pong.engines_total and pong.engines_ready == pong.engines_total and pong.workers == len(layouts):
                         break
             time.sleep(0.5)
+    models = [Path(m) for m in config.models]
     console().print(
         f"cluster up in {time.monotonic() - t0:.1f} s: {len(layouts)} workers, "
-        f"{'model' if len(models) == 1 else 'models'} {', '.join(m.name for m in models)}, policy {policy}, "
+        f"{'model' if len(models) == 1 else 'models'} {', '.join(m.name for m in models)}, policy {config.policy}, "
         f"state {c.state_dir}"
     )
-    if metrics_port is not None and (c.state_dir / "metrics.json").exists():
+    if config.metrics_port is not None and (c.state_dir / "metrics.json").exists():
         console().print(f"Prometheus metrics: {json.loads((c.state_dir / 'metrics.json').read_text())['url']}")
-    if tinker_port is not None:
+    if config.tinker_port is not None:
         url = _wait_for_tinker(c.state_dir, proc, timeout)
         console().print(f"Tinker API: base_url={url}, api_key in {key_file}")
 
@@ -436,16 +257,36 @@ def _stop_local(daemon: subprocess.Popen) -> None:
     daemon.wait()
 
 
-def _up_slurm(spec: SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
+def _up_slurm(
+    config: K.ClusterConfig, c: Ctx, name: str | None, join: str | None, via: str, timeout: float, no_wait: bool
+) -> None:
+    """Write the config where the allocation's node tasks read it, submit the allocation and wait
+    until its workers are in."""
     from plexctl.cli import slurm as S
     from plexctl.common import auth
     from plexctl.common.client import current_user
-    from plexctl.common.cluster import plexrl_home
+    from plexctl.common.cluster import cluster_dir, plexrl_home
+    from plexctl.common.limits import parse_limits, set_limits
 
     if via not in ("submitit", "sbatch"):
         raise UsageError(f"--submit-with {via!r}: choose submitit or sbatch")
-    S.time_minutes(spec.time)
-    state_dir = Path(spec.state_dir)
+    S.time_minutes(config.time_limit)
+    state_dir = (c.state_dir if c.named or not (name or join) else cluster_dir(join or name)).resolve()
+    spec = S.SlurmSpec(
+        name=join or name or state_dir.name,
+        state_dir=str(state_dir),
+        config=config,
+        config_file=str(S.join_config_path(state_dir) if join else K.config_path(state_dir)),
+        join=join is not None,
+    )
+    if config.tinker_port is not None and not join:
+        from plexctl.tinker.keys import ensure_key
+
+        state_dir.mkdir(parents=True, exist_ok=True)
+        console().print(f"Tinker API key in {ensure_key(state_dir, current_user())} (the URL: tinker.json)")
+    if config.job_limits:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        set_limits(state_dir, parse_limits(config.job_limits))
     if not spec.join:
         state_dir.mkdir(parents=True, exist_ok=True)
         auth.set_up_cluster(state_dir, plexrl_home(), current_user())
@@ -471,11 +312,12 @@ def _up_slurm(spec: SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
     before = ping_or_none(state_dir)
     workers_before = before.workers if (before and spec.join) else 0
     expected = S.planned_workers(spec)  # workers the allocation starts (one per engine on GPU nodes)
+    K.write_config(Path(spec.config_file), config)
     job_id = S.submit_submitit(spec) if via == "submitit" else S.submit_sbatch(spec)
-    S.record_allocation(state_dir, S.Allocation(job_id, spec.nodes, spec.join, time.time(), via, S.drain_timeout(spec)))
-    console().print(
-        f"submitted Slurm job {job_id} ({spec.nodes} node{'s' * (spec.nodes > 1)}, via {via}); state {state_dir}"
-    )
+    drain = K.drain_timeout_s(config, slurm=True)
+    S.record_allocation(state_dir, S.Allocation(job_id, config.nodes, spec.join, time.time(), via, drain))
+    nodes = config.nodes
+    console().print(f"submitted Slurm job {job_id} ({nodes} node{'s' * (nodes > 1)}, via {via}); state {state_dir}")
     if no_wait:
         return
     t0 = time.monotonic()
@@ -514,7 +356,7 @@ def _up_slurm(spec: SlurmSpec, via: str, timeout: float, no_wait: bool) -> None:
             time.sleep(1.0)
     console().print(
         f"cluster {spec.name} up in {time.monotonic() - t0:.1f} s on Slurm job {job_id}: "
-        f"{spec.nodes} node{'s' * (spec.nodes > 1)}" + (" joined" if spec.join else "")
+        f"{nodes} node{'s' * (nodes > 1)}" + (" joined" if spec.join else "")
     )
 
 

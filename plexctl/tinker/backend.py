@@ -36,7 +36,6 @@ import msgspec
 from plexctl.common import calls as C
 
 CheckpointKind = Literal["training", "sampler"]
-SDK_DEFAULT_RANK = 32  # ServiceClient.create_lora_training_client's rank when none is given
 STOP_REASONS = ("stop", "length")  # a stop string, token or EOS ended it; max_tokens did
 
 _SEGMENT_OF_KIND: dict[str, str] = {"training": "weights", "sampler": "sampler_weights"}

@@ -20,4 +20,4 @@
 set -euo pipefail
 mkdir -p /shared/alice/.plexrl/clusters/research/slurm
 # one task per node; the signal reaches every task, the first drains the daemon and requeues
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 /shared/alice/venv/bin/python -m daemon.node --state-dir /shared/alice/.plexrl/clusters/research --model /shared/models/qwen2.5-7b --policy spread+backfill --drain-timeout 240 --engines rollout,trainer --gpus-per-node 8 --worker-arg=--max-loras=8
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 /shared/alice/venv/bin/python -m daemon.node --state-dir /shared/alice/.plexrl/clusters/research

@@ -1,0 +1,198 @@
+"""The cluster's settings are declared once (``ClusterConfig``): one default each, `up` and `plan` take
+theirs from it, no process re-declares one, and what `up` writes is what the daemon and a worker read."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import msgspec
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from plexctl.cli import app as A
+from plexctl.cli import start_stop
+from plexctl.cli.spec_doc import CLUSTER_REGENERATE, render_cluster_reference
+from plexctl.common import cluster_config as K
+from plexctl.common.scheduling import POLICIES
+
+REPO = Path(__file__).resolve().parents[1]
+PROCESSES = ("daemon/main.py", "daemon/node.py", "worker/main.py")
+# a worker's own engines and directory (one entry of the `engines` setting; under the `scratch` one)
+IDENTITY = {"worker/main.py: --engines", "worker/main.py: --scratch"}
+
+
+def _options(verb: str) -> dict[str, Any]:
+    """A verb's options by name (typer parses with a click of its own: its options are duck-typed)."""
+    cmd = typer.main.get_command(A.build([verb])).commands[verb]  # type: ignore[attr-defined]
+    return {opt: p for p in cmd.params if p.param_type_name == "option" for opt in p.opts}
+
+
+def test_the_committed_reference_matches_the_settings() -> None:
+    assert (REPO / "docs" / "cluster-reference.md").read_text() == render_cluster_reference(), (
+        f"docs/cluster-reference.md is stale; regenerate it: {CLUSTER_REGENERATE}"
+    )
+
+
+def test_every_setting_is_an_up_option_with_its_default_and_its_help() -> None:
+    options = _options("up")
+    for setting in K.settings():
+        option = options.get(K.option_name(setting))
+        assert option is not None, f"{setting}: no `up {K.option_name(setting)}`"
+        assert option.help == K.help_text(setting) or option.help.startswith(K.help_text(setting)), setting
+        default = K.default(setting)
+        if isinstance(default, list):  # a repeated option: none given is the setting's default
+            assert option.default in (None, default), setting
+        else:
+            assert option.default == default, setting
+    help_text = CliRunner().invoke(A.build(["up"]), ["up", "--help"], terminal_width=200).output
+    assert all(K.option_name(s) in help_text for s in K.settings())
+
+
+def test_plan_takes_its_shared_settings_from_the_config() -> None:
+    options = _options("plan")
+    shared = [s for s in K.settings() if K.option_name(s) in options]
+    assert {"tp", "dtype", "max_lora_rank", "host_mem", "gradient_checkpointing"} <= set(shared)
+    for setting in shared:
+        option = options[K.option_name(setting)]
+        assert option.default == K.default(setting), setting
+        assert option.help == K.help_text(setting, scoped=False), setting
+
+
+def _declared_defaults(path: Path) -> list[str]:
+    """The ``--flag``s of ``path``'s argparse parsers that are settings and declare a default."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+        settings = [s for s in K.settings() if K.option_name(s) in flags or "--" + s.replace("_", "-") in flags]
+        if settings and any(k.arg == "default" for k in node.keywords):
+            found.append(f"{path.parent.name}/{path.name}: {flags[0]}")
+    return found
+
+
+def test_no_process_declares_a_default_of_its_own_for_a_setting() -> None:
+    assert [d for p in PROCESSES for d in _declared_defaults(REPO / p) if d not in IDENTITY] == []
+
+
+def test_the_worker_flags_default_to_the_config_it_reads() -> None:
+    from worker.main import build_parser
+
+    config = K.ClusterConfig(device="cpu", device_slots=7, host_mem="3G", max_model_len=99, jobs_per_engine=5)
+    ap = build_parser(config)
+    assert (ap.get_default("device"), ap.get_default("device_slots"), ap.get_default("host_mem")) == ("cpu", 7, 3 << 30)
+    assert (ap.get_default("max_model_len"), ap.get_default("jobs_per_engine")) == (99, 5)
+
+
+def test_one_default_each_and_the_derived_ones_in_one_place() -> None:
+    assert tuple(K.DEFAULTS.__struct_fields__) == K.settings()
+    assert K.drain_timeout_s(K.DEFAULTS, slurm=False) == K.LOCAL_DRAIN_TIMEOUT_S == 30
+    assert K.drain_timeout_s(K.DEFAULTS, slurm=True) == 240  # the default signal grace of 300 s, less its margin
+    assert K.drain_timeout_s(K.ClusterConfig(drain_timeout=5), slurm=True) == 5
+    assert K.min_lora_rank(K.DEFAULTS) == 0 and K.min_lora_rank(K.ClusterConfig(tinker_port=0)) == 32
+
+
+def test_the_policies_are_the_schedulers() -> None:
+    field = next(f for f in msgspec.structs.fields(K.ClusterConfig) if f.name == "policy")
+    assert get_args(get_args(field.type)[0]) == POLICIES
+
+
+def test_the_core_constants_agree_until_the_core_reads_the_config() -> None:
+    from daemon.core import PASS_WINDOW_S, WORKER_GRACE_S
+
+    assert WORKER_GRACE_S == K.DEFAULTS.worker_grace and PASS_WINDOW_S * 1000 == K.DEFAULTS.group_window_ms
+
+
+def test_bad_values_are_one_line_each_naming_the_option() -> None:
+    problems = K.config_problems(K.ClusterConfig(policy="x", nodes=0, host_mem="abc", job_limits=["bogus=1"]))  # type: ignore[arg-type]
+    assert problems == [
+        "--policy 'x': choose one of isolated, pack, spread, spread+backfill",
+        "--nodes 0: expected `int` >= 1",
+        "--host-mem: not a size: 'abc' (examples: 4096, 512M, 8G)",
+        "--job-limit 'bogus=1': expected NAME=VALUE with NAME one of memory, processes, job-dir, tmp, cpu",
+    ]
+
+
+def test_the_config_file_writer_of_the_batch_script(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    argv = [str(out), 'models=["/m"]', 'engines=["rollout", "trainer"]', "tp=2", "policy=pack"]
+    assert K.main(argv) == 0
+    assert K.read_config(out) == K.ClusterConfig(models=["/m"], engines=["rollout", "trainer"], tp=2, policy="pack")
+    proc = subprocess.run(
+        [sys.executable, "-m", "plexctl.common.cluster_config", str(out), "tp=0", "bogus=1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: 'bogus=1': expected KEY=VALUE")
+    assert K.read_config(tmp_path / "none.json") == K.DEFAULTS  # no file: every default
+
+
+def test_what_up_writes_is_what_the_daemon_and_a_worker_read(tiny_model, tmp_path, monkeypatch) -> None:
+    from daemon.main import Daemon
+    from plexctl.common import auth
+    from worker.main import parse_args
+
+    monkeypatch.setenv("PLEXRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(auth.KEYS_ENV, raising=False)
+    started: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):  # the daemon's command recorded; a process that exits at once stands in for it
+        started.append(cmd)
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(start_stop.subprocess, "Popen", popen)
+    state = tmp_path / "state"
+    argv = ["--state-dir", str(state), "up", "--model", str(tiny_model), "--policy", "pack", "--host-mem", "1G"]
+    argv += ["--drain-timeout", "12", "--worker-grace", "9", "--trust-user-code", "carol", "--max-model-len", "64"]
+    result = CliRunner().invoke(A.build(["up"]), argv)
+    assert "the daemon exited" in str(result.exception), result.output
+    (cmd,) = started
+    assert cmd[2:] == [
+        "daemon.main",
+        "--state-dir",
+        str(state),
+        "--local-worker",
+        "rollout",
+        "--local-worker",
+        "trainer",
+    ]
+
+    config = K.read_config(K.config_path(state))
+    assert config == K.ClusterConfig(
+        models=[str(tiny_model.resolve())],
+        policy="pack",
+        host_mem="1G",
+        drain_timeout=12.0,
+        worker_grace=9.0,
+        trusted_users=["carol"],
+        max_model_len=64,
+    )
+    d = Daemon(state, config.models, [], config=config)
+    try:
+        core = d.core
+        assert (core.policy, core.drain_timeout, core.worker_grace) == ("pack", 12.0, 9.0)
+        assert "carol" in core.trusted_users
+    finally:
+        d.shutdown()
+    args = parse_args(
+        ["--endpoint", "tcp://x:1", "--model", config.models[0], "--cluster-config", str(K.config_path(state))]
+    )
+    assert (args.host_mem, args.max_model_len, args.device) == (1 << 30, 64, "auto")
+    args = parse_args(
+        ["--endpoint", "e", "--model", "m", "--cluster-config", str(K.config_path(state)), "--host-mem", "2G"]
+    )
+    assert args.host_mem == 2 << 30  # a flag overrides the config for this worker
+
+
+@pytest.mark.parametrize("slurm", [False, True])
+def test_local_and_slurm_only_settings_are_marked(slurm: bool) -> None:
+    scoped = {s for s in K.settings() if K.scope(s) == (K.SLURM if slurm else K.LOCAL)}
+    assert ({"nodes", "tp", "signal_grace"} if slurm else {"workers", "train_grouping"}) <= scoped
+    assert all(K.help_text(s).startswith("--slurm: " if slurm else "--local: ") for s in scoped)
