@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.model_shapes import known_shape  # noqa: E402
-from plexctl.common.protocol import GenRequest, LoraConfig, Sampling, TrainBatch, TrainHParams  # noqa: E402
+from plexctl.common.protocol import GenRequest, LoraSpec, Sampling, TrainBatch, TrainHParams  # noqa: E402
 
 
 def _qwen25(name: str) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         length_buckets=trainer.length_buckets,
         ragged=a.ragged,
     )
-    lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
+    lora, hp = LoraSpec(rank=32, alpha=64), TrainHParams(lr=1e-5)
     batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0, ragged=a.ragged)
     lengths = [len(row) for row in batch.input_ids]
     order = length_order(lengths, None, options.micro_batch_tokens)
@@ -344,7 +344,7 @@ def part_jobs(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
         return
     store = ctx["store"]
     trainer = store.trainer
-    lora, hp = LoraConfig(rank=32, alpha=64), TrainHParams(lr=1e-5)
+    lora, hp = LoraSpec(rank=32, alpha=64), TrainHParams(lr=1e-5)
     rows = min(JOB_ROWS, a.rows)
     jobs = [f"solo{j}" for j in range(JOBS)]
     batches = [grpo_batch(rows, a.seq, a.seq // 4, ctx["vocab"], 100 + j) for j in range(JOBS)]
@@ -404,7 +404,7 @@ def part_swap(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace
 
     store = ctx["store"]
     trainer = store.trainer
-    lora = LoraConfig(rank=32, alpha=64)
+    lora = LoraSpec(rank=32, alpha=64)
     for j in range(4):  # 4 jobs, 2 device slots: every ensure_resident past the first two swaps
         store.ensure_resident(f"job{j}", lora, j)
     moved: list[tuple[int, float]] = []

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 from bench.hostinfo import describe  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.model_shapes import known_shape  # noqa: E402
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams  # noqa: E402
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams  # noqa: E402
 from plexctl.common.state_size import job_state_bytes, lora_module_shapes, model_config  # noqa: E402
 from worker import copy_files  # noqa: E402
 from worker.host_arena import HostArena, page_round  # noqa: E402
@@ -359,12 +359,12 @@ def drop_page_cache(path: Path) -> None:
 # ---------------------------------------------------------------- the state being swapped
 
 
-def lora_for_bytes(target_bytes: int, config: dict[str, Any]) -> LoraConfig:
+def lora_for_bytes(target_bytes: int, config: dict[str, Any]) -> LoraSpec:
     """The tiny job's LoRA config with the rank whose trained state is closest to ``target_bytes``."""
-    modules = list(LoraConfig().target_modules)
+    modules = list(LoraSpec().target_modules)
     per_rank = job_state_bytes(2, modules, config) - job_state_bytes(1, modules, config)
     base = job_state_bytes(0, modules, config)
-    return LoraConfig(rank=max(1, round((target_bytes - base) / per_rank)), target_modules=modules)
+    return LoraSpec(rank=max(1, round((target_bytes - base) / per_rank)), target_modules=modules)
 
 
 def train_once(trainer: TrainerEngine, job_id: str) -> None:
@@ -376,7 +376,7 @@ def train_once(trainer: TrainerEngine, job_id: str) -> None:
     trainer.train_step(job_id, batch, TrainHParams())
 
 
-FILLER = LoraConfig(rank=1)  # two tiny untrained jobs that push the measured state around
+FILLER = LoraSpec(rank=1)  # two tiny untrained jobs that push the measured state around
 
 
 class SwapCycle:
@@ -392,7 +392,7 @@ class SwapCycle:
     """
 
     def __init__(
-        self, trainer: TrainerEngine, lora: LoraConfig, config: dict[str, Any], nvme_dir: Path, name: str
+        self, trainer: TrainerEngine, lora: LoraSpec, config: dict[str, Any], nvme_dir: Path, name: str
     ) -> None:
         self.job = f"swap-{name}"
         self.lora = lora
@@ -465,7 +465,7 @@ class SwapCycle:
 
 
 def run_size(
-    name: str, lora: LoraConfig, trainer: TrainerEngine, config: dict[str, Any], nvme_dir: Path, reps: int
+    name: str, lora: LoraSpec, trainer: TrainerEngine, config: dict[str, Any], nvme_dir: Path, reps: int
 ) -> dict[str, Any]:
     """``reps`` rounds of the cycle (after one untimed warm-up round: the host buffer pool,
     the allocator, the parked adapters), each beside the raw memory and file figures."""
@@ -1018,7 +1018,7 @@ def main() -> None:
     out = args.out or REPO / "bench" / "results" / ("swap-quick.json" if args.quick else "swap.json")
     model = build_tiny_model()
     config = model_config(str(model))
-    loras = {"adapter": LoraConfig(rank=TINY_RANK)}
+    loras = {"adapter": LoraSpec(rank=TINY_RANK)}
     loras.update({name: lora_for_bytes(n, config) for name, n in (SIZES_QUICK if args.quick else SIZES).items()})
     nvme_dir = Path(tempfile.mkdtemp(prefix="plexrl-swap-", dir=args.nvme_dir))
     try:

@@ -72,13 +72,13 @@ def shared(engine: Any, steps: list[Any], pass_jobs: int) -> float:
 def measure(jobs: int, rounds: int, rows: int, threads: int, pass_jobs: int) -> dict[str, Any]:
     import torch
 
-    from plexctl.common.protocol import LoraConfig, TrainHParams
+    from plexctl.common.protocol import LoraSpec, TrainHParams
     from plexctl.spec_files import load_spec
     from worker.trainer import TrainerEngine
 
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={MODEL}"], "bench")
     assert spec.lora is not None
-    lora = LoraConfig(
+    lora = LoraSpec(
         rank=spec.lora.rank,
         alpha=spec.lora.alpha,
         target_modules=list(spec.lora.target_modules),

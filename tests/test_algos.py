@@ -21,7 +21,7 @@ from plexctl.algos.dapo import DAPO, informative_groups, overlong_penalty
 from plexctl.algos.dr_grpo import DrGRPO, centred_advantages
 from plexctl.algos.grpo import GRPO, group_advantages
 from plexctl.algos.rloo import RLOO, leave_one_out_advantages
-from plexctl.common.protocol import Completion, LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import Completion, LoraSpec, TrainBatch, TrainHParams
 from plexctl.common.spec import SpecError
 from plexctl.rl import Job, JobClient, Rollout
 from plexctl.spec_files import load_spec
@@ -238,7 +238,7 @@ def tiny_batch(engine: TrainerEngine) -> TrainBatch:
 
 def test_trainer_losses_by_name_and_dr_grpo_aggregation(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=4, alpha=8), seed=3)
+    engine.ensure_job("A", LoraSpec(rank=4, alpha=8), seed=3)
     engine.train_step("A", TrainBatch([[1, 2, 3]], [[0, 1, 1]], [[0.0, -4.0, -4.0]], [1.0]), TrainHParams(lr=1e-2))
     batch = tiny_batch(engine)
     tokens, rows, max_len = 3 + 2 + 3, 3, 4
@@ -262,7 +262,7 @@ def test_trainer_losses_by_name_and_dr_grpo_aggregation(model_dir: str) -> None:
 def test_a_user_loss_runs_only_when_the_daemon_marks_the_job_trusted(model_dir: str, tmp_path: Path) -> None:
     (tmp_path / "my_losses_algos.py").write_text(LOSS_MODULE)
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=4, alpha=8), seed=3)
+    engine.ensure_job("A", LoraSpec(rank=4, alpha=8), seed=3)
     engine.train_step("A", TrainBatch([[1, 2, 3]], [[0, 1, 1]], [[0.0, -4.0, -4.0]], [1.0]), TrainHParams(lr=1e-2))
     batch = tiny_batch(engine)
     user = TrainHParams(loss_fn="my_losses_algos:reinforce", loss_path=str(tmp_path), loss_params={"scale": 2.0})

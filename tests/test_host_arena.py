@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plexctl.common.protocol import LoraConfig
+from plexctl.common.protocol import LoraSpec
 from tests.test_state_store import HP_SEQ, assert_like_alone, config_json, engine, job_state, tiny_qwen2
 from tests.test_trainer import make_batch
 from worker.errors import TierFullError
@@ -320,11 +320,11 @@ def test_many_swaps_of_jobs_of_different_sizes_stay_inside_the_arena(model_dir: 
     else. Over the run the pool hands out more bytes than the arena holds (the old pool made
     each of those a fresh pinned allocation, which torch's caching allocator kept)."""
     loras = {
-        "a": LoraConfig(rank=2),
-        "b": LoraConfig(rank=4),
-        "c": LoraConfig(rank=8),
-        "d": LoraConfig(rank=16),
-        "e": LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]),
+        "a": LoraSpec(rank=2),
+        "b": LoraSpec(rank=4),
+        "c": LoraSpec(rank=8),
+        "d": LoraSpec(rank=16),
+        "e": LoraSpec(rank=4, target_modules=["q_proj", "v_proj"]),
     }
     sizes = {job: StateStore.job_bytes(lora, config_json(model_dir)) for job, lora in loras.items()}
     largest = page_round(max(sizes.values()))
@@ -364,7 +364,7 @@ def test_a_short_arena_sends_host_copies_to_nvme_to_make_room(model_dir: str, tm
     """No transit allowance: the arena holds just the host tier's two copies, so a third copy
     (an eviction's, or a read from nvme) gets its block by demoting a host copy, the one
     needed least soon; every job still comes back exactly."""
-    lora = LoraConfig(rank=4)
+    lora = LoraSpec(rank=4)
     one = page_round(StateStore.job_bytes(lora, config_json(model_dir)))
     trainer = engine(model_dir)
     store = StateStore(
@@ -395,7 +395,7 @@ def test_a_short_arena_sends_host_copies_to_nvme_to_make_room(model_dir: str, tm
 def test_a_copy_the_arena_cannot_hold_leaves_the_job_where_it_was(model_dir: str) -> None:
     """No nvme to demote to: a copy that finds no block fails with one line naming the job,
     and the job stays on the device as it was, the store serving on."""
-    lora = LoraConfig(rank=4)
+    lora = LoraSpec(rank=4)
     one = page_round(StateStore.job_bytes(lora, config_json(model_dir)))
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=one, host_spill_bytes=0, transit_bytes=0)

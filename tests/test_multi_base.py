@@ -258,7 +258,7 @@ def test_a_trainer_base_that_slept_and_woke_trains_on_bit_for_bit(tmp_path: Path
     model, steps = tiny_qwen2(tmp_path / "m"), {}
     for sleeps in (False, True):
         engine = TrainerEngine(model, threads=1)
-        engine.ensure_job("j", P.LoraConfig(rank=4), seed=0)
+        engine.ensure_job("j", P.LoraSpec(rank=4), seed=0)
         weights = {k: p.detach().clone() for k, p in engine._base_params.items()}
         if sleeps:
             engine.sleep()

@@ -26,7 +26,7 @@ from conftest import random_tiny_qwen2
 from test_state_store import job_state, nvme_files
 from test_trainer import assert_exactly_equal, make_batch
 
-from plexctl.common.protocol import LoraConfig, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainHParams
 from plexctl.rl import CallFailed, DrainCheckpointFailed, Job, JobDrained
 from plexctl.spec_files import load_spec
 from worker.errors import CheckpointError, NoSpaceError, TierFullError
@@ -34,7 +34,7 @@ from worker.state_store import NVME_FULL_RETRY_S, StateStore
 from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
-LORA = LoraConfig(rank=8)
+LORA = LoraSpec(rank=8)
 HP = TrainHParams(lr=2e-3)
 SEEDS = {"a": 1, "b": 2, "c": 3, "d": 4}
 
@@ -188,7 +188,7 @@ def test_spare_files_go_when_the_disk_is_full(model_dir: str, small_fs: Callable
     """The file of a copy that left nvme is kept to be overwritten (a spare); when a write runs
     out of space, spares are deleted with the failed file, and while the tier is marked full a
     copy leaving nvme has its file deleted, not kept: what the store freed is free on disk."""
-    big = LoraConfig(rank=32)
+    big = LoraSpec(rank=32)
     nvme = small_fs("nvme", 8 << 20)
     trainer = TrainerEngine(model_dir, threads=1)
     one = StateStore.job_bytes(LORA, config_json(model_dir))

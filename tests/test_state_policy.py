@@ -233,13 +233,13 @@ def test_the_store_and_the_simulator_move_the_same_states_on_the_same_events(
     """Eight jobs on two device slots, host for two states, nvme for three: a random sequence of
     trainer calls (with the upcoming order the daemon would send), prefetches and job ends, fed
     to the worker's StateStore (real torch, files on disk) and to the simulator's NodeTiers."""
-    from plexctl.common.protocol import LoraConfig
+    from plexctl.common.protocol import LoraSpec
     from worker.errors import TierFullError as StoreTierFullError
     from worker.state_store import StateStore
     from worker.trainer import TrainerEngine
 
     trainer = TrainerEngine(tiny_model, threads=1)
-    lora = LoraConfig(rank=2)
+    lora = LoraSpec(rank=2)
     trainer.ensure_job("probe", lora, seed=1)
     size = trainer.export_state("probe").nbytes
     trainer.release("probe")

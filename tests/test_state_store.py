@@ -24,7 +24,7 @@ import torch
 from conftest import random_tiny_qwen2
 from transformers import Qwen2Config
 
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
@@ -36,12 +36,12 @@ VOCAB = 64
 THREADS = 1  # two threads on a busy 2-core machine are ~30x slower for this tiny model
 HP_KL = TrainHParams(lr=2e-3, kl_coef=0.05, weight_decay=0.01, clip_low=0.2, clip_high=0.28)
 HP_SEQ = TrainHParams(lr=5e-3, loss_agg="seq-mean-token-mean", max_grad_norm=0.5)
-JOBS: dict[str, tuple[LoraConfig, int, TrainHParams]] = {
-    "j0": (LoraConfig(rank=8, alpha=16, dropout=0.05), 11, HP_KL),
-    "j1": (LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 22, HP_SEQ),
-    "j2": (LoraConfig(rank=2, dropout=0.1), 33, HP_SEQ),
-    "j3": (LoraConfig(rank=4, alpha=8), 44, HP_SEQ),
-    "j4": (LoraConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], dropout=0.05), 55, HP_KL),
+JOBS: dict[str, tuple[LoraSpec, int, TrainHParams]] = {
+    "j0": (LoraSpec(rank=8, alpha=16, dropout=0.05), 11, HP_KL),
+    "j1": (LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 22, HP_SEQ),
+    "j2": (LoraSpec(rank=2, dropout=0.1), 33, HP_SEQ),
+    "j3": (LoraSpec(rank=4, alpha=8), 44, HP_SEQ),
+    "j4": (LoraSpec(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], dropout=0.05), 55, HP_KL),
 }
 ALONE_STEPS = 3
 
@@ -104,7 +104,7 @@ def assert_like_alone(trainer: TrainerEngine, job_id: str, expected: dict[str, A
 
 
 def ensure(store: StateStore, job_id: str) -> dict[str, Any]:
-    lora, seed, hp = JOBS.get(job_id, (LoraConfig(rank=2), 99, HP_SEQ))
+    lora, seed, hp = JOBS.get(job_id, (LoraSpec(rank=2), 99, HP_SEQ))
     return store.ensure_resident(job_id, lora, seed, hp.weight_decay)
 
 
@@ -115,7 +115,7 @@ def config_json(model_dir: str) -> dict[str, Any]:
 def fresh_copy_bytes(model_dir: str) -> int:
     """Bytes of an untrained job's copy (adapter, AdamW state, RNG) for ``ensure``'s default LoRA."""
     probe = engine(model_dir)
-    probe.ensure_job("probe", LoraConfig(rank=2), seed=1)
+    probe.ensure_job("probe", LoraSpec(rank=2), seed=1)
     return probe.export_state("probe").nbytes
 
 
@@ -300,7 +300,7 @@ def test_eviction_follows_upcoming_then_least_recently_used(model_dir: str, tmp_
     swaps = store.inventory()["swaps"]
     assert (swaps["device->host"]["count"], swaps["device->nvme"]["count"], swaps["host->nvme"]["count"]) == (4, 1, 1)
     with pytest.raises(JobConfigError, match="rank"):  # a stored job keeps its LoRA shape
-        store.ensure_resident("a", LoraConfig(rank=4), seed=99)
+        store.ensure_resident("a", LoraSpec(rank=4), seed=99)
     assert store.where("a") == "nvme"
 
 
@@ -577,7 +577,7 @@ def test_host_buffer_pool_reuses_buffers_of_a_fitting_size() -> None:
 def test_pooled_buffers_carry_copies_of_different_sizes_exactly(model_dir: str, tmp_path: Path) -> None:
     """Copies read from nvme land in pool buffers that earlier copies of other sizes used:
     every job still comes back exactly as it left, and the buffers are reused."""
-    loras = {"r3": LoraConfig(rank=3), "r4": LoraConfig(rank=4), "r5": LoraConfig(rank=5)}
+    loras = {"r3": LoraSpec(rank=3), "r4": LoraSpec(rank=4), "r5": LoraSpec(rank=5)}
     trainer = engine(model_dir)
     size = max(StateStore.job_bytes(lora, config_json(model_dir)) for lora in loras.values())
     store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme")
@@ -651,7 +651,7 @@ def test_repeated_swaps_reuse_pooled_buffers(model_dir: str, tmp_path: Path) -> 
     comes back from host or nvme and the one it evicts goes to host or nvme. After the first
     round no swap allocates a buffer (the store's host pool and the engine's parked slots serve
     them all), and every job still comes back exactly as it left."""
-    lora = LoraConfig(rank=4, alpha=8)
+    lora = LoraSpec(rank=4, alpha=8)
     size = StateStore.job_bytes(lora, config_json(model_dir))
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=size, nvme_dir=tmp_path / "nvme")
@@ -713,8 +713,8 @@ def test_job_bytes_matches_the_real_copy(model_dir: str, tmp_path: Path) -> None
     cases = [
         (model_dir, JOBS["j0"][0]),
         (model_dir, JOBS["j1"][0]),
-        (gqa_dir, LoraConfig(rank=4, alpha=8)),
-        (gqa_dir, LoraConfig(rank=3, target_modules=["k_proj", "down_proj"])),
+        (gqa_dir, LoraSpec(rank=4, alpha=8)),
+        (gqa_dir, LoraSpec(rank=3, target_modules=["k_proj", "down_proj"])),
     ]
     for directory, lora in cases:
         trainer = engine(directory)
@@ -724,7 +724,7 @@ def test_job_bytes_matches_the_real_copy(model_dir: str, tmp_path: Path) -> None
         assert StateStore.job_bytes(lora, config_json(directory)) == copy.nbytes, (directory, lora)
         assert StateStore.job_bytes(lora, Qwen2Config.from_pretrained(directory)) == copy.nbytes
     with pytest.raises(ValueError, match="lm_head"):
-        StateStore.job_bytes(LoraConfig(target_modules=["lm_head"]), config_json(model_dir))
+        StateStore.job_bytes(LoraSpec(target_modules=["lm_head"]), config_json(model_dir))
 
 
 # ---------------------------------------------------------------- nvme files: reused, within the budget
@@ -738,7 +738,7 @@ def test_a_copy_leaving_nvme_leaves_its_file_for_the_next_copy_within_the_budget
     made or deleted), and every job still comes back exactly. With a budget of two copies, the
     file of a copy that leaves is deleted instead (it would not fit beside the copies): nvme never
     holds more than ``nvme_bytes``."""
-    lora = LoraConfig(rank=4, alpha=8)
+    lora = LoraSpec(rank=4, alpha=8)
     size = StateStore.job_bytes(lora, config_json(model_dir))
     for budget, kept in ((1 << 30, True), (2 * size + 1000, False)):  # a swap holds both on nvme a moment
         trainer = engine(model_dir)
@@ -792,7 +792,7 @@ def test_a_new_store_deletes_the_copies_of_a_process_that_is_gone(model_dir: str
     trainer = engine(model_dir)
     store = StateStore(trainer, device_slots=1, host_bytes=0, nvme_dir=nvme_dir, nvme_bytes=1 << 30)
     assert sorted(p.name for p in nvme_dir.iterdir()) == sorted([live.name, other.name, elsewhere.name])
-    lora = LoraConfig(rank=4, alpha=8)
+    lora = LoraSpec(rank=4, alpha=8)
     for i, job_id in enumerate("ab"):  # the store's own copies go there as before
         store.ensure_resident(job_id, lora, seed=i)
     assert store.where("a") == "nvme"

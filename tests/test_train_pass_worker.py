@@ -23,10 +23,10 @@ from worker import main as worker_main
 from worker.state_store import StateStore
 
 JOBS = {  # job -> (LoRA, seed, hparams)
-    "g1": (C.LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 1, P.TrainHParams(lr=3e-3)),
-    "g2": (C.LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 2, P.TrainHParams(lr=2e-3)),
-    "g3": (C.LoraConfig(rank=8, alpha=16), 3, P.TrainHParams(lr=1e-3, kl_coef=0.05)),
-    "d1": (C.LoraConfig(rank=4, alpha=8, dropout=0.05), 4, P.TrainHParams(lr=2e-3)),
+    "g1": (C.LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 1, P.TrainHParams(lr=3e-3)),
+    "g2": (C.LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 2, P.TrainHParams(lr=2e-3)),
+    "g3": (C.LoraSpec(rank=8, alpha=16), 3, P.TrainHParams(lr=1e-3, kl_coef=0.05)),
+    "d1": (C.LoraSpec(rank=4, alpha=8, dropout=0.05), 4, P.TrainHParams(lr=2e-3)),
 }
 
 

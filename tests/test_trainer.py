@@ -23,15 +23,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.errors import BatchError, CheckpointError, JobConfigError, UnknownJobError
 from worker.host_arena import PAGE_BYTES, HostArena, page_round
 from worker.state_copy import packed_layout
 from worker.trainer import TrainerEngine
 
 VOCAB = 64
-LORA_A = LoraConfig(rank=8, alpha=16, dropout=0.05)
-LORA_B = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+LORA_A = LoraSpec(rank=8, alpha=16, dropout=0.05)
+LORA_B = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 HP_A = TrainHParams(lr=2e-3, kl_coef=0.05, weight_decay=0.01, clip_low=0.2, clip_high=0.28)
 HP_B = TrainHParams(lr=5e-3, loss_agg="seq-mean-token-mean", max_grad_norm=0.5)
 
@@ -117,7 +117,7 @@ def test_interleaved_jobs_train_exactly_like_a_lone_job(model_dir: str) -> None:
     shared.ensure_job("A", LORA_A, seed=11)
     shared.train_step("B", make_batch(101), HP_B)
     metrics_shared = [shared.train_step("A", batches[0], HP_A)]
-    shared.ensure_job("C", LoraConfig(rank=2, dropout=0.1), seed=33)
+    shared.ensure_job("C", LoraSpec(rank=2, dropout=0.1), seed=33)
     shared.train_step("C", make_batch(200), HP_A)
     shared.train_step("B", make_batch(102), HP_B)
     metrics_shared.append(shared.train_step("A", batches[1], HP_A))
@@ -175,7 +175,7 @@ def reference_gradients(model_dir: str, adapter_dir: Path, batch: TrainBatch, lo
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_on_policy_gradient_is_policy_gradient(model_dir: str, tmp_path: Path, loss_agg: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    lora = LoraConfig(rank=4, alpha=8)
+    lora = LoraSpec(rank=4, alpha=8)
     engine.ensure_job("A", lora, seed=3)
     engine.train_step("A", make_batch(1), TrainHParams(lr=1e-2))  # make lora_B non-zero
     batch = on_policy(engine, "A", make_batch(2, rows=5))
@@ -197,7 +197,7 @@ def test_micro_batches_give_the_same_step(model_dir: str) -> None:
     whole = TrainerEngine(model_dir, threads=2)
     split = TrainerEngine(model_dir, threads=2, micro_batch_rows=2)
     for engine in (whole, split):  # no dropout: masks would differ with the split
-        engine.ensure_job("A", LoraConfig(rank=8, alpha=16), seed=9)
+        engine.ensure_job("A", LoraSpec(rank=8, alpha=16), seed=9)
         engine.train_step("A", make_batch(1), HP_A)
     batch = make_batch(2, rows=7)
     for agg in ("token-mean", "seq-mean-token-mean"):
@@ -216,7 +216,7 @@ def test_micro_batches_give_the_same_step(model_dir: str) -> None:
 
 def test_clipping_counts_and_stops_gradient(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=4), seed=3)
+    engine.ensure_job("A", LoraSpec(rank=4), seed=3)
     batch = on_policy(engine, "A", make_batch(4))
     # old log-probs far below the current ones: ratio >> 1 + clip_high on every token
     shifted = [[(o - 2.0) * m for o, m in zip(old, mask)] for old, mask in zip(batch.old_logprobs, batch.loss_mask)]
@@ -229,7 +229,7 @@ def test_clipping_counts_and_stops_gradient(model_dir: str) -> None:
 
 def test_zero_advantages_leave_adapter_unchanged(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=4), seed=3)
+    engine.ensure_job("A", LoraSpec(rank=4), seed=3)
     with torch.no_grad():  # a non-trivial adapter (lora_B starts at zero)
         for key, tensor in engine.adapter_state_dict("A").items():
             if "lora_B" in key:
@@ -263,7 +263,7 @@ def test_masked_tokens_are_ignored(model_dir: str) -> None:
 
 def test_malformed_batches_are_rejected(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.ensure_job("A", LoraSpec(rank=2), seed=1)
     batch = make_batch(1, rows=2)
     with pytest.raises(BatchError, match="first token"):
         engine.train_step("A", TrainBatch([[1, 2]], [[1, 1]], [[0.0, 0.0]], [1.0]), TrainHParams())
@@ -282,7 +282,7 @@ def test_malformed_batches_are_rejected(model_dir: str) -> None:
 
 def test_positive_advantage_raises_completion_logprob(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=8, alpha=16), seed=4)
+    engine.ensure_job("A", LoraSpec(rank=8, alpha=16), seed=4)
     completion = [5, 9, 17, 33, 2, 41]
     row = [7, 8, 3] + completion
     mask = [0, 0, 0] + [1] * len(completion)
@@ -365,7 +365,7 @@ def test_checkpoint_round_trip_continues_exactly(model_dir: str, tmp_path: Path)
 @pytest.mark.parametrize("victim", ["adapter_model.safetensors", "trainer_state.pt", "extra.json", "manifest.json"])
 def test_corrupt_checkpoint_is_rejected(model_dir: str, tmp_path: Path, victim: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.ensure_job("A", LoraSpec(rank=2), seed=1)
     engine.train_step("A", make_batch(1), TrainHParams())
     ckpt = tmp_path / "ckpt"
     engine.save_checkpoint("A", str(ckpt), {"step": 1})
@@ -376,7 +376,7 @@ def test_corrupt_checkpoint_is_rejected(model_dir: str, tmp_path: Path, victim: 
 
     fresh = TrainerEngine(model_dir, threads=2)
     with pytest.raises(CheckpointError) as error:
-        fresh.load_checkpoint("A", str(ckpt), LoraConfig(rank=2), seed=1)
+        fresh.load_checkpoint("A", str(ckpt), LoraSpec(rank=2), seed=1)
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"checkpoint {ckpt}: ") and victim in message
     assert fresh.jobs() == []
@@ -384,12 +384,12 @@ def test_corrupt_checkpoint_is_rejected(model_dir: str, tmp_path: Path, victim: 
 
 def test_checkpoint_for_another_adapter_shape_is_rejected(model_dir: str, tmp_path: Path) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.ensure_job("A", LoraSpec(rank=2), seed=1)
     engine.save_checkpoint("A", str(tmp_path / "ckpt"), {})
     with pytest.raises(CheckpointError, match="rank"):
-        engine.load_checkpoint("B", str(tmp_path / "ckpt"), LoraConfig(rank=4), seed=1)
+        engine.load_checkpoint("B", str(tmp_path / "ckpt"), LoraSpec(rank=4), seed=1)
     with pytest.raises(CheckpointError, match="no manifest.json"):
-        engine.load_checkpoint("B", str(tmp_path), LoraConfig(rank=2), seed=1)
+        engine.load_checkpoint("B", str(tmp_path), LoraSpec(rank=2), seed=1)
 
 
 def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was(
@@ -398,7 +398,7 @@ def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was
     from worker.checkpoint_files import MANIFEST, TRAINER_STATE, file_record
 
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.ensure_job("A", LoraSpec(rank=2), seed=1)
     engine.train_step("A", make_batch(1), HP_A)
     ckpt = tmp_path / "ckpt"
     engine.save_checkpoint("A", str(ckpt), {})
@@ -412,14 +412,14 @@ def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
     before = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
     with pytest.raises(CheckpointError, match="does not fit the job's AdamW"):
-        engine.load_checkpoint("A", str(ckpt), LoraConfig(rank=2), seed=1)
+        engine.load_checkpoint("A", str(ckpt), LoraSpec(rank=2), seed=1)
     after = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
     assert after == before and after["betas"] != (0.5, 0.5)
 
 
 def test_failed_write_leaves_no_temp_dirs(model_dir: str, tmp_path: Path) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    engine.ensure_job("A", LoraConfig(rank=2), seed=1)
+    engine.ensure_job("A", LoraSpec(rank=2), seed=1)
     with pytest.raises(TypeError):
         engine.save_checkpoint("A", str(tmp_path / "ckpt"), {"not-json": object()})
     assert os.listdir(tmp_path) == []
@@ -464,11 +464,11 @@ def test_adapter_and_adamw_state_stay_in_one_flat_buffer(model_dir: str, tmp_pat
 
 def test_job_lifecycle_and_state_bytes(model_dir: str) -> None:
     engine = TrainerEngine(model_dir, threads=2)
-    lora = LoraConfig(rank=4)
+    lora = LoraSpec(rank=4)
     engine.ensure_job("A", lora, seed=1)
     engine.ensure_job("A", lora, seed=1)  # idempotent
     with pytest.raises(JobConfigError):
-        engine.ensure_job("A", LoraConfig(rank=8), seed=1)
+        engine.ensure_job("A", LoraSpec(rank=8), seed=1)
     adapter = engine.adapter_state_dict("A")
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     full_bytes = 3 * adapter_bytes + 4 * len(adapter)  # weights + exp_avg + exp_avg_sq + step counts
@@ -492,7 +492,7 @@ def test_released_jobs_leave_at_most_a_few_parked_adapters_in_the_model(model_di
     engine = TrainerEngine(model_dir, threads=2)
     engine.ensure_job("kept", LORA_A, seed=1)
     for i in range(PARKED_ADAPTERS_MAX + 4):  # shapes no parked adapter can serve again
-        engine.ensure_job(f"gone{i}", LoraConfig(rank=1 + i, alpha=2), seed=i)
+        engine.ensure_job(f"gone{i}", LoraSpec(rank=1 + i, alpha=2), seed=i)
         engine.release(f"gone{i}")
     assert engine.jobs() == ["kept"]
     assert len(engine._peft.peft_config) == 1 + PARKED_ADAPTERS_MAX  # the rest deleted from the model

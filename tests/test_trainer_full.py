@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from test_trainer import VOCAB, assert_exactly_equal, make_batch, make_rows, on_policy, without_seconds
 from transformers import AutoModelForCausalLM
 
-from plexctl.common.protocol import LoraConfig, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainHParams
 from worker.errors import CheckpointError
 from worker.trainer import FULL_WEIGHTS_FILE, TrainerEngine
 
-LORA = LoraConfig(rank=4, alpha=8, dropout=0.05)
+LORA = LoraSpec(rank=4, alpha=8, dropout=0.05)
 HP_FULL = TrainHParams(lr=1e-3, kl_coef=0.05, weight_decay=0.01, max_grad_norm=1.0)
 HP_LORA = TrainHParams(lr=5e-3, loss_agg="seq-mean-token-mean")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import random_tiny_qwen2
 
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.errors import BatchError
 from worker.trainer import TrainerEngine
 
@@ -31,17 +31,17 @@ STEP_ATOL, STEP_RTOL = 1e-4, 1e-3  # adapters after STEPS AdamW steps (lr 1e-3..
 STEPS = 3
 
 JOBS = {  # job -> (LoRA, seed, hparams, rows in its batch)
-    "a": (LoraConfig(rank=8, alpha=16), 1, TrainHParams(lr=2e-3, kl_coef=0.05, weight_decay=0.01), 5),
+    "a": (LoraSpec(rank=8, alpha=16), 1, TrainHParams(lr=2e-3, kl_coef=0.05, weight_decay=0.01), 5),
     "b": (
-        LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
         2,
         TrainHParams(lr=5e-3, loss_agg="seq-mean-token-mean", max_grad_norm=0.5),
         3,
     ),
-    "c": (LoraConfig(rank=8, alpha=8), 3, TrainHParams(lr=1e-3, loss="pg-tis"), 7),
-    "d": (LoraConfig(rank=2, alpha=4), 4, TrainHParams(lr=3e-3, loss_agg="seq-mean-token-sum"), 2),
+    "c": (LoraSpec(rank=8, alpha=8), 3, TrainHParams(lr=1e-3, loss="pg-tis"), 7),
+    "d": (LoraSpec(rank=2, alpha=4), 4, TrainHParams(lr=3e-3, loss_agg="seq-mean-token-sum"), 2),
     # a's shape and row count: a pass of a and e stacks their weights (two batched matmuls per layer)
-    "e": (LoraConfig(rank=8, alpha=12), 5, TrainHParams(lr=4e-3, clip_high=0.28), 5),
+    "e": (LoraSpec(rank=8, alpha=12), 5, TrainHParams(lr=4e-3, clip_high=0.28), 5),
 }
 
 
@@ -147,7 +147,7 @@ def test_a_job_alone_in_a_group_is_its_train_step_bit_for_bit(model_dir: str):
 
 def test_jobs_with_lora_dropout_or_full_weights_or_twice_are_refused(model_dir: str, tmp_path: Path):
     engine = engine_with(model_dir, ["a", "b"])
-    engine.ensure_job("dropout", LoraConfig(rank=4, alpha=8, dropout=0.1), 5)
+    engine.ensure_job("dropout", LoraSpec(rank=4, alpha=8, dropout=0.1), 5)
     engine.ensure_job("full", None, 6)
     assert engine.groupable("a") and not engine.groupable("dropout") and not engine.groupable("full")
     (a, b) = steps_of(["a", "b"], 0)

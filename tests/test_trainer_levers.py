@@ -20,12 +20,12 @@ import pytest
 import torch
 from conftest import random_tiny_qwen2
 
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.train_batches import length_order, micro_batch_bounds, pad_rows, permute_rows
 from worker.trainer import TrainerEngine
 
 VOCAB = 96
-LORA = LoraConfig(rank=4, alpha=8)
+LORA = LoraSpec(rank=4, alpha=8)
 BUDGET = 80  # padded tokens per micro-batch: a batch of MIXED_ROWS is several micro-batches
 MIXED_ROWS = 10
 BUCKET_RTOL = 1e-5  # length buckets: the gradient vector's relative error
@@ -51,7 +51,7 @@ def mixed_batch(seed: int, rows: int = MIXED_ROWS) -> TrainBatch:
     return TrainBatch(input_ids, loss_mask, old, [rng.gauss(0.0, 1.0) for _ in range(rows)])
 
 
-def trained_engine(model_dir: str, lora: LoraConfig = LORA, jobs: str = "A", **options: object) -> TrainerEngine:
+def trained_engine(model_dir: str, lora: LoraSpec = LORA, jobs: str = "A", **options: object) -> TrainerEngine:
     """An engine whose jobs took one step each (lora_B no longer 0: every gradient flows)."""
     engine = TrainerEngine(model_dir, threads=2, **options)  # type: ignore[arg-type]
     for i, job in enumerate(jobs):
@@ -138,7 +138,7 @@ def test_length_buckets_in_a_group_keep_each_jobs_rows_its_own(model_dir: str) -
 def test_checkpointing_a_part_of_each_layer_gives_the_same_gradients_bit_for_bit(
     model_dir: str, scope: str, dropout: float
 ) -> None:
-    lora = LoraConfig(rank=4, alpha=8, dropout=dropout)
+    lora = LoraSpec(rank=4, alpha=8, dropout=dropout)
     plain = trained_engine(model_dir, lora)
     partial = trained_engine(model_dir, lora, gradient_checkpointing=True, checkpoint_scope=scope)
     part = "mlp" if scope == "mlp" else "self_attn"
@@ -176,7 +176,7 @@ def test_compiled_layers_give_the_eager_gradients_and_a_new_job_compiles_nothing
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj"])  # one graph break per layer: fewer graphs
+    lora = LoraSpec(rank=4, alpha=8, target_modules=["q_proj"])  # one graph break per layer: fewer graphs
     eager = trained_engine(model_dir, lora)
     compiled = trained_engine(model_dir, lora, compile_layers="aot_eager")
     graphs = counters["stats"]["unique_graphs"]

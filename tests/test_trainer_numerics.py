@@ -25,7 +25,7 @@ from peft import get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from plexctl.common.state_size import job_state_bytes, model_config
 from worker.checkpoint_files import ADAPTER_WEIGHTS
 from worker.token_logprobs import head_logprobs, token_logprobs
@@ -34,7 +34,7 @@ from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96
-LORA = LoraConfig(rank=4, alpha=8)
+LORA = LoraSpec(rank=4, alpha=8)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def make_batch(seed: int, rows: int, vocab: int = VOCAB) -> TrainBatch:
     return TrainBatch(input_ids, loss_mask, old, [rng.gauss(0.0, 1.0) for _ in range(rows)])
 
 
-def trained_engine(model_dir: str, lora: LoraConfig = LORA, **options: object) -> TrainerEngine:
+def trained_engine(model_dir: str, lora: LoraSpec = LORA, **options: object) -> TrainerEngine:
     """An engine whose job "A" took one step (its lora_B is no longer 0: every gradient flows)."""
     engine = TrainerEngine(model_dir, threads=2, **options)  # type: ignore[arg-type]
     engine.ensure_job("A", lora, seed=5)
@@ -198,7 +198,7 @@ def completion_logits_bytes(completion: int) -> int:
 _LARGE_VOCAB_STEPS = """
 import json, sys
 import torch
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.trainer import TrainerEngine
 
 def rss(field):
@@ -206,7 +206,7 @@ def rss(field):
 
 model_dir, rows, length, *completions = (int(a) if a.isdigit() else a for a in sys.argv[1:])
 engine = TrainerEngine(model_dir, threads=2, logprob_chunk_tokens=256)
-engine.ensure_job("A", LoraConfig(rank=4, alpha=8), seed=1)
+engine.ensure_job("A", LoraSpec(rank=4, alpha=8), seed=1)
 g = torch.Generator().manual_seed(0)
 results = []
 for completion in completions:
@@ -316,7 +316,7 @@ def count_layer_runs(engine: TrainerEngine) -> list[int]:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gradient_checkpointing_gives_the_same_gradients(model_dir: str, dropout: float) -> None:
-    lora = LoraConfig(rank=4, alpha=8, dropout=dropout)
+    lora = LoraSpec(rank=4, alpha=8, dropout=dropout)
     plain = trained_engine(model_dir, lora)
     checkpointed = trained_engine(model_dir, lora, gradient_checkpointing=True)
     batch = make_batch(8, rows=6)

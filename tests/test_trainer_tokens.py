@@ -24,14 +24,14 @@ from test_trainer import assert_exactly_equal
 from transformers import AutoModelForCausalLM
 
 from plexctl.common.calls import TOKEN_LOSSES, AdamStep, LossCall, TokenDatum
-from plexctl.common.protocol import LoraConfig, TrainBatch, TrainHParams
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.errors import BatchError
 from worker.tinker_losses import check_call
 from worker.trainer import TrainerEngine
 from worker.trainer_tokens import padded_width
 
 VOCAB = 64
-LORA = LoraConfig(rank=4, alpha=8)
+LORA = LoraSpec(rank=4, alpha=8)
 LOSS_CONFIGS: dict[str, dict[str, float]] = {  # narrow cispo clips, so that some tokens are clipped
     "cross_entropy": {},
     "importance_sampling": {},
@@ -85,7 +85,7 @@ def make_data(seed: int, count: int = 4, max_len: int = 20) -> list[TokenDatum]:
     return data
 
 
-def new_job(engine: TrainerEngine, job_id: str, lora: LoraConfig | None = LORA, seed: int = 3) -> None:
+def new_job(engine: TrainerEngine, job_id: str, lora: LoraSpec | None = LORA, seed: int = 3) -> None:
     """A job whose adapter is not the identity (lora_B starts at zero), fresh AdamW."""
     engine.ensure_job(job_id, lora, seed)
     if lora is None:
@@ -214,8 +214,8 @@ def test_padded_width_is_fixed_by_the_length_alone() -> None:
 # ---------------------------------------------------------------- state
 
 
-@pytest.mark.parametrize("lora", [LoraConfig(rank=4, dropout=0.1), None], ids=["lora-dropout", "full"])
-def test_forward_backward_changes_nothing(engine: TrainerEngine, lora: LoraConfig | None) -> None:
+@pytest.mark.parametrize("lora", [LoraSpec(rank=4, dropout=0.1), None], ids=["lora-dropout", "full"])
+def test_forward_backward_changes_nothing(engine: TrainerEngine, lora: LoraSpec | None) -> None:
     job_id = f"still-{'full' if lora is None else 'lora'}"
     new_job(engine, job_id, lora)
     engine.optim_step(job_id, [LossCall(make_data(2), "cross_entropy")], AdamStep(learning_rate=1e-3))
@@ -232,7 +232,7 @@ def test_forward_backward_changes_nothing(engine: TrainerEngine, lora: LoraConfi
 
 
 @pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
-def test_optim_step_lowers_the_cross_entropy(engine: TrainerEngine, lora: LoraConfig | None) -> None:
+def test_optim_step_lowers_the_cross_entropy(engine: TrainerEngine, lora: LoraSpec | None) -> None:
     job_id = f"learn-{'full' if lora is None else 'lora'}"
     new_job(engine, job_id, lora)
     data = make_data(4, count=6)
@@ -288,7 +288,7 @@ def test_a_datums_logprobs_do_not_depend_on_the_data_beside_it(split_engine: Tra
 
 
 def test_interleaved_jobs_get_exactly_the_updates_they_get_alone(model_dir: str) -> None:
-    lora_a = LoraConfig(rank=4, alpha=8, dropout=0.1)  # its dropout draws from its own RNG
+    lora_a = LoraSpec(rank=4, alpha=8, dropout=0.1)  # its dropout draws from its own RNG
     calls = [
         [LossCall(make_data(10), "cross_entropy")],
         [LossCall(make_data(11), "ppo"), LossCall(make_data(12), "cispo")],
@@ -307,7 +307,7 @@ def test_interleaved_jobs_get_exactly_the_updates_they_get_alone(model_dir: str)
     new_job(shared, "B", None, seed=22)  # a full fine-tuning job before A
     shared.optim_step("B", [LossCall(make_data(20), "importance_sampling")], AdamStep(learning_rate=1e-3))
     new_job(shared, "A", lora_a, seed=11)
-    new_job(shared, "C", LoraConfig(rank=2, dropout=0.2), seed=33)
+    new_job(shared, "C", LoraSpec(rank=2, dropout=0.2), seed=33)
     grpo = TrainBatch([[3, 4, 5, 6]], [[0, 1, 1, 1]], [[0.0, -4.0, -4.1, -4.2]], [1.0])
     results_shared = []
     for k, step in enumerate(calls):

@@ -133,9 +133,6 @@ class TrainHParams(msgspec.Struct):
     user_code_trusted: bool = False  # set by the daemon from the job's submitter, never by the driver
 
 
-LoraConfig = LoraSpec  # the job spec's LoRA section travels as it is; the name bench/ and tests use
-
-
 class TrainerContext(msgspec.Struct):
     """What every trainer task carries about its job: the state to make resident if it is not,
     the key that makes a repeated call a no-op, and the daemon's expected order of jobs."""

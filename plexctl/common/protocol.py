@@ -32,7 +32,7 @@ from plexctl.common.calls import (  # noqa: F401 - the engine data types, re-exp
     AnyTask,
     Completion,
     GenRequest,
-    LoraConfig,
+    LoraSpec,
     Sampling,
     TrainBatch,
     TrainHParams,
