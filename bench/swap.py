@@ -1,6 +1,6 @@
 """Benchmark: trainer-state swap throughput through each tier, against the raw hardware.
 
-A job's trainer state moves between three tiers (``worker/state_store.py``): the device, host
+A job's trainer state moves between three tiers (``worker/state/store.py``): the device, host
 memory and NVMe. This script moves real states of several sizes through a real ``StateStore``
 with the calls the worker makes (``SwapCycle``), reads each move's seconds from the store's own
 counters (``swap_stats``), and in the same run, interleaved, on the same sizes, times the raw
@@ -13,7 +13,7 @@ its raw figure on the same memory.
 Sizes: ``adapter`` (the tiny job's own state), then ``SIZES`` (``SIZES_QUICK`` with ``--quick``):
 LoRA states of 0.5B- and 7B-class models and larger, reached by raising the LoRA rank on the tiny
 model; then ``WHOLE_MODEL_SIZES`` (``--model-scale`` multiplies them): full fine-tuning states
-moved by the store's copy machinery (``worker.state_copy``, ``worker.copy_files``;
+moved by the store's copy machinery (``worker.state.job_copy``, ``worker.state.files``;
 ``WholeModelCycle``), not by the trainer and the store's policy. Method and history:
 ``docs/benchmarks.md``.
 
@@ -54,10 +54,10 @@ from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.model_shapes import known_shape  # noqa: E402
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams  # noqa: E402
 from plexctl.common.state_size import job_state_bytes, lora_module_shapes, model_config  # noqa: E402
-from worker import copy_files  # noqa: E402
-from worker.host_arena import HostArena, page_round  # noqa: E402
-from worker.state_copy import BufferPool, JobStateCopy, SpecBuffers, StateSpec, TensorViews, state_spec  # noqa: E402
-from worker.state_store import StateStore  # noqa: E402
+from worker.state import files as copy_files  # noqa: E402
+from worker.state.arena import HostArena, page_round  # noqa: E402
+from worker.state.job_copy import BufferPool, JobStateCopy, SpecBuffers, StateSpec, TensorViews, state_spec  # noqa: E402
+from worker.state.store import StateStore  # noqa: E402
 from worker.trainer import TrainerEngine  # noqa: E402
 
 MODEL = REPO / ".plexrl" / "models" / "tiny-arith"

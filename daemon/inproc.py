@@ -47,7 +47,7 @@ from plexctl.common.jobdir import JobDir
 from plexctl.common.spec import JobSpec, spec_to_wire
 from plexctl.rl import CallClient, CallFailed, JobCancelled
 from worker.main import Followers, Outbox, RolloutServer, TrainerServer, build_parser, engine_id
-from worker.state_store import StateStore
+from worker.state.store import StateStore
 
 __all__ = ["InprocClient"]
 

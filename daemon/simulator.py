@@ -12,7 +12,7 @@ jobs as shards with a home pair each, a step's phases with barriers across a job
 weights' size, and shared train passes timed by ``TrainPassCost``.
 
 Invariants: every placement and order is the core's and every state move the policy's
-(``plexctl.common.state_policy`` moves each trainer node's ``NodeTiers`` as ``worker.state_store``
+(``plexctl.common.state_policy`` moves each trainer node's ``NodeTiers`` as ``worker.state.store``
 moves the real tiers; a test holds the two to the same moves); the core hears of every move
 through ``state_location`` and of each switch's cost through ``Scheduler.set_switch_estimate``;
 evictions and demotions overlap the next task (counted, not charged); a pass runs as the worker
@@ -261,7 +261,7 @@ class SwapIn:
 
 
 class NodeTiers:
-    """One trainer node's state tiers (device, host, nvme), moved as ``worker.state_store``
+    """One trainer node's state tiers (device, host, nvme), moved as ``worker.state.store``
     moves them: every decision is ``plexctl.common.state_policy``'s. Copies move at once; what a move
     costs is the caller's to charge."""
 

@@ -25,7 +25,7 @@ from tests.test_daemon_recovery import adopted_job
 from tests.test_repeated_calls import train_task
 from tests.test_state_store import engine, tiny_qwen2
 from worker import main as worker_main
-from worker.state_store import StateStore
+from worker.state.store import StateStore
 
 GENERATE = C.GenerateReq(["1+1="], P.Sampling(max_tokens=4))
 TRAIN_AND_PUBLISH = C.TrainStepReq(P.TrainBatch([], [], [], []), publish=True)

@@ -1,4 +1,4 @@
-"""Tests of the host arena (worker/host_arena.py), the buffer pool over it, and the state store's
+"""Tests of the host arena (worker/state/arena.py), the buffer pool over it, and the state store's
 host memory.
 
 They assert what a user sizing a worker's memory relies on: the arena's accounting is exact
@@ -27,9 +27,9 @@ from plexctl.common.protocol import LoraSpec
 from tests.test_state_store import HP_SEQ, assert_like_alone, config_json, engine, job_state, tiny_qwen2
 from tests.test_trainer import make_batch
 from worker.errors import TierFullError
-from worker.host_arena import PAGE_BYTES, ArenaStats, HostArena, HostMemoryError, page_round
-from worker.state_copy import PACK_ALIGN, BufferPool, packed_layout, tensors_to_device, tensors_to_host
-from worker.state_store import TRANSIT_MIN_BYTES, StateStore
+from worker.state.arena import PAGE_BYTES, ArenaStats, HostArena, HostMemoryError, page_round
+from worker.state.job_copy import PACK_ALIGN, BufferPool, packed_layout, tensors_to_device, tensors_to_host
+from worker.state.store import TRANSIT_MIN_BYTES, StateStore
 from worker.trainer import TrainerEngine
 
 MIB = 1 << 20
@@ -435,7 +435,7 @@ def test_a_cuda_trainers_base_sleeps_in_an_arena_pinned_once_for_all_its_sleeps(
 ) -> None:
     """The CUDA case on a CPU: the arena the base sleeps in is registered (pinned) once, whole,
     on the first sleep, and the next sleeps reuse it."""
-    import worker.host_arena as host_arena
+    import worker.state.arena as host_arena
 
     registered: list[tuple[int, int]] = []
     monkeypatch.setattr(host_arena, "_register", lambda address, nbytes: registered.append((address, nbytes)))

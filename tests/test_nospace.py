@@ -30,7 +30,7 @@ from plexctl.common.protocol import LoraSpec, TrainHParams
 from plexctl.rl import CallFailed, DrainCheckpointFailed, Job, JobDrained
 from plexctl.spec_files import load_spec
 from worker.errors import CheckpointError, NoSpaceError, TierFullError
-from worker.state_store import NVME_FULL_RETRY_S, StateStore
+from worker.state.store import NVME_FULL_RETRY_S, StateStore
 from worker.trainer import TrainerEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def temp_entries(directory: Path) -> list[str]:
 
 
 def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "worker.state_store" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "worker.state.store" and r.levelno == logging.WARNING]
 
 
 # ---------------------------------------------------------------- the state store's nvme tier
@@ -116,7 +116,7 @@ def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     model_dir: str, small_fs: Callable[[str, int], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.state_store")
+    caplog.set_level(logging.WARNING, logger="worker.state.store")
     one = StateStore.job_bytes(LORA, config_json(model_dir))  # a trained job's copy
     nvme = small_fs("nvme", 4 << 20)
     filler = fill(nvme, leave=one + one // 2)  # room for one copy on disk, while the store believes in 1 GiB
@@ -252,7 +252,7 @@ def test_write_behind_into_a_full_disk_keeps_the_copy_in_host_memory(
 ) -> None:
     """A copy left to the write-behind thread that does not fit on the disk stays in host
     memory (the eviction that made it had returned already), and comes back exactly."""
-    caplog.set_level(logging.WARNING, logger="worker.state_store")
+    caplog.set_level(logging.WARNING, logger="worker.state.store")
     one = StateStore.job_bytes(LORA, config_json(model_dir))
     nvme = small_fs("nvme", 1 << 20)
     fill(nvme, leave=0)

@@ -20,7 +20,7 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
 from worker import main as worker_main
-from worker.state_store import StateStore
+from worker.state.store import StateStore
 
 
 def train_task(step: int, call_key: str = "", publish_dir: str = "") -> C.TrainStepTask:

@@ -235,7 +235,7 @@ def test_the_store_and_the_simulator_move_the_same_states_on_the_same_events(
     to the worker's StateStore (real torch, files on disk) and to the simulator's NodeTiers."""
     from plexctl.common.protocol import LoraSpec
     from worker.errors import TierFullError as StoreTierFullError
-    from worker.state_store import StateStore
+    from worker.state.store import StateStore
     from worker.trainer import TrainerEngine
 
     trainer = TrainerEngine(tiny_model, threads=1)

@@ -1,4 +1,4 @@
-"""Tests of the state store (worker/state_store.py) and of the trainer's export_state / import_state,
+"""Tests of the state store (worker/state/store.py) and of the trainer's export_state / import_state,
 with real torch and peft on a tiny random Qwen2.
 
 They assert what a user of the shared trainer relies on when there are more jobs than device
@@ -26,10 +26,12 @@ from transformers import Qwen2Config
 
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
-from worker import copy_dir, copy_files, state_store
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
-from worker.state_copy import PAGE_BYTES
-from worker.state_store import HostBufferPool, StateStore
+from worker.state import dirs as copy_dir
+from worker.state import files as copy_files
+from worker.state import store as state_store
+from worker.state.job_copy import PAGE_BYTES
+from worker.state.store import HostBufferPool, StateStore
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64

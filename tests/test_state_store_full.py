@@ -1,5 +1,5 @@
 """A full fine-tuning job's state (every weight, AdamW moments, step counts) through the state
-store's tiers (worker/state_store.py), beside a LoRA job, with real torch on a tiny Qwen2.
+store's tiers (worker/state/store.py), beside a LoRA job, with real torch on a tiny Qwen2.
 
 What a user relies on: the same store moves a full job's weights and moments between device,
 host and nvme (write-behind, checksummed chunks) and the job trains on bit-for-bit as alone; a
@@ -17,9 +17,9 @@ from test_state_store import JOBS, assert_like_alone, batch_for, engine, job_sta
 from test_trainer import without_seconds
 
 from plexctl.common.protocol import TrainHParams
-from worker import copy_files
 from worker.errors import CorruptCopyError
-from worker.state_store import StateStore
+from worker.state import files as copy_files
+from worker.state.store import StateStore
 
 __all__ = ["model_dir"]  # the module's fixture, shared
 

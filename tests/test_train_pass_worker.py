@@ -20,7 +20,7 @@ from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from tests.test_state_store import engine, job_state, make_batch, tiny_qwen2
 from worker import main as worker_main
-from worker.state_store import StateStore
+from worker.state.store import StateStore
 
 JOBS = {  # job -> (LoRA, seed, hparams)
     "g1": (C.LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), 1, P.TrainHParams(lr=3e-3)),

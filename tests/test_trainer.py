@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.errors import BatchError, CheckpointError, JobConfigError, UnknownJobError
-from worker.host_arena import PAGE_BYTES, HostArena, page_round
-from worker.state_copy import packed_layout
+from worker.state.arena import PAGE_BYTES, HostArena, page_round
+from worker.state.job_copy import packed_layout
 from worker.trainer import TrainerEngine
 
 VOCAB = 64

@@ -875,7 +875,7 @@ def build_engines(
     takes turns with other models' engines)."""
     engines: dict[str, Any] = {}
     if "trainer" in kinds:
-        from worker.state_store import StateStore
+        from worker.state.store import StateStore
         from worker.trainer import TrainerEngine
 
         nvme_dir = nvme_dir or args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"

@@ -18,7 +18,7 @@ needed, the bytes free). A restored job trains on exactly as it would have. Mode
 are post-processed after the lm_head (soft-capping, scaling) are refused.
 
 Not here: scheduling, deciding which job lives on which memory tier or writing copies to disk
-(``worker.state_store``), sockets, rollout. Rows of different jobs are not
+(``worker.state.store``), sockets, rollout. Rows of different jobs are not
 mixed in one forward. The engine is not thread-safe: the worker calls it from one thread.
 Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic kernels.
 """
@@ -54,8 +54,8 @@ from worker.checkpoint_files import (
 from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
 from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.errors import CheckpointError
-from worker.host_arena import HostArena, HostMemoryError
-from worker.state_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
+from worker.state.arena import HostArena, HostMemoryError
+from worker.state.job_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head
 from worker.train_batches import micro_batch_bounds
 from worker.trainer_math import TrainingMath

@@ -7,7 +7,7 @@ puts those weights into the model for the job's calls only, the base's own weigh
 One ``peft.PeftModel`` holds every resident job's adapter side by side (``add_adapter`` once per
 job, under an engine-unique name). A job's trainable state (adapter parameters, AdamW moments
 and step counts, RNG state) lives in one flat buffer, its ``Slot``, laid out exactly as a host
-copy is (``worker.state_copy``); parameters and moments are views into it. ``export_state``
+copy is (``worker.state.job_copy``); parameters and moments are views into it. ``export_state``
 fills a ``JobStateCopy`` in a buffer of the caller's ``BufferPool`` (on CUDA from pinned memory,
 on a side stream) with one ``copy_`` per run; ``release`` parks the adapter modules with their
 slot, and ``import_state`` reuses a parked adapter of the same LoRA shape and copies the state
@@ -35,7 +35,7 @@ from peft import PeftModel, get_peft_model
 
 from plexctl.common.spec import LoraSpec
 from worker.errors import JobConfigError, StateCopyError, UnknownJobError
-from worker.state_copy import (
+from worker.state.job_copy import (
     ADAPTER_PREFIX,
     OPTIM_PREFIX,
     PAGE_BYTES,

@@ -18,7 +18,7 @@ have none). ``Upcoming`` is the order in which jobs will next need the trainer (
 
 Invariants: every function is pure (no clock, I/O, threads or torch) and deterministic; a copy
 is demoted only for a job needed sooner; no placement exceeds a tier's budget, but for host's
-spill allowance while nvme is marked full. ``worker.state_store`` (the real tiers) and
+spill allowance while nvme is marked full. ``worker.state.store`` (the real tiers) and
 ``daemon.simulator`` (simulated ones) both decide through this module.
 """
 

@@ -43,11 +43,11 @@ from plexctl.common.spec import LoraSpec
 from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
 from plexctl.common.state_size import full_state_bytes, job_state_bytes
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
-from worker.copy_dir import CopyDirectory
-from worker.copy_files import NvmeCopy, read_copy, unlink_all, write_copy
 from worker.errors import JobConfigError, TierFullError
-from worker.host_arena import HostArena, HostMemoryError
-from worker.state_copy import (
+from worker.state.arena import HostArena, HostMemoryError
+from worker.state.dirs import CopyDirectory
+from worker.state.files import NvmeCopy, read_copy, unlink_all, write_copy
+from worker.state.job_copy import (
     BufferPool,
     JobStateCopy,
 )

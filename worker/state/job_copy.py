@@ -5,10 +5,10 @@ state) is laid out by a ``StateSpec``: groups of tensors of one dtype back to ba
 dtype first, so that every tensor stays aligned. The trainer's slot for the job on the device
 and every copy of it are laid out the same way, so moving the state is one copy of its bytes
 (two on CUDA), never one per tensor. ``JobStateCopy`` is such a copy in host memory, as
-``TrainerEngine.export_state`` returns it and ``worker.state_store`` keeps it on host or
+``TrainerEngine.export_state`` returns it and ``worker.state.store`` keeps it on host or
 writes it to nvme; its tensors are views made on first use (``TensorViews``,
 ``SpecBuffers``). ``BufferPool`` gives the flat buffers copies live in: blocks of a
-``HostArena`` (``worker.host_arena``), a few kept for the next copies. ``tensors_to_host`` /
+``HostArena`` (``worker.state.arena``), a few kept for the next copies. ``tensors_to_host`` /
 ``tensors_to_device`` move a set of tensors (a sleeping base's weights) into one arena block and
 back: a non-blocking copy per tensor, one synchronize.
 """
@@ -28,7 +28,7 @@ import torch
 
 from plexctl.common.spec import LoraSpec
 from worker.errors import StateCopyError
-from worker.host_arena import PAGE_BYTES, HostArena, HostMemoryError, page_round
+from worker.state.arena import PAGE_BYTES, HostArena, HostMemoryError, page_round
 
 ADAPTER_PREFIX = "adapter/"  # JobStateCopy tensor names
 OPTIM_PREFIX = "optim/"

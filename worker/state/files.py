@@ -14,8 +14,8 @@ threads, each chunk checksummed as it lands, in whatever order; a copy costs one
 its file, so a demoted copy really left host memory (the directory is not synced: the copy is
 scratch).
 
-It does not decide which copies go to nvme (``worker.state_store`` does), nor name their files or
-keep those to reuse (``worker.copy_dir`` does). How it moves fast, with the measurements:
+It does not decide which copies go to nvme (``worker.state.store`` does), nor name their files or
+keep those to reuse (``worker.state.dirs`` does). How it moves fast, with the measurements:
 docs/state.md, "How a copy moves fast".
 """
 
@@ -42,7 +42,7 @@ import xxhash
 from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import NO_SPACE_ERRNOS
 from worker.errors import CorruptCopyError
-from worker.state_copy import (
+from worker.state.job_copy import (
     PAGE_BYTES,
     BufferPool,
     JobStateCopy,

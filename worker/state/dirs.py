@@ -6,7 +6,7 @@ copy leaves nvme (read back, or dropped) its file becomes a *spare*, kept to be 
 place by a later copy of about its size: no block is allocated or freed then, which on most
 filesystems is what makes a rewrite as fast as the disk. ``CopyDirectory`` keeps the spares
 (oldest first), hands out the one that fits a copy, and says which to delete when there are too
-many or the tier needs their room; the store decides when (``worker.state_store``, which holds
+many or the tier needs their room; the store decides when (``worker.state.store``, which holds
 its lock around every call here) and deletes them outside its lock. At start it deletes the
 copies of processes that are gone (a crashed worker's on this host: nothing can read them
 without it); when the store goes, or at exit, its spares are deleted.
@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.copy_files import DIRECT_ALIGN, unlink_all
+from worker.state.files import DIRECT_ALIGN, unlink_all
 
 log = logging.getLogger(__name__)
 
