@@ -31,7 +31,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not slow"

@@ -160,12 +160,37 @@ MARKS = {
 }
 
 
+# The longest files first (``make test`` runs them on two processes, a file each at a time): the
+# last file to start is a short one, so neither process idles at the end while the other runs a
+# long one. The tool-learning file stays late: its model builds beside the first tests.
+LONGEST_FIRST = (
+    "test_bench_quick.py",
+    "test_slurm.py",
+    "test_faults.py",
+    "test_e2e.py",
+    "test_algos_learning.py",
+    "test_train_passes_e2e.py",
+    "test_hostile_user.py",
+    "test_trainer_levers.py",
+    "test_multi_base_e2e.py",
+    "test_tinker_e2e.py",
+    "test_bench_multiplex.py",
+    "test_multiplex.py",
+    "test_worker_stall.py",
+    "test_trainer_numerics.py",
+    "test_journey_tinker.py",
+    "test_journey_readme.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         name = item.path.name
         kinds = [kind for kind, files in MARKS.items() if name in files] or ["unit"]
         for kind in kinds:
             item.add_marker(getattr(pytest.mark, kind))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

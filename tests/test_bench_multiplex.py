@@ -15,6 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Which tiers the shared run's states visit depends on how the three jobs' steps interleave, which a
+# loaded machine can change (one job running ahead leaves fewer states alive at once): run once more
+# before failing. What the run must show (equal rewards, swaps through NVMe) is asserted as is.
+@pytest.mark.flaky(reruns=1)
 def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     out = tmp_path / "multiplex.json"
     proc = subprocess.run(

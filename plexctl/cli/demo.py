@@ -70,7 +70,7 @@ def demo(
     specs = [load_or_exit(f, overrides, None) for f in configs]
     models = list(dict.fromkeys(Path(s.model.path) for s in specs))  # each base the jobs name, once
     console().rule("starting the local cluster")
-    ctx.invoke(up, ctx=ctx, model=models)
+    ctx.invoke(up, ctx=ctx, models=models)
     client = c.client()
     ids = [client.submit(spec_to_wire(s), submit_id=uuid.uuid4().hex).job_id for s in specs]
     console().rule(f"running {', '.join(ids)}")
