@@ -508,7 +508,7 @@ def test_a_shared_users_job_trains_jailed_and_they_get_its_files_through_the_cli
     cluster.run("cancel", other)
 
 
-def test_a_shared_users_tinker_client_trains_as_their_jailed_job_and_reaches_nothing_of_the_owners(
+def test_a_shared_users_tinker_client_trains_as_their_external_job_and_reaches_nothing_of_the_owners(
     cluster, eve, tiny_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Eve's Tinker key, let in by the owner: her training client is an external job of hers (no
