@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from plexctl.common.errors import Refused
 from plexctl.common.sizes import fmt_bytes, parse_bytes
+from plexctl.common.spec import DEFAULT_TARGET_MODULES
 from plexctl.common.state_size import (
     FP32_BYTES,
     FullStateSize,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from plexctl.common.spec import JobSpec
 
 GiB = 1 << 30
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_PROJECTIONS = tuple(DEFAULT_TARGET_MODULES)
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # tp splits their input; the other projections split their output
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM (0.32) accepts as max_lora_rank
 
