@@ -1276,7 +1276,7 @@ class DaemonCore:
         spec, req = rt.spec, body.request
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
         site = _CallSite(self, rt, call, adapter, version)
-        if rt.pid:  # a repeated trainer call is applied once (worker.main)
+        if rt.pid:  # a repeated trainer call is applied once (worker.servers)
             site.trainer.call_key = f"{rt.pid}:{header.msg_id}"
         try:
             made = C.METHODS[req.method].task_of(req, site)

@@ -46,7 +46,9 @@ from plexctl.common.client import current_user
 from plexctl.common.jobdir import JobDir
 from plexctl.common.spec import JobSpec, spec_to_wire
 from plexctl.rl import CallClient, CallFailed, JobCancelled
-from worker.main import Followers, Outbox, RolloutServer, TrainerServer, build_parser, engine_id
+from worker.io import Followers, Outbox
+from worker.main import build_parser, engine_id
+from worker.servers import RolloutServer, TrainerServer
 from worker.state.store import StateStore
 
 __all__ = ["InprocClient"]

@@ -16,7 +16,7 @@ Invariants: every placement and order is the core's and every state move the pol
 moves the real tiers; a test holds the two to the same moves); the core hears of every move
 through ``state_location`` and of each switch's cost through ``Scheduler.set_switch_estimate``;
 evictions and demotions overlap the next task (counted, not charged); a pass runs as the worker
-runs one (``worker/main.py``, ``serve_pass``).
+runs one (``worker/servers.py``, ``serve_pass``).
 
 Not modelled: two sets of weights resident on one engine at once, gang scheduling of trainer
 shards, interference beyond slots, dispatch overhead, failures, checkpoints. The model in full:

@@ -217,7 +217,7 @@ class JobClient(CallClient):
     driver dies) the client keeps its calls in flight and waits, up to ``PLEXRL_ORPHAN_GRACE_S``,
     for a daemon to come back on the same state directory (at the address in
     ``endpoint_file`` if it moved); once connected again it sends those calls again. The new
-    daemon adopted this job, and a repeated trainer call is applied once (worker.main).
+    daemon adopted this job, and a repeated trainer call is applied once (worker.servers).
     """
 
     def __init__(

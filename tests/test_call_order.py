@@ -24,7 +24,8 @@ from plexctl.common import protocol as P
 from tests.test_daemon_recovery import adopted_job
 from tests.test_repeated_calls import train_task
 from tests.test_state_store import engine, tiny_qwen2
-from worker import main as worker_main
+from worker import io as worker_io
+from worker import servers as worker_servers
 from worker.state.store import StateStore
 
 GENERATE = C.GenerateReq(["1+1="], P.Sampling(max_tokens=4))
@@ -119,12 +120,12 @@ def test_a_call_held_to_follow_a_failed_one_fails_too(core, tiny_model):
 def test_the_worker_starts_a_task_sent_ahead_as_the_one_it_follows_ends_or_fails_it(tmp_path):
     store = StateStore(engine(tiny_qwen2(tmp_path / "model")), device_slots=1, host_bytes=1 << 30)
     tasks: queue.Queue[P.TaskBody] = queue.Queue()
-    followers = worker_main.Followers()
+    followers = worker_io.Followers()
     followers.route = tasks.put  # what the I/O thread's router does with a released task
     outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_main.OUTBOX)
+    outbox.bind(worker_io.OUTBOX)
     try:
-        threading.Thread(target=worker_main.trainer_loop, args=(store, tasks, followers), daemon=True).start()
+        threading.Thread(target=worker_servers.trainer_loop, args=(store, tasks, followers), daemon=True).start()
 
         def results(n: int) -> list[P.ResultBody]:
             out = []

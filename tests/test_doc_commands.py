@@ -45,12 +45,12 @@ def test_the_pages_show_commands_and_a_renamed_option_is_caught() -> None:
 
 def test_contributings_service_call_example_is_the_code_as_it_is() -> None:
     """CONTRIBUTING shows adding a service call with ``publish``: each class and handler line it
-    shows is, line for line, in ``calls.py`` or ``worker/main.py``, so the example cannot drift."""
+    shows is, line for line, in ``calls.py`` or ``worker/servers.py``, so the example cannot drift."""
     fence = re.compile(r"^[ \t]*```python\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)  # in a list item too
     blocks = fence.findall((REPO / "CONTRIBUTING.md").read_text())
     shown = [block for block in blocks if "class Publish(Method)" in block]
     assert len(shown) == 1, "CONTRIBUTING shows the publish call once"
-    sources = (REPO / "plexctl" / "common" / "calls.py").read_text() + (REPO / "worker" / "main.py").read_text()
+    sources = (REPO / "plexctl" / "common" / "calls.py").read_text() + (REPO / "worker" / "servers.py").read_text()
     code = [line.strip() for line in shown[0].splitlines() if line.strip() and not line.lstrip().startswith("#")]
     missing = [line for line in code if line not in {s.strip() for s in sources.splitlines()}]
     assert not missing, missing

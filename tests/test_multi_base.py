@@ -19,7 +19,8 @@ from plexctl.common import protocol as P
 from plexctl.common.cluster_config import ClusterConfig, config_path, read_config, write_config
 from plexctl.common.layout import WorkerPlacement
 from worker.engine_args import EngineArgsError, rollout_engine_args, sleep_between_models
-from worker.main import Rollouts, Trainers, engine_id, next_awake
+from worker.main import engine_id
+from worker.servers import Rollouts, Trainers, next_awake
 
 
 class Recorded:

@@ -19,7 +19,8 @@ import zmq
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
-from worker import main as worker_main
+from worker import io as worker_io
+from worker import servers as worker_servers
 from worker.state.store import StateStore
 
 
@@ -35,7 +36,7 @@ def trainer_loop(model_dir: str, outbox: zmq.Socket) -> tuple[StateStore, Callab
     train_step task and returns the result's value (the result comes back on ``outbox``)."""
     store = StateStore(engine(model_dir), device_slots=1, host_bytes=1 << 30)
     tasks: queue.Queue[P.TaskBody] = queue.Queue()
-    threading.Thread(target=worker_main.trainer_loop, args=(store, tasks), daemon=True).start()
+    threading.Thread(target=worker_servers.trainer_loop, args=(store, tasks), daemon=True).start()
 
     def serve(task_id: int, task: C.TrainStepTask) -> Any:
         tasks.put(P.TaskBody(task_id, "j0", "w/trainer", task))
@@ -57,7 +58,7 @@ def test_a_repeated_train_step_is_applied_once(tmp_path) -> None:
         reference.train_step("j0", batch_for("j0", step), hp)
         once.append(job_state(reference, "j0"))
     outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_main.OUTBOX)
+    outbox.bind(worker_io.OUTBOX)
     try:
         store, serve = trainer_loop(model_dir, outbox)
 
@@ -87,7 +88,7 @@ def test_a_train_step_that_publishes_saves_the_adapter_after_the_step(tmp_path) 
     reference.train_step("j0", batch_for("j0", 0), hp)
     reference.save_adapter("j0", str(tmp_path / "reference"))
     outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_main.OUTBOX)
+    outbox.bind(worker_io.OUTBOX)
     try:
         _store, serve = trainer_loop(model_dir, outbox)
         out = tmp_path / "adapters" / "v000001"
@@ -112,7 +113,7 @@ def test_a_repeat_that_names_another_directory_gets_the_adapter_there(tmp_path) 
 
     model_dir = tiny_qwen2(tmp_path / "model")
     outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_main.OUTBOX)
+    outbox.bind(worker_io.OUTBOX)
     try:
         store, serve = trainer_loop(model_dir, outbox)
         first_dir, repeat_dir = tmp_path / "adapters" / "v000008", tmp_path / "adapters" / "v000009"

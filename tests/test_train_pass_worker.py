@@ -19,7 +19,8 @@ import zmq
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from tests.test_state_store import engine, job_state, make_batch, tiny_qwen2
-from worker import main as worker_main
+from worker import io as worker_io
+from worker import servers as worker_servers
 from worker.state.store import StateStore
 
 JOBS = {  # job -> (LoRA, seed, hparams)
@@ -52,11 +53,11 @@ def test_a_pass_trains_its_jobs_as_alone_within_rounding_and_a_repeat_is_not_app
         for job, (_, _, hp) in JOBS.items():
             reference.train_step(job, step_batch(job, step), hp)
     outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_main.OUTBOX)
+    outbox.bind(worker_io.OUTBOX)
     try:
         store = StateStore(engine(model_dir), device_slots=2, host_bytes=1 << 30)
         tasks: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=worker_main.trainer_loop, args=(store, tasks), daemon=True).start()
+        threading.Thread(target=worker_servers.trainer_loop, args=(store, tasks), daemon=True).start()
 
         def run(body: P.TaskPassBody) -> dict[str, dict[str, float]]:
             tasks.put(body)
