@@ -22,6 +22,7 @@ the workers (the CLI reads it on a login node).
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import types
@@ -272,11 +273,17 @@ def _unwrap(tp: Any, metas: list[Meta] | None = None) -> Any:
             return tp
 
 
-def _metas(setting: str) -> list[Meta]:
-    field = next(f for f in msgspec.structs.fields(ClusterConfig) if f.name == setting)
+@functools.cache
+def _fields() -> dict[str, msgspec.structs.FieldInfo]:
+    """``ClusterConfig``'s fields by name, read once (each read evaluates every annotation)."""
+    return {f.name: f for f in msgspec.structs.fields(ClusterConfig)}
+
+
+@functools.cache
+def _metas(setting: str) -> tuple[Meta, ...]:
     metas: list[Meta] = []
-    _unwrap(field.type, metas)
-    return metas
+    _unwrap(_fields()[setting].type, metas)
+    return tuple(metas)
 
 
 def _described(setting: str) -> Meta:
