@@ -11,13 +11,10 @@ as events (``driver_started``, ``driver_exited``, ``worker_process_exited``).
 
 Stopping drains: on ``plexctl down``, SIGTERM or SIGUSR1/2 (a Slurm allocation ending) the core
 admits nothing more and asks each running job to checkpoint at its step's end; the loop stops
-when they have exited or the drain timeout passed (the cluster config's ``drain_timeout``, derived by
-``drain_timeout_s`` when unset); a second SIGTERM stops at once.
-
-Its settings are the cluster's config file (``plexctl.common.cluster_config``: ``cluster.json`` in
-the state directory unless ``--cluster-config`` names another), which ``plexctl up`` wrote; every
-default when there is none. Its command line says only where it runs (state directory, host,
-port, mode) and which local workers it starts; these read the same file.
+when they have exited or the drain timeout passed (``drain_timeout_s``); a second SIGTERM stops
+at once. Its settings are the cluster's ``cluster.json`` (``plexctl.common.cluster_config``),
+which ``plexctl up`` wrote; its command line says only where it runs and which local workers it
+starts, which read the same file.
 
 A daemon that dies does not take its jobs with it: drivers and local workers outlive it, and
 the next daemon on the same state directory binds the same port and adopts them

@@ -1,33 +1,23 @@
 """What runs on each node of a Slurm allocation (one task per node, under ``srun``).
 
-Its command line names the state directory and, for a joining allocation, its own config; the
-settings (models, engines per node, GPUs, the daemon's) are the cluster's config file
-(``plexctl.common.cluster_config``), which ``plexctl up`` wrote and which the daemon and the
-workers this task starts read too.
+Its command line names the state directory (and a joining allocation's own config); every
+setting comes from the cluster's config file (``plexctl.common.cluster_config``), which ``plexctl
+up`` wrote and the daemon and workers this task starts read too. Task 0 starts the daemon, then
+the node's workers; the others start their workers once the daemon's endpoint answers; a joining
+allocation's tasks (``--join``) start workers only.
 
-The first task of the allocation (``SLURM_PROCID`` 0) starts the daemon, then the node's
-workers; every other task starts its workers once the daemon's endpoint answers. A task of a
-joining allocation (``--join``) starts workers only, against the daemon that already runs.
+Workers (``plexctl.common.layout``): one per node without GPUs, named after the node, with the
+node's scratch; on a GPU node one per GPU group, ``NODE-gI``, each with its own GPUs and scratch
+(a joining allocation's ids carry its job id). A worker that fails is logged, the others go on;
+the task stops them all when it ends and removes their scratch.
 
-Workers (``plexctl.common.layout``, ``docs/gpu.md``): a node without GPUs runs one worker, named after
-the node, with all its engines and the node's scratch directory; a node with GPUs
-(``CUDA_VISIBLE_DEVICES`` as Slurm set it) runs workers ``NODE-gI``, each with its own GPUs and
-its own scratch directory under the node's. A joining allocation's ids carry its job id
-(``NODE-JOBID``, ``NODE-JOBID-gI``). A worker that fails is logged and the others go on; the
-task stops them all when it ends, and removes their scratch.
-
-Signals (Slurm's ``--signal`` ahead of preemption or the time limit, ``scancel --signal``): on
-the first task the daemon is told to drain (jobs checkpoint at a step boundary and stop, the
-workers are told to exit); once it has exited, the allocation is requeued with ``scontrol
-requeue`` for SIGUSR1/SIGUSR2 (not for ``scancel``'s SIGTERM, which ends it), and the daemon,
-started again on the same state directory, resumes every job from its checkpoint. Other tasks
-ignore the signal: their workers serve the drain and exit when the daemon tells them; a joining
-allocation's workers leave at once (the daemon re-queues their calls). When the daemon stops on
-its own (``plexctl down``) nothing is requeued and the allocation ends.
-
-A daemon that crashes is started again (up to ``DAEMON_RESTARTS`` times) on the same port and
-state directory, and the workers reconnect. Exit codes: 0 clean (down or drained), else the
-code of the daemon or worker that failed.
+Signals: on task 0, Slurm's SIGUSR1/SIGUSR2 (preemption, the time limit) drain the daemon, then
+requeue the allocation (``scontrol requeue``), whose daemon resumes every job from its checkpoint;
+``scancel``'s SIGTERM drains and ends it. Other tasks ignore the signal (their workers exit when
+the daemon says so; a joining allocation's leave at once). ``plexctl down`` requeues nothing. A
+daemon that crashes is started again (``DAEMON_RESTARTS``) on the same port and state directory.
+Exit codes: 0 clean (down or drained), else the code of the daemon or worker that failed.
+See docs/slurm.md for the whole sequence.
 """
 
 from __future__ import annotations

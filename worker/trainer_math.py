@@ -2,32 +2,24 @@
 (or, for a full fine-tuning job, on all its weights), and current-policy log-probs.
 
 ``train_step`` runs one policy-gradient step with the loss the call names (``TrainHParams``):
-PPO's clipped surrogate with asymmetric clip (``pg-clip``) or truncated importance sampling
-(``pg-tis``), optional k3 KL to the base model, token-, sequence- or constant-length
-aggregation, gradient clipping; or a trusted user's own per-token loss (``loss_fn``), imported
-only when the daemon marked the call's job as submitted by a user it trusts. The loss terms
-live in ``worker.loss_terms``, the chunked log-probs in ``worker.token_logprobs``, batch checks
-and micro-batching in ``worker.train_batches``.
+``pg-clip`` (PPO's clipped surrogate, asymmetric clip) or ``pg-tis`` (truncated importance
+sampling), optional k3 KL to the base, token-, sequence- or constant-length aggregation, gradient
+clipping; or a trusted user's own per-token loss (``loss_fn``), imported only for a job the daemon
+marked as a trusted user's. Loss terms: ``worker.loss_terms``; chunked log-probs:
+``worker.token_logprobs``; batch checks and micro-batches: ``worker.train_batches``.
 
-Invariants. A step runs in micro-batches of at most ``micro_batch_rows`` rows and
-``micro_batch_tokens`` padded tokens, with the loss weights computed over the whole batch first,
-so the micro-batches' gradients add up to the batch's; with ``length_buckets`` a batch of more
-than one micro-batch is cut with its rows ordered by length (``length_order``; each job's rows
-in a group kept together), every per-row input permuted alike and every per-row result put back
-in the batch's order, so only the float summation order changes; no batch's full logits ever exist (fp32
-log-softmax ``logprob_chunk_tokens`` positions at a time). Only the job's adapter is active and
-trainable during its call; a job with LoRA dropout runs on its own saved RNG stream. So a job's
-update is bit-for-bit (on CPU) the one it would get alone on the engine. A bfloat16 / float16
-engine runs under autocast; adapters and AdamW stay float32. ``TrainingMath`` is the part of
-``TrainerEngine`` (``worker.trainer``) that does this.
+Invariants. A step runs in micro-batches (``micro_batch_rows``, ``micro_batch_tokens``) whose loss
+weights are computed over the whole batch first, so their gradients add up to the batch's; with
+``length_buckets`` rows are cut in length order and every per-row result put back in the batch's
+order (only the summation order changes); no batch's full logits ever exist. Only the job's
+adapter is active and trainable during its call; LoRA dropout runs on the job's own saved RNG
+stream: a job's update is bit-for-bit (on CPU) the one it would get alone. bfloat16 / float16
+engines run under autocast; adapters and AdamW stay float32.
 
-``train_group`` steps several LoRA jobs of the engine's base in one pass: their rows in shared
-micro-batches, the base's matmuls over all of them, each row through its own job's adapter
-(``_segment_adapters``: each job's rows contiguous, its low-rank product added by a hook), each
-job's loss, gradient clipping and AdamW step its own. Only ``groupable`` jobs join a group
-(LoRA, no dropout); a group's update equals each job's update alone up to float rounding (the
-base's matmuls and attention run on another batch shape and padding, same-shaped adapters in
-batched matmuls: not bit-for-bit in general; ``tests/test_trainer_grouped.py`` measures it).
+``train_group`` steps several ``groupable`` LoRA jobs of the base (no dropout) in one pass: rows
+in shared micro-batches, each row through its own job's adapter (``_segment_adapters``), each
+job's loss, clipping and AdamW step its own; equal to each job alone up to float rounding, not
+bit-for-bit (``tests/test_trainer_grouped.py`` measures it).
 """
 
 from __future__ import annotations
