@@ -18,6 +18,7 @@ job spec's own ``LoraSpec`` (one struct, its wire fields the spec's). Pure msgsp
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar, Protocol
 
 import msgspec
@@ -426,7 +427,7 @@ class Made(Protocol):
     out_dir: str  # where a publish or a checkpoint wrote
 
 
-class Method:
+class Method(abc.ABC):
     """One service call: its name, the engine kind that serves it, its four message types, and
     how the daemon makes its engine task from the request (``task_of``) and the loop's reply from
     the engine's result (``reply_of``). Adding a call is a subclass here (its messages above, a
@@ -440,13 +441,13 @@ class Method:
     result: ClassVar[type[Result]]
     reply: ClassVar[type[Reply]]
 
+    @abc.abstractmethod
     def task_of(self, req: Any, site: CallSite) -> EngineTask | Reply:
         """The engine task of ``req``, or a reply the daemon gives at once."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reply_of(self, result: Any, made: Made, drain: str) -> Reply:
         """The loop's reply to ``result``; ``drain``: why the cluster stops ("" if it does not)."""
-        raise NotImplementedError
 
 
 class Generate(Method):
