@@ -333,17 +333,18 @@ class DaemonCore:
         """Stop drivers past their cancel grace, place adopted jobs, admit queued ones (or, while
         draining, decide when to stop)."""
         self.now = now
-        busy = {c.job_id for c in self.calls.values()}
         for rt in list(self.runtimes.values()):
-            if rt.spec.kind == EXTERNAL:  # no driver: it ends between its client's calls
-                if rt.cancel_requested_at is not None and (
-                    rt.job_id not in busy or now - rt.cancel_requested_at > CANCEL_GRACE_S
-                ):
-                    self._judge_exit(rt, 0, now)
-                elif self.drain_deadline is not None and rt.job_id not in busy:
-                    self._judge_exit(rt, DRIVER_EXIT_DRAINED, now)
-            elif rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
-                self._out.append(StopDriver(rt.job_id, kill=True))
+            if rt.spec.kind != EXTERNAL:
+                if rt.cancel_requested_at is not None and now - rt.cancel_requested_at > CANCEL_GRACE_S:
+                    self._out.append(StopDriver(rt.job_id, kill=True))
+                continue
+            if rt.cancel_requested_at is None and self.drain_deadline is None:
+                continue
+            busy = any(c.job_id == rt.job_id for c in self.calls.values())  # no driver: it ends between calls
+            if rt.cancel_requested_at is not None and (not busy or now - rt.cancel_requested_at > CANCEL_GRACE_S):
+                self._judge_exit(rt, 0, now)
+            elif self.drain_deadline is not None and not busy:
+                self._judge_exit(rt, DRIVER_EXIT_DRAINED, now)
         if self.adopting:
             self._admit_adopted(now)
         if self.drain_deadline is not None:
