@@ -67,24 +67,8 @@ class CollectedOutbox(Outbox):
         self.followers = None
         self.messages: list[tuple[bytes, Any]] = []
 
-    def result(
-        self,
-        task_id: int,
-        ok: bool,
-        value: C.AnyResult | None = None,
-        error: str = "",
-        seconds: float = 0.0,
-        info: dict[str, Any] | None = None,
-        switch_seconds: float = 0.0,
-    ) -> None:
-        body = P.ResultBody(task_id, ok, value, error, seconds, switch_seconds, info or {})
-        self.messages.append((P.Op.RESULT, body))
-
-    def inventory(self, info: dict[str, Any]) -> None:
-        self.messages.append((P.Op.INVENTORY, P.InventoryBody(info)))
-
-    def register(self, req: P.RegisterReq) -> None:
-        self.messages.append((P.Op.REGISTER, req))
+    def _send(self, op: bytes, body: Any) -> None:
+        self.messages.append((op, body))
 
     def take(self) -> list[tuple[bytes, Any]]:
         out, self.messages = self.messages, []

@@ -229,7 +229,7 @@ class Outbox:
             info=info or {},
         )
         waiting = self.followers.task_ended(task_id, ok) if self.followers is not None else []
-        send_frames(self.sock, P.encode(P.Op.RESULT, body)[0])
+        self._send(P.Op.RESULT, body)
         if self.followers is not None:  # after the result: the daemon hears of this task first
             for t in waiting:
                 if ok:
@@ -238,10 +238,13 @@ class Outbox:
                     self.result(t.task_id, False, error=self.followers.failed(t).error)
 
     def inventory(self, info: dict[str, Any]) -> None:
-        send_frames(self.sock, P.encode(P.Op.INVENTORY, P.InventoryBody(info))[0])
+        self._send(P.Op.INVENTORY, P.InventoryBody(info))
 
     def register(self, req: P.RegisterReq) -> None:
-        send_frames(self.sock, P.encode(P.Op.REGISTER, req)[0])
+        self._send(P.Op.REGISTER, req)
+
+    def _send(self, op: bytes, body: Any) -> None:
+        send_frames(self.sock, P.encode(op, body)[0])
 
 
 def _error_text(exc: BaseException) -> str:
