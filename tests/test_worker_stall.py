@@ -199,6 +199,22 @@ def kinds(c: Cluster, job: str) -> list[str]:
         return [k for (k,) in db.execute("select kind from events where job_id = ? order by id", (job,))]
 
 
+def journal_step(c: Cluster, job: str) -> tuple[str, int]:
+    """The job's state and step as the journal holds them now (no CLI call: read at once)."""
+    with sqlite3.connect(c.state_dir / "journal.db") as db:
+        state, step = db.execute("select state, step from jobs where job_id = ?", (job,)).fetchone()
+    return state, step
+
+
+def at_step(c: Cluster, job: str, n: int, timeout: float = 300) -> None:
+    """Return as soon as the journal shows step ``n``: a CLI poll lags by seconds on a loaded machine,
+    long enough for a tiny job to finish the steps the test means to interrupt."""
+    deadline = time.monotonic() + timeout
+    while journal_step(c, job)[1] < n:
+        assert time.monotonic() < deadline, f"{job} did not reach step {n}: {journal_step(c, job)}"
+        time.sleep(0.05)
+
+
 def steps(c: Cluster, job: str) -> list[int]:
     rows = [json.loads(line) for line in c.run("logs", job, "--metrics", check=True).stdout.splitlines()]
     return [r["step"] for r in rows if "reward_mean" in r]
@@ -227,7 +243,7 @@ def test_a_stall_past_the_worker_grace_is_a_loss_and_the_worker_serves_again_onc
         "checkpoint.every=4",
         check=True,
     ).stdout.strip()
-    c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
+    at_step(c, job, 5)
     trainer = faults.worker_pid(c.state_dir, "w1")
     os.kill(trainer, signal.SIGSTOP)
     try:
@@ -255,13 +271,14 @@ def stall_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_a_trainer_stopped_for_longer_than_three_heartbeats_comes_back_and_its_job_goes_on(stall_cluster):
     c = stall_cluster
     job = c.run(
-        "submit", TINY, "--name", "stalled", "-q", "--set", "algo.steps=16", "--set", "checkpoint.every=4", check=True
+        "submit", TINY, "--name", "stalled", "-q", "--set", "algo.steps=24", "--set", "checkpoint.every=4", check=True
     ).stdout.strip()
-    c.wait_for(job, lambda j: j["step"] >= 6, timeout=300, what="6 steps")
+    at_step(c, job, 4)
     assert "worker suspect" not in kinds(c, job)  # a busy worker heartbeats from its own thread
     trainer = faults.worker_pid(c.state_dir, "w1")
     os.kill(trainer, signal.SIGSTOP)
     try:
+        assert journal_step(c, job)[1] < 12, "the job ran ahead of the stop: nothing left to interrupt"
         time.sleep(5.0)
         engines = {e["engine_id"]: e for e in c.status()["engines"]}
         assert engines["w1/trainer"]["suspect"] and not engines["w0/rollout"]["suspect"]
@@ -276,22 +293,23 @@ def test_a_trainer_stopped_for_longer_than_three_heartbeats_comes_back_and_its_j
     assert "worker suspect" in events and "worker back" in events
     assert not {"rolled back", "restarting", "recovered"} & set(events) and c.job(job)["restarts"] == 0
     assert "resumed from checkpoint" not in c.run("logs", job, check=True).stdout
-    assert steps(c, job) == list(range(1, 17)) and stopped_at < 16  # not rolled back: every step once
+    assert steps(c, job) == list(range(1, 25)) and stopped_at < 24  # not rolled back: every step once
     assert not any(e["suspect"] for e in c.status()["engines"])
 
 
 def test_a_killed_trainer_is_still_lost_at_once(stall_cluster):
     c = stall_cluster
     job = c.run(
-        "submit", TINY, "--name", "killed", "-q", "--set", "algo.steps=12", "--set", "checkpoint.every=4", check=True
+        "submit", TINY, "--name", "killed", "-q", "--set", "algo.steps=20", "--set", "checkpoint.every=4", check=True
     ).stdout.strip()
-    c.wait_for(job, lambda j: j["step"] >= 5, timeout=300, what="5 steps")
+    at_step(c, job, 5)
     t0 = time.monotonic()
     faults.kill(faults.worker_pid(c.state_dir, "w1"))
+    assert journal_step(c, job)[1] < 12, "the job ran ahead of the kill: nothing left to lose"
     while "rolled back" not in kinds(c, job):
         # at once: well inside the 60 s grace a silent worker gets (each look here is a CLI call)
         assert time.monotonic() - t0 < WORKER_GRACE_S / 3, "a dead worker waited for the grace"
         time.sleep(0.2)
     assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:]
-    assert steps(c, job) == list(range(1, 13))
+    assert steps(c, job) == list(range(1, 21))
     assert "worker w1 lost: process exited" in (c.state_dir / "daemon.log").read_text()
