@@ -331,15 +331,15 @@ def profile_daemon(load: Load, top: int = 15) -> dict[str, Any]:
 HOT_PATH = (
     "daemon/main.py:run",
     "daemon/main.py:dispatch",
-    "daemon/core.py:handle",
-    "daemon/core.py:on_ping",
+    "daemon/core/__init__.py:handle",
+    "daemon/core/clients.py:on_ping",
     "daemon/main.py:_send",
     "plexctl/common/protocol.py:decode",
     "plexctl/common/protocol.py:encode",
-    "daemon/core.py:chores",
-    "daemon/core.py:place",
+    "daemon/core/__init__.py:chores",
+    "daemon/core/__init__.py:place",
     "daemon/main.py:reap_drivers",
-    "daemon/core.py:heartbeat",
+    "daemon/core/__init__.py:heartbeat",
     "plexctl/common/frames.py:recv_frames",
     "plexctl/common/frames.py:send_frames",
     "zmq.Socket.poll",
@@ -348,7 +348,7 @@ QUIET_WHILE_PROFILING = ("plexd",)  # clients that leave mid-reply make the daem
 
 
 def function_label(path: str, line: int, name: str) -> str:
-    """'daemon/core.py:chores' for repo code, 'zmq.Socket.poll' for pyzmq's, else 'file:name'."""
+    """'daemon/core/__init__.py:chores' for repo code, 'zmq.Socket.poll' for pyzmq's, else 'file:name'."""
     if path == "~":
         return name.strip("<>").replace("built-in method ", "").replace("method ", "")
     if "/zmq/" in path:
