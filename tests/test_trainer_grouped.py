@@ -8,12 +8,15 @@ own rows (adapters of other shapes); 9.3e-9 when same-shaped adapters share two 
 with their scaling folded into the weights (jobs a and e), 8e-6 in their adapters after 3 AdamW
 steps; 4.5e-8 when the group's micro-batches split the jobs' rows otherwise than their own.
 Bit-identity is not promised: the rows share the base's matmuls, padded to the group's longest
-row, and a kernel (on a GPU, most) may sum in another order for another batch shape. Jobs that
-cannot share a pass (LoRA dropout, full fine-tuning) are refused.
+row, and a kernel (on a GPU, most) may sum in another order for another batch shape. Jobs of one
+token loss (b, d, f; a, g) take it over all their rows at once; a group's clipping and AdamW steps
+are each job's own bit for bit. Jobs that cannot share a pass (LoRA dropout, full fine-tuning) are
+refused.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -42,6 +45,10 @@ JOBS = {  # job -> (LoRA, seed, hparams, rows in its batch)
     "d": (LoraSpec(rank=2, alpha=4), 4, TrainHParams(lr=3e-3, loss_agg="seq-mean-token-sum"), 2),
     # a's shape and row count: a pass of a and e stacks their weights (two batched matmuls per layer)
     "e": (LoraSpec(rank=8, alpha=12), 5, TrainHParams(lr=4e-3, clip_high=0.28), 5),
+    # the same token loss as b and d (their aggregations and optimizers differ): b, d and f's pass
+    # takes the loss terms of all their rows at once; g's is a's (KL included), and of a's shape
+    "f": (LoraSpec(rank=4, alpha=4), 6, TrainHParams(lr=2e-3, max_grad_norm=0.1), 4),
+    "g": (LoraSpec(rank=8, alpha=16), 7, TrainHParams(lr=1e-3, kl_coef=0.05), 5),
 }
 
 
@@ -89,6 +96,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         (["a", "b", "c"], None),
         (["a", "b", "c", "d", "e"], None),
         (["a", "b", "c", "d"], 40),
+        (["b", "d", "f"], None),
+        (["b", "d", "f"], 40),
+        (["a", "g"], None),
     ],
 )
 def test_each_jobs_gradients_in_a_group_equal_its_gradients_alone(model_dir: str, jobs, micro_batch_tokens):
@@ -113,7 +123,7 @@ def test_each_jobs_gradients_in_a_group_equal_its_gradients_alone(model_dir: str
     )
 
 
-@pytest.mark.parametrize("jobs", [["a", "b", "c", "d"], ["a", "e"]])
+@pytest.mark.parametrize("jobs", [["a", "b", "c", "d"], ["a", "e"], ["b", "d", "f"], ["a", "g"]])
 def test_after_several_grouped_steps_each_adapter_equals_the_one_trained_alone(model_dir: str, jobs):
     alone = engine_with(model_dir, jobs)
     grouped = engine_with(model_dir, jobs)
@@ -134,6 +144,48 @@ def test_after_several_grouped_steps_each_adapter_equals_the_one_trained_alone(m
         for i in oa:
             assert float(og[i]["step"]) == float(oa[i]["step"]) == STEPS
     print(f"\nafter {STEPS} steps: max |adapter diff| {worst:.2e}")
+
+
+def test_a_groups_clipping_and_adamw_steps_are_each_jobs_own_bit_for_bit():
+    """``train_group`` clips and steps all its jobs in one multi-tensor pass: each job's gradient
+    norm, clipped gradients, weights and AdamW moments are exactly what ``clip_grad_norm_`` and its
+    own ``step()`` give (max norms and learning rates differ per job; one job's gradient is inf)."""
+    from worker.trainer_math import _clip_together, _step_together
+
+    torch.manual_seed(0)
+    shapes = [(8, 16), (4, 16), (16, 4)]
+    own = [[torch.nn.Parameter(torch.randn(shape)) for shape in shapes] for _ in range(4)]
+    together = [[torch.nn.Parameter(p.detach().clone()) for p in job] for job in own]
+    settings = [(1e-3, 0.0, 1.0), (5e-3, 0.01, 0.5), (2e-3, 0.01, 0.0), (1e-3, 0.0, 1.0)]  # lr, decay, max norm
+    optimizers = [
+        [torch.optim.AdamW(job, lr=lr, weight_decay=wd, foreach=True) for job, (lr, wd, _) in zip(side, settings)]
+        for side in (own, together)
+    ]
+    for step in range(3):
+        for a_job, b_job in zip(own, together):
+            for a, b in zip(a_job, b_job):
+                a.grad = torch.randn_like(a) * 3
+                b.grad = a.grad.clone()
+        if step == 1:
+            own[3][0].grad[0, 0] = together[3][0].grad[0, 0] = float("inf")
+        norms = [
+            float(torch.nn.utils.clip_grad_norm_(job, m if m > 0 else math.inf))
+            for job, (_, _, m) in zip(own, settings)
+        ]
+        assert _clip_together(together, [m for _, _, m in settings]) == norms
+        for a_job, b_job in zip(own, together):
+            for a, b in zip(a_job, b_job):  # exactly, NaN where the norm was inf
+                torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, equal_nan=True)
+        stepping = [i for i, n in enumerate(norms) if math.isfinite(n)]
+        for i in stepping:
+            optimizers[0][i].step()
+        _step_together([optimizers[1][i] for i in stepping])
+    for i, (a_job, b_job) in enumerate(zip(own, together)):
+        for a, b in zip(a_job, b_job):
+            assert torch.equal(a, b)
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(optimizers[0][i].state[a][name], optimizers[1][i].state[b][name])
+    assert float(optimizers[1][3].state[together[3][0]]["step"]) == 2  # the inf step was skipped
 
 
 def test_a_job_alone_in_a_group_is_its_train_step_bit_for_bit(model_dir: str):

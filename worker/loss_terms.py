@@ -153,6 +153,10 @@ class MetricSums:
                     entropy[mask].sum(),
                 ]
             ).tolist()  # one device sync per micro-batch
+        self.add_values(values)
+
+    def add_values(self, values: list[float]) -> None:
+        """Add sums already taken: loss, pg_loss, kl, clipped, ratio, entropy (``add``'s order)."""
         self.loss += values[0]
         self.pg_loss += values[1]
         self.kl += values[2]

@@ -18,8 +18,10 @@ engines run under autocast; adapters and AdamW stay float32.
 
 ``train_group`` steps several ``groupable`` LoRA jobs of the base (no dropout) in one pass: rows
 in shared micro-batches, each row through its own job's adapter (``_segment_adapters``), each
-job's loss, clipping and AdamW step its own; equal to each job alone up to float rounding, not
-bit-for-bit (``tests/test_trainer_grouped.py`` measures it).
+job's loss weights, clipping and AdamW step its own (the token terms of jobs with one loss
+function taken over all their rows at once; clipping and AdamW in one multi-tensor pass, bit for
+bit each job's own); gradients equal to each job alone up to float rounding, not bit-for-bit
+(``tests/test_trainer_grouped.py`` measures it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from torch.optim.adam import adam
 
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.user_code import import_object
@@ -240,14 +243,17 @@ class TrainingMath(JobSlots):
             if not self.groupable(job.job_id):
                 raise BatchError(f"job {job.job_id!r} cannot share a pass (full fine-tuning or LoRA dropout)")
         metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps])
-        for job, (_, _, hp), m in zip(jobs, steps, metrics):
-            grad_norm = self._clip_gradients(job, hp.max_grad_norm)
+        norms = _clip_together([list(job.params.values()) for job in jobs], [hp.max_grad_norm for _, _, hp in steps])
+        stepping = []
+        for job, (_, _, hp), m, grad_norm in zip(jobs, steps, metrics, norms):
             skipped = not math.isfinite(grad_norm)
             if not skipped:
                 _set_optimizer_hparams(job.optimizer, hp)
-                job.optimizer.step()
-            job.optimizer.zero_grad(set_to_none=True)
+                stepping.append(job.optimizer)
             m.update(grad_norm=grad_norm, skipped=float(skipped), group=float(len(steps)))
+        _step_together(stepping)
+        for job in jobs:
+            job.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
         for m in metrics:
             m["seconds"] = seconds
@@ -309,6 +315,8 @@ class TrainingMath(JobSlots):
             job.optimizer.zero_grad(set_to_none=True)
         self._peft.train(False)
         any_kl = any(hp.kl_coef > 0 for _, hp in work)
+        one_loss = all(u is None for u in user_losses) and len({_loss_key(hp) for _, hp in work}) == 1
+        shared = (old_all, weight_all, advantages)
         for start, stop, part in self._micro_batches(rows):
             if not part.loss_mask.any():
                 continue
@@ -326,6 +334,10 @@ class TrainingMath(JobSlots):
                 with self._forward_context():
                     logp, entropy = self._token_logprobs(self._peft, part, entropy=True)
                 assert entropy is not None
+                if one_loss:  # every job's token loss is the same function: one over all the rows
+                    total = self._shared_loss(work[0][1], logp, entropy, ref, part, spans, (start, stop), sums, shared)
+                    total.backward()
+                    continue
                 total: torch.Tensor | None = None
                 for i, (a, b) in enumerate(spans):
                     lo, hi = max(a, start), min(b, stop)
@@ -342,6 +354,50 @@ class TrainingMath(JobSlots):
                 assert total is not None
                 total.backward()
         return [s.metrics(n) for s, n in zip(sums, tokens)]
+
+    def _shared_loss(
+        self,
+        hp: TrainHParams,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        ref: torch.Tensor | None,
+        part: Rows,
+        spans: list[tuple[int, int]],
+        bounds: tuple[int, int],
+        sums: list[MetricSums],
+        shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The micro-batch's loss (rows ``bounds`` of the group) when every job's token loss is
+        the same function of its rows: the token terms of all rows at once, weighted by each row's
+        own job's weights, so each job's gradient is the one its own rows give; each job's metrics
+        are sums over its rows."""
+        (start, stop), width = bounds, part.loss_mask.shape[1]
+        old_all, weight_all, advantages = shared
+        mask, w = part.loss_mask, weight_all[start:stop, :width]
+        ref = ref if hp.kl_coef > 0 else None
+        terms = _token_terms(None, hp, logp, old_all[start:stop, :width], ref, advantages[start:stop], mask)
+        weighted = terms.loss * w
+        owner = torch.empty(stop - start, dtype=torch.long, device=logp.device)  # each row's job
+        for i, (a, b) in enumerate(spans):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                owner[lo - start : hi - start] = i
+        with torch.no_grad():
+            zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+            per_row = torch.stack(
+                [
+                    weighted.sum(1),
+                    (terms.pg * w).sum(1),
+                    torch.where(mask, terms.kl, zero).sum(1),
+                    (terms.clipped & mask).sum(1).to(logp.dtype),
+                    torch.where(mask, terms.ratio, zero).sum(1),
+                    torch.where(mask, entropy, zero).sum(1),
+                ]
+            )
+            per_job = per_row.new_zeros((per_row.shape[0], len(spans))).index_add_(1, owner, per_row)
+        for job_sums, values in zip(sums, per_job.t().tolist()):  # one device sync per micro-batch
+            job_sums.add_values(values)
+        return weighted.sum()
 
     def _base_logprobs(self, part: Rows) -> torch.Tensor:
         """Log-probs of the micro-batch under the base model (every adapter off), no gradient."""
@@ -517,6 +573,84 @@ def _segment_adapters(model: torch.nn.Module, segments: list[tuple[str, int]]) -
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _clip_together(groups: list[list[torch.nn.Parameter]], max_norms: list[float]) -> list[float]:
+    """``clip_grad_norm_`` of each group of parameters to its own max norm (0: no clipping), in
+    one pass of multi-tensor kernels over all of them: each group's total 2-norm before clipping,
+    and its gradients scaled by ``min(1, max / (norm + 1e-6))``, as ``clip_grad_norm_`` does."""
+    grads = [[p.grad for p in group if p.grad is not None] for group in groups]
+    flat = [g for group in grads for g in group]
+    if not flat:
+        return [0.0] * len(groups)
+    norms = torch._foreach_norm(flat, 2.0)
+    zero = torch.zeros((), dtype=norms[0].dtype, device=norms[0].device)
+    totals, at = [], 0
+    for group in grads:
+        own = norms[at : at + len(group)]
+        totals.append(torch.linalg.vector_norm(torch.stack(own), 2.0) if own else zero)
+        at += len(group)
+    total = torch.stack(totals)
+    limits = torch.tensor([m if m > 0 else math.inf for m in max_norms], dtype=total.dtype, device=total.device)
+    coefs = torch.clamp(limits / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(flat, [coefs[i] for i, group in enumerate(grads) for _ in group])
+    return [float(n) for n in total.tolist()]
+
+
+def _step_together(optimizers: list[torch.optim.Optimizer]) -> None:
+    """``step()`` of each optimizer; AdamWs of one parameter group each and equal settings in one
+    multi-tensor pass over all their parameters. Each tensor gets the update its own optimizer's
+    ``step()`` gives (the same kernels, tensor by tensor, its own step count): bit for bit."""
+    batches: dict[tuple[Any, ...], list[torch.optim.Optimizer]] = {}
+    for opt in optimizers:
+        group = opt.param_groups[0]
+        plain = (
+            type(opt) is torch.optim.AdamW
+            and len(opt.param_groups) == 1
+            and group.get("foreach")
+            and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused"))
+            and all("exp_avg" in opt.state.get(p, {}) for p in group["params"])  # its state made already
+        )
+        if not plain:
+            opt.step()
+            continue
+        key = tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+        batches.setdefault(key, []).append(opt)
+    for same in batches.values():
+        params, grads, avgs, squares, counts = [], [], [], [], []
+        for opt in same:
+            for p in opt.param_groups[0]["params"]:
+                if p.grad is not None:
+                    state = opt.state[p]
+                    params.append(p)
+                    grads.append(p.grad)
+                    avgs.append(state["exp_avg"])
+                    squares.append(state["exp_avg_sq"])
+                    counts.append(state["step"])
+        group = same[0].param_groups[0]
+        with torch.no_grad():
+            adam(
+                params,
+                grads,
+                avgs,
+                squares,
+                [],
+                counts,
+                foreach=True,
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+
+
+def _loss_key(hp: TrainHParams) -> tuple[Any, ...]:
+    """What a job's token loss depends on (its optimizer settings and aggregation aside)."""
+    return (hp.loss, hp.clip_low, hp.clip_high, hp.kl_coef, tuple(sorted(hp.loss_params.items())), hp.loss_fn)
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

@@ -506,7 +506,7 @@ class JobSlots:
             for group in spec.groups:
                 if group.name.startswith(("optim.", "step.")):
                     spans[group.name].zero_()
-        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay, foreach=True)
         moments: dict[torch.Tensor, dict[str, torch.Tensor]] = {
             param: {name: views[f"{OPTIM_PREFIX}{key}/{name}"] for name in ("step", "exp_avg", "exp_avg_sq")}
             for key, param in params.items()
