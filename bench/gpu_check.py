@@ -130,7 +130,7 @@ def build_model(path: Path, shape: dict[str, Any], dtype: str, device: str = "cp
 
 def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, extra: list[str]) -> dict[str, Any]:
     """The engines exactly as ``plexw`` builds them from its command line."""
-    from worker.engine_args import DEFAULT_MAX_LORA_RANK
+    from plexctl.common.engine_defaults import ENGINE_DEFAULTS
     from worker.engine_options import engine_options
     from worker.main import build_engines, build_parser
 
@@ -147,7 +147,7 @@ def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, ex
             "--scratch",
             str(scratch),
             "--max-lora-rank",  # the GPU's default, on CPU too: the check's adapters are rank 32
-            str(DEFAULT_MAX_LORA_RANK["cuda"]),
+            str(ENGINE_DEFAULTS["cuda"].max_lora_rank),
             *extra,
         ]
     )

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from worker.engine_args import (
-    CPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_LORA_RANK,
     EngineArgsError,
     GiB,
     adapter_slots,
@@ -63,11 +62,11 @@ def test_what_runs_here_is_the_in_process_cpu_engine_with_its_workarounds() -> N
         "max_num_seqs": 256,
         "max_num_batched_tokens": 256 * 64,
         "enable_lora": True,
-        "max_lora_rank": DEFAULT_MAX_LORA_RANK["cpu"],
+        "max_lora_rank": ENGINE_DEFAULTS["cpu"].max_lora_rank,
         "max_loras": 2,
         "max_cpu_loras": 2,
         "enforce_eager": True,
-        "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
+        "gpu_memory_utilization": ENGINE_DEFAULTS["cpu"].gpu_memory_utilization,
         "kv_cache_memory_bytes": GiB,
         "disable_log_stats": True,
     }
@@ -80,7 +79,7 @@ def test_cpu_sizes_its_kv_cache_in_gib_and_ignores_the_gpu_memory_share() -> Non
     half = rollout_engine_args("cpu", "/tiny", kv_cache_gib=0.5, gpu_memory_utilization=0.95)
     assert half.llm_kwargs["kv_cache_memory_bytes"] == GiB // 2
     assert half.env_defaults == {}  # the variable holds whole GiB only; the bytes carry the size
-    assert half.llm_kwargs["gpu_memory_utilization"] == CPU_MEMORY_UTILIZATION  # host memory there
+    assert half.llm_kwargs["gpu_memory_utilization"] == ENGINE_DEFAULTS["cpu"].gpu_memory_utilization  # of host memory
     assert rollout_engine_args("cpu", "/tiny", kv_cache_gib=3).env_defaults == {CPU_KVCACHE_ENV: "3"}
 
 
@@ -123,7 +122,7 @@ def test_the_default_max_lora_rank_loads_every_shipped_config_and_rounds_up_to_a
     ranks = {name: spec["lora"]["rank"] for name, spec in specs.items() if "lora" in spec}  # full FT: none
     assert 32 in ranks.values()  # the 7B example
     gpu = default_max_lora_rank("cuda")
-    assert gpu == DEFAULT_MAX_LORA_RANK["cuda"] >= max(ranks.values()) and gpu in LORA_RANKS
+    assert gpu == ENGINE_DEFAULTS["cuda"].max_lora_rank >= max(ranks.values()) and gpu in LORA_RANKS
     assert default_max_lora_rank("cuda", ranks.values()) == gpu
     assert default_max_lora_rank("cuda", [100]) == 128 and default_max_lora_rank("cuda", [256]) == 256
     with pytest.raises(EngineArgsError, match="up to rank 512"):

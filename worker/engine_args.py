@@ -14,31 +14,23 @@ CPU-only workarounds the engine applies. It is tested for both platforms on any 
   ``tensor_parallel_size`` GPUs, none of the CPU workarounds.
 
 Bad inputs raise ``EngineArgsError`` (a ``ValueError``) with one line naming the argument.
-Also here: ``default_max_lora_rank`` and ``adapter_slots``, the sizing rules for LoRA.
+Also here: ``default_max_lora_rank`` and ``adapter_slots``, the sizing rules for LoRA. Every
+default that depends on the platform is ``plexctl.common.engine_defaults.ENGINE_DEFAULTS``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
+from plexctl.common import engine_defaults as defaults
+from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS, EngineDefaults, Platform
 from worker.vllm_private import CPU_KVCACHE_ENV, LORA_RANKS, MULTIPROCESSING_ENV
-
-Platform = Literal["cpu", "cuda"]
-PLATFORMS: tuple[Platform, ...] = ("cpu", "cuda")
 
 GiB = 1 << 30
 MAX_NUM_SEQS = 256  # sequences per engine step
 BATCHED_TOKENS = MAX_NUM_SEQS * 64  # tokens per engine step, at least one whole sequence
-# Highest LoRA rank an engine loads unless told: every adapter slot is padded to it. On GPUs, above
-# the shipped configs' ranks (7B: 32); on CPU the LoRA ops multiply every slot at the padded rank,
-# so it is the smallest that holds the CPU configs' (tiny models: 8).
-DEFAULT_MAX_LORA_RANK: dict[Platform, int] = {"cpu": 16, "cuda": 64}
-CPU_MEMORY_UTILIZATION = 0.3  # on CPU vLLM reads the fraction as one of host memory
-GPU_MEMORY_UTILIZATION = 0.90  # weights, activations and KV cache on a GPU the engine owns
-MAX_LORA_SLOTS = {"cpu": 4, "cuda": 16}  # adapters in one batch: CPU LoRA ops multiply by every slot
-MAX_CACHED_LORAS = 64  # adapters vLLM keeps in host memory, beyond the slots (7B rank 32: ~0.16 GiB each)
 
 
 class EngineArgsError(ValueError):
@@ -78,29 +70,24 @@ def check_lora_rank(rank: int) -> int:
 
 def default_max_lora_rank(platform: Platform, job_ranks: Iterable[int] = ()) -> int:
     """The smallest rank vLLM accepts that holds every given job's rank, at least the
-    platform's ``DEFAULT_MAX_LORA_RANK``."""
-    _check_platform(platform)
-    need = max([DEFAULT_MAX_LORA_RANK[platform], *job_ranks])
+    platform's default ``max_lora_rank``."""
+    need = max([_defaults(platform).max_lora_rank, *job_ranks])
     fits = [r for r in LORA_RANKS if r >= need]
     if not fits:
         raise EngineArgsError(f"lora rank {need}: vLLM loads adapters up to rank {LORA_RANKS[-1]}")
     return fits[0]
 
 
-def adapter_slots(expected_jobs: int, platform: Platform = "cuda", max_slots: int | None = None) -> tuple[int, int]:
-    """``(max_loras, max_cpu_loras)`` for a cluster expecting this many jobs: one batch slot
-    per job up to ``max_slots`` (the platform's ``MAX_LORA_SLOTS`` unless given), and vLLM's
-    host cache holding every job's adapter, at least twice the slots, at most
-    ``MAX_CACHED_LORAS`` (or twice the slots, if more)."""
-    if expected_jobs < 0:
-        raise EngineArgsError(f"expected_jobs must be >= 0, got {expected_jobs}")
-    _check_platform(platform)
-    cap = MAX_LORA_SLOTS[platform] if max_slots is None else max_slots
-    if cap < 1:
-        raise EngineArgsError(f"max_slots must be >= 1, got {cap}")
-    slots = min(max(expected_jobs, 1), cap)
-    cached = min(max(2 * slots, expected_jobs), max(MAX_CACHED_LORAS, 2 * slots))
-    return slots, cached
+def adapter_slots(
+    expected_jobs: int | None, platform: Platform = "cuda", max_slots: int | None = None
+) -> tuple[int, int]:
+    """``(max_loras, max_cpu_loras)`` for a rollout engine expecting this many jobs: the rule of
+    ``plexctl.common.engine_defaults.adapter_slots`` (the memory plan's too), its refusals as
+    ``EngineArgsError``."""
+    try:
+        return defaults.adapter_slots(expected_jobs, platform, max_slots)
+    except ValueError as exc:
+        raise EngineArgsError(str(exc)) from None
 
 
 def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
@@ -120,18 +107,18 @@ def rollout_engine_args(
     max_cpu_loras: int = 8,
     max_model_len: int = 64,
     seed: int = 0,
-    kv_cache_gib: float = 1.0,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    kv_cache_gib: float = CPU_KV_CACHE_GIB,
+    gpu_memory_utilization: float = ENGINE_DEFAULTS["cuda"].gpu_memory_utilization,
     tensor_parallel_size: int = 1,
     sleep_mode: bool = False,
 ) -> EngineArgsPlan:
     """The plan for one rollout engine. ``max_cpu_loras`` is raised to ``max_loras`` if below
     it (vLLM requires it). ``sleep_mode`` (CUDA only, see ``sleep_between_models``): the engine
     can put its weights in pinned host memory and drop its KV cache while another model's
-    engine serves. ``max_lora_rank`` None: the platform's ``DEFAULT_MAX_LORA_RANK``."""
-    _check_platform(platform)
+    engine serves. ``max_lora_rank`` None: the platform's default (``ENGINE_DEFAULTS``)."""
+    platform_defaults = _defaults(platform)
     if max_lora_rank is None:
-        max_lora_rank = DEFAULT_MAX_LORA_RANK[platform]
+        max_lora_rank = platform_defaults.max_lora_rank
     check_lora_rank(max_lora_rank)
     for name, value in (
         ("max_loras", max_loras),
@@ -170,7 +157,7 @@ def rollout_engine_args(
             llm_kwargs={
                 **common,
                 "enforce_eager": True,
-                "gpu_memory_utilization": CPU_MEMORY_UTILIZATION,
+                "gpu_memory_utilization": platform_defaults.gpu_memory_utilization,  # of host memory, fixed
                 "kv_cache_memory_bytes": int(kv_cache_gib * GiB),
             },
             env_forced={MULTIPROCESSING_ENV: "0"},
@@ -196,9 +183,12 @@ def rollout_engine_args(
     )
 
 
-def _check_platform(name: str) -> None:
-    if name not in PLATFORMS:
-        raise EngineArgsError(f"platform {name!r}: one of {', '.join(PLATFORMS)}")
+def _defaults(platform: str) -> EngineDefaults:
+    """The platform's ``ENGINE_DEFAULTS`` entry; ``EngineArgsError`` for an unknown platform."""
+    try:
+        return defaults.engine_defaults(platform)
+    except ValueError as exc:
+        raise EngineArgsError(str(exc)) from None
 
 
 def sleep_between_models(platform: Platform, models: int) -> bool:

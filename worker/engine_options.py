@@ -1,7 +1,8 @@
 """What a worker's engines are built with, decided from its options and its platform.
 
 Pure functions (no torch, no vLLM): the device the engines run on, their weight dtype, the
-trainer's micro-batch token budget (the rollout engine's own arguments: ``worker.engine_args``).
+trainer's micro-batch token budget (the rollout engine's own arguments: ``worker.engine_args``;
+each platform's defaults: ``plexctl.common.engine_defaults``).
 Each refuses what cannot work with one line naming the option (``OptionError``), so a worker
 told ``--device cuda`` on a node without a GPU says so instead of training on the CPU. The
 worker calls them once at start; the tests call them for both platforms.
@@ -10,15 +11,12 @@ worker calls them once at start; the tests call them for both platforms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
-if TYPE_CHECKING:
-    from worker.engine_args import Platform
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS, Platform
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}  # GPUs train and sample in bf16; CPUs have no fast bf16
-MICRO_BATCH_TOKENS = {"cuda": 16384, "cpu": 16384}  # padded tokens per forward/backward
 
 
 class OptionError(ValueError):
@@ -44,10 +42,10 @@ def resolve_device(asked: str, cuda_available: bool, visible_devices: str | None
     return cast("Platform", asked)  # cpu or cuda: checked above
 
 
-def resolve_dtype(asked: str, device: str) -> str:
-    """The engines' weight dtype for ``--dtype`` (auto: bfloat16 on CUDA, float32 on CPU)."""
+def resolve_dtype(asked: str, device: Platform) -> str:
+    """The engines' weight dtype for ``--dtype`` (auto: the platform's default dtype)."""
     if asked == "auto":
-        return DEFAULT_DTYPE[device]
+        return ENGINE_DEFAULTS[device].dtype
     if asked not in DTYPES:
         raise OptionError(f"--dtype {asked!r}: choose one of auto, {', '.join(DTYPES)}")
     return asked
@@ -59,7 +57,8 @@ def engine_options(
     resolved = resolve_device(device, cuda_available, visible_devices)
     if micro_batch_tokens is not None and micro_batch_tokens < 1:
         raise OptionError(f"--micro-batch-tokens {micro_batch_tokens}: must be at least 1")
-    return EngineOptions(resolved, resolve_dtype(dtype, resolved), micro_batch_tokens or MICRO_BATCH_TOKENS[resolved])
+    budget = micro_batch_tokens or ENGINE_DEFAULTS[resolved].micro_batch_tokens
+    return EngineOptions(resolved, resolve_dtype(dtype, resolved), budget)
 
 
 def visible_device_ids(visible_devices: str | None) -> list[str]:

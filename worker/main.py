@@ -36,11 +36,11 @@ import msgspec
 
 from plexctl.common import protocol as P
 from plexctl.common.cluster_config import ClusterConfig, ConfigError, min_lora_rank, read_config
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.frames import send_frames
 from plexctl.common.memplan import WorkerStep, worker_step
 from plexctl.common.sizes import parse_bytes
 from worker.engine_args import (
-    MAX_CACHED_LORAS,
     Platform,
     adapter_slots,
     default_max_lora_rank,
@@ -399,7 +399,7 @@ def _leave(worker_id: str) -> None:
 def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int]:
     """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs.
     The cached adapters are the jobs it holds at once (``EngineDecl.adapter_slots``)."""
-    expected_jobs = args.jobs_per_engine or MAX_CACHED_LORAS  # no cap: as many as the cache holds
+    expected_jobs = args.jobs_per_engine or ENGINE_DEFAULTS[device].max_cached_loras  # no cap: what the cache holds
     if args.max_loras is not None:
         cached = args.max_cpu_loras or max(2 * args.max_loras, expected_jobs)
         return args.max_loras, max(cached, args.max_loras)
@@ -415,16 +415,16 @@ def trainer_step(args: argparse.Namespace, kinds: list[str], options: EngineOpti
     import torch
 
     from plexctl.common.state_size import model_config
-    from worker.engine_args import GPU_MEMORY_UTILIZATION
 
     shared = "rollout" in kinds
+    utilization = args.gpu_memory_utilization or ENGINE_DEFAULTS["cuda"].gpu_memory_utilization
     return worker_step(
         model_config(model),
         options.dtype,
         options.micro_batch_tokens,
         args.gradient_checkpointing,
         int(torch.cuda.mem_get_info()[1]),
-        (args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) if shared else None,
+        utilization if shared else None,
         args.device_slots,
         _max_lora_rank(args, options.device),
         cuda=True,

@@ -41,14 +41,10 @@ from typing import Any
 import torch
 
 from plexctl.common.calls import MAX_TOPK, TokenLogprob
+from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS
 from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
-from worker.engine_args import (
-    GPU_MEMORY_UTILIZATION,
-    EngineArgsPlan,
-    Platform,
-    rollout_engine_args,
-)
+from worker.engine_args import EngineArgsPlan, Platform, rollout_engine_args
 
 log = logging.getLogger("plexrl.worker.rollout")
 
@@ -308,9 +304,9 @@ class RolloutEngine:
         max_cpu_loras: int = 8,
         max_model_len: int = 64,
         seed: int = 0,
-        kv_cache_gib: float = 1.0,
+        kv_cache_gib: float = CPU_KV_CACHE_GIB,
         platform: Platform | None = None,
-        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+        gpu_memory_utilization: float = ENGINE_DEFAULTS["cuda"].gpu_memory_utilization,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
     ) -> None:
@@ -319,7 +315,7 @@ class RolloutEngine:
         None: "cuda" when torch sees a GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on
         CPU, ``gpu_memory_utilization`` on CUDA (see ``worker.engine_args``; bad values raise
         ``EngineArgsError``). Adapters of rank above ``max_lora_rank`` (None: the platform's
-        default, ``worker.engine_args.DEFAULT_MAX_LORA_RANK``) are refused with ``AdapterError``."""
+        default, ``plexctl.common.engine_defaults.ENGINE_DEFAULTS``) are refused with ``AdapterError``."""
         self.model_path = str(model_path)
         self.plan: EngineArgsPlan = rollout_engine_args(
             platform or engine_args.platform(),

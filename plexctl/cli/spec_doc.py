@@ -294,7 +294,8 @@ def render_cluster_reference() -> str:
         "Derived defaults (one function each in `plexctl/common/cluster_config.py`): `drain_timeout_s` (30 s on a "
         "local cluster; on Slurm the signal grace less max(15 s, 20 %), at least 10 s: 240 s for the default 300 s) "
         "and `min_lora_rank` (the Tinker SDK's default rank when `tinker_port` is set). What the engines' platform "
-        "decides (null engine settings) is `worker/engine_args.py` and `worker/engine_options.py`."
+        "decides (null engine settings) is declared once in `plexctl/common/engine_defaults.py` (`ENGINE_DEFAULTS`, "
+        "and `adapter_slots` for `max_loras`): the workers resolve it from there and `plexctl plan` assumes a GPU's."
     )
     return "\n".join([*lines, "", derived]) + "\n"
 

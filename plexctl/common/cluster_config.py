@@ -9,8 +9,9 @@ directory (``cluster.json``, atomically); the daemon, the Slurm node tasks and t
 (``read_config``), their command lines carry only what differs per process (state directory,
 worker id, its engines, the endpoint). A setting whose default depends on where the cluster runs
 has ``None`` for "derived", and one function here says how (``drain_timeout_s``,
-``min_lora_rank``); defaults that depend on the engines' platform (GPU or CPU) are the worker's
-(``worker.engine_args``, ``worker.engine_options``) and are said so in the description.
+``min_lora_rank``); defaults that depend on the engines' platform (GPU or CPU) are declared once in
+``plexctl.common.engine_defaults`` (the worker resolves them from there, the memory plan assumes a
+GPU's), and the descriptions quote them from there.
 
 ``python -m plexctl.common.cluster_config FILE KEY=VALUE ...`` writes a config from its defaults
 and the given values (each parsed as YAML): what ``slurm/plexrl.sbatch`` runs for those who submit
@@ -34,6 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS, by_platform
 from plexctl.common.errors import UsageError
 from plexctl.common.sizes import parse_bytes
 
@@ -109,26 +111,32 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "auto"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
-        _doc("Weight dtype of the engines: auto (bfloat16 on GPUs, float32 on CPU) | float32 | bfloat16 | float16"),
+        _doc(f"Weight dtype of the engines: auto ({by_platform('dtype')}) | float32 | bfloat16 | float16"),
     ] = "auto"
     max_loras: Annotated[
         Annotated[int, Meta(ge=1)] | None,
-        _doc("Adapter slots in the rollout engine (null: 4 on CPU, sized for the jobs on GPUs)"),
+        _doc(
+            "Adapter slots in the rollout engine (null: one per job it is home to, jobs_per_engine or else "
+            f"{by_platform('max_cached_loras')}, at most {by_platform('max_lora_slots')})"
+        ),
     ] = None
     max_lora_rank: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         _doc(
-            "Highest LoRA rank the rollout engines load (null: 64 on GPUs, 16 on CPU; with tinker_port at "
-            "least 32, the Tinker SDK's default rank)",
+            f"Highest LoRA rank the rollout engines load (null: {by_platform('max_lora_rank')}; with tinker_port "
+            f"at least {SDK_DEFAULT_RANK}, the Tinker SDK's default rank)",
         ),
     ] = None
     gpu_memory_utilization: Annotated[
         Annotated[float, Meta(ge=0.05, le=1.0)] | None,
-        _doc("Share of its GPUs' memory a rollout engine takes (null: 0.9)"),
+        _doc(
+            "Share of its GPUs' memory a rollout engine takes "
+            f"(null: {ENGINE_DEFAULTS['cuda'].gpu_memory_utilization}; ignored on CPU)"
+        ),
     ] = None
     micro_batch_tokens: Annotated[
         Annotated[int, Meta(ge=1)] | None,
-        _doc("Padded tokens of one trainer micro-batch (null: 16384)"),
+        _doc(f"Padded tokens of one trainer micro-batch (null: {by_platform('micro_batch_tokens')})"),
     ] = None
     max_model_len: Annotated[
         Annotated[int, Meta(ge=16)] | None,

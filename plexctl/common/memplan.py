@@ -9,6 +9,8 @@ what a worker knows at start: gradient checkpointing and the peak from
 ``EngineShape``, ``ClusterOptions``, ``JobShape``, ``default_engines``); ``plan_memory`` ->
 ``MemoryPlan`` with ``render_plan`` / ``plan_json``; and submit's refusals (``step_problem`` /
 ``spec_step_problem``, ``job_problems``, ``full_job_problems``, ``check_full_state_fits``: exit 7).
+What the engines get unless told is ``plexctl.common.engine_defaults``'s: a plan assumes a GPU
+worker's (``ClusterOptions``), read from there, never restated.
 
 Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the weights,
 of the KV heads and of the sharded LoRA factors); a plan with no problems fits with the estimates
@@ -30,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS, adapter_slots
 from plexctl.common.errors import Refused
 from plexctl.common.sizes import fmt_bytes, parse_bytes
 from plexctl.common.spec import DEFAULT_TARGET_MODULES
@@ -66,7 +69,8 @@ ROLLOUT_GPU_RUNTIME_BYTES = 3 * GiB // 2  # CUDA graphs, CUDA context and NCCL b
 TRAINER_GPU_RUNTIME_BYTES = 2 * GiB  # CUDA context, cuBLAS and attention workspaces, allocator fragmentation
 CPU_RUNTIME_BYTES = 1 * GiB  # Python, torch and vLLM of a CPU worker process
 DEFAULT_PROMPT_TOKENS = 512  # a job spec does not bound its prompts: a plan assumes prompts of up to this many
-DEFAULT_MICRO_BATCH_TOKENS = 16384  # tokens of one trainer micro-batch (a micro-batch holds at least one sequence)
+GPU_DEFAULTS = ENGINE_DEFAULTS["cuda"]  # what a GPU worker's engines get unless told: what a plan assumes
+DEFAULT_MICRO_BATCH_TOKENS = GPU_DEFAULTS.micro_batch_tokens  # a trainer micro-batch's (at least one sequence)
 DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # tokens whose logits the trainer materialises at once (chunked log-probs)
 DEFAULT_HOST = "256G"  # host memory of a node when not told (a conservative GPU node)
 DEFAULT_NVME = "1T"  # node-local NVMe of a node when not told
@@ -137,9 +141,9 @@ def trainer_step(
     """The step a trainer runs, decided once: gradient checkpointing as ``asked`` (auto: off
     where the step without it fits ``room_bytes``, the trainer's share of its GPU less its
     runtime), and that step's peak (``step_memory.step_peak``) for micro-batches of ``tokens``
-    with ``states`` bytes of job state on the device. ``job``: the largest job (None: one at
-    rank 64 on every projection, the most a GPU rollout engine loads by default)."""
-    job = job or JobShape("", 64, 0)
+    with ``states`` bytes of job state on the device. ``job``: the largest job (None: one at a
+    GPU's default ``max_lora_rank`` on every projection, the most its rollout engine loads)."""
+    job = job or JobShape("", GPU_DEFAULTS.max_lora_rank, 0)
     weights = weights_bytes(config, dtype)
     trainable = parameter_count(config) if job.full else adapter_params(config, job.rank, job.target_modules)
 
@@ -251,12 +255,14 @@ def default_engines(gpus: int, tp: int = 1) -> list[EngineShape]:
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """What ``plexctl up`` sets for the engines (defaults: its own, bf16 on GPU nodes)."""
+    """What ``plexctl up`` sets for the engines; unset, what a GPU worker's engines get
+    (``ENGINE_DEFAULTS["cuda"]``), the dtype the node's platform's."""
 
-    dtype: str | None = None  # engine weights; None: bfloat16 on a GPU node, float32 on a CPU node
-    gpu_memory_utilization: float = 0.9  # share of a rollout engine's GPU vLLM may use
-    max_lora_rank: int = 64  # highest LoRA rank the rollout engines load; their adapter slots are this size
-    max_loras: int = 4  # adapter slots of a rollout engine
+    dtype: str | None = None  # engine weights; None: the platform's (``engine_dtype``)
+    gpu_memory_utilization: float = GPU_DEFAULTS.gpu_memory_utilization  # share of a rollout engine's GPU vLLM may use
+    max_lora_rank: int = GPU_DEFAULTS.max_lora_rank  # highest LoRA rank rollout engines load, each slot's size
+    # adapter slots of a rollout engine: a GPU worker's without max_loras and jobs_per_engine
+    max_loras: int = adapter_slots(None, "cuda")[0]
     device_slots: int = 4  # jobs whose state a trainer keeps on its device
     host_tier_bytes: int = 8 * GiB  # host-memory tier of each trainer (`--host-mem`)
     nvme_tier_bytes: int = 64 * GiB  # NVMe tier of each trainer (`--nvme-bytes`)
@@ -264,10 +270,15 @@ class ClusterOptions:
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
     logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
     gradient_checkpointing: Checkpointing = "auto"  # the workers' --gradient-checkpointing
-    cpu_kv_cache_bytes: int = 1 * GiB  # KV cache of a CPU rollout engine (its `kv_cache_gib`)
+    cpu_kv_cache_bytes: int = int(CPU_KV_CACHE_GIB * GiB)  # KV cache of a CPU rollout engine
     # the cluster's other base models, in the engines' dtype (``plans_for_specs``): on a GPU an
     # engine's other models sleep in pinned host memory, on the CPU they stay resident
     other_weights_bytes: int = 0
+
+
+def engine_dtype(options: ClusterOptions, node: NodeShape) -> str:
+    """The engines' weight dtype: as set, else the default of the node's platform (a GPU's where it has GPUs)."""
+    return options.dtype or ENGINE_DEFAULTS["cuda" if node.gpus else "cpu"].dtype
 
 
 @dataclass(frozen=True)
@@ -495,7 +506,7 @@ def plan_memory(
     """The memory plan of ``engines`` (default: ``default_engines(node.gpus)``) on ``node``, for
     ``jobs`` (their largest state and micro-batch size the trainers; each is also checked with
     ``job_problems``, its problems listed in the plan's)."""
-    dtype = options.dtype or ("bfloat16" if node.gpus else "float32")
+    dtype = engine_dtype(options, node)
     dtype_bytes(dtype)
     engines = tuple(engines if engines is not None else default_engines(node.gpus))
     max_model_len = options.max_model_len or min(model_context(config), CONTEXT_CAP)
@@ -1184,7 +1195,7 @@ def plans_for_specs(
     by_model: dict[str, list[JobSpec]] = {}
     for spec in specs:
         by_model.setdefault(spec.model.path, []).append(spec)
-    dtype = options.dtype or ("bfloat16" if node.gpus else "float32")
+    dtype = engine_dtype(options, node)
     weights = {path: weights_bytes(model_config_for(path), dtype) for path in by_model}
     return [
         plan_for_specs(
