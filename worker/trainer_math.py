@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -335,8 +335,8 @@ class TrainingMath(JobSlots):
                     logp, entropy = self._token_logprobs(self._peft, part, entropy=True)
                 assert entropy is not None
                 if one_loss:  # every job's token loss is the same function: one over all the rows
-                    total = self._shared_loss(work[0][1], logp, entropy, ref, part, spans, (start, stop), sums, shared)
-                    total.backward()
+                    whole = self._shared_loss(work[0][1], logp, entropy, ref, part, spans, (start, stop), sums, shared)
+                    whole.backward()
                     continue
                 total: torch.Tensor | None = None
                 for i, (a, b) in enumerate(spans):
@@ -597,7 +597,7 @@ def _clip_together(groups: list[list[torch.nn.Parameter]], max_norms: list[float
     return [float(n) for n in total.tolist()]
 
 
-def _step_together(optimizers: list[torch.optim.Optimizer]) -> None:
+def _step_together(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """``step()`` of each optimizer; AdamWs of one parameter group each and equal settings in one
     multi-tensor pass over all their parameters. Each tensor gets the update its own optimizer's
     ``step()`` gives (the same kernels, tensor by tensor, its own step count): bit for bit."""
