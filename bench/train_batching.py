@@ -74,7 +74,10 @@ def measure(jobs: int, rounds: int, rows: int, threads: int, pass_jobs: int) -> 
 
     from plexctl.common.protocol import LoraSpec, TrainHParams
     from plexctl.spec_files import load_spec
+    from worker.host_heap import keep_freed_memory
     from worker.trainer import TrainerEngine
+
+    keep_freed_memory("cpu")  # the heap a CPU trainer worker runs with (worker.main)
 
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={MODEL}"], "bench")
     assert spec.lora is not None

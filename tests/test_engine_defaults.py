@@ -31,6 +31,7 @@ def worker_gives(platform: Platform) -> dict[str, Any]:
     from worker.engine_args import rollout_engine_args
     from worker.engine_options import engine_options
     from worker.main import _adapter_slots, _max_lora_rank, build_parser
+    from worker.trainer_math import pass_cost_tokens
 
     args = build_parser().parse_args(["--endpoint", "tcp://x:1", "--model", "/m"])
     options = engine_options(platform, "auto", None, cuda_available=True, visible_devices="0")
@@ -42,6 +43,7 @@ def worker_gives(platform: Platform) -> dict[str, Any]:
         "max_cached_loras": cached,
         "gpu_memory_utilization": rollout_engine_args(platform, "/m").llm_kwargs["gpu_memory_utilization"],
         "micro_batch_tokens": options.micro_batch_tokens,
+        "pass_cost_tokens": pass_cost_tokens(platform),
     }
 
 
@@ -57,7 +59,8 @@ def test_a_cpu_rollout_engine_gets_the_declared_kv_cache() -> None:
 
 
 def test_the_plan_assumes_what_a_gpu_worker_is_given() -> None:
-    """``ClusterOptions()`` is the cuda entry field for field (the host cache is no plan's concern)."""
+    """``ClusterOptions()`` is the cuda entry field for field (the host cache and how a shared
+    pass is cut are no plan's concern)."""
     options, gpu = ClusterOptions(), worker_gives("cuda")
     assumed = {
         "dtype": engine_dtype(options, NodeShape.parse("1x80G")),
@@ -66,7 +69,10 @@ def test_the_plan_assumes_what_a_gpu_worker_is_given() -> None:
         "gpu_memory_utilization": options.gpu_memory_utilization,
         "micro_batch_tokens": options.micro_batch_tokens,
     }
-    assert set(assumed) == {f.name for f in dataclasses.fields(EngineDefaults)} - {"max_cached_loras"}
+    assert set(assumed) == {f.name for f in dataclasses.fields(EngineDefaults)} - {
+        "max_cached_loras",
+        "pass_cost_tokens",
+    }
     assert assumed == {name: gpu[name] for name in assumed}
     assert options.max_loras == adapter_slots(None, "cuda")[0]  # the worker's rule, not a copy of its result
     assert engine_dtype(options, NodeShape.parse("0")) == worker_gives("cpu")["dtype"]

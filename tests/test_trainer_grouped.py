@@ -49,6 +49,9 @@ JOBS = {  # job -> (LoRA, seed, hparams, rows in its batch)
     # takes the loss terms of all their rows at once; g's is a's (KL included), and of a's shape
     "f": (LoraSpec(rank=4, alpha=4), 6, TrainHParams(lr=2e-3, max_grad_norm=0.1), 4),
     "g": (LoraSpec(rank=8, alpha=16), 7, TrainHParams(lr=1e-3, kl_coef=0.05), 5),
+    # f's shape and row count (4, even): with a pass costing nothing, f and h's group is cut into
+    # micro-batches of like lengths, each holding every job's k-th rows by length
+    "h": (LoraSpec(rank=4, alpha=4), 8, TrainHParams(lr=1e-3, loss_agg="seq-mean-token-mean"), 4),
 }
 
 
@@ -144,6 +147,44 @@ def test_after_several_grouped_steps_each_adapter_equals_the_one_trained_alone(m
         for i in oa:
             assert float(og[i]["step"]) == float(oa[i]["step"]) == STEPS
     print(f"\nafter {STEPS} steps: max |adapter diff| {worst:.2e}")
+
+
+def test_quantile_passes_cut_a_group_where_the_padding_saved_pays_for_the_pass():
+    from worker.train_batches import quantile_passes
+
+    jobs = [[3, 9, 4, 10], [10, 2, 9, 3]]  # rows 0-3 and 4-7
+    order, bounds = quantile_passes(jobs, None, None, pass_cost_tokens=0)  # type: ignore[misc]
+    assert bounds == [(0, 2), (2, 4), (4, 6), (6, 8)]  # 52 padded tokens, against 56 in two passes, 80 in one
+    assert [sorted(order[a:b]) for a, b in bounds] == [[0, 5], [2, 7], [1, 6], [3, 4]]  # job 0's, then job 1's
+    two = quantile_passes(jobs, None, None, pass_cost_tokens=20)
+    assert two is not None and two[1] == [(0, 4), (4, 8)]  # 80 padded tokens -> 16 + 40, plus 2 x 20
+    assert [order for order in two[0][:4]] == [0, 2, 5, 7]  # each job's two shortest first
+    assert quantile_passes(jobs, None, None, pass_cost_tokens=40) is None  # a pass costs more than it saves
+    assert quantile_passes([[3, 9], [10, 2, 9]], None, None, 0) is None  # row counts differ
+    assert quantile_passes(jobs, None, 40, 0) is None  # the budget cuts it already
+
+
+def test_a_group_cut_into_passes_of_like_lengths_gives_each_jobs_gradients_alone(model_dir: str, monkeypatch):
+    import dataclasses
+
+    import worker.trainer_math as tm
+
+    free = {p: dataclasses.replace(d, pass_cost_tokens=0) for p, d in tm.ENGINE_DEFAULTS.items()}
+    monkeypatch.setattr(tm, "ENGINE_DEFAULTS", free)
+    cuts = []
+    real = tm.quantile_passes
+    monkeypatch.setattr(tm, "quantile_passes", lambda *a: cuts.append(real(*a)) or cuts[-1])
+    jobs = ["f", "h"]
+    engine = engine_with(model_dir, jobs)
+    steps = steps_of(jobs, 0)
+    alone = [engine.loss_gradients(job, batch, hp) for job, batch, hp in steps]
+    grouped = engine.group_gradients(steps)
+    assert cuts and cuts[0] is not None and len(cuts[0][1]) > 1  # the group was cut
+    for (job, _, _), (grads, metrics), (own, own_metrics) in zip(steps, grouped, alone):
+        for key in own:
+            torch.testing.assert_close(grads[key], own[key], atol=ATOL, rtol=RTOL, msg=f"{job} {key}")
+        for name, value in own_metrics.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{job} {name}"
 
 
 def test_a_groups_clipping_and_adamw_steps_are_each_jobs_own_bit_for_bit():

@@ -53,6 +53,7 @@ from worker.engine_options import (
     engine_options,
     visible_device_ids,
 )
+from worker.host_heap import keep_freed_memory
 from worker.io import PREFETCH, Followers, Outbox, WorkerIO, _error_text
 from worker.servers import Rollouts, prefetch_loop, rollout_loop, shared_loop, trainer_loop
 
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         option_error = ""
     device = options.device if options else "cpu"
+    if "trainer" in kinds:
+        keep_freed_memory(device)  # a CPU trainer's step reuses the heap blocks of the one before
     max_lora_rank = _max_lora_rank(args, device)
     sleep_mode = sleep_between_models(device, len(models))
     decls = [

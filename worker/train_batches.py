@@ -152,6 +152,41 @@ def length_order(
     return None if order == list(range(len(lengths))) else order
 
 
+def quantile_passes(
+    job_lengths: list[list[int]], max_rows: int | None, max_tokens: int | None, pass_cost_tokens: int
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """A group's rows cut into K micro-batches of like lengths, the k-th of each job's rows by
+    length in the k-th (each job's rows contiguous and of one count in every micro-batch, so its
+    jobs still share batched matmuls); K (1, 2, 4, ... dividing the jobs' row count) the fewest
+    padded tokens plus ``pass_cost_tokens`` a micro-batch. ``(order, bounds)``: the rows' order
+    (indices into the group, jobs' rows one after another) and each micro-batch's [start, stop).
+    None where one micro-batch is best, the jobs' row counts differ, or the budget (``max_rows``,
+    ``max_tokens``) cuts the group already."""
+    counts = {len(lengths) for lengths in job_lengths}
+    flat = [length for lengths in job_lengths for length in lengths]
+    if len(counts) != 1 or not flat or len(micro_batch_bounds(flat, max_rows, max_tokens)) > 1:
+        return None
+    n, jobs = counts.pop(), len(job_lengths)
+    by_length = [sorted(range(j * n, (j + 1) * n), key=lambda i: flat[i]) for j in range(jobs)]
+
+    def chunks(k: int) -> list[list[int]]:
+        m = n // k
+        return [[i for rows in by_length for i in rows[c * m : (c + 1) * m]] for c in range(k)]
+
+    best, best_cost = 1, len(flat) * max(flat) + pass_cost_tokens
+    k = 2
+    while k <= n and n % k == 0:
+        cost = sum(len(chunk) * max(flat[i] for i in chunk) for chunk in chunks(k)) + k * pass_cost_tokens
+        if cost < best_cost:
+            best, best_cost = k, cost
+        k *= 2
+    if best == 1:
+        return None
+    order = [i for chunk in chunks(best) for i in chunk]
+    size = len(flat) // best
+    return order, [(c * size, (c + 1) * size) for c in range(best)]
+
+
 def permute_rows(rows: Rows, order: list[int]) -> Rows:
     """``rows`` in ``order`` (row i of the result is row ``order[i]``), still padded to the
     batch's longest row."""

@@ -37,6 +37,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from torch.optim.adam import adam
 
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.user_code import import_object
 from worker.decoder_layers import keep_adapters_eager
@@ -60,6 +61,7 @@ from worker.train_batches import (
     pad_old_logprobs,
     pad_rows,
     permute_rows,
+    quantile_passes,
     slice_rows,
 )
 from worker.trainer_slots import JobSlots, JobState, store_rng
@@ -185,9 +187,14 @@ class TrainingMath(JobSlots):
             return None
         return length_order(lengths, self.micro_batch_rows, self.micro_batch_tokens, spans)
 
-    def _micro_batches(self, rows: Rows) -> Iterator[tuple[int, int, Rows]]:
-        """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch."""
-        for start, stop in micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens):
+    def _micro_batches(
+        self, rows: Rows, bounds: list[tuple[int, int]] | None = None
+    ) -> Iterator[tuple[int, int, Rows]]:
+        """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch (as the
+        budget cuts them, or at ``bounds``)."""
+        if bounds is None:
+            bounds = micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens)
+        for start, stop in bounds:
             yield start, stop, slice_rows(rows, start, stop)
 
     @contextlib.contextmanager
@@ -306,7 +313,16 @@ class TrainingMath(JobSlots):
             [a for batch, _ in work for a in batch.advantages], dtype=torch.float32, device=self.device
         )
         order = self._length_order(rows.lengths, spans)  # each job's rows stay within its span
+        bounds = None
+        if order is None:
+            pass_cost = pass_cost_tokens(self.device.type)
+            cut = quantile_passes(
+                [rows.lengths[a:b] for a, b in spans], self.micro_batch_rows, self.micro_batch_tokens, pass_cost
+            )
+            order, bounds = cut if cut is not None else (None, None)
+        owners = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]  # each row's job
         if order is not None:
+            owners = [owners[j] for j in order]
             rows = permute_rows(rows, order)
             old_all, weight_all, advantages = (t[order] for t in (old_all, weight_all, advantages))
         sums = [MetricSums() for _ in jobs]
@@ -317,16 +333,13 @@ class TrainingMath(JobSlots):
         any_kl = any(hp.kl_coef > 0 for _, hp in work)
         one_loss = all(u is None for u in user_losses) and len({_loss_key(hp) for _, hp in work}) == 1
         shared = (old_all, weight_all, advantages)
-        for start, stop, part in self._micro_batches(rows):
+        for start, stop, part in self._micro_batches(rows, bounds):
             if not part.loss_mask.any():
                 continue
             width = part.loss_mask.shape[1]
             ref = self._base_logprobs(part) if any_kl else None
-            segments = [
-                (job.adapter_name, min(b, stop) - max(a, start))
-                for job, (a, b) in zip(jobs, spans)
-                if max(a, start) < min(b, stop)
-            ]
+            runs = _runs(owners, start, stop)  # (job, lo, hi): its rows in the micro-batch
+            segments = [(jobs[i].adapter_name, hi - lo) for i, lo, hi in runs]
             with _segment_adapters(self._peft, segments):
                 for job in jobs:  # trainable (after the layers' set_adapter, which turns every adapter off)
                     for param in job.params.values():
@@ -335,14 +348,11 @@ class TrainingMath(JobSlots):
                     logp, entropy = self._token_logprobs(self._peft, part, entropy=True)
                 assert entropy is not None
                 if one_loss:  # every job's token loss is the same function: one over all the rows
-                    whole = self._shared_loss(work[0][1], logp, entropy, ref, part, spans, (start, stop), sums, shared)
+                    whole = self._shared_loss(work[0][1], logp, entropy, ref, part, owners, (start, stop), sums, shared)
                     whole.backward()
                     continue
                 total: torch.Tensor | None = None
-                for i, (a, b) in enumerate(spans):
-                    lo, hi = max(a, start), min(b, stop)
-                    if lo >= hi:
-                        continue
+                for i, lo, hi in runs:
                     seg, hp = slice(lo - start, hi - start), work[i][1]
                     mask, w = part.loss_mask[seg], weight_all[lo:hi, :width]
                     old, adv = old_all[lo:hi, :width], advantages[lo:hi]
@@ -362,7 +372,7 @@ class TrainingMath(JobSlots):
         entropy: torch.Tensor,
         ref: torch.Tensor | None,
         part: Rows,
-        spans: list[tuple[int, int]],
+        owners: list[int],
         bounds: tuple[int, int],
         sums: list[MetricSums],
         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -377,11 +387,7 @@ class TrainingMath(JobSlots):
         ref = ref if hp.kl_coef > 0 else None
         terms = _token_terms(None, hp, logp, old_all[start:stop, :width], ref, advantages[start:stop], mask)
         weighted = terms.loss * w
-        owner = torch.empty(stop - start, dtype=torch.long, device=logp.device)  # each row's job
-        for i, (a, b) in enumerate(spans):
-            lo, hi = max(a, start), min(b, stop)
-            if lo < hi:
-                owner[lo - start : hi - start] = i
+        owner = torch.tensor(owners[start:stop], dtype=torch.long, device=logp.device)  # each row's job
         with torch.no_grad():
             zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
             per_row = torch.stack(
@@ -394,7 +400,7 @@ class TrainingMath(JobSlots):
                     torch.where(mask, entropy, zero).sum(1),
                 ]
             )
-            per_job = per_row.new_zeros((per_row.shape[0], len(spans))).index_add_(1, owner, per_row)
+            per_job = per_row.new_zeros((per_row.shape[0], len(sums))).index_add_(1, owner, per_row)
         for job_sums, values in zip(sums, per_job.t().tolist()):  # one device sync per micro-batch
             job_sums.add_values(values)
         return weighted.sum()
@@ -646,6 +652,22 @@ def _step_together(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 eps=group["eps"],
                 maximize=False,
             )
+
+
+def pass_cost_tokens(device_type: str) -> int:
+    """What one more forward/backward costs on this device, in padded tokens (``quantile_passes``)."""
+    return ENGINE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"].pass_cost_tokens
+
+
+def _runs(owners: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(owner, lo, hi)`` of each run of rows of one owner in ``owners[start:stop]``."""
+    runs: list[tuple[int, int, int]] = []
+    for at in range(start, stop):
+        if runs and runs[-1][0] == owners[at]:
+            runs[-1] = (owners[at], runs[-1][1], at + 1)
+        else:
+            runs.append((owners[at], at, at + 1))
+    return runs
 
 
 def _loss_key(hp: TrainHParams) -> tuple[Any, ...]:

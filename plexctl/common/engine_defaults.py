@@ -30,13 +30,18 @@ class EngineDefaults:
     gpu_memory_utilization: float  # vLLM's share of the GPUs the rollout engine owns (CPU: of host memory, fixed)
     max_cached_loras: int = 64  # adapters vLLM keeps in host memory, at most (7B rank 32: ~0.16 GiB each)
     micro_batch_tokens: int = 16384  # padded tokens of one trainer forward/backward
+    # what one more forward/backward costs, in padded tokens: a shared pass cuts its rows into
+    # micro-batches of like lengths where the padding saved is more (``quantile_passes``)
+    pass_cost_tokens: int = 8192
 
 
 ENGINE_DEFAULTS: dict[Platform, EngineDefaults] = {
     # CPU: no fast bf16; the LoRA ops multiply every slot at the padded rank, so few slots, and the
     # smallest vLLM rank that holds the CPU configs' (tiny models: 8); vLLM reads the memory share
     # as one of host memory, so it is fixed (the setting is a GPU's) and the KV cache sized apart
-    "cpu": EngineDefaults(dtype="float32", max_lora_rank=16, max_lora_slots=4, gpu_memory_utilization=0.3),
+    "cpu": EngineDefaults(
+        dtype="float32", max_lora_rank=16, max_lora_slots=4, gpu_memory_utilization=0.3, pass_cost_tokens=128
+    ),
     # GPUs train and sample in bf16; the rank is above the shipped configs' (7B: 32)
     "cuda": EngineDefaults(dtype="bfloat16", max_lora_rank=64, max_lora_slots=16, gpu_memory_utilization=0.9),
 }
