@@ -31,6 +31,7 @@ MIXED_ROWS = 10
 BUCKET_RTOL = 1e-5  # length buckets: the gradient vector's relative error
 BUCKET_LOGPROB_ATOL = 1e-5  # length buckets: each log-prob
 COMPILE_RTOL = 1e-5  # compiled layers (aot_eager): the gradient vector's relative error
+FUSED_RTOL = 1e-6  # fused LoRA A matmuls: the gradient vector's relative error
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,38 @@ def test_compiled_layers_give_the_eager_gradients_and_a_new_job_compiles_nothing
         grads_compiled = compiled.loss_gradients(job, batch, hp)[0]
         assert relative_error(grads_compiled, eager.loss_gradients(job, batch, hp)[0]) <= COMPILE_RTOL
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+# ---------------------------------------------------------------- LoRA A matmuls fused across projections
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fused_lora_a_matmuls_give_the_layers_own_gradients_and_each_group_multiplies_once(
+    model_dir: str, checkpointing: bool
+) -> None:
+    from worker import fused_lora
+    from worker.fused_lora import fusable_groups
+
+    plain = trained_engine(model_dir, gradient_checkpointing=checkpointing)
+    fused = trained_engine(model_dir, gradient_checkpointing=checkpointing, fuse_lora=True)
+    layers = len(plain._base.model.layers)
+    groups = fusable_groups(fused._peft, fused._job("A").adapter_name)
+    assert [len(g) for g in groups] == [3, 2] * layers  # q/k/v and gate/up of every layer
+    calls: list[int] = []  # the A weights a fused product multiplies: one product a group and forward
+    real = fused_lora.group_product
+    fused_calls = lambda x, w: calls.append(w.shape[0]) or real(x, w)  # noqa: E731
+    batch, hp = mixed_batch(11, rows=6), TrainHParams(lr=1e-3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_lora, "group_product", fused_calls)
+        grads_fused, metrics_fused = fused.loss_gradients("A", batch, hp)
+    grads_plain, metrics_plain = plain.loss_gradients("A", batch, hp)
+    forwards = 2 if checkpointing else 1  # a checkpointed layer's forward runs again in the backward
+    assert sorted(calls) == sorted([3 * LORA.rank, 2 * LORA.rank] * layers * forwards)
+    assert relative_error(grads_fused, grads_plain) <= FUSED_RTOL
+    for name, value in metrics_plain.items():
+        assert metrics_fused[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    # after the block every layer runs its own A again; adapters with dropout are not fused
+    assert all("forward" not in vars(layer.lora_A[fused._job("A").adapter_name]) for group in groups for layer in group)
+    fused.ensure_job("D", LoraSpec(rank=4, alpha=8, dropout=0.1), seed=9)
+    with fused_lora.fused_lora_a(fused._peft, fused._job("D").adapter_name) as count:
+        assert count == 0

@@ -94,6 +94,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         checkpoint_scope: str = "layer",
         compile_layers: str | None = None,
         length_buckets: bool = LENGTH_BUCKETS,
+        fuse_lora: bool = False,
     ) -> None:
         """``dtype``: the base weights' (bfloat16 / float16 engines also compute under autocast;
         adapters and AdamW stay float32). ``micro_batch_rows`` / ``micro_batch_tokens``: a
@@ -103,7 +104,9 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         which: ``"layer"`` (whole layers), ``"mlp"`` or ``"attn"`` (that part of each layer,
         ``worker.decoder_layers``). ``compile_layers``: the ``torch.compile`` backend the decoder
         layers run under (``"inductor"``; None: eager). ``length_buckets``: a batch of several
-        micro-batches is cut with its rows ordered by length (``worker.train_batches.length_order``)."""
+        micro-batches is cut with its rows ordered by length (``worker.train_batches.length_order``).
+        ``fuse_lora``: a job's step runs the LoRA A matmuls of q/k/v and of gate/up as one each
+        (``worker.fused_lora``; LoRA without dropout)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
@@ -118,6 +121,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.length_buckets = length_buckets
+        self.fuse_lora = fuse_lora
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names

@@ -42,6 +42,7 @@ from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.user_code import import_object
 from worker.decoder_layers import keep_adapters_eager
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
+from worker.fused_lora import fused_lora_a
 from worker.loss_terms import (
     MetricSums,
     TokenTerms,
@@ -75,6 +76,7 @@ class TrainingMath(JobSlots):
     micro_batch_tokens: int | None
     logprob_chunk_tokens: int
     length_buckets: bool
+    fuse_lora: bool
     compile_layers: str | None
     _torch_dtype: torch.dtype
     _checkpointed_layers: list[torch.nn.Module]
@@ -461,7 +463,8 @@ class TrainingMath(JobSlots):
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
         model = self._activate(job, train=job.lora is not None and job.lora.dropout > 0)
-        with self._job_weights(job, grad=True):  # the backward too: gradients reach the job's weights
+        fused = fused_lora_a(model, job.adapter_name) if self.fuse_lora and job.lora is not None else None
+        with self._job_weights(job, grad=True), fused or contextlib.nullcontext():  # the backward too
             with self._forward_context():
                 logp, entropy = self._token_logprobs(model, part, entropy=True)
             assert entropy is not None
