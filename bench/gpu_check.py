@@ -13,7 +13,8 @@ not import or, for sleep mode, without CUDA), ``weights`` (a whole-model load).
 The trainer's speed levers (``docs/gpu.md``) are flags, recorded in the ``trainer`` part:
 ``--length-buckets`` (with ``--ragged`` rows of mixed lengths, the only batches it changes; the
 padded tokens with and without it are recorded), ``--checkpoint-scope``, ``--compile-layers``,
-``--fuse-lora`` (the LoRA A matmuls of q/k/v and gate/up as one each);
+``--fuse-lora`` (the LoRA A matmuls of q/k/v and gate/up as one each), ``--pack-rows`` (a
+micro-batch's rows in one sequence without padding; the model's attention kernel is recorded);
 ``--parts`` runs a subset (``trainer`` alone: a lever's A/B in a minute).
 
 Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``). ``--quick``
@@ -223,6 +224,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
 
     trainer.length_buckets = a.length_buckets == "on"
     trainer.fuse_lora = a.fuse_lora == "on"
+    trainer.pack_rows = a.pack_rows == "on"
     compile_backend = None if a.compile_layers == "off" else a.compile_layers
     if a.checkpoint_scope != "layer" or compile_backend is not None:
         trainer.set_layer_options(trainer.gradient_checkpointing, a.checkpoint_scope, compile_backend)
@@ -235,6 +237,8 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         compile_layers=trainer.compile_layers,
         length_buckets=trainer.length_buckets,
         fuse_lora=trainer.fuse_lora,
+        pack_rows=trainer.pack_rows,
+        attention=str(getattr(trainer._base.config, "_attn_implementation", "")),
         ragged=a.ragged,
     )
     lora, hp = LoraSpec(rank=32, alpha=64), TrainHParams(lr=1e-5)
@@ -652,6 +656,7 @@ def main() -> int:
     ap.add_argument("--length-buckets", choices=["on", "off"], default="off", help="the trainer's rows cut by length")
     ap.add_argument("--checkpoint-scope", choices=["layer", "mlp", "attn"], default="layer")
     ap.add_argument("--fuse-lora", choices=["on", "off"], default="off", help="one A matmul per q/k/v, gate/up")
+    ap.add_argument("--pack-rows", choices=["on", "off"], default="off", help="rows packed into one sequence")
     ap.add_argument("--compile-layers", default="off", help="torch.compile backend of the decoder layers (inductor)")
     ap.add_argument("--parts", default=None, help="comma-separated parts to run (default: all, in order)")
     a = ap.parse_args()

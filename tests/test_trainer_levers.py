@@ -32,6 +32,8 @@ BUCKET_RTOL = 1e-5  # length buckets: the gradient vector's relative error
 BUCKET_LOGPROB_ATOL = 1e-5  # length buckets: each log-prob
 COMPILE_RTOL = 1e-5  # compiled layers (aot_eager): the gradient vector's relative error
 FUSED_RTOL = 1e-6  # fused LoRA A matmuls: the gradient vector's relative error
+PACKED_RTOL = 1e-5  # packed rows: the gradient vector's relative error
+PACKED_LOGPROB_ATOL = 1e-5  # packed rows: each log-prob
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,31 @@ def test_fused_lora_a_matmuls_give_the_layers_own_gradients_and_each_group_multi
     fused.ensure_job("D", LoraSpec(rank=4, alpha=8, dropout=0.1), seed=9)
     with fused_lora.fused_lora_a(fused._peft, fused._job("D").adapter_name) as count:
         assert count == 0
+
+
+# ---------------------------------------------------------------- rows packed without padding
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_rows_give_the_padded_gradients_and_logprobs_and_the_decoder_sees_no_padding(
+    model_dir: str, checkpointing: bool
+) -> None:
+    padded = trained_engine(model_dir, gradient_checkpointing=checkpointing)
+    packed = trained_engine(model_dir, gradient_checkpointing=checkpointing, pack_rows=True)
+    shapes: list[tuple[int, ...]] = []
+    packed._base.model.register_forward_pre_hook(
+        lambda _, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    batch, hp = mixed_batch(12), TrainHParams(lr=1e-3, kl_coef=0.1)
+    grads_packed, metrics_packed = packed.loss_gradients("A", batch, hp)
+    grads_padded, metrics_padded = padded.loss_gradients("A", batch, hp)
+    tokens = sum(len(row) for row in batch.input_ids)
+    assert shapes and all(shape[0] == 1 for shape in shapes)  # one sequence: every row's tokens, no padding
+    assert sum(shape[1] for shape in shapes) == 2 * tokens  # the policy's forward and the reference's (KL)
+    assert relative_error(grads_packed, grads_padded) <= PACKED_RTOL
+    for name, value in metrics_padded.items():
+        assert metrics_packed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    rows = [row[:9] for row in batch.input_ids]
+    masks = [[0] + [1] * (len(row) - 1) for row in rows]  # every token after the first
+    for got, want in zip(packed.logprobs("A", rows, masks), padded.logprobs("A", rows, masks)):
+        assert got == pytest.approx(want, abs=PACKED_LOGPROB_ATOL)

@@ -57,14 +57,26 @@ def token_logprobs(
     positions: torch.Tensor,
     chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
     entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t+1 | tokens <= t) at the ``positions`` ([B, L-1] bool) of right-padded
     ``input_ids`` ([B, L]), and the predictive entropy there if asked: two fp32 [B, L-1]
     tensors, 0 elsewhere. The log-probs carry the gradient when grad mode is on; the entropy
-    never does."""
+    never does. ``packed``: the decoder runs the rows' tokens one after another in one sequence,
+    no padding, each row's positions from 0 (transformers then masks attention to each row's
+    own tokens: block-diagonal and causal; a varlen kernel where the model's attention has one)."""
     decoder, head = causal_lm_parts(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return head_logprobs(hidden, head, input_ids, positions, chunk_tokens, entropy)
+    if not packed:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return head_logprobs(hidden, head, input_ids, positions, chunk_tokens, entropy)
+    lengths = attention_mask.sum(dim=1)
+    real = attention_mask.bool()
+    starts = torch.cumsum(lengths, 0) - lengths  # each row's first token in the packed sequence
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    hidden = decoder(input_ids=input_ids[real][None], position_ids=columns[real][None], use_cache=False)
+    rows, wanted = positions.nonzero(as_tuple=True)
+    states = hidden.last_hidden_state[0, starts[rows] + wanted]
+    return _head_at(states, head, input_ids, positions, (rows, wanted), chunk_tokens, entropy)
 
 
 def head_logprobs(
@@ -76,10 +88,25 @@ def head_logprobs(
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logprobs`` from the decoder's last hidden states ([B, L, H])."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     rows, columns = positions.nonzero(as_tuple=True)
     states = hidden[rows, columns]  # [N, H]: the states that predict a wanted token
+    return _head_at(states, head, input_ids, positions, (rows, columns), chunk_tokens, entropy)
+
+
+def _head_at(
+    states: torch.Tensor,
+    head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor],
+    chunk_tokens: int,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-probs (and entropies) of the states ([N, H]) that predict the tokens after
+    ``where`` (``positions``' nonzero rows and columns), in ``positions``' shape."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    rows, columns = where
     targets = input_ids[rows, columns + 1]
     head_trains = any(p.requires_grad for p in head.parameters())
     needs_grad = torch.is_grad_enabled() and (states.requires_grad or head_trains)
@@ -97,9 +124,9 @@ def head_logprobs(
         logps.append(logp)
         if ent is not None:
             entropies.append(ent)
-    zeros = torch.zeros(positions.shape, dtype=torch.float32, device=hidden.device)
-    logp_all = zeros.index_put((rows, columns), _cat(logps, hidden.device))
-    entropy_all = zeros.index_put((rows, columns), _cat(entropies, hidden.device)) if entropy else None
+    zeros = torch.zeros(positions.shape, dtype=torch.float32, device=states.device)
+    logp_all = zeros.index_put((rows, columns), _cat(logps, states.device))
+    entropy_all = zeros.index_put((rows, columns), _cat(entropies, states.device)) if entropy else None
     return logp_all, entropy_all
 
 

@@ -95,6 +95,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         compile_layers: str | None = None,
         length_buckets: bool = LENGTH_BUCKETS,
         fuse_lora: bool = False,
+        pack_rows: bool = False,
     ) -> None:
         """``dtype``: the base weights' (bfloat16 / float16 engines also compute under autocast;
         adapters and AdamW stay float32). ``micro_batch_rows`` / ``micro_batch_tokens``: a
@@ -106,7 +107,8 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         layers run under (``"inductor"``; None: eager). ``length_buckets``: a batch of several
         micro-batches is cut with its rows ordered by length (``worker.train_batches.length_order``).
         ``fuse_lora``: a job's step runs the LoRA A matmuls of q/k/v and of gate/up as one each
-        (``worker.fused_lora``; LoRA without dropout)."""
+        (``worker.fused_lora``; LoRA without dropout). ``pack_rows``: a micro-batch's rows run
+        through the decoder packed into one sequence, without padding (``token_logprobs``)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
@@ -122,6 +124,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.length_buckets = length_buckets
         self.fuse_lora = fuse_lora
+        self.pack_rows = pack_rows
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names

@@ -77,6 +77,7 @@ class TrainingMath(JobSlots):
     logprob_chunk_tokens: int
     length_buckets: bool
     fuse_lora: bool
+    pack_rows: bool
     compile_layers: str | None
     _torch_dtype: torch.dtype
     _checkpointed_layers: list[torch.nn.Module]
@@ -223,11 +224,19 @@ class TrainingMath(JobSlots):
                 layer.training = mode
 
     def _token_logprobs(
-        self, model: torch.nn.Module, part: Rows, entropy: bool = False
+        self, model: torch.nn.Module, part: Rows, entropy: bool = False, packable: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) at the micro-batch's loss-mask positions, 0 elsewhere."""
+        """Log-probs (and entropies) at the micro-batch's loss-mask positions, 0 elsewhere (the
+        rows packed with ``pack_rows``, unless the forward is a shared pass's, whose adapters
+        take rows, not tokens)."""
         return token_logprobs(
-            model, part.input_ids, part.attention_mask, part.loss_mask, self.logprob_chunk_tokens, entropy
+            model,
+            part.input_ids,
+            part.attention_mask,
+            part.loss_mask,
+            self.logprob_chunk_tokens,
+            entropy,
+            packed=self.pack_rows and packable,
         )
 
     # ------------------------------------------------------------ several jobs in one pass
@@ -347,7 +356,7 @@ class TrainingMath(JobSlots):
                     for param in job.params.values():
                         param.requires_grad_(True)
                 with self._forward_context():
-                    logp, entropy = self._token_logprobs(self._peft, part, entropy=True)
+                    logp, entropy = self._token_logprobs(self._peft, part, entropy=True, packable=False)
                 assert entropy is not None
                 if one_loss:  # every job's token loss is the same function: one over all the rows
                     whole = self._shared_loss(work[0][1], logp, entropy, ref, part, owners, (start, stop), sums, shared)
