@@ -14,7 +14,8 @@ The trainer's speed levers (``docs/gpu.md``) are flags, recorded in the ``traine
 ``--length-buckets`` (with ``--ragged`` rows of mixed lengths, the only batches it changes; the
 padded tokens with and without it are recorded), ``--checkpoint-scope``, ``--compile-layers``,
 ``--fuse-lora`` (the LoRA A matmuls of q/k/v and gate/up as one each), ``--pack-rows`` (a
-micro-batch's rows in one sequence without padding; the model's attention kernel is recorded);
+micro-batch's rows in one sequence without padding; the model's attention kernel is recorded),
+``--vocab-block N`` (the head's log-softmax in vocabulary blocks, no fp32 [chunk, vocab] tensor);
 ``--parts`` runs a subset (``trainer`` alone: a lever's A/B in a minute).
 
 Writes ``bench/results/gpu.json`` after every part (and copies it to ``$OUT``). ``--quick``
@@ -225,6 +226,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     trainer.length_buckets = a.length_buckets == "on"
     trainer.fuse_lora = a.fuse_lora == "on"
     trainer.pack_rows = a.pack_rows == "on"
+    trainer.logprob_vocab_block = a.vocab_block or None
     compile_backend = None if a.compile_layers == "off" else a.compile_layers
     if a.checkpoint_scope != "layer" or compile_backend is not None:
         trainer.set_layer_options(trainer.gradient_checkpointing, a.checkpoint_scope, compile_backend)
@@ -238,6 +240,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         length_buckets=trainer.length_buckets,
         fuse_lora=trainer.fuse_lora,
         pack_rows=trainer.pack_rows,
+        vocab_block=trainer.logprob_vocab_block,
         attention=str(getattr(trainer._base.config, "_attn_implementation", "")),
         ragged=a.ragged,
     )
@@ -657,6 +660,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-scope", choices=["layer", "mlp", "attn"], default="layer")
     ap.add_argument("--fuse-lora", choices=["on", "off"], default="off", help="one A matmul per q/k/v, gate/up")
     ap.add_argument("--pack-rows", choices=["on", "off"], default="off", help="rows packed into one sequence")
+    ap.add_argument("--vocab-block", type=int, default=0, help="the head's log-softmax in blocks of N (0: whole)")
     ap.add_argument("--compile-layers", default="off", help="torch.compile backend of the decoder layers (inductor)")
     ap.add_argument("--parts", default=None, help="comma-separated parts to run (default: all, in order)")
     a = ap.parse_args()

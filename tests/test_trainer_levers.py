@@ -34,6 +34,7 @@ COMPILE_RTOL = 1e-5  # compiled layers (aot_eager): the gradient vector's relati
 FUSED_RTOL = 1e-6  # fused LoRA A matmuls: the gradient vector's relative error
 PACKED_RTOL = 1e-5  # packed rows: the gradient vector's relative error
 PACKED_LOGPROB_ATOL = 1e-5  # packed rows: each log-prob
+VOCAB_BLOCK_RTOL = 1e-5  # the log-softmax in vocabulary blocks: gradients, metrics
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +256,26 @@ def test_packed_rows_give_the_padded_gradients_and_logprobs_and_the_decoder_sees
     masks = [[0] + [1] * (len(row) - 1) for row in rows]  # every token after the first
     for got, want in zip(packed.logprobs("A", rows, masks), padded.logprobs("A", rows, masks)):
         assert got == pytest.approx(want, abs=PACKED_LOGPROB_ATOL)
+
+
+# ---------------------------------------------------------------- the log-softmax in vocabulary blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_log_softmax_in_vocabulary_blocks_gives_the_whole_vocabularys_gradients_and_logprobs(
+    model_dir: str, dtype: str
+) -> None:
+    whole = trained_engine(model_dir, dtype=dtype)
+    blocks = trained_engine(model_dir, dtype=dtype, logprob_vocab_block=VOCAB // 3 + 1)  # 3 blocks, one short
+    batch, hp = mixed_batch(13), TrainHParams(lr=1e-3)
+    grads_blocks, metrics_blocks = blocks.loss_gradients("A", batch, hp)
+    grads_whole, metrics_whole = whole.loss_gradients("A", batch, hp)
+    assert relative_error(grads_blocks, grads_whole) <= VOCAB_BLOCK_RTOL
+    for name, value in metrics_whole.items():  # the entropy too
+        assert metrics_blocks[name] == pytest.approx(value, rel=VOCAB_BLOCK_RTOL, abs=1e-6), name
+    rows = [row[:9] for row in batch.input_ids]
+    masks = [[0] + [1] * (len(row) - 1) for row in rows]
+    for got, want in zip(blocks.logprobs("A", rows, masks), whole.logprobs("A", rows, masks)):
+        assert got == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ValueError, match="logprob_vocab_block"):
+        TrainerEngine(model_dir, threads=2, logprob_vocab_block=0)

@@ -58,6 +58,7 @@ def token_logprobs(
     chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
     entropy: bool = False,
     packed: bool = False,
+    vocab_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t+1 | tokens <= t) at the ``positions`` ([B, L-1] bool) of right-padded
     ``input_ids`` ([B, L]), and the predictive entropy there if asked: two fp32 [B, L-1]
@@ -68,7 +69,7 @@ def token_logprobs(
     decoder, head = causal_lm_parts(model)
     if not packed:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return head_logprobs(hidden, head, input_ids, positions, chunk_tokens, entropy)
+        return head_logprobs(hidden, head, input_ids, positions, chunk_tokens, entropy, vocab_block)
     lengths = attention_mask.sum(dim=1)
     real = attention_mask.bool()
     starts = torch.cumsum(lengths, 0) - lengths  # each row's first token in the packed sequence
@@ -76,7 +77,7 @@ def token_logprobs(
     hidden = decoder(input_ids=input_ids[real][None], position_ids=columns[real][None], use_cache=False)
     rows, wanted = positions.nonzero(as_tuple=True)
     states = hidden.last_hidden_state[0, starts[rows] + wanted]
-    return _head_at(states, head, input_ids, positions, (rows, wanted), chunk_tokens, entropy)
+    return _head_at(states, head, input_ids, positions, (rows, wanted), chunk_tokens, entropy, vocab_block)
 
 
 def head_logprobs(
@@ -86,11 +87,12 @@ def head_logprobs(
     positions: torch.Tensor,
     chunk_tokens: int,
     entropy: bool = False,
+    vocab_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logprobs`` from the decoder's last hidden states ([B, L, H])."""
     rows, columns = positions.nonzero(as_tuple=True)
     states = hidden[rows, columns]  # [N, H]: the states that predict a wanted token
-    return _head_at(states, head, input_ids, positions, (rows, columns), chunk_tokens, entropy)
+    return _head_at(states, head, input_ids, positions, (rows, columns), chunk_tokens, entropy, vocab_block)
 
 
 def _head_at(
@@ -101,6 +103,7 @@ def _head_at(
     where: tuple[torch.Tensor, torch.Tensor],
     chunk_tokens: int,
     entropy: bool,
+    vocab_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-probs (and entropies) of the states ([N, H]) that predict the tokens after
     ``where`` (``positions``' nonzero rows and columns), in ``positions``' shape."""
@@ -116,7 +119,7 @@ def _head_at(
     for start in range(0, targets.numel(), chunk_tokens):
         chunk = (states[start : start + chunk_tokens], targets[start : start + chunk_tokens])
         if needs_grad and frozen_linear:
-            logp, ent = _FrozenLinearHeadLogprobs.apply(*chunk, head.weight, head.bias, entropy)
+            logp, ent = _FrozenLinearHeadLogprobs.apply(*chunk, head.weight, head.bias, entropy, vocab_block)
         elif needs_grad:
             logp, ent = checkpoint(_chunk_logprobs, head, *chunk, entropy, use_reentrant=False)
         else:
@@ -154,7 +157,8 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
     d log p(t | h) / dh = W[t] - sum_v p_v W[v]: a [chunk, H] tensor, made from the chunk's
     softmax while it exists; the backward only scales it by the incoming gradient, so no
     chunk's logits are kept or made again (half the passes over [chunk, vocab] of a
-    checkpointed chunk)."""
+    checkpointed chunk). With ``vocab_block`` the chunk's logits stay in the head's dtype and
+    its softmax is taken block by block (``_blockwise_head``): no [chunk, vocab] fp32 tensor."""
 
     @staticmethod
     def forward(
@@ -164,7 +168,15 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         entropy: bool,
+        vocab_block: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if vocab_block is not None and vocab_block < weight.shape[0]:
+            chosen, ent, direction = _blockwise_head(states, targets, weight, bias, entropy, vocab_block)
+            ctx.save_for_backward(direction)
+            ctx.states_dtype = states.dtype
+            if ent is not None:
+                ctx.mark_non_differentiable(ent)
+            return chosen, ent
         logp = torch.log_softmax(torch.nn.functional.linear(states, weight, bias).float(), dim=-1)
         chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         probs = logp.exp()
@@ -180,9 +192,44 @@ class _FrozenLinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_chosen: torch.Tensor, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None, None, None, None]:
+    ) -> tuple[torch.Tensor, None, None, None, None, None]:
         (direction,) = ctx.saved_tensors
-        return (grad_chosen.unsqueeze(-1) * direction).to(ctx.states_dtype), None, None, None, None
+        return (grad_chosen.unsqueeze(-1) * direction).to(ctx.states_dtype), None, None, None, None, None
+
+
+def _blockwise_head(
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    entropy: bool,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``_FrozenLinearHeadLogprobs``' forward with the vocabulary in blocks of ``block``: the
+    chunk's logits stay in the head's dtype and only one block at a time exists in fp32 (the
+    log-sum-exp taken online over the blocks, then each block's softmax written over its logits,
+    in the head's dtype as the whole-vocabulary path casts them, for the gradient's direction).
+    The same matmuls; the log-softmax's sums in another order."""
+    logits = torch.nn.functional.linear(states, weight, bias)  # [chunk, vocab], the head's dtype
+    vocab = logits.shape[-1]
+    top = torch.full(targets.shape, -torch.inf, dtype=torch.float32, device=states.device)
+    total = torch.zeros(targets.shape, dtype=torch.float32, device=states.device)
+    for start in range(0, vocab, block):
+        part = logits[:, start : start + block].float()
+        peak = torch.maximum(top, part.amax(dim=-1))
+        total = total * torch.exp(top - peak) + torch.exp(part - peak[:, None]).sum(dim=-1)
+        top = peak
+    lse = top + torch.log(total)
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float() - lse
+    mean_logit = torch.zeros_like(lse)  # sum_v p_v logit_v: entropy = lse - this
+    for start in range(0, vocab, block):  # each block's logits become its probabilities, in place
+        part = logits[:, start : start + block].float()
+        probs = torch.exp(part - lse[:, None])
+        if entropy:
+            mean_logit += (probs * part).sum(dim=-1)
+        logits[:, start : start + block] = probs.to(logits.dtype)
+    direction = weight[targets].float() - torch.mm(logits.to(weight.dtype), weight).float()
+    return chosen, (lse - mean_logit) if entropy else None, direction
 
 
 def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -96,6 +96,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         length_buckets: bool = LENGTH_BUCKETS,
         fuse_lora: bool = False,
         pack_rows: bool = False,
+        logprob_vocab_block: int | None = None,
     ) -> None:
         """``dtype``: the base weights' (bfloat16 / float16 engines also compute under autocast;
         adapters and AdamW stay float32). ``micro_batch_rows`` / ``micro_batch_tokens``: a
@@ -108,7 +109,9 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         micro-batches is cut with its rows ordered by length (``worker.train_batches.length_order``).
         ``fuse_lora``: a job's step runs the LoRA A matmuls of q/k/v and of gate/up as one each
         (``worker.fused_lora``; LoRA without dropout). ``pack_rows``: a micro-batch's rows run
-        through the decoder packed into one sequence, without padding (``token_logprobs``)."""
+        through the decoder packed into one sequence, without padding (``token_logprobs``).
+        ``logprob_vocab_block``: a chunk's log-softmax taken over the vocabulary in blocks of so
+        many tokens, its logits kept in the head's dtype (None: the whole vocabulary in fp32)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
@@ -125,6 +128,9 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.length_buckets = length_buckets
         self.fuse_lora = fuse_lora
         self.pack_rows = pack_rows
+        if logprob_vocab_block is not None and logprob_vocab_block < 1:
+            raise ValueError(f"logprob_vocab_block must be at least 1, got {logprob_vocab_block}")
+        self.logprob_vocab_block = logprob_vocab_block
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names

@@ -78,6 +78,7 @@ class TrainingMath(JobSlots):
     length_buckets: bool
     fuse_lora: bool
     pack_rows: bool
+    logprob_vocab_block: int | None
     compile_layers: str | None
     _torch_dtype: torch.dtype
     _checkpointed_layers: list[torch.nn.Module]
@@ -237,6 +238,7 @@ class TrainingMath(JobSlots):
             self.logprob_chunk_tokens,
             entropy,
             packed=self.pack_rows and packable,
+            vocab_block=self.logprob_vocab_block,
         )
 
     # ------------------------------------------------------------ several jobs in one pass
