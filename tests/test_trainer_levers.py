@@ -279,3 +279,30 @@ def test_a_log_softmax_in_vocabulary_blocks_gives_the_whole_vocabularys_gradient
         assert got == pytest.approx(want, abs=1e-5)
     with pytest.raises(ValueError, match="logprob_vocab_block"):
         TrainerEngine(model_dir, threads=2, logprob_vocab_block=0)
+
+
+# ---------------------------------------------------------------- no fp32 copies of the LoRA layers' inputs
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_on_a_bf16_engine_lora_layers_take_their_input_in_bf16_and_the_gradients_keep_every_bit(
+    model_dir: str, checkpointing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+
+    import worker.trainer_math as tm
+
+    engine = trained_engine(model_dir, dtype="bfloat16", gradient_checkpointing=checkpointing)
+    seen: list[torch.dtype] = []
+    q_proj = engine._peft.base_model.model.model.layers[0].self_attn.q_proj
+    q_proj.lora_A[engine._job("A").adapter_name].register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    batch, hp = mixed_batch(14), TrainHParams(lr=1e-3)
+    grads, metrics = engine.loss_gradients("A", batch, hp)
+    assert seen and set(seen) == {torch.bfloat16}  # no fp32 copy (the recomputation's too)
+    monkeypatch.setattr(tm, "disable_input_dtype_casting", lambda model: contextlib.nullcontext())
+    seen.clear()
+    cast_grads, cast_metrics = engine.loss_gradients("A", batch, hp)
+    assert set(seen) == {torch.float32}  # PEFT's own cast to the fp32 masters
+    for key, grad in cast_grads.items():
+        assert torch.equal(grads[key], grad), key
+    assert metrics == cast_metrics

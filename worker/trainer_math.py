@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
+from peft.helpers import disable_input_dtype_casting
 from peft.tuners.lora import LoraLayer
 from torch.optim.adam import adam
 
@@ -475,7 +476,11 @@ class TrainingMath(JobSlots):
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
         model = self._activate(job, train=job.lora is not None and job.lora.dropout > 0)
         fused = fused_lora_a(model, job.adapter_name) if self.fuse_lora and job.lora is not None else None
-        with self._job_weights(job, grad=True), fused or contextlib.nullcontext():  # the backward too
+        with (
+            self._job_weights(job, grad=True),  # the backward too: gradients reach the job's weights
+            fused or contextlib.nullcontext(),
+            self._low_precision_inputs(model, job),
+        ):
             with self._forward_context():
                 logp, entropy = self._token_logprobs(model, part, entropy=True)
             assert entropy is not None
@@ -488,6 +493,15 @@ class TrainingMath(JobSlots):
             loss = (terms.loss * weights).sum()
             loss.backward()
         sums.add(part.loss_mask, weights, terms, loss, entropy)
+
+    def _low_precision_inputs(self, model: torch.nn.Module, job: JobState) -> contextlib.AbstractContextManager[Any]:
+        """On a bfloat16 / float16 engine, the job's LoRA layers take their input as it comes
+        instead of an fp32 copy for their fp32 masters (autocast runs their matmuls in the
+        engine's dtype either way: the same bits, one copy of each input less). Not with LoRA
+        dropout, whose mask would then scale the input in the lower precision."""
+        if self._torch_dtype == torch.float32 or job.lora is None or job.lora.dropout > 0:
+            return contextlib.nullcontext()
+        return disable_input_dtype_casting(model)
 
     def _user_loss(self, hp: TrainHParams) -> Callable[..., torch.Tensor]:
         """The trusted user's ``loss_fn``, imported once per (target, path)."""
