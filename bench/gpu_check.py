@@ -225,7 +225,7 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
 
     trainer.length_buckets = a.length_buckets == "on"
     trainer.fuse_lora = a.fuse_lora == "on"
-    trainer.pack_rows = a.pack_rows == "on"
+    trainer.set_pack_rows(a.pack_rows == "on")
     trainer.logprob_vocab_block = a.vocab_block or None
     compile_backend = None if a.compile_layers == "off" else a.compile_layers
     if a.checkpoint_scope != "layer" or compile_backend is not None:

@@ -61,3 +61,14 @@ def test_a_trainer_sharing_its_gpu_is_capped_to_its_share_on_cuda_only(monkeypat
     cap_memory(0.4, "cpu")
     cap_memory(None, "cuda")
     assert calls == [0.4]
+
+
+def test_packed_rows_get_flash_attentions_varlen_kernel_only_on_a_gpu_in_bf16_or_fp16_where_it_imports() -> None:
+    from worker.engine_options import trainer_attention
+
+    assert trainer_attention("cuda", "bfloat16", True, flash_attn=True) == "flash_attention_2"
+    assert trainer_attention("cuda", "float16", True, flash_attn=True) == "flash_attention_2"
+    assert trainer_attention("cuda", "float32", True, flash_attn=True) is None  # flash-attn takes no fp32
+    assert trainer_attention("cuda", "bfloat16", True, flash_attn=False) is None  # not installed: SDPA
+    assert trainer_attention("cuda", "bfloat16", False, flash_attn=True) is None  # padded rows: as before
+    assert trainer_attention("cpu", "bfloat16", True, flash_attn=True) is None

@@ -64,3 +64,12 @@ def engine_options(
 def visible_device_ids(visible_devices: str | None) -> list[str]:
     """The GPU ids of ``CUDA_VISIBLE_DEVICES`` ("" or unset: none)."""
     return [d.strip() for d in (visible_devices or "").split(",") if d.strip()]
+
+
+def trainer_attention(device: str, dtype: str, pack_rows: bool, flash_attn: bool) -> str | None:
+    """The attention kernel a trainer's base runs: ``flash_attention_2`` where packed rows can
+    use its varlen path (a GPU, bf16 or fp16 weights, the ``flash_attn`` package importable);
+    None otherwise: the model's own default (SDPA), which packed rows give an N x N mask."""
+    if pack_rows and flash_attn and device == "cuda" and dtype in ("bfloat16", "float16"):
+        return "flash_attention_2"
+    return None

@@ -25,11 +25,12 @@ Bit-exactness is a CPU guarantee; on GPU it additionally needs deterministic ker
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save as safetensors_bytes
@@ -53,6 +54,7 @@ from worker.checkpoint_files import (
 )
 from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
 from worker.decoder_layers import compile_layers as compile_decoder_layers
+from worker.engine_options import trainer_attention
 from worker.errors import CheckpointError
 from worker.state.arena import HostArena, HostMemoryError
 from worker.state.job_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
@@ -127,13 +129,13 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.length_buckets = length_buckets
         self.fuse_lora = fuse_lora
-        self.pack_rows = pack_rows
         if logprob_vocab_block is not None and logprob_vocab_block < 1:
             raise ValueError(f"logprob_vocab_block must be at least 1, got {logprob_vocab_block}")
         self.logprob_vocab_block = logprob_vocab_block
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names
+        self.set_pack_rows(pack_rows)
         self.gradient_checkpointing, self.checkpoint_scope, self.compile_layers = False, "layer", None
         self._checkpointed_layers: list[torch.nn.Module] = []
         self._layers_rewired = False  # a scope's wrappers or compiled layers are in place (not undone)
@@ -152,6 +154,14 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
         self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
+
+    def set_pack_rows(self, on: bool) -> None:
+        """Pack a micro-batch's rows (``pack_rows``), with the attention kernel that makes it pay
+        where there is one (``worker.engine_options.trainer_attention``)."""
+        self.pack_rows = on
+        kernel = trainer_attention(self.device.type, self.dtype, on, importlib.util.find_spec("flash_attn") is not None)
+        if kernel is not None:
+            cast(Any, self._base).set_attn_implementation(kernel)
 
     def set_layer_options(
         self, gradient_checkpointing: bool, checkpoint_scope: str = "layer", compile_layers: str | None = None
