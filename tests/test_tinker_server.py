@@ -648,6 +648,10 @@ def test_a_run_waiting_for_capacity_says_why_until_it_runs(raw: tuple[TestClient
     assert retrieve(client, request_id).json()["model_id"] == f"{session_id}:train:0"
 
 
+# once in many runs the SDK's client process, its session closed and "created" printed, was killed
+# by SIGABRT in the interpreter's teardown with nothing on stderr (its own threads, not the server):
+# a second run tells that apart from a client that is not told or not served
+@pytest.mark.flaky(reruns=1)
 def test_a_client_whose_run_waits_for_room_is_told_at_the_sdks_default_log_level(
     served: tuple[str, FakeBackend],
 ) -> None:
