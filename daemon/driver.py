@@ -57,6 +57,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--job-dir", required=True, type=Path)
+    ap.add_argument("--spec", type=Path, default=None, help="the job's spec (default: the job directory's)")
     ap.add_argument("--isolated", action="store_true", help="jailed (daemon.jail): the job's directory is all it sees")
     args = ap.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal: the daemon tells us
@@ -65,7 +66,7 @@ def run(argv: list[str] | None = None) -> int:
     endpoint_file = None if args.isolated else endpoint_path(args.job_dir.resolve().parents[1])
     client = JobClient(args.endpoint, args.job_id, parent_pid=os.getppid(), endpoint_file=endpoint_file, log=log)
     try:
-        spec = spec_from_wire(json.loads(JobDir(args.job_dir).spec.read_text()))
+        spec = spec_from_wire(json.loads((args.spec or JobDir(args.job_dir).spec).read_text()))
         log(f"job {args.job_id} ({spec.name}) starting: {spec.algo.loop or spec.algo.name}, {spec.algo.steps} steps")
         job = Job(client, spec, args.job_dir, log)
         try:

@@ -1,23 +1,25 @@
-"""The isolated driver: a job of a user the cluster does not trust runs held to that user's rights.
+"""The isolated driver: a job of a user the cluster does not trust runs held to a uid of its own.
 
 It owns ``mode`` (how this daemon jails: ``root`` or ``userns``, or not at all), ``refusal`` (why
-it cannot, or ""), ``runs_as`` / ``account`` / ``job_account`` (the uid a job runs as), ``start``
-(the driver's process, whose first code is ``daemon/jail_boot.py``), ``jailed_env`` (the
-environment's allow-list) and ``read_job_file`` (what a driver wrote). Before any of the job's
-code runs, that process leaves the daemon's mount, network (keeping only a down loopback), IPC
-and PID namespaces (in ``userns`` mode its user namespace too); pivots into a new, empty root that
-holds, read-only, the system, the interpreter and the import path, and under ``/mnt`` its output
-directory (writable) and the daemon's socket; in ``root`` mode takes the submitting user's uid
-(or a uid of the job's own); sets its rlimits (``plexctl.common.limits``); then drops every
-capability and sets ``no_new_privs``.
+it cannot, or ""), ``runs_as`` / ``job_account`` (the uid a job runs as: in ``root`` mode one of
+the job's own, never a person's), ``start`` (the driver's process, whose first code is
+``daemon/jail_boot.py``), ``jailed_env`` (the environment's allow-list) and ``read_job_file``
+(what a driver wrote). Before any of the job's code runs, that process joins the job's cgroups
+(``daemon.confine``), leaves the daemon's mount, network (keeping only a down loopback), IPC and
+PID namespaces (in ``userns`` mode its user namespace too); pivots into a new, empty root that
+holds, read-only, the system, the interpreter, the import path, and under ``/mnt`` what the
+daemon gave it (``in``: its spec and uploaded inputs; ``keys``), its output directory (writable)
+and the daemon's socket; in ``root`` mode takes the job's uid; sets its rlimits; then drops
+every capability, sets ``no_new_privs`` and loads its seccomp filter.
 
 Invariants: a jail that cannot be set up exits with ``SETUP_FAILED_EXIT`` and one line on stderr
 before any of the job's code is imported; the state directory and the owner's PLEXRL_HOME are
-covered by empty mounts inside; nothing the driver writes lies outside its output directory,
-which the daemon measures (``dir_bytes``) and reads without following links (``open_job_file``).
+covered by empty mounts inside; the daemon writes only in directories of its own (``in``,
+``keys``), never in the job's output directory, and reads there without following links
+(``open_job_file``); its configuration reaches the jail on a pipe, not on a command line.
 
 It deliberately does not jail without namespaces (``refusal`` says why and the daemon refuses
-such jobs at submit), nor use cgroups. The whole model and the limits: ``docs/security.md``.
+such jobs at submit). The whole model and the limits: ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import ctypes
 import functools
 import json
 import os
-import pwd
+import shutil
 import stat
 import subprocess
 import sys
@@ -43,15 +45,14 @@ JOB_UID_BASE = 1_400_000  # jobs of users with no local account: uids [BASE, BAS
 JOB_UIDS = 100_000
 JAIL_ROOT = "/mnt"  # a tmpfs in the jail's mount namespace: what the driver is given lives here
 OUT_DIR = JobDir.DRIVER_OUT  # in the job's directory: the one place the isolated driver writes
-KEYS_DIR = JobDir.DRIVER_KEYS  # in the job's directory: its key pair, the daemon's, bound read-only at /mnt/keys
-# A jailed driver's environment: these names and prefixes of the daemon's, nothing else (no token of
-# the owner's shell, none of the cluster's keys or the owner's home).
+# A jailed driver's environment: these exact names of the daemon's, nothing else (no token or locale
+# of the owner's shell, none of the cluster's keys or the owner's home, no debugging switch).
 ENV_NAMES = (
-    "PATH", "LANG", "LANGUAGE", "TZ", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM",
+    "PATH", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+    "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM",
+    "PLEXRL_ORPHAN_GRACE_S", "PLEXRL_SANDBOX_MODE",  # the cluster's, that a driver reads
 )  # fmt: skip
-ENV_PREFIXES = ("LC_",)
-ENV_PLEXRL = ("PLEXRL_ORPHAN_GRACE_S", "PLEXRL_SANDBOX_MODE", "PLEXRL_DEBUG")  # the cluster's, that a driver reads
+JAIL_LOCALE = "C.UTF-8"  # the jail's own locale, whatever the owner's
 SOCKET_NAME = "plexd.sock"
 MAX_READ = 1 << 30
 MODE_ENV = "PLEXRL_JAIL_MODE"  # root | userns: force a mode (e.g. to test userns as root)
@@ -68,19 +69,9 @@ class Account:
     groups: tuple[int, ...]
 
 
-def account(user: str) -> Account | None:
-    """The local account named ``user`` (never root), None if there is none."""
-    try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        return None
-    if entry.pw_uid == 0:
-        return None
-    return Account(user, entry.pw_uid, entry.pw_gid, tuple(os.getgrouplist(user, entry.pw_gid)))
-
-
 def job_account(user: str, job_id: str) -> Account:
-    """For a user with no local account: a uid and gid of the job's own, unused by any account."""
+    """A uid and gid of the job's own, unused by any account: no person's process (not even the
+    submitting user's own shell) can signal, trace or open the ``/proc`` of a process of the job."""
     number = int(job_id.lstrip("j") or 0)
     uid = JOB_UID_BASE + number % JOB_UIDS
     return Account(user, uid, uid, ())
@@ -109,10 +100,10 @@ def _userns_allowed() -> bool:
 
 
 def runs_as(user: str, job_id: str) -> Account:
-    """Whom a jailed job of ``user`` runs as: in ``root`` mode their account (or the job's own
-    uid), in ``userns`` mode the daemon's own uid."""
+    """Whom a jailed job of ``user`` runs as: in ``root`` mode the job's own uid, in ``userns``
+    mode the daemon's own uid."""
     if mode() == "root":
-        return account(user) or job_account(user, job_id)
+        return job_account(user, job_id)
     return Account(user, os.getuid(), os.getgid(), ())
 
 
@@ -157,15 +148,30 @@ def open_socket(state_dir: Path) -> None:
 
 
 def out_dir(job_dir: Path, who: Account) -> Path:
-    """The job's output directory, owned by ``who`` (made if missing, re-owned if not theirs)."""
+    """The job's output directory, owned by ``who`` (made if missing, re-owned if not theirs). Its
+    entry lies in the daemon's own directory: the job can fill it, never swap it."""
     out = job_dir / OUT_DIR
     out.mkdir(mode=0o700, exist_ok=True)
-    st = out.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"{out} is not a directory")
-    os.chown(out, who.uid, who.gid)
-    out.chmod(0o700)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, who.uid, who.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return out
+
+
+def given_dir(job_dir: Path) -> Path:
+    """The daemon's directory of what a jailed job is given (its spec, its uploaded inputs), made
+    empty: root's, readable by the job's uid, bound read-only at ``/mnt/in``."""
+    given = job_dir / JobDir.DRIVER_IN
+    if given.is_symlink() or given.is_file():
+        given.unlink()
+    elif given.exists():
+        shutil.rmtree(given)
+    given.mkdir(mode=0o755)
+    given.chmod(0o755)
+    return given
 
 
 def open_job_file(path: Path) -> BinaryIO:
@@ -186,27 +192,11 @@ def read_job_file(path: Path, offset: int = 0, limit: int = MAX_READ) -> bytes:
 
 
 def jailed_env(env: dict[str, str], who: Account) -> dict[str, str]:
-    """The environment a jailed driver gets: the allowed names of ``env`` (``ENV_NAMES``,
-    ``ENV_PLEXRL``, ``ENV_PREFIXES``), its own home, user, temporary directory and keys."""
-    kept = {
-        name: value for name, value in env.items() if name in ENV_NAMES + ENV_PLEXRL or name.startswith(ENV_PREFIXES)
-    }
-    own = {"TMPDIR": "/tmp", "HOME": f"{JAIL_ROOT}/job", "USER": who.user, "LOGNAME": who.user}
+    """The environment a jailed driver gets: the allowed names of ``env`` (``ENV_NAMES``), its own
+    locale, home, user, temporary directory and keys."""
+    kept = {name: value for name, value in env.items() if name in ENV_NAMES}
+    own = {"LANG": JAIL_LOCALE, "TMPDIR": "/tmp", "HOME": f"{JAIL_ROOT}/job", "USER": who.user, "LOGNAME": who.user}
     return {**kept, **own, "PLEXRL_DRIVER_KEYS": f"{JAIL_ROOT}/keys"}
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links not followed), as a breach check reads them."""
-    total = 0
-    for directory, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(directory, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_blocks * 512
-    return total
 
 
 def start(
@@ -218,12 +208,14 @@ def start(
     hide: list[Path],
     keys: Path,
     limits: JobLimits,
+    cgroups: list[str],
 ) -> subprocess.Popen:
     """Start the driver of ``job_id`` jailed (``mode()``) and running as ``who``, held to
-    ``limits``, with the key pair in ``keys`` (read-only to it); its output goes to ``log_path``.
-    The process returned is the jail's supervisor: it forwards signals to the driver (pid 1 of
-    its own PID namespace), which dies with it."""
-    out = out_dir(job_dir, who)
+    ``limits``, in the cgroups whose ``cgroup.procs`` files ``cgroups`` names, given what
+    ``given_dir`` holds and the key pair in ``keys`` (both read-only to it); its output goes to
+    ``log_path``. The process returned is the jail's supervisor: it forwards signals to the
+    driver (pid 1 of its own PID namespace), which dies with it."""
+    out = job_dir / OUT_DIR
     cfg = {
         "mode": mode(),
         "uid": who.uid,
@@ -235,7 +227,9 @@ def start(
                 p for p in [str(REPO_ROOT), *sys.path, os.path.realpath(sys.base_prefix)] if p and os.path.isdir(p)
             )
         ),
+        "cgroups": cgroups,
         "job": str(out),
+        "in": str(job_dir / JobDir.DRIVER_IN),
         "keys": str(keys),
         "sock": str(socket_dir(state_dir)),
         "limits": {
@@ -250,23 +244,31 @@ def start(
         "argv": [
             "--endpoint",
             f"ipc://{JAIL_ROOT}/sock/{SOCKET_NAME}",
-            "--job-id",
-            job_id,
-            "--job-dir",
-            f"{JAIL_ROOT}/job",
-            "--isolated",
+            *driver_args(job_id),
         ],
     }
     child_env = jailed_env(dict(os.environ), who)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        return subprocess.Popen(
-            [sys.executable, "-I", "-S", str(BOOT), json.dumps(cfg)],
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(BOOT)],
             stdout=fd,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             env=child_env,
             cwd="/",
         )
     finally:
         os.close(fd)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(cfg).encode())  # on a pipe: the paths it names stay out of `ps`
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the jail failed at once: its line is in the log, its exit code with the daemon
+    return proc
+
+
+def driver_args(job_id: str) -> list[str]:
+    """A jailed driver's arguments (its address aside): its job, and where it finds its files."""
+    return ["--job-id", job_id, "--job-dir", f"{JAIL_ROOT}/job", "--spec", f"{JAIL_ROOT}/in/spec.json", "--isolated"]

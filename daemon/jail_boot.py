@@ -1,10 +1,12 @@
 """The jailed driver's first code, in its own process: the jail, then the driver.
 
-``daemon.jail.start`` runs ``python -I -S <this file> <cfg>`` (by path), ``cfg`` the JSON of a
-dict: ``mode`` (root | userns), ``uid`` / ``gid`` / ``groups`` (root mode: whom the job runs as),
-``system`` and ``paths`` (bound read-only at their own paths; ``paths`` becomes ``sys.path``),
-``job`` / ``keys`` / ``sock`` (bound at ``/mnt/job``, ``/mnt/keys``, ``/mnt/sock``), ``hide``
-(covered by empty mounts), ``limits``, ``executable`` and ``argv`` (the driver's arguments).
+``daemon.jail.start`` runs ``python -I -S <this file>`` (by path) and writes ``cfg`` on its
+standard input (nothing of it shows in ``ps``), the JSON of a dict: ``cgroups`` (the
+``cgroup.procs`` files it joins first), ``mode`` (root | userns), ``uid`` / ``gid`` / ``groups``
+(root mode: whom the job runs as), ``system`` and ``paths`` (bound read-only at their own paths;
+``paths`` becomes ``sys.path``), ``job`` / ``in`` / ``keys`` / ``sock`` (bound at ``/mnt/job``,
+``/mnt/in``, ``/mnt/keys``, ``/mnt/sock``), ``hide`` (covered by empty mounts), ``limits``,
+``executable`` and ``argv`` (the driver's arguments).
 
 Until ``jail`` sets ``sys.path`` from ``cfg["paths"]`` only the standard library can be
 imported: ``-S`` leaves out site-packages and ``-I`` keeps this file's folder off ``sys.path``
@@ -19,7 +21,6 @@ imported. ``daemon.jail`` imports this module for that exit code: it does nothin
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -34,112 +35,57 @@ SETUP_FAILED_EXIT = 121  # the jail could not be set up; the job's code never ra
 CPU_GRACE_S = 5  # CPU seconds past its limit before the kernel kills a driver that ignored SIGXCPU
 CPU_LIMIT_EXIT = 122  # the supervisor's exit code for a driver ended by its CPU-time limit
 NEW_ROOT = "/mnt"  # where the new root is built, in the old tree; it becomes "/"
-
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x40000000, 0x08000000, 0x20000000
-CLONE_NEWUSER = 0x10000000
-# mount(2) flags; RDONLY, NOSUID, NODEV and NOEXEC have the same values as mount_setattr(2)'s MOUNT_ATTR_*
-BIND, REC, PRIVATE, RDONLY, NOSUID, NODEV, NOEXEC = 0x1000, 0x4000, 0x40000, 0x1, 0x2, 0x4, 0x8
-SYS_PIVOT_ROOT, SYS_MOUNT_SETATTR = 155, 442
-AT_FDCWD, AT_RECURSIVE, MNT_DETACH = -100, 0x8000, 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-LINUX_CAPABILITY_VERSION_3 = 0x20080522
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+ISOLATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plexctl/common/isolation.py")
 
 
-class MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("set", ctypes.c_uint64),
-        ("clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
+def isolation() -> Any:
+    """``plexctl.common.isolation``, loaded by path (no package is importable yet)."""
+    import importlib.util
 
-
-class CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class Libc:
-    """The system calls the jail makes that ``os`` does not offer; each raises ``OSError``."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL(None, use_errno=True)
-        self.lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-        self.lib.syscall.restype = ctypes.c_long
-
-    @staticmethod
-    def check(ret: int, what: str) -> None:
-        if ret != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, what + ": " + os.strerror(err))
-
-    def unshare(self, flags: int) -> None:
-        self.check(self.lib.unshare(flags), "unshare")
-
-    def mount(self, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        ret = self.lib.mount(
-            src and src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode()
-        )
-        self.check(ret, "mount " + dst)
-
-    def mount_setattr(self, path: str, recursive: bool, set_: int, clr: int) -> None:
-        attr = MountAttr(set_, clr, 0, 0)
-        ret = self.lib.syscall(
-            ctypes.c_long(SYS_MOUNT_SETATTR),
-            ctypes.c_long(AT_FDCWD),
-            ctypes.c_char_p(path.encode()),
-            ctypes.c_long(AT_RECURSIVE if recursive else 0),
-            ctypes.byref(attr),
-            ctypes.c_long(ctypes.sizeof(attr)),
-        )
-        self.check(ret, "mount_setattr " + path)
-
-    def pivot_root(self, new: str, old: str) -> None:
-        ret = self.lib.syscall(
-            ctypes.c_long(SYS_PIVOT_ROOT), ctypes.c_char_p(new.encode()), ctypes.c_char_p(old.encode())
-        )
-        self.check(ret, "pivot_root")
-
-    def detach(self, path: str) -> None:
-        self.check(self.lib.umount2(path.encode(), MNT_DETACH), "umount " + path)
-
-    def die_with_parent(self) -> None:
-        self.check(self.lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent death signal")
-
-    def no_new_privs(self) -> None:
-        self.check(self.lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-
-    def drop_capabilities(self) -> None:
-        header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
-        self.check(self.lib.capset(ctypes.byref(header), (ctypes.c_uint32 * 6)()), "drop capabilities")
+    spec = importlib.util.spec_from_file_location("plexrl_isolation", ISOLATION)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def jail(cfg: dict[str, Any]) -> list[str]:
     """Jail this process as ``cfg`` says; the driver's argv. Exits on any failure of its own
     (``SETUP_FAILED_EXIT``); the process that returns is the driver, pid 1 of its PID namespace."""
-    libc = Libc()
-    stage = "namespaces"
+    stage = "cgroups"
     try:
-        enter_namespaces(libc, cfg["mode"])
+        for procs in cfg["cgroups"]:  # before any fork: every process of the job is in them
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        stage = "isolation"
+        iso = isolation()
+        libc = iso.Libc()
+        stage = "namespaces"
+        enter_namespaces(iso, libc, cfg["mode"])
         stage = "pid namespace"
         supervise_driver(libc, cfg["limits"].get("cpu", 0))
         stage = "mounts"
-        build_root(libc, cfg)
+        build_root(iso, libc, cfg)
         stage = "pivot_root"
-        pivot_root(libc)
+        pivot_root(iso, libc)
         stage = "python"
         sys.path[:] = list(cfg["paths"])
         sys.path_importer_cache.clear()
         sys.executable = cfg["executable"]
+        stage = "libseccomp"
+        import pyseccomp  # noqa: F401 - found and loaded now, with the rights to look libseccomp up
+
         stage = "drop privileges"
         if cfg["mode"] == "root":
             os.setgroups(cfg["groups"])
             os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
             os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
         stage = "limits"
-        set_limits(cfg["limits"])
+        set_limits(iso, cfg["limits"])
         libc.no_new_privs()
         libc.drop_capabilities()
+        stage = "seccomp"
+        iso.seccomp()
         os.umask(0o077)
         os.chdir("/mnt/job")
     except BaseException as e:  # noqa: BLE001 - any setup failure exits before the job's code is imported
@@ -148,25 +94,19 @@ def jail(cfg: dict[str, Any]) -> list[str]:
     return cfg["argv"]
 
 
-def enter_namespaces(libc: Libc, mode: str) -> None:
+def enter_namespaces(iso: Any, libc: Any, mode: str) -> None:
     """New mount, network, IPC and PID namespaces (the next child is pid 1 of the PID one); in
     ``userns`` mode a user namespace too, the owner's uid inside and out, no capability outside."""
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID
+    flags = iso.CLONE_NEWNS | iso.CLONE_NEWNET | iso.CLONE_NEWIPC | iso.CLONE_NEWPID
     if mode == "userns":
-        flags |= CLONE_NEWUSER
+        flags |= iso.CLONE_NEWUSER
     libc.unshare(flags)
     if mode == "userns":
-        for name, text in (
-            ("setgroups", "deny"),
-            ("uid_map", "%d %d 1" % (uid, uid)),
-            ("gid_map", "%d %d 1" % (gid, gid)),
-        ):
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
+        iso.map_user(uid, uid, gid)
 
 
-def supervise_driver(libc: Libc, cpu_seconds: int) -> None:
+def supervise_driver(libc: Any, cpu_seconds: int) -> None:
     """Fork the driver, which returns (dying with this process); this process, the supervisor
     (the daemon's handle), forwards signals to it and exits as it did, never returning; a driver
     that used up its ``cpu_seconds`` exits ``CPU_LIMIT_EXIT``, whatever signal ended it."""
@@ -194,32 +134,33 @@ def supervise_driver(libc: Libc, cpu_seconds: int) -> None:
     os.environ["PLEXRL_DRIVER_PID"] = str(supervisor)  # the pid the daemon knows it by
 
 
-def build_root(libc: Libc, cfg: dict[str, Any]) -> None:
+def build_root(iso: Any, libc: Any, cfg: dict[str, Any]) -> None:
     """The new root at ``NEW_ROOT``: a tmpfs with its own ``/tmp`` and ``/proc``, the system and
     import paths, the devices, the job's directory, keys and socket bound in, ``hide`` emptied."""
     os.umask(0o022)
-    libc.mount(None, "/", None, REC | PRIVATE)
-    libc.mount("tmpfs", NEW_ROOT, "tmpfs", NOSUID | NODEV, "mode=0755,size=16m")
+    libc.mount(None, "/", None, iso.REC | iso.PRIVATE)
+    libc.mount("tmpfs", NEW_ROOT, "tmpfs", iso.NOSUID | iso.NODEV, "mode=0755,size=16m")
     os.mkdir(NEW_ROOT + "/tmp")  # first: a bind below /tmp (a checkout there) lands in it, not under it
     tmp_bytes = cfg["limits"]["tmp"] or (1 << 40)
-    libc.mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", NOSUID | NODEV, "mode=1777,size=%d" % tmp_bytes)
+    libc.mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", iso.NOSUID | iso.NODEV, "mode=1777,size=%d" % tmp_bytes)
     for path in cfg["system"]:
-        bind(libc, path, path)
+        bind(iso, libc, path, path)
     for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
-        bind(libc, dev, dev)
+        bind(iso, libc, dev, dev)
     for path in cfg["paths"]:
-        bind(libc, path, path)
-    bind(libc, cfg["job"], "/mnt/job")
-    bind(libc, cfg["keys"], "/mnt/keys")
-    bind(libc, cfg["sock"], "/mnt/sock")
+        bind(iso, libc, path, path)
+    bind(iso, libc, cfg["job"], "/mnt/job")
+    bind(iso, libc, cfg["in"], "/mnt/in")
+    bind(iso, libc, cfg["keys"], "/mnt/keys")
+    bind(iso, libc, cfg["sock"], "/mnt/sock")
     for path in cfg["hide"]:  # the cluster's state, the owner's keys: empty, wherever a bind showed them
         if os.path.isdir(NEW_ROOT + path):
-            libc.mount("tmpfs", NEW_ROOT + path, "tmpfs", NOSUID | NODEV, "mode=0755,size=1m")
+            libc.mount("tmpfs", NEW_ROOT + path, "tmpfs", iso.NOSUID | iso.NODEV, "mode=0755,size=1m")
     os.mkdir(NEW_ROOT + "/proc")
-    libc.mount("proc", NEW_ROOT + "/proc", "proc", NOSUID | NODEV | NOEXEC)
+    libc.mount("proc", NEW_ROOT + "/proc", "proc", iso.NOSUID | iso.NODEV | iso.NOEXEC)
 
 
-def bind(libc: Libc, src: str, dst: str) -> None:
+def bind(iso: Any, libc: Any, src: str, dst: str) -> None:
     """``src`` at ``dst`` of the new root (a link is copied as a link, not followed)."""
     target = NEW_ROOT + dst
     if os.path.islink(src):
@@ -232,10 +173,10 @@ def bind(libc: Libc, src: str, dst: str) -> None:
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         open(target, "a").close()
-    libc.mount(src, target, None, BIND | REC)
+    libc.mount(src, target, None, iso.BIND | iso.REC)
 
 
-def pivot_root(libc: Libc) -> None:
+def pivot_root(iso: Any, libc: Any) -> None:
     """Make the new root "/", detach the old tree, and make all of it read-only and nosuid but
     ``/tmp`` and the job's directory."""
     os.mkdir(NEW_ROOT + "/.old")
@@ -243,23 +184,24 @@ def pivot_root(libc: Libc) -> None:
     os.chdir("/")
     libc.detach("/.old")  # nothing of the old tree stays
     os.rmdir("/.old")
-    libc.mount_setattr("/", True, RDONLY | NOSUID, 0)
+    libc.mount_setattr("/", True, iso.RDONLY | iso.NOSUID, 0)
     for path in ("/tmp", "/mnt/job"):
-        libc.mount_setattr(path, False, 0, RDONLY)
+        libc.mount_setattr(path, False, 0, iso.RDONLY)
 
 
-def set_limits(limits: dict[str, int]) -> None:
-    """The job's address space, processes, file size and CPU seconds (0: no limit). Past its CPU
-    seconds the driver gets SIGXCPU, which ends it (SIGKILL a few seconds later if it waits)."""
-    for which, value in (
-        (resource.RLIMIT_AS, limits["memory"]),
-        (resource.RLIMIT_NPROC, limits["processes"]),
-        (resource.RLIMIT_FSIZE, limits["file"]),
-    ):
-        if value:
-            resource.setrlimit(which, (value, value))
+def set_limits(iso: Any, limits: dict[str, int]) -> None:
+    """Each process's address space, its uid's processes, a file's size and a process's CPU
+    seconds (0: no limit); the job's cgroups hold its tree as a whole. Past its CPU seconds a
+    process gets SIGXCPU, which ends it (SIGKILL a few seconds later if it waits)."""
+    rlimits = [
+        (name, value, value)
+        for name, value in (("RLIMIT_AS", limits["memory"]), ("RLIMIT_NPROC", limits["processes"]),
+                            ("RLIMIT_FSIZE", limits["file"]))
+        if value
+    ]  # fmt: skip
     if limits.get("cpu"):
-        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + CPU_GRACE_S))
+        rlimits.append(("RLIMIT_CPU", limits["cpu"], limits["cpu"] + CPU_GRACE_S))
+    iso.set_rlimits(rlimits)
 
 
 def run_driver(argv: list[str]) -> int:
@@ -269,5 +211,20 @@ def run_driver(argv: list[str]) -> int:
     return main(argv)
 
 
+def read_cfg() -> dict[str, Any]:
+    """The configuration on standard input, which then reads from ``/dev/null``."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as e:
+        os.write(2, ("plexrl-jail: setup failed at configuration: %s\n" % e).encode())
+        os._exit(SETUP_FAILED_EXIT)
+
+
 if __name__ == "__main__":
-    sys.exit(run_driver(jail(json.loads(sys.argv[1]))))
+    sys.exit(run_driver(jail(read_cfg())))

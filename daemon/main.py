@@ -25,7 +25,9 @@ the others are queued again and resume from their last checkpoint.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
+import hashlib
 import logging
 import os
 import shutil
@@ -43,6 +45,7 @@ import zmq
 from daemon import jail, procs
 from daemon import metrics as M
 from daemon.auth import secure
+from daemon.confine import Confinement, keep_job_file
 from daemon.core import (
     ADOPT_TIMEOUT_S,
     CANCEL_GRACE_S,
@@ -61,6 +64,8 @@ from daemon.core import (
     StopDriver,
     WorkerState,
 )
+from daemon.journal import TERMINAL
+from daemon.throttle import SenderThrottle
 from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
@@ -70,7 +75,6 @@ from plexctl.common.cluster_config import ClusterConfig, ConfigError, config_pat
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import limits_for
-from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import EXTERNAL, spec_from_wire
 
 log = logging.getLogger("plexd")
@@ -92,7 +96,8 @@ __all__ = [
 ]
 
 CHORES_S = 0.02  # reaping drivers and admitting jobs, at most this often
-LIMITS_S = 5.0  # jailed jobs' output directories measured against their limit this often
+WARNED_PEERS = 10_000  # peers remembered as warned about (a bad message, a reply that could not go)
+LIMITS_S = 2.0  # jailed jobs' trees (CPU, memory) and output directories checked against their limits this often
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 TINKER_BACKOFF_S = (1.0, 30.0)  # a dead Tinker front end is started again after 1 s, doubling up to 30 s
 TINKER_STABLE_S = 60.0  # a front end that lived this long starts the backoff afresh when it dies
@@ -142,7 +147,8 @@ class Daemon:
         self.worker_procs: dict[str, procs.Handle] = {}
         self.local_layouts: dict[str, tuple[list[str], list[str]]] = {}  # local worker -> (engines, models)
         self.respawns: dict[str, int] = {}
-        self.rejected_peers: set[bytes] = set()
+        self.warned: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()  # warn_once's
+        self.throttle = SenderThrottle()  # senders of bad messages, unheard for a while past a limit
         self.metrics_port: int | None = None
         self.tinker: subprocess.Popen | None = None  # the Tinker API front end (``plexctl.tinker``)
         self.tinker_at: tuple[str, int] = ("", 0)  # its host and port (the port it took, once it listens)
@@ -150,6 +156,11 @@ class Daemon:
         self.tinker_deaths = 0  # in a row: each doubles the wait before the next start
         self.tinker_retry_at: float | None = None  # it died: when it starts again
         self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-prune")
+        self.confined: dict[str, Confinement] = {}  # a running jailed job -> what holds it as a whole
+        self.cluster_key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:8]  # its cgroups' names
+        self.breached: set[str] = set()  # jailed jobs ended by a limit: their files go with their driver
+        self._limits = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-limits")
+        self._limit_check: concurrent.futures.Future[list[tuple[str, str]]] | None = None
 
         # its own context: the ZAP handler's inproc address is per context (a daemon started after
         # another in one process finds it free)
@@ -157,7 +168,7 @@ class Daemon:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         self.authenticator = secure(self.sock, state_dir)
         port = self._bind(host, port)
         if jail.mode():  # jailed drivers have no network: they reach the daemon through this socket
@@ -284,6 +295,12 @@ class Daemon:
                 self.core.requeue(info.job_id, info.state)
                 continue
             self.drivers[info.job_id] = proc
+            if self.core.is_isolated(info.user):  # what held it goes on holding it
+                who, limits = jail.runs_as(info.user, info.job_id), limits_for(self.state_dir, info.user)
+                layout = JobDir(job_dir)
+                self.confined[info.job_id] = Confinement.make(
+                    self.cluster_key, info.job_id, layout, who, limits, adopt=True
+                )
             alive = proc.poll() is None
             self._carry_out(self.core.adopt(info.job_id, proc.pid, now, alive=alive))
             if alive:
@@ -371,7 +388,7 @@ class Daemon:
                 self._supervise_tinker(now)
             if now - last_limits >= LIMITS_S:
                 last_limits = now
-                self._check_job_dirs(now)
+                self._check_limits(now)
             if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
                 last_gauges = now
                 core.snapshot_gauges(now)
@@ -402,6 +419,9 @@ class Daemon:
         endpoint_path(self.state_dir).unlink(missing_ok=True)
         (self.state_dir / M.METRICS_FILE).unlink(missing_ok=True)
         self._janitor.shutdown(wait=True)
+        self._limits.shutdown(wait=True, cancel_futures=True)
+        for job_id in list(self.confined):  # drained jobs go on at the next start, their files kept
+            self._release(job_id)
         self.core.close()
         self.sock.close(linger=500)  # let the workers' shutdown messages out
         self.authenticator.stop()
@@ -409,19 +429,50 @@ class Daemon:
     # ------------------------------------------------------------------ messages and effects
 
     def dispatch(self, frames: list[bytes], user: str = "") -> None:
-        """One message off the socket: decoded, handled by the core, its effects carried out."""
+        """One message off the socket: decoded, handled by the core, its effects carried out.
+
+        Guarded: whatever goes wrong costs that message one ERROR reply, when its header says who
+        asks (``bad_request``: it does not decode; ``internal``: the daemon failed on it, the
+        traceback to the log), never the loop. Bad messages count against their sender; a sender
+        past the limit is answered ``throttled``, unheard, for a while (``daemon.throttle``)."""
         identity, rest = frames[0], frames[1:]
-        try:
-            op, header, body = P.decode(rest)
-        except P.ProtocolError as exc:
-            if identity not in self.rejected_peers:
-                self.rejected_peers.add(identity)
-                log.warning("rejected message from %r: %s", identity, exc)
+
+        def refuse(code: str, message: str) -> None:
             asked = P.decode_header(rest)
             if asked is not None:  # a request that says who it is gets its error, not silence
-                self._send(identity, P.Op.ERROR, P.ErrorBody("bad_request", str(exc)[:500]), asked.msg_id)
+                self._send(identity, P.Op.ERROR, P.ErrorBody(code, P.one_line(message)), asked.msg_id)
+
+        wait = self.throttle.wait_s(identity, user)
+        if wait:
+            refuse("throttled", f"too many bad messages from this sender: unheard for {wait:.0f} s more")
             return
-        self._carry_out(self.core.handle(identity, user, op, header, body, time.time()))
+        bad, failures = False, self.core.handler_failures
+        refusal = self.core.refusal(rest[1], user) if len(rest) > 1 and len(rest[1]) == 1 else ""
+        try:
+            if refusal:  # nothing is decoded of what its sender may not send
+                refuse("forbidden", refusal)
+                bad = True
+            else:
+                op, header, body = P.decode(rest)
+                self._carry_out(self.core.handle(identity, user, op, header, body, time.time()))
+        except P.ProtocolError as exc:
+            self.warn_once("rejected", identity, f"rejected message from {identity!r}: {exc}")
+            refuse("bad_request", str(exc))
+            bad = True
+        except Exception as exc:  # noqa: BLE001 - one message costs one error reply, never the daemon
+            log.exception("message from %r (%s) failed", identity, user or "no user")
+            refuse("internal", f"{type(exc).__name__}: {exc}")
+            bad = True
+        bad = bad or self.core.handler_failures != failures  # the core answered a handler's failure itself
+        if bad and self.throttle.count_bad(identity, user):
+            log.warning(
+                "throttling %r (%s): %d bad messages within %.0f s; unheard for %.0f s",
+                identity,
+                user or "no user",
+                self.throttle.limit,
+                self.throttle.window_s,
+                self.throttle.penalty_s,
+            )
 
     def _carry_out(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -438,10 +489,20 @@ class Daemon:
 
     def _send(self, identity: bytes, op: bytes, body: object, in_reply_to: int = 0) -> None:
         frames, _ = P.encode(op, body, in_reply_to)
-        try:
-            send_frames(self.sock, [identity, *frames])
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY)
-            log.warning("cannot send to %r: %s", identity, exc)
+        try:  # never blocking: a peer that reads nothing fills its own queue, never stalls the loop
+            send_frames(self.sock, [identity, *frames], NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY), or its queue full (EAGAIN)
+            self.warn_once("unsent", identity, f"cannot send to {identity!r}: {exc}")
+
+    def warn_once(self, kind: str, identity: bytes, message: str) -> None:
+        """Log ``message`` the first time a peer gives cause of this ``kind`` (of the last
+        ``WARNED_PEERS``): a flooding peer costs one line, not one a message."""
+        if (kind, identity) in self.warned:
+            return
+        self.warned[(kind, identity)] = None
+        if len(self.warned) > WARNED_PEERS:
+            self.warned.popitem(last=False)
+        log.warning("%s", message)
 
     # ------------------------------------------------------------------ processes
 
@@ -452,20 +513,46 @@ class Daemon:
             if rc is not None:
                 del self.drivers[job_id]
                 revoke_driver_keys(self.state_dir, job_id, self.jobs_dir / job_id)  # before a restart makes new ones
-                self._carry_out(self.core.driver_exited(job_id, rc, now))
+                effects = self.core.driver_exited(job_id, rc, now)
+                if job_id in self.confined:  # before the effects: one may start the driver again
+                    info = self.journal.job(job_id)
+                    self._release(job_id, ended=info is None or info.state in TERMINAL)
+                self._carry_out(effects)
 
-    def _check_job_dirs(self, now: float) -> None:
-        """A jailed job whose output directory holds more than its limit ends (one line); its
-        neighbours and the daemon go on."""
-        for job_id in list(self.drivers):
-            info = self.journal.job(job_id)
-            if info is None or not self.core.is_isolated(info.user):
-                continue
-            limit = limits_for(self.state_dir, info.user).job_dir_bytes
-            used = jail.dir_bytes(JobDir(self.jobs_dir / job_id).driver_out) if limit else 0
-            if limit and used > limit:
-                why = f"its output directory holds {fmt_bytes(used)}, over its limit of {fmt_bytes(limit)}"
+    def _check_limits(self, now: float) -> None:
+        """The jailed jobs past a limit (their tree's CPU or memory, their output directory) end
+        with one line; their neighbours and the daemon go on. The checks run off this loop: a
+        job's tree can be large, and the last round's findings are carried out here."""
+        done, self._limit_check = self._limit_check, None
+        if done is not None and not done.done():
+            self._limit_check = done
+            return
+        for job_id, why in done.result() if done is not None else []:
+            if job_id in self.drivers and job_id not in self.breached:
+                self.breached.add(job_id)
                 self._carry_out(self.core.limit_breached(job_id, why, now))
+        running = {job_id: held for job_id, held in self.confined.items() if job_id in self.drivers}
+        if running:
+            self._limit_check = self._limits.submit(
+                lambda: [(job_id, why) for job_id, held in running.items() if (why := held.breach())]
+            )
+
+    def _release(self, job_id: str, ended: bool = False) -> None:
+        """What held a jailed job's driver goes; once the job ended, its output directory's file
+        system too (what the daemon serves from it, its metrics, kept first). A job ended by its
+        limits keeps nothing."""
+        held = self.confined.pop(job_id, None)
+        if held is None:
+            return
+        breached = job_id in self.breached
+        self.breached.discard(job_id)
+        layout = JobDir(self.jobs_dir / job_id)
+        if ended and not breached:
+            keep_job_file(layout.driver_out / JobDir.METRICS, layout.metrics)
+        try:
+            held.release(remove_files=breached, ended=ended)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("job %s: its confinement was not released: %s", job_id, exc)
 
     def _poll_local_workers(self, now: float) -> None:
         """A local worker whose process exited is lost at once, and started again (a few times)."""
@@ -534,17 +621,21 @@ class Daemon:
         if refusal:
             raise RuntimeError(refusal)
         who = jail.runs_as(user, job_id)
-        out = jail.out_dir(job_dir, who)
+        limits = limits_for(self.state_dir, user)
         spec = self.journal.spec(job_id)
         try:
             files = msgspec.json.decode(JobDir(job_dir).inputs.read_bytes(), type=list[P.InputFile])
         except FileNotFoundError:
             files = []
-        staged = self.core.blobs.stage(user, files, out / "inputs")
+        given = jail.given_dir(job_dir)  # the daemon's: it writes nowhere the job can
+        staged = self.core.blobs.stage(user, files, given / "inputs")
         for name, path in staged.items():  # the job reads its uploaded copies, at their place in the jail
             section, key = name.split(".")
-            spec[section][key] = f"{jail.JAIL_ROOT}/job/{Path(path).relative_to(out)}"
-        write_json_atomic(JobDir(out).spec, spec, mode=0o644)
+            spec[section][key] = f"{jail.JAIL_ROOT}/in/{Path(path).relative_to(given)}"
+        write_json_atomic(given / JobDir.SPEC, spec, mode=0o644)
+        self._release(job_id)  # a restart: the last driver's cgroups go, its files stay
+        held = self.confined[job_id] = Confinement.make(self.cluster_key, job_id, JobDir(job_dir), who, limits)
+        jail.out_dir(job_dir, who)
         keys = self._make_driver_keys(job_id, job_dir, who)
         return jail.start(
             who,
@@ -554,7 +645,8 @@ class Daemon:
             JobDir(job_dir).driver_log,
             hide=[self.state_dir, plexrl_home()],
             keys=keys,
-            limits=limits_for(self.state_dir, user),
+            limits=limits,
+            cgroups=held.cgroup.procs_files if held.cgroup is not None else [],
         )
 
     def _make_driver_keys(self, job_id: str, job_dir: Path, who: jail.Account) -> Path:
@@ -576,7 +668,7 @@ class Daemon:
     def _driver_argv(self, job_id: str, job_dir: Path, user: str) -> list[str]:
         """What identifies a job's driver process (its address aside: a driver follows the daemon's)."""
         if self.core.is_isolated(user):
-            return ["--job-id", job_id, "--job-dir", f"{jail.JAIL_ROOT}/job", "--isolated"]
+            return jail.driver_args(job_id)
         return ["--job-id", job_id, "--job-dir", str(job_dir)]
 
     def _exit_file(self, job_dir: Path, user: str) -> Path:

@@ -23,14 +23,7 @@ if TYPE_CHECKING:
 
 SETUP_FAILED_EXIT = 121  # the boot could not apply the isolation it was asked for
 
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
-MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
-AT_RECURSIVE, AT_FDCWD = 0x8000, -100
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
-SYS_MOUNT_SETATTR = 442
-PR_SET_NO_NEW_PRIVS = 38
-LINUX_CAPABILITY_VERSION_3 = 0x20080522
+ISOLATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common", "isolation.py")
 
 # audit events the guard refuses outright, and those whose path arguments must stay in the work dir
 GUARD_REFUSED = (
@@ -68,64 +61,15 @@ GUARD_PATH_EVENTS = frozenset(
 )
 
 
-class _Libc:
-    """The few system calls of the namespace modes that ``os`` does not offer (ctypes is imported
-    here only: in guard mode the program's own ``import ctypes`` is refused)."""
+def _isolation() -> Any:
+    """``plexctl.common.isolation``, loaded by path (no package is importable yet); only the
+    namespace modes load it: in guard mode the program's own ``import ctypes`` is refused."""
+    import importlib.util
 
-    def __init__(self) -> None:
-        import ctypes
-
-        self.lib = ctypes.CDLL(None, use_errno=True)
-        self.lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-        self.lib.syscall.restype = ctypes.c_long
-
-    @staticmethod
-    def check(ret: int, what: str) -> None:
-        if ret != 0:
-            import ctypes
-
-            err = ctypes.get_errno()
-            raise OSError(err, what + ": " + os.strerror(err))
-
-    def unshare(self, flags: int) -> None:
-        self.check(self.lib.unshare(flags), "unshare")
-
-    def mount(self, src: str | None, dst: str, flags: int) -> None:
-        self.check(self.lib.mount(src and src.encode(), dst.encode(), None, flags, None), "mount " + dst)
-
-    def mount_setattr(self, path: str, flags: int, set_: int, clr: int) -> None:
-        import ctypes
-
-        class MountAttr(ctypes.Structure):
-            _fields_ = [
-                ("set", ctypes.c_uint64),
-                ("clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64),
-                ("userns_fd", ctypes.c_uint64),
-            ]
-
-        attr = MountAttr(set_, clr, 0, 0)
-        ret = self.lib.syscall(
-            ctypes.c_long(SYS_MOUNT_SETATTR),
-            ctypes.c_long(AT_FDCWD),
-            ctypes.c_char_p(path.encode()),
-            ctypes.c_long(flags),
-            ctypes.byref(attr),
-            ctypes.c_long(ctypes.sizeof(attr)),
-        )
-        self.check(ret, "mount_setattr " + path)
-
-    def no_new_privs(self) -> None:
-        self.check(self.lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-
-    def drop_capabilities(self) -> None:
-        import ctypes
-
-        class CapHeader(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-        data = (ctypes.c_uint32 * 6)()
-        self.check(self.lib.capset(ctypes.byref(CapHeader(LINUX_CAPABILITY_VERSION_3, 0)), data), "drop capabilities")
+    spec = importlib.util.spec_from_file_location("plexrl_isolation", ISOLATION)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def boot(cfg: dict[str, Any]) -> bytes:
@@ -137,25 +81,26 @@ def boot(cfg: dict[str, Any]) -> bytes:
         with open(base + "/main.py", "rb") as f:
             source = f.read()
         sys.path[:0] = cfg.get("paths", [])  # read-only import paths (bind-mounted below)
-        libc = None
+        libc = iso = None
         if mode != "guard":
             stage = "namespaces"
-            libc = _Libc()
-            flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC
+            iso = _isolation()
+            libc = iso.Libc()
+            flags = iso.CLONE_NEWNS | iso.CLONE_NEWNET | iso.CLONE_NEWIPC
             if mode == "userns":
-                flags |= CLONE_NEWUSER | CLONE_NEWPID
+                flags |= iso.CLONE_NEWUSER | iso.CLONE_NEWPID
             uid, gid = os.getuid(), os.getgid()
             libc.unshare(flags)
             if mode == "userns":
                 stage = "user namespace"
-                _map_user(cfg["inner_uid"], uid, gid)
+                iso.map_user(cfg["inner_uid"], uid, gid)
             stage = "mounts"
-            libc.mount(None, "/", MS_REC | MS_PRIVATE)
+            libc.mount(None, "/", None, iso.REC | iso.PRIVATE)
             if mode == "namespaces":
-                _bind_import_paths(libc, base)
-            libc.mount_setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
-            libc.mount(work, work, MS_BIND)
-            libc.mount_setattr(work, 0, 0, MOUNT_ATTR_RDONLY)  # the working directory alone is writable
+                _bind_import_paths(iso, libc, base)
+            libc.mount_setattr("/", True, iso.RDONLY | iso.NOSUID, 0)
+            libc.mount(work, work, None, iso.BIND)
+            libc.mount_setattr(work, False, 0, iso.RDONLY)  # the working directory alone is writable
             if mode == "userns":
                 stage = "pid namespace"
                 _supervise_pid_namespace()
@@ -183,14 +128,7 @@ def boot(cfg: dict[str, Any]) -> bytes:
     return source
 
 
-def _map_user(inner_uid: int, uid: int, gid: int) -> None:
-    """In a new user namespace: the driver's uid and gid appear as ``inner_uid``; no setgroups."""
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{inner_uid} {uid} 1"), ("gid_map", f"{inner_uid} {gid} 1")):
-        with open("/proc/self/" + name, "w") as f:
-            f.write(text)
-
-
-def _bind_import_paths(libc: _Libc, base: str) -> None:
+def _bind_import_paths(iso: Any, libc: Any, base: str) -> None:
     """Namespaces mode: bind every import path under the run directory, where the sandbox uid
     can reach it (an interpreter in a private home, e.g. /root/.pyenv, still imports)."""
     moved: dict[str, str] = {}
@@ -198,7 +136,7 @@ def _bind_import_paths(libc: _Libc, base: str) -> None:
         if os.path.isdir(p):
             moved[p] = f"{base}/py/{i}"
             os.mkdir(moved[p])
-            libc.mount(p, moved[p], MS_BIND | MS_REC)
+            libc.mount(p, moved[p], None, iso.BIND | iso.REC)
 
     def rebase(path: str) -> str:
         old = max((o for o in moved if path == o or path.startswith(o + "/")), key=len, default=None)

@@ -141,6 +141,7 @@ MARKS = {
     "learning": {"test_algos_learning.py", "test_tool_learning.py", "test_multiplex.py", "test_e2e.py"},
     "e2e": {
         "test_auth.py",
+        "test_daemon_fuzz.py",
         "test_dtype_and_rank.py",
         "test_faults.py",
         "test_hostile_user.py",

@@ -114,7 +114,8 @@ def test_bad_values_are_one_line_each_naming_the_option() -> None:
         "--policy 'x': choose one of isolated, pack, spread, spread+backfill",
         "--nodes 0: expected `int` >= 1",
         "--host-mem: not a size: 'abc' (examples: 4096, 512M, 8G)",
-        "--job-limit 'bogus=1': expected NAME=VALUE with NAME one of memory, processes, job-dir, tmp, cpu",
+        "--job-limit 'bogus=1': expected NAME=VALUE with NAME one of memory, processes, job-dir, tmp, cpu, "
+        "tinker-disk, tinker-saves, running, submits",
     ]
 
 

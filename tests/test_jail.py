@@ -23,13 +23,14 @@ def test_a_daemon_that_cannot_jail_refuses_with_the_reason(monkeypatch: pytest.M
 
 
 def test_a_jail_that_cannot_be_set_up_exits_with_one_line_before_any_job_code() -> None:
-    # run as the daemon runs it (by path, -I -S: the standard library alone); a config without its
-    # mode fails at the first stage
-    done = subprocess.run(
-        [sys.executable, "-I", "-S", str(jail.BOOT), "{}"], capture_output=True, text=True, cwd="/", timeout=60
-    )
+    # run as the daemon runs it (by path, -I -S: the standard library alone, its configuration on
+    # standard input); a config without its cgroups fails at the first stage, one not JSON before it
+    run = [sys.executable, "-I", "-S", str(jail.BOOT)]
+    done = subprocess.run(run, input="{}", capture_output=True, text=True, cwd="/", timeout=60)
     assert done.returncode == jail.SETUP_FAILED_EXIT == 121
-    assert (done.stdout, done.stderr) == ("", "plexrl-jail: setup failed at namespaces: KeyError: 'mode'\n")
+    assert (done.stdout, done.stderr) == ("", "plexrl-jail: setup failed at cgroups: KeyError: 'cgroups'\n")
+    done = subprocess.run(run, input="{", capture_output=True, text=True, cwd="/", timeout=60)
+    assert done.returncode == 121 and done.stderr.startswith("plexrl-jail: setup failed at configuration: ")
 
 
 def test_users_without_an_account_get_a_uid_per_job_that_no_account_has() -> None:
@@ -79,7 +80,10 @@ def test_a_jailed_driver_gets_an_allow_listed_environment_and_its_users_limits(t
 
     owner = {
         "PATH": "/usr/bin",
-        "LC_ALL": "C",
+        "LC_ALL": "de_DE.UTF-8",
+        "LC_TIME": "owner-locale",
+        "LANG": "de_DE.UTF-8",
+        "PLEXRL_DEBUG": "1",
         "HF_TOKEN": "t",
         "AWS_SECRET_ACCESS_KEY": "s",
         "PLEXRL_HOME": "/root/.p",
@@ -88,7 +92,7 @@ def test_a_jailed_driver_gets_an_allow_listed_environment_and_its_users_limits(t
     env = jail.jailed_env(owner, jail.Account("bob", 1234, 1234, ()))
     assert env == {
         "PATH": "/usr/bin",
-        "LC_ALL": "C",
+        "LANG": "C.UTF-8",
         "PLEXRL_ORPHAN_GRACE_S": "5",
         "TMPDIR": "/tmp",
         "HOME": "/mnt/job",

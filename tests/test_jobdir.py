@@ -27,10 +27,14 @@ def test_the_layout_on_disk(tmp_path: Path) -> None:
     names = ("spec.json", "inputs.json", "driver.log", "driver.pid", "driver.exit", "metrics.jsonl")
     assert files == tuple(tmp_path / name for name in names)
     assert (job.driver_out, job.driver_keys) == (tmp_path / "driver", tmp_path / "driver-keys")
+    assert (job.driver_in, job.driver_image) == (tmp_path / "driver-in", tmp_path / "driver.img")
 
 
-def test_the_jail_uses_the_same_names() -> None:
-    assert (jail.OUT_DIR, jail.KEYS_DIR) == (JobDir.DRIVER_OUT, JobDir.DRIVER_KEYS)
+def test_the_jail_uses_the_same_names(tmp_path: Path) -> None:
+    assert jail.OUT_DIR == JobDir.DRIVER_OUT
+    given = jail.given_dir(tmp_path)  # the daemon's directory of what a jailed job is given
+    assert given == JobDir(tmp_path).driver_in and oct(given.stat().st_mode & 0o777) == "0o755"
+    assert f"{jail.JAIL_ROOT}/in/{JobDir.SPEC}" in jail.driver_args("j0001")
 
 
 @pytest.mark.parametrize("n", [0, 1, 12, 999_999, 1_000_000, 12_345_678])

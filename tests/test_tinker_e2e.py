@@ -291,11 +291,22 @@ def test_a_model_or_rank_the_cluster_does_not_serve_is_refused_with_the_reason(s
     assert refused.value.category == tinker.types.RequestErrorCategory.User
     assert "lora.rank 64: the rollout engines load adapters up to rank 32; " in str(refused.value)
     assert "start the cluster with `plexctl up --max-lora-rank 64`" in str(refused.value)
+    with pytest.raises(tinker.RequestFailedError) as refused:  # past the spec's bound: the user's error too
+        service.create_lora_training_client(base_model="tiny-arith", rank=257).result()
+    assert refused.value.category == tinker.types.RequestErrorCategory.User
+    assert "lora.rank: Expected `int` <= 256 (asked for rank 257)" in str(refused.value)
     assert {j["job_id"] for j in cluster.status()["jobs"]} == before  # nothing queued
     assert "Traceback" not in log.read_text()[log_at:]
     # `up --tinker-port` without --max-lora-rank loads the SDK's default rank (32; 16 on CPU otherwise)
     default = service.create_lora_training_client(base_model="tiny-arith").result()
     assert default.get_info().lora_rank == 32
+    context = service.get_server_capabilities().supported_models[0].max_context_length  # its positions: 64
+    tokens = [1] * (context + 1)
+    too_long = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens})
+    with pytest.raises(tinker.RequestFailedError) as refused:  # before it reaches the trainer
+        default.forward_backward([too_long], "cross_entropy").result()
+    assert refused.value.category == tinker.types.RequestErrorCategory.User
+    assert f"datum 0 has {context + 1} tokens, more than the model's context of {context}" in str(refused.value)
     sampler = default.save_weights_and_get_sampling_client().result()
     out = sampler.sample(tinker.ModelInput.from_ints([1, 2]), 1, tinker.SamplingParams(max_tokens=2)).result()
     assert len(out.sequences[0].tokens) >= 1

@@ -73,13 +73,15 @@ class DaemonCore(ClientOps, WorkerLiveness, CallRouting, JobLifecycle):
         self.telemetry.close()
 
     def handle(self, identity: bytes, user: str, op: bytes, header: P.Header, body: Any, now: float) -> list[Effect]:
-        """A decoded message from ``identity``, sent by the authenticated ``user``."""
+        """A decoded message from ``identity``, sent by the authenticated ``user``. A handler that
+        raises costs that message an ``internal`` error (one line; the traceback goes to the log)
+        and counts in ``handler_failures``; the core goes on."""
         self.now = now
         handler = self.HANDLERS.get(op)
         if handler is None:
             self._error(identity, header.msg_id, "bad_request", f"opcode {op!r} is not a request")
             return self._effects()
-        refusal = self._refusal(op, user)
+        refusal = self.refusal(op, user)
         if refusal:
             self._error(identity, header.msg_id, "forbidden", refusal)
             return self._effects()
@@ -87,8 +89,9 @@ class DaemonCore(ClientOps, WorkerLiveness, CallRouting, JobLifecycle):
         try:
             handler(self, identity, header, body)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the daemon
-            log.exception("error handling %r", op)
-            self._error(identity, header.msg_id, "internal", f"{type(exc).__name__}: {exc}")
+            log.exception("error handling %r from %r (%s)", op, identity, user or "no user")
+            self.handler_failures += 1
+            self._error(identity, header.msg_id, "internal", P.one_line(f"{type(exc).__name__}: {exc}"))
         return self._effects()
 
     def heartbeat(self, now: float) -> list[Effect]:

@@ -31,6 +31,7 @@ from daemon.core.records import (
     WorkerState,
 )
 from daemon.journal import Journal
+from daemon.quotas import UserQuotas
 from daemon.scheduler import Scheduler, Task
 from plexctl.common import auth
 from plexctl.common import protocol as P
@@ -63,6 +64,7 @@ class CoreBase(abc.ABC):
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(state_dir / "journal.db")
         self.blobs = BlobStore(state_dir / "blobs")  # jailed users' uploaded inputs
+        self.quotas = UserQuotas(state_dir)  # what each of them may run and submit at once
         self.telemetry = M.Telemetry()  # call latencies, swap marks; served on /metrics by the server
         self.models = {os.path.realpath(m) for m in models}
         self.owner = owner
@@ -94,6 +96,7 @@ class CoreBase(abc.ABC):
         self.drain_reason = ""
         self.problems: list[str] = []
         self.sender = ""  # the authenticated user of the message being handled (its User-Id)
+        self.handler_failures = 0  # messages whose handler raised (each answered ``internal``)
         self._out: list[Effect] = []
 
     def _effects(self) -> list[Effect]:

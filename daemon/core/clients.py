@@ -3,7 +3,7 @@ processes): ping, submit, status, cancel, logs, uploads, exports, down.
 
 A sender sees and acts on its own jobs only (the cluster's owner and its own processes: on all;
 ``_visible``, ``_find``); an isolated job's driver sends nothing but its job's calls and reports;
-the cluster's own ops come from its own processes alone (``_refusal``). A submit the engines can
+the cluster's own ops come from its own processes alone (``refusal``). A submit the engines can
 never run is refused here; an isolated user's paths are never opened: their client uploads the
 files, and a job's files are read without following links.
 """
@@ -51,8 +51,8 @@ INTERNAL_OPS = {
 class ClientOps(CoreBase):
     """The requests of ``plexctl`` and other clients (``HANDLERS`` in ``DaemonCore``)."""
 
-    def _refusal(self, op: bytes, user: str) -> str:
-        """Why ``user`` may not send ``op`` ("" if they may)."""
+    def refusal(self, op: bytes, user: str) -> str:
+        """Why ``user`` may not send ``op`` ("" if they may): asked before the body is decoded."""
         if auth.job_of(user) is not None:  # an isolated driver: its job's calls and reports, nothing else
             return (
                 ""
@@ -162,6 +162,10 @@ class ClientOps(CoreBase):
                 f"name: your job {held.job_id} ({held.state}) is named {spec.name!r}; cancel it, choose "
                 f"another name (--name), or replace it (`plexctl submit --replace`)",
             )
+            return
+        refusal = self.quotas.submit(user, self.now) if self.is_isolated(user) else ""
+        if refusal:
+            self._error(identity, header.msg_id, "refused", refusal)
             return
         for old in holders:  # the older job is cancelled first: the name then means the new one alone
             self._cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
@@ -425,12 +429,14 @@ class ClientOps(CoreBase):
         )
 
     def _job_output(self, job_id: str, user: str, name: str) -> Path:
-        """A file a job's driver writes (``metrics.jsonl``): in its own directory when jailed.
-        The driver's log is the daemon's (it holds the file open for the driver)."""
+        """A file a job's driver writes (``metrics.jsonl``): in its own directory when jailed, in a
+        copy of the daemon's once it ended. The driver's log is the daemon's (it holds the file
+        open for the driver)."""
         job_dir = self._job_dir(job_id)
-        if self.is_isolated(user) and name != JobDir.DRIVER_LOG:
+        kept = job_dir.root / name  # an ended jailed job's: the daemon's copy
+        if self.is_isolated(user) and name != JobDir.DRIVER_LOG and not kept.exists():
             return job_dir.driver_out / name
-        return job_dir.root / name
+        return kept
 
     def on_blob(self, identity: bytes, header: P.Header, body: P.BlobReq) -> None:
         """A chunk of one of the sender's input files (or the question how much is held)."""

@@ -9,6 +9,7 @@ nothing is admitted. Each change of a job's state goes to the journal with an ev
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 from pathlib import Path
@@ -203,6 +204,7 @@ class JobLifecycle(CoreBase):
     def _admit(self, now: float) -> None:
         running = sum(1 for rt in self.runtimes.values())
         ready_models = {(e.kind, e.model) for e in self.sched.engines.values()}
+        runs = collections.Counter(rt.user for rt in self.runtimes.values())
         for info in self.journal.jobs(("queued",)):
             if running >= self.max_running:
                 self.reasons[info.job_id] = (
@@ -210,6 +212,10 @@ class JobLifecycle(CoreBase):
                 )
                 continue
             if info.job_id in self.runtimes:  # its driver is being started
+                continue
+            waits = self.quotas.waits(info.user, runs[info.user]) if self.is_isolated(info.user) else ""
+            if waits:
+                self.reasons[info.job_id] = waits
                 continue
             if self.start_failures.get(info.job_id, (0, 0.0))[1] > now:  # its driver failed to start: later
                 continue
@@ -239,6 +245,7 @@ class JobLifecycle(CoreBase):
             self.reasons.pop(info.job_id, None)
             self.specs.pop(info.job_id, None)
             running += 1
+            runs[info.user] += 1
 
     def _spec(self, job_id: str) -> JobSpec:
         spec = self.specs.get(job_id)

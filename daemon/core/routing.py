@@ -246,7 +246,8 @@ class CallRouting(CoreBase):
                 )
             )
             self.journal.event(rt.job_id, "checkpoint", f"step {call.step}")
-            prune = (rt.job_dir.checkpoints, 2)
+            if rt.spec.kind != EXTERNAL:  # a Tinker job's checkpoints are its client's saved states: its quota's
+                prune = (rt.job_dir.checkpoints, 2)
         reply = self._reply(call, body.value)
         if followers:  # e.g. the next generate, sampled from the adapter just published: on its way before the reply
             for f_identity, f_header, f_body in followers:

@@ -39,7 +39,8 @@ def share(
             "--limit",
             metavar="NAME=VALUE",
             help="what each of their jailed jobs may take, over the cluster's `up --job-limit`: memory, "
-            "processes, job-dir, tmp, cpu (CPU seconds) (e.g. memory=16G; 0: no limit)",
+            "processes, job-dir, tmp, cpu (CPU seconds); and all their Tinker saves: tinker-disk, tinker-saves "
+            "(e.g. memory=16G; 0: no limit)",
         ),
     ] = None,
 ) -> None:
@@ -78,7 +79,8 @@ def share(
         now = set_limits(c.state_dir, limits, user)
         print(
             f"their jailed jobs' limits: memory {fmt_bytes(now.memory_bytes)}, processes {now.processes}, "
-            f"job-dir {fmt_bytes(now.job_dir_bytes)}, tmp {fmt_bytes(now.tmp_bytes)}, cpu {now.cpu_seconds} s "
+            f"job-dir {fmt_bytes(now.job_dir_bytes)}, tmp {fmt_bytes(now.tmp_bytes)}, cpu {now.cpu_seconds} s; "
+            f"their Tinker saves: tinker-disk {fmt_bytes(now.tinker_disk_bytes)}, tinker-saves {now.tinker_saves} "
             "(0: no limit)"
         )
     closed = closed_to_others(state_dir)

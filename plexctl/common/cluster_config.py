@@ -195,8 +195,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job_limits: Annotated[
         list[str],
         _doc(
-            "What each jailed job may take, NAME=VALUE: memory=8G, processes=256, job-dir=2G, tmp=1G, cpu=0 "
-            "(the defaults; cpu in CPU seconds; 0: no limit); per user: `plexctl share USER --limit`"
+            "What each jailed job may take, NAME=VALUE: memory=8G, processes=256, job-dir=2G, tmp=1G, cpu=0, and "
+            "what a user's Tinker saves may take together: tinker-disk=20G, tinker-saves=1000 (the defaults; cpu "
+            "in CPU seconds; 0: no limit); per user: `plexctl share USER --limit`"
         ),
     ] = msgspec.field(default_factory=list)
     metrics_port: Annotated[

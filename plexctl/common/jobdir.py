@@ -52,6 +52,8 @@ class JobDir:
     METRICS: ClassVar[str] = "metrics.jsonl"  # a step's metrics a line
     DRIVER_OUT: ClassVar[str] = "driver"  # a jailed driver's own directory, the one place it writes
     DRIVER_KEYS: ClassVar[str] = "driver-keys"  # a jailed driver's key pair, the daemon's
+    DRIVER_IN: ClassVar[str] = "driver-in"  # what a jailed driver is given (spec, inputs), the daemon's
+    DRIVER_IMAGE: ClassVar[str] = "driver.img"  # a jailed driver's own directory as a file system, the daemon's
 
     root: Path
 
@@ -122,6 +124,14 @@ class JobDir:
     @property
     def driver_keys(self) -> Path:
         return self.root / self.DRIVER_KEYS
+
+    @property
+    def driver_in(self) -> Path:
+        return self.root / self.DRIVER_IN
+
+    @property
+    def driver_image(self) -> Path:
+        return self.root / self.DRIVER_IMAGE
 
     def adapter(self, version: int) -> Path:
         """Where policy ``version`` is published."""

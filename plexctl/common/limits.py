@@ -1,10 +1,13 @@
-"""What one jailed job may take, and where the cluster keeps it.
+"""What a shared user's jobs may take, one by one and together, and where the cluster keeps it.
 
-What it owns: ``JobLimits`` (a driver's address space, processes, output-directory bytes,
-``/tmp`` bytes and CPU seconds; 0: no limit), ``LIMITS_FILE`` in the state directory (the cluster's defaults under
-"default", each user's under "users"), ``limits_for`` (the limits a user's next job gets: read
-at each driver start, so ``plexctl share --limit`` holds from the next job on) and ``set_limits``
-(an atomic update). ``daemon.jail`` applies them; ``docs/security.md`` says which mechanism holds.
+What it owns: ``JobLimits`` (a jailed job's memory, processes, CPU seconds, output-directory and
+``/tmp`` bytes; what all of a user's Tinker saves keep on the cluster's disk; how many of a user's
+jobs run at once and how many they submit a minute; 0: no limit), ``LIMITS_FILE`` in the state
+directory (the cluster's defaults under "default", each user's under "users"), ``limits_for`` (the
+limits a user's next job gets: read at each driver start, submit and Tinker save, so ``plexctl
+share --limit`` holds from then on) and ``set_limits`` (an atomic update). ``daemon.jail`` and
+``daemon.confine`` apply a job's, the daemon's core the per-user counts, the Tinker front end
+(``plexctl.tinker.cluster``) the Tinker ones; ``docs/security.md`` says which mechanism holds.
 """
 
 from __future__ import annotations
@@ -24,17 +27,27 @@ NAMES = {
     "job-dir": "job_dir_bytes",
     "tmp": "tmp_bytes",
     "cpu": "cpu_seconds",
+    "tinker-disk": "tinker_disk_bytes",
+    "tinker-saves": "tinker_saves",
+    "running": "running_jobs",
+    "submits": "submits_per_minute",
 }
-COUNTS = ("processes", "cpu")  # the limits written as plain numbers, not sizes
+COUNTS = ("processes", "cpu", "tinker-saves", "running", "submits")  # the limits written as plain numbers, not sizes
 
 
 @dataclass(frozen=True)
 class JobLimits:
-    memory_bytes: int = 8 << 30  # the driver's address space (RLIMIT_AS), its reward and tool code's too
-    processes: int = 256  # processes of its uid (RLIMIT_NPROC)
-    job_dir_bytes: int = 2 << 30  # its output directory (the daemon measures it; each file: RLIMIT_FSIZE)
+    memory_bytes: int = 8 << 30  # its processes together (a cgroup; each one's address space: RLIMIT_AS)
+    processes: int = 256  # its processes together (a cgroup, and RLIMIT_NPROC of its own uid)
+    job_dir_bytes: int = 2 << 30  # its output directory (a file system of this size; each file: RLIMIT_FSIZE)
     tmp_bytes: int = 1 << 30  # its own /tmp (the tmpfs's size)
-    cpu_seconds: int = 0  # CPU time of its driver process (RLIMIT_CPU); 0: the scheduler's fair share alone
+    cpu_seconds: int = 0  # CPU seconds of its processes together; 0: the scheduler's fair share alone
+    # per user, all of their Tinker runs together (not the owner's): saved weights and states kept
+    tinker_disk_bytes: int = 20 << 30  # their bytes on the cluster's disk
+    tinker_saves: int = 1000  # how many (a save_state, a save_weights_for_sampler, a sampling client's weights)
+    # per user, all of their jobs together: more wait in the queue; more submits are refused
+    running_jobs: int = 8
+    submits_per_minute: int = 60
 
     def with_overrides(self, values: object) -> JobLimits:
         """These limits with the fields ``values`` (a dict read from the file) sets to integers."""

@@ -8,6 +8,13 @@ Frames on the wire (ZeroMQ ROUTER/DEALER)::
 type is fixed by the opcode (``BODY_TYPES``); a frame whose magic, opcode or body does not
 decode is rejected as a ``ProtocolError``.
 
+Decoding is bounded, since any holder of a key may send anything: a header of at most
+``MAX_HEADER_BYTES``, a body of at most its opcode's ``MAX_BODY_BYTES``, and the values the schema
+leaves open (``Any``: a spec, a result's ``info``, a checkpoint's ``extra``) nested at most
+``MAX_OPEN_DEPTH`` deep and holding ``MAX_OPEN_ITEMS`` items at most. Typed fields need no depth
+check: msgspec validates them as it descends. Every failure, a RecursionError or MemoryError
+inside msgspec included, comes out of ``decode`` as a ``ProtocolError`` of one line.
+
 A service call's own messages (request, engine task, result, reply) and the engine data
 types inside them live in ``plexctl.common.calls``, re-exported here. Control messages to a worker
 (release a job's state, prefetch one, shut down) have opcodes of their own. It deliberately
@@ -16,12 +23,14 @@ imports neither torch nor vLLM.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import msgspec
+import msgspec.inspect as mi
 
 from plexctl.common.calls import (  # noqa: F401 - the engine data types, re-exported: every process names them P.*
     LOSS_AGGREGATIONS,
@@ -85,7 +94,12 @@ class Header(msgspec.Struct, frozen=True):
 
 class ErrorBody(msgspec.Struct):
     code: str
-    message: str
+    message: str  # one line (``one_line``): the client prints it as it is
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """``text`` as an error's message: its whitespace runs made single spaces, cut at ``limit``."""
+    return " ".join(text.split())[:limit]
 
 
 # ---------------------------------------------------------------- message bodies
@@ -426,14 +440,33 @@ BODY_TYPES: dict[bytes, type] = {
 
 
 class ProtocolError(Exception):
-    """A frame that is not a valid PlexRL message."""
+    """A frame that is not a valid PlexRL message (its text is one line)."""
 
+
+# ---------------------------------------------------------------- bounds on what a peer sends
+
+MAX_MESSAGE_BYTES = 256 << 20  # a whole message; the daemon's socket drops a longer one unread (zmq.MAXMSGSIZE)
+MAX_HEADER_BYTES = 1 << 10  # a header is four numbers, about 70 bytes
+SMALL_BODY_BYTES = 1 << 20  # a request of ids and options
+MEDIUM_BODY_BYTES = 16 << 20  # a spec, a chunk of an upload (8 MiB: ``plexctl.inputs.CHUNK``), a worker's inventory
+MAX_BODY_BYTES: dict[bytes, int] = {  # per opcode; the rest (calls, tasks, results, replies) up to MAX_MESSAGE_BYTES
+    **{op: SMALL_BODY_BYTES for op in (Op.STATUS, Op.CANCEL, Op.LOGS, Op.EXPORT, Op.DOWN, Op.PING)},
+    **{op: SMALL_BODY_BYTES for op in (Op.HEARTBEAT, Op.LEAVE, Op.WORKER_EXITED, Op.RELEASE, Op.SHUTDOWN)},
+    **{op: MEDIUM_BODY_BYTES for op in (Op.SUBMIT, Op.BLOB, Op.REGISTER, Op.REPORT, Op.INVENTORY, Op.PREFETCH)},
+    Op.ERROR: MEDIUM_BODY_BYTES,
+}
+MAX_OPEN_DEPTH = 32  # nesting of a value the schema leaves open (``Any``); a spec's is 3 or 4
+MAX_OPEN_ITEMS = 1 << 20  # items of one message's open values together: bounds the time to check them
+
+# what decoding untrusted bytes may raise; RecursionError is msgspec's own guard against deep nesting
+_DECODE_FAILURES = (msgspec.MsgspecError, RecursionError, MemoryError, ValueError, TypeError, OverflowError)
 
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(Header)
 _body_decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     op: msgspec.msgpack.Decoder(t) for op, t in BODY_TYPES.items()
 }
+_reply_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
 _ids = itertools.count(1)
 EPOCH = int(time.time() * 1000) ^ os.getpid()
 
@@ -446,31 +479,207 @@ def encode(op: bytes, body: Any, in_reply_to: int = 0) -> tuple[list[bytes], int
 
 
 def decode_header(frames: list[bytes]) -> Header | None:
-    """The header of a message whose body may not decode (to answer it), None if it has none."""
-    if len(frames) != 4 or frames[0] != MAGIC:
+    """The header of a message whose body may not decode, or whose frames are one too few or too
+    many (to answer it); None if it has none."""
+    if len(frames) < 3 or frames[0] != MAGIC:
         return None
     try:
-        return _header_decoder.decode(frames[2])
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_header(frames[2])
+    except ProtocolError:
         return None
 
 
 def decode(frames: list[bytes]) -> tuple[bytes, Header, Any]:
-    """(opcode, header, body) of a message; REPLY bodies come back as msgpack builtins."""
+    """(opcode, header, body) of a message; REPLY bodies come back as msgpack builtins.
+
+    Within the bounds of the module docstring, else a ``ProtocolError``. A REPLY's open values
+    are not walked: replies come from the daemon, whose key the client checked, and the client
+    converts them to the reply's type."""
     if len(frames) != 4 or frames[0] != MAGIC:
         raise ProtocolError(f"bad frame layout ({len(frames)} frames)")
     op = bytes(frames[1])
+    decoder = _reply_decoder if op == Op.REPLY else _body_decoders.get(op)
+    if decoder is None:
+        raise ProtocolError(f"unknown opcode {op[:8]!r}")
+    header = _decode_header(frames[2])
+    raw = frames[3]
+    limit = MAX_BODY_BYTES.get(op, MAX_MESSAGE_BYTES)
+    if len(raw) > limit:
+        raise ProtocolError(f"a body of {len(raw)} bytes for opcode {op!r}, over its limit of {limit}")
     try:
-        header = _header_decoder.decode(frames[2])
-        if op == Op.REPLY:
-            body = msgspec.msgpack.decode(frames[3])
-        elif op in _body_decoders:
-            body = _body_decoders[op].decode(frames[3])
-        else:
-            raise ProtocolError(f"unknown opcode {op!r}")
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"invalid body for opcode {op!r}: {exc}") from None
+        body = decoder.decode(raw)
+    except _DECODE_FAILURES as exc:
+        raise ProtocolError(f"invalid body for opcode {op!r}: {_failure(exc)}") from None
+    if op != Op.REPLY:
+        collect = _open_values_of(op)
+        if collect is not None:
+            found: list[Any] = []
+            collect(body, found)
+            try:
+                check_open_values(found)
+            except ProtocolError as exc:
+                raise ProtocolError(f"invalid body for opcode {op!r}: {exc}") from None
     return op, header, body
+
+
+def _decode_header(raw: bytes) -> Header:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a header of {len(raw)} bytes, over its limit of {MAX_HEADER_BYTES}")
+    try:
+        return _header_decoder.decode(raw)
+    except _DECODE_FAILURES as exc:
+        raise ProtocolError(f"invalid header: {_failure(exc)}") from None
+
+
+def _failure(exc: BaseException) -> str:
+    """What went wrong decoding, in one short line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep"
+    if isinstance(exc, MemoryError):
+        return "too large to decode"
+    return one_line(str(exc), 200) or type(exc).__name__
+
+
+def check_open_values(values: list[Any]) -> None:
+    """Each of ``values`` (decoded msgpack: lists, tuples as map keys, dicts, scalars) nests at most
+    ``MAX_OPEN_DEPTH`` deep and all hold ``MAX_OPEN_ITEMS`` items at most, else a ``ProtocolError``.
+    Iterative, and a container's items are counted before they are looked at."""
+    budget = MAX_OPEN_ITEMS
+    stack = [(value, 1) for value in values if type(value) in _CONTAINERS]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_OPEN_DEPTH:
+            raise ProtocolError(f"a value nested deeper than {MAX_OPEN_DEPTH} levels")
+        is_dict = type(value) is dict
+        budget -= 2 * len(value) if is_dict else len(value)
+        if budget < 0:
+            raise ProtocolError(f"open values of more than {MAX_OPEN_ITEMS} items")
+        for item in itertools.chain(value, value.values()) if is_dict else value:
+            if type(item) in _CONTAINERS:
+                stack.append((item, depth + 1))
+
+
+_CONTAINERS = frozenset((list, tuple, dict))
+
+# ``collect(value, found)`` appends to ``found`` the parts of a decoded ``value`` that its type
+# leaves open (``Any``); planned once per type from the type itself, so a new ``Any`` field is
+# checked without being listed anywhere.
+Collect = Callable[[Any, list[Any]], None]
+
+
+@functools.cache
+def _open_values_of(op: bytes) -> Collect | None:
+    """How to find the open values in a body of ``op`` (None: its type has none)."""
+    return _plan(mi.type_info(BODY_TYPES[op]))
+
+
+def _whole(value: Any, found: list[Any]) -> None:
+    found.append(value)
+
+
+_SCALARS = (
+    mi.NoneType,
+    mi.BoolType,
+    mi.IntType,
+    mi.FloatType,
+    mi.StrType,
+    mi.BytesType,
+    mi.ByteArrayType,
+    mi.MemoryViewType,
+    mi.DateTimeType,
+    mi.TimeType,
+    mi.DateType,
+    mi.TimeDeltaType,
+    mi.UUIDType,
+    mi.DecimalType,
+    mi.ExtType,
+    mi.RawType,
+    mi.EnumType,
+    mi.LiteralType,
+)
+_RUNTIME_CLASS: dict[type, type] = {
+    mi.ListType: list,
+    mi.VarTupleType: tuple,
+    mi.TupleType: tuple,
+    mi.SetType: set,
+    mi.FrozenSetType: frozenset,
+    mi.DictType: dict,
+}
+
+
+def _plan(t: mi.Type) -> Collect | None:
+    """The ``Collect`` of a type (see above); a kind of type the schema does not use yet is a
+    TypeError here, caught by the test that plans every body type."""
+    if isinstance(t, mi.AnyType):
+        return _whole
+    if isinstance(t, _SCALARS):
+        return None
+    if isinstance(t, mi.Metadata):
+        return _plan(t.type)
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)):
+        return _each(_plan(t.item_type))
+    if isinstance(t, mi.DictType):
+        key, value = _plan(t.key_type), _plan(t.value_type)
+        if _whole in (key, value):
+            return _whole  # a container of open values is one open value
+        return None if key is None and value is None else _dict_of(key, value)
+    if isinstance(t, mi.TupleType):
+        return _fields([(i, c) for i, it in enumerate(t.item_types) if (c := _plan(it)) is not None], by_index=True)
+    if isinstance(t, mi.StructType):
+        return _fields([(f.name, c) for f in t.fields if (c := _plan(f.type)) is not None], by_index=False)
+    if isinstance(t, mi.UnionType):
+        members: dict[type, Collect] = {}
+        for member in t.types:
+            member = member.type if isinstance(member, mi.Metadata) else member
+            collect = _plan(member)
+            if collect is _whole:
+                return _whole
+            if collect is not None:
+                members[member.cls if isinstance(member, mi.StructType) else _RUNTIME_CLASS[type(member)]] = collect
+        return _union(members) if members else None
+    raise TypeError(f"no plan for the open values of {t!r}")
+
+
+def _each(item: Collect | None) -> Collect | None:
+    if item is None or item is _whole:
+        return item  # a container of open values is one open value
+
+    def each(value: Any, found: list[Any]) -> None:
+        for x in value:
+            item(x, found)
+
+    return each
+
+
+def _dict_of(key: Collect | None, value: Collect | None) -> Collect:
+    def dict_of(d: Any, found: list[Any]) -> None:
+        for k, v in d.items():
+            if key is not None:
+                key(k, found)
+            if value is not None:
+                value(v, found)
+
+    return dict_of
+
+
+def _fields(parts: list[tuple[Any, Collect]], by_index: bool) -> Collect | None:
+    if not parts:
+        return None
+
+    def fields(value: Any, found: list[Any]) -> None:
+        for where, collect in parts:
+            collect(value[where] if by_index else getattr(value, where), found)
+
+    return fields
+
+
+def _union(members: dict[type, Collect]) -> Collect:
+    def union(value: Any, found: list[Any]) -> None:
+        collect = members.get(type(value))
+        if collect is not None:
+            collect(value, found)
+
+    return union
 
 
 def to_builtins(obj: Any) -> Any:

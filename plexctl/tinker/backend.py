@@ -78,12 +78,15 @@ class ServedModel(msgspec.Struct, frozen=True):
 
 class TrainingRun(msgspec.Struct, frozen=True):
     """A training run (a Tinker "model"): a LoRA adapter of ``lora_rank``, or every weight of the
-    base when ``lora_rank`` is None (full fine-tuning); ``tokenizer_dir`` as in ``ServedModel``."""
+    base when ``lora_rank`` is None (full fine-tuning); ``tokenizer_dir`` as in ``ServedModel``;
+    ``max_context_length``: the most tokens a datum of its may hold, its base model's context (the
+    server refuses a longer one before the backend sees it; 0: not said, none refused)."""
 
     model_id: str
     base_model: str
     lora_rank: int | None
     tokenizer_dir: str = ""
+    max_context_length: int = 0
 
     @property
     def is_lora(self) -> bool:

@@ -5,13 +5,22 @@ driver, no data, no reward), submitted for the user its API key maps to and sche
 other job; its calls are this process's typed service calls (``plexctl.rl.JobClient``, with
 the cluster's internal key). ``forward_backward`` calls are kept, in order, until the
 ``optim_step`` that takes their gradient (``calls.OptimStepReq``), so no gradient outlives a call.
-Saved sampler weights are the job's published policy versions (a Tinker job keeps every one:
-``tinker://`` paths never change), and sampling is a generate call of the run's job at that
-version. What each run has saved, and its step count, is kept in ``<state>/tinker/runs.json``,
-written atomically, so a restarted front end knows its paths and takes its runs back: a run's first
-call after the restart waits for its job to run again, restores the last saved state (the job's own
-checkpoint; none: the run starts afresh) and says, in the front end's log and the job's events,
-which steps were lost.
+Saved sampler weights are the job's published policy versions (the daemon prunes none of a
+Tinker job's: a ``tinker://`` path's weights never change), and sampling is a generate call of the
+run's job at that version. What each run has saved, and its step count, is kept in
+``<state>/tinker/runs.json``, written atomically, so a restarted front end knows its paths and takes
+its runs back: a run's first call after the restart waits for its job to run again, restores the
+last saved state (the job's own checkpoint; none: the run starts afresh) and says, in the front
+end's log and the job's events, which steps were lost.
+
+Saves on the cluster's disk: every user's but the owner's are held to their ``tinker-disk`` and
+``tinker-saves`` limits (``plexctl.common.limits``), counted from the directories their runs' jobs
+hold (``adapters/v*``, ``ckpt/step-*``). Before a save, room is made by pruning that user's oldest
+saves not in use (``plexctl.tinker.quota``); in use are a live run's latest state, the state it
+would resume from, its newest weights, and sampler weights a live run made or sampled within
+``SAMPLER_IDLE_S``. A save that finds no room is refused (a ``UserError``). A save whose directory
+is gone (pruned) is no longer listed, and asking for it names its ``tinker://`` path, never a
+directory of the cluster's.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -35,7 +44,9 @@ from plexctl.common.atomic import write_json_atomic
 from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
 from plexctl.common.errors import RemoteError
-from plexctl.common.spec import EXTERNAL, spec_from_wire, spec_to_wire
+from plexctl.common.jobdir import JobDir
+from plexctl.common.limits import limits_for
+from plexctl.common.spec import EXTERNAL, SpecError, spec_from_wire, spec_to_wire
 from plexctl.rl import CallFailed, JobClient
 from plexctl.tinker import keys
 from plexctl.tinker.backend import (
@@ -54,6 +65,7 @@ from plexctl.tinker.backend import (
     say_waiting,
     sdk_model_id,
 )
+from plexctl.tinker.quota import Kept, Quota, QuotaFull, make_room
 
 log = logging.getLogger("plexrl.tinker")
 
@@ -61,10 +73,13 @@ LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
 BASE_SAMPLER_RANK = 1  # a base model's sampler job holds the smallest adapter; it samples the base (version 0)
 START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
 EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
+JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
+SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
 
 class SavedState(msgspec.Struct, array_like=True):
-    """A ``save_state``: the job's checkpoint directory, when it was made, the run's step then."""
+    """A ``save_state``: the job's checkpoint directory (``<state>/jobs/<job>/ckpt/step-N``), when
+    it was made, the run's step then."""
 
     ckpt_dir: str
     at: float
@@ -127,13 +142,21 @@ class Run:
 
 
 class ClusterBackend(Backend):
-    def __init__(self, state_dir: Path) -> None:
+    """``clock``: what "lately" is measured by, for sampler weights in use (Unix seconds)."""
+
+    def __init__(self, state_dir: Path, clock: Callable[[], float] = time.time) -> None:
         self.state_dir = state_dir
+        self.clock = clock
         self.registry = state_dir / "tinker" / "runs.json"
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
         self._starting: dict[str, threading.Lock] = {}  # a base model's sampler job, while it starts
         self._local = threading.local()
+        self._room = threading.Lock()  # one save makes room at a time
+        self._sizes: dict[str, int] = {}  # a save's key (``_key``) -> its bytes: a save never changes
+        self._sampled: dict[str, float] = {}  # sampler weights' key -> when a sampler was made of them or sampled
+        self._since = clock()  # what was sampled before this front end started counts as sampled then
+        self._owner = _owner(state_dir)  # whose disk it is: their saves are not limited
         for model_id, record in self._read_registry().items():
             run = self.runs[model_id] = Run(record)
             run.resuming = not record.ended
@@ -233,6 +256,122 @@ class ClusterBackend(Backend):
         run.resuming = False
         self._save()
 
+    # ------------------------------------------------------------ saves and the room they take
+
+    def _job_dir(self, record: RunRecord) -> JobDir:
+        return JobDir(self.state_dir / JOBS_DIR / record.job_id)
+
+    def _key(self, save: Path) -> str:
+        """A save's name here: ``<job>/adapters/v000003`` or ``<job>/ckpt/step-000002``."""
+        return "/".join(save.parts[-3:])
+
+    def _bytes(self, save: Path) -> int:
+        key = self._key(save)
+        if key not in self._sizes:
+            self._sizes[key] = _dir_bytes(save)
+        return self._sizes[key]
+
+    def _newest_bytes(self, parent: Path, parse: Callable[[str], int]) -> int:
+        """The bytes of the newest save under ``parent``: what the next one there will take (0: none yet)."""
+        saves = _numbered_dirs(parent, parse)
+        return self._bytes(saves[-1]) if saves else 0
+
+    def _kept_version(self, record: RunRecord, name: str) -> int | None:
+        """The version of the run's sampler weights ``name`` (a saved name or ``ephemeral-<v>``),
+        if they are still on disk."""
+        version = _sampler_version(record, name)
+        if version is None or not self._job_dir(record).adapter(version).is_dir():
+            return None
+        return version
+
+    def _forget_gone(self, run: Run) -> bool:
+        """Forget the run's saves whose directories are gone (pruned); whether there were any."""
+        record, job_dir = run.record, self._job_dir(run.record)
+        with self._lock:
+            states = [n for n, s in record.states.items() if not os.path.isdir(s.ckpt_dir)]
+            samplers = [n for n, v in record.samplers.items() if not job_dir.adapter(v).is_dir()]
+            for name in states:
+                del record.states[name]
+            for name in samplers:
+                del record.samplers[name]
+                record.sampler_times.pop(name, None)
+        if states or samplers:
+            log.info("run %s: forgot its saves that are gone: %s", record.model_id, ", ".join(states + samplers))
+            self._save()
+        return bool(states or samplers)
+
+    def _quota(self, user: str) -> Quota | None:
+        """What ``user``'s saves may take (None: no limit: the owner's, or set to 0)."""
+        if user == self._owner:
+            return None
+        limits = limits_for(self.state_dir, user)
+        quota = Quota(limits.tinker_disk_bytes, limits.tinker_saves)
+        return quota if quota.disk_bytes or quota.saves else None
+
+    def _kept(self, user: str) -> list[Kept]:
+        """Every save on disk of the user's runs, each saying whether it is in use."""
+        now = self.clock()
+        runs = [r for r in list(self.runs.values()) if r.record.user == user and not r.record.sampling]
+        live = [r for r in runs if not r.record.ended]
+        resume_from = {self._key(Path(p.ckpt_dir)) for r in live if (p := _restore_point(r.record)) is not None}
+        kept = []
+        for run in runs:
+            job_dir = self._job_dir(run.record)
+            states = _numbered_dirs(job_dir.checkpoints, JobDir.parse_step)
+            weights = _numbered_dirs(job_dir.adapters, JobDir.parse_version)
+            newest = {self._key(d) for d in states[-1:] + weights[-1:]} if not run.record.ended else set()
+            for save, is_weights in [(d, False) for d in states] + [(d, True) for d in weights]:
+                try:
+                    made = save.stat().st_mtime
+                except FileNotFoundError:  # pruned meanwhile
+                    continue
+                key = self._key(save)
+                sampled = max(made, self._since, self._sampled.get(key, 0.0)) if is_weights else 0.0
+                lately = not run.record.ended and now - sampled < SAMPLER_IDLE_S
+                kept.append(Kept(key, made, self._bytes(save), key in newest or key in resume_from or lately))
+        return kept
+
+    def _make_room(self, run: Run, what: str, new_bytes: int) -> None:
+        """Prune the user's oldest saves not in use until a new one of ``new_bytes`` fits their
+        limits; none fit: refused, a ``UserError`` that names ``what`` is saved."""
+        quota = self._quota(run.record.user)
+        if quota is None:
+            return
+        with self._room:
+            try:
+                doomed = make_room(self._kept(run.record.user), quota, new_bytes)
+            except QuotaFull as full:
+                raise UserError(f"{what} is not saved: {full}") from None
+            self._prune(run.record.user, [k.key for k in doomed])
+
+    def _settle(self, run: Run, what: str) -> None:
+        """After a save: if it took more than was made room for, prune for the difference (the
+        save stands either way; the next one is refused if there is still no room)."""
+        quota = self._quota(run.record.user)
+        if quota is None:
+            return
+        with self._room:
+            try:
+                doomed = make_room(self._kept(run.record.user), quota, 0, new_saves=0)
+            except QuotaFull:
+                log.info("%s of %s was saved past their limit: their next save needs room", what, run.record.user)
+                return
+            self._prune(run.record.user, [k.key for k in doomed])
+
+    def _prune(self, user: str, keys: list[str]) -> None:
+        """Delete these saves of the user's and forget them (no list shows them any more)."""
+        jobs = self.state_dir / JOBS_DIR
+        for key in keys:
+            try:
+                shutil.rmtree(jobs / key)
+            except OSError as e:
+                log.warning("pruning %s of %s: %s", key, user, e)
+            self._sizes.pop(key, None)
+            self._sampled.pop(key, None)
+            log.info("pruned %s of %s to make room for a newer save", key, user)
+        for run in [r for r in list(self.runs.values()) if r.record.user == user]:
+            self._forget_gone(run)
+
     # ------------------------------------------------------------ Backend
 
     def authenticate(self, api_key: str) -> str | None:
@@ -273,7 +412,11 @@ class ClusterBackend(Backend):
         }
         if rank is not None:  # no lora section: the job trains every weight
             doc["lora"] = {"rank": rank, "alpha": LORA_ALPHA}
-        spec = spec_from_wire(doc)
+        try:
+            spec = spec_from_wire(doc)
+        except SpecError as e:  # a LoRA rank out of the spec's bounds (1 to 256)
+            asked = f" (asked for rank {rank})" if rank is not None else ""
+            raise UserError("; ".join(f"{i.path}: {i.message}" for i in e.issues) + asked) from None
         try:
             rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
         except RemoteError as refused:  # the daemon refused the run's job (a rank above the engines', ...)
@@ -310,7 +453,13 @@ class ClusterBackend(Backend):
 
     def weights_info(self, user: str, path: str) -> TrainingRun:
         where = parse_checkpoint_path(path)
-        return _training_run(self._run(user, where.model_id).record)
+        run = self._run(user, where.model_id)
+        self._forget_gone(run)
+        if where.kind == "training" and where.name not in run.record.states:
+            raise UserError(f"no saved state at {path} {_GONE}")
+        if where.kind == "sampler" and self._kept_version(run.record, where.name) is None:
+            raise UserError(f"no sampler weights at {path} {_GONE}")
+        return _training_run(run.record)
 
     def forward_backward(self, user: str, model_id: str, call: C.LossCall, forward_only: bool) -> ForwardResult:
         run = self._run(user, model_id)
@@ -343,38 +492,53 @@ class ClusterBackend(Backend):
     def save_weights_for_sampler(self, user: str, model_id: str, name: str) -> str:
         run = self._run(user, model_id)
         path = checkpoint_path(model_id, "sampler", name)
+        self._forget_gone(run)
         if name in run.record.samplers:
             raise UserError(f"{path} exists (a saved checkpoint does not change)")
         if name.startswith(EPHEMERAL_PREFIX):
             raise UserError(f"checkpoint names starting with {EPHEMERAL_PREFIX!r} are the server's: choose another")
+        self._make_room(run, path, self._newest_bytes(self._job_dir(run.record).adapters, JobDir.parse_version))
         run.record.samplers[name] = self._publish(run)
         run.record.sampler_times[name] = time.time()
         self._save()
+        self._settle(run, path)
         return path
 
     def save_state(self, user: str, model_id: str, name: str) -> str:
         run = self._run(user, model_id)
         path = checkpoint_path(model_id, "training", name)
+        self._forget_gone(run)
         if name in run.record.states:
             raise UserError(f"{path} exists (a saved checkpoint does not change)")
-        rep: C.CheckpointRep = self._call(run, C.CheckpointReq(len(run.record.states) + 1, {"tinker": name}))
+        checkpoints = self._job_dir(run.record).checkpoints
+        self._make_room(run, path, self._newest_bytes(checkpoints, JobDir.parse_step))
+        step = _next_checkpoint_step(run.record, checkpoints)
+        rep: C.CheckpointRep = self._call(run, C.CheckpointReq(step, {"tinker": name}))
         run.record.states[name] = SavedState(rep.path, time.time(), run.record.steps)
         self._save()
+        self._settle(run, path)
         return path
 
     def load_state(self, user: str, model_id: str, path: str, optimizer: bool) -> None:
         run = self._run(user, model_id)
         where = parse_checkpoint_path(path)
-        source = self._run(user, where.model_id).record
+        source_run = self._run(user, where.model_id)
+        self._forget_gone(source_run)
+        source = source_run.record
         saved = source.states.get(where.name) if where.kind == "training" else None
         if saved is None:
-            raise UserError(f"no saved state at {path} (save_state makes one)")
+            raise UserError(f"no saved state at {path} {_GONE}")
         if (source.model_path, source.rank) != (run.record.model_path, run.record.rank):
             raise UserError(
                 f"{path} is a state of {source.base_model} {_trains(source.rank)}; "
                 f"run {model_id} trains {run.record.base_model} {_trains(run.record.rank)}"
             )
-        self._call(run, C.RestoreReq(saved.ckpt_dir, weights_only=not optimizer))
+        try:
+            self._call(run, C.RestoreReq(saved.ckpt_dir, weights_only=not optimizer))
+        except UserError as failed:  # said with the path the user knows, not the directory it names
+            if self._forget_gone(source_run):
+                raise UserError(f"no saved state at {path} {_GONE}") from None
+            raise UserError(str(failed).replace(saved.ckpt_dir, path)) from None
         run.pending.clear()
         run.resumed = None
         run.record.steps = saved.step
@@ -385,9 +549,10 @@ class ClusterBackend(Backend):
         if model_path:
             where = parse_checkpoint_path(model_path)
             run = self._run(user, where.model_id)
-            version = _sampler_version(run.record, where.name) if where.kind == "sampler" else None
+            version = self._kept_version(run.record, where.name) if where.kind == "sampler" else None
             if version is None:
-                raise UserError(f"no sampler weights at {model_path}")
+                raise UserError(f"no sampler weights at {model_path} {_GONE}")
+            self._sampled[self._key(self._job_dir(run.record).adapter(version))] = self.clock()
             return _sampler(run.record, version, model_path)
         assert base_model is not None
         path = self._model_path(base_model)
@@ -404,7 +569,11 @@ class ClusterBackend(Backend):
 
     def sampler_for_weights(self, user: str, model_id: str, seq: int) -> Sampler:
         run = self._run(user, model_id)
+        what = f"the sampler weights of {model_id}"
+        self._make_room(run, what, self._newest_bytes(self._job_dir(run.record).adapters, JobDir.parse_version))
         version = self._publish(run)
+        self._sampled[self._key(self._job_dir(run.record).adapter(version))] = self.clock()
+        self._settle(run, what)
         return _sampler(run.record, version, checkpoint_path(model_id, "sampler", f"{EPHEMERAL_PREFIX}{version}"))
 
     def sample(
@@ -419,6 +588,11 @@ class ClusterBackend(Backend):
     ) -> SampleResult:
         model_id, _, version = sampler_id.rpartition(":v")
         run = self._run(user, model_id)
+        if not run.record.sampling:  # a run's weights, not the base's
+            weights = self._job_dir(run.record).adapter(int(version))
+            if not weights.is_dir():
+                raise UserError(f"sampler {sampler_id}: its weights were pruned to make room for newer saves")
+            self._sampled[self._key(weights)] = self.clock()
         max_tokens = params.max_tokens or max(1, _context(run.record.model_path) - len(prompt_tokens))
         sampling = C.Sampling(
             temperature=params.temperature,
@@ -449,13 +623,19 @@ class ClusterBackend(Backend):
 
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
         run = self._run(user, model_id)
+        self._forget_gone(run)
+        record, job_dir = run.record, self._job_dir(run.record)
         out = [
-            CheckpointInfo(checkpoint_path(model_id, "training", name), saved.at)
-            for name, saved in run.record.states.items()
+            CheckpointInfo(checkpoint_path(model_id, "training", name), saved.at, self._bytes(Path(saved.ckpt_dir)))
+            for name, saved in record.states.items()
         ]
         out += [
-            CheckpointInfo(checkpoint_path(model_id, "sampler", name), run.record.sampler_times.get(name, 0.0))
-            for name in run.record.samplers
+            CheckpointInfo(
+                checkpoint_path(model_id, "sampler", name),
+                record.sampler_times.get(name, 0.0),
+                self._bytes(job_dir.adapter(version)),
+            )
+            for name, version in record.samplers.items()
         ]
         return out
 
@@ -471,6 +651,8 @@ class ClusterBackend(Backend):
         ephemeral = checkpoint_path(model_id, "sampler", f"{EPHEMERAL_PREFIX}{version}")
         if run.record.sampling:  # a base model's sampler
             return Sampler(sampler_id, run.record.base_model, tokenizer_dir=run.record.model_path)
+        if not self._job_dir(run.record).adapter(int(version)).is_dir():
+            return None  # its weights were pruned
         return _sampler(run.record, int(version), paths.get(int(version), ephemeral))
 
     def end_session(self, user: str, session_id: str) -> None:
@@ -519,11 +701,71 @@ def _trains(rank: int | None) -> str:
 
 
 def _training_run(record: RunRecord) -> TrainingRun:
-    return TrainingRun(record.model_id, record.base_model, record.rank, tokenizer_dir=record.model_path)
+    return TrainingRun(
+        record.model_id,
+        record.base_model,
+        record.rank,
+        tokenizer_dir=record.model_path,
+        max_context_length=_context(record.model_path),
+    )
 
 
 def _context(model_path: str) -> int:
+    """The base model's context: its ``max_position_embeddings`` (what the server reports, and
+    the longest datum a run of it trains on)."""
     try:
         return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError):
         return 4096
+
+
+_GONE = "(never saved, or pruned to make room for newer saves)"
+
+
+def _owner(state_dir: Path) -> str | None:
+    try:
+        return auth.owner_of(state_dir)
+    except OSError:  # no cluster keys here: every user is limited
+        return None
+
+
+def _numbered_dirs(parent: Path, parse: Callable[[str], int]) -> list[Path]:
+    """The saves under ``parent`` (``adapters`` or ``ckpt``), by their number, oldest first; names
+    ``parse`` refuses (a temporary one, ``latest.json``) are not saves."""
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return []
+    numbered = []
+    for entry in entries:
+        try:
+            number = parse(entry.name)
+        except ValueError:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            numbered.append((number, Path(entry.path)))
+    return [path for _, path in sorted(numbered)]
+
+
+def _next_checkpoint_step(record: RunRecord, checkpoints: Path) -> int:
+    """The step the run's next ``save_state`` is written at: past every checkpoint of its job on
+    disk (a new directory, never one kept) and every state it saved before any was pruned."""
+    on_disk = [JobDir.parse_step(d.name) for d in _numbered_dirs(checkpoints, JobDir.parse_step)]
+    return max([len(record.states), *on_disk]) + 1
+
+
+def _dir_bytes(root: Path) -> int:
+    """The bytes of the regular files under ``root`` (links not followed)."""
+    total = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:  # gone meanwhile
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total

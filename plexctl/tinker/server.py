@@ -9,6 +9,8 @@ its outcome is fetched with ``retrieve_future``, which waits up to ``POLL_S`` fo
   them (1, 2, ...): the chunks of one forward_backward, sent together, may arrive out of order and
   are held until their turn. A repeated (model, seq_id) gets its first request id back.
 * Samples run as they come, several at once, on one sampler too.
+* A forward_backward datum of more tokens than its run's ``max_context_length`` is refused (a
+  "user" error) before the backend sees it.
 * A user reaches only the sessions, models, samplers and futures they created (else 403); the API
   key (``X-API-Key``) is checked on every request but ``healthz``.
 * A session not heard from for ``session_ttl_s`` (the SDK heartbeats every 10 s) ends as if closed.
@@ -485,7 +487,7 @@ class FrontEnd:
         model_id, forward_only = msg.model_id, msg.forward_only
 
         def work() -> Reply:
-            call = wire.loss_call(msg)
+            call = wire.loss_call(msg, self.run_of(user, model_id).run.max_context_length)
             result = self.backend.forward_backward(user, model_id, call, forward_only)
             return wire.forward_backward_output(result, len(call.data))
 

@@ -249,8 +249,9 @@ def parse_forward_backward(
     return msg
 
 
-def loss_call(msg: pb.ForwardBackwardRequest) -> C.LossCall:
-    """The loss call a forward_backward request asks for, or ``UserError``."""
+def loss_call(msg: pb.ForwardBackwardRequest, max_tokens: int = 0) -> C.LossCall:
+    """The loss call a forward_backward request asks for, or ``UserError`` (a datum of more than
+    ``max_tokens`` tokens, the model's context, among others; 0: no limit)."""
     loss_fn = msg.loss_fn
     if loss_fn not in LOSS_INPUTS:
         raise UserError(f"loss {loss_fn!r} is not supported (supported: {', '.join(C.TOKEN_LOSSES)})")
@@ -262,7 +263,7 @@ def loss_call(msg: pb.ForwardBackwardRequest) -> C.LossCall:
         if key not in allowed:
             takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
             raise UserError(f"loss_fn_config key {key!r} is not used by {loss_fn} ({takes})")
-    return C.LossCall([token_datum(d, i, loss_fn) for i, d in enumerate(msg.data)], loss_fn, config)
+    return C.LossCall([token_datum(d, i, loss_fn, max_tokens) for i, d in enumerate(msg.data)], loss_fn, config)
 
 
 def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
@@ -277,10 +278,12 @@ def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
     return config
 
 
-def token_datum(d: pb.Datum, i: int, loss_fn: str) -> C.TokenDatum:
+def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.TokenDatum:
     tokens = model_input_tokens(d, i)
     if not tokens:
         raise UserError(f"datum {i} has no tokens")
+    if max_tokens and len(tokens) > max_tokens:
+        raise UserError(f"datum {i} has {len(tokens)} tokens, more than the model's context of {max_tokens}")
     inputs: dict[str, list[Any]] = {}
     for name, tensor in d.loss_fn_inputs.items():
         if name != "target_tokens" and name not in OPTIONAL_INPUTS:
