@@ -197,3 +197,13 @@ def test_local_and_slurm_only_settings_are_marked(slurm: bool) -> None:
     scoped = {s for s in K.settings() if K.scope(s) == (K.SLURM if slurm else K.LOCAL)}
     assert ({"nodes", "tp", "signal_grace"} if slurm else {"workers", "train_grouping"}) <= scoped
     assert all(K.help_text(s).startswith("--slurm: " if slurm else "--local: ") for s in scoped)
+
+
+def test_a_setting_with_a_leading_zero_is_refused_in_one_line_naming_it() -> None:
+    with pytest.raises(K.ConfigError) as refused:
+        K.with_settings(K.ClusterConfig(), ["nodes=010"])
+    assert (
+        str(refused.value)
+        == "nodes: '010' has a leading zero; write 10 for the number, 0o10 for octal, or quote it for a string"
+    )
+    assert K.with_settings(K.ClusterConfig(), ["nodes=10"]).nodes == 10

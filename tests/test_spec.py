@@ -497,6 +497,16 @@ def test_override_with_a_bad_value_is_located_at_set(workdir: Path) -> None:
     assert found[(str(workdir / "job.yaml"), 11, "algo.steps")] == "must be >= 1, got 0"
 
 
+def test_an_override_with_a_leading_zero_is_refused_never_a_silent_octal(workdir: Path) -> None:
+    issue = only_issue(write(workdir, VALID), overrides=["algo.steps=010"])
+    assert (issue.file, issue.path) == ("--set", "algo.steps")
+    assert (
+        issue.message == "'010' has a leading zero; write 10 for the number, 0o10 for octal, or quote it for a string"
+    )
+    spec = load_spec(write(workdir, VALID), overrides=["algo.steps=0o10", "sampling.max_tokens=0x10", "algo.lr=1e-3"])
+    assert (spec.algo.steps, spec.sampling.max_tokens, spec.algo.lr) == (8, 16, 1e-3)  # YAML 1.2's numbers
+
+
 def test_name_argument_replaces_the_name(workdir: Path) -> None:
     assert load_spec(write(workdir, VALID), name="run-2").name == "run-2"
     issue = only_issue(write(workdir, VALID), name="bad name")

@@ -429,7 +429,7 @@ def read_config(path: Path | None) -> ClusterConfig:
 def with_settings(config: ClusterConfig, items: Sequence[str]) -> ClusterConfig:
     """``config`` with ``KEY=VALUE`` items applied (each value parsed as YAML: ``tp=2``,
     ``engines=[rollout, trainer]``); one line per bad item."""
-    import yaml
+    from plexctl.common.scalars import parse_value
 
     values = msgspec.to_builtins(config)
     problems = []
@@ -439,9 +439,9 @@ def with_settings(config: ClusterConfig, items: Sequence[str]) -> ClusterConfig:
             problems.append(f"{item!r}: expected KEY=VALUE with KEY a setting (docs/cluster-reference.md)")
             continue
         try:
-            values[key] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as exc:
-            problems.append(f"{key}: cannot parse {raw!r}: {getattr(exc, 'problem', exc)}")
+            values[key] = parse_value(key, raw) if raw.strip() else None
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))
     try:

@@ -37,6 +37,7 @@ import yaml
 from msgspec import Meta
 
 from plexctl.common.errors import PlexError
+from plexctl.common.scalars import parse_value
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
@@ -744,15 +745,16 @@ def _alias_problem(root: yaml.Node) -> str | None:
 
 
 def _apply_override(doc: dict[str, Any], text: str, overridden: dict[Key, str]) -> SpecIssue | None:
-    """Set ``a.b.c=value`` (value parsed as YAML) in ``doc``, creating sections as needed."""
+    """Set ``a.b.c=value`` (value parsed as YAML 1.2: ``plexctl.common.scalars``) in ``doc``,
+    creating sections as needed."""
     key, sep, raw = text.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
         return SpecIssue(OVERRIDE_FILE, None, key.strip(), f"expected KEY=VALUE (e.g. algo.lr=3e-4), got {text!r}")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        return SpecIssue(OVERRIDE_FILE, None, key.strip(), f"cannot parse value {raw!r}: {getattr(e, 'problem', e)}")
+        value = parse_value(key.strip(), raw)
+    except ValueError as e:
+        return SpecIssue(OVERRIDE_FILE, None, key.strip(), str(e).removeprefix(f"{key.strip()}: "))
     section = doc
     for n, part in enumerate(parts[:-1], start=1):
         if section.get(part) is None:
