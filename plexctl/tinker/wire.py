@@ -99,19 +99,10 @@ class ModelReq(Request):
     model_id: str
 
 
-class AdamParamsWire(Request):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
 class OptimStepReq(Request):
     model_id: str
     seq_id: int
-    adam_params: AdamParamsWire | None = None
+    adam_params: C.AdamStep | None = None  # the SDK's AdamParams: the engines' one Adam type
     optimizer_params: dict[str, Any] | None = None  # another optimizer than Adam: refused
 
 
@@ -202,8 +193,7 @@ def adam_step(req: OptimStepReq) -> C.AdamStep:
     if req.optimizer_params is not None:
         kind = req.optimizer_params.get("type", "?")
         raise UserError(f"optimizer {kind!r} is not supported: only Adam (types.AdamParams)")
-    p = req.adam_params or AdamParamsWire()
-    return C.AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    return req.adam_params or C.AdamStep()
 
 
 def check_optimizer(config: OptimizerConfigWire | None) -> None:
