@@ -389,3 +389,16 @@ def test_the_engine_refuses_bad_calls_before_changing_anything(engine: TrainerEn
     with pytest.raises(BatchError, match="optim_step has no loss calls"):
         engine.optim_step("refused", [], AdamStep())
     assert_exactly_equal(before, job_state(engine, "refused"))
+
+
+def test_each_token_loss_is_one_entry_that_the_wire_and_the_worker_both_read() -> None:
+    """A loss is one entry of ``TOKEN_LOSS_TABLE`` (inputs, config, defaults) and one function of the
+    worker's of the same name; the wire's required inputs and config keys come from the entry."""
+    from plexctl.common.calls import TOKEN_LOSS_TABLE
+    from worker.tinker_losses import LOSS_FUNCTIONS, loss_config
+
+    assert list(LOSS_FUNCTIONS) == list(TOKEN_LOSS_TABLE) == list(TOKEN_LOSSES)
+    for name, entry in TOKEN_LOSS_TABLE.items():
+        given = {key: 0.5 for key, default in entry.config.items() if default is None}
+        assert set(loss_config(name, given)) == set(entry.config)
+        assert entry.required()[0] == "target_tokens" and "weights" not in entry.required()

@@ -22,32 +22,13 @@ trainer's gives an infinite loss, as it would in Tinker.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from plexctl.common.calls import TOKEN_LOSSES, LossCall, TokenDatum
+from plexctl.common.calls import DATUM_INPUTS, TOKEN_LOSS_TABLE, TOKEN_LOSSES, LossCall, TokenDatum
 from worker.errors import BatchError
-
-# each loss's loss_fn_config keys and defaults (None: the caller must give it)
-LOSS_CONFIG: dict[str, dict[str, float | None]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    "dro": {"beta": None},
-}
-# the datum fields each loss reads, beside target_tokens
-LOSS_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-    "cispo": ("logprobs", "advantages"),
-    "dro": ("logprobs", "advantages"),
-}
-_FLOAT_FIELDS = ("weights", "logprobs", "advantages")
-assert set(LOSS_CONFIG) == set(LOSS_INPUTS) == set(TOKEN_LOSSES)
 
 
 @dataclass(frozen=True)
@@ -68,9 +49,9 @@ class LossInputs:
 
 def loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float]:
     """``config`` over the loss's defaults (``BatchError``: unknown loss, key, or a missing one)."""
-    if loss_fn not in LOSS_CONFIG:
+    if loss_fn not in TOKEN_LOSS_TABLE:
         raise BatchError(f"loss_fn {loss_fn!r} is not one of {', '.join(TOKEN_LOSSES)}")
-    takes = LOSS_CONFIG[loss_fn]
+    takes = TOKEN_LOSS_TABLE[loss_fn].config
     unknown = sorted(set(config) - set(takes))
     if unknown:
         accepted = ", ".join(takes) or "no loss_fn_config"
@@ -99,20 +80,50 @@ def token_loss(
     """One datum's loss (a scalar, the sum over its tokens) from the trainer's log-probs of its
     target tokens (``[N]``, float32, carrying the gradient) and its inputs (see the module)."""
     settings = loss_config(loss_fn, config)
-    tlp = target_logprobs
-    if loss_fn == "cross_entropy":
-        return (-tlp * _required(inputs.weights, loss_fn, "weights")).sum()
+    return LOSS_FUNCTIONS[loss_fn](target_logprobs, inputs, settings)
+
+
+def _ratio(tlp: torch.Tensor, inputs: LossInputs, loss_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(tlp - slp)`` and the advantages."""
     slp = _required(inputs.sampling_logprobs, loss_fn, "logprobs")
-    adv = _required(inputs.advantages, loss_fn, "advantages")
-    if loss_fn == "dro":
-        return -(tlp * adv - 0.5 * settings["beta"] * (tlp - slp) ** 2).sum()
-    ratio = torch.exp(tlp - slp)
-    if loss_fn == "importance_sampling":
-        return -(ratio * adv).sum()
+    return torch.exp(tlp - slp), _required(inputs.advantages, loss_fn, "advantages")
+
+
+def _cross_entropy(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
+    return (-tlp * _required(inputs.weights, "cross_entropy", "weights")).sum()
+
+
+def _importance_sampling(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
+    ratio, adv = _ratio(tlp, inputs, "importance_sampling")
+    return -(ratio * adv).sum()
+
+
+def _ppo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+    ratio, adv = _ratio(tlp, inputs, "ppo")
     clipped = torch.clamp(ratio, settings["clip_low_threshold"], settings["clip_high_threshold"])
-    if loss_fn == "ppo":
-        return -torch.min(ratio * adv, clipped * adv).sum()
-    return -(clipped.detach() * tlp * adv).sum()  # cispo
+    return -torch.min(ratio * adv, clipped * adv).sum()
+
+
+def _cispo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+    ratio, adv = _ratio(tlp, inputs, "cispo")
+    clipped = torch.clamp(ratio, settings["clip_low_threshold"], settings["clip_high_threshold"])
+    return -(clipped.detach() * tlp * adv).sum()
+
+
+def _dro(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+    slp = _required(inputs.sampling_logprobs, "dro", "logprobs")
+    adv = _required(inputs.advantages, "dro", "advantages")
+    return -(tlp * adv - 0.5 * settings["beta"] * (tlp - slp) ** 2).sum()
+
+
+# each entry of ``plexctl.common.calls.TOKEN_LOSS_TABLE``'s function, by its name
+LOSS_FUNCTIONS: dict[str, Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor]] = {
+    "cross_entropy": _cross_entropy,
+    "importance_sampling": _importance_sampling,
+    "ppo": _ppo,
+    "cispo": _cispo,
+    "dro": _dro,
+}
 
 
 def check_call(call: LossCall, vocab_size: int | None = None) -> None:
@@ -123,7 +134,7 @@ def check_call(call: LossCall, vocab_size: int | None = None) -> None:
     loss_config(call.loss_fn, call.loss_fn_config)
     if not call.data:
         raise BatchError("loss call has no data")
-    needs = LOSS_INPUTS[call.loss_fn]
+    needs = TOKEN_LOSS_TABLE[call.loss_fn].reads
     for i, datum in enumerate(call.data):
         n = len(datum.tokens)
         if n == 0:
@@ -132,7 +143,7 @@ def check_call(call: LossCall, vocab_size: int | None = None) -> None:
             raise BatchError(f"datum {i}: target_tokens has {len(datum.target_tokens)} entries, tokens {n}")
         for name in ("tokens", "target_tokens"):
             _check_ids(i, name, getattr(datum, name), vocab_size)
-        for name in _FLOAT_FIELDS:
+        for name in DATUM_INPUTS:
             values: list[float] | None = getattr(datum, name)
             if values is None:
                 if name in needs:

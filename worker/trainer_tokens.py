@@ -33,9 +33,16 @@ from typing import Any, cast
 
 import torch
 
-from plexctl.common.calls import AdamStep, ForwardBackwardResult, LossCall, OptimStepResult, TokenDatum
+from plexctl.common.calls import (
+    TOKEN_LOSS_TABLE,
+    AdamStep,
+    ForwardBackwardResult,
+    LossCall,
+    OptimStepResult,
+    TokenDatum,
+)
 from worker.errors import BatchError
-from worker.tinker_losses import LOSS_INPUTS, LossInputs, check_call, loss_config, token_loss
+from worker.tinker_losses import LossInputs, check_call, loss_config, token_loss
 from worker.token_logprobs import causal_lm_parts, head_logprobs
 from worker.train_batches import PAD_ID, micro_batch_bounds
 from worker.trainer_math import TrainingMath
@@ -95,7 +102,7 @@ def token_micro_batches(
     groups: dict[int, list[int]] = {}
     for i in sorted(range(len(data)), key=lambda i: (widths[i], i)):
         groups.setdefault(widths[i], []).append(i)
-    needs = LOSS_INPUTS[loss_fn]
+    needs = TOKEN_LOSS_TABLE[loss_fn].reads
     for width, members in groups.items():
         for start, stop in micro_batch_bounds([width] * len(members), max_rows, max_tokens):
             yield _pad_data(data, members[start:stop], width, needs, device)

@@ -19,7 +19,8 @@ job spec's own ``LoraSpec`` (one struct, its wire fields the spec's). Pure msgsp
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Protocol
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import msgspec
 
@@ -292,7 +293,31 @@ class RestoreRep(Reply):
 # summed gradient and makes one AdamW step. So no gradient outlives a call: a job's state moves
 # between tiers between any two calls as it does between train steps.
 
-TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+class TokenLoss(NamedTuple):
+    """One Tinker token-level loss, declared once: what the wire takes and the worker computes.
+    ``reads``: the datum fields it reads beside ``target_tokens``; ``config``: its
+    ``loss_fn_config`` keys and their defaults (None: the caller must give one). Its function is
+    the worker's (``worker/tinker_losses.py``, keyed by the same name)."""
+
+    reads: tuple[str, ...]
+    config: Mapping[str, float | None]
+
+    def required(self) -> tuple[str, ...]:
+        """The loss inputs a client must send (``DATUM_DEFAULTS`` fills the others it reads)."""
+        return ("target_tokens", *(name for name in self.reads if name not in DATUM_DEFAULTS))
+
+
+DATUM_DEFAULTS = {"weights": 1.0}  # a loss input a client may leave out: each token's value then
+DATUM_INPUTS = ("weights", "logprobs", "advantages")  # a datum's float loss inputs, beside target_tokens
+TOKEN_LOSS_TABLE: dict[str, TokenLoss] = {
+    "cross_entropy": TokenLoss(("weights",), {}),
+    "importance_sampling": TokenLoss(("logprobs", "advantages"), {}),
+    "ppo": TokenLoss(("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": TokenLoss(("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "dro": TokenLoss(("logprobs", "advantages"), {"beta": None}),
+}
+TOKEN_LOSSES = tuple(TOKEN_LOSS_TABLE)
 
 
 class TokenDatum(msgspec.Struct):

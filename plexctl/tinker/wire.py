@@ -28,24 +28,6 @@ from tinker.proto import tinker_public_pb2 as pb
 from plexctl.common import calls as C
 from plexctl.tinker.backend import STOP_REASONS, ForwardResult, SampleParams, SampleResult, UserError
 
-# What each loss reads: the loss inputs it needs, those it may take, its loss_fn_config keys.
-LOSS_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens",),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-    "cispo": ("target_tokens", "logprobs", "advantages"),
-    "dro": ("target_tokens", "logprobs", "advantages"),
-}
-OPTIONAL_INPUTS = ("weights", "logprobs", "advantages")  # cross_entropy's weights default to 1
-LOSS_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": (),
-    "ppo": ("clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("clip_low_threshold", "clip_high_threshold"),
-    "dro": ("beta",),
-}
-assert set(LOSS_INPUTS) == set(C.TOKEN_LOSSES) == set(LOSS_CONFIG_KEYS)
-
 _NUMPY_DTYPE: dict[int, type[np.generic]] = {
     pb.DTYPE_FLOAT32: np.float32,
     pb.DTYPE_INT64: np.int64,
@@ -243,12 +225,12 @@ def loss_call(msg: pb.ForwardBackwardRequest, max_tokens: int = 0) -> C.LossCall
     """The loss call a forward_backward request asks for, or ``UserError`` (a datum of more than
     ``max_tokens`` tokens, the model's context, among others; 0: no limit)."""
     loss_fn = msg.loss_fn
-    if loss_fn not in LOSS_INPUTS:
+    if loss_fn not in C.TOKEN_LOSS_TABLE:
         raise UserError(f"loss {loss_fn!r} is not supported (supported: {', '.join(C.TOKEN_LOSSES)})")
     if not msg.data:
         raise UserError("forward_backward needs at least one datum")
     config = loss_config(msg)
-    allowed = LOSS_CONFIG_KEYS[loss_fn]
+    allowed = tuple(C.TOKEN_LOSS_TABLE[loss_fn].config)
     for key in config:
         if key not in allowed:
             takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
@@ -276,8 +258,8 @@ def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.Tok
         raise UserError(f"datum {i} has {len(tokens)} tokens, more than the model's context of {max_tokens}")
     inputs: dict[str, list[Any]] = {}
     for name, tensor in d.loss_fn_inputs.items():
-        if name != "target_tokens" and name not in OPTIONAL_INPUTS:
-            known = ", ".join(("target_tokens", *OPTIONAL_INPUTS))
+        if name != "target_tokens" and name not in C.DATUM_INPUTS:
+            known = ", ".join(("target_tokens", *C.DATUM_INPUTS))
             raise UserError(f"datum {i}: loss input {name!r} is not supported (supported: {known})")
         values = tensor_values(tensor, f"datum {i}: loss input {name!r}")
         if len(values) != len(tokens):
@@ -288,13 +270,16 @@ def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.Tok
             inputs[name] = values.astype(np.int64).tolist()
         else:
             inputs[name] = values.astype(np.float64).tolist()
-    missing = [name for name in LOSS_INPUTS[loss_fn] if name not in inputs]
+    loss = C.TOKEN_LOSS_TABLE[loss_fn]
+    missing = [name for name in loss.required() if name not in inputs]
     if missing:
         raise UserError(f"datum {i}: {loss_fn} needs loss input(s) {', '.join(missing)}")
-    weights = inputs.get("weights")
-    if weights is None and loss_fn == "cross_entropy":
-        weights = [1.0] * len(tokens)
-    return C.TokenDatum(tokens, inputs["target_tokens"], weights, inputs.get("logprobs"), inputs.get("advantages"))
+    for name, value in C.DATUM_DEFAULTS.items():
+        if name in loss.reads and name not in inputs:
+            inputs[name] = [value] * len(tokens)
+    return C.TokenDatum(
+        tokens, inputs["target_tokens"], inputs.get("weights"), inputs.get("logprobs"), inputs.get("advantages")
+    )
 
 
 def model_input_tokens(d: pb.Datum, i: int) -> list[int]:
