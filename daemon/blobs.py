@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from plexctl.common import protocol as P
 from plexctl.common.auth import USER_NAME
-from plexctl.inputs import INPUT_FIELDS, MAX_FILES, MAX_JOB_BYTES
+from plexctl.common.uploads import INPUT_FIELDS, MAX_FILES, MAX_JOB_BYTES
 
 if TYPE_CHECKING:
     from _hashlib import HASH

@@ -21,22 +21,10 @@ from typing import Any
 
 from plexctl.common import protocol as P
 from plexctl.common.errors import UsageError
+from plexctl.common.uploads import MAX_FILES, MAX_JOB_BYTES, field_paths
 
-INPUT_FIELDS = (("data", "path"), ("data", "eval_path"), ("reward", "path"), ("env", "path"), ("algo", "path"))
-MAX_JOB_BYTES = 4 << 30  # all of a job's inputs together
-MAX_FILES = 10_000  # in all of a job's directory fields
 CHUNK = 8 << 20
 SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
-
-
-def field_paths(spec: dict[str, Any]) -> dict[str, str]:
-    """``{"data.path": "/abs/train.jsonl", ...}``: the spec's input paths that are set."""
-    found = {}
-    for section, key in INPUT_FIELDS:
-        value = (spec.get(section) or {}).get(key)
-        if value:
-            found[f"{section}.{key}"] = str(value)
-    return found
 
 
 def collect(spec: dict[str, Any]) -> tuple[list[P.InputFile], dict[str, Path]]:

@@ -63,6 +63,17 @@ def test_common_and_the_worker_import_nothing_of_the_job_library() -> None:
     assert not bad, "imports of the job library from plexctl/common or worker/:\n" + "\n".join(bad)
 
 
+# the daemon's processes that host the job library by design: a job's driver, the in-process client
+JOB_LIBRARY_HOSTS = frozenset({"daemon/driver.py", "daemon/inproc.py"})
+
+
+def test_the_daemon_imports_nothing_of_the_job_library() -> None:
+    """The broker, core, scheduler and jail rest on the common modules alone (the rules they share
+    with the CLI live there: ``plexctl.common.context_fit``, ``uploads``, ``datasets``)."""
+    bad = _job_library_imports("daemon", JOB_LIBRARY_HOSTS)
+    assert not bad, "imports of the job library from daemon/:\n" + "\n".join(bad)
+
+
 def test_the_check_sees_imports_inside_functions() -> None:
     probe = REPO / "plexctl" / "cli" / "slurm.py"
     modules = {module for _, module in imported_modules(probe)}

@@ -22,15 +22,14 @@ from daemon.blobs import BlobError
 from daemon.core.base import CoreBase, log
 from daemon.core.records import VERSION, WorkerState
 from daemon.journal import TERMINAL
-from plexctl import inputs
-from plexctl.common import auth
+from plexctl.common import auth, uploads
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic
+from plexctl.common.context_fit import context_problems
 from plexctl.common.jobdir import JobDir
 from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
 from plexctl.common.spec import EXTERNAL, JobSpec, SpecError, spec_from_wire, wire_rule_problems
-from plexctl.spec_files import context_problems
 
 LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
 EXPORT_CHUNK = 8 << 20  # bytes of an exported file one reply carries
@@ -131,7 +130,7 @@ class ClientOps(CoreBase):
             self._error(identity, header.msg_id, "untrusted", refusal)
             return
         if self.is_isolated(user):  # the daemon never opens their paths: their client sent the files
-            missing = sorted(set(inputs.field_paths(body.spec)) - {f.field for f in body.inputs})
+            missing = sorted(set(uploads.field_paths(body.spec)) - {f.field for f in body.inputs})
             problem = (
                 (
                     f"{missing[0]}: its files were not uploaded (submit with plexctl or "
