@@ -45,7 +45,7 @@ import zmq
 from daemon import jail, procs
 from daemon import metrics as M
 from daemon.auth import secure
-from daemon.confine import Confinement, keep_job_file
+from daemon.confine import Confinement, JobDisk, keep_job_file
 from daemon.core import (
     ADOPT_TIMEOUT_S,
     CANCEL_GRACE_S,
@@ -278,6 +278,12 @@ class Daemon:
         that daemon is adopted and goes on where it was (the driver sends its calls again);
         the others are queued again and resume from their last checkpoint."""
         now = time.time()
+        for info in self.journal.jobs(TERMINAL):  # ended while no daemon held it: its file system goes
+            layout = JobDir(self.jobs_dir / info.job_id)
+            if layout.driver_image.exists():
+                if not layout.metrics.exists():
+                    keep_job_file(layout.driver_out / JobDir.METRICS, layout.metrics)
+                JobDisk(layout.driver_image, layout.driver_out).remove()
         for info in self.journal.jobs(("running", "interrupted")):
             job_dir = self.jobs_dir / info.job_id
             proc = None
