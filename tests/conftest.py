@@ -312,3 +312,24 @@ def local_account(name: str) -> tuple[int, int, Path]:
     os.chown(home, entry.pw_uid, entry.pw_gid)
     home.chmod(0o700)
     return entry.pw_uid, entry.pw_gid, home
+
+
+def bind_worker_outbox():
+    """A PULL socket bound where a worker's engine threads push their results (``worker.io.OUTBOX``,
+    on the process's shared context), as the worker's I/O thread binds it. An in-process worker
+    of an earlier test in this process may still be letting it go: wait for it, up to 10 s."""
+    import zmq
+
+    from worker import io as worker_io
+
+    outbox = zmq.Context.instance().socket(zmq.PULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            outbox.bind(worker_io.OUTBOX)
+            return outbox
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                outbox.close(linger=0)
+                raise
+            time.sleep(0.1)

@@ -17,10 +17,10 @@ import queue
 import threading
 
 import msgspec
-import zmq
 
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
+from tests.conftest import bind_worker_outbox
 from tests.test_daemon_recovery import adopted_job
 from tests.test_repeated_calls import train_task
 from tests.test_state_store import engine, tiny_qwen2
@@ -122,8 +122,7 @@ def test_the_worker_starts_a_task_sent_ahead_as_the_one_it_follows_ends_or_fails
     tasks: queue.Queue[P.TaskBody] = queue.Queue()
     followers = worker_io.Followers()
     followers.route = tasks.put  # what the I/O thread's router does with a released task
-    outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_io.OUTBOX)
+    outbox = bind_worker_outbox()
     try:
         threading.Thread(target=worker_servers.trainer_loop, args=(store, tasks, followers), daemon=True).start()
 

@@ -18,8 +18,8 @@ import zmq
 
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
+from tests.conftest import bind_worker_outbox
 from tests.test_state_store import JOBS, assert_like_alone, batch_for, engine, job_state, tiny_qwen2
-from worker import io as worker_io
 from worker import servers as worker_servers
 from worker.state.store import StateStore
 
@@ -57,8 +57,7 @@ def test_a_repeated_train_step_is_applied_once(tmp_path) -> None:
     for step in range(2):
         reference.train_step("j0", batch_for("j0", step), hp)
         once.append(job_state(reference, "j0"))
-    outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_io.OUTBOX)
+    outbox = bind_worker_outbox()
     try:
         store, serve = trainer_loop(model_dir, outbox)
 
@@ -87,8 +86,7 @@ def test_a_train_step_that_publishes_saves_the_adapter_after_the_step(tmp_path) 
     reference.ensure_job("j0", lora, seed)
     reference.train_step("j0", batch_for("j0", 0), hp)
     reference.save_adapter("j0", str(tmp_path / "reference"))
-    outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_io.OUTBOX)
+    outbox = bind_worker_outbox()
     try:
         _store, serve = trainer_loop(model_dir, outbox)
         out = tmp_path / "adapters" / "v000001"
@@ -112,8 +110,7 @@ def test_a_repeat_that_names_another_directory_gets_the_adapter_there(tmp_path) 
     from safetensors.torch import load_file
 
     model_dir = tiny_qwen2(tmp_path / "model")
-    outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_io.OUTBOX)
+    outbox = bind_worker_outbox()
     try:
         store, serve = trainer_loop(model_dir, outbox)
         first_dir, repeat_dir = tmp_path / "adapters" / "v000008", tmp_path / "adapters" / "v000009"

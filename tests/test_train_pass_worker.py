@@ -14,12 +14,11 @@ import threading
 from typing import Any
 
 import torch
-import zmq
 
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
+from tests.conftest import bind_worker_outbox
 from tests.test_state_store import engine, job_state, make_batch, tiny_qwen2
-from worker import io as worker_io
 from worker import servers as worker_servers
 from worker.state.store import StateStore
 
@@ -52,8 +51,7 @@ def test_a_pass_trains_its_jobs_as_alone_within_rounding_and_a_repeat_is_not_app
     for step in range(2):
         for job, (_, _, hp) in JOBS.items():
             reference.train_step(job, step_batch(job, step), hp)
-    outbox = zmq.Context.instance().socket(zmq.PULL)
-    outbox.bind(worker_io.OUTBOX)
+    outbox = bind_worker_outbox()
     try:
         store = StateStore(engine(model_dir), device_slots=2, host_bytes=1 << 30)
         tasks: queue.Queue[Any] = queue.Queue()
