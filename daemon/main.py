@@ -533,7 +533,12 @@ class Daemon:
         if done is not None and not done.done():
             self._limit_check = done
             return
-        for job_id, why in done.result() if done is not None else []:
+        try:
+            found = done.result() if done is not None else []
+        except Exception:  # noqa: BLE001 - a check that failed costs that round, never the daemon
+            log.exception("checking jailed jobs' limits failed; checking again")
+            found = []
+        for job_id, why in found:
             if job_id in self.drivers and job_id not in self.breached:
                 self.breached.add(job_id)
                 self._carry_out(self.core.limit_breached(job_id, why, now))
