@@ -7,11 +7,13 @@ started once per session, since engine start-up dominates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -295,23 +297,43 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 SIMULATED_USERS = ["alice", "bob", "carol"]  # users of in-process daemons: trusted (their drivers run unjailed)
 
 
-def local_account(name: str) -> tuple[int, int, Path]:
-    """A real Unix account ``name`` (made if missing; root only) and its home directory (0700,
-    outside /tmp): a second user of a shared cluster, as the kernel sees them."""
+@contextlib.contextmanager
+def local_account(name: str) -> Iterator[tuple[int, int, Path]]:
+    """A real Unix account ``name`` (root only) and its home directory (0700, outside /tmp): a
+    second user of a shared cluster, as the kernel sees them. An account made here is removed on
+    leaving, its processes first; one that was there before is left as it was. Give each test
+    file a name of its own: files run side by side."""
     import pwd
 
     try:
-        entry = pwd.getpwnam(name)
+        entry, made = pwd.getpwnam(name), False
     except KeyError:
         subprocess.run(
             ["useradd", "--create-home", "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True
         )
-        entry = pwd.getpwnam(name)
+        entry, made = pwd.getpwnam(name), True
     home = Path(entry.pw_dir)
     home.mkdir(mode=0o700, exist_ok=True)
     os.chown(home, entry.pw_uid, entry.pw_gid)
     home.chmod(0o700)
-    return entry.pw_uid, entry.pw_gid, home
+    try:
+        yield entry.pw_uid, entry.pw_gid, home
+    finally:
+        if made:
+            subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+            for _ in range(50):  # userdel refuses while a process of the account lives
+                if subprocess.run(["userdel", "--remove", name], capture_output=True).returncode in (0, 6):
+                    break
+                time.sleep(0.1)
+
+
+def json_file(path: Path) -> dict | None:
+    """A JSON file's content, or None while it is not there: read in one go, never after a
+    separate ``exists()`` (its writer may replace or remove it in between)."""
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
 
 
 def bind_worker_outbox():

@@ -6,6 +6,7 @@ by their own PLEXRL_HOME and user name (LOGNAME/USER), as on a shared machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -39,6 +40,8 @@ class Cluster:
     def __init__(self, root: Path, model: Path) -> None:
         self.root = root
         self.state = root / "state"
+        self.exit = contextlib.ExitStack()  # removes the accounts made for shared users' jobs
+        self.accounts: dict[str, tuple[int, int, Path]] = {}
         self.daemon = BareDaemon(self.state, model, env=self.env(OWNER))
         self.server = read_endpoint(self.state).server_key.encode()
         self.spec = spec_to_wire(load_spec(TINY, [f"model.path={model}"], None))
@@ -79,15 +82,17 @@ class Cluster:
         if user != OWNER:  # a shared user's job runs with their own uid: they need an account
             if os.geteuid() != 0:
                 pytest.skip("shared users' jobs run under their own accounts, which only root can make")
-            local_account(user)
+            if user not in self.accounts:
+                self.accounts[user] = self.exit.enter_context(local_account(user))
         return inputs.submit(self.client(user), {**self.spec, "name": name}, user="mallory").job_id
 
 
 @pytest.fixture
 def cluster(tiny_model: Path, tmp_path: Path):
     c = Cluster(tmp_path, tiny_model)
-    yield c
-    c.daemon.stop()
+    with c.exit:
+        yield c
+        c.daemon.stop()
 
 
 def _mode(path: Path) -> int:

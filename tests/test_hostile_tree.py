@@ -1,6 +1,7 @@
 """A shared user's job against the daemon's hold on its tree and its limits, as a second Unix user.
 
-The owner (root here, as on CI) runs a local cluster and shares it with ``eve``, a real account;
+The owner (root here, as on CI) runs a local cluster and shares it with ``trudy``, a real account of
+this file's own (made and removed here);
 her jobs run loops of their own that call no engine. Each test runs one attack
 of a hostile review as eve would: her own shell reaching into her running job through ``/proc``,
 a job that plants links where the daemon once wrote and watches a restart, a tree too deep to
@@ -16,11 +17,12 @@ import stat
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Cluster, local_account
-from test_hostile_user import CUSTOM_LOOP, EVE, _cmdline, eve_client, full_log, wait_ended
+from test_hostile_user import CUSTOM_LOOP, _cmdline, eve_client, full_log, wait_ended
 from test_hostile_user import submit_loop as submit
 
 from plexctl.common import auth
@@ -35,6 +37,8 @@ pytestmark = [
 ]
 
 # A job that tries to make itself traceable, then waits, its directory marked, for eve's shell.
+EVE = "trudy"  # the hostile user of this file (test_hostile_user has its own)
+
 DUMPABLE_LOOP = r"""
 import ctypes, json, os, time
 
@@ -137,8 +141,9 @@ def run(job):
 
 
 @pytest.fixture(scope="module")
-def eve() -> tuple[int, int, Path]:
-    return local_account(EVE)
+def eve() -> Iterator[tuple[int, int, Path]]:
+    with local_account(EVE) as account:
+        yield account
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +193,7 @@ def test_her_own_shell_cannot_reach_into_her_running_job(cluster, eve, tiny_mode
     no state directory or hidden path in `ps`."""
     marker = f"marker-{uuid.uuid4().hex}"
     job = submit(cluster, eve, tiny_model, DUMPABLE_LOOP, {"marker.json": json.dumps({"name": marker})})
-    client = eve_client(cluster, eve[2])
+    client = eve_client(cluster, eve[2], EVE)
     try:
         found = json.loads(wait_line(client, job, "READY "))
         assert found["set dumpable"] == [-1, 1] and found["ptrace traceme"] == [-1, 1], found  # EPERM both
@@ -226,7 +231,7 @@ def test_the_daemon_touches_nothing_in_a_jobs_tree_across_a_restart(cluster, eve
     try:
         time.sleep(1.0)
         job = submit(cluster, eve, tiny_model, PLANTED_LOOP, target, "checkpoint.max_restarts=1")
-        client = eve_client(cluster, eve[2])
+        client = eve_client(cluster, eve[2], EVE)
         second = json.loads(wait_line(client, job, "SECOND "))
         wait_ended(client, job)
     finally:
@@ -249,7 +254,7 @@ def test_a_tree_too_deep_to_walk_ends_neither_the_daemon_nor_the_job(cluster, ev
     daemon's walk, from its main loop. Now nothing walks it there; the job ends as its loop does
     (it returns without a training step: that, not a limit, is its one line)."""
     job = submit(cluster, eve, tiny_model, DEEP_LOOP, {})
-    client = eve_client(cluster, eve[2])
+    client = eve_client(cluster, eve[2], EVE)
     wait_ended(client, job)
     assert "DEEP" in full_log(client, job)
     assert "LoopRanNoStep" in client.status(job).jobs[0].error
@@ -272,7 +277,7 @@ def test_limits_hold_for_the_jobs_whole_tree(cluster, eve, tiny_model, what: str
     limited(cluster, eve, *limits)
     try:
         job = submit(cluster, eve, tiny_model, SPREAD_LOOP, {"what.txt": what})
-        client = eve_client(cluster, eve[2])
+        client = eve_client(cluster, eve[2], EVE)
         assert wait_ended(client, job, timeout=180) == "failed"
         info = client.status(job).jobs[0]
         assert line in info.error and "\n" not in info.error, info.error
@@ -332,7 +337,7 @@ def test_a_name_only_another_user_holds_is_one_line_for_the_owner_in_every_verb(
     """The owner naming a job only eve holds: each verb says whose jobs hold that name, in one
     line with exit code 4 (not found), and prints no traceback."""
     job = submit(cluster, eve, tiny_model, SLEEPY_LOOP, {})
-    name = eve_client(cluster, eve[2]).status(job).jobs[0].name
+    name = eve_client(cluster, eve[2], EVE).status(job).jobs[0].name
     try:
         for verb in (["status"], ["logs"], ["cancel"], ["wait", "--timeout", "5"], ["export", "--to", "/tmp"]):
             done = cluster.run(verb[0], name, *verb[1:])

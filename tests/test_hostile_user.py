@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -161,8 +162,9 @@ def run(job):
 
 
 @pytest.fixture(scope="module")
-def eve() -> tuple[int, int, Path]:
-    return local_account(EVE)
+def eve() -> Iterator[tuple[int, int, Path]]:
+    with local_account(EVE) as account:
+        yield account
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +188,14 @@ def owner_files():
     shutil.rmtree(base, ignore_errors=True)
 
 
-def eve_client(cluster: Cluster, eve_home: Path) -> Client:
+def eve_client(cluster: Cluster, eve_home: Path, user: str = EVE) -> Client:
     """Eve's own key, granted by the owner; her client is the library's (no CLI checks)."""
     home = eve_home / ".plexrl"
-    public = auth.ensure_user_keys(home, EVE)
-    cluster.run("share", EVE, "--key", str(public), check=True)
+    public = auth.ensure_user_keys(home, user)
+    cluster.run("share", user, "--key", str(public), check=True)
     endpoint = read_endpoint(cluster.state_dir)
     return Client(
-        endpoint.address, timeout=10.0, retries=0, keys=auth.user_keys(home, EVE, endpoint.server_key.encode())
+        endpoint.address, timeout=10.0, retries=0, keys=auth.user_keys(home, user, endpoint.server_key.encode())
     )
 
 

@@ -37,12 +37,12 @@ Account = tuple[int, int, Path]
 
 
 @pytest.fixture(scope="module")
-def dana() -> Account:
+def dana() -> Iterator[Account]:
     """Her account, with a HOME that holds nothing of PlexRL yet."""
-    uid, gid, home = local_account(USER)
-    for leftover in (home / ".plexrl", home / "tiny-job", home / "adapters"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    return uid, gid, home
+    with local_account(USER) as (uid, gid, home):
+        for leftover in (home / ".plexrl", home / "tiny-job", home / "adapters"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield uid, gid, home
 
 
 def as_user(account: Account, bin_dir: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:

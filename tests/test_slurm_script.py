@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from plexctl.cli import slurm as S
-from plexctl.common.cluster_config import ClusterConfig, drain_timeout_s
+from plexctl.common.cluster_config import ClusterConfig, drain_timeout_s, read_config
 from plexctl.common.errors import UsageError
 from plexctl.common.layout import LayoutError
 
@@ -132,10 +134,62 @@ def test_paths_with_spaces_are_quoted_for_the_shell() -> None:
     assert '#SBATCH --output="/shared/my cluster/slurm/%j.out"' in text  # a directive, as sbatch reads it
 
 
-def test_the_shipped_sbatch_file_is_the_rendered_template() -> None:
-    assert (REPO / "slurm" / "plexrl.sbatch").read_text() == S.render_template(), (
-        "regenerate with `python -m plexctl.cli.slurm > slurm/plexrl.sbatch`"
+SHIPPED = REPO / "slurm" / "plexrl.sbatch"
+
+
+def test_the_shipped_sbatch_file_asks_for_what_up_asks_for() -> None:
+    """Its directives are the ones ``up --slurm`` writes for a default config (but for the job's
+    name, size and log file, which its user picks), and it is valid bash."""
+    default = S.SlurmSpec(name="plexrl", state_dir="/s", config=ClusterConfig(nodes=2))
+    expected = [
+        f"#SBATCH --{k}" + (f"={v}" if v is not None else "")
+        for k, v in S.sbatch_options(default)
+        if k not in ("job-name", "nodes", "output")
+    ]
+    directives = [ln for ln in SHIPPED.read_text().splitlines() if ln.startswith("#SBATCH")]
+    assert [
+        d for d in directives if d.split("=")[0] not in ("#SBATCH --job-name", "#SBATCH --nodes", "#SBATCH --output")
+    ] == expected
+    subprocess.run(["bash", "-n", str(SHIPPED)], check=True)
+
+
+def test_the_shipped_sbatch_file_writes_the_settings_and_starts_the_node_tasks(tmp_path: Path) -> None:
+    """Run as sbatch would (its environment, a job id), with ``srun`` recording what it is asked to run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SRUN_ARGS"\n')
+    (bin_dir / "srun").chmod(0o755)
+    state = tmp_path / "cluster"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SRUN_ARGS": str(tmp_path / "srun.args"),
+        "SLURM_JOB_ID": "77",
+        "PLEXRL_STATE_DIR": str(state),
+        "PLEXRL_MODEL": "/shared/models/qwen2.5-7b",
+        "PLEXRL_PYTHON": sys.executable,
+        "PLEXRL_ENGINES": "rollout trainer",
+        "PLEXRL_SETTINGS": "policy=pack tp=2",
+    }
+    subprocess.run(["bash", str(SHIPPED)], env=env, cwd=REPO, check=True, capture_output=True)
+    config = read_config(state / "slurm" / "cluster-77.json")
+    assert (config.models, config.engines, config.policy, config.tp) == (
+        ["/shared/models/qwen2.5-7b"],
+        ["rollout", "trainer"],
+        "pack",
+        2,
     )
+    args = (tmp_path / "srun.args").read_text().split()
+    node = args[args.index(sys.executable) :]
+    assert node == [
+        sys.executable,
+        "-m",
+        "daemon.node",
+        "--state-dir",
+        str(state),
+        "--cluster-config",
+        str(state / "slurm" / "cluster-77.json"),
+    ]
 
 
 def test_the_drain_leaves_a_margin_before_the_allocation_ends() -> None:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Cluster
+from conftest import Cluster, json_file
 
 tinker = pytest.importorskip("tinker")
 
@@ -429,7 +429,7 @@ def test_a_killed_front_end_is_started_again_and_status_says_so_meanwhile(cluste
         assert "Tinker API: restarting" in cluster.run("status", check=True).stdout.replace("\n", " ")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        now = json.loads(ready.read_text()) if ready.exists() else {}
+        now = json_file(ready) or {}
         if now.get("pid") not in (None, before["pid"]) and tinker_state(cluster.state_dir)[0]:
             break
         time.sleep(0.5)

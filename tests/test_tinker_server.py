@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from conftest import json_file
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
@@ -734,9 +735,9 @@ def test_serve_writes_its_ready_file(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], cwd=Path(__file__).parents[1])
     try:
         deadline = time.monotonic() + 30
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while (written := json_file(ready)) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        written = msgspec.json.decode(ready.read_bytes())
+        assert written is not None, "the front end wrote no tinker.json"
         assert written["pid"] == proc.pid and ready.stat().st_mode & 0o777 == 0o600
         assert httpx.get(f"{written['url']}/api/v1/healthz").json() == {"status": "ok"}
     finally:
@@ -768,9 +769,9 @@ def test_the_front_end_stops_once_its_daemon_is_gone(tmp_path: Path) -> None:
     front = int(daemon.stdout.readline())
     try:
         deadline = time.monotonic() + 30
-        while not (tmp_path / "tinker.json").exists() and time.monotonic() < deadline:
+        while (written := json_file(tmp_path / "tinker.json")) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert msgspec.json.decode((tmp_path / "tinker.json").read_bytes())["pid"] == front
+        assert written is not None and written["pid"] == front
         daemon.kill()  # SIGKILL: the daemon cannot stop its front end itself
         daemon.wait(10)
         deadline = time.monotonic() + 15

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from conftest import json_file
 
 from daemon.metrics import Telemetry, hidden_by_other_jobs
 from plexctl.cli.top import JobHistory, TopFrame, eta, plain_top, top_json, top_view
@@ -210,10 +211,10 @@ def test_daemon_serves_prometheus_metrics(tmp_path):
     )
     try:
         deadline = time.monotonic() + 60
-        while not (state / "metrics.json").exists():
+        while (served := json_file(state / "metrics.json")) is None:
             assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
             time.sleep(0.2)
-        url = json.loads((state / "metrics.json").read_text())["url"]
+        url = served["url"]
         time.sleep(2.5)  # one gauge snapshot
         with urllib.request.urlopen(url, timeout=10) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")

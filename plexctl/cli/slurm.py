@@ -5,10 +5,11 @@ batch script through ``sbatch``): ``srun`` starts one task per node running
 ``daemon.node`` — the daemon and the node's workers on the first node, workers on every
 other (one per engine on a GPU node, ``plexctl.common.layout``) — and the allocation is asked for
 ``--requeue`` and a signal ``signal_grace`` seconds ahead of its end, so the daemon drains
-and the allocation comes back. ``slurm/plexrl.sbatch`` is ``render_sbatch`` in template form
-for those who call ``sbatch`` themselves. A spec that asks for GPUs also asks, unless told
-otherwise, for ``CPUS_PER_GPU`` CPUs per GPU and all of each node's memory; the layout is
-checked before anything is submitted.
+and the allocation comes back. ``slurm/plexrl.sbatch`` is the same script as a bash file of its
+own, taking its values from the environment, for those who call ``sbatch`` themselves (a test
+holds its directives and its node command to ``sbatch_options`` and ``node_command``). A spec
+that asks for GPUs also asks, unless told otherwise, for ``CPUS_PER_GPU`` CPUs per GPU and all
+of each node's memory; the layout is checked before anything is submitted.
 
 The cluster's state directory (on the shared filesystem) holds ``slurm.json``: which Slurm
 jobs are this cluster's allocations, so ``status`` can say what Slurm says while the daemon
@@ -202,68 +203,6 @@ def _directive_value(value: str) -> str:
     return value if re.fullmatch(r"[\w@%/.:,=+-]*", value) else '"' + value.replace('"', '\\"') + '"'
 
 
-TEMPLATE_HEADER = """\
-#!/bin/bash
-# PlexRL on a Slurm allocation, for plain `sbatch` (what `plexctl up --slurm` submits).
-#
-#   PLEXRL_STATE_DIR=/shared/$USER/.plexrl/clusters/NAME PLEXRL_MODEL=/shared/models/qwen2.5-7b \\
-#       sbatch --nodes=4 --gpus-per-node=8 --cpus-per-task=64 --mem=0 --time=2-00:00:00 --partition=gpu \\
-#       slurm/plexrl.sbatch
-#
-# Environment (set when calling sbatch; the job inherits it):
-#   PLEXRL_STATE_DIR     required; the cluster's state directory on the shared filesystem
-#                        (journal, job directories, checkpoints, endpoint.json). `plexctl
-#                        --state-dir DIR status` (or PLEXRL_HOME + --cluster NAME) finds it.
-#   PLEXRL_MODEL         required; the base model (Hugging Face directory) the engines serve
-#   PLEXRL_PYTHON        the Python of an environment with PlexRL installed (default: python3)
-#   PLEXRL_ENGINES       engines per node: "rollout,trainer" on every node (default), or a
-#                        space-separated list cycled over the nodes, e.g. "rollout trainer"
-#   PLEXRL_SCRATCH       node-local directory for the NVMe tier (default: $SLURM_TMPDIR, $TMPDIR)
-#   PLEXRL_JOIN          set to 1 for workers that join a daemon already running on the state dir
-#   PLEXRL_SETTINGS      further cluster settings, KEY=VALUE separated by spaces (docs/cluster-reference.md),
-#                        e.g. "policy=pack tp=2 rollout_gpus=4 drain_timeout=200 gpus_per_node=8"
-#                        (the drain timeout defaults to what the signal's 300 s lead leaves: 240)
-#
-# The settings go into $PLEXRL_STATE_DIR/slurm/cluster-$SLURM_JOB_ID.json, which every node's task reads.
-#
-# A node with GPUs runs one worker per engine, each on its own GPUs; a node without, one worker.
-# With --gpus-per-node=G also ask --cpus-per-task=8G (8 per GPU) and --mem=0 (all of the node's
-# memory, for the host tier of swapped-out job state), as `plexctl up --slurm` does.
-#
-# The allocation asks for --requeue and SIGUSR1 300 s before its end: the first task then drains
-# the daemon (every job checkpoints at a step boundary) and requeues the allocation, which
-# resumes every job from its checkpoint. `plexctl down` drains and ends the allocation.
-"""
-
-
-def render_template() -> str:
-    """``slurm/plexrl.sbatch``: the same script with its values taken from the environment."""
-    spec = SlurmSpec(name="plexrl", state_dir="$PLEXRL_STATE_DIR", config=ClusterConfig(nodes=2))
-    opts = [(k, v) for k, v in sbatch_options(spec) if k not in ("job-name", "nodes", "output")]
-    lines = [TEMPLATE_HEADER.rstrip("\n"), "#SBATCH --job-name=plexrl", "#SBATCH --nodes=2"]
-    lines += [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in opts]
-    lines += [
-        "#SBATCH --output=plexrl-%j.out",
-        "set -euo pipefail",
-        ': "${PLEXRL_STATE_DIR:?set PLEXRL_STATE_DIR to the cluster state directory}"',
-        ': "${PLEXRL_MODEL:?set PLEXRL_MODEL to the base model directory}"',
-        'config="$PLEXRL_STATE_DIR/slurm/cluster-$SLURM_JOB_ID.json"',
-        'engines=""',
-        'for e in ${PLEXRL_ENGINES:-rollout,trainer}; do engines="$engines\\"$e\\","; done',
-        'settings=("models=[\\"$PLEXRL_MODEL\\"]" "engines=[${engines%,}]")',
-        '[ -n "${PLEXRL_SCRATCH:-}" ] && settings+=("scratch=$PLEXRL_SCRATCH")',
-        'read -r -a more <<< "${PLEXRL_SETTINGS:-}"',
-        'mkdir -p "$PLEXRL_STATE_DIR/slurm"',
-        '"${PLEXRL_PYTHON:-python3}" -m plexctl.common.cluster_config "$config" "${settings[@]}" "${more[@]}"',
-        "extra=()",
-        '[ "${PLEXRL_JOIN:-0}" = 1 ] && extra+=(--join)',
-        'srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${PLEXRL_PYTHON:-python3}" -m daemon.node \\',
-        '    --state-dir "$PLEXRL_STATE_DIR" --cluster-config "$config" "${extra[@]}"',
-        "",
-    ]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- submitting
 
 
@@ -418,7 +357,3 @@ def _last_line(text: str) -> str:
     """The last line of Slurm's message (its reason), without the ``sbatch: error:`` prefix."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return re.sub(r"^(\w+: )?error: ", "", lines[-1]) if lines else "(no message)"
-
-
-if __name__ == "__main__":  # python -m plexctl.cli.slurm > slurm/plexrl.sbatch
-    sys.stdout.write(render_template())
