@@ -225,3 +225,18 @@ def test_gpu_check_counts_model_flops_and_mfu_as_the_h200_figures_do() -> None:
     seven = check.SHAPES["7b"]  # Qwen2.5-7B: 7.07B matmul parameters in the decoder and head
     assert (seven["hidden_size"], seven["num_hidden_layers"], seven["vocab_size"]) == (3584, 28, 152064)
     assert check.micro_rows(16384, 1024) == 16 and check.micro_rows(16384, 32768) == 1
+
+
+def test_structure_counts_every_setting_and_names_the_largest_class(tmp_path: Path) -> None:
+    """``bench/structure.py`` reads the source only; its figures name real classes and every setting."""
+    import msgspec
+
+    from plexctl.common.cluster_config import ClusterConfig
+
+    out = run_quick("structure.py", tmp_path / "structure.json", timeout=120)
+    assert out["settings"] == len(msgspec.structs.fields(ClusterConfig))
+    assert out["forms_per_setting_max"] >= 1 and out["forms_per_setting_mean"] >= 1
+    big = out["largest_class"]
+    assert f"class {big['name']}" in (REPO / big["file"]).read_text()
+    assert out["largest_class_with_bases"]["lines"] >= big["lines"]
+    assert out["state_per_part_max"] == max(out["state_per_part"].values())
