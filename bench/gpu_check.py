@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -118,7 +119,7 @@ def build_model(path: Path, shape: dict[str, Any], dtype: str, device: str = "cp
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from worker.tiny_models import BOS_ID, EOS_ID, PAD_ID, make_tokenizer
+    from plexctl.tiny_models import BOS_ID, EOS_ID, PAD_ID, make_tokenizer
 
     torch.manual_seed(0)
     config = Qwen2Config(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype, **shape)
@@ -131,39 +132,31 @@ def build_model(path: Path, shape: dict[str, Any], dtype: str, device: str = "cp
         torch.cuda.empty_cache()  # the trainer's memory plan and peak start from an empty GPU
 
 
-def worker_engines(model: Path, kinds: list[str], device: str, scratch: Path, extra: list[str]) -> dict[str, Any]:
-    """The engines exactly as ``plexw`` builds them from its command line."""
+def worker_engines(
+    model: Path, kinds: list[str], device: str, scratch: Path, settings: dict[str, Any], flags: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The engines exactly as ``plexw`` builds them from its command line and a cluster config of ``settings``."""
+    from plexctl.common.cluster_config import ClusterConfig, checked
     from plexctl.common.engine_defaults import ENGINE_DEFAULTS
     from worker.engine_options import engine_options
     from worker.main import build_engines, build_parser
 
+    # the GPU's default rank, on CPU too: the check's adapters are rank 32
+    config = checked(ClusterConfig(device=device, max_lora_rank=ENGINE_DEFAULTS["cuda"].max_lora_rank, **settings))
     args = build_parser().parse_args(
-        [
-            "--endpoint",
-            "tcp://127.0.0.1:1",
-            "--engines",
-            ",".join(kinds),
-            "--model",
-            str(model),
-            "--device",
-            device,
-            "--scratch",
-            str(scratch),
-            "--max-lora-rank",  # the GPU's default, on CPU too: the check's adapters are rank 32
-            str(ENGINE_DEFAULTS["cuda"].max_lora_rank),
-            *extra,
-        ]
+        ["--endpoint", "tcp://127.0.0.1:1", "--engines", ",".join(kinds), "--model", str(model)]
+        + ["--scratch", str(scratch), *flags]
     )
     import torch
 
     options = engine_options(
-        args.device,
-        args.dtype,
-        args.micro_batch_tokens,
+        config.device,
+        config.dtype,
+        config.micro_batch_tokens,
         torch.cuda.is_available(),
         os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
-    return {"options": options, **build_engines(args, kinds, options, str(model))}
+    return {"options": options, **build_engines(args, config, kinds, options, str(model))}
 
 
 def grpo_batch(rows: int, seq: int, prompt: int, vocab: int, seed: int, ragged: bool = False) -> TrainBatch:
@@ -206,17 +199,13 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         ["trainer"],
         a.device,
         ctx["scratch"],
-        [
-            "--host-mem",
-            a.host_mem,
-            "--device-slots",
-            "2",
-            "--threads",
-            "4",
-            "--gradient-checkpointing",
-            a.gradient_checkpointing,
-            *(["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []),
-        ],
+        {
+            "host_mem": a.host_mem,
+            "device_slots": 2,
+            "gradient_checkpointing": a.gradient_checkpointing,
+            "micro_batch_tokens": a.micro_batch_tokens or None,
+        },
+        ["--threads", "4"],
     )
     store, options = engines["trainer"], engines["options"]
     ctx["store"] = store
@@ -539,7 +528,7 @@ def part_rollout(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
         ["rollout"],
         a.device,
         ctx["scratch"],
-        ["--max-model-len", str(a.seq), "--gpu-memory-utilization", "0.6"],
+        {"max_model_len": a.seq, "gpu_memory_utilization": 0.6},
     )
     engine = engines["rollout"]
     result["start_seconds"] = time.perf_counter() - t0

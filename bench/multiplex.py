@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
 from daemon.metrics import hidden_by_other_jobs  # noqa: E402
+from daemon.policies import placement_policy  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.client import Client  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
@@ -138,7 +139,7 @@ def run_mode(
     end = max(j.ended_at for j in mine)
     makespan = end - start
     n_engines = len({e.worker_id for e in engines})  # the devices: one model's engines or several take turns on each
-    if policy == "isolated":
+    if placement_policy(policy).dedicates_engines():  # each job held its engines for its whole run
         engine_seconds = sum(n_engines * (j.ended_at - j.started_at) for j in mine)
     else:
         engine_seconds = n_engines * makespan
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = 5 if args.quick else args.steps
     for name in names:
         subprocess.run(
-            [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", name],
+            [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", name],
             check=True,
             cwd=REPO,
             stdout=subprocess.DEVNULL,

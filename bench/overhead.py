@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if steps <= warmup + 1 or block < 2:
         ap.error("--steps must exceed --warmup + 1 and --block must be >= 2")
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --steps > --warmup, --rate > 0, --procs >= 1, --timeout > 0 and --rounds >= 1")
     load = Load(args.rate, args.procs, args.timeout)
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         cwd=REPO,
         check=True,
         stdout=subprocess.DEVNULL,

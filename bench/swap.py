@@ -980,7 +980,7 @@ def _rel(path: Path) -> str:
 
 def build_tiny_model() -> Path:
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-arith"],
         check=True,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

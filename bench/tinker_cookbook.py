@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.hostinfo import describe  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
-from worker.tiny_models import train_problems  # noqa: E402
+from plexctl.tiny_models import train_problems  # noqa: E402
 
 MODEL = REPO / ".plexrl" / "models" / "tiny-arith"
 COOKBOOK = ["tinker-cookbook[math-rl]==0.5.8", "tinker==0.38.0"]  # 0.5.8: the newest this SDK's pin allows

@@ -46,7 +46,7 @@ from plexctl.common import calls as C  # noqa: E402
 from plexctl.common.atomic import write_json_atomic  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.rl import JobClient  # noqa: E402
-from worker.tiny_models import train_problems  # noqa: E402
+from plexctl.tiny_models import train_problems  # noqa: E402
 
 MODEL = REPO / ".plexrl" / "models" / "tiny-arith"
 OPTIM_EVERY = 5

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     steps, latency = (5, 0.5) if args.quick else (args.steps, args.latency)
     console = Console()
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", "tiny-tool"],
         check=True,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not (MODEL / "config.json").exists():
-        print(f"no tiny model at {MODEL}: build it with `python -m worker.tiny_models --only tiny-arith`")
+        print(f"no tiny model at {MODEL}: build it with `python -m plexctl.tiny_models --only tiny-arith`")
         return 2
     rows = [int(r) for r in str(args.rows).split(",")]
     counts, rounds, rows = ((2, 4), 2, rows[:1]) if args.quick else (JOB_COUNTS, args.rounds, rows)

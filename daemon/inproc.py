@@ -165,10 +165,10 @@ class InprocClient(CallClient):
         job_id: str = reply.job_id
         effects = self.core.chores(time.time())
         if StartDriver(job_id) not in effects:
-            why = self.core.reasons.get(job_id) or "not admitted"
+            why = self.core.jobs.reasons.get(job_id) or "not admitted"
             raise ValueError(f"the job cannot run on these engines: {why}")
         # its adapters and checkpoints: the caller's directory, laid out as <state>/jobs/<job> is
-        self.core.runtimes[job_id].job_dir = JobDir(job_dir)
+        self.core.jobs.runtimes[job_id].job_dir = JobDir(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True)
         self._carry_out(self.core.driver_started(job_id, os.getpid(), time.time()))
         return job_id
@@ -215,7 +215,7 @@ class InprocClient(CallClient):
         self._closed = True
         try:
             job_id = getattr(self, "job_id", "")  # unset when the job could not start
-            if job_id in self.core.runtimes:
+            if job_id in self.core.jobs.runtimes:
                 self._carry_out(self.core.driver_exited(job_id, 0, time.time()))
         finally:
             self.core.close()

@@ -1,20 +1,21 @@
 """The daemon's journal: jobs and their events in SQLite (WAL mode) in the state directory.
 
 Everything the daemon must not forget across a restart lives here: each submitted job
-(with the idempotency key of its submit and its spec), its state and progress summary, and
+(with the idempotency key of its submit and its ``JobSpec``, stored as its JSON wire form and
+handed back decoded), its state and progress summary, and
 an append-only event log (submitted, started, step checkpoints, cancelled, ended ...).
 A submit is committed before it is acknowledged. Per-step metrics live in the job's own
 JSONL file, not here. Single-threaded use by the daemon's loop.
 
 Reads of the jobs table are served from memory (a copy loaded at open and kept in step by
 ``submit`` and ``update``, which write SQLite first): ``status`` is asked for a thousand
-times a second while the table only changes at a job's steps.
+times a second while the table only changes at a job's steps. A spec never changes once
+submitted: each is decoded once, when first asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from typing import Any
 import msgspec
 
 from plexctl.common.protocol import JobInfo
+from plexctl.common.spec import JobSpec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -84,6 +86,7 @@ class Journal:
         self._jobs: dict[str, JobInfo] = {  # job_id -> its row, in submit order; never mutated in place
             r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")
         }
+        self._specs: dict[str, JobSpec] = {}  # job_id -> its spec, decoded once asked for
 
     def close(self) -> None:
         self.db.close()
@@ -99,10 +102,8 @@ class Journal:
         finally:
             self.db.execute("PRAGMA synchronous=NORMAL")
 
-    def submit(
-        self, submit_id: str, name: str, user: str, spec: dict[str, Any], steps: int, priority: int
-    ) -> tuple[str, bool]:
-        """Insert a job unless this submit_id was seen; (job_id, created)."""
+    def submit(self, submit_id: str, user: str, spec: JobSpec) -> tuple[str, bool]:
+        """Insert ``user``'s job of ``spec`` unless this submit_id was seen; (job_id, created)."""
         known = self.submitted(submit_id)
         if known is not None:
             return known, False
@@ -114,11 +115,23 @@ class Journal:
             self.db.execute(
                 "INSERT INTO jobs (seq, job_id, submit_id, name, user, spec, state, submitted_at, steps, priority)"
                 " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (seq, job_id, submit_id, name, user, json.dumps(spec), "queued", now, steps, priority),
+                (
+                    seq,
+                    job_id,
+                    submit_id,
+                    spec.name,
+                    user,
+                    msgspec.json.encode(spec).decode(),
+                    "queued",
+                    now,
+                    spec.algo.steps,
+                    spec.priority,
+                ),
             )
             self.db.execute("INSERT INTO events (job_id, t, kind) VALUES (?,?,?)", (job_id, now, "submitted"))
         row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         self._jobs[job_id] = self._info(row)
+        self._specs[job_id] = spec
         return job_id, True
 
     def submitted(self, submit_id: str) -> str | None:
@@ -153,9 +166,14 @@ class Journal:
         rows = self.db.execute("SELECT t, kind, detail FROM events WHERE job_id=? ORDER BY id", (job_id,))
         return [(r["t"], r["kind"], r["detail"]) for r in rows]
 
-    def spec(self, job_id: str) -> dict[str, Any]:
-        row = self.db.execute("SELECT spec FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        return json.loads(row["spec"])
+    def spec(self, job_id: str) -> JobSpec:
+        """The job's spec; ``msgspec.ValidationError`` (a ``ValueError``) for one this version
+        cannot read (written by another)."""
+        spec = self._specs.get(job_id)
+        if spec is None:
+            row = self.db.execute("SELECT spec FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            spec = self._specs[job_id] = msgspec.json.decode(row["spec"], type=JobSpec)
+        return spec
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobInfo]:
         if not states:

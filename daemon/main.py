@@ -64,6 +64,7 @@ from daemon.core import (
     StopDriver,
     WorkerState,
 )
+from daemon.core.job_kinds import driver_for
 from daemon.journal import TERMINAL
 from daemon.throttle import SenderThrottle
 from plexctl.common import auth
@@ -75,7 +76,7 @@ from plexctl.common.cluster_config import ClusterConfig, ConfigError, config_pat
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.jobdir import JobDir
 from plexctl.common.limits import limits_for
-from plexctl.common.spec import EXTERNAL, spec_from_wire
+from plexctl.common.spec import spec_to_wire
 
 log = logging.getLogger("plexd")
 
@@ -188,7 +189,7 @@ class Daemon:
         self.local_worker_count = max(1, len(local_workers))
         for i, engines in enumerate(local_workers):
             self._spawn_local_worker(f"w{i}", engines, models)
-        self.core.local_workers = len(self.worker_procs)
+        self.core.workers.local_workers = len(self.worker_procs)
         self._write_endpoint(mode)
         if config.tinker_port is not None:
             self._start_tinker(host, config.tinker_port)
@@ -201,7 +202,7 @@ class Daemon:
                 Endpoint(
                     address=self.address,
                     pid=os.getpid(),
-                    started_at=self.core.started_at,
+                    started_at=self.core.settings.started_at,
                     mode=mode,
                     host=socket.gethostname(),
                     server_key=auth.load_public(auth.keys_dir(state_dir) / f"{auth.SERVER}.key").decode(),
@@ -287,7 +288,7 @@ class Daemon:
         for info in self.journal.jobs(("running", "interrupted")):
             job_dir = self.jobs_dir / info.job_id
             proc = None
-            if info.state == "running" and spec_from_wire(self.journal.spec(info.job_id)).kind == EXTERNAL:
+            if info.state == "running" and not driver_for(self.journal.spec(info.job_id)).has_process:
                 self._carry_out(self.core.adopt(info.job_id, 0, now))  # no driver: its client goes on
                 continue
             if info.state == "running":  # its driver runs on, or ended (and said how) while no daemon ran
@@ -572,7 +573,7 @@ class Daemon:
             if rc is None:
                 continue
             self._carry_out(self.core.worker_process_exited(wid, rc, now))
-            problems = self.core.problems
+            problems = self.core.workers.problems
             reported = any(wid in p for p in problems)  # it failed to start: not retried
             if not reported and not self.core.stopping and self.respawns.get(wid, 0) < LOCAL_WORKER_RESPAWNS:
                 self.respawns[wid] = self.respawns.get(wid, 0) + 1
@@ -599,7 +600,7 @@ class Daemon:
         job_dir = self.jobs_dir / job_id
         layout = JobDir(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(layout.spec, self.journal.spec(job_id))
+        write_json_atomic(layout.spec, spec_to_wire(self.journal.spec(job_id)))
         info = self.journal.job(job_id)
         assert info is not None  # the core admitted it
         if self.core.is_isolated(info.user):
@@ -633,7 +634,7 @@ class Daemon:
             raise RuntimeError(refusal)
         who = jail.runs_as(user, job_id)
         limits = limits_for(self.state_dir, user)
-        spec = self.journal.spec(job_id)
+        spec = spec_to_wire(self.journal.spec(job_id))
         try:
             files = msgspec.json.decode(JobDir(job_dir).inputs.read_bytes(), type=list[P.InputFile])
         except FileNotFoundError:

@@ -6,12 +6,13 @@ job. The core owns no sockets and no clock: the daemon (and the simulator) feed 
 (``engine_up`` / ``engine_down``, ``engine_suspect`` / ``engine_back``) and job events (``admit`` /
 ``release``, ``submit``, ``claim``, ``done``, ``state_location``) and ask ``tick(now)`` for placements.
 
-It decides, per placement policy (``POLICIES``): each job's *home* rollout and trainer engine,
-within each engine's room (``Engine.job_slots``, ``Engine.state_room_bytes``, ``jobs_per_engine``;
-``room_problem`` names the limit a waiting job meets); the order of each engine's queue (priority,
-per-user weighted fair share, response ratio, submission) under the ``max_switches`` and
-``max_group`` bounds; which task may backfill an idle engine (``spread+backfill`` only); which LoRA
-train steps share one pass (``pass_window``, ``pass_tokens``); the ``upcoming`` / ``expected`` hints.
+It decides, asking its placement policy (``daemon.policies``) where policies differ: each job's
+*home* rollout and trainer engine, within each engine's room (``Engine.job_slots``,
+``Engine.state_room_bytes``, ``jobs_per_engine``; ``room_problem`` names the limit a waiting job
+meets); the order of each engine's queue (priority, per-user weighted fair share, response ratio,
+submission) under the ``max_switches`` and ``max_group`` bounds; which task may backfill an idle
+engine (where the policy ``backfills``); which LoRA train steps share one pass (``pass_window``,
+``pass_tokens``); the ``upcoming`` / ``expected`` hints.
 
 Invariants: a task runs on its job's home engine of its kind unless backfilled or claimed; a job's
 trainer calls run one at a time in submission order; a job's state stays with the trainer that
@@ -29,8 +30,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+from daemon.policies import PlacementPolicy, placement_policy
+from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.memplan import DEFAULT_MICRO_BATCH_TOKENS
-from plexctl.common.scheduling import POLICIES, union_length  # shared with the CLI and the daemon's metrics
+from plexctl.common.scheduling import union_length  # shared with the CLI and the daemon's metrics
 
 DEFAULT_ESTIMATE = 1.0
 DEFAULT_SWITCH_ESTIMATE = 1.0  # seconds of a switch (a weights load or a wake) before one is measured
@@ -52,7 +55,7 @@ class Task:
     submitted_at: float
     priority: int = 0
     weights: str = ""  # what its engine must hold to run it ("": whatever it holds)
-    tokens: int = 0  # padded tokens of a train step that may share a pass with other jobs' (0: runs alone)
+    tokens: int = 0  # padded tokens of a train step that may share a pass (``can_share_pass``; 0: runs alone)
 
 
 @dataclass
@@ -152,14 +155,13 @@ class Running:
 class Scheduler:
     def __init__(
         self,
-        policy: str = "spread+backfill",
+        policy: str = DEFAULTS.policy,
         jobs_per_engine: int | None = None,
         max_switches: int = 4,
         max_group: int = 16,
         pass_window: float | None = None,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.policy: PlacementPolicy = placement_policy(policy)  # ValueError for an unknown name
         if jobs_per_engine is not None and jobs_per_engine < 1:
             raise ValueError(f"jobs_per_engine must be >= 1, not {jobs_per_engine}")
         if max_switches < 0:
@@ -168,7 +170,6 @@ class Scheduler:
             raise ValueError(f"max_group must be >= 1, not {max_group}")
         if pass_window is not None and pass_window < 0:
             raise ValueError(f"pass_window must be >= 0 seconds, not {pass_window}")
-        self.policy = policy
         self.jobs_per_engine = jobs_per_engine  # a cap on the jobs homed on one engine (None: what it holds)
         self.max_switches = max_switches
         self.max_group = max_group
@@ -595,7 +596,7 @@ class Scheduler:
                 if engine is not None and engine.free > 0 and not engine.suspect and self._pending.get(engine_id):
                     self._fill(engine, now, placements)
             bf_dirty, self._bf_dirty = self._bf_dirty, {}
-            if self.policy == "spread+backfill":
+            if self.policy.backfills():
                 for key in bf_dirty:
                     self._backfill(key, now, placements)
         return placements
@@ -869,8 +870,8 @@ class Scheduler:
         neither holds ``UNDECLARED_JOBS_PER_ENGINE``. O(jobs homed there)."""
         homed = self._homed.get(engine.engine_id, {})
         load = len(homed)
-        if self.policy == "isolated":
-            return "" if load < 1 else "holds a job (isolated)"
+        if self.policy.dedicates_engines():
+            return "" if load < 1 else f"holds a job ({self.policy.name})"
         if self.jobs_per_engine is not None and load >= self.jobs_per_engine:
             return f"holds {load} jobs (jobs_per_engine cap: {self.jobs_per_engine})"
         if engine.job_slots > 0 and load >= engine.job_slots:
@@ -890,7 +891,7 @@ class Scheduler:
         """How many jobs the engine may be home to by count (the cap, its slots, the undeclared
         default; None: only its state room bounds it)."""
         engine = self.engines[engine_id]
-        if self.policy == "isolated":
+        if self.policy.dedicates_engines():
             return 1
         limits = [n for n in (self.jobs_per_engine, engine.job_slots or None) if n]
         if not engine.job_slots and not engine.state_room_bytes:
@@ -905,7 +906,7 @@ class Scheduler:
         buckets = self._buckets.get((kind, model))
         if not buckets:
             return None
-        for load in sorted((n for n, b in buckets.items() if b), reverse=self.policy == "pack"):
+        for load in self.policy.home_order(n for n, b in buckets.items() if b):
             for engine_id in buckets[load]:
                 engine = self.engines[engine_id]
                 if (
@@ -927,7 +928,7 @@ class Scheduler:
                 f"waiting for its engines: every {' and '.join(silent)} engine of {model} is suspect "
                 "(its worker missed heartbeats)"
             )
-        if self.policy == "isolated":
+        if self.policy.dedicates_engines():
             counts = []
             for kind in ("rollout", "trainer"):
                 engines = self._by_key[(kind, model)]
@@ -937,7 +938,7 @@ class Scheduler:
                     if not self._homed[e] and (kind != "trainer" or self._fits(self.engines[e], state_bytes))
                 )
                 counts.append(f"{free} of {len(engines)} {kind}")
-            return f"waiting for dedicated engines (isolated: {' / '.join(counts)} free)"
+            return f"waiting for dedicated engines ({self.policy.name}: {' / '.join(counts)} free)"
         parts = []
         for kind, full in (("rollout", rollout_full), ("trainer", trainer_full)):
             if not full:
@@ -1005,7 +1006,7 @@ class Scheduler:
         return not job.running.get(task.kind) and self._serial_head(job, task.kind) is task
 
     def _movable(self, task: Task, job: Job) -> bool:
-        if self.policy != "spread+backfill":
+        if not self.policy.backfills():
             return False
         return task.kind not in SERIAL_KINDS or job.state_tier is None
 

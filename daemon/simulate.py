@@ -42,11 +42,13 @@ from rich.console import Console
 from rich.table import Table
 
 from daemon.core import PASS_WINDOW_S
+from daemon.policies import placement_policy
 from daemon.simulator import SimConfig, SimResult, calibrate_from, predict, simulate
 from daemon.trace import DAY_S, SCENARIOS, Trace, generate_trace, read_trace, write_trace
 from plexctl.common.atomic import write_json_atomic
+from plexctl.common.scheduling import POLICIES
 
-BASELINES = ("isolated", "pack", "spread", "spread+backfill")
+BASELINES = POLICIES  # every placement policy, each run on the same trace
 TUNE_JOBS_PER_ENGINE = (2, 3, 4, 6, 8)
 TUNE_MAX_SWITCHES = (4,)  # the bound never binds here: a shard has one trainer call per step
 DEFAULT_SCENARIO = "mixed"
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None, defaults: Defaults = Defaults()) -> int:
             for j in TUNE_JOBS_PER_ENGINE
             for s in TUNE_MAX_SWITCHES
         ]
-        runs = {p: pool.submit(_run, trace, p, gpus, 1 if p == "isolated" else jpe, 4, cfg) for p in BASELINES}
+        limit = {p: 1 if placement_policy(p).dedicates_engines() else jpe for p in BASELINES}
+        runs = {p: pool.submit(_run, trace, p, gpus, limit[p], 4, cfg) for p in BASELINES}
         tuned = [f.result() for f in tuning]
         choice = pick_best(tuned)
         best_f = pool.submit(_run, trace, "spread+backfill", gpus, choice.jobs_per_engine, choice.max_switches, cfg)

@@ -6,7 +6,8 @@ through ``daemon.scheduler.Scheduler`` (the code the daemon runs), with a discre
 instead of sleeps, and returns a ``SimResult``: makespan, GPU-hours per training step, queueing
 delay, bubble ratio, swap traffic, model switches, and the wall time of every ``tick``.
 
-What it owns is the model around the core: engines as 8-GPU nodes in rollout + trainer pairs,
+What it owns is the model around the core: engines as 8-GPU nodes in rollout + trainer pairs
+(``planned_trainer_widths``: trainers of the memory plan's width per model class, for GPU-hours),
 jobs as shards with a home pair each, a step's phases with barriers across a job's shards
 (``macro_steps`` coarsens them), swap-ins charged by tier bandwidth, model switches by the
 weights' size, and shared train passes timed by ``TrainPassCost``.
@@ -39,15 +40,30 @@ from typing import Any
 import msgspec
 
 from daemon.core import PASS_WINDOW_S
-from daemon.scheduler import POLICIES, Engine, Placement, Scheduler, Task
+from daemon.policies import placement_policy
+from daemon.scheduler import Engine, Placement, Scheduler, Task
 from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
 from plexctl.common import state_policy
+from plexctl.common.cluster_config import DEFAULTS
+from plexctl.common.memplan import JobShape, needed_trainer_width
+from plexctl.common.model_shapes import known_shape
 from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
 _ARRIVE, _DONE, _PHASE, _WAKE = 0, 1, 2, 3
 BENCH_ROW_TOKENS = 28  # bench/train_batching.py's rows (10-30 tokens) padded to the longest: 26.6 of 8, 28.7 of 32
+# A trace's model class -> the known shape (plexctl.common.model_shapes) whose plan gives its trainers'
+# width when its jobs name no base of their own; a class not listed keeps gpus_per_engine (235B: an MoE
+# the memory plan has no shape for).
+CLASS_SHAPES = {
+    "7B": "qwen2.5-7b",
+    "14B": "qwen2.5-14b",
+    "30B": "qwen2.5-32b",
+    "32B": "qwen2.5-32b",
+    "70B": "llama-3.1-70b",
+}
+PLANNED_LORA_RANK = 64  # a LoRA job's rank when the plan sizes a class's trainers (the trace draws 16-64)
 
 
 class TrainPassCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,9 +132,13 @@ class TrainPassCost(msgspec.Struct, frozen=True, kw_only=True):
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     gpus_per_engine: int = 8
+    # trainer engines of the memory plan's width per model class (``planned_trainer_gpus``), at most
+    # gpus_per_engine; off: every engine has gpus_per_engine GPUs (the benchmark's figures)
+    planned_trainer_widths: bool = False
+    trainer_gpu_gb: float = 80.0  # memory of one trainer GPU, for the plan's width
     rollout_slots: int = 4  # concurrent generate chunks per rollout engine = chunks per shard and turn
     macro_steps: int = 8  # at most this many simulated steps per job (coarsening)
-    device_slots: int = 4  # shard states resident on one trainer's device
+    device_slots: int = DEFAULTS.device_slots  # shard states resident on one trainer's device
     device_state_gb: float = 320.0  # and at most this many GB of them
     host_gb: float = 1000.0  # pinned host memory for states, per trainer node
     nvme_gb: float = 15000.0  # node-local NVMe for states, per trainer node
@@ -126,7 +146,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     nvme_gbps: float = 5.0  # NVMe sequential
     switch_s: float = 2.0  # fixed part of a model switch: waking a sleeping engine, its KV cache made again
     max_group: int = 16  # the core's bound on calls for the weights an engine holds in a row (Scheduler)
-    train_grouping: bool = False  # shared train passes of several LoRA jobs' steps (the daemon's --train-grouping)
+    train_grouping: bool = DEFAULTS.train_grouping  # shared train passes of several LoRA jobs' steps
     group_window_s: float = PASS_WINDOW_S  # a trainer waits at most this long for more steps to share a pass
     train_tokens: int = 224  # padded tokens of one LoRA train step: 8 rows of 28, the benchmark's small job
     pass_tokens: int = 0  # a trainer's micro-batch budget, the tokens one pass holds (0: the core's default)
@@ -210,7 +230,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     outcomes: list[JobOutcome]
     intervals: list[tuple[str, str, float, float]] = []  # (engine, job, start, end) when recorded
     switches: SwitchStats = msgspec.field(default_factory=SwitchStats)
-    train_grouping: bool = False
+    train_grouping: bool = DEFAULTS.train_grouping
     trainer_busy_s: float = 0.0  # busy seconds of the trainer engines (swap-ins included)
     passes: PassStats = msgspec.field(default_factory=PassStats)
 
@@ -387,6 +407,30 @@ def partition(trace: Trace, gpus: int) -> dict[str, int]:
     return alloc
 
 
+def planned_trainer_gpus(trace: Trace, cfg: SimConfig) -> dict[str, int]:
+    """GPUs of each model class's trainer engines: the width the memory plan gives its widest job's
+    step (``memplan.needed_trainer_width``, the smallest of 1, 2, 4, ... whose per-rank step fits
+    one GPU, as ``memplan.trainer_width`` picks; a full fine-tune, else a LoRA job of
+    ``PLANNED_LORA_RANK``) on ``trainer_gpu_gb`` GPUs with the cluster's defaults, at most
+    ``gpus_per_engine`` (also where no width fits). The shape is each job's base where it names a
+    known one, else ``CLASS_SHAPES``'s, else the class keeps ``gpus_per_engine``."""
+    gpus: dict[str, int] = {}
+    for tj in trace.jobs:
+        config = known_shape(tj.base) if tj.base else None
+        config = config or (known_shape(CLASS_SHAPES[tj.model]) if tj.model in CLASS_SHAPES else None)
+        if config is None:
+            gpus[tj.model] = cfg.gpus_per_engine
+            continue
+        job = (
+            JobShape(tj.job_id, 0, 0, target_modules=(), full=True)
+            if tj.full_weights
+            else JobShape(tj.job_id, PLANNED_LORA_RANK, 0)
+        )
+        width = needed_trainer_width(config, job, "bfloat16", int(cfg.trainer_gpu_gb * (1 << 30)))
+        gpus[tj.model] = max(gpus.get(tj.model, 1), min(width or cfg.gpus_per_engine, cfg.gpus_per_engine))
+    return gpus
+
+
 def _step_plan(steps: int, macro: int) -> list[int]:
     n = max(1, min(steps, macro))
     base, extra = divmod(steps, n)
@@ -412,8 +456,7 @@ class Simulation:
         config: SimConfig | None = None,
         record_intervals: bool = False,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        placement = placement_policy(policy)  # ValueError for an unknown name
         self.cfg = cfg = config or SimConfig()
         self.trace, self.policy, self.gpus = trace, policy, gpus
         self.jpe, self.max_switches = jobs_per_engine, max_switches
@@ -423,6 +466,8 @@ class Simulation:
         self.sched = Scheduler(policy, jobs_per_engine, max_switches, cfg.max_group, window)
         self.record = record_intervals
         self.pools = partition(trace, gpus)
+        trainer_gpus = planned_trainer_gpus(trace, cfg) if cfg.planned_trainer_widths else {}
+        self.engine_gpus: dict[str, int] = {}  # engine -> its GPUs
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
         self.nodes: dict[str, NodeTiers] = {}
         for model, pairs in self.pools.items():
@@ -431,10 +476,12 @@ class Simulation:
                 self.sched.engine_up(Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots), now=0.0)
                 trainer = Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap, pass_tokens=cfg.pass_tokens)
                 self.sched.engine_up(trainer, now=0.0)
+                self.engine_gpus[f"{w}/r"] = cfg.gpus_per_engine
+                self.engine_gpus[f"{w}/t"] = trainer_gpus.get(model, cfg.gpus_per_engine)
                 self.nodes[f"{w}/t"] = NodeTiers(
                     cfg.device_slots, int(cfg.device_state_gb * GB), int(cfg.host_gb * GB), int(cfg.nvme_gb * GB)
                 )
-        self.limit = 1 if policy == "isolated" else jobs_per_engine
+        self.limit = 1 if placement.dedicates_engines() else jobs_per_engine
         self.slots_free = {m: p * self.limit for m, p in self.pools.items()}  # tenant slots per kind
         self.waiting: dict[str, deque[_Job]] = {m: deque() for m in self.pools}
         self.shard_of: dict[str, _Shard] = {}
@@ -444,7 +491,7 @@ class Simulation:
         self.tasks: dict[int, tuple[_Shard, str, float, float]] = {}  # running task -> shard, engine, start, switch s
         self.durations: dict[int, float] = {}  # queued task -> seconds of work (swap excluded)
         self.refs: dict[str, int] = {}  # engine -> shards homed + tasks running
-        self.held = 0  # engines with a shard homed or a task running
+        self.held = 0  # GPUs of the engines with a shard homed or a task running
         self.held_s = 0.0
         self.held_since = 0.0
         self.busy: dict[str, float] = dict.fromkeys(self.sched.engines, 0.0)
@@ -531,7 +578,7 @@ class Simulation:
         if (before == 0) != (after == 0):
             self.held_s += self.held * (now - self.held_since)
             self.held_since = now
-            self.held += 1 if after else -1
+            self.held += self.engine_gpus[engine_id] if after else -self.engine_gpus[engine_id]
 
     # -- a job's phases
 
@@ -797,9 +844,8 @@ class Simulation:
         start = min((j.tj.arrival_s for j in self.jobs), default=0.0)
         end = max((j.finished_at for j in self.jobs), default=0.0)
         self._hold_flush(end)
-        gpe = self.cfg.gpus_per_engine
-        held_h = self.held_s * gpe / 3600
-        busy_h = sum(self.busy.values()) * gpe / 3600
+        held_h = self.held_s / 3600
+        busy_h = sum(b * self.engine_gpus[e] for e, b in self.busy.items()) / 3600
         steps = sum(o.steps for o in self.outcomes)
         delays = sorted(o.admitted_s - o.arrival_s for o in self.outcomes)
         lat = sorted(self.latencies)
@@ -971,7 +1017,7 @@ def calibrate_from(
 
 
 def predict(
-    model: PhaseModel, policy: str = "spread+backfill", jobs_per_engine: int = 8, max_switches: int = 4
+    model: PhaseModel, policy: str = DEFAULTS.policy, jobs_per_engine: int = 8, max_switches: int = 4
 ) -> dict[str, float]:
     """Simulate the model's jobs isolated and shared; the predicted shared / isolated ratio of
     engine-seconds per step, beside the measured one (the daemon's defaults: 8 jobs per engine).

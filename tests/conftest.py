@@ -88,7 +88,7 @@ def build_tiny(recipe: str) -> Path:
     """The recipe's model dir, built first if it is not cached (under the recipe's build lock:
     a build already running elsewhere is waited for)."""
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO, check=True
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(TINY_ROOT), "--only", recipe], cwd=REPO, check=True
     )
     return TINY_ROOT / "models" / recipe
 
@@ -106,7 +106,7 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
         log = open(TINY_ROOT / "tiny-tool-build.log", "w")
         _beside.append(
             subprocess.Popen(
-                [sys.executable, "-m", "worker.tiny_models", "--root", str(TINY_ROOT), "--only", "tiny-tool"],
+                [sys.executable, "-m", "plexctl.tiny_models", "--root", str(TINY_ROOT), "--only", "tiny-tool"],
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -41,7 +41,7 @@ def placed_job(d, tiny_model, name: str, split: bool = False) -> str:
         resident = {job: "w1/trainer"} if worker == "w1" else {}
         d.send(worker.encode(), P.Op.REGISTER, P.RegisterReq(worker, "node", 1, engines, True, resident=resident))
     d.chores()
-    assert job not in d.adopting
+    assert job not in d.jobs.adopting
     d.sent.clear()  # the registrations' replies
     return job
 
@@ -85,7 +85,7 @@ def test_a_generate_to_follow_a_publish_goes_to_the_worker_with_it_and_starts_as
     assert list(d.sched.engines["w1/rollout"].running) == [gen]  # started as the step ended
     d.send(b"w1", P.Op.RESULT, P.ResultBody(gen, True, C.GenerateResult([]), seconds=0.1))
     assert sent(d) == [(P.Op.REPLY, C.GenerateRep([], policy_version=1))]
-    assert not d.sched.engines["w1/rollout"].running and d.runtimes[job].held_calls == {}
+    assert not d.sched.engines["w1/rollout"].running and d.jobs.runtimes[job].held_calls == {}
 
 
 def test_a_generate_to_follow_a_publish_on_another_worker_waits_in_the_daemon(core, tiny_model):
@@ -114,7 +114,7 @@ def test_a_call_held_to_follow_a_failed_one_fails_too(core, tiny_model):
         ("call_failed", "train_step failed: loss is nan"),
         ("call_failed", "generate was to follow train_step, which failed"),
     ]
-    assert d.runtimes[job].held_calls == {}
+    assert d.jobs.runtimes[job].held_calls == {}
 
 
 def test_the_worker_starts_a_task_sent_ahead_as_the_one_it_follows_ends_or_fails_it(tmp_path):

@@ -18,6 +18,7 @@ from plexctl.cli import app as A
 from plexctl.cli import start_stop
 from plexctl.cli.spec_doc import CLUSTER_REGENERATE, render_cluster_reference
 from plexctl.common import cluster_config as K
+from plexctl.common.errors import UsageError
 from plexctl.common.scheduling import POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,12 @@ def test_every_setting_is_an_up_option_with_its_default_and_its_help() -> None:
     assert all(K.option_name(s) in help_text for s in K.settings())
 
 
+def test_a_bad_choice_is_refused_in_the_line_the_config_check_says() -> None:
+    result = CliRunner().invoke(A.build(["up"]), ["up", "--policy", "nope"])
+    assert isinstance(result.exception, UsageError)  # exit 2, one line
+    assert str(result.exception) == "--policy 'nope': choose one of isolated, pack, spread, spread+backfill"
+
+
 def test_plan_takes_its_shared_settings_from_the_config() -> None:
     options = _options("plan")
     shared = [s for s in K.settings() if K.option_name(s) in options]
@@ -80,13 +87,14 @@ def test_no_process_declares_a_default_of_its_own_for_a_setting() -> None:
     assert [d for p in PROCESSES for d in _declared_defaults(REPO / p) if d not in IDENTITY] == []
 
 
-def test_the_worker_flags_default_to_the_config_it_reads() -> None:
+def test_the_worker_takes_no_setting_on_its_command_line() -> None:
     from worker.main import build_parser
 
-    config = K.ClusterConfig(device="cpu", device_slots=7, host_mem="3G", max_model_len=99, jobs_per_engine=5)
-    ap = build_parser(config)
-    assert (ap.get_default("device"), ap.get_default("device_slots"), ap.get_default("host_mem")) == ("cpu", 7, 3 << 30)
-    assert (ap.get_default("max_model_len"), ap.get_default("jobs_per_engine")) == (99, 5)
+    flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    named = {K.option_name(s) for s in K.settings()} | {"--" + s.replace("_", "-") for s in K.settings()}
+    # its own engines, the models they serve and its directory (one entry of `engines`, `models` as its launcher
+    # gives them, under `scratch`): what identifies this worker
+    assert flags & named <= {"--engines", "--model", "--scratch"}, "a setting comes from the worker's --cluster-config"
 
 
 def test_one_default_each_and_the_derived_ones_in_one_place() -> None:
@@ -178,18 +186,18 @@ def test_what_up_writes_is_what_the_daemon_and_a_worker_read(tiny_model, tmp_pat
     d = Daemon(state, config.models, [], config=config)
     try:
         core = d.core
-        assert (core.policy, core.drain_timeout, core.worker_grace) == ("pack", 12.0, 9.0)
-        assert "carol" in core.trusted_users
+        assert (core.settings.policy, core.settings.drain_timeout, core.settings.worker_grace) == ("pack", 12.0, 9.0)
+        assert "carol" in core.settings.trusted_users
     finally:
         d.shutdown()
-    args = parse_args(
+    args, worker_config = parse_args(
         ["--endpoint", "tcp://x:1", "--model", config.models[0], "--cluster-config", str(K.config_path(state))]
     )
-    assert (args.host_mem, args.max_model_len, args.device) == (1 << 30, 64, "auto")
-    args = parse_args(
-        ["--endpoint", "e", "--model", "m", "--cluster-config", str(K.config_path(state)), "--host-mem", "2G"]
-    )
-    assert args.host_mem == 2 << 30  # a flag overrides the config for this worker
+    assert worker_config == config and args.model == config.models
+    with pytest.raises(SystemExit):  # a setting is the cluster's, never one worker's flag
+        parse_args(
+            ["--endpoint", "e", "--model", "m", "--cluster-config", str(K.config_path(state)), "--host-mem", "2G"]
+        )
 
 
 @pytest.mark.parametrize("slurm", [False, True])
@@ -207,3 +215,36 @@ def test_a_setting_with_a_leading_zero_is_refused_in_one_line_naming_it() -> Non
         == "nodes: '010' has a leading zero; write 10 for the number, 0o10 for octal, or quote it for a string"
     )
     assert K.with_settings(K.ClusterConfig(), ["nodes=10"]).nodes == 10
+
+
+# ---------------------------------------------------------------- trainer_width
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"trainer_width": 2, "gpus_per_node": 8}, None),  # the default split: 2 trainer GPUs a node
+        ({"trainer_width": 4, "gpus_per_node": 8, "trainer_gpus": 4}, None),
+        ({"trainer_width": 16, "gpus_per_node": 8, "nodes": 2}, None),  # two whole nodes
+        ({"trainer_width": 4, "gpus_per_node": 0}, None),  # a local cluster: the plan checks it on its node
+        ({"trainer_width": 4, "gpus_per_node": 8}, "--trainer-width 4: does not divide the 2 trainer GPUs of a node"),
+        ({"trainer_width": 3, "gpus_per_node": 8, "trainer_gpus": 4}, "widths that do: 1, 2, 4"),
+        ({"trainer_width": 12, "gpus_per_node": 8, "nodes": 4}, "spans whole nodes: a multiple of 8"),
+        ({"trainer_width": 64, "gpus_per_node": 8, "nodes": 4}, "more than the allocation's 4 x 8 GPUs"),
+        ({"trainer_width": 0}, "--trainer-width 0: expected `int` >= 1"),
+    ],
+)
+def test_trainer_width_divides_a_nodes_trainer_gpus_or_spans_whole_nodes(
+    settings: dict[str, Any], problem: str | None
+) -> None:
+    problems = K.config_problems(msgspec.structs.replace(K.ClusterConfig(), **settings))
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0] and problems[0].startswith("--trainer-width")
+
+
+def test_trainer_width_is_an_option_of_up_and_plan() -> None:
+    for verb in ("up", "plan"):
+        out = CliRunner().invoke(A.build([verb]), [verb, "--help"], terminal_width=200).output
+        assert "--trainer-width" in out, verb

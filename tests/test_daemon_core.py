@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from daemon.core import Prune, StartDriver, StopDriver
+from daemon.core.lifecycle import state_bytes
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.client import current_user
@@ -70,12 +71,12 @@ def test_a_job_is_admitted_once_engines_for_its_model_are_up_and_runs_when_its_d
     assert d.chores() == [StartDriver(job)]
     assert d.chores() == []  # asked once: the server answers before the next pass
     d.driver_started(job, 4242)
-    assert d.journal.job(job).state == "running" and d.runtimes[job].pid == 4242
+    assert d.journal.job(job).state == "running" and d.jobs.runtimes[job].pid == 4242
     d.send(b"cli", P.Op.CANCEL, P.JobRef(job), msg_id=5, user=current_user())
-    assert d.runtimes[job].cancel_requested_at is not None
-    assert StopDriver(job, kill=True) in d.chores(d.runtimes[job].cancel_requested_at + 31)  # past its grace
+    assert d.jobs.runtimes[job].cancel_requested_at is not None
+    assert StopDriver(job, kill=True) in d.chores(d.jobs.runtimes[job].cancel_requested_at + 31)  # past its grace
     d.driver_exited(job, 3)
-    assert d.journal.job(job).state == "cancelled" and job not in d.runtimes
+    assert d.journal.job(job).state == "cancelled" and job not in d.jobs.runtimes
 
 
 def test_each_call_becomes_its_typed_task_on_its_engine_and_its_result_the_typed_reply(core, tiny_model):
@@ -96,7 +97,7 @@ def test_each_call_becomes_its_typed_task_on_its_engine_and_its_result_the_typed
     assert step.task.trainer.call_key == "4242:2"  # a repeat is applied once
     assert step.task.publish_dir == str(d.jobs_dir / job / "adapters" / "v000001")
     assert answer(d, "w0", step, C.TrainStepResult({"loss": 0.5})) == C.TrainStepRep({"loss": 0.5}, version=1)
-    assert Prune(d.jobs_dir / job / "adapters", d.runtimes[job].spec.algo.max_staleness + 2) in d.effects
+    assert Prune(d.jobs_dir / job / "adapters", d.jobs.runtimes[job].spec.algo.max_staleness + 2) in d.effects
 
     call(d, job, GENERATE, 3)
     d.place()
@@ -124,7 +125,7 @@ def test_a_call_to_follow_another_is_held_or_sent_ahead_with_it(core, tiny_model
     job = running(d, tiny_model, "ahead")
     call(d, job, C.TrainStepReq(BATCH, publish=True), 1)
     call(d, job, GENERATE, 2, after=1)
-    assert list(d.runtimes[job].held_calls) == [1]  # held: the call it follows is in flight
+    assert list(d.jobs.runtimes[job].held_calls) == [1]  # held: the call it follows is in flight
     d.place()
     step, gen = tasks(d)  # its rollout engine is on the trainer's worker and idle: on its way with it
     assert (step.method, gen.method, gen.after) == ("train_step", "generate", step.task_id)
@@ -137,13 +138,13 @@ def test_a_call_to_follow_another_is_held_or_sent_ahead_with_it(core, tiny_model
 def test_an_adopted_job_waits_for_the_trainer_that_holds_its_state(core, tiny_model):
     d = core
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "adopted")
-    job, _ = d.journal.submit("s", "adopted", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job, _ = d.journal.submit("s", "alice", spec)
     d.journal.update(job, state="running", policy_version=3)
     d.adopt(job, pid=777)  # its driver outlived the last daemon
     assert d.journal.events(job)[-1][1] == "reattached"
     call(d, job, C.PublishReq(), 9)  # sent again by the driver
     d.place()
-    assert tasks(d) == [] and job in d.held
+    assert tasks(d) == [] and job in d.jobs.held
     register(d, "w0", tiny_model)  # an empty trainer: not the one with its state
     register(d, "w1", tiny_model, resident={job: "w1/trainer"})
     d.chores()
@@ -277,7 +278,7 @@ def test_the_rollout_engines_adapter_slots_bound_its_jobs_and_status_names_the_l
 
 def test_the_trainers_tiers_bound_its_jobs_by_their_state_bytes(core, tiny_model):
     d = core
-    one = core._state_bytes(core._spec(submit(d, tiny_model, "probe")))
+    one = state_bytes(core.journal.spec(submit(d, tiny_model, "probe")))
     assert one > 0
     register_with_room(d, "w0", tiny_model, adapter_slots=64, state_room_bytes=3 * one)
     jobs = [submit(d, tiny_model, f"j{i}") for i in range(4)]

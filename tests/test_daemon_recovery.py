@@ -24,7 +24,6 @@ from daemon.main import Daemon
 from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.spec import spec_to_wire
 from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def adopted_job(d, tiny_model: Path, name: str) -> str:
     """A job whose driver outlived the last daemon, adopted by this one (as recovery leaves it)."""
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
-    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job_id, _ = d.journal.submit(name, "alice", spec)
     d.journal.update(job_id, state="running")
     d.adopt(job_id)
     return job_id
@@ -63,7 +62,7 @@ def test_an_adopted_jobs_calls_wait_for_it_and_go_to_the_trainer_holding_its_sta
     a, b = adopted_job(d, tiny_model, "a"), adopted_job(d, tiny_model, "b")
     train_step(d, a, 7)  # sent again by a's driver before any worker is back
     d.place()
-    assert tasks(d) == [] and a in d.held  # held, not placed by load on whatever comes first
+    assert tasks(d) == [] and a in d.jobs.held  # held, not placed by load on whatever comes first
     register(d, "w0", tiny_model, {})  # an empty trainer comes back first
     register(d, "w1", tiny_model, {a: "w1/trainer", b: "w1/trainer"})
     d.chores()
@@ -85,7 +84,7 @@ def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(co
     d = core
     job = adopted_job(d, tiny_model, "gave-up")
     d.driver_exited(job, 75)
-    assert job not in d.runtimes
+    assert job not in d.jobs.runtimes
     assert d.journal.job(job).state == "queued"
     assert d.journal.events(job)[-1][1] == "requeued"
 
@@ -93,18 +92,18 @@ def test_a_driver_that_gave_up_on_its_daemon_is_requeued_not_left_interrupted(co
 def test_a_job_whose_driver_cannot_start_waits_with_the_reason_and_the_daemon_goes_on(core, tiny_model):
     d = core
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="nodir")
-    job, _ = d.journal.submit("nodir", "nodir", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job, _ = d.journal.submit("nodir", "alice", spec)
     register(d, "w0", tiny_model, {})
     assert d.chores() == [StartDriver(job)]
     d.driver_not_started(job, "[Errno 28] No space left on device")  # as the server tells it
-    assert d.journal.job(job).state == "queued" and job not in d.runtimes
-    assert d.reasons[job] == "cannot start its driver: [Errno 28] No space left on device"
+    assert d.journal.job(job).state == "queued" and job not in d.jobs.runtimes
+    assert d.jobs.reasons[job] == "cannot start its driver: [Errno 28] No space left on device"
     now = time.time()
     assert d.chores(now) == []  # not at once: after a second, then 2, 4, 8
     assert d.chores(now + 1.1) == [StartDriver(job)]
     d.driver_started(job, 4242)
-    assert d.journal.job(job).state == "running" and job not in d.reasons
-    assert d.runtimes[job].pid == 4242 and d.journal.events(job)[-1][1:] == ("started", "driver pid 4242")
+    assert d.journal.job(job).state == "running" and job not in d.jobs.reasons
+    assert d.jobs.runtimes[job].pid == 4242 and d.journal.events(job)[-1][1:] == ("started", "driver pid 4242")
 
 
 def test_a_driver_that_never_starts_fails_its_job_with_the_reason_after_a_bounded_backoff(core, tiny_model):
@@ -112,7 +111,7 @@ def test_a_driver_that_never_starts_fails_its_job_with_the_reason_after_a_bounde
 
     d = core
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="never")
-    job, _ = d.journal.submit("never", "never", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job, _ = d.journal.submit("never", "alice", spec)
     register(d, "w0", tiny_model, {})
     now, starts = time.time(), 0
     for _ in range(200):  # as often as the server's loop would ask, over a minute
@@ -128,7 +127,7 @@ def test_a_driver_that_never_starts_fails_its_job_with_the_reason_after_a_bounde
 def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_model):
     d = daemon
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name="nodir")
-    job, _ = d.journal.submit("nodir", "nodir", "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job, _ = d.journal.submit("nodir", "alice", spec)
     d.core.handle(
         b"w0",
         auth.INTERNAL_USER,
@@ -146,11 +145,11 @@ def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_mo
     d.jobs_dir.joinpath(job).write_text("in the way")  # its directory cannot be made (as with a full disk)
     d._carry_out(d.core.chores(time.time()))
     assert d.journal.job(job).state == "queued" and job not in d.drivers
-    assert d.core.reasons[job].startswith("cannot start its driver: ")
+    assert d.core.jobs.reasons[job].startswith("cannot start its driver: ")
     d.jobs_dir.joinpath(job).unlink()
     d._carry_out(d.core.chores(time.time() + 1.1))  # the next pass, a second later, starts it
     try:
-        assert d.journal.job(job).state == "running" and job not in d.core.reasons
+        assert d.journal.job(job).state == "running" and job not in d.core.jobs.reasons
     finally:
         d.drivers[job].kill()
         d.drivers[job].wait()
@@ -159,7 +158,7 @@ def test_a_driver_the_server_cannot_start_leaves_the_job_waiting(daemon, tiny_mo
 def running_job(d: Daemon, tiny_model: Path, name: str) -> str:
     """A job the journal of the server ``d`` has running (its driver is the test's to make)."""
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
-    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job_id, _ = d.journal.submit(name, "alice", spec)
     d.journal.update(job_id, state="running")
     return job_id
 
@@ -188,7 +187,7 @@ def test_recovery_keeps_a_cancel_asked_before_the_restart_and_judges_drivers_tha
     try:
         again.reap_drivers(time.time())
         assert again.journal.job(done).state == "succeeded"  # not run again from its checkpoint
-        assert again.core.runtimes[cancelled].cancel_requested_at is not None
+        assert again.core.jobs.runtimes[cancelled].cancel_requested_at is not None
         call = P.CallReq(cancelled, C.TrainStepReq(P.TrainBatch([], [], [], [])))
         effects = again.core.handle(b"drv", auth.INTERNAL_USER, P.Op.CALL, P.Header(msg_id=3), call, time.time())
         (reply,) = [e.body for e in effects if e.op == P.Op.ERROR]

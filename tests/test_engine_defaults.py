@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from plexctl.common import cluster_config as K
+from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.engine_defaults import (
     CPU_KV_CACHE_GIB,
     ENGINE_DEFAULTS,
@@ -21,7 +22,7 @@ from plexctl.common.engine_defaults import (
     adapter_slots,
     by_platform,
 )
-from plexctl.common.memplan import ClusterOptions, GiB, NodeShape, engine_dtype
+from plexctl.common.memplan import CPU_KV_CACHE_BYTES, GiB, NodeShape, engine_dtype, plan_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,15 +31,14 @@ def worker_gives(platform: Platform) -> dict[str, Any]:
     """Each default as a worker on ``platform`` resolves it from a command line that sets nothing."""
     from worker.engine_args import rollout_engine_args
     from worker.engine_options import engine_options
-    from worker.main import _adapter_slots, _max_lora_rank, build_parser
+    from worker.main import _adapter_slots, _max_lora_rank
     from worker.trainer_math import pass_cost_tokens
 
-    args = build_parser().parse_args(["--endpoint", "tcp://x:1", "--model", "/m"])
     options = engine_options(platform, "auto", None, cuda_available=True, visible_devices="0")
-    slots, cached = _adapter_slots(args, platform)
+    slots, cached = _adapter_slots(DEFAULTS, platform)
     return {
         "dtype": options.dtype,
-        "max_lora_rank": _max_lora_rank(args, platform),
+        "max_lora_rank": _max_lora_rank(DEFAULTS, platform),
         "max_lora_slots": slots,  # no jobs_per_engine: as many jobs as the cache holds, so the cap
         "max_cached_loras": cached,
         "gpu_memory_utilization": rollout_engine_args(platform, "/m").llm_kwargs["gpu_memory_utilization"],
@@ -59,11 +59,11 @@ def test_a_cpu_rollout_engine_gets_the_declared_kv_cache() -> None:
 
 
 def test_the_plan_assumes_what_a_gpu_worker_is_given() -> None:
-    """``ClusterOptions()`` is the cuda entry field for field (the host cache and how a shared
+    """The default config's plan settings are the cuda entry field for field (the host cache and how a shared
     pass is cut are no plan's concern)."""
-    options, gpu = ClusterOptions(), worker_gives("cuda")
+    options, gpu = plan_settings(DEFAULTS), worker_gives("cuda")
     assumed = {
-        "dtype": engine_dtype(options, NodeShape.parse("1x80G")),
+        "dtype": engine_dtype(DEFAULTS, NodeShape.parse("1x80G")),
         "max_lora_rank": options.max_lora_rank,
         "max_lora_slots": options.max_loras,
         "gpu_memory_utilization": options.gpu_memory_utilization,
@@ -75,8 +75,8 @@ def test_the_plan_assumes_what_a_gpu_worker_is_given() -> None:
     }
     assert assumed == {name: gpu[name] for name in assumed}
     assert options.max_loras == adapter_slots(None, "cuda")[0]  # the worker's rule, not a copy of its result
-    assert engine_dtype(options, NodeShape.parse("0")) == worker_gives("cpu")["dtype"]
-    assert options.cpu_kv_cache_bytes == CPU_KV_CACHE_GIB * GiB
+    assert engine_dtype(DEFAULTS, NodeShape.parse("0")) == worker_gives("cpu")["dtype"]
+    assert CPU_KV_CACHE_BYTES == CPU_KV_CACHE_GIB * GiB
 
 
 def test_adapter_slots_without_an_expected_count_fill_the_cache_up_to_the_cap() -> None:

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Cluster, local_account
-from test_hostile_user import CUSTOM_LOOP, _cmdline, eve_client, full_log, wait_ended
-from test_hostile_user import submit_loop as submit
+from test_hostile_user import CUSTOM_LOOP, _cmdline, eve_client, full_log, submit_loop, wait_ended
 
 from plexctl.common import auth
 from plexctl.common.client import Client
@@ -151,6 +150,14 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, eve):
     c = Cluster(tmp_path_factory.mktemp("tree-owner")).up(tiny_model, "--workers", "1")
     yield c
     c.run("down", timeout=120)
+
+
+def submit(
+    cluster: Cluster, eve, tiny_model: Path, loop: str, files: dict[str, str], *overrides: str, client=None
+) -> str:
+    """Trudy's job running ``loop``, submitted with her own key (or ``client``'s)."""
+    client = client or eve_client(cluster, eve[2], EVE)
+    return submit_loop(cluster, eve, tiny_model, loop, files, *overrides, client=client)
 
 
 def wait_line(client: Client, job: str, prefix: str, timeout: float = 120) -> str:

@@ -90,7 +90,7 @@ def test_using_it_block_runs_line_by_line(newcomer) -> None:
         assert "Traceback" not in out, f"{line}\n{out[-3000:]}"
         expected_rc = 5 if line == "plexctl wait other" else 0  # README: 5, cancelled
         assert proc.returncode == expected_rc, f"{line} -> {proc.returncode}\n{out[-3000:]}"
-        if line.startswith("python -m worker.tiny_models"):
+        if line.startswith("python -m plexctl.tiny_models"):
             assert (work / ".plexrl" / "models" / "tiny-arith" / "config.json").exists()
         elif verb == "up":
             assert "cluster up" in proc.stdout

@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from plexctl.common.cluster_config import ClusterConfig
 from plexctl.common.errors import ExitCode
 from plexctl.common.memplan import (
-    ClusterOptions,
     DoesNotFit,
     EngineShape,
     FullJob,
@@ -99,7 +99,7 @@ def test_the_7b_plan_shows_weights_kv_tokens_and_tiers() -> None:
     rollout, trainer = plan.rollouts[0], plan.trainers[0]
     assert rollout.weights_bytes / GiB == pytest.approx(14.2, abs=0.05)  # 7.62e9 x 2 bytes
     assert rollout.budget_bytes == int(0.9 * 80 * GiB)
-    assert kv_bytes_per_token(plan.config, "bfloat16") == 2 * 28 * 4 * 128 * 2
+    assert kv_bytes_per_token(plan.config, "bfloat16", 1) == 2 * 28 * 4 * 128 * 2
     assert rollout.kv_tokens > 500_000
     assert trainer.job_state_bytes / GiB == pytest.approx(0.9, abs=0.05)
     text = render_plan(plan)
@@ -109,10 +109,10 @@ def test_the_7b_plan_shows_weights_kv_tokens_and_tiers() -> None:
 
 def test_32_jobs_fit_a_trainer_gpu_beside_bf16_weights_and_too_many_are_refused() -> None:
     job = JobShape("math", rank=32, max_seq_len=1536)
-    fits = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(device_slots=32), jobs=[job])
+    fits = plan_memory(qwen_7b(), NODE_8X80, cluster=ClusterConfig(device_slots=32), jobs=[job])
     assert fits.problems == ()
 
-    crowded = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(device_slots=80), jobs=[job])
+    crowded = plan_memory(qwen_7b(), NODE_8X80, cluster=ClusterConfig(device_slots=80), jobs=[job])
     trainer = crowded.trainers[0]
     assert trainer.free_bytes < 0
     problem = next(p for p in crowded.problems if p.startswith("trainer engine 0"))
@@ -146,7 +146,7 @@ def test_rank_above_max_lora_rank_is_refused_with_the_numbers() -> None:
 
 
 def test_a_sequence_longer_than_max_model_len_is_refused() -> None:
-    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_model_len=4096))
+    plan = plan_memory(qwen_7b(), NODE_8X80, cluster=ClusterConfig(max_model_len=4096))
     problems = job_problems(plan, JobShape("long", rank=16, max_seq_len=5000))
     assert problems == ["job long: sequences of up to 5,000 tokens exceed max_model_len 4,096"]
 
@@ -155,7 +155,7 @@ def test_jobs_that_can_never_fit_are_refused() -> None:
     plan = plan_memory(
         qwen_7b(),
         NODE_8X80,
-        options=ClusterOptions(max_lora_rank=256, host_tier_bytes=1 * GiB, nvme_tier_bytes=2 * GiB),
+        cluster=ClusterConfig(max_lora_rank=256, host_mem="1G", nvme_bytes="2G"),
     )
     wrong_dtype = job_problems(plan, JobShape("f32", rank=8, max_seq_len=1024, dtype="float32"))
     assert wrong_dtype == ["job f32: model.dtype float32, but the engines run bfloat16"]
@@ -174,7 +174,7 @@ def test_a_job_in_the_plan_lists_its_problems_in_the_plans() -> None:
 def test_a_small_kv_cache_is_reported_against_max_model_len() -> None:
     config = model_config_for("/models/Qwen2.5-0.5B-Instruct")
     # 5 GB: beside the weights, reserve and a GPU worker's 16 adapter slots, room for a small KV cache
-    plan = plan_memory(config, NodeShape.parse("2x5G"), options=ClusterOptions(max_model_len=32768))
+    plan = plan_memory(config, NodeShape.parse("2x5G"), cluster=ClusterConfig(max_model_len=32768))
     rollout = plan.rollouts[0]
     assert 0 < rollout.kv_tokens < 32768
     assert (
@@ -184,7 +184,7 @@ def test_a_small_kv_cache_is_reported_against_max_model_len() -> None:
 
 
 def test_max_model_len_beyond_the_models_context_and_unknown_vllm_ranks_are_problems() -> None:
-    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(max_model_len=65536, max_lora_rank=48))
+    plan = plan_memory(qwen_7b(), NODE_8X80, cluster=ClusterConfig(max_model_len=65536, max_lora_rank=48))
     assert "max_model_len 65,536 exceeds the model's context 32,768 (max_position_embeddings)" in plan.problems
     assert any(p.startswith("max_lora_rank 48: vLLM accepts") for p in plan.problems)
 
@@ -329,7 +329,7 @@ def test_a_7b_full_fine_tuning_state_fits_no_tier_and_is_refused_with_its_number
 
 
 def test_a_full_state_that_fits_nvme_but_not_the_trainer_beside_its_gradients_is_refused() -> None:
-    plan = plan_memory(qwen_7b(), NODE_8X80, options=ClusterOptions(nvme_tier_bytes=200 * GiB))
+    plan = plan_memory(qwen_7b(), NODE_8X80, cluster=ClusterConfig(nvme_bytes="200G"))
     problems = full_job_problems(plan, full_job("big", "Qwen2.5-7B-Instruct"))
     assert len(problems) == 1
     assert "+ fp32 gradients 28.4 GiB" in problems[0] and "exceed the largest trainer's 80.0 GiB" in problems[0]
@@ -367,20 +367,20 @@ def test_plexctl_plan_of_a_full_fine_tuning_spec_shows_all_weights_and_refuses_w
 def test_jobs_on_two_bases_get_a_plan_each_that_counts_the_other_models_weights() -> None:
     lora = load_spec(REPO / "configs" / "qwen2.5-7b-math.yaml", check_files=False)
     full = load_spec(REPO / "configs" / "qwen2.5-3b-full.yaml", check_files=False)
-    options = ClusterOptions(device_slots=1, host_tier_bytes=64 * 2**30, nvme_tier_bytes=400 * 2**30)
+    cluster = ClusterConfig(device_slots=1, host_mem="64G", nvme_bytes="400G")
     node = NodeShape.parse("8x141G")
-    small, large = plans_for_specs([lora, full], node, options=options)  # sorted by model path
+    small, large = plans_for_specs([lora, full], node, cluster=cluster)  # sorted by model path
     assert (small.model, large.model) == ("Qwen2.5-3B-Instruct", "Qwen2.5-7B-Instruct")
     assert small.fits and large.fits, small.problems + large.problems
     # on a GPU each engine holds its own base; the other model's weights sleep in pinned host memory,
     # once per rollout engine and once per trainer (engines of one kind take turns on their GPUs)
     assert small.trainers[0].other_bases_bytes == 0 and large.trainers[0].other_bases_bytes == 0
-    (alone,) = plans_for_specs([lora], node, options=options)
+    (alone,) = plans_for_specs([lora], node, cluster=cluster)
     assert alone.trainers[0].free_bytes == large.trainers[0].free_bytes
     other = small.trainers[0].weights_bytes
     assert large.cpu_engine_bytes - alone.cpu_engine_bytes == (len(large.rollouts) + len(large.trainers)) * other
     # a node whose host memory cannot hold the sleeping weights beside the tiers: said, with the numbers
-    tight = plans_for_specs([lora, full], NodeShape.parse("8x141G", host="160G"), options=options)
+    tight = plans_for_specs([lora, full], NodeShape.parse("8x141G", host="160G"), cluster=cluster)
     problems = [p for plan in tight for p in plan.problems]
     assert any(p.startswith("host memory:") and "sleeping models" in p for p in problems), problems
 
@@ -445,8 +445,8 @@ def test_auto_checkpoints_the_3b_job_on_80g_and_not_where_it_fits(gpus: str, che
 
 def test_checkpointing_as_asked_overrides_auto() -> None:
     config = model_config_for("Qwen/Qwen2.5-3B")
-    on = plan_memory(config, NodeShape.parse("8x141G"), options=ClusterOptions(gradient_checkpointing="on"))
-    off = plan_memory(config, NodeShape.parse("8x80G"), options=ClusterOptions(gradient_checkpointing="off"))
+    on = plan_memory(config, NodeShape.parse("8x141G"), cluster=ClusterConfig(gradient_checkpointing="on"))
+    off = plan_memory(config, NodeShape.parse("8x80G"), cluster=ClusterConfig(gradient_checkpointing="off"))
     assert all(t.gradient_checkpointing for t in on.trainers)
     assert not any(t.gradient_checkpointing for t in off.trainers)
     assert off.trainers[0].step_peak_bytes > 5 * on.trainers[0].step_peak_bytes

@@ -107,7 +107,10 @@ def temp_entries(directory: Path) -> list[str]:
 
 
 def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "worker.state.store" and r.levelno == logging.WARNING]
+    """The state store's warnings (its own and its tiers')."""
+    return [
+        r.getMessage() for r in caplog.records if r.name.startswith("worker.state.") and r.levelno == logging.WARNING
+    ]
 
 
 # ---------------------------------------------------------------- the state store's nvme tier
@@ -116,7 +119,7 @@ def store_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_full_nvme_disk_keeps_copies_in_host_memory_then_tries_again(
     model_dir: str, small_fs: Callable[[str, int], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.state.store")
+    caplog.set_level(logging.WARNING, logger="worker.state")
     one = StateStore.job_bytes(LORA, config_json(model_dir))  # a trained job's copy
     nvme = small_fs("nvme", 4 << 20)
     filler = fill(nvme, leave=one + one // 2)  # room for one copy on disk, while the store believes in 1 GiB
@@ -252,7 +255,7 @@ def test_write_behind_into_a_full_disk_keeps_the_copy_in_host_memory(
 ) -> None:
     """A copy left to the write-behind thread that does not fit on the disk stays in host
     memory (the eviction that made it had returned already), and comes back exactly."""
-    caplog.set_level(logging.WARNING, logger="worker.state.store")
+    caplog.set_level(logging.WARNING, logger="worker.state")
     one = StateStore.job_bytes(LORA, config_json(model_dir))
     nvme = small_fs("nvme", 1 << 20)
     fill(nvme, leave=0)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
@@ -27,7 +28,7 @@ from worker.state.store import StateStore
 def train_task(step: int, call_key: str = "", publish_dir: str = "") -> C.TrainStepTask:
     """A train_step task for job j0's ``step``, as the daemon sends it."""
     lora, seed, hp = JOBS["j0"]
-    trainer = C.TrainerContext(lora, seed, hp.weight_decay, call_key=call_key)
+    trainer = C.TrainerContext(lora, seed, call_key=call_key)
     return C.TrainStepTask(trainer, batch_for("j0", step), hp, publish_dir=publish_dir)
 
 
@@ -125,3 +126,12 @@ def test_a_repeat_that_names_another_directory_gets_the_adapter_there(tmp_path) 
         assert (repeat_dir / "adapter_config.json").exists()
     finally:
         outbox.close(linger=0)
+
+
+def test_a_trainer_context_from_an_older_sender_still_decodes() -> None:
+    """The context no longer carries ``weight_decay`` (the optimizer's comes with each step); a
+    task from a sender that still sends it decodes, the field ignored."""
+    old = msgspec.msgpack.encode({"lora": None, "seed": 3, "weight_decay": 0.0, "call_key": "k:1"})
+    context = msgspec.msgpack.decode(old, type=C.TrainerContext)
+    assert (context.lora, context.seed, context.call_key) == (None, 3, "k:1")
+    assert "weight_decay" not in msgspec.structs.asdict(context)

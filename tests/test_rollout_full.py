@@ -17,8 +17,8 @@ from test_tiny_and_rollout import PROMPTS, hf_logprobs, make_adapter
 from transformers import AutoModelForCausalLM
 
 from plexctl.common.protocol import AdapterRef, GenRequest, Sampling, TrainBatch, TrainHParams
+from plexctl.tiny_models import TinyPaths, build_tiny
 from worker.rollout import AdapterError, RolloutEngine
-from worker.tiny_models import TinyPaths, build_tiny
 from worker.trainer import FULL_WEIGHTS_FILE, TrainerEngine
 
 

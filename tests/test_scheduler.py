@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from daemon.scheduler import EMA, POLICIES, Admission, Engine, Scheduler, Task
+from daemon.scheduler import EMA, Admission, Engine, Scheduler, Task
+from plexctl.common.scheduling import POLICIES
 
 
 def task(tid: int, job: str, kind: str = "rollout", method: str = "generate", t: float = 0.0, prio: int = 0) -> Task:
@@ -585,9 +586,9 @@ def check_indexes(s: Scheduler) -> None:
         for tid, t in s._pending[eid].items():
             job = s.jobs[t.job_id]
             assert s._where[tid] == eid and job.homes[t.kind] == eid
-            movable = s.policy == "spread+backfill" and (t.kind == "rollout" or job.state_tier is None)
+            movable = s.policy.backfills() and (t.kind == "rollout" or job.state_tier is None)
             assert (tid in s._waiting.get(engine.key, {})) == (engine.free <= 0 and movable)
-    if s.policy == "isolated":
+    if s.policy.dedicates_engines():
         assert all(len(h) <= 1 for h in s._homed.values())
     else:
         assert all(len(h) <= (s.job_room(e) or len(h)) for e, h in s._homed.items())
@@ -598,8 +599,8 @@ def check_indexes(s: Scheduler) -> None:
         job = s.jobs[t.job_id]
         eligible = t.kind == "rollout" or (not job.running.get(t.kind) and job.serial[t.kind][0] is t)
         assert (tid in s._where) == eligible
-    limit = 1 if s.policy == "isolated" else s.jobs_per_engine
-    if s.policy == "spread+backfill":  # nothing movable waits while a suitable engine is idle
+    limit = 1 if s.policy.dedicates_engines() else s.jobs_per_engine
+    if s.policy.backfills():  # nothing movable waits while a suitable engine is idle
         for key, waiting in s._waiting.items():
             idle = [e for e in s._by_key.get(key, ()) if s.engines[e].free > 0]
             for t in waiting.values():
@@ -658,7 +659,7 @@ def test_indexes_stay_consistent_under_random_events(policy):
             job = s.jobs.get(rng.choice(jobs))
             if job is not None and job.homes.get("trainer"):
                 # the state manager only loads state where the core left room for it
-                limit = 1 if policy == "isolated" else s.jobs_per_engine
+                limit = 1 if s.policy.dedicates_engines() else s.jobs_per_engine
                 room = [e for e in s.engines if len(s._homed[e]) < limit]
                 s.state_location(
                     job.job_id, rng.choice([job.homes["trainer"], *room]), rng.choice(["device", "host", "nvme", None])

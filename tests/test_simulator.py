@@ -12,7 +12,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from daemon.scheduler import POLICIES
 from daemon.simulator import PhaseJob, PhaseModel, SimConfig, calibrate_from, partition, predict, simulate
 from daemon.trace import (
     DAY_S,
@@ -25,6 +24,7 @@ from daemon.trace import (
     write_trace,
 )
 from plexctl.common.model_shapes import known_shape
+from plexctl.common.scheduling import POLICIES
 from plexctl.common.state_policy import DIRECTIONS
 from plexctl.common.state_size import full_state_bytes, parameter_count
 
@@ -487,3 +487,15 @@ def test_without_train_grouping_a_replay_is_what_it_was_before_the_option(case, 
         pytest.approx(556.64, rel=1e-12),
         {"rollout base": 4, "rollout full weights": 4, "trainer base": 1},
     )
+
+
+def test_planned_trainer_widths_come_from_the_memory_plan_and_are_off_by_default() -> None:
+    from daemon.simulator import planned_trainer_gpus
+    from daemon.trace import generate_trace
+
+    trace = generate_trace(30, 128, 10.0, 1, 1.6, scenario="mixed")
+    widths = planned_trainer_gpus(trace, SimConfig())
+    assert widths["7B"] == 4 and all(1 <= w <= 8 for w in widths.values())
+    old = simulate(trace, "spread+backfill", 128, config=SimConfig(macro_steps=4))
+    new = simulate(trace, "spread+backfill", 128, config=SimConfig(macro_steps=4, planned_trainer_widths=True))
+    assert new.makespan_s == old.makespan_s and new.gpu_hours < old.gpu_hours  # narrower trainers, same schedule

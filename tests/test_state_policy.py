@@ -266,3 +266,10 @@ def test_the_store_and_the_simulator_move_the_same_states_on_the_same_events(
             store.drop(job_id)
             node.drop(job_id)
         assert {j: store.where(j) for j in JOB_IDS} == {j: node.where(j) for j in JOB_IDS}, what
+
+
+def test_tier_order_puts_tier_names_fastest_first_and_refuses_unknown_ones() -> None:
+    assert state_policy.tier_order([NVME, DEVICE, HOST]) == [DEVICE, HOST, NVME] == list(state_policy.TIER_ORDER)
+    assert state_policy.tier_order([NVME, HOST]) == [HOST, NVME]  # a node without a tier
+    with pytest.raises(ValueError, match="tape"):
+        state_policy.tier_order([HOST, "tape"])

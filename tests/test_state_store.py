@@ -25,11 +25,12 @@ from conftest import random_tiny_qwen2
 from transformers import Qwen2Config
 
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
+from plexctl.common.state_policy import TIER_ORDER
 from tests.test_trainer import assert_exactly_equal, make_batch, without_seconds
 from worker.errors import CorruptCopyError, JobConfigError, TierFullError
 from worker.state import dirs as copy_dir
 from worker.state import files as copy_files
-from worker.state import store as state_store
+from worker.state import tiers as state_tiers
 from worker.state.job_copy import PAGE_BYTES
 from worker.state.store import HostBufferPool, StateStore
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
@@ -106,8 +107,8 @@ def assert_like_alone(trainer: TrainerEngine, job_id: str, expected: dict[str, A
 
 
 def ensure(store: StateStore, job_id: str) -> dict[str, Any]:
-    lora, seed, hp = JOBS.get(job_id, (LoraSpec(rank=2), 99, HP_SEQ))
-    return store.ensure_resident(job_id, lora, seed, hp.weight_decay)
+    lora, seed, _ = JOBS.get(job_id, (LoraSpec(rank=2), 99, HP_SEQ))
+    return store.ensure_resident(job_id, lora, seed)
 
 
 def config_json(model_dir: str) -> dict[str, Any]:
@@ -258,6 +259,7 @@ def test_five_jobs_on_two_slots_train_like_alone(model_dir: str, alone: dict, tm
 def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) -> None:
     """Every job on exactly one tier, within capacity, with used bytes = the copies' bytes."""
     inventory = store.inventory()
+    assert [tier.name for tier in store.tiers] == list(TIER_ORDER) == [name for name in inventory if name in TIER_ORDER]
     tiers = {tier: inventory[tier]["jobs"] for tier in ("device", "host", "nvme")}
     placed = [job for jobs in tiers.values() for job in jobs]
     assert len(placed) == len(set(placed)) and all(store.where(j) == t for t, jobs in tiers.items() for j in jobs)
@@ -861,7 +863,7 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(
     monkeypatch.setattr(store._pool, "take", lambda n: taken.append(pool_take(n)) or taken[-1])
     monkeypatch.setattr(store._pool, "give", lambda b: given.append(b) or pool_give(b))
     writing, release = threading.Event(), threading.Event()
-    write_copy = state_store.write_copy
+    write_copy = state_tiers.write_copy
     written: list[str] = []
 
     def held_write(path: Path, state: Any, reuse: int | None = None) -> Any:
@@ -870,7 +872,7 @@ def test_a_job_needed_before_its_copy_is_written_takes_the_host_copy_back(
         release.wait()
         return write_copy(path, state, reuse=reuse)
 
-    monkeypatch.setattr(state_store, "write_copy", held_write)
+    monkeypatch.setattr(state_tiers, "write_copy", held_write)
     safety = threading.Timer(60, release.set)  # a store that waited for the write would hang without it
     safety.start()
     try:

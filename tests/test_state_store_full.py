@@ -57,9 +57,9 @@ def test_full_job_through_a_tier_trains_like_alone(
     got, sources = [], []
     for step in range(STEPS):
         store.set_upcoming(["F", "j1"] if step % 2 else [])  # the scheduler's order, or none
-        sources.append(store.ensure_resident("F", None, 5, HP_FULL.weight_decay)["swap_in"])
+        sources.append(store.ensure_resident("F", None, 5)["swap_in"])
         got.append(without_seconds(full_step(trainer, step)))
-        store.ensure_resident("j1", lora, seed, hp.weight_decay)
+        store.ensure_resident("j1", lora, seed)
         trainer.train_step("j1", batch_for("j1", step), hp)
         assert store.wait_written(timeout=60)
     assert got == expected
@@ -71,7 +71,7 @@ def test_full_job_through_a_tier_trains_like_alone(
     assert by_kind["model"]["bytes"] >= (STEPS - 1) * full_bytes > by_kind["adapter"]["bytes"]
     for field in ("count", "bytes"):
         assert sum(k[field] for k in by_kind.values()) == sum(d[field] for d in by_direction)
-    store.ensure_resident("F", None, 5, HP_FULL.weight_decay)
+    store.ensure_resident("F", None, 5)
     assert_like_alone(trainer, "F", job_state(alone, "F"))
 
 

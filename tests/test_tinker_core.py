@@ -55,7 +55,7 @@ def test_a_session_that_ends_ends_its_job_at_once_and_it_succeeded(core, tiny_mo
     d.send(b"front", P.Op.CANCEL, P.JobRef(job), msg_id=9)  # the front end: its session finished
     assert not [e for e in d.chores() if isinstance(e, StopDriver)]  # no driver to stop: it ends between calls
     assert d.journal.job(job).state == "succeeded"
-    assert job not in d.runtimes
+    assert job not in d.jobs.runtimes
 
 
 def test_its_user_cancelling_it_cancels_it(core, tiny_model):
@@ -211,5 +211,5 @@ def test_an_external_job_stops_with_the_cluster_between_its_calls_and_is_interru
     assert d.journal.job(job).state == "running"  # its publish is in flight
     d.send(b"w0", P.Op.RESULT, P.ResultBody(task.task_id, True, C.PublishResult()))
     d.chores()
-    assert d.journal.job(job).state == "interrupted" and job not in d.runtimes
+    assert d.journal.job(job).state == "interrupted" and job not in d.jobs.runtimes
     assert not [e for e in d.effects if isinstance(e, (StartDriver, StopDriver))]

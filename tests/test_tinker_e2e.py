@@ -29,7 +29,7 @@ from plexctl.common.client import current_user  # noqa: E402
 from plexctl.common.cluster import read_endpoint  # noqa: E402
 from plexctl.rl import JobClient  # noqa: E402
 from plexctl.tinker.client import full_training_client  # noqa: E402
-from worker.tiny_models import all_problems, train_problems  # noqa: E402
+from plexctl.tiny_models import all_problems, train_problems  # noqa: E402
 
 STEPS = 6
 RL_STEPS = 50

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
+from plexctl.tiny_models import BOS_ID, EOS_ID, TinyPaths, all_problems, build_tiny
 from worker.rollout import AdapterError, AdapterKey, AdapterRegistry, RolloutEngine
-from worker.tiny_models import BOS_ID, EOS_ID, TinyPaths, all_problems, build_tiny
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [p.prompt for p in all_problems()]
@@ -410,7 +410,8 @@ def test_a_request_without_prompts_is_answered_empty(engine: RolloutEngine) -> N
 
 
 def test_the_rollout_engine_holds_the_models_context_up_to_a_cap(tmp_path: Path) -> None:
-    from worker.rollout import MAX_MODEL_LEN, default_max_model_len
+    from plexctl.common.memplan import CONTEXT_CAP as MAX_MODEL_LEN
+    from worker.engine_args import default_max_model_len
 
     for context, expected in ((64, 64), (32768, MAX_MODEL_LEN)):
         (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": context}))

@@ -5,7 +5,7 @@ and the session cluster of conftest.py serves tiny-arith), submits configs/tiny-
 checks what a user would: the job succeeds, its evaluation reward rises by a clear margin, and
 the rise comes from calling the tool (the env metrics of ``plexctl logs JOB --metrics``).
 
-The warm start (worker/tiny_models.py, recipe tiny-tool) knows the call format and copies the
+The warm start (plexctl/tiny_models.py, recipe tiny-tool) knows the call format and copies the
 observation into its answer, but calls the tool on only ~30 % of prompts: its episode reward is
 ~0.25, and the products it would have to compute from memory are out of its reach.
 """

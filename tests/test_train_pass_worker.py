@@ -37,7 +37,7 @@ def step_batch(job: str, step: int) -> P.TrainBatch:
 def pass_of(step: int, first_id: int) -> P.TaskPassBody:
     tasks = []
     for i, (job, (lora, seed, hp)) in enumerate(JOBS.items()):
-        trainer = C.TrainerContext(lora, seed, hp.weight_decay, call_key=f"{job}:{step}")
+        trainer = C.TrainerContext(lora, seed, call_key=f"{job}:{step}")
         task = C.TrainStepTask(trainer, step_batch(job, step), hp)
         tasks.append(P.TaskBody(first_id + i, job, "w/trainer", task))
     return P.TaskPassBody("w/trainer", tasks)
@@ -46,8 +46,8 @@ def pass_of(step: int, first_id: int) -> P.TaskPassBody:
 def test_a_pass_trains_its_jobs_as_alone_within_rounding_and_a_repeat_is_not_applied(tmp_path) -> None:
     model_dir = tiny_qwen2(tmp_path / "model")
     reference = engine(model_dir)
-    for job, (lora, seed, hp) in JOBS.items():
-        reference.ensure_job(job, lora, seed, hp.weight_decay)
+    for job, (lora, seed, _) in JOBS.items():
+        reference.ensure_job(job, lora, seed)
     for step in range(2):
         for job, (_, _, hp) in JOBS.items():
             reference.train_step(job, step_batch(job, step), hp)
@@ -71,8 +71,8 @@ def test_a_pass_trains_its_jobs_as_alone_within_rounding_and_a_repeat_is_not_app
         assert {job: m.get("group", 1.0) for job, m in first.items()} == {"g1": 2.0, "g2": 2.0, "g3": 1.0, "d1": 1.0}
         second = run(pass_of(1, 11))
         assert run(pass_of(1, 21)) == second  # the same calls again: their results, not applied twice
-        for job, (lora, seed, hp) in JOBS.items():
-            store.ensure_resident(job, lora, seed, hp.weight_decay)  # the loop is idle: its state, back on the device
+        for job, (lora, seed, _) in JOBS.items():
+            store.ensure_resident(job, lora, seed)  # the loop is idle: its state, back on the device
             want, got = job_state(reference, job), job_state(store.trainer, job)
             for key, value in want["adapter"].items():
                 torch.testing.assert_close(got["adapter"][key], value, atol=1e-5, rtol=1e-4, msg=f"{job} {key}")

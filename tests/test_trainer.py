@@ -410,10 +410,10 @@ def test_a_checkpoint_whose_moments_do_not_fit_leaves_the_resident_job_as_it_was
     manifest = json.loads((ckpt / MANIFEST).read_text())
     manifest["files"][TRAINER_STATE] = file_record(ckpt / TRAINER_STATE)
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
-    before = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
+    before = {k: v for k, v in engine._job("A").optimizer.param_groups[0].items() if k != "params"}
     with pytest.raises(CheckpointError, match="does not fit the job's AdamW"):
         engine.load_checkpoint("A", str(ckpt), LoraSpec(rank=2), seed=1)
-    after = {k: v for k, v in engine._jobs["A"].optimizer.param_groups[0].items() if k != "params"}
+    after = {k: v for k, v in engine._job("A").optimizer.param_groups[0].items() if k != "params"}
     assert after == before and after["betas"] != (0.5, 0.5)
 
 
@@ -495,7 +495,7 @@ def test_released_jobs_leave_at_most_a_few_parked_adapters_in_the_model(model_di
         engine.ensure_job(f"gone{i}", LoraSpec(rank=1 + i, alpha=2), seed=i)
         engine.release(f"gone{i}")
     assert engine.jobs() == ["kept"]
-    assert len(engine._peft.peft_config) == 1 + PARKED_ADAPTERS_MAX  # the rest deleted from the model
+    assert len(engine.slots.peft.peft_config) == 1 + PARKED_ADAPTERS_MAX  # the rest deleted from the model
     before = snapshot(engine, "kept")
     engine.train_step("kept", make_batch(5), HP_A)  # the job left trains on
     assert any(not torch.equal(before[k], v) for k, v in snapshot(engine, "kept").items())

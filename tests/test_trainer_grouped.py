@@ -79,7 +79,7 @@ def engine_with(model_dir: str, jobs: list[str], **kw) -> TrainerEngine:
     engine = TrainerEngine(model_dir, threads=2, **kw)
     for job in jobs:
         lora, seed, hp, _ = JOBS[job]
-        engine.ensure_job(job, lora, seed, hp.weight_decay)
+        engine.ensure_job(job, lora, seed)
     return engine
 
 

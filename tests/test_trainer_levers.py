@@ -155,7 +155,7 @@ def test_checkpointing_a_part_of_each_layer_gives_the_same_gradients_bit_for_bit
     grads_partial, metrics_partial = partial.loss_gradients("A", batch, hp)
     layers = len(plain._base.model.layers)
     assert len(runs) == 2 * layers  # the reference forward, the policy's (a recomputation calls forward, no hook)
-    assert partial._checkpointed_layers == []  # not the whole layers
+    assert partial.options.checkpointed_layers == []  # not the whole layers
     for key, grad in grads_plain.items():
         assert torch.equal(grads_partial[key], grad), key
     assert metrics_partial == metrics_plain
@@ -167,9 +167,10 @@ def test_checkpoint_scope_is_checked_and_the_bool_api_is_the_whole_layer(model_d
     with pytest.raises(ValueError, match="checkpoint_scope"):
         TrainerEngine(model_dir, threads=2, gradient_checkpointing=True, checkpoint_scope="ffn")
     engine = TrainerEngine(model_dir, threads=2, gradient_checkpointing=True)
-    assert engine.checkpoint_scope == "layer" and len(engine._checkpointed_layers) == len(engine._base.model.layers)
+    whole = engine.options.checkpointed_layers
+    assert engine.checkpoint_scope == "layer" and len(whole) == len(engine._base.model.layers)
     engine.set_layer_options(False)  # whole layers may be switched off again
-    assert engine._checkpointed_layers == [] and not engine._base.is_gradient_checkpointing
+    assert engine.options.checkpointed_layers == [] and not engine._base.is_gradient_checkpointing
 
 
 # ---------------------------------------------------------------- compiled decoder layers
@@ -208,7 +209,7 @@ def test_fused_lora_a_matmuls_give_the_layers_own_gradients_and_each_group_multi
     plain = trained_engine(model_dir, gradient_checkpointing=checkpointing)
     fused = trained_engine(model_dir, gradient_checkpointing=checkpointing, fuse_lora=True)
     layers = len(plain._base.model.layers)
-    groups = fusable_groups(fused._peft, fused._job("A").adapter_name)
+    groups = fusable_groups(fused.slots.peft, fused._job("A").adapter_name)
     assert [len(g) for g in groups] == [3, 2] * layers  # q/k/v and gate/up of every layer
     calls: list[int] = []  # the A weights a fused product multiplies: one product a group and forward
     real = fused_lora.group_product
@@ -226,7 +227,7 @@ def test_fused_lora_a_matmuls_give_the_layers_own_gradients_and_each_group_multi
     # after the block every layer runs its own A again; adapters with dropout are not fused
     assert all("forward" not in vars(layer.lora_A[fused._job("A").adapter_name]) for group in groups for layer in group)
     fused.ensure_job("D", LoraSpec(rank=4, alpha=8, dropout=0.1), seed=9)
-    with fused_lora.fused_lora_a(fused._peft, fused._job("D").adapter_name) as count:
+    with fused_lora.fused_lora_a(fused.slots.peft, fused._job("D").adapter_name) as count:
         assert count == 0
 
 
@@ -294,7 +295,7 @@ def test_on_a_bf16_engine_lora_layers_take_their_input_in_bf16_and_the_gradients
 
     engine = trained_engine(model_dir, dtype="bfloat16", gradient_checkpointing=checkpointing)
     seen: list[torch.dtype] = []
-    q_proj = engine._peft.base_model.model.model.layers[0].self_attn.q_proj
+    q_proj = engine.slots.peft.base_model.model.model.layers[0].self_attn.q_proj
     q_proj.lora_A[engine._job("A").adapter_name].register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
     batch, hp = mixed_batch(14), TrainHParams(lr=1e-3)
     grads, metrics = engine.loss_gradients("A", batch, hp)

@@ -29,7 +29,6 @@ from daemon.scheduler import Engine, Scheduler, Task
 from plexctl.cli import views
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
-from plexctl.common.spec import spec_to_wire
 from plexctl.spec_files import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +82,7 @@ def test_a_suspect_engine_starts_nothing_new_and_takes_tasks_again_once_back():
 
 def running_job(d, tiny_model: Path, name: str) -> str:
     spec = load_spec(REPO / "configs" / "tiny-arith.yaml", overrides=[f"model.path={tiny_model}"], name=name)
-    job_id, _ = d.journal.submit(name, name, "alice", spec_to_wire(spec), spec.algo.steps, spec.priority)
+    job_id, _ = d.journal.submit(name, "alice", spec)
     d.chores()  # admitted: its driver is to start
     d.driver_started(job_id, 0)
     return job_id
@@ -142,17 +141,17 @@ def test_a_silent_worker_is_suspect_keeps_its_jobs_and_is_lost_only_past_the_gra
 
     d.heartbeat(t0 + 35)  # a 30 s stall survives the default grace
     assert WORKER_GRACE_S > 30 and "w1" in d.workers and "w1/trainer" in d.sched.engines
-    assert not d.runtimes[job].rolled_back
+    assert not d.jobs.runtimes[job].rolled_back
     d.send(b"w1", P.Op.HEARTBEAT, P.HeartbeatBody("w1"), msg_id=3)  # it came back
     assert d.workers["w1"].suspect_since is None and not d.sched.engines["w1/trainer"].suspect
     assert "worker back" in events(d, job) and not engine_rows(d)["w1/trainer"].suspect
     d.place()
     assert len(sent_tasks(d)) == 1  # the call held while it was suspect goes to it now
-    assert not d.runtimes[job].rolled_back
+    assert not d.jobs.runtimes[job].rolled_back
 
     d.heartbeat(d.workers["w1"].last_seen + WORKER_GRACE_S + 1)  # silent past the grace: lost
     assert "w1" not in d.workers and "w1/trainer" not in d.sched.engines
-    assert "worker w1 lost" in d.runtimes[job].rolled_back
+    assert "worker w1 lost" in d.jobs.runtimes[job].rolled_back
 
 
 def test_a_worker_whose_process_exited_is_lost_at_once(core, tiny_model):
@@ -164,7 +163,7 @@ def test_a_worker_whose_process_exited_is_lost_at_once(core, tiny_model):
     d.send(b"node-task", P.Op.WORKER_EXITED, P.WorkerExited("n1", 4243, -9), msg_id=2)  # another process
     assert "n1" in d.workers
     d.send(b"node-task", P.Op.WORKER_EXITED, P.WorkerExited("n1", 4242, -9), msg_id=3)  # its own: lost now
-    assert "n1" not in d.workers and "worker n1 lost" in d.runtimes[job].rolled_back
+    assert "n1" not in d.workers and "worker n1 lost" in d.jobs.runtimes[job].rolled_back
 
     register(d, "w0", tiny_model)
     job2 = running_job(d, tiny_model, "local")
@@ -172,7 +171,7 @@ def test_a_worker_whose_process_exited_is_lost_at_once(core, tiny_model):
     d.place()
     now = d.workers["w0"].last_seen + 0.1  # well inside the heartbeats: its exit decides
     d.take(d.core.worker_process_exited("w0", 0, now))  # a local worker's process, seen by the server
-    assert "w0" not in d.workers and "process exited" in d.runtimes[job2].rolled_back
+    assert "w0" not in d.workers and "process exited" in d.jobs.runtimes[job2].rolled_back
 
 
 def test_the_worker_grace_reaches_the_daemon_through_the_cluster_config(tmp_path, monkeypatch):
@@ -186,7 +185,7 @@ def test_the_worker_grace_reaches_the_daemon_through_the_cluster_config(tmp_path
     write_config(config_path(state), ClusterConfig(worker_grace=45))  # what `up` writes
     d = Daemon(state, [], [], config=read_config(config_path(state)))
     try:
-        assert d.core.worker_grace == 45
+        assert d.core.settings.worker_grace == 45
     finally:
         d.shutdown()
 

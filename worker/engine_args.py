@@ -21,11 +21,15 @@ default that depends on the platform is ``plexctl.common.engine_defaults.ENGINE_
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from plexctl.common import engine_defaults as defaults
+from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS, EngineDefaults, Platform
+from plexctl.common.memplan import CONTEXT_CAP
 from worker.vllm_private import CPU_KVCACHE_ENV, LORA_RANKS, MULTIPROCESSING_ENV
 
 GiB = 1 << 30
@@ -101,22 +105,32 @@ def kv_cache_env(kv_cache_gib: float) -> dict[str, str]:
 def rollout_engine_args(
     platform: Platform,
     model_path: str,
-    dtype: str = "float32",
+    dtype: str | None = None,
     max_lora_rank: int | None = None,
-    max_loras: int = 4,
-    max_cpu_loras: int = 8,
-    max_model_len: int = 64,
+    max_loras: int | None = None,
+    max_cpu_loras: int | None = None,
+    max_model_len: int | None = None,
     seed: int = 0,
     kv_cache_gib: float = CPU_KV_CACHE_GIB,
-    gpu_memory_utilization: float = ENGINE_DEFAULTS["cuda"].gpu_memory_utilization,
-    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = DEFAULTS.tp,
     sleep_mode: bool = False,
 ) -> EngineArgsPlan:
     """The plan for one rollout engine. ``max_cpu_loras`` is raised to ``max_loras`` if below
     it (vLLM requires it). ``sleep_mode`` (CUDA only, see ``sleep_between_models``): the engine
     can put its weights in pinned host memory and drop its KV cache while another model's
-    engine serves. ``max_lora_rank`` None: the platform's default (``ENGINE_DEFAULTS``)."""
+    engine serves. What is None gets the platform's default (``ENGINE_DEFAULTS``: the dtype, the
+    rank, the adapter slots of a worker told nothing, a GPU's memory share); ``max_model_len``
+    None: the model's context, at most ``CONTEXT_CAP``."""
     platform_defaults = _defaults(platform)
+    default_slots, default_cached = adapter_slots(None, platform)
+    dtype = dtype or platform_defaults.dtype
+    max_loras = default_slots if max_loras is None else max_loras
+    max_cpu_loras = default_cached if max_cpu_loras is None else max_cpu_loras
+    if max_model_len is None:
+        max_model_len = default_max_model_len(model_path)
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = ENGINE_DEFAULTS["cuda"].gpu_memory_utilization
     if max_lora_rank is None:
         max_lora_rank = platform_defaults.max_lora_rank
     check_lora_rank(max_lora_rank)
@@ -197,3 +211,13 @@ def sleep_between_models(platform: Platform, models: int) -> bool:
     rollout engine's KV cache dropped) and one wakes when a call needs it; on CPU they stay
     resident (vLLM's CPU engine cannot sleep; the memory plan counts every model's weights)."""
     return platform == "cuda" and models > 1
+
+
+def default_max_model_len(model_path: str) -> int:
+    """The model's own context (``max_position_embeddings``), at most ``CONTEXT_CAP`` (the plan's
+    figure: KV cache and activations grow with it)."""
+    try:
+        context = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return CONTEXT_CAP
+    return max(1, min(context, CONTEXT_CAP))

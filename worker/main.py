@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from plexctl.common import protocol as P
-from plexctl.common.cluster_config import ClusterConfig, ConfigError, min_lora_rank, read_config
+from plexctl.common.cluster_config import ClusterConfig, ConfigError, checked, min_lora_rank, read_config
 from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.frames import send_frames
 from plexctl.common.memplan import WorkerStep, worker_step
@@ -47,7 +47,6 @@ from worker.engine_args import (
     sleep_between_models,
 )
 from worker.engine_options import (
-    DTYPES,
     EngineOptions,
     OptionError,
     engine_options,
@@ -65,11 +64,10 @@ def write_behind_bytes(asked: int | None, host_mem: int) -> int:
     return asked if asked is not None else max(host_mem // 4, 1 << 30)
 
 
-def build_parser(config: ClusterConfig | None = None) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The worker's command line: what identifies it (endpoint, id, node, its engines and models,
-    scratch), and the cluster settings its engines are built with, whose defaults are ``config``'s
-    (the cluster config the worker was pointed at, every default without one): a flag here
-    overrides one setting for this worker (benchmarks and checks build engines so)."""
+    scratch, threads, the tensor-parallel size of its rollout engines) and where the cluster's
+    settings are (``--cluster-config``); the settings themselves only from there."""
     ap = argparse.ArgumentParser(prog="plexw", description="PlexRL worker (started by the daemon or srun).")
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--worker-id", default=socket.gethostname())
@@ -82,18 +80,15 @@ def build_parser(config: ClusterConfig | None = None) -> argparse.ArgumentParser
         help="a base model the engines serve; repeat for several (an engine of each kind per model)",
     )
     ap.add_argument(
-        "--cluster-config", type=Path, default=None, help="the cluster's settings (cluster.json; none: every default)"
+        "--cluster-config",
+        type=Path,
+        default=None,
+        help="the cluster's settings (cluster.json, docs/cluster-reference.md; none: every default)",
     )
     ap.add_argument("--scratch", type=Path, default=None, help="node-local directory for state")
     ap.add_argument("--rollout-capacity", type=int, default=16, help="generate calls batched together")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one rollout engine")
-    ap.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory by vLLM")
-    ap.add_argument(
-        "--min-lora-rank",
-        type=int,
-        help="without --max-lora-rank, the default covers at least this rank (with tinker_port: the SDK's default)",
-    )
     ap.add_argument(
         "--exit-with-parent",
         action=argparse.BooleanOptionalAction,
@@ -110,77 +105,46 @@ def build_parser(config: ClusterConfig | None = None) -> argparse.ArgumentParser
     ap.add_argument(
         "--endpoint-file", type=Path, default=None, help="the cluster's endpoint.json: where a restarted daemon is"
     )
-    settings = ap.add_argument_group("cluster settings", "defaults: the cluster config's (docs/cluster-reference.md)")
-    settings.add_argument("--device", help="where the engines run: auto, cpu or cuda")
-    settings.add_argument("--dtype", choices=["auto", *DTYPES], help="weight dtype of the engines")
-    settings.add_argument("--max-loras", type=int, help="adapter slots in the rollout engine")
-    settings.add_argument("--jobs-per-engine", type=int, help="jobs the rollout engine keeps adapters loaded for")
-    settings.add_argument("--max-lora-rank", type=int, help="highest LoRA rank the rollout engine loads")
-    settings.add_argument(
-        "--gpu-memory-utilization", type=float, help="share of its GPUs' memory the rollout engine takes"
-    )
-    settings.add_argument("--micro-batch-tokens", type=int, help="padded tokens of one trainer micro-batch")
-    settings.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], help="recompute activations")
-    settings.add_argument("--max-model-len", type=int, help="tokens of a sequence the rollout engine holds")
-    settings.add_argument("--device-slots", type=int, help="jobs whose trainer state stays on device")
-    settings.add_argument("--host-mem", type=parse_bytes, help="host tier for swapped-out state")
-    settings.add_argument("--nvme-dir", type=Path, help="NVMe tier (none: SCRATCH/nvme)")
-    settings.add_argument("--nvme-bytes", type=parse_bytes, help="capacity of the NVMe tier")
-    settings.add_argument("--write-behind", type=parse_bytes, help="host memory for states on their way to NVMe")
-    ap.set_defaults(**worker_settings(config or ClusterConfig()))
     return ap
 
 
-def worker_settings(config: ClusterConfig) -> dict[str, Any]:
-    """The cluster settings a worker builds its engines with, as its parser's defaults."""
-    return {
-        "device": config.device,
-        "dtype": config.dtype,
-        "max_loras": config.max_loras,
-        "jobs_per_engine": config.jobs_per_engine,
-        "max_lora_rank": config.max_lora_rank,
-        "min_lora_rank": min_lora_rank(config),
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        "micro_batch_tokens": config.micro_batch_tokens,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "max_model_len": config.max_model_len,
-        "device_slots": config.device_slots,
-        "host_mem": parse_bytes(config.host_mem),
-        "nvme_dir": None if config.nvme_dir is None else Path(config.nvme_dir),
-        "nvme_bytes": parse_bytes(config.nvme_bytes),
-        "write_behind": None if config.write_behind is None else parse_bytes(config.write_behind),
-    }
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The worker's arguments: its ``--cluster-config`` read first, its settings the defaults."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--cluster-config", type=Path, default=None)
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, ClusterConfig]:
+    """The worker's arguments and the cluster's settings (its ``--cluster-config``)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
     try:
-        config = read_config(pre.parse_known_args(argv)[0].cluster_config)
+        return args, checked(read_config(args.cluster_config))
     except ConfigError as exc:
-        build_parser().error(str(exc))
-    return build_parser(config).parse_args(argv)
+        ap.error(str(exc))
+
+
+def nvme_tier_dir(args: argparse.Namespace, config: ClusterConfig) -> Path:
+    """The NVMe tier's directory: the setting, else ``nvme`` under the worker's scratch directory."""
+    if config.nvme_dir is not None:
+        return Path(config.nvme_dir)
+    return (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
 
 
 def build_engines(
     args: argparse.Namespace,
+    config: ClusterConfig,
     kinds: list[str],
     options: EngineOptions,
     model: str,
     sleep_mode: bool = False,
     nvme_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """One model's resident engines, as the worker's options say: ``trainer`` (a ``StateStore``
-    around the ``TrainerEngine``) and/or ``rollout`` (a ``RolloutEngine``; ``sleep_mode``: it
-    takes turns with other models' engines)."""
+    """One model's resident engines, as the worker's arguments and the cluster's settings say:
+    ``trainer`` (a ``StateStore`` around the ``TrainerEngine``) and/or ``rollout`` (a
+    ``RolloutEngine``; ``sleep_mode``: it takes turns with other models' engines)."""
     engines: dict[str, Any] = {}
     if "trainer" in kinds:
         from worker.state.store import StateStore
         from worker.trainer import TrainerEngine
 
-        nvme_dir = nvme_dir or args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
-        step = trainer_step(args, kinds, options, model)
+        host_bytes = parse_bytes(config.host_mem)
+        asked_write_behind = None if config.write_behind is None else parse_bytes(config.write_behind)
+        step = trainer_step(config, kinds, options, model)
         cap_memory(step.memory_fraction, options.device)
         trainer = TrainerEngine(
             model,
@@ -193,42 +157,40 @@ def build_engines(
         trainer.step_info = step_info(step, options.micro_batch_tokens)
         engines["trainer"] = StateStore(
             trainer,
-            device_slots=args.device_slots,
-            host_bytes=args.host_mem,
-            nvme_dir=nvme_dir,
-            nvme_bytes=args.nvme_bytes,
-            write_behind_bytes=write_behind_bytes(args.write_behind, args.host_mem),
+            device_slots=config.device_slots,
+            host_bytes=host_bytes,
+            nvme_dir=nvme_dir or nvme_tier_dir(args, config),
+            nvme_bytes=parse_bytes(config.nvme_bytes),
+            write_behind_bytes=write_behind_bytes(asked_write_behind, host_bytes),
         )
     if "rollout" in kinds:
-        from worker.rollout import RolloutEngine, default_max_model_len
+        from worker.engine_args import default_max_model_len
+        from worker.rollout import RolloutEngine
 
-        max_loras, max_cpu_loras = _adapter_slots(args, options.device)
+        max_loras, max_cpu_loras = _adapter_slots(config, options.device)
         engines["rollout"] = RolloutEngine(
             model,
             dtype=options.dtype,
-            max_lora_rank=_max_lora_rank(args, options.device),
+            max_lora_rank=_max_lora_rank(config, options.device),
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
-            max_model_len=args.max_model_len or default_max_model_len(model),
+            max_model_len=config.max_model_len or default_max_model_len(model),
             platform=options.device,
             tensor_parallel_size=args.tensor_parallel_size,
             sleep_mode=sleep_mode,
-            **(
-                {"gpu_memory_utilization": args.gpu_memory_utilization}
-                if args.gpu_memory_utilization is not None
-                else {}
-            ),
+            gpu_memory_utilization=config.gpu_memory_utilization,
         )
     return engines
 
 
-def _max_lora_rank(args: argparse.Namespace, device: Platform) -> int:
-    """``--max-lora-rank``, else the platform's default raised to cover ``--min-lora-rank``."""
-    return int(args.max_lora_rank or default_max_lora_rank(device, [args.min_lora_rank] if args.min_lora_rank else []))
+def _max_lora_rank(config: ClusterConfig, device: Platform) -> int:
+    """``max_lora_rank``, else the platform's default raised to cover ``min_lora_rank`` (the Tinker SDK's)."""
+    least = min_lora_rank(config)
+    return int(config.max_lora_rank or default_max_lora_rank(device, [least] if least else []))
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, config = parse_args(argv)
     os.umask(0o077)  # checkpoints, adapters and scratch copies are the cluster owner's alone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # an allocation's drain signal is the daemon's to act on
@@ -241,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     models = list(dict.fromkeys(os.path.realpath(m) for m in args.model))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        options = engine_options(args.device, args.dtype, args.micro_batch_tokens, _cuda(), visible)
+        options = engine_options(config.device, config.dtype, config.micro_batch_tokens, _cuda(), visible)
     except OptionError as exc:
         options, option_error = None, str(exc)
     else:
@@ -249,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     device = options.device if options else "cpu"
     if "trainer" in kinds:
         keep_freed_memory(device)  # a CPU trainer's step reuses the heap blocks of the one before
-    max_lora_rank = _max_lora_rank(args, device)
+    max_lora_rank = _max_lora_rank(config, device)
+    host_bytes, nvme_bytes = parse_bytes(config.host_mem), parse_bytes(config.nvme_bytes)
     sleep_mode = sleep_between_models(device, len(models))
     decls = [
         P.EngineDecl(
@@ -257,9 +220,9 @@ def main(argv: list[str] | None = None) -> None:
             k,
             model,
             args.rollout_capacity if k == "rollout" else 1,
-            state_capacity_bytes=max(args.host_mem, args.nvme_bytes) if k == "trainer" else 0,
-            state_room_bytes=args.host_mem + args.nvme_bytes if k == "trainer" else 0,
-            adapter_slots=_adapter_slots(args, device)[1] if k == "rollout" else 0,
+            state_capacity_bytes=max(host_bytes, nvme_bytes) if k == "trainer" else 0,
+            state_room_bytes=host_bytes + nvme_bytes if k == "trainer" else 0,
+            adapter_slots=_adapter_slots(config, device)[1] if k == "rollout" else 0,
             dtype=options.dtype if options else "",
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
@@ -314,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         for m, model in enumerate(models):
             if sleep_mode and rollouts:  # the engine built last is awake; the others sleep
                 list(rollouts.values())[-1].sleep()
-            nvme = args.nvme_dir or (args.scratch or Path(tempfile.gettempdir()) / "plexw") / "nvme"
+            nvme = nvme_tier_dir(args, config)
             nvme = nvme if m == 0 else nvme / f"m{m}"  # each model's store has its own files
-            built = build_engines(args, kinds, options, model, sleep_mode=sleep_mode, nvme_dir=nvme)
+            built = build_engines(args, config, kinds, options, model, sleep_mode=sleep_mode, nvme_dir=nvme)
             if "rollout" in built:
                 rollouts[engine_id(args.worker_id, "rollout", m)] = built["rollout"]
             if "trainer" in built:
@@ -399,37 +362,36 @@ def _leave(worker_id: str) -> None:
         os._exit(0)
 
 
-def _adapter_slots(args: argparse.Namespace, device: Platform) -> tuple[int, int]:
+def _adapter_slots(config: ClusterConfig, device: Platform) -> tuple[int, int]:
     """(GPU slots, host-cached adapters) of the rollout engine: as asked, else sized for the jobs.
     The cached adapters are the jobs it holds at once (``EngineDecl.adapter_slots``)."""
-    expected_jobs = args.jobs_per_engine or ENGINE_DEFAULTS[device].max_cached_loras  # no cap: what the cache holds
-    if args.max_loras is not None:
-        cached = args.max_cpu_loras or max(2 * args.max_loras, expected_jobs)
-        return args.max_loras, max(cached, args.max_loras)
+    expected_jobs = config.jobs_per_engine or ENGINE_DEFAULTS[device].max_cached_loras  # no cap: what the cache holds
+    if config.max_loras is not None:
+        return config.max_loras, max(2 * config.max_loras, expected_jobs)
     return adapter_slots(expected_jobs, device)
 
 
-def trainer_step(args: argparse.Namespace, kinds: list[str], options: EngineOptions, model: str) -> WorkerStep:
+def trainer_step(config: ClusterConfig, kinds: list[str], options: EngineOptions, model: str) -> WorkerStep:
     """The memory plan's decision for this worker's trainer (``memplan.worker_step``): its GPU's
     memory, the rollout engine beside it on the same GPU and its share, its device slots. On the
     CPU: checkpointing only when asked (``on``)."""
     if options.device != "cuda":
-        return WorkerStep(args.gradient_checkpointing == "on", 0, 0, None)
+        return WorkerStep(config.gradient_checkpointing == "on", 0, 0, None)
     import torch
 
     from plexctl.common.state_size import model_config
 
     shared = "rollout" in kinds
-    utilization = args.gpu_memory_utilization or ENGINE_DEFAULTS["cuda"].gpu_memory_utilization
+    utilization = config.gpu_memory_utilization or ENGINE_DEFAULTS["cuda"].gpu_memory_utilization
     return worker_step(
         model_config(model),
         options.dtype,
         options.micro_batch_tokens,
-        args.gradient_checkpointing,
+        config.gradient_checkpointing,
         int(torch.cuda.mem_get_info()[1]),
         utilization if shared else None,
-        args.device_slots,
-        _max_lora_rank(args, options.device),
+        config.device_slots,
+        _max_lora_rank(config, options.device),
         cuda=True,
     )
 

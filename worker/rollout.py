@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import json
 import logging
 import os
 import threading
@@ -41,14 +40,14 @@ from typing import Any
 import torch
 
 from plexctl.common.calls import MAX_TOPK, TokenLogprob
-from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS
+from plexctl.common.cluster_config import DEFAULTS
+from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB
 from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
 from worker.engine_args import EngineArgsPlan, Platform, rollout_engine_args
 
 log = logging.getLogger("plexrl.worker.rollout")
 
-MAX_MODEL_LEN = 4096  # the longest sequence an engine holds unless told (KV cache and activations grow with it)
 ENGINE_THREADS = 1  # torch threads of engine calls on CPU: vLLM's own serving policy
 WARMUP_PROMPT = "0+0="  # any short text: unknown characters still tokenize (to <unk>)
 REQUEST_ID_PREFIX = "plexrl-"  # the engine's own vLLM request ids (LLM.generate numbers its own)
@@ -283,39 +282,30 @@ class _InFlight:
     outputs: dict[int, Any]  # prompt index -> finished RequestOutput
 
 
-def default_max_model_len(model_path: str) -> int:
-    """The model's own context (``max_position_embeddings``), at most ``MAX_MODEL_LEN``."""
-    try:
-        context = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return MAX_MODEL_LEN
-    return max(1, min(context, MAX_MODEL_LEN))
-
-
 class RolloutEngine:
     """One resident vLLM engine serving the base model and many jobs' LoRA adapters."""
 
     def __init__(
         self,
         model_path: str,
-        dtype: str = "float32",
+        dtype: str | None = None,
         max_lora_rank: int | None = None,
-        max_loras: int = 4,
-        max_cpu_loras: int = 8,
-        max_model_len: int = 64,
+        max_loras: int | None = None,
+        max_cpu_loras: int | None = None,
+        max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_gib: float = CPU_KV_CACHE_GIB,
         platform: Platform | None = None,
-        gpu_memory_utilization: float = ENGINE_DEFAULTS["cuda"].gpu_memory_utilization,
-        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = DEFAULTS.tp,
         sleep_mode: bool = False,
     ) -> None:
         """Start the engine and warm it up (logged). ``sleep_mode`` (CUDA): ``sleep()`` and
         ``wake()`` let it take turns with other models' engines on the same GPUs. ``platform``
         None: "cuda" when torch sees a GPU, else "cpu"; ``kv_cache_gib`` sizes the KV cache on
         CPU, ``gpu_memory_utilization`` on CUDA (see ``worker.engine_args``; bad values raise
-        ``EngineArgsError``). Adapters of rank above ``max_lora_rank`` (None: the platform's
-        default, ``plexctl.common.engine_defaults.ENGINE_DEFAULTS``) are refused with ``AdapterError``."""
+        ``EngineArgsError``; what is None gets the platform's default, ``rollout_engine_args``).
+        Adapters of rank above ``max_lora_rank`` are refused with ``AdapterError``."""
         self.model_path = str(model_path)
         self.plan: EngineArgsPlan = rollout_engine_args(
             platform or engine_args.platform(),

@@ -3,8 +3,10 @@
 The rollout engine serves ``generate`` by continuous batching (tasks join the running batch
 between steps, whatever their job); the trainer serves one task at a time from its handler table
 (one handler per trainer ``Method`` of ``plexctl.common.calls``), after its store made the job's
-state resident, or several jobs' train steps in one shared pass. A repeated trainer call (same
-``call_key``) gets the last result, unapplied. A task sent ahead of the task it follows
+state resident, or several jobs' train steps in one shared pass. Whichever way a task ran, one
+hook follows its work (``TrainerServer._after_step``: the adapter saved where the task
+publishes). A repeated trainer call (same ``call_key``) gets the last result, unapplied (its
+publish made again where the repeat names). A task sent ahead of the task it follows
 (``TaskBody.after``) waits in ``Followers`` and starts the moment that task ends (fails, if it
 failed). Engines that take turns on one GPU keep one awake (``Rollouts``, ``Trainers``).
 """
@@ -106,15 +108,16 @@ class TrainerServer:
         self.store = store
         self.engine_id = engine_id  # named in what it reports: a worker may host a trainer per model
         engine = store.trainer
+        # a task's own work; what it publishes is saved after it, by ``_after_step``
         self.handlers: dict[str, Callable[[str, Any], C.AnyResult]] = {
-            "train_step": lambda job, t: self._train_step(engine, job, t),
-            "publish": lambda job, t: self._publish(engine, job, t),
+            "train_step": lambda job, t: C.TrainStepResult(engine.train_step(job, t.batch, t.hp)),
+            "publish": lambda job, t: C.PublishResult(),
             "checkpoint": lambda job, t: C.CheckpointResult(engine.save_checkpoint(job, t.out_dir, t.extra)),
             "restore": lambda job, t: C.RestoreResult(
                 engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed, t.weights_only)
             ),
             "forward_backward": lambda job, t: engine.forward_backward(job, t.call),
-            "optim_step": lambda job, t: self._optim_step(engine, job, t),
+            "optim_step": lambda job, t: engine.optim_step(job, t.calls, t.adam),
         }
         assert set(self.handlers) == {m.name for m in C.METHODS.values() if m.kind == "trainer"}
         self.done: dict[str, tuple[str, C.AnyResult]] = {}  # job -> (call key, result) of its last stateful call
@@ -133,36 +136,22 @@ class TrainerServer:
         return info
 
     @staticmethod
-    def _train_step(engine: Any, job_id: str, t: C.TrainStepTask) -> C.TrainStepResult:
-        """One optimizer step; with ``publish_dir``, the adapter is saved there after it."""
-        metrics = engine.train_step(job_id, t.batch, t.hp)
-        if t.publish_dir:
-            engine.save_adapter(job_id, t.publish_dir)
-        return C.TrainStepResult(metrics)
-
-    @staticmethod
-    def _optim_step(engine: Any, job_id: str, t: C.OptimStepTask) -> C.OptimStepResult:
-        """One AdamW step on the summed gradient of the loss calls; with ``publish_dir``, the
-        adapter is saved there after it."""
-        result: C.OptimStepResult = engine.optim_step(job_id, t.calls, t.adam)
-        if t.publish_dir:
-            engine.save_adapter(job_id, t.publish_dir)
-        return result
-
-    @staticmethod
-    def _publish(engine: Any, job_id: str, t: C.PublishTask) -> C.PublishResult:
-        engine.save_adapter(job_id, t.out_dir)
-        return C.PublishResult()
+    def _after_step(engine: Any, job_id: str, task: C.AnyTask) -> None:
+        """What follows a task's work, whichever way it ran (alone, in a shared pass, or as a
+        repeat): the job's adapter saved where the task publishes, if it does."""
+        out_dir = publish_dir(task)
+        if out_dir:
+            engine.save_adapter(job_id, out_dir)
 
     def _publish_again(self, job_id: str, task: C.AnyTask) -> None:
         """A repeated call that publishes: the job's adapter is as that call left it (it was the
         job's last stateful call), so it is saved again where the repeat names, if not there yet."""
-        out_dir = getattr(task, "publish_dir", "") or (task.out_dir if isinstance(task, C.PublishTask) else "")
+        out_dir = publish_dir(task)
         if not out_dir or (Path(out_dir) / "adapter_config.json").exists():
             return
         assert not isinstance(task, C.GenerateTask)
-        self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed, task.trainer.weight_decay)
-        self.store.trainer.save_adapter(job_id, out_dir)
+        self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed)
+        self._after_step(self.store.trainer, job_id, task)
 
     def serve_pass(self, p: P.TaskPassBody, out: Outbox) -> None:
         """Several jobs' train steps in shared passes (``TrainingMath.train_group``), at most as
@@ -196,10 +185,7 @@ class TrainerServer:
         ids = [t.job_id for t in chunk]
         try:
             store.set_upcoming(ids + [j for j in tasks[0].trainer.upcoming if j not in ids])
-            moved = [
-                store.ensure_resident(j, t.trainer.lora, t.trainer.seed, t.trainer.weight_decay)
-                for j, t in zip(ids, tasks)
-            ]
+            moved = [store.ensure_resident(j, t.trainer.lora, t.trainer.seed) for j, t in zip(ids, tasks)]
             if not set(ids) <= set(engine.jobs()):
                 raise RuntimeError(f"the device tier did not hold {', '.join(ids)} at once")
             metrics = engine.train_group([(j, t.batch, t.hp) for j, t in zip(ids, tasks)])
@@ -211,8 +197,7 @@ class TrainerServer:
         seconds = time.perf_counter() - t0
         for t, task, m, mv in zip(chunk, tasks, metrics, moved):
             try:
-                if task.publish_dir:
-                    engine.save_adapter(t.job_id, task.publish_dir)
+                self._after_step(engine, t.job_id, task)
             except Exception as exc:  # noqa: BLE001 - reported to the job, the engine stays up
                 log.error("publish for %s failed: %s", t.job_id, traceback.format_exc())
                 out.result(t.task_id, False, error=_error_text(exc), seconds=seconds, info=self._info())
@@ -257,8 +242,9 @@ class TrainerServer:
             return
         try:
             store.set_upcoming(list(task.trainer.upcoming))
-            moved = store.ensure_resident(t.job_id, task.trainer.lora, task.trainer.seed, task.trainer.weight_decay)
+            moved = store.ensure_resident(t.job_id, task.trainer.lora, task.trainer.seed)
             value = self.handlers[t.method](t.job_id, task)
+            self._after_step(store.trainer, t.job_id, task)
             if isinstance(value, C.TrainStepResult):
                 value.metrics.update(
                     swap_bytes=float(moved.get("bytes", 0)),
@@ -336,6 +322,16 @@ class Rollouts:
         self.admit(batch, out)
         while self.busy:
             self.step(out)
+
+
+def publish_dir(task: C.AnyTask) -> str:
+    """Where the task saves the job's adapter after its work ("": it does not): a publish's
+    ``out_dir``, a train or optim step's ``publish_dir``."""
+    if isinstance(task, C.PublishTask):
+        return task.out_dir
+    if isinstance(task, (C.TrainStepTask, C.OptimStepTask)):
+        return task.publish_dir
+    return ""
 
 
 def next_awake(awake: str, waiting: list[str]) -> str:

@@ -1,10 +1,14 @@
 """The trainer engine: one resident base model, many jobs' LoRA adapters or full weights, with
 their AdamW states.
 
-``TrainerEngine`` loads a base model once (transformers) and serves any number of jobs on it:
-its slots (``worker.trainer_slots``: each job's adapter, AdamW and RNG state in one flat buffer,
-created, released, exported and imported), its math (``worker.trainer_math``: ``train_step``,
-``loss_gradients``, ``logprobs``) and, here, its files: adapters in the exact PEFT layout that
+``TrainerEngine`` loads a base model once (transformers) and serves any number of jobs on it,
+composed of parts that each own their state and get what they need when made: ``slots``
+(``worker.trainer_slots.JobSlots``: each job's adapter, AdamW and RNG state in one flat buffer,
+created, released, parked, exported and imported), ``math`` (``worker.trainer_math.TrainingMath``:
+``train_step``, ``train_group``, ``loss_gradients``, ``logprobs``) and ``token_losses``
+(``worker.trainer_tokens.TokenLosses``: Tinker's ``forward_backward`` and ``optim_step``); its
+public methods hand each call to its part. It owns the base model, how its layers run, its sleep
+and, here, its files: adapters in the exact PEFT layout that
 vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` load (in the engine's dtype), and
 durable checkpoints (adapter + optimizer + RNG + the driver's ``extra``, float32, with a sha256
 manifest; ``worker.checkpoint_files``), written atomically and verified before a restore. A
@@ -30,12 +34,14 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 
+from plexctl.common.calls import AdamStep, ForwardBackwardResult, LossCall, OptimStepResult
+from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import (
     ADAPTER_CONFIG,
@@ -57,12 +63,20 @@ from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.engine_options import trainer_attention
 from worker.errors import CheckpointError
 from worker.state.arena import HostArena, HostMemoryError
-from worker.state.job_copy import POOL_KEEP, packed_layout, tensors_to_device, tensors_to_host
+from worker.state.job_copy import BufferPool, JobStateCopy, packed_layout, tensors_to_device, tensors_to_host
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head
 from worker.train_batches import micro_batch_bounds
-from worker.trainer_math import TrainingMath
-from worker.trainer_slots import PARKED_ADAPTERS_MAX, JobState, SlabCounts, lora_signature, peft_config, store_rng
-from worker.trainer_tokens import TokenLossMath
+from worker.trainer_math import PassOptions, TrainingMath
+from worker.trainer_slots import (
+    PARKED_ADAPTERS_MAX,
+    JobSlots,
+    JobState,
+    SlabCounts,
+    lora_signature,
+    peft_config,
+    store_rng,
+)
+from worker.trainer_tokens import TokenLosses
 
 __all__ = ["DTYPES", "FULL_WEIGHTS_FILE", "PARKED_ADAPTERS_MAX", "TrainerEngine", "lora_signature"]
 
@@ -70,6 +84,7 @@ log = logging.getLogger(__name__)
 
 FULL_WEIGHTS_FILE = "model.safetensors"  # a full fine-tuning job's published weights (model parameter names)
 LENGTH_BUCKETS = False  # ``TrainerEngine(length_buckets=...)``: off while a GPU A/B is pending (docs/gpu.md)
+T = TypeVar("T")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -80,8 +95,39 @@ DTYPES: dict[str, torch.dtype] = {
 # ---------------------------------------------------------------- the engine
 
 
-class TrainerEngine(TokenLossMath, TrainingMath):
-    """One resident base model; per-job LoRA adapters and AdamW states; GRPO steps on demand."""
+class _Option(Generic[T]):
+    """An engine attribute that is the field of that name of its ``options`` (read and set), so
+    the parts that read the options see a change at their next call."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: TrainerEngine | None, owner: type | None = None) -> T:
+        if engine is None:  # on the class: the descriptor itself
+            return cast(T, self)
+        return cast(T, getattr(engine.options, self.name))
+
+    def __set__(self, engine: TrainerEngine, value: T) -> None:
+        setattr(engine.options, self.name, value)
+
+
+class TrainerEngine:
+    """One resident base model; per-job LoRA adapters and AdamW states; GRPO steps on demand.
+
+    Its parts, each owning its state: ``slots`` (``JobSlots``: the jobs' adapters and states on
+    the device, parking, swapping), ``math`` (``TrainingMath``: steps, gradients, log-probs over
+    batches) and ``token_losses`` (``TokenLosses``: Tinker's ``forward_backward`` and
+    ``optim_step``); they share ``options`` (``PassOptions``). The engine owns the base model,
+    its layer options, its sleep and its files, and answers every call, handing it to its part."""
+
+    micro_batch_rows: _Option[int | None] = _Option()
+    micro_batch_tokens: _Option[int | None] = _Option()
+    logprob_chunk_tokens: _Option[int] = _Option()
+    length_buckets: _Option[bool] = _Option()
+    fuse_lora: _Option[bool] = _Option()
+    pack_rows: _Option[bool] = _Option()
+    logprob_vocab_block: _Option[int | None] = _Option()
+    compile_layers: _Option[str | None] = _Option()
 
     def __init__(
         self,
@@ -119,46 +165,127 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         micro_batch_bounds([1], micro_batch_rows, micro_batch_tokens)  # refuses limits under 1
         if logprob_chunk_tokens < 1:
             raise ValueError(f"logprob_chunk_tokens must be at least 1, got {logprob_chunk_tokens}")
+        if logprob_vocab_block is not None and logprob_vocab_block < 1:
+            raise ValueError(f"logprob_vocab_block must be at least 1, got {logprob_vocab_block}")
         if threads is not None:
             torch.set_num_threads(threads)
         self.model_path = model_path
         self.dtype = dtype
         self.device = torch.device(device)
-        self.micro_batch_rows = micro_batch_rows
-        self.micro_batch_tokens = micro_batch_tokens
-        self.logprob_chunk_tokens = logprob_chunk_tokens
-        self.length_buckets = length_buckets
-        self.fuse_lora = fuse_lora
-        if logprob_vocab_block is not None and logprob_vocab_block < 1:
-            raise ValueError(f"logprob_vocab_block must be at least 1, got {logprob_vocab_block}")
-        self.logprob_vocab_block = logprob_vocab_block
+        self.options = PassOptions(
+            micro_batch_rows=micro_batch_rows,
+            micro_batch_tokens=micro_batch_tokens,
+            logprob_chunk_tokens=logprob_chunk_tokens,
+            length_buckets=length_buckets,
+            fuse_lora=fuse_lora,
+            logprob_vocab_block=logprob_vocab_block,
+        )
         self._torch_dtype = DTYPES[dtype]
         self._base = _load_base_model(model_path, self._torch_dtype, self.device)
         self._base_params = dict(self._base.named_parameters())  # before any adapter: the model's own names
         self.set_pack_rows(pack_rows)
-        self.gradient_checkpointing, self.checkpoint_scope, self.compile_layers = False, "layer", None
-        self._checkpointed_layers: list[torch.nn.Module] = []
+        self.gradient_checkpointing, self.checkpoint_scope = False, "layer"
         self._layers_rewired = False  # a scope's wrappers or compiled layers are in place (not undone)
         self.set_layer_options(gradient_checkpointing, checkpoint_scope, compile_layers)
-        self._peft = None  # created with the first job's adapter
-        self._jobs = {}
         self._cuda = self.device.type == "cuda"
-        self._side_stream = None  # torch.cuda.Stream for state copies, made on first use
-        # parked slots that keep their device buffer for the next import_state (on CUDA the caching allocator does)
-        self._parked_memory = POOL_KEEP if self.device.type == "cpu" else 0
-        self.slabs = SlabCounts()
-        self._rng_shapes = {name: tuple(t.shape) for name, t in self._capture_rng().items()}
-        self._adapters_made = 0
-        self._parked = []  # oldest first
-        self._user_losses = {}
+        self.slots = JobSlots(self._base, self._base_params, model_path, self.device)
+        self.math = TrainingMath(
+            self.slots, self._base, self._base_params, self.options, self._torch_dtype, self.device
+        )
+        self.token_losses = TokenLosses(self.slots, self.math, self._base, self.options, self.device)
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
         self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
 
+    # ------------------------------------------------------------ the parts' calls
+
+    def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int) -> None:
+        """``JobSlots.ensure_job``: the job's adapter (a function of ``seed``) and AdamW, if not there."""
+        self.slots.ensure_job(job_id, lora, seed)
+
+    def release(self, job_id: str) -> None:
+        """``JobSlots.release``: the job's state leaves the device (its adapter parked)."""
+        self.slots.release(job_id)
+
+    def jobs(self) -> list[str]:
+        """Resident jobs, in the order they were created."""
+        return self.slots.jobs()
+
+    def state_bytes(self, job_id: str) -> int:
+        """``JobSlots.state_bytes``: bytes of the job's adapter, moments and step counts."""
+        return self.slots.state_bytes(job_id)
+
+    def adapter_state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The job's adapter weights under their PEFT-file keys: live tensors, not copies."""
+        return self.slots.adapter_state_dict(job_id)
+
+    def optimizer_state_dict(self, job_id: str) -> dict[str, Any]:
+        """The job's AdamW ``state_dict()`` (its tensors are live, not copies)."""
+        return self.slots.optimizer_state_dict(job_id)
+
+    def export_state(self, job_id: str, pool: BufferPool | None = None) -> JobStateCopy:
+        """``JobSlots.export_state``: a host copy of the job's state; the job stays resident."""
+        return self.slots.export_state(job_id, pool)
+
+    def import_state(self, job_id: str, copy: JobStateCopy) -> None:
+        """``JobSlots.import_state``: the job's state recreated exactly from ``copy``."""
+        self.slots.import_state(job_id, copy)
+
+    @property
+    def slabs(self) -> SlabCounts:
+        return self.slots.slabs
+
+    @property
+    def attached_adapters(self) -> int:
+        """Adapters in the PeftModel: the resident jobs' plus the parked ones."""
+        return self.slots.attached_adapters
+
+    def _job(self, job_id: str) -> JobState:
+        """The resident job's state (``UnknownJobError`` if not resident): for tests and benches."""
+        return self.slots.job(job_id)
+
+    def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """``TrainingMath.train_step``: one optimizer step on the job; its metrics."""
+        return self.math.train_step(job_id, batch, hp)
+
+    def loss_gradients(
+        self, job_id: str, batch: TrainBatch, hp: TrainHParams
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """``TrainingMath.loss_gradients``: the loss gradient without stepping (tests, diagnostics)."""
+        return self.math.loss_gradients(job_id, batch, hp)
+
+    def logprobs(self, job_id: str, input_ids: list[list[int]], loss_mask: list[list[int]]) -> list[list[float]]:
+        """``TrainingMath.logprobs``: current-policy log-probs of every token; 0 where masked."""
+        return self.math.logprobs(job_id, input_ids, loss_mask)
+
+    def groupable(self, job_id: str) -> bool:
+        """``TrainingMath.groupable``: whether the job's steps may share a pass with others'."""
+        return self.math.groupable(job_id)
+
+    def train_group(self, steps: list[tuple[str, TrainBatch, TrainHParams]]) -> list[dict[str, float]]:
+        """``TrainingMath.train_group``: one step for each job, their rows in shared micro-batches."""
+        return self.math.train_group(steps)
+
+    def group_gradients(
+        self, steps: list[tuple[str, TrainBatch, TrainHParams]]
+    ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+        """``TrainingMath.group_gradients``: each job's loss gradient from a shared pass."""
+        return self.math.group_gradients(steps)
+
+    def forward_backward(self, job_id: str, call: LossCall) -> ForwardBackwardResult:
+        """``TokenLosses.forward_backward``: log-probs and loss of a Tinker loss call; nothing changes."""
+        return self.token_losses.forward_backward(job_id, call)
+
+    def optim_step(self, job_id: str, calls: list[LossCall], adam: AdamStep) -> OptimStepResult:
+        """``TokenLosses.optim_step``: the calls' summed gradient, then one AdamW step."""
+        return self.token_losses.optim_step(job_id, calls, adam)
+
+    # ------------------------------------------------------------ how the layers run
+
     def set_pack_rows(self, on: bool) -> None:
         """Pack a micro-batch's rows (``pack_rows``), with the attention kernel that makes it pay
         where there is one (``worker.engine_options.trainer_attention``)."""
-        self.pack_rows = on
+        self.options.pack_rows = on
         kernel = trainer_attention(self.device.type, self.dtype, on, importlib.util.find_spec("flash_attn") is not None)
         if kernel is not None:
             cast(Any, self._base).set_attn_implementation(kernel)
@@ -189,9 +316,9 @@ class TrainerEngine(TokenLossMath, TrainingMath):
             compile_decoder_layers(self._base, compile_layers)
         self._layers_rewired = self._layers_rewired or selective or compile_layers is not None
         self.gradient_checkpointing, self.checkpoint_scope = gradient_checkpointing, checkpoint_scope
-        self.compile_layers = compile_layers or self.compile_layers
-        # HF checkpoints a decoder layer only while the layer is in training mode (``_forward_context``)
-        self._checkpointed_layers = [m for m in decoder_layers(self._base) if whole]
+        self.options.compile_layers = compile_layers or self.options.compile_layers
+        # HF checkpoints a decoder layer only while the layer is in training mode (``forward_context``)
+        self.options.checkpointed_layers = [m for m in decoder_layers(self._base) if whole]
 
     # ------------------------------------------------------------ taking turns with other bases
 
@@ -244,7 +371,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
         """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically
         (``NoSpaceError`` when its filesystem is full), its weights in the engine's dtype (what
         the rollout engine serves in); a checkpoint keeps them as trained, in float32."""
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         weights = self._adapter_weights(job, self._torch_dtype)
         write_dir_atomically(
             Path(out_dir),
@@ -258,7 +385,7 @@ class TrainerEngine(TokenLossMath, TrainingMath):
 
         Everything is serialised before the first byte is written; ``NoSpaceError`` when the
         filesystem is full (the temp dir is removed, an earlier checkpoint is untouched)."""
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         payload = self._checkpoint_payload(job, extra)
         step = extra.get("step") if isinstance(extra, dict) else None
         what = f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
@@ -282,18 +409,19 @@ class TrainerEngine(TokenLossMath, TrainingMath):
                 f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(lora)}"
             )
         tensors, trainer_state, extra = read_checkpoint_payload(directory)
-        created = job_id not in self._jobs
-        self.ensure_job(job_id, lora, seed)
+        created = job_id not in self.slots.jobs()
+        self.slots.ensure_job(job_id, lora, seed)
+        job = self.slots.job(job_id)
         try:
-            _restore_job_state(self._jobs[job_id], tensors, trainer_state, directory)
+            _restore_job_state(job, tensors, trainer_state, directory)
             if weights_only:
                 with torch.no_grad():
-                    for views in self._jobs[job_id].slot.moments.values():
+                    for views in job.slot.moments.values():
                         for view in views.values():
                             view.zero_()
         except BaseException:
             if created:
-                self.release(job_id)
+                self.slots.release(job_id)
             raise
         return extra
 

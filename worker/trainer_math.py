@@ -30,6 +30,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from torch.optim.adam import adam
 
 from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.protocol import TrainBatch, TrainHParams
+from plexctl.common.scheduling import can_share_pass
 from plexctl.common.user_code import import_object
 from worker.decoder_layers import keep_adapters_eager
 from worker.errors import BatchError, LossLoadError, UntrustedCodeError
@@ -52,7 +54,7 @@ from worker.loss_terms import (
     tis_token_terms,
     user_token_terms,
 )
-from worker.token_logprobs import token_logprobs
+from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, token_logprobs
 from worker.train_batches import (
     Rows,
     check_batch,
@@ -66,38 +68,62 @@ from worker.train_batches import (
     quantile_passes,
     slice_rows,
 )
-from worker.trainer_slots import JobSlots, JobState, store_rng
+from worker.trainer_slots import JobSlots, JobState, capture_rng, forked_rng, store_rng
 
 
-class TrainingMath(JobSlots):
-    """Steps, gradients and log-probs on the resident jobs' adapters (``TrainerEngine`` sets
-    these attributes up)."""
+@dataclass
+class PassOptions:
+    """How a job's forward/backward runs on the engine (``TrainerEngine``'s options of these
+    names, which it reads and sets here; every part reads them at each call)."""
 
-    micro_batch_rows: int | None
-    micro_batch_tokens: int | None
-    logprob_chunk_tokens: int
-    length_buckets: bool
-    fuse_lora: bool
-    pack_rows: bool
-    logprob_vocab_block: int | None
-    compile_layers: str | None
-    _torch_dtype: torch.dtype
-    _checkpointed_layers: list[torch.nn.Module]
-    _user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]]
+    micro_batch_rows: int | None = None  # rows a forward/backward takes at most (None: no limit)
+    micro_batch_tokens: int | None = None  # padded tokens a forward/backward takes at most
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS  # positions whose logits exist at once
+    length_buckets: bool = False  # a batch's rows cut in length order
+    fuse_lora: bool = False  # the LoRA A matmuls of q/k/v and of gate/up as one each
+    pack_rows: bool = False  # a micro-batch's rows packed into one sequence
+    logprob_vocab_block: int | None = None  # the log-softmax over the vocabulary in blocks of so many
+    compile_layers: str | None = None  # the torch.compile backend of the decoder layers (None: eager)
+    checkpointed_layers: list[torch.nn.Module] = field(default_factory=list)  # put in training mode for a backward
+
+
+class TrainingMath:
+    """Steps, gradients and log-probs on the resident jobs of ``slots``, and the pieces of a job's
+    pass the token losses share (``activate``, ``job_weights``, ``forward_context``, ``job_rng``,
+    ``clip_gradients``). It owns the trusted users' imported loss functions."""
+
+    def __init__(
+        self,
+        slots: JobSlots,
+        base: torch.nn.Module,
+        base_params: dict[str, torch.nn.Parameter],
+        options: PassOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``base``: the model the slots' adapters wrap; ``base_params``: its own parameters (a
+        full fine-tuning job's weights go in their place); ``dtype``: the base weights' (autocast
+        when not float32)."""
+        self.slots = slots
+        self.options = options
+        self.device = device
+        self._base = base
+        self._base_params = base_params
+        self._torch_dtype = dtype
+        self._user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
 
     # ------------------------------------------------------------ training
 
     def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
         """One GRPO optimizer step on the job's adapter; returns the step's metrics.
 
-        The AdamW ``lr`` and ``weight_decay`` are taken from ``hp`` on every step (the
-        ``weight_decay`` given to ``ensure_job`` is only the param group's initial value). A
+        The AdamW ``lr`` and ``weight_decay`` are taken from ``hp`` on every step. A
         non-finite gradient norm skips the update (``skipped`` = 1.0) instead of poisoning it.
         """
         started = time.perf_counter()
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         metrics = self._forward_backward(job, batch, hp)
-        grad_norm = self._clip_gradients(job, hp.max_grad_norm)
+        grad_norm = self.clip_gradients(job, hp.max_grad_norm)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             _set_optimizer_hparams(job.optimizer, hp)
@@ -113,7 +139,7 @@ class TrainingMath(JobSlots):
 
         For diagnostics and tests; the adapter and optimizer are left untouched.
         """
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         metrics = self._forward_backward(job, batch, hp)
         grads = {key: _grad_or_zeros(param) for key, param in job.params.items()}
         job.optimizer.zero_grad(set_to_none=True)
@@ -121,15 +147,15 @@ class TrainingMath(JobSlots):
 
     def logprobs(self, job_id: str, input_ids: list[list[int]], loss_mask: list[list[int]]) -> list[list[float]]:
         """Current-policy log-prob of every token (eval mode, no dropout); 0 where masked."""
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         check_token_rows(input_ids, loss_mask)
         rows = pad_rows(input_ids, loss_mask, self.device)
         order = self._length_order(rows.lengths)
         if order is not None:
             rows = permute_rows(rows, order)
-        model = self._activate(job, train=False)
+        model = self.activate(job, train=False)
         columns: list[torch.Tensor] = []
-        with torch.no_grad(), self._job_weights(job, grad=False), self._forward_context():
+        with torch.no_grad(), self.job_weights(job, grad=False), self.forward_context():
             for _, _, part in self._micro_batches(rows):
                 logp, _ = self._token_logprobs(model, part)
                 columns.extend(logp.cpu())
@@ -141,20 +167,21 @@ class TrainingMath(JobSlots):
             in_order[at] = row
         return in_order
 
-    def _activate(self, job: JobState, train: bool) -> torch.nn.Module:
+    def activate(self, job: JobState, train: bool) -> torch.nn.Module:
         """Make the job's adapter the only active (and trainable) one; set train/eval mode. A
-        full fine-tuning job's weights go in with ``_job_weights`` around its forward."""
+        full fine-tuning job's weights go in with ``job_weights`` around its forward."""
+        peft = self.slots.peft
         if job.lora is None:
-            model = self._peft if self._peft is not None else self._base
+            model = peft if peft is not None else self._base
             model.train(train)
             return model
-        assert self._peft is not None
-        self._peft.set_adapter(job.adapter_name)
-        self._peft.train(train)
-        return self._peft
+        assert peft is not None
+        peft.set_adapter(job.adapter_name)
+        peft.train(train)
+        return peft
 
     @contextlib.contextmanager
-    def _job_weights(self, job: JobState, grad: bool) -> Iterator[None]:
+    def job_weights(self, job: JobState, grad: bool) -> Iterator[None]:
         """A full fine-tuning job's weights in the model for the block, every adapter off (a LoRA
         job: nothing to do). The model's parameters point at the job's float32 masters (cast
         copies on a bfloat16 / float16 engine); with ``grad`` their gradients, added to the
@@ -165,7 +192,8 @@ class TrainingMath(JobSlots):
             return
         pairs = [(self._base_params[key], master) for key, master in job.params.items()]
         held = [base.data for base, _ in pairs]
-        adapters_off = self._peft.disable_adapter() if self._peft is not None else contextlib.nullcontext()
+        peft = self.slots.peft
+        adapters_off = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
         try:
             for base, master in pairs:
                 base.data = master.data if master.dtype == base.dtype else master.detach().to(base.dtype)
@@ -188,9 +216,9 @@ class TrainingMath(JobSlots):
 
     def _length_order(self, lengths: list[int], spans: list[tuple[int, int]] | None = None) -> list[int] | None:
         """The order the batch's rows are cut in (``length_order``); None: as they come."""
-        if not self.length_buckets:
+        if not self.options.length_buckets:
             return None
-        return length_order(lengths, self.micro_batch_rows, self.micro_batch_tokens, spans)
+        return length_order(lengths, self.options.micro_batch_rows, self.options.micro_batch_tokens, spans)
 
     def _micro_batches(
         self, rows: Rows, bounds: list[tuple[int, int]] | None = None
@@ -198,12 +226,12 @@ class TrainingMath(JobSlots):
         """(start, stop, rows[start:stop] trimmed to their longest row) of each micro-batch (as the
         budget cuts them, or at ``bounds``)."""
         if bounds is None:
-            bounds = micro_batch_bounds(rows.lengths, self.micro_batch_rows, self.micro_batch_tokens)
+            bounds = micro_batch_bounds(rows.lengths, self.options.micro_batch_rows, self.options.micro_batch_tokens)
         for start, stop in bounds:
             yield start, stop, slice_rows(rows, start, stop)
 
     @contextlib.contextmanager
-    def _forward_context(self) -> Iterator[None]:
+    def forward_context(self) -> Iterator[None]:
         """Autocast to the engine's dtype (bfloat16 / float16 engines); with gradient checkpointing
         and a gradient, the decoder layers themselves (not their submodules: no dropout changes)
         in training mode, which is when transformers checkpoints them."""
@@ -212,9 +240,10 @@ class TrainingMath(JobSlots):
             if self._torch_dtype != torch.float32
             else contextlib.nullcontext()
         )
-        if self.compile_layers is not None:
-            keep_adapters_eager(self._peft if self._peft is not None else self._base)
-        layers = self._checkpointed_layers if torch.is_grad_enabled() else []
+        if self.options.compile_layers is not None:
+            peft = self.slots.peft
+            keep_adapters_eager(peft if peft is not None else self._base)
+        layers = self.options.checkpointed_layers if torch.is_grad_enabled() else []
         modes = [layer.training for layer in layers]
         for layer in layers:
             layer.training = True
@@ -236,19 +265,17 @@ class TrainingMath(JobSlots):
             part.input_ids,
             part.attention_mask,
             part.loss_mask,
-            self.logprob_chunk_tokens,
+            self.options.logprob_chunk_tokens,
             entropy,
-            packed=self.pack_rows and packable,
-            vocab_block=self.logprob_vocab_block,
+            packed=self.options.pack_rows and packable,
+            vocab_block=self.options.logprob_vocab_block,
         )
 
     # ------------------------------------------------------------ several jobs in one pass
 
     def groupable(self, job_id: str) -> bool:
-        """Whether the job's steps may share a pass with others': a LoRA job without dropout
-        (dropout would draw every row from one stream, not each job's own)."""
-        job = self._job(job_id)
-        return job.lora is not None and job.lora.dropout <= 0
+        """Whether the job's steps may share a pass with others' (``can_share_pass``)."""
+        return can_share_pass(self.slots.job(job_id).lora)
 
     def train_group(self, steps: list[tuple[str, TrainBatch, TrainHParams]]) -> list[dict[str, float]]:
         """One optimizer step for each (job, batch, hparams), the jobs' rows in shared
@@ -257,7 +284,7 @@ class TrainingMath(JobSlots):
         started = time.perf_counter()
         if len(steps) == 1:
             return [self.train_step(*steps[0])]
-        jobs = [self._job(job_id) for job_id, _, _ in steps]
+        jobs = [self.slots.job(job_id) for job_id, _, _ in steps]
         if len({job.job_id for job in jobs}) != len(jobs):
             raise BatchError("a group trains each job once")
         for job in jobs:
@@ -284,7 +311,7 @@ class TrainingMath(JobSlots):
         self, steps: list[tuple[str, TrainBatch, TrainHParams]]
     ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
         """``loss_gradients`` of each job, its rows in a shared pass (for tests and diagnostics)."""
-        jobs = [self._job(job_id) for job_id, _, _ in steps]
+        jobs = [self.slots.job(job_id) for job_id, _, _ in steps]
         metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps])
         out = []
         for job, m in zip(jobs, metrics):
@@ -330,9 +357,8 @@ class TrainingMath(JobSlots):
         bounds = None
         if order is None:
             pass_cost = pass_cost_tokens(self.device.type)
-            cut = quantile_passes(
-                [rows.lengths[a:b] for a, b in spans], self.micro_batch_rows, self.micro_batch_tokens, pass_cost
-            )
+            budget = (self.options.micro_batch_rows, self.options.micro_batch_tokens)
+            cut = quantile_passes([rows.lengths[a:b] for a, b in spans], *budget, pass_cost)
             order, bounds = cut if cut is not None else (None, None)
         owners = [i for i, (a, b) in enumerate(spans) for _ in range(a, b)]  # each row's job
         if order is not None:
@@ -340,10 +366,11 @@ class TrainingMath(JobSlots):
             rows = permute_rows(rows, order)
             old_all, weight_all, advantages = (t[order] for t in (old_all, weight_all, advantages))
         sums = [MetricSums() for _ in jobs]
-        assert self._peft is not None
+        peft = self.slots.peft
+        assert peft is not None
         for job in jobs:
             job.optimizer.zero_grad(set_to_none=True)
-        self._peft.train(False)
+        peft.train(False)
         any_kl = any(hp.kl_coef > 0 for _, hp in work)
         one_loss = all(u is None for u in user_losses) and len({_loss_key(hp) for _, hp in work}) == 1
         shared = (old_all, weight_all, advantages)
@@ -354,12 +381,12 @@ class TrainingMath(JobSlots):
             ref = self._base_logprobs(part) if any_kl else None
             runs = _runs(owners, start, stop)  # (job, lo, hi): its rows in the micro-batch
             segments = [(jobs[i].adapter_name, hi - lo) for i, lo, hi in runs]
-            with _segment_adapters(self._peft, segments):
+            with _segment_adapters(peft, segments):
                 for job in jobs:  # trainable (after the layers' set_adapter, which turns every adapter off)
                     for param in job.params.values():
                         param.requires_grad_(True)
-                with self._forward_context():
-                    logp, entropy = self._token_logprobs(self._peft, part, entropy=True, packable=False)
+                with self.forward_context():
+                    logp, entropy = self._token_logprobs(peft, part, entropy=True, packable=False)
                 assert entropy is not None
                 if one_loss:  # every job's token loss is the same function: one over all the rows
                     whole = self._shared_loss(work[0][1], logp, entropy, ref, part, owners, (start, stop), sums, shared)
@@ -421,9 +448,10 @@ class TrainingMath(JobSlots):
 
     def _base_logprobs(self, part: Rows) -> torch.Tensor:
         """Log-probs of the micro-batch under the base model (every adapter off), no gradient."""
-        assert self._peft is not None
-        with torch.no_grad(), self._peft.disable_adapter(), self._forward_context():
-            return self._token_logprobs(self._peft, part)[0]
+        peft = self.slots.peft
+        assert peft is not None
+        with torch.no_grad(), peft.disable_adapter(), self.forward_context():
+            return self._token_logprobs(peft, part)[0]
 
     # ------------------------------------------------------------ internals: the loss
 
@@ -445,7 +473,7 @@ class TrainingMath(JobSlots):
             old_logprobs, advantages, weights = (t[order] for t in (old_logprobs, advantages, weights))
         job.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
-        with self._job_rng(job):
+        with self.job_rng(job):
             for start, stop, part in self._micro_batches(rows):
                 if not part.loss_mask.any():  # all its weights are 0: nothing to add
                     continue
@@ -474,14 +502,14 @@ class TrainingMath(JobSlots):
         user_loss: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
-        model = self._activate(job, train=job.lora is not None and job.lora.dropout > 0)
-        fused = fused_lora_a(model, job.adapter_name) if self.fuse_lora and job.lora is not None else None
+        model = self.activate(job, train=job.lora is not None and job.lora.dropout > 0)
+        fused = fused_lora_a(model, job.adapter_name) if self.options.fuse_lora and job.lora is not None else None
         with (
-            self._job_weights(job, grad=True),  # the backward too: gradients reach the job's weights
+            self.job_weights(job, grad=True),  # the backward too: gradients reach the job's weights
             fused or contextlib.nullcontext(),
             self._low_precision_inputs(model, job),
         ):
-            with self._forward_context():
+            with self.forward_context():
                 logp, entropy = self._token_logprobs(model, part, entropy=True)
             assert entropy is not None
             if user_loss is not None:
@@ -517,12 +545,12 @@ class TrainingMath(JobSlots):
 
     def _reference_logprobs(self, job: JobState, part: Rows) -> torch.Tensor:
         """Log-probs under the base model (every adapter disabled), no gradient."""
-        model = self._activate(job, train=False)
+        model = self.activate(job, train=False)
         adapters_off = model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
-        with torch.no_grad(), adapters_off, self._forward_context():
+        with torch.no_grad(), adapters_off, self.forward_context():
             return self._token_logprobs(model, part)[0]
 
-    def _clip_gradients(self, job: JobState, max_grad_norm: float) -> float:
+    def clip_gradients(self, job: JobState, max_grad_norm: float) -> float:
         max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         params = list(job.params.values())
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm).item())
@@ -530,17 +558,17 @@ class TrainingMath(JobSlots):
     # ------------------------------------------------------------ internals: randomness
 
     @contextlib.contextmanager
-    def _job_rng(self, job: JobState) -> Iterator[None]:
+    def job_rng(self, job: JobState) -> Iterator[None]:
         """Run the block on the job's own RNG stream (only LoRA dropout consumes it)."""
         if job.lora is None or job.lora.dropout <= 0:
             yield
             return
-        with self._forked_rng():
+        with forked_rng(self.device):
             torch.set_rng_state(job.rng_state["cpu"].clone())  # a view into the slot would not do
             if "cuda" in job.rng_state:
                 torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
             yield
-            store_rng(job.rng_state, self._capture_rng())
+            store_rng(job.rng_state, capture_rng(self.device))
 
 
 def _token_terms(
@@ -569,7 +597,7 @@ def _segment_adapters(model: torch.nn.Module, segments: list[tuple[str, int]]) -
     weights are stacked and two batched matmuls serve every segment (a few ops per layer
     whatever the number of jobs); else each segment's product over its rows (one split and one
     cat). Linear LoRA layers only. Each layer's own active adapter is off meanwhile;
-    ``_activate`` sets it again."""
+    ``activate`` sets it again."""
     sizes = [rows for _, rows in segments]
     names = [name for name, _ in segments]
     even = len(set(sizes)) == 1 and len(sizes) > 1

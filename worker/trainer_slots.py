@@ -16,8 +16,8 @@ back: nothing is done per tensor.
 Invariants. An adapter's initial weights are a function of its seed only (made under
 ``torch.manual_seed(seed)`` inside ``fork_rng``, whatever jobs exist); each job's AdamW sees only
 that job's parameters; a job that leaves and comes back trains on bit-for-bit as if it had never
-left (on CPU); at most ``PARKED_ADAPTERS_MAX`` released adapters are kept. ``JobSlots`` is the
-part of ``TrainerEngine`` (``worker.trainer``) that does this; it is not thread-safe.
+left (on CPU); at most ``PARKED_ADAPTERS_MAX`` released adapters are kept. ``JobSlots`` does
+this, a part of ``TrainerEngine`` (``worker.trainer``) that owns its tables; not thread-safe.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
@@ -39,6 +38,7 @@ from worker.state.job_copy import (
     ADAPTER_PREFIX,
     OPTIM_PREFIX,
     PAGE_BYTES,
+    POOL_KEEP,
     RNG_PREFIX,
     BufferPool,
     JobStateCopy,
@@ -48,6 +48,7 @@ from worker.state.job_copy import (
     aligned_host_buffer,
     check_copy_fits,
     dtype_name,
+    lora_signature,
     state_spec,
 )
 
@@ -187,25 +188,44 @@ class SlabCounts:
 
 class JobSlots:
     """The resident jobs' adapters and slots, the parked ones, and the moves of a job's state
-    off the engine and back (``TrainerEngine`` sets these attributes up)."""
+    off the engine and back. It owns the ``PeftModel`` it wraps around the base (made with the
+    first LoRA job) and every job's ``JobState``; the base model itself is the engine's."""
 
-    model_path: str
-    device: torch.device
-    slabs: SlabCounts
-    _base: torch.nn.Module
-    _base_params: dict[str, torch.nn.Parameter]  # the base model's own parameters (tied ones once), by name
-    _peft: PeftModel | None
-    _jobs: dict[str, JobState]
-    _cuda: bool
-    _side_stream: Any
-    _parked_memory: int
-    _rng_shapes: dict[str, tuple[int, ...]]
-    _adapters_made: int
-    _parked: list[ParkedAdapter]
+    def __init__(
+        self, base: torch.nn.Module, base_params: dict[str, torch.nn.Parameter], model_path: str, device: torch.device
+    ) -> None:
+        """``base_params``: the base model's own parameters (tied ones once), by name, taken
+        before any adapter; ``model_path`` is what a PEFT adapter config names as its base."""
+        self.model_path = model_path
+        self.device = device
+        self.slabs = SlabCounts()
+        self._base = base
+        self._base_params = base_params
+        self._peft: PeftModel | None = None  # created with the first job's adapter
+        self._jobs: dict[str, JobState] = {}
+        self._cuda = device.type == "cuda"
+        self._side_stream: Any = None  # torch.cuda.Stream for state copies, made on first use
+        # parked slots that keep their device buffer for the next import_state (on CUDA the caching allocator does)
+        self._parked_memory = POOL_KEEP if device.type == "cpu" else 0
+        self._rng_shapes = {name: tuple(t.shape) for name, t in capture_rng(device).items()}
+        self._adapters_made = 0
+        self._parked: list[ParkedAdapter] = []  # oldest first
+
+    @property
+    def peft(self) -> PeftModel | None:
+        """The PeftModel holding every resident and parked adapter (None before the first)."""
+        return self._peft
+
+    def job(self, job_id: str) -> JobState:
+        """The resident job's state (``UnknownJobError`` if it is not resident)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(f"job {job_id!r} is not resident on this trainer engine")
+        return job
 
     # ------------------------------------------------------------ job lifecycle
 
-    def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int, weight_decay: float = 0.0) -> None:
+    def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int) -> None:
         """Create the job's adapter (a function of ``seed`` only) and its AdamW. Idempotent.
         ``lora`` None: a full fine-tuning job, its weights starting as the base's."""
         existing = self._jobs.get(job_id)
@@ -217,17 +237,17 @@ class JobSlots:
             return
         if lora is None:
             name, homes = self._full_weights(empty=False)
-            slot = self._make_slot(homes, weight_decay)
-            store_rng(slot.rng, self._capture_rng())  # nothing consumes it: no dropout in a full job
+            slot = self._make_slot(homes)
+            store_rng(slot.rng, capture_rng(self.device))  # nothing consumes it: no dropout in a full job
             self._register_job(job_id, name, None, seed, homes, slot)
             return
         adapter_name = self._new_adapter_name()
-        with self._forked_rng():
+        with forked_rng(self.device):
             torch.manual_seed(seed)
             self._attach_adapter(adapter_name, peft_config(lora, self.model_path))
-            rng_state = self._capture_rng()
+            rng_state = capture_rng(self.device)
         homes = self._adapter_homes(adapter_name)
-        slot = self._make_slot(homes, weight_decay)
+        slot = self._make_slot(homes)
         store_rng(slot.rng, rng_state)
         self._register_job(job_id, adapter_name, lora, seed, homes, slot)
 
@@ -241,7 +261,7 @@ class JobSlots:
         slot's buffer is freed: the caching allocator keeps it). Live tensors taken from the job
         (``adapter_state_dict``) are not to be used after this.
         """
-        job = self._job(job_id)
+        job = self.job(job_id)
         del self._jobs[job_id]
         job.optimizer.zero_grad(set_to_none=True)
         self._parked.append(ParkedAdapter(job.adapter_name, job.lora, lora_signature(job.lora), job.homes, job.slot))
@@ -259,16 +279,16 @@ class JobSlots:
     def state_bytes(self, job_id: str) -> int:
         """Bytes of the job's adapter plus its optimizer moments and step counts (all there from
         the job's creation on)."""
-        spec = self._job(job_id).slot.spec
+        spec = self.job(job_id).slot.spec
         return spec.nbytes - spec.rng_bytes
 
     def adapter_state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
         """The job's adapter weights under their PEFT-file keys: live tensors, not copies."""
-        return {key: param.detach() for key, param in self._job(job_id).params.items()}
+        return {key: param.detach() for key, param in self.job(job_id).params.items()}
 
     def optimizer_state_dict(self, job_id: str) -> dict[str, Any]:
         """The job's AdamW ``state_dict()`` (its tensors are live, not copies)."""
-        return self._job(job_id).optimizer.state_dict()
+        return self.job(job_id).optimizer.state_dict()
 
     # ------------------------------------------------------------ moving state off and back
 
@@ -287,7 +307,7 @@ class JobSlots:
         they are after a training step, each Python call costs a few microseconds): the common
         path here makes as few as it can.
         """
-        job = self._jobs.get(job_id) or self._job(job_id)
+        job = self._jobs.get(job_id) or self.job(job_id)
         slot = job.slot
         spec = slot.spec
         if pool is not None:  # a 1-D uint8 host buffer of whole pages, at least spec.nbytes
@@ -376,12 +396,6 @@ class JobSlots:
 
     # ------------------------------------------------------------ adapters and slots
 
-    def _job(self, job_id: str) -> JobState:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise UnknownJobError(f"job {job_id!r} is not resident on this trainer engine")
-        return job
-
     def _attach_adapter(self, adapter_name: str, config: PeftLoraConfig, empty: bool = False) -> None:
         """Add an adapter to the PeftModel; ``empty``: parameters on the meta device, no init."""
         if self._peft is None:
@@ -462,7 +476,7 @@ class JobSlots:
         self._jobs[job_id] = job
         return job
 
-    def _make_slot(self, homes: dict[str, Home], weight_decay: float = 0.0) -> Slot:
+    def _make_slot(self, homes: dict[str, Home]) -> Slot:
         """A slot for an attached adapter: one new device buffer laid out as the job's copies
         are. Its parameters become views into it, keeping their values (``param.data``: the
         ``nn.Parameter`` objects peft holds stay), or, for meta placeholders, new parameters
@@ -506,7 +520,8 @@ class JobSlots:
             for group in spec.groups:
                 if group.name.startswith(("optim.", "step.")):
                     spans[group.name].zero_()
-        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=weight_decay, foreach=True)
+        # lr and weight decay as a step sets them (``train_step``: its hparams; ``optim_step``: its AdamStep)
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0, weight_decay=0.0, foreach=True)
         moments: dict[torch.Tensor, dict[str, torch.Tensor]] = {
             param: {name: views[f"{OPTIM_PREFIX}{key}/{name}"] for name in ("step", "exp_avg", "exp_avg_sq")}
             for key, param in params.items()
@@ -553,21 +568,6 @@ class JobSlots:
             raise JobConfigError(f"adapter {adapter_name!r} has no parameters (do target_modules match the model?)")
         return homes
 
-    # ------------------------------------------------------------ randomness
-
-    @contextlib.contextmanager
-    def _forked_rng(self) -> Iterator[None]:
-        """Global RNG changes inside the block are undone after it."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            yield
-
-    def _capture_rng(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
 
 # ---------------------------------------------------------------- helpers
 
@@ -584,16 +584,6 @@ def peft_config(lora: LoraSpec, base_model_path: str) -> PeftLoraConfig:
     )
 
 
-def lora_signature(lora: LoraSpec | None) -> dict[str, Any]:
-    """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able
-    (a full fine-tuning job's: ``{"full_finetune": True}``)."""
-    if lora is None:
-        return {"full_finetune": True}
-    fields = msgspec.to_builtins(lora)
-    fields["target_modules"] = sorted(fields["target_modules"])
-    return fields
-
-
 def _belongs_to_adapter(param_name: str, adapter_name: str) -> bool:
     return f".{adapter_name}." in param_name or param_name.endswith(f".{adapter_name}")
 
@@ -603,6 +593,22 @@ def _peft_file_key(param_name: str, adapter_name: str) -> str:
     if param_name.endswith(f".{adapter_name}"):
         return param_name[: -len(adapter_name) - 1]
     return param_name.replace(f".{adapter_name}.", ".")
+
+
+@contextlib.contextmanager
+def forked_rng(device: torch.device) -> Iterator[None]:
+    """Global RNG changes inside the block are undone after it (the CPU's and ``device``'s)."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """The global RNG states a job keeps its own copy of: the CPU's, and ``device``'s on CUDA."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 def store_rng(views: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:

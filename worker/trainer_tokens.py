@@ -45,8 +45,8 @@ from worker.errors import BatchError
 from worker.tinker_losses import LossInputs, check_call, loss_config, token_loss
 from worker.token_logprobs import causal_lm_parts, head_logprobs
 from worker.train_batches import PAD_ID, micro_batch_bounds
-from worker.trainer_math import TrainingMath
-from worker.trainer_slots import JobState
+from worker.trainer_math import PassOptions, TrainingMath
+from worker.trainer_slots import JobSlots, JobState
 
 MIN_PADDED_WIDTH = 16  # the narrowest padded datum; wider ones grow by an eighth of a power of two
 
@@ -147,23 +147,34 @@ def check_adam(adam: AdamStep) -> None:
             raise BatchError(f"adam.{name} must be finite and {wanted}, got {value}")
 
 
-class TokenLossMath(TrainingMath):
-    """``forward_backward`` and ``optim_step`` on the resident jobs (the part of
-    ``TrainerEngine`` that serves the Tinker API's token-level losses)."""
+class TokenLosses:
+    """``forward_backward`` and ``optim_step`` on the resident jobs of ``slots`` (the Tinker API's
+    token-level losses), each job's pass run as ``math`` runs it (``TrainingMath.activate``,
+    ``job_weights``, ``forward_context``, ``job_rng``); it owns no state of its own."""
+
+    def __init__(
+        self, slots: JobSlots, math: TrainingMath, base: torch.nn.Module, options: PassOptions, device: torch.device
+    ) -> None:
+        """``base``: the model (its vocabulary and positions bound a call's tokens)."""
+        self.slots = slots
+        self.math = math
+        self.options = options
+        self.device = device
+        self._base = base
 
     def forward_backward(self, job_id: str, call: LossCall) -> ForwardBackwardResult:
         """Each datum's log-probs of its ``target_tokens`` (position i given ``tokens[: i + 1]``)
         and the loss's sum over tokens and data, in eval mode; nothing changes (no gradient, no
         RNG drawn, no optimizer state)."""
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         check_call(call, self._vocab_size())
         config = loss_config(call.loss_fn, call.loss_fn_config)
-        model = self._activate(job, train=False)
+        model = self.math.activate(job, train=False)
         logprobs: list[list[float]] = [[] for _ in call.data]
         losses = [0.0] * len(call.data)
-        with torch.no_grad(), self._job_weights(job, grad=False):
+        with torch.no_grad(), self.math.job_weights(job, grad=False):
             for part in self._token_micro_batches(call):
-                with self._forward_context():
+                with self.math.forward_context():
                     logps = self._target_logprobs(model, part)
                 terms = [token_loss(call.loss_fn, config, logp, part.row_inputs(row)) for row, logp in enumerate(logps)]
                 on_host = torch.cat(logps).cpu().split(part.lengths)
@@ -178,7 +189,7 @@ class TokenLossMath(TrainingMath):
         A non-finite gradient norm skips the update (``skipped:max`` 1). Every call is checked
         before anything changes."""
         started = time.perf_counter()
-        job = self._job(job_id)
+        job = self.slots.job(job_id)
         check_adam(adam)
         if not calls:
             raise BatchError("optim_step has no loss calls (the forward_backward calls since the last step)")
@@ -191,10 +202,10 @@ class TokenLossMath(TrainingMath):
         job.optimizer.zero_grad(set_to_none=True)
         try:
             losses: list[float] = []
-            with self._job_rng(job):
+            with self.math.job_rng(job):
                 for call in calls:
                     losses.extend(self._accumulate_call(job, call))
-            grad_norm = self._clip_gradients(job, adam.grad_clip_norm)
+            grad_norm = self.math.clip_gradients(job, adam.grad_clip_norm)
             skipped = not math.isfinite(grad_norm)
             if not skipped:
                 with _adam_settings(job.optimizer, adam):
@@ -217,11 +228,11 @@ class TokenLossMath(TrainingMath):
     def _accumulate_call(self, job: JobState, call: LossCall) -> list[float]:
         """Add the gradient of the call's loss to the job's parameters; each datum's loss."""
         config = loss_config(call.loss_fn, call.loss_fn_config)
-        model = self._activate(job, train=job.lora is not None and job.lora.dropout > 0)
+        model = self.math.activate(job, train=job.lora is not None and job.lora.dropout > 0)
         losses = [0.0] * len(call.data)
         for part in self._token_micro_batches(call):
-            with self._job_weights(job, grad=True):  # the backward too: gradients reach the job's weights
-                with self._forward_context():
+            with self.math.job_weights(job, grad=True):  # the backward too: gradients reach the job's weights
+                with self.math.forward_context():
                     logps = self._target_logprobs(model, part)
                 terms = torch.stack(
                     [token_loss(call.loss_fn, config, logp, part.row_inputs(row)) for row, logp in enumerate(logps)]
@@ -233,9 +244,8 @@ class TokenLossMath(TrainingMath):
 
     def _token_micro_batches(self, call: LossCall) -> Iterator[TokenRows]:
         max_positions = getattr(cast(Any, self._base).config, "max_position_embeddings", None)
-        return token_micro_batches(
-            call.data, call.loss_fn, self.device, self.micro_batch_rows, self.micro_batch_tokens, max_positions
-        )
+        budget = (self.options.micro_batch_rows, self.options.micro_batch_tokens)
+        return token_micro_batches(call.data, call.loss_fn, self.device, *budget, max_positions)
 
     def _target_logprobs(self, model: torch.nn.Module, part: TokenRows) -> list[torch.Tensor]:
         """Each datum's log p(target of position t | tokens <= t), float32 ``[len(tokens)]``, with
@@ -250,7 +260,8 @@ class TokenLossMath(TrainingMath):
         for row, n in enumerate(part.lengths):
             positions = torch.ones((1, n), dtype=torch.bool, device=hidden.device)
             targets = part.targets[row : row + 1, : n + 1]
-            logp, _ = head_logprobs(hidden[row : row + 1, :n], head, targets, positions, self.logprob_chunk_tokens)
+            chunk = self.options.logprob_chunk_tokens
+            logp, _ = head_logprobs(hidden[row : row + 1, :n], head, targets, positions, chunk)
             logps.append(logp[0])
         return logps
 

@@ -19,9 +19,11 @@ import msgspec
 from daemon import jail
 from daemon import metrics as M
 from daemon.blobs import BlobError
-from daemon.core.base import CoreBase, log
+from daemon.core.lifecycle import JobLifecycle, state_bytes
 from daemon.core.records import VERSION, WorkerState
+from daemon.core.tables import JobTable, Settings, Turn, WorkerTable, log
 from daemon.journal import TERMINAL
+from daemon.scheduler import Scheduler
 from plexctl.common import auth, uploads
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic
@@ -29,7 +31,7 @@ from plexctl.common.context_fit import context_problems
 from plexctl.common.jobdir import JobDir
 from plexctl.common.memplan import VLLM_LORA_RANKS, TrainerRoom, spec_step_problem
 from plexctl.common.sizes import fmt_bytes
-from plexctl.common.spec import EXTERNAL, JobSpec, SpecError, spec_from_wire, wire_rule_problems
+from plexctl.common.spec import JobSpec, spec_from_wire, wire_rule_problems
 
 LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
 EXPORT_CHUNK = 8 << 20  # bytes of an exported file one reply carries
@@ -47,8 +49,21 @@ INTERNAL_OPS = {
 }  # drivers, workers, Slurm node tasks
 
 
-class ClientOps(CoreBase):
+class ClientOps:
     """The requests of ``plexctl`` and other clients (``HANDLERS`` in ``DaemonCore``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        turn: Turn,
+        jobs: JobTable,
+        workers: WorkerTable,
+        sched: Scheduler,
+        telemetry: M.Telemetry,
+        lifecycle: JobLifecycle,
+    ) -> None:
+        self.settings, self.turn, self.jobs, self.workers = settings, turn, jobs, workers
+        self.sched, self.telemetry, self.lifecycle = sched, telemetry, lifecycle
 
     def refusal(self, op: bytes, user: str) -> str:
         """Why ``user`` may not send ``op`` ("" if they may): asked before the body is decoded."""
@@ -63,60 +78,63 @@ class ClientOps(CoreBase):
                 f"{user or 'this client'} may not send {op.decode(errors='replace')}: "
                 "it is for the cluster's own processes"
             )
-        if op == P.Op.DOWN and user != self.owner:
-            return f"only the cluster's owner ({self.owner}) may stop it"
+        owner = self.settings.owner
+        if op == P.Op.DOWN and user != owner:
+            return f"only the cluster's owner ({owner}) may stop it"
         return ""
 
     def _visible(self, job_user: str) -> bool:
         """Whether the current sender may see and act on a job of ``job_user``."""
-        return self.sender in (job_user, self.owner, auth.INTERNAL_USER)
+        return self.turn.sender in (job_user, self.settings.owner, auth.INTERNAL_USER)
 
     def on_ping(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
-        decls = [e for w in self.workers.values() for e in w.engines]
+        decls = self.workers.decls()
         ready = sum(1 for w in self.workers.values() if w.ready for _ in w.engines)
-        total = max(len(decls), self.local_workers)
-        self._send(
+        total = max(len(decls), self.workers.local_workers)
+        self.turn.send(
             identity,
             P.Op.REPLY,
             P.Pong(
                 version=VERSION,
-                pid=self.pid,
-                started_at=self.started_at,
+                pid=self.settings.pid,
+                started_at=self.settings.started_at,
                 workers=len(self.workers),
                 engines_ready=ready,
                 engines_total=total,
-                problems=list(self.problems),
-                upload_inputs=self.is_isolated(self.sender),
+                problems=list(self.workers.problems),
+                upload_inputs=self.settings.is_isolated(self.turn.sender),
             ),
             header.msg_id,
         )
 
     def on_submit(self, identity: bytes, header: P.Header, body: P.SubmitReq) -> None:
+        sender, is_isolated, jobs = self.turn.sender, self.settings.is_isolated, self.jobs
         try:
             spec = spec_from_wire(body.spec)
-            broken = wire_rule_problems(body.spec, from_tinker_front_end=self.sender == auth.INTERNAL_USER)
+            broken = wire_rule_problems(body.spec, from_tinker_front_end=sender == auth.INTERNAL_USER)
         except Exception as exc:  # noqa: BLE001
-            self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {exc}")
+            self.turn.error(identity, header.msg_id, "bad_request", f"invalid job spec: {exc}")
             return
         if broken:  # the rules the CLI ran, run again: a client may skip them
-            self._error(identity, header.msg_id, "bad_request", f"invalid job spec: {'; '.join(broken)}")
+            self.turn.error(identity, header.msg_id, "bad_request", f"invalid job spec: {'; '.join(broken)}")
             return
-        if os.path.realpath(spec.model.path) not in self.models:
-            self._error(
+        models = self.workers.models
+        if os.path.realpath(spec.model.path) not in models:
+            self.turn.error(
                 identity,
                 header.msg_id,
                 "refused",
                 f"model.path {spec.model.path!r} is not served by this cluster "
-                f"(it serves: {', '.join(sorted(self.models))})",
+                f"(it serves: {', '.join(sorted(models))})",
             )
             return
         refusal = self._engines_refuse(spec)
         if refusal:
-            self._error(identity, header.msg_id, "refused", refusal)
+            self.turn.error(identity, header.msg_id, "refused", refusal)
             return
-        user = body.user if self.sender == auth.INTERNAL_USER else self.sender  # who the key says, not the body
-        if spec.algo.loss_fn and user not in self.trusted_users:
-            self._error(
+        user = body.user if sender == auth.INTERNAL_USER else sender  # who the key says, not the body
+        if spec.algo.loss_fn and user not in self.settings.trusted_users:
+            self.turn.error(
                 identity,
                 header.msg_id,
                 "untrusted",
@@ -125,11 +143,11 @@ class ClientOps(CoreBase):
                 f"with `plexctl up --trust-user-code {user}`",
             )
             return
-        refusal = jail.refusal(user) if self.is_isolated(user) else ""
+        refusal = jail.refusal(user) if is_isolated(user) else ""
         if refusal:
-            self._error(identity, header.msg_id, "untrusted", refusal)
+            self.turn.error(identity, header.msg_id, "untrusted", refusal)
             return
-        if self.is_isolated(user):  # the daemon never opens their paths: their client sent the files
+        if is_isolated(user):  # the daemon never opens their paths: their client sent the files
             missing = sorted(set(uploads.field_paths(body.spec)) - {f.field for f in body.inputs})
             problem = (
                 (
@@ -137,24 +155,24 @@ class ClientOps(CoreBase):
                     f"plexctl.inputs.submit, which send them)"
                 )
                 if missing
-                else self.blobs.check(user, body.inputs)
+                else jobs.blobs.check(user, body.inputs)
             )
             if not problem:  # the CLI measured the prompts against the context; a raw submit did not
                 problem = "; ".join(self._context_problems(spec, user, body.inputs))
             if problem:
-                self._error(identity, header.msg_id, "bad_request", problem)
+                self.turn.error(identity, header.msg_id, "bad_request", problem)
                 return
-        known = self.journal.submitted(body.submit_id)
+        known = jobs.journal.submitted(body.submit_id)
         if known is not None:  # a retried submit: the job it made, whatever has happened since
-            if self._known_job(known).user != user:
-                self._error(identity, header.msg_id, "bad_request", f"submit id {body.submit_id!r} is taken")
+            if jobs.known(known).user != user:
+                self.turn.error(identity, header.msg_id, "bad_request", f"submit id {body.submit_id!r} is taken")
             else:
-                self._send(identity, P.Op.REPLY, P.SubmitRep(job_id=known, created=False), header.msg_id)
+                self.turn.send(identity, P.Op.REPLY, P.SubmitRep(job_id=known, created=False), header.msg_id)
             return
-        holders = self.journal.holding(spec.name, user)
+        holders = jobs.journal.holding(spec.name, user)
         if holders and not body.replace:
             held = holders[-1]
-            self._error(
+            self.turn.error(
                 identity,
                 header.msg_id,
                 "bad_request",
@@ -162,20 +180,18 @@ class ClientOps(CoreBase):
                 f"another name (--name), or replace it (`plexctl submit --replace`)",
             )
             return
-        refusal = self.quotas.submit(user, self.now) if self.is_isolated(user) else ""
+        refusal = jobs.quotas.submit(user, self.turn.now) if is_isolated(user) else ""
         if refusal:
-            self._error(identity, header.msg_id, "refused", refusal)
+            self.turn.error(identity, header.msg_id, "refused", refusal)
             return
         for old in holders:  # the older job is cancelled first: the name then means the new one alone
-            self._cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
-        job_id, created = self.journal.submit(
-            body.submit_id, spec.name, user, body.spec, spec.algo.steps, spec.priority
-        )
+            self.lifecycle.cancel(old.job_id, f"replaced by a new submit of {spec.name!r}")
+        job_id, created = jobs.journal.submit(body.submit_id, user, spec)
         if created and body.inputs:
-            write_bytes_atomic(self._job_dir(job_id).inputs, msgspec.json.encode(body.inputs))
+            write_bytes_atomic(jobs.job_dir(job_id).inputs, msgspec.json.encode(body.inputs))
         if created:
             log.info("job %s (%s) submitted by %s", job_id, spec.name, user)
-        self._send(
+        self.turn.send(
             identity,
             P.Op.REPLY,
             P.SubmitRep(job_id=job_id, created=created, replaced=[old.job_id for old in holders]),
@@ -187,7 +203,7 @@ class ClientOps(CoreBase):
         max_tokens beside the sequences they hold, its state beside every trainer's capacity), or "".
         Judged by the engines registered so far."""
         model = os.path.realpath(spec.model.path)
-        decls = [d for w in self.workers.values() for d in w.engines if os.path.realpath(d.model) == model]
+        decls = [d for d in self.workers.decls() if os.path.realpath(d.model) == model]
         served = sorted({d.dtype for d in decls if d.dtype})
         if spec.model.dtype is not None and served and spec.model.dtype not in served:
             return (
@@ -209,7 +225,7 @@ class ClientOps(CoreBase):
                 f"hold sequences of {min(lengths)} tokens, prompt included (`plexctl up --max-model-len`)"
             )
         capacities = [d.state_capacity_bytes for d in decls if d.kind == "trainer" and d.state_capacity_bytes]
-        need = self._state_bytes(spec)
+        need = state_bytes(spec)
         if need and capacities and need > max(capacities):
             what = (
                 "lora: the job's adapter and optimizer state"
@@ -235,21 +251,22 @@ class ClientOps(CoreBase):
         data = [f for f in files if f.field in ("data.path", "data.eval_path") and f.kind == "file"]
         if not data or sum(f.size for f in data) > CONTEXT_CHECK_BYTES:
             return []
-        return context_problems(spec, {f.relpath: self.blobs.path(user, f.sha256) for f in data})
+        return context_problems(spec, {f.relpath: self.jobs.blobs.path(user, f.sha256) for f in data})
 
     def on_status(self, identity: bytes, header: P.Header, body: P.StatusReq) -> None:
         if body.job_id:
             job_id = self._find(identity, header, body.job_id)
             if job_id is None:
                 return
-            jobs = [self._known_job(job_id)]
+            jobs = [self.jobs.known(job_id)]
         else:
-            jobs = [j for j in self.journal.jobs() if self._visible(j.user)]
+            jobs = [j for j in self.jobs.journal.jobs() if self._visible(j.user)]
         jobs = [self._with_live_fields(j) for j in jobs]
-        now = self.now
+        now, started_at, journal = self.turn.now, self.settings.started_at, self.jobs.journal
+        stats = self.workers.engine_stats
 
         def shown(job_ids: Iterable[str]) -> list[str]:  # others' jobs on a shared engine stay unnamed
-            return sorted(j for j in job_ids if (info := self.journal.job(j)) is not None and self._visible(info.user))
+            return sorted(j for j in job_ids if (info := journal.job(j)) is not None and self._visible(info.user))
 
         engines = []
         busy_total = span_total = 0.0
@@ -260,7 +277,7 @@ class ClientOps(CoreBase):
                 if eng is not None:
                     busy = eng.busy_seconds + (now - eng.busy_since if eng.busy_since else 0.0)
                     busy_total += busy
-                    span_total += now - max(self.started_at, eng.up_at or self.started_at)
+                    span_total += now - max(started_at, eng.up_at or started_at)
                 engines.append(
                     P.EngineInfo(
                         engine_id=decl.engine_id,
@@ -272,9 +289,9 @@ class ClientOps(CoreBase):
                         resident=shown(j for j, h in self.sched.home.items() if h == decl.engine_id),
                         busy_seconds=busy,
                         tasks_done=eng.tasks_done if eng else 0,
-                        tiers=self.engine_stats.get(decl.engine_id, {}).get("tiers", {}),
-                        swaps=self.engine_stats.get(decl.engine_id, {}).get("swaps", {}),
-                        swaps_by_kind=self.engine_stats.get(decl.engine_id, {}).get("swaps_by_kind", {}),
+                        tiers=stats.get(decl.engine_id, {}).get("tiers", {}),
+                        swaps=stats.get(decl.engine_id, {}).get("swaps", {}),
+                        swaps_by_kind=stats.get(decl.engine_id, {}).get("swaps_by_kind", {}),
                         switches=eng.switches if eng else 0,
                         shared_passes=eng.shared_passes if eng else 0,
                         shared_tasks=eng.shared_tasks if eng else 0,
@@ -291,18 +308,18 @@ class ClientOps(CoreBase):
         # idle share of engine time since this daemon started (running totals: no scan of past tasks)
         bubble = max(0.0, 1.0 - busy_total / span_total) if span_total > 0 else None
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
-        marks = self.telemetry.marks_since(self.started_at) if body.timeline else []
-        moves = self.telemetry.moves_since(self.started_at) if body.timeline else []
-        self._send(
+        marks = self.telemetry.marks_since(started_at) if body.timeline else []
+        moves = self.telemetry.moves_since(started_at) if body.timeline else []
+        self.turn.send(
             identity,
             P.Op.REPLY,
             P.StatusRep(
                 jobs=jobs,
                 engines=engines,
                 now=now,
-                policy=self.policy,
+                policy=self.settings.policy,
                 bubble_ratio=bubble,
-                started_at=self.started_at,
+                started_at=started_at,
                 timeline=timeline,
                 swap_marks=marks,
                 moves=moves,
@@ -327,16 +344,16 @@ class ClientOps(CoreBase):
     def snapshot_gauges(self, now: float) -> None:
         """Refresh what a Prometheus scrape sees (cheap sums; the HTTP thread only renders them)."""
         by_state: dict[str, int] = {}
-        for j in self.journal.jobs():
+        for j in self.jobs.journal.jobs():
             by_state[j.state] = by_state.get(j.state, 0) + 1
-        swaps = {e: st.get("swaps", {}) for e, st in self.engine_stats.items()}
+        swaps = {e: st.get("swaps", {}) for e, st in self.workers.engine_stats.items()}
         engines = M.engine_gauges(self.sched, swaps, now)
         self.telemetry.set_gauges(
             M.Gauges(
                 jobs_by_state=by_state,
                 engines=engines,
                 bubble_ratio=M.bubble_of(engines),
-                uptime_s=now - self.started_at,
+                uptime_s=now - self.settings.started_at,
             )
         )
 
@@ -344,32 +361,33 @@ class ClientOps(CoreBase):
         """A job id the sender may see, from an id, ``USER/NAME`` or a bare name; a bare name is
         the sender's own newest job of that name, never another user's (the cluster's own
         processes name any job). What names nothing the sender may see gets its error reply."""
-        if (info := self.journal.job(ref)) is not None and self._visible(info.user):
+        journal = self.jobs.journal
+        if (info := journal.job(ref)) is not None and self._visible(info.user):
             return ref
         user, _, name = ref.rpartition("/")
-        if not user and self.sender != auth.INTERNAL_USER:
-            user = self.sender
-        named = [j for j in self.journal.jobs() if j.name == name and (j.user == user or not user)]
+        if not user and self.turn.sender != auth.INTERNAL_USER:
+            user = self.turn.sender
+        named = [j for j in journal.jobs() if j.name == name and (j.user == user or not user)]
         named = [j for j in named if self._visible(j.user)]
         if named:
             return named[-1].job_id
-        others = [j for j in self.journal.jobs() if j.name == name and self._visible(j.user) and j.user != user]
+        others = [j for j in journal.jobs() if j.name == name and self._visible(j.user) and j.user != user]
         if others and "/" not in ref:
             ids = ", ".join(f"{j.user}/{j.name} ({j.job_id})" for j in others[-5:])
             why = f"no job of yours named {ref!r}; other users' jobs of that name: {ids}: name one by USER/NAME or id"
         else:
             why = f"no job {ref!r}"
-        self._error(identity, header.msg_id, "not_found", why)
+        self.turn.error(identity, header.msg_id, "not_found", why)
         return None
 
     def _with_live_fields(self, job: P.JobInfo) -> P.JobInfo:
         """Add what only the running daemon knows: why a job waits, where its state lives, and
         what it trains (from its spec)."""
-        reason = self.reasons.get(job.job_id, "") if job.state == "queued" else ""
+        reason = self.jobs.reasons.get(job.job_id, "") if job.state == "queued" else ""
         tier = ""
         home = self.sched.home_of(job.job_id, "trainer")
         if home and job.state == "running":
-            where = self.engine_stats.get(home, {}).get("where", {})
+            where = self.workers.where(home)
             tier = f"{home}:{where.get(job.job_id, 'device')}" if where else home
         trains, model = self._trains(job.job_id)
         return msgspec.structs.replace(job, reason=reason, state_tier=tier, trains=trains, model=model)
@@ -377,23 +395,21 @@ class ClientOps(CoreBase):
     def _trains(self, job_id: str) -> tuple[str, str]:
         """What the job trains (``JobInfo.trains``) and its model, from its spec; "" for a spec this
         daemon cannot read."""
-        spec = self.specs.get(job_id)
-        if spec is None:
-            try:
-                spec = spec_from_wire(self.journal.spec(job_id))
-            except (SpecError, TypeError, ValueError):  # a spec of another version: status still answers
-                return "", ""
+        try:
+            spec = self.jobs.journal.spec(job_id)
+        except ValueError:  # a spec of another version: status still answers
+            return "", ""
         return (P.TRAINS_ALL if spec.lora is None else P.TRAINS_ADAPTER), os.path.realpath(spec.model.path)
 
     def on_cancel(self, identity: bytes, header: P.Header, body: P.JobRef) -> None:
         job_id = self._find(identity, header, body.job_id)
         if job_id is None:
             return
-        rt = self.runtimes.get(job_id)
-        if rt is not None and rt.spec.kind == EXTERNAL and self.sender == auth.INTERNAL_USER:
-            rt.ended_by_client = True  # the Tinker front end ends the job: its client's session finished
-        self._cancel(job_id, "its Tinker session finished" if rt is not None and rt.ended_by_client else "")
-        self._send(identity, P.Op.REPLY, self.journal.job(job_id), header.msg_id)
+        rt = self.jobs.runtimes.get(job_id)
+        if rt is not None and rt.driver.ended_by(self.turn.sender):
+            rt.ended_by_client = True
+        self.lifecycle.cancel(job_id, "its Tinker session finished" if rt is not None and rt.ended_by_client else "")
+        self.turn.send(identity, P.Op.REPLY, self.jobs.journal.job(job_id), header.msg_id)
 
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
         job_id = self._find(identity, header, body.job_id)
@@ -401,11 +417,11 @@ class ClientOps(CoreBase):
             return
         name = {"log": JobDir.DRIVER_LOG, "metrics": JobDir.METRICS}.get(body.kind)
         if name is None:
-            self._error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
+            self.turn.error(identity, header.msg_id, "bad_request", f"unknown log kind {body.kind!r}")
             return
-        ended = self._known_job(job_id).state in TERMINAL  # before reading: all it wrote is there
+        ended = self.jobs.known(job_id).state in TERMINAL  # before reading: all it wrote is there
         data, size = b"", 0
-        info = self._known_job(job_id)
+        info = self.jobs.known(job_id)
         path = self._job_output(job_id, info.user, name)
         if path.is_symlink() or path.exists():
             try:
@@ -415,12 +431,12 @@ class ClientOps(CoreBase):
                     data = f.read(LOGS_CHUNK)
             except OSError:  # a link or a FIFO the job put there: its own doing, said without the host path
                 log.warning("job %s: its %s is not a regular file; not read", job_id, name)
-                self._error(identity, header.msg_id, "bad_request", f"job {job_id}'s {name} is not a regular file")
+                self.turn.error(identity, header.msg_id, "bad_request", f"job {job_id}'s {name} is not a regular file")
                 return
             if not (ended and body.offset + len(data) >= size):  # more to come: never half a character
                 data = data[: _chunk_end(data, whole_lines=len(data) == LOGS_CHUNK)]
         offset = body.offset + len(data)
-        self._send(
+        self.turn.send(
             identity,
             P.Op.REPLY,
             P.LogsRep(data=data.decode(errors="replace"), offset=offset, finished=ended and offset >= size),
@@ -431,20 +447,20 @@ class ClientOps(CoreBase):
         """A file a job's driver writes (``metrics.jsonl``): in its own directory when jailed, in a
         copy of the daemon's once it ended. The driver's log is the daemon's (it holds the file
         open for the driver)."""
-        job_dir = self._job_dir(job_id)
+        job_dir = self.jobs.job_dir(job_id)
         kept = job_dir.root / name  # an ended jailed job's: the daemon's copy
-        if self.is_isolated(user) and name != JobDir.DRIVER_LOG and not kept.exists():
+        if self.settings.is_isolated(user) and name != JobDir.DRIVER_LOG and not kept.exists():
             return job_dir.driver_out / name
         return kept
 
     def on_blob(self, identity: bytes, header: P.Header, body: P.BlobReq) -> None:
         """A chunk of one of the sender's input files (or the question how much is held)."""
         try:
-            have = self.blobs.put(self.sender, body)
+            have = self.jobs.blobs.put(self.turn.sender, body)
         except (BlobError, OSError) as exc:
-            self._error(identity, header.msg_id, "bad_request", str(exc))
+            self.turn.error(identity, header.msg_id, "bad_request", str(exc))
             return
-        self._send(identity, P.Op.REPLY, P.BlobRep(have), header.msg_id)
+        self.turn.send(identity, P.Op.REPLY, P.BlobRep(have), header.msg_id)
 
     def on_export(self, identity: bytes, header: P.Header, body: P.ExportReq) -> None:
         """A job's latest adapter or checkpoint, for its user to copy out with their own rights:
@@ -453,33 +469,34 @@ class ClientOps(CoreBase):
         if job_id is None:
             return
         if body.what not in ("adapter", "checkpoint"):
-            self._error(
+            self.turn.error(
                 identity, header.msg_id, "bad_request", f"export what: adapter or checkpoint, not {body.what!r}"
             )
             return
         source = self._export_dir(job_id, body.what)
         if source is None:
-            self._error(identity, header.msg_id, "not_found", f"job {job_id} has no {body.what} yet")
+            self.turn.error(identity, header.msg_id, "not_found", f"job {job_id} has no {body.what} yet")
             return
         files = sorted(
             p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
         )
         if not body.path:
             listing = [P.ExportFile(str(p.relative_to(source)), p.stat().st_size) for p in files]
-            self._send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", listing), header.msg_id)
+            self.turn.send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", listing), header.msg_id)
             return
         wanted = {str(p.relative_to(source)): p for p in files}.get(body.path)
         if wanted is None:
-            self._error(identity, header.msg_id, "not_found", f"{body.what} {source.name} has no file {body.path!r}")
+            why = f"{body.what} {source.name} has no file {body.path!r}"
+            self.turn.error(identity, header.msg_id, "not_found", why)
             return
         with jail.open_job_file(wanted) as f:
             f.seek(body.offset)
             data = f.read(EXPORT_CHUNK)
-        self._send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", data=data), header.msg_id)
+        self.turn.send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", data=data), header.msg_id)
 
     def _export_dir(self, job_id: str, what: str) -> Path | None:
         """The directory of the job's latest published adapter or latest checkpoint, if any."""
-        job_dir = self._job_dir(job_id)
+        job_dir = self.jobs.job_dir(job_id)
         if what == "checkpoint":
             try:
                 latest = job_dir.latest_checkpoint()
@@ -490,8 +507,8 @@ class ClientOps(CoreBase):
         return versions[-1] if versions else None
 
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
-        self._send(identity, P.Op.REPLY, {"ok": True, "running": len(self.runtimes)}, header.msg_id)
-        self._drain("plexctl down", urgent=True)
+        self.turn.send(identity, P.Op.REPLY, {"ok": True, "running": len(self.jobs.runtimes)}, header.msg_id)
+        self.lifecycle.drain("plexctl down", urgent=True)
 
 
 def _chunk_end(data: bytes, whole_lines: bool) -> int:

@@ -4,7 +4,8 @@ trainers' tier inventories and prefetches.
 A worker that missed ``WORKER_LIVENESS`` heartbeats is suspect: its engines get no new calls, but
 it keeps its jobs, calls and state until it answers (``_worker_back``) or is lost: silent past the
 worker grace, gone from the cluster, or its process exited. A lost worker's tasks are queued again,
-and the jobs whose trainer state lived on it roll back to their last checkpoint (``_roll_back``).
+and the jobs whose trainer state lived on it roll back to their last checkpoint
+(``JobLifecycle.roll_back``).
 """
 
 from __future__ import annotations
@@ -12,45 +13,60 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from daemon.core.base import CoreBase, log
-from daemon.core.records import HEARTBEAT_S, Effect, JobRuntime, StopDriver, WorkerState
-from daemon.scheduler import Engine
+from daemon import metrics as M
+from daemon.core.lifecycle import JobLifecycle
+from daemon.core.records import HEARTBEAT_S, WorkerState
+from daemon.core.tables import JobTable, Settings, Turn, WorkerTable, log
+from daemon.scheduler import Engine, Scheduler
 from plexctl.common import protocol as P
 
 WORKER_LIVENESS = 3  # heartbeats missed before a worker is suspect: its engines get no new calls
 
 
-class WorkerLiveness(CoreBase):
+class WorkerLiveness:
     """The workers' state as their messages and silences tell it."""
 
-    def worker_process_exited(self, worker_id: str, code: int, now: float) -> list[Effect]:
+    def __init__(
+        self,
+        settings: Settings,
+        turn: Turn,
+        jobs: JobTable,
+        workers: WorkerTable,
+        sched: Scheduler,
+        telemetry: M.Telemetry,
+        lifecycle: JobLifecycle,
+    ) -> None:
+        self.settings, self.turn, self.jobs, self.workers = settings, turn, jobs, workers
+        self.sched, self.telemetry, self.lifecycle = sched, telemetry, lifecycle
+
+    def worker_process_exited(self, worker_id: str, code: int) -> None:
         """The process of a worker the server started exited."""
-        self.now = now
         if worker_id in self.workers:
             self._worker_lost(worker_id, f"process exited with code {code}")
-        return self._effects()
 
     def on_register(self, identity: bytes, header: P.Header, body: P.RegisterReq) -> None:
-        now = self.now
+        now = self.turn.now
         old = self.workers.get(body.worker_id)
         if old is not None and old.identity != identity:
             self._worker_lost(body.worker_id, "re-registered")
         elif old is not None and old.suspect_since is not None:  # back from a stall: it keeps its jobs
             self._worker_back(old, now)
-        self.workers[body.worker_id] = WorkerState(
-            body.worker_id,
-            identity,
-            body.node,
-            now,
-            body.engines,
-            body.ready,
-            body.error,
-            list(body.devices),
-            pid=body.pid,
+        self.workers.add(
+            WorkerState(
+                body.worker_id,
+                identity,
+                body.node,
+                now,
+                body.engines,
+                body.ready,
+                body.error,
+                list(body.devices),
+                pid=body.pid,
+            )
         )
-        self.resident.update(body.resident)
+        self.jobs.resident.update(body.resident)
         if body.error:
-            self.problems.append(f"worker {body.worker_id}: {body.error}")
+            self.workers.problems.append(f"worker {body.worker_id}: {body.error}")
             log.error("worker %s failed: %s", body.worker_id, body.error)
         if body.ready:
             for decl in body.engines:
@@ -72,19 +88,19 @@ class WorkerLiveness(CoreBase):
                         ),
                         now=now,
                     )
-                    self.models.add(os.path.realpath(decl.model))
+                    self.workers.models.add(os.path.realpath(decl.model))
             log.info(
                 "worker %s ready on %s: %s",
                 body.worker_id,
                 body.node,
                 ", ".join(f"{e.engine_id}({e.model})" for e in body.engines),
             )
-        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
+        self.turn.send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
 
     def on_heartbeat(self, identity: bytes, header: P.Header, body: P.HeartbeatBody) -> None:
         w = self.workers.get(body.worker_id)
         if w is not None and w.identity == identity:
-            w.last_seen = self.now
+            w.last_seen = self.turn.now
             if w.suspect_since is not None:
                 self._worker_back(w, w.last_seen)
 
@@ -98,29 +114,28 @@ class WorkerLiveness(CoreBase):
         w = self.workers.get(body.worker_id)
         if w is not None and w.pid in (0, body.pid):  # not a worker of that id registered since
             self._worker_lost(body.worker_id, f"its process exited with code {body.code} (its node task saw it)")
-        self._send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
+        self.turn.send(identity, P.Op.REPLY, {"ok": True}, header.msg_id)
 
-    def _heartbeat_workers(self, now: float) -> None:
+    def heartbeat(self, now: float) -> None:
         """Heartbeat the workers and judge the silent ones: a worker that missed
         ``WORKER_LIVENESS`` heartbeats is suspect (``_suspect``), one silent past ``worker_grace``
         is lost; one whose process exited is lost at once (a local worker's, seen here; a Slurm
         worker's, told by its node task: ``on_worker_exited``)."""
+        grace = self.settings.worker_grace
         for wid, w in list(self.workers.items()):
             silent = now - w.last_seen
-            if silent > self.worker_grace:
-                self._worker_lost(
-                    wid, f"no heartbeat for {silent:.1f} s, past the worker grace of {self.worker_grace:g} s"
-                )
+            if silent > grace:
+                self._worker_lost(wid, f"no heartbeat for {silent:.1f} s, past the worker grace of {grace:g} s")
                 continue
             if silent > HEARTBEAT_S * WORKER_LIVENESS and w.suspect_since is None:
                 self._suspect(w, now, f"no heartbeat for {silent:.1f} s")
-            self._send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
+            self.turn.send(w.identity, P.Op.HEARTBEAT, P.HeartbeatBody("plexd"))
 
     def _suspect(self, w: WorkerState, now: float, why: str) -> None:
         """A worker missed its heartbeats: stalled (a long GC pause, a swap storm, a file-system
         stall) or dead, not yet told apart. Its engines get no new calls; its calls in flight,
         its jobs and their state stay where they are until it answers (``_worker_back``) or is
-        lost (``_heartbeat_workers``)."""
+        lost (``heartbeat``)."""
         w.suspect_since = now
         for decl in w.engines:
             self.sched.engine_suspect(decl.engine_id)
@@ -128,10 +143,10 @@ class WorkerLiveness(CoreBase):
             "worker %s suspect: %s; no new calls go to it, lost if still silent %g s after its last heartbeat",
             w.worker_id,
             why,
-            self.worker_grace,
+            self.settings.worker_grace,
         )
-        for job_id in self._jobs_on(w):
-            self.journal.event(job_id, "worker suspect", f"worker {w.worker_id}: {why}")
+        for job_id in self.jobs.on_engines({d.engine_id for d in w.engines}):
+            self.jobs.journal.event(job_id, "worker suspect", f"worker {w.worker_id}: {why}")
 
     def _worker_back(self, w: WorkerState, now: float) -> None:
         """A suspect worker answers again: its engines take calls again, its jobs go on where they were."""
@@ -140,96 +155,69 @@ class WorkerLiveness(CoreBase):
         for decl in w.engines:
             self.sched.engine_back(decl.engine_id)
         log.info("worker %s answers again after %.1f s suspect; its jobs go on", w.worker_id, suspect_s)
-        for job_id in self._jobs_on(w):
-            self.journal.event(job_id, "worker back", f"worker {w.worker_id} after {suspect_s:.1f} s suspect")
-
-    def _jobs_on(self, w: WorkerState) -> list[str]:
-        """The running jobs that have used an engine of the worker."""
-        engines = {d.engine_id for d in w.engines}
-        return [rt.job_id for rt in self.runtimes.values() if rt.engines & engines]
+        for job_id in self.jobs.on_engines({d.engine_id for d in w.engines}):
+            self.jobs.journal.event(job_id, "worker back", f"worker {w.worker_id} after {suspect_s:.1f} s suspect")
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
-        w = self.workers.pop(worker_id, None)
+        w = self.workers.pop(worker_id)
         if w is None:
             return
         log.error("worker %s lost: %s", worker_id, why)
         for decl in w.engines:
             for task in self.sched.engine_down(decl.engine_id):
                 log.warning("re-queued %s of job %s", task.method, task.job_id)
-            self.engine_stats.pop(decl.engine_id, None)
+            self.workers.engine_stats.pop(decl.engine_id, None)
         trainers = {d.engine_id for d in w.engines if d.kind == "trainer"}
-        for rt in list(self.runtimes.values()):  # their adapter and optimizer state lived there
+        for rt in list(self.jobs.runtimes.values()):  # their adapter and optimizer state lived there
             if rt.engines & trainers and not rt.rolled_back and rt.cancel_requested_at is None:
-                self._roll_back(rt, f"worker {worker_id} lost ({why})")
+                self.lifecycle.roll_back(rt, f"worker {worker_id} lost ({why})")
 
-    def _roll_back(self, rt: JobRuntime, why: str) -> None:
-        """The job's trainer state is gone: stop its driver; it resumes from its last checkpoint."""
-        rt.rolled_back = why
-        self.held.pop(rt.job_id, None)
-        rt.held_calls.clear()
-        rt.sent_ahead.clear()
-        for task in self.sched.release(rt.job_id):
-            self.calls.pop(task.task_id, None)
-        for tid in [t for t, c in self.calls.items() if c.job_id == rt.job_id]:
-            del self.calls[tid]
-        if rt.pid:
-            self._out.append(StopDriver(rt.job_id))
-        log.warning("job %s rolls back to its last checkpoint: %s", rt.job_id, why)
-
-    def _take_inventory(self, identity: bytes, info: dict[str, Any]) -> None:
+    def take_inventory(self, identity: bytes, info: dict[str, Any]) -> None:
         """A trainer's tier inventory and background moves, from a result or an INVENTORY message."""
-        trainer = self._trainer_of(identity, info.get("engine", ""))
+        trainer = self.workers.trainer_of(identity, info.get("engine", ""))
         if trainer and "inventory" in info:
             self._record_inventory(trainer, info["inventory"])
             if info.get("moves"):
                 self.telemetry.moved(trainer, info["moves"])
 
     def on_inventory(self, identity: bytes, header: P.Header, body: P.InventoryBody) -> None:
-        self._take_inventory(identity, body.info)
-
-    def _trainer_of(self, identity: bytes, named: str = "") -> str:
-        """The trainer engine a worker's report is about: the one it names (a worker hosts a
-        trainer per model), else its first; "" for a worker this daemon does not know."""
-        for w in self.workers.values():
-            if w.identity == identity:
-                trainers = [d.engine_id for d in w.engines if d.kind == "trainer"]
-                return named if named in trainers else next(iter(trainers), "")
-        return ""
+        self.take_inventory(identity, body.info)
 
     def _record_inventory(self, engine_id: str, inv: dict[str, Any]) -> None:
         """Keep a trainer's tier inventory for `status`, and tell the scheduler where state lives."""
+        workers = self.workers
         tiers = {t: inv[t] for t in ("device", "host", "nvme") if t in inv}
         where = {job: tier for tier, info in tiers.items() for job in info.get("jobs", [])}
-        if where != self.engine_stats.get(engine_id, {}).get("where"):  # states moved: a prefetch may be asked again
-            self.prefetched.pop(engine_id, None)
-        self.engine_stats[engine_id] = {
+        if where != workers.engine_stats.get(engine_id, {}).get("where"):  # states moved: a prefetch may be asked again
+            workers.prefetched.pop(engine_id, None)
+        workers.engine_stats[engine_id] = {
             "tiers": tiers,
             "swaps": inv.get("swaps", {}),
             "swaps_by_kind": inv.get("swaps_by_kind", {}),
             "where": where,
         }
         for job, tier in where.items():
-            if job in self.runtimes:
+            if job in self.jobs.runtimes:
                 self.sched.state_location(job, engine_id, tier)
 
-    def _prefetch(self, engine_id: str, worker: WorkerState, expected: list[str] | None = None) -> None:
+    def prefetch(self, engine_id: str, worker: WorkerState, expected: list[str] | None = None) -> None:
         """Ask the trainer to bring the state of the job expected to need it next up from NVMe,
         while it serves another job or the jobs are busy elsewhere (the store moves it only if
         host memory has room for it without demoting a copy needed sooner). ``expected``: the
         engine's order, when the caller has it already."""
         expected = self.sched.expected(engine_id) if expected is None else expected
-        where = self.engine_stats.get(engine_id, {}).get("where", {})
+        where = self.workers.where(engine_id)
         job = next((j for j in expected if where.get(j) == "nvme"), None)
-        if job is None or self.prefetched.get(engine_id) == job:
+        if job is None or self.workers.prefetched.get(engine_id) == job:
             return
-        self.prefetched[engine_id] = job
-        self._send(worker.identity, P.Op.PREFETCH, P.PrefetchBody(job, engine_id, expected))
+        self.workers.prefetched[engine_id] = job
+        self.turn.send(worker.identity, P.Op.PREFETCH, P.PrefetchBody(job, engine_id, expected))
 
-    def _prefetch_for(self, job_id: str) -> None:
+    def prefetch_for(self, job_id: str) -> None:
         """After one of the job's tasks ended: the prefetch of its trainer may change."""
         job = self.sched.jobs.get(job_id)
         engine_id = job.homes.get("trainer") if job is not None else None
         engine = self.sched.engines.get(engine_id) if engine_id else None
         worker = self.workers.get(engine.worker_id) if engine is not None else None
         if engine is not None and worker is not None:
-            self._prefetch(engine.engine_id, worker)
+            self.prefetch(engine.engine_id, worker)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon.scheduler import Task
 from plexctl.common import calls as C
@@ -18,6 +18,9 @@ from plexctl.common import protocol as P
 from plexctl.common.cluster_config import DEFAULTS, drain_timeout_s
 from plexctl.common.jobdir import JobDir
 from plexctl.common.spec import JobSpec
+
+if TYPE_CHECKING:
+    from daemon.core.job_kinds import JobDriver
 
 VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
@@ -106,6 +109,7 @@ class JobRuntime:
     # of those, the tasks sent ahead to the worker (``_send_ahead``), with their engine
     sent_ahead: dict[int, list[tuple[Task, str]]] = field(default_factory=dict)
     model: str = ""  # the model's resolved path, as its engines declare it
+    driver: JobDriver = field(kw_only=True)  # how the job is driven (its kind's strategy)
 
 
 @dataclass

@@ -15,14 +15,17 @@ from typing import Any, cast
 
 import msgspec
 
-from daemon.core.base import CoreBase
+from daemon import metrics as M
+from daemon.core.lifecycle import JobLifecycle
+from daemon.core.liveness import WorkerLiveness
 from daemon.core.records import JobRuntime, PendingCall, Prune, WorkerState, _kept_adapter
-from daemon.scheduler import Task
+from daemon.core.tables import CallTable, JobTable, Settings, Turn, WorkerTable
+from daemon.scheduler import Scheduler, Task
 from plexctl.common import auth
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.jobdir import JobDir, LatestCheckpoint
-from plexctl.common.spec import EXTERNAL
+from plexctl.common.scheduling import can_share_pass
 
 
 class _CallSite:
@@ -30,13 +33,19 @@ class _CallSite:
     ``adapter``/``version``: the policy a generate samples unless it names another."""
 
     def __init__(
-        self, core: CoreBase, rt: JobRuntime, call: PendingCall, adapter: P.AdapterRef | None, version: int
+        self,
+        jobs: JobTable,
+        trusted: bool,
+        rt: JobRuntime,
+        call: PendingCall,
+        adapter: P.AdapterRef | None,
+        version: int,
     ) -> None:
-        self.core, self.rt, self.call = core, rt, call
+        self.jobs, self.rt, self.call = jobs, rt, call
         self.adapter, self.version = adapter, version
         self.job_id = rt.job_id
         self.trainer = C.TrainerContext(lora=rt.spec.lora, seed=rt.spec.seed)
-        self.trusted = rt.user in core.trusted_users
+        self.trusted = trusted
 
     def sample_from(self, version: int | None) -> P.AdapterRef | None:
         adapter = self.adapter
@@ -69,27 +78,42 @@ class _CallSite:
             return latest.dir
         path = Path(os.path.realpath(ckpt_dir))  # a checkpoint of a job of the user's: <jobs>/<job>/ckpt/step-N
         job_dir = JobDir(path.parent.parent)
-        if job_dir.root.parent == Path(os.path.realpath(self.core.jobs_dir)) and job_dir.is_checkpoint(path):
-            owner = self.core.journal.job(job_dir.root.name)
+        if job_dir.root.parent == Path(os.path.realpath(self.jobs.jobs_dir)) and job_dir.is_checkpoint(path):
+            owner = self.jobs.journal.job(job_dir.root.name)
             if owner is not None and owner.user == rt.user:
                 return str(path)
         raise C.CallRefused("bad_request", f"{ckpt_dir} is not a checkpoint of a job of {rt.user or 'this user'}")
 
 
-class CallRouting(CoreBase):
+class CallRouting:
     """Service calls from drivers to engines and back, and the drivers' reports."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        turn: Turn,
+        jobs: JobTable,
+        workers: WorkerTable,
+        calls: CallTable,
+        sched: Scheduler,
+        telemetry: M.Telemetry,
+        liveness: WorkerLiveness,
+        lifecycle: JobLifecycle,
+    ) -> None:
+        self.settings, self.turn, self.jobs, self.workers, self.calls = settings, turn, jobs, workers, calls
+        self.sched, self.telemetry, self.liveness, self.lifecycle = sched, telemetry, liveness, lifecycle
 
     def _foreign_job(self, job_id: str) -> bool:
         """Whether the sender is an isolated driver of another job than ``job_id``."""
-        return auth.job_of(self.sender) not in (None, job_id)
+        return auth.job_of(self.turn.sender) not in (None, job_id)
 
     def on_call(self, identity: bytes, header: P.Header, body: P.CallReq) -> None:
-        rt = self.runtimes.get(body.job_id)
+        rt = self.jobs.runtimes.get(body.job_id)
         if self._foreign_job(body.job_id):
-            self._error(identity, header.msg_id, "forbidden", f"job {body.job_id} is not this driver's")
+            self.turn.error(identity, header.msg_id, "forbidden", f"job {body.job_id} is not this driver's")
             return
         if rt is None:
-            self._error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
+            self.turn.error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
             return
         if header.msg_id in rt.calls_seen:  # sent again by a driver that reconnected: already in hand
             return
@@ -97,9 +121,9 @@ class CallRouting(CoreBase):
         while len(rt.calls_seen) > 256:
             del rt.calls_seen[next(iter(rt.calls_seen))]
         if rt.cancel_requested_at is not None:
-            self._error(identity, header.msg_id, "cancelled", "the job was cancelled")
+            self.turn.error(identity, header.msg_id, "cancelled", "the job was cancelled")
             return
-        if body.after and any(c.job_id == rt.job_id and c.msg_id == body.after for c in self.calls.values()):
+        if body.after and self.calls.pending(rt.job_id, body.after):
             rt.held_calls.setdefault(body.after, []).append((identity, header, body))
             return  # started by on_result, the moment the call it follows is done
         self._start_call(rt, identity, header, body)
@@ -109,8 +133,8 @@ class CallRouting(CoreBase):
         task = self._call_task(rt, identity, header, body, rt.adapter, rt.policy_version)
         if task is None:
             return
-        if rt.job_id in self.adopting and not self._adopt(rt.job_id, self.now):
-            self.held.setdefault(rt.job_id, []).append(task)  # submitted once the job has its homes again
+        if rt.job_id in self.jobs.adopting and not self.lifecycle.place_adopted(rt.job_id, self.turn.now):
+            self.jobs.held.setdefault(rt.job_id, []).append(task)  # submitted once the job has its homes again
             return
         self.sched.submit(task)
 
@@ -127,16 +151,16 @@ class CallRouting(CoreBase):
         ``adapter``, policy ``version``. None: answered here."""
         spec, req = rt.spec, body.request
         call = PendingCall(rt.job_id, identity, header.msg_id, req.method)
-        site = _CallSite(self, rt, call, adapter, version)
+        site = _CallSite(self.jobs, rt.user in self.settings.trusted_users, rt, call, adapter, version)
         if rt.pid:  # a repeated trainer call is applied once (worker.servers)
             site.trainer.call_key = f"{rt.pid}:{header.msg_id}"
         try:
             made = C.METHODS[req.method].task_of(req, site)
         except C.CallRefused as refused:
-            self._error(identity, header.msg_id, refused.code, refused.why)
+            self.turn.error(identity, header.msg_id, refused.code, refused.why)
             return None
         if isinstance(made, C.Reply):
-            self._send(identity, P.Op.REPLY, made, header.msg_id)
+            self.turn.send(identity, P.Op.REPLY, made, header.msg_id)
             return None
         task = cast(C.AnyTask, made)
         call.task = task
@@ -148,17 +172,17 @@ class CallRouting(CoreBase):
             ref = task.request.adapter
             weights = f"{ref.job_id}@v{ref.version}" if ref is not None and ref.full else rt.model
         queued = Task(
-            next(self.task_ids),
+            self.calls.next_task_id(),
             rt.job_id,
             kind,
             req.method,
             rt.model,
-            self.now,
+            self.turn.now,
             spec.priority,
             weights,
             _pass_tokens(task),
         )
-        self.calls[queued.task_id] = call
+        self.calls.add(queued.task_id, call)
         return queued
 
     def _send_ahead(self, rt: JobRuntime, call: PendingCall, task_id: int, engine_id: str) -> None:
@@ -187,7 +211,7 @@ class CallRouting(CoreBase):
             rt.sent_ahead[call.msg_id] = [(task, home)]
             engine_task = self.calls[task.task_id].task
             assert engine_task is not None  # made with the call (_call_task)
-            self._send(
+            self.turn.send(
                 worker.identity, P.Op.TASK, P.TaskBody(task.task_id, rt.job_id, home, engine_task, after=task_id)
             )
         if held:
@@ -196,7 +220,7 @@ class CallRouting(CoreBase):
             del rt.held_calls[call.msg_id]
 
     def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
-        now = self.now
+        now = self.turn.now
         task = self.sched.done(
             body.task_id, now, body.seconds if body.ok else None, switch_seconds=body.switch_seconds or None
         )
@@ -204,17 +228,17 @@ class CallRouting(CoreBase):
             self.telemetry.task_done(task.method, body.ok, body.seconds, now - task.submitted_at)
             if isinstance(body.value, C.TrainStepResult) and body.value.metrics.get("swap_bytes"):
                 self.telemetry.swapped(
-                    self._trainer_of(identity, body.info.get("engine", "")),
+                    self.workers.trainer_of(identity, body.info.get("engine", "")),
                     task.job_id,
                     now - body.seconds,
                     int(body.value.metrics["swap_bytes"]),
                     float(body.value.metrics.get("swap_seconds", 0.0)),
                 )
-        self._take_inventory(identity, body.info)
-        call = self.calls.pop(body.task_id, None)
+        self.liveness.take_inventory(identity, body.info)
+        call = self.calls.pop(body.task_id)
         if call is None:
             return  # a call whose job has gone
-        rt = self.runtimes.get(call.job_id)
+        rt = self.jobs.runtimes.get(call.job_id)
         if rt is None:
             return
         followers = rt.held_calls.pop(call.msg_id, [])
@@ -224,9 +248,9 @@ class CallRouting(CoreBase):
                 if engine_id in self.sched.engines:
                     self.sched.claim(ahead_task, engine_id, now)
         if not body.ok:  # and the worker fails those it was sent ahead
-            self._error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
+            self.turn.error(call.identity, call.msg_id, "call_failed", f"{call.method} failed: {body.error}")
             for f_identity, f_header, f_body in followers:
-                self._error(
+                self.turn.error(
                     f_identity,
                     f_header.msg_id,
                     "call_failed",
@@ -237,65 +261,64 @@ class CallRouting(CoreBase):
         if call.publishes:
             rt.policy_version = call.version
             rt.adapter = P.AdapterRef(rt.job_id, rt.policy_version, call.out_dir, full=rt.spec.lora is None)
-            if rt.spec.kind != EXTERNAL:  # a Tinker job's versions are its samplers' weights: kept
-                prune = (rt.job_dir.adapters, rt.spec.algo.max_staleness + 2)
+            prune = rt.driver.kept_adapters(rt)
         elif isinstance(body.value, C.CheckpointResult):
             rt.job_dir.write_latest(
                 LatestCheckpoint(
                     dir=call.out_dir, step=call.step, policy_version=rt.policy_version, manifest=body.value.manifest
                 )
             )
-            self.journal.event(rt.job_id, "checkpoint", f"step {call.step}")
-            if rt.spec.kind != EXTERNAL:  # a Tinker job's checkpoints are its client's saved states: its quota's
-                prune = (rt.job_dir.checkpoints, 2)
+            self.jobs.journal.event(rt.job_id, "checkpoint", f"step {call.step}")
+            prune = rt.driver.kept_checkpoints(rt)
         reply = self._reply(call, body.value)
         if followers:  # e.g. the next generate, sampled from the adapter just published: on its way before the reply
             for f_identity, f_header, f_body in followers:
                 if rt.cancel_requested_at is not None:
-                    self._error(f_identity, f_header.msg_id, "cancelled", "the job was cancelled")
+                    self.turn.error(f_identity, f_header.msg_id, "cancelled", "the job was cancelled")
                 else:
                     self._start_call(rt, f_identity, f_header, f_body)
-            self._place(now)
-        self._send(call.identity, P.Op.REPLY, reply, call.msg_id)
+            self.place(now)
+        self.turn.send(call.identity, P.Op.REPLY, reply, call.msg_id)
         # after the reply: the job's next call need not wait for the journal or the pruning
         if call.publishes:
-            self.journal.update(rt.job_id, policy_version=rt.policy_version)
+            self.jobs.journal.update(rt.job_id, policy_version=rt.policy_version)
         if prune is not None:
-            self._out.append(Prune(*prune))
+            self.turn.add(Prune(*prune))
         if task is not None:
-            self._prefetch_for(task.job_id)
+            self.liveness.prefetch_for(task.job_id)
 
     def _reply(self, call: PendingCall, result: C.AnyResult | None) -> C.Reply:
         """The loop's reply to a call whose task succeeded with ``result``."""
         method = C.METHODS[call.method]
         if not isinstance(result, method.result):
             raise ValueError(f"{call.method}: its engine answered {type(result).__name__}")
-        drain = self.drain_reason if self.drain_deadline is not None else ""  # checkpoint at this step's end, exit
+        drain = self.jobs.drain_reason if self.jobs.draining else ""  # checkpoint at this step's end, exit
         return method.reply_of(result, call, drain)
 
     def on_report(self, identity: bytes, header: P.Header, body: P.ReportBody) -> None:
-        rt = self.runtimes.get(body.job_id)
+        rt = self.jobs.runtimes.get(body.job_id)
         if rt is None or self._foreign_job(body.job_id):
             return
-        m = body.metrics
+        journal, m = self.jobs.journal, body.metrics
         if body.event == "step":
             fields: dict[str, Any] = {"step": body.step}
             if "reward_mean" in m:
                 fields["reward"] = m["reward_mean"]
-            self.journal.update(body.job_id, **fields)
+            journal.update(body.job_id, **fields)
         elif body.event == "eval":
-            info = self._known_job(body.job_id)
+            info = self.jobs.known(body.job_id)
             fields = {"eval_last": m["eval_reward"]}
             if info.eval_first is None:
                 fields["eval_first"] = m["eval_reward"]
-            self.journal.update(body.job_id, **fields)
-            self.journal.event(body.job_id, "eval", f"step {body.step}: {m['eval_reward']:.4f}")
+            journal.update(body.job_id, **fields)
+            journal.event(body.job_id, "eval", f"step {body.step}: {m['eval_reward']:.4f}")
         elif body.event == "failed":
             rt.failure = body.message
         elif body.event == "note":
-            self.journal.event(body.job_id, "note", body.message)
+            journal.event(body.job_id, "note", body.message)
 
-    def _place(self, now: float) -> None:
+    def place(self, now: float) -> None:
+        """Send the tasks the scheduler places now."""
         placements = self.sched.tick(now)
         leads = {p.lead for p in placements if p.lead}
         passes: dict[int, tuple[WorkerState, list[P.TaskBody]]] = {}  # lead -> its pass's bodies, lead first
@@ -309,38 +332,37 @@ class CallRouting(CoreBase):
             worker = self.workers.get(engine.worker_id)
             if worker is None:
                 continue
-            rt = self.runtimes.get(task.job_id)
+            rt = self.jobs.runtimes.get(task.job_id)
             if rt is not None and placement.engine_id not in rt.engines:
                 rt.engines.add(placement.engine_id)
-                self.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
+                self.jobs.journal.update(task.job_id, engine=",".join(sorted(rt.engines)))
             engine_task = call.task
             assert engine_task is not None  # made with the call (_call_task)
             expected = self.sched.expected(placement.engine_id) if task.kind == "trainer" else None
             if expected is not None and not isinstance(engine_task, C.GenerateTask):
                 trainer = msgspec.structs.replace(engine_task.trainer, upcoming=expected)
                 engine_task = msgspec.structs.replace(engine_task, trainer=trainer)
-                if self.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
-                    del self.prefetched[placement.engine_id]
+                if self.workers.prefetched.get(placement.engine_id) == task.job_id:  # served: it may be asked again
+                    del self.workers.prefetched[placement.engine_id]
             body = P.TaskBody(task.task_id, task.job_id, placement.engine_id, engine_task)
             if placement.lead or task.task_id in leads:  # sent with its pass, below
                 passes.setdefault(placement.lead or task.task_id, (worker, []))[1].append(body)
             else:
-                self._send(worker.identity, P.Op.TASK, body)
+                self.turn.send(worker.identity, P.Op.TASK, body)
             if expected is not None:
-                self._prefetch(placement.engine_id, worker, expected)
+                self.liveness.prefetch(placement.engine_id, worker, expected)
             if rt is not None and rt.held_calls:
                 self._send_ahead(rt, call, task.task_id, placement.engine_id)
         for worker, bodies in passes.values():
             if len(bodies) > 1:
-                self._send(worker.identity, P.Op.TASK_PASS, P.TaskPassBody(bodies[0].engine_id, bodies))
+                self.turn.send(worker.identity, P.Op.TASK_PASS, P.TaskPassBody(bodies[0].engine_id, bodies))
             else:
-                self._send(worker.identity, P.Op.TASK, bodies[0])
+                self.turn.send(worker.identity, P.Op.TASK, bodies[0])
 
 
 def _pass_tokens(task: C.AnyTask) -> int:
-    """A train step's padded tokens if it may share a pass with other jobs' (a LoRA step without
-    dropout: ``TrainingMath.groupable``), else 0."""
-    if not isinstance(task, C.TrainStepTask) or task.trainer.lora is None or task.trainer.lora.dropout > 0:
+    """A train step's padded tokens if it may share a pass with other jobs' (``can_share_pass``), else 0."""
+    if not isinstance(task, C.TrainStepTask) or not can_share_pass(task.trainer.lora):
         return 0
     rows = task.batch.input_ids
     return len(rows) * max((len(r) for r in rows), default=0)

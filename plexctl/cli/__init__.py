@@ -8,7 +8,7 @@ typed many times a day starts in about the time of typer itself (``bench/cli_sta
 errors into one line and an exit code. What they render or submit: ``views`` (tables, plain
 text, JSON rows), ``top``, ``report`` (PNG plots), ``spec_doc`` (the spec reference), ``slurm``
 (allocations). Nothing here imports torch, vLLM or the daemon's and workers' modules: what
-needs them runs in a child process (``python -m daemon.simulate``, ``python -m worker.tiny_models``).
+needs them runs in a child process (``python -m daemon.simulate``, ``python -m plexctl.tiny_models``).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def demo(
     configs = configs or [stage_example(name, Path.cwd() / ".plexrl-examples") for name in DEMO_SPECS]
     console().rule("building the tiny model (cached)")
     subprocess.run(
-        [sys.executable, "-m", "worker.tiny_models", "--root", str(root), *only], check=True, env=_child_env()
+        [sys.executable, "-m", "plexctl.tiny_models", "--root", str(root), *only], check=True, env=_child_env()
     )
     overrides = [f"algo.steps={steps}"] if steps else []
     specs = [load_or_exit(f, overrides, None) for f in configs]

@@ -6,15 +6,14 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
+from typing import TYPE_CHECKING, Annotated, Optional, cast
 
 import typer
 
+from plexctl.cli.config_options import config_options
 from plexctl.cli.context import console
-from plexctl.cli.start_stop import setting_option
-from plexctl.common.cluster_config import DEFAULTS as D
+from plexctl.common.cluster_config import DEFAULTS, ClusterConfig, config_problems
 from plexctl.common.errors import ExitCode, UsageError
-from plexctl.common.sizes import parse_bytes
 
 if TYPE_CHECKING:
     from plexctl.common.memplan import EngineShape
@@ -66,28 +65,33 @@ def validate(
         raise typer.Exit(ExitCode.USAGE)
 
 
+PLAN_SETTINGS = (  # the settings a node's memory plan depends on
+    "dtype",
+    "max_loras",
+    "max_lora_rank",
+    "gpu_memory_utilization",
+    "micro_batch_tokens",
+    "max_model_len",
+    "gradient_checkpointing",
+    "device_slots",
+    "host_mem",
+    "nvme_bytes",
+    "rollout_gpus",
+    "trainer_gpus",
+    "tp",
+    "trainer_width",
+)
+
+
+@config_options(only=PLAN_SETTINGS, after="node_nvme", scoped=False)
 def plan(
     files: Annotated[list[Path], typer.Argument(help="job spec YAML files (one base model)")],
     gpus: Annotated[str, typer.Option(help="the node's GPUs, e.g. 8x80G, 4x141G; 0 for a CPU node")] = "8x80G",
     node_mem: Annotated[str, typer.Option(help="the node's host memory")] = "256G",
     node_nvme: Annotated[str, typer.Option(help="the node's local NVMe")] = "1T",
-    tp: Annotated[int, setting_option("tp", scoped=False)] = D.tp,
-    rollout_gpus: Annotated[Optional[int], setting_option("rollout_gpus", scoped=False)] = D.rollout_gpus,
-    trainer_gpus: Annotated[Optional[int], setting_option("trainer_gpus", scoped=False)] = D.trainer_gpus,
-    dtype: Annotated[str, setting_option("dtype")] = D.dtype,
-    max_lora_rank: Annotated[Optional[int], setting_option("max_lora_rank")] = D.max_lora_rank,
-    max_loras: Annotated[Optional[int], setting_option("max_loras")] = D.max_loras,
-    device_slots: Annotated[int, setting_option("device_slots")] = D.device_slots,
-    host_mem: Annotated[str, setting_option("host_mem")] = D.host_mem,
-    nvme_bytes: Annotated[str, setting_option("nvme_bytes")] = D.nvme_bytes,
-    gpu_memory_utilization: Annotated[Optional[float], setting_option("gpu_memory_utilization")] = (
-        D.gpu_memory_utilization
-    ),
-    max_model_len: Annotated[Optional[int], setting_option("max_model_len")] = D.max_model_len,
-    micro_batch_tokens: Annotated[Optional[int], setting_option("micro_batch_tokens")] = D.micro_batch_tokens,
-    gradient_checkpointing: Annotated[str, setting_option("gradient_checkpointing")] = D.gradient_checkpointing,
     json_: Annotated[bool, typer.Option("--json", help="the plans as JSON (per trainer its step)")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a.b=c in every spec")] = None,
+    config: ClusterConfig = DEFAULTS,
 ) -> None:
     """The memory plan of a node for these jobs, before any GPU-hour is spent: per engine the weights,
     KV cache, adapter slots and job state on each tier, and what does not fit (exit 7); one plan per base
@@ -95,35 +99,16 @@ def plan(
     directory that is not here is planned from its known shape (Qwen2.5, Llama 3.1)."""
     from plexctl.common import memplan as MP
     from plexctl.common.spec import SpecError
-    from plexctl.common.step_memory import CHECKPOINTING
     from plexctl.spec_files import load_spec
 
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype {dtype!r}: choose one of auto, float32, bfloat16, float16")
-    if gradient_checkpointing not in CHECKPOINTING:
-        raise UsageError(
-            f"--gradient-checkpointing {gradient_checkpointing!r}: choose one of {', '.join(CHECKPOINTING)}"
-        )
+    problems = config_problems(config)
+    if problems:
+        raise UsageError("\n".join(problems))
     try:
         node = MP.NodeShape.parse(gpus, host=node_mem, nvme=node_nvme)
-        derived: dict[str, Any] = {  # left to the platform: the plan's GPU defaults (``memplan.ClusterOptions``)
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "max_lora_rank": max_lora_rank,
-            "max_loras": max_loras,
-            "micro_batch_tokens": micro_batch_tokens,
-        }
-        options = MP.ClusterOptions(
-            dtype=None if dtype == "auto" else dtype,
-            device_slots=device_slots,
-            host_tier_bytes=parse_bytes(host_mem),
-            nvme_tier_bytes=parse_bytes(nvme_bytes),
-            max_model_len=max_model_len,
-            gradient_checkpointing=gradient_checkpointing,
-            **{k: v for k, v in derived.items() if v is not None},
-        )
         specs = [load_spec(f, set_ or [], check_files=False) for f in files]
-        engines = plan_engines(node.gpus, rollout_gpus, trainer_gpus, tp)
-        results = MP.plans_for_specs(specs, node, engines, options)
+        engines = plan_engines(node.gpus, config.rollout_gpus, config.trainer_gpus, config.tp)
+        results = MP.plans_for_specs(specs, node, engines, config)
     except SpecError as exc:
         for issue in exc.issues:
             print(issue, file=sys.stderr)

@@ -14,10 +14,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
+import msgspec
 import typer
 
+from plexctl.cli.config_options import Style, config_options
 from plexctl.cli.context import Ctx, console
 from plexctl.common import cluster_config as K
 from plexctl.common.errors import DaemonUnreachable, KeyRefused, PlexError, StartFailed, Timeout, UsageError
@@ -32,87 +34,38 @@ def _local_model_default() -> Path:
     return Path.cwd() / ".plexrl" / "models" / "tiny-arith"
 
 
-def setting_option(name: str, help_extra: str = "", scoped: bool = True, **kw: Any) -> Any:
-    """The option of a cluster setting (``up``'s, ``plan``'s): its name, help and bounds from ``ClusterConfig``."""
-    bounds = K.bounds(name)
-    help_ = K.help_text(name, scoped) + help_extra
-    return typer.Option(K.option_name(name), help=help_, min=bounds.get("min"), max=bounds.get("max"), **kw)
+UP_STYLES = {
+    "models": Style(help_extra="; repeat for several", path=True),
+    "nvme_dir": Style(path=True),
+    "engines": Style(help_extra=", cycled"),
+    "trusted_users": Style(help_extra="; repeat for several", metavar="USER"),
+    "job_limits": Style(metavar="NAME=VALUE"),
+}
 
 
-_setting = setting_option
-
-
-D = K.DEFAULTS  # each option's default is its setting's
-
-
+@config_options(after="slurm", styles=UP_STYLES)
 def up(
     ctx: typer.Context,
     local: Annotated[bool, typer.Option("--local", help="embedded cluster on this machine (default)")] = True,
     slurm: Annotated[bool, typer.Option("--slurm", help="a Slurm allocation")] = False,
-    models: Annotated[Optional[list[Path]], _setting("models", help_extra="; repeat for several")] = None,
-    workers: Annotated[int, _setting("workers")] = D.workers,
-    policy: Annotated[str, _setting("policy")] = D.policy,
-    jobs_per_engine: Annotated[Optional[int], _setting("jobs_per_engine")] = D.jobs_per_engine,
-    train_grouping: Annotated[bool, _setting("train_grouping")] = D.train_grouping,
-    group_window_ms: Annotated[float, _setting("group_window_ms")] = D.group_window_ms,
-    max_loras: Annotated[Optional[int], _setting("max_loras")] = D.max_loras,
-    max_lora_rank: Annotated[Optional[int], _setting("max_lora_rank")] = D.max_lora_rank,
-    device: Annotated[str, _setting("device")] = D.device,
-    dtype: Annotated[str, _setting("dtype")] = D.dtype,
-    gpu_memory_utilization: Annotated[Optional[float], _setting("gpu_memory_utilization")] = D.gpu_memory_utilization,
-    micro_batch_tokens: Annotated[Optional[int], _setting("micro_batch_tokens")] = D.micro_batch_tokens,
-    gradient_checkpointing: Annotated[str, _setting("gradient_checkpointing")] = D.gradient_checkpointing,
-    rollout_gpus: Annotated[Optional[int], _setting("rollout_gpus")] = D.rollout_gpus,
-    trainer_gpus: Annotated[Optional[int], _setting("trainer_gpus")] = D.trainer_gpus,
-    tp: Annotated[int, _setting("tp")] = D.tp,
-    max_model_len: Annotated[Optional[int], _setting("max_model_len")] = D.max_model_len,
-    device_slots: Annotated[int, _setting("device_slots")] = D.device_slots,
-    host_mem: Annotated[str, _setting("host_mem")] = D.host_mem,
-    nvme_dir: Annotated[Optional[Path], _setting("nvme_dir")] = None,
-    nvme_bytes: Annotated[str, _setting("nvme_bytes")] = D.nvme_bytes,
-    write_behind: Annotated[Optional[str], _setting("write_behind")] = D.write_behind,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the engines")] = 900.0,
-    drain_timeout: Annotated[Optional[float], _setting("drain_timeout")] = D.drain_timeout,
     name: Annotated[Optional[str], typer.Option(help="--slurm: the cluster's name (its state directory)")] = None,
-    nodes: Annotated[int, _setting("nodes")] = D.nodes,
-    gpus_per_node: Annotated[int, _setting("gpus_per_node")] = D.gpus_per_node,
-    time_limit: Annotated[str, _setting("time_limit")] = D.time_limit,
-    partition: Annotated[Optional[str], _setting("partition")] = D.partition,
-    account: Annotated[Optional[str], _setting("account")] = D.account,
-    qos: Annotated[Optional[str], _setting("qos")] = D.qos,
-    exclusive: Annotated[bool, _setting("exclusive")] = D.exclusive,
-    constraint: Annotated[Optional[str], _setting("constraint")] = D.constraint,
-    cpus_per_task: Annotated[Optional[int], _setting("cpus_per_task")] = D.cpus_per_task,
-    mem: Annotated[Optional[str], _setting("mem")] = D.mem,
-    signal_grace: Annotated[int, _setting("signal_grace")] = D.signal_grace,
-    engines: Annotated[Optional[list[str]], _setting("engines", help_extra=", cycled")] = None,
-    scratch: Annotated[Optional[str], _setting("scratch")] = D.scratch,
     join: Annotated[Optional[str], typer.Option(help="--slurm: add workers to the running cluster NAME")] = None,
     submit_with: Annotated[str, typer.Option(help="--slurm: submitit | sbatch")] = "submitit",
     no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm: return once submitted")] = False,
-    trusted_users: Annotated[
-        Optional[list[str]], _setting("trusted_users", metavar="USER", help_extra="; repeat for several")
-    ] = None,
-    job_limits: Annotated[Optional[list[str]], _setting("job_limits", metavar="NAME=VALUE")] = None,
-    metrics_port: Annotated[Optional[int], _setting("metrics_port")] = D.metrics_port,
-    tinker_port: Annotated[Optional[int], _setting("tinker_port")] = D.tinker_port,
-    worker_grace: Annotated[float, _setting("worker_grace")] = D.worker_grace,
+    config: K.ClusterConfig = K.DEFAULTS,
 ) -> None:
     """Start a cluster: the daemon plus its workers, and wait until the engines are ready."""
-    given = dict(locals())
-    config = K.ClusterConfig(
-        **{
-            **{s: given[s] for s in K.settings()},
-            "models": [str(m.resolve()) for m in dict.fromkeys(models or [_local_model_default()])],
-            "nvme_dir": None if nvme_dir is None else str(nvme_dir if slurm or join else nvme_dir.resolve()),
-            "engines": engines or D.engines,
-            "trusted_users": trusted_users or [],
-            "job_limits": job_limits or [],
-        }
+    on_slurm = bool(slurm or join)
+    models = [Path(m) for m in config.models] or [_local_model_default()]
+    config = msgspec.structs.replace(
+        config,
+        models=[str(m.resolve()) for m in dict.fromkeys(models)],
+        nvme_dir=config.nvme_dir if config.nvme_dir is None or on_slurm else str(Path(config.nvme_dir).resolve()),
     )
     c: Ctx = ctx.obj
-    _check(config, slurm=bool(slurm or join))
-    if slurm or join:
+    _check(config, slurm=on_slurm)
+    if on_slurm:
         _up_slurm(config, c, name, join, submit_with, timeout, no_wait)
     else:
         _up_local(config, c, timeout)
@@ -133,7 +86,7 @@ def _check(config: K.ClusterConfig, slurm: bool) -> None:
         if not (m / "config.json").exists():
             raise UsageError(
                 f"--model {m}: not a Hugging Face model directory (no config.json); "
-                "build the tiny one with `python -m worker.tiny_models`"
+                "build the tiny one with `python -m plexctl.tiny_models`"
             )
         problem = model_dir_problem(m)
         if problem:  # the engines would fail on it, after minutes of start-up on a real model

@@ -141,7 +141,6 @@ class TrainerContext(msgspec.Struct):
 
     lora: LoraSpec | None  # the spec's section; None: full fine-tuning
     seed: int
-    weight_decay: float = 0.0
     call_key: str = ""  # "<driver pid>:<call id>": a repeat is answered with the last result, unapplied
     upcoming: list[str] = msgspec.field(default_factory=list)  # jobs expected on this trainer next
 

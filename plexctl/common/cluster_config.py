@@ -37,6 +37,7 @@ from msgspec import Meta
 from plexctl.common.atomic import write_bytes_atomic
 from plexctl.common.engine_defaults import ENGINE_DEFAULTS, by_platform
 from plexctl.common.errors import UsageError
+from plexctl.common.scheduling import POLICIES
 from plexctl.common.sizes import parse_bytes
 
 CONFIG_FILE = "cluster.json"  # in the cluster's state directory
@@ -79,7 +80,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = msgspec.field(default_factory=list)
     policy: Annotated[
         Literal["isolated", "pack", "spread", "spread+backfill"],
-        _doc("Placement of jobs on engines: isolated | pack | spread | spread+backfill"),
+        _doc("Placement of jobs on engines: " + " | ".join(POLICIES)),
     ] = "spread+backfill"
     jobs_per_engine: Annotated[
         Annotated[int, Meta(ge=1)] | None,
@@ -228,6 +229,15 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc("GPUs of each node given to trainer engines, one each (null: 1/4 of them)", SLURM),
     ] = None
     tp: Annotated[int, _doc("GPUs of one rollout engine (tensor parallel)", SLURM, ge=1)] = 1
+    trainer_width: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        _doc(
+            "GPUs of one trainer engine, its parameters, gradients and optimizer state sharded across them "
+            "(FSDP2), each rank training micro-batches of its own (null: the smallest width whose per-rank step "
+            "fits one trainer GPU; 1 where one GPU holds the step). It divides a node's trainer GPUs, or, "
+            "wider than a node, is a multiple of its GPUs (whole nodes)"
+        ),
+    ] = None
     scratch: Annotated[
         str | None, _doc("Node-local directory for the NVMe tier (null: $SLURM_TMPDIR, $TMPDIR)", SLURM)
     ] = None
@@ -329,6 +339,27 @@ def default(setting: str) -> Any:
     return getattr(DEFAULTS, setting)
 
 
+def value_type(setting: str) -> Any:
+    """The setting's type without its constraints and without ``None``: ``int`` for ``jobs_per_engine``,
+    ``Literal[...]`` for ``policy``, ``list[str]`` for ``models``."""
+    return _unwrap(_fields()[setting].type)
+
+
+def choices(setting: str) -> tuple[str, ...]:
+    """The values a ``Literal`` setting takes (empty for any other)."""
+    base = value_type(setting)
+    return get_args(base) if get_origin(base) is Literal else ()
+
+
+def value_problem(setting: str, value: Any) -> str | None:
+    """The line ``config_problems`` says of ``value`` for ``setting`` (its type, choices and bounds), or None."""
+    try:
+        msgspec.convert({setting: value}, ClusterConfig)
+    except msgspec.ValidationError as exc:
+        return f"{option_name(setting)} {value!r}: {_reason(setting, exc)}"
+    return None
+
+
 # ---------------------------------------------------------------- derived defaults
 
 
@@ -359,11 +390,7 @@ def config_problems(config: ClusterConfig) -> list[str]:
     choices and bounds of every field, then what the types do not say (sizes, job limits)."""
     problems: list[str] = []
     raw = msgspec.to_builtins(config)
-    for setting in settings():
-        try:
-            msgspec.convert({setting: raw[setting]}, ClusterConfig)
-        except msgspec.ValidationError as exc:
-            problems.append(f"{option_name(setting)} {raw[setting]!r}: {_reason(setting, exc)}")
+    problems += filter(None, (value_problem(setting, raw[setting]) for setting in settings()))
     for setting in ("host_mem", "nvme_bytes", "write_behind"):
         value = getattr(config, setting)
         if value is not None:
@@ -371,6 +398,7 @@ def config_problems(config: ClusterConfig) -> list[str]:
                 parse_bytes(value)
             except ValueError as exc:
                 problems.append(f"{option_name(setting)}: {exc}")
+    problems += trainer_width_problems(config)
     if config.job_limits:
         from plexctl.common.limits import parse_limits
 
@@ -381,12 +409,69 @@ def config_problems(config: ClusterConfig) -> list[str]:
     return problems
 
 
+def node_trainer_gpus(config: ClusterConfig) -> list[int]:
+    """The trainer GPUs of each kind of node of the Slurm allocation (its ``engines`` entries that
+    run a trainer), as ``plexctl.common.layout`` places them; [] without GPUs per node or where
+    the layout itself is refused (``up`` says why)."""
+    from plexctl.common.layout import LayoutError, place_workers
+
+    if config.gpus_per_node <= 0:
+        return []
+    counts = []
+    for entry in dict.fromkeys(config.engines):
+        kinds = [k.strip() for k in entry.split(",") if k.strip()]
+        if "trainer" not in kinds:
+            continue
+        try:
+            workers = place_workers(
+                "(config)",
+                [str(i) for i in range(config.gpus_per_node)],
+                kinds,
+                rollout_gpus=config.rollout_gpus,
+                trainer_gpus=config.trainer_gpus,
+                tp=config.tp,
+            )
+        except LayoutError:
+            return []
+        counts.append(sum(len(w.devices) for w in workers if "trainer" in w.engines))
+    return counts
+
+
+def trainer_width_problems(config: ClusterConfig) -> list[str]:
+    """What ``trainer_width`` must be on the allocation's nodes (nothing to check without GPUs per
+    node, a local cluster's: ``plexctl plan`` checks it against its node): within a node it divides
+    the trainer GPUs of every node that trains (each trainer GPU in an engine of that width); wider
+    than a node it spans whole nodes, a multiple of a node's GPUs, at most the allocation's."""
+    width, per_node = config.trainer_width, config.gpus_per_node
+    if width is None or width == 1 or per_node <= 0:
+        return []
+    option = option_name("trainer_width")
+    if width > per_node:
+        if width % per_node:
+            return [
+                f"{option} {width}: wider than a node's {per_node} GPUs, so it spans whole nodes: "
+                f"a multiple of {per_node}"
+            ]
+        if width > per_node * config.nodes:
+            return [f"{option} {width}: more than the allocation's {config.nodes} x {per_node} GPUs"]
+        return []
+    for trainers in node_trainer_gpus(config):
+        if trainers % width:
+            return [
+                f"{option} {width}: does not divide the {trainers} trainer GPUs of a node "
+                f"({option_name('trainer_gpus')}); widths that do: {', '.join(map(str, _divisors(trainers)))}"
+            ]
+    return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _reason(setting: str, exc: msgspec.ValidationError) -> str:
     """The choices of a setting that has some, else msgspec's message without its path."""
-    field = next(f for f in msgspec.structs.fields(ClusterConfig) if f.name == setting)
-    base = _unwrap(field.type)
-    if get_origin(base) is Literal:
-        return f"choose one of {', '.join(get_args(base))}"
+    if choices(setting):
+        return f"choose one of {', '.join(choices(setting))}"
     text = str(exc).split(" - at ", 1)[0]
     return text[0].lower() + text[1:] if text else "not a valid value"
 

@@ -4,7 +4,7 @@
 built with for each engine setting left null (``cluster_config.ClusterConfig``), and
 ``adapter_slots`` is the one rule that sizes a rollout engine's adapter slots from them. The
 worker resolves its options from here (``worker.engine_args``, ``worker.engine_options``), the
-memory plan assumes the cuda entry (``memplan.ClusterOptions``) and the settings' descriptions
+memory plan assumes the cuda entry (``memplan.plan_settings``) and the settings' descriptions
 quote it. Invariant: no other module states one of these values (``tests/test_engine_defaults.py``).
 Pure Python (no torch, no vLLM, nothing of the worker): the CLI imports it on a login node.
 """

@@ -1,21 +1,29 @@
 """The memory plan of a node: what each engine holds, how much KV cache and job state fit, what does not.
 
-Pure arithmetic over a model's ``config.json`` (Llama/Qwen2-style) and the cluster's options, no
+Pure arithmetic over a model's ``config.json`` (Llama/Qwen2-style) and the cluster's settings, no
 torch, so ``plexctl plan`` and ``plexctl up`` can show it on a login node before anyone spends
 GPU-hours. It owns the model's sizes (``parameter_count``, ``weights_bytes``, ``kv_bytes_per_token``,
 ``lora_slots_bytes``); a trainer's step, decided once (``trainer_step``, and ``worker_step`` from
 what a worker knows at start: gradient checkpointing and the peak from
 ``plexctl.common.step_memory``); the shapes a plan is made of (``NodeShape`` "8x80G",
-``EngineShape``, ``ClusterOptions``, ``JobShape``, ``default_engines``); ``plan_memory`` ->
-``MemoryPlan`` with ``render_plan`` / ``plan_json``; and submit's refusals (``step_problem`` /
-``spec_step_problem``, ``job_problems``, ``full_job_problems``, ``check_full_state_fits``: exit 7).
+``EngineShape``, ``PlanSettings`` from a ``ClusterConfig`` by ``plan_settings``, ``JobShape``,
+``default_engines``); ``plan_memory`` -> ``MemoryPlan`` with ``render_plan`` / ``plan_json``; and
+submit's refusals (``step_problem`` / ``spec_step_problem``, ``job_problems``,
+``full_job_problems``, ``check_full_state_fits``: exit 7).
 What the engines get unless told is ``plexctl.common.engine_defaults``'s: a plan assumes a GPU
-worker's (``ClusterOptions``), read from there, never restated.
+worker's (``plan_settings``), read from there, never restated; the settings themselves are
+``ClusterConfig``'s, with its defaults.
+
+Trainer engines may be wide (``trainer_width``: the smallest width whose per-rank step fits one GPU,
+or the cluster's ``trainer_width``): a rank of N holds 1/N of the weights, job states and gradients
+(FSDP2) plus ``fsdp_buffer_bytes``, a micro-batch's activations whole (the ranks split a step's rows),
+and its own host and NVMe tier; width 1 is the single-GPU trainer, figure for figure.
 
 Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the weights,
-of the KV heads and of the sharded LoRA factors); a plan with no problems fits with the estimates
-here (activation peaks, CUDA reserves: documented constants, a little generous, so "fits" leaves
-room to spare); a job ``job_problems`` refuses can never run on these engines, whatever else runs.
+of the KV heads and of the sharded LoRA factors; a trainer of N, 1/N of its shards); a plan with
+no problems fits with the estimates here (activation peaks, CUDA reserves: documented constants,
+a little generous, so "fits" leaves room to spare); a job ``job_problems`` refuses can never run
+on these engines, whatever else runs.
 
 Placement rule: engines own their GPUs. When they ask for more GPUs than the node has, each
 missing GPU is one single-GPU trainer and one single-GPU rollout engine sharing a GPU (the 1-GPU
@@ -32,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from plexctl.common.cluster_config import DEFAULTS, ClusterConfig
 from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS, adapter_slots
 from plexctl.common.errors import Refused
 from plexctl.common.sizes import fmt_bytes, parse_bytes
@@ -62,7 +71,7 @@ ALL_PROJECTIONS = tuple(DEFAULT_TARGET_MODULES)
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # tp splits their input; the other projections split their output
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM (0.32) accepts as max_lora_rank
 
-CONTEXT_CAP = 4096  # max_model_len unless told: the model's context, at most this (worker.rollout's MAX_MODEL_LEN)
+CONTEXT_CAP = 4096  # max_model_len unless told: the model's context, at most this (engine_args)
 ROLLOUT_STEP_TOKENS = 16384  # tokens in one engine step (worker.rollout's BATCHED_TOKENS): vLLM's profiled peak
 ROLLOUT_STEP_SEQS = 256  # sequences in one engine step (worker.rollout's MAX_NUM_SEQS): the sampler's logits
 ROLLOUT_GPU_RUNTIME_BYTES = 3 * GiB // 2  # CUDA graphs, CUDA context and NCCL buffers of a vLLM GPU process
@@ -71,9 +80,12 @@ CPU_RUNTIME_BYTES = 1 * GiB  # Python, torch and vLLM of a CPU worker process
 DEFAULT_PROMPT_TOKENS = 512  # a job spec does not bound its prompts: a plan assumes prompts of up to this many
 GPU_DEFAULTS = ENGINE_DEFAULTS["cuda"]  # what a GPU worker's engines get unless told: what a plan assumes
 DEFAULT_MICRO_BATCH_TOKENS = GPU_DEFAULTS.micro_batch_tokens  # a trainer micro-batch's (at least one sequence)
+CPU_KV_CACHE_BYTES = int(CPU_KV_CACHE_GIB * GiB)  # KV cache of a CPU rollout engine
 DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # tokens whose logits the trainer materialises at once (chunked log-probs)
 DEFAULT_HOST = "256G"  # host memory of a node when not told (a conservative GPU node)
 DEFAULT_NVME = "1T"  # node-local NVMe of a node when not told
+FSDP_GATHERED_LAYERS = 2  # a wide trainer's unsharded layers at once: the one computing and the next, prefetched
+MAX_TRAINER_WIDTH = 1024  # the widest trainer engine a plan looks for when naming the width a step needs
 
 
 # ---------------------------------------------------------------- model sizes
@@ -91,7 +103,7 @@ def weights_bytes(config: Mapping[str, Any], dtype: str) -> int:
     return parameter_count(config) * dtype_bytes(dtype)
 
 
-def kv_bytes_per_token(config: Mapping[str, Any], dtype: str, tp: int = 1) -> int:
+def kv_bytes_per_token(config: Mapping[str, Any], dtype: str, tp: int) -> int:
     """K and V of one token on one GPU of a tp-way engine (KV heads split, replicated when fewer than tp)."""
     heads_per_gpu = math.ceil(_kv_heads(config) / max(tp, 1))
     return 2 * int(config["num_hidden_layers"]) * heads_per_gpu * _head_dim(config) * dtype_bytes(dtype)
@@ -102,7 +114,7 @@ def adapter_params(config: Mapping[str, Any], rank: int, target_modules: Sequenc
     return int(config["num_hidden_layers"]) * sum(rank * (shapes[m][0] + shapes[m][1]) for m in set(target_modules))
 
 
-def lora_slots_bytes(config: Mapping[str, Any], max_loras: int, max_lora_rank: int, dtype: str, tp: int = 1) -> int:
+def lora_slots_bytes(config: Mapping[str, Any], max_loras: int, max_lora_rank: int, dtype: str, tp: int) -> int:
     """The rollout engine's adapter slots on one GPU: ``max_loras`` adapters of ``max_lora_rank`` on
     all 7 projections, in the engine dtype (vLLM allocates them whatever the loaded ranks are)."""
     tp = max(tp, 1)
@@ -116,7 +128,7 @@ def lora_slots_bytes(config: Mapping[str, Any], max_loras: int, max_lora_rank: i
     return max_loras * int(config["num_hidden_layers"]) * per_layer * dtype_bytes(dtype)
 
 
-def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int = 1) -> int:
+def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int) -> int:
     """vLLM's profiled peak of one engine step: ``ROLLOUT_STEP_TOKENS`` tokens through the widest
     layer (gate/up output, activation, residual and attention buffers) and the sampler's fp32
     logits and probabilities of ``ROLLOUT_STEP_SEQS`` sequences."""
@@ -124,6 +136,27 @@ def rollout_activation_bytes(config: Mapping[str, Any], dtype: str, tp: int = 1)
     step = ROLLOUT_STEP_TOKENS * (3 * math.ceil(intermediate / max(tp, 1)) + 4 * hidden) * dtype_bytes(dtype)
     sampler = ROLLOUT_STEP_SEQS * int(config["vocab_size"]) * FP32_BYTES * 2
     return step + sampler
+
+
+def layer_parameters(config: Mapping[str, Any]) -> int:
+    """Parameters of one decoder layer (projections, their biases, its two norms)."""
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
+    return (parameter_count(config) - embeddings - hidden) // int(config["num_hidden_layers"])
+
+
+def fsdp_buffer_bytes(config: Mapping[str, Any], dtype: str, job: JobShape, width: int) -> int:
+    """What sharding a trainer over ``width`` GPUs adds to each rank's step (0 at width 1): FSDP's
+    all-gather buffers, ``FSDP_GATHERED_LAYERS`` decoder layers' full parameters in the compute
+    dtype (the layer computing and the next, prefetched), and the reduce-scatter buffer of one
+    layer's trainable gradients in fp32 (all its weights for full fine-tuning, its adapter's else)."""
+    if width <= 1:
+        return 0
+    layer = layer_parameters(config)
+    trainable = (
+        layer if job.full else adapter_params(config, job.rank, job.target_modules) // int(config["num_hidden_layers"])
+    )
+    return FSDP_GATHERED_LAYERS * layer * dtype_bytes(dtype) + trainable * FP32_BYTES
 
 
 def trainer_step(
@@ -137,34 +170,130 @@ def trainer_step(
     job: JobShape | None = None,
     chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
     cuda: bool = True,
+    width: int = 1,
 ) -> StepPeak:
     """The step a trainer runs, decided once: gradient checkpointing as ``asked`` (auto: off
     where the step without it fits ``room_bytes``, the trainer's share of its GPU less its
     runtime), and that step's peak (``step_memory.step_peak``) for micro-batches of ``tokens``
     with ``states`` bytes of job state on the device. ``job``: the largest job (None: one at a
-    GPU's default ``max_lora_rank`` on every projection, the most its rollout engine loads)."""
+    GPU's default ``max_lora_rank`` on every projection, the most its rollout engine loads).
+
+    ``width``: the GPUs of the trainer engine; the peak is one rank's. FSDP2 shards the base
+    weights, the states and the gradients (and autocast's casts of the trainable weights) evenly,
+    so each rank holds 1/width of them, plus ``fsdp_buffer_bytes`` (counted as workspace); each
+    rank runs micro-batches of ``tokens`` of its own (the ranks share a step's rows, data
+    parallel), so activations are not divided. Width 1 is the single-GPU trainer, unchanged."""
     job = job or JobShape("", GPU_DEFAULTS.max_lora_rank, 0)
-    weights = weights_bytes(config, dtype)
+    width = max(1, width)
+    weights = math.ceil(weights_bytes(config, dtype) / width)
     trainable = parameter_count(config) if job.full else adapter_params(config, job.rank, job.target_modules)
+    buffers = fsdp_buffer_bytes(config, dtype, job, width) if cuda else 0
 
     def peak(checkpointing: bool) -> StepPeak:
-        return step_peak(
+        step = step_peak(
             config,
             tokens,
             dtype,
             checkpointing,
             weights=weights,
-            states=states,
-            trainable_params=trainable,
+            states=math.ceil(states / width),
+            trainable_params=math.ceil(trainable / width),
             rank=job.rank,
             target_modules=job.target_modules,
             full=job.full,
             chunk_tokens=chunk_tokens,
             cuda=cuda,
         )
+        return replace(step, workspace=step.workspace + buffers) if buffers else step
 
     without = peak(False)
     return peak(choose_checkpointing(asked, without.total <= room_bytes, cuda))
+
+
+def trainer_widths(limit: int, dividing: int | None = None) -> list[int]:
+    """The widths a trainer engine is given: 1, 2, 4, 8, ... up to ``limit``, each dividing
+    ``dividing`` GPUs where given (every GPU of them in an engine of that width)."""
+    widths, width = [], 1
+    while width <= limit:
+        if dividing is None or dividing % width == 0:
+            widths.append(width)
+        width *= 2
+    return widths
+
+
+def step_fits_width(
+    config: Mapping[str, Any],
+    job: JobShape,
+    dtype: str,
+    gpu_bytes: int,
+    width: int,
+    cluster: ClusterConfig = DEFAULTS,
+    *,
+    tokens: int | None = None,
+    state: int | None = None,
+) -> bool:
+    """Whether one rank's step of ``job`` on a trainer engine of ``width`` GPUs of ``gpu_bytes``
+    fits the GPU less its runtime: its own ``state`` (None: ``job``'s) on the device, as a submit
+    check counts it (more device slots are a cache, said apart: "lower device_slots"),
+    micro-batches of ``tokens`` (None: ``job``'s, at most the cluster's budget) and
+    checkpointing as the cluster asks."""
+    options = plan_settings(cluster)
+    tokens = tokens if tokens is not None else min(job.peak_tokens, options.micro_batch_tokens)
+    state = state if state is not None else job_sizes(config, job, dtype, cuda=True)[0]
+    room = gpu_bytes - TRAINER_GPU_RUNTIME_BYTES
+    step = trainer_step(
+        config,
+        dtype,
+        tokens,
+        options.gradient_checkpointing,
+        room,
+        states=state,
+        job=job,
+        width=width,
+    )
+    return step.total <= room
+
+
+def trainer_width(
+    config: Mapping[str, Any],
+    job: JobShape,
+    dtype: str,
+    gpu_bytes: int,
+    trainer_gpus: int,
+    cluster: ClusterConfig = DEFAULTS,
+    *,
+    tokens: int | None = None,
+    state: int | None = None,
+) -> int:
+    """The GPUs of a trainer engine training ``job`` (the largest it holds, full or LoRA) on
+    GPUs of ``gpu_bytes``, ``trainer_gpus`` of them in all: ``cluster.trainer_width`` when
+    set; else the smallest of ``trainer_widths(trainer_gpus, trainer_gpus)`` whose per-rank step
+    fits one GPU (``step_fits_width``), 1 where one GPU holds the step; 1 also when none does (the
+    plan then says what does not fit, with today's single-GPU figures, and
+    ``needed_trainer_width`` what width would)."""
+    if cluster.trainer_width is not None:
+        return cluster.trainer_width
+    widths = trainer_widths(trainer_gpus, trainer_gpus) or [1]
+    fits = (w for w in widths if step_fits_width(config, job, dtype, gpu_bytes, w, cluster, tokens=tokens, state=state))
+    return next(fits, 1)
+
+
+def needed_trainer_width(
+    config: Mapping[str, Any],
+    job: JobShape,
+    dtype: str,
+    gpu_bytes: int,
+    cluster: ClusterConfig = DEFAULTS,
+    *,
+    tokens: int | None = None,
+    state: int | None = None,
+) -> int | None:
+    """The smallest width of 1, 2, 4, ... (at most ``MAX_TRAINER_WIDTH``) whose per-rank step fits
+    one GPU of ``gpu_bytes``, whatever GPUs a node has; None when none does (the activations of
+    one micro-batch, which sharding does not divide, exceed the GPU)."""
+    widths = trainer_widths(MAX_TRAINER_WIDTH)
+    fits = (w for w in widths if step_fits_width(config, job, dtype, gpu_bytes, w, cluster, tokens=tokens, state=state))
+    return next(fits, None)
 
 
 def model_context(config: Mapping[str, Any]) -> int:
@@ -232,7 +361,7 @@ class EngineShape:
             raise ValueError(f"engine of {self.gpus} GPUs")
 
 
-def default_engines(gpus: int, tp: int = 1) -> list[EngineShape]:
+def default_engines(gpus: int, tp: int = DEFAULTS.tp) -> list[EngineShape]:
     """The engines of a node of ``gpus`` GPUs when nobody says otherwise.
 
     0 GPUs: one CPU worker with both engines; 1 GPU: a rollout engine and a trainer sharing it;
@@ -254,31 +383,45 @@ def default_engines(gpus: int, tp: int = 1) -> list[EngineShape]:
 
 
 @dataclass(frozen=True)
-class ClusterOptions:
-    """What ``plexctl up`` sets for the engines; unset, what a GPU worker's engines get
-    (``ENGINE_DEFAULTS["cuda"]``), the dtype the node's platform's."""
+class PlanSettings:
+    """A ``ClusterConfig``'s engine settings as a plan uses them (``plan_settings``): sizes in bytes,
+    and what the config leaves to the platform resolved to a GPU worker's (``ENGINE_DEFAULTS["cuda"]``;
+    the dtype, the node's platform's: ``engine_dtype``). No defaults of its own."""
 
-    dtype: str | None = None  # engine weights; None: the platform's (``engine_dtype``)
-    gpu_memory_utilization: float = GPU_DEFAULTS.gpu_memory_utilization  # share of a rollout engine's GPU vLLM may use
-    max_lora_rank: int = GPU_DEFAULTS.max_lora_rank  # highest LoRA rank rollout engines load, each slot's size
-    # adapter slots of a rollout engine: a GPU worker's without max_loras and jobs_per_engine
-    max_loras: int = adapter_slots(None, "cuda")[0]
-    device_slots: int = 4  # jobs whose state a trainer keeps on its device
-    host_tier_bytes: int = 8 * GiB  # host-memory tier of each trainer (`--host-mem`)
-    nvme_tier_bytes: int = 64 * GiB  # NVMe tier of each trainer (`--nvme-bytes`)
-    max_model_len: int | None = None  # None: the model's context, at most CONTEXT_CAP
-    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the trainer's micro-batch budget
-    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
-    gradient_checkpointing: Checkpointing = "auto"  # the workers' --gradient-checkpointing
-    cpu_kv_cache_bytes: int = int(CPU_KV_CACHE_GIB * GiB)  # KV cache of a CPU rollout engine
+    gpu_memory_utilization: float  # share of a rollout engine's GPU vLLM may use
+    max_lora_rank: int  # highest LoRA rank rollout engines load, each slot's size
+    max_loras: int  # adapter slots of a rollout engine
+    device_slots: int  # jobs whose state a trainer keeps on its device
+    host_tier_bytes: int  # host-memory tier of each trainer
+    nvme_tier_bytes: int  # NVMe tier of each trainer
+    max_model_len: int | None  # None: the model's context, at most CONTEXT_CAP
+    micro_batch_tokens: int  # the trainer's micro-batch budget
+    gradient_checkpointing: Checkpointing
     # the cluster's other base models, in the engines' dtype (``plans_for_specs``): on a GPU an
     # engine's other models sleep in pinned host memory, on the CPU they stay resident
-    other_weights_bytes: int = 0
+    other_weights_bytes: int
 
 
-def engine_dtype(options: ClusterOptions, node: NodeShape) -> str:
+def plan_settings(cluster: ClusterConfig, other_weights_bytes: int = 0) -> PlanSettings:
+    """``cluster``'s settings for a plan; a setting left to the platform gets a GPU worker's value
+    (its adapter slots by the worker's rule, ``adapter_slots``)."""
+    return PlanSettings(
+        gpu_memory_utilization=cluster.gpu_memory_utilization or GPU_DEFAULTS.gpu_memory_utilization,
+        max_lora_rank=cluster.max_lora_rank or GPU_DEFAULTS.max_lora_rank,
+        max_loras=cluster.max_loras or adapter_slots(cluster.jobs_per_engine, "cuda")[0],
+        device_slots=cluster.device_slots,
+        host_tier_bytes=parse_bytes(cluster.host_mem),
+        nvme_tier_bytes=parse_bytes(cluster.nvme_bytes),
+        max_model_len=cluster.max_model_len,
+        micro_batch_tokens=cluster.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
+        gradient_checkpointing=cluster.gradient_checkpointing,
+        other_weights_bytes=other_weights_bytes,
+    )
+
+
+def engine_dtype(cluster: ClusterConfig, node: NodeShape) -> str:
     """The engines' weight dtype: as set, else the default of the node's platform (a GPU's where it has GPUs)."""
-    return options.dtype or ENGINE_DEFAULTS["cuda" if node.gpus else "cpu"].dtype
+    return ENGINE_DEFAULTS["cuda" if node.gpus else "cpu"].dtype if cluster.dtype == "auto" else cluster.dtype
 
 
 @dataclass(frozen=True)
@@ -376,10 +519,12 @@ class RolloutPlan:
 
 @dataclass(frozen=True)
 class TrainerPlan:
-    """One trainer engine on one GPU (on the CPU: in the host memory the rest leaves)."""
+    """One trainer engine, per GPU: of one GPU, or of ``gpus`` whose ranks each hold 1/gpus of the
+    weights, job states and gradients and FSDP's buffers (on the CPU: in the host memory the rest
+    leaves). Each rank keeps its own host and NVMe tier, holding its shard of each job's state."""
 
     index: int
-    gpus: int  # 0: on the CPU
+    gpus: int  # its width; 0: on the CPU
     shared: bool  # shares its GPU with a rollout engine (planned first)
     capacity_bytes: int  # its GPU; on the CPU: host memory left by the CPU rollout engines and the host tiers
     weights_bytes: int
@@ -396,6 +541,7 @@ class TrainerPlan:
     gradient_checkpointing: bool = True  # decided by ``trainer_step``
     step_peak_bytes: int = 0  # the step's estimated max_memory_allocated (weights, states, gradients, activations)
     room_bytes: int = 0  # its share of the GPU less runtime and other bases: what a step may reach
+    fsdp_buffer_bytes: int = 0  # a wide trainer's all-gather and reduce-scatter buffers (fsdp_buffer_bytes)
 
     @property
     def device_state_bytes(self) -> int:
@@ -409,6 +555,7 @@ class TrainerPlan:
             + self.other_bases_bytes
             + self.gradient_bytes
             + self.activation_bytes
+            + self.fsdp_buffer_bytes
             + self.runtime_bytes
         )
 
@@ -442,22 +589,30 @@ class MemoryPlan:
     params: int
     dtype: str
     node: NodeShape
-    options: ClusterOptions
+    settings: PlanSettings
     engines: tuple[EngineShape, ...]
     max_model_len: int
     rollouts: tuple[RolloutPlan, ...]
     trainers: tuple[TrainerPlan, ...]
     jobs: tuple[JobShape, ...]
     cpu_engine_bytes: int  # engines on the CPU, in host memory
+    trainer_width: int  # GPUs of each GPU trainer engine (``trainer_width``): its figures are per rank
     problems: tuple[str, ...] = field(default=())
+    width_asked: bool = False  # the cluster set ``trainer_width`` (else the plan chose it)
+    width_fits: bool = True  # the largest job's step fits one rank of that width (``step_fits_width``)
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
+    @property
+    def trainer_ranks(self) -> int:
+        """Trainer processes: one per GPU of a GPU trainer, one per CPU trainer; each has its tiers."""
+        return sum(max(t.gpus, 1) for t in self.trainers)
+
 
 def _largest_job(
-    config: Mapping[str, Any], options: ClusterOptions, jobs: Sequence[JobShape], dtype: str, cuda: bool
+    config: Mapping[str, Any], options: PlanSettings, jobs: Sequence[JobShape], dtype: str, cuda: bool
 ) -> tuple[int, int, JobShape]:
     """(state bytes, fp32 gradient bytes, the job with the most gradient) of the planned jobs;
     without jobs, of one at ``max_lora_rank`` on all projections (the largest a rollout engine
@@ -495,18 +650,79 @@ def _shared_pairs(engines: Sequence[EngineShape], gpus: int) -> tuple[set[int], 
     return cpu, pairs, None
 
 
+def _wide_trainers(
+    config: Mapping[str, Any],
+    node: NodeShape,
+    engines: tuple[EngineShape, ...],
+    cluster: ClusterConfig,
+    cpu: set[int],
+    pairs: list[tuple[int, int]],
+    largest: JobShape,
+    dtype: str,
+    tokens: int,
+    state: int,
+) -> tuple[int, tuple[EngineShape, ...], list[str]]:
+    """(the width, the engines with the GPU trainers' GPUs regrouped into engines of that width,
+    problems). The GPU trainers' GPUs are the pool a width divides; trainers that share their GPU
+    with a rollout engine (the 1-GPU layout) and CPU trainers stay single."""
+    option = "--trainer-width"
+    asked = cluster.trainer_width
+    trainers = [p for p, e in enumerate(engines) if e.kind == "trainer" and p not in cpu]
+    pool = sum(engines[p].gpus for p in trainers)
+    if pairs or not trainers:
+        if asked is not None and asked > 1:
+            why = "they share their GPU with a rollout engine" if pairs else "no trainer has a GPU"
+            return 1, engines, [f"{option} {asked}: trainers here are of 1 GPU ({why})"]
+        return 1, engines, []
+    width = trainer_width(config, largest, dtype, node.gpu_bytes, pool, cluster, tokens=tokens, state=state)
+    if width == 1 and all(engines[p].gpus == 1 for p in trainers):
+        return 1, engines, []
+    problems = []
+    if width > pool or pool % width:
+        problems.append(
+            f"{option} {width}: does not divide the node's {_gpus(pool)} for trainers; widths that do: "
+            f"{', '.join(str(w) for w in range(1, pool + 1) if pool % w == 0)}"
+        )
+    others = tuple(e for p, e in enumerate(engines) if p not in trainers)
+    return width, others + (EngineShape("trainer", width),) * max(1, pool // width), problems
+
+
+def _width_hint(plan: MemoryPlan, cluster: ClusterConfig, largest: JobShape, tokens: int, state: int) -> list[str]:
+    """Where the plan chose the width and its widest trainer's step still does not fit: the width
+    that would, or that none does."""
+    wide = [t for t in plan.trainers if t.gpus and not t.shared]
+    if plan.width_asked or not wide or plan.width_fits:
+        return []
+    need = needed_trainer_width(
+        plan.config, largest, plan.dtype, plan.node.gpu_bytes, cluster, tokens=tokens, state=state
+    )
+    pool = sum(t.gpus for t in wide)
+    if need is None:
+        return [
+            f"trainer engines: no width up to {MAX_TRAINER_WIDTH} GPUs fits the step on GPUs of "
+            f"{_size(plan.node.gpu_bytes)} (a micro-batch's activations are not sharded: lower --micro-batch-tokens)"
+        ]
+    return [
+        f"trainer engines: the step fits trainer engines of {_gpus(need)} (--trainer-width {need}), "
+        f"the node gives trainers {pool} (--trainer-gpus)"
+    ]
+
+
 def plan_memory(
     config: Mapping[str, Any],
     node: NodeShape,
     engines: Sequence[EngineShape] | None = None,
-    options: ClusterOptions = ClusterOptions(),
+    cluster: ClusterConfig = DEFAULTS,
     jobs: Sequence[JobShape] = (),
     model: str = "",
+    other_weights_bytes: int = 0,
 ) -> MemoryPlan:
-    """The memory plan of ``engines`` (default: ``default_engines(node.gpus)``) on ``node``, for
-    ``jobs`` (their largest state and micro-batch size the trainers; each is also checked with
-    ``job_problems``, its problems listed in the plan's)."""
-    dtype = engine_dtype(options, node)
+    """The memory plan of ``engines`` (default: ``default_engines(node.gpus)``) on ``node`` with
+    ``cluster``'s settings, for ``jobs`` (their largest state and micro-batch size the trainers;
+    each is also checked with ``job_problems``, its problems listed in the plan's);
+    ``other_weights_bytes``: the other base models the engines hold (``plans_for_specs``)."""
+    options = plan_settings(cluster, other_weights_bytes)
+    dtype = engine_dtype(cluster, node)
     dtype_bytes(dtype)
     engines = tuple(engines if engines is not None else default_engines(node.gpus))
     max_model_len = options.max_model_len or min(model_context(config), CONTEXT_CAP)
@@ -517,10 +733,15 @@ def plan_memory(
         (min(j.peak_tokens, options.micro_batch_tokens) for j in jobs), default=options.micro_batch_tokens
     )
     cpu, pairs, placement_problem = _shared_pairs(engines, node.gpus)
-    partner = {r: t for r, t in pairs} | {t: r for r, t in pairs}
     problems = [placement_problem] if placement_problem else []
-    trainer_count = sum(e.kind == "trainer" for e in engines)
-    host_tiers = trainer_count * options.host_tier_bytes
+    width, engines, width_problems = _wide_trainers(
+        config, node, engines, cluster, cpu, pairs, largest, dtype, micro_tokens, state
+    )
+    problems += width_problems
+    cpu = cpu if width == 1 else {p for p, e in enumerate(engines) if e.gpus == 0}
+    partner = {r: t for r, t in pairs} | {t: r for r, t in pairs}
+    ranks = sum(1 if p in cpu else e.gpus for p, e in enumerate(engines) if e.kind == "trainer")
+    host_tiers = ranks * options.host_tier_bytes  # each trainer rank keeps a host tier
 
     def rollout_plan(position: int, index: int, engine: EngineShape, left_by_trainer: int) -> RolloutPlan:
         tp = max(engine.gpus, 1)
@@ -529,7 +750,7 @@ def plan_memory(
         reserve = rollout_activation_bytes(config, dtype, tp) + (ROLLOUT_GPU_RUNTIME_BYTES if on_gpu else 0)
         shard = math.ceil(weights / tp)
         if not on_gpu:
-            budget = shard + lora + reserve + options.cpu_kv_cache_bytes
+            budget = shard + lora + reserve + CPU_KV_CACHE_BYTES
         elif position in partner:
             budget = int(options.gpu_memory_utilization * max(0, left_by_trainer))
         else:
@@ -552,6 +773,7 @@ def plan_memory(
 
     def trainer_plan(position: int, index: int, engine: EngineShape, capacity: int) -> TrainerPlan:
         on_gpu = engine.gpus > 0 and position not in cpu
+        ranks = engine.gpus if on_gpu else 1  # its figures are one rank's
         runtime = TRAINER_GPU_RUNTIME_BYTES if on_gpu else CPU_RUNTIME_BYTES
         other = 0 if on_gpu else options.other_weights_bytes  # a GPU's sleep in host memory
         share = trainer_share_bytes(capacity, options.gpu_memory_utilization if position in partner else None)
@@ -563,20 +785,25 @@ def plan_memory(
             share - runtime - other,
             states=options.device_slots * state,
             job=largest,
-            chunk_tokens=options.logits_chunk_tokens,
+            chunk_tokens=DEFAULT_LOGITS_CHUNK_TOKENS,
             cuda=on_gpu,
+            width=ranks,
         )
+        rank_weights, rank_state = math.ceil(weights / ranks), math.ceil(state / ranks)
+        rank_gradient = math.ceil(gradient / ranks)
+        buffers = fsdp_buffer_bytes(config, dtype, largest, ranks) if on_gpu else 0
         return TrainerPlan(
             index=index,
             gpus=engine.gpus if on_gpu else 0,
             shared=position in partner,
             capacity_bytes=capacity,
-            weights_bytes=weights,
+            weights_bytes=rank_weights,
             device_slots=options.device_slots,
-            job_state_bytes=state,
-            gradient_bytes=gradient,
+            job_state_bytes=rank_state,
+            gradient_bytes=rank_gradient,
             micro_batch_tokens=micro_tokens,
-            activation_bytes=step.total - weights - options.device_slots * state - gradient,
+            activation_bytes=step.total - rank_weights - options.device_slots * rank_state - rank_gradient - buffers,
+            fsdp_buffer_bytes=buffers,
             runtime_bytes=runtime,
             host_tier_bytes=options.host_tier_bytes,
             nvme_tier_bytes=options.nvme_tier_bytes,
@@ -622,15 +849,20 @@ def plan_memory(
         params=parameter_count(config),
         dtype=dtype,
         node=node,
-        options=options,
+        settings=options,
         engines=engines,
         max_model_len=max_model_len,
         rollouts=tuple(rollouts[p] for p in sorted(rollouts)),
         trainers=tuple(trainers[p] for p in sorted(trainers)),
         jobs=tuple(jobs),
         cpu_engine_bytes=cpu_bytes,
+        trainer_width=width,
+        width_asked=cluster.trainer_width is not None,
+        width_fits=not node.gpus
+        or step_fits_width(config, largest, dtype, node.gpu_bytes, width, cluster, tokens=micro_tokens, state=state),
     )
     problems += _engine_problems(plan)
+    problems += _width_hint(plan, cluster, largest, micro_tokens, state)
     problems += _node_problems(plan, host_tiers)
     for job in jobs:
         problems += job_problems(plan, job)
@@ -668,19 +900,24 @@ def _engine_problems(plan: MemoryPlan) -> list[str]:
             )
     for t in plan.trainers:
         name = f"trainer engine {t.index}"
-        where = f"{name} on 1 GPU" if t.gpus else f"{name} on the CPU"
+        where = (
+            f"{name} on the CPU"
+            if not t.gpus
+            else f"{name} on 1 GPU"
+            if t.gpus == 1
+            else f"{name} on {t.gpus} GPUs, per GPU"
+        )
         capacity = _size(t.capacity_bytes)
         room = f"the GPU's {capacity}" if t.gpus else f"the {capacity} of host memory left"
-        if t.gpus > 1:
-            problems.append(f"{name}: {t.gpus} GPUs, but a trainer uses one (the base model is not sharded)")
         if t.weights_bytes > t.capacity_bytes:
             problems.append(f"{where}: weights {_size(t.weights_bytes)} exceed {room}")
         elif t.fixed_bytes > t.capacity_bytes:
             problems.append(
                 f"{where}: weights {_size(t.weights_bytes)} + activations of a "
                 f"{t.micro_batch_tokens:,}-token micro-batch {_size(t.activation_bytes)} + gradients "
-                f"and runtime {_size(t.gradient_bytes + t.runtime_bytes)} = {_size(t.fixed_bytes)} "
-                f"exceed {room}"
+                f"and runtime {_size(t.gradient_bytes + t.runtime_bytes)}"
+                + (f" + FSDP buffers {_size(t.fsdp_buffer_bytes)}" if t.fsdp_buffer_bytes else "")
+                + f" = {_size(t.fixed_bytes)} exceed {room}"
             )
         elif t.used_bytes > t.capacity_bytes:
             fit = t.room_for_state // t.job_state_bytes
@@ -693,7 +930,7 @@ def _engine_problems(plan: MemoryPlan) -> list[str]:
 
 
 def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
-    o, node = plan.options, plan.node
+    o, node = plan.settings, plan.node
     problems: list[str] = []
     if not plan.rollouts:
         problems.append("no rollout engine: jobs cannot generate")
@@ -710,13 +947,13 @@ def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
         what = "engines on the CPU" + (" and sleeping models" if o.other_weights_bytes else "")
         cpu = f" + {what} {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
         problems.append(
-            f"host memory: {len(plan.trainers)} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
+            f"host memory: {plan.trainer_ranks} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
             f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}"
         )
-    nvme = len(plan.trainers) * o.nvme_tier_bytes
+    nvme = plan.trainer_ranks * o.nvme_tier_bytes
     if nvme > node.nvme_bytes:
         problems.append(
-            f"NVMe: {len(plan.trainers)} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
+            f"NVMe: {plan.trainer_ranks} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
             f"the node's {_size(node.nvme_bytes)}"
         )
     return problems
@@ -729,8 +966,8 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
     prefix = f"job {job.name}: "
     if job.dtype is not None and job.dtype != plan.dtype:
         say(f"{prefix}model.dtype {job.dtype}, but the engines run {plan.dtype}")
-    if job.rank > plan.options.max_lora_rank:
-        say(f"{prefix}LoRA rank {job.rank} is above the rollout engines' max_lora_rank {plan.options.max_lora_rank}")
+    if job.rank > plan.settings.max_lora_rank:
+        say(f"{prefix}LoRA rank {job.rank} is above the rollout engines' max_lora_rank {plan.settings.max_lora_rank}")
     unknown = sorted(set(job.target_modules) - set(lora_module_shapes(plan.config)))
     if unknown:
         say(f"{prefix}no known shape for target modules {unknown} (known: {', '.join(ALL_PROJECTIONS)})")
@@ -743,19 +980,27 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
             f"{min(r.kv_tokens for r in plan.rollouts):,} tokens"
         )
     state, gradient = job_sizes(plan.config, job, plan.dtype, cuda=plan.node.gpus > 0)
-    largest = max(plan.options.host_tier_bytes, plan.options.nvme_tier_bytes)
-    if state > largest:
+    largest = max(plan.settings.host_tier_bytes, plan.settings.nvme_tier_bytes)
+    width = plan.trainer_width
+    if math.ceil(state / width) > largest:
+        shard = f" ({_size(math.ceil(state / width))} per rank of a {width}-GPU trainer)" if width > 1 else ""
         say(
-            f"{prefix}its state {_size(state)} exceeds the largest tier (host {_size(plan.options.host_tier_bytes)}, "
-            f"NVMe {_size(plan.options.nvme_tier_bytes)})"
+            f"{prefix}its state {_size(state)}{shard} exceeds the largest tier "
+            f"(host {_size(plan.settings.host_tier_bytes)}, NVMe {_size(plan.settings.nvme_tier_bytes)})"
         )
     if plan.trainers and all(t.weights_bytes <= t.capacity_bytes for t in plan.trainers):
         rooms = [
-            TrainerRoom(f"trainer engine {t.index}", t.room_bytes, t.gradient_checkpointing, t.micro_batch_tokens)
+            TrainerRoom(
+                f"trainer engine {t.index}",
+                t.room_bytes,
+                t.gradient_checkpointing,
+                t.micro_batch_tokens,
+                max(t.gpus, 1),
+            )
             for t in plan.trainers
         ]
         problem = step_problem(
-            plan.config, job, plan.dtype, rooms, plan.options.logits_chunk_tokens, cuda=plan.node.gpus > 0
+            plan.config, job, plan.dtype, rooms, DEFAULT_LOGITS_CHUNK_TOKENS, cuda=plan.node.gpus > 0
         )
         if problem:
             say(f"{prefix}{problem}")
@@ -809,9 +1054,10 @@ class TrainerRoom:
     the GPU less its runtime), its checkpointing and micro-batch budget, as it registered them."""
 
     name: str
-    room_bytes: int
+    room_bytes: int  # per GPU
     gradient_checkpointing: bool
     micro_batch_tokens: int
+    width: int = 1  # its GPUs: a step's peak is one rank's
 
 
 def step_problem(
@@ -833,7 +1079,16 @@ def step_problem(
         tokens = max(t.micro_batch_tokens, job.max_seq_len)
         mode = "on" if t.gradient_checkpointing else "off"
         peak = trainer_step(
-            config, dtype, tokens, mode, t.room_bytes, states=state, job=job, chunk_tokens=chunk_tokens, cuda=cuda
+            config,
+            dtype,
+            tokens,
+            mode,
+            t.room_bytes,
+            states=state,
+            job=job,
+            chunk_tokens=chunk_tokens,
+            cuda=cuda,
+            width=t.width,
         )
         if peak.total <= t.room_bytes:
             return ""
@@ -841,6 +1096,14 @@ def step_problem(
             best = (tokens, t, peak, state)
     assert best is not None
     tokens, t, peak, state = best
+    if t.width > 1:
+        return (
+            f"a step needs {_size(peak.total)} per GPU of {t.width} (weights {_size(peak.weights)} + its state "
+            f"{_size(peak.states)} + activations of a {tokens:,}-token micro-batch, checkpointing "
+            f"{'on' if t.gradient_checkpointing else 'off'}, gradients and FSDP buffers "
+            f"{_size(peak.total - peak.weights - peak.states)}), more than {t.name} has for a step per GPU "
+            f"({_size(t.room_bytes)})"
+        )
     return (
         f"a step needs {_size(peak.total)} (weights {_size(peak.weights)} + its state {_size(state)} + "
         f"activations of a {tokens:,}-token micro-batch, checkpointing "
@@ -902,8 +1165,8 @@ def _state_tiers(plan: MemoryPlan) -> list[tuple[str, int]]:
     if plan.trainers:
         t = max(plan.trainers, key=lambda t: t.capacity_bytes)
         tiers.append(("device", max(0, t.capacity_bytes - t.activation_bytes - t.runtime_bytes)))
-    tiers.append(("host tier", plan.options.host_tier_bytes))
-    tiers.append(("NVMe tier", plan.options.nvme_tier_bytes))
+    tiers.append(("host tier", plan.settings.host_tier_bytes))
+    tiers.append(("NVMe tier", plan.settings.nvme_tier_bytes))
     return tiers
 
 
@@ -943,18 +1206,28 @@ def full_job_problems(plan: MemoryPlan, job: FullJob) -> list[str]:
         return problems
     state: FullStateSize = full_state_size(job.config, dtype, cuda=plan.node.gpus > 0)
     tiers = _state_tiers(plan)
+    width = plan.trainer_width
     what = f"{where}: full fine-tuning of {model} (no `lora:`): state {_size(state.total)} ({state.describe()})"
-    if all(state.total > room for _, room in tiers):
+    per_rank = math.ceil(state.total / width)
+    if width > 1:
+        what += f", {_size(per_rank)} per rank of a {width}-GPU trainer"
+    if all(per_rank > room for _, room in tiers):
         problems.append(f"{what} fits no tier ({', '.join(f'{name} {_size(room)}' for name, room in tiers)})")
     elif plan.trainers:
         t = max(plan.trainers, key=lambda t: t.capacity_bytes)
-        gradients = state.params * FP32_BYTES
-        need = state.total + gradients + t.activation_bytes + t.runtime_bytes
+        gradients = math.ceil(state.params * FP32_BYTES / width)
+        extra = t.activation_bytes + t.fsdp_buffer_bytes + t.runtime_bytes
+        need = per_rank + gradients + extra
         if need > t.capacity_bytes:
+            held = (
+                "a trainer holds the state it trains; it is not sharded"
+                if width == 1
+                else f"each of its {width} ranks holds 1/{width} of the state and gradients"
+            )
             problems.append(
                 f"{what} + fp32 gradients {_size(gradients)} + activations and runtime "
-                f"{_size(t.activation_bytes + t.runtime_bytes)} = {_size(need)} exceed the largest trainer's "
-                f"{_size(t.capacity_bytes)} (a trainer holds the state it trains; it is not sharded)"
+                f"{_size(extra)} = {_size(need)} exceed the largest trainer's "
+                f"{_size(t.capacity_bytes)} ({held})"
             )
     return problems
 
@@ -1025,14 +1298,25 @@ def _trainer_rows(t: TrainerPlan) -> list[Row]:
             t.capacity_bytes,
             "shared with a rollout engine" if t.shared else "",
         ),
-        ("weights", t.weights_bytes, ""),
+        ("weights" + (f" (1/{t.gpus})" if t.gpus > 1 else ""), t.weights_bytes, ""),
         *([("the other base models' weights", t.other_bases_bytes, "held beside it")] if t.other_bases_bytes else []),
         (
             f"job state on device: {t.device_slots} x {_size(t.job_state_bytes)}",
             t.device_state_bytes,
-            "largest job: fp32 adapter or full weights, + AdamW moments",
+            "largest job: fp32 adapter or full weights, + AdamW moments" + (f"; 1/{t.gpus} each" if t.gpus > 1 else ""),
         ),
-        ("gradients (the job in training)", t.gradient_bytes, ""),
+        ("gradients (the job in training)" + (f" (1/{t.gpus})" if t.gpus > 1 else ""), t.gradient_bytes, ""),
+        *(
+            [
+                (
+                    "FSDP buffers",
+                    t.fsdp_buffer_bytes,
+                    f"all-gather of {FSDP_GATHERED_LAYERS} layers, reduce-scatter of one layer's gradients",
+                )
+            ]
+            if t.fsdp_buffer_bytes
+            else []
+        ),
         (
             f"activations: {t.micro_batch_tokens:,}-token micro-batch",
             t.activation_bytes,
@@ -1079,7 +1363,7 @@ def _grouped(plans: Sequence[RolloutPlan] | Sequence[TrainerPlan]) -> list[tuple
 
 def render_plan(plan: MemoryPlan) -> str:
     """The plan as plain text: a table per (group of identical) engine(s), the jobs, the problems."""
-    o = plan.options
+    o = plan.settings
     params = f"{plan.params / 1e9:.2f} B" if plan.params >= 10**8 else f"{plan.params / 1e6:.2f} M"
     lines = [
         (
@@ -1093,6 +1377,17 @@ def render_plan(plan: MemoryPlan) -> str:
             f"gpu_memory_utilization {o.gpu_memory_utilization}"
         ),
     ]
+    if any(t.gpus for t in plan.trainers):
+        why = (
+            "as asked"
+            if plan.width_asked
+            else f"no width of the node's {_gpus(sum(t.gpus for t in plan.trainers))} for trainers holds the step"
+            if not plan.width_fits
+            else "one GPU holds the step"
+            if plan.trainer_width == 1
+            else "the smallest width whose per-rank step fits one GPU"
+        )
+        lines.append(f"Trainer width: trainer engines of {_gpus(plan.trainer_width)} ({why})")
     for indices, r in _grouped(plan.rollouts):
         where = (
             "on the CPU"
@@ -1104,7 +1399,10 @@ def render_plan(plan: MemoryPlan) -> str:
         title = f"Rollout engine{'s' if len(indices) > 1 else ''} {_indices(indices)}: {where}"
         lines += ["", *_table(title, _rollout_rows(r, plan.max_model_len))]
     for indices, t in _grouped(plan.trainers):
-        where = "on the CPU" if t.gpus == 0 else ("1 GPU each" if len(indices) > 1 else "1 GPU")
+        if t.gpus > 1:
+            where = f"{_gpus(t.gpus)}{' each' if len(indices) > 1 else ''} (FSDP, data parallel), per GPU"
+        else:
+            where = "on the CPU" if t.gpus == 0 else ("1 GPU each" if len(indices) > 1 else "1 GPU")
         title = f"Trainer engine{'s' if len(indices) > 1 else ''} {_indices(indices)}: {where}"
         lines += ["", *_table(title, _trainer_rows(t))]
     if plan.jobs:
@@ -1140,6 +1438,7 @@ def plan_json(plan: MemoryPlan) -> dict[str, Any]:
         "params": plan.params,
         "dtype": plan.dtype,
         "node": {"gpus": plan.node.gpus, "gpu_bytes": plan.node.gpu_bytes, "host_bytes": plan.node.host_bytes},
+        "trainer_width": plan.trainer_width,
         "rollouts": [
             {
                 "index": r.index,
@@ -1167,6 +1466,7 @@ def plan_json(plan: MemoryPlan) -> dict[str, Any]:
                 "device_state_bytes": t.device_state_bytes,
                 "gradient_bytes": t.gradient_bytes,
                 "activation_bytes": t.activation_bytes,
+                "fsdp_buffer_bytes": t.fsdp_buffer_bytes,
                 "runtime_bytes": t.runtime_bytes,
                 "free_bytes": t.free_bytes,
             }
@@ -1185,25 +1485,26 @@ def plans_for_specs(
     specs: Sequence[JobSpec],
     node: NodeShape,
     engines: Sequence[EngineShape] | None = None,
-    options: ClusterOptions = ClusterOptions(),
+    cluster: ClusterConfig = DEFAULTS,
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
 ) -> list[MemoryPlan]:
     """One plan per base model of ``specs``, each of a node serving them all: its engines hold
-    the other models too (``ClusterOptions.other_weights_bytes``), so each plan counts them."""
+    the other models too (``PlanSettings.other_weights_bytes``), so each plan counts them."""
     from plexctl.common.model_shapes import model_config_for
 
     by_model: dict[str, list[JobSpec]] = {}
     for spec in specs:
         by_model.setdefault(spec.model.path, []).append(spec)
-    dtype = engine_dtype(options, node)
+    dtype = engine_dtype(cluster, node)
     weights = {path: weights_bytes(model_config_for(path), dtype) for path in by_model}
     return [
         plan_for_specs(
             jobs,
             node,
             engines,
-            replace(options, other_weights_bytes=sum(weights.values()) - weights[path]),
+            cluster,
             prompt_tokens,
+            other_weights_bytes=sum(weights.values()) - weights[path],
         )
         for path, jobs in sorted(by_model.items())
     ]
@@ -1213,8 +1514,9 @@ def plan_for_specs(
     specs: Sequence[JobSpec],
     node: NodeShape,
     engines: Sequence[EngineShape] | None = None,
-    options: ClusterOptions = ClusterOptions(),
+    cluster: ClusterConfig = DEFAULTS,
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    other_weights_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan of a node serving the jobs of ``specs`` (one base model: their ``model.path``,
     whose config comes from ``plexctl.common.model_shapes.model_config_for``)."""
@@ -1223,7 +1525,13 @@ def plan_for_specs(
     paths = sorted({s.model.path for s in specs})
     if len(paths) != 1:
         raise ValueError(f"a plan is for one base model; these jobs use {len(paths)}: {', '.join(paths) or 'none'}")
-    jobs = [job_shape(s, prompt_tokens, options.micro_batch_tokens) for s in specs]
+    jobs = [job_shape(s, prompt_tokens, plan_settings(cluster).micro_batch_tokens) for s in specs]
     return plan_memory(
-        model_config_for(paths[0]), node, engines, options, jobs, model=paths[0].rstrip("/").rsplit("/", 1)[-1]
+        model_config_for(paths[0]),
+        node,
+        engines,
+        cluster,
+        jobs,
+        model=paths[0].rstrip("/").rsplit("/", 1)[-1],
+        other_weights_bytes=other_weights_bytes,
     )

@@ -3,8 +3,9 @@ whom to bring up from NVMe next. Plain data in, decisions out.
 
 A trainer keeps each job's state on one tier: ``device`` (at most ``device_slots`` jobs, and
 optionally ``device_bytes``), ``host`` (``host_bytes``) or ``nvme`` (``nvme_bytes``; a node may
-have none). ``Upcoming`` is the order in which jobs will next need the trainer (the scheduler's
-``expected``); jobs not in it come after all that are. The decisions:
+have none); ``tier_order`` puts tier names in that order, fastest first. ``Upcoming`` is the
+order in which jobs will next need the trainer (the scheduler's ``expected``); jobs not in it
+come after all that are. The decisions:
 
 - eviction (``needs_room``, ``victim``): while the device is full, the resident job needed
   least soon leaves it; ties (jobs not in the order): the least recently used;
@@ -28,7 +29,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
+TIER_ORDER = (DEVICE, HOST, NVME)  # fastest first: where a job trains, where its state goes first, the last resort
 DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")  # every move
+
+
+def tier_order(names: Iterable[str]) -> list[str]:
+    """The tiers ``names`` in ``TIER_ORDER``, fastest first (a store, the simulator and the
+    memory plan order their tiers by this); a name not in it is a ValueError."""
+    unknown = sorted(set(names) - set(TIER_ORDER))
+    if unknown:
+        raise ValueError(f"unknown state tiers {unknown}; known: {list(TIER_ORDER)}")
+    return sorted(set(names), key=TIER_ORDER.index)
 
 
 @dataclass(frozen=True)

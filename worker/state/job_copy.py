@@ -10,7 +10,8 @@ writes it to nvme; its tensors are views made on first use (``TensorViews``,
 ``SpecBuffers``). ``BufferPool`` gives the flat buffers copies live in: blocks of a
 ``HostArena`` (``worker.state.arena``), a few kept for the next copies. ``tensors_to_host`` /
 ``tensors_to_device`` move a set of tensors (a sleeping base's weights) into one arena block and
-back: a non-blocking copy per tensor, one synchronize.
+back: a non-blocking copy per tensor, one synchronize. ``lora_signature``: the LoRA fields a copy
+and the job it is imported into must share.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import torch
 
 from plexctl.common.spec import LoraSpec
@@ -273,6 +275,17 @@ class JobStateCopy:
         segments = [(members, self.buffers[name]) for name, members in self.layout.items()]
         segments += [([name], t) for name, t in self.standalone().items()]
         return sorted(segments, key=lambda segment: -segment[1].element_size())
+
+
+def lora_signature(lora: LoraSpec | None) -> dict[str, Any]:
+    """The LoRA fields that fix the adapter's shape and behaviour, comparable and JSON-able
+    (a full fine-tuning job's: ``{"full_finetune": True}``): a copy imports only into a job of
+    the same signature."""
+    if lora is None:
+        return {"full_finetune": True}
+    fields = msgspec.to_builtins(lora)
+    fields["target_modules"] = sorted(fields["target_modules"])
+    return fields
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

@@ -1,11 +1,13 @@
 """The state store: which memory tier each job's trainer state lives on, and the moves between them.
 
-``StateStore`` wraps one ``TrainerEngine`` and keeps every job's trainer state (LoRA adapter or a
-full fine-tuning job's weights, AdamW step counts and moments, RNG state) on one tier: ``device``
-(live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy`` in the store's
-``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in ``nvme_dir``,
-up to ``nvme_bytes``, described only in memory: scratch that never outlives the process). The
-decisions are ``plexctl.common.state_policy``'s; this module carries them out: ``ensure_resident``
+``StateStore`` wraps one trainer engine (a ``StateEngine``) and keeps every job's trainer state
+(LoRA adapter or a full fine-tuning job's weights, AdamW step counts and moments, RNG state) on one
+tier: ``device`` (live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy``
+in the store's ``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in
+``nvme_dir``, up to ``nvme_bytes``, described only in memory: scratch that never outlives the
+process). Each tier is an object (``worker.state.tiers``) that holds its copies; the store keeps
+them in ``state_policy.tier_order`` and asks the one a job is on. The decisions are
+``plexctl.common.state_policy``'s; this module carries them out: ``ensure_resident``
 (before each trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
 ``set_upcoming`` (the scheduler's order), ``inventory`` and ``background_moves`` (what moved).
 
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -42,66 +44,45 @@ from plexctl.common import state_policy
 from plexctl.common.spec import LoraSpec
 from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
 from plexctl.common.state_size import full_state_bytes, job_state_bytes
-from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.errors import JobConfigError, TierFullError
 from worker.state.arena import HostArena, HostMemoryError
-from worker.state.dirs import CopyDirectory
-from worker.state.files import NvmeCopy, read_copy, unlink_all, write_copy
-from worker.state.job_copy import (
-    BufferPool,
-    JobStateCopy,
+from worker.state.engine import StateEngine
+from worker.state.files import unlink_all
+from worker.state.job_copy import BufferPool, JobStateCopy, lora_signature
+from worker.state.tiers import (
+    DROPPING,
+    NVME_FULL_RETRY_S,
+    DeviceTier,
+    HostTier,
+    NoSpace,
+    NvmeTier,
+    Record,
+    Tier,
 )
-from worker.trainer import TrainerEngine
-from worker.trainer_slots import lora_signature
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+E = TypeVar("E", bound=StateEngine)  # the engine a store wraps (``trainer``), with its own methods
 
-_DROPPING = "dropped"  # a record's moving_to while drop() forgets it
+__all__ = ["NVME_FULL_RETRY_S", "TRANSIT_MIN_BYTES", "BackgroundMove", "HostBufferPool", "StateStore"]
 
-NVME_FULL_RETRY_S = 60.0  # after a write ran out of space: nvme takes only room the store freed, this long
 BACKGROUND_MOVES_KEPT = 4096  # background moves kept for background_moves()
 TRANSIT_MIN_BYTES = 256 << 20  # host memory for copies between tiers (StateStore's transit_bytes), at least
 
 
-# ---------------------------------------------------------------- errors
-
-
-class _NoSpace(Exception):
-    """An nvme write ran out of disk space or quota (logged and counted); the caller falls back."""
-
-
-# ---------------------------------------------------------------- records
-
-
-@dataclass
-class _Record:
-    job_id: str
-    lora: LoraSpec | None  # None: full fine-tuning
-    seed: int
-    weight_decay: float
-    tier: str  # where the job's one complete copy is
-    nbytes: int
-    last_used: int  # store tick of its last ensure_resident
-    host_copy: JobStateCopy | None = field(default=None, repr=False)  # set while tier == HOST
-    host_buffer: torch.Tensor | None = field(default=None, repr=False)  # the pool's memory under host_copy
-    moving_to: str | None = None  # set while a thread moves it: others wait, plans skip it
-    nvme: NvmeCopy | None = field(default=None, repr=False)  # set while tier == NVME: its file and metadata
-    behind: int | None = None  # handoff number while the write-behind thread is to write host_copy to nvme
-    writing_from: torch.Tensor | None = field(default=None, repr=False)  # the buffer that thread reads now
-    orphan: torch.Tensor | None = field(default=None, repr=False)  # that buffer, once the copy was taken back
+# ---------------------------------------------------------------- moves
 
 
 @dataclass
 class _Placement:
     tier: str  # HOST or NVME, for the state that leaves the device
-    demote: list[_Record]  # host copies to write to nvme first
+    demote: list[Record]  # host copies to write to nvme first
 
 
 STATE_KINDS = ("adapter", "model")  # a LoRA job's state, a full fine-tuning job's
 
 
-def state_kind(record: "_Record") -> str:
+def state_kind(record: Record) -> str:
     return "adapter" if record.lora is not None else "model"
 
 
@@ -166,12 +147,12 @@ class _Moves:
 # ---------------------------------------------------------------- the store
 
 
-class StateStore:
+class StateStore(Generic[E]):
     """Keeps each job's trainer state on device, host or nvme; swaps jobs in on demand."""
 
     def __init__(
         self,
-        trainer: TrainerEngine,
+        trainer: E,
         device_slots: int = 4,
         host_bytes: int = 8 << 30,
         nvme_dir: Path | None = None,
@@ -205,13 +186,10 @@ class StateStore:
         self.write_behind_bytes = max(0, write_behind_bytes)
         self.transit_bytes = max(host_bytes // 8, TRANSIT_MIN_BYTES) if transit_bytes is None else max(0, transit_bytes)
         self.nvme_dir = Path(nvme_dir) if nvme_dir is not None else None
-        self.nvme_bytes = nvme_bytes if nvme_dir is not None else 0
-        # its copy files, and the spares kept to be overwritten by new copies (within nvme_bytes)
-        self._files = CopyDirectory(self.nvme_dir) if self.nvme_dir is not None else None
         self._clock = clock
         self._serial = threading.RLock()  # one trainer-side operation at a time
-        self._cond = threading.Condition()  # guards everything below
-        self._records: dict[str, _Record] = {}
+        self._cond = threading.Condition()  # guards everything below, and the tiers' bookkeeping
+        self._records: dict[str, Record] = {}
         self._upcoming = Upcoming()
         self._tick = 0
         self._swaps = {direction: _SwapStats() for direction in DIRECTIONS}
@@ -227,17 +205,25 @@ class StateStore:
         )
         # host copies, exported or read from nvme: blocks of exactly their pages (none sits on a larger one)
         self._pool = HostBufferPool(self.arena, oversize=1.0)
+        self.device = DeviceTier(self._records, self._cond, trainer, device_slots, self._pool)
+        self.host = HostTier(self._records, self._cond, self.arena, self._pool, host_bytes, self.host_spill_bytes)
+        self.nvme = NvmeTier(
+            self._records, self._cond, self.nvme_dir, nvme_bytes, self._pool, self.host_spill_bytes, clock
+        )
+        by_name: dict[str, Tier] = {tier.name: tier for tier in (self.device, self.host, self.nvme)}
+        self.tiers = [by_name[name] for name in state_policy.tier_order(by_name)]  # fastest first
+        self._tier = by_name
+        self._files = self.nvme.files  # its copy files and spares (None without nvme_dir)
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
-        self._nvme_nospace = 0  # nvme writes that failed for lack of space
-        self._nvme_full_at: float | None = None  # clock time of the latest such failure
-        self._nvme_room = 0  # bytes the store held on nvme then: all it may hold while marked full
-        self._nvme_error = ""  # the latest such failure, one line
+
+    @property
+    def nvme_bytes(self) -> int:
+        """The nvme tier's budget (0 without ``nvme_dir``)."""
+        return self.nvme.capacity
 
     # ------------------------------------------------------------ the public operations
 
-    def ensure_resident(
-        self, job_id: str, lora: LoraSpec | None, seed: int, weight_decay: float = 0.0
-    ) -> dict[str, Any]:
+    def ensure_resident(self, job_id: str, lora: LoraSpec | None, seed: int) -> dict[str, Any]:
         """Put the job's state on the device (swap in, or create it); return what moved.
 
         ``{"swap_in": "host" | "nvme" | None, "evicted": [...], "demoted": [...], "bytes": n,
@@ -254,20 +240,20 @@ class StateStore:
                     if record.tier == DEVICE:
                         self._touch(record)
                         return _Moves().report(self._clock() - started)
-                    record.moving_to = DEVICE
+                    self.device.reserve(record)
             moves, buffer = _Moves(), None
             try:
                 incoming, read_seconds, buffer = self._take_incoming(record, moves)
                 credit = record.nbytes if record is not None and record.tier == HOST else 0
                 self._make_room(job_id, credit, moves)
-                self._swap_in(job_id, record, incoming, read_seconds, lora, seed, weight_decay, moves)
+                self._swap_in(job_id, record, incoming, read_seconds, lora, seed, moves)
             except BaseException:
                 self._unmark([record] if record is not None else [])
-                if buffer is not None and record is not None and record.tier == NVME:  # read for nothing
-                    self._pool.give(buffer)
+                if buffer is not None and record is not None:  # read for nothing
+                    self._tier[record.tier].abandon(record, buffer)
                 raise
             if buffer is not None:  # imported: the engine keeps no reference to the copy's memory
-                self._give_back_buffer(record, buffer)
+                self.host.give_back(record, buffer)
         return moves.report(self._clock() - started)
 
     def set_upcoming(self, job_ids: list[str]) -> None:
@@ -293,9 +279,9 @@ class StateStore:
             if chosen is None:
                 return False
             placement = self._placement(chosen)
-            record.moving_to = HOST
+            self.host.reserve(record)
             for demoted in placement.demote:
-                demoted.moving_to = NVME
+                self.nvme.reserve(demoted)
         pending = [record, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
             for demoted in placement.demote:
@@ -303,17 +289,18 @@ class StateStore:
                 pending.remove(demoted)
             trainer_cpu, wall = self._trainer_cpu(), time.time()
             started = self._clock()  # the read alone
-            state, buffer = self._read_nvme(record)
+            state, buffer = self.nvme.read(record)
             seconds, overlap = self._clock() - started, self._trainer_cpu_since(trainer_cpu)
-        except (_NoSpace, HostMemoryError):  # host copies that did not go down stay; so does the job, on nvme
+        except (NoSpace, HostMemoryError):  # host copies that did not go down stay; so does the job, on nvme
             self._unmark(pending)
             return False
         except BaseException:
             self._unmark(pending)
             raise
         with self._cond:
-            record.tier, record.host_copy, record.host_buffer, record.moving_to = HOST, state, buffer, None
-            doomed = self._retire_nvme(record)
+            self.host.land(record, state, None)
+            record.moving_to = None
+            doomed = self.nvme.free(record)
             self._swapped("nvme->host", record, state.nbytes, seconds, critical=False, overlap_s=overlap)
             self._log_background(BackgroundMove("nvme->host", job_id, wall, wall + seconds))
             self._cond.notify_all()
@@ -327,18 +314,9 @@ class StateStore:
                 record = self._settled(job_id)
                 if record is None:
                     return
-                record.moving_to = _DROPPING
+                record.moving_to = DROPPING
             try:
-                if record.tier == DEVICE:
-                    self.trainer.release(job_id)
-                elif record.tier == NVME:
-                    with self._cond:
-                        copy, record.nvme = record.nvme, None
-                    if copy is not None:
-                        unlink_all([copy.path])
-                elif record.host_buffer is not None:
-                    self._give_back_buffer(record, record.host_buffer)
-                    record.host_copy = record.host_buffer = None
+                self._tier[record.tier].discard(record)
             except BaseException:  # still where it was (the trainer kept it): counted there
                 self._unmark([record])
                 raise
@@ -361,7 +339,7 @@ class StateStore:
             new = self._background_seq - max(0, since)
             return self._background_seq, list(self._background)[max(0, len(self._background) - new) :]
 
-    def _swapped(self, direction: str, record: _Record, nbytes: int, seconds: float, **kw: Any) -> None:
+    def _swapped(self, direction: str, record: Record, nbytes: int, seconds: float, **kw: Any) -> None:
         """Count one move of ``record``'s state (under the lock), by direction and by kind."""
         self._swaps[direction].add(nbytes, seconds, **kw)
         self._swaps_by_kind[state_kind(record)].add(nbytes, seconds, **kw)
@@ -378,35 +356,17 @@ class StateStore:
         flight; and swap count / bytes / seconds per direction."""
         with self._cond:
             tiers = {
-                DEVICE: {
-                    "capacity": self.device_slots,
-                    "unit": "slots",
-                    "step": getattr(self.trainer, "step_info", {}),
-                },
-                HOST: {"capacity": self.host_bytes, "unit": "bytes"},
-                NVME: {
-                    "capacity": self.nvme_bytes,
-                    "unit": "bytes",
-                    "dir": str(self.nvme_dir or "") or None,
-                    "nospace": self._nvme_nospace,
-                    "full": self._nvme_full(),
-                    "error": self._nvme_error or None,
-                },
-            }
-            for tier, info in tiers.items():
-                info["used_bytes"] = self._used(tier)
-                info["jobs"] = sorted(r.job_id for r in self._records.values() if r.tier == tier)
-            arena = self.arena.stats()
-            tiers[HOST]["arena"] = {
-                "capacity": arena.capacity,
-                "in_use": arena.in_use,
-                "largest_free": arena.largest_free,
-                "pinned": self.arena.pinned,
+                tier.name: {
+                    "capacity": tier.capacity,
+                    "unit": tier.unit,
+                    "used_bytes": tier.used(),
+                    "jobs": tier.jobs(),
+                    **tier.details(),
+                }
+                for tier in self.tiers
             }
             in_flight = {
-                r.job_id: f"{r.tier}->{r.moving_to}"
-                for r in self._records.values()
-                if r.moving_to in (DEVICE, HOST, NVME)
+                r.job_id: f"{r.tier}->{r.moving_to}" for r in self._records.values() if r.moving_to in self._tier
             }
             swaps = {d: s.to_json() for d, s in self._swaps.items()}
             by_kind = {k: s.to_json() for k, s in self._swaps_by_kind.items()}
@@ -426,45 +386,45 @@ class StateStore:
     # ------------------------------------------------------------ swapping in
 
     def _take_incoming(
-        self, record: _Record | None, moves: _Moves
+        self, record: Record | None, moves: _Moves
     ) -> tuple[JobStateCopy | None, float, torch.Tensor | None]:
         """The copy to import (read and verified if on nvme), the seconds the read took, and
         the pool buffer under the copy (to give back once imported), if any."""
         if record is None:
             return None, 0.0, None
-        if record.tier == HOST:
-            assert record.host_copy is not None
-            return record.host_copy, 0.0, record.host_buffer
+        tier = self._tier[record.tier]
+        if tier.in_host_memory:
+            state, buffer = tier.read(record)
+            return state, 0.0, buffer
         started = self._clock()
-        state, buffer = self._in_host_memory(lambda: self._read_nvme(record), record, moves)
+        state, buffer = self._in_host_memory(lambda: tier.read(record), record, moves)
         return state, self._clock() - started, buffer
 
     def _swap_in(
         self,
         job_id: str,
-        record: _Record | None,
+        record: Record | None,
         incoming: JobStateCopy | None,
         read_seconds: float,
         lora: LoraSpec | None,
         seed: int,
-        weight_decay: float,
         moves: _Moves,
     ) -> None:
         started = self._clock()
-        if incoming is None:
-            self.trainer.ensure_job(job_id, lora, seed, weight_decay)
+        if record is None or incoming is None:
+            self.device.create(job_id, lora, seed)
         else:
-            self.trainer.import_state(job_id, incoming)
+            self.device.write(record, incoming)
         seconds = self._clock() - started + read_seconds
         source = record.tier if record is not None else None
         device_bytes = self.trainer.state_bytes(job_id)
         with self._cond:
             if record is None:
-                record = _Record(job_id, lora, seed, weight_decay, DEVICE, device_bytes, 0)
+                record = Record(job_id, lora, seed, DEVICE, device_bytes, 0)
                 self._records[job_id] = record
-            record.tier, record.host_copy, record.moving_to, record.nbytes = DEVICE, None, None, device_bytes
-            record.host_buffer = None
-            doomed = self._retire_nvme(record) if source == NVME else []
+            self.device.land(record, incoming, None)
+            record.moving_to, record.nbytes = None, device_bytes
+            doomed = self._tier[source].free(record) if source is not None else []
             self._touch(record)
             if incoming is not None:
                 self._swapped(f"{source}->device", record, incoming.nbytes, seconds)
@@ -487,18 +447,19 @@ class StateStore:
             self._evict(victim, host_credit, moves)
             host_credit = 0
 
-    def _evict(self, victim: _Record, host_credit: int, moves: _Moves) -> None:
+    def _evict(self, victim: Record, host_credit: int, moves: _Moves) -> None:
         """Copy the victim off the device into a pool buffer, place the copy (demoting others if
         needed), release it."""
         started = self._clock()
-        state = self._in_host_memory(lambda: self.trainer.export_state(victim.job_id, self._pool), victim, moves)
+        state = self._in_host_memory(lambda: self.device.read(victim)[0], victim, moves)
         export_seconds = self._clock() - started
         try:
             with self._cond:
                 placement = self._place_or_wait(victim, state.nbytes, host_credit)
-                victim.moving_to, victim.nbytes = placement.tier, state.nbytes  # reserve the copy's size
+                victim.nbytes = state.nbytes  # reserve the copy's size
+                self._tier[placement.tier].reserve(victim)
                 for demoted in placement.demote:
-                    demoted.moving_to = NVME
+                    self.nvme.reserve(demoted)
                 behind = self._write_behind_room(placement, state.nbytes)
                 self._behind_bytes += behind
         except BaseException:
@@ -507,7 +468,7 @@ class StateStore:
         if behind:
             self._evict_behind(victim, state, placement, export_seconds, behind, moves)
             return
-        tier, write_seconds, written = placement.tier, 0.0, None
+        tier, write_seconds, written = placement.tier, 0.0, None  # tier: its name, the policy's answer
         pending = [victim, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
             try:
@@ -516,9 +477,9 @@ class StateStore:
                     pending.remove(demoted)
                     moves.demoted.append(demoted.job_id)
                     moves.bytes += demoted.nbytes
-                if tier == NVME:
-                    written, write_seconds = self._write_nvme(victim.job_id, state)
-            except _NoSpace:  # host copies that did not go down stay there; the victim spills to host
+                if not self._tier[tier].in_host_memory:
+                    written, write_seconds = self._write(self._tier[tier], victim, state)
+            except NoSpace:  # host copies that did not go down stay there; the victim spills to host
                 self._unmark(pending[1:])
                 pending = [victim]
                 tier = self._spill_to_host(victim, state.nbytes)
@@ -527,20 +488,20 @@ class StateStore:
             self._give_back(state)
             raise
         try:
-            self.trainer.release(victim.job_id)
+            self.device.discard(victim)
         except BaseException:  # the job stays on the device: its copy is not one
             if written is not None:
-                unlink_all([written.path])
+                self._tier[tier].unwrite(written)
             self._unmark([victim])
             self._give_back(state)
             raise
         with self._cond:
-            victim.tier, victim.moving_to, victim.nbytes, victim.nvme = tier, None, state.nbytes, written
-            victim.host_copy = state if tier == HOST else None
-            victim.host_buffer = state.memory if tier == HOST else None
+            keeps_buffer = self._tier[tier].land(victim, state, written)
+            victim.moving_to, victim.nbytes = None, state.nbytes
+            self.device.free(victim)
             self._swapped(f"device->{tier}", victim, state.nbytes, export_seconds + write_seconds)
             self._cond.notify_all()
-        if tier == NVME:  # written: its buffer is free again
+        if not keeps_buffer:  # written: its buffer is free again
             self._give_back(state)
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
@@ -553,7 +514,7 @@ class StateStore:
 
     def _evict_behind(
         self,
-        victim: _Record,
+        victim: Record,
         state: JobStateCopy,
         placement: _Placement,
         export_seconds: float,
@@ -565,7 +526,7 @@ class StateStore:
         demotion stay there, and the thread writes them down after this returns."""
         writes = [*placement.demote, *([victim] if placement.tier == NVME else [])]
         try:
-            self.trainer.release(victim.job_id)
+            self.device.discard(victim)
         except BaseException:
             self._unmark([victim, *placement.demote])
             self._give_back(state)
@@ -574,7 +535,9 @@ class StateStore:
                 self._cond.notify_all()
             raise
         with self._cond:
-            victim.tier, victim.nbytes, victim.host_copy, victim.host_buffer = HOST, state.nbytes, state, state.memory
+            self.host.land(victim, state, None)
+            victim.nbytes = state.nbytes
+            self.device.free(victim)
             victim.moving_to = NVME if placement.tier == NVME else None
             self._swapped("device->host", victim, state.nbytes, export_seconds)
             handoffs = []
@@ -591,7 +554,7 @@ class StateStore:
         moves.evicted.append(victim.job_id)
         moves.bytes += state.nbytes
 
-    def _write_behind(self, handoffs: list[tuple[_Record, int]], nbytes: int) -> None:
+    def _write_behind(self, handoffs: list[tuple[Record, int]], nbytes: int) -> None:
         """On the write-behind thread: demote the host copies handed over (records marked for
         nvme, with their handoff numbers) in order, but for those taken back meanwhile. A copy
         that cannot go down (no space, an I/O error: logged) stays in host memory with those
@@ -600,7 +563,7 @@ class StateStore:
             for i, (record, handoff) in enumerate(handoffs):
                 try:
                     self._demote(record, critical=False, handoff=handoff)
-                except _NoSpace:
+                except NoSpace:
                     self._unmark_behind(handoffs[i:])
                     return
                 except Exception:  # noqa: BLE001 - the copies stay on host; the next eviction tries again
@@ -626,7 +589,7 @@ class StateStore:
         if state.memory is not None:
             self._pool.give(state.memory)
 
-    def _in_host_memory(self, copy: Callable[[], _T], record: _Record, moves: _Moves) -> _T:
+    def _in_host_memory(self, copy: Callable[[], _T], record: Record, moves: _Moves) -> _T:
         """``copy()``, which fills a pool buffer (an export, a read from nvme); when the arena
         has no block for it, settled host copies go to nvme (least soon needed first), or moves
         under way are waited for, and it is tried again. ``HostMemoryError`` when neither is
@@ -644,28 +607,28 @@ class StateStore:
                         self._cond.wait()  # copies landing on nvme free their blocks
                         continue
                     raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") from None
-                demoted.moving_to = NVME
+                self.nvme.reserve(demoted)
             try:
                 self._demote(demoted)
             except BaseException as exc:
                 self._unmark([demoted])
-                if isinstance(exc, _NoSpace):
+                if isinstance(exc, NoSpace):
                     raise HostMemoryError(short.nbytes, self.arena.stats(), f"job {record.job_id!r}'s state") from None
                 raise
             moves.demoted.append(demoted.job_id)
             moves.bytes += demoted.nbytes
 
-    def _spill_to_host(self, victim: _Record, nbytes: int) -> str:
+    def _spill_to_host(self, victim: Record, nbytes: int) -> str:
         """After nvme ran out of space for the victim's copy or for the demotions that made room:
         HOST if host takes it within its spill allowance; else TierFullError (it stays on the device)."""
         with self._cond:
             victim.moving_to = None
             if not self._tiers().spill_fits(nbytes):
                 raise TierFullError(self._tier_full_message(victim.job_id, nbytes))
-            victim.moving_to = HOST
+            self.host.reserve(victim)
             return HOST
 
-    def _demote(self, record: _Record, critical: bool = True, handoff: int | None = None) -> None:
+    def _demote(self, record: Record, critical: bool = True, handoff: int | None = None) -> None:
         """Write a host copy (marked moving to nvme) to nvme, then let go of it (its pool
         buffer, if any, goes back to the pool). ``critical``: called by ensure_resident.
         ``handoff``: the write-behind thread's number for the copy; a copy taken back
@@ -680,7 +643,7 @@ class StateStore:
         assert state is not None
         trainer_cpu, wall = None if critical else self._trainer_cpu(), time.time()
         try:
-            written, seconds = self._write_nvme(record.job_id, state)
+            written, seconds = self._write(self.nvme, record, state)
         except BaseException:
             if handoff is not None:  # the copy stays in host memory (or was taken back): its buffer is not freed
                 self._end_write(record, None)
@@ -689,35 +652,34 @@ class StateStore:
         doomed: list[Path] = []
         with self._cond:
             if handoff is None or record.behind == handoff:
-                record.tier, record.host_copy, record.host_buffer, record.moving_to = NVME, None, None, None
-                record.nvme, record.behind = written, None
+                self.nvme.land(record, state, written)
+                self.host.free(record)
+                record.moving_to, record.behind = None, None
                 self._swapped("host->nvme", record, state.nbytes, seconds, critical=critical, overlap_s=overlap)
                 if not critical:
                     self._log_background(BackgroundMove("host->nvme", record.job_id, wall, wall + seconds))
                 self._cond.notify_all()
             else:  # taken back while written: the file is no copy of anything
-                assert self._files is not None  # it was written to nvme
-                self._files.add_spare(written.path, written.file_bytes)
-                doomed = self._trim_spares()
+                doomed = self.nvme.keep_as_spare(written)
                 buffer = None
                 self._cond.notify_all()
         unlink_all(doomed)
         if handoff is not None:
             self._end_write(record, buffer)
         elif buffer is not None:
-            self._give_back_buffer(record, buffer)
+            self.host.give_back(record, buffer)
 
-    def _end_write(self, record: _Record, landed: torch.Tensor | None) -> None:
+    def _end_write(self, record: Record, landed: torch.Tensor | None) -> None:
         """The write-behind thread is done reading the record's copy: give back the buffer of a
         copy that landed on nvme (``landed``), or that of one taken back meanwhile, once the
-        trainer has imported it (else the trainer gives it back: ``_give_back_buffer``)."""
+        trainer has imported it (else the trainer gives it back: ``HostTier.give_back``)."""
         with self._cond:
             orphan, record.orphan, record.writing_from = record.orphan, None, None
         for buffer in (landed, orphan):
             if buffer is not None:
                 self._pool.give(buffer)
 
-    def _take_back(self, job_id: str, lora: LoraSpec | None) -> _Record | None:
+    def _take_back(self, job_id: str, lora: LoraSpec | None) -> Record | None:
         """The job's record, marked moving to the device, if its host copy was handed to the
         write-behind thread and not yet landed on nvme: the handoff is void, the copy swaps in
         from host memory (caller holds the lock). Else None."""
@@ -726,20 +688,11 @@ class StateStore:
             return None
         if lora_signature(record.lora) != lora_signature(lora):
             return None  # refused by the caller, once the write landed
-        record.behind, record.moving_to = None, DEVICE
+        record.behind = None
+        self.device.reserve(record)
         return record
 
-    def _give_back_buffer(self, record: _Record | None, buffer: torch.Tensor) -> None:
-        """A host copy's buffer that is done with (imported, written, dropped): back to the pool,
-        unless the write-behind thread still reads it (a copy taken back mid-write): then that
-        thread gives it back."""
-        with self._cond:
-            if record is not None and record.writing_from is buffer:
-                record.orphan = buffer
-                return
-        self._pool.give(buffer)
-
-    def _unmark_behind(self, handoffs: list[tuple[_Record, int]]) -> None:
+    def _unmark_behind(self, handoffs: list[tuple[Record, int]]) -> None:
         """After a failed write-behind: the copies handed over and not taken back stay in host memory."""
         with self._cond:
             for record, handoff in handoffs:
@@ -749,7 +702,7 @@ class StateStore:
 
     # ------------------------------------------------------------ planning (callers hold the lock)
 
-    def _place_or_wait(self, record: _Record, nbytes: int, host_credit: int) -> _Placement:
+    def _place_or_wait(self, record: Record, nbytes: int, host_credit: int) -> _Placement:
         """A placement for a state leaving the device; waits out other threads' moves when they
         hold the room, raises TierFullError when nothing fits and nothing is moving."""
         while True:
@@ -760,7 +713,7 @@ class StateStore:
                 raise TierFullError(self._tier_full_message(record.job_id, nbytes))
             self._cond.wait()
 
-    def _plan_placement(self, record: _Record, nbytes: int, host_credit: int) -> _Placement | None:
+    def _plan_placement(self, record: Record, nbytes: int, host_credit: int) -> _Placement | None:
         """Where a state of ``nbytes`` leaving the device goes (``state_policy.place``), with
         the records to demote first; None when nothing fits. ``host_credit``: host bytes the
         caller is about to free (a copy it is swapping in)."""
@@ -772,10 +725,10 @@ class StateStore:
     def _placement(self, chosen: state_policy.Placement) -> _Placement:
         return _Placement(chosen.tier, [self._records[job_id] for job_id in chosen.demote])
 
-    def _held(self, record: _Record, nbytes: int | None = None) -> Held:
+    def _held(self, record: Record, nbytes: int | None = None) -> Held:
         return Held(record.job_id, record.nbytes if nbytes is None else nbytes, record.last_used)
 
-    def _host_copies(self, beside: _Record) -> list[Held]:
+    def _host_copies(self, beside: Record) -> list[Held]:
         """The settled host copies other than ``beside``'s: those a placement may demote."""
         return [
             self._held(r) for r in self._records.values() if r.tier == HOST and r.moving_to is None and r is not beside
@@ -784,44 +737,25 @@ class StateStore:
     def _tiers(self) -> Tiers:
         """Host and nvme as the policy sees them now (caller holds the lock)."""
         return Tiers(
-            host_bytes=self.host_bytes,
-            host_used=self._used(HOST),
-            nvme_bytes=self.nvme_bytes if self.nvme_dir is not None else None,
-            nvme_used=self._used(NVME),
-            host_spill_bytes=self.host_spill_bytes,
-            nvme_full=self._nvme_full(),
-            nvme_room=self._nvme_room,
-        )
-
-    def _nvme_full(self) -> bool:
-        """Whether a write ran out of space on nvme less than NVME_FULL_RETRY_S ago."""
-        return self._nvme_full_at is not None and self._clock() - self._nvme_full_at < NVME_FULL_RETRY_S
-
-    def _used(self, tier: str) -> int:
-        """Bytes on ``tier``, counting reservations of copies moving there (not for device)."""
-        return sum(
-            r.nbytes
-            for r in self._records.values()
-            if (r.tier == tier and r.moving_to != _DROPPING) or (tier != DEVICE and r.moving_to == tier)
+            host_bytes=self.host.capacity,
+            host_used=self.host.used(),
+            nvme_bytes=self.nvme.capacity if self.nvme.on else None,
+            nvme_used=self.nvme.used(),
+            host_spill_bytes=self.host.spill_bytes,
+            nvme_full=self.nvme.full(),
+            nvme_room=self.nvme.room,
         )
 
     def _tier_full_message(self, job_id: str, nbytes: int) -> str:
-        full = self._nvme_full()
-        out_of_space = f", out of space ({self._nvme_error})" if full else ""
-        nvme = (
-            f"nvme {self._used(NVME)}/{self.nvme_bytes} bytes used{out_of_space}"
-            if self.nvme_dir is not None
-            else "nvme tier off (no nvme_dir)"
-        )
-        spill = f" (+{self.host_spill_bytes} allowed while nvme is out of space)" if full else ""
+        spill = f" (+{self.host.spill_bytes} allowed while nvme is out of space)" if self.nvme.full() else ""
         return (
             f"no room for job {job_id!r}'s state ({nbytes} bytes) off the device: "
-            f"host {self._used(HOST)}/{self.host_bytes} bytes used{spill}, {nvme}"
+            f"host {self.host.used()}/{self.host.capacity} bytes used{spill}, {self.nvme.usage()}"
         )
 
     # ------------------------------------------------------------ bookkeeping helpers
 
-    def _settled(self, job_id: str) -> _Record | None:
+    def _settled(self, job_id: str) -> Record | None:
         """The job's record once no other thread is moving it (caller holds the lock); the
         wait counts as ``stalled_s`` of the move's direction."""
         while True:
@@ -854,14 +788,14 @@ class StateStore:
         self._background.append(move)
         self._background_seq += 1
 
-    def _unmark(self, records: list[_Record]) -> None:
+    def _unmark(self, records: list[Record]) -> None:
         """After a failed move: what did not land stays where it was."""
         with self._cond:
             for record in records:
                 record.moving_to = None
             self._cond.notify_all()
 
-    def _touch(self, record: _Record) -> None:
+    def _touch(self, record: Record) -> None:
         self._tick += 1
         record.last_used = self._tick
 
@@ -877,101 +811,27 @@ class StateStore:
                 if record is not None and record.tier == DEVICE:
                     record.nbytes = nbytes
 
-    # ------------------------------------------------------------ nvme copies
+    # ------------------------------------------------------------ writes to a tier
 
-    def _write_nvme(self, job_id: str, state: JobStateCopy) -> tuple[NvmeCopy, float]:
-        """Write a copy into a spare file (overwritten in place) or a new one, one fdatasync;
-        return it and the seconds it took. Out of disk space or quota: ``_NoSpace``, the file
-        deleted, the tier marked full (and every spare deleted)."""
+    def _write(self, tier: Tier, record: Record, state: JobStateCopy) -> tuple[Any, float]:
+        """``tier.write`` (outside the lock) and the seconds it took: on nvme, a file written
+        and fdatasync'd, ``NoSpace`` when the disk is full."""
         started = self._clock()
-        files = self._files
-        assert files is not None
-        with self._cond:
-            spare = files.take_spare(state.nbytes)
-            doomed = self._trim_spares()
-        unlink_all(doomed)
-        path = spare.path if spare is not None else files.new_path()
-        try:
-            while True:
-                try:
-                    copy = write_copy(path, state, reuse=spare.nbytes if spare is not None else None)
-                    break
-                except FileExistsError:  # not ours (a crashed process's?): never reused, another name
-                    if spare is not None:
-                        raise
-                    path = files.new_path()
-        except BaseException as exc:
-            if not isinstance(exc, FileExistsError):
-                unlink_all([path])
-            if not isinstance(exc, OSError) or exc.errno not in NO_SPACE_ERRNOS:
-                raise
-            self._mark_nvme_full(job_id, state.nbytes, exc)
-            raise _NoSpace() from None
-        return copy, self._clock() - started
-
-    def _trim_spares(self) -> list[Path]:
-        """Spare files to delete now (caller holds the lock, the caller deletes them): all while
-        the tier is marked full, else those beyond what ``nvme_bytes`` leaves beside the copies
-        (reserved ones included) or beyond ``copy_dir.KEEP_SPARES``."""
-        assert self._files is not None
-        if not self._files.spares:  # (the bytes used cost a look at every record)
-            return []
-        return self._files.trim(self._nvme_full(), self.nvme_bytes - self._used(NVME))
-
-    def _retire_nvme(self, record: _Record) -> list[Path]:
-        """A copy left nvme (read, and landed on its new tier; caller holds the lock): its file
-        becomes a spare. Returns the files to delete now."""
-        copy, record.nvme = record.nvme, None
-        if copy is None:
-            return []
-        assert self._files is not None
-        self._files.add_spare(copy.path, copy.file_bytes)
-        return self._trim_spares()
-
-    def _mark_nvme_full(self, job_id: str, nbytes: int, exc: OSError) -> None:
-        """Count the failure; until NVME_FULL_RETRY_S passes, nvme takes only room the store frees
-        (spares are deleted, not kept). One warning line when the tier was not marked full already."""
-        with self._cond:
-            doomed = self._files.trim(full=True, room=0) if self._files is not None else []
-        unlink_all(doomed)
-        free = free_bytes(self.nvme_dir) if self.nvme_dir is not None else None
-        error = f"{no_space_reason(exc)} writing job {job_id!r}'s copy ({nbytes} bytes) to {self.nvme_dir}" + (
-            f", {free} bytes free" if free is not None else ""
-        )
-        with self._cond:
-            was_full = self._nvme_full()
-            self._nvme_nospace += 1
-            self._nvme_full_at = self._clock()
-            self._nvme_room = sum(
-                r.nbytes for r in self._records.values() if r.tier == NVME and r.moving_to != _DROPPING
-            )
-            self._nvme_error = error
-        if not was_full:
-            log.warning(
-                "nvme tier full: %s; copies stay in host memory (up to %d bytes over its budget) or on the "
-                "device, nvme takes only what the store frees for %.0f s",
-                error,
-                self.host_spill_bytes,
-                NVME_FULL_RETRY_S,
-            )
-
-    def _read_nvme(self, record: _Record) -> tuple[JobStateCopy, torch.Tensor]:
-        """The verified copy and the pool buffer holding it."""
-        assert record.nvme is not None
-        return read_copy(record.nvme, self._pool)
+        written = tier.write(record, state)
+        return written, self._clock() - started
 
 
 # ---------------------------------------------------------------- module helpers
 
 
-def _check_same_lora(record: _Record, lora: LoraSpec | None) -> None:
+def _check_same_lora(record: Record, lora: LoraSpec | None) -> None:
     if lora_signature(record.lora) != lora_signature(lora):
         raise JobConfigError(
             f"job {record.job_id!r} is stored with LoRA {lora_signature(record.lora)}, not {lora_signature(lora)}"
         )
 
 
-def _on_cuda(trainer: TrainerEngine) -> bool:
+def _on_cuda(trainer: StateEngine) -> bool:
     """Whether the trainer runs on CUDA: then host copies are pinned."""
     return getattr(getattr(trainer, "device", None), "type", None) == "cuda"
 

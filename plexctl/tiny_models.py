@@ -1,7 +1,7 @@
 """The tiny models and tasks that let PlexRL run real RL end to end on a CPU.
 
 This module owns the recipes of three tiny bases, built in code and cached on disk by one CLI
-(``python -m worker.tiny_models --root DIR`` builds them, ``--only NAME`` one; each has its own
+(``python -m plexctl.tiny_models --root DIR`` builds them, ``--only NAME`` one; each has its own
 build lock): ``tiny-arith`` (a Qwen2-style float32 LM, a character-level tokenizer, single-digit
 addition as ``data/arith``), ``tiny-tool`` (``build_tiny_tool``: the same model warm-started on the
 multi-turn ``python_tool`` task, ``data/tool``) and ``tiny-llama`` (``build_tiny(root,
@@ -865,7 +865,7 @@ def build_tiny_tool(root: Path, force: bool = False) -> ToolPaths:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.tiny_models",
+        prog="python -m plexctl.tiny_models",
         description="Build the tiny models: tiny-arith (addition) and tiny-tool (calculator calls); "
         "tiny-llama (addition on a Llama-style base) with --only.",
     )
