@@ -248,3 +248,18 @@ def test_trainer_width_is_an_option_of_up_and_plan() -> None:
     for verb in ("up", "plan"):
         out = CliRunner().invoke(A.build([verb]), [verb, "--help"], terminal_width=200).output
         assert "--trainer-width" in out, verb
+
+
+def test_a_command_called_from_code_gets_the_defaults_of_the_settings_it_was_not_given() -> None:
+    """``demo`` calls ``up`` as a function with only its own arguments: every setting not given is
+    its default, as on the command line."""
+    from plexctl.cli.config_options import config_options
+
+    seen: list[K.ClusterConfig] = []
+
+    @config_options(only=["policy", "trainer_width", "tp"])
+    def command(name: str, config: K.ClusterConfig) -> None:
+        seen.append(config)
+
+    command(name="x", tp=2)
+    assert seen[0].policy == K.DEFAULTS.policy and seen[0].trainer_width is None and seen[0].tp == 2

@@ -121,7 +121,7 @@ WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("the trainer's parts", ("trainer_slots", "trainer_math", "trainer_tokens")),
-    ("the engines", ("trainer", "rollout")),
+    ("the engines", ("trainer", "rollout", "trainer_group")),
     ("the process", ("servers", "main")),
 ]
 DAEMON_LAYERS: list[tuple[str, tuple[str, ...]]] = [

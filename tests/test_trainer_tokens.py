@@ -340,7 +340,7 @@ def good_datum(**fields: Any) -> TokenDatum:
         (LossCall([good_datum()], "reinforce"), "loss_fn 'reinforce' is not one of cross_entropy, importance_sampling"),
         (LossCall([good_datum()], "ppo", {"clip": 0.2}), "loss_fn ppo takes clip_low_threshold, clip_high_threshold"),
         (LossCall([good_datum()], "cross_entropy", {"beta": 1.0}), "takes no loss_fn_config; got loss_fn_config beta"),
-        (LossCall([good_datum()], "dro"), "loss_fn dro needs loss_fn_config beta"),
+        (LossCall([good_datum()], "dro"), "loss_fn dro: loss_fn_config beta has no default; give one"),
         (LossCall([good_datum()], "ppo", {"clip_low_threshold": 1.5}), "clip_low_threshold (1.5) is above"),
         (LossCall([], "cross_entropy"), "loss call has no data"),
         (
@@ -389,16 +389,3 @@ def test_the_engine_refuses_bad_calls_before_changing_anything(engine: TrainerEn
     with pytest.raises(BatchError, match="optim_step has no loss calls"):
         engine.optim_step("refused", [], AdamStep())
     assert_exactly_equal(before, job_state(engine, "refused"))
-
-
-def test_each_token_loss_is_one_entry_that_the_wire_and_the_worker_both_read() -> None:
-    """A loss is one entry of ``TOKEN_LOSS_TABLE`` (inputs, config, defaults) and one function of the
-    worker's of the same name; the wire's required inputs and config keys come from the entry."""
-    from plexctl.common.calls import TOKEN_LOSS_TABLE
-    from worker.tinker_losses import LOSS_FUNCTIONS, loss_config
-
-    assert list(LOSS_FUNCTIONS) == list(TOKEN_LOSS_TABLE) == list(TOKEN_LOSSES)
-    for name, entry in TOKEN_LOSS_TABLE.items():
-        given = {key: 0.5 for key, default in entry.config.items() if default is None}
-        assert set(loss_config(name, given)) == set(entry.config)
-        assert entry.required()[0] == "target_tokens" and "weights" not in entry.required()

@@ -4,7 +4,9 @@
 ``tis_token_terms`` truncated importance sampling for stale samples (``pg-tis``),
 ``user_token_terms`` a trusted user's own per-token loss; each adds ``kl_coef`` times the k3
 estimate of the KL to the base model. ``aggregation_weights`` turns a loss mask into the
-per-token weights of token-, sequence- or Dr. GRPO constant-length aggregation. The trainer
+per-token weights of token-, sequence- or Dr. GRPO constant-length aggregation. The named losses
+are the functions of their entries in ``plexctl.common.losses.LOSS_REGISTRY`` (their settings and
+defaults are declared there). The trainer
 engine (``worker.trainer``) calls them once per micro-batch; ``MetricSums`` sums the step's
 metrics over its micro-batches.
 """
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from plexctl.common.losses import LOSS_REGISTRY
 from plexctl.common.protocol import TrainHParams
 from worker.errors import LossLoadError
 
-LOSS_PARAMS = {"pg-clip": {}, "pg-tis": {"cap": 2.0}}  # each named loss's parameters and defaults
+TIS_CAP = LOSS_REGISTRY["pg-tis"].settings({})["cap"]  # pg-tis's default cap, as the registry declares it
 LOG_RATIO_CLAMP = 20.0  # |logp - old_logp| and |ref - logp| are clamped here (verl)
 KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
 
@@ -64,7 +67,7 @@ def tis_token_terms(
     stale (or engine-mismatched) samples is the detached behaviour weight, truncated at
     ``cap``. ``clipped`` counts the truncated tokens, ``ratio`` is the weight before truncation.
     """
-    cap = hp.loss_params.get("cap", LOSS_PARAMS["pg-tis"]["cap"])
+    cap = hp.loss_params.get("cap", TIS_CAP)
     behaviour_ratio = torch.exp((logp.detach() - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     weight = behaviour_ratio.clamp(max=cap)
     proximal_ratio = torch.exp(logp - logp.detach())  # 1, with the gradient of log pi_theta

@@ -13,6 +13,8 @@ any normalisation to the advantages or weights), exactly as Tinker documents eac
   (thresholds 0.0 and 4.0 by default).
 * ``dro``: ``-(tlp * A - 0.5 * beta * (tlp - slp) ** 2).sum()``; ``beta`` has no default.
 
+Each is the function of its entry in ``plexctl.common.losses.LOSS_REGISTRY`` (the one table of
+losses: their inputs and settings); ``loss_function`` finds an entry's function, for RL losses too.
 ``check_call`` refuses a call the losses cannot take, with a one-line ``BatchError`` that names
 the datum and the field. A datum's fields that its loss does not use are ignored (their
 lengths are still checked). Nothing here clamps a ratio: a sampler log-prob far below the
@@ -21,13 +23,17 @@ trainer's gives an infinite loss, as it would in Tinker.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from plexctl.common.calls import DATUM_INPUTS, TOKEN_LOSS_TABLE, TOKEN_LOSSES, LossCall, TokenDatum
+from plexctl.common.calls import TOKEN_LOSSES, LossCall, TokenDatum
+from plexctl.common.losses import DATUM_INPUTS, LOSS_REGISTRY, Loss, LossConfigError, loss_of
 from worker.errors import BatchError
 
 
@@ -47,31 +53,25 @@ class LossInputs:
         return cls(tensor(datum.weights), tensor(datum.logprobs), tensor(datum.advantages))
 
 
-def loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float]:
-    """``config`` over the loss's defaults (``BatchError``: unknown loss, key, or a missing one)."""
-    if loss_fn not in TOKEN_LOSS_TABLE:
+def token_loss_entry(loss_fn: str) -> Loss:
+    """The registry's entry of a token loss (``BatchError``: no such loss)."""
+    loss = loss_of(loss_fn, "token")
+    if loss is None:
         raise BatchError(f"loss_fn {loss_fn!r} is not one of {', '.join(TOKEN_LOSSES)}")
-    takes = TOKEN_LOSS_TABLE[loss_fn].config
-    unknown = sorted(set(config) - set(takes))
+    return loss
+
+
+def loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float]:
+    """``config`` over the loss's defaults (``BatchError``: unknown loss, key, or a bad value)."""
+    loss = token_loss_entry(loss_fn)
+    unknown = loss.unknown(config)
     if unknown:
-        accepted = ", ".join(takes) or "no loss_fn_config"
+        accepted = ", ".join(loss.takes()) or "no loss_fn_config"
         raise BatchError(f"loss_fn {loss_fn} takes {accepted}; got loss_fn_config {', '.join(unknown)}")
-    merged: dict[str, float] = {}
-    for key, default in takes.items():
-        value = config.get(key, default)
-        if value is None:
-            raise BatchError(f"loss_fn {loss_fn} needs loss_fn_config {key} (it has no default)")
-        if not math.isfinite(value):
-            raise BatchError(f"loss_fn_config {key} must be finite, got {value}")
-        merged[key] = float(value)
-    if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
-        raise BatchError(
-            f"loss_fn_config clip_low_threshold ({merged['clip_low_threshold']}) is above "
-            f"clip_high_threshold ({merged['clip_high_threshold']})"
-        )
-    if merged.get("beta", 0.0) < 0:
-        raise BatchError(f"loss_fn_config beta must be >= 0, got {merged['beta']}")
-    return merged
+    try:
+        return loss.settings(config)
+    except LossConfigError as e:
+        raise BatchError(f"loss_fn {loss_fn}: loss_fn_config {e}") from None
 
 
 def token_loss(
@@ -80,7 +80,15 @@ def token_loss(
     """One datum's loss (a scalar, the sum over its tokens) from the trainer's log-probs of its
     target tokens (``[N]``, float32, carrying the gradient) and its inputs (see the module)."""
     settings = loss_config(loss_fn, config)
-    return LOSS_FUNCTIONS[loss_fn](target_logprobs, inputs, settings)
+    function: Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor] = loss_function(loss_fn)
+    return function(target_logprobs, inputs, settings)
+
+
+@functools.cache
+def loss_function(name: str) -> Callable[..., Any]:
+    """The function a registry entry names (``"module:name"``), imported once."""
+    module, _, attribute = LOSS_REGISTRY[name].function.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _ratio(tlp: torch.Tensor, inputs: LossInputs, loss_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,41 +97,31 @@ def _ratio(tlp: torch.Tensor, inputs: LossInputs, loss_fn: str) -> tuple[torch.T
     return torch.exp(tlp - slp), _required(inputs.advantages, loss_fn, "advantages")
 
 
-def _cross_entropy(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
+def cross_entropy(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
     return (-tlp * _required(inputs.weights, "cross_entropy", "weights")).sum()
 
 
-def _importance_sampling(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
+def importance_sampling(tlp: torch.Tensor, inputs: LossInputs, _: Mapping[str, float]) -> torch.Tensor:
     ratio, adv = _ratio(tlp, inputs, "importance_sampling")
     return -(ratio * adv).sum()
 
 
-def _ppo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+def ppo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
     ratio, adv = _ratio(tlp, inputs, "ppo")
     clipped = torch.clamp(ratio, settings["clip_low_threshold"], settings["clip_high_threshold"])
     return -torch.min(ratio * adv, clipped * adv).sum()
 
 
-def _cispo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+def cispo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
     ratio, adv = _ratio(tlp, inputs, "cispo")
     clipped = torch.clamp(ratio, settings["clip_low_threshold"], settings["clip_high_threshold"])
     return -(clipped.detach() * tlp * adv).sum()
 
 
-def _dro(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+def dro(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
     slp = _required(inputs.sampling_logprobs, "dro", "logprobs")
     adv = _required(inputs.advantages, "dro", "advantages")
     return -(tlp * adv - 0.5 * settings["beta"] * (tlp - slp) ** 2).sum()
-
-
-# each entry of ``plexctl.common.calls.TOKEN_LOSS_TABLE``'s function, by its name
-LOSS_FUNCTIONS: dict[str, Callable[[torch.Tensor, LossInputs, Mapping[str, float]], torch.Tensor]] = {
-    "cross_entropy": _cross_entropy,
-    "importance_sampling": _importance_sampling,
-    "ppo": _ppo,
-    "cispo": _cispo,
-    "dro": _dro,
-}
 
 
 def check_call(call: LossCall, vocab_size: int | None = None) -> None:
@@ -134,7 +132,7 @@ def check_call(call: LossCall, vocab_size: int | None = None) -> None:
     loss_config(call.loss_fn, call.loss_fn_config)
     if not call.data:
         raise BatchError("loss call has no data")
-    needs = TOKEN_LOSS_TABLE[call.loss_fn].reads
+    needs = token_loss_entry(call.loss_fn).reads
     for i, datum in enumerate(call.data):
         n = len(datum.tokens)
         if n == 0:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from plexctl.common.losses import LossConfigError, loss_of
 from plexctl.common.protocol import LOSS_AGGREGATIONS, LOSSES, TrainBatch, TrainHParams
 from worker.errors import BatchError
-from worker.loss_terms import LOSS_PARAMS
 
 PAD_ID = 0
 
@@ -74,14 +74,17 @@ def check_hparams(hp: TrainHParams) -> None:
         raise BatchError(f"loss_agg_len must be >= 0, got {hp.loss_agg_len}")
     if hp.loss_fn:
         return  # a user's loss takes whatever loss_params it documents
-    if hp.loss not in LOSSES:
+    loss = loss_of(hp.loss, "rl")
+    if loss is None:
         raise BatchError(f"loss must be one of {LOSSES} (or a trusted loss_fn), got {hp.loss!r}")
-    unknown = sorted(set(hp.loss_params) - set(LOSS_PARAMS[hp.loss]))
+    unknown = loss.unknown(hp.loss_params)
     if unknown:
-        takes = ", ".join(LOSS_PARAMS[hp.loss]) or "no parameters"
+        takes = ", ".join(loss.takes()) or "no parameters"
         raise BatchError(f"loss {hp.loss} takes {takes}; got loss_params {', '.join(unknown)}")
-    if hp.loss == "pg-tis" and not hp.loss_params.get("cap", 1.0) > 0:
-        raise BatchError(f"pg-tis cap must be > 0, got {hp.loss_params['cap']}")
+    try:
+        loss.settings(hp.loss_params)
+    except LossConfigError as e:
+        raise BatchError(f"loss {hp.loss}: loss_params {e}") from None
 
 
 def pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: torch.device) -> Rows:

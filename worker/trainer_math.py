@@ -50,10 +50,9 @@ from worker.loss_terms import (
     MetricSums,
     TokenTerms,
     aggregation_weights,
-    grpo_token_terms,
-    tis_token_terms,
     user_token_terms,
 )
+from worker.tinker_losses import loss_function
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, token_logprobs
 from worker.train_batches import (
     Rows,
@@ -512,12 +511,7 @@ class TrainingMath:
             with self.forward_context():
                 logp, entropy = self._token_logprobs(model, part, entropy=True)
             assert entropy is not None
-            if user_loss is not None:
-                terms = user_token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
-            elif hp.loss == "pg-tis":
-                terms = tis_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
-            else:
-                terms = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, hp)
+            terms = _token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
             loss = (terms.loss * weights).sum()
             loss.backward()
         sums.add(part.loss_mask, weights, terms, loss, entropy)
@@ -580,12 +574,12 @@ def _token_terms(
     advantages: torch.Tensor,
     mask: torch.Tensor,
 ) -> TokenTerms:
-    """The per-token loss terms the call names (its user's loss, ``pg-tis`` or ``pg-clip``)."""
+    """The per-token loss terms the call names: its user's loss, else its named loss's function
+    (``plexctl.common.losses.LOSS_REGISTRY``)."""
     if user_loss is not None:
         return user_token_terms(user_loss, hp, logp, old, ref, advantages, mask)
-    if hp.loss == "pg-tis":
-        return tis_token_terms(logp, old, ref, advantages, hp)
-    return grpo_token_terms(logp, old, ref, advantages, hp)
+    terms: TokenTerms = loss_function(hp.loss)(logp, old, ref, advantages, hp)
+    return terms
 
 
 @contextlib.contextmanager

@@ -34,7 +34,6 @@ from typing import Any, cast
 import torch
 
 from plexctl.common.calls import (
-    TOKEN_LOSS_TABLE,
     AdamStep,
     ForwardBackwardResult,
     LossCall,
@@ -42,7 +41,7 @@ from plexctl.common.calls import (
     TokenDatum,
 )
 from worker.errors import BatchError
-from worker.tinker_losses import LossInputs, check_call, loss_config, token_loss
+from worker.tinker_losses import LossInputs, check_call, loss_config, token_loss, token_loss_entry
 from worker.token_logprobs import causal_lm_parts, head_logprobs
 from worker.train_batches import PAD_ID, micro_batch_bounds
 from worker.trainer_math import PassOptions, TrainingMath
@@ -102,7 +101,7 @@ def token_micro_batches(
     groups: dict[int, list[int]] = {}
     for i in sorted(range(len(data)), key=lambda i: (widths[i], i)):
         groups.setdefault(widths[i], []).append(i)
-    needs = TOKEN_LOSS_TABLE[loss_fn].reads
+    needs = token_loss_entry(loss_fn).reads
     for width, members in groups.items():
         for start, stop in micro_batch_bounds([width] * len(members), max_rows, max_tokens):
             yield _pad_data(data, members[start:stop], width, needs, device)

@@ -115,7 +115,7 @@ def config_options(
 
         @functools.wraps(command)
         def with_config(*args: Any, **kwargs: Any) -> R:
-            values = {s: kwargs.pop(s) for s in names}
+            values = {s: kwargs.pop(s, None) for s in names}  # not given (a call from code): the default
             return command(*args, **kwargs, **{CONFIG_PARAM: given_config(values)})
 
         with_config.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]

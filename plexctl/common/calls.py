@@ -19,11 +19,11 @@ job spec's own ``LoraSpec`` (one struct, its wire fields the spec's). Pure msgsp
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
+from plexctl.common.losses import DEFAULT_RL_LOSS, loss_names
 from plexctl.common.spec import LoraSpec
 
 # ---------------------------------------------------------------- engine data types
@@ -99,7 +99,7 @@ class TrainBatch(msgspec.Struct):
     advantages: list[float]
 
 
-LOSSES = ("pg-clip", "pg-tis")
+LOSSES = loss_names("rl")  # TrainHParams.loss: plexctl.common.losses declares each
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -127,7 +127,7 @@ class TrainHParams(msgspec.Struct):
     loss_agg: str = "token-mean"  # one of LOSS_AGGREGATIONS
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
-    loss: str = "pg-clip"  # one of LOSSES
+    loss: str = DEFAULT_RL_LOSS  # one of LOSSES
     loss_params: dict[str, float] = msgspec.field(default_factory=dict)
     loss_agg_len: int = 0  # seq-mean-token-sum-norm's constant (0: the batch's longest trainable row)
     loss_fn: str = ""  # "module:function": a trusted user's own token loss, replaces ``loss``
@@ -293,30 +293,7 @@ class RestoreRep(Reply):
 # between tiers between any two calls as it does between train steps.
 
 
-class TokenLoss(NamedTuple):
-    """One Tinker token-level loss, declared once: what the wire takes and the worker computes.
-    ``reads``: the datum fields it reads beside ``target_tokens``; ``config``: its
-    ``loss_fn_config`` keys and their defaults (None: the caller must give one). Its function is
-    the worker's (``worker/tinker_losses.py``, keyed by the same name)."""
-
-    reads: tuple[str, ...]
-    config: Mapping[str, float | None]
-
-    def required(self) -> tuple[str, ...]:
-        """The loss inputs a client must send (``DATUM_DEFAULTS`` fills the others it reads)."""
-        return ("target_tokens", *(name for name in self.reads if name not in DATUM_DEFAULTS))
-
-
-DATUM_DEFAULTS = {"weights": 1.0}  # a loss input a client may leave out: each token's value then
-DATUM_INPUTS = ("weights", "logprobs", "advantages")  # a datum's float loss inputs, beside target_tokens
-TOKEN_LOSS_TABLE: dict[str, TokenLoss] = {
-    "cross_entropy": TokenLoss(("weights",), {}),
-    "importance_sampling": TokenLoss(("logprobs", "advantages"), {}),
-    "ppo": TokenLoss(("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": TokenLoss(("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    "dro": TokenLoss(("logprobs", "advantages"), {"beta": None}),
-}
-TOKEN_LOSSES = tuple(TOKEN_LOSS_TABLE)
+TOKEN_LOSSES = loss_names("token")  # a LossCall's loss_fn: plexctl.common.losses declares each
 
 
 class TokenDatum(msgspec.Struct):

@@ -29,7 +29,7 @@ import sys
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 from msgspec import Meta
@@ -39,6 +39,11 @@ from plexctl.common.engine_defaults import ENGINE_DEFAULTS, by_platform
 from plexctl.common.errors import UsageError
 from plexctl.common.scheduling import POLICIES
 from plexctl.common.sizes import parse_bytes
+
+if TYPE_CHECKING:
+    PolicyName = str
+else:
+    PolicyName = Literal[POLICIES]  # the registry's names (plexctl.common.scheduling)
 
 CONFIG_FILE = "cluster.json"  # in the cluster's state directory
 LOCAL_DRAIN_TIMEOUT_S = 30.0  # a local cluster: nothing ends it but `down`, so jobs are asked to be quick
@@ -79,7 +84,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = msgspec.field(default_factory=list)
     policy: Annotated[
-        Literal["isolated", "pack", "spread", "spread+backfill"],
+        PolicyName,
         _doc("Placement of jobs on engines: " + " | ".join(POLICIES)),
     ] = "spread+backfill"
     jobs_per_engine: Annotated[

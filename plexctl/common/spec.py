@@ -30,13 +30,14 @@ import re
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 import yaml
 from msgspec import Meta
 
 from plexctl.common.errors import PlexError
+from plexctl.common.losses import DEFAULT_RL_LOSS, LOSS_REGISTRY, LossConfigError, loss_names, loss_of
 from plexctl.common.scalars import parse_value
 
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
@@ -60,7 +61,14 @@ KINDS = ("loop", "external")
 EXTERNAL = "external"  # a job driven by a client outside the cluster (a Tinker API training client)
 DAPO_KEYS = ("dynamic_sampling", "max_gen_batches", "overlong_buffer", "overlong_penalty")
 DR_GRPO_LOSS_AGG = "seq-mean-token-sum-norm"
-LOSS_PARAM_NAMES = {"pg-clip": (), "pg-tis": ("cap",)}
+if TYPE_CHECKING:
+    RlLoss = str
+else:
+    RlLoss = Literal[loss_names("rl")]  # algo.loss: the registry's RL losses
+RL_LOSS_DOC = "Trainer loss: " + "; ".join(f"{n} ({LOSS_REGISTRY[n].doc})" for n in loss_names("rl"))
+RL_LOSS_PARAMS_DOC = ", ".join(
+    f"{n}: {', '.join(LOSS_REGISTRY[n].takes())}" for n in loss_names("rl") if LOSS_REGISTRY[n].takes()
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one, as transformers loads
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")  # vLLM's and transformers' weight formats
 SPECIAL_TOKENS_BOUND = 8  # special tokens a tokenizer adds to a prompt (bos, a template's markers), at most
@@ -208,14 +216,8 @@ class AlgoSpec(_Section, kw_only=True):
         _doc("PPO ratio clip epsilon (high side); null: clip_range (dapo: 0.28, its clip-higher)"),
     ] = None
     kl_coef: Annotated[float, _doc("Weight of the KL penalty to the base model", ge=0)] = 0.0
-    loss: Annotated[
-        Literal["pg-clip", "pg-tis"],
-        _doc(
-            "Trainer loss: pg-clip (PPO clipped ratio to the behaviour policy) or pg-tis (truncated "
-            "importance sampling for stale samples, weight capped at loss_params.cap, default 2)"
-        ),
-    ] = "pg-clip"
-    loss_params: Annotated[dict[str, float], _doc("Parameters of the loss (pg-tis: cap)")] = msgspec.field(
+    loss: Annotated[RlLoss, _doc(RL_LOSS_DOC)] = DEFAULT_RL_LOSS
+    loss_params: Annotated[dict[str, float], _doc(f"Parameters of the loss ({RL_LOSS_PARAMS_DOC})")] = msgspec.field(
         default_factory=dict
     )
     loss_fn: Annotated[
@@ -592,16 +594,16 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: Issues)
         )
     if algo.get("loss_fn") is not None and "loss" in algo:
         issues.add(("algo", "loss"), "set either `loss` (a built-in loss) or `loss_fn` (your own), not both")
-    params = algo.get("loss_params")
-    loss = algo.get("loss", "pg-clip")
-    if isinstance(params, dict) and algo.get("loss_fn") is None and loss in LOSS_PARAM_NAMES:
-        for key in params:
-            if key not in LOSS_PARAM_NAMES[loss]:
-                takes = ", ".join(LOSS_PARAM_NAMES[loss]) or "no parameters"
-                issues.add(("algo", "loss_params", str(key)), f"loss {loss} takes {takes}")
-        cap = params.get("cap")
-        if loss == "pg-tis" and isinstance(cap, (int, float)) and not isinstance(cap, bool) and not cap > 0:
-            issues.add(("algo", "loss_params", "cap"), f"must be > 0, got {cap}")
+    params, entry = algo.get("loss_params"), loss_of(str(algo.get("loss", DEFAULT_RL_LOSS)), "rl")
+    if isinstance(params, dict) and algo.get("loss_fn") is None and entry is not None:
+        takes = ", ".join(entry.takes()) or "no parameters"
+        for key in entry.unknown(params):
+            issues.add(("algo", "loss_params", key), f"loss {algo.get('loss', DEFAULT_RL_LOSS)} takes {takes}")
+        given = {k: v for k, v in params.items() if k in entry.config and _is_number(v)}
+        try:
+            entry.settings(given)
+        except LossConfigError as e:
+            issues.add(("algo", "loss_params", e.key), e.problem)
     buffer, sampling = algo.get("overlong_buffer"), doc.get("sampling")
     max_tokens = sampling.get("max_tokens", 8) if isinstance(sampling, dict) else 8
     if isinstance(buffer, int) and isinstance(max_tokens, int) and buffer >= max_tokens > 0:
@@ -611,6 +613,10 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: Issues)
             ("algo", "overlong_buffer"),
             "applies to single-turn jobs; a multi-turn episode cut by its limits gets env.truncated_reward",
         )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _algorithm_defaults(converted: dict[str, Any], doc: dict[str, Any]) -> None:

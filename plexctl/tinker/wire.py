@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from plexctl.common import calls as C
+from plexctl.common.losses import DATUM_DEFAULTS, DATUM_INPUTS, LOSS_REGISTRY, LossConfigError, loss_of
 from plexctl.tinker.backend import STOP_REASONS, ForwardResult, SampleParams, SampleResult, UserError
 
 _NUMPY_DTYPE: dict[int, type[np.generic]] = {
@@ -225,16 +226,19 @@ def loss_call(msg: pb.ForwardBackwardRequest, max_tokens: int = 0) -> C.LossCall
     """The loss call a forward_backward request asks for, or ``UserError`` (a datum of more than
     ``max_tokens`` tokens, the model's context, among others; 0: no limit)."""
     loss_fn = msg.loss_fn
-    if loss_fn not in C.TOKEN_LOSS_TABLE:
+    loss = loss_of(loss_fn, "token")
+    if loss is None:
         raise UserError(f"loss {loss_fn!r} is not supported (supported: {', '.join(C.TOKEN_LOSSES)})")
     if not msg.data:
         raise UserError("forward_backward needs at least one datum")
     config = loss_config(msg)
-    allowed = tuple(C.TOKEN_LOSS_TABLE[loss_fn].config)
-    for key in config:
-        if key not in allowed:
-            takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
-            raise UserError(f"loss_fn_config key {key!r} is not used by {loss_fn} ({takes})")
+    for key in loss.unknown(config):
+        takes = f"it takes {', '.join(loss.takes())}" if loss.takes() else "it takes none"
+        raise UserError(f"loss_fn_config key {key!r} is not used by {loss_fn} ({takes})")
+    try:
+        loss.settings(config)
+    except LossConfigError as e:
+        raise UserError(f"{loss_fn}: loss_fn_config {e}") from None
     return C.LossCall([token_datum(d, i, loss_fn, max_tokens) for i, d in enumerate(msg.data)], loss_fn, config)
 
 
@@ -258,8 +262,8 @@ def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.Tok
         raise UserError(f"datum {i} has {len(tokens)} tokens, more than the model's context of {max_tokens}")
     inputs: dict[str, list[Any]] = {}
     for name, tensor in d.loss_fn_inputs.items():
-        if name != "target_tokens" and name not in C.DATUM_INPUTS:
-            known = ", ".join(("target_tokens", *C.DATUM_INPUTS))
+        if name != "target_tokens" and name not in DATUM_INPUTS:
+            known = ", ".join(("target_tokens", *DATUM_INPUTS))
             raise UserError(f"datum {i}: loss input {name!r} is not supported (supported: {known})")
         values = tensor_values(tensor, f"datum {i}: loss input {name!r}")
         if len(values) != len(tokens):
@@ -270,11 +274,11 @@ def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.Tok
             inputs[name] = values.astype(np.int64).tolist()
         else:
             inputs[name] = values.astype(np.float64).tolist()
-    loss = C.TOKEN_LOSS_TABLE[loss_fn]
+    loss = LOSS_REGISTRY[loss_fn]
     missing = [name for name in loss.required() if name not in inputs]
     if missing:
         raise UserError(f"datum {i}: {loss_fn} needs loss input(s) {', '.join(missing)}")
-    for name, value in C.DATUM_DEFAULTS.items():
+    for name, value in DATUM_DEFAULTS.items():
         if name in loss.reads and name not in inputs:
             inputs[name] = [value] * len(tokens)
     return C.TokenDatum(
