@@ -125,7 +125,11 @@ WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the process", ("servers", "main")),
 ]
 DAEMON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("records and rules", ("policies", "journal", "blobs", "auth", "throttle", "quotas", "trace", "procs")),
+    (
+        "records and rules",
+        ("policies", "journal", "blobs", "auth", "throttle", "quotas", "trace", "procs", "sched_records"),
+    ),
+    ("the scheduler's parts", ("task_order", "engine_time", "switches", "passes", "homes", "queues")),
     ("scheduler", ("scheduler", "metrics")),
     ("jailed processes", ("driver", "jail_boot", "jail", "confine")),
     ("core", ("core.*",)),  # one layer: its modules may import one another

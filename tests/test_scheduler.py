@@ -575,43 +575,44 @@ def check_indexes(s: Scheduler) -> None:
     assert not set(s.queue) & set(s._running)
     for job in s.jobs.values():
         for kind, home in job.homes.items():
-            assert job.job_id in s._homed[home] and s.engines[home].kind == kind
+            assert job.job_id in s.homes.homed[home] and s.engines[home].kind == kind
         assert job.running.get("trainer", 0) <= 1
     for eid, engine in s.engines.items():
-        assert all(s.jobs[j].homes.get(engine.kind) == eid for j in s._homed[eid])
-        assert eid in s._buckets[engine.key][len(s._homed[eid])]
-        assert (eid in s._free.get(engine.key, {})) == (engine.free > 0)
+        assert all(s.jobs[j].homes.get(engine.kind) == eid for j in s.homes.homed[eid])
+        assert eid in s.homes.buckets[engine.key][len(s.homes.homed[eid])]
+        assert (eid in s.queues.free.get(engine.key, {})) == (engine.free > 0)
         if engine.free > 0:
-            assert not s._pending[eid], "a free engine left tasks queued for it"
-        for tid, t in s._pending[eid].items():
+            assert not s.queues.pending[eid], "a free engine left tasks queued for it"
+        for tid, t in s.queues.pending[eid].items():
             job = s.jobs[t.job_id]
-            assert s._where[tid] == eid and job.homes[t.kind] == eid
+            assert s.queues._where[tid] == eid and job.homes[t.kind] == eid
             movable = s.policy.backfills() and (t.kind == "rollout" or job.state_tier is None)
-            assert (tid in s._waiting.get(engine.key, {})) == (engine.free <= 0 and movable)
+            assert (tid in s.queues.waiting.get(engine.key, {})) == (engine.free <= 0 and movable)
     if s.policy.dedicates_engines():
-        assert all(len(h) <= 1 for h in s._homed.values())
+        assert all(len(h) <= 1 for h in s.homes.homed.values())
     else:
-        assert all(len(h) <= (s.job_room(e) or len(h)) for e, h in s._homed.items())
+        assert all(len(h) <= (s.job_room(e) or len(h)) for e, h in s.homes.homed.items())
     assert {j: e for j in s.jobs for k, e in s.jobs[j].homes.items() if k == "trainer"} == s.home
     running = sum(len(e.running) for e in s.engines.values())
     assert running == len(s._running)
     for tid, t in s.queue.items():  # every queued task is either eligible or behind its job's call
         job = s.jobs[t.job_id]
         eligible = t.kind == "rollout" or (not job.running.get(t.kind) and job.serial[t.kind][0] is t)
-        assert (tid in s._where) == eligible
+        assert (tid in s.queues._where) == eligible
     limit = 1 if s.policy.dedicates_engines() else s.jobs_per_engine
     if s.policy.backfills():  # nothing movable waits while a suitable engine is idle
-        for key, waiting in s._waiting.items():
-            idle = [e for e in s._by_key.get(key, ()) if s.engines[e].free > 0]
+        for key, waiting in s.queues.waiting.items():
+            idle = [e for e in s.homes.by_key.get(key, ()) if s.engines[e].free > 0]
             for t in waiting.values():
                 job = s.jobs[t.job_id]
                 assert not [
                     e
                     for e in idle
-                    if t.kind == "rollout" or (len(s._homed[e]) < limit and s._fits(s.engines[e], job.state_bytes))
+                    if t.kind == "rollout"
+                    or (len(s.homes.homed[e]) < limit and s.homes.fits(s.engines[e], job.state_bytes))
                 ], (t, idle)
-    for t in s._homeless.values():  # a task lacks a home only while no engine has room
-        assert all(len(s._homed[e]) >= limit for e in s._by_key.get((t.kind, t.model), ()))
+    for t in s.queues.homeless.values():  # a task lacks a home only while no engine has room
+        assert all(len(s.homes.homed[e]) >= limit for e in s.homes.by_key.get((t.kind, t.model), ()))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -660,7 +661,7 @@ def test_indexes_stay_consistent_under_random_events(policy):
             if job is not None and job.homes.get("trainer"):
                 # the state manager only loads state where the core left room for it
                 limit = 1 if s.policy.dedicates_engines() else s.jobs_per_engine
-                room = [e for e in s.engines if len(s._homed[e]) < limit]
+                room = [e for e in s.engines if len(s.homes.homed[e]) < limit]
                 s.state_location(
                     job.job_id, rng.choice([job.homes["trainer"], *room]), rng.choice(["device", "host", "nvme", None])
                 )
