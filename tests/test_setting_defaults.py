@@ -33,7 +33,6 @@ ALIASES = {  # other names a setting goes by in the code that takes it
 # something else there; the test fails when an entry no longer matches anything
 ALLOWED = {
     # to remove: daemon/ and worker/ modules outside this change
-    "daemon/core/*: __init__(policy='spread+backfill')",  # (the core's modules are being regrouped)
     "worker/state/store.py: __init__(device_slots=4)",
     "worker/state/store.py: __init__(write_behind_bytes=0)",
     "worker/trainer.py: __init__(dtype='float32')",

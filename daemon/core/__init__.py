@@ -50,6 +50,7 @@ from daemon.core.routing import CallRouting
 from daemon.core.tables import CallTable, JobTable, Settings, Turn, WorkerTable, log
 from daemon.scheduler import Scheduler
 from plexctl.common import protocol as P
+from plexctl.common.cluster_config import DEFAULTS
 
 __all__ = [
     "ADOPT_TIMEOUT_S",
@@ -86,7 +87,7 @@ class DaemonCore:
         models: Iterable[str],
         owner: str,
         max_running: int = MAX_RUNNING,
-        policy: str = "spread+backfill",
+        policy: str = DEFAULTS.policy,
         jobs_per_engine: int | None = None,
         pass_window: float | None = None,  # None: each train step in a pass of its own (plexd: PASS_WINDOW_S)
         drain_timeout: float = DRAIN_TIMEOUT_S,
