@@ -20,6 +20,7 @@ os.environ.setdefault(
 )  # read once, when torch loads libgomp: before any import of it
 
 import argparse
+import functools
 import logging
 import queue
 import signal
@@ -54,7 +55,17 @@ from worker.engine_options import (
 )
 from worker.host_heap import keep_freed_memory
 from worker.io import PREFETCH, Followers, Outbox, WorkerIO, _error_text
-from worker.servers import Rollouts, prefetch_loop, rollout_loop, shared_loop, trainer_loop
+from worker.servers import (
+    Discard,
+    GroupTrainers,
+    RankTrainer,
+    Rollouts,
+    Trainers,
+    prefetch_loop,
+    rollout_loop,
+    shared_loop,
+    trainer_loop,
+)
 
 log = logging.getLogger("plexw")
 
@@ -133,36 +144,47 @@ def build_engines(
     model: str,
     sleep_mode: bool = False,
     nvme_dir: Path | None = None,
+    eid: str = "",
 ) -> dict[str, Any]:
     """One model's resident engines, as the worker's arguments and the cluster's settings say:
-    ``trainer`` (a ``StateStore`` around the ``TrainerEngine``) and/or ``rollout`` (a
-    ``RolloutEngine``; ``sleep_mode``: it takes turns with other models' engines)."""
+    ``trainer`` (a ``StateStore`` around the ``TrainerEngine``; with ``trainer_width`` N > 1, rank
+    0's store of a ``TrainerGroup`` of N ranks, the group as ``group``) and/or ``rollout`` (a
+    ``RolloutEngine``; ``sleep_mode``: it takes turns with other models' engines). ``eid``: the
+    trainer engine's id."""
     engines: dict[str, Any] = {}
     if "trainer" in kinds:
-        from worker.state.store import StateStore
         from worker.trainer import TrainerEngine
 
-        host_bytes = parse_bytes(config.host_mem)
-        asked_write_behind = None if config.write_behind is None else parse_bytes(config.write_behind)
         step = trainer_step(config, kinds, options, model)
         cap_memory(step.memory_fraction, options.device)
-        trainer = TrainerEngine(
-            model,
-            dtype=options.dtype,
-            device=options.device,
-            threads=args.threads,
-            micro_batch_tokens=options.micro_batch_tokens,
-            gradient_checkpointing=step.gradient_checkpointing,
-        )
-        trainer.step_info = step_info(step, options.micro_batch_tokens)
-        engines["trainer"] = StateStore(
-            trainer,
-            device_slots=config.device_slots,
-            host_bytes=host_bytes,
-            nvme_dir=nvme_dir or nvme_tier_dir(args, config),
-            nvme_bytes=parse_bytes(config.nvme_bytes),
-            write_behind_bytes=write_behind_bytes(asked_write_behind, host_bytes),
-        )
+        width = config.trainer_width or 1
+        nvme = nvme_dir or nvme_tier_dir(args, config)
+        info = step_info(step, options.micro_batch_tokens)
+        if width > 1:
+            from worker.trainer_group import TrainerGroup
+
+            group = TrainerGroup(
+                model,
+                width,
+                dict(
+                    dtype=options.dtype,
+                    threads=max(1, (args.threads or os.cpu_count() or width) // width),
+                    micro_batch_tokens=options.micro_batch_tokens,
+                    gradient_checkpointing=step.gradient_checkpointing,
+                ),
+                attach=functools.partial(attach_rank, config=config, nvme_dir=nvme, info=info, eid=eid),
+            )
+            engines["trainer"], engines["group"] = group.target.store, group
+        else:
+            trainer = TrainerEngine(
+                model,
+                dtype=options.dtype,
+                device=options.device,
+                threads=args.threads,
+                micro_batch_tokens=options.micro_batch_tokens,
+                gradient_checkpointing=step.gradient_checkpointing,
+            )
+            engines["trainer"] = trainer_store(trainer, config, nvme, info)
     if "rollout" in kinds:
         from worker.engine_args import default_max_model_len
         from worker.rollout import RolloutEngine
@@ -181,6 +203,33 @@ def build_engines(
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
     return engines
+
+
+def trainer_store(trainer: Any, config: ClusterConfig, nvme_dir: Path, info: dict[str, Any]) -> Any:
+    """The ``StateStore`` around a trainer engine, its tiers as the cluster's settings size them."""
+    from worker.state.store import StateStore
+
+    trainer.step_info = info
+    host_bytes = parse_bytes(config.host_mem)
+    asked_write_behind = None if config.write_behind is None else parse_bytes(config.write_behind)
+    return StateStore(
+        trainer,
+        device_slots=config.device_slots,
+        host_bytes=host_bytes,
+        nvme_dir=nvme_dir,
+        nvme_bytes=parse_bytes(config.nvme_bytes),
+        write_behind_bytes=write_behind_bytes(asked_write_behind, host_bytes),
+    )
+
+
+def attach_rank(
+    engine: Any, rank: int, *, config: ClusterConfig, nvme_dir: Path, info: dict[str, Any], eid: str
+) -> RankTrainer:
+    """What each rank of a trainer engine of several builds around its engine: a store of its own
+    (its NVMe files under ``rank<N>`` for ranks past 0) and a server; only rank 0 writes the
+    files tasks name, and only its results go out."""
+    store = trainer_store(engine, config, nvme_dir if rank == 0 else nvme_dir / f"rank{rank}", info)
+    return RankTrainer(store, Trainers({eid: store}, writes=rank == 0), Discard())
 
 
 def _max_lora_rank(config: ClusterConfig, device: Platform) -> int:
@@ -214,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     max_lora_rank = _max_lora_rank(config, device)
     host_bytes, nvme_bytes = parse_bytes(config.host_mem), parse_bytes(config.nvme_bytes)
     sleep_mode = sleep_between_models(device, len(models))
+    ranks = config.trainer_width or 1
     decls = [
         P.EngineDecl(
             engine_id(args.worker_id, k, m),
@@ -227,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             device=device,
             max_lora_rank=max_lora_rank if k == "rollout" else 0,
             sleeps=sleep_mode,  # its worker's engines of its kind take turns on the GPU
+            ranks=ranks if k == "trainer" else 1,
         )
         for m, model in enumerate(models)
         for k in kinds
@@ -271,19 +322,32 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rollouts: dict[str, Any] = {}
     stores: dict[str, Any] = {}
+    group: Any = None  # a trainer engine of several ranks (``trainer_width``)
     try:
         if options is None:
             raise OptionError(option_error)
+        if ranks > 1 and len(models) > 1:
+            raise OptionError(f"a trainer engine of {ranks} ranks serves one model; this worker has {len(models)}")
         for m, model in enumerate(models):
             if sleep_mode and rollouts:  # the engine built last is awake; the others sleep
                 list(rollouts.values())[-1].sleep()
             nvme = nvme_tier_dir(args, config)
             nvme = nvme if m == 0 else nvme / f"m{m}"  # each model's store has its own files
-            built = build_engines(args, config, kinds, options, model, sleep_mode=sleep_mode, nvme_dir=nvme)
+            built = build_engines(
+                args,
+                config,
+                kinds,
+                options,
+                model,
+                sleep_mode=sleep_mode,
+                nvme_dir=nvme,
+                eid=engine_id(args.worker_id, "trainer", m),
+            )
             if "rollout" in built:
                 rollouts[engine_id(args.worker_id, "rollout", m)] = built["rollout"]
             if "trainer" in built:
                 stores[engine_id(args.worker_id, "trainer", m)] = built["trainer"]
+            group = built.get("group", group)
     except Exception as exc:  # noqa: BLE001 - told to the daemon, then exit
         log.error("engine start failed: %s", traceback.format_exc())
         outbox.register(msgspec.structs.replace(register, error=f"engine start failed: {_error_text(exc)}"))
@@ -331,19 +395,27 @@ def main(argv: list[str] | None = None) -> None:
             target=prefetch_loop, args=(stores, queues[PREFETCH]), name="plexw-prefetch", daemon=True
         ).start()
     rollout = Rollouts(rollouts, one_awake=sleep_mode) if rollouts else None
+    trainers = GroupTrainers(group, _engine_failed) if group is not None else None
     if rollout is not None and stores and shared:
-        shared_loop(rollout, stores, queues[decls[0].engine_id], args.rollout_capacity, followers, sleep_mode)
+        shared_loop(rollout, stores, queues[decls[0].engine_id], args.rollout_capacity, followers, sleep_mode, trainers)
     elif rollout is not None:
         if stores:
             threading.Thread(
                 target=trainer_loop,
-                args=(stores, queues[next(iter(stores))], followers, sleep_mode),
+                args=(stores, queues[next(iter(stores))], followers, sleep_mode, trainers),
                 name="plexw-trainer",
                 daemon=True,
             ).start()
         rollout_loop(rollout, queues[next(iter(rollouts))], args.rollout_capacity, followers)
     else:
-        trainer_loop(stores, queues[next(iter(stores))], followers, sleep_mode)
+        trainer_loop(stores, queues[next(iter(stores))], followers, sleep_mode, trainers)
+
+
+def _engine_failed(reason: str) -> None:
+    """A rank of this worker's trainer engine failed: the worker exits, and is started again whole."""
+    log.error("exiting: the trainer engine's ranks failed (%s)", reason)
+    logging.shutdown()
+    os._exit(3)
 
 
 def engine_id(worker_id: str, kind: str, model_index: int) -> str:

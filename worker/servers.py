@@ -17,12 +17,14 @@ import logging
 import queue
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, cast
 
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from worker.io import Followers, Outbox, _error_text
+from worker.trainer_group import GroupCall, GroupRank, TrainerGroupError
 
 log = logging.getLogger("plexw")
 
@@ -104,15 +106,18 @@ class TrainerServer:
     A task that carries the ``call_key`` of the job's last stateful call is a repeat (a driver
     sent its calls again after its daemon restarted): it gets that call's result, unapplied."""
 
-    def __init__(self, store: Any, engine_id: str = "") -> None:
+    def __init__(self, store: Any, engine_id: str = "", writes: bool = True) -> None:
         self.store = store
         self.engine_id = engine_id  # named in what it reports: a worker may host a trainer per model
+        self.writes = writes  # it writes the files tasks name (a trainer's other ranks do not: rank 0 does)
         engine = store.trainer
         # a task's own work; what it publishes is saved after it, by ``_after_step``
         self.handlers: dict[str, Callable[[str, Any], C.AnyResult]] = {
             "train_step": lambda job, t: C.TrainStepResult(engine.train_step(job, t.batch, t.hp)),
             "publish": lambda job, t: C.PublishResult(),
-            "checkpoint": lambda job, t: C.CheckpointResult(engine.save_checkpoint(job, t.out_dir, t.extra)),
+            "checkpoint": lambda job, t: C.CheckpointResult(
+                engine.save_checkpoint(job, t.out_dir, t.extra) if writes else {}
+            ),
             "restore": lambda job, t: C.RestoreResult(
                 engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed, t.weights_only)
             ),
@@ -135,19 +140,18 @@ class TrainerServer:
             info["moves"] = [list(move) for move in moves]
         return info
 
-    @staticmethod
-    def _after_step(engine: Any, job_id: str, task: C.AnyTask) -> None:
+    def _after_step(self, engine: Any, job_id: str, task: C.AnyTask) -> None:
         """What follows a task's work, whichever way it ran (alone, in a shared pass, or as a
         repeat): the job's adapter saved where the task publishes, if it does."""
         out_dir = publish_dir(task)
-        if out_dir:
+        if out_dir and self.writes:
             engine.save_adapter(job_id, out_dir)
 
     def _publish_again(self, job_id: str, task: C.AnyTask) -> None:
         """A repeated call that publishes: the job's adapter is as that call left it (it was the
         job's last stateful call), so it is saved again where the repeat names, if not there yet."""
         out_dir = publish_dir(task)
-        if not out_dir or (Path(out_dir) / "adapter_config.json").exists():
+        if not out_dir or not self.writes or (Path(out_dir) / "adapter_config.json").exists():
             return
         assert not isinstance(task, C.GenerateTask)
         self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed)
@@ -348,9 +352,9 @@ class Trainers:
     another model's engine, the awake one's base sleeps to host memory and the task's wakes,
     the seconds reported with that task (``switch_seconds``)."""
 
-    def __init__(self, stores: dict[str, Any] | Any, one_awake: bool = False) -> None:
+    def __init__(self, stores: dict[str, Any] | Any, one_awake: bool = False, writes: bool = True) -> None:
         stores = stores if isinstance(stores, dict) else {"": stores}
-        self.servers = {engine_id: TrainerServer(store, engine_id) for engine_id, store in stores.items()}
+        self.servers = {engine_id: TrainerServer(store, engine_id, writes) for engine_id, store in stores.items()}
         self.one_awake = one_awake and len(self.servers) > 1
         self.awake = next(reversed(self.servers))  # the one built last, until a task names another
         if self.one_awake:
@@ -378,6 +382,58 @@ class Trainers:
             server.serve_pass(t, out)
         else:
             server.serve(t, out)
+
+
+class Discard:
+    """An outbox that sends nothing: where a trainer's other ranks report (rank 0 reports)."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@dataclass
+class RankTrainer:
+    """One rank of a trainer engine of several: its store and server, and where its results go
+    (rank 0: the worker's outbox, set before each call; the others: ``Discard``)."""
+
+    store: Any
+    server: Trainers
+    out: Any
+
+
+@dataclass(frozen=True)
+class Serve(GroupCall[None]):
+    """One body for every rank of a trainer engine: each serves it on its own store."""
+
+    body: P.TaskBody | P.TaskPassBody | P.ReleaseBody
+
+    def run(self, rank: GroupRank) -> None:
+        target: RankTrainer = rank.target
+        target.server.serve(self.body, target.out)
+
+
+class GroupTrainers:
+    """``Trainers`` for a trainer engine of several ranks (``TrainerGroup``, whose ranks each hold
+    a ``RankTrainer``): rank 0 sends every body to the others, the way vLLM's executor drives its
+    tensor-parallel workers, then every rank serves it, its base sharded and its jobs' adapters
+    replicated, and rank 0's results are the engine's. A rank that fails, dies or times out takes
+    the worker down (``on_failure``), so the engine restarts whole and its jobs go on from their
+    checkpoints; a task's own error is each rank's, reported as on one rank."""
+
+    def __init__(self, group: Any, on_failure: Callable[[str], None]) -> None:
+        self.group, self.on_failure = group, on_failure
+
+    def serve(self, t: P.TaskBody | P.TaskPassBody | P.ReleaseBody, out: Outbox) -> None:
+        target: RankTrainer = self.group.target
+        target.out = out
+        try:
+            self.group.call(Serve(t))
+        except TrainerGroupError as exc:
+            log.error("trainer engine of %d ranks failed: %s", self.group.width, exc)
+            tasks = t.tasks if isinstance(t, P.TaskPassBody) else [t] if isinstance(t, P.TaskBody) else []
+            for task in tasks:
+                out.result(task.task_id, False, error=f"trainer engine failed: {exc}")
+            self.on_failure(str(exc))
 
 
 class _WithSwitch:
@@ -439,9 +495,11 @@ def trainer_loop(
     tasks: "queue.Queue[P.TaskBody | P.TaskPassBody | P.ReleaseBody]",
     followers: Followers | None = None,
     one_awake: bool = False,
+    trainers: Trainers | GroupTrainers | None = None,
 ) -> None:
-    """Trainer tasks one at a time; ``stores`` and ``one_awake`` as ``Trainers`` takes them."""
-    server, out = Trainers(stores, one_awake), Outbox(followers)
+    """Trainer tasks one at a time; ``stores`` and ``one_awake`` as ``Trainers`` takes them
+    (``trainers``: served by these instead, a trainer engine of several ranks)."""
+    server, out = trainers or Trainers(stores, one_awake), Outbox(followers)
     while True:
         server.serve(tasks.get(), out)
 
@@ -453,12 +511,13 @@ def shared_loop(
     capacity: int,
     followers: Followers | None = None,
     one_awake: bool = False,
+    trainers: Trainers | GroupTrainers | None = None,
 ) -> None:
     """Both engines of this worker served from one thread, from one queue: the generates
     waiting are one batch, trainer tasks run in the order they came, whichever kind came first
     goes first. On CPU the engines share the cores anyway, and torch's OpenMP thread team is
     per calling thread: two engine threads mean two teams spinning on the same cores."""
-    trainer, out = Trainers(stores, one_awake), Outbox(followers)
+    trainer, out = trainers or Trainers(stores, one_awake), Outbox(followers)
     while True:
         batch = _take(tasks, 1 << 10)
         gens = [t for t in batch if t.engine_id.endswith("/rollout")]

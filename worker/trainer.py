@@ -61,10 +61,10 @@ from worker.checkpoint_files import (
 from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
 from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.engine_options import trainer_attention
-from worker.errors import CheckpointError
+from worker.errors import CheckpointError, JobConfigError
 from worker.state.arena import HostArena, HostMemoryError
 from worker.state.job_copy import BufferPool, JobStateCopy, packed_layout, tensors_to_device, tensors_to_host
-from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, check_plain_head
+from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, causal_lm_parts, check_plain_head
 from worker.train_batches import micro_batch_bounds
 from worker.trainer_math import PassOptions, TrainingMath
 from worker.trainer_slots import (
@@ -195,13 +195,51 @@ class TrainerEngine:
         self.token_losses = TokenLosses(self.slots, self.math, self._base, self.options, self.device)
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
         self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
+        self.ranks = 1  # the ranks its base is sharded over (``shard_base``)
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
 
     # ------------------------------------------------------------ the parts' calls
 
     def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int) -> None:
-        """``JobSlots.ensure_job``: the job's adapter (a function of ``seed``) and AdamW, if not there."""
+        """``JobSlots.ensure_job``: the job's adapter (a function of ``seed``) and AdamW, if not there.
+        A job this engine cannot train is refused (``check_job``)."""
+        self.check_job(job_id, lora)
         self.slots.ensure_job(job_id, lora, seed)
+
+    def check_job(self, job_id: str, lora: LoraSpec | None) -> None:
+        """``JobConfigError`` for a job this engine cannot train: full fine-tuning on a sharded base."""
+        if lora is None and self.ranks > 1:
+            raise JobConfigError(
+                f"job {job_id}: full fine-tuning runs on trainer engines of one rank for now "
+                f"(this one has {self.ranks}; plexctl up --trainer-width 1)"
+            )
+
+    def shard_base(self, mesh: Any) -> None:
+        """Shard the base model's weights over ``mesh`` (torch's FSDP2, ``fully_shard``): one unit
+        per decoder layer and the decoder (embeddings, final norm) as the root; the lm_head stays
+        whole, as the chunked log-probs read its weight outside a forward. Done before any job
+        exists, so jobs' adapters stay plain tensors; the parts' table of base parameters then
+        names the shards (the whole weights are freed). Every rank must then run the same forwards."""
+        from torch.distributed.fsdp import fully_shard
+
+        if self.slots.jobs():
+            raise RuntimeError("the base is sharded before any job is made")
+        decoder, _ = causal_lm_parts(self._base)
+        for layer in decoder_layers(self._base):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(decoder, mesh=mesh)
+        own = dict(self._base.named_parameters())
+        for name in self._base_params:
+            self._base_params[name] = own[name]
+        self.ranks = int(mesh.size())
+
+    def base_bytes(self) -> int:
+        """Bytes of the base's weights this process holds (a sharded base: its shards, the whole lm_head)."""
+        total = 0
+        for param in self._base_params.values():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            total += local.numel() * local.element_size()
+        return total
 
     def release(self, job_id: str) -> None:
         """``JobSlots.release``: the job's state leaves the device (its adapter parked)."""
@@ -331,6 +369,8 @@ class TrainerEngine:
         asleep. An arena with no block for the base: a host tensor per weight, logged."""
         if not self.awake:
             return
+        if self.ranks > 1:
+            raise RuntimeError("a sharded base does not sleep (one model per trainer engine of several ranks)")
         params = list(self._base_params.values())
         arena = self._sleep_arena()
         with torch.no_grad():

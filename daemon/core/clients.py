@@ -300,6 +300,7 @@ class ClientOps:
                         devices=w.devices,
                         dtype=decl.dtype,
                         device=decl.device,
+                        ranks=decl.ranks,
                         suspect=w.suspect_since is not None,
                         silent_s=now - w.last_seen if w.suspect_since is not None else 0.0,
                         weights=self._weights_state(w, decl) if decl.kind == "rollout" else "",

@@ -115,10 +115,13 @@ def ready_text(e: EngineInfo) -> str:
 
 
 def placement_text(e: EngineInfo) -> str:
-    """``gpu 0,1 bf16`` (its worker's GPU ids), ``cpu fp32``; ``-`` when the worker did not say."""
+    """``gpu 0,1 bf16`` (its worker's GPU ids), ``cpu fp32``, ``cpu x2 fp32`` (a trainer of two
+    ranks); ``-`` when the worker did not say."""
     if not e.device:
         return "-"
     where = f"gpu {','.join(e.devices)}" if e.device == "cuda" and e.devices else e.device
+    if e.ranks > 1:
+        where += f" x{e.ranks}"
     return f"{where} {DTYPE_SHORT.get(e.dtype, e.dtype)}".strip()
 
 

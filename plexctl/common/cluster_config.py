@@ -237,9 +237,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer_width: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         _doc(
-            "GPUs of one trainer engine, its parameters, gradients and optimizer state sharded across them "
-            "(FSDP2), each rank training micro-batches of its own (null: the smallest width whose per-rank step "
-            "fits one trainer GPU; 1 where one GPU holds the step). It divides a node's trainer GPUs, or, "
+            "GPUs of one trainer engine (its ranks), the base model's weights sharded across them (FSDP2); "
+            "LoRA jobs only for now, their adapters replicated (null: 1 on a worker; plexctl plan shows the "
+            "smallest width whose per-rank step fits one trainer GPU). It divides a node's trainer GPUs, or, "
             "wider than a node, is a multiple of its GPUs (whole nodes)"
         ),
     ] = None

@@ -198,6 +198,7 @@ class EngineInfo(msgspec.Struct):
     shared_tasks: int = 0  # the steps in them
     last_pass: int = 0  # steps in its latest pass
     largest_pass: int = 0
+    ranks: int = 1  # a trainer engine's ranks (its width), its base sharded over them
 
 
 class StatusReq(msgspec.Struct):
@@ -311,6 +312,7 @@ class EngineDecl(msgspec.Struct):
     gradient_checkpointing: str = ""  # on | off
     micro_batch_tokens: int = 0
     step_room_bytes: int = 0  # what a step may reach: its share of the GPU less the CUDA runtime
+    ranks: int = 1  # a trainer's processes, one per GPU, its base sharded over them (the trainer width)
 
 
 class RegisterReq(msgspec.Struct):

@@ -1,0 +1,230 @@
+"""A trainer engine of several ranks (worker/trainer_group.py), on CPU: real processes, gloo, FSDP2.
+
+A 2-rank group's step gives the loss and the updated adapter of a 1-rank ``TrainerEngine`` on the
+same batch and seed (float32, up to summation order), every rank's adapter stays bit-identical, the
+base's weights are sharded, and a rank that dies or hangs makes rank 0's call fail with a
+``TrainerGroupError`` within the collective timeout instead of hanging. The pure pieces (backend
+choice, row shares, share scales) are checked without processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_tiny_qwen2
+
+from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
+from worker.errors import BatchError
+from worker.loss_terms import aggregation_weights
+from worker.train_batches import pad_rows
+from worker.trainer import TrainerEngine
+from worker.trainer_group import (
+    GroupCall,
+    GroupRank,
+    TrainerGroup,
+    TrainerGroupError,
+    batch_rows,
+    collective_backend,
+    row_shares,
+    share_scale,
+)
+
+VOCAB = 64  # random_tiny_qwen2's: every token id below it
+LORA = LoraSpec(rank=4, alpha=8)
+OPTIONS = {"threads": 1}  # two ranks on two cores
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return random_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), vocab_size=VOCAB)
+
+
+def make_batch(seed: int, rows: int) -> TrainBatch:
+    """Ragged rows: a 2-5 token prompt (mask 0), then a 2-12 token completion (mask 1); ids in the vocab."""
+    rng = random.Random(seed)
+    input_ids, loss_mask, old = [], [], []
+    for _ in range(rows):
+        prompt, completion = rng.randint(2, 5), rng.randint(2, 12)
+        input_ids.append([rng.randrange(1, VOCAB) for _ in range(prompt + completion)])
+        loss_mask.append([0] * prompt + [1] * completion)
+        old.append([(-4.2 + rng.uniform(-0.3, 0.3)) * m for m in loss_mask[-1]])
+    return TrainBatch(input_ids, loss_mask, old, [rng.gauss(0.0, 1.0) for _ in range(rows)])
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+@pytest.mark.unit
+def test_backend_follows_the_device() -> None:
+    assert collective_backend(cuda_available=True) == "nccl"
+    assert collective_backend(cuda_available=False) == "gloo"
+
+
+@pytest.mark.unit
+def test_row_shares_cover_the_batch_in_order() -> None:
+    for rows in range(1, 12):
+        for width in range(1, 5):
+            shares = row_shares(rows, width)
+            assert [i for share in shares for i in share] == list(range(rows))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+def test_scaled_share_weights_are_the_batch_weights(loss_agg: str) -> None:
+    """Every aggregation: a share's own weights times its scale are the whole batch's on its rows."""
+    batch, hp = make_batch(3, rows=7), TrainHParams(loss_agg=loss_agg)
+    whole = aggregation_weights(pad_rows(batch.input_ids, batch.loss_mask, torch.device("cpu")).loss_mask, loss_agg)
+    for share in row_shares(7, 3):
+        part = batch_rows(batch, share)
+        own = aggregation_weights(pad_rows(part.input_ids, part.loss_mask, torch.device("cpu")).loss_mask, loss_agg)
+        expected = whole[share.start : share.stop, : own.shape[1]]
+        torch.testing.assert_close(own * share_scale(batch, share, hp), expected, rtol=1e-6, atol=0.0)
+
+
+# ---------------------------------------------------------------- a real group
+
+
+def relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """|got - expected| / |expected|, all tensors as one vector."""
+    assert set(got) == set(expected)
+    difference = torch.cat([(got[k] - expected[k]).flatten() for k in expected]).norm()
+    return float(difference / torch.cat([t.flatten() for t in expected.values()]).norm())
+
+
+def adapter_after_steps(engine: TrainerEngine | TrainerGroup, batches: list[TrainBatch], hp: TrainHParams) -> list:
+    """(metrics, adapter copy) after each step of job "A" on ``batches``."""
+    out = []
+    for batch in batches:
+        metrics = engine.train_step("A", batch, hp)
+        out.append((metrics, {k: v.detach().clone() for k, v in engine.adapter_state_dict("A").items()}))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_two_ranks_step_as_one_engine(model_dir: str) -> None:
+    """A 2-rank group, each rank half of every batch, against a 1-rank engine (same seed, same
+    batches): the same gradient and loss (1e-6 relative) and, after one step, the same adapter
+    (1e-5); after three steps AdamW has amplified float rounding in near-zero gradient entries
+    (its update is lr * g / (|g| + eps)), as the engine's own two micro-batches do against one,
+    so the adapters agree to 1e-4, and 2e-5 as one vector. Every rank's adapter and moments
+    stay bit-identical, and each rank holds a part of the base."""
+    hp = TrainHParams(lr=1e-2, max_grad_norm=1.0)
+    batches = [make_batch(11, rows=6), make_batch(12, rows=5), make_batch(14, rows=8)]
+    alone = TrainerEngine(model_dir, **OPTIONS)  # type: ignore[arg-type]
+    alone.ensure_job("A", LORA, seed=5)
+    gradients, gradient_metrics = alone.loss_gradients("A", batches[0], hp)
+    expected = adapter_after_steps(alone, batches, hp)
+    full_bytes = sum(p.numel() * p.element_size() for p in alone._base_params.values())
+    halves = TrainerEngine(model_dir, micro_batch_rows=3, **OPTIONS)  # type: ignore[arg-type]
+    halves.ensure_job("A", LORA, seed=5)
+    rounding = [
+        max_difference(adapter, want)
+        for (_, adapter), (_, want) in zip(adapter_after_steps(halves, batches, hp), expected)
+    ]
+
+    started = time.monotonic()
+    with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=60) as group:
+        group.ensure_job("A", LORA, seed=5)
+        got_gradients, got_metrics = group.loss_gradients("A", batches[0], hp)
+        gradient_error = relative_difference(got_gradients, gradients)
+        print(f"gradient relative difference {gradient_error:.3g}")
+        assert gradient_error <= 1e-6
+        assert got_metrics["loss"] == pytest.approx(gradient_metrics["loss"], rel=1e-6)
+        for step, ((got, adapter), (want, want_adapter)) in enumerate(
+            zip(adapter_after_steps(group, batches, hp), expected)
+        ):
+            assert got["tokens"] == want["tokens"]
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+            for key in ("pg_loss", "kl", "clip_frac", "ratio_mean", "entropy", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+            difference, relative = max_difference(adapter, want_adapter), relative_difference(adapter, want_adapter)
+            print(
+                f"step {step}: loss {want['loss']:.9g} vs {got['loss']:.9g}; adapter max |diff| {difference:.3g}, "
+                f"relative {relative:.3g} (the engine's two micro-batches: {rounding[step]:.3g})"
+            )
+            assert difference <= (1e-5 if step == 0 else 1e-4)
+            assert relative <= 2e-5
+        digests = group.adapter_digests("A")
+        assert len(digests) == 2 and digests[0] == digests[1]
+        shares = group.base_bytes()
+        print(f"base bytes per rank {shares} of {full_bytes}")
+        assert all(share < 0.75 * full_bytes for share in shares), (shares, full_bytes)
+        with pytest.raises(BatchError, match=r"rank 0 of 2 would get no trainable token \(no row of 1\)"):
+            group.train_step("A", make_batch(13, rows=1), hp)  # refused before any rank moves
+        group.train_step("A", batches[0], hp)  # and the group goes on
+    print(f"2-rank group: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("width", [1, 4])
+def test_other_widths_step_as_one_engine(model_dir: str, width: int) -> None:
+    """A 1-rank and a 4-rank group (ranks of one or two rows): one step's loss, gradient and adapter
+    are a 1-rank engine's."""
+    hp, batch = TrainHParams(lr=1e-2, max_grad_norm=1.0), make_batch(11, rows=6)
+    alone = TrainerEngine(model_dir, **OPTIONS)  # type: ignore[arg-type]
+    alone.ensure_job("A", LORA, seed=5)
+    gradients, _ = alone.loss_gradients("A", batch, hp)
+    [(want, want_adapter)] = adapter_after_steps(alone, [batch], hp)
+    with TrainerGroup(model_dir, width=width, engine_options=OPTIONS, timeout_s=60) as group:
+        group.ensure_job("A", LORA, seed=5)
+        got_gradients, _ = group.loss_gradients("A", batch, hp)
+        [(got, adapter)] = adapter_after_steps(group, [batch], hp)
+        digests = group.adapter_digests("A")
+    print(
+        f"width {width}: gradient relative difference {relative_difference(got_gradients, gradients):.3g}, "
+        f"loss {want['loss']:.9g} vs {got['loss']:.9g}, adapter max |diff| {max_difference(adapter, want_adapter):.3g}"
+    )
+    assert relative_difference(got_gradients, gradients) <= 1e-6
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert max_difference(adapter, want_adapter) <= 1e-5
+    assert len(set(digests)) == 1 and len(digests) == width
+
+
+@dataclasses.dataclass(frozen=True)
+class SumOfRanks(GroupCall[float]):
+    """A collective in which rank ``fails`` dies (``how="die"``) or hangs (``how="hang"``) first."""
+
+    fails: int
+    how: str
+
+    def run(self, rank: GroupRank) -> float:
+        if rank.rank == self.fails and self.how == "die":
+            os._exit(3)
+        if rank.rank == self.fails:
+            time.sleep(3600)
+        return float(rank.all_reduce_sum(torch.ones(1) * rank.rank).item())
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_a_failing_rank_fails_the_call_within_the_timeout(model_dir: str, how: str) -> None:
+    timeout_s = 8.0
+    with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=timeout_s) as group:
+        assert group.call(SumOfRanks(fails=-1, how=how)) == 1.0  # no rank fails: 0 + 1
+        started = time.monotonic()
+        with pytest.raises(TrainerGroupError, match="trainer group of 2 ranks failed running SumOfRanks") as caught:
+            group.call(SumOfRanks(fails=1, how=how))
+        waited = time.monotonic() - started
+        print(f"{how}: failed after {waited:.1f} s: {caught.value}")
+        assert waited < timeout_s + 10
+        assert ("rank 1 exited with status 3" if how == "die" else "rank 1 still running") in str(caught.value)
+        with pytest.raises(TrainerGroupError, match="closed"):
+            group.call(SumOfRanks(fails=-1, how=how))
+    assert not any(Path(f"/proc/{pid}").exists() for pid in group.pids)

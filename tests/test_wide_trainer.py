@@ -1,0 +1,173 @@
+"""A trainer engine of two ranks served as the worker serves it: ``worker.servers.GroupTrainers``
+over a ``TrainerGroup`` whose ranks each hold a store and a server (``worker.main.attach_rank``).
+Real processes, gloo, FSDP2 on CPU.
+
+Every body reaches every rank. Jobs trained on it end bit-identical to the same jobs on a
+one-rank engine, whether they swap through the store's tiers or share passes. Only rank 0 writes
+what a task publishes. A full fine-tuning job is refused in one line, and a rank that dies takes
+the worker down.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plexctl.common import calls as C
+from plexctl.common import cluster_config as K
+from plexctl.common import protocol as P
+from tests.test_state_store import JOBS, batch_for, tiny_qwen2
+from worker.main import attach_rank, trainer_store
+from worker.servers import GroupTrainers, Trainers
+from worker.trainer import TrainerEngine
+from worker.trainer_group import TrainerGroup
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+EID = "w0/trainer"
+CONFIG = msgspec.structs.replace(K.DEFAULTS, device_slots=2, host_mem="64MiB", nvme_bytes="256MiB")
+STEPS = {"j0": 2, "j1": 2, "j3": 2}  # j0 has LoRA dropout; j1 and j3 can share a pass
+
+
+class Recorder:
+    """An outbox that keeps each task's result."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, tuple[bool, Any, str]] = {}
+
+    def result(self, task_id: int, ok: bool, value: Any = None, **kwargs: Any) -> None:
+        self.results[task_id] = (ok, value, kwargs.get("error", ""))
+
+    def inventory(self, info: Any) -> None:
+        pass
+
+
+def task(job_id: str, step: int, publish: Path | None = None) -> C.TrainStepTask:
+    lora, seed, hp = JOBS[job_id]
+    return C.TrainStepTask(C.TrainerContext(lora, seed), batch_for(job_id, step), hp, str(publish or ""))
+
+
+def bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
+    """The jobs' steps interleaved (two device slots for three jobs: steps swap), j1 and j3 in
+    shared passes, each job's last step publishing its adapter under ``out``."""
+    sent: list[P.TaskBody | P.TaskPassBody] = []
+    n = 0
+    for step in range(max(STEPS.values())):
+        n += 1
+        last = step == STEPS["j0"] - 1
+        sent.append(P.TaskBody(n, "j0", EID, task("j0", step, out / "j0" if last else None)))
+        pair = []
+        for job in ("j1", "j3"):
+            n += 1
+            pair.append(P.TaskBody(n, job, EID, task(job, step, out / job if last else None)))
+        sent.append(P.TaskPassBody(EID, pair))
+    return sent
+
+
+def serve_all(server: Any, sent: list[P.TaskBody | P.TaskPassBody]) -> Recorder:
+    out = Recorder()
+    for body in sent:
+        server.serve(body, out)
+    return out
+
+
+def published(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {job: load_file(str(out / job / "adapter_model.safetensors")) for job in STEPS}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def group_of(model_dir: str, width: int, nvme: Path, timeout_s: float = 120.0) -> TrainerGroup:
+    attach = functools.partial(attach_rank, config=CONFIG, nvme_dir=nvme, info={}, eid=EID)
+    return TrainerGroup(model_dir, width, {"threads": 1}, timeout_s=timeout_s, attach=attach)
+
+
+def test_jobs_on_two_ranks_end_as_on_one_bit_for_bit(model_dir: str, tmp_path: Path) -> None:
+    alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, threads=1), CONFIG, tmp_path / "n1", {})})
+    want = serve_all(alone, bodies(tmp_path / "one"))
+    with group_of(model_dir, 2, tmp_path / "n2") as group:
+        got = serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "two"))
+        assert group.base_bytes()[0] < sum(p.numel() * 4 for p in group.engine._base.parameters())
+        digests = {job: set(group.adapter_digests(job)) for job in group.engine.jobs()}
+    assert sorted(got.results) == sorted(want.results)
+    for task_id, (ok, value, error) in want.results.items():
+        assert ok and got.results[task_id][0], (task_id, error, got.results[task_id][2])
+        metrics = {k: v for k, v in value.metrics.items() if not k.startswith("swap") and k != "seconds"}
+        got_metrics = got.results[task_id][1].metrics
+        assert {k: got_metrics[k] for k in metrics} == metrics, task_id
+    one, two = published(tmp_path / "one"), published(tmp_path / "two")
+    for job in STEPS:
+        assert one[job].keys() == two[job].keys()
+        assert all(torch.equal(one[job][k], two[job][k]) for k in one[job]), job
+    assert all(len(d) == 1 for d in digests.values()), digests  # every rank holds the same adapter
+    assert sorted(os.listdir(tmp_path / "two")) == sorted(STEPS)  # written once, by rank 0
+
+
+def test_a_full_fine_tuning_job_is_refused_in_one_line(model_dir: str, tmp_path: Path) -> None:
+    with group_of(model_dir, 2, tmp_path / "n") as group:
+        out = Recorder()
+        full = C.TrainStepTask(C.TrainerContext(None, 7), batch_for("j1", 0), JOBS["j1"][2])
+        GroupTrainers(group, pytest.fail).serve(P.TaskBody(1, "full", EID, full), out)
+        ok, _, error = out.results[1]
+        assert not ok and "full fine-tuning runs on trainer engines of one rank" in error
+        assert "\n" not in error
+        lora_step = serve_all(GroupTrainers(group, pytest.fail), [P.TaskBody(2, "j1", EID, task("j1", 0))])
+        assert lora_step.results[2][0]  # the engine goes on serving
+
+
+def test_a_rank_that_dies_takes_the_worker_down(model_dir: str, tmp_path: Path) -> None:
+    failures: list[str] = []
+    group = group_of(model_dir, 2, tmp_path / "n", timeout_s=20.0)
+    try:
+        trainers = GroupTrainers(group, failures.append)
+        serve_all(trainers, [P.TaskBody(1, "j1", EID, task("j1", 0))])
+        os.kill(group.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        out = serve_all(trainers, [P.TaskBody(2, "j1", EID, task("j1", 1))])
+        assert time.monotonic() - t0 < 60
+        assert failures and "rank 1" in failures[0]
+        assert not out.results[2][0] and "trainer engine failed" in out.results[2][2]
+    finally:
+        group.close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.journey
+def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_refuses_a_full_one(tiny_model: Path, tmp_path: Path):
+    """`plexctl up --local --trainer-width 2`, as a user types it: status shows the trainer engine
+    with its two ranks; the tiny LoRA job succeeds on it; the tiny full fine-tuning job fails in
+    one line that says why and what to do."""
+    from tests.conftest import Cluster
+
+    cluster = Cluster(tmp_path / "home").up(tiny_model, "--trainer-width", "2")
+    try:
+        trainer = next(e for e in cluster.status()["engines"] if e["kind"] == "trainer")
+        assert trainer["ranks"] == 2
+        assert "cpu x2" in cluster.run("status", check=True).stdout
+        lora = cluster.run("submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", "algo.steps=4", "-q")
+        full = cluster.run("submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "--set", "algo.steps=2", "-q")
+        assert lora.returncode == 0 and full.returncode == 0, lora.stderr + full.stderr
+        for job in (lora.stdout.strip(), full.stdout.strip()):
+            cluster.run("wait", job, "--timeout", "900", timeout=960)
+        done = cluster.job(lora.stdout.strip())
+        assert done["state"] == "succeeded" and done["step"] == 4, done
+        refused = cluster.job(full.stdout.strip())
+        assert refused["state"] == "failed", refused
+        assert "full fine-tuning runs on trainer engines of one rank" in json.dumps(refused), refused
+    finally:
+        cluster.run("down", timeout=120)

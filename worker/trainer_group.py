@@ -1,0 +1,523 @@
+"""A trainer engine of N ranks: N processes, one ``TrainerEngine`` each, one torch.distributed group.
+
+What it owns. ``TrainerGroup`` is rank 0, in the caller's process: it starts ranks 1..N-1
+(``torch.multiprocessing``, spawn), meets them at a ``TCPStore`` it serves on a free port, and
+speaks for the group. Every call is a ``GroupCall``: rank 0 checks it (``check``: a user's error is
+raised there, before any rank moves), sends it to the others with ``broadcast_object_list`` over a
+gloo control group, then every rank runs it (``run``) and rank 0 returns its own result, as vLLM's
+executor drives its tensor-parallel workers. The work group's backend is ``collective_backend``'s
+(NCCL with CUDA, gloo on CPU); its collectives time out after ``timeout_s``, so no call waits
+forever on a dead or hung peer. Ranks 1..N-1 wait for the next call on the control group, whose
+timeout is long (``IDLE_TIMEOUT``): an idle engine is not a dead one. They die with rank 0's process
+(a parent-death signal), however it ends.
+
+Layout. Each rank's base model is sharded with FSDP2 (``TrainerEngine.shard_base``); a LoRA job's
+adapter and AdamW moments are replicated. ``attach`` builds what each rank serves around its
+engine: the worker's ranks each hold a state store and a server (``worker.main.attach_rank``), and
+every task goes to every rank (``worker.servers.GroupTrainers``), each computing the whole batch on
+its own copy, so the ranks stay bit-identical to each other and to a one-rank engine, through
+swaps, shared passes and checkpoints. ``TrainStep`` and ``LossGradients`` split a batch's rows
+instead (``row_shares``; each share's gradient scaled by ``share_scale``, then one all-reduce), the
+data-parallel step, equal to a one-rank engine's up to summation order; it takes no micro-batch
+budget yet (shares could take unequal numbers of passes).
+
+Invariants. Every rank holds bit-identical adapters and moments after every call
+(``adapter_digests`` checks it). Every rank runs the same forwards and backwards per call (FSDP's
+all-gathers pair up). A rank that fails or dies takes the group down: rank 0's call raises
+``TrainerGroupError`` naming it (its exit code and, where it could say, its error) within
+``timeout_s``, and the group takes no more calls.
+
+Not here yet: full fine-tuning on several ranks (its weights would be sharded; the engine refuses
+it), sharded job state and ``torch.distributed.checkpoint``, sleep, ranks on other nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from plexctl.common.isolation import Libc
+from plexctl.common.protocol import TrainBatch, TrainHParams
+from plexctl.common.spec import LoraSpec
+from worker.errors import BatchError, JobConfigError, TrainerError
+from worker.loss_terms import aggregation_weights
+from worker.train_batches import check_batch, check_hparams, pad_rows
+from worker.trainer import TrainerEngine
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "GroupCall",
+    "GroupRank",
+    "TrainerGroup",
+    "TrainerGroupError",
+    "collective_backend",
+    "row_shares",
+    "share_scale",
+]
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 600.0  # a work collective waits at most this long for a peer (a step's longest pass)
+IDLE_TIMEOUT = timedelta(days=7)  # ranks 1..N-1 wait this long for the next call (the control group)
+STOP_WAIT_S = 30.0  # ranks 1..N-1 get this long to leave after ``close`` before they are killed
+_ERROR_KEY = "plexrl/rank-error/{rank}"  # where a failing rank leaves its one-line error in the store
+_UNSHARDABLE_OPTIONS = ("micro_batch_rows", "micro_batch_tokens")  # shares could get unequal numbers of passes
+
+T = TypeVar("T")
+
+
+class TrainerGroupError(TrainerError):
+    """A rank of the group failed, died or timed out: the group takes no more calls."""
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def collective_backend(cuda_available: bool) -> str:
+    """The work group's backend: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if cuda_available else "gloo"
+
+
+def row_shares(rows: int, width: int) -> list[range]:
+    """Each rank's rows of a batch of ``rows``: contiguous, in rank order, sizes differing by at most one."""
+    return [range(rows * rank // width, rows * (rank + 1) // width) for rank in range(width)]
+
+
+def share_scale(batch: TrainBatch, share: range, hp: TrainHParams) -> float:
+    """c such that the batch's loss weights (``aggregation_weights``) on the share's rows are c times
+    the weights the share alone gets: scaled by c, the shares' loss gradients add up to the batch's.
+    The share must have a trainable token."""
+    mask = pad_rows(batch.input_ids, batch.loss_mask, torch.device("cpu")).loss_mask
+    whole = aggregation_weights(mask, hp.loss_agg, hp.loss_agg_len)[share.start : share.stop]
+    own = aggregation_weights(mask[share.start : share.stop], hp.loss_agg, hp.loss_agg_len)
+    return float(whole.double().sum() / own.double().sum())
+
+
+def batch_rows(batch: TrainBatch, share: range) -> TrainBatch:
+    """The batch's rows ``share``."""
+    rows = slice(share.start, share.stop)
+    return TrainBatch(batch.input_ids[rows], batch.loss_mask[rows], batch.old_logprobs[rows], batch.advantages[rows])
+
+
+def _trainable_tokens(batch: TrainBatch) -> int:
+    return sum(sum(mask[1:]) for mask in batch.loss_mask)  # the first token is never predicted
+
+
+# ---------------------------------------------------------------- one rank
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """What every rank needs to join the group and build its engine."""
+
+    model_path: str
+    width: int
+    host: str
+    port: int
+    engine_options: dict[str, Any]
+    timeout_s: float
+    backend: str
+    attach: Callable[[TrainerEngine, int], Any] | None = None  # what a rank builds around its engine
+
+
+class GroupRank:
+    """One rank: its engine (base sharded), its place in the group, and the collectives of a call."""
+
+    def __init__(self, spec: GroupSpec, rank: int, store: dist.Store) -> None:
+        """Join the group (``init_process_group`` on ``store``), build the engine, shard its base."""
+        self.spec, self.rank, self.width, self.store = spec, rank, spec.width, store
+        device = f"cuda:{rank}" if spec.backend == "nccl" else "cpu"
+        if spec.backend == "nccl":
+            torch.cuda.set_device(device)  # NCCL's object collectives use the current device
+        timeout = timedelta(seconds=spec.timeout_s)
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.width, timeout=timeout)
+        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # calls; idle ranks wait here
+        self.engine = TrainerEngine(spec.model_path, device=device, **spec.engine_options)
+        self.mesh = init_device_mesh(torch.device(device).type, (spec.width,))
+        self.engine.shard_base(self.mesh)
+        self.target: Any = spec.attach(self.engine, rank) if spec.attach else None  # what calls may serve
+
+    def base_bytes(self) -> int:
+        """Bytes of the base's weights this rank holds (its shards, and the unsharded lm_head)."""
+        return self.engine.base_bytes()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, in place (the work group, its timeout)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def loss_gradients(
+        self, job_id: str, batch: TrainBatch, hp: TrainHParams
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The whole batch's loss gradient (``TrainingMath.loss_gradients``'), every rank taking its
+        share: the share's gradient scaled by ``share_scale``, summed over the ranks; the batch's metrics."""
+        share = row_shares(len(batch.input_ids), self.width)[self.rank]
+        scale = share_scale(batch, share, hp)
+        grads, metrics = self.engine.loss_gradients(job_id, batch_rows(batch, share), hp)
+        flat = torch.cat([grad.reshape(-1) for grad in grads.values()]) * scale
+        self.all_reduce_sum(flat)
+        summed, at = {}, 0
+        for key, grad in grads.items():
+            summed[key] = flat[at : at + grad.numel()].view_as(grad)
+            at += grad.numel()
+        return summed, self._group_metrics(metrics, scale)
+
+    def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """This rank's part of one optimizer step of the job (``TrainingMath.train_step``'s metrics,
+        the group's): the batch's gradient (``loss_gradients``), then clip and AdamW, as every rank does."""
+        started = time.perf_counter()
+        grads, metrics = self.loss_gradients(job_id, batch, hp)
+        job = self.engine.slots.job(job_id)
+        for key, param in job.params.items():
+            param.grad = grads[key]
+        grad_norm = self.engine.math.clip_gradients(job, hp.max_grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            for group in job.optimizer.param_groups:
+                group["lr"], group["weight_decay"] = hp.lr, hp.weight_decay
+            job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
+        return metrics
+
+    def _group_metrics(self, own: dict[str, float], scale: float) -> dict[str, float]:
+        """The whole batch's metrics from each share's: the weighted losses summed (scaled as the
+        gradients are), the token means weighted by the shares' tokens."""
+        tokens = own["tokens"]
+        means = ("kl", "clip_frac", "ratio_mean", "entropy")
+        values = [own["loss"] * scale, own["pg_loss"] * scale, *(own[k] * tokens for k in means), tokens]
+        summed = self.all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+        total = summed[-1]
+        out = {"loss": summed[0], "pg_loss": summed[1], "tokens": total}
+        out.update({k: v / total for k, v in zip(means, summed[2:-1])})
+        return out
+
+    def adapter_digest(self, job_id: str) -> str:
+        """sha256 of the job's adapter weights and AdamW moments on this rank."""
+        job = self.engine.slots.job(job_id)
+        digest = hashlib.sha256()
+        for key, param in job.params.items():
+            digest.update(key.encode())
+            digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+            for name, value in sorted(job.optimizer.state.get(param, {}).items()):
+                digest.update(name.encode())
+                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (small objects; the work group, its timeout)."""
+        out: list[Any] = [None] * self.width
+        dist.all_gather_object(out, value)
+        return out
+
+
+# ---------------------------------------------------------------- calls
+
+
+class GroupCall(Generic[T]):
+    """A call every rank runs: ``check`` on rank 0 first (a user's error, raised before any rank
+    moves), then ``run`` on each rank, in step; rank 0's result is the group's. It travels pickled
+    (``broadcast_object_list``), so its class is defined at a module's top level."""
+
+    def check(self, rank: GroupRank) -> None:
+        return None
+
+    def run(self, rank: GroupRank) -> T:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsureJob(GroupCall[None]):
+    job_id: str
+    lora: LoraSpec | None
+    seed: int
+
+    def check(self, rank: GroupRank) -> None:
+        rank.engine.check_job(self.job_id, self.lora)
+        if self.lora is not None and self.lora.dropout > 0:
+            raise JobConfigError(f"job {self.job_id!r}: LoRA dropout does not run on a group of ranks yet")
+
+    def run(self, rank: GroupRank) -> None:
+        rank.engine.ensure_job(self.job_id, self.lora, self.seed)
+
+
+def _check_step(rank: GroupRank, job_id: str, batch: TrainBatch, hp: TrainHParams) -> None:
+    """What a step on the group needs, checked on rank 0: the job, a valid batch and hparams,
+    and a trainable token in every rank's share."""
+    rank.engine.slots.job(job_id)  # UnknownJobError
+    for name in _UNSHARDABLE_OPTIONS:
+        if rank.spec.engine_options.get(name) is not None:
+            raise BatchError(f"a step split by rows takes no {name} (the shares could take unequal passes)")
+    check_batch(batch)
+    check_hparams(hp)
+    for i, share in enumerate(row_shares(len(batch.input_ids), rank.width)):
+        if _trainable_tokens(batch_rows(batch, share)) == 0:
+            rows = f"rows {share.start}-{share.stop - 1}" if len(share) else "no row"
+            raise BatchError(
+                f"rank {i} of {rank.width} would get no trainable token ({rows} of {len(batch.input_ids)}): "
+                "a batch needs a row with a trainable token per rank"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep(GroupCall[dict[str, float]]):
+    job_id: str
+    batch: TrainBatch
+    hp: TrainHParams
+
+    def check(self, rank: GroupRank) -> None:
+        _check_step(rank, self.job_id, self.batch, self.hp)
+
+    def run(self, rank: GroupRank) -> dict[str, float]:
+        return rank.train_step(self.job_id, self.batch, self.hp)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossGradients(GroupCall[tuple[dict[str, torch.Tensor], dict[str, float]]]):
+    job_id: str
+    batch: TrainBatch
+    hp: TrainHParams
+
+    def check(self, rank: GroupRank) -> None:
+        _check_step(rank, self.job_id, self.batch, self.hp)
+
+    def run(self, rank: GroupRank) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return rank.loss_gradients(self.job_id, self.batch, self.hp)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterDigests(GroupCall[list[str]]):
+    job_id: str
+
+    def check(self, rank: GroupRank) -> None:
+        rank.engine.slots.job(self.job_id)
+
+    def run(self, rank: GroupRank) -> list[str]:
+        return rank.gather_objects(rank.adapter_digest(self.job_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseBytes(GroupCall[list[int]]):
+    def run(self, rank: GroupRank) -> list[int]:
+        return rank.gather_objects(rank.base_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop(GroupCall[None]):
+    def run(self, rank: GroupRank) -> None:
+        return None
+
+
+# ---------------------------------------------------------------- ranks 1..N-1
+
+
+def follow(spec: GroupSpec, rank: int) -> None:
+    """Rank ``rank`` (> 0): join the group, then run every call rank 0 sends until ``Stop``. On
+    an error the rank leaves its one-line error in the store and exits with status 1."""
+    Libc().die_with_parent()  # rank 0 gone (killed, whatever the way): this rank goes too
+    if os.getppid() == 1:
+        os._exit(1)
+    store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    try:
+        group_rank = GroupRank(spec, rank, store)
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=group_rank.control)
+            call = box[0]
+            call.run(group_rank)
+            if isinstance(call, Stop):
+                break
+    except BaseException as exc:  # noqa: BLE001 - any failure ends the rank; rank 0 reports it
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        log.error("trainer group rank %d: %s\n%s", rank, line, traceback.format_exc())
+        try:
+            store.set(_ERROR_KEY.format(rank=rank), line)
+        finally:
+            os._exit(1)  # no collective teardown with peers that may be gone
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- rank 0
+
+
+def _leave_group() -> None:
+    """This process out of its torch.distributed group, if it is in one (best effort after a failure)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - peers may be gone; the process must be free for a new group
+        log.warning("trainer group: leaving the process group: %s", exc)
+
+
+class TrainerGroup:
+    """A trainer engine of ``width`` ranks; this process is rank 0 and speaks for the group.
+
+    ``engine_options``: ``TrainerEngine``'s keyword options, the same on every rank (``threads``
+    is per rank). One group per process (torch.distributed's default group is process-wide)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        width: int,
+        engine_options: Mapping[str, Any] | None = None,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        host: str = "127.0.0.1",
+        attach: Callable[[TrainerEngine, int], Any] | None = None,
+    ) -> None:
+        if width < 1:
+            raise ValueError(f"a trainer group has at least one rank, got {width}")
+        options = dict(engine_options or {})
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group")
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, 0, world_size=width, is_master=True, wait_for_workers=False, timeout=timeout)
+        backend = collective_backend(torch.cuda.is_available())
+        self.spec = GroupSpec(model_path, width, host, store.port, options, timeout_s, backend, attach)
+        self._store = store
+        self._closed = False
+        context = mp.get_context("spawn")
+        self._followers: list[BaseProcess] = [
+            context.Process(target=follow, args=(self.spec, rank), name=f"trainer-rank-{rank}", daemon=True)
+            for rank in range(1, width)
+        ]
+        for process in self._followers:
+            process.start()
+        try:
+            self._rank = GroupRank(self.spec, 0, store)
+        except BaseException as exc:
+            raise self._fail(exc, "forming the group") from exc
+
+    @property
+    def width(self) -> int:
+        return self.spec.width
+
+    @property
+    def engine(self) -> TrainerEngine:
+        """Rank 0's engine (its adapters are every rank's: replicated)."""
+        return self._rank.engine
+
+    @property
+    def target(self) -> Any:
+        """What rank 0 built around its engine (``attach``; None without one)."""
+        return self._rank.target
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [p.pid for p in self._followers if p.pid is not None]
+
+    def call(self, call: GroupCall[T]) -> T:
+        """Run ``call`` on every rank; rank 0's result. ``TrainerGroupError`` if a rank fails."""
+        if self._closed:
+            raise TrainerGroupError("the trainer group is closed")
+        call.check(self._rank)
+        dead = self._dead_ranks()
+        if dead:
+            raise self._fail(None, f"sending {type(call).__name__}")
+        try:
+            dist.broadcast_object_list([call], src=0, group=self._rank.control)
+            return call.run(self._rank)
+        except Exception as exc:
+            raise self._fail(exc, f"running {type(call).__name__}") from exc
+
+    def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int) -> None:
+        self.call(EnsureJob(job_id, lora, seed))
+
+    def train_step(self, job_id: str, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
+        """One optimizer step of the job on the whole batch, its rows shared by the ranks."""
+        return self.call(TrainStep(job_id, batch, hp))
+
+    def loss_gradients(
+        self, job_id: str, batch: TrainBatch, hp: TrainHParams
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The whole batch's loss gradient under PEFT-file keys and its metrics, without stepping."""
+        return self.call(LossGradients(job_id, batch, hp))
+
+    def adapter_state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The job's adapter weights under their PEFT-file keys (rank 0's: every rank's)."""
+        return self.engine.adapter_state_dict(job_id)
+
+    def adapter_digests(self, job_id: str) -> list[str]:
+        """Each rank's sha256 of the job's adapter and AdamW moments, in rank order."""
+        return self.call(AdapterDigests(job_id))
+
+    def base_bytes(self) -> list[int]:
+        """Bytes of base weights each rank holds."""
+        return self.call(BaseBytes())
+
+    def close(self) -> None:
+        """Stop the ranks and leave the group. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if not self._dead_ranks():
+                self.call(Stop())
+        except TrainerGroupError:
+            log.warning("trainer group: a rank failed while stopping")
+        self._closed = True
+        self._reap(STOP_WAIT_S)
+        _leave_group()
+
+    def __enter__(self) -> TrainerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ failures
+
+    def _dead_ranks(self) -> list[int]:
+        return [rank for rank, p in enumerate(self._followers, start=1) if p.exitcode is not None]
+
+    def _fail(self, exc: BaseException | None, doing: str) -> TrainerGroupError:
+        """The group's error after a failure while ``doing``: each dead rank with its exit code and
+        its own error where it left one. The group is closed and its ranks killed."""
+        deadline = time.monotonic() + 2.0  # a peer's death is often why the collective failed: let it show
+        while not self._dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        parts = []
+        for rank in self._dead_ranks():
+            code = self._followers[rank - 1].exitcode
+            parts.append(f"rank {rank} exited with status {code}{self._rank_error(rank)}")
+        running = [str(rank) for rank, p in enumerate(self._followers, start=1) if p.exitcode is None]
+        if running:  # a hung rank, or rank 0's own failure
+            parts.append(f"rank{'s' if len(running) > 1 else ''} {', '.join(running)} still running")
+        if exc is not None:
+            parts.append(f"rank 0: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        self._closed = True
+        self._reap(0.0)
+        _leave_group()
+        return TrainerGroupError(f"trainer group of {self.width} ranks failed {doing}: " + "; ".join(parts))
+
+    def _rank_error(self, rank: int) -> str:
+        key = _ERROR_KEY.format(rank=rank)
+        try:
+            if self._store.check([key]):
+                return f" ({self._store.get(key).decode()})"
+        except Exception:  # noqa: BLE001 - the store is best effort while failing
+            pass
+        return ""
+
+    def _reap(self, wait_s: float) -> None:
+        """Ranks 1..N-1 gone: given ``wait_s`` to leave, then killed."""
+        deadline = time.monotonic() + wait_s
+        for process in self._followers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:
+                process.kill()
+                process.join(5.0)
