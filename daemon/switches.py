@@ -100,6 +100,8 @@ class Switches:
             return False  # the awake engine keeps its turn while its tasks wait
         if awake is not None and self.engines[awake].running:
             return False
+        if not others:
+            return True  # no engine of the device has tasks waiting (a backfill asks): the device is free
         best = min(others, key=lambda m: min(rank(t) for t in pending[m].values()))
         return best == eid
 

@@ -822,3 +822,21 @@ def test_steps_that_cannot_share_run_alone_and_a_step_over_the_budget_ends_the_p
     assert [(p.task.task_id, p.lead) for p in s.tick(1.0)] == [(2, 0)]
     s.done(2, 2.0)
     assert [(p.task.task_id, p.lead) for p in s.tick(2.0)] == [(3, 0), (4, 3)]
+
+
+def test_a_sleeping_engine_may_take_a_backfill_when_no_engine_of_its_device_waits() -> None:
+    """An engine that shares a device and is not awake asks for its turn with nothing of its own
+    waiting (a backfill): with no engine of the device waiting either, it gets the device, rather
+    than the scheduler failing on an empty choice."""
+    from daemon.sched_records import Engine
+    from daemon.switches import Switches
+
+    a = Engine("w/rollout", "w", "rollout", "m0", device="gpu0")
+    b = Engine("w/m1/rollout", "w", "rollout", "m1", device="gpu0")
+    engines = {a.engine_id: a, b.engine_id: b}
+    switches = Switches(engines, max_group=4)
+    switches.add_engine(a)
+    switches.add_engine(b)  # b came up last: awake
+    assert switches.device_turn(a, {}, lambda t: (0,)) is True
+    waiting = {b.engine_id: {1: object()}}
+    assert switches.device_turn(a, waiting, lambda t: (0,)) is False  # the awake engine keeps its turn
