@@ -122,6 +122,7 @@ def test_plan_7b_full_fine_tuning_on_8x80g_fits_trainer_engines_of_4_gpus() -> N
     assert "Trainer width: trainer engines of 4 GPUs (the smallest width whose per-rank step fits one GPU)" in (
         proc.stdout
     )
+    assert "the runtime trains it on engines of one GPU for now, and refuses it on wider ones" in proc.stdout
     assert "Everything fits." in proc.stdout
     as_json = _plan_cli(str(FULL_3B), "--set", AT_7B, *FULL_7B_ON_8X80, "--json")
     plan = json.loads(as_json.stdout)["plans"][0]

@@ -1388,6 +1388,11 @@ def render_plan(plan: MemoryPlan) -> str:
             else "the smallest width whose per-rank step fits one GPU"
         )
         lines.append(f"Trainer width: trainer engines of {_gpus(plan.trainer_width)} ({why})")
+        if plan.trainer_width > 1 and any(j.full for j in plan.jobs):
+            lines.append(
+                "  Full fine-tuning on engines of several GPUs is sized here; the runtime trains it on "
+                "engines of one GPU for now, and refuses it on wider ones (docs/gpu.md)"
+            )
     for indices, r in _grouped(plan.rollouts):
         where = (
             "on the CPU"
