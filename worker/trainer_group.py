@@ -36,10 +36,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import os
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -184,13 +184,7 @@ class GroupRank:
         job = self.engine.slots.job(job_id)
         for key, param in job.params.items():
             param.grad = grads[key]
-        grad_norm = self.engine.math.clip_gradients(job, hp.max_grad_norm)
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            for group in job.optimizer.param_groups:
-                group["lr"], group["weight_decay"] = hp.lr, hp.weight_decay
-            job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = self.engine.math.apply_gradients(job, hp)
         metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
         return metrics
 
@@ -228,7 +222,7 @@ class GroupRank:
 # ---------------------------------------------------------------- calls
 
 
-class GroupCall(Generic[T]):
+class GroupCall(ABC, Generic[T]):
     """A call every rank runs: ``check`` on rank 0 first (a user's error, raised before any rank
     moves), then ``run`` on each rank, in step; rank 0's result is the group's. It travels pickled
     (``broadcast_object_list``), so its class is defined at a module's top level."""
@@ -236,8 +230,8 @@ class GroupCall(Generic[T]):
     def check(self, rank: GroupRank) -> None:
         return None
 
-    def run(self, rank: GroupRank) -> T:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, rank: GroupRank) -> T: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,14 +122,20 @@ class TrainingMath:
         started = time.perf_counter()
         job = self.slots.job(job_id)
         metrics = self._forward_backward(job, batch, hp)
+        grad_norm, skipped = self.apply_gradients(job, hp)
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
+        return metrics
+
+    def apply_gradients(self, job: JobState, hp: TrainHParams) -> tuple[float, bool]:
+        """The job's gradients clipped, then one AdamW step with ``hp``'s lr and weight decay
+        (skipped on a non-finite norm), the gradients cleared: (the norm, whether it skipped)."""
         grad_norm = self.clip_gradients(job, hp.max_grad_norm)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             _set_optimizer_hparams(job.optimizer, hp)
             job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
-        metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
-        return metrics
+        return grad_norm, skipped
 
     def loss_gradients(
         self, job_id: str, batch: TrainBatch, hp: TrainHParams
