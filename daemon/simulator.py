@@ -32,7 +32,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from plexctl.common import state_policy
 from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.memplan import JobShape, needed_trainer_width
 from plexctl.common.model_shapes import known_shape
-from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Tiers, Upcoming
+from plexctl.common.state_policy import DEVICE, HOST, NVME, STORAGE_TIERS, Held, Room, Tiers, Upcoming
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
@@ -283,17 +283,18 @@ class SwapIn:
 
 
 class NodeTiers:
-    """One trainer node's state tiers (device, host, nvme), moved as ``worker.state.store``
-    moves them: every decision is ``plexctl.common.state_policy``'s. Copies move at once; what a move
-    costs is the caller's to charge."""
+    """One trainer node's state tiers (the device, then ``budgets``' storage tiers in
+    ``state_policy.TIER_ORDER``), moved as ``worker.state.store`` moves them: every decision is
+    ``plexctl.common.state_policy``'s. Copies move at once; what a move costs is the caller's to
+    charge. ``budgets``: bytes per storage tier (None: the node has none of it)."""
 
-    def __init__(self, device_slots: int, device_bytes: int | None, host_bytes: int, nvme_bytes: int | None) -> None:
+    def __init__(self, device_slots: int, device_bytes: int | None, budgets: Mapping[str, int | None]) -> None:
         self.device_slots, self.device_bytes = device_slots, device_bytes
-        self.host_bytes, self.nvme_bytes = host_bytes, nvme_bytes
-        self.tier: dict[str, str] = {}  # job -> device | host | nvme
+        self.budgets = {name: budgets[name] for name in state_policy.tier_order(budgets)}
+        self.tier: dict[str, str] = {}  # job -> its tier
         self.nbytes: dict[str, int] = {}
         self.last_used: dict[str, int] = {}
-        self.used = {DEVICE: 0, HOST: 0, NVME: 0}
+        self.used = dict.fromkeys([DEVICE, *self.budgets], 0)
         self._tick = 0
 
     def where(self, job_id: str) -> str | None:
@@ -307,7 +308,7 @@ class NodeTiers:
         if source == DEVICE:
             self._touch(job_id)
             return SwapIn(DEVICE)
-        credit = self.nbytes[job_id] if source == HOST else 0
+        credit = {source: self.nbytes[job_id]} if source == STORAGE_TIERS[0] else {}  # its buffer is reused
         evicted: list[tuple[str, str]] = []
         demoted: list[str] = []
         upcoming: Upcoming | None = None
@@ -317,18 +318,16 @@ class NodeTiers:
                 break
             upcoming = upcoming or Upcoming(expected())
             victim = state_policy.victim(resident, upcoming)
-            placement = state_policy.place(victim, self._tiers(), self._host_copies(job_id), upcoming, credit)
+            tiers = self._tiers()
+            placement = state_policy.place(victim, tiers, self._copies(job_id), upcoming, credit)
             if placement is None:
-                raise TierFullError(
-                    f"no tier takes {victim.job_id}'s state ({victim.nbytes} bytes): host "
-                    f"{self.used[HOST]}/{self.host_bytes}, nvme {self.used[NVME]}/{self.nvme_bytes} bytes used"
-                )
-            for job in placement.demote:
-                self._move(job, NVME)
+                used = ", ".join(f"{name} {self.used[name]}/{budget}" for name, budget in self.budgets.items())
+                raise TierFullError(f"no tier takes {victim.job_id}'s state ({victim.nbytes} bytes): {used} bytes used")
+            self._demote(placement, tiers)
             self._move(victim.job_id, placement.tier)
             evicted.append((victim.job_id, placement.tier))
             demoted += placement.demote
-            credit = 0
+            credit = {}
         if source is None:
             self.nbytes[job_id] = nbytes
             self.tier[job_id] = DEVICE
@@ -339,18 +338,16 @@ class NodeTiers:
         return SwapIn(source, tuple(evicted), tuple(demoted))
 
     def prefetch(self, job_id: str, expected: Sequence[str]) -> tuple[str, ...] | None:
-        """Bring a state on nvme up to host if the policy lets it; the host copies demoted to
-        make room, or None if it stays on nvme."""
-        if self.tier.get(job_id) != NVME:
+        """Bring a state below the first storage tier up to it if the policy lets it; the copies
+        demoted to make room, or None if it stays where it is."""
+        if self.tier.get(job_id) not in list(self.budgets)[1:]:
             return None
-        placement = state_policy.prefetch_placement(
-            self._held(job_id), self._tiers(), self._host_copies(job_id), Upcoming(expected)
-        )
+        tiers = self._tiers()
+        placement = state_policy.prefetch_placement(self._held(job_id), tiers, self._copies(job_id), Upcoming(expected))
         if placement is None:
             return None
-        for job in placement.demote:
-            self._move(job, NVME)
-        self._move(job_id, HOST)
+        self._demote(placement, tiers)
+        self._move(job_id, placement.tier)
         return placement.demote
 
     def drop(self, job_id: str) -> None:
@@ -359,6 +356,17 @@ class NodeTiers:
         if tier is not None:
             self.used[tier] -= self.nbytes.pop(job_id)
             self.last_used.pop(job_id, None)
+
+    def above(self, tier: str) -> str:
+        """The tier whose copies are demoted to ``tier``."""
+        names = list(self.budgets)
+        return names[names.index(tier) - 1]
+
+    def _demote(self, placement: state_policy.Placement, tiers: Tiers) -> None:
+        below = tiers.below(placement.tier)
+        for job in placement.demote:
+            assert below is not None  # the policy demotes only where a tier lies below
+            self._move(job, below.name)
 
     def _move(self, job_id: str, tier: str) -> None:
         nbytes = self.nbytes[job_id]
@@ -373,11 +381,15 @@ class NodeTiers:
     def _held(self, job_id: str) -> Held:
         return Held(job_id, self.nbytes[job_id], self.last_used.get(job_id, 0))
 
-    def _host_copies(self, beside: str) -> list[Held]:
-        return [self._held(j) for j, t in self.tier.items() if t == HOST and j != beside]
+    def _copies(self, beside: str) -> dict[str, list[Held]]:
+        copies: dict[str, list[Held]] = {name: [] for name in self.budgets}
+        for j, t in self.tier.items():
+            if t != DEVICE and j != beside:
+                copies[t].append(self._held(j))
+        return copies
 
     def _tiers(self) -> Tiers:
-        return Tiers(self.host_bytes, self.used[HOST], self.nvme_bytes, self.used[NVME])
+        return Tiers(tuple(Room(name, budget, self.used[name]) for name, budget in self.budgets.items()))
 
 
 def partition(trace: Trace, gpus: int) -> dict[str, int]:
@@ -470,6 +482,7 @@ class Simulation:
         self.engine_gpus: dict[str, int] = {}  # engine -> its GPUs
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
         self.nodes: dict[str, NodeTiers] = {}
+        self._read_gbps = {HOST: cfg.h2d_gbps, NVME: cfg.nvme_gbps}  # a storage tier's copy up to the device
         for model, pairs in self.pools.items():
             for i in range(pairs):
                 w = f"{model}/n{i}"
@@ -479,7 +492,9 @@ class Simulation:
                 self.engine_gpus[f"{w}/r"] = cfg.gpus_per_engine
                 self.engine_gpus[f"{w}/t"] = trainer_gpus.get(model, cfg.gpus_per_engine)
                 self.nodes[f"{w}/t"] = NodeTiers(
-                    cfg.device_slots, int(cfg.device_state_gb * GB), int(cfg.host_gb * GB), int(cfg.nvme_gb * GB)
+                    cfg.device_slots,
+                    int(cfg.device_state_gb * GB),
+                    {HOST: int(cfg.host_gb * GB), NVME: int(cfg.nvme_gb * GB)},
                 )
         self.limit = 1 if placement.dedicates_engines() else jobs_per_engine
         self.slots_free = {m: p * self.limit for m, p in self.pools.items()}  # tenant slots per kind
@@ -784,50 +799,58 @@ class Simulation:
         Evictions and demotions are copies that overlap the next task: counted, not charged."""
         if shard.node is not None and shard.node != engine_id:  # the core keeps a trainer task where its state is
             raise RuntimeError(f"{shard.core_id}: trainer task placed on {engine_id}, its state is on {shard.node}")
-        cfg, n = self.cfg, shard.state_bytes
+        n = shard.state_bytes
 
         def expected() -> list[str]:
             order = self.sched.expected(engine_id, now)
             return [*first, *(j for j in order if j not in first)] if first else order
 
-        moved = self.nodes[engine_id].swap_in(shard.core_id, n, expected)
+        node = self.nodes[engine_id]
+        moved = node.swap_in(shard.core_id, n, expected)
         for core_id in moved.demoted:
-            self._count("host->nvme", self.shard_of[core_id].state_bytes)
-            self.sched.state_location(core_id, engine_id, NVME)
+            self._demoted(node, core_id, engine_id)
         for core_id, tier in moved.evicted:
             victim = self.shard_of[core_id]
             victim.ready_at = 0.0
-            self._count(f"device->{tier}", victim.state_bytes)
+            self._count(f"{DEVICE}->{tier}", victim.state_bytes)
             self.sched.state_location(core_id, engine_id, tier)
         shard.node = engine_id
         seconds = 0.0
-        if moved.source == HOST:
-            seconds = max(0.0, shard.ready_at - now) + n / (cfg.h2d_gbps * GB)
-            self._count("host->device", n)
-        elif moved.source == NVME:
-            seconds = n / (cfg.nvme_gbps * GB)
-            self._count("nvme->device", n)
-        if moved.source in (HOST, NVME):
+        if moved.source in STORAGE_TIERS:
+            waited = (
+                max(0.0, shard.ready_at - now) if moved.source == STORAGE_TIERS[0] else 0.0
+            )  # a prefetch lands there
+            seconds = waited + n / (self._read_gbps[moved.source] * GB)
+            self._count(f"{moved.source}->{DEVICE}", n)
             self.swaps.swap_ins += 1
             self.swaps.seconds += seconds
         return seconds
 
+    def _demoted(self, node: NodeTiers, core_id: str, engine_id: str) -> None:
+        """Count a copy demoted one tier down, and tell the core where it is."""
+        to = node.where(core_id)
+        assert to is not None
+        self._count(f"{node.above(to)}->{to}", self.shard_of[core_id].state_bytes)
+        self.sched.state_location(core_id, engine_id, to)
+
     def _prefetch(self, engine_id: str, now: float) -> None:
-        """Bring the first job expected at this trainer whose state sits on its NVMe up to host
-        while the current one runs (as the daemon asks its trainers to), if the policy lets it."""
+        """Bring the first job expected at this trainer whose state sits below its first storage
+        tier up to it while the current one runs (as the daemon asks its trainers to), if the
+        policy lets it."""
         node = self.nodes[engine_id]
         expected = self.sched.expected(engine_id, now)
-        core_id = state_policy.prefetch_choice(expected, node.tier)
+        core_id = state_policy.prefetch_choice(expected, node.tier, slow=list(node.budgets)[1:])
+        source = node.where(core_id) if core_id is not None else None
         demoted = node.prefetch(core_id, expected) if core_id is not None else None
-        if core_id is None or demoted is None:
+        if core_id is None or source is None or demoted is None:
             return
         for other in demoted:
-            self._count("host->nvme", self.shard_of[other].state_bytes)
-            self.sched.state_location(other, engine_id, NVME)
-        shard = self.shard_of[core_id]
-        shard.ready_at = now + shard.state_bytes / (self.cfg.nvme_gbps * GB)
-        self._count("nvme->host", shard.state_bytes)
-        self.sched.state_location(core_id, engine_id, HOST)
+            self._demoted(node, other, engine_id)
+        shard, to = self.shard_of[core_id], node.where(core_id)
+        assert to is not None
+        shard.ready_at = now + shard.state_bytes / (self._read_gbps[source] * GB)
+        self._count(f"{source}->{to}", shard.state_bytes)
+        self.sched.state_location(core_id, engine_id, to)
 
     def _drop_state(self, shard: _Shard) -> None:
         """Forget the shard's state (its job ended)."""

@@ -35,6 +35,7 @@ from plexctl.common.memplan import (
 )
 from plexctl.common.model_shapes import UnknownModelShape, known_shape, model_config_for
 from plexctl.common.spec import LoraSpec
+from plexctl.common.state_policy import HOST
 from plexctl.common.state_size import job_state_bytes
 from plexctl.spec_files import load_spec
 
@@ -88,7 +89,7 @@ def test_shipped_examples_fit_the_default_layout_of_an_8x80g_node(example: str) 
     assert plan.problems == ()
     assert [r.gpus for r in plan.rollouts] == [1] * 6 and [t.gpus for t in plan.trainers] == [1] * 2
     assert all(r.kv_tokens >= plan.max_model_len for r in plan.rollouts)
-    assert plan.trainers[0].host_jobs >= 8
+    assert plan.trainers[0].tier_jobs(HOST) >= 8
     text = render_plan(plan)
     assert "Rollout engines 0-5" in text and "Trainer engines 0-1" in text
     assert "Everything fits." in text and spec.name in text
@@ -160,7 +161,7 @@ def test_jobs_that_can_never_fit_are_refused() -> None:
     wrong_dtype = job_problems(plan, JobShape("f32", rank=8, max_seq_len=1024, dtype="float32"))
     assert wrong_dtype == ["job f32: model.dtype float32, but the engines run bfloat16"]
     huge = job_problems(plan, JobShape("huge", rank=256, max_seq_len=1024))
-    assert huge == ["job huge: its state 7.2 GiB exceeds the largest tier (host 1.0 GiB, NVMe 2.0 GiB)"]
+    assert huge == ["job huge: its state 7.2 GiB exceeds the largest tier (host tier 1.0 GiB, NVMe tier 2.0 GiB)"]
     bad_module = job_problems(plan, JobShape("odd", rank=8, max_seq_len=1024, target_modules=("qkv_proj",)))
     assert bad_module and "qkv_proj" in bad_module[0]
 
@@ -212,7 +213,7 @@ def test_host_and_nvme_tiers_beyond_the_node_are_problems() -> None:
     node = NodeShape.parse("8x80G", host="12G", nvme="100G")
     plan = plan_memory(qwen_7b(), node)
     assert "host memory: 2 host tier(s) of 8.0 GiB = 16.0 GiB exceed the node's 12.0 GiB" in plan.problems
-    assert "NVMe: 2 tier(s) of 64.0 GiB = 128.0 GiB exceed the node's 100.0 GiB" in plan.problems
+    assert "NVMe: 2 NVMe tier(s) of 64.0 GiB = 128.0 GiB exceed the node's 100.0 GiB" in plan.problems
 
 
 def test_a_tiny_cpu_node_plans_in_host_memory() -> None:

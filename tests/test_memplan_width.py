@@ -26,6 +26,7 @@ from plexctl.common.memplan import (
     weights_bytes,
 )
 from plexctl.common.model_shapes import model_config_for
+from plexctl.common.state_policy import HOST
 from plexctl.common.state_size import full_state_size, parameter_count
 from plexctl.spec_files import load_spec
 
@@ -92,7 +93,7 @@ def test_a_7b_full_fine_tuning_plan_shards_its_trainer_over_4_gpus() -> None:
     assert t.job_state_bytes == math.ceil(state / 4)
     assert t.weights_bytes == math.ceil(weights_bytes(plan.config, "bfloat16") / 4)
     assert t.step_peak_bytes <= t.room_bytes and t.fsdp_buffer_bytes > 0
-    assert t.host_jobs == t.host_tier_bytes // t.job_state_bytes  # each rank swaps its own shard
+    assert t.tier_jobs(HOST) == t.tier_bytes[HOST] // t.job_state_bytes  # each rank swaps its own shard
     text = render_plan(plan)
     assert "Trainer width: trainer engines of 4 GPUs" in text and "FSDP buffers" in text
     assert "Trainer engine 0: 4 GPUs (FSDP, data parallel), per GPU" in text

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from daemon.simulator import NodeTiers, TierFullError
 from plexctl.common import state_policy
-from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Placement, Tiers, Upcoming
+from plexctl.common.state_policy import DEVICE, HOST, NVME, Held, Placement, Room, Tiers, Upcoming
 
 JOB_IDS = [f"j{i}" for i in range(8)]
 
@@ -37,15 +37,10 @@ upcoming_orders = st.lists(st.sampled_from(JOB_IDS), max_size=10).map(Upcoming)
 def tiers(draw: st.DrawFn, host_copies: list[Held]) -> Tiers:
     host_used = sum(h.nbytes for h in host_copies) + draw(st.integers(0, 50))  # plus copies in flight
     full = draw(st.booleans())
-    return Tiers(
-        host_bytes=draw(st.integers(0, 300)),
-        host_used=host_used,
-        nvme_bytes=draw(st.one_of(st.none(), st.integers(0, 400))),
-        nvme_used=draw(st.integers(0, 200)),
-        host_spill_bytes=draw(st.integers(0, 80)),
-        nvme_full=full,
-        nvme_room=draw(st.integers(0, 400)) if full else 0,
-    )
+    host = Room(HOST, draw(st.integers(0, 300)), host_used, spill_bytes=draw(st.integers(0, 80)))
+    nvme_bytes = draw(st.one_of(st.none(), st.integers(0, 400)))
+    room = draw(st.integers(0, 400)) if full else 0
+    return Tiers((host, Room(NVME, nvme_bytes, draw(st.integers(0, 200)), full=full, room=room)))
 
 
 @st.composite
@@ -94,14 +89,16 @@ def test_a_placement_keeps_every_budget_and_demotes_only_copies_needed_later(
     case: tuple[Held, Tiers, list[Held], Upcoming, int, bool],
 ) -> None:
     leaving, tier_state, host_copies, upcoming, credit, spill = case
-    placement = state_policy.place(leaving, tier_state, host_copies, upcoming, credit, spill)
-    free_host = tier_state.host_bytes - tier_state.host_used + credit
+    host, nvme = tier_state.rooms
+    placement = state_policy.place(leaving, tier_state, {HOST: host_copies}, upcoming, {HOST: credit}, spill)
+    assert host.budget is not None
+    free_host = host.budget - host.used + credit
     if leaving.nbytes <= free_host:  # room on host: nothing else moves
         assert placement == Placement(HOST)
         return
     if placement is None:
-        assert not tier_state.nvme_fits(leaving.nbytes)
-        assert not (spill and tier_state.nvme_full and tier_state.spill_fits(leaving.nbytes, credit))
+        assert not nvme.takes(leaving.nbytes)
+        assert not (spill and nvme.full and host.spill_fits(leaving.nbytes, credit))
         return
     by_id = {h.job_id: h for h in host_copies}
     demoted = [by_id[job_id] for job_id in placement.demote]
@@ -111,13 +108,13 @@ def test_a_placement_keeps_every_budget_and_demotes_only_copies_needed_later(
     assert demoted == sorted(demoted, key=upcoming.least_soon_key)  # least soon first
     moved_down = sum(h.nbytes for h in demoted)
     if placement.tier == NVME:
-        assert not demoted and tier_state.nvme_fits(leaving.nbytes)
+        assert not demoted and nvme.takes(leaving.nbytes)
     elif demoted:
-        assert leaving.nbytes <= free_host + moved_down and tier_state.nvme_fits(moved_down)
+        assert leaving.nbytes <= free_host + moved_down and nvme.takes(moved_down)
         assert leaving.nbytes > free_host + moved_down - demoted[-1].nbytes  # no copy more than needed
     else:  # host, over its budget: only while nvme is out of space, within the spill allowance
-        assert spill and tier_state.nvme_full and tier_state.spill_fits(leaving.nbytes, credit)
-        assert not tier_state.nvme_fits(leaving.nbytes)
+        assert spill and nvme.full and host.spill_fits(leaving.nbytes, credit)
+        assert not nvme.takes(leaving.nbytes)
 
 
 @given(placements())
@@ -126,19 +123,20 @@ def test_a_placement_does_not_depend_on_the_order_of_the_host_copies(
 ) -> None:
     leaving, tier_state, host_copies, upcoming, credit, spill = case
     shuffled = random.Random(len(host_copies)).sample(host_copies, len(host_copies))
-    assert state_policy.place(leaving, tier_state, host_copies, upcoming, credit, spill) == state_policy.place(
-        leaving, tier_state, shuffled, upcoming, credit, spill
-    )
+    assert state_policy.place(
+        leaving, tier_state, {HOST: host_copies}, upcoming, {HOST: credit}, spill
+    ) == state_policy.place(leaving, tier_state, {HOST: shuffled}, upcoming, {HOST: credit}, spill)
 
 
 @given(placements())
 def test_a_prefetch_lands_on_host_within_its_budget(case: tuple[Held, Tiers, list[Held], Upcoming, int, bool]) -> None:
     job, tier_state, host_copies, upcoming, _, _ = case
-    placement = state_policy.prefetch_placement(job, tier_state, host_copies, upcoming)
+    placement = state_policy.prefetch_placement(job, tier_state, {HOST: host_copies}, upcoming)
     if placement is not None:
         freed = sum(h.nbytes for h in host_copies if h.job_id in placement.demote)
-        assert placement.tier == HOST
-        assert tier_state.host_used - freed + job.nbytes <= tier_state.host_bytes
+        host = tier_state.room(HOST)
+        assert placement.tier == HOST and host.budget is not None
+        assert host.used - freed + job.nbytes <= host.budget
 
 
 @given(
@@ -155,9 +153,9 @@ def test_the_prefetch_choice_is_the_first_expected_job_on_nvme(expected: list[st
 def test_under_memory_pressure_the_copy_needed_least_soon_goes_down_first(
     host_copies: list[Held], upcoming: Upcoming, nvme_bytes: int, nvme_used: int
 ) -> None:
-    tier_state = Tiers(host_bytes=1000, host_used=0, nvme_bytes=nvme_bytes, nvme_used=nvme_used)
-    first = state_policy.first_to_demote(host_copies, tier_state, upcoming)
-    fitting = [h for h in host_copies if tier_state.nvme_fits(h.nbytes)]
+    tier_state = Tiers((Room(HOST, 1000, 0), Room(NVME, nvme_bytes, nvme_used)))
+    first = state_policy.first_to_demote(HOST, host_copies, tier_state, upcoming)
+    fitting = [h for h in host_copies if nvme_used + h.nbytes <= nvme_bytes]
     assert (first is None) == (not fitting)
     if first is not None:
         assert all(upcoming.least_soon_key(first) <= upcoming.least_soon_key(h) for h in fitting)
@@ -182,7 +180,7 @@ def test_simulated_tiers_keep_every_job_on_one_tier_within_its_budget(
     sequence: list[tuple[str, str, list[str]]], slots: int, host_states: int, nvme_states: int
 ) -> None:
     size = 10
-    node = NodeTiers(slots, None, host_states * size, nvme_states * size)
+    node = NodeTiers(slots, None, {HOST: host_states * size, NVME: nvme_states * size})
     for action, job_id, order in sequence:
         if action == "swap_in":
             try:
@@ -201,7 +199,70 @@ def test_simulated_tiers_keep_every_job_on_one_tier_within_its_budget(
         counts = {tier: sum(1 for t in node.tier.values() if t == tier) for tier in (DEVICE, HOST, NVME)}
         assert counts[DEVICE] <= slots
         assert node.used == {tier: counts[tier] * size for tier in counts}
-        assert node.used[HOST] <= node.host_bytes and node.used[NVME] <= (node.nvme_bytes or 0)
+        assert node.used[HOST] <= host_states * size and node.used[NVME] <= nvme_states * size
+
+
+# ---------------------------------------------------------------- a tier added later
+
+ARCHIVE = "archive"  # a tier slower than nvme, as a later entry of STATE_TIERS would be
+
+
+def test_a_third_storage_tier_takes_what_the_others_cannot_and_their_demotions() -> None:
+    """The policy decides over the list of tiers it is given: a state host and nvme cannot take
+    goes to the tier below them, and nvme makes room by demoting there, as host does to nvme."""
+    full = (Room(HOST, 100, 100), Room(NVME, 100, 100))
+    three = Tiers((*full, Room(ARCHIVE, 1000, 0)))
+    leaving = Held("soon", 50, 9)
+    assert state_policy.place(leaving, Tiers(full), {}, Upcoming()) is None
+    assert state_policy.place(leaving, three, {}, Upcoming()) == Placement(ARCHIVE)
+    copies = {HOST: [Held("h", 100, 1)], NVME: [Held("n", 100, 2)]}  # both needed later than "soon"
+    upcoming = Upcoming(["soon", "n", "h"])
+    # host cannot demote "h" (nvme is full), nvme can demote "n" to the archive
+    assert state_policy.place(leaving, three, copies, upcoming) == Placement(NVME, ("n",))
+    assert state_policy.first_to_demote(NVME, copies[NVME], three, upcoming) == copies[NVME][0]
+    assert state_policy.first_to_demote(ARCHIVE, [], three, upcoming) is None  # the last tier demotes nowhere
+    assert state_policy.prefetch_choice(["a", "b"], {"a": HOST, "b": ARCHIVE}, slow=(NVME, ARCHIVE)) == "b"
+    with pytest.MonkeyPatch.context() as patch:  # the simulator's node, given the third tier's budget
+        patch.setattr(state_policy, "TIER_ORDER", (*state_policy.TIER_ORDER, ARCHIVE))
+        node = NodeTiers(1, None, {HOST: 10, NVME: 10, ARCHIVE: 30})
+        for job in JOB_IDS[:5]:
+            node.swap_in(job, 10, lambda: JOB_IDS)  # needed in this order: the soonest keeps the fastest tier
+        assert [node.where(job) for job in JOB_IDS[:5]] == [HOST, NVME, ARCHIVE, ARCHIVE, DEVICE]
+        node.drop(JOB_IDS[0])
+        assert node.prefetch(JOB_IDS[3], JOB_IDS[3:]) == ()  # from the archive up to host, now free
+        assert node.where(JOB_IDS[3]) == HOST and node.used == {DEVICE: 10, HOST: 10, NVME: 10, ARCHIVE: 10}
+
+
+@given(events, st.integers(1, 2))
+@settings(max_examples=80)
+def test_simulated_tiers_take_a_third_tier_from_its_entry_alone(
+    sequence: list[tuple[str, str, list[str]]], slots: int
+) -> None:
+    """NodeTiers built with a third budget (its name added to TIER_ORDER) keeps every job on one
+    tier within every budget; a swap-in fails only when every storage tier is full."""
+    size = 10
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(state_policy, "TIER_ORDER", (*state_policy.TIER_ORDER, ARCHIVE))
+        node = NodeTiers(slots, None, {ARCHIVE: 4 * size, HOST: size, NVME: size})
+        assert list(node.budgets) == [HOST, NVME, ARCHIVE]
+        for action, job_id, order in sequence:
+            if action == "swap_in":
+                try:
+                    node.swap_in(job_id, size, lambda order=order: order)
+                except TierFullError:
+                    assert all(node.used[name] + size > budget for name, budget in node.budgets.items())
+                    continue
+            elif action == "prefetch":
+                was = node.where(job_id)
+                if node.prefetch(job_id, order) is not None:
+                    assert was in (NVME, ARCHIVE) and node.where(job_id) == HOST
+            else:
+                node.drop(job_id)
+            tiers = [DEVICE, *node.budgets]
+            counts = {tier: sum(1 for t in node.tier.values() if t == tier) for tier in tiers}
+            assert counts[DEVICE] <= slots and sum(counts.values()) == len(node.tier)
+            assert all(node.used[tier] == counts[tier] * size for tier in tiers)
+            assert all(node.used[name] <= budget for name, budget in node.budgets.items())
 
 
 # ---------------------------------------------------------------- the store and the simulator agree
@@ -244,7 +305,7 @@ def test_the_store_and_the_simulator_move_the_same_states_on_the_same_events(
     size = trainer.export_state("probe").nbytes
     trainer.release("probe")
     store = StateStore(trainer, device_slots=2, host_bytes=2 * size, nvme_dir=tmp_path / "nvme", nvme_bytes=3 * size)
-    node = NodeTiers(2, None, 2 * size, 3 * size)
+    node = NodeTiers(2, None, {HOST: 2 * size, NVME: 3 * size})
     for step, (action, job_id, order) in enumerate(random_events(seed)):
         what = f"event {step}: {action} {job_id} with upcoming {order}"
         store.set_upcoming(order)

@@ -33,6 +33,7 @@ from worker.state import files as copy_files
 from worker.state import tiers as state_tiers
 from worker.state.job_copy import PAGE_BYTES
 from worker.state.store import HostBufferPool, StateStore
+from worker.state.tiers import TIER_CLASSES
 from worker.trainer import PARKED_ADAPTERS_MAX, TrainerEngine
 
 VOCAB = 64
@@ -260,6 +261,7 @@ def check_inventory(store: StateStore, sizes: dict[str, int], nvme_dir: Path) ->
     """Every job on exactly one tier, within capacity, with used bytes = the copies' bytes."""
     inventory = store.inventory()
     assert [tier.name for tier in store.tiers] == list(TIER_ORDER) == [name for name in inventory if name in TIER_ORDER]
+    assert list(TIER_CLASSES) == list(TIER_ORDER)  # one class per entry of STATE_TIERS, in its order
     tiers = {tier: inventory[tier]["jobs"] for tier in ("device", "host", "nvme")}
     placed = [job for jobs in tiers.values() for job in jobs]
     assert len(placed) == len(set(placed)) and all(store.where(j) == t for t, jobs in tiers.items() for j in jobs)

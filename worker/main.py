@@ -41,6 +41,7 @@ from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.frames import send_frames
 from plexctl.common.memplan import WorkerStep, worker_step
 from plexctl.common.sizes import parse_bytes
+from plexctl.common.state_policy import tier_budgets
 from worker.engine_args import (
     Platform,
     adapter_slots,
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     if "trainer" in kinds:
         keep_freed_memory(device)  # a CPU trainer's step reuses the heap blocks of the one before
     max_lora_rank = _max_lora_rank(config, device)
-    host_bytes, nvme_bytes = parse_bytes(config.host_mem), parse_bytes(config.nvme_bytes)
+    budgets = tier_budgets(config)
     sleep_mode = sleep_between_models(device, len(models))
     ranks = config.trainer_width or 1
     decls = [
@@ -270,8 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             k,
             model,
             args.rollout_capacity if k == "rollout" else 1,
-            state_capacity_bytes=max(host_bytes, nvme_bytes) if k == "trainer" else 0,
-            state_room_bytes=host_bytes + nvme_bytes if k == "trainer" else 0,
+            state_capacity_bytes=max(budgets.values()) if k == "trainer" else 0,  # the largest tier
+            state_room_bytes=sum(budgets.values()) if k == "trainer" else 0,
             adapter_slots=_adapter_slots(config, device)[1] if k == "rollout" else 0,
             dtype=options.dtype if options else "",
             device=device,

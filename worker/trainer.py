@@ -41,6 +41,7 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForCausalLM
 
 from plexctl.common.calls import AdamStep, ForwardBackwardResult, LossCall, OptimStepResult
+from plexctl.common.engine_defaults import ENGINE_DEFAULTS
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.spec import LoraSpec
 from worker.checkpoint_files import (
@@ -132,7 +133,7 @@ class TrainerEngine:
     def __init__(
         self,
         model_path: str,
-        dtype: str = "float32",
+        dtype: str = ENGINE_DEFAULTS["cpu"].dtype,
         device: str = "cpu",
         threads: int | None = None,
         micro_batch_rows: int | None = None,

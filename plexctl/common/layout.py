@@ -90,7 +90,7 @@ def place_workers(
     *,
     rollout_gpus: int | None = None,
     trainer_gpus: int | None = None,
-    tp: int = 1,
+    tp: int,
 ) -> list[WorkerPlacement]:
     """The workers of ``node`` (its name, or the base of its worker ids) on ``gpus``.
 

@@ -45,6 +45,7 @@ from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB, ENGINE_DEFAULTS, ad
 from plexctl.common.errors import Refused
 from plexctl.common.sizes import fmt_bytes, parse_bytes
 from plexctl.common.spec import DEFAULT_TARGET_MODULES
+from plexctl.common.state_policy import STATE_TIERS, TIER_KINDS, tier_budgets
 from plexctl.common.state_size import (
     FP32_BYTES,
     FullStateSize,
@@ -392,8 +393,7 @@ class PlanSettings:
     max_lora_rank: int  # highest LoRA rank rollout engines load, each slot's size
     max_loras: int  # adapter slots of a rollout engine
     device_slots: int  # jobs whose state a trainer keeps on its device
-    host_tier_bytes: int  # host-memory tier of each trainer
-    nvme_tier_bytes: int  # NVMe tier of each trainer
+    tier_bytes: dict[str, int]  # each storage tier of each trainer rank (``state_policy.tier_budgets``)
     max_model_len: int | None  # None: the model's context, at most CONTEXT_CAP
     micro_batch_tokens: int  # the trainer's micro-batch budget
     gradient_checkpointing: Checkpointing
@@ -410,8 +410,7 @@ def plan_settings(cluster: ClusterConfig, other_weights_bytes: int = 0) -> PlanS
         max_lora_rank=cluster.max_lora_rank or GPU_DEFAULTS.max_lora_rank,
         max_loras=cluster.max_loras or adapter_slots(cluster.jobs_per_engine, "cuda")[0],
         device_slots=cluster.device_slots,
-        host_tier_bytes=parse_bytes(cluster.host_mem),
-        nvme_tier_bytes=parse_bytes(cluster.nvme_bytes),
+        tier_bytes=tier_budgets(cluster),
         max_model_len=cluster.max_model_len,
         micro_batch_tokens=cluster.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
         gradient_checkpointing=cluster.gradient_checkpointing,
@@ -534,8 +533,7 @@ class TrainerPlan:
     micro_batch_tokens: int
     activation_bytes: int  # what a micro-batch adds at the step's peak (activations, logits chunk, casts)
     runtime_bytes: int
-    host_tier_bytes: int
-    nvme_tier_bytes: int
+    tier_bytes: dict[str, int]  # each storage tier of each rank, fastest first
     rollout_bytes: int = 0  # shared: the budget of the rollout engine on its GPU
     other_bases_bytes: int = 0  # the cluster's other base models, which it holds beside this one
     gradient_checkpointing: bool = True  # decided by ``trainer_step``
@@ -571,13 +569,9 @@ class TrainerPlan:
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes - self.rollout_bytes
 
-    @property
-    def host_jobs(self) -> int:
-        return self.host_tier_bytes // self.job_state_bytes
-
-    @property
-    def nvme_jobs(self) -> int:
-        return self.nvme_tier_bytes // self.job_state_bytes
+    def tier_jobs(self, tier: str) -> int:
+        """Jobs' states (each rank's shard of them) one rank's storage tier holds."""
+        return self.tier_bytes[tier] // self.job_state_bytes
 
 
 @dataclass(frozen=True)
@@ -741,7 +735,7 @@ def plan_memory(
     cpu = cpu if width == 1 else {p for p, e in enumerate(engines) if e.gpus == 0}
     partner = {r: t for r, t in pairs} | {t: r for r, t in pairs}
     ranks = sum(1 if p in cpu else e.gpus for p, e in enumerate(engines) if e.kind == "trainer")
-    host_tiers = ranks * options.host_tier_bytes  # each trainer rank keeps a host tier
+    host_tiers = ranks * _medium_bytes(options, "host")  # each trainer rank keeps its tiers
 
     def rollout_plan(position: int, index: int, engine: EngineShape, left_by_trainer: int) -> RolloutPlan:
         tp = max(engine.gpus, 1)
@@ -805,8 +799,7 @@ def plan_memory(
             activation_bytes=step.total - rank_weights - options.device_slots * rank_state - rank_gradient - buffers,
             fsdp_buffer_bytes=buffers,
             runtime_bytes=runtime,
-            host_tier_bytes=options.host_tier_bytes,
-            nvme_tier_bytes=options.nvme_tier_bytes,
+            tier_bytes=options.tier_bytes,
             other_bases_bytes=other,
             gradient_checkpointing=step.checkpointing,
             step_peak_bytes=step.total,
@@ -943,20 +936,26 @@ def _node_problems(plan: MemoryPlan, host_tiers: int) -> list[str]:
         problems.append(
             f"max_model_len {plan.max_model_len:,} exceeds the model's context {context:,} (max_position_embeddings)"
         )
-    if host_tiers + plan.cpu_engine_bytes > node.host_bytes:
+    media = {"host": ("host memory", node.host_bytes), "nvme": ("NVMe", node.nvme_bytes)}
+    for medium, (what_medium, capacity) in media.items():
+        kinds = [kind for kind in STATE_TIERS if kind.medium == medium]
+        tiers = plan.trainer_ranks * _medium_bytes(o, medium)
+        beside = plan.cpu_engine_bytes if medium == "host" else 0
+        if not kinds or tiers + beside <= capacity:
+            continue
         what = "engines on the CPU" + (" and sleeping models" if o.other_weights_bytes else "")
-        cpu = f" + {what} {_size(plan.cpu_engine_bytes)}" if plan.cpu_engine_bytes else ""
+        cpu = f" + {what} {_size(beside)}" if beside else ""
+        each = " + ".join(f"{kind.label}(s) of {_size(o.tier_bytes[kind.name])}" for kind in kinds)
+        total = _size(tiers + beside)
         problems.append(
-            f"host memory: {plan.trainer_ranks} host tier(s) of {_size(o.host_tier_bytes)}{cpu} = "
-            f"{_size(host_tiers + plan.cpu_engine_bytes)} exceed the node's {_size(node.host_bytes)}"
-        )
-    nvme = plan.trainer_ranks * o.nvme_tier_bytes
-    if nvme > node.nvme_bytes:
-        problems.append(
-            f"NVMe: {plan.trainer_ranks} tier(s) of {_size(o.nvme_tier_bytes)} = {_size(nvme)} exceed "
-            f"the node's {_size(node.nvme_bytes)}"
+            f"{what_medium}: {plan.trainer_ranks} {each}{cpu} = {total} exceed the node's {_size(capacity)}"
         )
     return problems
+
+
+def _medium_bytes(settings: PlanSettings, medium: str) -> int:
+    """Bytes one trainer rank's storage tiers take of the node's ``medium`` (host memory, NVMe)."""
+    return sum(nbytes for name, nbytes in settings.tier_bytes.items() if TIER_KINDS[name].medium == medium)
 
 
 def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
@@ -980,14 +979,11 @@ def job_problems(plan: MemoryPlan, job: JobShape) -> list[str]:
             f"{min(r.kv_tokens for r in plan.rollouts):,} tokens"
         )
     state, gradient = job_sizes(plan.config, job, plan.dtype, cuda=plan.node.gpus > 0)
-    largest = max(plan.settings.host_tier_bytes, plan.settings.nvme_tier_bytes)
+    largest = max(plan.settings.tier_bytes.values())
     width = plan.trainer_width
     if math.ceil(state / width) > largest:
         shard = f" ({_size(math.ceil(state / width))} per rank of a {width}-GPU trainer)" if width > 1 else ""
-        say(
-            f"{prefix}its state {_size(state)}{shard} exceeds the largest tier "
-            f"(host {_size(plan.settings.host_tier_bytes)}, NVMe {_size(plan.settings.nvme_tier_bytes)})"
-        )
+        say(f"{prefix}its state {_size(state)}{shard} exceeds the largest tier ({_tier_sizes(plan.settings)})")
     if plan.trainers and all(t.weights_bytes <= t.capacity_bytes for t in plan.trainers):
         rooms = [
             TrainerRoom(
@@ -1165,9 +1161,13 @@ def _state_tiers(plan: MemoryPlan) -> list[tuple[str, int]]:
     if plan.trainers:
         t = max(plan.trainers, key=lambda t: t.capacity_bytes)
         tiers.append(("device", max(0, t.capacity_bytes - t.activation_bytes - t.runtime_bytes)))
-    tiers.append(("host tier", plan.settings.host_tier_bytes))
-    tiers.append(("NVMe tier", plan.settings.nvme_tier_bytes))
+    tiers += [(TIER_KINDS[name].label, nbytes) for name, nbytes in plan.settings.tier_bytes.items()]
     return tiers
+
+
+def _tier_sizes(settings: PlanSettings) -> str:
+    """The storage tiers of a rank, one phrase: "host tier 8.0 GiB, NVMe tier 64.0 GiB"."""
+    return ", ".join(f"{TIER_KINDS[name].label} {_size(nbytes)}" for name, nbytes in settings.tier_bytes.items())
 
 
 def full_job_problems(plan: MemoryPlan, job: FullJob) -> list[str]:
@@ -1335,8 +1335,7 @@ def _trainer_rows(t: TrainerPlan) -> list[Row]:
             f"room for {more:,} more jobs' state on device" if t.free_bytes >= 0 else "over capacity",
         )
     )
-    rows.append(("host tier", t.host_tier_bytes, f"{t.host_jobs:,} jobs"))
-    rows.append(("NVMe tier", t.nvme_tier_bytes, f"{t.nvme_jobs:,} jobs"))
+    rows += [(TIER_KINDS[name].label, nbytes, f"{t.tier_jobs(name):,} jobs") for name, nbytes in t.tier_bytes.items()]
     return rows
 
 

@@ -1,36 +1,65 @@
 """The tier policy for jobs' trainer state: who leaves the device, where a leaving state goes,
-whom to bring up from NVMe next. Plain data in, decisions out.
+whom to bring up from a slower tier next. Plain data in, decisions out.
 
-A trainer keeps each job's state on one tier: ``device`` (at most ``device_slots`` jobs, and
-optionally ``device_bytes``), ``host`` (``host_bytes``) or ``nvme`` (``nvme_bytes``; a node may
-have none); ``tier_order`` puts tier names in that order, fastest first. ``Upcoming`` is the
-order in which jobs will next need the trainer (the scheduler's ``expected``); jobs not in it
-come after all that are. The decisions:
+The tiers are one registry, ``STATE_TIERS``, fastest first: ``device`` (where a job trains: at
+most ``device_slots`` jobs, and optionally ``device_bytes``), then the storage tiers a state goes
+to off the device, ``host`` (``host_mem``) and ``nvme`` (``nvme_bytes``; a node may have none).
+Each entry names its budget's cluster setting and the medium it takes room in, so the store, the
+simulator and the memory plan build the same list from it. At a decision the storage tiers are
+``Room``s in that order (``Tiers``). ``Upcoming`` is the order in which jobs will next need the
+trainer (the scheduler's ``expected``); jobs not in it come after all that are. The decisions:
 
 - eviction (``needs_room``, ``victim``): while the device is full, the resident job needed
   least soon leaves it; ties (jobs not in the order): the least recently used;
-- placement (``place``): a leaving state goes to host if it fits; else to host after host copies
-  needed *later* than it are demoted to nvme (least soon first), if that makes room and nvme
-  takes them; else to nvme if it fits; else, while nvme is out of space, to host within its
-  spill allowance; else nowhere (the caller reports the tiers full);
-- prefetch (``prefetch_choice``, ``prefetch_placement``): the first upcoming job on nvme comes
-  up to host if host has room, demoting only copies needed later than it;
-- host memory short (``first_to_demote``): the host copy needed least soon that nvme takes.
+- placement (``place``): a leaving state goes to the first storage tier that takes it; or to
+  one after the copies it holds needed *later* than the leaving state are demoted to the tier
+  below it (least soon first), if that makes room and the tier below takes them; while a tier
+  is out of space, the tier above it may exceed its budget by its spill allowance; else nowhere
+  (the caller reports the tiers full);
+- prefetch (``prefetch_choice``, ``prefetch_placement``): the first upcoming job below the first
+  storage tier comes up to it if it has room, demoting only copies needed later than it;
+- memory short on a tier (``first_to_demote``): its copy needed least soon that the tier below takes.
 
 Invariants: every function is pure (no clock, I/O, threads or torch) and deterministic; a copy
-is demoted only for a job needed sooner; no placement exceeds a tier's budget, but for host's
-spill allowance while nvme is marked full. ``worker.state.store`` (the real tiers) and
-``daemon.simulator`` (simulated ones) both decide through this module.
+is demoted only for a job needed sooner, and only one tier down; no placement exceeds a tier's
+budget, but for a spill allowance while the tier below is marked full. ``worker.state.store``
+(the real tiers) and ``daemon.simulator`` (simulated ones) both decide through this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from plexctl.common.sizes import parse_bytes
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
-TIER_ORDER = (DEVICE, HOST, NVME)  # fastest first: where a job trains, where its state goes first, the last resort
-DIRECTIONS = ("device->host", "device->nvme", "host->device", "nvme->device", "host->nvme", "nvme->host")  # every move
+
+
+@dataclass(frozen=True)
+class TierKind:
+    """One tier of the registry: its ``name``, how plans and messages call it (``label``), the
+    cluster setting of its budget per trainer rank (``setting``; None: the device, held by its
+    slots), and the node's ``medium`` it takes room in (``gpu``, ``host``, ``nvme``)."""
+
+    name: str
+    label: str
+    setting: str | None
+    medium: str
+
+
+STATE_TIERS = (
+    TierKind(DEVICE, "device", None, "gpu"),  # where a job trains
+    TierKind(HOST, "host tier", "host_mem", "host"),  # where a leaving state goes first
+    TierKind(NVME, "NVMe tier", "nvme_bytes", "nvme"),  # the last resort
+)
+TIER_ORDER = tuple(kind.name for kind in STATE_TIERS)  # fastest first
+STORAGE_TIERS = TIER_ORDER[1:]  # where a state goes off the device, fastest first
+TIER_KINDS = {kind.name: kind for kind in STATE_TIERS}
+DIRECTIONS = tuple(f"{a}->{b}" for a in TIER_ORDER for b in TIER_ORDER if a != b and DEVICE in (a, b)) + tuple(
+    f"{a}->{b}" for a in STORAGE_TIERS for b in STORAGE_TIERS if a != b
+)  # every move
 
 
 def tier_order(names: Iterable[str]) -> list[str]:
@@ -40,6 +69,12 @@ def tier_order(names: Iterable[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown state tiers {unknown}; known: {list(TIER_ORDER)}")
     return sorted(set(names), key=TIER_ORDER.index)
+
+
+def tier_budgets(cluster: Any) -> dict[str, int]:
+    """Each storage tier's budget per trainer rank, in bytes, from a ``ClusterConfig`` (or any
+    object with the tiers' settings), fastest first."""
+    return {kind.name: parse_bytes(getattr(cluster, kind.setting)) for kind in STATE_TIERS if kind.setting}
 
 
 @dataclass(frozen=True)
@@ -74,35 +109,60 @@ class Upcoming:
 
 
 @dataclass(frozen=True)
+class Room:
+    """One storage tier at a decision: its ``budget`` (None: the node has no such tier) and the
+    bytes it holds (``used``, counting copies on their way there). ``full``: a write to it ran
+    out of space lately; until that clears it takes no more than ``room`` (what it held then)
+    and the tier above may exceed its budget by that tier's ``spill_bytes``."""
+
+    name: str
+    budget: int | None
+    used: int
+    spill_bytes: int = 0
+    full: bool = False
+    room: int = 0
+
+    @property
+    def capacity(self) -> int | None:
+        if self.budget is None:
+            return None
+        return min(self.budget, self.room) if self.full else self.budget
+
+    def takes(self, nbytes: int, credit: int = 0) -> bool:
+        """Whether ``nbytes`` more fit (``credit``: bytes about to leave it)."""
+        capacity = self.capacity
+        return capacity is not None and self.used - credit + nbytes <= capacity
+
+    def spill_fits(self, nbytes: int, credit: int = 0) -> bool:
+        """Whether ``nbytes`` more fit within its spill allowance."""
+        return self.budget is not None and nbytes <= self.budget + self.spill_bytes - self.used + credit
+
+
+@dataclass(frozen=True)
 class Tiers:
-    """What host and nvme hold at a decision: budgets and bytes used (counting copies on their
-    way there). ``nvme_bytes`` None: no nvme tier. ``nvme_full``: a write ran out of disk space
-    lately; until that clears nvme takes no more than ``nvme_room`` (what it held then) and
-    host may exceed its budget by ``host_spill_bytes``."""
+    """The storage tiers at a decision, fastest first (``rooms``, named once each)."""
 
-    host_bytes: int
-    host_used: int
-    nvme_bytes: int | None
-    nvme_used: int
-    host_spill_bytes: int = 0
-    nvme_full: bool = False
-    nvme_room: int = 0
+    rooms: tuple[Room, ...]
 
-    def nvme_fits(self, nbytes: int) -> bool:
-        if self.nvme_bytes is None:
-            return False
-        capacity = min(self.nvme_bytes, self.nvme_room) if self.nvme_full else self.nvme_bytes
-        return self.nvme_used + nbytes <= capacity
+    def __post_init__(self) -> None:
+        names = [room.name for room in self.rooms]
+        if len(set(names)) != len(names) or DEVICE in names or not names:
+            raise ValueError(f"storage tiers must be named once each, device not among them: {names}")
 
-    def spill_fits(self, nbytes: int, host_credit: int = 0) -> bool:
-        """Whether host takes ``nbytes`` more within its spill allowance."""
-        return nbytes <= self.host_bytes + self.host_spill_bytes - self.host_used + host_credit
+    def room(self, name: str) -> Room:
+        return next(room for room in self.rooms if room.name == name)
+
+    def below(self, name: str) -> Room | None:
+        """The tier after ``name``, where its copies are demoted to; None for the last."""
+        names = [room.name for room in self.rooms]
+        at = names.index(name) + 1
+        return self.rooms[at] if at < len(self.rooms) else None
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a state leaving the device (or coming up from nvme) goes: ``tier`` (host or nvme),
-    after the host copies ``demote`` (job ids, in order) are written to nvme."""
+    """Where a state leaving the device (or coming up from a slower tier) goes: ``tier``, after
+    the copies ``demote`` (job ids, in order) held there are written to the tier below it."""
 
     tier: str
     demote: tuple[str, ...] = ()
@@ -128,53 +188,67 @@ def victim(resident: Sequence[Held], upcoming: Upcoming) -> Held:
 def place(
     leaving: Held,
     tiers: Tiers,
-    host_copies: Sequence[Held],
+    copies: Mapping[str, Sequence[Held]],
     upcoming: Upcoming,
-    host_credit: int = 0,
+    credit: Mapping[str, int] | None = None,
     spill: bool = True,
 ) -> Placement | None:
     """Where ``leaving`` (its ``nbytes``: the copy's size) goes; None when nothing fits.
 
-    ``host_copies``: the host copies that may be demoted (not moving already); ``host_credit``:
-    host bytes about to be freed (a copy swapping in from host); ``spill``: whether host's spill
-    allowance may be used while nvme is full."""
+    ``copies``: per tier, the copies that may be demoted (not moving already); ``credit``: per
+    tier, bytes about to be freed (a copy swapping in from it); ``spill``: whether a spill
+    allowance may be used while the tier below is full."""
     nbytes = leaving.nbytes
-    free_host = tiers.host_bytes - tiers.host_used + host_credit
-    if nbytes <= free_host:
-        return Placement(HOST)
-    if nbytes <= tiers.host_bytes:
-        candidates = [h for h in host_copies if h.job_id != leaving.job_id]
+    credit = credit or {}
+    for room in tiers.rooms:
+        freed = credit.get(room.name, 0)
+        if room.takes(nbytes, freed):
+            return Placement(room.name)
+        below, capacity = tiers.below(room.name), room.capacity
+        if below is None or capacity is None or nbytes > capacity:
+            continue
+        free = capacity - room.used + freed
+        candidates = [h for h in copies.get(room.name, ()) if h.job_id != leaving.job_id]
         demote: list[Held] = []
         for candidate in sorted([*candidates, leaving], key=upcoming.least_soon_key):
             if candidate is leaving:
                 break
             demote.append(candidate)
-            free_host += candidate.nbytes
-            if nbytes <= free_host:
-                if tiers.nvme_fits(sum(h.nbytes for h in demote)):
-                    return Placement(HOST, tuple(h.job_id for h in demote))
+            free += candidate.nbytes
+            if nbytes <= free:
+                if below.takes(sum(h.nbytes for h in demote)):
+                    return Placement(room.name, tuple(h.job_id for h in demote))
                 break
-    if tiers.nvme_fits(nbytes):
-        return Placement(NVME)
-    if spill and tiers.nvme_full and tiers.spill_fits(nbytes, host_credit):
-        return Placement(HOST)
+    if spill:
+        for room, below in zip(tiers.rooms, tiers.rooms[1:], strict=False):
+            if below.full and room.spill_fits(nbytes, credit.get(room.name, 0)):
+                return Placement(room.name)
     return None
 
 
-def prefetch_choice(expected: Sequence[str], tier_of: Mapping[str, str]) -> str | None:
-    """The job to bring up from nvme next: the first in ``expected`` whose state is on nvme."""
-    return next((job_id for job_id in expected if tier_of.get(job_id) == NVME), None)
+def prefetch_choice(
+    expected: Sequence[str], tier_of: Mapping[str, str], slow: Collection[str] = STORAGE_TIERS[1:]
+) -> str | None:
+    """The job to bring up next: the first in ``expected`` whose state is on a ``slow`` tier
+    (below the first storage tier)."""
+    return next((job_id for job_id in expected if tier_of.get(job_id) in slow), None)
 
 
-def prefetch_placement(job: Held, tiers: Tiers, host_copies: Sequence[Held], upcoming: Upcoming) -> Placement | None:
-    """Host, with the demotions that make room for ``job`` (on nvme), if host can take it
-    without its spill allowance; else None: the job stays on nvme."""
-    placement = place(job, tiers, host_copies, upcoming, spill=False)
-    return placement if placement is not None and placement.tier == HOST else None
+def prefetch_placement(
+    job: Held, tiers: Tiers, copies: Mapping[str, Sequence[Held]], upcoming: Upcoming
+) -> Placement | None:
+    """The first storage tier, with the demotions that make room for ``job`` (on a slower tier),
+    if it takes the job without its spill allowance; else None: the job stays where it is."""
+    placement = place(job, tiers, copies, upcoming, spill=False)
+    return placement if placement is not None and placement.tier == tiers.rooms[0].name else None
 
 
-def first_to_demote(host_copies: Sequence[Held], tiers: Tiers, upcoming: Upcoming) -> Held | None:
-    """When host memory runs short: the host copy to write to nvme first (needed least soon,
-    then least recently used, of those nvme takes); None if nvme takes none."""
-    fitting = [h for h in host_copies if tiers.nvme_fits(h.nbytes)]
+def first_to_demote(tier: str, copies: Sequence[Held], tiers: Tiers, upcoming: Upcoming) -> Held | None:
+    """When ``tier`` runs short: its copy (of ``copies``) to write to the tier below first
+    (needed least soon, then least recently used, of those the tier below takes); None if it
+    takes none, or there is no tier below."""
+    below = tiers.below(tier)
+    if below is None:
+        return None
+    fitting = [h for h in copies if below.takes(h.nbytes)]
     return min(fitting, key=upcoming.least_soon_key, default=None)

@@ -5,8 +5,8 @@
 tier: ``device`` (live in the trainer, at most ``device_slots`` jobs), ``host`` (a ``JobStateCopy``
 in the store's ``HostArena``, up to ``host_bytes``) or ``nvme`` (one file of raw bytes per copy in
 ``nvme_dir``, up to ``nvme_bytes``, described only in memory: scratch that never outlives the
-process). Each tier is an object (``worker.state.tiers``) that holds its copies; the store keeps
-them in ``state_policy.tier_order`` and asks the one a job is on. The decisions are
+process). Each tier is an object (``worker.state.tiers``) that holds its copies; the store builds
+one per entry of ``state_policy.STATE_TIERS``, in its order, and asks the one a job is on. The decisions are
 ``plexctl.common.state_policy``'s; this module carries them out: ``ensure_resident``
 (before each trainer call: evict, then swap in or create), ``prefetch`` (nvme to host), ``drop``,
 ``set_upcoming`` (the scheduler's order), ``inventory`` and ``background_moves`` (what moved).
@@ -41,8 +41,9 @@ from typing import Any, Callable, Generic, NamedTuple, TypeVar
 import torch
 
 from plexctl.common import state_policy
+from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.spec import LoraSpec
-from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, Held, Tiers, Upcoming
+from plexctl.common.state_policy import DEVICE, DIRECTIONS, HOST, NVME, TIER_ORDER, Held, Tiers, Upcoming
 from plexctl.common.state_size import full_state_bytes, job_state_bytes
 from worker.errors import JobConfigError, TierFullError
 from worker.state.arena import HostArena, HostMemoryError
@@ -52,12 +53,14 @@ from worker.state.job_copy import BufferPool, JobStateCopy, lora_signature
 from worker.state.tiers import (
     DROPPING,
     NVME_FULL_RETRY_S,
+    TIER_CLASSES,
     DeviceTier,
     HostTier,
     NoSpace,
     NvmeTier,
     Record,
     Tier,
+    TierContext,
 )
 
 log = logging.getLogger(__name__)
@@ -147,13 +150,22 @@ class _Moves:
 # ---------------------------------------------------------------- the store
 
 
+_TierT = TypeVar("_TierT", bound=Tier)
+
+
+def _of(cls: type[_TierT], tiers: dict[str, Tier]) -> _TierT:
+    tier = tiers[cls.name]
+    assert isinstance(tier, cls)
+    return tier
+
+
 class StateStore(Generic[E]):
     """Keeps each job's trainer state on device, host or nvme; swaps jobs in on demand."""
 
     def __init__(
         self,
         trainer: E,
-        device_slots: int = 4,
+        device_slots: int = DEFAULTS.device_slots,
         host_bytes: int = 8 << 30,
         nvme_dir: Path | None = None,
         nvme_bytes: int = 64 << 30,
@@ -205,14 +217,26 @@ class StateStore(Generic[E]):
         )
         # host copies, exported or read from nvme: blocks of exactly their pages (none sits on a larger one)
         self._pool = HostBufferPool(self.arena, oversize=1.0)
-        self.device = DeviceTier(self._records, self._cond, trainer, device_slots, self._pool)
-        self.host = HostTier(self._records, self._cond, self.arena, self._pool, host_bytes, self.host_spill_bytes)
-        self.nvme = NvmeTier(
-            self._records, self._cond, self.nvme_dir, nvme_bytes, self._pool, self.host_spill_bytes, clock
+        context = TierContext(
+            self._records,
+            self._cond,
+            trainer,
+            self.arena,
+            self._pool,
+            clock,
+            device_slots,
+            {HOST: host_bytes, NVME: nvme_bytes},
+            self.host_spill_bytes,
+            self.nvme_dir,
         )
-        by_name: dict[str, Tier] = {tier.name: tier for tier in (self.device, self.host, self.nvme)}
-        self.tiers = [by_name[name] for name in state_policy.tier_order(by_name)]  # fastest first
-        self._tier = by_name
+        self.tiers: list[Tier] = [TIER_CLASSES[name].build(context) for name in TIER_ORDER]  # fastest first
+        self._tier = {tier.name: tier for tier in self.tiers}
+        # the tiers whose own mechanics the store drives: the trainer's slots, host memory, copy files
+        self.device, self.host, self.nvme = (
+            _of(DeviceTier, self._tier),
+            _of(HostTier, self._tier),
+            _of(NvmeTier, self._tier),
+        )
         self._files = self.nvme.files  # its copy files and spares (None without nvme_dir)
         self._trainer_thread: int | None = None  # the thread that calls ensure_resident
 
@@ -244,7 +268,7 @@ class StateStore(Generic[E]):
             moves, buffer = _Moves(), None
             try:
                 incoming, read_seconds, buffer = self._take_incoming(record, moves)
-                credit = record.nbytes if record is not None and record.tier == HOST else 0
+                credit = self._credit(record)
                 self._make_room(job_id, credit, moves)
                 self._swap_in(job_id, record, incoming, read_seconds, lora, seed, moves)
             except BaseException:
@@ -273,15 +297,15 @@ class StateStore(Generic[E]):
             record = self._records.get(job_id)
             if record is None or record.tier != NVME or record.moving_to is not None:
                 return False
+            tiers = self._tiers()
             chosen = state_policy.prefetch_placement(
-                self._held(record, record.nbytes), self._tiers(), self._host_copies(record), self._upcoming
+                self._held(record, record.nbytes), tiers, self._copies(record), self._upcoming
             )
             if chosen is None:
                 return False
             placement = self._placement(chosen)
             self.host.reserve(record)
-            for demoted in placement.demote:
-                self.nvme.reserve(demoted)
+            self._reserve_demotions(placement, tiers)
         pending = [record, *placement.demote]  # marked, not landed: unmarked if the move fails
         try:
             for demoted in placement.demote:
@@ -436,7 +460,7 @@ class StateStore(Generic[E]):
 
     # ------------------------------------------------------------ evicting
 
-    def _make_room(self, job_id: str, host_credit: int, moves: _Moves) -> None:
+    def _make_room(self, job_id: str, credit: dict[str, int], moves: _Moves) -> None:
         """Evict until fewer than ``device_slots`` other jobs are on the device."""
         while True:
             with self._cond:
@@ -444,10 +468,10 @@ class StateStore(Generic[E]):
                 if len(others) < self.device_slots:
                     return
                 victim = self._records[state_policy.victim([self._held(r) for r in others], self._upcoming).job_id]
-            self._evict(victim, host_credit, moves)
-            host_credit = 0
+            self._evict(victim, credit, moves)
+            credit = {}
 
-    def _evict(self, victim: Record, host_credit: int, moves: _Moves) -> None:
+    def _evict(self, victim: Record, credit: dict[str, int], moves: _Moves) -> None:
         """Copy the victim off the device into a pool buffer, place the copy (demoting others if
         needed), release it."""
         started = self._clock()
@@ -455,11 +479,10 @@ class StateStore(Generic[E]):
         export_seconds = self._clock() - started
         try:
             with self._cond:
-                placement = self._place_or_wait(victim, state.nbytes, host_credit)
+                placement, tiers = self._place_or_wait(victim, state.nbytes, credit)
                 victim.nbytes = state.nbytes  # reserve the copy's size
                 self._tier[placement.tier].reserve(victim)
-                for demoted in placement.demote:
-                    self.nvme.reserve(demoted)
+                self._reserve_demotions(placement, tiers)
                 behind = self._write_behind_room(placement, state.nbytes)
                 self._behind_bytes += behind
         except BaseException:
@@ -600,7 +623,8 @@ class StateStore(Generic[E]):
             except HostMemoryError as exc:
                 short = exc
             with self._cond:
-                first = state_policy.first_to_demote(self._host_copies(record), self._tiers(), self._upcoming)
+                tiers = self._tiers()
+                first = state_policy.first_to_demote(HOST, self._copies(record)[HOST], tiers, self._upcoming)
                 demoted = self._records[first.job_id] if first is not None else None
                 if demoted is None:
                     if self._behind_bytes or any(r.moving_to in (HOST, NVME) for r in self._records.values()):
@@ -623,7 +647,7 @@ class StateStore(Generic[E]):
         HOST if host takes it within its spill allowance; else TierFullError (it stays on the device)."""
         with self._cond:
             victim.moving_to = None
-            if not self._tiers().spill_fits(nbytes):
+            if not self._tiers().room(HOST).spill_fits(nbytes):
                 raise TierFullError(self._tier_full_message(victim.job_id, nbytes))
             self.host.reserve(victim)
             return HOST
@@ -702,25 +726,18 @@ class StateStore(Generic[E]):
 
     # ------------------------------------------------------------ planning (callers hold the lock)
 
-    def _place_or_wait(self, record: Record, nbytes: int, host_credit: int) -> _Placement:
-        """A placement for a state leaving the device; waits out other threads' moves when they
-        hold the room, raises TierFullError when nothing fits and nothing is moving."""
+    def _place_or_wait(self, record: Record, nbytes: int, credit: dict[str, int]) -> tuple[_Placement, Tiers]:
+        """A placement for a state leaving the device, and the tiers it was decided on; waits
+        out other threads' moves when they hold the room, raises TierFullError when nothing fits
+        and nothing is moving."""
         while True:
-            placement = self._plan_placement(record, nbytes, host_credit)
-            if placement is not None:
-                return placement
+            tiers = self._tiers()
+            chosen = state_policy.place(self._held(record, nbytes), tiers, self._copies(record), self._upcoming, credit)
+            if chosen is not None:
+                return self._placement(chosen), tiers
             if not any(r.moving_to in (HOST, NVME) for r in self._records.values()):
                 raise TierFullError(self._tier_full_message(record.job_id, nbytes))
             self._cond.wait()
-
-    def _plan_placement(self, record: Record, nbytes: int, host_credit: int) -> _Placement | None:
-        """Where a state of ``nbytes`` leaving the device goes (``state_policy.place``), with
-        the records to demote first; None when nothing fits. ``host_credit``: host bytes the
-        caller is about to free (a copy it is swapping in)."""
-        chosen = state_policy.place(
-            self._held(record, nbytes), self._tiers(), self._host_copies(record), self._upcoming, host_credit
-        )
-        return self._placement(chosen) if chosen is not None else None
 
     def _placement(self, chosen: state_policy.Placement) -> _Placement:
         return _Placement(chosen.tier, [self._records[job_id] for job_id in chosen.demote])
@@ -728,23 +745,32 @@ class StateStore(Generic[E]):
     def _held(self, record: Record, nbytes: int | None = None) -> Held:
         return Held(record.job_id, record.nbytes if nbytes is None else nbytes, record.last_used)
 
-    def _host_copies(self, beside: Record) -> list[Held]:
-        """The settled host copies other than ``beside``'s: those a placement may demote."""
-        return [
-            self._held(r) for r in self._records.values() if r.tier == HOST and r.moving_to is None and r is not beside
-        ]
+    def _copies(self, beside: Record | None) -> dict[str, list[Held]]:
+        """Per storage tier, its settled copies other than ``beside``'s: those a placement may
+        demote (caller holds the lock)."""
+        copies: dict[str, list[Held]] = {tier.name: [] for tier in self.tiers[1:]}
+        for r in self._records.values():
+            if r.tier != DEVICE and r.moving_to is None and r is not beside:
+                copies[r.tier].append(self._held(r))
+        return copies
 
     def _tiers(self) -> Tiers:
-        """Host and nvme as the policy sees them now (caller holds the lock)."""
-        return Tiers(
-            host_bytes=self.host.capacity,
-            host_used=self.host.used(),
-            nvme_bytes=self.nvme.capacity if self.nvme.on else None,
-            nvme_used=self.nvme.used(),
-            host_spill_bytes=self.host.spill_bytes,
-            nvme_full=self.nvme.full(),
-            nvme_room=self.nvme.room,
-        )
+        """The storage tiers as the policy sees them now (caller holds the lock)."""
+        return Tiers(tuple(tier.room() for tier in self.tiers[1:]))
+
+    def _credit(self, record: Record | None) -> dict[str, int]:
+        """Bytes a swap-in of ``record`` frees where it comes from before an eviction lands: a
+        copy in host memory gives its room up (caller holds the lock)."""
+        if record is None or not self._tier[record.tier].in_host_memory:
+            return {}
+        return {record.tier: record.nbytes}
+
+    def _reserve_demotions(self, placement: _Placement, tiers: Tiers) -> None:
+        """Mark the copies a placement demotes as moving one tier down (caller holds the lock)."""
+        below = tiers.below(placement.tier)
+        for demoted in placement.demote:
+            assert below is not None  # the policy demotes only where a tier lies below
+            self._tier[below.name].reserve(demoted)
 
     def _tier_full_message(self, job_id: str, nbytes: int) -> str:
         spill = f" (+{self.host.spill_bytes} allowed while nvme is out of space)" if self.nvme.full() else ""

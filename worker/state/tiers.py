@@ -10,8 +10,9 @@ copy in host memory), ``write`` (a copy onto the tier: the I/O), ``land`` (the r
 ``write`` made), ``free`` (its copy left the tier, having landed on another), ``discard`` (the job
 ended, or its copy is not wanted), ``reserve`` and ``used`` (bytes on it, copies on their way
 counted from the moment the move is planned), ``details`` (the inventory's fields). Where a copy
-goes is ``state_policy``'s decision, not a tier's. Adding a tier: one class here, its name in
-``TIER_ORDER``.
+goes is ``state_policy``'s decision, not a tier's. Adding a tier: its entry in
+``state_policy.STATE_TIERS`` and one class here in ``TIER_CLASSES``, built by ``build`` from the
+store's ``TierContext``; ``room`` is how the policy sees it.
 
 Invariants. A record's tier fields (``host_copy``/``host_buffer``, ``nvme``) are set only by the
 tier they belong to. Every tier shares the store's condition variable and records table:
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from plexctl.common.spec import LoraSpec
-from plexctl.common.state_policy import DEVICE, HOST, NVME
+from plexctl.common.state_policy import DEVICE, HOST, NVME, Room
 from worker.checkpoint_files import NO_SPACE_ERRNOS, free_bytes, no_space_reason
 from worker.state.arena import HostArena
 from worker.state.dirs import CopyDirectory
@@ -69,6 +70,25 @@ class Record:
     behind: int | None = None  # handoff number while the write-behind thread is to write host_copy to nvme
     writing_from: torch.Tensor | None = field(default=None, repr=False)  # the buffer that thread reads now
     orphan: torch.Tensor | None = field(default=None, repr=False)  # that buffer, once the copy was taken back
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a store gives each tier it builds: its records table and condition variable, the
+    trainer, the host arena and buffer pool, the clock, and the settings of every tier
+    (``budgets``: bytes per storage tier; ``host_spill_bytes``: how far host may go over its
+    budget while nvme is full; ``nvme_dir``: None, no nvme tier)."""
+
+    records: Mapping[str, Record]
+    lock: threading.Condition
+    trainer: StateEngine
+    arena: HostArena
+    pool: BufferPool
+    clock: Callable[[], float]
+    device_slots: int
+    budgets: Mapping[str, int]
+    host_spill_bytes: int
+    nvme_dir: Path | None
 
 
 class Tier(ABC):
@@ -141,6 +161,15 @@ class Tier(ABC):
         """The inventory's fields beyond capacity, unit, used bytes and jobs (lock held)."""
         return {}
 
+    def room(self) -> Room:
+        """The tier as ``state_policy`` sees it at a decision (lock held; storage tiers)."""
+        return Room(self.name, self.capacity, self.used())
+
+    @classmethod
+    @abstractmethod
+    def build(cls, context: TierContext) -> Tier:
+        """The tier of a store, from what the store made and was given."""
+
 
 class DeviceTier(Tier):
     """The trainer's device: live jobs, at most ``slots`` of them."""
@@ -159,6 +188,10 @@ class DeviceTier(Tier):
         self.engine = engine
         self.slots = slots
         self._pool = pool
+
+    @classmethod
+    def build(cls, context: TierContext) -> DeviceTier:
+        return cls(context.records, context.lock, context.trainer, context.device_slots, context.pool)
 
     @property
     def capacity(self) -> int:
@@ -212,9 +245,18 @@ class HostTier(Tier):
         self.nbytes = nbytes
         self.spill_bytes = spill_bytes
 
+    @classmethod
+    def build(cls, context: TierContext) -> HostTier:
+        return cls(
+            context.records, context.lock, context.arena, context.pool, context.budgets[HOST], context.host_spill_bytes
+        )
+
     @property
     def capacity(self) -> int:
         return self.nbytes
+
+    def room(self) -> Room:
+        return Room(self.name, self.capacity, self.used(), spill_bytes=self.spill_bytes)
 
     def read(self, record: Record) -> tuple[JobStateCopy, torch.Tensor | None]:
         assert record.host_copy is not None
@@ -288,12 +330,27 @@ class NvmeTier(Tier):
         self._clock = clock
         self.nospace = 0  # writes that failed for lack of space
         self._full_at: float | None = None  # clock time of the latest such failure
-        self.room = 0  # bytes the tier held then: all it may hold while marked full
+        self.room_bytes = 0  # bytes the tier held then: all it may hold while marked full
         self.error = ""  # the latest such failure, one line
+
+    @classmethod
+    def build(cls, context: TierContext) -> NvmeTier:
+        return cls(
+            context.records,
+            context.lock,
+            context.nvme_dir,
+            context.budgets[NVME],
+            context.pool,
+            context.host_spill_bytes,
+            context.clock,
+        )
 
     @property
     def capacity(self) -> int:
         return self.nbytes
+
+    def room(self) -> Room:
+        return Room(self.name, self.capacity if self.on else None, self.used(), full=self.full(), room=self.room_bytes)
 
     @property
     def on(self) -> bool:
@@ -398,7 +455,9 @@ class NvmeTier(Tier):
             was_full = self.full()
             self.nospace += 1
             self._full_at = self._clock()
-            self.room = sum(r.nbytes for r in self._records.values() if r.tier == NVME and r.moving_to != DROPPING)
+            self.room_bytes = sum(
+                r.nbytes for r in self._records.values() if r.tier == NVME and r.moving_to != DROPPING
+            )
             self.error = error
         if not was_full:
             log.warning(
@@ -416,3 +475,7 @@ class NvmeTier(Tier):
             "full": self.full(),
             "error": self.error or None,
         }
+
+
+# one class per entry of state_policy.STATE_TIERS, in its order
+TIER_CLASSES: dict[str, type[Tier]] = {cls.name: cls for cls in (DeviceTier, HostTier, NvmeTier)}
