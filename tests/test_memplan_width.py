@@ -16,9 +16,12 @@ from plexctl.common.memplan import (
     JobShape,
     NodeShape,
     fsdp_buffer_bytes,
+    job_sizes,
     layer_parameters,
     plan_for_specs,
     plan_memory,
+    rank_job_bytes,
+    rank_weights_bytes,
     render_plan,
     trainer_step,
     trainer_width,
@@ -60,7 +63,8 @@ def test_width_one_is_the_single_gpu_step_and_a_rank_holds_its_share() -> None:
     one = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job)
     assert trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=1) == one
     four = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=4)
-    assert four.weights == math.ceil(one.weights / 4) and four.states == math.ceil(state / 4)
+    head = config["vocab_size"] * config["hidden_size"] * 2  # the lm_head stays whole on every rank
+    assert four.weights == math.ceil((one.weights - head) / 4) + head and four.states == math.ceil(state / 4)
     assert four.gradients == math.ceil(parameter_count(config) / 4) * (4 + 2)
     assert four.kept == one.kept and four.transient == one.transient  # a rank's micro-batch is its own
     buffers = fsdp_buffer_bytes(config, "bfloat16", job, 4)
@@ -91,7 +95,8 @@ def test_a_7b_full_fine_tuning_plan_shards_its_trainer_over_4_gpus() -> None:
     t = plan.trainers[0]
     state = full_state_size(plan.config, "bfloat16", cuda=True).total
     assert t.job_state_bytes == math.ceil(state / 4)
-    assert t.weights_bytes == math.ceil(weights_bytes(plan.config, "bfloat16") / 4)
+    head = plan.config["vocab_size"] * plan.config["hidden_size"] * 2
+    assert t.weights_bytes == math.ceil((weights_bytes(plan.config, "bfloat16") - head) / 4) + head
     assert t.step_peak_bytes <= t.room_bytes and t.fsdp_buffer_bytes > 0
     assert t.tier_jobs(HOST) == t.tier_bytes[HOST] // t.job_state_bytes  # each rank swaps its own shard
     text = render_plan(plan)
@@ -164,3 +169,20 @@ def test_an_explicit_width_that_does_not_divide_the_trainer_gpus_is_a_problem() 
     spec = load_spec(LORA_7B, [], check_files=False)
     plan = plan_for_specs([spec], NODE_8X80, cluster=ClusterConfig(trainer_width=4))
     assert "--trainer-width 4: does not divide the node's 2 GPUs for trainers; widths that do: 1, 2" in plan.problems
+
+
+def test_a_wide_trainer_keeps_a_lora_jobs_state_whole_on_every_rank() -> None:
+    """LoRA adapters and their moments are replicated on a wide engine's ranks (the runtime's
+    layout): a rank holds the whole state and gradient, and only the base shrinks with the width."""
+    config = model_config_for("/models/Qwen2.5-32B-Instruct")
+    job = JobShape("lora", 32, 16384)
+    state = job_sizes(config, job, "bfloat16", cuda=True)[0]
+    one = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job)
+    two = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=2)
+    assert two.states == one.states == state and two.gradients == one.gradients
+    assert two.weights < one.weights and rank_job_bytes(state, job, 2) == state
+    assert fsdp_buffer_bytes(config, "bfloat16", job, 2) == 2 * layer_parameters(config) * 2  # no reduce-scatter
+    tied = model_config_for("/models/Qwen2.5-3B-Instruct")
+    assert tied["tie_word_embeddings"]  # the embedding is split, the lm_head a whole copy of it
+    head = tied["vocab_size"] * tied["hidden_size"] * 2
+    assert rank_weights_bytes(tied, "bfloat16", 2) == math.ceil(weights_bytes(tied, "bfloat16") / 2) + head

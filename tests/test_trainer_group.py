@@ -10,6 +10,7 @@ choice, row shares, share scales) are checked without processes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import time
@@ -19,6 +20,7 @@ import pytest
 import torch
 from conftest import random_tiny_qwen2
 
+from plexctl.common.memplan import JobShape, job_sizes, rank_job_bytes, rank_weights_bytes, weights_bytes
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from worker.errors import BatchError
 from worker.loss_terms import aggregation_weights
@@ -161,9 +163,9 @@ def test_two_ranks_step_as_one_engine(model_dir: str) -> None:
             assert relative <= 2e-5
         digests = group.adapter_digests("A")
         assert len(digests) == 2 and digests[0] == digests[1]
-        shares = group.base_bytes()
-        print(f"base bytes per rank {shares} of {full_bytes}")
-        assert all(share < 0.75 * full_bytes for share in shares), (shares, full_bytes)
+        shares, states = group.base_bytes(), group.rank_state_bytes("A")
+        print(f"base bytes per rank {shares} of {full_bytes}; job state bytes per rank {states}")
+        assert_plan_per_rank(model_dir, 2, shares, states, alone.export_state("A").nbytes)
         with pytest.raises(BatchError, match=r"rank 0 of 2 would get no trainable token \(no row of 1\)"):
             group.train_step("A", make_batch(13, rows=1), hp)  # refused before any rank moves
         group.train_step("A", batches[0], hp)  # and the group goes on
@@ -175,7 +177,7 @@ def test_two_ranks_step_as_one_engine(model_dir: str) -> None:
 @pytest.mark.parametrize("width", [1, 4])
 def test_other_widths_step_as_one_engine(model_dir: str, width: int) -> None:
     """A 1-rank and a 4-rank group (ranks of one or two rows): one step's loss, gradient and adapter
-    are a 1-rank engine's."""
+    are a 1-rank engine's; each rank holds what the plan says."""
     hp, batch = TrainHParams(lr=1e-2, max_grad_norm=1.0), make_batch(11, rows=6)
     alone = TrainerEngine(model_dir, **OPTIONS)  # type: ignore[arg-type]
     alone.ensure_job("A", LORA, seed=5)
@@ -186,6 +188,9 @@ def test_other_widths_step_as_one_engine(model_dir: str, width: int) -> None:
         got_gradients, _ = group.loss_gradients("A", batch, hp)
         [(got, adapter)] = adapter_after_steps(group, [batch], hp)
         digests = group.adapter_digests("A")
+        assert_plan_per_rank(
+            model_dir, width, group.base_bytes(), group.rank_state_bytes("A"), alone.export_state("A").nbytes
+        )
     print(
         f"width {width}: gradient relative difference {relative_difference(got_gradients, gradients):.3g}, "
         f"loss {want['loss']:.9g} vs {got['loss']:.9g}, adapter max |diff| {max_difference(adapter, want_adapter):.3g}"
@@ -194,6 +199,32 @@ def test_other_widths_step_as_one_engine(model_dir: str, width: int) -> None:
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     assert max_difference(adapter, want_adapter) <= 1e-5
     assert len(set(digests)) == 1 and len(digests) == width
+
+
+def assert_plan_per_rank(model_dir: str, width: int, base: list[int], states: list[int], state_alone: int) -> None:
+    """What each rank of a group holds is what ``plexctl plan`` counts per rank (float32 weights,
+    the tiny model's shapes divide evenly): its share of the base with the whole lm_head, and a
+    LoRA job's whole state, which is also the plan's estimate of it."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    job = JobShape("A", LORA.rank, 0, target_modules=tuple(LORA.target_modules))
+    assert base == [rank_weights_bytes(config, "float32", width)] * width
+    assert states == [state_alone] * width == [rank_job_bytes(state_alone, job, width)] * width
+    assert job_sizes(config, job, "float32", cuda=False)[0] == state_alone
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_tied_embedding_is_split_and_its_lm_head_kept_whole(tmp_path: Path) -> None:
+    """With tied embeddings, each of 2 ranks holds half the base and a whole copy of the lm_head,
+    as the plan counts it."""
+    model_dir = random_tiny_qwen2(tmp_path / "tied", vocab_size=VOCAB, tie_word_embeddings=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=60) as group:
+        shares = group.base_bytes()
+    head = VOCAB * config["hidden_size"] * 4
+    assert (
+        shares == [rank_weights_bytes(config, "float32", 2)] * 2 == [weights_bytes(config, "float32") // 2 + head] * 2
+    )
 
 
 @dataclasses.dataclass(frozen=True)

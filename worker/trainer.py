@@ -235,9 +235,13 @@ class TrainerEngine:
         self.ranks = int(mesh.size())
 
     def base_bytes(self) -> int:
-        """Bytes of the base's weights this process holds (a sharded base: its shards, the whole lm_head)."""
+        """Bytes of the base's weights this process holds (a sharded base: its shards, the whole
+        lm_head, which with tied embeddings is then a whole copy of the split embedding)."""
+        _, head = causal_lm_parts(self._base)
+        held: dict[int, torch.Tensor] = {id(param): param for param in self._base_params.values()}
+        held.setdefault(id(head.weight), cast(torch.Tensor, head.weight))
         total = 0
-        for param in self._base_params.values():
+        for param in held.values():
             local = param.to_local() if hasattr(param, "to_local") else param
             total += local.numel() * local.element_size()
         return total

@@ -311,6 +311,17 @@ class BaseBytes(GroupCall[list[int]]):
 
 
 @dataclasses.dataclass(frozen=True)
+class StateBytes(GroupCall[list[int]]):
+    job_id: str
+
+    def check(self, rank: GroupRank) -> None:
+        rank.engine.slots.job(self.job_id)
+
+    def run(self, rank: GroupRank) -> list[int]:
+        return rank.gather_objects(rank.engine.export_state(self.job_id).nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop(GroupCall[None]):
     def run(self, rank: GroupRank) -> None:
         return None
@@ -453,6 +464,10 @@ class TrainerGroup:
     def base_bytes(self) -> list[int]:
         """Bytes of base weights each rank holds."""
         return self.call(BaseBytes())
+
+    def rank_state_bytes(self, job_id: str) -> list[int]:
+        """Bytes of the job's state copy each rank swaps (adapter, moments, step counts, RNG)."""
+        return self.call(StateBytes(job_id))
 
     def close(self) -> None:
         """Stop the ranks and leave the group. Idempotent."""

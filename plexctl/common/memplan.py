@@ -15,12 +15,14 @@ worker's (``plan_settings``), read from there, never restated; the settings them
 ``ClusterConfig``'s, with its defaults.
 
 Trainer engines may be wide (``trainer_width``: the smallest width whose per-rank step fits one GPU,
-or the cluster's ``trainer_width``): a rank of N holds 1/N of the weights, job states and gradients
-(FSDP2) plus ``fsdp_buffer_bytes``, a micro-batch's activations whole (the ranks split a step's rows),
-and its own host and NVMe tier; width 1 is the single-GPU trainer, figure for figure.
+or the cluster's ``trainer_width``): a rank of N holds 1/N of the base weights but a whole lm_head
+(``rank_weights_bytes``), 1/N of a full job's state and gradients but a LoRA job's whole
+(``rank_job_bytes``, as the runtime lays them out) plus ``fsdp_buffer_bytes``, a micro-batch's
+activations whole (the ranks split a step's rows), and its own host and NVMe tier; width 1 is the
+single-GPU trainer, figure for figure.
 
 Invariants: every byte count is per GPU (a rollout engine of tp GPUs holds 1/tp of the weights,
-of the KV heads and of the sharded LoRA factors; a trainer of N, 1/N of its shards); a plan with
+of the KV heads and of the sharded LoRA factors; a trainer rank, what that rank holds); a plan with
 no problems fits with the estimates here (activation peaks, CUDA reserves: documented constants,
 a little generous, so "fits" leaves room to spare); a job ``job_problems`` refuses can never run
 on these engines, whatever else runs.
@@ -146,17 +148,36 @@ def layer_parameters(config: Mapping[str, Any]) -> int:
     return (parameter_count(config) - embeddings - hidden) // int(config["num_hidden_layers"])
 
 
+def rank_weights_bytes(config: Mapping[str, Any], dtype: str, width: int) -> int:
+    """One rank's bytes of the base weights on a trainer engine of ``width`` GPUs, as the runtime
+    shards them (``TrainerEngine.shard_base``): every parameter but the lm_head split evenly, the
+    lm_head whole on every rank (the chunked log-probs read it outside a forward); with tied
+    embeddings the embedding is split and the lm_head is a whole copy of it. Width 1: the weights."""
+    weights = weights_bytes(config, dtype)
+    if width <= 1:
+        return weights
+    head = int(config["vocab_size"]) * int(config["hidden_size"]) * dtype_bytes(dtype)
+    sharded = weights if config.get("tie_word_embeddings", False) else weights - head
+    return math.ceil(sharded / width) + head
+
+
+def rank_job_bytes(nbytes: int, job: JobShape, width: int) -> int:
+    """One rank's share of a job's ``nbytes`` of state or gradients on a trainer engine of
+    ``width``: a LoRA job's adapter and moments are whole on every rank (replicated), a full
+    fine-tuning job's are split evenly."""
+    return math.ceil(nbytes / max(1, width)) if job.full else nbytes
+
+
 def fsdp_buffer_bytes(config: Mapping[str, Any], dtype: str, job: JobShape, width: int) -> int:
     """What sharding a trainer over ``width`` GPUs adds to each rank's step (0 at width 1): FSDP's
     all-gather buffers, ``FSDP_GATHERED_LAYERS`` decoder layers' full parameters in the compute
-    dtype (the layer computing and the next, prefetched), and the reduce-scatter buffer of one
-    layer's trainable gradients in fp32 (all its weights for full fine-tuning, its adapter's else)."""
+    dtype (the layer computing and the next, prefetched), and for full fine-tuning the
+    reduce-scatter buffer of one layer's gradients in fp32 (a LoRA adapter is replicated: its
+    gradients are reduced in place)."""
     if width <= 1:
         return 0
     layer = layer_parameters(config)
-    trainable = (
-        layer if job.full else adapter_params(config, job.rank, job.target_modules) // int(config["num_hidden_layers"])
-    )
+    trainable = layer if job.full else 0
     return FSDP_GATHERED_LAYERS * layer * dtype_bytes(dtype) + trainable * FP32_BYTES
 
 
@@ -180,13 +201,14 @@ def trainer_step(
     GPU's default ``max_lora_rank`` on every projection, the most its rollout engine loads).
 
     ``width``: the GPUs of the trainer engine; the peak is one rank's. FSDP2 shards the base
-    weights, the states and the gradients (and autocast's casts of the trainable weights) evenly,
-    so each rank holds 1/width of them, plus ``fsdp_buffer_bytes`` (counted as workspace); each
-    rank runs micro-batches of ``tokens`` of its own (the ranks share a step's rows, data
-    parallel), so activations are not divided. Width 1 is the single-GPU trainer, unchanged."""
+    weights but the lm_head (``rank_weights_bytes``); a full fine-tuning job's states and gradients
+    (and autocast's casts of its weights) are split evenly, a LoRA job's are whole on every rank
+    (``rank_job_bytes``); plus ``fsdp_buffer_bytes`` (counted as workspace). Each rank runs
+    micro-batches of ``tokens`` of its own, so activations are not divided. Width 1 is the
+    single-GPU trainer, unchanged."""
     job = job or JobShape("", GPU_DEFAULTS.max_lora_rank, 0)
     width = max(1, width)
-    weights = math.ceil(weights_bytes(config, dtype) / width)
+    weights = rank_weights_bytes(config, dtype, width)
     trainable = parameter_count(config) if job.full else adapter_params(config, job.rank, job.target_modules)
     buffers = fsdp_buffer_bytes(config, dtype, job, width) if cuda else 0
 
@@ -197,8 +219,8 @@ def trainer_step(
             dtype,
             checkpointing,
             weights=weights,
-            states=math.ceil(states / width),
-            trainable_params=math.ceil(trainable / width),
+            states=rank_job_bytes(states, job, width),
+            trainable_params=rank_job_bytes(trainable, job, width),
             rank=job.rank,
             target_modules=job.target_modules,
             full=job.full,
@@ -783,8 +805,8 @@ def plan_memory(
             cuda=on_gpu,
             width=ranks,
         )
-        rank_weights, rank_state = math.ceil(weights / ranks), math.ceil(state / ranks)
-        rank_gradient = math.ceil(gradient / ranks)
+        rank_weights, rank_state = rank_weights_bytes(config, dtype, ranks), rank_job_bytes(state, largest, ranks)
+        rank_gradient = rank_job_bytes(gradient, largest, ranks)
         buffers = fsdp_buffer_bytes(config, dtype, largest, ranks) if on_gpu else 0
         return TrainerPlan(
             index=index,
