@@ -22,7 +22,7 @@ from conftest import random_tiny_qwen2
 
 from plexctl.common.memplan import JobShape, job_sizes, rank_job_bytes, rank_weights_bytes, weights_bytes
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
-from worker.errors import BatchError
+from worker.errors import BatchError, CheckpointError
 from worker.loss_terms import aggregation_weights
 from worker.train_batches import pad_rows
 from worker.trainer import TrainerEngine
@@ -31,6 +31,7 @@ from worker.trainer_group import (
     GroupRank,
     TrainerGroup,
     TrainerGroupError,
+    adapter_digest,
     batch_rows,
     collective_backend,
     row_shares,
@@ -225,6 +226,34 @@ def test_a_tied_embedding_is_split_and_its_lm_head_kept_whole(tmp_path: Path) ->
     assert (
         shares == [rank_weights_bytes(config, "float32", 2)] * 2 == [weights_bytes(config, "float32") // 2 + head] * 2
     )
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_checkpoint_saved_at_width_2_restores_at_widths_1_and_4(model_dir: str, tmp_path: Path) -> None:
+    """A job trained two steps on 2 ranks and checkpointed resumes on a 1-rank engine and on a
+    4-rank group with its adapter and AdamW moments bit-identical, and steps on as one engine;
+    a checkpoint of another LoRA is refused on rank 0 before any rank moves."""
+    hp, ckpt = TrainHParams(lr=1e-2, max_grad_norm=1.0), str(tmp_path / "ckpt")
+    with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=60) as two:
+        two.ensure_job("A", LORA, seed=5)
+        for batch in (make_batch(21, rows=6), make_batch(22, rows=8)):
+            two.train_step("A", batch, hp)
+        two.save_checkpoint("A", ckpt, {"step": 2})
+        [saved, also] = two.adapter_digests("A")
+    assert saved == also
+    one = TrainerEngine(model_dir, **OPTIONS)  # type: ignore[arg-type]
+    assert one.load_checkpoint("A", ckpt, LORA, seed=5) == {"step": 2}
+    assert adapter_digest(one, "A") == saved
+    following = make_batch(23, rows=8)
+    with TrainerGroup(model_dir, width=4, engine_options=OPTIONS, timeout_s=60) as four:
+        with pytest.raises(CheckpointError, match="written for LoRA"):
+            four.load_checkpoint("B", ckpt, LoraSpec(rank=8), seed=5)
+        assert four.load_checkpoint("A", ckpt, LORA, seed=5) == {"step": 2}
+        assert four.adapter_digests("A") == [saved] * 4
+        got = four.train_step("A", following, hp)
+    want = one.train_step("A", following, hp)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
 @dataclasses.dataclass(frozen=True)

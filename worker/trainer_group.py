@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -53,8 +54,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from plexctl.common.isolation import Libc
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.spec import LoraSpec
-from worker.errors import BatchError, JobConfigError, TrainerError
+from worker.checkpoint_files import read_manifest, verify_checksums
+from worker.errors import BatchError, CheckpointError, JobConfigError, TrainerError
 from worker.loss_terms import aggregation_weights
+from worker.state.job_copy import lora_signature
 from worker.train_batches import check_batch, check_hparams, pad_rows
 from worker.trainer import TrainerEngine
 
@@ -111,6 +114,19 @@ def batch_rows(batch: TrainBatch, share: range) -> TrainBatch:
     """The batch's rows ``share``."""
     rows = slice(share.start, share.stop)
     return TrainBatch(batch.input_ids[rows], batch.loss_mask[rows], batch.old_logprobs[rows], batch.advantages[rows])
+
+
+def adapter_digest(engine: TrainerEngine, job_id: str) -> str:
+    """sha256 of the job's adapter weights and AdamW moments on ``engine``."""
+    job = engine.slots.job(job_id)
+    digest = hashlib.sha256()
+    for key, param in job.params.items():
+        digest.update(key.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        for name, value in sorted(job.optimizer.state.get(param, {}).items()):
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _trainable_tokens(batch: TrainBatch) -> int:
@@ -202,15 +218,7 @@ class GroupRank:
 
     def adapter_digest(self, job_id: str) -> str:
         """sha256 of the job's adapter weights and AdamW moments on this rank."""
-        job = self.engine.slots.job(job_id)
-        digest = hashlib.sha256()
-        for key, param in job.params.items():
-            digest.update(key.encode())
-            digest.update(param.detach().cpu().contiguous().numpy().tobytes())
-            for name, value in sorted(job.optimizer.state.get(param, {}).items()):
-                digest.update(name.encode())
-                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        return adapter_digest(self.engine, job_id)
 
     def gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (small objects; the work group, its timeout)."""
@@ -308,6 +316,45 @@ class AdapterDigests(GroupCall[list[str]]):
 class BaseBytes(GroupCall[list[int]]):
     def run(self, rank: GroupRank) -> list[int]:
         return rank.gather_objects(rank.base_bytes())
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveCheckpoint(GroupCall[dict]):
+    """Rank 0 writes the job's checkpoint (its adapter and moments are every rank's)."""
+
+    job_id: str
+    out_dir: str
+    extra: dict
+
+    def check(self, rank: GroupRank) -> None:
+        rank.engine.slots.job(self.job_id)
+
+    def run(self, rank: GroupRank) -> dict:
+        return rank.engine.save_checkpoint(self.job_id, self.out_dir, self.extra) if rank.rank == 0 else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadCheckpoint(GroupCall[dict]):
+    """Every rank restores the job from a checkpoint written at any width, verified on rank 0
+    first (its files, their checksums, the LoRA it was written for)."""
+
+    job_id: str
+    ckpt_dir: str
+    lora: LoraSpec | None
+    seed: int
+
+    def check(self, rank: GroupRank) -> None:
+        rank.engine.check_job(self.job_id, self.lora)
+        directory = Path(self.ckpt_dir)
+        manifest = read_manifest(directory)
+        verify_checksums(directory, manifest)
+        if manifest.get("lora") != lora_signature(self.lora):
+            raise CheckpointError(
+                f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(self.lora)}"
+            )
+
+    def run(self, rank: GroupRank) -> dict:
+        return rank.engine.load_checkpoint(self.job_id, self.ckpt_dir, self.lora, self.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,6 +511,14 @@ class TrainerGroup:
     def base_bytes(self) -> list[int]:
         """Bytes of base weights each rank holds."""
         return self.call(BaseBytes())
+
+    def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
+        """``TrainerEngine.save_checkpoint``, written once by rank 0."""
+        return self.call(SaveCheckpoint(job_id, out_dir, extra))
+
+    def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraSpec | None, seed: int) -> dict:
+        """``TrainerEngine.load_checkpoint`` on every rank: a checkpoint of any width restores here."""
+        return self.call(LoadCheckpoint(job_id, ckpt_dir, lora, seed))
 
     def rank_state_bytes(self, job_id: str) -> list[int]:
         """Bytes of the job's state copy each rank swaps (adapter, moments, step counts, RNG)."""
