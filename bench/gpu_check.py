@@ -8,7 +8,8 @@ its pinned host arena and back, beside a raw pinned copy), ``jobs`` (8 jobs of 8
 tokens trained one at a time, 0.5B shape only), ``swap`` (job states through pinned memory
 against raw copies), ``peer`` (the same step in plain transformers + peft: tokens/s, MFU, the
 trainer/peer ratio), ``rollout`` and ``sleep_wake`` (vLLM; skipped with the reason where it does
-not import or, for sleep mode, without CUDA), ``weights`` (a whole-model load).
+not import or, for sleep mode, without CUDA), ``weights`` (a whole-model load), ``wide`` (a trainer
+engine of ``--trainer-width`` ranks beside one of 1: speedup, per-rank memory against the plan).
 
 The trainer's speed levers (``docs/gpu.md``) are flags, recorded in the ``trainer`` part:
 ``--length-buckets`` (with ``--ragged`` rows of mixed lengths, the only batches it changes; the
@@ -270,6 +271,72 @@ def part_trainer(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namesp
     if torch.cuda.is_available():
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["gpu_total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def part_wide(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
+    """A trainer engine of ``--trainer-width`` ranks (``worker.trainer_group``: the base sharded
+    with FSDP2, NCCL between GPUs, gloo on CPU) beside one of 1 rank, the same GRPO steps, each
+    rank taking its share of a step's rows: step time, tokens/s and their ratio, each rank's peak
+    memory and base bytes against the memory plan's per-rank figures, MFU over the ranks' GPUs.
+    With fewer GPUs than the width it says so and runs the widest it can."""
+    import torch
+
+    from plexctl.common.memplan import JobShape, rank_weights_bytes, trainer_step
+    from plexctl.common.state_size import job_state_bytes
+    from worker.trainer_group import TrainerGroup
+
+    cuda = a.device == "cuda"
+    gpus = torch.cuda.device_count() if cuda else 0
+    width = a.trainer_width if not cuda else max(1, min(a.trainer_width, gpus))
+    if width != a.trainer_width:
+        result["note"] = (
+            f"{gpus} GPU(s) for a trainer width of {a.trainer_width}: ran width {width}; "
+            "multi-rank speed needs a node with that many GPUs"
+        )
+    dtype = "bfloat16" if cuda else "float32"
+    checkpointing = a.gradient_checkpointing != "off"
+    options = {"dtype": dtype, "gradient_checkpointing": checkpointing} if cuda else {"threads": 1}
+    lora, hp = LoraSpec(rank=32, alpha=64), TrainHParams(lr=1e-5)
+    batch = grpo_batch(a.rows, a.seq, a.seq // 4, ctx["vocab"], 0)
+    tokens = sum(len(row) for row in batch.input_ids)
+    job = JobShape("job0", 32, a.seq)
+    state = job_state_bytes(32, list(job.target_modules), ctx["shape"], cuda=cuda)
+    result.update(trainer_width=a.trainer_width, rows=a.rows, seq=a.seq, tokens=tokens, dtype=dtype, widths={})
+    for w in sorted({1, width}):
+        row: dict[str, Any] = {}
+        result["widths"][str(w)] = row
+        with TrainerGroup(str(ctx["model"]), width=w, engine_options=options, timeout_s=600) as group:
+            group.ensure_job("job0", lora, 0)
+            group.memory_peaks(reset=True)
+            times = []
+            for _step in range(a.steps):
+                t0 = time.perf_counter()
+                metrics = group.train_step("job0", batch, hp)  # returns once every rank is done
+                times.append(time.perf_counter() - t0)
+            row["loss"] = metrics["loss"]
+            row["base_bytes_per_rank"] = group.base_bytes()
+            row["state_bytes_per_rank"] = group.rank_state_bytes("job0")
+            peaks = group.memory_peaks()
+        warm = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+        row.update(step_seconds=times, step_seconds_warm=warm, tokens_per_second=tokens / warm)
+        row["plan_base_bytes_per_rank"] = rank_weights_bytes(ctx["shape"], dtype, w)
+        share = -(-a.rows // w) * a.seq  # a rank's rows, in one pass (the group's step takes no micro-batches)
+        planned = trainer_step(
+            ctx["shape"], dtype, share, "on" if checkpointing else "off", 0, states=state, job=job, cuda=cuda, width=w
+        )
+        row["plan_step_peak_gib"] = planned.total / 2**30
+        if all(p is not None for p in peaks):
+            row["peak_gpu_gib_per_rank"] = [p / 2**30 for p in peaks]
+        value = mfu(tokens / warm, model_flops_per_token(ctx["shape"], a.seq), ctx["peak_tflops"])
+        if value is not None:
+            row["mfu"] = value / w  # over the engine's w GPUs
+    one, wide = result["widths"]["1"], result["widths"][str(width)]
+    result["speedup"] = one["step_seconds_warm"] / wide["step_seconds_warm"]
+    if not cuda:
+        result["note"] = (
+            f"{width} CPU ranks on {os.cpu_count()} cores: the ranks agree and the memory per rank is the plan's; "
+            "their speed says nothing of GPUs"
+        )
 
 
 def part_trainer_sleep(result: dict[str, Any], ctx: dict[str, Any], a: argparse.Namespace) -> None:
@@ -652,6 +719,7 @@ def main() -> int:
     ap.add_argument("--vocab-block", type=int, default=0, help="the head's log-softmax in blocks of N (0: whole)")
     ap.add_argument("--compile-layers", default="off", help="torch.compile backend of the decoder layers (inductor)")
     ap.add_argument("--parts", default=None, help="comma-separated parts to run (default: all, in order)")
+    ap.add_argument("--trainer-width", type=int, default=2, help="the wide part's ranks (one GPU each)")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.swap_rounds, a.prompts, a.gen_tokens, a.host_mem = 2, 2, 4, 8, "1G"
@@ -703,6 +771,7 @@ def main() -> int:
         ("rollout", part_rollout),
         ("weights", part_weights),
         ("sleep_wake", part_sleep_wake),
+        ("wide", part_wide),
     ]
     if a.parts:
         wanted = a.parts.split(",")

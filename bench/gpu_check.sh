@@ -7,7 +7,8 @@
 # code and runs the worker's own wiring on CUDA: GRPO steps of 64 rows x 1,024 tokens in bf16 with
 # micro-batches (step time, peak memory, MFU), the base's sleep through its pinned arena, 8 jobs
 # trained one at a time (0.5B), pinned swaps against raw cudaMemcpy, a plain transformers + peft
-# step of the same shape (the trainer/peer ratio), and vLLM's parts where it imports. It writes
+# step of the same shape (the trainer/peer ratio), vLLM's parts where it imports, and a trainer engine
+# of --trainer-width ranks (default 2; one per GPU, the widest the node has) beside one rank. It writes
 # bench/results/gpu.json after each part (copied to $OUT), so a timeout keeps what ran; no part
 # begins after --budget-s (420 s). The machine's python3 must have torch with CUDA, transformers,
 # peft, safetensors; wheels it lacks (msgspec, pyzmq) travel in .whl/, excluded from

@@ -201,6 +201,15 @@ def test_gpu_check_runs_the_worker_wiring_end_to_end_in_quick_mode_on_cpu(tmp_pa
     assert parts["jobs"]["grouped"]["jobs"] == 8 and parts["jobs"]["grouped"]["tokens_per_second"] > 0
     assert parts["jobs"]["grouped_speedup"] > 0
     assert "mfu" not in parts["trainer"] and "mfu" not in parts["peer"]  # a CPU's peak is not in the table
+    # a trainer engine of 2 ranks beside one of 1: the same step, each rank holding what the plan counts
+    wide = parts["wide"]
+    one, two = wide["widths"]["1"], wide["widths"]["2"]
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5)
+    for row, ranks in ((one, 1), (two, 2)):  # the plan counts the model's parameters to within a norm's
+        planned = pytest.approx(row["plan_base_bytes_per_rank"], rel=1e-4)
+        assert len(row["base_bytes_per_rank"]) == ranks and all(b == planned for b in row["base_bytes_per_rank"])
+    assert two["state_bytes_per_rank"] == one["state_bytes_per_rank"] * 2  # a LoRA job's state, whole on each rank
+    assert wide["speedup"] > 0 and "says nothing of GPUs" in wide["note"]
 
 
 def gpu_check_module() -> Any:

@@ -75,6 +75,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a work collective waits at most this long for a peer (a step's longest pass)
+START_TIMEOUT_S = 300.0  # ranks 1..N-1 started (a process spawned, torch imported) before the group forms
 IDLE_TIMEOUT = timedelta(days=7)  # ranks 1..N-1 wait this long for the next call (the control group)
 STOP_WAIT_S = 30.0  # ranks 1..N-1 get this long to leave after ``close`` before they are killed
 _ERROR_KEY = "plexrl/rank-error/{rank}"  # where a failing rank leaves its one-line error in the store
@@ -164,7 +165,8 @@ class GroupRank:
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # calls; idle ranks wait here
         self.engine = TrainerEngine(spec.model_path, device=device, **spec.engine_options)
         self.mesh = init_device_mesh(torch.device(device).type, (spec.width,))
-        self.engine.shard_base(self.mesh)
+        if spec.width > 1:  # a group of one rank is the engine of one GPU, its base whole
+            self.engine.shard_base(self.mesh)
         self.target: Any = spec.attach(self.engine, rank) if spec.attach else None  # what calls may serve
 
     def base_bytes(self) -> int:
@@ -358,6 +360,21 @@ class LoadCheckpoint(GroupCall[dict]):
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryPeaks(GroupCall[list[int | None]]):
+    """Each rank's peak of allocated device memory since the last reset (None on CPU); ``reset``
+    starts a new peak after reading it."""
+
+    reset: bool = False
+
+    def run(self, rank: GroupRank) -> list[int | None]:
+        device = rank.engine.device
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if self.reset and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return rank.gather_objects(peak)
+
+
+@dataclasses.dataclass(frozen=True)
 class StateBytes(GroupCall[list[int]]):
     job_id: str
 
@@ -385,6 +402,7 @@ def follow(spec: GroupSpec, rank: int) -> None:
         os._exit(1)
     store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
     try:
+        store.set(f"started/{rank}", "1")  # rank 0 forms the group once every rank is this far
         group_rank = GroupRank(spec, rank, store)
         while True:
             box: list[Any] = [None]
@@ -450,9 +468,23 @@ class TrainerGroup:
         for process in self._followers:
             process.start()
         try:
+            self._await_started(store)
             self._rank = GroupRank(self.spec, 0, store)
         except BaseException as exc:
             raise self._fail(exc, "forming the group") from exc
+
+    def _await_started(self, store: dist.Store) -> None:
+        """Wait, up to ``START_TIMEOUT_S``, until ranks 1..N-1 are running (a loaded machine takes
+        its time to spawn them), so that forming the group is held to the collective timeout only;
+        a rank that exits meanwhile ends the wait."""
+        keys = [f"started/{rank}" for rank in range(1, self.spec.width)]
+        deadline = time.monotonic() + max(START_TIMEOUT_S, self.spec.timeout_s)
+        while keys and not store.check(keys):
+            if self._dead_ranks():
+                raise TrainerGroupError("a rank exited while starting")
+            if time.monotonic() > deadline:
+                raise TrainerGroupError(f"ranks not started within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
 
     @property
     def width(self) -> int:
@@ -519,6 +551,10 @@ class TrainerGroup:
     def load_checkpoint(self, job_id: str, ckpt_dir: str, lora: LoraSpec | None, seed: int) -> dict:
         """``TrainerEngine.load_checkpoint`` on every rank: a checkpoint of any width restores here."""
         return self.call(LoadCheckpoint(job_id, ckpt_dir, lora, seed))
+
+    def memory_peaks(self, reset: bool = False) -> list[int | None]:
+        """Each rank's peak allocated GPU memory (None on CPU); ``reset``: start new peaks."""
+        return self.call(MemoryPeaks(reset))
 
     def rank_state_bytes(self, job_id: str) -> list[int]:
         """Bytes of the job's state copy each rank swaps (adapter, moments, step counts, RNG)."""
