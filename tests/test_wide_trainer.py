@@ -151,10 +151,13 @@ REPO = Path(__file__).resolve().parents[1]
 def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_refuses_a_full_one(tiny_model: Path, tmp_path: Path):
     """`plexctl up --local --trainer-width 2`, as a user types it: status shows the trainer engine
     with its two ranks; the tiny LoRA job succeeds on it; the tiny full fine-tuning job fails in
-    one line that says why and what to do."""
+    one line that says why and what to do; a Tinker client's run on it saves its state and loads
+    it back, optimizer included, to the same next step."""
     from tests.conftest import Cluster
 
-    cluster = Cluster(tmp_path / "home").up(tiny_model, "--trainer-width", "2")
+    cluster = Cluster(tmp_path / "home", env={"TINKER_TELEMETRY": "0"}).up(
+        tiny_model, "--trainer-width", "2", "--tinker-port", "0"
+    )
     try:
         trainer = next(e for e in cluster.status()["engines"] if e["kind"] == "trainer")
         assert trainer["ranks"] == 2
@@ -169,5 +172,39 @@ def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_refuses_a_full_one(t
         refused = cluster.job(full.stdout.strip())
         assert refused["state"] == "failed", refused
         assert "full fine-tuning runs on trainer engines of one rank" in json.dumps(refused), refused
+        tinker_state_round_trip(cluster)
     finally:
         cluster.run("down", timeout=120)
+
+
+def tinker_state_round_trip(cluster: Any) -> None:
+    """A Tinker LoRA run on the cluster: a step, ``save_state``, two more steps, then
+    ``load_state_with_optimizer``: the loss and the next step are those after the save."""
+    import tinker
+
+    from tests.test_tinker_e2e import supervised_data
+
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TINKER_TELEMETRY", "0")
+        service = tinker.ServiceClient(base_url=url, api_key=(cluster.home / "tinker-api-key").read_text().strip())
+        try:
+            run = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=3).result()
+            data = supervised_data(run.get_tokenizer(), 8)
+            adam = tinker.AdamParams(learning_rate=1e-2)
+
+            def step() -> float:
+                run.forward_backward(data, "cross_entropy").result()
+                run.optim_step(adam).result()
+                return run.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+            step()
+            saved = run.save_state("wide").result().path
+            at_save = run.forward(data, "cross_entropy").result().metrics["loss:sum"]
+            after_save = step()
+            step()
+            run.load_state_with_optimizer(saved).result()
+            assert run.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
+            assert step() == pytest.approx(after_save, rel=1e-6)
+        finally:
+            service.close("success").result()
