@@ -124,7 +124,7 @@ class Journal:
                     msgspec.json.encode(spec).decode(),
                     "queued",
                     now,
-                    spec.algo.steps,
+                    spec.steps_total,
                     spec.priority,
                 ),
             )

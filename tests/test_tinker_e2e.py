@@ -95,6 +95,10 @@ def test_cross_entropy_steps_lower_the_loss_and_the_run_is_a_job(service, cluste
     status = cluster.status()
     jobs = [j for j in status["jobs"] if j["name"].startswith("tinker-")]
     assert [j["state"] for j in jobs] == ["running"] and jobs[0]["user"] == current_user()
+    # its client decides how many steps it runs: the steps so far, no invented total
+    assert jobs[0]["step"] == STEPS and jobs[0]["steps"] == 0
+    row = next(line for line in cluster.run("status", check=True).stdout.splitlines() if jobs[0]["job_id"] in line)
+    assert f" {STEPS} " in row and f"{STEPS}/" not in row, row
     url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
     assert status["tinker_url"] == url  # status says where the API is
     assert f"Tinker API: base_url={url}" in cluster.run("status", check=True).stdout

@@ -240,7 +240,9 @@ JOB_COLUMNS: dict[str, Column[JobRow]] = {
     "trains": Column("TRAINS", lambda r: r.job.trains or "-", width=11),
     "user": Column("USER", lambda r: r.job.user, width=10),
     "state": Column("STATE", lambda r: r.job.state, width=11, rich=_state_cell),
-    "step": Column("STEP", lambda r: f"{r.job.step}/{r.job.steps}", width=9, right=True),
+    "step": Column(
+        "STEP", lambda r: f"{r.job.step}/{r.job.steps}" if r.job.steps else f"{r.job.step}", width=9, right=True
+    ),
     "progress": Column(
         "",
         lambda r: f"{progress(r.job):.0%}" if r.job.steps else "-",

@@ -331,6 +331,11 @@ class JobSpec(_Section, kw_only=True):
         """The job trains every weight of its model (no ``lora`` section)."""
         return self.lora is None
 
+    @property
+    def steps_total(self) -> int:
+        """The steps the job will run; 0 for an external job, whose client decides as it goes."""
+        return 0 if self.kind == EXTERNAL else self.algo.steps
+
 
 # ---------------------------------------------------------------- errors
 
