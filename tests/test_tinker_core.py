@@ -213,3 +213,35 @@ def test_an_external_job_stops_with_the_cluster_between_its_calls_and_is_interru
     d.chores()
     assert d.journal.job(job).state == "interrupted" and job not in d.jobs.runtimes
     assert not [e for e in d.effects if isinstance(e, (StartDriver, StopDriver))]
+
+
+def test_a_run_whose_job_starts_at_once_tells_its_client_of_no_wait(monkeypatch) -> None:
+    """A run's job that is queued only for the moment the scheduler takes to home it is not told to
+    the client as waiting (the SDK would warn "Retrying request"); one queued past
+    ``QUEUED_TOLD_AFTER_S`` is, with its reason, until it runs."""
+    from types import SimpleNamespace
+
+    from plexctl.tinker import cluster as T
+    from plexctl.tinker.backend import waits_told_to
+
+    def backend(states: list[str]) -> T.ClusterBackend:
+        answers = iter(states)
+
+        def status(job_id: str) -> SimpleNamespace:
+            info = SimpleNamespace(state=next(answers), reason="every trainer engine is full", error="")
+            return SimpleNamespace(jobs=[info])
+
+        plain = object.__new__(T.ClusterBackend)
+        plain._client = lambda: SimpleNamespace(status=status)  # type: ignore[method-assign]
+        return plain
+
+    monkeypatch.setattr(T.time, "sleep", lambda s: None)
+    told: list[str | None] = []
+    with waits_told_to(told.append):
+        assert backend(["queued", "queued", "running"])._wait_running("j1") == "j1"
+    assert told == [None]  # queued briefly: only "no longer waiting"
+    monkeypatch.setattr(T, "QUEUED_TOLD_AFTER_S", 0.0)
+    told.clear()
+    with waits_told_to(told.append):
+        backend(["queued", "running"])._wait_running("j2")
+    assert told == ["its job j2 is queued: every trainer engine is full", None]

@@ -72,6 +72,7 @@ log = logging.getLogger("plexrl.tinker")
 LORA_ALPHA = 32  # Tinker's LoRA scaling alpha
 BASE_SAMPLER_RANK = 1  # a base model's sampler job holds the smallest adapter; it samples the base (version 0)
 START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create_model fails
+QUEUED_TOLD_AFTER_S = 5.0  # a run's job queued this long is told to the client as waiting (not a job just homed)
 EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
@@ -429,7 +430,8 @@ class ClusterBackend(Backend):
         return record
 
     def _wait_running(self, job_id: str) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        started = time.monotonic()
+        deadline = started + START_TIMEOUT_S
         while time.monotonic() < deadline:
             info = self._client().status(job_id).jobs[0]
             if info.state == "running":
@@ -437,7 +439,7 @@ class ClusterBackend(Backend):
                 return job_id
             if info.state in ("failed", "cancelled", "succeeded"):
                 raise UserError(f"its job {job_id} {info.state}: {info.error or info.reason}")
-            if info.state == "queued":
+            if info.state == "queued" and time.monotonic() - started >= QUEUED_TOLD_AFTER_S:
                 say_waiting(f"its job {job_id} is queued: {info.reason or 'waiting for engines'}")
             time.sleep(0.2)
         raise UserError(f"its job {job_id} did not start within {START_TIMEOUT_S:.0f} s")
