@@ -288,3 +288,18 @@ def test_a_failing_rank_fails_the_call_within_the_timeout(model_dir: str, how: s
         with pytest.raises(TrainerGroupError, match="closed"):
             group.call(SumOfRanks(fails=-1, how=how))
     assert not any(Path(f"/proc/{pid}").exists() for pid in group.pids)
+
+
+def test_a_ranks_passes_are_its_share_of_the_micro_batches_then_null_passes() -> None:
+    from worker.trainer_math import RankSplit
+
+    def passes(rank: int, width: int, count: int) -> list[int | None]:
+        return RankSplit(rank, width, lambda t: t).passes(count)
+
+    assert [passes(r, 2, 4) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [passes(r, 2, 3) for r in range(2)] == [[0, 2], [1, None]]  # as many passes on every rank
+    assert [passes(r, 4, 1) for r in range(4)] == [[0], [None], [None], [None]]
+    for width, count in ((2, 7), (4, 9), (3, 3)):
+        runs = [passes(r, width, count) for r in range(width)]
+        assert len({len(p) for p in runs}) == 1  # every rank runs as many passes
+        assert sorted(i for p in runs for i in p if i is not None) == list(range(count))  # each micro-batch once

@@ -2,10 +2,11 @@
 over a ``TrainerGroup`` whose ranks each hold a store and a server (``worker.main.attach_rank``).
 Real processes, gloo, FSDP2 on CPU.
 
-Every body reaches every rank. Jobs trained on it end bit-identical to the same jobs on a
-one-rank engine, whether they swap through the store's tiers or share passes. Only rank 0 writes
-what a task publishes. A full fine-tuning job is refused in one line, and a rank that dies takes
-the worker down.
+Every body reaches every rank, and a step's micro-batches split among them. Jobs trained on it
+end as the same jobs on a one-rank engine to summation order (a job with LoRA dropout bit for
+bit), whether they swap through the store's tiers or share passes, and bit for bit the same alone
+or shared at that width. Only rank 0 writes what a task publishes. A full fine-tuning job is
+refused in one line, and a rank that dies takes the worker down.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def task(job_id: str, step: int, publish: Path | None = None) -> C.TrainStepTask
     return C.TrainStepTask(C.TrainerContext(lora, seed), batch_for(job_id, step), hp, str(publish or ""))
 
 
-def bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
+def bodies(out: Path, shared: bool = True) -> list[P.TaskBody | P.TaskPassBody]:
     """The jobs' steps interleaved (two device slots for three jobs: steps swap), j1 and j3 in
-    shared passes, each job's last step publishing its adapter under ``out``."""
+    shared passes (``shared``; else each step alone), each job's last step publishing its adapter
+    under ``out``."""
     sent: list[P.TaskBody | P.TaskPassBody] = []
     n = 0
     for step in range(max(STEPS.values())):
@@ -70,7 +72,7 @@ def bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
         for job in ("j1", "j3"):
             n += 1
             pair.append(P.TaskBody(n, job, EID, task(job, step, out / job if last else None)))
-        sent.append(P.TaskPassBody(EID, pair))
+        sent.extend([P.TaskPassBody(EID, pair)] if shared else pair)
     return sent
 
 
@@ -90,28 +92,54 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-def group_of(model_dir: str, width: int, nvme: Path, timeout_s: float = 120.0) -> TrainerGroup:
+def group_of(
+    model_dir: str, width: int, nvme: Path, timeout_s: float = 120.0, options: dict[str, Any] | None = None
+) -> TrainerGroup:
     attach = functools.partial(attach_rank, config=CONFIG, nvme_dir=nvme, info={}, eid=EID)
-    return TrainerGroup(model_dir, width, {"threads": 1}, timeout_s=timeout_s, attach=attach)
+    return TrainerGroup(model_dir, width, options or {"threads": 1}, timeout_s=timeout_s, attach=attach)
 
 
-def test_jobs_on_two_ranks_end_as_on_one_bit_for_bit(model_dir: str, tmp_path: Path) -> None:
-    alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, threads=1), CONFIG, tmp_path / "n1", {})})
-    want = serve_all(alone, bodies(tmp_path / "one"))
-    with group_of(model_dir, 2, tmp_path / "n2") as group:
-        got = serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "two"))
+SPLIT = {"threads": 1, "micro_batch_rows": 1}  # four micro-batches a step: two on each of two ranks
+
+
+def metrics_of(results: dict[int, tuple[bool, Any, str]]) -> dict[int, dict[str, float]]:
+    return {
+        task_id: {k: v for k, v in value.metrics.items() if not k.startswith("swap") and k != "seconds"}
+        for task_id, (ok, value, error) in results.items()
+        if ok or pytest.fail(f"task {task_id}: {error}")
+    }
+
+
+def test_jobs_on_two_ranks_split_their_steps_and_end_as_on_one(model_dir: str, tmp_path: Path) -> None:
+    """Served on 2 ranks, each step's micro-batches split among them (data parallel): the jobs
+    end as on one rank, to summation order (the job with LoRA dropout, whose rows every rank
+    runs, bit for bit); on 2 ranks a job trained alone and in shared passes ends bit for bit the
+    same; every rank holds the same adapter; only rank 0 writes."""
+    alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, **SPLIT), CONFIG, tmp_path / "n1", {})})
+    want = metrics_of(serve_all(alone, bodies(tmp_path / "one")).results)
+    with group_of(model_dir, 2, tmp_path / "n2", options=SPLIT) as group:
+        got = metrics_of(serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "two")).results)
         assert group.base_bytes()[0] < sum(p.numel() * 4 for p in group.engine._base.parameters())
         digests = {job: set(group.adapter_digests(job)) for job in group.engine.jobs()}
-    assert sorted(got.results) == sorted(want.results)
-    for task_id, (ok, value, error) in want.results.items():
-        assert ok and got.results[task_id][0], (task_id, error, got.results[task_id][2])
-        metrics = {k: v for k, v in value.metrics.items() if not k.startswith("swap") and k != "seconds"}
-        got_metrics = got.results[task_id][1].metrics
-        assert {k: got_metrics[k] for k in metrics} == metrics, task_id
-    one, two = published(tmp_path / "one"), published(tmp_path / "two")
+    with group_of(model_dir, 2, tmp_path / "n3", options=SPLIT) as group:
+        unshared = metrics_of(
+            serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "unshared", shared=False)).results
+        )
+    assert sorted(got) == sorted(want)
+    for task_id, metrics in want.items():
+        assert got[task_id].keys() >= metrics.keys(), task_id
+        for key, value in metrics.items():
+            assert got[task_id][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (task_id, key)
+    one, two, apart = (published(tmp_path / d) for d in ("one", "two", "unshared"))
+    assert all(torch.equal(one["j0"][k], two["j0"][k]) for k in one["j0"])  # dropout: every rank runs it all
+    for task_id, metrics in got.items():  # a step's metrics on 2 ranks, shared or alone (their sums' order aside)
+        for key, value in metrics.items():
+            if key != "group":  # the pass's job count
+                assert unshared[task_id][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (task_id, key)
     for job in STEPS:
-        assert one[job].keys() == two[job].keys()
-        assert all(torch.equal(one[job][k], two[job][k]) for k in one[job]), job
+        assert one[job].keys() == two[job].keys() == apart[job].keys()
+        assert all(torch.allclose(one[job][k], two[job][k], rtol=1e-4, atol=1e-6) for k in one[job]), job
+        assert all(torch.equal(two[job][k], apart[job][k]) for k in two[job]), job  # shared or alone: the same
     assert all(len(d) == 1 for d in digests.values()), digests  # every rank holds the same adapter
     assert sorted(os.listdir(tmp_path / "two")) == sorted(STEPS)  # written once, by rank 0
 
@@ -208,3 +236,22 @@ def tinker_state_round_trip(cluster: Any) -> None:
             assert step() == pytest.approx(after_save, rel=1e-6)
         finally:
             service.close("success").result()
+
+
+def test_a_step_whose_micro_batches_do_not_divide_among_the_ranks_runs_null_passes(model_dir: str, tmp_path: Path):
+    """Three micro-batches on two ranks: rank 1 runs a null pass in the second round (FSDP's
+    collectives need as many passes on every rank), which adds nothing: the step is one rank's."""
+    from tests.test_trainer import make_batch
+
+    lora, seed, hp = JOBS["j1"]
+    step = C.TrainStepTask(C.TrainerContext(lora, seed), make_batch(77, rows=3), hp, "")
+    engine = TrainerEngine(model_dir, **SPLIT)
+    alone = Trainers({EID: trainer_store(engine, CONFIG, tmp_path / "n1", {})})
+    want = metrics_of(serve_all(alone, [P.TaskBody(1, "j1", EID, step)]).results)[1]
+    one = engine.adapter_state_dict("j1")
+    with group_of(model_dir, 2, tmp_path / "n2", options=SPLIT) as group:
+        got = metrics_of(serve_all(GroupTrainers(group, pytest.fail), [P.TaskBody(1, "j1", EID, step)]).results)[1]
+        two = group.engine.adapter_state_dict("j1")
+        assert len(set(group.adapter_digests("j1"))) == 1
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
+    assert all(torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-6) for k in one)

@@ -158,6 +158,13 @@ class MetricSums:
             ).tolist()  # one device sync per micro-batch
         self.add_values(values)
 
+    def all_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """The sums over the ranks of an engine of several (``reduce``: summed in place)."""
+        fields = ("loss", "pg_loss", "kl", "clipped", "ratio", "entropy")
+        values = torch.tensor([getattr(self, f) for f in fields], dtype=torch.float64, device=device)
+        for name, value in zip(fields, reduce(values).tolist()):
+            setattr(self, name, value)
+
     def add_values(self, values: list[float]) -> None:
         """Add sums already taken: loss, pg_loss, kl, clipped, ratio, entropy (``add``'s order)."""
         self.loss += values[0]

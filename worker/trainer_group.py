@@ -14,12 +14,15 @@ timeout is long (``IDLE_TIMEOUT``): an idle engine is not a dead one. They die w
 Layout. Each rank's base model is sharded with FSDP2 (``TrainerEngine.shard_base``); a LoRA job's
 adapter and AdamW moments are replicated. ``attach`` builds what each rank serves around its
 engine: the worker's ranks each hold a state store and a server (``worker.main.attach_rank``), and
-every task goes to every rank (``worker.servers.GroupTrainers``), each computing the whole batch on
-its own copy, so the ranks stay bit-identical to each other and to a one-rank engine, through
-swaps, shared passes and checkpoints. ``TrainStep`` and ``LossGradients`` split a batch's rows
-instead (``row_shares``; each share's gradient scaled by ``share_scale``, then one all-reduce), the
-data-parallel step, equal to a one-rank engine's up to summation order; it takes no micro-batch
-budget yet (shares could take unequal numbers of passes).
+every task goes to every rank (``worker.servers.GroupTrainers``). A step splits its micro-batches
+among the ranks (``trainer_math.RankSplit``: the same cut on every rank, rank r taking those whose
+index is r modulo N, null passes evening out the count; gradients and metrics then summed in one
+all-reduce each), data parallel: equal to a one-rank engine's up to summation order, and a job's
+step is bit for bit the same alone or in a shared pass at a given width. A job with LoRA dropout,
+and every call that is not a step (Tinker's forward_backward, log-probs), runs whole on every rank.
+``TrainStep`` and ``LossGradients``, the group's own API, split a batch's rows instead
+(``row_shares``; each share's gradient scaled by ``share_scale``, then one all-reduce), and take no
+micro-batch budget (shares could take unequal numbers of passes).
 
 Invariants. Every rank holds bit-identical adapters and moments after every call
 (``adapter_digests`` checks it). Every rank runs the same forwards and backwards per call (FSDP's
@@ -60,6 +63,7 @@ from worker.loss_terms import aggregation_weights
 from worker.state.job_copy import lora_signature
 from worker.train_batches import check_batch, check_hparams, pad_rows
 from worker.trainer import TrainerEngine
+from worker.trainer_math import RankSplit
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
@@ -167,6 +171,8 @@ class GroupRank:
         self.mesh = init_device_mesh(torch.device(device).type, (spec.width,))
         if spec.width > 1:  # a group of one rank is the engine of one GPU, its base whole
             self.engine.shard_base(self.mesh)
+            # the steps it serves split their micro-batches among the ranks (data parallel)
+            self.engine.math.split = RankSplit(rank, spec.width, self.all_reduce_sum)
         self.target: Any = spec.attach(self.engine, rank) if spec.attach else None  # what calls may serve
 
     def base_bytes(self) -> int:

@@ -22,6 +22,10 @@ job's loss weights, clipping and AdamW step its own (the token terms of jobs wit
 function taken over all their rows at once; clipping and AdamW in one multi-tensor pass, bit for
 bit each job's own); gradients equal to each job alone up to float rounding, not bit-for-bit
 (``tests/test_trainer_grouped.py`` measures it).
+
+On a rank of an engine of several (``split``, a ``RankSplit``), ``train_step`` and ``train_group``
+run this rank's share of the step's micro-batches and sum the gradients and metric sums over the
+ranks before clipping and AdamW; every rank runs as many passes.
 """
 
 from __future__ import annotations
@@ -86,6 +90,24 @@ class PassOptions:
     checkpointed_layers: list[torch.nn.Module] = field(default_factory=list)  # put in training mode for a backward
 
 
+@dataclass(frozen=True)
+class RankSplit:
+    """This process's place in a trainer engine of several ranks, for the steps it serves: of a
+    step's micro-batches (the same cut on every rank), rank r runs those whose index is r modulo
+    ``width``, and a null pass where it has none left in a round, so every rank runs as many
+    forwards and backwards (FSDP's collectives need that); the gradients and the metrics' sums
+    are then summed over the ranks (``all_reduce``, in place) before the step."""
+
+    rank: int
+    width: int
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    def passes(self, count: int) -> list[int | None]:
+        """The micro-batch indices this rank runs of ``count``, in order; None: a null pass."""
+        rounds = -(-count // self.width)
+        return [i if (i := r * self.width + self.rank) < count else None for r in range(rounds)]
+
+
 class TrainingMath:
     """Steps, gradients and log-probs on the resident jobs of ``slots``, and the pieces of a job's
     pass the token losses share (``activate``, ``job_weights``, ``forward_context``, ``job_rng``,
@@ -110,6 +132,7 @@ class TrainingMath:
         self._base_params = base_params
         self._torch_dtype = dtype
         self._user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+        self.split: RankSplit | None = None  # set on each rank of an engine of several
 
     # ------------------------------------------------------------ training
 
@@ -121,7 +144,10 @@ class TrainingMath:
         """
         started = time.perf_counter()
         job = self.slots.job(job_id)
-        metrics = self._forward_backward(job, batch, hp)
+        split = self.split if self._splits(job) else None
+        metrics = self._forward_backward(job, batch, hp, split)
+        if split is not None:
+            _reduce_gradients([job], split)
         grad_norm, skipped = self.apply_gradients(job, hp)
         metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
         return metrics
@@ -235,6 +261,37 @@ class TrainingMath:
         for start, stop in bounds:
             yield start, stop, slice_rows(rows, start, stop)
 
+    def _passes(
+        self, rows: Rows, bounds: list[tuple[int, int]] | None, split: RankSplit | None, jobs: list[JobState]
+    ) -> Iterator[tuple[int, int, Rows, bool]]:
+        """(start, stop, rows, null) of each pass this process runs: every micro-batch with a
+        trainable token; with ``split``, this rank's of them, then null passes (the first
+        micro-batch again, its gradients into the jobs' undone: ``null`` True) until it has run
+        as many as every rank."""
+        if bounds is None:
+            bounds = micro_batch_bounds(rows.lengths, self.options.micro_batch_rows, self.options.micro_batch_tokens)
+        kept = [(start, stop) for start, stop in bounds if rows.loss_mask[start:stop].any()]
+        if split is None:
+            for start, stop in kept:
+                yield start, stop, slice_rows(rows, start, stop), False
+            return
+        for index in split.passes(len(kept)):
+            start, stop = kept[0 if index is None else index]
+            if index is not None:
+                yield start, stop, slice_rows(rows, start, stop), False
+                continue
+            held = [(p, p.grad) for job in jobs for p in job.params.values()]
+            for param, grad in held:
+                param.grad = None if grad is None else grad.clone()
+            yield start, stop, slice_rows(rows, start, stop), True
+            for param, grad in held:  # the null pass's gradients undone, bit for bit
+                param.grad = grad
+
+    def _splits(self, job: JobState) -> bool:
+        """Whether the job's steps split among this engine's ranks: a LoRA job without dropout
+        (a job with dropout draws its masks as on one rank: every rank runs all of its rows)."""
+        return self.split is not None and job.lora is not None and job.lora.dropout == 0
+
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Autocast to the engine's dtype (bfloat16 / float16 engines); with gradient checkpointing
@@ -295,7 +352,10 @@ class TrainingMath:
         for job in jobs:
             if not self.groupable(job.job_id):
                 raise BatchError(f"job {job.job_id!r} cannot share a pass (full fine-tuning or LoRA dropout)")
-        metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps])
+        split = self.split if all(self._splits(job) for job in jobs) else None
+        metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps], split)
+        if split is not None:
+            _reduce_gradients(jobs, split)
         norms = _clip_together([list(job.params.values()) for job in jobs], [hp.max_grad_norm for _, _, hp in steps])
         stepping = []
         for job, (_, _, hp), m, grad_norm in zip(jobs, steps, metrics, norms):
@@ -325,7 +385,7 @@ class TrainingMath:
         return out
 
     def _group_forward_backward(
-        self, jobs: list[JobState], work: list[tuple[TrainBatch, TrainHParams]]
+        self, jobs: list[JobState], work: list[tuple[TrainBatch, TrainHParams]], split: RankSplit | None = None
     ) -> list[dict[str, float]]:
         """Accumulate each job's loss gradient of its batch into its parameters, the rows of all
         in shared micro-batches. Each job's loss weights are its own batch's; a micro-batch's
@@ -370,7 +430,7 @@ class TrainingMath:
             owners = [owners[j] for j in order]
             rows = permute_rows(rows, order)
             old_all, weight_all, advantages = (t[order] for t in (old_all, weight_all, advantages))
-        sums = [MetricSums() for _ in jobs]
+        kept = [MetricSums() for _ in jobs]
         peft = self.slots.peft
         assert peft is not None
         for job in jobs:
@@ -379,9 +439,8 @@ class TrainingMath:
         any_kl = any(hp.kl_coef > 0 for _, hp in work)
         one_loss = all(u is None for u in user_losses) and len({_loss_key(hp) for _, hp in work}) == 1
         shared = (old_all, weight_all, advantages)
-        for start, stop, part in self._micro_batches(rows, bounds):
-            if not part.loss_mask.any():
-                continue
+        for start, stop, part, null in self._passes(rows, bounds, split, jobs):
+            sums = [MetricSums() for _ in jobs] if null else kept  # metrics of a null pass go nowhere
             width = part.loss_mask.shape[1]
             ref = self._base_logprobs(part) if any_kl else None
             runs = _runs(owners, start, stop)  # (job, lo, hi): its rows in the micro-batch
@@ -409,7 +468,10 @@ class TrainingMath:
                     total = loss if total is None else total + loss
                 assert total is not None
                 total.backward()
-        return [s.metrics(n) for s, n in zip(sums, tokens)]
+        if split is not None:
+            for s in kept:
+                s.all_reduce(split.all_reduce, self.device)
+        return [s.metrics(n) for s, n in zip(kept, tokens)]
 
     def _shared_loss(
         self,
@@ -460,8 +522,11 @@ class TrainingMath:
 
     # ------------------------------------------------------------ internals: the loss
 
-    def _forward_backward(self, job: JobState, batch: TrainBatch, hp: TrainHParams) -> dict[str, float]:
-        """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters."""
+    def _forward_backward(
+        self, job: JobState, batch: TrainBatch, hp: TrainHParams, split: RankSplit | None = None
+    ) -> dict[str, float]:
+        """Accumulate the GRPO loss gradient of ``batch`` into the job's parameters (``split``:
+        this rank's micro-batches of it, the metrics summed over the ranks)."""
         check_batch(batch)
         check_hparams(hp)
         user_loss = self._user_loss(hp) if hp.loss_fn else None
@@ -479,9 +544,7 @@ class TrainingMath:
         job.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
         with self.job_rng(job):
-            for start, stop, part in self._micro_batches(rows):
-                if not part.loss_mask.any():  # all its weights are 0: nothing to add
-                    continue
+            for start, stop, part, null in self._passes(rows, None, split, [job]):
                 width = part.loss_mask.shape[1]
                 self._accumulate_micro_batch(
                     job,
@@ -490,9 +553,11 @@ class TrainingMath:
                     advantages[start:stop],
                     weights[start:stop, :width],
                     hp,
-                    sums,
+                    MetricSums() if null else sums,  # metrics of a null pass go nowhere
                     user_loss,
                 )
+        if split is not None:
+            sums.all_reduce(split.all_reduce, self.device)
         return sums.metrics(tokens)
 
     def _accumulate_micro_batch(
@@ -729,6 +794,18 @@ def _runs(owners: list[int], start: int, stop: int) -> list[tuple[int, int, int]
 def _loss_key(hp: TrainHParams) -> tuple[Any, ...]:
     """What a job's token loss depends on (its optimizer settings and aggregation aside)."""
     return (hp.loss, hp.clip_low, hp.clip_high, hp.kl_coef, tuple(sorted(hp.loss_params.items())), hp.loss_fn)
+
+
+def _reduce_gradients(jobs: Sequence[JobState], split: RankSplit) -> None:
+    """Each job's gradients summed over the ranks, in one collective; a parameter no pass of
+    this rank reached counts zeros."""
+    params = [param for job in jobs for param in job.params.values()]
+    flat = torch.cat([_grad_or_zeros(param).reshape(-1) for param in params])
+    split.all_reduce(flat)
+    at = 0
+    for param in params:
+        param.grad = flat[at : at + param.numel()].view_as(param).clone()
+        at += param.numel()
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
