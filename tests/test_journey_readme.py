@@ -50,6 +50,13 @@ def shell(work: Path, env: dict[str, str], line: str, timeout: float = 900) -> s
     )
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's default meaning, as a terminal's shell gives it: a suite started in the background
+    (``cmd &`` without job control) hands its children SIGINT ignored, and an ignored SIGINT
+    stays ignored across exec (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def watch_until_interrupted(work: Path, env: dict[str, str], line: str, expect: str) -> str:
     """A live view: runs until Ctrl-C (SIGINT to its process group), once it has shown ``expect``."""
     proc = subprocess.Popen(
@@ -60,6 +67,7 @@ def watch_until_interrupted(work: Path, env: dict[str, str], line: str, expect: 
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_in_a_terminal,
     )
     seen = ""
     deadline = time.monotonic() + 60
