@@ -109,14 +109,16 @@ class TrainerServer:
     def __init__(self, store: Any, engine_id: str = "", writes: bool = True) -> None:
         self.store = store
         self.engine_id = engine_id  # named in what it reports: a worker may host a trainer per model
-        self.writes = writes  # it writes the files tasks name (a trainer's other ranks do not: rank 0 does)
+        # it writes the files tasks name (a trainer's other ranks do not: rank 0 does, the others
+        # taking part where a job's state is sharded and gathered to be written)
+        self.writes = writes
         engine = store.trainer
         # a task's own work; what it publishes is saved after it, by ``_after_step``
         self.handlers: dict[str, Callable[[str, Any], C.AnyResult]] = {
             "train_step": lambda job, t: C.TrainStepResult(engine.train_step(job, t.batch, t.hp)),
             "publish": lambda job, t: C.PublishResult(),
             "checkpoint": lambda job, t: C.CheckpointResult(
-                engine.save_checkpoint(job, t.out_dir, t.extra) if writes else {}
+                engine.save_checkpoint(job, t.out_dir, t.extra, write=writes)
             ),
             "restore": lambda job, t: C.RestoreResult(
                 engine.load_checkpoint(job, t.ckpt_dir, t.trainer.lora, t.trainer.seed, t.weights_only)
@@ -144,16 +146,18 @@ class TrainerServer:
         """What follows a task's work, whichever way it ran (alone, in a shared pass, or as a
         repeat): the job's adapter saved where the task publishes, if it does."""
         out_dir = publish_dir(task)
-        if out_dir and self.writes:
-            engine.save_adapter(job_id, out_dir)
+        if out_dir:
+            engine.save_adapter(job_id, out_dir, write=self.writes)
 
     def _publish_again(self, job_id: str, task: C.AnyTask) -> None:
         """A repeated call that publishes: the job's adapter is as that call left it (it was the
         job's last stateful call), so it is saved again where the repeat names, if not there yet."""
         out_dir = publish_dir(task)
-        if not out_dir or not self.writes or (Path(out_dir) / "adapter_config.json").exists():
+        if not out_dir or (Path(out_dir) / "adapter_config.json").exists():
             return
         assert not isinstance(task, C.GenerateTask)
+        if not self.writes and task.trainer.lora is not None:  # a replicated adapter: rank 0 writes it
+            return
         self.store.ensure_resident(job_id, task.trainer.lora, task.trainer.seed)
         self._after_step(self.store.trainer, job_id, task)
 

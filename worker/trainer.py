@@ -63,6 +63,7 @@ from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, deco
 from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.engine_options import trainer_attention
 from worker.errors import CheckpointError, JobConfigError
+from worker.shards import ShardedBase, gather, shard_of
 from worker.state.arena import HostArena, HostMemoryError
 from worker.state.job_copy import BufferPool, JobStateCopy, packed_layout, tensors_to_device, tensors_to_host
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, causal_lm_parts, check_plain_head
@@ -208,31 +209,36 @@ class TrainerEngine:
         self.slots.ensure_job(job_id, lora, seed)
 
     def check_job(self, job_id: str, lora: LoraSpec | None) -> None:
-        """``JobConfigError`` for a job this engine cannot train: full fine-tuning on a sharded base."""
-        if lora is None and self.ranks > 1:
+        """``JobConfigError`` for a job this engine cannot train: full fine-tuning of a model with
+        tied embeddings on a sharded base (its lm_head is a whole copy of the split embedding)."""
+        if lora is None and self.ranks > 1 and self._tied_head():
             raise JobConfigError(
-                f"job {job_id}: full fine-tuning runs on trainer engines of one rank for now "
-                f"(this one has {self.ranks}; plexctl up --trainer-width 1)"
+                f"job {job_id}: full fine-tuning of a model with tied embeddings runs on trainer engines "
+                f"of one rank (this one has {self.ranks}; plexctl up --trainer-width 1)"
             )
+
+    def _tied_head(self) -> bool:
+        return bool(getattr(self._base.config, "tie_word_embeddings", False))
 
     def shard_base(self, mesh: Any) -> None:
         """Shard the base model's weights over ``mesh`` (torch's FSDP2, ``fully_shard``): one unit
         per decoder layer and the decoder (embeddings, final norm) as the root; the lm_head stays
         whole, as the chunked log-probs read its weight outside a forward. Done before any job
-        exists, so jobs' adapters stay plain tensors; the parts' table of base parameters then
-        names the shards (the whole weights are freed). Every rank must then run the same forwards."""
+        exists, so jobs' adapters stay plain tensors and a full fine-tuning job's weights are
+        made as shards; the parts' table of base parameters then names the shards (the whole
+        weights are freed). Every rank must then run the same forwards."""
         from torch.distributed.fsdp import fully_shard
 
         if self.slots.jobs():
             raise RuntimeError("the base is sharded before any job is made")
         decoder, _ = causal_lm_parts(self._base)
-        for layer in decoder_layers(self._base):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(decoder, mesh=mesh)
+        units = [fully_shard(layer, mesh=mesh) for layer in decoder_layers(self._base)]
+        units.append(fully_shard(decoder, mesh=mesh))
         own = dict(self._base.named_parameters())
         for name in self._base_params:
             self._base_params[name] = own[name]
         self.ranks = int(mesh.size())
+        self.math.sharded = ShardedBase(units, self.ranks)
 
     def base_bytes(self) -> int:
         """Bytes of the base's weights this process holds (a sharded base: its shards, the whole
@@ -412,12 +418,19 @@ class TrainerEngine:
 
     # ------------------------------------------------------------ adapters and checkpoints
 
-    def save_adapter(self, job_id: str, out_dir: str) -> None:
+    def save_adapter(self, job_id: str, out_dir: str, write: bool = True) -> None:
         """Write the job's adapter in PEFT layout at the top level of ``out_dir``, atomically
         (``NoSpaceError`` when its filesystem is full), its weights in the engine's dtype (what
-        the rollout engine serves in); a checkpoint keeps them as trained, in float32."""
+        the rollout engine serves in); a checkpoint keeps them as trained, in float32.
+
+        On a sharded base every rank calls it for a full fine-tuning job (its weights are
+        gathered, one at a time, cast as they come) and only a rank that ``write``s writes."""
         job = self.slots.job(job_id)
-        weights = self._adapter_weights(job, self._torch_dtype)
+        if not write and not self._gathered(job):
+            return
+        weights = self._adapter_weights(job, self._torch_dtype, keep=write)
+        if not write:
+            return
         write_dir_atomically(
             Path(out_dir),
             lambda tmp: self._write_adapter_files(job, tmp, weights),
@@ -425,13 +438,19 @@ class TrainerEngine:
             nbytes=len(weights),
         )
 
-    def save_checkpoint(self, job_id: str, out_dir: str, extra: dict) -> dict:
+    def save_checkpoint(self, job_id: str, out_dir: str, extra: dict, write: bool = True) -> dict:
         """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically.
 
         Everything is serialised before the first byte is written; ``NoSpaceError`` when the
-        filesystem is full (the temp dir is removed, an earlier checkpoint is untouched)."""
+        filesystem is full (the temp dir is removed, an earlier checkpoint is untouched). The
+        files are the same at any width: a full fine-tuning job's shards are gathered (every
+        rank calls it; one that does not ``write`` returns ``{}``), so any width restores it."""
         job = self.slots.job(job_id)
-        payload = self._checkpoint_payload(job, extra)
+        if not write and not self._gathered(job):
+            return {}
+        payload = self._checkpoint_payload(job, extra, keep=write)
+        if not write:
+            return {}
         step = extra.get("step") if isinstance(extra, dict) else None
         what = f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
         return write_dir_atomically(
@@ -455,9 +474,12 @@ class TrainerEngine:
             )
         tensors, trainer_state, extra = read_checkpoint_payload(directory)
         created = job_id not in self.slots.jobs()
+        self.check_job(job_id, lora)
         self.slots.ensure_job(job_id, lora, seed)
         job = self.slots.job(job_id)
         try:
+            if self._gathered(job):
+                tensors, trainer_state = self._shards_of(job, tensors, trainer_state)
             _restore_job_state(job, tensors, trainer_state, directory)
             if weights_only:
                 with torch.no_grad():
@@ -472,12 +494,45 @@ class TrainerEngine:
 
     # ------------------------------------------------------------ internals: files
 
-    @staticmethod
-    def _adapter_weights(job: JobState, dtype: torch.dtype | None = None) -> bytes:
+    def _gathered(self, job: JobState) -> bool:
+        """Whether the job's state is sharded over the ranks (a full fine-tuning job on a sharded base)."""
+        return job.lora is None and self.ranks > 1
+
+    def _whole(self, job: JobState, key: str, part: torch.Tensor) -> torch.Tensor:
+        """The whole of the job's ``part`` of parameter ``key`` (its weight, a moment or a
+        gradient): gathered from every rank's shard where the job is sharded, else ``part``."""
+        return gather(part.detach(), self._base_params[key]) if self._gathered(job) else part.detach()
+
+    def _adapter_weights(self, job: JobState, dtype: torch.dtype | None = None, keep: bool = True) -> bytes:
         """The adapter's safetensors file, in memory (written by ``write_file``, whose errors
-        keep their errno, unlike safetensors' own writer); in ``dtype``, else as held."""
-        tensors = {key: param.detach().to("cpu", dtype=dtype, copy=True) for key, param in job.params.items()}
-        return safetensors_bytes(tensors, metadata={"format": "pt"})
+        keep their errno, unlike safetensors' own writer); in ``dtype``, else as held. A sharded
+        job's weights are gathered one at a time (every rank; ``keep`` False: none kept, b"")."""
+        tensors = {}
+        for key, param in job.params.items():
+            whole = self._whole(job, key, param)
+            if keep:
+                tensors[key] = whole.to("cpu", dtype=dtype, copy=True)
+        return safetensors_bytes(tensors, metadata={"format": "pt"}) if keep else b""
+
+    def _shards_of(
+        self, job: JobState, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A checkpoint's whole weights and moments cut to this rank's shards (as ``load_checkpoint``
+        reads them: under the job's parameter keys, the optimizer's state by parameter index)."""
+        keys = trainer_state.get("param_keys")
+        if not isinstance(keys, list) or set(keys) != set(tensors) or set(keys) != set(job.params):
+            return tensors, trainer_state  # ``_restore_job_state`` says what does not fit
+        shards = {key: shard_of(tensors[key], self._base_params[key]) for key in keys}
+        optimizer = dict(trainer_state.get("optimizer", {}))
+        state = {}
+        for index, moments in dict(optimizer.get("state", {})).items():
+            like = self._base_params[keys[index]] if isinstance(index, int) and 0 <= index < len(keys) else None
+            state[index] = {
+                name: shard_of(value, like) if like is not None and name != "step" else value
+                for name, value in moments.items()
+            }
+        optimizer["state"] = state
+        return shards, {**trainer_state, "optimizer": optimizer}
 
     def _write_adapter_files(self, job: JobState, directory: Path, weights: bytes) -> None:
         if job.lora is None:  # full fine-tuning: the weights alone, what the rollout engine reloads
@@ -488,11 +543,19 @@ class TrainerEngine:
         config.save_pretrained(str(directory))
         write_file(directory / ADAPTER_WEIGHTS, weights)
 
-    def _checkpoint_payload(self, job: JobState, extra: dict) -> dict[str, bytes]:
+    def _checkpoint_payload(self, job: JobState, extra: dict, keep: bool = True) -> dict[str, bytes]:
         """The checkpoint's files but the adapter config, serialised in memory: nothing is written
-        for an ``extra`` that is not JSON, and the bytes a checkpoint needs are known up front."""
+        for an ``extra`` that is not JSON, and the bytes a checkpoint needs are known up front.
+        A sharded job's weights and moments are gathered whole (every rank; ``keep`` False: {})."""
+        keys = list(job.params)
         optimizer = job.optimizer.state_dict()  # cloned: views would save the whole slot
-        optimizer["state"] = {i: {k: v.clone() for k, v in state.items()} for i, state in optimizer["state"].items()}
+        optimizer["state"] = {
+            i: {k: v.clone() if k == "step" else self._whole(job, keys[i], v).clone() for k, v in state.items()}
+            for i, state in optimizer["state"].items()
+        }
+        weights = self._adapter_weights(job, keep=keep)
+        if not keep:
+            return {}
         trainer_state = {
             "optimizer": optimizer,
             "rng": {name: t.clone() for name, t in job.rng_state.items()},
@@ -501,7 +564,7 @@ class TrainerEngine:
         buffer = io.BytesIO()
         torch.save(trainer_state, buffer)  # into memory: torch's own file writer loses the errno
         return {
-            ADAPTER_WEIGHTS: self._adapter_weights(job),
+            ADAPTER_WEIGHTS: weights,
             TRAINER_STATE: buffer.getvalue(),
             EXTRA: json.dumps(extra, sort_keys=True).encode(),
         }

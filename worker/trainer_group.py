@@ -12,26 +12,31 @@ timeout is long (``IDLE_TIMEOUT``): an idle engine is not a dead one. They die w
 (a parent-death signal), however it ends.
 
 Layout. Each rank's base model is sharded with FSDP2 (``TrainerEngine.shard_base``); a LoRA job's
-adapter and AdamW moments are replicated. ``attach`` builds what each rank serves around its
+adapter and AdamW moments are replicated, a full fine-tuning job's weights and moments sharded as
+the base is (each rank its shard of every weight, the lm_head whole; ``worker.shards``), so each
+rank's store swaps its own shard. ``attach`` builds what each rank serves around its
 engine: the worker's ranks each hold a state store and a server (``worker.main.attach_rank``), and
 every task goes to every rank (``worker.servers.GroupTrainers``). A step splits its micro-batches
 among the ranks (``trainer_math.RankSplit``: the same cut on every rank, rank r taking those whose
-index is r modulo N, null passes evening out the count; gradients and metrics then summed in one
-all-reduce each), data parallel: equal to a one-rank engine's up to summation order, and a job's
+index is r modulo N, null passes evening out the count; a replicated job's gradients and metrics
+then summed in one all-reduce each, a sharded job's gradients reduce-scattered within each
+backward), data parallel: equal to a one-rank engine's up to summation order, and a job's
 step is bit for bit the same alone or in a shared pass at a given width. A job with LoRA dropout,
 and every call that is not a step (Tinker's forward_backward, log-probs), runs whole on every rank.
-``TrainStep`` and ``LossGradients``, the group's own API, split a batch's rows instead
-(``row_shares``; each share's gradient scaled by ``share_scale``, then one all-reduce), and take no
-micro-batch budget (shares could take unequal numbers of passes).
+A checkpoint is written once, by rank 0 (a sharded job's shards gathered as it writes), in the
+files of one rank: it restores at any width. ``TrainStep`` and ``LossGradients``, the group's own
+API, split a batch's rows instead (``row_shares``; each share's gradient scaled by ``share_scale``,
+then one all-reduce), take no micro-batch budget (shares could take unequal numbers of passes) and
+take LoRA jobs.
 
-Invariants. Every rank holds bit-identical adapters and moments after every call
+Invariants. Every rank holds bit-identical adapters and moments (a LoRA job's) after every call
 (``adapter_digests`` checks it). Every rank runs the same forwards and backwards per call (FSDP's
 all-gathers pair up). A rank that fails or dies takes the group down: rank 0's call raises
 ``TrainerGroupError`` naming it (its exit code and, where it could say, its error) within
 ``timeout_s``, and the group takes no more calls.
 
-Not here yet: full fine-tuning on several ranks (its weights would be sharded; the engine refuses
-it), sharded job state and ``torch.distributed.checkpoint``, sleep, ranks on other nodes.
+Not here yet: ``torch.distributed.checkpoint`` (each rank writing its own shards), full
+fine-tuning of a model with tied embeddings (refused), sleep, ranks on other nodes.
 """
 
 from __future__ import annotations
@@ -267,8 +272,10 @@ class EnsureJob(GroupCall[None]):
 
 def _check_step(rank: GroupRank, job_id: str, batch: TrainBatch, hp: TrainHParams) -> None:
     """What a step on the group needs, checked on rank 0: the job, a valid batch and hparams,
-    and a trainable token in every rank's share."""
-    rank.engine.slots.job(job_id)  # UnknownJobError
+    and a trainable token in every rank's share; a LoRA job (a full fine-tuning job's sharded
+    gradients are reduced within its backwards: it steps as the worker serves it, ``RankSplit``)."""
+    if rank.engine.slots.job(job_id).lora is None:  # UnknownJobError
+        raise JobConfigError(f"job {job_id!r}: a step split by rows takes a LoRA job, not full fine-tuning")
     for name in _UNSHARDABLE_OPTIONS:
         if rank.spec.engine_options.get(name) is not None:
             raise BatchError(f"a step split by rows takes no {name} (the shares could take unequal passes)")
@@ -328,7 +335,8 @@ class BaseBytes(GroupCall[list[int]]):
 
 @dataclasses.dataclass(frozen=True)
 class SaveCheckpoint(GroupCall[dict]):
-    """Rank 0 writes the job's checkpoint (its adapter and moments are every rank's)."""
+    """Rank 0 writes the job's checkpoint (a LoRA job's adapter and moments are every rank's; a
+    full fine-tuning job's shards are gathered from every rank as it writes)."""
 
     job_id: str
     out_dir: str
@@ -338,7 +346,7 @@ class SaveCheckpoint(GroupCall[dict]):
         rank.engine.slots.job(self.job_id)
 
     def run(self, rank: GroupRank) -> dict:
-        return rank.engine.save_checkpoint(self.job_id, self.out_dir, self.extra) if rank.rank == 0 else {}
+        return rank.engine.save_checkpoint(self.job_id, self.out_dir, self.extra, write=rank.rank == 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,10 @@ bit each job's own); gradients equal to each job alone up to float rounding, not
 
 On a rank of an engine of several (``split``, a ``RankSplit``), ``train_step`` and ``train_group``
 run this rank's share of the step's micro-batches and sum the gradients and metric sums over the
-ranks before clipping and AdamW; every rank runs as many passes.
+ranks before clipping and AdamW; every rank runs as many passes. A full fine-tuning job on a
+sharded base (``sharded``) holds this rank's shard of each weight: FSDP2's reduce-scatter sums its
+gradients within each backward, only its whole parameters (the lm_head) are all-reduced after, and
+its clipping norm is the whole gradient's.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from worker.loss_terms import (
     aggregation_weights,
     user_token_terms,
 )
+from worker.shards import ShardedBase, is_shard, local
 from worker.tinker_losses import loss_function
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, token_logprobs
 from worker.train_batches import (
@@ -133,6 +137,7 @@ class TrainingMath:
         self._torch_dtype = dtype
         self._user_losses: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
         self.split: RankSplit | None = None  # set on each rank of an engine of several
+        self.sharded: ShardedBase | None = None  # the base's FSDP2 units, on an engine of several ranks
 
     # ------------------------------------------------------------ training
 
@@ -147,7 +152,7 @@ class TrainingMath:
         split = self.split if self._splits(job) else None
         metrics = self._forward_backward(job, batch, hp, split)
         if split is not None:
-            _reduce_gradients([job], split)
+            _reduce_gradients(self.replicated([job]), split)
         grad_norm, skipped = self.apply_gradients(job, hp)
         metrics.update(grad_norm=grad_norm, skipped=float(skipped), seconds=time.perf_counter() - started)
         return metrics
@@ -212,38 +217,66 @@ class TrainingMath:
         return peft
 
     @contextlib.contextmanager
-    def job_weights(self, job: JobState, grad: bool) -> Iterator[None]:
+    def job_weights(self, job: JobState, grad: bool, summed: bool = False) -> Iterator[None]:
         """A full fine-tuning job's weights in the model for the block, every adapter off (a LoRA
         job: nothing to do). The model's parameters point at the job's float32 masters (cast
         copies on a bfloat16 / float16 engine); with ``grad`` their gradients, added to the
         masters' (micro-batches accumulate), are moved onto the masters after the block. The
-        base's own weights are back in the model, untouched, when the block ends."""
+        base's own weights are back in the model, untouched, when the block ends.
+
+        On a sharded base the job's shards are copied into the base's shards (the base's kept
+        aside), every unit resharded before and after, and each backward's gradients reduced over
+        the ranks: ``summed`` where each rank ran its share of the rows, else averaged."""
         if job.lora is not None:
             yield
             return
         pairs = [(self._base_params[key], master) for key, master in job.params.items()]
-        held = [base.data for base, _ in pairs]
+        held = [local(base).clone() if is_shard(base) else base.data for base, _ in pairs]
         peft = self.slots.peft
         adapters_off = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
+        if self.sharded is not None:
+            self.sharded.reshard()
+            self.sharded.reduce(summed)
         try:
-            for base, master in pairs:
-                base.data = master.data if master.dtype == base.dtype else master.detach().to(base.dtype)
-                base.requires_grad_(grad)
+            with torch.no_grad():
+                for base, master in pairs:
+                    if is_shard(base):
+                        local(base).copy_(master)
+                    else:
+                        base.data = master.data if master.dtype == base.dtype else master.detach().to(base.dtype)
+                    base.requires_grad_(grad)
             with adapters_off:
                 yield
             for base, master in pairs if grad else ():
                 if base.grad is None:
                     continue
-                part = base.grad if base.grad.dtype == master.dtype else base.grad.to(master.dtype)
+                part = local(base.grad)
+                part = part if part.dtype == master.dtype else part.to(master.dtype)
                 if master.grad is None:
                     master.grad = part
                 else:
                     master.grad += part
         finally:
-            for (base, _), data in zip(pairs, held):
-                base.data = data
-                base.grad = None
-                base.requires_grad_(False)
+            if self.sharded is not None:
+                self.sharded.reshard()
+            with torch.no_grad():
+                for (base, _), data in zip(pairs, held):
+                    if is_shard(base):
+                        local(base).copy_(data)
+                    else:
+                        base.data = data
+                    base.grad = None
+                    base.requires_grad_(False)
+
+    def replicated(self, jobs: Sequence[JobState]) -> list[torch.nn.Parameter]:
+        """The jobs' parameters every rank holds whole (a LoRA adapter's; a full job's on a
+        sharded base: those of the base's parameters left whole, the lm_head), in order."""
+        return [
+            param
+            for job in jobs
+            for key, param in job.params.items()
+            if job.lora is not None or not is_shard(self._base_params[key])
+        ]
 
     def _length_order(self, lengths: list[int], spans: list[tuple[int, int]] | None = None) -> list[int] | None:
         """The order the batch's rows are cut in (``length_order``); None: as they come."""
@@ -266,7 +299,8 @@ class TrainingMath:
     ) -> Iterator[tuple[int, int, Rows, bool]]:
         """(start, stop, rows, null) of each pass this process runs: every micro-batch with a
         trainable token; with ``split``, this rank's of them, then null passes (the first
-        micro-batch again, its gradients into the jobs' undone: ``null`` True) until it has run
+        micro-batch again, its gradients into the jobs' whole parameters undone, its loss counted
+        zero by the caller, so a sharded job's reduce-scatter adds nothing: ``null`` True) until it has run
         as many as every rank."""
         if bounds is None:
             bounds = micro_batch_bounds(rows.lengths, self.options.micro_batch_rows, self.options.micro_batch_tokens)
@@ -280,7 +314,7 @@ class TrainingMath:
             if index is not None:
                 yield start, stop, slice_rows(rows, start, stop), False
                 continue
-            held = [(p, p.grad) for job in jobs for p in job.params.values()]
+            held = [(p, p.grad) for p in self.replicated(jobs)]  # a shard's: the other ranks' passes
             for param, grad in held:
                 param.grad = None if grad is None else grad.clone()
             yield start, stop, slice_rows(rows, start, stop), True
@@ -288,9 +322,10 @@ class TrainingMath:
                 param.grad = grad
 
     def _splits(self, job: JobState) -> bool:
-        """Whether the job's steps split among this engine's ranks: a LoRA job without dropout
-        (a job with dropout draws its masks as on one rank: every rank runs all of its rows)."""
-        return self.split is not None and job.lora is not None and job.lora.dropout == 0
+        """Whether the job's steps split among this engine's ranks: a full fine-tuning job, or a
+        LoRA job without dropout (a job with dropout draws its masks as on one rank: every rank
+        runs all of its rows)."""
+        return self.split is not None and (job.lora is None or job.lora.dropout == 0)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -355,7 +390,7 @@ class TrainingMath:
         split = self.split if all(self._splits(job) for job in jobs) else None
         metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps], split)
         if split is not None:
-            _reduce_gradients(jobs, split)
+            _reduce_gradients(self.replicated(jobs), split)
         norms = _clip_together([list(job.params.values()) for job in jobs], [hp.max_grad_norm for _, _, hp in steps])
         stepping = []
         for job, (_, _, hp), m, grad_norm in zip(jobs, steps, metrics, norms):
@@ -555,6 +590,8 @@ class TrainingMath:
                     hp,
                     MetricSums() if null else sums,  # metrics of a null pass go nowhere
                     user_loss,
+                    summed=split is not None,
+                    null=null,
                 )
         if split is not None:
             sums.all_reduce(split.all_reduce, self.device)
@@ -570,12 +607,17 @@ class TrainingMath:
         hp: TrainHParams,
         sums: MetricSums,
         user_loss: Callable[..., torch.Tensor] | None = None,
+        summed: bool = False,
+        null: bool = False,
     ) -> None:
+        """The micro-batch's loss gradient into the job's parameters (``summed``: over the ranks
+        that split the step; ``null``: a null pass, whose loss counts zero: the reduce-scatter of a
+        sharded job's gradients then adds nothing to the other ranks')."""
         ref_logprobs = self._reference_logprobs(job, part) if hp.kl_coef > 0 else None
         model = self.activate(job, train=job.lora is not None and job.lora.dropout > 0)
         fused = fused_lora_a(model, job.adapter_name) if self.options.fuse_lora and job.lora is not None else None
         with (
-            self.job_weights(job, grad=True),  # the backward too: gradients reach the job's weights
+            self.job_weights(job, grad=True, summed=summed),  # the backward too: gradients reach the job's weights
             fused or contextlib.nullcontext(),
             self._low_precision_inputs(model, job),
         ):
@@ -584,7 +626,7 @@ class TrainingMath:
             assert entropy is not None
             terms = _token_terms(user_loss, hp, logp, old_logprobs, ref_logprobs, advantages, part.loss_mask)
             loss = (terms.loss * weights).sum()
-            loss.backward()
+            (loss * 0.0 if null else loss).backward()
         sums.add(part.loss_mask, weights, terms, loss, entropy)
 
     def _low_precision_inputs(self, model: torch.nn.Module, job: JobState) -> contextlib.AbstractContextManager[Any]:
@@ -616,9 +658,27 @@ class TrainingMath:
             return self._token_logprobs(model, part)[0]
 
     def clip_gradients(self, job: JobState, max_grad_norm: float) -> float:
+        """The job's gradients scaled to a norm of at most ``max_grad_norm`` (<= 0: no limit); the
+        norm before. A full job on a sharded base: the norm of the whole gradient, its shards'
+        squares summed over the ranks."""
         max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         params = list(job.params.values())
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm).item())
+        shards = [p for key, p in job.params.items() if job.lora is None and is_shard(self._base_params[key])]
+        if not shards:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm).item())
+        assert self.split is not None
+        cut = {id(p) for p in shards}
+        whole = [p for p in params if id(p) not in cut]
+        squares = torch.stack([_grad_or_zeros(p).double().square().sum() for p in shards]).sum().reshape(1)
+        self.split.all_reduce(squares)
+        squares += sum((_grad_or_zeros(p).double().square().sum() for p in whole), torch.zeros((), dtype=torch.float64))
+        norm = float(squares.sqrt().item())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(coef)
+        return norm
 
     # ------------------------------------------------------------ internals: randomness
 
@@ -796,10 +856,11 @@ def _loss_key(hp: TrainHParams) -> tuple[Any, ...]:
     return (hp.loss, hp.clip_low, hp.clip_high, hp.kl_coef, tuple(sorted(hp.loss_params.items())), hp.loss_fn)
 
 
-def _reduce_gradients(jobs: Sequence[JobState], split: RankSplit) -> None:
-    """Each job's gradients summed over the ranks, in one collective; a parameter no pass of
-    this rank reached counts zeros."""
-    params = [param for job in jobs for param in job.params.values()]
+def _reduce_gradients(params: Sequence[torch.nn.Parameter], split: RankSplit) -> None:
+    """The parameters' gradients summed over the ranks, in one collective; a parameter no pass
+    of this rank reached counts zeros."""
+    if not params:
+        return
     flat = torch.cat([_grad_or_zeros(param).reshape(-1) for param in params])
     split.all_reduce(flat)
     at = 0

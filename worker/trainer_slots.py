@@ -34,6 +34,7 @@ from peft import PeftModel, get_peft_model
 
 from plexctl.common.spec import LoraSpec
 from worker.errors import JobConfigError, StateCopyError, UnknownJobError
+from worker.shards import local
 from worker.state.job_copy import (
     ADAPTER_PREFIX,
     OPTIM_PREFIX,
@@ -439,10 +440,12 @@ class JobSlots:
     def _full_weights(self, empty: bool) -> tuple[str, dict[str, Home]]:
         """A name and parameters for a full fine-tuning job, one per base parameter, float32 (its
         masters), held apart from the model: the base's values, or (``empty``) meta placeholders
-        that ``_make_slot`` replaces with views over uninitialised memory."""
+        that ``_make_slot`` replaces with views over uninitialised memory. On a sharded base each
+        is this rank's shard of the weight (``worker.shards.local``)."""
         holder = torch.nn.Module()
         homes: dict[str, Home] = {}
-        for i, (name, base) in enumerate(self._base_params.items()):
+        for i, (name, param) in enumerate(self._base_params.items()):
+            base = local(param)
             if empty:
                 weight = torch.empty(base.shape, dtype=torch.float32, device="meta")
             else:
