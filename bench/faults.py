@@ -46,6 +46,23 @@ def worker_pid(state_dir: Path, worker_id: str) -> int:
     raise LookupError(f"no worker {worker_id} of the cluster at {state_dir}")
 
 
+def rank_pids(worker: int) -> list[int]:
+    """The pids of the trainer ranks past rank 0 that worker process ``worker`` started (its
+    children spawned by torch.multiprocessing; not multiprocessing's resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == worker and "spawn_main" in argv:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
 def driver_pid(state_dir: Path, job_id: str) -> int:
     """The pid of the job's current driver (the journal's last `started` event)."""
     with sqlite3.connect(state_dir / "journal.db") as db:

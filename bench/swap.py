@@ -392,11 +392,19 @@ class SwapCycle:
     """
 
     def __init__(
-        self, trainer: TrainerEngine, lora: LoraSpec, config: dict[str, Any], nvme_dir: Path, name: str
+        self,
+        trainer: TrainerEngine,
+        lora: LoraSpec | None,
+        config: dict[str, Any],
+        nvme_dir: Path,
+        name: str,
+        nbytes: int | None = None,
     ) -> None:
+        """``lora`` None: a full fine-tuning job; ``nbytes``: its state's bytes where the
+        model's config does not say them (a rank's shard of a sharded job)."""
         self.job = f"swap-{name}"
         self.lora = lora
-        self.nbytes = StateStore.job_bytes(lora, config)
+        self.nbytes = nbytes or StateStore.job_bytes(lora, config)
         self.store = StateStore(trainer, device_slots=1, host_bytes=self.nbytes, nvme_dir=nvme_dir)
         self.f1, self.f2 = f"{self.job}-f1", f"{self.job}-f2"
         for job in (self.f1, self.f2):
@@ -942,6 +950,36 @@ CONDITIONS = (
 )
 
 
+def print_widths(by_width: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    """The width axis: bytes per rank, and per move the slowest rank's seconds and each rank's."""
+    from bench.swap_width import DIRECTIONS  # it builds on this module's SwapCycle
+
+    table = Table(
+        title=(
+            f"swap by trainer width: one full fine-tuning job, each rank moving its own shard at once "
+            f"(medians; {info.get('cpu_count', os.cpu_count())} CPU cores shared by the ranks)"
+        )
+    )
+    for column in ("width", "bytes per rank", "total bytes", *DIRECTIONS, "round s"):
+        table.add_column(column, justify="right")
+    for row in by_width:
+        moves = [
+            f"{row['directions'][d]['slowest_s'] * 1e3:.1f} ms ("
+            + " / ".join(f"{s * 1e3:.1f}" for s in row["directions"][d]["rank_s"])
+            + ")"
+            for d in DIRECTIONS
+        ]
+        table.add_row(
+            str(row["width"]),
+            human_bytes(max(row["bytes_per_rank"])),
+            human_bytes(row["bytes_total"]),
+            *moves,
+            f"{row['round_s']:.3f}",
+        )
+    console.print(table)
+    console.print("per move: the slowest rank's time (each rank's); every rank's store moves its shard in parallel")
+
+
 def raw_label(key: str, cpu: bool) -> str:
     """A raw figure's key in a few words (the same-memory copies are memcpy without CUDA)."""
     if cpu and key.startswith("same.device."):
@@ -1012,8 +1050,15 @@ def main() -> None:
         default=None,
         help=f"rounds per whole-model size (default {WHOLE_MODEL_REPS}, quick 2)",
     )
+    ap.add_argument(
+        "--widths",
+        default=None,
+        help="trainer engine widths for the width axis, comma-separated (default 1,2,4; quick 1,2; '': none)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    asked = args.widths if args.widths is not None else "1,2" if args.quick else "1,2,4"
+    widths = [int(w) for w in asked.split(",") if w]
     reps = args.reps or (2 if args.quick else 8)
     out = args.out or REPO / "bench" / "results" / ("swap-quick.json" if args.quick else "swap.json")
     model = build_tiny_model()
@@ -1033,10 +1078,16 @@ def main() -> None:
             if args.model_scale > 0:
                 with console.status(f"swap: {name} whole-model state"):
                     results.append(run_whole_model(name, int(nbytes * args.model_scale), nvme_dir, model_reps))
+        from bench.swap_width import run_widths  # it builds on this module's SwapCycle
+
+        with console.status(f"swap: a full fine-tuning job's state at widths {widths}"):
+            by_width = run_widths(str(model), config, widths, nvme_dir, reps) if widths else []
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     hidden = hidden_share(MULTIPLEX_JSON)
     print_report(results, hidden, info)
+    if by_width:
+        print_widths(by_width, info)
     rows = [p for r in results for p in r["paths"]]
     write_json_atomic(
         out,
@@ -1050,6 +1101,7 @@ def main() -> None:
             "conditions": CONDITIONS,
             "machine": info,
             "sizes": results,
+            "widths": by_width,
             "hidden_behind_compute": hidden,
             "summary": {
                 "meets_target": [f"{r['size']} {p['path']}" for r in results for p in r["paths"] if p["meets_target"]],

@@ -66,6 +66,13 @@ def test_swap_quick_reports_every_path_and_size_against_raw(tmp_path: Path) -> N
     assert result["conditions"]  # the raw figures' conditions are stated beside them
     hidden = result["hidden_behind_compute"]
     assert hidden["available"] or hidden["missing"]  # a share per mode, or what the multiplex JSON lacks
+    # the width axis: a full job's state on 1 and 2 ranks, each rank moving its own shard through every tier
+    one, two = result["widths"]
+    assert (one["width"], two["width"]) == (1, 2) and len(two["bytes_per_rank"]) == 2
+    assert max(two["bytes_per_rank"]) < one["bytes_per_rank"][0] < two["bytes_total"]  # the lm_head is whole on each
+    for row in (one, two):
+        for move in row["directions"].values():
+            assert len(move["rank_s"]) == row["width"] and move["slowest_s"] >= max(move["rank_s"]) > 0
 
 
 def test_daemon_quick_reports_round_trip_and_throughput(tmp_path: Path) -> None:

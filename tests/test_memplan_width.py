@@ -63,9 +63,13 @@ def test_width_one_is_the_single_gpu_step_and_a_rank_holds_its_share() -> None:
     one = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job)
     assert trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=1) == one
     four = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=4)
-    head = config["vocab_size"] * config["hidden_size"] * 2  # the lm_head stays whole on every rank
-    assert four.weights == math.ceil((one.weights - head) / 4) + head and four.states == math.ceil(state / 4)
-    assert four.gradients == math.ceil(parameter_count(config) / 4) * (4 + 2)
+    head_params = config["vocab_size"] * config["hidden_size"]  # the lm_head stays whole on every rank
+    head = head_params * 2
+    assert four.weights == math.ceil((one.weights - head) / 4) + head
+    head_state = state * head_params // parameter_count(config)  # a full job's lm_head: weight, master, moments
+    assert four.states == math.ceil((state - head_state) / 4) + head_state
+    split = math.ceil((parameter_count(config) - head_params) / 4) + head_params
+    assert four.gradients == split * (4 + 2)
     assert four.kept == one.kept and four.transient == one.transient  # a rank's micro-batch is its own
     buffers = fsdp_buffer_bytes(config, "bfloat16", job, 4)
     assert buffers == 2 * layer_parameters(config) * 2 + layer_parameters(config) * 4
@@ -94,8 +98,10 @@ def test_a_7b_full_fine_tuning_plan_shards_its_trainer_over_4_gpus() -> None:
     assert plan.trainer_width == 4 and [t.gpus for t in plan.trainers] == [4]
     t = plan.trainers[0]
     state = full_state_size(plan.config, "bfloat16", cuda=True).total
-    assert t.job_state_bytes == math.ceil(state / 4)
-    head = plan.config["vocab_size"] * plan.config["hidden_size"] * 2
+    head_params = plan.config["vocab_size"] * plan.config["hidden_size"]
+    head_state = state * head_params // parameter_count(plan.config)  # the lm_head's part, whole on each rank
+    assert t.job_state_bytes == math.ceil((state - head_state) / 4) + head_state
+    head = head_params * 2
     assert t.weights_bytes == math.ceil((weights_bytes(plan.config, "bfloat16") - head) / 4) + head
     assert t.step_peak_bytes <= t.room_bytes and t.fsdp_buffer_bytes > 0
     assert t.tier_jobs(HOST) == t.tier_bytes[HOST] // t.job_state_bytes  # each rank swaps its own shard
@@ -180,7 +186,7 @@ def test_a_wide_trainer_keeps_a_lora_jobs_state_whole_on_every_rank() -> None:
     one = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job)
     two = trainer_step(config, "bfloat16", 16384, "on", 0, states=state, job=job, width=2)
     assert two.states == one.states == state and two.gradients == one.gradients
-    assert two.weights < one.weights and rank_job_bytes(state, job, 2) == state
+    assert two.weights < one.weights and rank_job_bytes(config, state, job, 2) == state
     assert fsdp_buffer_bytes(config, "bfloat16", job, 2) == 2 * layer_parameters(config) * 2  # no reduce-scatter
     tied = model_config_for("/models/Qwen2.5-3B-Instruct")
     assert tied["tie_word_embeddings"]  # the embedding is split, the lm_head a whole copy of it

@@ -22,7 +22,8 @@ from conftest import random_tiny_qwen2
 
 from plexctl.common.memplan import JobShape, job_sizes, rank_job_bytes, rank_weights_bytes, weights_bytes
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
-from worker.errors import BatchError, CheckpointError
+from plexctl.common.state_size import full_state_size
+from worker.errors import BatchError, CheckpointError, JobConfigError
 from worker.loss_terms import aggregation_weights
 from worker.train_batches import pad_rows
 from worker.trainer import TrainerEngine
@@ -209,18 +210,38 @@ def assert_plan_per_rank(model_dir: str, width: int, base: list[int], states: li
     config = json.loads((Path(model_dir) / "config.json").read_text())
     job = JobShape("A", LORA.rank, 0, target_modules=tuple(LORA.target_modules))
     assert base == [rank_weights_bytes(config, "float32", width)] * width
-    assert states == [state_alone] * width == [rank_job_bytes(state_alone, job, width)] * width
+    assert states == [state_alone] * width == [rank_job_bytes(config, state_alone, job, width)] * width
     assert job_sizes(config, job, "float32", cuda=False)[0] == state_alone
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize("width", [2, 4])
+def test_a_full_jobs_state_per_rank_is_the_plans(model_dir: str, width: int) -> None:
+    """A full fine-tuning job on 2 and 4 ranks: each rank holds its shard of every weight and its
+    moments, the lm_head's whole, exactly the plan's per-rank figure."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    size = full_state_size(config, "float32")
+    job = JobShape("F", 0, 0, full=True)
+    with TrainerGroup(model_dir, width=width, engine_options=OPTIONS, timeout_s=60) as group:
+        group.ensure_job("F", None, seed=5)
+        states = group.rank_state_bytes("F")
+    assert states == [rank_job_bytes(config, size.total, job, width, fixed=size.extra)] * width
+    head = config["vocab_size"] * config["hidden_size"] * 12  # fp32 weight and two moments, whole
+    assert states[0] == (size.total - size.extra - head) // width + head + size.extra
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_a_tied_embedding_is_split_and_its_lm_head_kept_whole(tmp_path: Path) -> None:
     """With tied embeddings, each of 2 ranks holds half the base and a whole copy of the lm_head,
-    as the plan counts it."""
+    as the plan counts it; a full fine-tuning job on it is refused in one line before any rank
+    moves, and the group goes on."""
     model_dir = random_tiny_qwen2(tmp_path / "tied", vocab_size=VOCAB, tie_word_embeddings=True)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=60) as group:
+        with pytest.raises(JobConfigError, match="tied embeddings runs on trainer engines of one rank"):
+            group.ensure_job("F", None, seed=5)
         shares = group.base_bytes()
     head = VOCAB * config["hidden_size"] * 4
     assert (

@@ -221,6 +221,41 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
         assert all(torch.equal(moments[n], moments_at_four[index][n]) for n in moments), index
 
 
+def tinker_bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
+    """Tinker's calls on a full fine-tuning job ("T"): forward_backward, then optim_step (its
+    calls again, with clipping), twice, the last publishing its weights under ``out``."""
+    from tests.test_trainer_tokens import make_data
+
+    context = C.TrainerContext(None, 9)
+    sent: list[P.TaskBody | P.TaskPassBody] = []
+    for step in range(2):
+        call = C.LossCall(make_data(40 + step), "importance_sampling")
+        sent.append(P.TaskBody(2 * step + 1, "T", EID, C.ForwardBackwardTask(context, call)))
+        adam = C.AdamStep(learning_rate=1e-3, grad_clip_norm=0.5)
+        publish = str(out / "F") if step == 1 else ""
+        sent.append(P.TaskBody(2 * step + 2, "T", EID, C.OptimStepTask(context, [call], adam, publish)))
+    return sent
+
+
+def test_tinker_calls_on_a_full_job_on_two_ranks_are_one_ranks(model_dir: str, tmp_path: Path) -> None:
+    """Tinker's forward_backward and optim_step run whole on every rank of 2: a full fine-tuning
+    job's sharded gradients are then averaged over the ranks, not summed: the losses, log-probs,
+    gradient norms and weights are one rank's."""
+    alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, threads=1), CONFIG, tmp_path / "n1", {})})
+    want = serve_all(alone, tinker_bodies(tmp_path / "one")).results
+    with group_of(model_dir, 2, tmp_path / "n2") as group:
+        got = serve_all(GroupTrainers(group, pytest.fail), tinker_bodies(tmp_path / "two")).results
+    for task_id, (ok, value, error) in want.items():
+        assert ok and got[task_id][0], (task_id, error, got[task_id][2])
+        if isinstance(value, C.ForwardBackwardResult):
+            assert got[task_id][1].loss == pytest.approx(value.loss, rel=1e-6)
+        else:
+            for key in ("loss:sum", "grad_norm:mean"):
+                assert got[task_id][1].metrics[key] == pytest.approx(value.metrics[key], rel=1e-6), key
+    one, two = full_weights(tmp_path / "one"), full_weights(tmp_path / "two")
+    assert all((one[k] - two[k]).abs().max() <= 1e-5 for k in one)
+
+
 def test_a_rank_that_dies_takes_the_worker_down(model_dir: str, tmp_path: Path) -> None:
     failures: list[str] = []
     group = group_of(model_dir, 2, tmp_path / "n", timeout_s=20.0)
@@ -243,11 +278,15 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.journey
 def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(tiny_model: Path, tmp_path: Path):
     """`plexctl up --local --trainer-width 2`, as a user types it: status shows the trainer engine
-    with its two ranks; the tiny LoRA job and the tiny full fine-tuning job succeed on it side by
+    with its two ranks; the tiny LoRA job and the tiny full fine-tuning job run on it side by
     side, each evaluated at its start and end (the full job's rollouts from its weights gathered
-    from both ranks and published); a Tinker client's run on it saves its state and loads it back,
-    optimizer included, to the same next step."""
+    from both ranks and published); rank 1 killed mid-run takes the engine down, it starts again
+    whole, and both jobs roll back to their checkpoints and succeed with every step recorded once;
+    a Tinker client's run on it saves its state and loads it back, optimizer included, to the same
+    next step."""
+    from bench import faults
     from tests.conftest import Cluster
+    from tests.test_faults import kinds, steps
 
     cluster = Cluster(tmp_path / "home", env={"TINKER_TELEMETRY": "0"}).up(
         tiny_model, "--trainer-width", "2", "--tinker-port", "0"
@@ -256,15 +295,24 @@ def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(tiny_mode
         trainer = next(e for e in cluster.status()["engines"] if e["kind"] == "trainer")
         assert trainer["ranks"] == 2
         assert "cpu x2" in cluster.run("status", check=True).stdout
-        lora = cluster.run("submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", "algo.steps=4", "-q")
-        full = cluster.run("submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "--set", "algo.steps=3", "-q")
+        every = ("--set", "checkpoint.every=2", "-q")
+        lora = cluster.run("submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", "algo.steps=6", *every)
+        full = cluster.run("submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "--set", "algo.steps=6", *every)
         assert lora.returncode == 0 and full.returncode == 0, lora.stderr + full.stderr
-        for job in (lora.stdout.strip(), full.stdout.strip()):
+        jobs = (lora.stdout.strip(), full.stdout.strip())
+        cluster.wait_for(jobs[1], lambda j: j["step"] >= 3, timeout=600, what="3 steps")
+        worker = faults.worker_pid(cluster.state_dir, trainer["worker_id"])
+        [rank1] = faults.rank_pids(worker)
+        faults.kill(rank1)
+        for job in jobs:
             cluster.run("wait", job, "--timeout", "900", timeout=960)
-        for job, steps in ((lora.stdout.strip(), 4), (full.stdout.strip(), 3)):
+        for job in jobs:
             done = cluster.job(job)
-            assert done["state"] == "succeeded" and done["step"] == steps, done
+            assert done["state"] == "succeeded" and done["step"] == 6, done
             assert 0.0 <= done["eval_first"] <= 1.0 and 0.0 <= done["eval_last"] <= 1.0, done
+            assert steps(cluster, job) == list(range(1, 7))  # steps past the checkpoint ran again, recorded once
+        assert "rolled back" in kinds(cluster, jobs[1])
+        assert faults.worker_pid(cluster.state_dir, trainer["worker_id"]) != worker  # started again, whole
         tinker_state_round_trip(cluster)
     finally:
         cluster.run("down", timeout=120)

@@ -422,22 +422,61 @@ class GroupTrainers:
     tensor-parallel workers, then every rank serves it, its base sharded and its jobs' adapters
     replicated, and rank 0's results are the engine's. A rank that fails, dies or times out takes
     the worker down (``on_failure``), so the engine restarts whole and its jobs go on from their
-    checkpoints; a task's own error is each rank's, reported as on one rank."""
+    checkpoints; a task's own error is each rank's, reported as on one rank. Rank 0's results are
+    held until the body is done: a task that failed is reported only once every rank answers a
+    ``Ping`` (a collective that failed on a dead peer is the peer's death, not the task's error)."""
 
     def __init__(self, group: Any, on_failure: Callable[[str], None]) -> None:
         self.group, self.on_failure = group, on_failure
 
     def serve(self, t: P.TaskBody | P.TaskPassBody | P.ReleaseBody, out: Outbox) -> None:
         target: RankTrainer = self.group.target
-        target.out = out
+        held = _HeldResults(out)
+        target.out = held
         try:
             self.group.call(Serve(t))
+            if held.failed:
+                self.group.call(Ping())
         except TrainerGroupError as exc:
             log.error("trainer engine of %d ranks failed: %s", self.group.width, exc)
             tasks = t.tasks if isinstance(t, P.TaskPassBody) else [t] if isinstance(t, P.TaskBody) else []
             for task in tasks:
                 out.result(task.task_id, False, error=f"trainer engine failed: {exc}")
             self.on_failure(str(exc))
+            return
+        held.flush()
+
+
+@dataclass(frozen=True)
+class Ping(GroupCall[None]):
+    """Every rank answers (one small collective): a dead or hung rank fails it."""
+
+    def run(self, rank: GroupRank) -> None:
+        rank.gather_objects(None)
+
+
+class _HeldResults:
+    """An outbox that holds the results it is given until ``flush``; everything else goes through."""
+
+    def __init__(self, out: Outbox) -> None:
+        self.out = out
+        self.held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    @property
+    def failed(self) -> bool:
+        """Whether a held result is a failure."""
+        return any(not (args[1] if len(args) > 1 else kwargs.get("ok", True)) for args, kwargs in self.held)
+
+    def result(self, *args: Any, **kwargs: Any) -> None:
+        self.held.append((args, kwargs))
+
+    def flush(self) -> None:
+        for args, kwargs in self.held:
+            self.out.result(*args, **kwargs)
+        self.held.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.out, name)
 
 
 class _WithSwitch:

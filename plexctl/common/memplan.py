@@ -16,8 +16,8 @@ worker's (``plan_settings``), read from there, never restated; the settings them
 
 Trainer engines may be wide (``trainer_width``: the smallest width whose per-rank step fits one GPU,
 or the cluster's ``trainer_width``): a rank of N holds 1/N of the base weights but a whole lm_head
-(``rank_weights_bytes``), 1/N of a full job's state and gradients but a LoRA job's whole
-(``rank_job_bytes``, as the runtime lays them out) plus ``fsdp_buffer_bytes``, a micro-batch's
+(``rank_weights_bytes``), 1/N of a full job's state and gradients but its lm_head's part, and a
+LoRA job's whole (``rank_job_bytes``, as the runtime lays them out) plus ``fsdp_buffer_bytes``, a micro-batch's
 activations whole (the ranks split a step's rows), and its own host and NVMe tier; width 1 is the
 single-GPU trainer, figure for figure.
 
@@ -161,11 +161,20 @@ def rank_weights_bytes(config: Mapping[str, Any], dtype: str, width: int) -> int
     return math.ceil(sharded / width) + head
 
 
-def rank_job_bytes(nbytes: int, job: JobShape, width: int) -> int:
+def rank_job_bytes(config: Mapping[str, Any], nbytes: int, job: JobShape, width: int, fixed: int = 0) -> int:
     """One rank's share of a job's ``nbytes`` of state or gradients on a trainer engine of
-    ``width``: a LoRA job's adapter and moments are whole on every rank (replicated), a full
-    fine-tuning job's are split evenly."""
-    return math.ceil(nbytes / max(1, width)) if job.full else nbytes
+    ``width``: a LoRA job's adapter and moments are whole on every rank (replicated); a full
+    fine-tuning job's are cut as the base's parameters are (``worker.shards``): split evenly but an
+    untied lm_head's part, whole on every rank, and ``fixed`` bytes of it not per parameter (step
+    counts, RNG state) whole."""
+    if not job.full or width <= 1:
+        return nbytes
+    params = parameter_count(config)
+    tied = config.get("tie_word_embeddings", False)
+    head = 0 if tied else int(config["vocab_size"]) * int(config["hidden_size"])
+    per_param = nbytes - fixed
+    head_bytes = per_param * head // params
+    return math.ceil((per_param - head_bytes) / width) + head_bytes + fixed
 
 
 def fsdp_buffer_bytes(config: Mapping[str, Any], dtype: str, job: JobShape, width: int) -> int:
@@ -202,7 +211,8 @@ def trainer_step(
 
     ``width``: the GPUs of the trainer engine; the peak is one rank's. FSDP2 shards the base
     weights but the lm_head (``rank_weights_bytes``); a full fine-tuning job's states and gradients
-    (and autocast's casts of its weights) are split evenly, a LoRA job's are whole on every rank
+    (and autocast's casts of its weights) are split as the base is, its lm_head's part whole, a
+    LoRA job's are whole on every rank
     (``rank_job_bytes``); plus ``fsdp_buffer_bytes`` (counted as workspace). Each rank runs
     micro-batches of ``tokens`` of its own, so activations are not divided. Width 1 is the
     single-GPU trainer, unchanged."""
@@ -219,8 +229,8 @@ def trainer_step(
             dtype,
             checkpointing,
             weights=weights,
-            states=rank_job_bytes(states, job, width),
-            trainable_params=rank_job_bytes(trainable, job, width),
+            states=rank_job_bytes(config, states, job, width),
+            trainable_params=rank_job_bytes(config, trainable, job, width),
             rank=job.rank,
             target_modules=job.target_modules,
             full=job.full,
@@ -805,8 +815,11 @@ def plan_memory(
             cuda=on_gpu,
             width=ranks,
         )
-        rank_weights, rank_state = rank_weights_bytes(config, dtype, ranks), rank_job_bytes(state, largest, ranks)
-        rank_gradient = rank_job_bytes(gradient, largest, ranks)
+        rank_weights, rank_state = (
+            rank_weights_bytes(config, dtype, ranks),
+            rank_job_bytes(config, state, largest, ranks),
+        )
+        rank_gradient = rank_job_bytes(config, gradient, largest, ranks)
         buffers = fsdp_buffer_bytes(config, dtype, largest, ranks) if on_gpu else 0
         return TrainerPlan(
             index=index,
