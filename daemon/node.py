@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from daemon.main import REPO_ROOT, child_env, wait_or_kill
 from plexctl.common import auth
 from plexctl.common import protocol as P
@@ -41,7 +43,16 @@ from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
 from plexctl.common.cluster_config import ConfigError, config_path, read_config
 from plexctl.common.errors import ExitCode, PlexError
-from plexctl.common.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
+from plexctl.common.layout import (
+    LayoutError,
+    TrainerSpan,
+    WorkerPlacement,
+    check_gpus,
+    engine_kinds,
+    node_gpus,
+    place_workers,
+    trainer_span,
+)
 
 log = logging.getLogger("plexrl-node")
 
@@ -209,6 +220,31 @@ def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, wait: fl
         wait_or_kill(proc, max(0.0, deadline - time.monotonic()))
 
 
+def start_ranks(
+    span: TrainerSpan,
+    rendezvous: Path,
+    config_file: Path,
+    scratch: Path,
+    state_dir: Path,
+    p: WorkerPlacement,
+    node: str,
+) -> subprocess.Popen:
+    """This node's ranks of a trainer engine whose rank 0 runs on another node (``worker.ranks``),
+    on the placement's GPUs, their stores under ``scratch``."""
+    cmd = [sys.executable, "-m", "worker.ranks", "--rendezvous", str(rendezvous)]
+    cmd += ["--ranks", ",".join(map(str, span.ranks)), "--cluster-config", str(config_file), "--scratch", str(scratch)]
+    proc = _spawn(cmd, state_dir / "workers" / f"{p.worker_id}-ranks.log", p.devices)
+    log.info(
+        "trainer ranks %s of engine %d (rank 0 on another node) devices %s on %s pid %d",
+        ",".join(map(str, span.ranks)),
+        span.engine,
+        ",".join(p.devices) or "none",
+        node,
+        proc.pid,
+    )
+    return proc
+
+
 def requeue(job_id: str) -> bool:
     scontrol = shutil.which("scontrol")
     if scontrol is None or job_id == "0":
@@ -261,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_gpus=config.rollout_gpus,
             trainer_gpus=config.trainer_gpus,
             tp=config.tp,
+            trainer_width=config.trainer_width or 1,
         )
     except LayoutError as exc:
         log.error("%s", exc)
@@ -329,11 +366,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     scratch = node_scratch(config.scratch, env["job_id"], env["node"])
     threads = max(1, task_cpus() // n) if n > 1 else None  # the node's cores, shared out
+    ranks: list[subprocess.Popen] = []  # a wide trainer engine's ranks here, its rank 0 on another node
     for p in placements:
         w_scratch = scratch / p.scratch_name if p.scratch_name else scratch
+        trainers = len(p.devices) if "trainer" in p.engines else 0
+        span = trainer_span(config.trainer_width or 1, trainers, node_index) if not args.join else None
+        command_extra: list[str] = []
+        if span is not None:
+            rendezvous = state_dir / "groups" / f"{env['job_id']}-trainer{span.engine}.json"
+            if span.part == 0:  # rank 0 here: this worker speaks for the engine
+                command_extra = ["--trainer-rendezvous", str(rendezvous), "--local-ranks", str(len(span.ranks))]
+                command_extra += ["--group-host", advertise_address()]
+            else:
+                ranks.append(start_ranks(span, rendezvous, config_file, w_scratch / "ranks", state_dir, p, env["node"]))
+                p = msgspec.structs.replace(p, engines=[e for e in p.engines if e != "trainer"])
+                if not p.engines:
+                    continue
         log_path = state_dir / "workers" / f"{p.worker_id}.log"
         proc = _spawn(
-            worker_command(p, address, env["node"], config.models, w_scratch, config.tp, threads, config_file),
+            worker_command(p, address, env["node"], config.models, w_scratch, config.tp, threads, config_file)
+            + command_extra,
             log_path,
             p.devices,
         )
@@ -360,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("restarting the daemon (%d/%d)", daemon_restarts, DAEMON_RESTARTS)
                 daemon = start_daemon(int(address.rsplit(":", 1)[1]))
                 continue
-            _stop_all([w.proc for w in workers], wait=15)
+            _stop_all([w.proc for w in workers] + ranks, wait=15)
             break
         for w in workers:
             if w.reported or w.proc.poll() is None:
@@ -373,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log.info("worker %s exited with code %d", w.placement.worker_id, exit_code)
         if daemon is None and all(w.reported for w in workers):
+            _stop_all(ranks, wait=15)
             break
         time.sleep(0.2)
     for w in workers:

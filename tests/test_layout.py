@@ -8,7 +8,16 @@ import pytest
 
 from daemon.node import worker_command
 from plexctl.common.errors import UsageError
-from plexctl.common.layout import LayoutError, WorkerPlacement, check_gpus, engine_kinds, node_gpus, place_workers
+from plexctl.common.layout import (
+    LayoutError,
+    TrainerSpan,
+    WorkerPlacement,
+    check_gpus,
+    engine_kinds,
+    node_gpus,
+    place_workers,
+    trainer_span,
+)
 
 BOTH = ["rollout", "trainer"]
 EIGHT = [str(i) for i in range(8)]
@@ -203,3 +212,21 @@ def test_a_worker_is_told_its_id_engines_scratch_and_tensor_parallel_size() -> N
     assert "--tensor-parallel-size" not in worker_command(
         single, "tcp://n0:5555", "n1", "/m", Path("/s"), 1, None, config
     )
+
+
+def test_a_trainer_engine_of_several_gpus_is_one_worker_holding_them() -> None:
+    workers = place_workers("n1", [str(i) for i in range(8)], ["trainer"], tp=1, trainer_width=4)
+    assert [(w.worker_id, w.devices) for w in workers] == [
+        ("n1-g0", ["0", "1", "2", "3"]),
+        ("n1-g4", ["4", "5", "6", "7"]),
+    ]
+    wider = place_workers("n1", [str(i) for i in range(8)], ["trainer"], tp=1, trainer_width=16)
+    assert [w.devices for w in wider] == [[str(i) for i in range(8)]]  # the node's part of a wider engine
+
+
+def test_an_engine_wider_than_a_node_spans_whole_nodes_in_order() -> None:
+    assert trainer_span(8, 8, 0) is None and trainer_span(2, 0, 1) is None  # fits a node; no GPUs: one node
+    assert trainer_span(16, 8, 0) == TrainerSpan(0, 0, list(range(8)))  # rank 0 here: its worker speaks
+    assert trainer_span(16, 8, 1) == TrainerSpan(0, 1, list(range(8, 16)))
+    assert trainer_span(16, 8, 2) == TrainerSpan(1, 0, list(range(8)))  # the next engine's first node
+    assert trainer_span(2, 1, 1) == TrainerSpan(0, 1, [1])  # the two-node test cluster: one rank on each

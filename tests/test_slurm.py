@@ -336,3 +336,63 @@ def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_m
         assert state not in ("PENDING", "REQUEUED"), f"requeued after scancel ({state})"
         assert time.monotonic() < deadline, state
         time.sleep(1.0)
+
+
+def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_model):
+    """`up --slurm --nodes 2 --gpus-per-node 1 --trainer-width 2`: one trainer engine of two ranks,
+    rank 0 in n1's worker, rank 1 started on n2 (``worker.ranks``), which finds the group through
+    the rendezvous file rank 0 writes in the state directory; the tiny LoRA job and the tiny full
+    fine-tuning job succeed on it; `down` ends it all."""
+    c = slurm_cluster
+    c.run("down", timeout=180)  # the module's allocation, if this test runs alone
+    up = c.run(
+        "up",
+        "--slurm",
+        "--name",
+        "ci",
+        "--nodes",
+        "2",
+        "--engines",
+        "rollout,trainer",
+        "--gpus-per-node",
+        "1",
+        "--trainer-width",
+        "2",
+        "--cpus-per-task",
+        "2",
+        "--time",
+        "30",
+        "--model",
+        str(tiny_model),
+        timeout=900,
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr + logs(c)
+        deadline = time.monotonic() + 600
+        while not ((engines := c.status()["engines"]) and len(engines) == 3 and all(e["ready"] for e in engines)):
+            assert time.monotonic() < deadline, f"engines {engines}\n{logs(c)}"
+            time.sleep(1.0)
+        [trainer] = [e for e in engines if e["kind"] == "trainer"]
+        assert trainer["ranks"] == 2 and trainer["worker_id"] == "n1-g0", trainer
+        assert {e["engine_id"] for e in engines if e["kind"] == "rollout"} == {"n1-g0/rollout", "n2-g0/rollout"}
+        said = re.compile(r"trainer ranks 1 of engine 0 \(rank 0 on another node\) devices 0 on (\S+) pid (\d+)")
+        found = [
+            m
+            for path in (c.state_dir / "slurm").rglob("*")
+            if path.is_file()
+            for m in said.finditer(path.read_text(errors="replace"))
+        ]
+        assert [m[1] for m in found][-1:] == ["n2"], logs(c)
+        assert process_env(found[-1][2])["SLURMD_NODENAME"] == "n2"  # rank 1's host runs on n2
+        lora = c.run("submit", TINY, "--name", "wide-lora", "-q", "--set", "algo.steps=3", check=True).stdout.strip()
+        full = c.run(
+            "submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "-q", "--set", "algo.steps=3", check=True
+        ).stdout.strip()
+        for job in (lora, full):
+            assert c.run("wait", job, "--timeout", "600").returncode == 0, c.run("logs", job).stdout[-2000:] + logs(c)
+            assert c.job(job)["state"] == "succeeded"
+    finally:
+        down = c.run("down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = subprocess.run(["pgrep", "-f", "worker.ranks"], capture_output=True, text=True).stdout.split()
+    assert left == [], left

@@ -256,6 +256,44 @@ def test_tinker_calls_on_a_full_job_on_two_ranks_are_one_ranks(model_dir: str, t
     assert all((one[k] - two[k]).abs().max() <= 1e-5 for k in one)
 
 
+def test_a_rank_on_another_node_joins_through_the_rendezvous_file(model_dir: str, tmp_path: Path) -> None:
+    """A trainer engine of 2 ranks whose rank 1 is started apart, as a Slurm allocation's other
+    node starts it (``python -m worker.ranks``): it finds the group in the rendezvous file rank 0
+    writes, keeps its store under its own scratch, and the jobs end bit for bit as on two ranks
+    started together; when the group closes it waits for the next one, and SIGTERM ends it."""
+    import subprocess
+    import sys
+
+    from plexctl.common.cluster_config import write_config
+
+    config_file, rendezvous = tmp_path / "cluster.json", tmp_path / "groups" / "job-trainer0.json"
+    write_config(config_file, CONFIG)
+    host = subprocess.Popen(
+        [sys.executable, "-m", "worker.ranks", "--rendezvous", str(rendezvous), "--ranks", "1"]
+        + ["--cluster-config", str(config_file), "--scratch", str(tmp_path / "other-node")],
+        cwd=REPO,
+    )
+    try:
+        attach = functools.partial(attach_rank, config=CONFIG, nvme_dir=tmp_path / "n1", info={}, eid=EID)
+        extra = {"info": {}, "eid": EID}
+        with TrainerGroup(
+            model_dir, 2, SPLIT, timeout_s=120.0, attach=attach, local_ranks=1, rendezvous=rendezvous, extra=extra
+        ) as group:
+            assert group.pids == []  # no rank started here but rank 0
+            serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "apart"))
+            assert len(set(group.adapter_digests("j1"))) == 1
+        assert (tmp_path / "other-node" / "rank1").is_dir()  # rank 1's own NVMe tier, on its node
+        with group_of(model_dir, 2, tmp_path / "n2", options=SPLIT) as group:
+            serve_all(GroupTrainers(group, pytest.fail), bodies(tmp_path / "together"))
+        apart, together = published(tmp_path / "apart"), published(tmp_path / "together")
+        for job in STEPS:
+            assert all(torch.equal(apart[job][k], together[job][k]) for k in apart[job]), job
+        assert host.poll() is None  # waiting for the group's next forming
+    finally:
+        host.terminate()
+        assert host.wait(30) == 0
+
+
 def test_a_rank_that_dies_takes_the_worker_down(model_dir: str, tmp_path: Path) -> None:
     failures: list[str] = []
     group = group_of(model_dir, 2, tmp_path / "n", timeout_s=20.0)

@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--endpoint-file", type=Path, default=None, help="the cluster's endpoint.json: where a restarted daemon is"
     )
+    ap.add_argument(
+        "--trainer-rendezvous",
+        type=Path,
+        default=None,
+        help="a trainer engine wider than this node: the file (shared filesystem) where its other nodes' ranks "
+        "(worker.ranks) find it",
+    )
+    ap.add_argument("--local-ranks", type=int, default=None, help="the trainer engine's ranks on this node")
+    ap.add_argument("--group-host", default="127.0.0.1", help="this node's address the other nodes' ranks reach")
     return ap
 
 
@@ -169,11 +178,15 @@ def build_engines(
                 width,
                 dict(
                     dtype=options.dtype,
-                    threads=max(1, (args.threads or os.cpu_count() or width) // width),
+                    threads=max(1, (args.threads or os.cpu_count() or width) // (args.local_ranks or width)),
                     micro_batch_tokens=options.micro_batch_tokens,
                     gradient_checkpointing=step.gradient_checkpointing,
                 ),
+                host=args.group_host,
                 attach=functools.partial(attach_rank, config=config, nvme_dir=nvme, info=info, eid=eid),
+                local_ranks=args.local_ranks,
+                rendezvous=args.trainer_rendezvous,
+                extra={"info": info, "eid": eid},
             )
             engines["trainer"], engines["group"] = group.target.store, group
         else:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from plexctl.common.atomic import write_json_atomic
 from plexctl.common.isolation import Libc
 from plexctl.common.protocol import TrainBatch, TrainHParams
 from plexctl.common.spec import LoraSpec
@@ -158,6 +159,20 @@ class GroupSpec:
     timeout_s: float
     backend: str
     attach: Callable[[TrainerEngine, int], Any] | None = None  # what a rank builds around its engine
+    local_ranks: int = 0  # ranks per node (0: all on one): a rank's device is its index on its node
+
+
+def rendezvous_record(spec: GroupSpec) -> dict[str, Any]:
+    """What a rank started on another node needs of the group (``rendezvous_spec`` reads it back);
+    ``generation`` tells one forming of the group from the next."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "attach"}
+    return {**fields, "generation": f"{os.getpid()}-{time.time_ns()}"}
+
+
+def rendezvous_spec(record: Mapping[str, Any], attach: Callable[[TrainerEngine, int], Any] | None) -> GroupSpec:
+    """The ``GroupSpec`` a rendezvous file names, with this node's ``attach``."""
+    names = [f.name for f in dataclasses.fields(GroupSpec) if f.name != "attach"]
+    return GroupSpec(**{name: record[name] for name in names}, attach=attach)
 
 
 class GroupRank:
@@ -166,7 +181,7 @@ class GroupRank:
     def __init__(self, spec: GroupSpec, rank: int, store: dist.Store) -> None:
         """Join the group (``init_process_group`` on ``store``), build the engine, shard its base."""
         self.spec, self.rank, self.width, self.store = spec, rank, spec.width, store
-        device = f"cuda:{rank}" if spec.backend == "nccl" else "cpu"
+        device = f"cuda:{rank % (spec.local_ranks or spec.width)}" if spec.backend == "nccl" else "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(device)  # NCCL's object collectives use the current device
         timeout = timedelta(seconds=spec.timeout_s)
@@ -452,7 +467,12 @@ class TrainerGroup:
     """A trainer engine of ``width`` ranks; this process is rank 0 and speaks for the group.
 
     ``engine_options``: ``TrainerEngine``'s keyword options, the same on every rank (``threads``
-    is per rank). One group per process (torch.distributed's default group is process-wide)."""
+    is per rank). One group per process (torch.distributed's default group is process-wide).
+
+    ``local_ranks``: the ranks started here (0..local_ranks-1; default all). The others run on
+    other nodes (``worker.ranks``), which find the group in ``rendezvous``, a file on the shared
+    filesystem this writes once its store serves at ``host`` (an address they reach) and that
+    names what they need to build their engines (``extra``: their ``attach``'s own settings)."""
 
     def __init__(
         self,
@@ -462,25 +482,46 @@ class TrainerGroup:
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         host: str = "127.0.0.1",
         attach: Callable[[TrainerEngine, int], Any] | None = None,
+        local_ranks: int | None = None,
+        rendezvous: Path | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         if width < 1:
             raise ValueError(f"a trainer group has at least one rank, got {width}")
+        local_ranks = width if local_ranks is None else local_ranks
+        if not 1 <= local_ranks <= width or (local_ranks < width and rendezvous is None):
+            raise ValueError(f"{local_ranks} of {width} ranks here: the others need a rendezvous file")
         options = dict(engine_options or {})
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group")
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, 0, world_size=width, is_master=True, wait_for_workers=False, timeout=timeout)
         backend = collective_backend(torch.cuda.is_available())
-        self.spec = GroupSpec(model_path, width, host, store.port, options, timeout_s, backend, attach)
+        self.spec = GroupSpec(
+            model_path,
+            width,
+            host,
+            store.port,
+            options,
+            timeout_s,
+            backend,
+            attach,
+            local_ranks if local_ranks < width else 0,
+        )
         self._store = store
         self._closed = False
         context = mp.get_context("spawn")
         self._followers: list[BaseProcess] = [
             context.Process(target=follow, args=(self.spec, rank), name=f"trainer-rank-{rank}", daemon=True)
-            for rank in range(1, width)
+            for rank in range(1, local_ranks)
         ]
         for process in self._followers:
             process.start()
+        if rendezvous is not None:
+            write_json_atomic(
+                rendezvous,
+                {**rendezvous_record(self.spec), "extra": dict(extra or {})},
+            )
         try:
             self._await_started(store)
             self._rank = GroupRank(self.spec, 0, store)
@@ -497,7 +538,8 @@ class TrainerGroup:
             if self._dead_ranks():
                 raise TrainerGroupError("a rank exited while starting")
             if time.monotonic() > deadline:
-                raise TrainerGroupError(f"ranks not started within {START_TIMEOUT_S:.0f} s")
+                missing = [key.split("/")[1] for key in keys if not store.check([key])]
+                raise TrainerGroupError(f"ranks {', '.join(missing)} not started within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     @property
@@ -611,6 +653,8 @@ class TrainerGroup:
         running = [str(rank) for rank, p in enumerate(self._followers, start=1) if p.exitcode is None]
         if running:  # a hung rank, or rank 0's own failure
             parts.append(f"rank{'s' if len(running) > 1 else ''} {', '.join(running)} still running")
+        if len(self._followers) + 1 < self.width:
+            parts.append(f"ranks {len(self._followers) + 1}-{self.width - 1} on other nodes")
         if exc is not None:
             parts.append(f"rank 0: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         self._closed = True

@@ -237,10 +237,11 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer_width: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         _doc(
-            "GPUs of one trainer engine (its ranks), the base model's weights sharded across them (FSDP2); "
-            "LoRA jobs only for now, their adapters replicated (null: 1 on a worker; plexctl plan shows the "
-            "smallest width whose per-rank step fits one trainer GPU). It divides a node's trainer GPUs, or, "
-            "wider than a node, is a multiple of its GPUs (whole nodes)"
+            "GPUs of one trainer engine (its ranks), the base model's weights sharded across them (FSDP2): "
+            "a LoRA job's adapter replicated, a full fine-tuning job's weights and moments sharded (null: 1 on "
+            "a worker; plexctl plan shows the smallest width whose per-rank step fits one trainer GPU). It "
+            "divides a node's trainer GPUs, or, wider than a node, is a multiple of its GPUs: whole nodes, "
+            "rank 0 on the first, whose worker speaks for the engine"
         ),
     ] = None
     scratch: Annotated[

@@ -91,13 +91,16 @@ def place_workers(
     rollout_gpus: int | None = None,
     trainer_gpus: int | None = None,
     tp: int,
+    trainer_width: int = 1,
 ) -> list[WorkerPlacement]:
     """The workers of ``node`` (its name, or the base of its worker ids) on ``gpus``.
 
     ``kinds``: the node's engine kinds. ``rollout_gpus``/``trainer_gpus``: GPUs per kind
     (None: the default split, ``TRAINER_SHARE``; a count for a kind the node does not run is
     ignored, as the options apply to all nodes; explicit counts below the node's GPUs leave
-    the rest unused). ``tp``: GPUs per rollout engine.
+    the rest unused). ``tp``: GPUs per rollout engine. ``trainer_width``: GPUs per trainer engine
+    (its ranks), a worker's; an engine wider than the node's trainer GPUs takes them all in one
+    worker, its part of the engine (``trainer_span``).
     """
     wanted = set(kinds)
     if not wanted or wanted - set(KINDS):
@@ -121,7 +124,7 @@ def place_workers(
     split = _split(node, len(gpus), node_kinds, rollout_gpus, trainer_gpus, tp)
     workers, first = [], 0
     for kind in node_kinds:
-        size = tp if kind == "rollout" else 1
+        size = tp if kind == "rollout" else max(1, min(trainer_width, split[kind]))
         for _ in range(split[kind] // size):
             worker_id = f"{node}-g{first}"
             workers.append(WorkerPlacement(worker_id, [kind], list(gpus[first : first + size]), worker_id))
@@ -191,3 +194,25 @@ def _check_tp(node: str, rollout: int, tp: int, *, named: bool) -> None:
     if rollout % tp:
         what = f"--rollout-gpus {rollout}" if named else f"the {rollout} rollout GPUs of node {node}"
         raise LayoutError(f"--tp {tp} does not divide {what} into whole rollout engines")
+
+
+class TrainerSpan(msgspec.Struct, frozen=True):
+    """A node's part of a trainer engine wider than a node: the engine's index in the allocation,
+    this node's place in it (0: the node whose worker is rank 0 and speaks for the engine), and
+    the ranks it hosts."""
+
+    engine: int
+    part: int
+    ranks: list[int]
+
+
+def trainer_span(width: int, node_trainer_gpus: int, node_index: int) -> TrainerSpan | None:
+    """Where node ``node_index`` of an allocation sits in a trainer engine of ``width`` ranks when
+    that is wider than the node's ``node_trainer_gpus`` (whole nodes in order, each its GPUs' ranks);
+    None when an engine fits a node (or the node has no GPUs: its engine's ranks are processes there)."""
+    if node_trainer_gpus <= 0 or width <= node_trainer_gpus:
+        return None
+    nodes = width // node_trainer_gpus
+    part = node_index % nodes
+    first = part * node_trainer_gpus
+    return TrainerSpan(node_index // nodes, part, list(range(first, first + node_trainer_gpus)))
