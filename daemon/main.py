@@ -71,7 +71,15 @@ from plexctl.common import auth
 from plexctl.common import protocol as P
 from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import current_user
-from plexctl.common.cluster import TINKER_FILE, Endpoint, endpoint_path, make_private, plexrl_home, tinker_url
+from plexctl.common.cluster import (
+    TINKER_FILE,
+    Endpoint,
+    endpoint_path,
+    make_private,
+    openai_url,
+    plexrl_home,
+    tinker_url,
+)
 from plexctl.common.cluster_config import ClusterConfig, ConfigError, config_path, drain_timeout_s, read_config
 from plexctl.common.frames import NOBLOCK, recv_frames, send_frames
 from plexctl.common.jobdir import JobDir
@@ -102,6 +110,26 @@ LIMITS_S = 2.0  # jailed jobs' trees (CPU, memory) and output directories checke
 LOCAL_WORKER_RESPAWNS = 3  # a local worker that dies is started again this many times
 TINKER_BACKOFF_S = (1.0, 30.0)  # a dead Tinker front end is started again after 1 s, doubling up to 30 s
 TINKER_STABLE_S = 60.0  # a front end that lived this long starts the backoff afresh when it dies
+KEPT_TINKER_PORT_FILE = "tinker-port.json"  # the port `--tinker-port 0` took, taken again by the next `up`
+
+
+def kept_tinker_port(state_dir: Path, host: str) -> int:
+    """The port this cluster's Tinker front end took on an earlier start with ``--tinker-port 0``,
+    if it can be bound on ``host`` now; else 0 (a free one: a new port, said by ``tinker.json``)."""
+    try:
+        port = int(msgspec.json.decode((state_dir / KEPT_TINKER_PORT_FILE).read_bytes())["port"])
+    except (OSError, ValueError, KeyError, TypeError, msgspec.DecodeError):
+        return 0
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            log.warning("the Tinker API's earlier port %d is taken: the front end takes another", port)
+            return 0
+    return port
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -152,7 +180,8 @@ class Daemon:
         self.throttle = SenderThrottle()  # senders of bad messages, unheard for a while past a limit
         self.metrics_port: int | None = None
         self.tinker: subprocess.Popen | None = None  # the Tinker API front end (``plexctl.tinker``)
-        self.tinker_at: tuple[str, int] = ("", 0)  # its host and port (the port it took, once it listens)
+        # its host, Tinker and OpenAI ports (None: not served; 0: the port it took, once it listens)
+        self.tinker_at: tuple[str, int | None, int | None] = ("", None, None)
         self.tinker_started = 0.0
         self.tinker_deaths = 0  # in a row: each doubles the wait before the next start
         self.tinker_retry_at: float | None = None  # it died: when it starts again
@@ -191,8 +220,8 @@ class Daemon:
             self._spawn_local_worker(f"w{i}", engines, models)
         self.core.workers.local_workers = len(self.worker_procs)
         self._write_endpoint(mode)
-        if config.tinker_port is not None:
-            self._start_tinker(host, config.tinker_port)
+        if config.tinker_port is not None or config.openai_port is not None:
+            self._start_tinker(host, config.tinker_port, config.openai_port)
 
     def _write_endpoint(self, mode: str) -> None:
         state_dir = self.state_dir
@@ -212,18 +241,23 @@ class Daemon:
         )  # the one file other users read
         log.info("plexd %s listening on %s (state %s)", VERSION, self.address, state_dir)
 
-    def _start_tinker(self, host: str, port: int) -> None:
+    def _start_tinker(self, host: str, port: int | None, openai_port: int | None = None) -> None:
         """Start the Tinker API front end (``python -m plexctl.tinker``): it reaches this daemon
         as its own clients do, with the cluster's internal key, and says where it listens in
-        ``tinker.json`` once it does."""
-        (self.state_dir / TINKER_FILE).unlink(missing_ok=True)
+        ``tinker.json`` once it does; until then the file says it is starting."""
+        again = self.tinker is not None  # a front end that died is started again
+        write_json_atomic(self.state_dir / TINKER_FILE, {"starting": True, "again": again, "since": time.time()})
+        if port == 0:  # a free port asked for: the one this cluster took before, while it is free
+            port = kept_tinker_port(self.state_dir, host)
         cmd = [sys.executable, "-m", "plexctl.tinker", "--state-dir", str(self.state_dir), "--host", host]
-        cmd += ["--port", str(port), "--parent-pid", str(os.getpid())]
+        cmd += ["--parent-pid", str(os.getpid())]
+        cmd += ["--port", str(port)] if port is not None else []
+        cmd += ["--openai-port", str(openai_port)] if openai_port is not None else []
         with open(self.state_dir / "tinker.log", "ab") as out:
             self.tinker = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO_ROOT
             )
-        self.tinker_at, self.tinker_started, self.tinker_retry_at = (host, port), time.time(), None
+        self.tinker_at, self.tinker_started, self.tinker_retry_at = (host, port, openai_port), time.time(), None
         log.info("started the Tinker API front end, pid %d", self.tinker.pid)
 
     def _supervise_tinker(self, now: float) -> None:
@@ -233,13 +267,17 @@ class Daemon:
         proc = self.tinker
         if proc is None or self.core.stopping:
             return
-        host, port = self.tinker_at
+        host, port, openai_port = self.tinker_at
         rc = proc.poll()
         if rc is None:
-            if not port:  # a free port was asked for: the one it took, kept for its successors
+            if port == 0:  # a free port was asked for: the one it took, kept for its successors
                 url = tinker_url(self.state_dir)
                 port = int(url.rsplit(":", 1)[1]) if url else 0
-                self.tinker_at = (host, port)
+                self.tinker_at = (host, port, openai_port)
+                if port:  # kept for the cluster's next `up`: a client's base_url outlives down / up
+                    write_json_atomic(self.state_dir / KEPT_TINKER_PORT_FILE, {"port": port})
+            if openai_port == 0 and (url := openai_url(self.state_dir)):  # the one it took, for its successors
+                self.tinker_at = (host, self.tinker_at[1], int(url.removesuffix("/v1").rsplit(":", 1)[1]))
             if now - self.tinker_started >= TINKER_STABLE_S:
                 self.tinker_deaths = 0
             return
@@ -253,7 +291,7 @@ class Daemon:
             )
             log.warning("the Tinker front end (pid %d) exited with code %s: starting it in %.0f s", proc.pid, rc, wait)
         elif now >= self.tinker_retry_at:
-            self._start_tinker(host, port)
+            self._start_tinker(host, port, openai_port)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -51,7 +51,8 @@ from plexctl.common.layout import (
     engine_kinds,
     node_gpus,
     place_workers,
-    trainer_span,
+    placement_span,
+    registers,
 )
 
 log = logging.getLogger("plexrl-node")
@@ -369,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks: list[subprocess.Popen] = []  # a wide trainer engine's ranks here, its rank 0 on another node
     for p in placements:
         w_scratch = scratch / p.scratch_name if p.scratch_name else scratch
-        trainers = len(p.devices) if "trainer" in p.engines else 0
-        span = trainer_span(config.trainer_width or 1, trainers, node_index) if not args.join else None
+        span = placement_span(p, config.trainer_width or 1, node_index) if not args.join else None
         command_extra: list[str] = []
         if span is not None:
             rendezvous = state_dir / "groups" / f"{env['job_id']}-trainer{span.engine}.json"
@@ -379,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                 command_extra += ["--group-host", advertise_address()]
             else:
                 ranks.append(start_ranks(span, rendezvous, config_file, w_scratch / "ranks", state_dir, p, env["node"]))
-                p = msgspec.structs.replace(p, engines=[e for e in p.engines if e != "trainer"])
-                if not p.engines:
+                if not registers(p, span):
                     continue
+                p = msgspec.structs.replace(p, engines=[e for e in p.engines if e != "trainer"])
         log_path = state_dir / "workers" / f"{p.worker_id}.log"
         proc = _spawn(
             worker_command(p, address, env["node"], config.models, w_scratch, config.tp, threads, config_file)

@@ -225,12 +225,23 @@ def test_a_setting_with_a_leading_zero_is_refused_in_one_line_naming_it() -> Non
     [
         ({"trainer_width": 2, "gpus_per_node": 8}, None),  # the default split: 2 trainer GPUs a node
         ({"trainer_width": 4, "gpus_per_node": 8, "trainer_gpus": 4}, None),
-        ({"trainer_width": 16, "gpus_per_node": 8, "nodes": 2}, None),  # two whole nodes
+        ({"trainer_width": 16, "gpus_per_node": 8, "nodes": 2, "engines": ["trainer"]}, None),  # two whole nodes
+        ({"trainer_width": 2, "gpus_per_node": 2, "nodes": 2}, None),  # one trainer GPU on each of two nodes
         ({"trainer_width": 4, "gpus_per_node": 0}, None),  # a local cluster: the plan checks it on its node
-        ({"trainer_width": 4, "gpus_per_node": 8}, "--trainer-width 4: does not divide the 2 trainer GPUs of a node"),
         ({"trainer_width": 3, "gpus_per_node": 8, "trainer_gpus": 4}, "widths that do: 1, 2, 4"),
-        ({"trainer_width": 12, "gpus_per_node": 8, "nodes": 4}, "spans whole nodes: a multiple of 8"),
-        ({"trainer_width": 64, "gpus_per_node": 8, "nodes": 4}, "more than the allocation's 4 x 8 GPUs"),
+        (
+            {"trainer_width": 12, "gpus_per_node": 8, "nodes": 4, "engines": ["trainer"]},
+            "spans whole nodes: a multiple of 8",
+        ),
+        (
+            {"trainer_width": 64, "gpus_per_node": 8, "nodes": 4, "engines": ["trainer"]},
+            "more than the allocation's 4 x 8 trainer GPUs",
+        ),
+        ({"trainer_width": 16, "gpus_per_node": 8, "nodes": 4}, "more than the allocation's 4 x 2 trainer GPUs"),
+        (
+            {"trainer_width": 3, "gpus_per_node": 8, "nodes": 4, "engines": ["trainer"]},
+            "--trainer-width 3: does not divide the 8 trainer GPUs of a node",
+        ),
         ({"trainer_width": 0}, "--trainer-width 0: expected `int` >= 1"),
     ],
 )

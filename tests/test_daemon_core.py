@@ -210,6 +210,36 @@ def test_a_restore_names_a_checkpoint_of_the_users_own_jobs_only(core, tiny_mode
     assert tasks(d) == []
 
 
+def test_a_generate_samples_another_job_of_the_same_user_only(core, tiny_model):
+    """``GenerateReq.of_job`` (an OpenAI API request's): a job of the caller's user, running or
+    ended, at a version it keeps; another user's job, or a version not kept, is refused."""
+    from plexctl.common import auth
+
+    d = core
+    register(d, "w0", tiny_model)
+    mine, other = running(d, tiny_model, "mine"), running(d, tiny_model, "other", pid=4243)
+    spec = spec_to_wire(load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "theirs"))
+    d.send(b"fe", P.Op.SUBMIT, P.SubmitReq("sid-theirs", spec, "bob"), user=auth.INTERNAL_USER)
+    theirs = next(j.job_id for j in d.journal.jobs() if j.user == "bob")
+    for job in (other, theirs):
+        (d.jobs_dir / job / "adapters" / "v000002").mkdir(parents=True)
+    d.sent.clear()
+
+    sampling = C.Sampling(max_tokens=2)
+    call(d, mine, C.GenerateReq(["1+1="], sampling, version=2, of_job=other), 1)
+    d.place()
+    (generate,) = tasks(d)
+    adapter = generate.task.request.adapter
+    assert (adapter.job_id, adapter.version) == (other, 2) and adapter.path.endswith("v000002")
+    for msg_id, (job, version, why) in enumerate(
+        [(theirs, 2, f"no job {theirs} of"), (other, 5, "is not kept"), ("j9999", None, "no job j9999 of")], start=2
+    ):
+        d.sent.clear()
+        call(d, mine, C.GenerateReq(["1+1="], sampling, version=version, of_job=job), msg_id)
+        ((op, error),) = [(op, body) for to, op, body in d.sent if to == f"drv:{mine}".encode()]
+        assert op == P.Op.ERROR and why in error.message, (job, error)
+
+
 def test_a_name_resolves_among_the_callers_own_jobs(core, tiny_model):
     """A shared user's job of the same name never captures the owner's `status/cancel NAME`; another
     user's job is named `USER/NAME` or by id, and a name only others hold is refused with their ids."""

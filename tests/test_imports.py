@@ -105,7 +105,7 @@ def test_the_daemon_imports_nothing_of_the_job_library() -> None:
 WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("errors", "vllm_private", "host_heap", "io", "checkpoint_files", "engine_options", "engine_args"),
+        ("errors", "vllm_private", "host_heap", "io", "checkpoint_files", "engine_options", "engine_args", "shards"),
     ),
     ("state copies and the store", ("state.*",)),
     (
@@ -122,7 +122,7 @@ WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("the trainer's parts", ("trainer_slots", "trainer_math", "trainer_tokens")),
     ("the engines", ("trainer", "rollout", "trainer_group")),
-    ("the process", ("servers", "main")),
+    ("the process", ("servers", "main", "ranks")),
 ]
 DAEMON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (

@@ -29,7 +29,7 @@ def table(workers: list[WorkerPlacement]) -> list[tuple[str, str, str]]:
 
 
 def test_eight_gpus_default_to_six_rollout_engines_and_two_trainers() -> None:
-    workers = place_workers("n1", EIGHT, BOTH, tp=1)
+    workers = place_workers("n1", EIGHT, BOTH, tp=1, trainer_width=1)
     assert table(workers) == [(f"n1-g{i}", "rollout", str(i)) for i in range(6)] + [
         ("n1-g6", "trainer", "6"),
         ("n1-g7", "trainer", "7"),
@@ -38,7 +38,7 @@ def test_eight_gpus_default_to_six_rollout_engines_and_two_trainers() -> None:
 
 
 def test_tensor_parallel_rollout_engines_own_several_gpus() -> None:
-    assert table(place_workers("n1", EIGHT, BOTH, tp=2)) == [
+    assert table(place_workers("n1", EIGHT, BOTH, tp=2, trainer_width=1)) == [
         ("n1-g0", "rollout", "0,1"),
         ("n1-g2", "rollout", "2,3"),
         ("n1-g4", "rollout", "4,5"),
@@ -48,7 +48,8 @@ def test_tensor_parallel_rollout_engines_own_several_gpus() -> None:
 
 
 def test_the_default_split_gives_leftover_gpus_to_trainers_when_tp_does_not_divide_them() -> None:
-    workers = place_workers("n1", EIGHT, BOTH, tp=4)  # 2 trainers leave 6: one engine of 4, 2 more trainers
+    # 2 trainers leave 6: one engine of 4, 2 more trainers
+    workers = place_workers("n1", EIGHT, BOTH, tp=4, trainer_width=1)
     assert table(workers) == [
         ("n1-g0", "rollout", "0,1,2,3"),
         ("n1-g4", "trainer", "4"),
@@ -59,22 +60,22 @@ def test_the_default_split_gives_leftover_gpus_to_trainers_when_tp_does_not_divi
 
 
 def test_explicit_split_of_six_and_two() -> None:
-    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=6, trainer_gpus=2, tp=1)) == table(
-        place_workers("n1", EIGHT, BOTH, tp=1)
+    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=6, trainer_gpus=2, tp=1, trainer_width=1)) == table(
+        place_workers("n1", EIGHT, BOTH, tp=1, trainer_width=1)
     )
-    assert table(place_workers("n1", EIGHT, BOTH, trainer_gpus=4, tp=1))[-5:] == [
+    assert table(place_workers("n1", EIGHT, BOTH, trainer_gpus=4, tp=1, trainer_width=1))[-5:] == [
         ("n1-g3", "rollout", "3"),
         ("n1-g4", "trainer", "4"),
         ("n1-g5", "trainer", "5"),
         ("n1-g6", "trainer", "6"),
         ("n1-g7", "trainer", "7"),
     ]
-    kinds = [w.engines for w in place_workers("n1", EIGHT, BOTH, rollout_gpus=2, tp=1)]
+    kinds = [w.engines for w in place_workers("n1", EIGHT, BOTH, rollout_gpus=2, tp=1, trainer_width=1)]
     assert kinds == [["rollout"]] * 2 + [["trainer"]] * 6  # the trainers take the rest
 
 
 def test_explicit_counts_below_the_node_leave_the_rest_unused() -> None:
-    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=2, trainer_gpus=1, tp=1)) == [
+    assert table(place_workers("n1", EIGHT, BOTH, rollout_gpus=2, trainer_gpus=1, tp=1, trainer_width=1)) == [
         ("n1-g0", "rollout", "0"),
         ("n1-g1", "rollout", "1"),
         ("n1-g2", "trainer", "2"),
@@ -82,7 +83,7 @@ def test_explicit_counts_below_the_node_leave_the_rest_unused() -> None:
 
 
 def test_gpu_ids_are_used_as_slurm_gave_them() -> None:
-    workers = place_workers("n3", ["4", "5", "GPU-9f2c", "7"], BOTH, tp=1)
+    workers = place_workers("n3", ["4", "5", "GPU-9f2c", "7"], BOTH, tp=1, trainer_width=1)
     assert table(workers) == [
         ("n3-g0", "rollout", "4"),
         ("n3-g1", "rollout", "5"),
@@ -92,36 +93,37 @@ def test_gpu_ids_are_used_as_slurm_gave_them() -> None:
 
 
 def test_a_node_of_one_kind_gives_it_every_gpu() -> None:
-    assert table(place_workers("n1", ["0", "1"], ["rollout"], tp=1)) == [
+    assert table(place_workers("n1", ["0", "1"], ["rollout"], tp=1, trainer_width=1)) == [
         ("n1-g0", "rollout", "0"),
         ("n1-g1", "rollout", "1"),
     ]
-    assert table(place_workers("n2", ["0", "1"], ["trainer"], tp=2)) == [
+    assert table(place_workers("n2", ["0", "1"], ["trainer"], tp=2, trainer_width=1)) == [
         ("n2-g0", "trainer", "0"),
         ("n2-g1", "trainer", "1"),
     ]
     # the other kind's count applies to the nodes that run it
-    assert len(place_workers("n2", ["0", "1"], ["trainer"], rollout_gpus=7, tp=1)) == 2
-    assert table(place_workers("n1", EIGHT, ["rollout"], tp=4)) == [
+    assert len(place_workers("n2", ["0", "1"], ["trainer"], rollout_gpus=7, tp=1, trainer_width=1)) == 2
+    assert table(place_workers("n1", EIGHT, ["rollout"], tp=4, trainer_width=1)) == [
         ("n1-g0", "rollout", "0,1,2,3"),
         ("n1-g4", "rollout", "4,5,6,7"),
     ]
 
 
 def test_one_gpu_with_both_kinds_is_one_worker_holding_both_engines() -> None:
-    assert place_workers("n1", ["0"], {"trainer", "rollout"}, tp=1) == [
+    assert place_workers("n1", ["0"], {"trainer", "rollout"}, tp=1, trainer_width=1) == [
         WorkerPlacement("n1-g0", ["rollout", "trainer"], ["0"], "n1-g0")
     ]
 
 
 def test_a_node_without_gpus_runs_one_worker_named_after_it_as_before() -> None:
-    assert place_workers("n1", [], BOTH, tp=1) == [WorkerPlacement("n1", BOTH, [], "")]
-    assert place_workers("n2-4242", [], ["trainer"], tp=1) == [WorkerPlacement("n2-4242", ["trainer"], [], "")]
-    assert place_workers("n2", [], ["trainer"], tp=2) == [WorkerPlacement("n2", ["trainer"], [], "")]
+    assert place_workers("n1", [], BOTH, tp=1, trainer_width=1) == [WorkerPlacement("n1", BOTH, [], "")]
+    alone = place_workers("n2-4242", [], ["trainer"], tp=1, trainer_width=1)
+    assert alone == [WorkerPlacement("n2-4242", ["trainer"], [], "")]
+    assert place_workers("n2", [], ["trainer"], tp=2, trainer_width=1) == [WorkerPlacement("n2", ["trainer"], [], "")]
 
 
 def test_a_joining_allocations_ids_keep_its_suffix() -> None:
-    assert [w.worker_id for w in place_workers("n1-4242", ["0", "1"], ["trainer"], tp=1)] == [
+    assert [w.worker_id for w in place_workers("n1-4242", ["0", "1"], ["trainer"], tp=1, trainer_width=1)] == [
         "n1-4242-g0",
         "n1-4242-g1",
     ]
@@ -159,7 +161,7 @@ def test_a_joining_allocations_ids_keep_its_suffix() -> None:
 )
 def test_options_that_do_not_fit_the_node_are_one_line_usage_errors(gpus, kinds, options, message) -> None:
     with pytest.raises(LayoutError) as err:
-        place_workers("n1", gpus, kinds, **{"tp": 1, **options})
+        place_workers("n1", gpus, kinds, **{"tp": 1, **options}, trainer_width=1)
     assert isinstance(err.value, UsageError) and err.value.exit_code == 2
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
@@ -199,7 +201,7 @@ def test_engine_kinds_reads_a_nodes_engines_value() -> None:
 
 
 def test_a_worker_is_told_its_id_engines_scratch_and_tensor_parallel_size() -> None:
-    rollout, trainer = place_workers("n1", EIGHT[:4], BOTH, rollout_gpus=2, tp=2)[:2]
+    rollout, trainer = place_workers("n1", EIGHT[:4], BOTH, rollout_gpus=2, tp=2, trainer_width=1)[:2]
     config = Path("/s/cluster.json")
     argv = worker_command(rollout, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g0"), 2, 4, config)
     assert argv[argv.index("--worker-id") + 1] == "n1-g0" and argv[argv.index("--engines") + 1] == "rollout"
@@ -208,7 +210,7 @@ def test_a_worker_is_told_its_id_engines_scratch_and_tensor_parallel_size() -> N
     assert argv[argv.index("--cluster-config") + 1] == "/s/cluster.json"  # its settings
     argv = worker_command(trainer, "tcp://n0:5555", "n1", "/m", Path("/scratch/n1-g2"), 2, None, config)
     assert "--tensor-parallel-size" not in argv and "--threads" not in argv  # a trainer has no tp; default threads
-    single = place_workers("n1", EIGHT[:2], ["rollout"], tp=1)[0]
+    single = place_workers("n1", EIGHT[:2], ["rollout"], tp=1, trainer_width=1)[0]
     assert "--tensor-parallel-size" not in worker_command(
         single, "tcp://n0:5555", "n1", "/m", Path("/s"), 1, None, config
     )
@@ -230,3 +232,12 @@ def test_an_engine_wider_than_a_node_spans_whole_nodes_in_order() -> None:
     assert trainer_span(16, 8, 1) == TrainerSpan(0, 1, list(range(8, 16)))
     assert trainer_span(16, 8, 2) == TrainerSpan(1, 0, list(range(8)))  # the next engine's first node
     assert trainer_span(2, 1, 1) == TrainerSpan(0, 1, [1])  # the two-node test cluster: one rank on each
+
+
+def test_a_wide_trainer_never_shares_a_process_with_a_rollout_engine() -> None:
+    with pytest.raises(LayoutError, match="too few for one rollout engine"):
+        place_workers("n1", ["0"], BOTH, tp=1, trainer_width=2)
+    assert table(place_workers("n1", ["0", "1"], BOTH, tp=1, trainer_width=2)) == [
+        ("n1-g0", "rollout", "0"),
+        ("n1-g1", "trainer", "1"),
+    ]

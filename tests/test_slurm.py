@@ -339,10 +339,11 @@ def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_m
 
 
 def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_model):
-    """`up --slurm --nodes 2 --gpus-per-node 1 --trainer-width 2`: one trainer engine of two ranks,
-    rank 0 in n1's worker, rank 1 started on n2 (``worker.ranks``), which finds the group through
-    the rendezvous file rank 0 writes in the state directory; the tiny LoRA job and the tiny full
-    fine-tuning job succeed on it; `down` ends it all."""
+    """`up --slurm --nodes 2 --gpus-per-node 2 --trainer-width 2`: a rollout and a trainer GPU a
+    node, so one trainer engine of two ranks: rank 0 in n1's trainer worker, rank 1 started on n2
+    (``worker.ranks``), which finds the group through the rendezvous file rank 0 writes in the
+    state directory; the tiny LoRA job and the tiny full fine-tuning job succeed on it; `down`
+    ends it all."""
     c = slurm_cluster
     c.run("down", timeout=180)  # the module's allocation, if this test runs alone
     up = c.run(
@@ -355,7 +356,7 @@ def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_
         "--engines",
         "rollout,trainer",
         "--gpus-per-node",
-        "1",
+        "2",
         "--trainer-width",
         "2",
         "--cpus-per-task",
@@ -373,9 +374,9 @@ def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_
             assert time.monotonic() < deadline, f"engines {engines}\n{logs(c)}"
             time.sleep(1.0)
         [trainer] = [e for e in engines if e["kind"] == "trainer"]
-        assert trainer["ranks"] == 2 and trainer["worker_id"] == "n1-g0", trainer
+        assert trainer["ranks"] == 2 and trainer["worker_id"] == "n1-g1", trainer
         assert {e["engine_id"] for e in engines if e["kind"] == "rollout"} == {"n1-g0/rollout", "n2-g0/rollout"}
-        said = re.compile(r"trainer ranks 1 of engine 0 \(rank 0 on another node\) devices 0 on (\S+) pid (\d+)")
+        said = re.compile(r"trainer ranks 1 of engine 0 \(rank 0 on another node\) devices 1 on (\S+) pid (\d+)")
         found = [
             m
             for path in (c.state_dir / "slurm").rglob("*")

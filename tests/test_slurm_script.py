@@ -71,6 +71,14 @@ def test_a_gpu_allocation_asks_for_gpus_cpus_and_memory_and_passes_the_layout() 
     assert S.planned_workers(two_node_spec(gpus_per_node=8, rollout_gpus=4, trainer_gpus=4, tp=2)) == 2 * (2 + 4)
 
 
+def test_a_trainer_engine_wider_than_a_node_registers_one_worker_for_all_its_nodes() -> None:
+    # a rollout and a trainer GPU a node: the engine's rank on n2 runs under worker.ranks, no worker of its own
+    assert S.planned_workers(two_node_spec(gpus_per_node=2, trainer_width=2)) == 3
+    assert S.planned_workers(two_node_spec(gpus_per_node=2, trainer_width=1)) == 4
+    assert S.planned_workers(two_node_spec(gpus_per_node=8, trainer_gpus=4, trainer_width=8)) == 2 * 4 + 1
+    assert S.planned_workers(two_node_spec(gpus_per_node=8, trainer_gpus=4, trainer_width=4)) == 2 * 5
+
+
 def test_the_users_cpus_and_memory_replace_the_gpu_defaults() -> None:
     opts = directives(S.render_sbatch(two_node_spec(gpus_per_node=4, cpus_per_task=12, mem="200G")))
     assert (opts["gpus-per-node"], opts["cpus-per-task"], opts["mem"]) == ("4", "12", "200G")

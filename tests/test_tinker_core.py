@@ -238,7 +238,7 @@ def test_a_run_whose_job_starts_at_once_tells_its_client_of_no_wait(monkeypatch)
     monkeypatch.setattr(T.time, "sleep", lambda s: None)
     told: list[str | None] = []
     with waits_told_to(told.append):
-        assert backend(["queued", "queued", "running"])._wait_running("j1") == "j1"
+        assert backend(["queued", "queued", "running"])._wait_running("j1").state == "running"
     assert told == [None]  # queued briefly: only "no longer waiting"
     monkeypatch.setattr(T, "QUEUED_TOLD_AFTER_S", 0.0)
     told.clear()

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -295,10 +296,12 @@ def test_a_model_or_rank_the_cluster_does_not_serve_is_refused_with_the_reason(s
     assert refused.value.category == tinker.types.RequestErrorCategory.User
     assert "lora.rank 64: the rollout engines load adapters up to rank 32; " in str(refused.value)
     assert "start the cluster with `plexctl up --max-lora-rank 64`" in str(refused.value)
-    with pytest.raises(tinker.RequestFailedError) as refused:  # past the spec's bound: the user's error too
-        service.create_lora_training_client(base_model="tiny-arith", rank=257).result()
-    assert refused.value.category == tinker.types.RequestErrorCategory.User
-    assert "lora.rank: Expected `int` <= 256 (asked for rank 257)" in str(refused.value)
+    for rank, bound in ((257, "<= 256"), (1024, "<= 256"), (0, ">= 1"), (-1, ">= 1")):  # past the spec's bounds
+        with pytest.raises(tinker.RequestFailedError) as refused:  # the user's error too, in one line
+            service.create_lora_training_client(base_model="tiny-arith", rank=rank).result()
+        assert refused.value.category == tinker.types.RequestErrorCategory.User, (rank, refused.value)
+        assert f"lora.rank: Expected `int` {bound} (asked for rank {rank})" in str(refused.value)
+        assert "\n" not in str(refused.value).strip()
     assert {j["job_id"] for j in cluster.status()["jobs"]} == before  # nothing queued
     assert "Traceback" not in log.read_text()[log_at:]
     # `up --tinker-port` without --max-lora-rank loads the SDK's default rank (32; 16 on CPU otherwise)
@@ -414,38 +417,63 @@ def test_tinker_clients_share_the_engines_with_a_yaml_job_and_a_closed_session_e
     cluster.wait_for(job, lambda j: j["state"] == "succeeded", timeout=60, what="its job ended by close()")
 
 
-def test_a_killed_front_end_is_started_again_and_status_says_so_meanwhile(cluster: Cluster):
-    """SIGKILL to the front end alone: status stops naming its URL and says it is restarting; the
-    daemon starts it again on the same port (the SDK's base_url), where the SDK is served again."""
+def test_a_killed_front_end_is_started_again_and_its_runs_lose_nothing(cluster: Cluster):
+    """SIGKILL to the front end alone while a client is mid-run (two optim_steps taken, a
+    forward_backward not yet stepped): status stops naming its URL and says it is restarting; the
+    daemon starts it again on the same port (the SDK's base_url), and the same client goes on from
+    the trainer's live state: its next optim_step steps on the kept forward_backward, and the run
+    ends exactly where a run of the same seed never interrupted ends, its job never restarted."""
     from plexctl.common.cluster import tinker_state
 
     ready = cluster.state_dir / "tinker.json"
     before = json.loads(ready.read_text())
-    os.kill(before["pid"], signal.SIGKILL)
-    gone_by = time.monotonic() + 10  # SIGKILL is delivered asynchronously: the pid may run a moment
-    while (seen := tinker_state(cluster.state_dir))[0] is not None and time.monotonic() < gone_by:
-        time.sleep(0.05)
-    url, note = seen
-    assert url is None and note.startswith("restarting"), (url, note)
-    shown = cluster.status()
-    if shown.get("tinker_url") is None:  # not yet back (the daemon waits a second, the start takes a few)
-        assert shown["tinker_note"].startswith("restarting"), shown.get("tinker_note")
-        assert "Tinker API: restarting" in cluster.run("status", check=True).stdout.replace("\n", " ")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        now = json_file(ready) or {}
-        if now.get("pid") not in (None, before["pid"]) and tinker_state(cluster.state_dir)[0]:
-            break
-        time.sleep(0.5)
-    assert now.get("url") == before["url"], now  # the same address: the SDK's base_url still holds
-    assert cluster.status()["tinker_url"] == before["url"]
     service = tinker.ServiceClient(
         base_url=before["url"], api_key=(cluster.home / "tinker-api-key").read_text().strip()
     )
+    adam = tinker.AdamParams(learning_rate=1e-2)
+    known = {j["job_id"] for j in cluster.status()["jobs"]}
     try:
-        training = service.create_lora_training_client(base_model="tiny-arith", rank=4).result()
-        data = supervised_data(training.get_tokenizer(), 2)
-        assert len(training.forward_backward(data, "cross_entropy").result().loss_fn_outputs) == 2
+        training = service.create_lora_training_client(base_model="tiny-arith", rank=4, seed=11).result()
+        [job_id] = {j["job_id"] for j in cluster.status()["jobs"]} - known
+        data = supervised_data(training.get_tokenizer(), 4)
+        for _ in range(2):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam).result()
+        training.forward_backward(data, "cross_entropy").result()  # not yet stepped when the front end dies
+
+        os.kill(before["pid"], signal.SIGKILL)
+        gone_by = time.monotonic() + 10  # SIGKILL is delivered asynchronously: the pid may run a moment
+        while (seen := tinker_state(cluster.state_dir))[0] is not None and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        url, note = seen
+        assert url is None and note.startswith("restarting"), (url, note)
+        assert "Tinker API: restarting" in cluster.run("status", check=True).stdout.replace("\n", " ")
+        notes, deadline = [], time.monotonic() + 90
+        while time.monotonic() < deadline:  # every status meanwhile says something of the front end
+            shown = cluster.status()
+            assert shown.get("tinker_url") or shown.get("tinker_note"), shown
+            notes.append(shown.get("tinker_note"))
+            now = json_file(ready) or {}
+            if now.get("pid") not in (None, before["pid"]) and shown.get("tinker_url"):
+                break
+        assert all(n.startswith("restarting") for n in notes[:-1]), notes
+        assert now.get("url") == before["url"], now  # the same address: the SDK's base_url still holds
+        assert cluster.status()["tinker_url"] == before["url"]
+
+        training.optim_step(adam).result()  # the same client: step 3, on the forward_backward sent before
+        got = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+        reference = service.create_lora_training_client(base_model="tiny-arith", rank=4, seed=11).result()
+        for _ in range(3):
+            reference.forward_backward(data, "cross_entropy").result()
+            reference.optim_step(adam).result()
+        assert got == pytest.approx(reference.forward(data, "cross_entropy").result().metrics["loss:sum"], rel=1e-6)
+
+        job = cluster.job(job_id)
+        assert job["state"] == "running" and job["restarts"] == 0 and job["step"] == 3, job
+        with sqlite3.connect(cluster.state_dir / "journal.db") as db:
+            said = [d for (d,) in db.execute("SELECT detail FROM events WHERE kind='note' AND job_id=?", (job_id,))]
+        assert said == []  # nothing lost, nothing to say
     finally:
         service.close("success").result()
     assert "exited with code -9: starting it in 1 s" in (cluster.state_dir / "daemon.log").read_text()

@@ -1,10 +1,12 @@
-"""A Tinker client outlives ``plexctl down`` / ``up``: its next call waits for the cluster and goes
+"""A Tinker client outlives ``plexctl down`` / ``up`` (``--tinker-port 0`` takes the port it took
+before, so the client's base_url still holds): its next call waits for the cluster and goes
 on from the run's last saved state; what was lost is said (the front end's log, the job's events,
 and an ``optim_step`` whose ``forward_backward`` calls were lost is refused, saying so)."""
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 
@@ -45,12 +47,17 @@ def test_a_training_client_goes_on_from_its_saved_state_after_down_and_up(
         training.forward_backward(data, "cross_entropy").result()  # not stepped: lost too
 
         assert cluster.run("down", timeout=300).returncode == 0
-        cluster.up(tiny_model, "--tinker-port", url.rsplit(":", 1)[1])
+        cluster.up(tiny_model, "--tinker-port", "0")  # the same command: the port it took the first time
+        assert json.loads((cluster.state_dir / "tinker.json").read_text())["url"] == url
 
-        # the same client objects go on: the run is where its last saved state left it
+        # the same client objects go on; the trainer's state went with the cluster: the first
+        # call fails, naming the saved state and step the run went back to
+        told = rf"lost its trainer state.*{re.escape(saved)}, step 2: 1 optim_step\(s\) since then.*send them again"
+        with pytest.raises(tinker.RequestFailedError, match=told):
+            training.forward(data, "cross_entropy").result()
         again = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert again == pytest.approx(at_save, rel=1e-6) and again != pytest.approx(after_step3, rel=1e-6)
-        with pytest.raises(Exception, match=r"1 optim_step\(s\) since then.*send them again"):
+        with pytest.raises(tinker.RequestFailedError, match=told):
             training.optim_step(adam).result()  # its forward_backward was lost: said, not stepped on nothing
         training.forward_backward(data, "cross_entropy").result()
         training.optim_step(adam).result()  # step 3 again, from the saved state: the same as before

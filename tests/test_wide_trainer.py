@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -181,8 +183,9 @@ def full_group(model_dir: str, width: int, nvme: Path, config: Any = ONE_SLOT) -
 def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(model_dir: str, tmp_path: Path) -> None:
     """A full fine-tuning job on 2 and on 4 ranks, each holding its shard of every weight and of
     AdamW's moments (the lm_head whole), its step's micro-batches split among them, swapping out
-    and back at every step beside a LoRA job: its losses are one rank's within 1e-6, its published
-    weights within 1e-5; on 2 ranks with room for both jobs (no swap) it ends bit for bit the same,
+    and back at every step beside a LoRA job: its losses are one rank's within 1e-5 (AdamW on whole
+    weights carries the ranks' other summation order from step to step), its published weights within
+    1e-5; on 2 ranks with room for both jobs (no swap) it ends bit for bit the same,
     so each rank's shards come back from host and NVMe exact. Its checkpoint, written at width 2,
     restores at widths 1 and 4 with the same weights and moments."""
     alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, **SPLIT), ONE_SLOT, tmp_path / "n1", {})})
@@ -200,7 +203,7 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
     for other in (got, four):
         for task_id, metrics in want.items():
             for key in ("loss", "pg_loss", "tokens", "grad_norm"):
-                assert other[task_id][key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-9), (task_id, key)
+                assert other[task_id][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-8), (task_id, key)
     one, two, four_w = (full_weights(tmp_path / d) for d in ("one", "two", "four"))
     assert one.keys() == two.keys() == four_w.keys()
     for key in one:
@@ -219,6 +222,12 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
     assert all(torch.equal(again[k], saved[k]) for k in saved)  # width 2 -> 4 -> gathered: the same bits
     for index, moments in moments_at_two.items():
         assert all(torch.equal(moments[n], moments_at_four[index][n]) for n in moments), index
+
+
+def events(cluster: Any, job: str) -> list[tuple[str, str]]:
+    """The job's journal events, kind and message, oldest first."""
+    with sqlite3.connect(cluster.state_dir / "journal.db") as db:
+        return list(db.execute("select kind, detail from events where job_id = ? order by id", (job,)))
 
 
 def tinker_bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
@@ -305,7 +314,7 @@ def test_a_rank_that_dies_takes_the_worker_down(model_dir: str, tmp_path: Path) 
         out = serve_all(trainers, [P.TaskBody(2, "j1", EID, task("j1", 1))])
         assert time.monotonic() - t0 < 60
         assert failures and "rank 1" in failures[0]
-        assert not out.results[2][0] and "trainer engine failed" in out.results[2][2]
+        assert 2 not in out.results  # no result: the engine's death is not the task's error
     finally:
         group.close()
 
@@ -314,18 +323,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.journey
-def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(tiny_model: Path, tmp_path: Path):
+def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """`plexctl up --local --trainer-width 2`, as a user types it: status shows the trainer engine
     with its two ranks; the tiny LoRA job and the tiny full fine-tuning job run on it side by
     side, each evaluated at its start and end (the full job's rollouts from its weights gathered
     from both ranks and published); rank 1 killed mid-run takes the engine down, it starts again
     whole, and both jobs roll back to their checkpoints and succeed with every step recorded once;
-    a Tinker client's run on it saves its state and loads it back, optimizer included, to the same
-    next step."""
+    a Tinker client's run, alive through it, is told at its next call that its state went back to
+    its saved state and step, and goes on from there; a Tinker client's run on the engine started
+    again saves its state and loads it back, optimizer included, to the same next step."""
+    import tinker
+
     from bench import faults
     from tests.conftest import Cluster
     from tests.test_faults import kinds, steps
 
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+    n_steps = 16  # the full job is killed at step 3: steps enough that it is still running then
     cluster = Cluster(tmp_path / "home", env={"TINKER_TELEMETRY": "0"}).up(
         tiny_model, "--trainer-width", "2", "--tinker-port", "0"
     )
@@ -333,9 +350,24 @@ def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(tiny_mode
         trainer = next(e for e in cluster.status()["engines"] if e["kind"] == "trainer")
         assert trainer["ranks"] == 2
         assert "cpu x2" in cluster.run("status", check=True).stdout
+        known = {j["job_id"] for j in cluster.status()["jobs"]}
+        service, run = tinker_client(cluster)
+        [tinker_job] = {j["job_id"] for j in cluster.status()["jobs"]} - known
+        data, adam = tinker_data(run), tinker.AdamParams(learning_rate=1e-3)
+        for _ in range(2):
+            run.forward_backward(data, "cross_entropy").result()
+            run.optim_step(adam).result()
+        saved = run.save_state("two").result().path
+        at_save = run.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        run.forward_backward(data, "cross_entropy").result()
+        run.optim_step(adam).result()  # step 3: lost with the engine
         every = ("--set", "checkpoint.every=2", "-q")
-        lora = cluster.run("submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", "algo.steps=6", *every)
-        full = cluster.run("submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "--set", "algo.steps=6", *every)
+        lora = cluster.run(
+            "submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", f"algo.steps={n_steps}", *every
+        )
+        full = cluster.run(
+            "submit", str(REPO / "configs" / "tiny-arith-full.yaml"), "--set", f"algo.steps={n_steps}", *every
+        )
         assert lora.returncode == 0 and full.returncode == 0, lora.stderr + full.stderr
         jobs = (lora.stdout.strip(), full.stdout.strip())
         cluster.wait_for(jobs[1], lambda j: j["step"] >= 3, timeout=600, what="3 steps")
@@ -344,16 +376,44 @@ def test_up_with_a_trainer_of_two_ranks_runs_a_lora_job_and_a_full_one(tiny_mode
         faults.kill(rank1)
         for job in jobs:
             cluster.run("wait", job, "--timeout", "900", timeout=960)
+        # the Tinker run's state went with the engine: its next call says so, and where it went back to
+        told = rf"lost its trainer state.*{re.escape(saved)}, step 2: 1 optim_step\(s\) since then.*send them again"
+        with pytest.raises(tinker.RequestFailedError, match=told):
+            run.forward(data, "cross_entropy").result()
+        assert run.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
+        with pytest.raises(tinker.RequestFailedError, match=told):
+            run.optim_step(adam).result()  # not on nothing: the lost forward_backward was not sent again
+        run.forward_backward(data, "cross_entropy").result()
+        run.optim_step(adam).result()
+        assert cluster.job(tinker_job)["restarts"] == 1 and cluster.job(tinker_job)["step"] == 3
+        service.close("success").result()
         for job in jobs:
             done = cluster.job(job)
-            assert done["state"] == "succeeded" and done["step"] == 6, done
+            assert done["state"] == "succeeded" and done["step"] == n_steps, (done["error"], events(cluster, job))
             assert 0.0 <= done["eval_first"] <= 1.0 and 0.0 <= done["eval_last"] <= 1.0, done
-            assert steps(cluster, job) == list(range(1, 7))  # steps past the checkpoint ran again, recorded once
+            assert steps(cluster, job) == list(
+                range(1, n_steps + 1)
+            )  # steps past the checkpoint ran again, recorded once
         assert "rolled back" in kinds(cluster, jobs[1])
         assert faults.worker_pid(cluster.state_dir, trainer["worker_id"]) != worker  # started again, whole
         tinker_state_round_trip(cluster)
     finally:
         cluster.run("down", timeout=120)
+
+
+def tinker_client(cluster: Any, seed: int = 5) -> tuple[Any, Any]:
+    """A Tinker service client of the cluster's owner and a rank-8 LoRA training client on it."""
+    import tinker
+
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    service = tinker.ServiceClient(base_url=url, api_key=(cluster.home / "tinker-api-key").read_text().strip())
+    return service, service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=seed).result()
+
+
+def tinker_data(run: Any) -> list[Any]:
+    from tests.test_tinker_e2e import supervised_data
+
+    return supervised_data(run.get_tokenizer(), 8)
 
 
 def tinker_state_round_trip(cluster: Any) -> None:

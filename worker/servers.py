@@ -424,7 +424,9 @@ class GroupTrainers:
     the worker down (``on_failure``), so the engine restarts whole and its jobs go on from their
     checkpoints; a task's own error is each rank's, reported as on one rank. Rank 0's results are
     held until the body is done: a task that failed is reported only once every rank answers a
-    ``Ping`` (a collective that failed on a dead peer is the peer's death, not the task's error)."""
+    ``Ping`` (a collective that failed on a dead peer is the peer's death, not the task's error),
+    and a body the group failed on reports nothing (its jobs roll back when the worker is lost; a
+    failed result would reach their drivers first, as their own error)."""
 
     def __init__(self, group: Any, on_failure: Callable[[str], None]) -> None:
         self.group, self.on_failure = group, on_failure
@@ -437,11 +439,8 @@ class GroupTrainers:
             self.group.call(Serve(t))
             if held.failed:
                 self.group.call(Ping())
-        except TrainerGroupError as exc:
+        except TrainerGroupError as exc:  # no result: the body's tasks are the daemon's to run again
             log.error("trainer engine of %d ranks failed: %s", self.group.width, exc)
-            tasks = t.tasks if isinstance(t, P.TaskPassBody) else [t] if isinstance(t, P.TaskBody) else []
-            for task in tasks:
-                out.result(task.task_id, False, error=f"trainer engine failed: {exc}")
             self.on_failure(str(exc))
             return
         held.flush()

@@ -293,9 +293,7 @@ class JobLifecycle:
         if rt.cancel_requested_at is not None:
             state, error = ("succeeded" if rt.ended_by_client else "cancelled"), ""
         elif rt.rolled_back and rc != 0:
-            journal.update(job_id, state="queued")
-            journal.event(job_id, "rolled back", f"{rt.rolled_back}; resumes from its last checkpoint")
-            self._end_job(rt)
+            self._requeue_rolled_back(rt)
             return
         elif rc == 0:
             state, error = "succeeded", ""
@@ -361,15 +359,31 @@ class JobLifecycle:
                 self.turn.send(worker.identity, P.Op.RELEASE, P.ReleaseBody(rt.job_id, engine_id))
 
     def roll_back(self, rt: JobRuntime, why: str) -> None:
-        """The job's trainer state is gone: stop its driver; it resumes from its last checkpoint."""
+        """The job's trainer state is gone: it resumes from its last checkpoint. A driver is
+        stopped (its exit requeues the job); a job with no process is requeued now, and its
+        client's calls in flight are answered ``rolled_back``, so its client learns of the loss
+        (and a restart count that grew) rather than waiting on calls no one will answer."""
         rt.rolled_back = why
         self.jobs.held.pop(rt.job_id, None)
+        held = [(identity, header.msg_id) for waiting in rt.held_calls.values() for identity, header, _ in waiting]
         rt.held_calls.clear()
         rt.sent_ahead.clear()
-        self.calls.drop_job(rt.job_id, self.sched.release(rt.job_id))
+        dropped = self.calls.drop_job(rt.job_id, self.sched.release(rt.job_id))
+        log.warning("job %s rolls back to its last checkpoint: %s", rt.job_id, why)
         if rt.pid:
             self.turn.add(StopDriver(rt.job_id))
-        log.warning("job %s rolls back to its last checkpoint: %s", rt.job_id, why)
+        elif not rt.driver.has_process:
+            told = f"{why}: the job's trainer state is lost; it resumes from its last checkpoint"
+            for identity, msg_id in [(c.identity, c.msg_id) for c in dropped] + held:
+                self.turn.error(identity, msg_id, P.ROLLED_BACK, told)
+            self._requeue_rolled_back(rt)
+
+    def _requeue_rolled_back(self, rt: JobRuntime) -> None:
+        """A rolled-back job is queued again, one restart more: it resumes from its last checkpoint."""
+        info = self.jobs.known(rt.job_id)
+        self.jobs.journal.update(rt.job_id, state="queued", restarts=info.restarts + 1)
+        self.jobs.journal.event(rt.job_id, "rolled back", f"{rt.rolled_back}; resumes from its last checkpoint")
+        self._end_job(rt)
 
 
 def _last_line(path: Path) -> str:

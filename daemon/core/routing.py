@@ -47,7 +47,9 @@ class _CallSite:
         self.trainer = C.TrainerContext(lora=rt.spec.lora, seed=rt.spec.seed)
         self.trusted = trusted
 
-    def sample_from(self, version: int | None) -> P.AdapterRef | None:
+    def sample_from(self, version: int | None, of_job: str = "") -> P.AdapterRef | None:
+        if of_job and of_job != self.job_id:
+            return self._of_job(of_job, version)
         adapter = self.adapter
         if version is not None and version != self.version:  # an earlier version it kept (a Tinker sampler's)
             adapter = _kept_adapter(self.rt, version)
@@ -57,6 +59,26 @@ class _CallSite:
         else:
             self.call.version = self.version
         return adapter
+
+    def _of_job(self, job_id: str, version: int | None) -> P.AdapterRef | None:
+        """Job ``job_id``'s published policy ``version`` (None: its latest), for a job of the
+        same user sampling it on the same base model (an OpenAI API request of that user's)."""
+        info = self.jobs.journal.job(job_id)
+        if info is None or info.user != self.rt.user:
+            raise C.CallRefused("not_found", f"no job {job_id} of {self.rt.user or 'this user'}")
+        other = self.jobs.runtimes.get(job_id)
+        spec = other.spec if other is not None else self.jobs.journal.spec(job_id)
+        if os.path.realpath(spec.model.path) != os.path.realpath(self.rt.spec.model.path):
+            raise C.CallRefused("bad_request", f"job {job_id} trains {spec.model.path}, not {self.rt.spec.model.path}")
+        latest = other.policy_version if other is not None else info.policy_version
+        version = latest if version is None else version
+        self.call.version = version
+        if version <= 0:
+            return None  # the base
+        path = self.jobs.job_dir(job_id).adapter(version)
+        if not path.is_dir():
+            raise C.CallRefused("bad_request", f"policy version {version} of job {job_id} is not kept")
+        return P.AdapterRef(job_id, version, str(path), full=spec.lora is None)
 
     def reserve(self) -> str:
         call = self.call

@@ -189,12 +189,13 @@ class CallTable(Mapping[int, PendingCall]):
     def pop(self, task_id: int) -> PendingCall | None:
         return self._calls.pop(task_id, None)
 
-    def drop_job(self, job_id: str, tasks: Iterable[Task] = ()) -> None:
-        """Forget the job's calls: those of ``tasks`` (released by the scheduler) and any other."""
-        for task in tasks:
-            self._calls.pop(task.task_id, None)
+    def drop_job(self, job_id: str, tasks: Iterable[Task] = ()) -> list[PendingCall]:
+        """Forget the job's calls: those of ``tasks`` (released by the scheduler) and any other;
+        the calls forgotten, unanswered."""
+        dropped = [c for task in tasks if (c := self._calls.pop(task.task_id, None)) is not None]
         for tid in [t for t, c in self._calls.items() if c.job_id == job_id]:
-            del self._calls[tid]
+            dropped.append(self._calls.pop(tid))
+        return dropped
 
     def busy(self, job_id: str) -> bool:
         """Whether a call of the job is pending."""

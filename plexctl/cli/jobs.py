@@ -34,7 +34,7 @@ def status(
     from plexctl.cli import views
     from plexctl.cli.slurm import SLURM_FILE
     from plexctl.cli.start_stop import ping_or_none, slurm_note
-    from plexctl.common.cluster import tinker_state
+    from plexctl.common.cluster import openai_url, tinker_state
     from plexctl.common.errors import DaemonUnreachable
 
     c: Ctx = ctx.obj
@@ -68,6 +68,7 @@ def status(
             time.sleep(interval)
             continue
         tinker, tinker_note = tinker_state(c.state_dir)
+        openai = openai_url(c.state_dir)
         if as_json:
             print(
                 json.dumps(
@@ -76,14 +77,15 @@ def status(
                         "engines": msgspec.to_builtins(rep.engines),
                         **({"tinker_url": tinker} if tinker else {}),
                         **({"tinker_note": tinker_note} if tinker_note else {}),
+                        **({"openai_url": openai} if openai else {}),
                     },
                     indent=2,
                 )
             )
         elif console().is_terminal:
-            console().print(views.status_view(rep, c.uptime(), tinker, tinker_note))
+            console().print(views.status_view(rep, c.uptime(), tinker, tinker_note, openai))
         else:
-            print(views.plain_status(rep, c.uptime(), tinker, tinker_note), flush=True)
+            print(views.plain_status(rep, c.uptime(), tinker, tinker_note, openai), flush=True)
         if not watch:
             return
         time.sleep(interval)

@@ -35,7 +35,7 @@ import msgspec
 from plexctl.common.atomic import write_json_atomic
 from plexctl.common.cluster_config import ClusterConfig, config_path
 from plexctl.common.errors import PlexError, UsageError
-from plexctl.common.layout import engine_kinds, place_workers
+from plexctl.common.layout import engine_kinds, place_workers, placement_span, registers
 
 IMPORT_ROOT = Path(__file__).resolve().parents[2]  # holds the daemon package: sbatch runs daemon.node from here
 SLURM_FILE = "slurm.json"
@@ -118,19 +118,20 @@ def planned_workers(spec: SlurmSpec) -> int:
     ``plexctl.common.layout.LayoutError`` where the GPU options do not fit a node."""
     c = spec.config
     gpus = [str(i) for i in range(c.gpus_per_node)]
-    return sum(
-        len(
-            place_workers(
-                f"#{i}",
-                gpus,
-                engine_kinds(c.engines[i % len(c.engines)]),
-                rollout_gpus=c.rollout_gpus,
-                trainer_gpus=c.trainer_gpus,
-                tp=c.tp,
-            )
+    width = c.trainer_width or 1
+    count = 0
+    for i in range(c.nodes):
+        placements = place_workers(
+            f"#{i}",
+            gpus,
+            engine_kinds(c.engines[i % len(c.engines)]),
+            rollout_gpus=c.rollout_gpus,
+            trainer_gpus=c.trainer_gpus,
+            tp=c.tp,
+            trainer_width=width,
         )
-        for i in range(c.nodes)
-    )
+        count += sum(registers(p, None if spec.join else placement_span(p, width, i)) for p in placements)
+    return count
 
 
 # ---------------------------------------------------------------- the batch script

@@ -135,6 +135,7 @@ def plan_engines(gpus: int, rollout_gpus: int | None, trainer_gpus: int | None, 
         rollout_gpus=rollout_gpus,
         trainer_gpus=trainer_gpus,
         tp=tp,
+        trainer_width=1,  # the plan chooses trainer widths itself
     )
     return [MP.EngineShape(cast(MP.EngineKind, kind), len(w.devices)) for w in workers for kind in w.engines]
 

@@ -115,7 +115,7 @@ def _up_local(config: K.ClusterConfig, c: Ctx, timeout: float) -> None:
     cmd = [sys.executable, "-m", "daemon.main", "--state-dir", str(c.state_dir)]
     for engines in layouts:
         cmd += ["--local-worker", ",".join(engines)]
-    if config.tinker_port is not None:
+    if config.tinker_port is not None or config.openai_port is not None:  # one key per user serves both
         from plexctl.tinker.keys import ensure_key
 
         key_file = ensure_key(c.state_dir, current_user())
@@ -169,15 +169,18 @@ def _up_local(config: K.ClusterConfig, c: Ctx, timeout: float) -> None:
     if config.tinker_port is not None:
         url = _wait_for_tinker(c.state_dir, proc, timeout)
         console().print(f"Tinker API: base_url={url}, api_key in {key_file}")
+    if config.openai_port is not None:
+        url = _wait_for_tinker(c.state_dir, proc, timeout, openai=True)
+        console().print(f"OpenAI API: base_url={url}, api_key in {key_file}")
 
 
-def _wait_for_tinker(state_dir: Path, daemon: subprocess.Popen, timeout: float) -> str:
-    """The Tinker front end's URL once it listens (its ``tinker.json``)."""
-    from plexctl.common.cluster import tinker_url
+def _wait_for_tinker(state_dir: Path, daemon: subprocess.Popen, timeout: float, openai: bool = False) -> str:
+    """The front end's URL once it listens (its ``tinker.json``): the Tinker API's, or the OpenAI API's."""
+    from plexctl.common.cluster import openai_url, tinker_url
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        url = tinker_url(state_dir)
+        url = (openai_url if openai else tinker_url)(state_dir)
         if url is not None:
             return url
         if daemon.poll() is not None:
@@ -232,11 +235,11 @@ def _up_slurm(
         config_file=str(S.join_config_path(state_dir) if join else K.config_path(state_dir)),
         join=join is not None,
     )
-    if config.tinker_port is not None and not join:
+    if (config.tinker_port is not None or config.openai_port is not None) and not join:
         from plexctl.tinker.keys import ensure_key
 
         state_dir.mkdir(parents=True, exist_ok=True)
-        console().print(f"Tinker API key in {ensure_key(state_dir, current_user())} (the URL: tinker.json)")
+        console().print(f"API key in {ensure_key(state_dir, current_user())} (the URLs: tinker.json)")
     if config.job_limits:
         state_dir.mkdir(parents=True, exist_ok=True)
         set_limits(state_dir, parse_limits(config.job_limits))

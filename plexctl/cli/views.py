@@ -358,18 +358,20 @@ def cluster_line(rep: StatusRep) -> str:
     return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
 
 
-def tinker_line(url: str | None, note: str = "") -> str:
-    """The Tinker API's line: its URL, else why it has none now (``cluster.tinker_state``)."""
-    if url is not None:
-        return f"\nTinker API: base_url={url}"
-    return f"\nTinker API: {note}" if note else ""
+def tinker_line(url: str | None, note: str = "", openai: str | None = None) -> str:
+    """The Tinker API's line: its URL, else why it has none now (``cluster.tinker_state``); and
+    the OpenAI API's, where it is served."""
+    line = f"\nTinker API: base_url={url}" if url is not None else f"\nTinker API: {note}" if note else ""
+    return line + (f"\nOpenAI API: base_url={openai}" if openai else "")
 
 
-def status_view(rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "") -> Group:
+def status_view(
+    rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "", openai: str | None = None
+) -> Group:
     from rich.console import Group
     from rich.text import Text
 
-    table = Text(cluster_line(rep) + tinker_line(tinker, tinker_note))
+    table = Text(cluster_line(rep) + tinker_line(tinker, tinker_note, openai))
     return Group(jobs_table(rep.jobs, rep.now), engines_table(rep.engines, uptime), table)
 
 
@@ -381,8 +383,11 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
     return "\n".join(plain_table(PLAIN_ENGINES, [EngineRow(e, uptime) for e in engines], ENGINE_NOTES))
 
 
-def plain_status(rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "") -> str:
-    """``tinker``: the Tinker API's URL, where the cluster serves it; ``tinker_note``: why not now."""
+def plain_status(
+    rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "", openai: str | None = None
+) -> str:
+    """``tinker``: the Tinker API's URL, where the cluster serves it; ``tinker_note``: why not now;
+    ``openai``: the OpenAI API's URL, where it is served."""
     engines = plain_engines(rep.engines, uptime)
-    tail = cluster_line(rep) + tinker_line(tinker, tinker_note)
+    tail = cluster_line(rep) + tinker_line(tinker, tinker_note, openai)
     return plain_jobs(rep.jobs, rep.now) + "\n\n" + engines + "\n" + tail

@@ -180,6 +180,7 @@ class GenerateReq(Request, tag="generate"):
     sampling: Sampling
     prompt_tokens: list[list[int]] = msgspec.field(default_factory=list)  # prompts given as token ids
     version: int | None = None  # the job's policy version to sample from (None: its current; 0: the base)
+    of_job: str = ""  # another job of the same user and base model whose published policy to sample
 
 
 class GenerateTask(EngineTask, tag="generate"):
@@ -401,9 +402,10 @@ class CallSite(Protocol):
     trainer: TrainerContext  # the job's, with this call's key
     trusted: bool  # the job's user may run code in the trainer
 
-    def sample_from(self, version: int | None) -> AdapterRef | None:
+    def sample_from(self, version: int | None, of_job: str = "") -> AdapterRef | None:
         """The adapter of the job's policy ``version`` (None: the current; 0 or None back: the
-        base); ``CallRefused`` if that version is not kept."""
+        base), or of job ``of_job``'s, a job of the same user and base model, running or ended;
+        ``CallRefused`` if that version is not kept, or that job is not such a job."""
         ...
 
     def reserve(self) -> str:
@@ -456,7 +458,7 @@ class Generate(Method):
     request, task, result, reply = GenerateReq, GenerateTask, GenerateResult, GenerateRep
 
     def task_of(self, req: GenerateReq, site: CallSite) -> GenerateTask:
-        adapter = site.sample_from(req.version)
+        adapter = site.sample_from(req.version, req.of_job)
         return GenerateTask(GenRequest(site.job_id, req.prompts, req.sampling, adapter, req.prompt_tokens))
 
     def reply_of(self, result: GenerateResult, made: Made, drain: str) -> GenerateRep:

@@ -146,11 +146,21 @@ def tinker_url(state_dir: Path) -> str | None:
     return tinker_state(state_dir)[0]
 
 
+def openai_url(state_dir: Path) -> str | None:
+    """Where the cluster's OpenAI API is served (its ``base_url``, ending ``/v1``); None while it is not."""
+    try:
+        info = json.loads((state_dir / TINKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    url = info.get("openai_url") if isinstance(info, dict) else None
+    return url if isinstance(url, str) and tinker_state(state_dir)[1] == "" else None
+
+
 def tinker_state(state_dir: Path) -> tuple[str | None, str]:
     """The cluster's Tinker API front end, from its ``tinker.json``: ``(url, "")`` while it
-    listens; ``(None, why)`` while its daemon starts it again (the file says so, or the process it
-    names on this host is gone, not yet noticed); ``(None, "")`` where none runs (the daemon
-    removes the file when it starts one and when it stops)."""
+    listens; ``(None, why)`` while its daemon starts it, or starts it again (the file says so, or
+    the process it names on this host is gone, not yet noticed); ``(None, "")`` where none runs
+    (the daemon removes the file when it stops)."""
     import socket
     import time
 
@@ -160,12 +170,16 @@ def tinker_state(state_dir: Path) -> tuple[str | None, str]:
         return None, ""
     if not isinstance(info, dict):
         return None, ""
+    if info.get("starting"):
+        took = max(0.0, time.time() - float(info.get("since", 0.0)))
+        return (
+            None,
+            f"{'restarting' if info.get('again') else 'starting'} (its front end is starting, {took:.0f} s so far)",
+        )
     if info.get("restarting"):
         wait = max(0.0, float(info.get("retry_at", 0.0)) - time.time())
         return None, f"restarting (its front end exited with code {info.get('exit_code')}; next start in {wait:.0f} s)"
     url, pid = info.get("url"), info.get("pid")
-    if not isinstance(url, str):
-        return None, ""
     if info.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return None, f"restarting (its front end, pid {pid}, is gone; the daemon starts it again)"
-    return url, ""
+    return (url, "") if isinstance(url, str) else (None, "")

@@ -213,8 +213,17 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tinker_port: Annotated[
         Annotated[int, Meta(ge=0)] | None,
         _doc(
-            "Serve the Tinker API on this port (0: a free one; null: off): Tinker SDK code runs here with "
+            "Serve the Tinker API on this port (0: a free one, the same at each `up` while it is free; null: off): "
+            "Tinker SDK code runs here with "
             "base_url and the API key `up` prints the path of",
+        ),
+    ] = None
+    openai_port: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _doc(
+            "Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) on this port (0: a free one; "
+            "null: off): the `openai` SDK samples your jobs' policies and the base models with the API key `up` "
+            "prints the path of",
         ),
     ] = None
 
@@ -240,8 +249,8 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "GPUs of one trainer engine (its ranks), the base model's weights sharded across them (FSDP2): "
             "a LoRA job's adapter replicated, a full fine-tuning job's weights and moments sharded (null: 1 on "
             "a worker; plexctl plan shows the smallest width whose per-rank step fits one trainer GPU). It "
-            "divides a node's trainer GPUs, or, wider than a node, is a multiple of its GPUs: whole nodes, "
-            "rank 0 on the first, whose worker speaks for the engine"
+            "divides a node's trainer GPUs, or, wider, is a multiple of them: whole nodes, rank 0 on the first, "
+            "whose worker speaks for the engine"
         ),
     ] = None
     scratch: Annotated[
@@ -436,6 +445,7 @@ def node_trainer_gpus(config: ClusterConfig) -> list[int]:
                 rollout_gpus=config.rollout_gpus,
                 trainer_gpus=config.trainer_gpus,
                 tp=config.tp,
+                trainer_width=1,  # the node's trainer GPUs, whatever the engines' width
             )
         except LayoutError:
             return []
@@ -445,24 +455,29 @@ def node_trainer_gpus(config: ClusterConfig) -> list[int]:
 
 def trainer_width_problems(config: ClusterConfig) -> list[str]:
     """What ``trainer_width`` must be on the allocation's nodes (nothing to check without GPUs per
-    node, a local cluster's: ``plexctl plan`` checks it against its node): within a node it divides
-    the trainer GPUs of every node that trains (each trainer GPU in an engine of that width); wider
-    than a node it spans whole nodes, a multiple of a node's GPUs, at most the allocation's."""
+    node, a local cluster's: ``plexctl plan`` checks it against its node), by a node's trainer GPUs
+    (as ``plexctl.common.layout`` places them): within a node it divides them (each trainer GPU in
+    an engine of that width); wider, it spans whole nodes' trainer GPUs, a multiple of them, at most
+    the allocation's."""
     width, per_node = config.trainer_width, config.gpus_per_node
     if width is None or width == 1 or per_node <= 0:
         return []
     option = option_name("trainer_width")
-    if width > per_node:
-        if width % per_node:
-            return [
-                f"{option} {width}: wider than a node's {per_node} GPUs, so it spans whole nodes: "
-                f"a multiple of {per_node}"
-            ]
-        if width > per_node * config.nodes:
-            return [f"{option} {width}: more than the allocation's {config.nodes} x {per_node} GPUs"]
-        return []
+    entries = [[k.strip() for k in entry.split(",")] for entry in config.engines] or [["rollout", "trainer"]]
+    training_nodes = sum(1 for i in range(config.nodes) if "trainer" in entries[i % len(entries)])
     for trainers in node_trainer_gpus(config):
-        if trainers % width:
+        if width > trainers:
+            if width % trainers:
+                return [
+                    f"{option} {width}: wider than a node's {trainers} trainer GPUs, so it spans whole nodes: "
+                    f"a multiple of {trainers}"
+                ]
+            if width > trainers * training_nodes:
+                return [
+                    f"{option} {width}: more than the allocation's {training_nodes} x {trainers} trainer GPUs "
+                    f"({option_name('nodes')})"
+                ]
+        elif trainers % width:
             return [
                 f"{option} {width}: does not divide the {trainers} trainer GPUs of a node "
                 f"({option_name('trainer_gpus')}); widths that do: {', '.join(map(str, _divisors(trainers)))}"

@@ -91,7 +91,7 @@ def place_workers(
     rollout_gpus: int | None = None,
     trainer_gpus: int | None = None,
     tp: int,
-    trainer_width: int = 1,
+    trainer_width: int,
 ) -> list[WorkerPlacement]:
     """The workers of ``node`` (its name, or the base of its worker ids) on ``gpus``.
 
@@ -119,7 +119,14 @@ def place_workers(
             if counts[kind]:
                 raise LayoutError(f"--{kind}-gpus {counts[kind]}: node {node} has no GPUs (ask --gpus-per-node)")
         return [WorkerPlacement(node, node_kinds, [], "")]
-    if node_kinds == list(KINDS) and len(gpus) == 1 and rollout_gpus is None and trainer_gpus is None and tp == 1:
+    if (
+        node_kinds == list(KINDS)
+        and len(gpus) == 1
+        and rollout_gpus is None
+        and trainer_gpus is None
+        and tp == 1
+        and trainer_width == 1  # a trainer of several ranks forms a process group vLLM's may not share
+    ):
         return [WorkerPlacement(f"{node}-g0", node_kinds, [gpus[0]], f"{node}-g0")]  # both engines share it
     split = _split(node, len(gpus), node_kinds, rollout_gpus, trainer_gpus, tp)
     workers, first = [], 0
@@ -216,3 +223,15 @@ def trainer_span(width: int, node_trainer_gpus: int, node_index: int) -> Trainer
     part = node_index % nodes
     first = part * node_trainer_gpus
     return TrainerSpan(node_index // nodes, part, list(range(first, first + node_trainer_gpus)))
+
+
+def placement_span(placement: WorkerPlacement, width: int, node_index: int) -> TrainerSpan | None:
+    """The span of ``placement``'s trainer engine (None: it holds none, or its engine fits the node)."""
+    trainers = len(placement.devices) if "trainer" in placement.engines else 0
+    return trainer_span(width, trainers, node_index)
+
+
+def registers(placement: WorkerPlacement, span: TrainerSpan | None) -> bool:
+    """Whether the node starts ``placement`` as a worker the daemon sees: not where its only
+    engine is another node's wide trainer (its ranks then run under ``python -m worker.ranks``)."""
+    return span is None or span.part == 0 or any(kind != "trainer" for kind in placement.engines)

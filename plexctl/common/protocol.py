@@ -97,6 +97,9 @@ class ErrorBody(msgspec.Struct):
     message: str  # one line (``one_line``): the client prints it as it is
 
 
+ROLLED_BACK = "rolled_back"  # an ErrorBody code: a job's trainer state was lost under the call; it restarts
+
+
 def one_line(text: str, limit: int = 500) -> str:
     """``text`` as an error's message: its whitespace runs made single spaces, cut at ``limit``."""
     return " ".join(text.split())[:limit]

@@ -1,4 +1,4 @@
-"""``python -m plexctl.tinker``: the Tinker API front end of a cluster (started by its daemon).
+"""``python -m plexctl.tinker``: the API front end of a cluster, Tinker's and OpenAI's (started by its daemon).
 
 It lives as long as the daemon that started it: once that process is gone (killed; the next
 daemon starts a front end of its own), it stops as at SIGTERM."""
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="plexrl-tinker", description=__doc__)
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--port", type=int, default=None, help="the Tinker API's (0: a free one; none: not served)")
+    ap.add_argument("--openai-port", type=int, default=None, help="the OpenAI API's (0: a free one; none: not served)")
     ap.add_argument("--parent-pid", type=int, default=0, help="stop once this process (the daemon) is gone")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     from plexctl.tinker.cluster import ClusterBackend
     from plexctl.tinker.server import serve
 
-    serve(ClusterBackend(args.state_dir), args.host, args.port, ready_file=args.state_dir / TINKER_FILE)
+    backend = ClusterBackend(args.state_dir)
+    serve(backend, args.host, args.port, ready_file=args.state_dir / TINKER_FILE, openai_port=args.openai_port)
 
 
 def _stop_without(parent: int) -> None:

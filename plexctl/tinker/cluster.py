@@ -7,11 +7,15 @@ the cluster's internal key). ``forward_backward`` calls are kept, in order, unti
 ``optim_step`` that takes their gradient (``calls.OptimStepReq``), so no gradient outlives a call.
 Saved sampler weights are the job's published policy versions (the daemon prunes none of a
 Tinker job's: a ``tinker://`` path's weights never change), and sampling is a generate call of the
-run's job at that version. What each run has saved, and its step count, is kept in
-``<state>/tinker/runs.json``, written atomically, so a restarted front end knows its paths and takes
-its runs back: a run's first call after the restart waits for its job to run again, restores the
-last saved state (the job's own checkpoint; none: the run starts afresh) and says, in the front
-end's log and the job's events, which steps were lost.
+run's job at that version. What each run has saved, its step count and its job's restart count
+are kept in ``<state>/tinker/runs.json``, and its forward_backward calls not yet stepped in
+``<state>/tinker/pending/``, each written atomically, so a restarted front end takes its runs back.
+A run whose job ran on meanwhile (its restarts unchanged) goes on from the trainer's live state,
+losing nothing. A run whose trainer state was lost (its job restarted: a worker's death, the
+cluster's down and up; the daemon answers its calls in flight ``rolled_back``) has its last saved
+state restored (none: it starts afresh), and its next call fails with a ``UserError`` naming the
+step it went back to, as does each ``optim_step`` until a forward_backward is sent again; the front
+end's log and the job's events say it too.
 
 Saves on the cluster's disk: every user's but the owner's are held to their ``tinker-disk`` and
 ``tinker-saves`` limits (``plexctl.common.limits``), counted from the directories their runs' jobs
@@ -40,7 +44,8 @@ import msgspec
 
 from plexctl.common import auth
 from plexctl.common import calls as C
-from plexctl.common.atomic import write_json_atomic
+from plexctl.common import protocol as P
+from plexctl.common.atomic import write_bytes_atomic, write_json_atomic
 from plexctl.common.client import Client
 from plexctl.common.cluster import endpoint_path, read_endpoint
 from plexctl.common.errors import RemoteError
@@ -65,6 +70,7 @@ from plexctl.tinker.backend import (
     say_waiting,
     sdk_model_id,
 )
+from plexctl.tinker.openai_api import NotFound, Policy, PolicyBackend
 from plexctl.tinker.quota import Kept, Quota, QuotaFull, make_room
 
 log = logging.getLogger("plexrl.tinker")
@@ -75,6 +81,9 @@ START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create
 QUEUED_TOLD_AFTER_S = 5.0  # a run's job queued this long is told to the client as waiting (not a job just homed)
 EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
+BASE_PREFIX = (
+    "base:"  # an OpenAI API model name: the base model of this name (a job of the name comes first without it)
+)
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
 
@@ -110,13 +119,15 @@ class RunRecord(msgspec.Struct):
     sampler_times: dict[str, float] = msgspec.field(default_factory=dict)  # name -> when it was saved
     states: dict[str, SavedState] = msgspec.field(default_factory=dict)  # by name
     steps: int = 0  # optim_steps taken (as of the last one)
+    restarts: int = 0  # its job's restarts when the run last knew its state live (more: the state was lost)
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
     loaded: LoadedState | None = None
 
 
 class Resumed(msgspec.Struct):
-    """What a run taken back after a restart lost: the steps since its last saved state."""
+    """What a run whose trainer state was lost (its job restarted) lost: the steps since its last
+    saved state."""
 
     state: str  # the tinker:// path it went on from ("": it started afresh)
     step: int
@@ -125,8 +136,9 @@ class Resumed(msgspec.Struct):
     def line(self, model_id: str) -> str:
         origin = f"its last saved state {self.state}" if self.state else "the start (no state was saved)"
         return (
-            f"run {model_id} resumed after a restart of the cluster from {origin}, step {self.step}: "
-            f"{self.lost_steps} optim_step(s) since then, and forward_backward calls not yet stepped, were lost"
+            f"run {model_id} lost its trainer state (its job restarted) and went back to {origin}, "
+            f"step {self.step}: {self.lost_steps} optim_step(s) since then, and forward_backward calls "
+            "not yet stepped, were lost"
         )
 
 
@@ -138,11 +150,11 @@ class Run:
         self.pending: list[C.LossCall] = []
         self.lock = threading.Lock()  # one call of the job's client at a time
         self.client: JobClient | None = None
-        self.resuming = False  # taken back after a restart: its first call restores its saved state
-        self.resumed: Resumed | None = None  # until its next forward_backward: what the restart lost
+        self.resuming = False  # taken back after a restart: its first call finds its job again
+        self.resumed: Resumed | None = None  # until its next forward_backward: what a rollback lost
 
 
-class ClusterBackend(Backend):
+class ClusterBackend(Backend, PolicyBackend):
     """``clock``: what "lately" is measured by, for sampler weights in use (Unix seconds)."""
 
     def __init__(self, state_dir: Path, clock: Callable[[], float] = time.time) -> None:
@@ -158,6 +170,7 @@ class ClusterBackend(Backend):
         self._sampled: dict[str, float] = {}  # sampler weights' key -> when a sampler was made of them or sampled
         self._since = clock()  # what was sampled before this front end started counts as sampled then
         self._owner = _owner(state_dir)  # whose disk it is: their saves are not limited
+        self._serving: dict[tuple[str, str], str] = {}  # (user, model path) -> its OpenAI sampler run's id
         for model_id, record in self._read_registry().items():
             run = self.runs[model_id] = Run(record)
             run.resuming = not record.ended
@@ -226,23 +239,53 @@ class ClusterBackend(Backend):
         return run
 
     def _call(self, run: Run, request: C.Request) -> Any:
+        """The run's call; a ``UserError`` when it failed, or when the run's trainer state was
+        lost since its last call (the error says which step it went back to)."""
         with run.lock:
+            if run.resuming and self._resume(run):
+                raise UserError(self._told(run))
+            if not isinstance(request, C.GenerateReq) and self._restarted(run) and self._resume(run):
+                raise UserError(self._told(run))  # its trainer state was lost since its last call
+            client = self._job_client(run)
             try:
-                if run.resuming:
-                    self._resume(run)
-                client = self._job_client(run)
                 return client.wait(client.call_async(request))
-            except CallFailed as failed:
-                raise UserError(str(failed)) from None
+            except CallFailed as failed:  # answered ``rolled_back``, or its job is not running: did it restart?
+                if not self._restarted(run):
+                    raise UserError(str(failed)) from None
+            self._resume(run)  # its trainer state was lost under this call: the state it goes on from
+            raise UserError(self._told(run))
 
-    def _resume(self, run: Run) -> None:
-        """A run taken back after a restart: once its job runs again, its last saved state (the
-        job's latest checkpoint) is restored; what was lost is said once."""
+    def _restarted(self, run: Run) -> bool:
+        """Whether the run's job restarted since the run last knew its state live (a sampler's
+        job holds no state: never)."""
+        if run.record.sampling:
+            return False
+        return bool(self._client().status(run.record.job_id).jobs[0].restarts != run.record.restarts)
+
+    def _told(self, run: Run) -> str:
+        assert run.resumed is not None
+        return f"{run.resumed.line(run.record.model_id)}; send them again"
+
+    def _resume(self, run: Run) -> bool:
+        """Find the run's job again (after a restart of this front end, or a rollback of the
+        job). Its job ran on all along (its restarts unchanged): the trainer holds its live
+        state, and the forward_backward calls not yet stepped are taken back from disk; nothing
+        was lost. Its job restarted: once it runs again, the run's last saved state is restored
+        (none: it starts afresh); True: the caller fails its call with what was lost."""
         record = run.record
-        self._wait_running(record.job_id)
+        info = self._wait_running(record.job_id)
+        run.resuming = False
         if record.sampling:  # a base model's sampler: nothing saved, nothing lost
-            run.resuming = False
-            return
+            return False
+        if info.restarts == record.restarts:
+            run.pending = self._read_pending(record)
+            log.info(
+                "run %s found its job %s live: %d forward_backward call(s) not yet stepped kept",
+                record.model_id,
+                record.job_id,
+                len(run.pending),
+            )
+            return False
         client = self._job_client(run)
         latest = _restore_point(record)
         path, step = (latest.path, latest.step) if latest else ("", 0)  # none: the run starts afresh
@@ -252,10 +295,29 @@ class ClusterBackend(Backend):
         line = run.resumed.line(record.model_id)
         log.warning("%s", line)
         client.report("note", step, {}, line)
-        record.steps = step
-        run.pending.clear()
-        run.resuming = False
+        record.steps, record.restarts = step, info.restarts
+        self._keep_pending(run, [])
         self._save()
+        return True
+
+    def _pending_file(self, record: RunRecord) -> Path:
+        return self.state_dir / "tinker" / "pending" / f"{hashlib.sha256(record.model_id.encode()).hexdigest()[:16]}"
+
+    def _keep_pending(self, run: Run, pending: list[C.LossCall]) -> None:
+        """The run's forward_backward calls not yet stepped, kept on disk (atomically) so a
+        restart of this front end loses none; none: the file is removed."""
+        run.pending = pending
+        where = self._pending_file(run.record)
+        if pending:
+            write_bytes_atomic(where, msgspec.msgpack.encode(pending))
+        else:
+            where.unlink(missing_ok=True)
+
+    def _read_pending(self, record: RunRecord) -> list[C.LossCall]:
+        try:
+            return msgspec.msgpack.decode(self._pending_file(record).read_bytes(), type=list[C.LossCall])
+        except FileNotFoundError:
+            return []
 
     # ------------------------------------------------------------ saves and the room they take
 
@@ -422,21 +484,23 @@ class ClusterBackend(Backend):
             rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
         except RemoteError as refused:  # the daemon refused the run's job (a rank above the engines', ...)
             raise UserError(str(refused)) from None
-        job = self._wait_running(rep.job_id)
-        record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling)
+        info = self._wait_running(rep.job_id)
+        record = RunRecord(
+            model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling, restarts=info.restarts
+        )
         self.runs[model_id] = Run(record)
         self._save()
-        log.info("%s %s of %s: job %s on %s", "sampler" if sampling else "run", model_id, user, job, path)
+        log.info("%s %s of %s: job %s on %s", "sampler" if sampling else "run", model_id, user, rep.job_id, path)
         return record
 
-    def _wait_running(self, job_id: str) -> str:
+    def _wait_running(self, job_id: str) -> P.JobInfo:
         started = time.monotonic()
         deadline = started + START_TIMEOUT_S
         while time.monotonic() < deadline:
             info = self._client().status(job_id).jobs[0]
             if info.state == "running":
                 say_waiting(None)
-                return job_id
+                return info
             if info.state in ("failed", "cancelled", "succeeded"):
                 raise UserError(f"its job {job_id} {info.state}: {info.error or info.reason}")
             if info.state == "queued" and time.monotonic() - started >= QUEUED_TOLD_AFTER_S:
@@ -467,20 +531,19 @@ class ClusterBackend(Backend):
         run = self._run(user, model_id)
         rep: C.ForwardBackwardRep = self._call(run, C.ForwardBackwardReq(call))
         if not forward_only:
-            run.pending.append(call)
+            self._keep_pending(run, [*run.pending, call])
             run.resumed = None
         return ForwardResult(rep.logprobs, rep.loss)
 
     def optim_step(self, user: str, model_id: str, adam: C.AdamStep) -> dict[str, float]:
         run = self._run(user, model_id)
-        if run.resuming or run.resumed is not None:
-            with run.lock:
-                if run.resuming:
-                    self._resume(run)
-            assert run.resumed is not None
-            raise UserError(f"{run.resumed.line(model_id)}: send them again before this optim_step")
+        with run.lock:  # its calls not yet stepped are known once its job is found again
+            if run.resuming and self._resume(run):
+                raise UserError(self._told(run))
+        if run.resumed is not None:  # what the rollback lost was not sent again
+            raise UserError(self._told(run))
         rep: C.OptimStepRep = self._call(run, C.OptimStepReq(list(run.pending), adam))
-        run.pending.clear()
+        self._keep_pending(run, [])
         run.record.steps += 1
         self._save()
         if run.client is not None:  # status shows the run's step
@@ -541,7 +604,7 @@ class ClusterBackend(Backend):
             if self._forget_gone(source_run):
                 raise UserError(f"no saved state at {path} {_GONE}") from None
             raise UserError(str(failed).replace(saved.ckpt_dir, path)) from None
-        run.pending.clear()
+        self._keep_pending(run, [])
         run.resumed = None
         run.record.steps = saved.step
         run.record.loaded = LoadedState(path, saved.ckpt_dir, time.time(), saved.step, not optimizer)
@@ -657,11 +720,81 @@ class ClusterBackend(Backend):
             return None  # its weights were pruned
         return _sampler(run.record, int(version), paths.get(int(version), ephemeral))
 
+    # ------------------------------------------------------------ the OpenAI API's policies
+
+    def policies(self, user: str) -> list[Policy]:
+        out = [
+            Policy(n, m.tokenizer_dir, m.max_context_length)
+            for m in self.models()
+            for n in (m.name, BASE_PREFIX + m.name)
+        ]
+        jobs = sorted(self._client().status().jobs, key=lambda j: j.submitted_at)
+        named: dict[str, P.JobInfo] = {}
+        for job in jobs:
+            if job.user == user and job.policy_version > 0 and not job.name.startswith("tinker-sample-"):
+                out.append(_job_policy(job, job.job_id, None))
+                named[job.name] = job  # a name: its newest job
+        out += [_job_policy(job, name, None) for name, job in named.items()]
+        return out
+
+    def policy(self, user: str, model: str) -> Policy:
+        if model.startswith("tinker://"):
+            where = parse_checkpoint_path(model)
+            run = self.runs.get(where.model_id)
+            version = None
+            if run is not None and run.record.user == user and where.kind == "sampler":
+                version = self._kept_version(run.record, where.name)
+            if run is None or version is None:
+                raise NotFound(f"no sampler weights of yours at {model}")
+            path = run.record.model_path
+            return Policy(model, path, _context(path), run.record.job_id, version)
+        name, at, number = model.partition("@")
+        if at and not number.isdigit():
+            raise UserError(f"model {model!r}: JOB@VERSION takes a version number")
+        served = {m.name: m for m in self.models()}
+        base = name.removeprefix(BASE_PREFIX)
+        jobs = [j for j in self._client().status().jobs if j.user == user and name in (j.job_id, j.name)]
+        if base in served and not at and (not jobs or name.startswith(BASE_PREFIX)):  # a job's name comes first
+            return Policy(model, served[base].tokenizer_dir, served[base].max_context_length)
+        if not jobs:
+            raise NotFound(
+                f"no model {model!r} of yours: name a job of yours (its name or id, JOB@VERSION), a tinker:// "
+                f"sampler path, or a base model ({', '.join(sorted(served))})"
+            )
+        job = max(jobs, key=lambda j: (j.state == "running", j.submitted_at))  # a name: its running, else newest, job
+        return _job_policy(job, model, int(number) if at else None)
+
+    def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
+        run = self._server_run(user, policy.model_path)
+        version = policy.version if policy.job_id else 0
+        request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id)
+        rep: C.GenerateRep = self._call(run, request)
+        return rep.completions
+
+    def _server_run(self, user: str, model_path: str) -> Run:
+        """The user's sampler job on ``model_path`` that serves their OpenAI requests (made at
+        the first): it holds no state, and samples the policies of their other jobs."""
+        key = (user, model_path)
+        with self._lock:
+            starting = self._starting.setdefault(f"openai:{user}:{model_path}", threading.Lock())
+        with starting:
+            model_id = self._serving.get(key)
+            run = self.runs.get(model_id) if model_id else None
+            if run is None or run.record.ended:
+                model_id = (
+                    f"openai-{hashlib.sha256(f'{user}:{model_path}'.encode()).hexdigest()[:12]}:{os.urandom(4).hex()}"
+                )
+                self._start_run(user, model_id, model_path, BASE_SAMPLER_RANK, 0, sampling=True)
+                self._serving[key] = model_id
+                run = self.runs[model_id]
+        return run
+
     def end_session(self, user: str, session_id: str) -> None:
         for model_id, run in list(self.runs.items()):
             if run.record.user == user and model_id.startswith(f"{session_id}:") and not run.record.ended:
                 run.record.ended = True
                 self._save()
+                self._pending_file(run.record).unlink(missing_ok=True)
                 try:
                     self._client().cancel(run.record.job_id)  # ended by its client: the job succeeded
                 except Exception:  # noqa: BLE001 - the session ends anyway
@@ -669,6 +802,14 @@ class ClusterBackend(Backend):
                 if run.client is not None:
                     run.client.close()
                     run.client = None
+
+
+def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
+    latest = job.policy_version
+    version = latest if version is None else version
+    if version > latest:
+        raise NotFound(f"job {job.job_id} ({job.name}) has published policy versions up to {latest}, not {version}")
+    return Policy(model, job.model, _context(job.model), job.job_id, version, int(job.submitted_at))
 
 
 def _restore_point(record: RunRecord) -> LoadedState | None:

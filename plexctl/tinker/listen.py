@@ -43,32 +43,38 @@ def url_of(sock: socket.socket, host: str) -> str:
 def run(
     make_app: Callable[[], Any],
     host: str,
-    port: int,
+    port: int | None,
     ready_file: Path | None = None,
     on_ready: Callable[[str], None] | None = None,
+    also: dict[str, tuple[int, str]] | None = None,
 ) -> None:
     """Bind, then serve the app ``make_app`` makes until SIGINT or SIGTERM; once it listens,
     ``ready_file`` (if given) holds ``{"url", "pid", "host"}`` (left behind at exit: a reader
-    checks the pid) and ``on_ready`` gets the URL."""
+    checks the pid) and ``on_ready`` gets the URL. ``also``: more ports the app is served on, each
+    written to ``ready_file`` under its name as its URL and a path (``{"openai_url": (0, "/v1")}``);
+    ``port`` None: only those."""
     import uvicorn
 
-    sock = bind(host, port)
-    url = url_of(sock, host)
+    socks = {"url": (bind(host, port), "")} if port is not None else {}
+    for name, (extra, path) in (also or {}).items():
+        socks[name] = (bind(host, extra), path)
+    urls = {name: url_of(sock, host) + path for name, (sock, path) in socks.items()}
     config = uvicorn.Config(make_app(), log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_S)
     server = uvicorn.Server(config)
 
     async def serve() -> None:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        serving = asyncio.create_task(server.serve(sockets=[sock for sock, _ in socks.values()]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
             if ready_file is not None:
-                write_json_atomic(ready_file, {"url": url, "pid": os.getpid(), "host": socket.gethostname()})
+                write_json_atomic(ready_file, {**urls, "pid": os.getpid(), "host": socket.gethostname()})
             if on_ready is not None:
-                on_ready(url)
+                on_ready(next(iter(urls.values())))
         await serving
 
     try:
         asyncio.run(serve())
     finally:
-        sock.close()
+        for sock, _ in socks.values():
+            sock.close()

@@ -44,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from tinker.proto import tinker_public_pb2 as pb
 
-from plexctl.tinker import listen, wire
+from plexctl.tinker import listen, openai_api, wire
 from plexctl.tinker.backend import (
     ID_PATTERN,
     Backend,
@@ -60,6 +60,7 @@ from plexctl.tinker.backend import (
 
 log = logging.getLogger(__name__)
 
+OPENAI_URL = "openai_url"  # in the ready file: where the OpenAI API is served (its base_url, ending /v1)
 PROTO = "application/x-protobuf"
 JSON = "application/json"
 POLL_S = 25.0  # retrieve_future waits this long for a result: under the SDK's 45 s read timeout
@@ -866,6 +867,9 @@ def create_app(
     async def training_run(model_id: str, user: User) -> dict[str, Any]:
         return await front.training_run(user, model_id)
 
+    if isinstance(backend, openai_api.PolicyBackend):
+        openai_api.add_routes(app, backend, front.call)
+
     @app.post(f"{api}/weights_info")
     async def weights_info(request: Request, user: User) -> dict[str, Any]:
         path = front.check_path(user, (await body(request, wire.WeightsInfoReq)).tinker_path)
@@ -875,8 +879,17 @@ def create_app(
     return app
 
 
-def serve(backend: Backend, host: str, port: int, ready_file: Path | None = None, **app_options: Any) -> None:
-    """Serve the Tinker API on ``host:port`` (0: any free port) in this process until SIGINT or
-    SIGTERM. Once it listens, ``ready_file`` (if given) holds ``{"url", "pid"}``, written atomically
-    and left behind at exit (a reader checks the pid). ``app_options`` go to ``create_app``."""
-    listen.run(partial(create_app, backend, **app_options), host, port, ready_file)
+def serve(
+    backend: Backend,
+    host: str,
+    port: int | None,
+    ready_file: Path | None = None,
+    openai_port: int | None = None,
+    **app_options: Any,
+) -> None:
+    """Serve the Tinker API on ``host:port`` (0: any free port; None: not) in this process until
+    SIGINT or SIGTERM, and the OpenAI API on ``openai_port`` (None: not). Once it listens,
+    ``ready_file`` (if given) holds ``{"url", "openai_url", "pid"}`` (those served), written
+    atomically and left behind at exit (a reader checks the pid). ``app_options`` go to ``create_app``."""
+    also = {OPENAI_URL: (openai_port, "/v1")} if openai_port is not None else {}
+    listen.run(partial(create_app, backend, **app_options), host, port, ready_file, also=also)

@@ -1,0 +1,357 @@
+"""The OpenAI-compatible API of the front end: ``GET /v1/models``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (streamed or not), sampled by the cluster's rollout engines from a
+job's published policy, a Tinker sampler's weights, or a base model.
+
+A model is named as ``PolicyBackend.policy`` reads it: a job of the caller's by name or id (its
+latest published policy), ``JOB@VERSION``, a ``tinker://`` sampler path, or a served base model.
+The API key (``Authorization: Bearer``, as the ``openai`` SDK sends it, or ``X-API-Key``) is the
+user's Tinker key: a user sees and samples only their own jobs. Every refusal has OpenAI's error
+body, ``{"error": {"message", "type", "param", "code"}}``: 401 for a missing or refused key, 404
+for a model the user has not, 400 naming the field for a bad request (a prompt and ``max_tokens``
+past the model's context included). A streamed answer comes as server-sent events, each choice's
+text in one chunk once it is sampled, then its finish reason, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from msgspec import Meta
+
+from plexctl.common import calls as C
+from plexctl.tinker.backend import UserError
+
+MAX_N = 16  # choices per request
+MAX_BODY_BYTES = 4 << 20  # a request's body
+MAX_STOPS = 4  # stop strings, as OpenAI allows
+
+
+class NotFound(UserError):
+    """A model the caller has not (no such job of theirs, sampler or base model): a 404."""
+
+
+class Policy(msgspec.Struct, frozen=True):
+    """What a model name means: sample ``job_id``'s policy ``version`` ("" and 0: the base model at
+    ``model_path``); ``context``: the model's context in tokens."""
+
+    name: str
+    model_path: str
+    context: int
+    job_id: str = ""
+    version: int = 0
+    created: int = 0
+
+
+class PolicyBackend(abc.ABC):
+    """What the OpenAI routes ask of the cluster. Methods block (called on a thread)."""
+
+    @abc.abstractmethod
+    def authenticate(self, api_key: str) -> str | None:
+        """The user an API key is, None if it is no user's."""
+
+    @abc.abstractmethod
+    def policies(self, user: str) -> list[Policy]:
+        """The models ``user`` may sample: the served base models, and their jobs with a published policy."""
+
+    @abc.abstractmethod
+    def policy(self, user: str, model: str) -> Policy:
+        """What ``model`` names for ``user``; ``NotFound`` if nothing of theirs, ``UserError`` if malformed."""
+
+    @abc.abstractmethod
+    def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
+        """``sampling.n`` completions of the prompt from ``policy``."""
+
+
+# ---------------------------------------------------------------- requests
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Sampled(msgspec.Struct, kw_only=True):
+    model: str
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    user: str | None = None  # OpenAI's end-user tag: accepted, not used
+
+
+class CompletionReq(_Sampled, kw_only=True):
+    prompt: str | list[int]
+    logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' own log-probs only
+    echo: Literal[False] = False
+
+
+class ChatReq(_Sampled, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' own log-probs only
+    tools: None = None  # tool calls: not served yet (a request with tools is refused, naming the field)
+
+
+class ApiRefusal(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    code = {401: "invalid_api_key", 404: "model_not_found"}.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def decode(raw: bytes, kind: type[Any]) -> Any:
+    """The request body as ``kind``; a 400 naming the field where it does not fit."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0] if "at `$." in text else None
+        raise ApiRefusal(400, f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as e:
+        raise ApiRefusal(400, f"invalid JSON: {e}") from None
+
+
+# ---------------------------------------------------------------- tokens
+
+
+@lru_cache(maxsize=8)
+def tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def chat_prompt(model_path: str, messages: list[ChatMessage]) -> list[int]:
+    """The prompt's tokens: the model's chat template with the assistant's turn opened; a model
+    without a template gets the messages' contents, one per line."""
+    tok = tokenizer(model_path)
+    turns = [{"role": m.role, "content": _text(m.content)} for m in messages]
+    if tok.chat_template:
+        ids = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tok("\n".join(t["content"] for t in turns))["input_ids"])
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = [p.get("text", "") for p in content if p.get("type") == "text"]
+    if len(parts) != len(content):
+        raise ApiRefusal(400, "only text content parts are served", "messages")
+    return "".join(parts)
+
+
+def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | None) -> C.Sampling:
+    """The engine's sampling of a request, its prompt and completion held to the model's context."""
+    if prompt_len >= context:
+        raise ApiRefusal(400, f"the prompt has {prompt_len} tokens; the model's context is {context}", "messages")
+    room = context - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise ApiRefusal(
+            400,
+            f"max_tokens {max_tokens} with a prompt of {prompt_len} tokens is past the model's context of {context}",
+            "max_tokens",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return C.Sampling(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=max_tokens or room,
+        n=req.n,
+        seed=req.seed,
+        stop=stop,
+    )
+
+
+# ---------------------------------------------------------------- answers
+
+
+def _token_texts(model_path: str, ids: list[int]) -> list[str]:
+    tok = tokenizer(model_path)
+    return [tok.decode([i]) for i in ids]
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, rid: str) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(done):
+        lp = None
+        if logprobs:
+            texts = _token_texts(policy.model_path, c.token_ids)
+            offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+            lp = {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": offsets}
+        choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": _finish(c.finish_reason)})
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": policy.name,
+        "choices": choices,
+        "usage": _usage(done),
+    }
+
+
+def chat_logprobs(policy: Policy, c: C.Completion) -> dict[str, Any]:
+    texts = _token_texts(policy.model_path, c.token_ids)
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(texts, c.logprobs, strict=True)
+        ]
+    }
+
+
+def chat_answer(policy: Policy, done: list[C.Completion], logprobs: bool, rid: str) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(policy, c) if logprobs else None,
+            "finish_reason": _finish(c.finish_reason),
+        }
+        for i, c in enumerate(done)
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": policy.name,
+        "choices": choices,
+        "usage": _usage(done),
+    }
+
+
+def _usage(done: list[C.Completion]) -> dict[str, int]:
+    prompt = len(done[0].prompt_token_ids) if done else 0
+    completion = sum(len(c.token_ids) for c in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def stream_of(answer: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+    """An answer as server-sent events: each choice's text, then its finish reason, then [DONE]."""
+
+    async def events() -> AsyncIterator[bytes]:
+        head = {k: answer[k] for k in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        for choice in answer["choices"]:
+            i = choice["index"]
+            if chat:
+                delta = {"role": "assistant", "content": choice["message"]["content"]}
+                parts = [
+                    {"index": i, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None},
+                    {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]},
+                ]
+            else:
+                parts = [
+                    {"index": i, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None},
+                    {"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]},
+                ]
+            for part in parts:
+                yield f"data: {json.dumps({**head, 'choices': [part]})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return events()
+
+
+# ---------------------------------------------------------------- routes
+
+
+def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> None:
+    """The OpenAI routes on ``app`` (FastAPI); ``run(fn, *args)`` awaits a blocking call on a thread."""
+
+    async def refuse(status: int, message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param), status_code=status)
+
+    async def user_of(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not key:
+            raise ApiRefusal(401, "no API key: pass api_key= (Authorization: Bearer KEY)")
+        user = await run(backend.authenticate, key)
+        if user is None:
+            raise ApiRefusal(401, "API key refused")
+        return str(user)
+
+    async def body_of(request: Request) -> bytes:
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise ApiRefusal(413, f"request body over the limit of {MAX_BODY_BYTES} bytes")
+            parts.append(part)
+        return b"".join(parts)
+
+    async def answer(request: Request, chat: bool) -> Any:
+        try:
+            user = await user_of(request)
+            req = decode(await body_of(request), ChatReq if chat else CompletionReq)
+            try:
+                policy = await run(backend.policy, user, req.model)
+            except NotFound as e:
+                raise ApiRefusal(404, str(e), "model") from None
+            except UserError as e:
+                raise ApiRefusal(400, str(e), "model") from None
+            if chat:
+                prompt = await run(chat_prompt, policy.model_path, req.messages)
+                limit = req.max_completion_tokens or req.max_tokens
+                want_logprobs = req.logprobs
+            else:
+                prompt = (
+                    list(req.prompt)
+                    if isinstance(req.prompt, list)
+                    else await run(lambda: list(tokenizer(policy.model_path)(req.prompt)["input_ids"]))
+                )
+                limit, want_logprobs = req.max_tokens, req.logprobs is not None
+            sampling = sampling_of(req, len(prompt), policy.context, limit)
+            try:
+                done = await run(backend.generate, user, policy, prompt, sampling)
+            except UserError as e:
+                raise ApiRefusal(400, str(e)) from None
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+            made = (chat_answer if chat else completion_answer)(policy, done, want_logprobs, rid)
+        except ApiRefusal as e:
+            return await refuse(e.status, str(e), e.param)
+        if req.stream:
+            return StreamingResponse(stream_of(made, chat), media_type="text/event-stream")
+        return JSONResponse(made)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        try:
+            user = await user_of(request)
+            listed = await run(backend.policies, user)
+        except ApiRefusal as e:
+            return await refuse(e.status, str(e), e.param)
+        except UserError as e:
+            return await refuse(400, str(e))
+        data = [{"id": p.name, "object": "model", "created": p.created, "owned_by": user} for p in listed]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await answer(request, chat=True)

@@ -1,0 +1,144 @@
+"""The real ``openai`` SDK against a local cluster started with ``--openai-port``, as a user types it.
+
+What a researcher checks: ``up`` prints the base_url and where the key is, ``status`` says it; the
+SDK lists their jobs and chats with a running job's policy and with a finished one's, the samples
+coming from that job's published adapter (its log-probs are not the base model's), at any kept
+version (``JOB@VERSION``); streaming gives the same text; a bad request is a 400 naming the field;
+another user's key sees none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Cluster
+
+openai = pytest.importorskip("openai")
+
+from plexctl.tinker import keys  # noqa: E402
+
+ASK = [{"role": "user", "content": "3+4="}]
+GREEDY = {"temperature": 0.0, "max_tokens": 3, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("openai"))
+    up = c.run("up", "--local", "--model", str(tiny_model), "--openai-port", "0", timeout=900)
+    assert up.returncode == 0, up.stdout + up.stderr
+    c.up_output = up.stdout.replace("\n", "")  # rich wraps long lines at the terminal's width
+    try:
+        yield c
+    finally:
+        c.run("down", timeout=300)
+
+
+def client(c: Cluster, key: str | None = None):
+    url = json.loads((c.state_dir / "tinker.json").read_text())["openai_url"]
+    return openai.OpenAI(base_url=url, api_key=key or (c.home / "tinker-api-key").read_text().strip(), max_retries=0)
+
+
+def test_up_prints_where_the_api_is_and_status_says_it(cluster: Cluster):
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["openai_url"]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    assert f"OpenAI API: base_url={url}, api_key in {cluster.home / 'tinker-api-key'}" in cluster.up_output
+    assert cluster.status()["openai_url"] == url
+    assert f"OpenAI API: base_url={url}" in cluster.run("status", check=True).stdout.replace("\n", "")
+    assert "Tinker API" not in cluster.run("status", check=True).stdout  # not asked for
+
+
+def test_a_jobs_policy_is_chatted_with_while_it_runs_and_after_it_ends(cluster: Cluster):
+    job = cluster.run(
+        "submit", str(REPO / "configs" / "tiny-arith.yaml"), "--set", "algo.steps=4", "-q", check=True
+    ).stdout.strip()
+    name = cluster.job(job)["name"]
+    running = cluster.wait_for(job, lambda j: j["policy_version"] >= 1, timeout=600, what="a published policy")
+    api = client(cluster)
+    if running["state"] == "running":  # its latest published policy, while it trains
+        out = api.chat.completions.create(model=job, messages=ASK, **GREEDY)
+        assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason in ("stop", "length")
+    assert cluster.run("wait", job, "--timeout", "600").returncode == 0
+    last = cluster.job(job)["policy_version"]
+    listed = {m.id for m in api.models.list().data}
+    assert {job, name, "tiny-arith", "base:tiny-arith"} <= listed  # the job's name is the base's: the job comes first
+
+    chat = api.chat.completions.create(model=name, messages=ASK, logprobs=True, **GREEDY)
+    choice = chat.choices[0]
+    assert chat.model == name and chat.usage.completion_tokens == len(choice.logprobs.content) >= 1
+    assert "".join(t.token for t in choice.logprobs.content).startswith(choice.message.content)  # and <eos>
+    same = api.chat.completions.create(model=f"{job}@{last}", messages=ASK, logprobs=True, **GREEDY)
+    assert [t.logprob for t in same.choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in choice.logprobs.content], abs=1e-4
+    )
+    base = api.chat.completions.create(model=f"{job}@0", messages=ASK, logprobs=True, **GREEDY)
+    base_too = api.chat.completions.create(model="base:tiny-arith", messages=ASK, logprobs=True, **GREEDY)
+    assert base.choices[0].message.content == base_too.choices[0].message.content
+    lp = [t.logprob for t in choice.logprobs.content]
+    lp_base = [t.logprob for t in base.choices[0].logprobs.content]
+    assert lp != pytest.approx(lp_base, abs=1e-6)  # the job's adapter, not the base, sampled it
+
+    streamed = api.chat.completions.create(model=name, messages=ASK, stream=True, **GREEDY)
+    assert "".join(part.choices[0].delta.content or "" for part in streamed) == choice.message.content
+    text = api.completions.create(model=name, prompt="3+4=", logprobs=0, **GREEDY)
+    assert text.choices[0].text == choice.message.content  # no chat template: the message's text is the prompt
+    assert text.choices[0].logprobs.token_logprobs == pytest.approx(lp, abs=1e-4)
+    four = api.chat.completions.create(model=name, messages=ASK, n=4, temperature=1.0, max_tokens=3)
+    assert len(four.choices) == 4 and sorted(c.index for c in four.choices) == [0, 1, 2, 3]
+
+
+def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluster):
+    api = client(cluster)
+    with pytest.raises(openai.NotFoundError, match="no model 'nope' of yours"):
+        api.chat.completions.create(model="nope", messages=ASK)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, max_tokens=100_000)
+    assert refused.value.body["param"] == "max_tokens" and "context" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, temperature=7.0)
+    assert refused.value.body["param"] == "temperature"
+    with pytest.raises(openai.AuthenticationError):
+        client(cluster, "tml-" + "0" * 48).models.list()
+
+    other = keys.PREFIX + secrets.token_hex(24)
+    keys.register(cluster.state_dir, "mallory", keys.digest(other))
+    theirs = client(cluster, other)
+    assert {m.id for m in theirs.models.list().data} == {"tiny-arith", "base:tiny-arith"}  # no job of the owner's
+    owners = [j for j in cluster.status()["jobs"] if j["policy_version"] > 0]
+    assert owners, "the owner's job of the test before has a published policy"
+    for job in owners:
+        with pytest.raises(openai.NotFoundError):
+            theirs.chat.completions.create(model=job["job_id"], messages=ASK, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            theirs.chat.completions.create(model=f"{job['job_id']}@1", messages=ASK, max_tokens=2)
+    # the owner's job is named as the base model is: to another user that name is the base's
+    asked = theirs.chat.completions.create(model=owners[0]["name"], messages=ASK, logprobs=True, **GREEDY)
+    base = api.chat.completions.create(model="base:tiny-arith", messages=ASK, logprobs=True, **GREEDY)
+    assert [t.logprob for t in asked.choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in base.choices[0].logprobs.content], abs=1e-4
+    )
+
+
+def test_the_docs_python_example_runs_as_written(cluster: Cluster, tmp_path: Path):
+    """docs/openai.md's Python block, its port and key file those of this cluster."""
+    page = (REPO / "docs" / "openai.md").read_text()
+    [snippet] = re.findall(r"```python\n(.*?)```", page, re.S)
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["openai_url"]
+    assert 'base_url="http://127.0.0.1:8001/v1"' in snippet and "--openai-port 8001" in page
+    script = tmp_path / "example.py"
+    script.write_text(
+        snippet.replace("http://127.0.0.1:8001/v1", url).replace(
+            'os.path.expanduser("~/.plexrl/tinker-api-key")', repr(str(cluster.home / "tinker-api-key"))
+        )
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    listed, answer = run.stdout.strip().splitlines()
+    assert "'tiny-arith'" in listed and "'base:tiny-arith'" in listed
+    text, logprobs = answer.split(" ", 1)
+    assert text.isdigit() and len(json.loads(logprobs)) >= 1, answer
