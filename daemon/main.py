@@ -246,7 +246,10 @@ class Daemon:
         as its own clients do, with the cluster's internal key, and says where it listens in
         ``tinker.json`` once it does; until then the file says it is starting."""
         again = self.tinker is not None  # a front end that died is started again
-        write_json_atomic(self.state_dir / TINKER_FILE, {"starting": True, "again": again, "since": time.time()})
+        serves = [api for api, p in (("tinker", port), ("openai", openai_port)) if p is not None]
+        write_json_atomic(
+            self.state_dir / TINKER_FILE, {"starting": True, "again": again, "since": time.time(), "serves": serves}
+        )
         if port == 0:  # a free port asked for: the one this cluster took before, while it is free
             port = kept_tinker_port(self.state_dir, host)
         cmd = [sys.executable, "-m", "plexctl.tinker", "--state-dir", str(self.state_dir), "--host", host]
@@ -287,7 +290,13 @@ class Daemon:
             self.tinker_deaths += 1
             self.tinker_retry_at = now + wait
             write_json_atomic(
-                self.state_dir / TINKER_FILE, {"restarting": True, "exit_code": rc, "retry_at": self.tinker_retry_at}
+                self.state_dir / TINKER_FILE,
+                {
+                    "restarting": True,
+                    "exit_code": rc,
+                    "retry_at": self.tinker_retry_at,
+                    "serves": [api for api, p in (("tinker", port), ("openai", openai_port)) if p is not None],
+                },
             )
             log.warning("the Tinker front end (pid %d) exited with code %s: starting it in %.0f s", proc.pid, rc, wait)
         elif now >= self.tinker_retry_at:

@@ -581,6 +581,13 @@ class Job:
         """Generate ``n`` samples per record and score them (or run episodes), now."""
         return self.wait(self.rollout_async(records, n, sampling))
 
+    def agent_endpoint(self) -> Any:
+        """The job's current policy over the OpenAI API, for agent code (``plexctl.agents.AgentEndpoint``):
+        ``with job.agent_endpoint() as agents: rollout = agents.rollout(records, n, agent)``."""
+        from plexctl.agents import AgentEndpoint
+
+        return AgentEndpoint(self)
+
     # -- training and publishing
 
     def hparams(self, **changes: Any) -> TrainHParams:

@@ -142,3 +142,27 @@ def test_the_docs_python_example_runs_as_written(cluster: Cluster, tmp_path: Pat
     assert "'tiny-arith'" in listed and "'base:tiny-arith'" in listed
     text, logprobs = answer.split(" ", 1)
     assert text.isdigit() and len(json.loads(logprobs)) >= 1, answer
+
+
+def test_a_killed_front_end_comes_back_at_the_same_base_url_and_status_says_so_meanwhile(cluster: Cluster):
+    """SIGKILL to the front end: every status meanwhile says the OpenAI API is restarting (and
+    nothing of a Tinker API it does not serve); it comes back at the base_url it had."""
+    import os
+    import signal
+    import time
+
+    ready = cluster.state_dir / "tinker.json"
+    before = json.loads(ready.read_text())
+    os.kill(before["pid"], signal.SIGKILL)
+    notes, deadline = [], time.monotonic() + 90
+    while time.monotonic() < deadline:
+        shown = cluster.status()
+        assert "tinker_url" not in shown and "tinker_note" not in shown, shown
+        if shown.get("openai_url") and json.loads(ready.read_text()).get("pid") != before["pid"]:
+            break
+        if shown.get("openai_url") is None:
+            notes.append(shown.get("openai_note", ""))
+    assert notes and all(n.startswith("restarting") for n in notes), notes
+    assert shown["openai_url"] == before["openai_url"]
+    reply = client(cluster).chat.completions.create(model="base:tiny-arith", messages=ASK, **GREEDY)
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -226,7 +226,12 @@ def test_preemption_drains_requeues_and_resumes_without_losing_or_repeating_a_st
     assert info["state"] == "succeeded" and info["restarts"] == 1
     assert "Restarts=1" in slurm("scontrol", "show", "job", c.slurm_job)
 
-    # the Tinker client's next call found the front end of the new allocation, at its saved state
+    # the Tinker client's next call found the front end of the new allocation: the requeue lost the
+    # trainer's state, so that call fails, naming the saved state the run went back to; it goes on there
+    with pytest.raises(
+        tinker.RequestFailedError, match=f"went back to its last saved state {re.escape(saved)}, step 1"
+    ):
+        training.forward(data, "cross_entropy").result()
     assert training.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(at_save, rel=1e-6)
     assert saved in (c.state_dir / "tinker.log").read_text()  # what the requeue lost is said
     training.forward_backward(data, "cross_entropy").result()

@@ -9,9 +9,11 @@ A key is ``tml-`` and random, kept 0600, and the cluster stores only its digest.
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
+import pytest
 from test_daemon_core import call, register, tasks
 
 from daemon.core import Prune, StartDriver, StopDriver
@@ -245,3 +247,27 @@ def test_a_run_whose_job_starts_at_once_tells_its_client_of_no_wait(monkeypatch)
     with waits_told_to(told.append):
         backend(["queued", "running"])._wait_running("j2")
     assert told == ["its job j2 is queued: every trainer engine is full", None]
+
+
+def test_a_run_whose_job_never_starts_has_its_job_cancelled_not_left_queued(monkeypatch, tmp_path) -> None:
+    """A client that gave up (killed while waiting) leaves no queued job behind: the run is known
+    while its job waits (so its session's end cancels it), and a job that did not start in time is
+    cancelled, the run ended."""
+    from types import SimpleNamespace
+
+    from plexctl.tinker import cluster as T
+    from plexctl.tinker.backend import UserError
+
+    cancelled: list[str] = []
+    daemon = SimpleNamespace(
+        submit=lambda spec, submit_id, user: SimpleNamespace(job_id="j7"),
+        status=lambda job_id: SimpleNamespace(jobs=[SimpleNamespace(state="queued", reason="full", error="")]),
+        cancel=cancelled.append,
+    )
+    backend = T.ClusterBackend(tmp_path)
+    backend._client = lambda: daemon  # type: ignore[method-assign]
+    monkeypatch.setattr(T, "START_TIMEOUT_S", 0.0)
+    with pytest.raises(UserError, match="did not start within"):
+        backend._start_run("alice", "s-1:train:0", "/models/tiny", 8, 0)
+    assert cancelled == ["j7"] and backend.runs["s-1:train:0"].record.ended
+    assert json.loads((tmp_path / "tinker" / "runs.json").read_text())["s-1:train:0"]["ended"] is True

@@ -56,7 +56,7 @@ class Daemon:
 
     # the daemon's client (``plexctl.common.client.Client``)
     def status(self, job_id: str | None = None) -> Any:
-        running = SimpleNamespace(job_id=job_id, state="running", error="", reason="")
+        running = SimpleNamespace(job_id=job_id, state="running", error="", reason="", restarts=0)
         return SimpleNamespace(engines=[SimpleNamespace(model=str(self.model))], jobs=[running])
 
     def submit(self, spec: Any, submit_id: str, user: str) -> Any:

@@ -34,7 +34,7 @@ def status(
     from plexctl.cli import views
     from plexctl.cli.slurm import SLURM_FILE
     from plexctl.cli.start_stop import ping_or_none, slurm_note
-    from plexctl.common.cluster import openai_url, tinker_state
+    from plexctl.common.cluster import front_end_state, tinker_state
     from plexctl.common.errors import DaemonUnreachable
 
     c: Ctx = ctx.obj
@@ -68,7 +68,7 @@ def status(
             time.sleep(interval)
             continue
         tinker, tinker_note = tinker_state(c.state_dir)
-        openai = openai_url(c.state_dir)
+        openai = front_end_state(c.state_dir, "openai")
         if as_json:
             print(
                 json.dumps(
@@ -77,7 +77,8 @@ def status(
                         "engines": msgspec.to_builtins(rep.engines),
                         **({"tinker_url": tinker} if tinker else {}),
                         **({"tinker_note": tinker_note} if tinker_note else {}),
-                        **({"openai_url": openai} if openai else {}),
+                        **({"openai_url": openai[0]} if openai[0] else {}),
+                        **({"openai_note": openai[1]} if openai[1] else {}),
                     },
                     indent=2,
                 )

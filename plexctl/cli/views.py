@@ -358,15 +358,22 @@ def cluster_line(rep: StatusRep) -> str:
     return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
 
 
-def tinker_line(url: str | None, note: str = "", openai: str | None = None) -> str:
-    """The Tinker API's line: its URL, else why it has none now (``cluster.tinker_state``); and
+def tinker_line(url: str | None, note: str = "", openai: tuple[str | None, str] = (None, "")) -> str:
+    """The Tinker API's line: its URL, else why it has none now (``cluster.front_end_state``); and
     the OpenAI API's, where it is served."""
-    line = f"\nTinker API: base_url={url}" if url is not None else f"\nTinker API: {note}" if note else ""
-    return line + (f"\nOpenAI API: base_url={openai}" if openai else "")
+
+    def line(name: str, url: str | None, note: str) -> str:
+        return f"\n{name}: base_url={url}" if url is not None else f"\n{name}: {note}" if note else ""
+
+    return line("Tinker API", url, note) + line("OpenAI API", *openai)
 
 
 def status_view(
-    rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "", openai: str | None = None
+    rep: StatusRep,
+    uptime: float,
+    tinker: str | None = None,
+    tinker_note: str = "",
+    openai: tuple[str | None, str] = (None, ""),
 ) -> Group:
     from rich.console import Group
     from rich.text import Text
@@ -384,10 +391,14 @@ def plain_engines(engines: list[EngineInfo], uptime: float) -> str:
 
 
 def plain_status(
-    rep: StatusRep, uptime: float, tinker: str | None = None, tinker_note: str = "", openai: str | None = None
+    rep: StatusRep,
+    uptime: float,
+    tinker: str | None = None,
+    tinker_note: str = "",
+    openai: tuple[str | None, str] = (None, ""),
 ) -> str:
     """``tinker``: the Tinker API's URL, where the cluster serves it; ``tinker_note``: why not now;
-    ``openai``: the OpenAI API's URL, where it is served."""
+    ``openai``: the OpenAI API's URL, or why it has none now."""
     engines = plain_engines(rep.engines, uptime)
     tail = cluster_line(rep) + tinker_line(tinker, tinker_note, openai)
     return plain_jobs(rep.jobs, rep.now) + "\n\n" + engines + "\n" + tail

@@ -148,19 +148,23 @@ def tinker_url(state_dir: Path) -> str | None:
 
 def openai_url(state_dir: Path) -> str | None:
     """Where the cluster's OpenAI API is served (its ``base_url``, ending ``/v1``); None while it is not."""
-    try:
-        info = json.loads((state_dir / TINKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    url = info.get("openai_url") if isinstance(info, dict) else None
-    return url if isinstance(url, str) and tinker_state(state_dir)[1] == "" else None
+    return front_end_state(state_dir, "openai")[0]
 
 
 def tinker_state(state_dir: Path) -> tuple[str | None, str]:
-    """The cluster's Tinker API front end, from its ``tinker.json``: ``(url, "")`` while it
-    listens; ``(None, why)`` while its daemon starts it, or starts it again (the file says so, or
-    the process it names on this host is gone, not yet noticed); ``(None, "")`` where none runs
-    (the daemon removes the file when it stops)."""
+    """The cluster's Tinker API (``front_end_state``)."""
+    return front_end_state(state_dir, "tinker")
+
+
+FRONT_END_URLS = {"tinker": "url", "openai": "openai_url"}  # an API -> its URL's key in ``tinker.json``
+
+
+def front_end_state(state_dir: Path, api: str) -> tuple[str | None, str]:
+    """The cluster's API front end as serving ``api`` ("tinker" or "openai"), from its
+    ``tinker.json``: ``(url, "")`` while it listens; ``(None, why)`` while its daemon starts it,
+    or starts it again (the file says so, or the process it names on this host is gone, not yet
+    noticed); ``(None, "")`` where it does not serve ``api`` (the daemon removes the file when it
+    stops)."""
     import socket
     import time
 
@@ -168,7 +172,7 @@ def tinker_state(state_dir: Path) -> tuple[str | None, str]:
         info = json.loads((state_dir / TINKER_FILE).read_text())
     except (OSError, ValueError):
         return None, ""
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or api not in info.get("serves", [api]):
         return None, ""
     if info.get("starting"):
         took = max(0.0, time.time() - float(info.get("since", 0.0)))
@@ -179,7 +183,9 @@ def tinker_state(state_dir: Path) -> tuple[str | None, str]:
     if info.get("restarting"):
         wait = max(0.0, float(info.get("retry_at", 0.0)) - time.time())
         return None, f"restarting (its front end exited with code {info.get('exit_code')}; next start in {wait:.0f} s)"
-    url, pid = info.get("url"), info.get("pid")
+    url, pid = info.get(FRONT_END_URLS[api]), info.get("pid")
+    if not isinstance(url, str):  # a front end that does not serve it
+        return None, ""
     if info.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return None, f"restarting (its front end, pid {pid}, is gone; the daemon starts it again)"
-    return (url, "") if isinstance(url, str) else (None, "")
+    return url, ""

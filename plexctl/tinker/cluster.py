@@ -70,7 +70,7 @@ from plexctl.tinker.backend import (
     say_waiting,
     sdk_model_id,
 )
-from plexctl.tinker.openai_api import NotFound, Policy, PolicyBackend
+from plexctl.tinker.openai_api import NotFound, Policy, PolicyBackend, context_of
 from plexctl.tinker.quota import Kept, Quota, QuotaFull, make_room
 
 log = logging.getLogger("plexrl.tinker")
@@ -442,7 +442,7 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def models(self) -> list[ServedModel]:
         paths = sorted({e.model for e in self._client().status().engines})
-        return [ServedModel(os.path.basename(p), _context(p), tokenizer_dir=p) for p in paths]
+        return [ServedModel(os.path.basename(p), context_of(p), tokenizer_dir=p) for p in paths]
 
     def _model_path(self, base_model: str) -> str:
         served = {m.name: m.tokenizer_dir for m in self.models()}
@@ -484,11 +484,20 @@ class ClusterBackend(Backend, PolicyBackend):
             rep = self._client().submit(spec_to_wire(spec), submit_id=f"tinker:{model_id}", user=user)
         except RemoteError as refused:  # the daemon refused the run's job (a rank above the engines', ...)
             raise UserError(str(refused)) from None
-        info = self._wait_running(rep.job_id)
-        record = RunRecord(
-            model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling, restarts=info.restarts
-        )
-        self.runs[model_id] = Run(record)
+        record = RunRecord(model_id, rep.job_id, user, os.path.basename(path), path, rank, sampling=sampling)
+        self.runs[model_id] = Run(record)  # known while its job waits: a session that ends meanwhile cancels it
+        self._save()
+        try:
+            record.restarts = self._wait_running(rep.job_id).restarts
+        except UserError:  # it never ran (timed out, cancelled): its job goes, not left queued
+            if not record.ended:
+                record.ended = True
+                self._save()
+                try:
+                    self._client().cancel(rep.job_id)
+                except Exception:  # noqa: BLE001 - the client is told its run did not start anyway
+                    log.warning("cancelling job %s failed", rep.job_id, exc_info=True)
+            raise
         self._save()
         log.info("%s %s of %s: job %s on %s", "sampler" if sampling else "run", model_id, user, rep.job_id, path)
         return record
@@ -658,7 +667,7 @@ class ClusterBackend(Backend, PolicyBackend):
             if not weights.is_dir():
                 raise UserError(f"sampler {sampler_id}: its weights were pruned to make room for newer saves")
             self._sampled[self._key(weights)] = self.clock()
-        max_tokens = params.max_tokens or max(1, _context(run.record.model_path) - len(prompt_tokens))
+        max_tokens = params.max_tokens or max(1, context_of(run.record.model_path) - len(prompt_tokens))
         sampling = C.Sampling(
             temperature=params.temperature,
             top_p=params.top_p,
@@ -747,7 +756,7 @@ class ClusterBackend(Backend, PolicyBackend):
             if run is None or version is None:
                 raise NotFound(f"no sampler weights of yours at {model}")
             path = run.record.model_path
-            return Policy(model, path, _context(path), run.record.job_id, version)
+            return Policy(model, path, context_of(path), run.record.job_id, version)
         name, at, number = model.partition("@")
         if at and not number.isdigit():
             raise UserError(f"model {model!r}: JOB@VERSION takes a version number")
@@ -809,7 +818,7 @@ def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
     version = latest if version is None else version
     if version > latest:
         raise NotFound(f"job {job.job_id} ({job.name}) has published policy versions up to {latest}, not {version}")
-    return Policy(model, job.model, _context(job.model), job.job_id, version, int(job.submitted_at))
+    return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at))
 
 
 def _restore_point(record: RunRecord) -> LoadedState | None:
@@ -849,17 +858,8 @@ def _training_run(record: RunRecord) -> TrainingRun:
         record.base_model,
         record.rank,
         tokenizer_dir=record.model_path,
-        max_context_length=_context(record.model_path),
+        max_context_length=context_of(record.model_path),
     )
-
-
-def _context(model_path: str) -> int:
-    """The base model's context: its ``max_position_embeddings`` (what the server reports, and
-    the longest datum a run of it trains on)."""
-    try:
-        return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError):
-        return 4096
 
 
 _GONE = "(never saved, or pruned to make room for newer saves)"

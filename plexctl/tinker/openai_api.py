@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import abc
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -132,8 +134,24 @@ def decode(raw: bytes, kind: type[Any]) -> Any:
 # ---------------------------------------------------------------- tokens
 
 
-@lru_cache(maxsize=8)
+def context_of(model_path: str) -> int:
+    """A model's context in tokens: its ``max_position_embeddings`` (4096 where it does not say)."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError):
+        return 4096
+
+
+_LOADING = threading.Lock()  # one thread imports transformers and loads a tokenizer at a time
+
+
 def tokenizer(model_path: str) -> Any:
+    with _LOADING:
+        return _tokenizer(model_path)
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 OPENAI_URL = "openai_url"  # in the ready file: where the OpenAI API is served (its base_url, ending /v1)
 PROTO = "application/x-protobuf"
 JSON = "application/json"
+SESSION_TTL_S = 120.0  # the SDK heartbeats every 10 s, and calls a session unreliable after 120 s without one
 POLL_S = 25.0  # retrieve_future waits this long for a result: under the SDK's 45 s read timeout
 GAP_S = 300.0  # requests held this long behind a seq_id that never came fail (the client is gone)
 KEEP_RETRIEVED_S = 300.0  # a fetched result stays this long: a fetch whose answer was lost is retried
@@ -682,7 +683,7 @@ def create_app(
     backend: Backend,
     *,
     max_workers: int = 128,
-    session_ttl_s: float = 600.0,
+    session_ttl_s: float = SESSION_TTL_S,
     result_ttl_s: float = 3600.0,
     poll_s: float = POLL_S,
     max_body_bytes: int = wire.MAX_BODY_BYTES,
