@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import Cluster, json_file
 
 tinker = pytest.importorskip("tinker")
@@ -247,6 +248,52 @@ def test_a_custom_loss_computed_by_the_sdk_makes_the_update_its_builtin_twin_mak
     custom.optim_step(adam).result()
     after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (builtin, custom)]
     assert after[1] == pytest.approx(after[0], rel=1e-5)
+
+
+def test_gspo_makes_the_update_the_documented_formula_makes_through_forward_backward_custom(service):
+    """The built-in ``gspo`` (GSPO-token, over ``sequence_ratio_mask``) and the same loss written by
+    hand as Tinker documents it, through ``forward_backward_custom``: the same step on runs of one seed."""
+    builtin = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=17).result()
+    custom = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=17).result()
+    plain = supervised_data(builtin.get_tokenizer(), 8)
+    forward = builtin.forward(plain, "cross_entropy").result()
+    before, sampled = forward.metrics["loss:sum"], forward.loss_fn_outputs
+    rng = random.Random(5)
+    data = []
+    for d, out in zip(plain, sampled):
+        weights = d.loss_fn_inputs["weights"].tolist()
+        advantage = rng.choice([-1.0, 1.0])
+        data.append(
+            tinker.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "logprobs": [lp + rng.uniform(-0.05, 0.05) for lp in out["logprobs"].tolist()],  # a sampler's
+                    "advantages": [advantage * w for w in weights],
+                    "sequence_ratio_mask": weights,
+                },
+            )
+        )
+    low, high = 0.98, 1.02
+
+    def gspo(batch, logprobs):
+        loss = 0.0
+        for d, lp in zip(batch, logprobs):
+            slp, adv = d.loss_fn_inputs["logprobs"].to_torch(), d.loss_fn_inputs["advantages"].to_torch()
+            mask = d.loss_fn_inputs["sequence_ratio_mask"].to_torch() != 0
+            token = torch.exp((lp.detach() - slp)[mask].mean()) * torch.exp(lp - lp.detach())
+            loss = loss - torch.min(token * adv, torch.clamp(token, low, high) * adv).sum()
+        return loss, {}
+
+    adam = tinker.AdamParams(learning_rate=1e-2)
+    config = {"clip_low_threshold": low, "clip_high_threshold": high}
+    builtin.forward_backward(data, "gspo", loss_fn_config=config).result()
+    builtin.optim_step(adam).result()
+    custom.forward_backward_custom(data, gspo).result()
+    custom.optim_step(adam).result()
+    after = [c.forward(plain, "cross_entropy").result().metrics["loss:sum"] for c in (builtin, custom)]
+    assert after[1] == pytest.approx(after[0], rel=1e-5)
+    assert after[0] != pytest.approx(before, rel=1e-6)  # a step was taken: the clip did not drop every token
 
 
 def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_trained(service, cluster: Cluster):

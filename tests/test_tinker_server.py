@@ -558,8 +558,8 @@ def test_another_users_model_is_refused(served: Any, trainer: Any) -> None:
 
 def test_an_unsupported_loss_fails_with_its_name(trainer: Any) -> None:
     with pytest.raises(tinker.RequestFailedError) as failed:
-        trainer.forward_backward([ce_datum(1)], "gspo").result()
-    assert "'gspo' is not supported" in str(failed.value)
+        trainer.forward_backward([ce_datum(1)], "stable_reinforce").result()
+    assert "'stable_reinforce' is not supported" in str(failed.value)
     assert failed.value.category == types.RequestErrorCategory.User
     assert trainer.forward([ce_datum(1)], "cross_entropy").result().loss_fn_outputs  # the client goes on
 
@@ -832,7 +832,12 @@ def test_a_zstd_request_with_sparse_inputs_and_config() -> None:
 @pytest.mark.parametrize(
     ("data", "loss_fn", "config", "error"),
     [
-        ([ce_datum(1)], "gspo", None, "loss 'gspo' is not supported (supported: cross_entropy, importance_sampling"),
+        (
+            [ce_datum(1)],
+            "stable_reinforce",
+            None,
+            "loss 'stable_reinforce' is not supported (supported: cross_entropy, importance_sampling",
+        ),
         ([ce_datum(1)], "cross_entropy", {"beta": 1.0}, "'beta' is not used by cross_entropy (it takes none)"),
         ([ce_datum(1)], "dro", {"beta": "x"}, "loss_fn_config 'beta' must be a number"),
         (
@@ -843,10 +848,10 @@ def test_a_zstd_request_with_sparse_inputs_and_config() -> None:
         ),
         ([datum([1, 2], target_tokens=[2])], "cross_entropy", None, "has 1 values for 2 tokens"),
         (
-            [datum([1], target_tokens=[2], sequence_ratio_mask=[1.0])],
+            [datum([1], target_tokens=[2], clip_low_threshold=[0.5])],
             "cross_entropy",
             None,
-            "loss input 'sequence_ratio_mask' is not supported",
+            "loss input 'clip_low_threshold' is not supported",
         ),
         ([datum([1, 2], target_tokens=np.array([[2, 3], [3, 4]]))], "cross_entropy", None, "no top-k targets"),
         (

@@ -38,6 +38,7 @@ LOSS_CONFIGS: dict[str, dict[str, float]] = {  # narrow cispo clips, so that som
     "ppo": {},
     "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
     "dro": {"beta": 0.5},
+    "gspo": {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03},
 }
 
 
@@ -80,6 +81,7 @@ def make_data(seed: int, count: int = 4, max_len: int = 20) -> list[TokenDatum]:
                 weights=[0.0] * prompt + [1.0] * (n - prompt),
                 logprobs=[-4.2 + rng.uniform(-0.5, 0.5) for _ in range(n)],
                 advantages=[advantage] * n,
+                sequence_ratio_mask=[0.0] * prompt + [1.0] * (n - prompt),
             )
         )
     return data
@@ -112,6 +114,12 @@ def hand_loss(loss_fn: str, config: Mapping[str, float], tlp: torch.Tensor, datu
     if loss_fn == "cispo":
         clipped = torch.clamp(ratio, config.get("clip_low_threshold", 0.0), config.get("clip_high_threshold", 4.0))
         return -(clipped.detach() * tlp * adv).sum()
+    if loss_fn == "gspo":  # GSPO-token: s's value, each token's own gradient, PPO's clip
+        mask = torch.tensor(datum.sequence_ratio_mask or []) != 0
+        s = torch.exp((tlp - slp)[mask].mean()).detach()
+        token = s * torch.exp(tlp - tlp.detach())
+        clipped = torch.clamp(token, config["clip_low_threshold"], config["clip_high_threshold"])
+        return -torch.min(token * adv, clipped * adv).sum()
     assert loss_fn == "dro"
     return -(tlp * adv - 0.5 * config["beta"] * (tlp - slp) ** 2).sum()
 

@@ -12,6 +12,10 @@ any normalisation to the advantages or weights), exactly as Tinker documents eac
 * ``cispo``: ``-(clamp(ratio, clip_low_threshold, clip_high_threshold).detach() * tlp * A).sum()``
   (thresholds 0.0 and 4.0 by default).
 * ``dro``: ``-(tlp * A - 0.5 * beta * (tlp - slp) ** 2).sum()``; ``beta`` has no default.
+* ``gspo`` (GSPO-token): every token's ratio takes the value of the sequence ratio
+  ``s = exp(mean(tlp - slp))`` over the tokens ``sequence_ratio_mask`` marks, and the gradient of
+  its own ``tlp``; then ``ppo``'s clipped objective on it (thresholds ``1 - 3e-4`` and ``1 + 4e-4``
+  by default: the GSPO paper's ranges).
 
 Each is the function of its entry in ``plexctl.common.losses.LOSS_REGISTRY`` (the one table of
 losses: their inputs and settings); ``loss_function`` finds an entry's function, for RL losses too.
@@ -39,18 +43,24 @@ from worker.errors import BatchError
 
 @dataclass(frozen=True)
 class LossInputs:
-    """A datum's loss inputs as float32 tensors of ``len(tokens)`` (None: the datum has none)."""
+    """A datum's loss inputs (``DATUM_INPUTS``, by name) as float32 tensors of ``len(tokens)``
+    (None: the datum has none); ``logprobs`` are the sampler's."""
 
     weights: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    sequence_ratio_mask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, datum: TokenDatum, device: torch.device | str = "cpu") -> LossInputs:
         def tensor(values: list[float] | None) -> torch.Tensor | None:
             return None if values is None else torch.tensor(values, dtype=torch.float32, device=device)
 
-        return cls(tensor(datum.weights), tensor(datum.logprobs), tensor(datum.advantages))
+        return cls(**{name: tensor(getattr(datum, name)) for name in DATUM_INPUTS})
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LossInputs:
+        """Each input present, through ``fn`` (a row's slice, a move to a device)."""
+        return LossInputs(**{name: None if (t := getattr(self, name)) is None else fn(t) for name in DATUM_INPUTS})
 
 
 def token_loss_entry(loss_fn: str) -> Loss:
@@ -93,7 +103,7 @@ def loss_function(name: str) -> Callable[..., Any]:
 
 def _ratio(tlp: torch.Tensor, inputs: LossInputs, loss_fn: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``exp(tlp - slp)`` and the advantages."""
-    slp = _required(inputs.sampling_logprobs, loss_fn, "logprobs")
+    slp = _required(inputs.logprobs, loss_fn, "logprobs")
     return torch.exp(tlp - slp), _required(inputs.advantages, loss_fn, "advantages")
 
 
@@ -119,9 +129,19 @@ def cispo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) 
 
 
 def dro(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
-    slp = _required(inputs.sampling_logprobs, "dro", "logprobs")
+    slp = _required(inputs.logprobs, "dro", "logprobs")
     adv = _required(inputs.advantages, "dro", "advantages")
     return -(tlp * adv - 0.5 * settings["beta"] * (tlp - slp) ** 2).sum()
+
+
+def gspo(tlp: torch.Tensor, inputs: LossInputs, settings: Mapping[str, float]) -> torch.Tensor:
+    slp = _required(inputs.logprobs, "gspo", "logprobs")
+    adv = _required(inputs.advantages, "gspo", "advantages")
+    in_ratio = _required(inputs.sequence_ratio_mask, "gspo", "sequence_ratio_mask") != 0
+    log_ratio = (tlp.detach() - slp)[in_ratio].mean() if bool(in_ratio.any()) else tlp.new_zeros(())
+    ratio = torch.exp(log_ratio + tlp - tlp.detach())  # the sequence ratio's value, each token's own gradient
+    clipped = torch.clamp(ratio, settings["clip_low_threshold"], settings["clip_high_threshold"])
+    return -torch.min(ratio * adv, clipped * adv).sum()
 
 
 def check_call(call: LossCall, vocab_size: int | None = None) -> None:

@@ -81,10 +81,7 @@ class TokenRows:
     def row_inputs(self, row: int) -> LossInputs:
         n = self.lengths[row]
 
-        def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor[row, :n]
-
-        return LossInputs(cut(self.inputs.weights), cut(self.inputs.sampling_logprobs), cut(self.inputs.advantages))
+        return self.inputs.map(lambda tensor: tensor[row, :n])
 
 
 def token_micro_batches(
@@ -125,8 +122,7 @@ def _pad_data(
         targets[row, 1 : n + 1] = torch.tensor(datum.target_tokens, dtype=torch.long)
         for name, tensor in floats.items():
             tensor[row, :n] = torch.tensor(getattr(datum, name), dtype=torch.float32)
-    on_device = {name: tensor.to(device) for name, tensor in floats.items()}
-    inputs = LossInputs(on_device.get("weights"), on_device.get("logprobs"), on_device.get("advantages"))
+    inputs = LossInputs(**floats).map(lambda tensor: tensor.to(device))
     return TokenRows(indices, lengths, ids.to(device), attention.to(device), targets.to(device), inputs)
 
 

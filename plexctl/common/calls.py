@@ -306,6 +306,7 @@ class TokenDatum(msgspec.Struct):
     weights: list[float] | None = None  # cross_entropy
     logprobs: list[float] | None = None  # the sampler's, for the importance-weighted losses
     advantages: list[float] | None = None
+    sequence_ratio_mask: list[float] | None = None  # gspo: the tokens its sequence ratio averages over
 
 
 class LossCall(msgspec.Struct):

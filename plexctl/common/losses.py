@@ -22,7 +22,12 @@ from typing import Literal
 
 LossKind = Literal["rl", "token"]
 
-DATUM_INPUTS = ("weights", "logprobs", "advantages")  # a datum's float loss inputs, beside target_tokens
+DATUM_INPUTS = (
+    "weights",
+    "logprobs",
+    "advantages",
+    "sequence_ratio_mask",
+)  # a datum's float inputs, beside target_tokens
 DATUM_DEFAULTS = {"weights": 1.0}  # a loss input a client may leave out: each token's value then
 
 
@@ -110,6 +115,14 @@ LOSS_REGISTRY: dict[str, Loss] = {
         "-(clamp(ratio, low, high).detach() * tlp * A).sum()",
         _IS,
         {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        ordered=_CLIP,
+    ),
+    "gspo": Loss(
+        "token",
+        "worker.tinker_losses:gspo",
+        "ppo's clipped objective on the sequence ratio exp(mean(tlp - slp) over sequence_ratio_mask), per token",
+        (*_IS, "sequence_ratio_mask"),
+        {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
         ordered=_CLIP,
     ),
     "dro": Loss(

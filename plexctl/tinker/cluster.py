@@ -81,9 +81,7 @@ START_TIMEOUT_S = 600.0  # a run's job waits this long for engines before create
 QUEUED_TOLD_AFTER_S = 5.0  # a run's job queued this long is told to the client as waiting (not a job just homed)
 EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
-BASE_PREFIX = (
-    "base:"  # an OpenAI API model name: the base model of this name (a job of the name comes first without it)
-)
+BASE_PREFIX = "base:"  # an OpenAI model name "base:NAME": the base model, even where a job is named NAME
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
 

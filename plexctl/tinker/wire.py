@@ -281,9 +281,7 @@ def token_datum(d: pb.Datum, i: int, loss_fn: str, max_tokens: int = 0) -> C.Tok
     for name, value in DATUM_DEFAULTS.items():
         if name in loss.reads and name not in inputs:
             inputs[name] = [value] * len(tokens)
-    return C.TokenDatum(
-        tokens, inputs["target_tokens"], inputs.get("weights"), inputs.get("logprobs"), inputs.get("advantages")
-    )
+    return C.TokenDatum(tokens, inputs["target_tokens"], **{name: inputs.get(name) for name in DATUM_INPUTS})
 
 
 def model_input_tokens(d: pb.Datum, i: int) -> list[int]:
