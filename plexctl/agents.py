@@ -28,6 +28,7 @@ import msgspec
 from plexctl.common.calls import Completion, GenerateReq, Sampling
 from plexctl.envs.base import Episode
 from plexctl.rl import Job, Rollout
+from plexctl.tinker.backend import UserError
 from plexctl.tinker.openai_api import Policy, PolicyBackend, context_of
 
 GATHER_S = 0.01  # requests arriving this close together go in one generate call
@@ -93,8 +94,6 @@ class _Policies(PolicyBackend):
 
     def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: Sampling) -> list[Completion]:
         if sampling.n != 1:
-            from plexctl.tinker.backend import UserError
-
             raise UserError("an episode's request samples one choice (n=1)")
         asked = _Asked(prompt_tokens, sampling, cf.Future())
         self.endpoint.asked.put(asked)
