@@ -93,7 +93,19 @@ class SpreadBackfill(Spread):
         return True
 
 
-POLICY_CLASSES: dict[str, type[PlacementPolicy]] = {cls.name: cls for cls in (Isolated, Pack, Spread, SpreadBackfill)}
+class PackBackfill(Pack):
+    """Pack, and an idle engine takes movable tasks waiting on busy homes: jobs on as few engines
+    as their work allows, the rest idle (and, in an elastic allocation, given back)."""
+
+    name = "pack+backfill"
+
+    def backfills(self) -> bool:
+        return True
+
+
+POLICY_CLASSES: dict[str, type[PlacementPolicy]] = {
+    cls.name: cls for cls in (Isolated, Pack, Spread, SpreadBackfill, PackBackfill)
+}
 if tuple(POLICY_CLASSES) != POLICIES:
     raise RuntimeError(f"placement policies {tuple(POLICY_CLASSES)} differ from POLICIES {POLICIES}")
 

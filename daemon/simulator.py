@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from daemon.core import PASS_WINDOW_S
+from daemon.elastic import ElasticRule, Unit, decide
 from daemon.policies import placement_policy
 from daemon.scheduler import Engine, Placement, Scheduler, Task
 from daemon.trace import GPUS_PER_SHARD, Trace, TraceJob
@@ -51,7 +52,7 @@ from plexctl.common.state_policy import DEVICE, HOST, NVME, STORAGE_TIERS, Held,
 
 GB = 1e9
 ROLLOUT, TRAINER = "rollout", "trainer"
-_ARRIVE, _DONE, _PHASE, _WAKE = 0, 1, 2, 3
+_ARRIVE, _DONE, _PHASE, _WAKE, _JOINED, _CHECK, _CHARGE = 0, 1, 2, 3, 4, 5, 6
 BENCH_ROW_TOKENS = 28  # bench/train_batching.py's rows (10-30 tokens) padded to the longest: 26.6 of 8, 28.7 of 32
 # A trace's model class -> the known shape (plexctl.common.model_shapes) whose plan gives its trainers'
 # width when its jobs name no base of their own; a class not listed keeps gpus_per_engine (235B: an MoE
@@ -151,6 +152,23 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     train_tokens: int = 224  # padded tokens of one LoRA train step: 8 rows of 28, the benchmark's small job
     pass_tokens: int = 0  # a trainer's micro-batch budget, the tokens one pass holds (0: the core's default)
     train_cost: TrainPassCost = TrainPassCost()
+    # an elastic allocation (``daemon.elastic``'s rule, per model class, in engine pairs): the base
+    # allocation holds ``base_pairs`` of each class, the rest join when jobs wait and leave when idle
+    elastic: bool = False
+    base_pairs: int = 1
+    grow_after_s: float = DEFAULTS.grow_after
+    shrink_after_s: float = DEFAULTS.shrink_after
+    join_wait_s: float = 600.0  # Slurm's queue wait for a joining allocation (charged from its end)
+    engine_start_s: float = 300.0  # from the joined nodes' start to their engines taking work
+
+
+class AllocationStats(msgspec.Struct, kw_only=True):
+    """What the allocation held: GPU-hours charged by nodes held (as Slurm charges), and its changes."""
+
+    gpu_hours: float = 0.0
+    joins: int = 0  # engine pairs joined
+    releases: int = 0  # engine pairs given back
+    peak_gpus: int = 0
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -233,6 +251,11 @@ class SimResult(msgspec.Struct, kw_only=True):
     train_grouping: bool = DEFAULTS.train_grouping
     trainer_busy_s: float = 0.0  # busy seconds of the trainer engines (swap-ins included)
     passes: PassStats = msgspec.field(default_factory=PassStats)
+    allocation: AllocationStats = msgspec.field(default_factory=AllocationStats)
+
+    @property
+    def allocation_gpu_hours_per_step(self) -> float:
+        return self.allocation.gpu_hours / self.steps if self.steps else 0.0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, without per-engine and per-job detail."""
@@ -265,6 +288,18 @@ class _Job:
     outstanding: int = 0
     admitted_at: float = -1.0
     finished_at: float = -1.0
+
+
+@dataclass(eq=False)
+class _Pair:
+    """A rollout + trainer engine pair of one model class: the elastic allocation's unit."""
+
+    model: str
+    engines: tuple[Engine, Engine]  # rollout, trainer
+    base: bool = False  # in the base allocation: never released
+    ready: bool = False  # up (its engines take work)
+    idle_since: float | None = None
+    gpus: int = 0
 
 
 class TierFullError(RuntimeError):
@@ -468,7 +503,7 @@ class Simulation:
         config: SimConfig | None = None,
         record_intervals: bool = False,
     ) -> None:
-        placement = placement_policy(policy)  # ValueError for an unknown name
+        self.placement = placement = placement_policy(policy)  # ValueError for an unknown name
         self.cfg = cfg = config or SimConfig()
         self.trace, self.policy, self.gpus = trace, policy, gpus
         self.jpe, self.max_switches = jobs_per_engine, max_switches
@@ -480,15 +515,32 @@ class Simulation:
         self.pools = partition(trace, gpus)
         trainer_gpus = planned_trainer_gpus(trace, cfg) if cfg.planned_trainer_widths else {}
         self.engine_gpus: dict[str, int] = {}  # engine -> its GPUs
+        self.elastic = cfg.elastic and not placement.dedicates_engines()  # isolated jobs are allocations of their own
+        self.pairs_up: dict[str, list[_Pair]] = {m: [] for m in self.pools}  # model -> its pairs up or joining
+        self.pairs_down: dict[str, list[_Pair]] = {m: [] for m in self.pools}  # model -> pairs not held, next first
+        self.pair_of: dict[str, _Pair] = {}  # engine -> its pair
+        self.alloc = AllocationStats()
+        self.alloc_held = 0  # GPUs the allocation holds now (elastic)
+        self.alloc_s = 0.0
+        self.alloc_since = 0.0
+        self.checks: set[tuple[str, float]] = set()
         state_cap = int(max(cfg.host_gb, cfg.nvme_gb) * GB)
         self.nodes: dict[str, NodeTiers] = {}
         self._read_gbps = {HOST: cfg.h2d_gbps, NVME: cfg.nvme_gbps}  # a storage tier's copy up to the device
         for model, pairs in self.pools.items():
             for i in range(pairs):
                 w = f"{model}/n{i}"
-                self.sched.engine_up(Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots), now=0.0)
+                rollout = Engine(f"{w}/r", w, ROLLOUT, model, cfg.rollout_slots)
                 trainer = Engine(f"{w}/t", f"{w}t", TRAINER, model, 1, state_cap, pass_tokens=cfg.pass_tokens)
-                self.sched.engine_up(trainer, now=0.0)
+                pair = _Pair(model, (rollout, trainer), base=i < max(1, cfg.base_pairs))
+                self.pair_of[rollout.engine_id] = self.pair_of[trainer.engine_id] = pair
+                if self.elastic and not pair.base:
+                    self.pairs_down[model].append(pair)
+                else:
+                    pair.ready = True
+                    self.pairs_up[model].append(pair)
+                    for engine in pair.engines:
+                        self.sched.engine_up(engine, now=0.0)
                 self.engine_gpus[f"{w}/r"] = cfg.gpus_per_engine
                 self.engine_gpus[f"{w}/t"] = trainer_gpus.get(model, cfg.gpus_per_engine)
                 self.nodes[f"{w}/t"] = NodeTiers(
@@ -497,7 +549,19 @@ class Simulation:
                     {HOST: int(cfg.host_gb * GB), NVME: int(cfg.nvme_gb * GB)},
                 )
         self.limit = 1 if placement.dedicates_engines() else jobs_per_engine
-        self.slots_free = {m: p * self.limit for m, p in self.pools.items()}  # tenant slots per kind
+        self.slots_free = {m: len(p) * self.limit for m, p in self.pairs_up.items()}  # tenant slots per kind
+        for pair in self.pair_of.values():
+            pair.gpus = sum(self.engine_gpus[e.engine_id] for e in pair.engines)
+        self._charge(sum(p.gpus for ps in self.pairs_up.values() for p in ps), min(j.arrival_s for j in trace.jobs))
+        self.rules = {
+            m: ElasticRule(
+                min_units=len(self.pairs_up[m]),
+                max_units=pairs,
+                grow_after_s=cfg.grow_after_s,
+                shrink_after_s=cfg.shrink_after_s,
+            )
+            for m, pairs in self.pools.items()
+        }
         self.waiting: dict[str, deque[_Job]] = {m: deque() for m in self.pools}
         self.shard_of: dict[str, _Shard] = {}
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -509,7 +573,7 @@ class Simulation:
         self.held = 0  # GPUs of the engines with a shard homed or a task running
         self.held_s = 0.0
         self.held_since = 0.0
-        self.busy: dict[str, float] = dict.fromkeys(self.sched.engines, 0.0)
+        self.busy: dict[str, float] = dict.fromkeys(self.engine_gpus, 0.0)
         self.swaps = SwapStats()
         self.switches = SwitchStats()
         self.loaded: dict[str, str] = {}  # engine -> the weights it holds (a base, or a full fine-tuning job's)
@@ -547,6 +611,13 @@ class Simulation:
                     self._next_phase(what, now)
                 elif kind == _WAKE:
                     self.wakes.discard(now)
+                elif kind == _JOINED:
+                    self._joined(what, now)
+                elif kind == _CHECK:
+                    self.checks.discard((what, now))
+                    self._scale(what, now)
+                elif kind == _CHARGE:
+                    self._charge(what, now)
                 else:
                     self._arrive(what, now)
             t0 = perf()
@@ -568,6 +639,7 @@ class Simulation:
     def _arrive(self, job: _Job, now: float) -> None:
         self.waiting[job.tj.model].append(job)
         self._admit(job.tj.model, now)
+        self._scale(job.tj.model, now)
 
     def _admit(self, model: str, now: float) -> None:
         queue = self.waiting[model]
@@ -594,6 +666,65 @@ class Simulation:
             self.held_s += self.held * (now - self.held_since)
             self.held_since = now
             self.held += self.engine_gpus[engine_id] if after else -self.engine_gpus[engine_id]
+            if self.elastic:
+                pair = self.pair_of[engine_id]
+                idle = all(self.refs.get(e.engine_id, 0) == 0 for e in pair.engines)
+                pair.idle_since = now if idle else None
+                if idle and not pair.base:
+                    self._check_at(pair.model, now + self.cfg.shrink_after_s)
+
+    # -- the elastic allocation (daemon.elastic's rule, per model class, in engine pairs)
+
+    def _charge(self, gpus: int, now: float) -> None:
+        """The allocation holds ``gpus`` more (fewer, negative) GPUs from ``now``."""
+        self.alloc_s += self.alloc_held * (now - self.alloc_since)
+        self.alloc_since = now
+        self.alloc_held += gpus
+        self.alloc.peak_gpus = max(self.alloc.peak_gpus, self.alloc_held)
+
+    def _check_at(self, model: str, at: float) -> None:
+        if (model, at) not in self.checks:
+            self.checks.add((model, at))
+            self._push(at, _CHECK, model)
+
+    def _scale(self, model: str, now: float) -> None:
+        """Ask the rule what the class's pairs should do now, and do it."""
+        if not self.elastic:
+            return
+        queue, pairs = self.waiting[model], self.pairs_up[model]
+        wanted = -(-(queue[0].tj.shards - self.slots_free[model]) // self.limit) if queue else 0
+        units = [Unit(unit_id=str(i), ready=p.ready, idle_since=p.idle_since, base=p.base) for i, p in enumerate(pairs)]
+        d = decide(self.rules[model], now, queue[0].tj.arrival_s if queue else None, wanted, units)
+        for pair in [pairs[int(i)] for i in d.release]:
+            self._release(pair, now)
+        for _ in range(min(d.grow, len(self.pairs_down[model]))):
+            pair = self.pairs_down[model].pop(0)
+            pairs.append(pair)
+            self.alloc.joins += 1
+            self._push(now + self.cfg.join_wait_s, _CHARGE, pair.gpus)
+            self._push(now + self.cfg.join_wait_s + self.cfg.engine_start_s, _JOINED, pair)
+        if d.recheck_at is not None:
+            self._check_at(model, d.recheck_at)
+
+    def _joined(self, pair: _Pair, now: float) -> None:
+        pair.ready, pair.idle_since = True, now
+        for engine in pair.engines:
+            self.sched.engine_up(engine, now=now)
+        self.slots_free[pair.model] += self.limit
+        self._admit(pair.model, now)
+        self._scale(pair.model, now)
+
+    def _release(self, pair: _Pair, now: float) -> None:
+        for engine in pair.engines:
+            left = self.sched.engine_down(engine.engine_id)
+            if left or self.nodes[pair.engines[1].engine_id].tier:
+                raise RuntimeError(f"{engine.engine_id} released while it holds work or state")
+        self.pairs_up[pair.model].remove(pair)
+        self.pairs_down[pair.model].insert(0, pair)
+        pair.ready, pair.idle_since = False, None
+        self.slots_free[pair.model] -= self.limit
+        self.alloc.releases += 1
+        self._charge(-pair.gpus, now)
 
     # -- a job's phases
 
@@ -691,6 +822,7 @@ class Simulation:
         self.slots_free[model] += job.tj.shards
         self.outcomes.append(JobOutcome(job.tj.job_id, job.tj.arrival_s, job.admitted_at, now, sum(job.plan)))
         self._admit(model, now)
+        self._scale(model, now)
 
     # -- starting a task, with its swap
 
@@ -868,6 +1000,11 @@ class Simulation:
         end = max((j.finished_at for j in self.jobs), default=0.0)
         self._hold_flush(end)
         held_h = self.held_s / 3600
+        self._charge(0, end)
+        if self.placement.dedicates_engines():  # each job an allocation of its own engines, while it runs
+            self.alloc.gpu_hours = held_h
+        else:  # what the allocation held from the first arrival to the last finish
+            self.alloc.gpu_hours = self.alloc_s / 3600
         busy_h = sum(b * self.engine_gpus[e] for e, b in self.busy.items()) / 3600
         steps = sum(o.steps for o in self.outcomes)
         delays = sorted(o.admitted_s - o.arrival_s for o in self.outcomes)
@@ -877,7 +1014,7 @@ class Simulation:
             jobs_per_engine=self.jpe,
             max_switches=self.max_switches,
             gpus=self.gpus,
-            engines=len(self.sched.engines),
+            engines=len(self.engine_gpus),
             pools=self.pools,
             jobs=len(self.outcomes),
             steps=steps,
@@ -902,8 +1039,9 @@ class Simulation:
             intervals=self.intervals,
             switches=self.switches,
             train_grouping=self.cfg.train_grouping,
-            trainer_busy_s=sum(b for e, b in self.busy.items() if self.sched.engines[e].kind == TRAINER),
+            trainer_busy_s=sum(b for e, b in self.busy.items() if self.pair_of[e].engines[1].engine_id == e),
             passes=self.passes,
+            allocation=self.alloc,
         )
 
     def _hold_flush(self, now: float) -> None:

@@ -57,7 +57,15 @@ def test_every_setting_is_an_up_option_with_its_default_and_its_help() -> None:
 def test_a_bad_choice_is_refused_in_the_line_the_config_check_says() -> None:
     result = CliRunner().invoke(A.build(["up"]), ["up", "--policy", "nope"])
     assert isinstance(result.exception, UsageError)  # exit 2, one line
-    assert str(result.exception) == "--policy 'nope': choose one of isolated, pack, spread, spread+backfill"
+    assert str(result.exception) == (
+        "--policy 'nope': choose one of isolated, pack, spread, spread+backfill, pack+backfill"
+    )
+
+
+def test_max_nodes_below_nodes_is_refused_in_one_line() -> None:
+    problems = K.config_problems(K.ClusterConfig(nodes=3, max_nodes=2))
+    assert problems == ["--max-nodes 2: fewer than --nodes 3, the nodes the cluster never goes below"]
+    assert K.config_problems(K.ClusterConfig(nodes=2, max_nodes=2)) == []
 
 
 def test_plan_takes_its_shared_settings_from_the_config() -> None:
@@ -119,7 +127,7 @@ def test_the_core_constants_agree_until_the_core_reads_the_config() -> None:
 def test_bad_values_are_one_line_each_naming_the_option() -> None:
     problems = K.config_problems(K.ClusterConfig(policy="x", nodes=0, host_mem="abc", job_limits=["bogus=1"]))  # type: ignore[arg-type]
     assert problems == [
-        "--policy 'x': choose one of isolated, pack, spread, spread+backfill",
+        "--policy 'x': choose one of isolated, pack, spread, spread+backfill, pack+backfill",
         "--nodes 0: expected `int` >= 1",
         "--host-mem: not a size: 'abc' (examples: 4096, 512M, 8G)",
         "--job-limit 'bogus=1': expected NAME=VALUE with NAME one of memory, processes, job-dir, tmp, cpu, "

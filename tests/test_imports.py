@@ -127,7 +127,7 @@ WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
 DAEMON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "records and rules",
-        ("policies", "journal", "blobs", "auth", "throttle", "quotas", "trace", "procs", "sched_records"),
+        ("policies", "elastic", "journal", "blobs", "auth", "throttle", "quotas", "trace", "procs", "sched_records"),
     ),
     ("the scheduler's parts", ("task_order", "engine_time", "switches", "passes", "homes", "queues")),
     ("scheduler", ("scheduler", "metrics")),

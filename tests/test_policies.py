@@ -6,7 +6,16 @@ from typing import get_args, get_type_hints
 
 import pytest
 
-from daemon.policies import POLICY_CLASSES, Isolated, Pack, PlacementPolicy, Spread, SpreadBackfill, placement_policy
+from daemon.policies import (
+    POLICY_CLASSES,
+    Isolated,
+    Pack,
+    PackBackfill,
+    PlacementPolicy,
+    Spread,
+    SpreadBackfill,
+    placement_policy,
+)
 from daemon.scheduler import Engine, Scheduler, Task
 from plexctl.common.cluster_config import ClusterConfig
 from plexctl.common.scheduling import POLICIES, can_share_pass
@@ -42,13 +51,14 @@ def test_the_registry_has_one_class_per_name_the_cli_offers():
 def test_each_policy_answers_its_decisions():
     answers = {
         cls.name: (cls().dedicates_engines(), cls().home_order([1, 0, 2]), cls().backfills())
-        for cls in (Isolated, Pack, Spread, SpreadBackfill)
+        for cls in (Isolated, Pack, Spread, SpreadBackfill, PackBackfill)
     }
     assert answers == {
         "isolated": (True, [0, 1, 2], False),
         "pack": (False, [2, 1, 0], False),
         "spread": (False, [0, 1, 2], False),
         "spread+backfill": (False, [0, 1, 2], True),
+        "pack+backfill": (False, [2, 1, 0], True),
     }
 
 
@@ -61,9 +71,10 @@ def test_isolated_homes_one_job_per_engine():
     assert not third.ok and third.reason.endswith("0 of 2 trainer free)")
 
 
-def test_pack_homes_a_new_job_on_the_fullest_engine_with_room():
-    assert table("pack", {"t0": 1, "t1": 2, "t2": 0}).admit("new", "m", 0.0).trainer == "t1"
-    assert table("pack", {"t0": 1, "t1": 2, "t2": 0}, jobs_per_engine=2).admit("new", "m", 0.0).trainer == "t0"
+@pytest.mark.parametrize("policy", ["pack", "pack+backfill"])
+def test_pack_homes_a_new_job_on_the_fullest_engine_with_room(policy):
+    assert table(policy, {"t0": 1, "t1": 2, "t2": 0}).admit("new", "m", 0.0).trainer == "t1"
+    assert table(policy, {"t0": 1, "t1": 2, "t2": 0}, jobs_per_engine=2).admit("new", "m", 0.0).trainer == "t0"
 
 
 @pytest.mark.parametrize("policy", ["spread", "spread+backfill"])
@@ -72,13 +83,13 @@ def test_spread_homes_a_new_job_on_the_emptiest_engine(policy):
     assert table(policy, {"t0": 1, "t1": 2, "t2": 3}).admit("new", "m", 0.0).trainer == "t0"
 
 
-@pytest.mark.parametrize("policy", ["pack", "spread", "spread+backfill"])
-def test_only_spread_backfill_runs_a_waiting_step_on_an_idle_engine(policy):
+@pytest.mark.parametrize("policy", ["pack", "spread", "spread+backfill", "pack+backfill"])
+def test_only_the_backfill_policies_run_a_waiting_step_on_an_idle_engine(policy):
     s = table(policy, {"t0": 2, "t1": 0})  # t0 is home to t0-0 and t0-1 (no state held yet), t1 idle
     for tid, job in enumerate(["t0-0", "t0-1"], start=1):
         s.submit(Task(tid, job, "trainer", "train_step", "m", 0.0))
     placed = [(p.task.job_id, p.engine_id) for p in s.tick(0.0)]
-    if policy == "spread+backfill":
+    if policy.endswith("+backfill"):
         assert placed == [("t0-0", "t0"), ("t0-1", "t1")]
     else:
         assert placed == [("t0-0", "t0")]  # t0-1 waits for its home

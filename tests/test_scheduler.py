@@ -120,7 +120,7 @@ def cluster(policy: str, rollouts: int, trainers: int, **kw) -> Scheduler:
 
 
 def test_unknown_policy_is_refused():
-    assert POLICIES == ("isolated", "pack", "spread", "spread+backfill")
+    assert POLICIES == ("isolated", "pack", "spread", "spread+backfill", "pack+backfill")
     with pytest.raises(ValueError, match="unknown policy"):
         Scheduler("round-robin")
 

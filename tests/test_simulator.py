@@ -329,9 +329,15 @@ def test_quick_benchmark_writes_its_json(tmp_path):
     )
     data = json.loads(out.read_text())
     labels = set(data["policies"])
-    assert {"isolated", "pack", "spread", "spread+backfill", data["best"]["label"]} == labels
-    assert data["best"]["label"].startswith("best: spread+backfill")
-    assert data["policies"]["isolated"]["makespan_vs_isolated"] == 1.0
+    assert {*POLICIES, data["best"]["label"]} == labels
+    best = data["best"]
+    assert best["label"] == f"best: {best['policy']} jpe={best['jobs_per_engine']}"
+    assert best["policy"] in ("spread+backfill", "pack+backfill") and best["allocation"] == "elastic"
+    # the three figures: what the allocation held >= what engines held >= what they were busy
+    assert 0 < best["saved_allocation"] <= best["saved_engine"] <= best["saved_busy"] < 1
+    assert best["makespan_vs_isolated"] == data["policies"][best["label"]]["makespan_vs_isolated"]
+    iso = data["policies"]["isolated"]
+    assert iso["makespan_vs_isolated"] == 1.0 and iso["saved_allocation"] == iso["saved_engine"] == 0.0
     for row in data["policies"].values():
         assert row["jobs"] == 50 and row["gpus"] == 128 and row["tick_p99_us"] > 0
         assert {
@@ -344,7 +350,7 @@ def test_quick_benchmark_writes_its_json(tmp_path):
             "tick_p50_us",
         } <= set(row)
     assert data["calibration"]["phases"].startswith("measured") and abs(data["calibration"]["error"]) < 0.01
-    assert len(data["tuning"]) >= 2
+    assert {t["policy"] for t in data["tuning"]} == {"spread+backfill", "pack+backfill"}
     # the saved trace replays through the same entry point (`plexctl simulate TRACE`)
     out2 = tmp_path / "replay.json"
     assert (
@@ -499,3 +505,29 @@ def test_planned_trainer_widths_come_from_the_memory_plan_and_are_off_by_default
     old = simulate(trace, "spread+backfill", 128, config=SimConfig(macro_steps=4))
     new = simulate(trace, "spread+backfill", 128, config=SimConfig(macro_steps=4, planned_trainer_widths=True))
     assert new.makespan_s == old.makespan_s and new.gpu_hours < old.gpu_hours  # narrower trainers, same schedule
+
+
+def test_an_elastic_allocation_charges_what_it_held_and_gives_idle_pairs_back(small):
+    """The allocation-level charge: a fixed allocation holds every GPU from the first arrival to
+    the last finish; an elastic one (``daemon.elastic``'s rule) holds its base pairs, grows while
+    jobs wait and gives idle pairs back, so it is charged less, never less than its engines held."""
+    fixed = simulate(small, "pack+backfill", jobs_per_engine=4)
+    assert fixed.allocation.gpu_hours == pytest.approx(small.gpus * fixed.makespan_s / 3600)
+    assert fixed.allocation.joins == 0 and fixed.allocation.peak_gpus == small.gpus
+    cfg = SimConfig(elastic=True, join_wait_s=600.0, engine_start_s=300.0)
+    elastic = simulate(small, "pack+backfill", jobs_per_engine=4, config=cfg)
+    a = elastic.allocation
+    assert elastic.jobs == len(small.jobs) and elastic.steps == small.steps  # nothing lost
+    assert a.joins > 0 and 0 < a.releases <= a.joins and a.peak_gpus <= small.gpus
+    assert elastic.gpu_hours <= a.gpu_hours < fixed.allocation.gpu_hours
+    assert elastic.busy_gpu_hours < elastic.gpu_hours
+    # the base allocation: one pair of every class from the first arrival to the last finish
+    base = sum(2 * 8 for _ in partition(small, small.gpus))
+    assert a.gpu_hours >= base * elastic.makespan_s / 3600
+    # isolated jobs are allocations of their own: charged what their engines held, elastic or not
+    iso = simulate(small, "isolated", config=cfg)
+    assert iso.allocation.gpu_hours == iso.gpu_hours and iso.allocation.joins == 0
+    # a pair joins only after the rule's wait, Slurm's queue and the engines' start: slower to
+    # join, never faster to finish
+    slow = simulate(small, "pack+backfill", jobs_per_engine=4, config=SimConfig(elastic=True, join_wait_s=86_400.0))
+    assert slow.makespan_s > elastic.makespan_s

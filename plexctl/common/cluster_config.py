@@ -229,6 +229,21 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     # ---- the Slurm allocation
     nodes: Annotated[int, _doc("Nodes, one task each", SLURM, ge=1)] = 1
+    max_nodes: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        _doc(
+            "Nodes the cluster may grow to: when jobs wait for engines longer than grow_after, the daemon "
+            "submits joining allocations of one node each, and gives back one whose engines held no job for "
+            "shrink_after, never below nodes (null: the allocation stays as `up` made it)",
+            SLURM,
+        ),
+    ] = None
+    grow_after: Annotated[
+        float, _doc("Seconds jobs wait for engines before the cluster grows (with max_nodes)", SLURM, ge=0)
+    ] = 300.0
+    shrink_after: Annotated[
+        float, _doc("Seconds a joined node's engines hold no job before it is given back (with max_nodes)", SLURM, ge=0)
+    ] = 600.0
     gpus_per_node: Annotated[int, _doc("GPUs per node", SLURM, ge=0)] = 0
     engines: Annotated[
         list[str],
@@ -414,6 +429,11 @@ def config_problems(config: ClusterConfig) -> list[str]:
             except ValueError as exc:
                 problems.append(f"{option_name(setting)}: {exc}")
     problems += trainer_width_problems(config)
+    if config.max_nodes is not None and config.max_nodes < config.nodes:
+        problems.append(
+            f"{option_name('max_nodes')} {config.max_nodes}: fewer than {option_name('nodes')} {config.nodes}, "
+            "the nodes the cluster never goes below"
+        )
     if config.job_limits:
         from plexctl.common.limits import parse_limits
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plexctl.common.spec import LoraSpec
 
-POLICIES = ("isolated", "pack", "spread", "spread+backfill")
+POLICIES = ("isolated", "pack", "spread", "spread+backfill", "pack+backfill")
 
 
 def can_share_pass(lora: LoraSpec | None) -> bool:
