@@ -44,6 +44,7 @@ import zmq
 
 from daemon import jail, procs
 from daemon import metrics as M
+from daemon.allocations import ElasticAllocations
 from daemon.auth import secure
 from daemon.confine import Confinement, JobDisk, keep_job_file
 from daemon.core import (
@@ -191,6 +192,8 @@ class Daemon:
         self.breached: set[str] = set()  # jailed jobs ended by a limit: their files go with their driver
         self._limits = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plexd-limits")
         self._limit_check: concurrent.futures.Future[list[tuple[str, str]]] | None = None
+        # an elastic Slurm allocation: joining allocations asked for and given back (``max_nodes``)
+        self.elastic = ElasticAllocations(state_dir, config) if mode == "slurm" and config.max_nodes else None
 
         # its own context: the ZAP handler's inproc address is per context (a daemon started after
         # another in one process finds it free)
@@ -443,6 +446,8 @@ class Daemon:
             if now - last_limits >= LIMITS_S:
                 last_limits = now
                 self._check_limits(now)
+            if self.elastic is not None:
+                self._scale(now)
             if self.metrics_port is not None and now - last_gauges >= M.SNAPSHOT_S:
                 last_gauges = now
                 core.snapshot_gauges(now)
@@ -452,6 +457,25 @@ class Daemon:
                 self._carry_out(core.chores(now))
             self._carry_out(core.place(now))
         self.shutdown()
+
+    def _scale(self, now: float) -> None:
+        """Let the elastic allocation grow or shrink (``daemon.allocations``), never while draining."""
+        assert self.elastic is not None
+        jobs, sched = self.core.jobs, self.core.sched
+        if jobs.drain_deadline is not None:
+            return
+        waiting_since = min(jobs.room_waits.values(), default=None)
+        workers = {
+            w.worker_id: any(
+                bool(sched.homes.homed.get(d.engine_id)) or bool((e := sched.engines.get(d.engine_id)) and e.running)
+                for d in w.engines
+            )
+            for w in self.core.workers.values()
+        }
+        try:
+            self.elastic.step(now, waiting_since, workers)
+        except Exception:  # noqa: BLE001 - the allocation's bookkeeping never ends the daemon
+            log.exception("elastic allocation step failed (tried again)")
 
     def shutdown(self) -> None:
         log.info("shutting down")

@@ -4,23 +4,27 @@ daemon's own scheduler core (``daemon/simulator.py``), under every placement pol
 Draws a trace (``daemon/trace.py``: by default 1,000 jobs over 90 days of the ``mixed``
 scenario: 7B- to 70B-class jobs on several base models, many full fine-tuning, on 16-192 GPUs;
 ``--scenario classic``: the 7B/30B/235B-class trace of one base per class the earlier figures
-came from) or reads one, and replays it on a simulated clock under
-``isolated``, ``pack``, ``spread``, ``spread+backfill`` and *our best*: ``spread+backfill``
-with the ``jobs_per_engine`` that did best on a held-out trace (the same generator with the
-next seed at a quarter of the scale; a trace read from a file is tuned on itself). Best =
-lowest makespan, then (within 1 % of it) fewest GPU-hours per step, then shortest p99 queueing.
+came from) or reads one, and replays it on a simulated clock under every policy
+(``POLICIES``) and *our best*: ``spread+backfill`` or ``pack+backfill`` with the ``jobs_per_engine`` that did best on a
+held-out trace (the same generator with the next seed at a quarter of the scale; a trace read
+from a file is tuned on itself). Best = lowest makespan, then (within 1 % of it) fewest GPU-hours
+per step the allocation held, then shortest p99 queueing. The allocation is elastic by default
+(``daemon/elastic.py``'s rule: pairs join while jobs wait and leave when idle; ``--join-wait``,
+``--engine-start``, ``--grow-after``, ``--shrink-after``, ``--base-pairs``); ``--fixed`` charges
+every GPU from the first arrival to the last finish.
 
-Reported per policy: makespan and GPU-hours per step relative to isolated (GPU-hours saved:
-one less the latter), bubble ratio, queueing p50 / p99, swap traffic, model switches (weights
-loaded because an engine held others), the scheduler's decision latency, and the trace's
-critical-path bound. With ``--multiplex FILE`` (a ``bench/multiplex.py`` result) the table
-also shows the simulator's prediction of that real run beside what it measured
-(``daemon.simulator.predict``). ``--train-grouping`` (``--group-window-ms``, ``--train-tokens``)
-runs every policy with shared train passes, the daemon's option, charged by the simulator's
-cost model (``daemon.simulator.TrainPassCost``); the table's note gives the passes and the
-trainer engine-hours they saved. Writes a JSON file (``--out``; ``./simulate.json``). The
-benchmark ``bench/simulate.py`` is this with the benchmark's defaults (``Defaults``). It
-imports neither torch nor vLLM: it runs anywhere the package is installed.
+Reported per policy: makespan and GPU-hours per step relative to isolated, GPU-hours saved three
+ways (what the allocation held, what engines held, what they were busy), bubble ratio, queueing
+p50 / p99, swap traffic, model switches (weights loaded because an engine held others), the
+scheduler's decision latency, and the trace's critical-path bound. With ``--multiplex FILE`` (a
+``bench/multiplex.py`` result) the table also shows the simulator's prediction of that real run
+beside what it measured (``daemon.simulator.predict``). ``--train-grouping``
+(``--group-window-ms``, ``--train-tokens``) runs every policy with shared train passes, the
+daemon's option, charged by the simulator's cost model (``daemon.simulator.TrainPassCost``); the
+table's note gives the passes and the trainer engine-hours they saved. Writes a JSON file
+(``--out``; ``./simulate.json``). The benchmark ``bench/simulate.py`` is this with the
+benchmark's defaults (``Defaults``). It imports neither torch nor vLLM: it runs anywhere the
+package is installed.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ What it owns is the model around the core: engines as 8-GPU nodes in rollout + t
 (``planned_trainer_widths``: trainers of the memory plan's width per model class, for GPU-hours),
 jobs as shards with a home pair each, a step's phases with barriers across a job's shards
 (``macro_steps`` coarsens them), swap-ins charged by tier bandwidth, model switches by the
-weights' size, and shared train passes timed by ``TrainPassCost``.
+weights' size, and shared train passes timed by ``TrainPassCost``. GPU-hours are counted three
+ways: what the allocation held (``SimConfig.elastic``: engine pairs join and leave by
+``daemon.elastic``'s rule, the daemon's; else every GPU throughout), what engines held while home
+to a job or running a task, and what they were busy.
 
 Invariants: every placement and order is the core's and every state move the policy's
 (``plexctl.common.state_policy`` moves each trainer node's ``NodeTiers`` as ``worker.state.store``

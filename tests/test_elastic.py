@@ -40,3 +40,72 @@ def test_the_base_allocation_and_units_while_work_waits_are_kept():
     assert decide(RULE, 10_000.0, None, 0, [idle_base]).release == ()
     a = Unit(unit_id="a", ready=True, idle_since=0.0)
     assert decide(RULE, 10_000.0, 9_000.0, 0, [idle_base, a]).release == ()
+
+
+def test_the_daemons_elastic_allocations_ask_adopt_follow_and_give_back(tmp_path, monkeypatch):
+    """``daemon.allocations.ElasticAllocations`` over a real ``slurm.json``; Slurm's answers are
+    the test's (the real Slurm cluster's run is tests/test_slurm.py's elastic test)."""
+    import time
+
+    from daemon import allocations as A
+    from plexctl.common import slurm as S
+    from plexctl.common.cluster_config import ClusterConfig
+
+    cancelled, asked = [], []
+    monkeypatch.setattr(S, "cancel", cancelled.append)
+    monkeypatch.setattr(S, "job_state", lambda job_id: ("RUNNING", ""))
+
+    def submit(state_dir, config, note):
+        asked.append((config.nodes, config.max_nodes, note))
+        alloc = S.Allocation(f"{100 + len(asked)}", 1, True, time.time(), "sbatch", 0.0, elastic=True, state="starting")
+        S.record_allocation(state_dir, alloc)
+        return alloc
+
+    S.record_allocation(tmp_path, S.Allocation("100", 1, False, 0.0, "sbatch", 60.0))
+    config = ClusterConfig(nodes=1, max_nodes=3, grow_after=5.0, shrink_after=10.0)
+    e = A.ElasticAllocations(tmp_path, config, submit=submit)
+    e.step(0.0, 0.0, {"n1": True})  # a job waits since 0: not yet
+    assert asked == []
+    e.step(5.0, 0.0, {"n1": True})
+    assert asked == [(1, 3, "jobs waited 5 s for engines")]
+    e.step(7.0, 0.0, {"n1": True})  # still starting: no second ask
+    assert len(asked) == 1
+    e.step(9.0, None, {"n1": True, "n2-101": True, "n2-101-g1": False})  # its workers registered, busy
+    [row] = [r for r in S.allocation_rows(S.read_allocations(tmp_path), 9.0) if r["role"] == "joined"]
+    assert row["state"] == "up" and row["idle_s"] is None and row["job_id"] == "101"
+    e.step(11.0, None, {"n1": True, "n2-101": False})  # idle from 11
+    e.step(19.0, None, {"n1": True, "n2-101": False})
+    assert cancelled == []
+    e.step(21.0, None, {"n1": True, "n2-101": False})  # 10 s idle: given back
+    assert cancelled == ["101"]
+    # a daemon started again adopts what Slurm still runs
+    again = A.ElasticAllocations(tmp_path, config, submit=submit)
+    assert list(again.units) == ["101"] and again.units["101"].state == "releasing"
+    e.step(23.0, None, {"n1": True})  # its workers left
+    rows = S.allocation_rows(S.read_allocations(tmp_path), 23.0)
+    assert [(r["job_id"], r["role"], r["state"]) for r in rows] == [
+        ("100", "base", "up"),
+        ("101", "joined", "released"),
+    ]
+    assert rows[1]["note"] == "given back: its engines held no job for 10 s"
+    assert S.allocation_line(rows[1]) == (
+        "Slurm job 101: joined, 1 node, released (given back: its engines held no job for 10 s)"
+    )
+    assert S.allocation_rows(S.read_allocations(tmp_path), 23.0 + S.RELEASED_SHOWN_S + 1)[1:] == []
+
+
+def test_a_failed_submission_is_tried_again_and_never_ends_the_daemon(tmp_path, monkeypatch):
+    from daemon import allocations as A
+    from plexctl.common import slurm as S
+    from plexctl.common.cluster_config import ClusterConfig
+
+    tries = []
+
+    def refuse(state_dir, config, note):
+        tries.append(note)
+        raise S.SlurmUnavailable("sbatch refused the allocation: Invalid account")
+
+    e = A.ElasticAllocations(tmp_path, ClusterConfig(nodes=1, max_nodes=2, grow_after=0.0), submit=refuse)
+    e.step(10.0, 0.0, {})
+    e.step(12.0, 0.0, {})
+    assert len(tries) == 2 and e.units == {}

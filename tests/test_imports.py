@@ -133,6 +133,7 @@ DAEMON_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("scheduler", ("scheduler", "metrics")),
     ("jailed processes", ("driver", "jail_boot", "jail", "confine")),
     ("core", ("core.*",)),  # one layer: its modules may import one another
+    ("elastic allocations", ("allocations",)),
     ("server and simulator", ("main", "simulator")),
     ("entry points", ("inproc", "node", "simulate")),
 ]
@@ -220,7 +221,7 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
 
 
 def test_the_check_sees_imports_inside_functions() -> None:
-    probe = REPO / "plexctl" / "cli" / "slurm.py"
+    probe = REPO / "plexctl" / "common" / "slurm.py"
     modules = {module for _, module in imported_modules(probe)}
     assert "submitit" in modules  # imported inside submit_submitit only
 

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 
 from daemon.node import worker_command
-from plexctl.cli.slurm import SlurmSpec, node_command
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.cluster_config import ClusterConfig, config_path, read_config, write_config
 from plexctl.common.layout import WorkerPlacement
+from plexctl.common.slurm import SlurmSpec, node_command
 from worker.engine_args import EngineArgsError, rollout_engine_args, sleep_between_models
 from worker.main import engine_id
 from worker.servers import Rollouts, Trainers, next_awake

@@ -105,6 +105,11 @@ def slurm_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         subprocess.run(["bash", str(REPO / "tests" / "slurm" / "stop-cluster.sh")], capture_output=True, timeout=120)
 
 
+def up_ci(c: Cluster, model: Path, *options: str) -> subprocess.CompletedProcess:
+    """`plexctl up --slurm --name ci` with ``options``, for 30 minutes, on ``model``."""
+    return c.run("up", "--slurm", "--name", "ci", *options, "--time", "30", "--model", str(model), timeout=900)
+
+
 def logs(c: Cluster) -> str:
     return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(c.state_dir.rglob("*.log")))
 
@@ -343,6 +348,78 @@ def test_scancel_ends_the_allocation_without_requeueing_it(slurm_cluster, tiny_m
         time.sleep(1.0)
 
 
+def test_an_elastic_allocation_grows_while_jobs_wait_and_gives_the_node_back_when_idle(
+    slurm_cluster, reference_job, tiny_model
+):
+    """`up --slurm --nodes 1 --max-nodes 2`, each job alone on its engines (isolated): a long job
+    holds the one engine pair, so the next two wait and the daemon asks Slurm for a joining
+    allocation of one node (squeue shows it), whose engines take them one after the other; once
+    no job is left there it is given back (squeue no longer shows it, status says so) while the
+    long job runs on. The two learn what the same jobs learned on the fixed allocation, step by
+    step."""
+    c = slurm_cluster
+    c.run("down", timeout=180)  # the module's allocation, if still up
+    up = up_ci(
+        c,
+        tiny_model,
+        *("--nodes", "1", "--max-nodes", "2", "--grow-after", "2", "--shrink-after", "5", "--policy", "isolated"),
+        *("--engines", "rollout,trainer", "--cpus-per-task", "1"),
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr + logs(c)
+        long_args = ("--set", "algo.steps=5000", "--set", "checkpoint.every=10000", "--set", "algo.eval_every=0")
+        long = c.run("submit", TINY, "--name", "elastic-long", "-q", *long_args, check=True).stdout.strip()
+        c.wait_for(long, lambda j: j["step"] >= 1, timeout=300, what="the long job's first step")
+        a = c.run("submit", TINY, "--name", "elastic-a", "-q", *JOB_ARGS, check=True).stdout.strip()
+        b = c.run("submit", TINY, "--name", "elastic-b", "-q", *JOB_ARGS, "--set", "seed=7", check=True).stdout.strip()
+        join_id, seen_in_squeue, joined_tasks = "", False, 0
+        deadline = time.monotonic() + 900
+        while True:
+            status = c.status()
+            states = {j["job_id"]: j["state"] for j in status["jobs"]}
+            joins = [r for r in status.get("allocations", []) if r["role"] == "joined"]
+            if joins:
+                join_id = join_id or joins[0]["job_id"]
+                seen_in_squeue |= squeue_state(join_id) in ("PENDING", "CONFIGURING", "RUNNING")
+            pattern = re.compile(rf"n[12]-{join_id}/")
+            joined_tasks = max(
+                joined_tasks,
+                sum(e["tasks_done"] for e in status["engines"] if join_id and pattern.match(e["engine_id"])),
+            )
+            if all(states.get(j) in ("succeeded", "failed", "cancelled") for j in (a, b)):
+                break
+            assert time.monotonic() < deadline, f"{status}\n{logs(c)}"
+            time.sleep(1.0)
+        assert states[a] == states[b] == "succeeded", c.run("logs", b).stdout[-2000:] + logs(c)
+        assert join_id and seen_in_squeue, f"no joining allocation was asked for\n{logs(c)}"
+        assert joined_tasks > 0  # the joined node's engines ran the job that waited
+
+        deadline = time.monotonic() + 180  # no job is left on it: given back after 5 s idle
+        while squeue_state(join_id) not in ("", "COMPLETED"):
+            assert time.monotonic() < deadline, f"{squeue_state(join_id)}\n{logs(c)}"
+            time.sleep(1.0)
+        while not [r for r in c.status().get("allocations", []) if r["state"] == "released"]:
+            assert time.monotonic() < deadline, c.status().get("allocations")
+            time.sleep(1.0)
+        [row] = [r for r in c.status()["allocations"] if r["job_id"] == join_id]
+        assert row["state"] == "released" and row["note"].startswith("given back: its engines held no job for")
+        assert f"Slurm job {join_id}: joined, 1 node, released" in c.run("status", check=True).stdout
+        base = [r for r in c.status()["allocations"] if r["role"] == "base"]
+        assert len(base) == 1 and squeue_state(str(base[0]["job_id"])) == "RUNNING"  # never below --nodes
+        assert c.job(long)["state"] == "running"  # the base allocation's job went on throughout
+        c.run("cancel", long, check=True)
+
+        for job, ref in ((a, reference_job), (b, c.other_job)):  # the same specs on the fixed allocation
+            rows, want = metrics(c, job), metrics(c, ref)
+            assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+            for key in ("reward_mean", "train/loss", "train/grad_norm"):
+                assert [r[key] for r in rows] == [r[key] for r in want], (job, key)
+    finally:
+        down = c.run("down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert squeue_state(join_id) in ("", "COMPLETED")
+
+
 def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_model):
     """`up --slurm --nodes 2 --gpus-per-node 2 --trainer-width 2`: a rollout and a trainer GPU a
     node, so one trainer engine of two ranks: rank 0 in n1's trainer worker, rank 1 started on n2
@@ -351,26 +428,11 @@ def test_a_trainer_engine_spans_both_nodes_one_rank_on_each(slurm_cluster, tiny_
     ends it all."""
     c = slurm_cluster
     c.run("down", timeout=180)  # the module's allocation, if this test runs alone
-    up = c.run(
-        "up",
-        "--slurm",
-        "--name",
-        "ci",
-        "--nodes",
-        "2",
-        "--engines",
-        "rollout,trainer",
-        "--gpus-per-node",
-        "2",
-        "--trainer-width",
-        "2",
-        "--cpus-per-task",
-        "2",
-        "--time",
-        "30",
-        "--model",
-        str(tiny_model),
-        timeout=900,
+    up = up_ci(
+        c,
+        tiny_model,
+        *("--nodes", "2", "--engines", "rollout,trainer", "--gpus-per-node", "2", "--trainer-width", "2"),
+        *("--cpus-per-task", "2"),
     )
     try:
         assert up.returncode == 0, up.stdout + up.stderr + logs(c)

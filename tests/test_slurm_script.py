@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plexctl.cli import slurm as S
+from plexctl.common import slurm as S
 from plexctl.common.cluster_config import ClusterConfig, drain_timeout_s, read_config
 from plexctl.common.errors import UsageError
 from plexctl.common.layout import LayoutError

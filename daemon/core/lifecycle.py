@@ -243,6 +243,9 @@ class JobLifecycle:
         running = len(jobs.runtimes)
         ready_models = {(e.kind, e.model) for e in self.sched.engines.values()}
         runs = collections.Counter(rt.user for rt in jobs.runtimes.values())
+        no_room: dict[
+            str, float
+        ] = {}  # the jobs that find no engine room now, since when (an elastic allocation's cue)
         for info in jobs.journal.jobs(("queued",)):
             if running >= max_running:
                 jobs.reasons[info.job_id] = (
@@ -260,12 +263,14 @@ class JobLifecycle:
             spec = jobs.journal.spec(info.job_id)
             model = os.path.realpath(spec.model.path)
             if ("rollout", model) not in ready_models or ("trainer", model) not in ready_models:
+                no_room[info.job_id] = jobs.room_waits.get(info.job_id, now)
                 continue
             adm = self.sched.admit(
                 info.job_id, model, now, state_bytes=state_bytes(spec), priority=spec.priority, user=info.user
             )
             if not adm.ok:
                 jobs.reasons[info.job_id] = adm.reason
+                no_room[info.job_id] = jobs.room_waits.get(info.job_id, now)
                 continue
             # its runtime now; ``driver_started`` (or ``driver_not_started``) once the server tried
             rt = jobs.runtimes[info.job_id] = JobRuntime(
@@ -281,6 +286,7 @@ class JobLifecycle:
             jobs.reasons.pop(info.job_id, None)
             running += 1
             runs[info.user] += 1
+        jobs.room_waits = no_room
 
     def driver_exited(self, job_id: str, rc: int, now: float) -> None:
         """A job's driver exited with code ``rc``: judge how the job ended (or why it runs again)."""

@@ -90,6 +90,7 @@ class JobTable:
         self.quotas = UserQuotas(state_dir)  # what each of them may run and submit at once
         self.runtimes: dict[str, JobRuntime] = {}
         self.reasons: dict[str, str] = {}  # queued job -> why it is not running yet
+        self.room_waits: dict[str, float] = {}  # queued job with no engine room (or none up) -> since when
         self.start_failures: dict[str, tuple[int, float]] = {}  # job -> (drivers that failed to start, next try)
         self.adopting: dict[str, float] = {}  # adopted job -> when to give up waiting for engines
         self.resident: dict[str, str] = {}  # job -> trainer engine that holds its state (workers' word)

@@ -32,10 +32,10 @@ def status(
     import msgspec
 
     from plexctl.cli import views
-    from plexctl.cli.slurm import SLURM_FILE
     from plexctl.cli.start_stop import ping_or_none, slurm_note
     from plexctl.common.cluster import front_end_state, tinker_state
     from plexctl.common.errors import DaemonUnreachable
+    from plexctl.common.slurm import SLURM_FILE, allocation_line, allocation_rows, read_allocations
 
     c: Ctx = ctx.obj
     try:
@@ -69,6 +69,7 @@ def status(
             continue
         tinker, tinker_note = tinker_state(c.state_dir)
         openai = front_end_state(c.state_dir, "openai")
+        allocations = allocation_rows(read_allocations(c.state_dir), time.time()) if slurm else []
         if as_json:
             print(
                 json.dumps(
@@ -79,14 +80,19 @@ def status(
                         **({"tinker_note": tinker_note} if tinker_note else {}),
                         **({"openai_url": openai[0]} if openai[0] else {}),
                         **({"openai_note": openai[1]} if openai[1] else {}),
+                        **({"allocations": allocations} if allocations else {}),
                     },
                     indent=2,
                 )
             )
         elif console().is_terminal:
             console().print(views.status_view(rep, c.uptime(), tinker, tinker_note, openai))
+            for row in allocations:
+                console().print(allocation_line(row), markup=False, highlight=False)
         else:
             print(views.plain_status(rep, c.uptime(), tinker, tinker_note, openai), flush=True)
+            for row in allocations:
+                print(allocation_line(row), flush=True)
         if not watch:
             return
         time.sleep(interval)

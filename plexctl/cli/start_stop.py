@@ -218,8 +218,8 @@ def _up_slurm(
 ) -> None:
     """Write the config where the allocation's node tasks read it, submit the allocation and wait
     until its workers are in."""
-    from plexctl.cli import slurm as S
     from plexctl.common import auth
+    from plexctl.common import slurm as S
     from plexctl.common.client import current_user
     from plexctl.common.cluster import cluster_dir, plexrl_home
     from plexctl.common.limits import parse_limits, set_limits
@@ -328,7 +328,7 @@ def ping_or_none(state_dir: Path) -> Pong | None:
 
 def slurm_note(state_dir: Path) -> str | None:
     """What Slurm says of this cluster's allocation while its daemon does not answer."""
-    from plexctl.cli import slurm as S
+    from plexctl.common import slurm as S
 
     for alloc in reversed(S.read_allocations(state_dir)):
         if alloc.join:
@@ -385,7 +385,7 @@ def down(
     ] = None,
 ) -> None:
     """Stop the cluster: each running job checkpoints at the end of its step (it resumes there at the next `up`)."""
-    from plexctl.cli import slurm as S
+    from plexctl.common import slurm as S
     from plexctl.common.client import Client
     from plexctl.common.cluster import pid_alive, read_endpoint
 

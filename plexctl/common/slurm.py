@@ -13,27 +13,32 @@ of each node's memory; the layout is checked before anything is submitted.
 
 The cluster's state directory (on the shared filesystem) holds ``slurm.json``: which Slurm
 jobs are this cluster's allocations, so ``status`` can say what Slurm says while the daemon
-is not up (pending, with Slurm's reason) and ``down`` can end them. Nothing here imports
+is not up (pending, with Slurm's reason) and ``down`` can end them. It is changed only under
+its lock and written atomically (``update_allocations``): ``up --join`` and the daemon of an
+elastic cluster (``submit_join``, ``daemon/allocations.py``) both write it. Nothing here imports
 torch or vLLM; submitit is imported only when submitting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from plexctl.common.atomic import write_json_atomic
-from plexctl.common.cluster_config import ClusterConfig, config_path
+from plexctl.common.cluster_config import ClusterConfig, config_path, write_config
 from plexctl.common.errors import PlexError, UsageError
 from plexctl.common.layout import engine_kinds, place_workers, placement_span, registers
 
@@ -74,11 +79,18 @@ class Allocation(msgspec.Struct):
     submitted_at: float
     via: str  # submitit | sbatch
     drain_timeout: float  # seconds its daemon gives jobs to checkpoint when it stops
+    # what the daemon of an elastic cluster (``max_nodes``) says of a joined allocation it manages
+    elastic: bool = False  # the daemon asked for it, and gives it back
+    state: str = ""  # starting | up | releasing | released ("": not followed)
+    up_at: float | None = None  # its workers registered
+    idle_since: float | None = None  # its engines have held no job since
+    ended_at: float | None = None  # given back
+    note: str = ""  # why it was asked for or given back
 
 
 def join_config_path(state_dir: Path) -> Path:
     """Where a joining allocation's config goes (its own: the cluster's ``cluster.json`` is the daemon's)."""
-    return state_dir / "slurm" / f"join-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return state_dir / "slurm" / f"join-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
 
 
 # ---------------------------------------------------------------- parsing user input
@@ -224,10 +236,41 @@ def submit_sbatch(spec: SlurmSpec) -> str:
     tmp = script.with_suffix(".tmp")
     tmp.write_text(render_sbatch(spec))
     tmp.replace(script)
-    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=IMPORT_ROOT)
+    result = subprocess.run(
+        [sbatch, "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=IMPORT_ROOT,
+        env=submission_env(),
+        timeout=SQUEUE_TIMEOUT_S * SQUEUE_TRIES,
+    )
     if result.returncode != 0:
         raise SlurmUnavailable(f"sbatch refused the allocation: {_last_line(result.stderr)}")
     return result.stdout.strip().split(";")[0]
+
+
+def submission_env() -> dict[str, str]:
+    """The environment to submit from: this one without the variables of a Slurm job it may run
+    in (the daemon submits joining allocations from inside its own; sbatch would read them as
+    options of the new one), ``SLURM_CONF`` and ``SBATCH_*`` defaults kept."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+
+
+def submit_join(state_dir: Path, config: ClusterConfig, note: str) -> Allocation:
+    """Submit one joining allocation of one node for the cluster in ``state_dir`` (its config
+    but ``nodes``), through ``sbatch``, and record it as the daemon's to give back."""
+    spec = SlurmSpec(
+        name=state_dir.name,
+        state_dir=str(state_dir),
+        config=msgspec.structs.replace(config, nodes=1, max_nodes=None),
+        config_file=str(join_config_path(state_dir)),
+        join=True,
+    )
+    write_config(Path(spec.config_file), spec.config)
+    job_id = submit_sbatch(spec)
+    alloc = Allocation(job_id, 1, True, time.time(), "sbatch", 0.0, elastic=True, state="starting", note=note)
+    record_allocation(state_dir, alloc)
+    return alloc
 
 
 def run_module(module: str, argv: list[str]) -> int:
@@ -292,11 +335,24 @@ def submit_submitit(spec: SlurmSpec) -> str:
 
 
 def record_allocation(state_dir: Path, alloc: Allocation) -> None:
-    allocations = [a for a in read_allocations(state_dir) if a.job_id != alloc.job_id]
-    if not alloc.join:  # a new main allocation replaces the previous one (its joins end with it)
-        allocations = [a for a in allocations if a.join and job_state(a.job_id)[0] not in ("", "GONE")]
-    allocations.append(alloc)
-    write_json_atomic(state_dir / SLURM_FILE, {"allocations": msgspec.to_builtins(allocations)})
+    def record(allocations: list[Allocation]) -> list[Allocation]:
+        kept = [a for a in allocations if a.job_id != alloc.job_id]
+        if not alloc.join:  # a new main allocation replaces the previous one (its joins end with it)
+            kept = [a for a in kept if a.join and job_state(a.job_id)[0] not in ("", "GONE")]
+        return [*kept, alloc]
+
+    update_allocations(state_dir, record)
+
+
+def update_allocations(state_dir: Path, change: Callable[[list[Allocation]], list[Allocation]]) -> list[Allocation]:
+    """Read, change and write ``slurm.json`` under a lock (``up --join`` and the daemon both
+    write it), atomically; what was written."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / (SLURM_FILE + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        allocations = change(read_allocations(state_dir))
+        write_json_atomic(state_dir / SLURM_FILE, {"allocations": msgspec.to_builtins(allocations)})
+    return allocations
 
 
 def read_allocations(state_dir: Path) -> list[Allocation]:
@@ -305,6 +361,41 @@ def read_allocations(state_dir: Path) -> list[Allocation]:
     except (OSError, ValueError):
         return []
     return msgspec.convert(data.get("allocations", []), list[Allocation])
+
+
+RELEASED_SHOWN_S = 600.0  # how long `status` still shows a joined allocation given back
+
+
+def allocation_rows(allocations: list[Allocation], now: float) -> list[dict[str, object]]:
+    """What ``status`` shows of a cluster's allocations (``--json``: ``allocations``): each live
+    one, and the joined ones given back in the last ``RELEASED_SHOWN_S``."""
+    rows: list[dict[str, object]] = []
+    for a in allocations:
+        if a.state == "released" and now - (a.ended_at or now) > RELEASED_SHOWN_S:
+            continue
+        rows.append(
+            {
+                "job_id": a.job_id,
+                "nodes": a.nodes,
+                "role": "joined" if a.join else "base",
+                "state": a.state or "up",
+                "age_s": now - (a.up_at or a.submitted_at),
+                "idle_s": now - a.idle_since if a.idle_since is not None else None,
+                "note": a.note,
+            }
+        )
+    return rows
+
+
+def allocation_line(row: dict[str, object]) -> str:
+    """One allocation in ``status``'s text: ``Slurm job 124: joined, 1 node, up 40 s, idle 3 s``."""
+    nodes = int(str(row["nodes"]))
+    text = f"Slurm job {row['job_id']}: {row['role']}, {nodes} node{'s' * (nodes != 1)}, {row['state']}"
+    if row["state"] in ("up", "starting"):
+        text += f" {float(str(row['age_s'])):.0f} s"
+    if row["idle_s"] is not None:
+        text += f", idle {float(str(row['idle_s'])):.0f} s"
+    return text + (f" ({row['note']})" if row["note"] else "")
 
 
 # ---------------------------------------------------------------- what Slurm says
