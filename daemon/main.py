@@ -251,7 +251,9 @@ class Daemon:
         again = self.tinker is not None  # a front end that died is started again
         serves = [api for api, p in (("tinker", port), ("openai", openai_port)) if p is not None]
         write_json_atomic(
-            self.state_dir / TINKER_FILE, {"starting": True, "again": again, "since": time.time(), "serves": serves}
+            self.state_dir / TINKER_FILE,
+            {"starting": True, "again": again, "since": time.time(), "serves": serves},
+            mode=0o644,  # read by every user of the cluster (``PUBLIC_FILES``)
         )
         if port == 0:  # a free port asked for: the one this cluster took before, while it is free
             port = kept_tinker_port(self.state_dir, host)
@@ -300,6 +302,7 @@ class Daemon:
                     "retry_at": self.tinker_retry_at,
                     "serves": [api for api, p in (("tinker", port), ("openai", openai_port)) if p is not None],
                 },
+                mode=0o644,
             )
             log.warning("the Tinker front end (pid %d) exited with code %s: starting it in %.0f s", proc.pid, rc, wait)
         elif now >= self.tinker_retry_at:

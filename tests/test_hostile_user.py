@@ -435,11 +435,11 @@ def test_a_user_without_an_account_runs_under_a_uid_of_the_job_from_uploaded_fil
 
 
 def test_the_state_directory_is_the_owners_alone(cluster, eve):
-    """Another user may open endpoint.json by name and nothing else of the state directory."""
+    """Another user may open endpoint.json and tinker.json by name and nothing else of the state directory."""
     state = cluster.state_dir
     assert stat.S_IMODE(state.stat().st_mode) == 0o711
     for entry in state.iterdir():  # nothing others may read or write; the socket's directory they may pass
-        if entry.name != "endpoint.json" and not entry.is_symlink():
+        if entry.name not in ("endpoint.json", "tinker.json") and not entry.is_symlink():
             assert stat.S_IMODE(entry.stat().st_mode) & 0o066 == 0, entry
     parents = [p for p in state.parents if p != Path("/") and stat.S_IMODE(p.stat().st_mode) & 0o001 == 0]
     modes = {p: stat.S_IMODE(p.stat().st_mode) for p in parents}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -98,10 +99,26 @@ def shared(tiny_model: Path) -> Iterator[Cluster]:
     base.chmod(0o711)
     (base / "home").mkdir(mode=0o711)
     (base / "home").chmod(0o711)
-    c = Cluster(base / "home").up(tiny_model, "--workers", "1")
+    c = Cluster(base / "home").up(tiny_model, "--workers", "1", "--openai-port", "0")
     yield c
     c.run("down", timeout=120)
     shutil.rmtree(base, ignore_errors=True)
+
+
+def her_job_dir(account: Account, tiny_model: Path, name: str) -> Path:
+    """A directory of hers in her HOME: the tiny spec, her own data beside it."""
+    uid, gid, home = account
+    job_dir = home / name
+    shutil.rmtree(job_dir, ignore_errors=True)
+    job_dir.mkdir()
+    spec = TINY.read_text().replace("../.plexrl/models/tiny-arith", str(tiny_model))
+    spec = spec.replace("../.plexrl/data/arith/", "")
+    (job_dir / "job.yaml").write_text(spec)
+    for data in ("train.jsonl", "eval.jsonl"):
+        shutil.copy(REPO / ".plexrl" / "data" / "arith" / data, job_dir / data)
+    for p in (job_dir, *job_dir.iterdir()):
+        os.chown(p, uid, gid)
+    return job_dir
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:
@@ -162,15 +179,7 @@ def test_a_shared_user_keygen_share_submit_follow_and_export_through_the_cli(
     ).stdout.strip()
 
     # she: a copy of the tiny spec, her own data beside it (her client uploads it at submit)
-    job_dir = home / "tiny-job"
-    job_dir.mkdir()
-    spec = TINY.read_text().replace("../.plexrl/models/tiny-arith", str(tiny_model))
-    spec = spec.replace("../.plexrl/data/arith/", "")
-    (job_dir / "job.yaml").write_text(spec)
-    for name in ("train.jsonl", "eval.jsonl"):
-        shutil.copy(REPO / ".plexrl" / "data" / "arith" / name, job_dir / name)
-    for p in (job_dir, *job_dir.iterdir()):
-        os.chown(p, uid, gid)
+    job_dir = her_job_dir(dana, tiny_model, "tiny-job")
     job = plexctl(*at, "submit", str(job_dir / "job.yaml"), "--set", "algo.steps=2", "-q").stdout.strip()
     assert job and job != owners
 
@@ -207,6 +216,79 @@ def test_a_shared_user_keygen_share_submit_follow_and_export_through_the_cli(
     assert shown, "docs/security.md shows no `plexctl --state-dir STATE_DIR ...` line"
     typed = {option_shape(argv) for argv in ran if argv[:1] == ["--state-dir"]}
     assert {option_shape(argv) for argv in shown} <= typed, sorted({option_shape(a) for a in shown} - typed)
+
+
+OPENAI_AS_HER = """
+import json, sys
+import openai
+url, key_file, mine, owners = sys.argv[1:]
+api = openai.OpenAI(base_url=url, api_key=open(key_file).read().strip(), max_retries=0)
+out = {"models": sorted(m.id for m in api.models.list().data)}
+chat = api.chat.completions.create(
+    model=mine, messages=[{"role": "user", "content": "3+4="}], temperature=0.0, max_tokens=3, seed=1
+)
+out["mine"] = [chat.model, chat.choices[0].finish_reason]
+for name in (owners, owners + "@1"):
+    try:
+        api.chat.completions.create(model=name, messages=[{"role": "user", "content": "3+4="}], max_tokens=2)
+        out[name] = "answered"
+    except openai.NotFoundError as exc:
+        out[name] = exc.status_code
+print(json.dumps(out))
+"""
+
+
+@needs_root
+def test_a_shared_users_api_key_reaches_her_jobs_policy_and_nothing_of_the_owners(
+    shared: Cluster, dana: Account, her_bin: Path, tiny_model: Path
+) -> None:
+    """docs/openai.md's "Keys and users", lived by a second Unix account: her `keygen` makes her
+    API key, the owner lets it in with the `share` line keygen prints, her `status` names the
+    OpenAI base_url, and the real `openai` SDK, run under her uid with her key, lists and chats
+    with her job's policy while the owner's job is a 404 to her; hers is a 404 to the owner."""
+    openai = pytest.importorskip("openai")
+    uid, gid, home = dana
+    at = ("--state-dir", str(shared.state_dir))
+
+    def plexctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        proc = as_user(dana, her_bin, "plexctl", *args, timeout=timeout)
+        assert proc.returncode == 0, f"plexctl {shlex.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    keygen = plexctl("keygen")
+    asked = next(line for line in keygen.stdout.splitlines() if "plexctl share" in line)
+    share = shlex.split(asked.split("run: ", 1)[1])
+    assert share[:3] == ["plexctl", "share", USER] and "--tinker-key-sha256" in share, keygen.stdout
+    shared.run(*share[1:], check=True)
+    key_file = home / ".plexrl" / "tinker-api-key"
+    assert key_file.stat().st_uid == uid and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+    url = json.loads(plexctl(*at, "status", "--json").stdout)["openai_url"]  # tinker.json: hers to read
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    assert f"OpenAI API: base_url={url}" in plexctl(*at, "status").stdout.replace("\n", "")
+
+    owners = shared.run("submit", str(TINY), "--set", "algo.steps=2", "--name", "owners-policy", "-q", check=True)
+    owners_job = owners.stdout.strip()
+    job_dir = her_job_dir(dana, tiny_model, "tiny-api-job")
+    mine = plexctl(*at, "submit", str(job_dir / "job.yaml"), "--set", "algo.steps=2", "-q").stdout.strip()
+    for job in (owners_job, mine):
+        assert shared.run("wait", job, "--timeout", "600", timeout=660).returncode == 0, job
+        assert shared.job(job)["policy_version"] >= 1
+
+    python, path = re.search(r"PYTHONPATH=(\S+) exec (\S+) -m", (her_bin / "plexctl").read_text()).group(2, 1)
+    ran = as_user(
+        dana, her_bin, "env", f"PYTHONPATH={path}", python, "-c", OPENAI_AS_HER, url, str(key_file), mine, owners_job
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    seen = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert mine in seen["models"] and owners_job not in seen["models"], seen
+    assert seen["mine"][0] == mine and seen["mine"][1] in ("stop", "length")
+    assert seen[owners_job] == seen[f"{owners_job}@1"] == 404
+
+    owner = openai.OpenAI(base_url=url, api_key=(shared.home / "tinker-api-key").read_text().strip(), max_retries=0)
+    assert mine not in {m.id for m in owner.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        owner.chat.completions.create(model=mine, messages=[{"role": "user", "content": "3+4="}], max_tokens=2)
 
 
 @needs_root

@@ -32,12 +32,9 @@ class Endpoint(msgspec.Struct):
     server_key: str = ""  # the daemon's CURVE public key (z85); clients need it to connect
 
 
-PUBLIC_FILES = ("endpoint.json",)  # what other users of a shared cluster read in its state directory
-
-
 def make_private(state_dir: Path) -> None:
     """Make ``state_dir`` (created if missing) the owner's alone: the directory 0711 (others may
-    open ``endpoint.json`` by name, never list it), every other entry in it 0700 / 0600."""
+    open ``PUBLIC_FILES`` by name, never list it), every other entry in it 0700 / 0600."""
     state_dir.mkdir(parents=True, exist_ok=True)
     state_dir.chmod(0o711)
     for entry in state_dir.iterdir():
@@ -60,6 +57,9 @@ def endpoint_path(state_dir: Path) -> Path:
 
 
 TINKER_FILE = "tinker.json"  # in the state directory: {"url", "pid"} while the Tinker front end listens
+# what other users of a shared cluster read in its state directory: the daemon's address and public
+# key, and where its API front end listens (URLs, its pid and host: nothing secret)
+PUBLIC_FILES = ("endpoint.json", TINKER_FILE)
 TINKER_KEY_FILE = "tinker-keys.json"  # in the state directory: sha256 of each Tinker API key -> its user
 
 

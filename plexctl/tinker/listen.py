@@ -68,7 +68,8 @@ def run(
             await asyncio.sleep(0.05)
         if server.started:
             if ready_file is not None:
-                write_json_atomic(ready_file, {**urls, "pid": os.getpid(), "host": socket.gethostname()})
+                info = {**urls, "pid": os.getpid(), "host": socket.gethostname()}
+                write_json_atomic(ready_file, info, mode=0o644)  # read by every user of the cluster
             if on_ready is not None:
                 on_ready(next(iter(urls.values())))
         await serving
