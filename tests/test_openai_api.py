@@ -85,6 +85,16 @@ def test_a_jobs_policy_is_chatted_with_while_it_runs_and_after_it_ends(cluster: 
 
     streamed = api.chat.completions.create(model=name, messages=ASK, stream=True, **GREEDY)
     assert "".join(part.choices[0].delta.content or "" for part in streamed) == choice.message.content
+    # the likeliest tokens at each position: greedy, the sampled one is the first of them
+    top = api.chat.completions.create(model=name, messages=ASK, logprobs=True, top_logprobs=3, **GREEDY)
+    for position in top.choices[0].logprobs.content:
+        values = [t.logprob for t in position.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert position.top_logprobs[0].token == position.token
+        assert values[0] == pytest.approx(position.logprob, abs=1e-4)
+    top_text = api.completions.create(model=name, prompt="3+4=", logprobs=2, **GREEDY).choices[0].logprobs
+    assert [len(row) for row in top_text.top_logprobs] == [2] * len(top_text.tokens)
+    assert [max(row.values()) for row in top_text.top_logprobs] == pytest.approx(top_text.token_logprobs, abs=1e-4)
     text = api.completions.create(model=name, prompt="3+4=", logprobs=0, **GREEDY)
     assert text.choices[0].text == choice.message.content  # no chat template: the message's text is the prompt
     assert text.choices[0].logprobs.token_logprobs == pytest.approx(lp, abs=1e-4)
@@ -102,6 +112,10 @@ def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluste
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model="tiny-arith", messages=ASK, temperature=7.0)
     assert refused.value.body["param"] == "temperature"
+    for asked in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):  # without logprobs; past 20
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model="tiny-arith", messages=ASK, max_tokens=2, **asked)
+        assert refused.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.AuthenticationError):
         client(cluster, "tml-" + "0" * 48).models.list()
 

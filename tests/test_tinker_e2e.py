@@ -435,6 +435,14 @@ def test_top_k_prompt_logprobs_come_from_vllm(service):
     assert last.prompt_logprobs[-2:] == pytest.approx(own[-2:], abs=1e-4)
     assert last.topk_prompt_logprobs[:-2] == [None] * (len(tokens) - 2)
     assert [[t for t, _ in row] for row in last.topk_prompt_logprobs[-2:]] == [[t for t, _ in r[:2]] for r in topk[-2:]]
+    # the likeliest tokens at each sampled position: greedy, the sampled token is the first of them
+    greedy = tinker.SamplingParams(max_tokens=3, temperature=0.0)
+    [seq] = sampler.sample(prompt, 1, greedy, topk_sample_logprobs=4).result().sequences
+    assert len(seq.topk_logprobs) == len(seq.tokens) >= 1
+    for token, logprob, row in zip(seq.tokens, seq.logprobs, seq.topk_logprobs):
+        values = [lp for _, lp in row]
+        assert len(row) == 4 and values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1 + 1e-4
+        assert row[0][0] == token and row[0][1] == pytest.approx(logprob, abs=1e-4)
 
 
 def test_a_wrong_key_is_refused(cluster: Cluster):

@@ -184,18 +184,20 @@ class FakeBackend(Backend):
         params: SampleParams,
         lp: bool,
         topk: int = 0,
+        topk_sample_logprobs: int = 0,
     ) -> SampleResult:
         """Prompt log-probs count up from -1.5 by 0.25; the top k at position p are tokens p+1..p+k
-        at log-probs -0.5, -1, ..."""
+        at log-probs -0.5, -1, ...; a sampled token's top k are itself and the next ones at -0.25, -0.5, ..."""
         self.record("sample", sampler_id, (prompt_tokens, num_samples, params, lp))
         if self.sample_barrier is not None:
             self.sample_barrier.wait()
         weight = self.samplers[sampler_id][1]
         n = params.max_tokens or 4
-        seqs = [
-            SampledSequence([prompt_tokens[-1] + i * 10 + k + 1 for k in range(n)], [-weight] * n, "length")
-            for i in range(num_samples)
-        ]
+        seqs = []
+        for i in range(num_samples):
+            tokens = [prompt_tokens[-1] + i * 10 + k + 1 for k in range(n)]
+            rows = [[(t + j, -0.25 * (j + 1)) for j in range(topk_sample_logprobs)] for t in tokens]
+            seqs.append(SampledSequence(tokens, [-weight] * n, "length", rows if topk_sample_logprobs else None))
         prompt = [None, *[-1.5 + 0.25 * k for k in range(len(prompt_tokens) - 1)]] if lp else None
         rows: list[list[tuple[int, float]] | None] = [None]
         rows += [[(p + j + 1, -0.5 * (j + 1)) for j in range(topk)] for p in range(1, len(prompt_tokens))]
@@ -738,7 +740,8 @@ def test_serve_writes_its_ready_file(tmp_path: Path) -> None:
         while (written := json_file(ready)) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert written is not None, "the front end wrote no tinker.json"
-        assert written["pid"] == proc.pid and ready.stat().st_mode & 0o777 == 0o600
+        # where it listens is for every user of the cluster (PUBLIC_FILES), writable by the owner alone
+        assert written["pid"] == proc.pid and ready.stat().st_mode & 0o777 == 0o644
         assert httpx.get(f"{written['url']}/api/v1/healthz").json() == {"status": "ok"}
     finally:
         proc.terminate()
@@ -896,12 +899,13 @@ def test_sampling_params_and_checkpoint_paths() -> None:
     with pytest.raises(UserError, match="mixes strings and token ids"):
         wire.sample_params(wire.SamplingParamsWire(stop=["a", 1]))
     req = msgspec.json.decode(
-        b'{"prompt":{"chunks":[]},"sampling_params":{},"topk_sample_logprobs":3}', type=wire.SampleReq
+        b'{"prompt":{"chunks":[]},"sampling_params":{},"prompt_alt_tokens_k":3}', type=wire.SampleReq
     )
-    with pytest.raises(UserError, match="not supported: topk_sample_logprobs"):
+    with pytest.raises(UserError, match="not supported: prompt_alt_tokens_k"):
         wire.check_sample_request(req, 4)
     for extra, error in (
         ('"topk_prompt_logprobs":21', "topk_prompt_logprobs must be between 0 and 20, not 21"),
+        ('"topk_sample_logprobs":-1', "topk_sample_logprobs must be between 0 and 20, not -1"),
         ('"prompt_logprobs_last_n":2', "set include_prompt_logprobs"),
         ('"prompt_logprobs":true,"prompt_logprobs_last_n":4', "between 1 and 3 (the prompt's length - 1)"),
     ):
@@ -1141,3 +1145,15 @@ def test_the_proxy_follows_the_front_end_to_its_new_address(tokenizer_dir: Path,
         "forward_backward",
         "optim_step",
     ]
+
+
+def test_top_k_logprobs_of_each_sampled_token_reach_the_sdk(alice: Any) -> None:
+    sampler = alice.create_sampling_client(base_model=MODEL).result()
+    prompt, params = types.ModelInput.from_ints([1, 2, 3, 4]), types.SamplingParams(max_tokens=2)
+    out = sampler.sample(prompt, 2, params, topk_sample_logprobs=3).result()
+    for seq in out.sequences:
+        assert seq.topk_logprobs == [[(t + j, -0.25 * (j + 1)) for j in range(3)] for t in seq.tokens]
+    plain = sampler.sample(prompt, 1, params).result()
+    assert plain.sequences[0].topk_logprobs is None
+    with pytest.raises(tinker.RequestFailedError, match="topk_sample_logprobs must be between 0 and 20, not 21"):
+        sampler.sample(prompt, 1, params, topk_sample_logprobs=21).result()

@@ -153,8 +153,9 @@ def validate_sampling(s: Sampling) -> None:
         raise RequestError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
     if s.temperature == 0 and s.n > 1:
         raise RequestError(f"greedy sampling (temperature 0) gives one sample, got n={s.n}")
-    if not 0 <= s.topk_prompt_logprobs <= MAX_TOPK:
-        raise RequestError(f"sampling.topk_prompt_logprobs must be in [0, {MAX_TOPK}], got {s.topk_prompt_logprobs}")
+    for name in ("topk_prompt_logprobs", "topk_logprobs"):
+        if not 0 <= getattr(s, name) <= MAX_TOPK:
+            raise RequestError(f"sampling.{name} must be in [0, {MAX_TOPK}], got {getattr(s, name)}")
 
 
 def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
@@ -179,7 +180,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         seed=prompt_seed(s, prompt_index),
-        logprobs=0,  # 0: only the sampled token's log-prob
+        logprobs=s.topk_logprobs,  # the sampled token's log-prob first, then the k likeliest
         # 0: only the prompt token's own; k: with the k likeliest
         prompt_logprobs=s.topk_prompt_logprobs if s.prompt_logprobs or s.topk_prompt_logprobs else None,
         skip_special_tokens=True,
@@ -223,6 +224,10 @@ def to_completions(output: Any, prompt_index: int, tokenizer: Any, s: Sampling) 
             finish_reason=c.finish_reason or "unknown",
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=[None if row is None else [TokenLogprob(t, lp) for t, lp in row] for row in topk],
+            topk_logprobs=[
+                [TokenLogprob(t, lp) for t, lp in row]
+                for row in (vllm_private.sampled_topk_logprobs(c.logprobs, s.topk_logprobs) if s.topk_logprobs else [])
+            ],
         )
         for c, ids, text in zip(samples, token_ids, texts)
     ]

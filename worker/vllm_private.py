@@ -104,6 +104,21 @@ def sampled_token_logprobs(steps: Any) -> tuple[list[int], list[float]]:
     return [ids[i] for i in starts], [float(values[i]) for i in starts]
 
 
+def sampled_topk_logprobs(steps: Any, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` likeliest tokens at each sampled position, most likely first, from a
+    ``FlatLogprobs`` with ``logprobs=k``: each position holds the sampled token's entry (its own
+    rank), then the top k by rank (1 is the likeliest; the sampled token may be among them)."""
+    starts, ids, values, ranks = list(steps.start_indices), steps.token_ids, steps.logprobs, steps.ranks
+    out = []
+    for a, b in zip(starts, [*starts[1:], len(ids)]):
+        best: dict[int, tuple[int, float]] = {}
+        for i in range(a + 1, b):  # past the sampled token's own entry
+            if ranks[i] is not None and 1 <= ranks[i] <= k:
+                best.setdefault(ranks[i], (ids[i], float(values[i])))
+        out.append([best[r] for r in sorted(best)])
+    return out
+
+
 def prompt_token_logprobs(prompt_ids: list[int], steps: Any) -> list[float | None]:
     """Each prompt token's log-prob (None for the first, which nothing predicts) from vLLM's
     prompt log-probs with ``prompt_logprobs=0``: a ``FlatLogprobs`` (positions by start index,

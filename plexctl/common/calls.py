@@ -41,6 +41,7 @@ class Sampling(msgspec.Struct):
     ignore_eos: bool = False  # EOS does not end a sample
     prompt_logprobs: bool = False  # also each prompt token's log-prob (``Completion.prompt_logprobs``)
     topk_prompt_logprobs: int = 0  # also the k likeliest tokens at each prompt position (0: none; at most MAX_TOPK)
+    topk_logprobs: int = 0  # also the k likeliest tokens at each sampled position (0: none; at most MAX_TOPK)
 
 
 MAX_TOPK = 20  # the most top-k log-probs per position a rollout engine gives (vLLM's max_logprobs)
@@ -83,6 +84,8 @@ class Completion(msgspec.Struct):
     # asked for (``Sampling.topk_prompt_logprobs``): each prompt position's likeliest tokens, most
     # likely first, None for the first position
     topk_prompt_logprobs: list[list[TokenLogprob] | None] = msgspec.field(default_factory=list)
+    # asked for (``Sampling.topk_logprobs``): each sampled position's likeliest tokens, most likely first
+    topk_logprobs: list[list[TokenLogprob]] = msgspec.field(default_factory=list)
 
 
 class TrainBatch(msgspec.Struct):

@@ -127,11 +127,13 @@ class SampleParams(msgspec.Struct, frozen=True):
 
 
 class SampledSequence(msgspec.Struct, frozen=True):
-    """One sample: its tokens, the sampler's log-prob of each, why it ended (``STOP_REASONS``)."""
+    """One sample: its tokens, the sampler's log-prob of each, why it ended (``STOP_REASONS``);
+    asked for, the k likeliest ``(token, log-prob)`` at each of its positions, most likely first."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class SampleResult(msgspec.Struct, frozen=True):
@@ -246,10 +248,12 @@ class Backend(abc.ABC):
         params: SampleParams,
         prompt_logprobs: bool,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
     ) -> SampleResult:
         """``num_samples`` continuations of the prompt, each with the log-prob of every token;
         asked for, the prompt's log-probs and the ``topk_prompt_logprobs`` likeliest tokens at
-        each of its positions (at most ``calls.MAX_TOPK``)."""
+        each of its positions, and the ``topk_sample_logprobs`` likeliest at each sampled one
+        (at most ``calls.MAX_TOPK`` each)."""
 
     @abc.abstractmethod
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:

@@ -657,6 +657,7 @@ class ClusterBackend(Backend, PolicyBackend):
         params: SampleParams,
         prompt_logprobs: bool,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
     ) -> SampleResult:
         model_id, _, version = sampler_id.rpartition(":v")
         run = self._run(user, model_id)
@@ -678,6 +679,7 @@ class ClusterBackend(Backend, PolicyBackend):
             ignore_eos=params.ignore_eos,
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_logprobs=topk_sample_logprobs,
         )
         rep: C.GenerateRep = self._call(run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version)))
         first = rep.completions[0] if rep.completions else None
@@ -686,7 +688,12 @@ class ClusterBackend(Backend, PolicyBackend):
             topk = [None if row is None else [(t.token, t.logprob) for t in row] for row in first.topk_prompt_logprobs]
         return SampleResult(
             [
-                SampledSequence(c.token_ids, c.logprobs, "length" if c.finish_reason == "length" else "stop")
+                SampledSequence(
+                    c.token_ids,
+                    c.logprobs,
+                    "length" if c.finish_reason == "length" else "stop",
+                    [[(t.token, t.logprob) for t in row] for row in c.topk_logprobs] if topk_sample_logprobs else None,
+                )
                 for c in rep.completions
             ],
             first.prompt_logprobs if first is not None and prompt_logprobs else None,

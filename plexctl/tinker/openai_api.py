@@ -35,6 +35,7 @@ from plexctl.tinker.backend import UserError
 MAX_N = 16  # choices per request
 MAX_BODY_BYTES = 4 << 20  # a request's body
 MAX_STOPS = 4  # stop strings, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's likeliest tokens a position, as OpenAI allows
 
 
 class NotFound(UserError):
@@ -95,7 +96,7 @@ class _Sampled(msgspec.Struct, kw_only=True):
 
 class CompletionReq(_Sampled, kw_only=True):
     prompt: str | list[int]
-    logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' own log-probs only
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None  # and the k likeliest at each
     echo: Literal[False] = False
 
 
@@ -103,7 +104,7 @@ class ChatReq(_Sampled, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' own log-probs only
+    top_logprobs: Annotated[int, Meta(ge=0, le=C.MAX_TOPK)] | None = None  # the k likeliest at each position
     tools: None = None  # tool calls: not served yet (a request with tools is refused, naming the field)
 
 
@@ -177,8 +178,9 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | None) -> C.Sampling:
-    """The engine's sampling of a request, its prompt and completion held to the model's context."""
+def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | None, topk: int = 0) -> C.Sampling:
+    """The engine's sampling of a request, its prompt and completion held to the model's context;
+    ``topk``: the likeliest tokens asked for at each sampled position."""
     if prompt_len >= context:
         raise ApiRefusal(400, f"the prompt has {prompt_len} tokens; the model's context is {context}", "messages")
     room = context - prompt_len
@@ -196,6 +198,7 @@ def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | 
         n=req.n,
         seed=req.seed,
         stop=stop,
+        topk_logprobs=topk,
     )
 
 
@@ -218,7 +221,12 @@ def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, 
         if logprobs:
             texts = _token_texts(policy.model_path, c.token_ids)
             offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
-            lp = {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": offsets}
+            top = (
+                [{text: lp for text, lp in _top_texts(policy, row)} for row in c.topk_logprobs]
+                if c.topk_logprobs
+                else None
+            )
+            lp = {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
         choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": _finish(c.finish_reason)})
     return {
         "id": rid,
@@ -230,12 +238,25 @@ def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, 
     }
 
 
+def _top_texts(policy: Policy, row: list[C.TokenLogprob]) -> list[tuple[str, float]]:
+    """A position's likeliest tokens as (text, log-prob), most likely first."""
+    return list(zip(_token_texts(policy.model_path, [t.token for t in row]), (t.logprob for t in row), strict=True))
+
+
 def chat_logprobs(policy: Policy, c: C.Completion) -> dict[str, Any]:
     texts = _token_texts(policy.model_path, c.token_ids)
+    rows = c.topk_logprobs or [[] for _ in texts]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(texts, c.logprobs, strict=True)
+            {
+                "token": t,
+                "logprob": lp,
+                "bytes": list(t.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": v, "bytes": list(text.encode())} for text, v in _top_texts(policy, row)
+                ],
+            }
+            for t, lp, row in zip(texts, c.logprobs, rows, strict=True)
         ]
     }
 
@@ -333,15 +354,17 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             if chat:
                 prompt = await run(chat_prompt, policy.model_path, req.messages)
                 limit = req.max_completion_tokens or req.max_tokens
-                want_logprobs = req.logprobs
+                want_logprobs, topk = req.logprobs, req.top_logprobs or 0
+                if topk and not want_logprobs:
+                    raise ApiRefusal(400, "top_logprobs needs logprobs: true", "top_logprobs")
             else:
                 prompt = (
                     list(req.prompt)
                     if isinstance(req.prompt, list)
                     else await run(lambda: list(tokenizer(policy.model_path)(req.prompt)["input_ids"]))
                 )
-                limit, want_logprobs = req.max_tokens, req.logprobs is not None
-            sampling = sampling_of(req, len(prompt), policy.context, limit)
+                limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
+            sampling = sampling_of(req, len(prompt), policy.context, limit, topk)
             try:
                 done = await run(backend.generate, user, policy, prompt, sampling)
             except UserError as e:

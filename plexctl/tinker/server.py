@@ -568,10 +568,14 @@ class FrontEnd:
             tokens = wire.prompt_tokens(req.prompt)
             wire.check_sample_request(req, len(tokens))
             params = wire.sample_params(req.sampling_params)
-            want_prompt, k = bool(req.prompt_logprobs), req.topk_prompt_logprobs
-            result = self.backend.sample(user, sampler.sampler_id, tokens, n, params, want_prompt, k)
+            want_prompt, k, ks = bool(req.prompt_logprobs), req.topk_prompt_logprobs, req.topk_sample_logprobs
+            result = self.backend.sample(
+                user, sampler.sampler_id, tokens, n, params, want_prompt, k, topk_sample_logprobs=ks
+            )
             last_n = req.prompt_logprobs_last_n
-            return wire.sample_response(result, n, len(tokens), logprobs=want_prompt, topk=k, last_n=last_n)
+            return wire.sample_response(
+                result, n, len(tokens), logprobs=want_prompt, topk=k, last_n=last_n, topk_sample=ks
+            )
 
         request_id = self.start(user, self.in_thread(work), SAMPLE_ID_PREFIX)
         sequence_ids = [f"{request_id}-{i}" for i in range(max(n, 0))]

@@ -16,6 +16,7 @@ their exact values (as Python floats).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -373,7 +374,6 @@ def check_sample_request(req: SampleReq, prompt_len: int) -> None:
     """Refuse what sample asks beyond tokens, their log-probs, prompt log-probs and their top k
     (of the last N prompt tokens, or all)."""
     unsupported = [
-        ("topk_sample_logprobs", req.topk_sample_logprobs > 0),
         ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
         ("record_stability_info", bool(req.record_stability_info)),
@@ -383,8 +383,9 @@ def check_sample_request(req: SampleReq, prompt_len: int) -> None:
         raise UserError(f"sample option(s) not supported: {', '.join(asked)}")
     if req.num_samples < 1:
         raise UserError(f"num_samples must be at least 1, not {req.num_samples}")
-    if not 0 <= req.topk_prompt_logprobs <= C.MAX_TOPK:
-        raise UserError(f"topk_prompt_logprobs must be between 0 and {C.MAX_TOPK}, not {req.topk_prompt_logprobs}")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        if not 0 <= getattr(req, name) <= C.MAX_TOPK:
+            raise UserError(f"{name} must be between 0 and {C.MAX_TOPK}, not {getattr(req, name)}")
     last_n = req.prompt_logprobs_last_n
     if last_n is not None and not req.prompt_logprobs:
         raise UserError("prompt_logprobs_last_n applies to prompt log-probs: set include_prompt_logprobs")
@@ -432,6 +433,7 @@ def sample_response(
     logprobs: bool = False,
     topk: int = 0,
     last_n: int | None = None,
+    topk_sample: int = 0,
 ) -> bytes:
     """The SDK's ``SampleResponse``: tokens int32, log-probs float32; with ``logprobs``, the
     prompt's log-probs (NaN for None); with ``topk``, the prompt's top-k matrices (a row of
@@ -452,24 +454,31 @@ def sample_response(
             raise ValueError(f"the backend's stop reason {seq.stop_reason!r} is not one of {STOP_REASONS}")
         if len(seq.logprobs) != len(seq.tokens):
             raise ValueError(f"the backend answered {len(seq.logprobs)} log-probs for {len(seq.tokens)} tokens")
-        resp.sequences.append(
-            pb.SampledSequence(
-                stop_reason=_STOP_REASON[seq.stop_reason],
-                tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
-                logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
-            )
+        sampled = pb.SampledSequence(
+            stop_reason=_STOP_REASON[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
         )
+        if topk_sample:
+            if seq.topk_logprobs is None or len(seq.topk_logprobs) != len(seq.tokens):
+                raise ValueError(f"the backend answered no top-k row for each of {len(seq.tokens)} sampled tokens")
+            sampled.topk_sampled_logprobs.CopyFrom(_topk_matrix(seq.topk_logprobs, topk_sample, 0))
+        resp.sequences.append(sampled)
     first = 0 if last_n is None else prompt_len - last_n  # the positions before it are not given
     if logprobs and result.prompt_logprobs is not None:
         lp = [math.nan if x is None or i < first else x for i, x in enumerate(result.prompt_logprobs)]
         resp.prompt_logprobs = np.asarray(lp, dtype=np.float32).tobytes()
     if topk and result.topk_prompt_logprobs is not None:
-        ids = np.zeros((len(result.topk_prompt_logprobs), topk), dtype=np.int32)
-        values = np.full(ids.shape, TOPK_EMPTY, dtype=np.float32)
-        for i, row in enumerate(result.topk_prompt_logprobs):
-            for j, (token, logprob) in enumerate((row or [])[:topk] if i >= first else []):
-                ids[i, j], values[i, j] = token, logprob
-        resp.topk_prompt_logprobs.CopyFrom(
-            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=topk, length=len(ids))
-        )
+        resp.topk_prompt_logprobs.CopyFrom(_topk_matrix(result.topk_prompt_logprobs, topk, first))
     return resp.SerializeToString()
+
+
+def _topk_matrix(rows: Sequence[Sequence[tuple[int, float]] | None], k: int, first: int) -> Any:
+    """The SDK's ``TopkLogprobs``: a row of ``k`` per position (from ``first`` on; the others, and
+    empty cells, token 0 and ``TOPK_EMPTY``)."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    values = np.full(ids.shape, TOPK_EMPTY, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate((row or [])[:k] if i >= first else []):
+            ids[i, j], values[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(ids))
