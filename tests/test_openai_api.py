@@ -9,11 +9,13 @@ another user's key sees none of it.
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +27,15 @@ from plexctl.tinker import keys  # noqa: E402
 
 ASK = [{"role": "user", "content": "3+4="}]
 GREEDY = {"temperature": 0.0, "max_tokens": 3, "seed": 1}
+IDLE_S = 15  # a user's sampler job ends after this long without a request
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("openai"))
-    up = c.run("up", "--local", "--model", str(tiny_model), "--openai-port", "0", timeout=900)
+    up = c.run(
+        "up", "--local", "--model", str(tiny_model), "--openai-port", "0", "--openai-idle", str(IDLE_S), timeout=900
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     c.up_output = up.stdout.replace("\n", "")  # rich wraps long lines at the terminal's width
     try:
@@ -180,3 +185,26 @@ def test_a_killed_front_end_comes_back_at_the_same_base_url_and_status_says_so_m
     assert shown["openai_url"] == before["openai_url"]
     reply = client(cluster).chat.completions.create(model="base:tiny-arith", messages=ASK, **GREEDY)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_idle_users_sampler_job_ends_and_their_next_request_starts_one(cluster: Cluster):
+    api = client(cluster)
+
+    def samplers(state: str) -> list[str]:
+        return [
+            j["job_id"]
+            for j in cluster.status()["jobs"]
+            if j["name"].startswith("tinker-sample-") and j["state"] == state and j["user"] == getpass.getuser()
+        ]
+
+    api.chat.completions.create(model="base:tiny-arith", messages=ASK, max_tokens=2)
+    [serving] = samplers("running")
+    deadline = time.monotonic() + IDLE_S + 60
+    while cluster.job(serving)["state"] == "running":  # no request for IDLE_S: it ends, as if its client closed it
+        assert time.monotonic() < deadline, cluster.job(serving)
+        time.sleep(1.0)
+    assert cluster.job(serving)["state"] == "succeeded"
+    assert "idle for 15 s: ended" in (cluster.state_dir / "tinker.log").read_text()
+    again = api.chat.completions.create(model="base:tiny-arith", messages=ASK, max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    assert len(samplers("running")) == 1 and samplers("running") != [serving]

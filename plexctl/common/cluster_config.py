@@ -227,6 +227,15 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = None
 
+    openai_idle: Annotated[
+        float,
+        _doc(
+            "Seconds a user's OpenAI sampler job (the job their OpenAI requests sample through) may go without a "
+            "request before it ends; their next request starts it again",
+            ge=1,
+        ),
+    ] = 600.0
+
     # ---- the Slurm allocation
     nodes: Annotated[int, _doc("Nodes, one task each", SLURM, ge=1)] = 1
     max_nodes: Annotated[

@@ -27,11 +27,20 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.parent_pid:
         threading.Thread(target=_stop_without, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
+    from plexctl.common.cluster_config import config_path, read_config
     from plexctl.tinker.cluster import ClusterBackend
     from plexctl.tinker.server import serve
 
     backend = ClusterBackend(args.state_dir)
-    serve(backend, args.host, args.port, ready_file=args.state_dir / TINKER_FILE, openai_port=args.openai_port)
+    idle = read_config(config_path(args.state_dir)).openai_idle  # the cluster's settings, as the daemon's
+    serve(
+        backend,
+        args.host,
+        args.port,
+        ready_file=args.state_dir / TINKER_FILE,
+        openai_port=args.openai_port,
+        sampler_idle_s=idle,
+    )
 
 
 def _stop_without(parent: int) -> None:

@@ -82,6 +82,7 @@ QUEUED_TOLD_AFTER_S = 5.0  # a run's job queued this long is told to the client 
 EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<version>: an unnamed sampler's weights
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
 BASE_PREFIX = "base:"  # an OpenAI model name "base:NAME": the base model, even where a job is named NAME
+OPENAI_RUN_PREFIX = "openai-"  # the run (and sampler job) that serves a user's OpenAI requests on one base
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
 
@@ -169,9 +170,14 @@ class ClusterBackend(Backend, PolicyBackend):
         self._since = clock()  # what was sampled before this front end started counts as sampled then
         self._owner = _owner(state_dir)  # whose disk it is: their saves are not limited
         self._serving: dict[tuple[str, str], str] = {}  # (user, model path) -> its OpenAI sampler run's id
+        self._served_at: dict[str, float] = {}  # OpenAI sampler run -> when it last served a request
+        self._inflight: dict[str, int] = {}  # OpenAI sampler run -> requests it serves now
         for model_id, record in self._read_registry().items():
             run = self.runs[model_id] = Run(record)
             run.resuming = not record.ended
+            if model_id.startswith(OPENAI_RUN_PREFIX) and not record.ended:  # serves the user's requests again
+                self._serving[(record.user, record.model_path)] = model_id
+                self._served_at[model_id] = clock()
 
     def _read_registry(self) -> dict[str, RunRecord]:
         """The runs ``runs.json`` keeps. What cannot be read is not taken back, and not lost: the
@@ -779,11 +785,39 @@ class ClusterBackend(Backend, PolicyBackend):
         return _job_policy(job, model, int(number) if at else None)
 
     def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
-        run = self._server_run(user, policy.model_path)
-        version = policy.version if policy.job_id else 0
+        version = None if policy.latest else policy.version if policy.job_id else 0
         request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id)
-        rep: C.GenerateRep = self._call(run, request)
+        while True:  # a run ended idle (``end_idle``) just now is made again
+            run = self._server_run(user, policy.model_path)
+            model_id = run.record.model_id
+            with self._lock:
+                if not run.record.ended:
+                    self._inflight[model_id] = self._inflight.get(model_id, 0) + 1
+                    break
+        try:
+            rep: C.GenerateRep = self._call(run, request)
+        finally:
+            with self._lock:
+                self._inflight[model_id] -= 1
+                self._served_at[model_id] = self.clock()
         return rep.completions
+
+    def end_idle(self, now: float, idle_s: float) -> list[str]:
+        """End the users' OpenAI sampler jobs that have served no request for ``idle_s`` and serve
+        none now (their next request starts one again)."""
+        idle = []
+        with self._lock:  # a run marked ended here is taken by no request after (``generate``)
+            for model_id in list(self._serving.values()):
+                run = self.runs.get(model_id)
+                if run is None or run.record.ended or self._inflight.get(model_id, 0):
+                    continue
+                if now - self._served_at.get(model_id, now) >= idle_s:
+                    run.record.ended = True
+                    idle.append(run)
+        for run in idle:
+            self._end_run(run)
+            self._served_at.pop(run.record.model_id, None)
+        return [run.record.model_id for run in idle]
 
     def _server_run(self, user: str, model_path: str) -> Run:
         """The user's sampler job on ``model_path`` that serves their OpenAI requests (made at
@@ -795,9 +829,8 @@ class ClusterBackend(Backend, PolicyBackend):
             model_id = self._serving.get(key)
             run = self.runs.get(model_id) if model_id else None
             if run is None or run.record.ended:
-                model_id = (
-                    f"openai-{hashlib.sha256(f'{user}:{model_path}'.encode()).hexdigest()[:12]}:{os.urandom(4).hex()}"
-                )
+                digest = hashlib.sha256(f"{user}:{model_path}".encode()).hexdigest()[:12]
+                model_id = f"{OPENAI_RUN_PREFIX}{digest}:{os.urandom(4).hex()}"
                 self._start_run(user, model_id, model_path, BASE_SAMPLER_RANK, 0, sampling=True)
                 self._serving[key] = model_id
                 run = self.runs[model_id]
@@ -806,24 +839,28 @@ class ClusterBackend(Backend, PolicyBackend):
     def end_session(self, user: str, session_id: str) -> None:
         for model_id, run in list(self.runs.items()):
             if run.record.user == user and model_id.startswith(f"{session_id}:") and not run.record.ended:
-                run.record.ended = True
-                self._save()
-                self._pending_file(run.record).unlink(missing_ok=True)
-                try:
-                    self._client().cancel(run.record.job_id)  # ended by its client: the job succeeded
-                except Exception:  # noqa: BLE001 - the session ends anyway
-                    log.warning("ending job %s failed", run.record.job_id, exc_info=True)
-                if run.client is not None:
-                    run.client.close()
-                    run.client = None
+                self._end_run(run)
+
+    def _end_run(self, run: Run) -> None:
+        """End a run and its job (ended by its client, or idle: the job succeeded)."""
+        run.record.ended = True
+        self._save()
+        self._pending_file(run.record).unlink(missing_ok=True)
+        try:
+            self._client().cancel(run.record.job_id)
+        except Exception:  # noqa: BLE001 - the run ends anyway
+            log.warning("ending job %s failed", run.record.job_id, exc_info=True)
+        if run.client is not None:
+            run.client.close()
+            run.client = None
 
 
 def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
-    latest = job.policy_version
+    latest, named = job.policy_version, version is not None
     version = latest if version is None else version
     if version > latest:
         raise NotFound(f"job {job.job_id} ({job.name}) has published policy versions up to {latest}, not {version}")
-    return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at))
+    return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at), latest=not named)
 
 
 def _restore_point(record: RunRecord) -> LoadedState | None:

@@ -44,7 +44,8 @@ class NotFound(UserError):
 
 class Policy(msgspec.Struct, frozen=True):
     """What a model name means: sample ``job_id``'s policy ``version`` ("" and 0: the base model at
-    ``model_path``); ``context``: the model's context in tokens."""
+    ``model_path``), or with ``latest`` its latest when the request is served (``version``: the
+    latest when it was named; a running job publishes on); ``context``: the model's context in tokens."""
 
     name: str
     model_path: str
@@ -52,6 +53,7 @@ class Policy(msgspec.Struct, frozen=True):
     job_id: str = ""
     version: int = 0
     created: int = 0
+    latest: bool = False
 
 
 class PolicyBackend(abc.ABC):
@@ -72,6 +74,11 @@ class PolicyBackend(abc.ABC):
     @abc.abstractmethod
     def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
         """``sampling.n`` completions of the prompt from ``policy``."""
+
+    def end_idle(self, now: float, idle_s: float) -> list[str]:
+        """End what serves requests and has served none for ``idle_s``; what was ended (by default
+        nothing: a backend that holds nothing between requests)."""
+        return []
 
 
 # ---------------------------------------------------------------- requests

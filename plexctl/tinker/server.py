@@ -44,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from tinker.proto import tinker_public_pb2 as pb
 
+from plexctl.common.cluster_config import DEFAULTS
 from plexctl.tinker import listen, openai_api, wire
 from plexctl.tinker.backend import (
     ID_PATTERN,
@@ -158,9 +159,16 @@ class FrontEnd:
     """The server's state and the work behind each route, on one event loop."""
 
     def __init__(
-        self, backend: Backend, max_workers: int, session_ttl_s: float, result_ttl_s: float, poll_s: float
+        self,
+        backend: Backend,
+        max_workers: int,
+        session_ttl_s: float,
+        result_ttl_s: float,
+        poll_s: float,
+        sampler_idle_s: float = DEFAULTS.openai_idle,
     ) -> None:
         self.backend = backend
+        self.sampler_idle_s = sampler_idle_s
         self.session_ttl_s = session_ttl_s
         self.result_ttl_s = result_ttl_s
         self.poll_s = poll_s
@@ -425,6 +433,12 @@ class FrontEnd:
                     if fut.sample_key is not None:
                         self.samples.pop(fut.sample_key, None)
             self.fail_gaps(now)
+            if isinstance(self.backend, openai_api.PolicyBackend):
+                try:
+                    for ended in await self.call(self.backend.end_idle, now, self.sampler_idle_s):
+                        log.info("OpenAI sampler %s idle for %.0f s: ended", ended, self.sampler_idle_s)
+                except Exception:  # noqa: BLE001 - tried again at the next round
+                    log.exception("ending idle OpenAI samplers failed")
 
     # ------------------------------------------------------------ training
 
@@ -691,12 +705,14 @@ def create_app(
     result_ttl_s: float = 3600.0,
     poll_s: float = POLL_S,
     max_body_bytes: int = wire.MAX_BODY_BYTES,
+    sampler_idle_s: float = DEFAULTS.openai_idle,
 ) -> FastAPI:
     """The Tinker API on ``backend``. ``max_workers``: backend calls at once (samples run in
     parallel up to it); ``session_ttl_s``: a session not heard from this long ends;
     ``result_ttl_s``: an unfetched result is kept this long; ``max_body_bytes``: a request body
-    (decompressed) larger than this is refused with 413."""
-    front = FrontEnd(backend, max_workers, session_ttl_s, result_ttl_s, poll_s)
+    (decompressed) larger than this is refused with 413; ``sampler_idle_s``: what serves a user's
+    OpenAI requests ends once it served none this long (``PolicyBackend.end_idle``)."""
+    front = FrontEnd(backend, max_workers, session_ttl_s, result_ttl_s, poll_s, sampler_idle_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
