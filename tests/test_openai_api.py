@@ -208,3 +208,86 @@ def test_an_idle_users_sampler_job_ends_and_their_next_request_starts_one(cluste
     again = api.chat.completions.create(model="base:tiny-arith", messages=ASK, max_tokens=2)
     assert again.choices[0].finish_reason in ("stop", "length")
     assert len(samplers("running")) == 1 and samplers("running") != [serving]
+
+
+# ---------------------------------------------------------------- tools
+
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "description": "a + b", "parameters": {"type": "object", "properties": {}}},
+}
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %};{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %} call {{ c.function.name }} a={{ c.function.arguments.a }};{% endfor %}"
+    "{% endfor %}assistant:"
+)
+
+
+def test_tool_calls_are_read_from_the_sampled_text_as_the_sdk_types_them():
+    from openai.types.chat import ChatCompletion
+
+    from plexctl.common.calls import Completion
+    from plexctl.tinker.openai_api import Policy, chat_answer, tool_calls_of
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    text = f"let me add {call}<tool_call>{{bad}}</tool_call>"
+    content, calls = tool_calls_of(text)
+    assert content == "let me add" and [c["function"]["name"] for c in calls] == ["add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4} and calls[0]["id"].startswith("call_")
+    assert tool_calls_of("3+4=7") == ("3+4=7", [])
+    done = [Completion(0, text, [1, 2], [3], [-0.5], "stop"), Completion(0, "7", [1, 2], [4], [-0.1], "stop")]
+    answer = ChatCompletion.model_validate(chat_answer(Policy("m", "", 64), done, False, "chatcmpl-1", tools=True))
+    called, plain = answer.choices
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.name == "add"
+    assert plain.finish_reason == "stop" and plain.message.content == "7" and not plain.message.tool_calls
+
+
+def test_tools_reach_a_chat_template_that_renders_them_and_a_model_without_one_refuses_them(tmp_path: Path):
+    from plexctl.tinker.openai_api import (
+        ApiRefusal,
+        CalledFunction,
+        ChatMessage,
+        Tool,
+        ToolCall,
+        chat_prompt,
+        tokenizer,
+    )
+
+    plain_dir, tools_dir = tmp_path / "plain", tmp_path / "tools"
+    for d in (plain_dir, tools_dir):
+        d.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (d / name).write_bytes((REPO / ".plexrl" / "models" / "tiny-arith" / name).read_bytes())
+    config = json.loads((tools_dir / "tokenizer_config.json").read_text())
+    (tools_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    tools = [msgspec_convert(ADD, Tool)]
+    asked = [
+        ChatMessage("user", "what is 3+4?"),
+        ChatMessage("assistant", "", tool_calls=[ToolCall("call_1", CalledFunction("add", '{"a": 3, "b": 4}'))]),
+        ChatMessage("tool", "7", tool_call_id="call_1"),
+    ]
+    text = tokenizer(str(tools_dir)).decode(chat_prompt(str(tools_dir), asked, tools))
+    assert text == "tools: add;user: what is 3+4?assistant:  call add a=3;tool: 7assistant:"
+    with pytest.raises(ApiRefusal) as refused:
+        chat_prompt(str(plain_dir), asked, tools)
+    assert refused.value.param == "tools" and "no tools" in str(refused.value)
+
+
+def msgspec_convert(value, kind):
+    import msgspec
+
+    return msgspec.convert(value, kind)
+
+
+def test_a_model_without_tools_in_its_template_refuses_them_through_the_sdk(cluster: Cluster):
+    api = client(cluster)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], max_tokens=2)
+    assert refused.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], tool_choice="required")
+    assert refused.value.body["param"] == "tool_choice"
+    # "none": the tools are not given to the model, so any model answers
+    out = api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], tool_choice="none", **GREEDY)
+    assert out.choices[0].finish_reason in ("stop", "length") and not out.choices[0].message.tool_calls

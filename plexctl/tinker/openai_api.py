@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from plexctl.tinker.backend import UserError
 MAX_N = 16  # choices per request
 MAX_BODY_BYTES = 4 << 20  # a request's body
 MAX_STOPS = 4  # stop strings, as OpenAI allows
+MAX_TOOLS = 128  # tools a request offers, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's likeliest tokens a position, as OpenAI allows
 
 
@@ -84,9 +86,34 @@ class PolicyBackend(abc.ABC):
 # ---------------------------------------------------------------- requests
 
 
+class ToolFunction(msgspec.Struct):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Tool(msgspec.Struct):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
 
 class _Sampled(msgspec.Struct, kw_only=True):
@@ -112,7 +139,8 @@ class ChatReq(_Sampled, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=C.MAX_TOPK)] | None = None  # the k likeliest at each position
-    tools: None = None  # tool calls: not served yet (a request with tools is refused, naming the field)
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None  # where the chat template has them
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (the default with tools) or "none"
 
 
 class ApiRefusal(Exception):
@@ -165,15 +193,72 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def chat_prompt(model_path: str, messages: list[ChatMessage]) -> list[int]:
-    """The prompt's tokens: the model's chat template with the assistant's turn opened; a model
-    without a template gets the messages' contents, one per line."""
+def chat_prompt(model_path: str, messages: list[ChatMessage], tools: list[Tool] | None = None) -> list[int]:
+    """The prompt's tokens: the model's chat template with the assistant's turn opened (and the
+    ``tools``, which only a template that renders tools takes); a model without a template gets
+    the messages' contents, one per line."""
     tok = tokenizer(model_path)
-    turns = [{"role": m.role, "content": _text(m.content)} for m in messages]
+    turns = [_turn(m) for m in messages]
+    if tools and "tools" not in (tok.chat_template or ""):
+        raise ApiRefusal(400, "the model's chat template has no tools: this model cannot be given tools", "tools")
     if tok.chat_template:
-        ids = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        offered = {"tools": [msgspec.to_builtins(t) for t in tools]} if tools else {}
+        ids = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=True, **offered)
+        return list(ids["input_ids"])
     return list(tok("\n".join(t["content"] for t in turns))["input_ids"])
+
+
+def _turn(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's calls with their arguments as objects."""
+    turn: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+    if m.tool_calls:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+            for c in m.tool_calls
+        ]
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            turn[key] = getattr(m, key)
+    return turn
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise ApiRefusal(400, f"tool call {call.id}: arguments are not JSON", "messages") from None
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)  # Hermes' form: Qwen2.5's, and others'
+
+
+def tool_calls_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The calls in a sampled text (``<tool_call>{"name", "arguments"}</tool_call>``, as the
+    chat templates that render tools ask for them), as OpenAI's ``tool_calls``, and the text
+    before the first (None where there is none); no call: the text, unchanged, and []."""
+    calls, first = [], None
+    for m in TOOL_CALL.finditer(text):
+        try:
+            called = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(called, dict) or not isinstance(called.get("name"), str):
+            continue
+        arguments = called.get("arguments", {})
+        first = m.start() if first is None else first
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": called["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+    if first is None:
+        return text, []
+    return text[:first].strip() or None, calls
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -183,6 +268,14 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     if len(parts) != len(content):
         raise ApiRefusal(400, "only text content parts are served", "messages")
     return "".join(parts)
+
+
+def _offered_tools(req: ChatReq) -> list[Tool] | None:
+    """The tools the model is given: those of the request unless ``tool_choice`` is "none"."""
+    choice = req.tool_choice
+    if choice not in (None, "auto", "none"):
+        raise ApiRefusal(400, f'tool_choice {choice!r} is not served: use "auto" or "none"', "tool_choice")
+    return req.tools if req.tools and choice != "none" else None
 
 
 def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | None, topk: int = 0) -> C.Sampling:
@@ -268,16 +361,24 @@ def chat_logprobs(policy: Policy, c: C.Completion) -> dict[str, Any]:
     }
 
 
-def chat_answer(policy: Policy, done: list[C.Completion], logprobs: bool, rid: str) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(policy, c) if logprobs else None,
-            "finish_reason": _finish(c.finish_reason),
-        }
-        for i, c in enumerate(done)
-    ]
+def chat_answer(
+    policy: Policy, done: list[C.Completion], logprobs: bool, rid: str, tools: bool = False
+) -> dict[str, Any]:
+    """The chat answer; with ``tools``, each text's calls as ``tool_calls`` (finish reason ``tool_calls``)."""
+    choices = []
+    for i, c in enumerate(done):
+        content, calls = tool_calls_of(c.text) if tools else (c.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(policy, c) if logprobs else None,
+                "finish_reason": "tool_calls" if calls else _finish(c.finish_reason),
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -304,6 +405,8 @@ def stream_of(answer: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
             i = choice["index"]
             if chat:
                 delta = {"role": "assistant", "content": choice["message"]["content"]}
+                if "tool_calls" in choice["message"]:  # each call whole, at its index
+                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(choice["message"]["tool_calls"])]
                 parts = [
                     {"index": i, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None},
                     {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]},
@@ -359,7 +462,8 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             except UserError as e:
                 raise ApiRefusal(400, str(e), "model") from None
             if chat:
-                prompt = await run(chat_prompt, policy.model_path, req.messages)
+                tools = _offered_tools(req)
+                prompt = await run(chat_prompt, policy.model_path, req.messages, tools)
                 limit = req.max_completion_tokens or req.max_tokens
                 want_logprobs, topk = req.logprobs, req.top_logprobs or 0
                 if topk and not want_logprobs:
@@ -377,7 +481,10 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             except UserError as e:
                 raise ApiRefusal(400, str(e)) from None
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            made = (chat_answer if chat else completion_answer)(policy, done, want_logprobs, rid)
+            if chat:
+                made = chat_answer(policy, done, want_logprobs, rid, tools=bool(tools))
+            else:
+                made = completion_answer(policy, done, want_logprobs, rid)
         except ApiRefusal as e:
             return await refuse(e.status, str(e), e.param)
         if req.stream:
