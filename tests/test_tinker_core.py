@@ -271,3 +271,48 @@ def test_a_run_whose_job_never_starts_has_its_job_cancelled_not_left_queued(monk
         backend._start_run("alice", "s-1:train:0", "/models/tiny", 8, 0)
     assert cancelled == ["j7"] and backend.runs["s-1:train:0"].record.ended
     assert json.loads((tmp_path / "tinker" / "runs.json").read_text())["s-1:train:0"]["ended"] is True
+
+
+def test_a_checkpoint_past_its_ttl_is_deleted_with_its_files_and_the_rest_kept(tmp_path):
+    """``ClusterBackend.expire`` (the front end's chores call it): saves past their TTL go, files
+    and record; one without a TTL, and one whose TTL is still ahead, stay; a restarted front end
+    keeps the TTLs."""
+    import json
+
+    from plexctl.tinker.cluster import ClusterBackend
+
+    job = tmp_path / "jobs" / "j1"
+    ckpt = job / "ckpt" / "step-000002"
+    for d in (ckpt, job / "adapters" / "v000001", job / "adapters" / "v000002"):
+        d.mkdir(parents=True)
+        (d / "weights").write_bytes(b"x" * 10)
+    registry = tmp_path / "tinker" / "runs.json"
+    registry.parent.mkdir()
+    record = {
+        "model_id": "s-1:train:0",
+        "job_id": "j1",
+        "user": "alice",
+        "base_model": "t",
+        "model_path": "/m/t",
+        "rank": 8,
+        "states": {"a": [str(ckpt), 10.0, 2]},
+        "samplers": {"first": 1, "second": 2},
+    }
+    registry.write_text(json.dumps({"s-1:train:0": record}))
+    backend = ClusterBackend(tmp_path)
+    state, first, second = (
+        f"tinker://s-1:train:0/{k}" for k in ("weights/a", "sampler_weights/first", "sampler_weights/second")
+    )
+    backend.set_checkpoint_ttl("alice", state, 3600, now=1000.0)
+    backend.set_checkpoint_ttl("alice", first, 7200, now=1000.0)
+    expires = {i.tinker_path: i.expires_at for i in backend.list_checkpoints("alice", "s-1:train:0")}
+    assert expires == {state: 4600.0, first: 8200.0, second: None}
+    assert ClusterBackend(tmp_path).runs["s-1:train:0"].record.expires == {state: 4600.0, first: 8200.0}
+
+    assert backend.expire(4599.0) == []
+    assert backend.expire(4600.0) == [state]
+    assert not ckpt.exists() and (job / "adapters" / "v000001").is_dir()
+    assert {i.tinker_path for i in backend.list_checkpoints("alice", "s-1:train:0")} == {first, second}
+    assert backend.expire(9000.0) == [first]
+    assert not (job / "adapters" / "v000001").exists() and (job / "adapters" / "v000002").is_dir()
+    assert ClusterBackend(tmp_path).runs["s-1:train:0"].record.expires == {}

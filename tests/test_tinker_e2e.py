@@ -590,3 +590,31 @@ def test_a_cookbook_style_rl_loop_raises_the_evaluation_reward(service):
             training.optim_step(tinker.AdamParams(learning_rate=RL_LR)).result()
     last = expected_accuracy(training, tokenizer)
     assert last > first + RL_GAIN, (first, last)
+
+
+def test_a_checkpoint_is_given_a_ttl_and_deleted_through_the_sdk(service, cluster: Cluster):
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=23).result()
+    rest = service.create_rest_client()
+    kept = training.save_state("kept").result().path
+    doomed = training.save_weights_for_sampler("doomed").result().path
+
+    def listed() -> dict[str, tinker.types.Checkpoint]:
+        return {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+
+    rest.set_checkpoint_ttl_from_tinker_path(kept, 7200).result()
+    left = listed()[kept].expires_at.timestamp() - time.time()
+    assert 7000 < left <= 7200 and listed()[doomed].expires_at is None
+    with pytest.raises(tinker.BadRequestError, match="between 3600 \\(an hour\\) and"):
+        rest.set_checkpoint_ttl_from_tinker_path(kept, 60).result()
+    rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()
+    assert listed()[kept].expires_at is None
+
+    rest.delete_checkpoint_from_tinker_path(doomed).result()
+    assert set(listed()) == {kept}
+    assert "deleted by its owner" in (cluster.state_dir / "tinker.log").read_text()
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        rest.delete_checkpoint_from_tinker_path(doomed).result()  # gone already
+    with pytest.raises(tinker.BadRequestError, match="publishing checkpoints is not served here"):
+        rest.publish_checkpoint_from_tinker_path(kept).result()
+    # what is left still loads
+    training.load_state(kept).result()

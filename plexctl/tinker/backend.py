@@ -147,11 +147,16 @@ class SampleResult(msgspec.Struct, frozen=True):
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):
-    """A saved checkpoint: its ``tinker://`` path, when it was saved (Unix seconds), its size."""
+    """A saved checkpoint: its ``tinker://`` path, when it was saved (Unix seconds), its size,
+    when it expires (None: never)."""
 
     tinker_path: str
     time: float
     size_bytes: int | None = None
+    expires_at: float | None = None
+
+
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # a checkpoint's TTL, as the SDK documents it
 
 
 class CheckpointPath(msgspec.Struct, frozen=True):
@@ -258,6 +263,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def list_checkpoints(self, user: str, model_id: str) -> list[CheckpointInfo]:
         """The run's saved checkpoints, both kinds."""
+
+    def delete_checkpoint(self, user: str, path: str) -> None:
+        """Delete the user's checkpoint at ``path`` (a ``tinker://`` path), its files with it."""
+        raise UserError("deleting checkpoints is not served by this backend")
+
+    def set_checkpoint_ttl(self, user: str, path: str, ttl_s: int | None, now: float) -> None:
+        """The user's checkpoint at ``path`` expires ``ttl_s`` seconds after ``now`` (None: never)."""
+        raise UserError("checkpoint TTLs are not served by this backend")
+
+    def expire(self, now: float) -> list[str]:
+        """Delete the checkpoints past their TTL; their paths."""
+        return []
 
     @abc.abstractmethod
     def end_session(self, user: str, session_id: str) -> None:

@@ -55,6 +55,8 @@ from plexctl.common.spec import EXTERNAL, SpecError, spec_from_wire, spec_to_wir
 from plexctl.rl import CallFailed, JobClient
 from plexctl.tinker import keys
 from plexctl.tinker.backend import (
+    MAX_TTL_S,
+    MIN_TTL_S,
     Backend,
     CheckpointInfo,
     ForwardResult,
@@ -119,6 +121,7 @@ class RunRecord(msgspec.Struct):
     states: dict[str, SavedState] = msgspec.field(default_factory=dict)  # by name
     steps: int = 0  # optim_steps taken (as of the last one)
     restarts: int = 0  # its job's restarts when the run last knew its state live (more: the state was lost)
+    expires: dict[str, float] = msgspec.field(default_factory=dict)  # checkpoint path -> when it is deleted
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
     loaded: LoadedState | None = None
@@ -425,7 +428,7 @@ class ClusterBackend(Backend, PolicyBackend):
                 return
             self._prune(run.record.user, [k.key for k in doomed])
 
-    def _prune(self, user: str, keys: list[str]) -> None:
+    def _prune(self, user: str, keys: list[str], why: str = "to make room for a newer save") -> None:
         """Delete these saves of the user's and forget them (no list shows them any more)."""
         jobs = self.state_dir / JOBS_DIR
         for key in keys:
@@ -435,7 +438,7 @@ class ClusterBackend(Backend, PolicyBackend):
                 log.warning("pruning %s of %s: %s", key, user, e)
             self._sizes.pop(key, None)
             self._sampled.pop(key, None)
-            log.info("pruned %s of %s to make room for a newer save", key, user)
+            log.info("pruned %s of %s %s", key, user, why)
         for run in [r for r in list(self.runs.values()) if r.record.user == user]:
             self._forget_gone(run)
 
@@ -722,7 +725,52 @@ class ClusterBackend(Backend, PolicyBackend):
             )
             for name, version in record.samplers.items()
         ]
-        return out
+        return [msgspec.structs.replace(i, expires_at=record.expires.get(i.tinker_path)) for i in out]
+
+    def _saved(self, user: str, path: str) -> tuple[Run, Path]:
+        """The user's run holding the checkpoint at ``path``, and its directory; a ``UserError``
+        naming the path where the user has none there."""
+        where = parse_checkpoint_path(path)
+        run = self._run(user, where.model_id)
+        self._forget_gone(run)
+        record = run.record
+        if where.kind == "training" and where.name in record.states:
+            return run, Path(record.states[where.name].ckpt_dir)
+        if where.kind == "sampler" and where.name in record.samplers:
+            return run, self._job_dir(record).adapter(record.samplers[where.name])
+        raise UserError(f"no checkpoint {path} of yours {_GONE}")
+
+    def delete_checkpoint(self, user: str, path: str) -> None:
+        run, saved = self._saved(user, path)
+        with self._room:
+            self._prune(user, [self._key(saved)], why="deleted by its owner")
+        run.record.expires.pop(path, None)
+        self._save()
+
+    def set_checkpoint_ttl(self, user: str, path: str, ttl_s: int | None, now: float) -> None:
+        run, _ = self._saved(user, path)
+        if ttl_s is None:
+            run.record.expires.pop(path, None)
+        elif not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
+            raise UserError(
+                f"ttl_seconds must be between {MIN_TTL_S} (an hour) and {MAX_TTL_S} (ten years), not {ttl_s}"
+            )
+        else:
+            run.record.expires[path] = now + ttl_s
+        self._save()
+
+    def expire(self, now: float) -> list[str]:
+        gone = []
+        for run in list(self.runs.values()):
+            for path, when in list(run.record.expires.items()):
+                if when <= now:
+                    try:
+                        self.delete_checkpoint(run.record.user, path)
+                    except UserError:  # already gone
+                        run.record.expires.pop(path, None)
+                        self._save()
+                    gone.append(path)
+        return gone
 
     def known_runs(self) -> list[tuple[str, TrainingRun]]:
         return [(r.record.user, _training_run(r.record)) for r in self.runs.values() if not r.record.ended]

@@ -433,6 +433,11 @@ class FrontEnd:
                     if fut.sample_key is not None:
                         self.samples.pop(fut.sample_key, None)
             self.fail_gaps(now)
+            try:
+                for path in await self.call(self.backend.expire, now):
+                    log.info("checkpoint %s reached its TTL: deleted", path)
+            except Exception:  # noqa: BLE001 - tried again at the next round
+                log.exception("deleting expired checkpoints failed")
             if isinstance(self.backend, openai_api.PolicyBackend):
                 try:
                     for ended in await self.call(self.backend.end_idle, now, self.sampler_idle_s):
@@ -673,6 +678,7 @@ def checkpoint_json(info: CheckpointInfo) -> dict[str, Any]:
         "tinker_path": info.tinker_path,
         "size_bytes": info.size_bytes,
         "public": False,
+        "expires_at": _iso(info.expires_at) if info.expires_at is not None else None,
     }
 
 
@@ -890,6 +896,24 @@ def create_app(
 
     if isinstance(backend, openai_api.PolicyBackend):
         openai_api.add_routes(app, backend, front.call)
+
+    def saved_path(user: str, model_id: str, checkpoint_id: str) -> str:
+        return front.check_path(user, f"tinker://{model_id}/{checkpoint_id}")
+
+    @app.post(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def publish(model_id: str, checkpoint_id: str, user: User) -> None:
+        raise ApiError(400, "publishing checkpoints is not served here: a checkpoint is its owner's alone")
+
+    @app.put(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
+    async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, user: User) -> None:
+        ttl = (await body(request, wire.CheckpointTtlReq)).ttl_seconds
+        path = saved_path(user, model_id, checkpoint_id)
+        await front.quick(backend.set_checkpoint_ttl, user, path, ttl, time.time())
+
+    @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str, user: User) -> None:
+        await front.quick(backend.delete_checkpoint, user, saved_path(user, model_id, checkpoint_id))
 
     @app.post(f"{api}/weights_info")
     async def weights_info(request: Request, user: User) -> dict[str, Any]:

@@ -162,6 +162,10 @@ class WeightsInfoReq(Request):
     tinker_path: str
 
 
+class CheckpointTtlReq(Request):
+    ttl_seconds: int | None = None
+
+
 T = TypeVar("T")
 
 
