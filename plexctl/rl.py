@@ -467,6 +467,8 @@ class Job:
         self.sinks = MetricSinks(self.job_dir, spec.name, self.log)  # TensorBoard / wandb copies, when installed
         self.env_factory: EnvFactory | None = None
         self.env_pool: SandboxPool | None = None
+        self._agents: Any = None  # the agent endpoint of ``algo.agent``, open from its first rollout
+        self._agent_fn: Any = None
         if spec.env is not None:  # multi-turn episodes with tools, scored by the environment
             from plexctl.envs import load_env
             from plexctl.sandbox import SandboxPool
@@ -476,7 +478,11 @@ class Job:
             self.env_pool = SandboxPool(max_workers=e.workers)
 
     def close(self) -> None:
-        """Stop the sandbox pools and remove the staged copy of the user's reward directory."""
+        """Stop the sandbox pools and the agent endpoint, and remove the staged copy of the user's
+        reward directory."""
+        if self._agents is not None:
+            self._agents.__exit__(None, None, None)
+            self._agents = None
         if hasattr(self.reward, "close"):
             self.reward.close()
         self.sinks.close()
@@ -486,7 +492,19 @@ class Job:
 
     @property
     def multi_turn(self) -> bool:
-        return self.env_factory is not None
+        return self.env_factory is not None or self.spec.algo.agent is not None
+
+    def _agent_rollout(self, records: list[dict], n: int) -> Rollout:
+        """``n`` episodes of the spec's ``algo.agent`` per record, through the job's agent endpoint
+        (opened at the first, kept until ``close``)."""
+        from plexctl.common.user_code import import_object
+
+        a = self.spec.algo
+        assert a.agent is not None
+        if self._agents is None:
+            self._agent_fn = import_object(a.agent, a.path, "algo agent", ValueError)
+            self._agents = self.agent_endpoint().__enter__()
+        return self._agents.rollout(records, n, self._agent_fn)
 
     # -- sampling and rollouts
 
@@ -546,6 +564,8 @@ class Job:
     def wait(self, pending: PendingRollout) -> Rollout:
         """The scored ``Rollout`` of ``pending``; ``generate_s`` is the time spent generating."""
         t0 = time.perf_counter()
+        if pending.msg_id is None and self.spec.algo.agent is not None:
+            return self._agent_rollout(pending.records, pending.n)
         if pending.msg_id is None:
             episodes = self.episodes(pending.records, pending.n, pending.sampling)
             rewards = [ep.reward for ep in episodes]
@@ -659,7 +679,9 @@ class Job:
             return None
         n = self.spec.algo.eval_samples
         sampling = self.sampling(step, n, seed=EVAL_SEED)
-        if self.multi_turn:
+        if self.spec.algo.agent is not None:
+            rewards = self._agent_rollout(self.eval_records, n).rewards
+        elif self.multi_turn:
             rewards = [ep.reward for ep in self.episodes(self.eval_records, n, sampling)]
         else:
             prompts = [r[self.data.prompt_field] for r in self.eval_records]

@@ -58,7 +58,7 @@ def check_files_of(doc: dict[str, Any], issues: Issues) -> None:
     _check_reward_import(doc.get("reward"), issues)
     _check_env_import(doc.get("env"), issues)
     algo = doc.get("algo") or {}
-    for key in ("loop", "loss_fn"):
+    for key in ("loop", "agent", "loss_fn"):
         if isinstance(algo, dict) and isinstance(algo.get(key), str):
             _check_module_file(algo[key], algo.get("path"), ("algo", key), issues)
 

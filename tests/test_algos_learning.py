@@ -100,17 +100,18 @@ def test_the_example_custom_loop_runs_beside_the_builtins(cluster, jobs) -> None
 
 
 def test_an_agent_written_against_the_openai_api_learns_as_the_jobs_environment(cluster, jobs) -> None:
-    """configs/examples/openai_agent.py: an agent that knows only the ``openai`` SDK, given the
-    job's endpoint, trained by GRPO on its recorded turns; every episode recorded (one turn, its
-    sampled tokens the trainer's to the behaviour log-probs), and the reward of its episodes rises
-    (the mean of its last 20 steps over its first 20's: 2,560 episodes each)."""
+    """configs/examples/openai_agent.py: an agent that knows only the ``openai`` SDK, named in the
+    spec (``algo.agent``), given the job's endpoint, trained by the built-in GRPO on its recorded
+    turns; every episode recorded (one turn, its sampled tokens the trainer's to the behaviour
+    log-probs), and the reward of its episodes rises (the mean of its last 20 steps over its first
+    20's: 2,560 episodes each)."""
     info = cluster.job(jobs["agent"])
     assert info["state"] == "succeeded" and info["step"] == STEPS, info
     gain = info["eval_last"] - info["eval_first"]
     print(f"openai agent: eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} (gain {gain:+.3f})")
     rows = [m for m in metrics(cluster, jobs["agent"]) if "reward_mean" in m]
     assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
-    assert all(m["turns_mean"] == 1.0 and m["failed"] == 0 and m["train/tokens"] > 0 for m in rows)
+    assert all(m["env/turns_mean"] == 1.0 and m["env/failed"] == 0 and m["train/tokens"] > 0 for m in rows)
     assert abs(rows[0]["train/ratio_mean"] - 1.0) < 1e-3  # the recorded log-probs are the policy's own
     first, last = (sum(m["reward_mean"] for m in part) / len(part) for part in (rows[:20], rows[-20:]))
     print(f"openai agent: episode reward {first:.3f} (steps 1-20) -> {last:.3f} (steps {STEPS - 19}-{STEPS})")

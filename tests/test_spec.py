@@ -516,3 +516,19 @@ def test_name_argument_replaces_the_name(workdir: Path) -> None:
 def test_issue_string_format() -> None:
     assert str(SpecIssue("a.yaml", 3, "algo.lr", "must be > 0, got -1")) == "a.yaml:3: algo.lr: must be > 0, got -1"
     assert str(SpecIssue("--set", None, "algo.lr", "m")) == "--set: algo.lr: m"
+
+
+def test_an_agent_is_named_for_a_builtin_algorithm_and_refused_where_it_cannot_run(workdir: Path) -> None:
+    (workdir / "agents.py").write_text("def agent(record, base_url, api_key):\n    return '1'\n")
+    base = VALID + "algo:\n  agent: agents:agent\n  path: .\n"
+    assert load_spec(write(workdir, base)).algo.agent == "agents:agent"
+    for extra, path, message in (
+        ("  loop: agents:agent\n", "algo.agent", "a `loop` of your own runs its agent itself"),
+        ("  name: dapo\n", "algo.agent", "dapo refills its groups from the prompts"),
+    ):
+        issue = only_issue(write(workdir, base + extra))
+        assert issue.path == path and issue.message.startswith(message), issue
+    with_env = base + "env:\n  name: calculator\n"
+    assert any(i.path == "algo.agent" and "drop `env`" in i.message for i in issues_of(write(workdir, with_env)))
+    missing = only_issue(write(workdir, VALID + "algo:\n  agent: nowhere:agent\n  path: .\n"))
+    assert missing.path == "algo.agent" and "nowhere" in missing.message

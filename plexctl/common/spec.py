@@ -203,8 +203,17 @@ class AlgoSpec(_Section, kw_only=True):
             "library (instead of `name`)"
         ),
     ] = None
+    agent: Annotated[
+        Annotated[str, Meta(pattern=FN_PATTERN)] | None,
+        _doc(
+            "An agent written against the OpenAI API, `module:function(record, base_url, api_key)` returning its "
+            "answer: the built-in algorithm's environment, each sample one episode of it (its turns trained, its "
+            "answer scored by `reward`), its `base_url` the job's current policy"
+        ),
+    ] = None
     path: Annotated[
-        str | None, _doc("Directory put first on sys.path to import `loop` and `loss_fn`; relative to the YAML file")
+        str | None,
+        _doc("Directory put first on sys.path to import `loop`, `agent` and `loss_fn`; relative to the YAML file"),
     ] = None
     group_size: Annotated[int, _doc("Completions sampled per prompt", ge=2)] = 8
     prompts_per_step: Annotated[int, _doc("Prompts per optimizer step", ge=1)] = 8
@@ -585,8 +594,16 @@ def _check_algo_rules(algo: dict[str, Any], doc: dict[str, Any], issues: Issues)
     name = algo.get("name", "grpo")
     if algo.get("loop") is not None and "name" in algo:
         issues.add(("algo", "loop"), "set either `name` (a built-in algorithm) or `loop` (your own), not both")
-    if algo.get("path") is not None and algo.get("loop") is None and algo.get("loss_fn") is None:
-        issues.add(("algo", "path"), "`path` only applies to a custom `loop` or `loss_fn`")
+    if algo.get("path") is not None and all(algo.get(k) is None for k in ("loop", "agent", "loss_fn")):
+        issues.add(("algo", "path"), "`path` only applies to a custom `loop`, `agent` or `loss_fn`")
+    if algo.get("agent") is not None and algo.get("loop") is not None:
+        issues.add(("algo", "agent"), "a `loop` of your own runs its agent itself (job.agent_endpoint()): drop `agent`")
+    if algo.get("agent") is not None and doc.get("env") is not None:
+        issues.add(("algo", "agent"), "the agent is the job's environment: drop `env`, or `agent`")
+    if algo.get("agent") is not None and name == "dapo":
+        issues.add(
+            ("algo", "agent"), "dapo refills its groups from the prompts: use grpo, dr_grpo or rloo with an agent"
+        )
     owner = "your own loop" if algo.get("loop") is not None else name
     if owner != "dapo" and owner in ALGORITHMS + ("your own loop",):
         for key in DAPO_KEYS:
