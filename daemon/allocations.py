@@ -62,11 +62,15 @@ class ElasticAllocations:
         pattern = re.compile(rf"-{re.escape(job_id)}(?:-|$)")
         return [w for w in worker_ids if pattern.search(w)]
 
+    def due(self, now: float) -> bool:
+        """Whether the rule is asked again now (every ``STEP_S``)."""
+        return now - self.last_step >= STEP_S
+
     def step(self, now: float, waiting_since: float | None, workers: Mapping[str, bool]) -> None:
         """Ask the rule and act: ``waiting_since`` is when the oldest job waiting for engines
         began to (None: none waits); ``workers`` every registered worker -> whether its engines
         hold a job (homed or running)."""
-        if now - self.last_step < STEP_S:
+        if not self.due(now):
             return
         self.last_step = now
         ids = list(workers)

@@ -465,7 +465,7 @@ class Daemon:
         """Let the elastic allocation grow or shrink (``daemon.allocations``), never while draining."""
         assert self.elastic is not None
         jobs, sched = self.core.jobs, self.core.sched
-        if jobs.drain_deadline is not None:
+        if jobs.drain_deadline is not None or not self.elastic.due(now):
             return
         waiting_since = min(jobs.room_waits.values(), default=None)
         workers = {

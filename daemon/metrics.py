@@ -57,6 +57,8 @@ class Gauges:
     #                                                               running, swaps {direction: {count, bytes, seconds}}
     bubble_ratio: float | None = None
     uptime_s: float = 0.0
+    interactive_share: float = 0.0  # the scheduler's interactive class: its share of recent engine time
+    interactive_queued: int = 0  # and its calls queued
 
 
 class Telemetry:
@@ -151,6 +153,14 @@ class Telemetry:
         )
         for method, h in sorted(waits.items()):
             _histogram(out, "plexrl_call_latency_seconds", f'method="{_esc(method)}"', h)
+        family(
+            "plexrl_interactive_share",
+            "gauge",
+            "Share of recent engine time that went to the interactive class (API requests a client waits on).",
+        )
+        out.append(f"plexrl_interactive_share {g.interactive_share:.6f}")
+        family("plexrl_interactive_queued", "gauge", "Calls of the interactive class waiting for an engine.")
+        out.append(f"plexrl_interactive_queued {g.interactive_queued}")
         family("plexrl_uptime_seconds", "gauge", "Seconds since the daemon started.")
         out.append(f"plexrl_uptime_seconds {g.uptime_s:.3f}")
         return "\n".join(out) + "\n"

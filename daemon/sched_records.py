@@ -29,6 +29,7 @@ class Task:
     priority: int = 0
     weights: str = ""  # what its engine must hold to run it ("": whatever it holds)
     tokens: int = 0  # padded tokens of a train step that may share a pass (``can_share_pass``; 0: runs alone)
+    interactive: bool = False  # a client waits on it: first in its priority while the class is under its share
 
 
 @dataclass

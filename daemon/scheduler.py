@@ -100,6 +100,10 @@ class Scheduler:
     def queue(self) -> dict[int, Task]:
         return self.queues.queued
 
+    def interactive(self, now: float) -> tuple[float, int]:
+        """The interactive class: its share of recent engine time, and its tasks queued now."""
+        return self.order.interactive_share(now), sum(1 for t in self.queues.queued.values() if t.interactive)
+
     @property
     def home(self) -> dict[str, str]:
         return self.homes.home
@@ -323,7 +327,7 @@ class Scheduler:
         was_full = engine.free <= 0
         self.passes.task_ended(engine, task_id)
         task, took = self.time.task_ended(engine, task_id, now)
-        self.order.serve(run.user, took / engine.capacity / run.share)
+        self.order.serve(run.user, took / engine.capacity / run.share, task.interactive, now)
         self.order.refund(run)
         job = run.job
         job.started.pop(task_id, None)

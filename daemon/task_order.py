@@ -17,8 +17,10 @@ from daemon.sched_records import SERIAL_KINDS, Engine, Job, Running, Task
 
 DEFAULT_ESTIMATE = 1.0
 EMA = 0.3
+INTERACTIVE_SHARE = 0.5  # the interactive class goes first while its share of recent engine time is below this
+SHARE_HALF_LIFE_S = 60.0  # how fast that share forgets: engine-seconds count half after this long
 
-OrderKey = tuple[int, float, float, int]
+OrderKey = tuple[int, int, float, float, int]
 
 
 class TaskOrder:
@@ -31,6 +33,8 @@ class TaskOrder:
         self.shares: dict[str, float] = {}  # user -> weight (default 1)
         self.served: dict[str, float] = {}  # user -> engine-seconds of finished tasks
         self.charged: dict[str, float] = {}  # user -> estimated engine-seconds of running tasks
+        self.recent = {True: 0.0, False: 0.0}  # interactive? -> engine-seconds served, decayed
+        self.recent_at = 0.0
 
     def estimate(self, task: Task) -> float:
         return self.estimates.get((task.job_id, task.method), DEFAULT_ESTIMATE)
@@ -57,8 +61,25 @@ class TaskOrder:
         """A running task's charge comes off (it ended, or its engine went down)."""
         self.charged[run.user] = self.charged.get(run.user, 0.0) - run.charge
 
-    def serve(self, user: str, seconds: float) -> None:
+    def serve(self, user: str, seconds: float, interactive: bool = False, now: float | None = None) -> None:
         self.served[user] = self.served.get(user, 0.0) + seconds
+        if now is not None:
+            self._decay(now)
+        self.recent[interactive] += seconds
+
+    def _decay(self, now: float) -> None:
+        if now > self.recent_at:
+            keep = 0.5 ** ((now - self.recent_at) / SHARE_HALF_LIFE_S)
+            self.recent = {k: v * keep for k, v in self.recent.items()}
+            self.recent_at = now
+
+    def interactive_share(self, now: float | None = None) -> float:
+        """The interactive class's share of recent engine time (decayed, ``SHARE_HALF_LIFE_S``;
+        to ``now`` where given)."""
+        if now is not None:
+            self._decay(now)
+        total = self.recent[True] + self.recent[False]
+        return self.recent[True] / total if total > 0 else 0.0
 
     def response_ratio(self, task: Task, now: float) -> float:
         est = max(self.estimate(task), 1e-3)
@@ -69,9 +90,13 @@ class TaskOrder:
         return (self.served.get(user, 0.0) + self.charged.get(user, 0.0)) / self.shares.get(user, 1.0)
 
     def key(self, task: Task, now: float) -> OrderKey:
+        """Priority; then an interactive task first, while its class has less than
+        ``INTERACTIVE_SHARE`` of recent engine time (so neither class starves the other); then
+        the user's fair share, response ratio, submission."""
         job = self.jobs.get(task.job_id)
         user = job.user if job else ""
-        return (-task.priority, self.share_score(user), -self.response_ratio(task, now), task.task_id)
+        first = 0 if task.interactive and self.interactive_share() < INTERACTIVE_SHARE else 1
+        return (-task.priority, first, self.share_score(user), -self.response_ratio(task, now), task.task_id)
 
     def switch_first(self, engine: Engine, order: list[Task]) -> list[Task]:
         """Apply the switch bound: a trainer continues its last job while its streak is under

@@ -377,3 +377,15 @@ def test_train_steps_of_several_jobs_go_to_the_trainer_as_one_pass_each_answered
         assert (trainer.shared_passes, trainer.shared_tasks, trainer.largest_pass) == (1, 3, 3)
     finally:
         c.close()
+
+
+def test_only_the_api_front_ends_jobs_make_interactive_calls(core, tiny_model):
+    """A loop job's driver that marks its generate calls interactive is batch work all the same:
+    the interactive class is for the requests of the jobs the API front end makes (kind external)."""
+    d = core
+    register(d, "w0", tiny_model)
+    mine = running(d, tiny_model, "mine")
+    d.sent.clear()
+    call(d, mine, C.GenerateReq(["1+1="], C.Sampling(max_tokens=2), interactive=True), 1)
+    (queued,) = d.sched.queue.values()
+    assert queued.job_id == mine and not queued.interactive

@@ -105,6 +105,10 @@ def test_a_jobs_policy_is_chatted_with_while_it_runs_and_after_it_ends(cluster: 
     assert text.choices[0].logprobs.token_logprobs == pytest.approx(lp, abs=1e-4)
     four = api.chat.completions.create(model=name, messages=ASK, n=4, temperature=1.0, max_tokens=3)
     assert len(four.choices) == 4 and sorted(c.index for c in four.choices) == [0, 1, 2, 3]
+    # the requests are the scheduler's interactive class: `top` shows its share of engine time
+    frame = json.loads(cluster.run("top", "--json", check=True).stdout)
+    assert frame["interactive_share"] > 0 and frame["interactive_queued"] == 0
+    assert "interactive " in cluster.run("top", check=True).stdout
 
 
 def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluster):

@@ -840,3 +840,34 @@ def test_a_sleeping_engine_may_take_a_backfill_when_no_engine_of_its_device_wait
     assert switches.device_turn(a, {}, lambda t: (0,)) is True
     waiting = {b.engine_id: {1: object()}}
     assert switches.device_turn(a, waiting, lambda t: (0,)) is False  # the awake engine keeps its turn
+
+
+def test_interactive_calls_go_first_while_their_class_is_under_its_share_and_batch_work_is_never_starved():
+    """An API request a client waits on (``Task.interactive``) passes batch work of its priority
+    while the interactive class has less than half of recent engine time; past it, the batch
+    work's turn comes; the share forgets (half-life 60 s), so the class goes first again later."""
+    from daemon.task_order import INTERACTIVE_SHARE, SHARE_HALF_LIFE_S
+
+    s = Scheduler()
+    s.engine_up(Engine("e", "w", "rollout", "m"))
+    for job, user in (("batch", "alice"), ("api", "bob")):
+        s.admit(job, "m", 0.0, user=user)
+    s.submit(task(1, "batch", t=0.0))  # waited longest: the response ratio alone would run it first
+    s.submit(Task(2, "api", "rollout", "generate", "m", 5.0, interactive=True))
+    assert s.tick(5.0)[0].task.task_id == 2
+    s.done(2, 9.0, 4.0)  # the class has had all of recent engine time
+    assert s.interactive(9.0) == (1.0, 0) and 1.0 >= INTERACTIVE_SHARE
+    s.submit(Task(3, "api", "rollout", "generate", "m", 9.0, interactive=True))
+    assert s.tick(9.0)[0].task.task_id == 1  # past its share: the batch work goes
+    assert s.interactive(9.0) == (1.0, 1)
+    s.done(1, 12.0, 3.0)
+    share, queued = s.interactive(12.0)
+    assert share == pytest.approx(
+        4.0 * 0.5 ** (3.0 / SHARE_HALF_LIFE_S) / (4.0 * 0.5 ** (3.0 / SHARE_HALF_LIFE_S) + 3.0)
+    )
+    assert s.tick(12.0)[0].task.task_id == 3 and queued == 1
+    # a priority above it still comes first
+    s.done(3, 13.0, 1.0)
+    s.submit(task(4, "batch", t=13.0, prio=1))
+    s.submit(Task(5, "api", "rollout", "generate", "m", 13.0, interactive=True))
+    assert s.tick(13.0)[0].task.task_id == 4

@@ -33,6 +33,8 @@ METRIC_NAMES = (
     "plexrl_jobs",
     "plexrl_engine_utilization",
     "plexrl_bubble_ratio",
+    "plexrl_interactive_share",
+    "plexrl_interactive_queued",
     "plexrl_swap_bytes_total",
     "plexrl_swap_seconds_total",
     "plexrl_task_seconds",

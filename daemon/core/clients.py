@@ -311,6 +311,7 @@ class ClientOps:
         timeline = M.busy_spans(self.sched, now) if body.timeline else []
         marks = self.telemetry.marks_since(started_at) if body.timeline else []
         moves = self.telemetry.moves_since(started_at) if body.timeline else []
+        share, queued = self.sched.interactive(now)
         self.turn.send(
             identity,
             P.Op.REPLY,
@@ -324,6 +325,8 @@ class ClientOps:
                 timeline=timeline,
                 swap_marks=marks,
                 moves=moves,
+                interactive_share=share,
+                interactive_queued=queued,
             ),
             header.msg_id,
         )
@@ -349,12 +352,15 @@ class ClientOps:
             by_state[j.state] = by_state.get(j.state, 0) + 1
         swaps = {e: st.get("swaps", {}) for e, st in self.workers.engine_stats.items()}
         engines = M.engine_gauges(self.sched, swaps, now)
+        share, queued = self.sched.interactive(now)
         self.telemetry.set_gauges(
             M.Gauges(
                 jobs_by_state=by_state,
                 engines=engines,
                 bubble_ratio=M.bubble_of(engines),
                 uptime_s=now - self.settings.started_at,
+                interactive_share=share,
+                interactive_queued=queued,
             )
         )
 

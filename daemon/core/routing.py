@@ -203,6 +203,7 @@ class CallRouting:
             spec.priority,
             weights,
             _pass_tokens(task),
+            interactive=isinstance(req, C.GenerateReq) and req.interactive and spec.kind == "external",
         )
         self.calls.add(queued.task_id, call)
         return queued

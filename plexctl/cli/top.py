@@ -226,6 +226,8 @@ def top_json(f: TopFrame) -> dict[str, Any]:
         "engines": engines,
         "policy": f.rep.policy,
         "bubble_ratio": f.rep.bubble_ratio,
+        "interactive_share": f.rep.interactive_share,
+        "interactive_queued": f.rep.interactive_queued,
         "uptime_s": f.uptime,
         "now": now,
     }

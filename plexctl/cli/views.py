@@ -355,7 +355,10 @@ def engines_table(engines: list[EngineInfo], uptime: float) -> Table:
 
 def cluster_line(rep: StatusRep) -> str:
     bubble = "-" if rep.bubble_ratio is None else f"{rep.bubble_ratio:.0%}"
-    return f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
+    line = f"policy {rep.policy or '-'} · engine bubble (idle share) {bubble}"
+    if rep.interactive_share or rep.interactive_queued:  # API requests were served lately, or wait
+        line += f" · interactive {rep.interactive_share:.0%} of engine time, {rep.interactive_queued} queued"
+    return line
 
 
 def tinker_line(url: str | None, note: str = "", openai: tuple[str | None, str] = (None, "")) -> str:

@@ -184,6 +184,9 @@ class GenerateReq(Request, tag="generate"):
     prompt_tokens: list[list[int]] = msgspec.field(default_factory=list)  # prompts given as token ids
     version: int | None = None  # the job's policy version to sample from (None: its current; 0: the base)
     of_job: str = ""  # another job of the same user and base model whose published policy to sample
+    # a request a client waits on (an API's sample): the scheduler's interactive class, for the jobs
+    # the API front end makes (kind external); other jobs' calls are batch work whatever they say
+    interactive: bool = False
 
 
 class GenerateTask(EngineTask, tag="generate"):

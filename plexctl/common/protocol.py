@@ -219,6 +219,10 @@ class StatusRep(msgspec.Struct):
     timeline: list[BusySpan] = msgspec.field(default_factory=list)  # only when asked (StatusReq.timeline)
     swap_marks: list[SwapMark] = msgspec.field(default_factory=list)  # idem
     moves: list[MoveSpan] = msgspec.field(default_factory=list)  # idem
+    # the scheduler's interactive class (API requests a client waits on): its share of recent engine
+    # time, and its calls queued now
+    interactive_share: float = 0.0
+    interactive_queued: int = 0
 
 
 class BusySpan(msgspec.Struct, array_like=True):

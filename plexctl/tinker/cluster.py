@@ -690,7 +690,9 @@ class ClusterBackend(Backend, PolicyBackend):
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_logprobs=topk_sample_logprobs,
         )
-        rep: C.GenerateRep = self._call(run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version)))
+        rep: C.GenerateRep = self._call(
+            run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version), interactive=True)
+        )
         first = rep.completions[0] if rep.completions else None
         topk = None
         if first is not None and topk_prompt_logprobs:
@@ -834,7 +836,7 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
         version = None if policy.latest else policy.version if policy.job_id else 0
-        request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id)
+        request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id, interactive=True)
         while True:  # a run ended idle (``end_idle``) just now is made again
             run = self._server_run(user, policy.model_path)
             model_id = run.record.model_id
