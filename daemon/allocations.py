@@ -74,14 +74,15 @@ class ElasticAllocations:
             return
         self.last_step = now
         ids = list(workers)
-        units = []
+        units, silent = [], set()
         for alloc in list(self.units.values()):
             mine = self.workers_of(alloc.job_id, ids)
             if alloc.state == "starting" and mine:
                 alloc = self._set(alloc, state="up", up_at=now, idle_since=now)
                 log.info("joined allocation %s is up: workers %s", alloc.job_id, ", ".join(mine))
-            elif alloc.state == "up" and not mine:
-                self._ended(alloc, now, "its workers left")
+            elif alloc.state == "up" and not mine:  # restarting, or gone: Slurm says which (``_check_slurm``)
+                units.append(Unit(unit_id=alloc.job_id, ready=False))
+                silent.add(alloc.job_id)
                 continue
             elif alloc.state == "releasing" and not mine:
                 self._ended(alloc, now, alloc.note)
@@ -96,7 +97,7 @@ class ElasticAllocations:
                 units.append(Unit(unit_id=alloc.job_id, ready=alloc.state == "up", idle_since=alloc.idle_since))
         if now - self.last_slurm_check >= SLURM_CHECK_S:
             self.last_slurm_check = now
-            self._check_slurm(now)
+            self._check_slurm(now, silent)
         decision = decide(self.rule, now, waiting_since, 1, units)
         for job_id in decision.release:
             self._release(self.units[job_id], now)
@@ -121,11 +122,12 @@ class ElasticAllocations:
         self._set(alloc, state="releasing", note=note)
         log.info("joined allocation %s %s", alloc.job_id, note)
 
-    def _check_slurm(self, now: float) -> None:
-        """Forget allocations Slurm ended before they came up (refused, failed, cancelled by hand),
-        so the rule may ask again."""
+    def _check_slurm(self, now: float, silent: set[str]) -> None:
+        """Forget allocations Slurm ended: before they came up (refused, failed, cancelled by
+        hand), while given back, or up with no worker registered (``silent``), so the rule may ask
+        again; one whose workers restart stays."""
         for alloc in list(self.units.values()):
-            if alloc.state in ("starting", "releasing"):
+            if alloc.state in ("starting", "releasing") or alloc.job_id in silent:
                 state, _ = S.job_state(alloc.job_id)
                 if state in ("GONE", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL"):
                     self._ended(alloc, now, alloc.note if alloc.state == "releasing" else f"Slurm ended it ({state})")

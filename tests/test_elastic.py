@@ -73,16 +73,18 @@ def test_the_daemons_elastic_allocations_ask_adopt_follow_and_give_back(tmp_path
     e.step(9.0, None, {"n1": True, "n2-101": True, "n2-101-g1": False})  # its workers registered, busy
     [row] = [r for r in S.allocation_rows(S.read_allocations(tmp_path), 9.0) if r["role"] == "joined"]
     assert row["state"] == "up" and row["idle_s"] is None and row["job_id"] == "101"
-    e.step(11.0, None, {"n1": True, "n2-101": False})  # idle from 11
-    e.step(19.0, None, {"n1": True, "n2-101": False})
+    e.step(11.0, None, {"n1": True})  # its worker restarts: kept, up, while Slurm runs it
+    assert list(e.units) == ["101"] and e.units["101"].state == "up" and cancelled == []
+    e.step(13.0, None, {"n1": True, "n2-101": False})  # back, idle from 13
+    e.step(21.0, None, {"n1": True, "n2-101": False})
     assert cancelled == []
-    e.step(21.0, None, {"n1": True, "n2-101": False})  # 10 s idle: given back
+    e.step(23.0, None, {"n1": True, "n2-101": False})  # 10 s idle: given back
     assert cancelled == ["101"]
     # a daemon started again adopts what Slurm still runs
     again = A.ElasticAllocations(tmp_path, config, submit=submit)
     assert list(again.units) == ["101"] and again.units["101"].state == "releasing"
-    e.step(23.0, None, {"n1": True})  # its workers left
-    rows = S.allocation_rows(S.read_allocations(tmp_path), 23.0)
+    e.step(25.0, None, {"n1": True})  # its workers left
+    rows = S.allocation_rows(S.read_allocations(tmp_path), 25.0)
     assert [(r["job_id"], r["role"], r["state"]) for r in rows] == [
         ("100", "base", "up"),
         ("101", "joined", "released"),
@@ -91,7 +93,7 @@ def test_the_daemons_elastic_allocations_ask_adopt_follow_and_give_back(tmp_path
     assert S.allocation_line(rows[1]) == (
         "Slurm job 101: joined, 1 node, released (given back: its engines held no job for 10 s)"
     )
-    assert S.allocation_rows(S.read_allocations(tmp_path), 23.0 + S.RELEASED_SHOWN_S + 1)[1:] == []
+    assert S.allocation_rows(S.read_allocations(tmp_path), 25.0 + S.RELEASED_SHOWN_S + 1)[1:] == []
 
 
 def test_a_failed_submission_is_tried_again_and_never_ends_the_daemon(tmp_path, monkeypatch):
