@@ -43,6 +43,8 @@ def test_a_gpu_node_gets_cuda_graphs_its_own_process_and_the_kv_cache_from_its_m
     assert (kw["model"], kw["dtype"], kw["seed"], kw["max_model_len"]) == ("/models/qwen2.5-7b", "bfloat16", 3, 4096)
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"], kw["max_cpu_loras"]) == (True, 64, 16, 64)
     assert kw["max_num_batched_tokens"] >= 4096  # a whole sequence fits one step
+    # JSON held to a schema (tool_choice, response_format) by xgrammar, written compactly
+    assert kw["structured_outputs_config"] == {"backend": "xgrammar", "disable_any_whitespace": True}
 
     assert not plan.in_process  # vLLM's engine core in its own process: nothing forces it in
     assert MULTIPROCESSING_ENV not in plan.env_forced and MULTIPROCESSING_ENV not in plan.env_defaults
@@ -69,6 +71,7 @@ def test_what_runs_here_is_the_in_process_cpu_engine_with_its_workarounds() -> N
         "gpu_memory_utilization": ENGINE_DEFAULTS["cpu"].gpu_memory_utilization,
         "kv_cache_memory_bytes": GiB,
         "disable_log_stats": True,
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     }
     assert plan.in_process and plan.env_forced == {MULTIPROCESSING_ENV: "0"}
     assert plan.env_defaults == {CPU_KVCACHE_ENV: "1"}

@@ -289,9 +289,82 @@ def test_a_model_without_tools_in_its_template_refuses_them_through_the_sdk(clus
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], max_tokens=2)
     assert refused.value.body["param"] == "tools"
+    # a forced call is JSON, held token by token: tiny-arith's characters have no "[" or "{" to write it with
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], tool_choice="required")
-    assert refused.value.body["param"] == "tool_choice"
+    assert refused.value.body["param"] == "tool_choice" and "cannot write JSON" in refused.value.body["message"]
+    named = {"type": "function", "function": {"name": "mul"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], tool_choice=named)
+    assert refused.value.body["param"] == "tool_choice" and "'mul'" in refused.value.body["message"]
     # "none": the tools are not given to the model, so any model answers
     out = api.chat.completions.create(model="tiny-arith", messages=ASK, tools=[ADD], tool_choice="none", **GREEDY)
     assert out.choices[0].finish_reason in ("stop", "length") and not out.choices[0].message.tool_calls
+
+
+def test_a_json_schema_response_format_holds_every_sample_to_it(cluster: Cluster):
+    api = client(cluster)
+    answer = {"type": "string", "enum": ["seven", "eight"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    out = api.chat.completions.create(
+        model="tiny-arith", messages=ASK, response_format=fmt, n=8, temperature=1.0, max_tokens=10, seed=2
+    )
+    said = [json.loads(c.message.content) for c in out.choices]
+    assert set(said) <= {"seven", "eight"} and all(c.finish_reason == "stop" for c in out.choices)
+    number = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    out = api.chat.completions.create(model="tiny-arith", messages=ASK, response_format=number, n=4, max_tokens=8)
+    assert all(isinstance(json.loads(c.message.content), int) for c in out.choices if c.finish_reason == "stop")
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="tiny-arith", messages=ASK, response_format=bad, max_tokens=4)
+    assert refused.value.body["param"] == "response_format" and "nonsense" in refused.value.body["message"]
+
+
+def test_a_forced_call_is_json_of_the_tools_schemas_sampled_by_a_real_engine(tmp_path: Path):
+    """tool_choice "required" and a named function, held by vLLM's structured decoding on a
+    model whose characters can write JSON (tiny-arith's, with "<>()" read as "{}[]")."""
+    import msgspec
+
+    from plexctl.common.calls import GenRequest, Sampling
+    from plexctl.tinker.openai_api import ChatMessage, ChatReq, Tool, chat_structure, read_structured
+    from worker.rollout import RolloutEngine
+
+    model = tmp_path / "json-chars"
+    model.mkdir()
+    for f in (REPO / ".plexrl" / "models" / "tiny-arith").iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    tok = json.loads((model / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for was, now in (("<", "{"), (">", "}"), ("(", "["), (")", "]")):
+        vocab[now] = vocab.pop(was)
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    op = {"type": "string", "enum": ["x", "y"]}
+    params = {"type": "object", "properties": {"op": op, "k": {"type": "integer"}}, "required": ["op", "k"]}
+    tools = [
+        msgspec.convert({"type": "function", "function": {"name": n, "parameters": params}}, Tool)
+        for n in ("add", "mul")
+    ]
+    asked = [ChatMessage("user", "1+2=")]
+    required = chat_structure(ChatReq(model="m", messages=asked, tools=tools, tool_choice="required"))[2]
+    named = {"type": "function", "function": {"name": "mul"}}
+    one = chat_structure(ChatReq(model="m", messages=asked, tools=tools, tool_choice=named))[2]
+    engine = RolloutEngine(str(model), max_loras=1, max_cpu_loras=1, max_model_len=64)
+    try:
+        got = engine.generate(
+            [
+                GenRequest("x", ["1+2="], Sampling(max_tokens=60, n=8, seed=1, json_schema=how.schema))
+                for how in (required, one)
+            ]
+        )
+    finally:
+        engine.close()
+    for how, samples in zip((required, one), got, strict=True):
+        ended = [c for c in samples if c.finish_reason == "stop"]  # the others ran out of the 64-token context
+        assert ended and all(c.finish_reason == "length" for c in samples if c not in ended), samples
+        for c in ended:
+            content, calls = read_structured(c.text, how)
+            assert content is None and calls
+            for call in calls:
+                assert call["function"]["name"] in (("mul",) if how.call else ("add", "mul"))
+                arguments = json.loads(call["function"]["arguments"])
+                assert arguments["op"] in ("x", "y") and isinstance(arguments["k"], int)

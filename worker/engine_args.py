@@ -158,6 +158,8 @@ def rollout_engine_args(
         "max_loras": max_loras,
         "max_cpu_loras": max(max_cpu_loras, max_loras),
         "disable_log_stats": True,
+        # JSON held to a schema is written compactly: a sample cannot run on in whitespace
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     }
     if platform == "cpu":
         if tensor_parallel_size != 1:

@@ -168,7 +168,7 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
     decodes each finished sample itself (``to_completions``), vLLM only where it must match
     ``stop`` strings."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     return SamplingParams(
         n=s.n,
@@ -187,6 +187,8 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         detokenize=bool(s.stop),  # vLLM matches stop strings on the text it decodes
         flat_logprobs=True,
         output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, when it finished
+        # decoding held to the schema: vLLM masks every token the schema's grammar does not allow next
+        structured_outputs=StructuredOutputsParams(json=s.json_schema) if s.json_schema is not None else None,
     )
 
 

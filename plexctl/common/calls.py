@@ -42,6 +42,7 @@ class Sampling(msgspec.Struct):
     prompt_logprobs: bool = False  # also each prompt token's log-prob (``Completion.prompt_logprobs``)
     topk_prompt_logprobs: int = 0  # also the k likeliest tokens at each prompt position (0: none; at most MAX_TOPK)
     topk_logprobs: int = 0  # also the k likeliest tokens at each sampled position (0: none; at most MAX_TOPK)
+    json_schema: str | None = None  # a JSON schema (as JSON text) every sample is held to, token by token
 
 
 MAX_TOPK = 20  # the most top-k log-probs per position a rollout engine gives (vLLM's max_logprobs)

@@ -9,7 +9,9 @@ user's Tinker key: a user sees and samples only their own jobs. Every refusal ha
 body, ``{"error": {"message", "type", "param", "code"}}``: 401 for a missing or refused key, 404
 for a model the user has not, 400 naming the field for a bad request (a prompt and ``max_tokens``
 past the model's context included). A streamed answer comes as server-sent events, each choice's
-text in one chunk once it is sampled, then its finish reason, then ``[DONE]``.
+text in one chunk once it is sampled, then its finish reason, then ``[DONE]``. A forced tool call
+(``tool_choice`` "required" or named) and a JSON ``response_format`` are held by the engine's
+structured decoding (``Sampling.json_schema``): such a sample that ended is JSON of the schema.
 """
 
 from __future__ import annotations
@@ -116,6 +118,18 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
+class JsonSchema(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    description: str = ""
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class _Sampled(msgspec.Struct, kw_only=True):
     model: str
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -140,7 +154,9 @@ class ChatReq(_Sampled, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=C.MAX_TOPK)] | None = None  # the k likeliest at each position
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None  # where the chat template has them
-    tool_choice: str | dict[str, Any] | None = None  # "auto" (the default with tools) or "none"
+    # "auto" (the default with tools), "none", "required" or {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ApiRefusal(Exception):
@@ -193,14 +209,19 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def chat_prompt(model_path: str, messages: list[ChatMessage], tools: list[Tool] | None = None) -> list[int]:
+def chat_prompt(
+    model_path: str, messages: list[ChatMessage], tools: list[Tool] | None = None, rendered: bool = True
+) -> list[int]:
     """The prompt's tokens: the model's chat template with the assistant's turn opened (and the
-    ``tools``, which only a template that renders tools takes); a model without a template gets
-    the messages' contents, one per line."""
+    ``tools``, which only a template that renders tools takes: with ``rendered`` a template without
+    them refuses them, else they are left out of the prompt); a model without a template gets the
+    messages' contents, one per line."""
     tok = tokenizer(model_path)
     turns = [_turn(m) for m in messages]
     if tools and "tools" not in (tok.chat_template or ""):
-        raise ApiRefusal(400, "the model's chat template has no tools: this model cannot be given tools", "tools")
+        if rendered:
+            raise ApiRefusal(400, "the model's chat template has no tools: this model cannot be given tools", "tools")
+        tools = None
     if tok.chat_template:
         offered = {"tools": [msgspec.to_builtins(t) for t in tools]} if tools else {}
         ids = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=True, **offered)
@@ -246,16 +267,7 @@ def tool_calls_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             continue
         arguments = called.get("arguments", {})
         first = m.start() if first is None else first
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": called["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
-        )
+        calls.append(_call(called["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
     if first is None:
         return text, []
     return text[:first].strip() or None, calls
@@ -270,17 +282,104 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def _offered_tools(req: ChatReq) -> list[Tool] | None:
-    """The tools the model is given: those of the request unless ``tool_choice`` is "none"."""
-    choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise ApiRefusal(400, f'tool_choice {choice!r} is not served: use "auto" or "none"', "tool_choice")
-    return req.tools if req.tools and choice != "none" else None
+class Structure(msgspec.Struct, frozen=True):
+    """How a chat request's answer is held and read: ``schema`` (JSON text) the JSON every sample
+    is decoded to, token by token (None: free text); ``call`` the function a sample's JSON is the
+    arguments of (a named ``tool_choice``); ``calls`` whether it is a list of calls (``"required"``)."""
+
+    schema: str | None = None
+    call: str = ""
+    calls: bool = False
 
 
-def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | None, topk: int = 0) -> C.Sampling:
+def chat_structure(req: ChatReq) -> tuple[list[Tool] | None, bool, Structure]:
+    """The tools the model is given, whether they must be rendered by the chat template (with
+    ``"auto"``: the model calls in its template's form, or not at all), and how the answer is held.
+
+    A forced call (``"required"``, a named function) and ``response_format`` JSON are held by
+    structured decoding: every sample is JSON of the schema, whatever the model, its template
+    rendering the tools where it can."""
+    choice, tools = req.tool_choice, req.tools or []
+    forced: Structure | None = None
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ApiRefusal(400, 'tool_choice: give {"type": "function", "function": {"name": ...}}', "tool_choice")
+        named = [t for t in tools if t.function.name == name]
+        if not named:
+            raise ApiRefusal(400, f"tool_choice names {name!r}, not one of the request's tools", "tool_choice")
+        forced = Structure(json.dumps(named[0].function.parameters or {"type": "object"}), call=name)
+    elif choice == "required":
+        if not tools:
+            raise ApiRefusal(400, 'tool_choice "required" needs tools', "tool_choice")
+        forced = Structure(json.dumps(_calls_schema(tools)), calls=True)
+    elif choice not in (None, "auto", "none"):
+        raise ApiRefusal(
+            400, f'tool_choice {choice!r}: use "auto", "none", "required" or a named function', "tool_choice"
+        )
+    fmt = req.response_format
+    wanted = None if fmt is None or fmt.type == "text" else _format_schema(fmt)
+    if forced is not None and wanted is not None:
+        raise ApiRefusal(400, "a forced tool_choice and a JSON response_format: give one", "response_format")
+    if forced is not None:
+        return tools, False, forced
+    return (tools or None) if choice != "none" else None, True, Structure(wanted)
+
+
+def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
+    """One call or more, each of one of the tools: ``[{"name": ..., "arguments": {...}}, ...]``."""
+    one = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in tools
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+
+
+def _format_schema(fmt: ResponseFormat) -> str:
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.json_schema is None or not fmt.json_schema.schema:
+        raise ApiRefusal(400, 'response_format "json_schema" needs json_schema.schema', "response_format")
+    return json.dumps(fmt.json_schema.schema)
+
+
+def read_structured(text: str, how: Structure) -> tuple[str | None, list[dict[str, Any]]]:
+    """A forced call's sample as (content, ``tool_calls``); a sample cut before its JSON ended
+    (``max_tokens``) is its text, with no call."""
+    if how.call:
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(how.call, text)]
+    try:
+        listed = json.loads(text)
+    except ValueError:
+        return text, []
+    return None, [_call(c["name"], json.dumps(c["arguments"])) for c in listed]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def sampling_of(
+    req: _Sampled, prompt_len: int, context: int, max_tokens: int | None, topk: int = 0, schema: str | None = None
+) -> C.Sampling:
     """The engine's sampling of a request, its prompt and completion held to the model's context;
-    ``topk``: the likeliest tokens asked for at each sampled position."""
+    ``topk``: the likeliest tokens asked for at each sampled position; ``schema``: the JSON
+    schema each sample is decoded to."""
     if prompt_len >= context:
         raise ApiRefusal(400, f"the prompt has {prompt_len} tokens; the model's context is {context}", "messages")
     room = context - prompt_len
@@ -299,6 +398,7 @@ def sampling_of(req: _Sampled, prompt_len: int, context: int, max_tokens: int | 
         seed=req.seed,
         stop=stop,
         topk_logprobs=topk,
+        json_schema=schema,
     )
 
 
@@ -362,12 +462,21 @@ def chat_logprobs(policy: Policy, c: C.Completion) -> dict[str, Any]:
 
 
 def chat_answer(
-    policy: Policy, done: list[C.Completion], logprobs: bool, rid: str, tools: bool = False
+    policy: Policy,
+    done: list[C.Completion],
+    logprobs: bool,
+    rid: str,
+    tools: bool = False,
+    how: Structure | None = None,
 ) -> dict[str, Any]:
-    """The chat answer; with ``tools``, each text's calls as ``tool_calls`` (finish reason ``tool_calls``)."""
+    """The chat answer; with ``tools``, each text's calls as ``tool_calls`` (finish reason
+    ``tool_calls``), read as ``how`` held them where a call was forced, else in the template's form."""
     choices = []
     for i, c in enumerate(done):
-        content, calls = tool_calls_of(c.text) if tools else (c.text, [])
+        if how is not None and (how.call or how.calls):
+            content, calls = read_structured(c.text, how)
+        else:
+            content, calls = tool_calls_of(c.text) if tools else (c.text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -461,9 +570,10 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                 raise ApiRefusal(404, str(e), "model") from None
             except UserError as e:
                 raise ApiRefusal(400, str(e), "model") from None
+            how = Structure()
             if chat:
-                tools = _offered_tools(req)
-                prompt = await run(chat_prompt, policy.model_path, req.messages, tools)
+                tools, rendered, how = chat_structure(req)
+                prompt = await run(chat_prompt, policy.model_path, req.messages, tools, rendered)
                 limit = req.max_completion_tokens or req.max_tokens
                 want_logprobs, topk = req.logprobs, req.top_logprobs or 0
                 if topk and not want_logprobs:
@@ -475,14 +585,20 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                     else await run(lambda: list(tokenizer(policy.model_path)(req.prompt)["input_ids"]))
                 )
                 limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
-            sampling = sampling_of(req, len(prompt), policy.context, limit, topk)
+            sampling = sampling_of(req, len(prompt), policy.context, limit, topk, how.schema)
             try:
                 done = await run(backend.generate, user, policy, prompt, sampling)
             except UserError as e:
-                raise ApiRefusal(400, str(e)) from None
+                raise ApiRefusal(400, str(e), "response_format" if how.schema else None) from None
+            if how.schema is not None and any(c.finish_reason == "error" for c in done):
+                raise ApiRefusal(
+                    400,
+                    "the model cannot write JSON of this schema: no token of its vocabulary may come next",
+                    "tool_choice" if how.call or how.calls else "response_format",
+                )
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
             if chat:
-                made = chat_answer(policy, done, want_logprobs, rid, tools=bool(tools))
+                made = chat_answer(policy, done, want_logprobs, rid, tools=bool(tools), how=how)
             else:
                 made = completion_answer(policy, done, want_logprobs, rid)
         except ApiRefusal as e:
