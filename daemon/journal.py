@@ -58,6 +58,12 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+CREATE TABLE IF NOT EXISTS published (
+    job_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job_id, version)
+);
 """
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -87,6 +93,7 @@ class Journal:
             r["job_id"]: self._info(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY seq")
         }
         self._specs: dict[str, JobSpec] = {}  # job_id -> its spec, decoded once asked for
+        self._published = {(r["job_id"], r["version"]) for r in self.db.execute("SELECT * FROM published")}
 
     def close(self) -> None:
         self.db.close()
@@ -165,6 +172,23 @@ class Journal:
     def events(self, job_id: str) -> list[tuple[float, str, str]]:
         rows = self.db.execute("SELECT t, kind, detail FROM events WHERE job_id=? ORDER BY id", (job_id,))
         return [(r["t"], r["kind"], r["detail"]) for r in rows]
+
+    def publish(self, job_id: str, version: int, public: bool) -> bool:
+        """Make policy ``version`` of the job readable by every user of the cluster (``public``)
+        or its owner's alone again; whether that changed anything."""
+        key = (job_id, version)
+        if (key in self._published) == public:
+            return False
+        with self._durable():
+            if public:
+                self.db.execute("INSERT INTO published VALUES (?,?,?)", (job_id, version, time.time()))
+            else:
+                self.db.execute("DELETE FROM published WHERE job_id=? AND version=?", key)
+        (self._published.add if public else self._published.discard)(key)
+        return True
+
+    def is_published(self, job_id: str, version: int) -> bool:
+        return (job_id, version) in self._published
 
     def spec(self, job_id: str) -> JobSpec:
         """The job's spec; ``msgspec.ValidationError`` (a ``ValueError``) for one this version

@@ -240,6 +240,47 @@ def test_a_generate_samples_another_job_of_the_same_user_only(core, tiny_model):
         assert op == P.Op.ERROR and why in error.message, (job, error)
 
 
+def test_a_version_its_owner_published_is_sampled_by_other_users_jobs_until_unpublished(core, tiny_model):
+    """``PUBLISH``: a job's user (or the front end for them) makes one kept policy version readable
+    by every user's jobs on that base (``of_job``, a named version only), and their own again; no
+    other user may, and a version not kept is not published."""
+    from plexctl.common import auth
+
+    d = core
+    register(d, "w0", tiny_model)
+    mine = running(d, tiny_model, "mine")
+    spec = spec_to_wire(load_spec(REPO / "configs" / "tiny-arith.yaml", [f"model.path={tiny_model}"], "theirs"))
+    d.send(b"bob", P.Op.SUBMIT, P.SubmitReq("sid-theirs", spec, "bob"), user="bob")
+    theirs = next(j.job_id for j in d.journal.jobs() if j.user == "bob")
+    (d.jobs_dir / theirs / "adapters" / "v000002").mkdir(parents=True)
+
+    def publish(user: str, version: int, public: bool = True):
+        d.sent.clear()
+        d.send(user.encode(), P.Op.PUBLISH, P.PublishReq(theirs, version, public), user=user)
+        ((op, body),) = [(op, body) for to, op, body in d.sent if to == user.encode()]
+        return body if op == P.Op.REPLY else f"{body.code}: {body.message}"
+
+    def sample(msg_id: int, version: int | None = 2):
+        d.sent.clear()
+        call(d, mine, C.GenerateReq(["1+1="], C.Sampling(max_tokens=2), version=version, of_job=theirs), msg_id)
+        refused = [body.message for to, op, body in d.sent if to == f"drv:{mine}".encode() and op == P.Op.ERROR]
+        d.place()
+        return refused[0] if refused else tasks(d)[0].task.request.adapter
+
+    assert f"no job {theirs} of" in sample(1)  # bob's alone
+    assert publish(current_user(), 2) == f"forbidden: job {theirs} is bob's: only they publish it"  # not the owner
+    assert publish("carol", 2).startswith("not_found")  # carol sees none of bob's jobs
+    assert publish("bob", 3).startswith("not_found: job") and not d.journal.is_published(theirs, 3)  # not kept
+    assert publish("bob", 2) == P.PublishRep(theirs, 2, True, changed=True)
+    assert publish(auth.INTERNAL_USER, 2) == P.PublishRep(theirs, 2, True, changed=False)  # the front end, for bob
+    adapter = sample(2)
+    assert (adapter.job_id, adapter.version) == (theirs, 2) and adapter.path.endswith("v000002")
+    assert f"no job {theirs} of" in sample(3, version=None)  # a published version is named, never "the latest"
+    assert ("published", "version 2") in [(kind, detail) for _, kind, detail in d.journal.events(theirs)]
+    assert publish("bob", 2, public=False).changed
+    assert f"no job {theirs} of" in sample(4)
+
+
 def test_a_name_resolves_among_the_callers_own_jobs(core, tiny_model):
     """A shared user's job of the same name never captures the owner's `status/cancel NAME`; another
     user's job is named `USER/NAME` or by id, and a name only others hold is refused with their ids."""

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import sqlite3
 import time
@@ -614,7 +615,61 @@ def test_a_checkpoint_is_given_a_ttl_and_deleted_through_the_sdk(service, cluste
     assert "deleted by its owner" in (cluster.state_dir / "tinker.log").read_text()
     with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
         rest.delete_checkpoint_from_tinker_path(doomed).result()  # gone already
-    with pytest.raises(tinker.BadRequestError, match="publishing checkpoints is not served here"):
+    with pytest.raises(tinker.BadRequestError, match="sampler weights are published here, not a training state"):
         rest.publish_checkpoint_from_tinker_path(kept).result()
     # what is left still loads
     training.load_state(kept).result()
+
+
+def test_published_sampler_weights_are_sampled_by_another_user_until_unpublished(service, cluster: Cluster, tmp_path):
+    """publish_checkpoint_from_tinker_path: another user of the cluster (her own key, let in by the
+    owner) samples the owner's sampler weights by their path, through the Tinker SDK and the OpenAI
+    API, the same tokens the owner gets; once unpublished, neither; she cannot publish them."""
+    openai = pytest.importorskip("openai")
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=31).result()
+    tokenizer = training.get_tokenizer()
+    for _ in range(2):
+        training.forward_backward(supervised_data(tokenizer, 8), "cross_entropy").result()
+        training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    path = training.save_weights_for_sampler("shared").result().path
+    rest = service.create_rest_client()
+    rest.publish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.ConflictError, match="already public"):
+        rest.publish_checkpoint_from_tinker_path(path).result()
+    assert {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}[path]
+
+    erin = Cluster(tmp_path / "erin-home", env={"TINKER_TELEMETRY": "0", "LOGNAME": "erin", "USER": "erin"})
+    line = erin.run("keygen", check=True).stdout.splitlines()[-1]
+    share = shlex.split(line.split("run: ", 1)[1])
+    cluster.run(*share[1:], check=True)
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["url"]
+    her_key = (erin.home / "tinker-api-key").read_text().strip()
+    prompt = tinker.ModelInput.from_ints(tokenizer("3+4=")["input_ids"])
+    greedy = tinker.SamplingParams(max_tokens=3, temperature=0.0, seed=1)
+
+    def sampled(client) -> tuple[list[int], list[float]]:
+        seq = client.sample(prompt, 1, greedy).result().sequences[0]
+        return seq.tokens, seq.logprobs
+
+    theirs = sampled(service.create_sampling_client(model_path=path).result())
+    her = tinker.ServiceClient(base_url=url, api_key=her_key)
+    try:
+        hers = sampled(her.create_sampling_client(model_path=path).result())
+        assert hers[0] == theirs[0] and hers[1] == pytest.approx(theirs[1], abs=1e-5)
+        api = openai.OpenAI(base_url=url + "/v1", api_key=her_key, max_retries=0)
+        assert path in {m.id for m in api.models.list().data}
+        chat = api.completions.create(model=path, prompt=[*prompt.to_ints()], max_tokens=3, temperature=0.0, seed=1)
+        assert chat.model == path and chat.choices[0].text == tokenizer.decode(theirs[0], skip_special_tokens=True)
+        with pytest.raises(tinker.BadRequestError, match="no training run"):
+            her.create_rest_client().publish_checkpoint_from_tinker_path(path).result()  # not hers to publish
+
+        rest.unpublish_checkpoint_from_tinker_path(path).result()
+        assert not {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}[
+            path
+        ]
+        with pytest.raises(openai.NotFoundError):
+            api.completions.create(model=path, prompt=[*prompt.to_ints()], max_tokens=3)
+        with pytest.raises(tinker.PermissionDeniedError, match="belongs to another user"):
+            her.create_sampling_client(model_path=path).result()
+    finally:
+        her.close("success").result()

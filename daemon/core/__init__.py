@@ -238,6 +238,7 @@ class DaemonCore:
         P.Op.SUBMIT: lambda core, i, h, b: core.clients.on_submit(i, h, b),
         P.Op.STATUS: lambda core, i, h, b: core.clients.on_status(i, h, b),
         P.Op.CANCEL: lambda core, i, h, b: core.clients.on_cancel(i, h, b),
+        P.Op.PUBLISH: lambda core, i, h, b: core.clients.on_publish(i, h, b),
         P.Op.LOGS: lambda core, i, h, b: core.clients.on_logs(i, h, b),
         P.Op.EXPORT: lambda core, i, h, b: core.clients.on_export(i, h, b),
         P.Op.BLOB: lambda core, i, h, b: core.clients.on_blob(i, h, b),

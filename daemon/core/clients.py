@@ -418,6 +418,27 @@ class ClientOps:
         self.lifecycle.cancel(job_id, "its Tinker session finished" if rt is not None and rt.ended_by_client else "")
         self.turn.send(identity, P.Op.REPLY, self.jobs.journal.job(job_id), header.msg_id)
 
+    def on_publish(self, identity: bytes, header: P.Header, body: P.PublishReq) -> None:
+        """A job's policy version made readable by every user (sampled by their own jobs, as
+        ``of_job``), or its owner's alone again: by the job's user (the front end for them) only."""
+        job_id = self._find(identity, header, body.job_id)
+        if job_id is None:
+            return
+        info = self.jobs.known(job_id)
+        if self.turn.sender not in (info.user, auth.INTERNAL_USER):
+            why = f"job {job_id} is {info.user}'s: only they publish it"
+            self.turn.error(identity, header.msg_id, "forbidden", why)
+            return
+        if body.public and not self.jobs.job_dir(job_id).adapter(body.version).is_dir():
+            self.turn.error(
+                identity, header.msg_id, "not_found", f"job {job_id} keeps no policy version {body.version}"
+            )
+            return
+        changed = self.jobs.journal.publish(job_id, body.version, body.public)
+        if changed:
+            self.jobs.journal.event(job_id, "published" if body.public else "unpublished", f"version {body.version}")
+        self.turn.send(identity, P.Op.REPLY, P.PublishRep(job_id, body.version, body.public, changed), header.msg_id)
+
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
         job_id = self._find(identity, header, body.job_id)
         if job_id is None:

@@ -61,10 +61,13 @@ class _CallSite:
         return adapter
 
     def _of_job(self, job_id: str, version: int | None) -> P.AdapterRef | None:
-        """Job ``job_id``'s published policy ``version`` (None: its latest), for a job of the
-        same user sampling it on the same base model (an OpenAI API request of that user's)."""
-        info = self.jobs.journal.job(job_id)
-        if info is None or info.user != self.rt.user:
+        """Job ``job_id``'s published policy ``version`` (None: its latest), for a job on the
+        same base model sampling it (an OpenAI API request): a job of the same user, or a
+        version its owner made readable by every user (``Journal.publish``)."""
+        journal = self.jobs.journal
+        info = journal.job(job_id)
+        shared = version is not None and journal.is_published(job_id, version)
+        if info is None or (info.user != self.rt.user and not shared):
             raise C.CallRefused("not_found", f"no job {job_id} of {self.rt.user or 'this user'}")
         other = self.jobs.runtimes.get(job_id)
         spec = other.spec if other is not None else self.jobs.journal.spec(job_id)

@@ -62,6 +62,7 @@ class Op:
     EXPORT = b"F"  # a job's adapter or checkpoint files, listed then read in chunks (``plexctl export``)
     DOWN = b"D"
     PING = b"P"
+    PUBLISH = b"J"  # a job's policy version readable by every user of the cluster, or its owner's alone again
     # driver -> daemon: a service call (generate, train_step, publish, checkpoint, ...)
     CALL = b"K"
     # driver -> daemon: progress of a job (step metrics)
@@ -261,6 +262,19 @@ class JobRef(msgspec.Struct):
     job_id: str
 
 
+class PublishReq(msgspec.Struct):
+    job_id: str
+    version: Annotated[int, msgspec.Meta(ge=1)]
+    public: bool = True  # False: its owner's alone again
+
+
+class PublishRep(msgspec.Struct):
+    job_id: str
+    version: int
+    public: bool
+    changed: bool  # False: it already was
+
+
 class LogsReq(msgspec.Struct):
     job_id: str
     kind: str = "log"  # log | metrics
@@ -430,6 +444,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.BLOB: BlobReq,
     Op.DOWN: Empty,
     Op.PING: Empty,
+    Op.PUBLISH: PublishReq,
     Op.CALL: CallReq,
     Op.REPORT: ReportBody,
     Op.REGISTER: RegisterReq,
@@ -459,7 +474,7 @@ MAX_HEADER_BYTES = 1 << 10  # a header is four numbers, about 70 bytes
 SMALL_BODY_BYTES = 1 << 20  # a request of ids and options
 MEDIUM_BODY_BYTES = 16 << 20  # a spec, a chunk of an upload (8 MiB: ``plexctl.inputs.CHUNK``), a worker's inventory
 MAX_BODY_BYTES: dict[bytes, int] = {  # per opcode; the rest (calls, tasks, results, replies) up to MAX_MESSAGE_BYTES
-    **{op: SMALL_BODY_BYTES for op in (Op.STATUS, Op.CANCEL, Op.LOGS, Op.EXPORT, Op.DOWN, Op.PING)},
+    **{op: SMALL_BODY_BYTES for op in (Op.STATUS, Op.CANCEL, Op.LOGS, Op.EXPORT, Op.DOWN, Op.PING, Op.PUBLISH)},
     **{op: SMALL_BODY_BYTES for op in (Op.HEARTBEAT, Op.LEAVE, Op.WORKER_EXITED, Op.RELEASE, Op.SHUTDOWN)},
     **{op: MEDIUM_BODY_BYTES for op in (Op.SUBMIT, Op.BLOB, Op.REGISTER, Op.REPORT, Op.INVENTORY, Op.PREFETCH)},
     Op.ERROR: MEDIUM_BODY_BYTES,

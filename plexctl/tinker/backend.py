@@ -67,6 +67,10 @@ class UserError(Exception):
     """A request the user can fix; ``str(error)`` is the one line they are shown."""
 
 
+class Conflict(UserError):
+    """A request at odds with what is (a checkpoint published twice): a 409."""
+
+
 class ServedModel(msgspec.Struct, frozen=True):
     """A base model the cluster trains and samples. ``tokenizer_dir``: a local directory that
     ``transformers.AutoTokenizer.from_pretrained`` loads ("": the SDK looks ``name`` up on the hub)."""
@@ -154,6 +158,7 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     time: float
     size_bytes: int | None = None
     expires_at: float | None = None
+    public: bool = False  # readable by the cluster's other users
 
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # a checkpoint's TTL, as the SDK documents it
@@ -271,6 +276,15 @@ class Backend(abc.ABC):
     def set_checkpoint_ttl(self, user: str, path: str, ttl_s: int | None, now: float) -> None:
         """The user's checkpoint at ``path`` expires ``ttl_s`` seconds after ``now`` (None: never)."""
         raise UserError("checkpoint TTLs are not served by this backend")
+
+    def publish_checkpoint(self, user: str, path: str, public: bool) -> None:
+        """Make the user's checkpoint at ``path`` readable by the cluster's other users (``public``),
+        or theirs alone again; ``Conflict`` where it already is."""
+        raise UserError("publishing checkpoints is not served by this backend")
+
+    def is_public(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` was published (readable by every user)."""
+        return False
 
     def expire(self, now: float) -> list[str]:
         """Delete the checkpoints past their TTL; their paths."""

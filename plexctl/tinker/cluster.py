@@ -59,6 +59,7 @@ from plexctl.tinker.backend import (
     MIN_TTL_S,
     Backend,
     CheckpointInfo,
+    Conflict,
     ForwardResult,
     SampledSequence,
     SampleParams,
@@ -85,6 +86,7 @@ EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<ver
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
 BASE_PREFIX = "base:"  # an OpenAI model name "base:NAME": the base model, even where a job is named NAME
 OPENAI_RUN_PREFIX = "openai-"  # the run (and sampler job) that serves a user's OpenAI requests on one base
+OF_JOB = ":of:"  # a sampler of published weights: "<the user's OpenAI run>:of:<job id>:v<version>"
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
 
@@ -122,6 +124,7 @@ class RunRecord(msgspec.Struct):
     steps: int = 0  # optim_steps taken (as of the last one)
     restarts: int = 0  # its job's restarts when the run last knew its state live (more: the state was lost)
     expires: dict[str, float] = msgspec.field(default_factory=dict)  # checkpoint path -> when it is deleted
+    public: list[str] = msgspec.field(default_factory=list)  # its sampler weights published to every user, by name
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
     loaded: LoadedState | None = None
@@ -244,6 +247,31 @@ class ClusterBackend(Backend, PolicyBackend):
         if run is None or run.record.user != user:
             raise UserError(f"no training run {model_id!r} of yours")
         return run
+
+    def _readable(self, user: str, path: str) -> Run:
+        """The run of a checkpoint ``user`` may read: theirs, or sampler weights published to all."""
+        where = parse_checkpoint_path(path)
+        run = self.runs.get(where.model_id)
+        if run is not None and run.record.user != user and self.is_public(path):
+            return run
+        return self._run(user, where.model_id)
+
+    def is_public(self, path: str) -> bool:
+        where = parse_checkpoint_path(path)
+        run = self.runs.get(where.model_id)
+        return run is not None and where.kind == "sampler" and where.name in run.record.public
+
+    def publish_checkpoint(self, user: str, path: str, public: bool) -> None:
+        where = parse_checkpoint_path(path)
+        if where.kind != "sampler":
+            raise UserError(f"{path}: sampler weights are published here, not a training state")
+        run, _ = self._saved(user, path)
+        record = run.record
+        if (where.name in record.public) == public:
+            raise Conflict(f"checkpoint {path} is {'already' if public else 'not'} public")
+        self._client().publish(record.job_id, record.samplers[where.name], public)
+        record.public = [n for n in record.public if n != where.name] + ([where.name] if public else [])
+        self._save()
 
     def _call(self, run: Run, request: C.Request) -> Any:
         """The run's call; a ``UserError`` when it failed, or when the run's trainer state was
@@ -535,7 +563,7 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def weights_info(self, user: str, path: str) -> TrainingRun:
         where = parse_checkpoint_path(path)
-        run = self._run(user, where.model_id)
+        run = self._readable(user, path)
         self._forget_gone(run)
         if where.kind == "training" and where.name not in run.record.states:
             raise UserError(f"no saved state at {path} {_GONE}")
@@ -629,7 +657,12 @@ class ClusterBackend(Backend, PolicyBackend):
     def create_sampler(self, user: str, session_id: str, model_path: str | None, base_model: str | None) -> Sampler:
         if model_path:
             where = parse_checkpoint_path(model_path)
-            run = self._run(user, where.model_id)
+            run = self._readable(user, model_path)
+            if run.record.user != user:  # published to all: sampled by the user's own sampler job
+                policy = self.policy(user, model_path)
+                served = self._server_run(user, policy.model_path).record.model_id
+                sampler_id = f"{served}{OF_JOB}{policy.job_id}:v{policy.version}"
+                return Sampler(sampler_id, run.record.base_model, model_path, tokenizer_dir=run.record.model_path)
             version = self._kept_version(run.record, where.name) if where.kind == "sampler" else None
             if version is None:
                 raise UserError(f"no sampler weights at {model_path} {_GONE}")
@@ -669,8 +702,9 @@ class ClusterBackend(Backend, PolicyBackend):
         topk_sample_logprobs: int = 0,
     ) -> SampleResult:
         model_id, _, version = sampler_id.rpartition(":v")
+        model_id, of, of_job = model_id.partition(OF_JOB)
         run = self._run(user, model_id)
-        if not run.record.sampling:  # a run's weights, not the base's
+        if not of and not run.record.sampling:  # a run's weights, not the base's
             weights = self._job_dir(run.record).adapter(int(version))
             if not weights.is_dir():
                 raise UserError(f"sampler {sampler_id}: its weights were pruned to make room for newer saves")
@@ -690,10 +724,13 @@ class ClusterBackend(Backend, PolicyBackend):
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_logprobs=topk_sample_logprobs,
         )
-        rep: C.GenerateRep = self._call(
-            run, C.GenerateReq([], sampling, [prompt_tokens], version=int(version), interactive=True)
-        )
-        first = rep.completions[0] if rep.completions else None
+        if of:  # another user's published weights, by the user's own sampler job (the daemon checks they still are)
+            policy = Policy(sampler_id, run.record.model_path, 0, of_job, int(version))
+            completions = self.generate(user, policy, prompt_tokens, sampling)
+        else:
+            request = C.GenerateReq([], sampling, [prompt_tokens], version=int(version), interactive=True)
+            completions = self._call(run, request).completions
+        first = completions[0] if completions else None
         topk = None
         if first is not None and topk_prompt_logprobs:
             topk = [None if row is None else [(t.token, t.logprob) for t in row] for row in first.topk_prompt_logprobs]
@@ -705,7 +742,7 @@ class ClusterBackend(Backend, PolicyBackend):
                     "length" if c.finish_reason == "length" else "stop",
                     [[(t.token, t.logprob) for t in row] for row in c.topk_logprobs] if topk_sample_logprobs else None,
                 )
-                for c in rep.completions
+                for c in completions
             ],
             first.prompt_logprobs if first is not None and prompt_logprobs else None,
             topk,
@@ -727,7 +764,11 @@ class ClusterBackend(Backend, PolicyBackend):
             )
             for name, version in record.samplers.items()
         ]
-        return [msgspec.structs.replace(i, expires_at=record.expires.get(i.tinker_path)) for i in out]
+        return [
+            msgspec.structs.replace(i, expires_at=record.expires.get(p), public=self.is_public(p))
+            for i in out
+            for p in (i.tinker_path,)
+        ]
 
     def _saved(self, user: str, path: str) -> tuple[Run, Path]:
         """The user's run holding the checkpoint at ``path``, and its directory; a ``UserError``
@@ -744,6 +785,8 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def delete_checkpoint(self, user: str, path: str) -> None:
         run, saved = self._saved(user, path)
+        if self.is_public(path):
+            self.publish_checkpoint(user, path, False)
         with self._room:
             self._prune(user, [self._key(saved)], why="deleted by its owner")
         run.record.expires.pop(path, None)
@@ -779,6 +822,8 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:
         model_id, _, version = sampler_id.rpartition(":v")
+        if OF_JOB in model_id:  # another user's published weights: made again from their path
+            return None
         run = self.runs.get(model_id)
         if run is None or run.record.user != user or not version.isdigit():
             return None
@@ -805,6 +850,13 @@ class ClusterBackend(Backend, PolicyBackend):
                 out.append(_job_policy(job, job.job_id, None))
                 named[job.name] = job  # a name: its newest job
         out += [_job_policy(job, name, None) for name, job in named.items()]
+        for run in list(self.runs.values()):  # sampler weights other users published to all
+            record = run.record
+            for name in record.public if record.user != user else ():
+                version = self._kept_version(record, name)
+                if version is not None:
+                    path = checkpoint_path(record.model_id, "sampler", name)
+                    out.append(Policy(path, record.model_path, context_of(record.model_path), record.job_id, version))
         return out
 
     def policy(self, user: str, model: str) -> Policy:
@@ -812,7 +864,7 @@ class ClusterBackend(Backend, PolicyBackend):
             where = parse_checkpoint_path(model)
             run = self.runs.get(where.model_id)
             version = None
-            if run is not None and run.record.user == user and where.kind == "sampler":
+            if run is not None and (run.record.user == user or self.is_public(model)) and where.kind == "sampler":
                 version = self._kept_version(run.record, where.name)
             if run is None or version is None:
                 raise NotFound(f"no sampler weights of yours at {model}")

@@ -3,13 +3,15 @@
 job's published policy, a Tinker sampler's weights, or a base model.
 
 A model is named as ``PolicyBackend.policy`` reads it: a job of the caller's by name or id (its
-latest published policy), ``JOB@VERSION``, a ``tinker://`` sampler path, or a served base model.
+latest published policy), ``JOB@VERSION``, a ``tinker://`` sampler path (the caller's, or one its
+owner published to all), or a served base model.
 The API key (``Authorization: Bearer``, as the ``openai`` SDK sends it, or ``X-API-Key``) is the
-user's Tinker key: a user sees and samples only their own jobs. Every refusal has OpenAI's error
-body, ``{"error": {"message", "type", "param", "code"}}``: 401 for a missing or refused key, 404
-for a model the user has not, 400 naming the field for a bad request (a prompt and ``max_tokens``
-past the model's context included). A streamed answer comes as server-sent events, each choice's
-text in one chunk once it is sampled, then its finish reason, then ``[DONE]``. A forced tool call
+user's Tinker key: a user sees and samples only their own jobs and what others published. Every
+refusal has OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``: 401 for a
+missing or refused key, 404 for a model the user has not, 400 naming the field for a bad request
+(a prompt and ``max_tokens`` past the model's context included). A streamed answer comes as
+server-sent events, each choice's text in one chunk once it is sampled, then its finish reason,
+then ``[DONE]``. A forced tool call
 (``tool_choice`` "required" or named) and a JSON ``response_format`` are held by the engine's
 structured decoding (``Sampling.json_schema``): such a sample that ended is JSON of the schema.
 """
@@ -69,7 +71,8 @@ class PolicyBackend(abc.ABC):
 
     @abc.abstractmethod
     def policies(self, user: str) -> list[Policy]:
-        """The models ``user`` may sample: the served base models, and their jobs with a published policy."""
+        """The models ``user`` may sample: the served base models, their jobs with a published
+        policy, and the sampler weights other users published to all (by ``tinker://`` path)."""
 
     @abc.abstractmethod
     def policy(self, user: str, model: str) -> Policy:

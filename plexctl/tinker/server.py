@@ -50,6 +50,7 @@ from plexctl.tinker.backend import (
     ID_PATTERN,
     Backend,
     CheckpointInfo,
+    Conflict,
     Sampler,
     TrainingRun,
     UserError,
@@ -351,7 +352,7 @@ class FrontEnd:
     def check_path(self, user: str, path: str) -> str:
         """A checkpoint path the user may read (a run another user made here is refused)."""
         owner = self.runs.get(parse_checkpoint_path(path).model_id)
-        if owner is not None and owner.user != user:
+        if owner is not None and owner.user != user and not self.backend.is_public(path):
             raise ApiError(403, f"checkpoint {path} belongs to another user")
         return path
 
@@ -677,7 +678,7 @@ def checkpoint_json(info: CheckpointInfo) -> dict[str, Any]:
         "time": _iso(info.time),
         "tinker_path": info.tinker_path,
         "size_bytes": info.size_bytes,
-        "public": False,
+        "public": info.public,
         "expires_at": _iso(info.expires_at) if info.expires_at is not None else None,
     }
 
@@ -748,7 +749,7 @@ def create_app(
 
     @app.exception_handler(UserError)
     async def on_user_error(request: Request, e: UserError) -> JSONResponse:
-        return _error(400, str(e))
+        return _error(409 if isinstance(e, Conflict) else 400, str(e))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -901,9 +902,12 @@ def create_app(
         return front.check_path(user, f"tinker://{model_id}/{checkpoint_id}")
 
     @app.post(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish")
-    @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish")
     async def publish(model_id: str, checkpoint_id: str, user: User) -> None:
-        raise ApiError(400, "publishing checkpoints is not served here: a checkpoint is its owner's alone")
+        await front.quick(backend.publish_checkpoint, user, saved_path(user, model_id, checkpoint_id), True)
+
+    @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def unpublish(model_id: str, checkpoint_id: str, user: User) -> None:
+        await front.quick(backend.publish_checkpoint, user, saved_path(user, model_id, checkpoint_id), False)
 
     @app.put(f"{api}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
     async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, user: User) -> None:
