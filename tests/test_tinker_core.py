@@ -316,3 +316,22 @@ def test_a_checkpoint_past_its_ttl_is_deleted_with_its_files_and_the_rest_kept(t
     assert backend.expire(9000.0) == [first]
     assert not (job / "adapters" / "v000001").exists() and (job / "adapters" / "v000002").is_dir()
     assert ClusterBackend(tmp_path).runs["s-1:train:0"].record.expires == {}
+
+
+def test_a_users_openai_sampler_run_is_served_again_after_a_restart_but_held_by_no_session(tmp_path):
+    """A restarted front end takes back the runs of its clients' sessions, whose heartbeats keep
+    them; a user's OpenAI sampler run is no session's (no heartbeat would come, and its session's
+    end would close it under a request in flight): it serves that user again until idle."""
+    import json
+
+    from plexctl.tinker.cluster import OPENAI_RUN_PREFIX, ClusterBackend
+
+    registry = tmp_path / "tinker" / "runs.json"
+    registry.parent.mkdir()
+    common = {"job_id": "j1", "user": "alice", "base_model": "t", "model_path": "/m/t", "rank": 8}
+    served = f"{OPENAI_RUN_PREFIX}abc:1"
+    runs = {"s-1:train:0": {**common, "model_id": "s-1:train:0"}, served: {**common, "model_id": served}}
+    registry.write_text(json.dumps(runs))
+    backend = ClusterBackend(tmp_path)
+    assert [run.model_id for _, run in backend.known_runs()] == ["s-1:train:0"]
+    assert backend._serving == {("alice", "/m/t"): served}

@@ -818,7 +818,13 @@ class ClusterBackend(Backend, PolicyBackend):
         return gone
 
     def known_runs(self) -> list[tuple[str, TrainingRun]]:
-        return [(r.record.user, _training_run(r.record)) for r in self.runs.values() if not r.record.ended]
+        """The runs of the clients' sessions; not a user's OpenAI sampler run, which no session
+        holds (no heartbeat keeps it: ``end_idle`` ends it, with no request in flight)."""
+        return [
+            (r.record.user, _training_run(r.record))
+            for r in self.runs.values()
+            if not r.record.ended and not r.record.model_id.startswith(OPENAI_RUN_PREFIX)
+        ]
 
     def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:
         model_id, _, version = sampler_id.rpartition(":v")
