@@ -226,12 +226,22 @@ class DrivenCore:
                 self.effects.append(e)
         return effects
 
-    def send(self, identity: bytes, op: bytes, body: object, msg_id: int = 1, user: str = "", now: float | None = None):
-        """A message from ``identity`` (sent by ``user``; default: the cluster's own processes)."""
+    def send(
+        self,
+        identity: bytes,
+        op: bytes,
+        body: object,
+        msg_id: int = 1,
+        user: str = "",
+        now: float | None = None,
+        epoch: int = 0,
+    ):
+        """A message from ``identity`` (sent by ``user``; default: the cluster's own processes;
+        ``epoch``: the sending process's, ``Header.sender_epoch``)."""
         from plexctl.common import auth
         from plexctl.common import protocol as P
 
-        header = P.Header(msg_id=msg_id)
+        header = P.Header(msg_id=msg_id, sender_epoch=epoch)
         return self.take(self.core.handle(identity, user or auth.INTERNAL_USER, op, header, body, now or time.time()))
 
     def place(self, now: float | None = None):

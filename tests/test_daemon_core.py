@@ -240,6 +240,24 @@ def test_a_generate_samples_another_job_of_the_same_user_only(core, tiny_model):
         assert op == P.Op.ERROR and why in error.message, (job, error)
 
 
+def test_a_call_sent_again_is_taken_once_but_another_process_may_reuse_its_number(core, tiny_model):
+    """A driver that reconnected sends its calls in flight again: the daemon takes each once. A
+    new process driving the same job (a restarted Tinker front end) numbers its calls afresh: its
+    call of a number the old process used is a new call, not dropped as a repeat."""
+    d = core
+    register(d, "w0", tiny_model)
+    job = running(d, tiny_model, "again")
+
+    def generates(epoch: int, msg_id: int) -> int:
+        d.send(f"drv:{job}".encode(), P.Op.CALL, P.CallReq(job, GENERATE, 0), msg_id, epoch=epoch)
+        d.place()
+        return len(tasks(d))
+
+    assert generates(epoch=1, msg_id=7) == 1
+    assert generates(epoch=1, msg_id=7) == 0  # the same process's call again: already in hand
+    assert generates(epoch=2, msg_id=7) == 1  # another process's call 7
+
+
 def test_a_version_its_owner_published_is_sampled_by_other_users_jobs_until_unpublished(core, tiny_model):
     """``PUBLISH``: a job's user (or the front end for them) makes one kept policy version readable
     by every user's jobs on that base (``of_job``, a named version only), and their own again; no

@@ -103,7 +103,10 @@ class JobRuntime:
     failure: str = ""
     engines: set[str] = field(default_factory=set)
     user: str = ""  # who submitted it
-    calls_seen: dict[int, None] = field(default_factory=dict)  # the driver's latest call ids, oldest first
+    # its drivers' latest calls, oldest first, by (sender epoch, call id): a driver that reconnected
+    # sends its calls again, while another process driving the job (a restarted Tinker front end)
+    # numbers its calls afresh
+    calls_seen: dict[tuple[int, int], None] = field(default_factory=dict)
     # calls held until the call they follow (``CallReq.after``, the key) has its result
     held_calls: dict[int, list[tuple[bytes, P.Header, P.CallReq]]] = field(default_factory=dict)
     # of those, the tasks sent ahead to the worker (``_send_ahead``), with their engine

@@ -140,9 +140,10 @@ class CallRouting:
         if rt is None:
             self.turn.error(identity, header.msg_id, "not_found", f"job {body.job_id} is not running")
             return
-        if header.msg_id in rt.calls_seen:  # sent again by a driver that reconnected: already in hand
+        seen = (header.sender_epoch, header.msg_id)
+        if seen in rt.calls_seen:  # sent again by a driver that reconnected: already in hand
             return
-        rt.calls_seen[header.msg_id] = None
+        rt.calls_seen[seen] = None
         while len(rt.calls_seen) > 256:
             del rt.calls_seen[next(iter(rt.calls_seen))]
         if rt.cancel_requested_at is not None:
