@@ -230,15 +230,16 @@ def events(cluster: Any, job: str) -> list[tuple[str, str]]:
         return list(db.execute("select kind, detail from events where job_id = ? order by id", (job,)))
 
 
-def tinker_bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
-    """Tinker's calls on a full fine-tuning job ("T"): forward_backward, then optim_step (its
-    calls again, with clipping), twice, the last publishing its weights under ``out``."""
+def tinker_bodies(out: Path, lora: Any = None) -> list[P.TaskBody | P.TaskPassBody]:
+    """Tinker's calls on a full fine-tuning job ("T", or a LoRA job of ``lora``): forward_backward
+    of five data (five micro-batches of a row: on two ranks, three rounds, one a null pass), then
+    optim_step (its call again, with clipping), twice, the last publishing its weights under ``out``."""
     from tests.test_trainer_tokens import make_data
 
-    context = C.TrainerContext(None, 9)
+    context = C.TrainerContext(lora, 9)
     sent: list[P.TaskBody | P.TaskPassBody] = []
     for step in range(2):
-        call = C.LossCall(make_data(40 + step), "importance_sampling")
+        call = C.LossCall(make_data(40 + step, count=5), "importance_sampling")
         sent.append(P.TaskBody(2 * step + 1, "T", EID, C.ForwardBackwardTask(context, call)))
         adam = C.AdamStep(learning_rate=1e-3, grad_clip_norm=0.5)
         publish = str(out / "F") if step == 1 else ""
@@ -246,23 +247,31 @@ def tinker_bodies(out: Path) -> list[P.TaskBody | P.TaskPassBody]:
     return sent
 
 
-def test_tinker_calls_on_a_full_job_on_two_ranks_are_one_ranks(model_dir: str, tmp_path: Path) -> None:
-    """Tinker's forward_backward and optim_step run whole on every rank of 2: a full fine-tuning
-    job's sharded gradients are then averaged over the ranks, not summed: the losses, log-probs,
-    gradient norms and weights are one rank's."""
-    alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, threads=1), CONFIG, tmp_path / "n1", {})})
-    want = serve_all(alone, tinker_bodies(tmp_path / "one")).results
-    with group_of(model_dir, 2, tmp_path / "n2") as group:
-        got = serve_all(GroupTrainers(group, pytest.fail), tinker_bodies(tmp_path / "two")).results
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_tinker_calls_on_two_ranks_split_their_data_and_are_one_ranks(model_dir: str, tmp_path: Path, kind: str):
+    """Tinker's forward_backward and optim_step split their micro-batches among 2 ranks, as a
+    step does (``RankSplit``): each datum's log-probs and loss are the one rank's that computed
+    it, gathered to all; the gradients summed over the ranks (a full job's shards in each
+    backward). The losses, log-probs, gradient norms and weights are a one-rank engine's."""
+    lora = None if kind == "full" else JOBS["j3"][0]
+    alone = Trainers(
+        {EID: trainer_store(TrainerEngine(model_dir, threads=1, micro_batch_rows=1), CONFIG, tmp_path / "n1", {})}
+    )
+    want = serve_all(alone, tinker_bodies(tmp_path / "one", lora)).results
+    with group_of(model_dir, 2, tmp_path / "n2", options=SPLIT) as group:
+        got = serve_all(GroupTrainers(group, pytest.fail), tinker_bodies(tmp_path / "two", lora)).results
     for task_id, (ok, value, error) in want.items():
         assert ok and got[task_id][0], (task_id, error, got[task_id][2])
         if isinstance(value, C.ForwardBackwardResult):
             assert got[task_id][1].loss == pytest.approx(value.loss, rel=1e-6)
+            for mine, theirs in zip(got[task_id][1].logprobs, value.logprobs, strict=True):
+                assert mine == pytest.approx(theirs, rel=1e-6, abs=1e-6)
         else:
-            for key in ("loss:sum", "grad_norm:mean"):
+            for key in ("loss:sum", "grad_norm:mean", "data:sum"):
                 assert got[task_id][1].metrics[key] == pytest.approx(value.metrics[key], rel=1e-6), key
-    one, two = full_weights(tmp_path / "one"), full_weights(tmp_path / "two")
-    assert all((one[k] - two[k]).abs().max() <= 1e-5 for k in one)
+    name = "model.safetensors" if lora is None else "adapter_model.safetensors"
+    one, two = (load_file(str(tmp_path / run / "F" / name)) for run in ("one", "two"))
+    assert one.keys() == two.keys() and all((one[k] - two[k]).abs().max() <= 1e-5 for k in one)
 
 
 def test_a_rank_on_another_node_joins_through_the_rendezvous_file(model_dir: str, tmp_path: Path) -> None:

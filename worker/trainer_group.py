@@ -21,8 +21,9 @@ among the ranks (``trainer_math.RankSplit``: the same cut on every rank, rank r 
 index is r modulo N, null passes evening out the count; a replicated job's gradients and metrics
 then summed in one all-reduce each, a sharded job's gradients reduce-scattered within each
 backward), data parallel: equal to a one-rank engine's up to summation order, and a job's
-step is bit for bit the same alone or in a shared pass at a given width. A job with LoRA dropout,
-and every call that is not a step (Tinker's forward_backward, log-probs), runs whole on every rank.
+step is bit for bit the same alone or in a shared pass at a given width. Tinker's forward_backward
+and optim_step split their micro-batches the same way (each datum's results gathered from the rank
+that computed it). A job with LoRA dropout, and the log-prob calls, run whole on every rank.
 A checkpoint is written once, by rank 0 (a sharded job's shards gathered as it writes), in the
 files of one rank: it restores at any width. ``TrainStep`` and ``LossGradients``, the group's own
 API, split a batch's rows instead (``row_shares``; each share's gradient scaled by ``share_scale``,

@@ -305,19 +305,27 @@ class TrainingMath:
         if bounds is None:
             bounds = micro_batch_bounds(rows.lengths, self.options.micro_batch_rows, self.options.micro_batch_tokens)
         kept = [(start, stop) for start, stop in bounds if rows.loss_mask[start:stop].any()]
+        for index, null in self.rank_passes(len(kept), split, jobs):
+            start, stop = kept[index]
+            yield start, stop, slice_rows(rows, start, stop), null
+
+    def rank_passes(self, count: int, split: RankSplit | None, jobs: list[JobState]) -> Iterator[tuple[int, bool]]:
+        """(index, null) of each of ``count`` micro-batches this process runs: all of them, or with
+        ``split`` this rank's share, then null passes (the first micro-batch again, its gradients
+        into the jobs' whole parameters undone once the caller resumes, its loss counted zero by
+        the caller, so a sharded job's reduce-scatter adds nothing: ``null`` True) until it has
+        run as many as every rank."""
         if split is None:
-            for start, stop in kept:
-                yield start, stop, slice_rows(rows, start, stop), False
+            yield from ((index, False) for index in range(count))
             return
-        for index in split.passes(len(kept)):
-            start, stop = kept[0 if index is None else index]
+        for index in split.passes(count):
             if index is not None:
-                yield start, stop, slice_rows(rows, start, stop), False
+                yield index, False
                 continue
             held = [(p, p.grad) for p in self.replicated(jobs)]  # a shard's: the other ranks' passes
             for param, grad in held:
                 param.grad = None if grad is None else grad.clone()
-            yield start, stop, slice_rows(rows, start, stop), True
+            yield 0, True
             for param, grad in held:  # the null pass's gradients undone, bit for bit
                 param.grad = grad
 
@@ -326,6 +334,16 @@ class TrainingMath:
         LoRA job without dropout (a job with dropout draws its masks as on one rank: every rank
         runs all of its rows)."""
         return self.split is not None and (job.lora is None or job.lora.dropout == 0)
+
+    def split_of(self, job: JobState) -> RankSplit | None:
+        """This rank's place among those the job's passes split among; None: it runs them all."""
+        return self.split if self._splits(job) else None
+
+    def reduce_gradients(self, job: JobState, split: RankSplit | None) -> None:
+        """The job's whole parameters' gradients summed over the ranks that split its rows (a
+        sharded job's shards were reduced in each backward); nothing without ``split``."""
+        if split is not None:
+            _reduce_gradients(self.replicated([job]), split)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

@@ -25,6 +25,7 @@ its own hyper-parameters for ``train_step``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from worker.errors import BatchError
 from worker.tinker_losses import LossInputs, check_call, loss_config, token_loss, token_loss_entry
 from worker.token_logprobs import causal_lm_parts, head_logprobs
 from worker.train_batches import PAD_ID, micro_batch_bounds
-from worker.trainer_math import PassOptions, TrainingMath
+from worker.trainer_math import PassOptions, RankSplit, TrainingMath
 from worker.trainer_slots import JobSlots, JobState
 
 MIN_PADDED_WIDTH = 16  # the narrowest padded datum; wider ones grow by an eighth of a power of two
@@ -165,17 +166,18 @@ class TokenLosses:
         check_call(call, self._vocab_size())
         config = loss_config(call.loss_fn, call.loss_fn_config)
         model = self.math.activate(job, train=False)
-        logprobs: list[list[float]] = [[] for _ in call.data]
-        losses = [0.0] * len(call.data)
+        split = self.math.split_of(job)
+        parts = list(self._token_micro_batches(call))
+        found = _DataSums(call, self.device)
         with torch.no_grad(), self.math.job_weights(job, grad=False):
-            for part in self._token_micro_batches(call):
+            for index, null in self.math.rank_passes(len(parts), split, [job]):
+                part = parts[index]
                 with self.math.forward_context():
                     logps = self._target_logprobs(model, part)
-                terms = [token_loss(call.loss_fn, config, logp, part.row_inputs(row)) for row, logp in enumerate(logps)]
-                on_host = torch.cat(logps).cpu().split(part.lengths)
-                for i, logp, term in zip(part.indices, on_host, torch.stack(terms).tolist()):
-                    logprobs[i] = logp.tolist()
-                    losses[i] = term
+                if not null:
+                    terms = [token_loss(call.loss_fn, config, lp, part.row_inputs(row)) for row, lp in enumerate(logps)]
+                    found.put(part.indices, logps, torch.stack(terms))
+        logprobs, losses = found.gathered(split)
         return ForwardBackwardResult(logprobs=logprobs, loss=sum(losses))
 
     def optim_step(self, job_id: str, calls: list[LossCall], adam: AdamStep) -> OptimStepResult:
@@ -200,6 +202,7 @@ class TokenLosses:
             with self.math.job_rng(job):
                 for call in calls:
                     losses.extend(self._accumulate_call(job, call))
+            self.math.reduce_gradients(job, self.math.split_of(job))
             grad_norm = self.math.clip_gradients(job, adam.grad_clip_norm)
             skipped = not math.isfinite(grad_norm)
             if not skipped:
@@ -221,21 +224,26 @@ class TokenLosses:
     # ------------------------------------------------------------ internals
 
     def _accumulate_call(self, job: JobState, call: LossCall) -> list[float]:
-        """Add the gradient of the call's loss to the job's parameters; each datum's loss."""
+        """Add the gradient of the call's loss to the job's parameters (on several ranks, this
+        rank's share of its micro-batches: ``optim_step`` sums the gradients); each datum's loss."""
         config = loss_config(call.loss_fn, call.loss_fn_config)
         model = self.math.activate(job, train=job.lora is not None and job.lora.dropout > 0)
-        losses = [0.0] * len(call.data)
-        for part in self._token_micro_batches(call):
-            with self.math.job_weights(job, grad=True):  # the backward too: gradients reach the job's weights
+        split = self.math.split_of(job)
+        parts = list(self._token_micro_batches(call))
+        found = _DataSums(call, self.device)
+        for index, null in self.math.rank_passes(len(parts), split, [job]):
+            part = parts[index]
+            # the backward too: gradients reach the job's weights (a shard's summed over the ranks that split)
+            with self.math.job_weights(job, grad=True, summed=split is not None):
                 with self.math.forward_context():
                     logps = self._target_logprobs(model, part)
                 terms = torch.stack(
                     [token_loss(call.loss_fn, config, logp, part.row_inputs(row)) for row, logp in enumerate(logps)]
                 )
-                terms.sum().backward()
-            for i, term in zip(part.indices, terms.tolist()):
-                losses[i] = term
-        return losses
+                (terms.sum() * 0.0 if null else terms.sum()).backward()
+            if not null:
+                found.put(part.indices, [], terms.detach())
+        return found.gathered(split)[1]
 
     def _token_micro_batches(self, call: LossCall) -> Iterator[TokenRows]:
         max_positions = getattr(cast(Any, self._base).config, "max_position_embeddings", None)
@@ -264,6 +272,30 @@ class TokenLosses:
         """Token ids the model takes in and predicts: the smaller of its embedding's and lm_head's."""
         base = cast(Any, self._base)
         return min(int(base.get_input_embeddings().weight.shape[0]), int(base.get_output_embeddings().weight.shape[0]))
+
+
+class _DataSums:
+    """A call's per-datum results as its passes find them, each rank its own data's (zeros
+    elsewhere), then every rank's summed (``gathered``): a sum with zeros adds nothing, so each
+    value is the one rank's that computed it, bit for bit."""
+
+    def __init__(self, call: LossCall, device: torch.device) -> None:
+        self.lengths = [len(d.tokens) for d in call.data]
+        self.starts = [0, *itertools.accumulate(self.lengths)][:-1]
+        self.logprobs = torch.zeros(sum(self.lengths), dtype=torch.float32, device=device)
+        self.losses = torch.zeros(len(call.data), dtype=torch.float64, device=device)
+
+    def put(self, indices: list[int], logprobs: list[torch.Tensor], losses: torch.Tensor) -> None:
+        for i, logp in zip(indices, logprobs):
+            self.logprobs[self.starts[i] : self.starts[i] + self.lengths[i]] = logp.detach().float()
+        self.losses[indices] = losses.detach().double()
+
+    def gathered(self, split: RankSplit | None) -> tuple[list[list[float]], list[float]]:
+        if split is not None:
+            split.all_reduce(self.logprobs)
+            split.all_reduce(self.losses)
+        flat = self.logprobs.cpu().split(self.lengths)
+        return [part.tolist() for part in flat], self.losses.cpu().tolist()
 
 
 @contextlib.contextmanager
