@@ -335,3 +335,28 @@ def test_a_users_openai_sampler_run_is_served_again_after_a_restart_but_held_by_
     backend = ClusterBackend(tmp_path)
     assert [run.model_id for _, run in backend.known_runs()] == ["s-1:train:0"]
     assert backend._serving == {("alice", "/m/t"): served}
+
+
+def test_a_sampler_of_published_weights_is_taken_back_after_a_restart_while_they_stay_published(tmp_path):
+    """Another user's sampler of published weights ("<their OpenAI run>:of:<job>:v<version>") is
+    known again to a restarted front end, for that user alone, and only while still published."""
+    import json
+
+    from plexctl.tinker.cluster import OF_JOB, OPENAI_RUN_PREFIX, ClusterBackend
+
+    registry = tmp_path / "tinker" / "runs.json"
+    registry.parent.mkdir()
+    common = {"base_model": "t", "model_path": "/m/t", "rank": 8}
+    theirs = {**common, "model_id": "s-1:train:0", "job_id": "j1", "user": "alice", "samplers": {"shared": 3}}
+    served = f"{OPENAI_RUN_PREFIX}abc:1"
+    runs = {
+        "s-1:train:0": {**theirs, "public": ["shared"]},
+        served: {**common, "model_id": served, "job_id": "j2", "user": "bob", "sampling": True},
+    }
+    registry.write_text(json.dumps(runs))
+    sampler_id = f"{served}{OF_JOB}j1:v3"
+    sampler = ClusterBackend(tmp_path).known_sampler("bob", sampler_id)
+    assert sampler is not None and sampler.model_path == "tinker://s-1:train:0/sampler_weights/shared"
+    assert ClusterBackend(tmp_path).known_sampler("carol", sampler_id) is None  # not carol's sampler
+    registry.write_text(json.dumps({**runs, "s-1:train:0": theirs}))  # unpublished since
+    assert ClusterBackend(tmp_path).known_sampler("bob", sampler_id) is None

@@ -828,8 +828,8 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def known_sampler(self, user: str, sampler_id: str) -> Sampler | None:
         model_id, _, version = sampler_id.rpartition(":v")
-        if OF_JOB in model_id:  # another user's published weights: made again from their path
-            return None
+        if OF_JOB in model_id:  # another user's published weights, while they still are
+            return self._published_sampler(user, sampler_id)
         run = self.runs.get(model_id)
         if run is None or run.record.user != user or not version.isdigit():
             return None
@@ -840,6 +840,21 @@ class ClusterBackend(Backend, PolicyBackend):
         if not self._job_dir(run.record).adapter(int(version)).is_dir():
             return None  # its weights were pruned
         return _sampler(run.record, int(version), paths.get(int(version), ephemeral))
+
+    def _published_sampler(self, user: str, sampler_id: str) -> Sampler | None:
+        """A sampler of ``user``'s of weights another user published ("<own run>:of:<job>:v<version>")."""
+        head, _, version = sampler_id.rpartition(":v")
+        served, _, job_id = head.partition(OF_JOB)
+        own = self.runs.get(served)
+        if own is None or own.record.user != user or not version.isdigit():
+            return None
+        for run in list(self.runs.values()):
+            record = run.record
+            for name in record.public if record.job_id == job_id else ():
+                if record.samplers.get(name) == int(version):
+                    path = checkpoint_path(record.model_id, "sampler", name)
+                    return Sampler(sampler_id, record.base_model, path, tokenizer_dir=record.model_path)
+        return None
 
     # ------------------------------------------------------------ the OpenAI API's policies
 
