@@ -8,7 +8,9 @@ full fine-tuning job's weights) alone, in micro-batches of at most ``micro_batch
 ``micro_batch_tokens`` padded tokens, under the engine's forward context (autocast on a
 bfloat16 / float16 engine), the lm_head's log-softmax ``logprob_chunk_tokens`` positions at a
 time; an ``optim_step`` of a job with LoRA dropout on the job's own RNG stream, a
-``forward_backward`` in eval mode (no dropout, no RNG drawn).
+``forward_backward`` in eval mode (no dropout, no RNG drawn). On an engine of several ranks a
+call's micro-batches split among them as a step's do (``TrainingMath.rank_passes``), each
+datum's results gathered from the rank that computed them.
 
 Invariants. A datum's log-probs and loss are a function of the datum and the job's weights
 alone, bit for bit on CPU, whichever other data share its call or micro-batch: each datum is
