@@ -634,8 +634,7 @@ def test_published_sampler_weights_are_sampled_by_another_user_until_unpublished
     path = training.save_weights_for_sampler("shared").result().path
     rest = service.create_rest_client()
     rest.publish_checkpoint_from_tinker_path(path).result()
-    with pytest.raises(tinker.ConflictError, match="already public"):
-        rest.publish_checkpoint_from_tinker_path(path).result()
+    rest.publish_checkpoint_from_tinker_path(path).result()  # again: it is (no 409, which the SDK retries 5 min)
     assert {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}[path]
 
     erin = Cluster(tmp_path / "erin-home", env={"TINKER_TELEMETRY": "0", "LOGNAME": "erin", "USER": "erin"})

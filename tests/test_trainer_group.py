@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -76,6 +77,33 @@ def test_backend_follows_the_device() -> None:
 
 
 @pytest.mark.unit
+def test_collectives_across_nodes_bind_to_the_interface_that_reaches_rank_0() -> None:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: unset, gloo binds to the address the host name
+    resolves to, a loopback one on Debian-style hosts (this one among them), which no other node
+    reaches. A group whose rank 0 is on another host binds to the interface that routes there;
+    one on this host alone, or one the user configured, is left as it is."""
+    import psutil
+
+    from worker.trainer_group import socket_env, socket_ifname
+
+    table = {"lo": ["127.0.0.1", "::1"], "eth0": ["192.168.0.5"], "ib0": ["10.1.2.3", "fe80::1"]}
+    assert socket_ifname("10.1.2.3", table) == "ib0" and socket_ifname("192.168.0.5", table) == "eth0"
+    assert socket_ifname("127.0.0.1", table) is None and socket_ifname("10.9.9.9", table) is None
+    assert socket_env("127.0.0.1", {}) == {}  # every rank on this host
+    both = {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert socket_env("192.0.2.1", both) == {}  # the user's choice stands
+    mine = {
+        name: a.address
+        for name, addresses in psutil.net_if_addrs().items()
+        for a in addresses
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    }
+    if not mine:
+        pytest.skip("this host has no IPv4 address but loopback")
+    name, address = next(iter(mine.items()))
+    assert socket_env(address, {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": name}
+
+
 def test_row_shares_cover_the_batch_in_order() -> None:
     for rows in range(1, 12):
         for width in range(1, 5):

@@ -36,8 +36,9 @@ all-gathers pair up). A rank that fails or dies takes the group down: rank 0's c
 ``TrainerGroupError`` naming it (its exit code and, where it could say, its error) within
 ``timeout_s``, and the group takes no more calls.
 
-Not here yet: ``torch.distributed.checkpoint`` (each rank writing its own shards), full
-fine-tuning of a model with tied embeddings (refused), sleep, ranks on other nodes.
+A rank of a group across nodes binds its collectives to the interface that reaches rank 0's
+node (``socket_env``). Not here yet: ``torch.distributed.checkpoint`` (each rank writing its own
+shards), full fine-tuning of a model with tied embeddings (refused), sleep.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import socket
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -105,6 +107,46 @@ class TrainerGroupError(TrainerError):
 def collective_backend(cuda_available: bool) -> str:
     """The work group's backend: NCCL between GPUs, gloo between CPU processes."""
     return "nccl" if cuda_available else "gloo"
+
+
+SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # where gloo and NCCL bind their sockets
+
+
+def socket_ifname(source: str, interfaces: Mapping[str, list[str]]) -> str | None:
+    """The network interface a rank's collectives bind to: the one holding ``source``, the address
+    this node sends from towards rank 0's (None: a loopback source, all ranks on this host, or an
+    address no interface holds). Unset, gloo binds to the address the host name resolves to: a
+    loopback one on hosts that map their name to 127.0.1.1 (Debian's default), which no other
+    node reaches."""
+    if not source or source.startswith("127.") or source == "::1":
+        return None
+    return next((name for name, addresses in interfaces.items() if source in addresses), None)
+
+
+def socket_env(rendezvous_host: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The socket interface variables to set for a group whose rank 0 is at ``rendezvous_host``:
+    those the user left unset, naming the interface that routes there (``socket_ifname``)."""
+    missing = [name for name in SOCKET_IFNAME_ENV if not environ.get(name)]
+    if not missing:
+        return {}
+    ifname = socket_ifname(_source_address(rendezvous_host), _interface_addresses())
+    return {name: ifname for name in missing} if ifname else {}
+
+
+def _source_address(host: str) -> str:
+    """The address this host sends from towards ``host`` ("" where there is no route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: the kernel picks the route's source address
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""
+
+
+def _interface_addresses() -> dict[str, list[str]]:
+    import psutil
+
+    return {name: [a.address for a in addresses] for name, addresses in psutil.net_if_addrs().items()}
 
 
 def row_shares(rows: int, width: int) -> list[range]:
@@ -186,6 +228,7 @@ class GroupRank:
         if spec.backend == "nccl":
             torch.cuda.set_device(device)  # NCCL's object collectives use the current device
         timeout = timedelta(seconds=spec.timeout_s)
+        os.environ.update(socket_env(spec.host, os.environ))  # a group across nodes: the interface that reaches them
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.width, timeout=timeout)
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # calls; idle ranks wait here
         self.engine = TrainerEngine(spec.model_path, device=device, **spec.engine_options)

@@ -67,10 +67,6 @@ class UserError(Exception):
     """A request the user can fix; ``str(error)`` is the one line they are shown."""
 
 
-class Conflict(UserError):
-    """A request at odds with what is (a checkpoint published twice): a 409."""
-
-
 class ServedModel(msgspec.Struct, frozen=True):
     """A base model the cluster trains and samples. ``tokenizer_dir``: a local directory that
     ``transformers.AutoTokenizer.from_pretrained`` loads ("": the SDK looks ``name`` up on the hub)."""
@@ -279,7 +275,7 @@ class Backend(abc.ABC):
 
     def publish_checkpoint(self, user: str, path: str, public: bool) -> None:
         """Make the user's checkpoint at ``path`` readable by the cluster's other users (``public``),
-        or theirs alone again; ``Conflict`` where it already is."""
+        or theirs alone again (where it already is: nothing to do)."""
         raise UserError("publishing checkpoints is not served by this backend")
 
     def is_public(self, path: str) -> bool:

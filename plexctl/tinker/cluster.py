@@ -59,7 +59,6 @@ from plexctl.tinker.backend import (
     MIN_TTL_S,
     Backend,
     CheckpointInfo,
-    Conflict,
     ForwardResult,
     SampledSequence,
     SampleParams,
@@ -267,8 +266,8 @@ class ClusterBackend(Backend, PolicyBackend):
             raise UserError(f"{path}: sampler weights are published here, not a training state")
         run, _ = self._saved(user, path)
         record = run.record
-        if (where.name in record.public) == public:
-            raise Conflict(f"checkpoint {path} is {'already' if public else 'not'} public")
+        if (where.name in record.public) == public:  # as asked already: done (a 409 would stall the SDK 5 minutes)
+            return
         self._client().publish(record.job_id, record.samplers[where.name], public)
         record.public = [n for n in record.public if n != where.name] + ([where.name] if public else [])
         self._save()

@@ -50,7 +50,6 @@ from plexctl.tinker.backend import (
     ID_PATTERN,
     Backend,
     CheckpointInfo,
-    Conflict,
     Sampler,
     TrainingRun,
     UserError,
@@ -749,7 +748,7 @@ def create_app(
 
     @app.exception_handler(UserError)
     async def on_user_error(request: Request, e: UserError) -> JSONResponse:
-        return _error(409 if isinstance(e, Conflict) else 400, str(e))
+        return _error(400, str(e))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, e: RequestValidationError) -> JSONResponse:
