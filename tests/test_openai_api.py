@@ -320,6 +320,21 @@ def test_a_json_schema_response_format_holds_every_sample_to_it(cluster: Cluster
     assert refused.value.body["param"] == "response_format" and "nonsense" in refused.value.body["message"]
 
 
+@pytest.mark.parametrize(
+    "choice",
+    [{"type": "function", "function": "add"}, {"type": "function"}, {"type": "tool"}, "always"],
+)
+def test_a_malformed_tool_choice_is_a_400_naming_it(choice):
+    import msgspec
+
+    from plexctl.tinker.openai_api import ApiRefusal, ChatMessage, ChatReq, Tool, chat_structure
+
+    tools = [msgspec.convert(ADD, Tool)]
+    with pytest.raises(ApiRefusal) as refused:
+        chat_structure(ChatReq(model="m", messages=[ChatMessage("user", "x")], tools=tools, tool_choice=choice))
+    assert (refused.value.status, refused.value.param) == (400, "tool_choice")
+
+
 def test_a_forced_call_is_json_of_the_tools_schemas_sampled_by_a_real_engine(tmp_path: Path):
     """tool_choice "required" and a named function, held by vLLM's structured decoding on a
     model whose characters can write JSON (tiny-arith's, with "<>()" read as "{}[]")."""

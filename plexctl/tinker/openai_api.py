@@ -11,9 +11,9 @@ refusal has OpenAI's error body, ``{"error": {"message", "type", "param", "code"
 missing or refused key, 404 for a model the user has not, 400 naming the field for a bad request
 (a prompt and ``max_tokens`` past the model's context included). A streamed answer comes as
 server-sent events, each choice's text in one chunk once it is sampled, then its finish reason,
-then ``[DONE]``. A forced tool call
-(``tool_choice`` "required" or named) and a JSON ``response_format`` are held by the engine's
-structured decoding (``Sampling.json_schema``): such a sample that ended is JSON of the schema.
+then ``[DONE]``. A forced tool call (``tool_choice`` "required" or named) and a JSON
+``response_format`` are held by the engine's structured decoding (``Sampling.json_schema``): such
+a sample that ended is JSON of the schema.
 """
 
 from __future__ import annotations
@@ -305,7 +305,8 @@ def chat_structure(req: ChatReq) -> tuple[list[Tool] | None, bool, Structure]:
     choice, tools = req.tool_choice, req.tools or []
     forced: Structure | None = None
     if isinstance(choice, dict):
-        name = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise ApiRefusal(400, 'tool_choice: give {"type": "function", "function": {"name": ...}}', "tool_choice")
         named = [t for t in tools if t.function.name == name]
