@@ -55,6 +55,7 @@ def samples(spec: dict[str, Any]) -> dict[bytes, Any]:
         P.Op.SUBMIT: P.SubmitReq("fuzz", {**spec, "algo": {**spec["algo"], "x": HOLE}}, "fuzz"),
         P.Op.STATUS: P.StatusReq(HOLE, True),
         P.Op.CANCEL: P.JobRef(HOLE),
+        P.Op.PUBLISH: P.PublishReq(HOLE, 1),
         P.Op.LOGS: P.LogsReq(HOLE),
         P.Op.EXPORT: P.ExportReq("j0001", HOLE),
         P.Op.BLOB: P.BlobReq(HOLE, 10, 0, b"abc"),
