@@ -105,7 +105,17 @@ def test_the_daemon_imports_nothing_of_the_job_library() -> None:
 WORKER_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("errors", "vllm_private", "host_heap", "io", "checkpoint_files", "engine_options", "engine_args", "shards"),
+        (
+            "errors",
+            "vllm_private",
+            "host_heap",
+            "io",
+            "checkpoint_files",
+            "checkpoint_shards",
+            "engine_options",
+            "engine_args",
+            "shards",
+        ),
     ),
     ("state copies and the store", ("state.*",)),
     (

@@ -179,7 +179,9 @@ def test_an_explicit_width_that_does_not_divide_the_trainer_gpus_is_a_problem() 
 
 def test_a_wide_trainer_keeps_a_lora_jobs_state_whole_on_every_rank() -> None:
     """LoRA adapters and their moments are replicated on a wide engine's ranks (the runtime's
-    layout): a rank holds the whole state and gradient, and only the base shrinks with the width."""
+    layout): a rank holds the whole state and gradient, and only the base shrinks with the width.
+    With tied embeddings the lm_head is a whole copy of the split embedding, and a full job's step
+    gathers its own head."""
     config = model_config_for("/models/Qwen2.5-32B-Instruct")
     job = JobShape("lora", 32, 16384)
     state = job_sizes(config, job, "bfloat16", cuda=True)[0]
@@ -192,3 +194,6 @@ def test_a_wide_trainer_keeps_a_lora_jobs_state_whole_on_every_rank() -> None:
     assert tied["tie_word_embeddings"]  # the embedding is split, the lm_head a whole copy of it
     head = tied["vocab_size"] * tied["hidden_size"] * 2
     assert rank_weights_bytes(tied, "bfloat16", 2) == math.ceil(weights_bytes(tied, "bfloat16") / 2) + head
+    full = JobShape("full", 0, 16384, target_modules=(), full=True)  # its head gathered, its gradient, in fp32
+    untied = {**tied, "tie_word_embeddings": False}
+    assert fsdp_buffer_bytes(tied, "bfloat16", full, 2) == fsdp_buffer_bytes(untied, "bfloat16", full, 2) + head * 4

@@ -30,7 +30,10 @@ from safetensors.torch import load_file
 from plexctl.common import calls as C
 from plexctl.common import cluster_config as K
 from plexctl.common import protocol as P
-from tests.test_state_store import JOBS, batch_for, tiny_qwen2
+from tests.test_nospace import fill, small_fs  # noqa: F401 - small_fs: a fixture
+from tests.test_state_store import JOBS, batch_for, job_state, tiny_qwen2
+from tests.test_trainer import assert_exactly_equal
+from worker.errors import CheckpointError
 from worker.main import attach_rank, trainer_store
 from worker.servers import GroupTrainers, Trainers
 from worker.trainer import TrainerEngine
@@ -187,9 +190,9 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
     weights carries the ranks' other summation order from step to step), its published weights within
     1e-5; on 2 ranks with room for both jobs (no swap) it ends bit for bit the same,
     so each rank's shards come back from host and NVMe exact. Its checkpoint, written at width 2,
-    restores at widths 1 and 4 with the same weights and moments."""
+    each rank writing its own shards, restores at widths 1 and 4 with the same weights and moments."""
     alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, **SPLIT), ONE_SLOT, tmp_path / "n1", {})})
-    want = metrics_of(serve_all(alone, full_bodies(tmp_path / "one")).results)
+    want = metrics_of(serve_all(alone, full_bodies(tmp_path / "one", tmp_path / "ckpt1")).results)
     ckpt = tmp_path / "ckpt"
     with full_group(model_dir, 2, tmp_path / "n2") as group:
         got = metrics_of(serve_all(GroupTrainers(group, pytest.fail), full_bodies(tmp_path / "two", ckpt)).results)
@@ -198,6 +201,8 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
         kept = metrics_of(serve_all(GroupTrainers(group, pytest.fail), full_bodies(tmp_path / "kept")).results)
     with full_group(model_dir, 4, tmp_path / "n4") as group:
         four = metrics_of(serve_all(GroupTrainers(group, pytest.fail), full_bodies(tmp_path / "four")).results)
+        group.load_checkpoint("F", str(tmp_path / "ckpt1"), None, 7)  # one rank's files, cut to 4 ranks' shards
+        group.save_checkpoint("F", str(tmp_path / "again1"), {"step": FULL_STEPS})
         group.load_checkpoint("F", str(ckpt), None, 7)
         group.save_checkpoint("F", str(tmp_path / "again"), {"step": FULL_STEPS})
     for other in (got, four):
@@ -214,14 +219,82 @@ def test_a_full_fine_tuning_job_shards_its_weights_and_trains_as_on_one_rank(mod
     restored = TrainerEngine(model_dir, **SPLIT)
     restored.load_checkpoint("F", str(ckpt), None, 7)
     assert max(shards) < restored.state_bytes("F")  # a rank holds its shards
-    saved = load_file(str(ckpt / "adapter_model.safetensors"))
-    assert all(torch.equal(restored.adapter_state_dict("F")[k], saved[k]) for k in saved)
-    moments_at_two = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
-    moments_at_four = torch.load(tmp_path / "again" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
-    again = load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
-    assert all(torch.equal(again[k], saved[k]) for k in saved)  # width 2 -> 4 -> gathered: the same bits
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert (manifest["layout"], manifest["width"]) == ("sharded", 2)
+    written = {n: r["bytes"] for n, r in manifest["files"].items() if n.endswith(".distcp")}
+    assert sorted(written) == ["shards/__0_0.distcp", "shards/__1_0.distcp"]  # each rank wrote its own
+    assert max(written.values()) < 0.8 * sum(written.values())  # its shards, not the whole state
+    weights = restored.adapter_state_dict("F")
+    assert weights.keys() == two.keys()
+    assert all(torch.equal(weights[k].to(two[k].dtype), two[k]) for k in two)  # the published step's weights
+    again = TrainerEngine(model_dir, **SPLIT)  # width 2 -> 4 -> saved by 4 ranks -> 1: the same bits
+    again.load_checkpoint("F", str(tmp_path / "again"), None, 7)
+    assert all(torch.equal(t, weights[k]) for k, t in again.adapter_state_dict("F").items())
+    moments_at_two, moments_at_four = (e.slots.job("F").optimizer.state_dict()["state"] for e in (restored, again))
+    assert moments_at_two.keys() == moments_at_four.keys() and moments_at_two
     for index, moments in moments_at_two.items():
+        assert set(moments) == {"step", "exp_avg", "exp_avg_sq"}, index
         assert all(torch.equal(moments[n], moments_at_four[index][n]) for n in moments), index
+    from_one, back = TrainerEngine(model_dir, **SPLIT), TrainerEngine(model_dir, **SPLIT)
+    from_one.load_checkpoint("F", str(tmp_path / "ckpt1"), None, 7)
+    back.load_checkpoint("F", str(tmp_path / "again1"), None, 7)  # 1 -> 4 -> saved by 4 ranks -> 1
+    assert_exactly_equal(job_state(from_one, "F"), job_state(back, "F"), "restored at 4 ranks and saved")
+
+
+def test_a_full_job_of_a_model_with_tied_embeddings_trains_on_two_ranks_as_on_one(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A model whose lm_head is its embedding: on 2 ranks the embedding is split and the head
+    whole, so a full fine-tuning job's head reads its embedding gathered, and the head's gradient
+    is summed over the ranks and folded into the embedding's shards. Its losses, gradient norms and
+    published weights (the embedding, no lm_head of its own) are one rank's within 1e-5."""
+    tied = tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2-tied"), tie_word_embeddings=True)
+    alone = Trainers({EID: trainer_store(TrainerEngine(tied, **SPLIT), ONE_SLOT, tmp_path / "n1", {})})
+    want = metrics_of(serve_all(alone, full_bodies(tmp_path / "one")).results)
+    with full_group(tied, 2, tmp_path / "n2") as group:
+        got = metrics_of(serve_all(GroupTrainers(group, pytest.fail), full_bodies(tmp_path / "two")).results)
+    for task_id, metrics in want.items():
+        for key in ("loss", "pg_loss", "tokens", "grad_norm"):
+            assert got[task_id][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-8), (task_id, key)
+    one, two = full_weights(tmp_path / "one"), full_weights(tmp_path / "two")
+    assert one.keys() == two.keys() and "lm_head.weight" not in one
+    start = load_file(str(Path(tied) / "model.safetensors"))["model.embed_tokens.weight"]
+    moved = (one["model.embed_tokens.weight"] - start).abs().max()
+    assert moved > 1e-4  # the embedding trained, its head's gradient in it
+    for key in one:
+        assert (one[key] - two[key]).abs().max() <= 1e-5, key
+
+
+def test_a_sharded_checkpoint_without_space_fails_its_task_and_the_engine_goes_on(
+    model_dir: str,
+    tmp_path: Path,
+    small_fs: Any,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A full fine-tuning job's checkpoint on 2 ranks, each writing its shards: on a filesystem too
+    full for them the task fails in one line that says so, no temp dir is left, and the engine
+    takes the next task (a checkpoint elsewhere, which restores on one rank); a shard changed on
+    disk is refused by its sha256."""
+    fs = small_fs("shared", 4 << 20)
+    context = C.TrainerContext(None, 7)
+    with full_group(model_dir, 2, tmp_path / "n2") as group:
+        server = GroupTrainers(group, pytest.fail)
+        out = serve_all(server, full_bodies(tmp_path / "out")[:2])
+        fill(fs, leave=50_000)
+        server.serve(P.TaskBody(50, "F", EID, C.CheckpointTask(context, str(fs / "ckpt"), {"step": 1})), out)
+        good = tmp_path / "good"
+        server.serve(P.TaskBody(51, "F", EID, C.CheckpointTask(context, str(good), {"step": 1})), out)
+    ok, _, error = out.results[50]
+    assert not ok and "\n" not in error
+    assert f"no space left on device writing checkpoint step 1 to {fs / 'ckpt'}" in error, error
+    assert error.endswith("nothing was written") and sorted(os.listdir(fs)) == ["filler"]
+    assert out.results[51][0], out.results[51]
+    assert TrainerEngine(model_dir, **SPLIT).load_checkpoint("F", str(good), None, 7) == {"step": 1}
+    shard = good / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"shards/__1_0\.distcp does not match its sha256"):
+        TrainerEngine(model_dir, **SPLIT).load_checkpoint("F", str(good), None, 7)
 
 
 def events(cluster: Any, job: str) -> list[tuple[str, str]]:

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -36,6 +37,10 @@ TRAINER_STATE = "trainer_state.pt"
 EXTRA = "extra.json"
 MANIFEST = "manifest.json"
 CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, EXTRA)  # checksummed by MANIFEST
+SHARDED_FILES = (ADAPTER_CONFIG, TRAINER_STATE, EXTRA)  # a sharded checkpoint's, beside its shards
+SHARDS = "shards"  # a sharded checkpoint's subdirectory: DCP's files (``worker.checkpoint_shards``)
+SHARDS_METADATA = f"{SHARDS}/.metadata"  # DCP's index of the pieces (its fixed name)
+_SHARD_FILE = re.compile(rf"{SHARDS}/__[0-9]+_[0-9]+\.distcp")
 CHECKPOINT_FORMAT = "plexrl.trainer-checkpoint/1"
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write failed for lack of disk space or quota
 
@@ -184,9 +189,16 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def is_sharded(manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint's weights and moments are shards each rank wrote (else whole files)."""
+    return manifest.get("layout") == "sharded"
+
+
 def verify_checksums(directory: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its sha256: a whole checkpoint's
+    ``CHECKPOINT_FILES``, a sharded one's ``SHARDED_FILES`` and DCP's files under ``SHARDS``."""
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES):
+    if not isinstance(files, dict) or not _expected(set(files), is_sharded(manifest)):
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST} does not list the expected files")
     for name, record in sorted(files.items()):
         path = directory / name
@@ -196,9 +208,24 @@ def verify_checksums(directory: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 (corrupt)")
 
 
-def read_checkpoint_payload(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
+def _expected(names: set[str], sharded: bool) -> bool:
+    if not sharded:
+        return names == set(CHECKPOINT_FILES)
+    shards = names - set(SHARDED_FILES)
+    return (
+        set(SHARDED_FILES) <= names
+        and SHARDS_METADATA in shards
+        and all(n == SHARDS_METADATA or _SHARD_FILE.fullmatch(n) for n in shards)
+    )
+
+
+def read_checkpoint_payload(
+    directory: Path, sharded: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict]:
+    """The weights, trainer state and ``extra`` of a verified checkpoint (``sharded``: no weights,
+    which are its shards, ``worker.checkpoint_shards.read_shards``)."""
     try:
-        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+        tensors = {} if sharded else load_file(str(directory / ADAPTER_WEIGHTS))
         trainer_state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=True)
         extra = json.loads((directory / EXTRA).read_text())
     except Exception as exc:  # noqa: BLE001 - checksums matched, so the writer itself was broken

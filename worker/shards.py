@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ShardedBase", "gather", "is_shard", "local", "shard_of"]
+__all__ = ["ShardedBase", "as_shard", "gather", "is_shard", "local", "shard_of"]
 
 
 def is_shard(param: torch.Tensor) -> bool:
@@ -33,13 +33,19 @@ def local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def as_shard(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``part``, this rank's shard, as a DTensor cut as the sharded parameter ``like`` is (no copy,
+    no communication); ``like`` whole: ``part`` itself."""
+    if not isinstance(like, DTensor):
+        return part
+    return DTensor.from_local(part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+
 def gather(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole tensor of which ``part`` is this rank's shard, cut as the sharded parameter
     ``like`` is (every rank calls it: one all-gather); ``like`` whole: ``part`` itself."""
-    if not isinstance(like, DTensor):
-        return part
-    whole = DTensor.from_local(part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
-    return whole.full_tensor()
+    whole = as_shard(part, like)
+    return whole.full_tensor() if isinstance(whole, DTensor) else whole
 
 
 def shard_of(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ durable checkpoints (adapter + optimizer + RNG + the driver's ``extra``, float32
 manifest; ``worker.checkpoint_files``), written atomically and verified before a restore. A
 full fine-tuning job publishes ``model.safetensors`` (every weight, the engine's dtype, the
 model's parameter names: what the rollout engine reloads) and checkpoints the same files as an
-adapter job, its float32 weights where the adapter would be.
+adapter job, its float32 weights where the adapter would be; on a sharded base, each rank writes
+its shards of the weights and moments instead (``worker.checkpoint_shards``), and any width reads them.
 
 Invariants. A write that runs out of disk space or quota removes its temp dir, leaves the
 previous checkpoint as it was and raises ``NoSpaceError`` (one line: the directory, the bytes it
@@ -51,19 +52,22 @@ from worker.checkpoint_files import (
     CHECKPOINT_FORMAT,
     EXTRA,
     MANIFEST,
+    SHARDED_FILES,
     TRAINER_STATE,
     file_record,
+    is_sharded,
     read_checkpoint_payload,
     read_manifest,
     verify_checksums,
     write_dir_atomically,
     write_file,
 )
+from worker.checkpoint_shards import read_shards, shared_dir, write_shards
 from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
 from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.engine_options import trainer_attention
-from worker.errors import CheckpointError, JobConfigError
-from worker.shards import ShardedBase, gather, shard_of
+from worker.errors import CheckpointError
+from worker.shards import ShardedBase, as_shard, gather, is_shard, local, shard_of
 from worker.state.arena import HostArena, HostMemoryError
 from worker.state.job_copy import BufferPool, JobStateCopy, packed_layout, tensors_to_device, tensors_to_host
 from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, causal_lm_parts, check_plain_head
@@ -197,28 +201,15 @@ class TrainerEngine:
         self.token_losses = TokenLosses(self.slots, self.math, self._base, self.options, self.device)
         self.awake = True  # the base's weights on the engine's device (see ``sleep``)
         self.host_arena: HostArena | None = None  # where the base sleeps (made on the first sleep if unset)
-        self.ranks = 1  # the ranks its base is sharded over (``shard_base``)
+        self.ranks = 1  # the ranks its base is sharded over (``shard_base``), and their mesh
+        self._mesh: Any = None
         self.step_info: dict[str, Any] = {}  # the memory plan's step, as ``status`` shows it (the worker sets it)
 
     # ------------------------------------------------------------ the parts' calls
 
     def ensure_job(self, job_id: str, lora: LoraSpec | None, seed: int) -> None:
-        """``JobSlots.ensure_job``: the job's adapter (a function of ``seed``) and AdamW, if not there.
-        A job this engine cannot train is refused (``check_job``)."""
-        self.check_job(job_id, lora)
+        """``JobSlots.ensure_job``: the job's adapter (a function of ``seed``) and AdamW, if not there."""
         self.slots.ensure_job(job_id, lora, seed)
-
-    def check_job(self, job_id: str, lora: LoraSpec | None) -> None:
-        """``JobConfigError`` for a job this engine cannot train: full fine-tuning of a model with
-        tied embeddings on a sharded base (its lm_head is a whole copy of the split embedding)."""
-        if lora is None and self.ranks > 1 and self._tied_head():
-            raise JobConfigError(
-                f"job {job_id}: full fine-tuning of a model with tied embeddings runs on trainer engines "
-                f"of one rank (this one has {self.ranks}; plexctl up --trainer-width 1)"
-            )
-
-    def _tied_head(self) -> bool:
-        return bool(getattr(self._base.config, "tie_word_embeddings", False))
 
     def shard_base(self, mesh: Any) -> None:
         """Shard the base model's weights over ``mesh`` (torch's FSDP2, ``fully_shard``): one unit
@@ -237,7 +228,7 @@ class TrainerEngine:
         own = dict(self._base.named_parameters())
         for name in self._base_params:
             self._base_params[name] = own[name]
-        self.ranks = int(mesh.size())
+        self.ranks, self._mesh = int(mesh.size()), mesh
         self.math.sharded = ShardedBase(units, self.ranks)
 
     def base_bytes(self) -> int:
@@ -442,23 +433,62 @@ class TrainerEngine:
         """Write adapter + optimizer + RNG + ``extra`` + a sha256 manifest, atomically.
 
         Everything is serialised before the first byte is written; ``NoSpaceError`` when the
-        filesystem is full (the temp dir is removed, an earlier checkpoint is untouched). The
-        files are the same at any width: a full fine-tuning job's shards are gathered (every
-        rank calls it; one that does not ``write`` returns ``{}``), so any width restores it."""
+        filesystem is full (the temp dir is removed, an earlier checkpoint is untouched). A job
+        sharded over the ranks writes its shards, each rank its own (every rank calls it; one that
+        does not ``write`` returns ``{}``; ``worker.checkpoint_shards``); any width restores it."""
         job = self.slots.job(job_id)
-        if not write and not self._gathered(job):
-            return {}
-        payload = self._checkpoint_payload(job, extra, keep=write)
+        if self._gathered(job):
+            return self._save_shards(job, Path(out_dir), extra, write)
         if not write:
             return {}
-        step = extra.get("step") if isinstance(extra, dict) else None
-        what = f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
+        payload = self._checkpoint_payload(job, extra)
         return write_dir_atomically(
             Path(out_dir),
             lambda tmp: self._write_checkpoint_files(job, tmp, payload),
-            what=what,
+            what=_checkpoint_what(extra),
             nbytes=sum(len(data) for data in payload.values()),
         )
+
+    def _save_shards(self, job: JobState, out_dir: Path, extra: dict, write: bool) -> dict:
+        """Rank 0 (``write``) makes the temp dir and tells the others; every rank writes its shards
+        of the weights and moments there; rank 0 then the small files and the manifest, and renames it."""
+        group = self._mesh.get_group()
+        state = self._shard_state(job)
+        if not write:
+            tmp = shared_dir(None, group)
+            if tmp is not None:
+                write_shards(state, tmp, group)
+            return {}
+        told = False
+
+        def write_files(tmp: Path) -> dict:
+            nonlocal told
+            told = True
+            shared_dir(tmp, group)
+            shards = write_shards(state, tmp, group)
+            return self._write_checkpoint_files(job, tmp, payload, shards)
+
+        try:
+            payload = self._checkpoint_payload(job, extra, moments=False)
+            nbytes = self.ranks * sum(t.numel() * t.element_size() for t in state.values() if is_shard(t))
+            return write_dir_atomically(out_dir, write_files, what=_checkpoint_what(extra), nbytes=nbytes)
+        except BaseException:
+            if not told:  # the others wait for the temp dir's name: none, so they stop too
+                shared_dir(None, group)
+            raise
+
+    def _shard_state(self, job: JobState) -> dict[str, torch.Tensor]:
+        """The job's weights and AdamW moments as DCP saves and loads them: this rank's shards as
+        DTensors of the base's mesh (the lm_head whole), by parameter name."""
+        state: dict[str, torch.Tensor] = {}
+        moments = job.optimizer.state_dict()["state"]
+        for index, (key, param) in enumerate(job.params.items()):
+            like = self._base_params[key]
+            state[f"weight/{key}"] = as_shard(param.detach(), like)
+            for name, view in moments.get(index, {}).items():
+                if name != "step":
+                    state[f"moment/{key}/{name}"] = as_shard(view, like)
+        return state
 
     def load_checkpoint(
         self, job_id: str, ckpt_dir: str, lora: LoraSpec | None, seed: int, weights_only: bool = False
@@ -472,13 +502,15 @@ class TrainerEngine:
             raise CheckpointError(
                 f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(lora)}"
             )
-        tensors, trainer_state, extra = read_checkpoint_payload(directory)
+        sharded = is_sharded(manifest)
+        tensors, trainer_state, extra = read_checkpoint_payload(directory, sharded)
         created = job_id not in self.slots.jobs()
-        self.check_job(job_id, lora)
         self.slots.ensure_job(job_id, lora, seed)
         job = self.slots.job(job_id)
         try:
-            if self._gathered(job):
+            if sharded:
+                tensors = self._read_shards(job, directory, trainer_state)
+            elif self._gathered(job):
                 tensors, trainer_state = self._shards_of(job, tensors, trainer_state)
             _restore_job_state(job, tensors, trainer_state, directory)
             if weights_only:
@@ -534,6 +566,25 @@ class TrainerEngine:
         optimizer["state"] = state
         return shards, {**trainer_state, "optimizer": optimizer}
 
+    def _read_shards(self, job: JobState, directory: Path, trainer_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A sharded checkpoint's weights (returned) and moments (into ``trainer_state``'s optimizer
+        state), as this engine holds them: each rank its shards, one rank the whole tensors."""
+        keys = list(job.params)
+        if trainer_state.get("param_keys") != keys:
+            raise CheckpointError(f"checkpoint {directory}: adapter keys do not match the job's adapter")
+        targets = {f"weight/{key}": as_shard(torch.empty_like(job.params[key]), self._base_params[key]) for key in keys}
+        state = trainer_state.get("optimizer", {}).get("state", {})
+        names = trainer_state.get("moments", {})
+        for index, moments in names.items():
+            key = keys[index]
+            for name in moments:
+                like = self._base_params[key]
+                targets[f"moment/{key}/{name}"] = as_shard(torch.empty_like(job.params[key]), like)
+        read_shards(targets, directory, self._mesh.get_group() if self.ranks > 1 else None)
+        for index, moments in names.items():
+            state.setdefault(index, {}).update({n: local(targets[f"moment/{keys[index]}/{n}"]) for n in moments})
+        return {key: local(targets[f"weight/{key}"]) for key in keys}
+
     def _write_adapter_files(self, job: JobState, directory: Path, weights: bytes) -> None:
         if job.lora is None:  # full fine-tuning: the weights alone, what the rollout engine reloads
             write_file(directory / FULL_WEIGHTS_FILE, weights)
@@ -543,51 +594,64 @@ class TrainerEngine:
         config.save_pretrained(str(directory))
         write_file(directory / ADAPTER_WEIGHTS, weights)
 
-    def _checkpoint_payload(self, job: JobState, extra: dict, keep: bool = True) -> dict[str, bytes]:
+    def _checkpoint_payload(self, job: JobState, extra: dict, moments: bool = True) -> dict[str, bytes]:
         """The checkpoint's files but the adapter config, serialised in memory: nothing is written
         for an ``extra`` that is not JSON, and the bytes a checkpoint needs are known up front.
-        A sharded job's weights and moments are gathered whole (every rank; ``keep`` False: {})."""
-        keys = list(job.params)
+        ``moments`` False (a sharded job, whose shards DCP writes): no weights, and the optimizer's
+        state holds its step counts, the moments' names under ``moments``."""
         optimizer = job.optimizer.state_dict()  # cloned: views would save the whole slot
         optimizer["state"] = {
-            i: {k: v.clone() if k == "step" else self._whole(job, keys[i], v).clone() for k, v in state.items()}
+            i: {k: v.clone() for k, v in state.items() if moments or k == "step"}
             for i, state in optimizer["state"].items()
         }
-        weights = self._adapter_weights(job, keep=keep)
-        if not keep:
-            return {}
         trainer_state = {
             "optimizer": optimizer,
             "rng": {name: t.clone() for name, t in job.rng_state.items()},
             "param_keys": list(job.params),
         }
+        if not moments:
+            named = job.optimizer.state_dict()["state"]
+            trainer_state["moments"] = {i: [k for k in state if k != "step"] for i, state in named.items()}
         buffer = io.BytesIO()
         torch.save(trainer_state, buffer)  # into memory: torch's own file writer loses the errno
-        return {
-            ADAPTER_WEIGHTS: weights,
-            TRAINER_STATE: buffer.getvalue(),
-            EXTRA: json.dumps(extra, sort_keys=True).encode(),
-        }
+        payload = {TRAINER_STATE: buffer.getvalue(), EXTRA: json.dumps(extra, sort_keys=True).encode()}
+        if moments:
+            payload[ADAPTER_WEIGHTS] = self._adapter_weights(job)
+        return payload
 
-    def _write_checkpoint_files(self, job: JobState, directory: Path, payload: dict[str, bytes]) -> dict:
+    def _write_checkpoint_files(
+        self, job: JobState, directory: Path, payload: dict[str, bytes], shards: dict[str, Any] | None = None
+    ) -> dict:
+        """The payload's files and the manifest; ``shards``: the files every rank wrote (a sharded
+        checkpoint: the weights and moments are there, not in ``ADAPTER_WEIGHTS``)."""
         if job.lora is None:  # the same files: the weights in ADAPTER_WEIGHTS, a config that says so
             write_file(directory / ADAPTER_CONFIG, json.dumps(lora_signature(None)).encode())
-            write_file(directory / ADAPTER_WEIGHTS, payload[ADAPTER_WEIGHTS])
+            if shards is None:
+                write_file(directory / ADAPTER_WEIGHTS, payload[ADAPTER_WEIGHTS])
         else:
             self._write_adapter_files(job, directory, payload[ADAPTER_WEIGHTS])
         for name in (TRAINER_STATE, EXTRA):
             write_file(directory / name, payload[name])
+        names = CHECKPOINT_FILES if shards is None else SHARDED_FILES
         manifest = {
             "format": CHECKPOINT_FORMAT,
             "job_id": job.job_id,
             "seed": job.seed,
             "lora": lora_signature(job.lora),
             "base_model": self.model_path,
-            "files": {name: file_record(directory / name) for name in CHECKPOINT_FILES},
+            "files": {name: file_record(directory / name) for name in names} | (shards or {}),
         }
+        if shards is not None:
+            manifest |= {"layout": "sharded", "width": self.ranks}
         with open(directory / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
         return manifest
+
+
+def _checkpoint_what(extra: Any) -> str:
+    """``checkpoint step 12``, as an error names what it was writing."""
+    step = extra.get("step") if isinstance(extra, dict) else None
+    return f"checkpoint step {step}" if isinstance(step, int) else "checkpoint"
 
 
 # ---------------------------------------------------------------- model helpers

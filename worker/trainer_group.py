@@ -24,8 +24,9 @@ backward), data parallel: equal to a one-rank engine's up to summation order, an
 step is bit for bit the same alone or in a shared pass at a given width. Tinker's forward_backward
 and optim_step split their micro-batches the same way (each datum's results gathered from the rank
 that computed it). A job with LoRA dropout, and the log-prob calls, run whole on every rank.
-A checkpoint is written once, by rank 0 (a sharded job's shards gathered as it writes), in the
-files of one rank: it restores at any width. ``TrainStep`` and ``LossGradients``, the group's own
+A LoRA job's checkpoint is written by rank 0; a sharded job's by every rank, each its own shards
+(``torch.distributed.checkpoint``; ``worker.checkpoint_shards``), rank 0 the small files and the
+manifest. Either restores at any width. ``TrainStep`` and ``LossGradients``, the group's own
 API, split a batch's rows instead (``row_shares``; each share's gradient scaled by ``share_scale``,
 then one all-reduce), take no micro-batch budget (shares could take unequal numbers of passes) and
 take LoRA jobs.
@@ -37,8 +38,7 @@ all-gathers pair up). A rank that fails or dies takes the group down: rank 0's c
 ``timeout_s``, and the group takes no more calls.
 
 A rank of a group across nodes binds its collectives to the interface that reaches rank 0's
-node (``socket_env``). Not here yet: ``torch.distributed.checkpoint`` (each rank writing its own
-shards), full fine-tuning of a model with tied embeddings (refused), sleep.
+node (``socket_env``). Not here yet: sleep.
 """
 
 from __future__ import annotations
@@ -321,7 +321,6 @@ class EnsureJob(GroupCall[None]):
     seed: int
 
     def check(self, rank: GroupRank) -> None:
-        rank.engine.check_job(self.job_id, self.lora)
         if self.lora is not None and self.lora.dropout > 0:
             raise JobConfigError(f"job {self.job_id!r}: LoRA dropout does not run on a group of ranks yet")
 
@@ -394,8 +393,8 @@ class BaseBytes(GroupCall[list[int]]):
 
 @dataclasses.dataclass(frozen=True)
 class SaveCheckpoint(GroupCall[dict]):
-    """Rank 0 writes the job's checkpoint (a LoRA job's adapter and moments are every rank's; a
-    full fine-tuning job's shards are gathered from every rank as it writes)."""
+    """Rank 0 writes the job's checkpoint (a LoRA job's adapter and moments are every rank's); a
+    full fine-tuning job's shards are written by every rank, each its own, in the same directory."""
 
     job_id: str
     out_dir: str
@@ -419,7 +418,6 @@ class LoadCheckpoint(GroupCall[dict]):
     seed: int
 
     def check(self, rank: GroupRank) -> None:
-        rank.engine.check_job(self.job_id, self.lora)
         directory = Path(self.ckpt_dir)
         manifest = read_manifest(directory)
         verify_checksums(directory, manifest)

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftModel
@@ -59,9 +59,9 @@ from worker.loss_terms import (
     aggregation_weights,
     user_token_terms,
 )
-from worker.shards import ShardedBase, is_shard, local
+from worker.shards import ShardedBase, gather, is_shard, local, shard_of
 from worker.tinker_losses import loss_function
-from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, token_logprobs
+from worker.token_logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, causal_lm_parts, token_logprobs
 from worker.train_batches import (
     Rows,
     check_batch,
@@ -232,6 +232,8 @@ class TrainingMath:
             return
         pairs = [(self._base_params[key], master) for key, master in job.params.items()]
         held = [local(base).clone() if is_shard(base) else base.data for base, _ in pairs]
+        tied = self._tied_head(job)
+        held_head = tied[0].data if tied is not None else None
         peft = self.slots.peft
         adapters_off = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
         if self.sharded is not None:
@@ -245,17 +247,18 @@ class TrainingMath:
                     else:
                         base.data = master.data if master.dtype == base.dtype else master.detach().to(base.dtype)
                     base.requires_grad_(grad)
+                if tied is not None:  # the head reads the job's embedding, gathered whole
+                    head, key = tied
+                    head.data = gather(job.params[key].detach(), self._base_params[key]).to(head.dtype)
+                    head.requires_grad_(grad)
             with adapters_off:
                 yield
             for base, master in pairs if grad else ():
                 if base.grad is None:
                     continue
-                part = local(base.grad)
-                part = part if part.dtype == master.dtype else part.to(master.dtype)
-                if master.grad is None:
-                    master.grad = part
-                else:
-                    master.grad += part
+                _add_gradient(master, local(base.grad))
+            if tied is not None and grad:
+                self._fold_head_gradient(job, tied, summed)
         finally:
             if self.sharded is not None:
                 self.sharded.reshard()
@@ -267,6 +270,31 @@ class TrainingMath:
                         base.data = data
                     base.grad = None
                     base.requires_grad_(False)
+                if tied is not None and held_head is not None:
+                    tied[0].data, tied[0].grad = held_head, None
+                    tied[0].requires_grad_(False)
+
+    def _tied_head(self, job: JobState) -> tuple[torch.nn.Parameter, str] | None:
+        """A full job's lm_head tied to its embedding on a sharded base (the head whole on every
+        rank, the embedding split): the head's weight and the embedding's key; else None."""
+        if job.lora is not None or self.sharded is None or not getattr(self._base.config, "tie_word_embeddings", False):
+            return None
+        embedding = cast(Any, self._base).get_input_embeddings().weight
+        key = next(k for k, param in self._base_params.items() if param is embedding)
+        _, head = causal_lm_parts(self._base)
+        return cast(torch.nn.Parameter, head.weight), key
+
+    def _fold_head_gradient(self, job: JobState, tied: tuple[torch.nn.Parameter, str], summed: bool) -> None:
+        """The tied head's whole gradient added to the job's embedding shard, as one rank adds the
+        two uses of the one weight: summed over the ranks first where each ran its share of the
+        rows (every rank calls it: one all-reduce), this rank's own where each ran them all."""
+        head, key = tied
+        master = job.params[key]
+        whole = head.grad.to(master.dtype) if head.grad is not None else torch.zeros_like(head, dtype=master.dtype)
+        if summed:
+            assert self.split is not None
+            self.split.all_reduce(whole)
+        _add_gradient(master, shard_of(whole, self._base_params[key]))
 
     def replicated(self, jobs: Sequence[JobState]) -> list[torch.nn.Parameter]:
         """The jobs' parameters every rank holds whole (a LoRA adapter's; a full job's on a
@@ -712,6 +740,15 @@ class TrainingMath:
                 torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
             yield
             store_rng(job.rng_state, capture_rng(self.device))
+
+
+def _add_gradient(master: torch.Tensor, part: torch.Tensor) -> None:
+    """``part`` added to ``master``'s gradient (micro-batches accumulate), in its dtype."""
+    part = part if part.dtype == master.dtype else part.to(master.dtype)
+    if master.grad is None:
+        master.grad = part
+    else:
+        master.grad += part
 
 
 def _token_terms(

@@ -35,6 +35,7 @@ from plexctl.common.spec import JobSpec, spec_from_wire, wire_rule_problems
 
 LOGS_CHUNK = 256 * 1024  # bytes of a job's log one reply carries; the client asks again from its offset
 EXPORT_CHUNK = 8 << 20  # bytes of an exported file one reply carries
+SHARDED_INDEX = "shards/.metadata"  # a sharded checkpoint's index of its shards (``worker.checkpoint_files``)
 CONTEXT_CHECK_BYTES = 16 << 20  # a shared user's data the daemon measures against the context at submit
 
 INTERNAL_OPS = {
@@ -505,9 +506,7 @@ class ClientOps:
         if source is None:
             self.turn.error(identity, header.msg_id, "not_found", f"job {job_id} has no {body.what} yet")
             return
-        files = sorted(
-            p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
-        )
+        files = sorted(p for p in source.rglob("*") if p.is_file() and not p.is_symlink() and _exported(p, source))
         if not body.path:
             listing = [P.ExportFile(str(p.relative_to(source)), p.stat().st_size) for p in files]
             self.turn.send(identity, P.Op.REPLY, P.ExportRep(f"{body.what} {source.name}", listing), header.msg_id)
@@ -537,6 +536,12 @@ class ClientOps:
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
         self.turn.send(identity, P.Op.REPLY, {"ok": True, "running": len(self.jobs.runtimes)}, header.msg_id)
         self.lifecycle.drain("plexctl down", urgent=True)
+
+
+def _exported(path: Path, source: Path) -> bool:
+    """Whether export sends ``path``: not a hidden file (a writer's temp file), but DCP's index of a
+    sharded checkpoint's shards (``shards/.metadata``, its fixed name)."""
+    return not path.name.startswith(".") or path.relative_to(source).as_posix() == SHARDED_INDEX
 
 
 def _chunk_end(data: bytes, whole_lines: bool) -> int:

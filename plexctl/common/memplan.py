@@ -182,12 +182,17 @@ def fsdp_buffer_bytes(config: Mapping[str, Any], dtype: str, job: JobShape, widt
     all-gather buffers, ``FSDP_GATHERED_LAYERS`` decoder layers' full parameters in the compute
     dtype (the layer computing and the next, prefetched), and for full fine-tuning the
     reduce-scatter buffer of one layer's gradients in fp32 (a LoRA adapter is replicated: its
-    gradients are reduced in place)."""
+    gradients are reduced in place). A full job of a model with tied embeddings also holds its
+    lm_head gathered whole from the split embedding, the head's whole gradient, and that gradient
+    in fp32 as it is summed over the ranks (``TrainingMath.job_weights``)."""
     if width <= 1:
         return 0
     layer = layer_parameters(config)
     trainable = layer if job.full else 0
-    return FSDP_GATHERED_LAYERS * layer * dtype_bytes(dtype) + trainable * FP32_BYTES
+    tied = job.full and config.get("tie_word_embeddings", False)
+    head = int(config["vocab_size"]) * int(config["hidden_size"]) if tied else 0
+    gathered = FSDP_GATHERED_LAYERS * layer * dtype_bytes(dtype) + trainable * FP32_BYTES
+    return gathered + head * (2 * dtype_bytes(dtype) + FP32_BYTES)
 
 
 def trainer_step(
