@@ -64,6 +64,12 @@ CREATE TABLE IF NOT EXISTS published (
     at REAL NOT NULL,
     PRIMARY KEY (job_id, version)
 );
+CREATE TABLE IF NOT EXISTS published_checkpoints (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
 """
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -94,6 +100,9 @@ class Journal:
         }
         self._specs: dict[str, JobSpec] = {}  # job_id -> its spec, decoded once asked for
         self._published = {(r["job_id"], r["version"]) for r in self.db.execute("SELECT * FROM published")}
+        self._published_checkpoints = {
+            (r["job_id"], r["step"]) for r in self.db.execute("SELECT * FROM published_checkpoints")
+        }
 
     def close(self) -> None:
         self.db.close()
@@ -173,22 +182,26 @@ class Journal:
         rows = self.db.execute("SELECT t, kind, detail FROM events WHERE job_id=? ORDER BY id", (job_id,))
         return [(r["t"], r["kind"], r["detail"]) for r in rows]
 
-    def publish(self, job_id: str, version: int, public: bool) -> bool:
-        """Make policy ``version`` of the job readable by every user of the cluster (``public``)
-        or its owner's alone again; whether that changed anything."""
+    def publish(self, job_id: str, version: int, public: bool, checkpoint: bool = False) -> bool:
+        """Make policy ``version`` of the job (``checkpoint``: its checkpoint of that step, a
+        training state) readable by every user of the cluster (``public``) or its owner's alone
+        again; whether that changed anything."""
         key = (job_id, version)
-        if (key in self._published) == public:
+        held = self._published_checkpoints if checkpoint else self._published
+        if (key in held) == public:
             return False
+        table, column = ("published_checkpoints", "step") if checkpoint else ("published", "version")
         with self._durable():
             if public:
-                self.db.execute("INSERT INTO published VALUES (?,?,?)", (job_id, version, time.time()))
+                self.db.execute(f"INSERT INTO {table} VALUES (?,?,?)", (job_id, version, time.time()))
             else:
-                self.db.execute("DELETE FROM published WHERE job_id=? AND version=?", key)
-        (self._published.add if public else self._published.discard)(key)
+                self.db.execute(f"DELETE FROM {table} WHERE job_id=? AND {column}=?", key)
+        (held.add if public else held.discard)(key)
         return True
 
-    def is_published(self, job_id: str, version: int) -> bool:
-        return (job_id, version) in self._published
+    def is_published(self, job_id: str, version: int, checkpoint: bool = False) -> bool:
+        """Whether policy ``version`` of the job (``checkpoint``: its checkpoint of that step) is public."""
+        return (job_id, version) in (self._published_checkpoints if checkpoint else self._published)
 
     def spec(self, job_id: str) -> JobSpec:
         """The job's spec; ``msgspec.ValidationError`` (a ``ValueError``) for one this version

@@ -176,6 +176,8 @@ def test_a_drain_admits_nothing_tells_each_job_at_its_publish_and_stops_once_the
 
 
 def test_a_restore_names_a_checkpoint_of_the_users_own_jobs_only(core, tiny_model, tmp_path):
+    """A job restores a checkpoint of a job of its own user's, or one another user published
+    (``PUBLISH`` of a checkpoint: a training state), until they unpublish it; nothing else."""
     from plexctl.common import auth
 
     d = core
@@ -208,6 +210,27 @@ def test_a_restore_names_a_checkpoint_of_the_users_own_jobs_only(core, tiny_mode
         assert op == P.Op.ERROR and "is not a checkpoint of a job of" in error.message, path
     d.place()
     assert tasks(d) == []
+
+    def publish(step: int, public: bool) -> object:  # bob's checkpoint, a training state, readable by every user
+        d.sent.clear()
+        d.send(b"bob", P.Op.PUBLISH, P.PublishReq(theirs, step, public, checkpoint=True), user="bob")
+        ((op, body),) = [(op, body) for to, op, body in d.sent if to == b"bob"]
+        return body if op == P.Op.REPLY else f"{body.code}: {body.message}"
+
+    assert publish(2, True) == f"not_found: job {theirs} keeps no checkpoint step 2"
+    assert publish(1, True) == P.PublishRep(theirs, 1, True, changed=True, checkpoint=True)
+    assert not d.journal.is_published(theirs, 1)  # a checkpoint, not policy version 1
+    published = d.jobs_dir / theirs / "ckpt" / "step-000001"
+    answer(d, "w0", restore, C.RestoreResult({}))  # the trainer's one task in hand ends
+    call(d, other, C.RestoreReq(str(published)), 20)
+    d.place()
+    (restore,) = tasks(d)
+    assert restore.task.ckpt_dir == str(published)
+    assert publish(1, False).changed
+    d.sent.clear()
+    call(d, mine, C.RestoreReq(str(published)), 21)
+    ((op, error),) = [(op, body) for to, op, body in d.sent if to == f"drv:{mine}".encode()]
+    assert op == P.Op.ERROR and "is not a checkpoint of a job of" in error.message
 
 
 def test_a_generate_samples_another_job_of_the_same_user_only(core, tiny_model):
@@ -294,7 +317,7 @@ def test_a_version_its_owner_published_is_sampled_by_other_users_jobs_until_unpu
     adapter = sample(2)
     assert (adapter.job_id, adapter.version) == (theirs, 2) and adapter.path.endswith("v000002")
     assert f"no job {theirs} of" in sample(3, version=None)  # a published version is named, never "the latest"
-    assert ("published", "version 2") in [(kind, detail) for _, kind, detail in d.journal.events(theirs)]
+    assert ("published", "policy version 2") in [(kind, detail) for _, kind, detail in d.journal.events(theirs)]
     assert publish("bob", 2, public=False).changed
     assert f"no job {theirs} of" in sample(4)
 

@@ -615,16 +615,15 @@ def test_a_checkpoint_is_given_a_ttl_and_deleted_through_the_sdk(service, cluste
     assert "deleted by its owner" in (cluster.state_dir / "tinker.log").read_text()
     with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
         rest.delete_checkpoint_from_tinker_path(doomed).result()  # gone already
-    with pytest.raises(tinker.BadRequestError, match="sampler weights are published here, not a training state"):
-        rest.publish_checkpoint_from_tinker_path(kept).result()
     # what is left still loads
     training.load_state(kept).result()
 
 
-def test_published_sampler_weights_are_sampled_by_another_user_until_unpublished(service, cluster: Cluster, tmp_path):
+def test_published_checkpoints_are_read_by_another_user_until_unpublished(service, cluster: Cluster, tmp_path):
     """publish_checkpoint_from_tinker_path: another user of the cluster (her own key, let in by the
     owner) samples the owner's sampler weights by their path, through the Tinker SDK and the OpenAI
-    API, the same tokens the owner gets; once unpublished, neither; she cannot publish them."""
+    API, the same tokens the owner gets, and starts a run of her own from the owner's published
+    state, its loss the owner's there; once unpublished, neither; she cannot publish them."""
     openai = pytest.importorskip("openai")
     training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=31).result()
     tokenizer = training.get_tokenizer()
@@ -632,10 +631,15 @@ def test_published_sampler_weights_are_sampled_by_another_user_until_unpublished
         training.forward_backward(supervised_data(tokenizer, 8), "cross_entropy").result()
         training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     path = training.save_weights_for_sampler("shared").result().path
+    state = training.save_state("shared").result().path
+    data = supervised_data(tokenizer, 4)
+    owners_loss = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     rest = service.create_rest_client()
-    rest.publish_checkpoint_from_tinker_path(path).result()
+    for published in (path, state):
+        rest.publish_checkpoint_from_tinker_path(published).result()
     rest.publish_checkpoint_from_tinker_path(path).result()  # again: it is (no 409, which the SDK retries 5 min)
-    assert {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}[path]
+    listed = {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed[path] and listed[state]
 
     erin = Cluster(tmp_path / "erin-home", env={"TINKER_TELEMETRY": "0", "LOGNAME": "erin", "USER": "erin"})
     line = erin.run("keygen", check=True).stdout.splitlines()[-1]
@@ -661,11 +665,25 @@ def test_published_sampler_weights_are_sampled_by_another_user_until_unpublished
         assert chat.model == path and chat.choices[0].text == tokenizer.decode(theirs[0], skip_special_tokens=True)
         with pytest.raises(tinker.BadRequestError, match="no training run"):
             her.create_rest_client().publish_checkpoint_from_tinker_path(path).result()  # not hers to publish
+        her_run = her.create_training_client_from_state(state).result()  # a run of hers, from the owner's state
+        assert her_run.model_id != training.model_id
+        assert her_run.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            owners_loss, rel=1e-6
+        )
+        her_run.forward_backward(data, "cross_entropy").result()
+        her_run.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()  # hers trains on; the owner's is as it was
+        assert training.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            owners_loss, rel=1e-6
+        )
 
-        rest.unpublish_checkpoint_from_tinker_path(path).result()
-        assert not {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}[
-            path
-        ]
+        for published in (path, state):
+            rest.unpublish_checkpoint_from_tinker_path(published).result()
+        listed = {c.tinker_path: c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+        assert not listed[path] and not listed[state]
+        with pytest.raises(tinker.RequestFailedError, match="belongs to another user"):
+            her.create_training_client_from_state(state).result()
+        with pytest.raises(tinker.RequestFailedError, match="belongs to another user"):
+            her_run.load_state(state).result()
         with pytest.raises(openai.NotFoundError):
             api.completions.create(model=path, prompt=[*prompt.to_ints()], max_tokens=3)
         with pytest.raises(tinker.PermissionDeniedError, match="belongs to another user"):

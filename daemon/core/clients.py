@@ -421,7 +421,8 @@ class ClientOps:
 
     def on_publish(self, identity: bytes, header: P.Header, body: P.PublishReq) -> None:
         """A job's policy version made readable by every user (sampled by their own jobs, as
-        ``of_job``), or its owner's alone again: by the job's user (the front end for them) only."""
+        ``of_job``), or a checkpoint of it (restored into their own jobs, ``restore_from``), or
+        its owner's alone again: by the job's user (the front end for them) only."""
         job_id = self._find(identity, header, body.job_id)
         if job_id is None:
             return
@@ -430,15 +431,16 @@ class ClientOps:
             why = f"job {job_id} is {info.user}'s: only they publish it"
             self.turn.error(identity, header.msg_id, "forbidden", why)
             return
-        if body.public and not self.jobs.job_dir(job_id).adapter(body.version).is_dir():
-            self.turn.error(
-                identity, header.msg_id, "not_found", f"job {job_id} keeps no policy version {body.version}"
-            )
+        job_dir, what = self.jobs.job_dir(job_id), _published_what(body)
+        kept = job_dir.checkpoint(body.version) if body.checkpoint else job_dir.adapter(body.version)
+        if body.public and not kept.is_dir():
+            self.turn.error(identity, header.msg_id, "not_found", f"job {job_id} keeps no {what}")
             return
-        changed = self.jobs.journal.publish(job_id, body.version, body.public)
+        changed = self.jobs.journal.publish(job_id, body.version, body.public, body.checkpoint)
         if changed:
-            self.jobs.journal.event(job_id, "published" if body.public else "unpublished", f"version {body.version}")
-        self.turn.send(identity, P.Op.REPLY, P.PublishRep(job_id, body.version, body.public, changed), header.msg_id)
+            self.jobs.journal.event(job_id, "published" if body.public else "unpublished", what)
+        rep = P.PublishRep(job_id, body.version, body.public, changed, body.checkpoint)
+        self.turn.send(identity, P.Op.REPLY, rep, header.msg_id)
 
     def on_logs(self, identity: bytes, header: P.Header, body: P.LogsReq) -> None:
         job_id = self._find(identity, header, body.job_id)
@@ -536,6 +538,11 @@ class ClientOps:
     def on_down(self, identity: bytes, header: P.Header, body: P.Empty) -> None:
         self.turn.send(identity, P.Op.REPLY, {"ok": True, "running": len(self.jobs.runtimes)}, header.msg_id)
         self.lifecycle.drain("plexctl down", urgent=True)
+
+
+def _published_what(body: P.PublishReq) -> str:
+    """``policy version 3`` or ``checkpoint step 12``, as events and errors name it."""
+    return f"checkpoint step {body.version}" if body.checkpoint else f"policy version {body.version}"
 
 
 def _exported(path: Path, source: Path) -> bool:

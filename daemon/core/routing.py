@@ -104,8 +104,14 @@ class _CallSite:
         path = Path(os.path.realpath(ckpt_dir))  # a checkpoint of a job of the user's: <jobs>/<job>/ckpt/step-N
         job_dir = JobDir(path.parent.parent)
         if job_dir.root.parent == Path(os.path.realpath(self.jobs.jobs_dir)) and job_dir.is_checkpoint(path):
-            owner = self.jobs.journal.job(job_dir.root.name)
+            journal, job_id = self.jobs.journal, job_dir.root.name
+            owner = journal.job(job_id)
             if owner is not None and owner.user == rt.user:
+                return str(path)
+            if owner is not None and journal.is_published(job_id, JobDir.parse_step(path.name), checkpoint=True):
+                model = journal.spec(job_id).model.path  # published to every user: theirs to restore, same base
+                if os.path.realpath(model) != os.path.realpath(rt.spec.model.path):
+                    raise C.CallRefused("bad_request", f"{ckpt_dir} trains {model}, not {rt.spec.model.path}")
                 return str(path)
         raise C.CallRefused("bad_request", f"{ckpt_dir} is not a checkpoint of a job of {rt.user or 'this user'}")
 

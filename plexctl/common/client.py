@@ -154,9 +154,11 @@ class Client:
     def cancel(self, job_id: str) -> P.JobInfo:
         return msgspec.convert(self.request(P.Op.CANCEL, P.JobRef(job_id)), P.JobInfo)
 
-    def publish(self, job_id: str, version: int, public: bool = True) -> P.PublishRep:
-        """Make the job's policy ``version`` readable by the cluster's other users (or not again)."""
-        return msgspec.convert(self.request(P.Op.PUBLISH, P.PublishReq(job_id, version, public)), P.PublishRep)
+    def publish(self, job_id: str, version: int, public: bool = True, checkpoint: bool = False) -> P.PublishRep:
+        """Make the job's policy ``version`` (``checkpoint``: its checkpoint of that step) readable
+        by the cluster's other users (or not again)."""
+        req = P.PublishReq(job_id, version, public, checkpoint)
+        return msgspec.convert(self.request(P.Op.PUBLISH, req), P.PublishRep)
 
     def logs(self, job_id: str, kind: str = "log", offset: int = 0) -> P.LogsRep:
         return msgspec.convert(self.request(P.Op.LOGS, P.LogsReq(job_id, kind, offset)), P.LogsRep)

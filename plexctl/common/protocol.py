@@ -264,8 +264,9 @@ class JobRef(msgspec.Struct):
 
 class PublishReq(msgspec.Struct):
     job_id: str
-    version: Annotated[int, msgspec.Meta(ge=1)]
+    version: Annotated[int, msgspec.Meta(ge=1)]  # its policy version, or (``checkpoint``) its checkpoint's step
     public: bool = True  # False: its owner's alone again
+    checkpoint: bool = False  # a checkpoint (a training state), not a policy version
 
 
 class PublishRep(msgspec.Struct):
@@ -273,6 +274,7 @@ class PublishRep(msgspec.Struct):
     version: int
     public: bool
     changed: bool  # False: it already was
+    checkpoint: bool = False
 
 
 class LogsReq(msgspec.Struct):

@@ -124,6 +124,7 @@ class RunRecord(msgspec.Struct):
     restarts: int = 0  # its job's restarts when the run last knew its state live (more: the state was lost)
     expires: dict[str, float] = msgspec.field(default_factory=dict)  # checkpoint path -> when it is deleted
     public: list[str] = msgspec.field(default_factory=list)  # its sampler weights published to every user, by name
+    public_states: list[str] = msgspec.field(default_factory=list)  # its saved states published, by name
     ended: bool = False  # its session ended: its job is over
     sampling: bool = False  # a base model's sampler (no training client): its job only samples
     loaded: LoadedState | None = None
@@ -248,7 +249,7 @@ class ClusterBackend(Backend, PolicyBackend):
         return run
 
     def _readable(self, user: str, path: str) -> Run:
-        """The run of a checkpoint ``user`` may read: theirs, or sampler weights published to all."""
+        """The run of a checkpoint ``user`` may read: theirs, or one published to all."""
         where = parse_checkpoint_path(path)
         run = self.runs.get(where.model_id)
         if run is not None and run.record.user != user and self.is_public(path):
@@ -258,18 +259,24 @@ class ClusterBackend(Backend, PolicyBackend):
     def is_public(self, path: str) -> bool:
         where = parse_checkpoint_path(path)
         run = self.runs.get(where.model_id)
-        return run is not None and where.kind == "sampler" and where.name in run.record.public
+        if run is None:
+            return False
+        return where.name in (run.record.public if where.kind == "sampler" else run.record.public_states)
 
     def publish_checkpoint(self, user: str, path: str, public: bool) -> None:
+        """Sampler weights (sampled by others' samplers) or a saved state (loaded into others' runs)
+        made readable by every user of the cluster, or the owner's alone again."""
         where = parse_checkpoint_path(path)
-        if where.kind != "sampler":
-            raise UserError(f"{path}: sampler weights are published here, not a training state")
-        run, _ = self._saved(user, path)
+        run, saved = self._saved(user, path)
         record = run.record
-        if (where.name in record.public) == public:  # as asked already: done (a 409 would stall the SDK 5 minutes)
+        if self.is_public(path) == public:  # as asked already: done (a 409 would stall the SDK 5 minutes)
             return
-        self._client().publish(record.job_id, record.samplers[where.name], public)
-        record.public = [n for n in record.public if n != where.name] + ([where.name] if public else [])
+        if where.kind == "sampler":
+            self._client().publish(record.job_id, record.samplers[where.name], public)
+            record.public = _listed(record.public, where.name, public)
+        else:
+            self._client().publish(record.job_id, JobDir.parse_step(saved.name), public, checkpoint=True)
+            record.public_states = _listed(record.public_states, where.name, public)
         self._save()
 
     def _call(self, run: Run, request: C.Request) -> Any:
@@ -630,7 +637,7 @@ class ClusterBackend(Backend, PolicyBackend):
     def load_state(self, user: str, model_id: str, path: str, optimizer: bool) -> None:
         run = self._run(user, model_id)
         where = parse_checkpoint_path(path)
-        source_run = self._run(user, where.model_id)
+        source_run = self._readable(user, path)
         self._forget_gone(source_run)
         source = source_run.record
         saved = source.states.get(where.name) if where.kind == "training" else None
@@ -983,6 +990,11 @@ def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
     if version > latest:
         raise NotFound(f"job {job.job_id} ({job.name}) has published policy versions up to {latest}, not {version}")
     return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at), latest=not named)
+
+
+def _listed(names: list[str], name: str, present: bool) -> list[str]:
+    """``names`` with ``name`` in it (``present``) or not, in the order they came."""
+    return [n for n in names if n != name] + ([name] if present else [])
 
 
 def _restore_point(record: RunRecord) -> LoadedState | None:
