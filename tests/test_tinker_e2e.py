@@ -690,3 +690,25 @@ def test_published_checkpoints_are_read_by_another_user_until_unpublished(servic
             her.create_sampling_client(model_path=path).result()
     finally:
         her.close("success").result()
+
+
+def test_a_samplers_requests_sent_together_are_sampled_side_by_side(service, cluster: Cluster):
+    """A sampling client's requests in flight at once (a group per prompt, as the SDK's users send
+    them) run side by side on the rollout engine, batched: on the engine timeline their generate
+    tasks overlap, where one at a time each would start after the last ended."""
+    import itertools
+
+    from plexctl.common.client import Client
+
+    training = service.create_lora_training_client(base_model="tiny-arith", rank=8, seed=41).result()
+    tokenizer = training.get_tokenizer()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompts = [tinker.ModelInput.from_ints(tokenizer(f"{a}+2=")["input_ids"]) for a in range(4)]
+    params = tinker.SamplingParams(max_tokens=40, stop=[], seed=1)  # no stop, not even at EOS: 40 tokens each
+    futures = [sampler.sample(prompt, 4, params) for prompt in prompts]
+    assert all(len(f.result().sequences[0].tokens) == 40 for f in futures)
+    job = _job_of(cluster, training)
+    timeline = Client(read_endpoint(cluster.state_dir).address).status(timeline=True).timeline
+    spans = [s for s in timeline if s.job_id == job and s.method == "generate"][-len(prompts) :]
+    assert len(spans) == len(prompts)
+    assert any(a.start < b.end and b.start < a.end for a, b in itertools.combinations(spans, 2)), spans

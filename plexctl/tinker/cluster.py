@@ -29,6 +29,7 @@ directory of the cluster's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,8 +38,9 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import msgspec
 
@@ -85,6 +87,7 @@ EPHEMERAL_PREFIX = "ephemeral-"  # tinker://<run>/sampler_weights/ephemeral-<ver
 JOBS_DIR = "jobs"  # <state>/jobs/<job id>: the job directories the daemon lays out (``JobDir``)
 BASE_PREFIX = "base:"  # an OpenAI model name "base:NAME": the base model, even where a job is named NAME
 OPENAI_RUN_PREFIX = "openai-"  # the run (and sampler job) that serves a user's OpenAI requests on one base
+MAX_IDLE_SAMPLER_CLIENTS = 32  # a run's idle clients kept for its generate calls (more are made, then closed)
 OF_JOB = ":of:"  # a sampler of published weights: "<the user's OpenAI run>:of:<job id>:v<version>"
 SAMPLER_IDLE_S = 600.0  # sampler weights no live run made or sampled for this long may be pruned for room
 
@@ -155,6 +158,7 @@ class Run:
         self.pending: list[C.LossCall] = []
         self.lock = threading.Lock()  # one call of the job's client at a time
         self.client: JobClient | None = None
+        self.samplers: list[JobClient] = []  # idle clients of its generate calls, which run side by side
         self.resuming = False  # taken back after a restart: its first call finds its job again
         self.resumed: Resumed | None = None  # until its next forward_backward: what a rollback lost
 
@@ -168,6 +172,7 @@ class ClusterBackend(Backend, PolicyBackend):
         self.registry = state_dir / "tinker" / "runs.json"
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
+        self._sampler_clients = 0  # clients made for runs' generate calls (each named by its number)
         self._starting: dict[str, threading.Lock] = {}  # a base model's sampler job, while it starts
         self._local = threading.local()
         self._room = threading.Lock()  # one save makes room at a time
@@ -281,20 +286,61 @@ class ClusterBackend(Backend, PolicyBackend):
 
     def _call(self, run: Run, request: C.Request) -> Any:
         """The run's call; a ``UserError`` when it failed, or when the run's trainer state was
-        lost since its last call (the error says which step it went back to)."""
+        lost since its last call (the error says which step it went back to). Its training calls
+        go one at a time, in order; its generate calls side by side, each on a client of its own
+        (``_sampler_client``), so the rollout engine batches them."""
+        if isinstance(request, C.GenerateReq):
+            with run.lock:
+                if run.resuming and self._resume(run):
+                    raise UserError(self._told(run))
+            try:
+                with self._sampler_client(run) as client:
+                    return client.wait(client.call_async(request))
+            except CallFailed as failed:
+                with run.lock:
+                    return self._failed(run, failed)
         with run.lock:
             if run.resuming and self._resume(run):
                 raise UserError(self._told(run))
-            if not isinstance(request, C.GenerateReq) and self._restarted(run) and self._resume(run):
+            if self._restarted(run) and self._resume(run):
                 raise UserError(self._told(run))  # its trainer state was lost since its last call
             client = self._job_client(run)
             try:
                 return client.wait(client.call_async(request))
             except CallFailed as failed:  # answered ``rolled_back``, or its job is not running: did it restart?
-                if not self._restarted(run):
-                    raise UserError(str(failed)) from None
-            self._resume(run)  # its trainer state was lost under this call: the state it goes on from
-            raise UserError(self._told(run))
+                return self._failed(run, failed)
+
+    def _failed(self, run: Run, failed: CallFailed) -> NoReturn:
+        """A ``UserError`` for a call that failed: its own error, or, where the run's job restarted
+        under it, the step its trainer state went back to (under ``run.lock``)."""
+        if not self._restarted(run):
+            raise UserError(str(failed)) from None
+        self._resume(run)  # its trainer state was lost under this call: the state it goes on from
+        raise UserError(self._told(run))
+
+    @contextlib.contextmanager
+    def _sampler_client(self, run: Run) -> Iterator[JobClient]:
+        """An idle client of the run's job for one generate call (a new one where all are busy),
+        back among the idle ones after it, or closed if the run ended meanwhile."""
+        with self._lock:
+            client = run.samplers.pop() if run.samplers else None
+            self._sampler_clients += client is None
+            serial = self._sampler_clients
+        if client is None:
+            address = read_endpoint(self.state_dir).address
+            identity = f"tinker:{run.record.job_id}:{os.getpid()}:s{serial}"
+            client = JobClient(
+                address, run.record.job_id, endpoint_file=endpoint_path(self.state_dir), log=log.info, identity=identity
+            )
+        try:
+            yield client
+        finally:
+            with self._lock:
+                kept = not run.record.ended and len(run.samplers) < MAX_IDLE_SAMPLER_CLIENTS
+                if kept:
+                    run.samplers.append(client)
+            if not kept:
+                client.close()
 
     def _restarted(self, run: Run) -> bool:
         """Whether the run's job restarted since the run last knew its state live (a sampler's
@@ -982,6 +1028,10 @@ class ClusterBackend(Backend, PolicyBackend):
         if run.client is not None:
             run.client.close()
             run.client = None
+        with self._lock:
+            idle, run.samplers = run.samplers, []
+        for client in idle:
+            client.close()
 
 
 def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
