@@ -92,7 +92,14 @@ class _Policies(PolicyBackend):
         path = self.endpoint.job.spec.model.path
         return Policy(model, path, context_of(path), version=self.endpoint.job.version)
 
-    def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: Sampling) -> list[Completion]:
+    def generate(
+        self,
+        user: str,
+        policy: Policy,
+        prompt_tokens: list[int],
+        sampling: Sampling,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> list[Completion]:
         if sampling.n != 1:
             raise UserError("an episode's request samples one choice (n=1)")
         asked = _Asked(prompt_tokens, sampling, cf.Future())

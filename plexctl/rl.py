@@ -251,6 +251,7 @@ class JobClient(CallClient):
         self._replies: dict[int, tuple[bytes, Any]] = {}
         self._in_flight: dict[int, list[bytes]] = {}  # call id -> its frames, until the reply
         self._reply_types: dict[int, type[C.Reply]] = {}  # call id -> its method's reply type
+        self._partials: dict[int, Callable[[P.PartialBody], None]] = {}  # call id -> where its tokens go
         self._lost_since: float | None = None  # when the daemon went away
         self._connected_once = False
 
@@ -259,10 +260,16 @@ class JobClient(CallClient):
         self._monitor.close(linger=0)
         self._sock.close()
 
-    def call_async(self, request: C.Request, after: int | None = None) -> int:
+    def call_async(
+        self, request: C.Request, after: int | None = None, on_partial: Callable[[P.PartialBody], None] | None = None
+    ) -> int:
+        """``CallClient.call_async``; ``on_partial``: called, in ``wait``, with each batch of tokens a
+        streamed generate (``Sampling.stream``) sampled, before its reply."""
         frames, msg_id = P.encode(P.Op.CALL, P.CallReq(self.job_id, request, after or 0))  # type: ignore[arg-type]
         self._in_flight[msg_id] = frames
         self._reply_types[msg_id] = C.METHODS[request.method].reply
+        if on_partial is not None:
+            self._partials[msg_id] = on_partial
         self.train_calls += request.method == "train_step"
         send_frames(self._sock, frames)
         return msg_id
@@ -315,10 +322,16 @@ class JobClient(CallClient):
                 op, header, body = P.decode(recv_message(self._sock))
             except P.ProtocolError:
                 continue
+            if op == P.Op.PARTIAL:
+                told = self._partials.get(header.in_reply_to)
+                if told is not None and header.in_reply_to in self._in_flight:
+                    told(body)
+                continue
             if self._in_flight.pop(header.in_reply_to, None) is not None:  # not a repeated reply
                 self._replies[header.in_reply_to] = (op, body)
         op, body = self._replies.pop(call_id)
         reply_type = self._reply_types.pop(call_id)
+        self._partials.pop(call_id, None)
         if op == P.Op.ERROR:
             if body.code == "cancelled":
                 raise JobCancelled(body.message)

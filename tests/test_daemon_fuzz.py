@@ -38,7 +38,7 @@ from plexctl.spec_files import load_spec
 HOLE = "@hole"  # a string in each sample that a mutation replaces with other msgpack
 OPS = sorted(v for k, v in vars(P.Op).items() if not k.startswith("_") and isinstance(v, bytes))
 # the messages of workers and drivers: a valid one may get no reply
-QUIET = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.LEAVE, P.Op.WORKER_EXITED, P.Op.RESULT, P.Op.INVENTORY}
+QUIET = {P.Op.REGISTER, P.Op.HEARTBEAT, P.Op.LEAVE, P.Op.WORKER_EXITED, P.Op.RESULT, P.Op.PARTIAL, P.Op.INVENTORY}
 QUIET |= {P.Op.CALL, P.Op.REPORT}
 REPLY_WAIT_S = 5.0
 DEEP = (1_000, 10_000, 100_000)
@@ -68,6 +68,7 @@ def samples(spec: dict[str, Any]) -> dict[bytes, Any]:
         P.Op.LEAVE: P.HeartbeatBody(HOLE),
         P.Op.WORKER_EXITED: P.WorkerExited(HOLE, 1, 1),
         P.Op.RESULT: P.ResultBody(10**9, True, C.RestoreResult({"a": 1}), info={"tiers": HOLE}),
+        P.Op.PARTIAL: {"task_id": 10**9, "samples": [[0, [1, 2]]], "x": HOLE},
         P.Op.INVENTORY: P.InventoryBody({"moves": HOLE}),
         P.Op.TASK: task,
         P.Op.TASK_PASS: P.TaskPassBody("fuzz-w/trainer", [task]),

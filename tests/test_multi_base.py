@@ -66,6 +66,9 @@ class Engine:
     def in_flight_of(self, job_id):
         return []
 
+    def take_partials(self):
+        return []
+
     def drop_job(self, job_id) -> None:
         self.log.append(f"{self.name}:drop {job_id}")
 

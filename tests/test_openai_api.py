@@ -3,8 +3,8 @@
 What a researcher checks: ``up`` prints the base_url and where the key is, ``status`` says it; the
 SDK lists their jobs and chats with a running job's policy and with a finished one's, the samples
 coming from that job's published adapter (its log-probs are not the base model's), at any kept
-version (``JOB@VERSION``); streaming gives the same text; a bad request is a 400 naming the field;
-another user's key sees none of it.
+version (``JOB@VERSION``); streaming gives the same text, token by token; a bad request is a 400
+naming the field; another user's key sees none of it.
 """
 
 from __future__ import annotations
@@ -109,6 +109,31 @@ def test_a_jobs_policy_is_chatted_with_while_it_runs_and_after_it_ends(cluster: 
     frame = json.loads(cluster.run("top", "--json", check=True).stdout)
     assert frame["interactive_share"] > 0 and frame["interactive_queued"] == 0
     assert "interactive " in cluster.run("top", check=True).stdout
+
+
+def test_a_streamed_answer_comes_as_its_tokens_are_sampled(cluster: Cluster):
+    """``stream=True``: one choice of plain text comes a piece per sampled token (here a digit
+    each, the engine's steps), the pieces the text of the same request unstreamed, then its
+    finish reason; a request of several choices streams each whole, in order of its index."""
+    api = client(cluster)
+    sum_of = {"model": "base:tiny-arith", "max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    whole = api.completions.create(prompt="58+67=", **sum_of).choices[0].text
+    parts = [p.choices[0] for p in api.completions.create(prompt="58+67=", stream=True, **sum_of)]
+    pieces = [p.text for p in parts if p.text]
+    assert len(whole) >= 2 and pieces == list(whole)  # a digit a token, each as it came
+    assert parts[-1].finish_reason == "length" and all(p.finish_reason is None for p in parts[:-1])
+
+    asked = [{"role": "user", "content": "58+67="}]
+    message = api.chat.completions.create(messages=asked, **sum_of).choices[0].message.content
+    chunks = [c.choices[0] for c in api.chat.completions.create(messages=asked, stream=True, **sum_of)]
+    assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason == "length"
+    assert [c.delta.content for c in chunks if c.delta.content] == list(message)
+
+    several = api.completions.create(
+        model="base:tiny-arith", prompt="58+67=", n=2, stream=True, max_tokens=3, temperature=1.0, seed=5
+    )
+    texts = [p.choices[0] for p in several]
+    assert [p.index for p in texts if p.finish_reason is None] == [0, 1]  # each choice whole, then its end
 
 
 def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluster):

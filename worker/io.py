@@ -237,6 +237,10 @@ class Outbox:
                 else:
                     self.result(t.task_id, False, error=self.followers.failed(t).error)
 
+    def partial(self, task_id: int, samples: list[P.SampleTokens]) -> None:
+        """A streamed generate task's tokens so far (``P.PartialBody``), for the daemon to pass on."""
+        self._send(P.Op.PARTIAL, P.PartialBody(task_id, samples))
+
     def inventory(self, info: dict[str, Any]) -> None:
         self._send(P.Op.INVENTORY, P.InventoryBody(info))
 

@@ -42,7 +42,7 @@ import torch
 from plexctl.common.calls import MAX_TOPK, TokenLogprob
 from plexctl.common.cluster_config import DEFAULTS
 from plexctl.common.engine_defaults import CPU_KV_CACHE_GIB
-from plexctl.common.protocol import AdapterRef, Completion, GenRequest, Sampling
+from plexctl.common.protocol import AdapterRef, Completion, GenRequest, SampleTokens, Sampling
 from worker import cpu_lora_ops, engine_args, vllm_private
 from worker.engine_args import EngineArgsPlan, Platform, rollout_engine_args
 
@@ -156,6 +156,8 @@ def validate_sampling(s: Sampling) -> None:
     for name in ("topk_prompt_logprobs", "topk_logprobs"):
         if not 0 <= getattr(s, name) <= MAX_TOPK:
             raise RequestError(f"sampling.{name} must be in [0, {MAX_TOPK}], got {getattr(s, name)}")
+    if s.stream and (s.n > 1 or s.prompt_logprobs or s.topk_prompt_logprobs):
+        raise RequestError("a streamed sampling takes one sample per prompt and no prompt log-probs")
 
 
 def prompt_seed(s: Sampling, prompt_index: int) -> int | None:
@@ -186,7 +188,8 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
         skip_special_tokens=True,
         detokenize=bool(s.stop),  # vLLM matches stop strings on the text it decodes
         flat_logprobs=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,  # one output per prompt, when it finished
+        # one output per prompt when it finished; streamed: every step's, each with all its tokens so far
+        output_kind=RequestOutputKind.CUMULATIVE if s.stream else RequestOutputKind.FINAL_ONLY,
         # decoding held to the schema: vLLM masks every token the schema's grammar does not allow next
         structured_outputs=StructuredOutputsParams(json=s.json_schema) if s.json_schema is not None else None,
     )
@@ -287,6 +290,7 @@ class _InFlight:
     lora_id: int | None
     prompt_of: dict[str, int]  # vLLM request id -> prompt index
     outputs: dict[int, Any]  # prompt index -> finished RequestOutput
+    sent: dict[int, int] = dataclasses.field(default_factory=dict)  # streamed: prompt index -> tokens told
 
 
 class RolloutEngine:
@@ -336,6 +340,7 @@ class RolloutEngine:
         self._pending: dict[Any, _InFlight] = {}  # requests in flight, by the caller's key
         self._owner: dict[str, Any] = {}  # vLLM request id -> key
         self._finished: list[tuple[Any, list[Completion]]] = []  # done before any step (no prompts)
+        self._partials: list[tuple[Any, list[SampleTokens]]] = []  # streamed requests' new tokens, not yet taken
         self._request_ids = itertools.count()
         self._weights: AdapterKey | None = None  # the full fine-tuning policy whose weights vLLM holds (None: the base)
         self.weight_loads = 0  # weights loaded in place (a switch between a full job's policy and the base)
@@ -484,7 +489,10 @@ class RolloutEngine:
             with self._engine_threads():
                 outputs = self._engine.step()
             for output in outputs:
-                if not output.finished or output.request_id not in self._owner:
+                if output.request_id not in self._owner:
+                    continue
+                if not output.finished:
+                    self._tell_tokens(output)
                     continue
                 key = self._owner.pop(output.request_id)
                 flight = self._pending[key]
@@ -506,6 +514,25 @@ class RolloutEngine:
                 self._pending.clear()
                 raise RolloutError(f"vLLM finished without answering requests {lost}")
             return finished
+
+    def _tell_tokens(self, output: Any) -> None:
+        """A streamed request's sample's tokens since it last told them, kept for ``take_partials``."""
+        key = self._owner[output.request_id]
+        flight = self._pending[key]
+        if not flight.request.sampling.stream or not output.outputs:
+            return
+        prompt = flight.prompt_of[output.request_id]
+        tokens = list(output.outputs[0].token_ids)
+        told = flight.sent.get(prompt, 0)
+        if len(tokens) > told:
+            flight.sent[prompt] = len(tokens)
+            self._partials.append((key, [SampleTokens(prompt, tokens[told:])]))
+
+    def take_partials(self) -> list[tuple[Any, list[SampleTokens]]]:
+        """The streamed requests' new tokens since the last take, as ``(key, samples)``, in order."""
+        with self._lock:
+            taken, self._partials = self._partials, []
+        return taken
 
     def abort(self, keys: list[Any]) -> None:
         """Stop these requests (those in flight; others are ignored)."""

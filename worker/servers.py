@@ -86,6 +86,9 @@ class RolloutServer:
             for key in keys:
                 out.result(key, False, error=_error_text(exc))
             return
+        for key, samples in self.engine.take_partials():  # a streamed task's tokens, before its result
+            if key in self.started:
+                out.partial(key, samples)
         now = time.perf_counter()
         for key, completions in finished:
             t0 = self.started.pop(key, now)

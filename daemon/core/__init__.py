@@ -248,6 +248,7 @@ class DaemonCore:
         P.Op.LEAVE: lambda core, i, h, b: core.liveness.on_leave(i, h, b),
         P.Op.WORKER_EXITED: lambda core, i, h, b: core.liveness.on_worker_exited(i, h, b),
         P.Op.RESULT: lambda core, i, h, b: core.routing.on_result(i, h, b),
+        P.Op.PARTIAL: lambda core, i, h, b: core.routing.on_partial(i, h, b),
         P.Op.INVENTORY: lambda core, i, h, b: core.liveness.on_inventory(i, h, b),
         P.Op.CALL: lambda core, i, h, b: core.routing.on_call(i, h, b),
         P.Op.REPORT: lambda core, i, h, b: core.routing.on_report(i, h, b),

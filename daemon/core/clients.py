@@ -42,6 +42,7 @@ INTERNAL_OPS = {
     P.Op.REGISTER,
     P.Op.HEARTBEAT,
     P.Op.RESULT,
+    P.Op.PARTIAL,
     P.Op.INVENTORY,
     P.Op.LEAVE,
     P.Op.WORKER_EXITED,

@@ -252,6 +252,13 @@ class CallRouting:
         else:
             del rt.held_calls[call.msg_id]
 
+    def on_partial(self, identity: bytes, header: P.Header, body: P.PartialBody) -> None:
+        """A streamed generate's tokens so far, passed on to the call's sender as they come (its
+        reply, with all of them, follows); nothing for a call that is gone."""
+        call = self.calls.get(body.task_id)
+        if call is not None:
+            self.turn.send(call.identity, P.Op.PARTIAL, body, call.msg_id)
+
     def on_result(self, identity: bytes, header: P.Header, body: P.ResultBody) -> None:
         now = self.turn.now
         task = self.sched.done(

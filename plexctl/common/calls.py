@@ -43,6 +43,7 @@ class Sampling(msgspec.Struct):
     topk_prompt_logprobs: int = 0  # also the k likeliest tokens at each prompt position (0: none; at most MAX_TOPK)
     topk_logprobs: int = 0  # also the k likeliest tokens at each sampled position (0: none; at most MAX_TOPK)
     json_schema: str | None = None  # a JSON schema (as JSON text) every sample is held to, token by token
+    stream: bool = False  # its tokens sent to the caller as they are sampled (one sample, no prompt log-probs)
 
 
 MAX_TOPK = 20  # the most top-k log-probs per position a rollout engine gives (vLLM's max_logprobs)

@@ -71,6 +71,7 @@ class Op:
     REGISTER = b"R"
     HEARTBEAT = b"H"
     RESULT = b"r"
+    PARTIAL = b"p"  # a streaming generate's tokens so far (worker -> daemon -> the call's sender)
     INVENTORY = b"I"  # a trainer's tier inventory, outside a result (after a release)
     LEAVE = b"X"  # the worker is going away (its allocation ends): re-queue its calls
     # Slurm node task -> daemon
@@ -408,6 +409,19 @@ class ResultBody(msgspec.Struct):
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. the trainer's tier inventory
 
 
+class PartialBody(msgspec.Struct):
+    """The tokens a streaming generate task (``Sampling.stream``) sampled since its last partial,
+    for the sample of each of its prompts that has new ones; its result still carries them all."""
+
+    task_id: int
+    samples: list[SampleTokens]
+
+
+class SampleTokens(msgspec.Struct, array_like=True):
+    prompt_index: int
+    token_ids: list[int]
+
+
 class ReleaseBody(msgspec.Struct):
     """Drop the job's state on the engine (its tasks in flight there fail)."""
 
@@ -454,6 +468,7 @@ BODY_TYPES: dict[bytes, type] = {
     Op.LEAVE: HeartbeatBody,
     Op.WORKER_EXITED: WorkerExited,
     Op.RESULT: ResultBody,
+    Op.PARTIAL: PartialBody,
     Op.INVENTORY: InventoryBody,
     Op.TASK: TaskBody,
     Op.TASK_PASS: TaskPassBody,

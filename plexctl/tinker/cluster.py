@@ -284,18 +284,19 @@ class ClusterBackend(Backend, PolicyBackend):
             record.public_states = _listed(record.public_states, where.name, public)
         self._save()
 
-    def _call(self, run: Run, request: C.Request) -> Any:
+    def _call(self, run: Run, request: C.Request, on_partial: Callable[[P.PartialBody], None] | None = None) -> Any:
         """The run's call; a ``UserError`` when it failed, or when the run's trainer state was
         lost since its last call (the error says which step it went back to). Its training calls
         go one at a time, in order; its generate calls side by side, each on a client of its own
-        (``_sampler_client``), so the rollout engine batches them."""
+        (``_sampler_client``), so the rollout engine batches them; ``on_partial`` gets a streamed
+        generate's tokens as they come."""
         if isinstance(request, C.GenerateReq):
             with run.lock:
                 if run.resuming and self._resume(run):
                     raise UserError(self._told(run))
             try:
                 with self._sampler_client(run) as client:
-                    return client.wait(client.call_async(request))
+                    return client.wait(client.call_async(request, on_partial=on_partial))
             except CallFailed as failed:
                 with run.lock:
                     return self._failed(run, failed)
@@ -959,7 +960,14 @@ class ClusterBackend(Backend, PolicyBackend):
         job = max(jobs, key=lambda j: (j.state == "running", j.submitted_at))  # a name: its running, else newest, job
         return _job_policy(job, model, int(number) if at else None)
 
-    def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
+    def generate(
+        self,
+        user: str,
+        policy: Policy,
+        prompt_tokens: list[int],
+        sampling: C.Sampling,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> list[C.Completion]:
         version = None if policy.latest else policy.version if policy.job_id else 0
         request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id, interactive=True)
         while True:  # a run ended idle (``end_idle``) just now is made again
@@ -970,7 +978,7 @@ class ClusterBackend(Backend, PolicyBackend):
                     self._inflight[model_id] = self._inflight.get(model_id, 0) + 1
                     break
         try:
-            rep: C.GenerateRep = self._call(run, request)
+            rep: C.GenerateRep = self._call(run, request, None if on_tokens is None else _tokens_to(on_tokens))
         finally:
             with self._lock:
                 self._inflight[model_id] -= 1
@@ -1040,6 +1048,16 @@ def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
     if version > latest:
         raise NotFound(f"job {job.job_id} ({job.name}) has published policy versions up to {latest}, not {version}")
     return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at), latest=not named)
+
+
+def _tokens_to(on_tokens: Callable[[list[int]], None]) -> Callable[[P.PartialBody], None]:
+    """A streamed call's partials handed on as the tokens of its one prompt's sample."""
+
+    def told(part: P.PartialBody) -> None:
+        for sample in part.samples:
+            on_tokens(sample.token_ids)
+
+    return told
 
 
 def _listed(names: list[str], name: str, present: bool) -> list[str]:

@@ -10,15 +10,17 @@ user's Tinker key: a user sees and samples only their own jobs and what others p
 refusal has OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``: 401 for a
 missing or refused key, 404 for a model the user has not, 400 naming the field for a bad request
 (a prompt and ``max_tokens`` past the model's context included). A streamed answer comes as
-server-sent events, each choice's text in one chunk once it is sampled, then its finish reason,
-then ``[DONE]``. A forced tool call (``tool_choice`` "required" or named) and a JSON
-``response_format`` are held by the engine's structured decoding (``Sampling.json_schema``): such
-a sample that ended is JSON of the schema.
+server-sent events: one choice of plain text as its tokens are sampled (``token_stream``), else
+each choice's text in one chunk once it is sampled, then its finish reason, then ``[DONE]``. A
+forced tool call (``tool_choice`` "required" or named) and a JSON ``response_format`` are held by
+the engine's structured decoding (``Sampling.json_schema``): such a sample that ended is JSON of
+the schema.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 import re
 import threading
@@ -79,8 +81,16 @@ class PolicyBackend(abc.ABC):
         """What ``model`` names for ``user``; ``NotFound`` if nothing of theirs, ``UserError`` if malformed."""
 
     @abc.abstractmethod
-    def generate(self, user: str, policy: Policy, prompt_tokens: list[int], sampling: C.Sampling) -> list[C.Completion]:
-        """``sampling.n`` completions of the prompt from ``policy``."""
+    def generate(
+        self,
+        user: str,
+        policy: Policy,
+        prompt_tokens: list[int],
+        sampling: C.Sampling,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> list[C.Completion]:
+        """``sampling.n`` completions of the prompt from ``policy``; ``on_tokens`` (``sampling.stream``)
+        gets each run of tokens sampled as it comes, where the backend streams (else nothing)."""
 
     def end_idle(self, now: float, idle_s: float) -> list[str]:
         """End what serves requests and has served none for ``idle_s``; what was ended (by default
@@ -143,6 +153,7 @@ class _Sampled(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stream: bool = False
     user: str | None = None  # OpenAI's end-user tag: accepted, not used
+    ignore_eos: bool = False  # vLLM's extension: the end-of-sequence token does not end a choice
 
 
 class CompletionReq(_Sampled, kw_only=True):
@@ -401,6 +412,7 @@ def sampling_of(
         n=req.n,
         seed=req.seed,
         stop=stop,
+        ignore_eos=req.ignore_eos,
         topk_logprobs=topk,
         json_schema=schema,
     )
@@ -536,6 +548,82 @@ def stream_of(answer: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
     return events()
 
 
+def streams_tokens(req: _Sampled, logprobs: bool, how: Structure, tools: bool) -> bool:
+    """Whether a streamed request gets its tokens as they are sampled: one choice of plain text
+    (no log-probs, tools or JSON schema, whose answers are read whole); else each choice comes
+    whole once sampled (``stream_of``)."""
+    return req.n == 1 and not logprobs and how.schema is None and not tools
+
+
+def token_stream(
+    backend: PolicyBackend,
+    run: Callable[..., Any],
+    user: str,
+    policy: Policy,
+    prompt: list[int],
+    sampling: C.Sampling,
+    chat: bool,
+) -> AsyncIterator[bytes]:
+    """One choice's text as server-sent events as the engine samples it (``sampling.stream``):
+    the text decoded so far, less what a ``stop`` string could still take back, goes out as it
+    grows; the answer's own text ends it (its rest, then its finish reason, then ``[DONE]``). A
+    failure once streaming has begun is an ``error`` event."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue[list[int]] = asyncio.Queue()
+
+    def told(tokens: list[int]) -> None:
+        loop.call_soon_threadsafe(arrived.put_nowait, list(tokens))
+
+    work = asyncio.ensure_future(run(backend.generate, user, policy, prompt, sampling, told))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    head = {"id": rid, "created": int(time.time()), "model": policy.name}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    hold = max((len(s) for s in sampling.stop), default=0)  # a stop string's start is not sent: it may be cut
+    tok = tokenizer(policy.model_path)
+
+    def event(text: str | None, finish: str | None = None) -> bytes:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            part: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            part = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return f"data: {json.dumps({**head, 'choices': [part]})}\n\n".encode()
+
+    async def events() -> AsyncIterator[bytes]:
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n".encode()
+        tokens: list[int] = []
+        sent = ""
+        while True:
+            waiting = asyncio.ensure_future(arrived.get())
+            await asyncio.wait({waiting, work}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                waiting.cancel()
+                break
+            tokens += waiting.result()
+            text = tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            ready = text[: max(0, len(text) - hold)].rstrip("\ufffd")  # not half a character
+            if len(ready) > len(sent) and ready.startswith(sent):
+                yield event(ready[len(sent) :])
+                sent = ready
+        try:
+            done = work.result()
+        except (UserError, NotFound) as e:
+            yield f"data: {json.dumps(error_body(400, str(e)))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            return
+        made = chat_answer(policy, done, False, rid) if chat else completion_answer(policy, done, False, rid)
+        choice = made["choices"][0]
+        final = choice["message"]["content"] if chat else choice["text"]
+        if final.startswith(sent) and len(final) > len(sent):
+            yield event(final[len(sent) :])
+        yield event(None, choice["finish_reason"])
+        yield b"data: [DONE]\n\n"
+
+    return events()
+
+
 # ---------------------------------------------------------------- routes
 
 
@@ -590,6 +678,12 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                 )
                 limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
             sampling = sampling_of(req, len(prompt), policy.context, limit, topk, how.schema)
+            if req.stream and streams_tokens(req, want_logprobs, how, bool(chat and tools)):
+                sampling = msgspec.structs.replace(sampling, stream=True)
+                await run(tokenizer, policy.model_path)  # loaded before the first token comes
+                return StreamingResponse(
+                    token_stream(backend, run, user, policy, prompt, sampling, chat), media_type="text/event-stream"
+                )
             try:
                 done = await run(backend.generate, user, policy, prompt, sampling)
             except UserError as e:
