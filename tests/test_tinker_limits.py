@@ -53,6 +53,7 @@ class Daemon:
         self.state_dir, self.model = state_dir, model
         self.submitted: list[str] = []
         self.calls: list[Any] = []
+        self.clients: dict[str, Any] = {}
 
     # the daemon's client (``plexctl.common.client.Client``)
     def status(self, job_id: str | None = None) -> Any:
@@ -66,8 +67,13 @@ class Daemon:
     def cancel(self, job_id: str) -> None:
         pass
 
-    # a job's client (``plexctl.rl.JobClient``)
+    # a job's clients (``plexctl.rl.JobClient``): one for its training calls, others for its samples
     def job_client(self, job_id: str) -> Any:
+        if job_id not in self.clients:
+            self.clients[job_id] = self._job_client(job_id)
+        return self.clients[job_id]
+
+    def _job_client(self, job_id: str) -> Any:
         job_dir, versions = JobDir(self.state_dir / "jobs" / job_id), [0]
 
         def wait(request: Any) -> Any:
@@ -94,7 +100,7 @@ class Daemon:
                 return C.OptimStepRep({})
             raise AssertionError(f"unexpected call {request!r}")
 
-        return SimpleNamespace(call_async=lambda r: r, wait=wait, report=lambda *a, **k: None, close=lambda: None)
+        return SimpleNamespace(call_async=lambda r, **_: r, wait=wait, report=lambda *a, **k: None, close=lambda: None)
 
 
 def _write(directory: Path, size: int) -> Path:
@@ -127,10 +133,8 @@ class Backend(cluster.ClusterBackend):
     def _client(self) -> Any:
         return self.daemon
 
-    def _job_client(self, run: cluster.Run) -> Any:
-        if run.client is None:
-            run.client = self.daemon.job_client(run.record.job_id)
-        return run.client
+    def _connect(self, run: cluster.Run, suffix: str) -> Any:
+        return self.daemon.job_client(run.record.job_id)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from conftest import random_tiny_qwen2
 from plexctl.common.memplan import JobShape, job_sizes, rank_job_bytes, rank_weights_bytes, weights_bytes
 from plexctl.common.protocol import LoraSpec, TrainBatch, TrainHParams
 from plexctl.common.state_size import full_state_size
-from worker.errors import BatchError, CheckpointError, JobConfigError
+from worker.errors import BatchError, CheckpointError
 from worker.loss_terms import aggregation_weights
 from worker.train_batches import pad_rows
 from worker.trainer import TrainerEngine
@@ -263,18 +263,21 @@ def test_a_full_jobs_state_per_rank_is_the_plans(model_dir: str, width: int) -> 
 @pytest.mark.e2e
 def test_a_tied_embedding_is_split_and_its_lm_head_kept_whole(tmp_path: Path) -> None:
     """With tied embeddings, each of 2 ranks holds half the base and a whole copy of the lm_head,
-    as the plan counts it; a full fine-tuning job on it is refused in one line before any rank
-    moves, and the group goes on."""
+    as the plan counts it; a full fine-tuning job's state, whose one embedding is its head, is
+    split in two, all of it, as the plan counts it too (how it trains: ``test_wide_trainer``)."""
     model_dir = random_tiny_qwen2(tmp_path / "tied", vocab_size=VOCAB, tie_word_embeddings=True)
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    size = full_state_size(config, "float32")
     with TrainerGroup(model_dir, width=2, engine_options=OPTIONS, timeout_s=60) as group:
-        with pytest.raises(JobConfigError, match="tied embeddings runs on trainer engines of one rank"):
-            group.ensure_job("F", None, seed=5)
-        shares = group.base_bytes()
+        group.ensure_job("F", None, seed=5)
+        shares, states = group.base_bytes(), group.rank_state_bytes("F")
     head = VOCAB * config["hidden_size"] * 4
     assert (
         shares == [rank_weights_bytes(config, "float32", 2)] * 2 == [weights_bytes(config, "float32") // 2 + head] * 2
     )
+    full = JobShape("F", 0, 0, full=True)
+    assert states == [rank_job_bytes(config, size.total, full, 2, fixed=size.extra)] * 2
+    assert states[0] == (size.total - size.extra) // 2 + size.extra
 
 
 @pytest.mark.slow

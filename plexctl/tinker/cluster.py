@@ -231,16 +231,20 @@ class ClusterBackend(Backend, PolicyBackend):
         return client
 
     def _job_client(self, run: Run) -> JobClient:
+        """The client of the run's calls that go in order (its training calls)."""
         if run.client is None:
-            address = read_endpoint(self.state_dir).address
-            run.client = JobClient(
-                address,
-                run.record.job_id,
-                endpoint_file=endpoint_path(self.state_dir),
-                log=log.info,
-                identity=f"tinker:{run.record.job_id}:{os.getpid()}",
-            )
+            run.client = self._connect(run, "")
         return run.client
+
+    def _connect(self, run: Run, suffix: str) -> JobClient:
+        """A new client of the run's job, its own socket at the daemon (named ``tinker:JOB:PID`` + ``suffix``)."""
+        return JobClient(
+            read_endpoint(self.state_dir).address,
+            run.record.job_id,
+            endpoint_file=endpoint_path(self.state_dir),
+            log=log.info,
+            identity=f"tinker:{run.record.job_id}:{os.getpid()}{suffix}",
+        )
 
     def _save(self) -> None:
         with self._lock:
@@ -328,11 +332,7 @@ class ClusterBackend(Backend, PolicyBackend):
             self._sampler_clients += client is None
             serial = self._sampler_clients
         if client is None:
-            address = read_endpoint(self.state_dir).address
-            identity = f"tinker:{run.record.job_id}:{os.getpid()}:s{serial}"
-            client = JobClient(
-                address, run.record.job_id, endpoint_file=endpoint_path(self.state_dir), log=log.info, identity=identity
-            )
+            client = self._connect(run, f":s{serial}")
         try:
             yield client
         finally:
