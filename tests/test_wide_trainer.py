@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import time
@@ -272,29 +273,36 @@ def test_a_sharded_checkpoint_without_space_fails_its_task_and_the_engine_goes_o
 ) -> None:
     """A full fine-tuning job's checkpoint on 2 ranks, each writing its shards: on a filesystem too
     full for them the task fails in one line that says so, no temp dir is left, and the engine
-    takes the next task (a checkpoint elsewhere, which restores on one rank); a shard changed on
-    disk is refused by its sha256."""
+    takes the next task (a checkpoint elsewhere, which restores on one rank). A shard changed on
+    disk is refused by its sha256: on 2 ranks, which check the files together, the rank that
+    found it fails the restore on both and the engine goes on; on one rank too."""
     fs = small_fs("shared", 4 << 20)
     context = C.TrainerContext(None, 7)
+    good, bad = tmp_path / "good", tmp_path / "bad"
     with full_group(model_dir, 2, tmp_path / "n2") as group:
         server = GroupTrainers(group, pytest.fail)
         out = serve_all(server, full_bodies(tmp_path / "out")[:2])
         fill(fs, leave=50_000)
         server.serve(P.TaskBody(50, "F", EID, C.CheckpointTask(context, str(fs / "ckpt"), {"step": 1})), out)
-        good = tmp_path / "good"
         server.serve(P.TaskBody(51, "F", EID, C.CheckpointTask(context, str(good), {"step": 1})), out)
+        shutil.copytree(good, bad)
+        shard = bad / "shards" / "__0_0.distcp"  # the 4th file by name: rank 1 checks it
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+        server.serve(P.TaskBody(52, "F", EID, C.RestoreTask(context, str(bad))), out)
+        server.serve(P.TaskBody(53, "F", EID, C.RestoreTask(context, str(good))), out)
     ok, _, error = out.results[50]
     assert not ok and "\n" not in error
     assert f"no space left on device writing checkpoint step 1 to {fs / 'ckpt'}" in error, error
     assert error.endswith("nothing was written") and sorted(os.listdir(fs)) == ["filler"]
     assert out.results[51][0], out.results[51]
+    ok, _, error = out.results[52]
+    assert not ok and "shards/__0_0.distcp does not match its sha256" in error, error
+    assert out.results[53][0], out.results[53]
     assert TrainerEngine(model_dir, **SPLIT).load_checkpoint("F", str(good), None, 7) == {"step": 1}
-    shard = good / "shards" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 1
-    shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"shards/__1_0\.distcp does not match its sha256"):
-        TrainerEngine(model_dir, **SPLIT).load_checkpoint("F", str(good), None, 7)
+    with pytest.raises(CheckpointError, match=r"shards/__0_0\.distcp does not match its sha256"):
+        TrainerEngine(model_dir, **SPLIT).load_checkpoint("F", str(bad), None, 7)
 
 
 def events(cluster: Any, job: str) -> list[tuple[str, str]]:

@@ -194,13 +194,15 @@ def is_sharded(manifest: dict[str, Any]) -> bool:
     return manifest.get("layout") == "sharded"
 
 
-def verify_checksums(directory: Path, manifest: dict[str, Any]) -> None:
+def verify_checksums(directory: Path, manifest: dict[str, Any], share: tuple[int, int] = (0, 1)) -> None:
     """Every file the manifest lists is there with its sha256: a whole checkpoint's
-    ``CHECKPOINT_FILES``, a sharded one's ``SHARDED_FILES`` and DCP's files under ``SHARDS``."""
+    ``CHECKPOINT_FILES``, a sharded one's ``SHARDED_FILES`` and DCP's files under ``SHARDS``.
+    ``share`` (r, n): the files are checked by n readers, this one every n-th from the r-th."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not _expected(set(files), is_sharded(manifest)):
         raise CheckpointError(f"checkpoint {directory}: {MANIFEST} does not list the expected files")
-    for name, record in sorted(files.items()):
+    reader, readers = share
+    for name, record in sorted(files.items())[reader::readers]:
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory}: {name} is missing")

@@ -7,7 +7,8 @@ whole, the lm_head, once), and DCP's ``.metadata`` records where each piece lies
 them back, each rank only the pieces its own shards overlap (``read_shards``: DTensors of the
 reading engine's mesh), one rank the whole tensors (no group). ``shared_dir`` agrees on the temp
 dir rank 0 made; ``write_shards`` returns every rank's files with their sha256, which rank 0's
-manifest lists, so ``worker.checkpoint_files.verify_checksums`` covers each shard.
+manifest lists, so ``worker.checkpoint_files.verify_checksums`` covers each shard; a group
+restoring it checks them together (``verify_shared``), each rank its share of the files.
 
 DCP's metadata is a pickle: it is read only from checkpoints this cluster's trainers wrote (in
 the state directory, the owner's alone), after the manifest's sha256 of it matched.
@@ -29,10 +30,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from worker.checkpoint_files import NO_SPACE_ERRNOS, SHARDS, SHARDS_METADATA, file_record
+from worker.checkpoint_files import NO_SPACE_ERRNOS, SHARDS, SHARDS_METADATA, file_record, verify_checksums
 from worker.errors import CheckpointError
 
-__all__ = ["read_shards", "shared_dir", "write_shards"]
+__all__ = ["read_shards", "shared_dir", "verify_shared", "write_shards"]
 
 
 def shared_dir(path: Path | None, group: Any) -> Path | None:
@@ -76,6 +77,22 @@ def read_shards(targets: dict[str, torch.Tensor], directory: Path, group: Any | 
         raise _one_error(exc, f"checkpoint {directory}: its shards do not fit the job") from None
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {directory}: unreadable shards ({type(exc).__name__}: {exc})") from None
+
+
+def verify_shared(directory: Path, manifest: dict[str, Any], group: Any) -> None:
+    """The checkpoint's files checked against their sha256 by the group's ranks together, each
+    reading its share of them once; the first failure is every rank's ``CheckpointError``."""
+    rank, width = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        verify_checksums(directory, manifest, share=(rank, width))
+        failure = ""
+    except CheckpointError as exc:
+        failure = str(exc)
+    every: list[Any] = [None] * width
+    dist.all_gather_object(every, failure, group=group)
+    first = next((f for f in every if f), "")
+    if first:
+        raise CheckpointError(first)
 
 
 def _one_error(exc: CheckpointException, what: str) -> BaseException:

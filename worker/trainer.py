@@ -62,7 +62,7 @@ from worker.checkpoint_files import (
     write_dir_atomically,
     write_file,
 )
-from worker.checkpoint_shards import read_shards, shared_dir, write_shards
+from worker.checkpoint_shards import read_shards, shared_dir, verify_shared, write_shards
 from worker.decoder_layers import CHECKPOINT_SCOPES, checkpoint_submodules, decoder_layers
 from worker.decoder_layers import compile_layers as compile_decoder_layers
 from worker.engine_options import trainer_attention
@@ -497,12 +497,15 @@ class TrainerEngine:
         the optimizer as before its first step); return ``extra``."""
         directory = Path(ckpt_dir)
         manifest = read_manifest(directory)
-        verify_checksums(directory, manifest)
+        sharded = is_sharded(manifest)
+        if sharded and self.ranks > 1:  # the ranks read the files together, each its share
+            verify_shared(directory, manifest, self._mesh.get_group())
+        else:
+            verify_checksums(directory, manifest)
         if manifest.get("lora") != lora_signature(lora):
             raise CheckpointError(
                 f"checkpoint {directory} was written for LoRA {manifest.get('lora')}, not {lora_signature(lora)}"
             )
-        sharded = is_sharded(manifest)
         tensors, trainer_state, extra = read_checkpoint_payload(directory, sharded)
         created = job_id not in self.slots.jobs()
         self.slots.ensure_job(job_id, lora, seed)
