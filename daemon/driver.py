@@ -5,9 +5,10 @@ job's algorithm (a built-in by ``algo.name``, or the user's ``algo.loop``) on th
 ``plexctl.rl`` library. Exit codes: 0 finished, 3 cancelled (stopped at a call boundary; its
 last checkpoint is kept), 75 drained (the cluster is stopping: checkpointed at a step
 boundary, resumes there), 74 stopped with the cluster but its checkpoint found no disk space
-(resumes from its last good one), 1 failed (the reason is reported to the daemon and printed as the
-log's last line). The code is also written to ``driver.exit`` in the job's directory: a driver
-outlives a daemon that dies, and the daemon that adopts it is not its parent.
+(resumes from its last good one), 70 failed (the reason is reported to the daemon and printed as
+the log's last line; never restarted, unlike a crash). The code is also written to ``driver.exit``
+in the job's directory: a driver outlives a daemon that dies, and the daemon that adopts it is not
+its parent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import time
 import traceback
 from pathlib import Path
 
-from daemon.procs import write_exit
+from daemon.procs import (
+    DRIVER_EXIT_CANCELLED,
+    DRIVER_EXIT_DRAIN_UNSAVED,
+    DRIVER_EXIT_DRAINED,
+    DRIVER_EXIT_FAILED,
+    DRIVER_EXIT_OK,
+    write_exit,
+)
 from plexctl.algos import run_algorithm
 from plexctl.common.cluster import endpoint_path
 from plexctl.common.jobdir import JobDir
@@ -29,7 +37,8 @@ from plexctl.common.spec import spec_from_wire
 from plexctl.rl import DaemonLost, DrainCheckpointFailed, Job, JobCancelled, JobClient, JobDrained
 from plexctl.sandbox import kill_live_runs
 
-EXIT_OK, EXIT_FAILED, EXIT_CANCELLED, EXIT_DRAIN_UNSAVED, EXIT_DRAINED = 0, 1, 3, 74, 75
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = DRIVER_EXIT_OK, DRIVER_EXIT_FAILED, DRIVER_EXIT_CANCELLED
+EXIT_DRAIN_UNSAVED, EXIT_DRAINED = DRIVER_EXIT_DRAIN_UNSAVED, DRIVER_EXIT_DRAINED
 
 
 def log(msg: str) -> None:

@@ -26,6 +26,12 @@ from typing import TypeAlias
 from plexctl.common.atomic import write_json_atomic
 from plexctl.common.cluster import pid_alive
 
+# A job driver's own exit codes (``daemon.driver``); any other is a crash, restarted from its checkpoint.
+DRIVER_EXIT_OK, DRIVER_EXIT_CANCELLED = 0, 3
+DRIVER_EXIT_FAILED = 70  # the job failed and its driver said why (EX_SOFTWARE): never restarted
+DRIVER_EXIT_DRAIN_UNSAVED = 74  # stopped with the cluster, its checkpoint found no disk space
+DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
+
 KILLED = -signal.SIGKILL  # the exit code of an adopted process that left no exit file
 Handle: TypeAlias = "subprocess.Popen | Adopted"  # a process this daemon started, or one it adopted
 

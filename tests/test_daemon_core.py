@@ -13,6 +13,7 @@ from pathlib import Path
 
 from daemon.core import Prune, StartDriver, StopDriver
 from daemon.core.lifecycle import state_bytes
+from daemon.procs import DRIVER_EXIT_FAILED
 from plexctl.common import calls as C
 from plexctl.common import protocol as P
 from plexctl.common.client import current_user
@@ -77,6 +78,25 @@ def test_a_job_is_admitted_once_engines_for_its_model_are_up_and_runs_when_its_d
     assert StopDriver(job, kill=True) in d.chores(d.jobs.runtimes[job].cancel_requested_at + 31)  # past its grace
     d.driver_exited(job, 3)
     assert d.journal.job(job).state == "cancelled" and job not in d.jobs.runtimes
+
+
+def test_a_driver_that_failed_is_not_restarted_though_its_report_came_after_its_exit(core, tiny_model):
+    """A driver that reports its job's failure and exits 70 fails the job with its reason, even
+    when its exit is seen before its report (it is in its log): a crash (exit 1, a signal) is
+    restarted from the checkpoint, a failure the job's own code raised is not."""
+    d = core
+    register(d, "w0", tiny_model)
+    failed, crashed = running(d, tiny_model, "failed"), running(d, tiny_model, "crashed")
+    driver_log = d.jobs.runtimes[failed].job_dir.driver_log
+    driver_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(driver_log, "a") as log:
+        log.write("12:00:00 failed: LoopRanNoStep: algo.loop m:run returned without running a training step\n")
+    d.driver_exited(failed, DRIVER_EXIT_FAILED)
+    info = d.journal.job(failed)
+    assert info.state == "failed" and info.error.startswith("LoopRanNoStep: algo.loop m:run"), info.error
+    d.driver_exited(crashed, 1)
+    assert d.journal.job(crashed).state == "queued"  # a crash: restarted from its checkpoint
+    assert "restarting" in [kind for _, kind, _ in d.journal.events(crashed)]
 
 
 def test_each_call_becomes_its_typed_task_on_its_engine_and_its_result_the_typed_reply(core, tiny_model):

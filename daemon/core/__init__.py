@@ -30,7 +30,6 @@ from daemon.core.records import (
     ADOPT_TIMEOUT_S,
     CANCEL_GRACE_S,
     DRAIN_TIMEOUT_S,
-    DRIVER_EXIT_DRAINED,
     DRIVER_START_TRIES,
     HEARTBEAT_S,
     MAX_RUNNING,
@@ -48,6 +47,7 @@ from daemon.core.records import (
 )
 from daemon.core.routing import CallRouting
 from daemon.core.tables import CallTable, JobTable, Settings, Turn, WorkerTable, log
+from daemon.procs import DRIVER_EXIT_DRAINED
 from daemon.scheduler import Scheduler
 from plexctl.common import protocol as P
 from plexctl.common.cluster_config import DEFAULTS

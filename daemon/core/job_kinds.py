@@ -16,8 +16,9 @@ import abc
 from pathlib import Path
 from typing import Callable
 
-from daemon.core.records import CANCEL_GRACE_S, DRIVER_EXIT_DRAINED, JobRuntime, StartDriver, StopDriver
+from daemon.core.records import CANCEL_GRACE_S, JobRuntime, StartDriver, StopDriver
 from daemon.core.tables import CallTable, Turn
+from daemon.procs import DRIVER_EXIT_DRAINED
 from plexctl.common import auth
 from plexctl.common.spec import EXTERNAL, JobSpec
 

@@ -18,13 +18,13 @@ from daemon import jail
 from daemon.core.job_kinds import driver_for
 from daemon.core.records import (
     ADOPT_TIMEOUT_S,
-    DRIVER_EXIT_DRAINED,
     DRIVER_START_TRIES,
     JobRuntime,
     StopDriver,
     _kept_adapter,
 )
 from daemon.core.tables import CallTable, JobTable, Settings, Turn, WorkerTable, log
+from daemon.procs import DRIVER_EXIT_DRAINED, DRIVER_EXIT_FAILED
 from daemon.scheduler import Scheduler
 from plexctl.common import protocol as P
 from plexctl.common.spec import JobSpec
@@ -327,6 +327,8 @@ class JobLifecycle:
             log.info("job %s drained", job_id)
             self._end_job(rt)
             return
+        elif rc == DRIVER_EXIT_FAILED:  # the job's own failure: its report may come after its exit, its log has it
+            state, error = "failed", rt.failure or _reported_failure(rt.job_dir.driver_log)
         else:
             state = "failed"
             error = rt.failure or _last_line(rt.job_dir.driver_log) or f"driver exited with code {rc}"
@@ -390,6 +392,13 @@ class JobLifecycle:
         self.jobs.journal.update(rt.job_id, state="queued", restarts=info.restarts + 1)
         self.jobs.journal.event(rt.job_id, "rolled back", f"{rt.rolled_back}; resumes from its last checkpoint")
         self._end_job(rt)
+
+
+def _reported_failure(path: Path) -> str:
+    """The reason a failed driver logged last (``HH:MM:SS failed: REASON``)."""
+    line = _last_line(path)
+    _, sep, reason = line.partition(" failed: ")
+    return reason if sep else line or "the job's driver failed"
 
 
 def _last_line(path: Path) -> str:

@@ -26,7 +26,6 @@ VERSION = "0.1.0"
 HEARTBEAT_S = 1.0
 WORKER_GRACE_S = DEFAULTS.worker_grace  # silent this long, a worker is lost even if its process may live
 CANCEL_GRACE_S = 30.0
-DRIVER_EXIT_DRAINED = 75  # checkpointed at a step boundary on the daemon's request (EX_TEMPFAIL)
 DRAIN_TIMEOUT_S = drain_timeout_s(DEFAULTS, slurm=False)  # a core built without a config: a local cluster's
 PASS_WINDOW_S = DEFAULTS.group_window_ms / 1000  # a trainer waits this long at most for more steps to share a pass
 MAX_RUNNING = 64  # job drivers at once (processes beside the daemon); the engines' room admits within it
