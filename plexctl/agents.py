@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from plexctl.common.calls import Completion, GenerateReq, Sampling
+from plexctl.common.calls import Completion, GenerateReq, SampleTokens, Sampling
 from plexctl.envs.base import Episode
 from plexctl.rl import Job, Rollout
 from plexctl.tinker.backend import UserError
@@ -79,6 +79,8 @@ class _Asked:
 class _Policies(PolicyBackend):
     """The job's current policy under any model name, for the keys of the episodes running."""
 
+    choices_apart = False  # each request is one turn of an episode: n choices are refused whole
+
     def __init__(self, endpoint: AgentEndpoint) -> None:
         self.endpoint = endpoint
 
@@ -98,7 +100,7 @@ class _Policies(PolicyBackend):
         policy: Policy,
         prompt_tokens: list[int],
         sampling: Sampling,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[SampleTokens], None] | None = None,
     ) -> list[Completion]:
         if sampling.n != 1:
             raise UserError("an episode's request samples one choice (n=1)")

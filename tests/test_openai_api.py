@@ -111,12 +111,15 @@ def test_a_jobs_policy_is_chatted_with_while_it_runs_and_after_it_ends(cluster: 
     assert "interactive " in cluster.run("top", check=True).stdout
 
 
+IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
+
+
 def test_a_streamed_answer_comes_as_its_tokens_are_sampled(cluster: Cluster):
-    """``stream=True``: one choice of plain text comes a piece per sampled token (here a digit
+    """``stream=True``: a choice of plain text comes a piece per sampled token (here a digit
     each, the engine's steps), the pieces the text of the same request unstreamed, then its
-    finish reason; a request of several choices streams each whole, in order of its index."""
+    finish reason; several choices come so side by side, and log-probs with their tokens."""
     api = client(cluster)
-    sum_of = {"model": "base:tiny-arith", "max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    sum_of = {"model": "base:tiny-arith", "max_tokens": 6, "temperature": 0.0, **IGNORE_EOS}
     whole = api.completions.create(prompt="58+67=", **sum_of).choices[0].text
     parts = [p.choices[0] for p in api.completions.create(prompt="58+67=", stream=True, **sum_of)]
     pieces = [p.text for p in parts if p.text]
@@ -129,11 +132,31 @@ def test_a_streamed_answer_comes_as_its_tokens_are_sampled(cluster: Cluster):
     assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason == "length"
     assert [c.delta.content for c in chunks if c.delta.content] == list(message)
 
-    several = api.completions.create(
-        model="base:tiny-arith", prompt="58+67=", n=2, stream=True, max_tokens=3, temperature=1.0, seed=5
-    )
-    texts = [p.choices[0] for p in several]
-    assert [p.index for p in texts if p.finish_reason is None] == [0, 1]  # each choice whole, then its end
+    # several choices come side by side, each a piece per token, each the choice of the same request unstreamed
+    several = {"model": "base:tiny-arith", "prompt": "58+67=", "n": 2, "max_tokens": 4, "seed": 5, **IGNORE_EOS}
+    alone = [c.text for c in api.completions.create(**several).choices]
+    parts = [p.choices[0] for p in api.completions.create(stream=True, **several)]
+    for i, text in enumerate(alone):
+        pieces = [p.text for p in parts if p.index == i and p.text]
+        assert "".join(pieces) == text and len(pieces) >= 2, (i, pieces, text)
+        assert [p.finish_reason for p in parts if p.index == i][-1] == "length"
+
+    # with log-probs each piece carries its tokens': together, those of the answer unstreamed
+    scored = {**sum_of, "logprobs": 2}
+    whole = api.completions.create(prompt="58+67=", **scored).choices[0].logprobs
+    parts = [p.choices[0] for p in api.completions.create(prompt="58+67=", stream=True, **scored)]
+    runs = [p.logprobs for p in parts if p.logprobs is not None]
+    assert len(runs) >= 2 and [t for r in runs for t in r.tokens] == whole.tokens
+    assert [v for r in runs for v in r.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-4)
+    assert [o for r in runs for o in r.text_offset] == whole.text_offset
+    assert [list(t) for r in runs for t in r.top_logprobs] == [list(t) for t in whole.top_logprobs]
+    chat = {**sum_of, "messages": asked, "logprobs": True, "top_logprobs": 2}
+    whole = api.chat.completions.create(**chat).choices[0].logprobs.content
+    chunks = [c.choices[0] for c in api.chat.completions.create(stream=True, **chat)]
+    streamed = [t for c in chunks if c.logprobs is not None for t in c.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in whole] and len(streamed) >= 2
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=1e-4)
+    assert [[x.token for x in t.top_logprobs] for t in streamed] == [[x.token for x in t.top_logprobs] for t in whole]
 
 
 def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluster):

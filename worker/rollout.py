@@ -195,13 +195,13 @@ def sampling_params(s: Sampling, prompt_index: int) -> Any:
     )
 
 
-def sampled_logprobs(token_ids: list[int], steps: Any) -> list[float]:
-    """The log-prob of each sampled token, from vLLM's flat log-probs (``logprobs=0``: one
-    entry per position, the sampled token's)."""
+def sampled_logprobs(token_ids: list[int], steps: Any, since: int = 0) -> list[float]:
+    """The log-prob of each sampled token (from position ``since``), from vLLM's flat log-probs
+    (``logprobs=0``: one entry per position, the sampled token's)."""
     if steps is None or len(steps) != len(token_ids):
         raise RolloutError("vLLM returned no or mismatched log-probs for a completion")
-    ids, values = vllm_private.sampled_token_logprobs(steps)
-    if ids != token_ids:
+    ids, values = vllm_private.sampled_token_logprobs(steps, since)
+    if ids != token_ids[since:]:
         raise RolloutError("vLLM's log-probs are not those of the sampled tokens")
     return values
 
@@ -521,12 +521,20 @@ class RolloutEngine:
         flight = self._pending[key]
         if not flight.request.sampling.stream or not output.outputs:
             return
-        prompt = flight.prompt_of[output.request_id]
-        tokens = list(output.outputs[0].token_ids)
+        prompt, sample = flight.prompt_of[output.request_id], output.outputs[0]
+        k = flight.request.sampling.topk_logprobs
+        tokens = list(sample.token_ids)
         told = flight.sent.get(prompt, 0)
         if len(tokens) > told:
             flight.sent[prompt] = len(tokens)
-            self._partials.append((key, [SampleTokens(prompt, tokens[told:])]))
+            top = vllm_private.sampled_topk_logprobs(sample.logprobs, k, told) if k else []
+            told_now = SampleTokens(
+                prompt,
+                tokens[told:],
+                sampled_logprobs(tokens, sample.logprobs, told),
+                [[TokenLogprob(t, lp) for t, lp in row] for row in top],
+            )
+            self._partials.append((key, [told_now]))
 
     def take_partials(self) -> list[tuple[Any, list[SampleTokens]]]:
         """The streamed requests' new tokens since the last take, as ``(key, samples)``, in order."""

@@ -96,21 +96,21 @@ FLAT_LOGPROBS_AT = ("vllm.logprobs", "FlatLogprobs")
 FLAT_LOGPROBS_FIELDS = ("start_indices", "token_ids", "logprobs", "ranks")
 
 
-def sampled_token_logprobs(steps: Any) -> tuple[list[int], list[float]]:
-    """The first entry of each position of a ``FlatLogprobs`` (with ``logprobs=0``: the sampled
-    token's id and log-prob). ``SamplingParams(flat_logprobs=True)`` is new in 0.1x and its
-    layout (start indices into flat lists) is not documented API."""
-    starts, ids, values = steps.start_indices, steps.token_ids, steps.logprobs
+def sampled_token_logprobs(steps: Any, since: int = 0) -> tuple[list[int], list[float]]:
+    """The first entry of each position (from ``since``) of a ``FlatLogprobs`` (with
+    ``logprobs=0``: the sampled token's id and log-prob). ``SamplingParams(flat_logprobs=True)``
+    is new in 0.1x and its layout (start indices into flat lists) is not documented API."""
+    starts, ids, values = list(steps.start_indices)[since:], steps.token_ids, steps.logprobs
     return [ids[i] for i in starts], [float(values[i]) for i in starts]
 
 
-def sampled_topk_logprobs(steps: Any, k: int) -> list[list[tuple[int, float]]]:
-    """The ``k`` likeliest tokens at each sampled position, most likely first, from a
-    ``FlatLogprobs`` with ``logprobs=k``: each position holds the sampled token's entry (its own
-    rank), then the top k by rank (1 is the likeliest; the sampled token may be among them)."""
+def sampled_topk_logprobs(steps: Any, k: int, since: int = 0) -> list[list[tuple[int, float]]]:
+    """The ``k`` likeliest tokens at each sampled position (from ``since``), most likely first,
+    from a ``FlatLogprobs`` with ``logprobs=k``: each position holds the sampled token's entry (its
+    own rank), then the top k by rank (1 is the likeliest; the sampled token may be among them)."""
     starts, ids, values, ranks = list(steps.start_indices), steps.token_ids, steps.logprobs, steps.ranks
     out = []
-    for a, b in zip(starts, [*starts[1:], len(ids)]):
+    for a, b in list(zip(starts, [*starts[1:], len(ids)]))[since:]:
         best: dict[int, tuple[int, float]] = {}
         for i in range(a + 1, b):  # past the sampled token's own entry
             if ranks[i] is not None and 1 <= ranks[i] <= k:

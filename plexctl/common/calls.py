@@ -56,6 +56,16 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class SampleTokens(msgspec.Struct, array_like=True):
+    """A sample's next tokens, each with its log-prob (and, as ``Sampling.topk_logprobs`` asks,
+    its position's likeliest tokens): what its ``Completion`` will hold at these positions."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    topk_logprobs: list[list[TokenLogprob]] = msgspec.field(default_factory=list)
+
+
 class AdapterRef(msgspec.Struct):
     """A published policy version of a job, loadable by the rollout engine: a PEFT adapter, or
     (``full``) every weight of the model in ``model.safetensors``, loaded in place."""

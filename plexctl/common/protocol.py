@@ -42,7 +42,9 @@ from plexctl.common.calls import (  # noqa: F401 - the engine data types, re-exp
     Completion,
     GenRequest,
     LoraSpec,
+    SampleTokens,
     Sampling,
+    TokenLogprob,
     TrainBatch,
     TrainHParams,
 )
@@ -415,11 +417,6 @@ class PartialBody(msgspec.Struct):
 
     task_id: int
     samples: list[SampleTokens]
-
-
-class SampleTokens(msgspec.Struct, array_like=True):
-    prompt_index: int
-    token_ids: list[int]
 
 
 class ReleaseBody(msgspec.Struct):

@@ -966,7 +966,7 @@ class ClusterBackend(Backend, PolicyBackend):
         policy: Policy,
         prompt_tokens: list[int],
         sampling: C.Sampling,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[C.SampleTokens], None] | None = None,
     ) -> list[C.Completion]:
         version = None if policy.latest else policy.version if policy.job_id else 0
         request = C.GenerateReq([], sampling, [prompt_tokens], version=version, of_job=policy.job_id, interactive=True)
@@ -1050,12 +1050,12 @@ def _job_policy(job: P.JobInfo, model: str, version: int | None) -> Policy:
     return Policy(model, job.model, context_of(job.model), job.job_id, version, int(job.submitted_at), latest=not named)
 
 
-def _tokens_to(on_tokens: Callable[[list[int]], None]) -> Callable[[P.PartialBody], None]:
+def _tokens_to(on_tokens: Callable[[C.SampleTokens], None]) -> Callable[[P.PartialBody], None]:
     """A streamed call's partials handed on as the tokens of its one prompt's sample."""
 
     def told(part: P.PartialBody) -> None:
         for sample in part.samples:
-            on_tokens(sample.token_ids)
+            on_tokens(sample)
 
     return told
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -67,6 +68,8 @@ class Policy(msgspec.Struct, frozen=True):
 class PolicyBackend(abc.ABC):
     """What the OpenAI routes ask of the cluster. Methods block (called on a thread)."""
 
+    choices_apart = True  # a streamed request's n choices may be sampled as n requests of one each
+
     @abc.abstractmethod
     def authenticate(self, api_key: str) -> str | None:
         """The user an API key is, None if it is no user's."""
@@ -87,10 +90,11 @@ class PolicyBackend(abc.ABC):
         policy: Policy,
         prompt_tokens: list[int],
         sampling: C.Sampling,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[C.SampleTokens], None] | None = None,
     ) -> list[C.Completion]:
-        """``sampling.n`` completions of the prompt from ``policy``; ``on_tokens`` (``sampling.stream``)
-        gets each run of tokens sampled as it comes, where the backend streams (else nothing)."""
+        """``sampling.n`` completions of the prompt from ``policy``; ``on_tokens`` (``sampling.stream``,
+        one sample) gets each run of tokens sampled, with their log-probs, as it comes, where the
+        backend streams (else nothing)."""
 
     def end_idle(self, now: float, idle_s: float) -> list[str]:
         """End what serves requests and has served none for ``idle_s``; what was ended (by default
@@ -430,19 +434,19 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def completion_logprobs(policy: Policy, c: C.Completion, offset: int = 0) -> dict[str, Any]:
+    """A completion's tokens' log-probs as the completions API gives them; ``offset``: where its
+    first token's text starts in the choice's text."""
+    texts = _token_texts(policy.model_path, c.token_ids)
+    offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    top = [{text: lp for text, lp in _top_texts(policy, row)} for row in c.topk_logprobs] if c.topk_logprobs else None
+    return {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
 def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, rid: str) -> dict[str, Any]:
     choices = []
     for i, c in enumerate(done):
-        lp = None
-        if logprobs:
-            texts = _token_texts(policy.model_path, c.token_ids)
-            offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
-            top = (
-                [{text: lp for text, lp in _top_texts(policy, row)} for row in c.topk_logprobs]
-                if c.topk_logprobs
-                else None
-            )
-            lp = {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+        lp = completion_logprobs(policy, c) if logprobs else None
         choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": _finish(c.finish_reason)})
     return {
         "id": rid,
@@ -548,11 +552,23 @@ def stream_of(answer: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
     return events()
 
 
-def streams_tokens(req: _Sampled, logprobs: bool, how: Structure, tools: bool) -> bool:
-    """Whether a streamed request gets its tokens as they are sampled: one choice of plain text
-    (no log-probs, tools or JSON schema, whose answers are read whole); else each choice comes
-    whole once sampled (``stream_of``)."""
-    return req.n == 1 and not logprobs and how.schema is None and not tools
+def streams_tokens(backend: PolicyBackend, req: _Sampled, how: Structure, tools: bool) -> bool:
+    """Whether a streamed request gets its tokens as they are sampled: plain text (no tools or
+    JSON schema, whose answers are read whole), of one choice or of several where the backend
+    samples them apart; else each choice comes whole once sampled (``stream_of``)."""
+    return how.schema is None and not tools and (req.n == 1 or backend.choices_apart)
+
+
+@dataclasses.dataclass
+class _Streamed:
+    """One choice of a streamed answer: its tokens so far, the text sent, the positions whose
+    log-probs are not sent yet."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    sent: str = ""
+    told: int = 0  # positions whose log-probs went out
+    offset: int = 0  # where the next told position's token text starts (the completions API's text_offset)
+    unsent: list[C.SampleTokens] = dataclasses.field(default_factory=list)
 
 
 def token_stream(
@@ -563,65 +579,113 @@ def token_stream(
     prompt: list[int],
     sampling: C.Sampling,
     chat: bool,
+    logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    """One choice's text as server-sent events as the engine samples it (``sampling.stream``):
-    the text decoded so far, less what a ``stop`` string could still take back, goes out as it
-    grows; the answer's own text ends it (its rest, then its finish reason, then ``[DONE]``). A
-    failure once streaming has begun is an ``error`` event."""
+    """Each of ``sampling.n`` choices' text as server-sent events as the engine samples it. A
+    choice is a request of one sample (the j-th seeded ``seed + j``, as the engine seeds a
+    request's j-th sample), the n side by side and batched by the engine. The text decoded so far,
+    less what a ``stop`` string could still take back, goes out as it grows, with the log-probs
+    of the tokens sampled since (``logprobs``); each choice's own text ends it (its rest, its last
+    log-probs, its finish reason), then ``[DONE]``. A failure once streaming has begun is an
+    ``error`` event."""
     loop = asyncio.get_running_loop()
-    arrived: asyncio.Queue[list[int]] = asyncio.Queue()
+    arrived: asyncio.Queue[tuple[int, C.SampleTokens]] = asyncio.Queue()
+    one = msgspec.structs.replace(sampling, n=1, stream=True)
 
-    def told(tokens: list[int]) -> None:
-        loop.call_soon_threadsafe(arrived.put_nowait, list(tokens))
+    def sample(j: int) -> asyncio.Future[list[C.Completion]]:
+        def told(tokens: C.SampleTokens) -> None:
+            loop.call_soon_threadsafe(arrived.put_nowait, (j, tokens))
 
-    work = asyncio.ensure_future(run(backend.generate, user, policy, prompt, sampling, told))
+        seeded = one if sampling.seed is None else msgspec.structs.replace(one, seed=sampling.seed + j)
+        return asyncio.ensure_future(run(backend.generate, user, policy, prompt, seeded, told))
+
+    works = [sample(j) for j in range(sampling.n)]
+    choices = [_Streamed() for _ in works]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     head = {"id": rid, "created": int(time.time()), "model": policy.name}
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in sampling.stop), default=0)  # a stop string's start is not sent: it may be cut
     tok = tokenizer(policy.model_path)
 
-    def event(text: str | None, finish: str | None = None) -> bytes:
+    def event(j: int, text: str | None, finish: str | None = None, final: C.Completion | None = None) -> bytes:
+        ch = choices[j]
+        lp = None
+        if logprobs:  # the positions sampled since the last piece (at the end: the answer's own rest)
+            told = _joined(ch.unsent) if final is None else _past(final, ch.told)
+            ch.unsent = []
+            if told.token_ids:
+                lp = chat_logprobs(policy, told) if chat else completion_logprobs(policy, told, ch.offset)
+                ch.told += len(told.token_ids)
+                ch.offset += sum(len(t) for t in _token_texts(policy.model_path, told.token_ids))
         if chat:
             delta = {} if text is None else {"content": text}
-            part: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            part: dict[str, Any] = {"index": j, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            part = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            part = {"index": j, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return f"data: {json.dumps({**head, 'choices': [part]})}\n\n".encode()
 
     async def events() -> AsyncIterator[bytes]:
         if chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n".encode()
-        tokens: list[int] = []
-        sent = ""
-        while True:
+            for j in range(len(works)):
+                role = {
+                    "index": j,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield f"data: {json.dumps({**head, 'choices': [role]})}\n\n".encode()
+        while not all(w.done() for w in works) or not arrived.empty():
             waiting = asyncio.ensure_future(arrived.get())
-            await asyncio.wait({waiting, work}, return_when=asyncio.FIRST_COMPLETED)
+            busy: set[asyncio.Future[Any]] = {waiting, *(w for w in works if not w.done())}
+            await asyncio.wait(busy, return_when=asyncio.FIRST_COMPLETED)
             if not waiting.done():
                 waiting.cancel()
-                break
-            tokens += waiting.result()
-            text = tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                continue
+            j, tokens = waiting.result()
+            ch = choices[j]
+            ch.tokens += tokens.token_ids
+            ch.unsent.append(tokens)
+            text = tok.decode(ch.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             ready = text[: max(0, len(text) - hold)].rstrip("\ufffd")  # not half a character
-            if len(ready) > len(sent) and ready.startswith(sent):
-                yield event(ready[len(sent) :])
-                sent = ready
+            if len(ready) > len(ch.sent) and ready.startswith(ch.sent):
+                yield event(j, ready[len(ch.sent) :])
+                ch.sent = ready
         try:
-            done = work.result()
+            done = [w.result()[0] for w in works]
         except (UserError, NotFound) as e:
             yield f"data: {json.dumps(error_body(400, str(e)))}\n\n".encode()
             yield b"data: [DONE]\n\n"
             return
         made = chat_answer(policy, done, False, rid) if chat else completion_answer(policy, done, False, rid)
-        choice = made["choices"][0]
-        final = choice["message"]["content"] if chat else choice["text"]
-        if final.startswith(sent) and len(final) > len(sent):
-            yield event(final[len(sent) :])
-        yield event(None, choice["finish_reason"])
+        for j, (choice, c) in enumerate(zip(made["choices"], done, strict=True)):
+            final, sent = choice["message"]["content"] if chat else choice["text"], choices[j].sent
+            rest = final[len(sent) :] if final.startswith(sent) and len(final) > len(sent) else ""
+            if rest or (logprobs and len(c.token_ids) > choices[j].told):
+                yield event(j, rest, final=c)
+            yield event(j, None, choice["finish_reason"])
         yield b"data: [DONE]\n\n"
 
     return events()
+
+
+def _past(c: C.Completion, told: int) -> C.Completion:
+    """A completion's positions from ``told`` on."""
+    return msgspec.structs.replace(
+        c, token_ids=c.token_ids[told:], logprobs=c.logprobs[told:], topk_logprobs=c.topk_logprobs[told:]
+    )
+
+
+def _joined(runs: list[C.SampleTokens]) -> C.Completion:
+    """Runs of one sample's tokens as one completion's positions (for their log-probs)."""
+    return C.Completion(
+        prompt_index=0,
+        text="",
+        prompt_token_ids=[],
+        token_ids=[t for r in runs for t in r.token_ids],
+        logprobs=[lp for r in runs for lp in r.logprobs],
+        finish_reason="",
+        topk_logprobs=[row for r in runs for row in r.topk_logprobs],
+    )
 
 
 # ---------------------------------------------------------------- routes
@@ -678,11 +742,11 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                 )
                 limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
             sampling = sampling_of(req, len(prompt), policy.context, limit, topk, how.schema)
-            if req.stream and streams_tokens(req, want_logprobs, how, bool(chat and tools)):
-                sampling = msgspec.structs.replace(sampling, stream=True)
+            if req.stream and streams_tokens(backend, req, how, bool(chat and tools)):
                 await run(tokenizer, policy.model_path)  # loaded before the first token comes
                 return StreamingResponse(
-                    token_stream(backend, run, user, policy, prompt, sampling, chat), media_type="text/event-stream"
+                    token_stream(backend, run, user, policy, prompt, sampling, chat, want_logprobs),
+                    media_type="text/event-stream",
                 )
             try:
                 done = await run(backend.generate, user, policy, prompt, sampling)
