@@ -3,11 +3,11 @@ over a ``TrainerGroup`` whose ranks each hold a store and a server (``worker.mai
 Real processes, gloo, FSDP2 on CPU.
 
 Every body reaches every rank, and a step's micro-batches split among them. Jobs trained on it
-end as the same jobs on a one-rank engine to summation order (a job with LoRA dropout bit for
-bit), whether they swap through the store's tiers or share passes, and bit for bit the same alone
-or shared at that width. Only rank 0 writes what a task publishes. A full fine-tuning job's
-weights and moments are sharded over the ranks and train as on one rank, and a rank that dies
-takes the worker down.
+end as the same jobs on a one-rank engine to summation order (a job with LoRA dropout too: its
+micro-batches draw their masks wherever they run), whether they swap through the store's tiers or
+share passes, and bit for bit the same alone or shared at that width. Only rank 0 writes what a
+task publishes. A full fine-tuning job's weights and moments are sharded over the ranks and train
+as on one rank, and a rank that dies takes the worker down.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ def metrics_of(results: dict[int, tuple[bool, Any, str]]) -> dict[int, dict[str,
 
 def test_jobs_on_two_ranks_split_their_steps_and_end_as_on_one(model_dir: str, tmp_path: Path) -> None:
     """Served on 2 ranks, each step's micro-batches split among them (data parallel): the jobs
-    end as on one rank, to summation order (the job with LoRA dropout, whose rows every rank
-    runs, bit for bit); on 2 ranks a job trained alone and in shared passes ends bit for bit the
-    same; every rank holds the same adapter; only rank 0 writes."""
+    end as on one rank, to summation order (the job with LoRA dropout too, its micro-batches'
+    masks the same whichever rank runs them); on 2 ranks a job trained alone and in shared passes
+    ends bit for bit the same; every rank holds the same adapter; only rank 0 writes."""
     alone = Trainers({EID: trainer_store(TrainerEngine(model_dir, **SPLIT), CONFIG, tmp_path / "n1", {})})
     want = metrics_of(serve_all(alone, bodies(tmp_path / "one")).results)
     with group_of(model_dir, 2, tmp_path / "n2", options=SPLIT) as group:
@@ -138,14 +138,16 @@ def test_jobs_on_two_ranks_split_their_steps_and_end_as_on_one(model_dir: str, t
         for key, value in metrics.items():
             assert got[task_id][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (task_id, key)
     one, two, apart = (published(tmp_path / d) for d in ("one", "two", "unshared"))
-    assert all(torch.equal(one["j0"][k], two["j0"][k]) for k in one["j0"])  # dropout: every rank runs it all
     for task_id, metrics in got.items():  # a step's metrics on 2 ranks, shared or alone (their sums' order aside)
         for key, value in metrics.items():
             if key != "group":  # the pass's job count
                 assert unshared[task_id][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (task_id, key)
     for job in STEPS:
         assert one[job].keys() == two[job].keys() == apart[job].keys()
-        assert all(torch.allclose(one[job][k], two[job][k], rtol=1e-4, atol=1e-6) for k in one[job]), job
+        # the dropout job's smallest gradients are the ones summation order moves most (its grad_norm
+        # agrees above: its masks are the same on 2 ranks), and AdamW's first steps are about +-lr whatever their size
+        atol = 1e-5 if job == "j0" else 1e-6
+        assert all(torch.allclose(one[job][k], two[job][k], rtol=1e-4, atol=atol) for k in one[job]), job
         assert all(torch.equal(two[job][k], apart[job][k]) for k in two[job]), job  # shared or alone: the same
     assert all(len(d) == 1 for d in digests.values()), digests  # every rank holds the same adapter
     assert sorted(os.listdir(tmp_path / "two")) == sorted(STEPS)  # written once, by rank 0

@@ -23,7 +23,8 @@ then summed in one all-reduce each, a sharded job's gradients reduce-scattered w
 backward), data parallel: equal to a one-rank engine's up to summation order, and a job's
 step is bit for bit the same alone or in a shared pass at a given width. Tinker's forward_backward
 and optim_step split their micro-batches the same way (each datum's results gathered from the rank
-that computed it). A job with LoRA dropout, and the log-prob calls, run whole on every rank.
+that computed it); a LoRA job's dropout masks are its micro-batch's, whichever rank runs it
+(``TrainingMath.job_rng``). The log-prob calls run whole on every rank.
 A LoRA job's checkpoint is written by rank 0; a sharded job's by every rank, each its own shards
 (``torch.distributed.checkpoint``; ``worker.checkpoint_shards``), rank 0 the small files and the
 manifest. Either restores at any width. ``TrainStep`` and ``LossGradients``, the group's own

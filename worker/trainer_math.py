@@ -13,7 +13,9 @@ weights are computed over the whole batch first, so their gradients add up to th
 ``length_buckets`` rows are cut in length order and every per-row result put back in the batch's
 order (only the summation order changes); no batch's full logits ever exist. Only the job's
 adapter is active and trainable during its call; LoRA dropout runs on the job's own saved RNG
-stream: a job's update is bit-for-bit (on CPU) the one it would get alone. bfloat16 / float16
+stream, each micro-batch's masks seeded from the step's draw of it and the micro-batch's index
+(``job_rng``): a job's update is bit-for-bit (on CPU) the one it would get alone, and its masks
+the same at any width. bfloat16 / float16
 engines run under autocast; adapters and AdamW stay float32.
 
 ``train_group`` steps several ``groupable`` LoRA jobs of the base (no dropout) in one pass: rows
@@ -149,7 +151,7 @@ class TrainingMath:
         """
         started = time.perf_counter()
         job = self.slots.job(job_id)
-        split = self.split if self._splits(job) else None
+        split = self.split
         metrics = self._forward_backward(job, batch, hp, split)
         if split is not None:
             _reduce_gradients(self.replicated([job]), split)
@@ -324,8 +326,8 @@ class TrainingMath:
 
     def _passes(
         self, rows: Rows, bounds: list[tuple[int, int]] | None, split: RankSplit | None, jobs: list[JobState]
-    ) -> Iterator[tuple[int, int, Rows, bool]]:
-        """(start, stop, rows, null) of each pass this process runs: every micro-batch with a
+    ) -> Iterator[tuple[int, int, int, Rows, bool]]:
+        """(index, start, stop, rows, null) of each pass this process runs: every micro-batch with a
         trainable token; with ``split``, this rank's of them, then null passes (the first
         micro-batch again, its gradients into the jobs' whole parameters undone, its loss counted
         zero by the caller, so a sharded job's reduce-scatter adds nothing: ``null`` True) until it has run
@@ -335,7 +337,7 @@ class TrainingMath:
         kept = [(start, stop) for start, stop in bounds if rows.loss_mask[start:stop].any()]
         for index, null in self.rank_passes(len(kept), split, jobs):
             start, stop = kept[index]
-            yield start, stop, slice_rows(rows, start, stop), null
+            yield index, start, stop, slice_rows(rows, start, stop), null
 
     def rank_passes(self, count: int, split: RankSplit | None, jobs: list[JobState]) -> Iterator[tuple[int, bool]]:
         """(index, null) of each of ``count`` micro-batches this process runs: all of them, or with
@@ -357,15 +359,11 @@ class TrainingMath:
             for param, grad in held:  # the null pass's gradients undone, bit for bit
                 param.grad = grad
 
-    def _splits(self, job: JobState) -> bool:
-        """Whether the job's steps split among this engine's ranks: a full fine-tuning job, or a
-        LoRA job without dropout (a job with dropout draws its masks as on one rank: every rank
-        runs all of its rows)."""
-        return self.split is not None and (job.lora is None or job.lora.dropout == 0)
-
     def split_of(self, job: JobState) -> RankSplit | None:
-        """This rank's place among those the job's passes split among; None: it runs them all."""
-        return self.split if self._splits(job) else None
+        """This rank's place among those the job's passes split among (every job's: a LoRA
+        job's dropout masks are its micro-batch's, whichever rank runs it, ``job_rng``); None on
+        one rank."""
+        return self.split
 
     def reduce_gradients(self, job: JobState, split: RankSplit | None) -> None:
         """The job's whole parameters' gradients summed over the ranks that split its rows (a
@@ -433,7 +431,7 @@ class TrainingMath:
         for job in jobs:
             if not self.groupable(job.job_id):
                 raise BatchError(f"job {job.job_id!r} cannot share a pass (full fine-tuning or LoRA dropout)")
-        split = self.split if all(self._splits(job) for job in jobs) else None
+        split = self.split
         metrics = self._group_forward_backward(jobs, [(batch, hp) for _, batch, hp in steps], split)
         if split is not None:
             _reduce_gradients(self.replicated(jobs), split)
@@ -520,7 +518,7 @@ class TrainingMath:
         any_kl = any(hp.kl_coef > 0 for _, hp in work)
         one_loss = all(u is None for u in user_losses) and len({_loss_key(hp) for _, hp in work}) == 1
         shared = (old_all, weight_all, advantages)
-        for start, stop, part, null in self._passes(rows, bounds, split, jobs):
+        for _, start, stop, part, null in self._passes(rows, bounds, split, jobs):
             sums = [MetricSums() for _ in jobs] if null else kept  # metrics of a null pass go nowhere
             width = part.loss_mask.shape[1]
             ref = self._base_logprobs(part) if any_kl else None
@@ -624,8 +622,9 @@ class TrainingMath:
             old_logprobs, advantages, weights = (t[order] for t in (old_logprobs, advantages, weights))
         job.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
-        with self.job_rng(job):
-            for start, stop, part, null in self._passes(rows, None, split, [job]):
+        with self.job_rng(job) as masks:
+            for index, start, stop, part, null in self._passes(rows, None, split, [job]):
+                masks(index)
                 width = part.loss_mask.shape[1]
                 self._accumulate_micro_batch(
                     job,
@@ -729,17 +728,36 @@ class TrainingMath:
     # ------------------------------------------------------------ internals: randomness
 
     @contextlib.contextmanager
-    def job_rng(self, job: JobState) -> Iterator[None]:
-        """Run the block on the job's own RNG stream (only LoRA dropout consumes it)."""
+    def job_rng(self, job: JobState) -> Iterator[Callable[..., None]]:
+        """A step of the job on its own RNG stream (only LoRA dropout consumes it): the stream
+        gives the step one seed, and the block's ``masks(*where)`` seeds the global RNG for one
+        micro-batch (``where``: its index, within the step's call if it has several) from that seed
+        and ``where`` alone. So a micro-batch draws the same dropout masks whichever rank runs it,
+        at any width, and the stream moves on by one draw a step."""
         if job.lora is None or job.lora.dropout <= 0:
-            yield
+            yield _no_masks
             return
         with forked_rng(self.device):
             torch.set_rng_state(job.rng_state["cpu"].clone())  # a view into the slot would not do
             if "cuda" in job.rng_state:
                 torch.cuda.set_rng_state(job.rng_state["cuda"].clone(), self.device)
-            yield
+            step_seed = int(torch.randint(0, 1 << 62, (1,)).item())
             store_rng(job.rng_state, capture_rng(self.device))
+            device = self.device
+
+            def masks(*where: int) -> None:
+                seed = step_seed
+                for k in where:
+                    seed = (seed * 1_000_003 + k + 1) % (1 << 63)
+                torch.random.default_generator.manual_seed(seed)
+                if device.type == "cuda":
+                    torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+            yield masks
+
+
+def _no_masks(*where: int) -> None:
+    """A job without dropout draws no masks."""
 
 
 def _add_gradient(master: torch.Tensor, part: torch.Tensor) -> None:

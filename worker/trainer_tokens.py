@@ -27,10 +27,11 @@ its own hyper-parameters for ``train_step``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -201,9 +202,9 @@ class TokenLosses:
         job.optimizer.zero_grad(set_to_none=True)
         try:
             losses: list[float] = []
-            with self.math.job_rng(job):
-                for call in calls:
-                    losses.extend(self._accumulate_call(job, call))
+            with self.math.job_rng(job) as masks:
+                for k, call in enumerate(calls):
+                    losses.extend(self._accumulate_call(job, call, functools.partial(masks, k)))
             self.math.reduce_gradients(job, self.math.split_of(job))
             grad_norm = self.math.clip_gradients(job, adam.grad_clip_norm)
             skipped = not math.isfinite(grad_norm)
@@ -225,9 +226,10 @@ class TokenLosses:
 
     # ------------------------------------------------------------ internals
 
-    def _accumulate_call(self, job: JobState, call: LossCall) -> list[float]:
+    def _accumulate_call(self, job: JobState, call: LossCall, masks: Callable[[int], None]) -> list[float]:
         """Add the gradient of the call's loss to the job's parameters (on several ranks, this
-        rank's share of its micro-batches: ``optim_step`` sums the gradients); each datum's loss."""
+        rank's share of its micro-batches: ``optim_step`` sums the gradients); each datum's loss.
+        ``masks(index)`` seeds a micro-batch's dropout (``TrainingMath.job_rng``)."""
         config = loss_config(call.loss_fn, call.loss_fn_config)
         model = self.math.activate(job, train=job.lora is not None and job.lora.dropout > 0)
         split = self.math.split_of(job)
@@ -235,6 +237,7 @@ class TokenLosses:
         found = _DataSums(call, self.device)
         for index, null in self.math.rank_passes(len(parts), split, [job]):
             part = parts[index]
+            masks(index)
             # the backward too: gradients reach the job's weights (a shard's summed over the ranks that split)
             with self.math.job_weights(job, grad=True, summed=split is not None):
                 with self.math.forward_context():
