@@ -391,3 +391,27 @@ def test_a_periodic_checkpoint_without_space_does_not_end_the_job(
     fresh = TrainerEngine(model_dir, threads=1)
     assert fresh.load_checkpoint("job", str(fs / "ckpt" / "step-000002"), LORA, seed=1)["step"] == 2
     assert_exactly_equal(good, job_state(fresh, "job"), "step 2")
+
+
+def test_a_shard_write_that_fails_without_an_errno_on_a_full_filesystem_is_out_of_space(tmp_path: Path) -> None:
+    """torch's zip writer reports a short write on a full disk as a position it did not reach, with
+    no errno: while the filesystem has less room than the rank's shards, that failure is ENOSPC
+    (which the checkpoint's caller names in one line); with room, it is the one-line error it was."""
+    import errno
+
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from worker import checkpoint_shards as shards
+    from worker.errors import CheckpointError
+
+    lost = CheckpointException(
+        "save", {1: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"), None)}
+    )
+    huge = {"w": torch.empty(1 << 60, dtype=torch.uint8, device="meta")}  # more than any disk holds
+    small = {"w": torch.empty(16, dtype=torch.uint8)}
+    assert shards._short_of_space(tmp_path, huge) and not shards._short_of_space(tmp_path, small)
+    full = shards._one_error(lost, "writing the shards", shards._short_of_space(tmp_path, huge))
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC
+    other = shards._one_error(lost, "writing the shards", shards._short_of_space(tmp_path, small))
+    assert isinstance(other, CheckpointError) and "unexpected pos" in str(other) and "\n" not in str(other)

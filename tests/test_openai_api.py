@@ -195,6 +195,40 @@ def test_bad_requests_name_the_field_and_other_users_see_nothing(cluster: Cluste
     )
 
 
+def test_a_batch_of_prompts_answers_each_as_it_would_alone(cluster: Cluster, tiny_model: Path):
+    """``prompt`` as a list of texts or of token-id lists (what lm-eval-harness sends): a choice
+    per prompt and per ``n``, at index ``prompt * n + j``, each the answer the prompt gets alone."""
+    from transformers import AutoTokenizer
+
+    api = client(cluster)
+    texts = ["3+4=", "2+5=", "1+1="]
+    alone = [api.completions.create(model="base:tiny-arith", prompt=t, logprobs=0, **GREEDY) for t in texts]
+    ids = [AutoTokenizer.from_pretrained(tiny_model)(t)["input_ids"] for t in texts]
+    for batch in (texts, ids):
+        out = api.completions.create(model="base:tiny-arith", prompt=batch, logprobs=0, **GREEDY)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert [c.text for c in out.choices] == [a.choices[0].text for a in alone]
+        for c, a in zip(out.choices, alone):
+            assert c.logprobs.token_logprobs == pytest.approx(a.choices[0].logprobs.token_logprobs, abs=1e-4)
+        assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) == sum(map(len, ids))
+        assert out.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    two = api.completions.create(model="base:tiny-arith", prompt=texts[:2], n=2, temperature=1.0, max_tokens=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    streamed = api.completions.create(model="base:tiny-arith", prompt=texts, stream=True, **GREEDY)
+    pieces: dict[int, str] = {}
+    for part in streamed:
+        for c in part.choices:
+            pieces[c.index] = pieces.get(c.index, "") + c.text
+    assert pieces == {i: a.choices[0].text for i, a in enumerate(alone)}
+    for bad in ([1, "2"], [[1], "2"], [[]], [["a"]]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model="base:tiny-arith", prompt=bad, max_tokens=1)
+        assert refused.value.body["param"] == "prompt", bad
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="base:tiny-arith", prompt=texts * 6, n=4, max_tokens=1)
+    assert refused.value.body["param"] == "prompt" and "over 64 choices" in refused.value.body["message"]
+
+
 def test_the_docs_python_example_runs_as_written(cluster: Cluster, tmp_path: Path):
     """docs/openai.md's Python block, its port and key file those of this cluster."""
     page = (REPO / "docs" / "openai.md").read_text()
@@ -213,6 +247,38 @@ def test_the_docs_python_example_runs_as_written(cluster: Cluster, tmp_path: Pat
     assert "'tiny-arith'" in listed and "'base:tiny-arith'" in listed
     text, logprobs = answer.split(" ", 1)
     assert text.isdigit() and len(json.loads(logprobs)) >= 1, answer
+
+
+def test_lm_eval_harness_scores_a_trained_policy_as_the_docs_type_it(cluster: Cluster, tmp_path: Path):
+    """docs/openai.md's lm_eval command, run as typed from the repository (its port, key file,
+    job and output folder this cluster's): lm-eval-harness's ``local-completions`` model scores
+    the job's policy on the tiny task, and its exact match is the one the SDK's own greedy answers
+    to the same prompts give."""
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    if not lm_eval.exists():
+        pytest.skip("lm_eval is not installed (pip install 'lm_eval[api]'; `make test` installs it)")
+    page = (REPO / "docs" / "openai.md").read_text()
+    command = next(b for b in re.findall(r"```bash\n(.*?)```", page, re.S) if "lm_eval " in b)
+    trained = [j for j in cluster.status()["jobs"] if j["policy_version"] > 0 and j["state"] == "succeeded"]
+    job = trained[0]["job_id"] if trained else "base:tiny-arith"
+    url = json.loads((cluster.state_dir / "tinker.json").read_text())["openai_url"]
+    typed = (
+        command.replace("~/.plexrl/tinker-api-key", str(cluster.home / "tinker-api-key"))
+        .replace("http://127.0.0.1:8001/v1", url)
+        .replace("model=j0001", f"model={job}")
+        .replace("--output_path lm-eval-out", f"--output_path {tmp_path / 'out'}")
+        .replace("lm_eval --model", f"{lm_eval} --model")
+    )
+    env = {**cluster.env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    run = subprocess.run(["bash", "-c", typed], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    scored = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["tiny_arith"]
+    prompts = [json.loads(line) for line in (REPO / ".plexrl" / "data" / "arith" / "eval.jsonl").open()][:20]
+    out = client(cluster).completions.create(
+        model=job, prompt=[p["prompt"] for p in prompts], temperature=0.0, max_tokens=3, stop=["\n"]
+    )
+    hits = [c.text == p["answer"] for c, p in zip(out.choices, prompts)]
+    assert scored["exact_match,none"] == pytest.approx(sum(hits) / len(hits)), (scored, [c.text for c in out.choices])
 
 
 def test_a_killed_front_end_comes_back_at_the_same_base_url_and_status_says_so_meanwhile(cluster: Cluster):

@@ -15,12 +15,15 @@ the state directory, the owner's alone), after the manifest's sha256 of it match
 
 Invariants. No rank holds another's shard, so no host ever holds a whole copy of the job's state.
 Every rank of the group calls each function, or none does (they are collectives). A failure on any
-rank raises on every rank: out of disk space as the ``OSError`` it was (so the caller names it),
-anything else as one ``CheckpointError`` line.
+rank raises on every rank: out of disk space as an ``OSError`` of that errno (so the caller names
+it), anything else as one ``CheckpointError`` line.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,7 @@ def write_shards(state: dict[str, torch.Tensor], directory: Path, group: Any) ->
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(out, sync_files=True), process_group=group)
     except CheckpointException as exc:
-        raise _one_error(exc, f"writing the shards to {directory}") from None
+        raise _one_error(exc, f"writing the shards to {directory}", _short_of_space(directory, state)) from None
     rank = dist.get_rank(group)
     mine = {f"{SHARDS}/{p.name}": file_record(p) for p in sorted(out.glob(f"__{rank}_*.distcp"))}
     if rank == 0:
@@ -95,12 +98,26 @@ def verify_shared(directory: Path, manifest: dict[str, Any], group: Any) -> None
         raise CheckpointError(first)
 
 
-def _one_error(exc: CheckpointException, what: str) -> BaseException:
-    """The failure of the lowest rank that failed: out of space, its ``OSError``; else one line."""
+def _short_of_space(directory: Path, state: dict[str, torch.Tensor]) -> bool:
+    """Whether ``directory``'s filesystem has less room than this rank's part of ``state``: then a
+    write that failed without an errno (torch's zip writer reports a short write as a position it
+    did not reach) failed for lack of space."""
+    need = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in state.values())
+    try:
+        return shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
+
+
+def _one_error(exc: CheckpointException, what: str, short_of_space: bool = False) -> BaseException:
+    """The failure of the lowest rank that failed: out of space (its ``OSError``, or any failure
+    while ``short_of_space``), an ``OSError`` of ENOSPC; else one line."""
     failures = [failure for _, (failure, _trace) in sorted(exc.failures.items())]
     for failure in failures:
         if isinstance(failure, OSError) and failure.errno in NO_SPACE_ERRNOS:
             return failure
+    if short_of_space:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     first = failures[0] if failures else exc
     detail = str(first).strip().splitlines()
     return CheckpointError(f"{what} ({type(first).__name__}: {detail[-1] if detail else ''})")

@@ -41,6 +41,7 @@ from plexctl.common import calls as C
 from plexctl.tinker.backend import UserError
 
 MAX_N = 16  # choices per request
+MAX_PROMPTS = 64  # choices of a completions request's batch of prompts, all told
 MAX_BODY_BYTES = 4 << 20  # a request's body
 MAX_STOPS = 4  # stop strings, as OpenAI allows
 MAX_TOOLS = 128  # tools a request offers, as OpenAI allows
@@ -161,7 +162,8 @@ class _Sampled(msgspec.Struct, kw_only=True):
 
 
 class CompletionReq(_Sampled, kw_only=True):
-    prompt: str | list[int]
+    # a text, token ids, or a batch of either (``prompts_of``): msgspec takes one array type in a union
+    prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None  # and the k likeliest at each
     echo: Literal[False] = False
 
@@ -394,13 +396,19 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def sampling_of(
-    req: _Sampled, prompt_len: int, context: int, max_tokens: int | None, topk: int = 0, schema: str | None = None
+    req: _Sampled,
+    prompt_len: int,
+    context: int,
+    max_tokens: int | None,
+    topk: int = 0,
+    schema: str | None = None,
+    field: str = "messages",
 ) -> C.Sampling:
     """The engine's sampling of a request, its prompt and completion held to the model's context;
     ``topk``: the likeliest tokens asked for at each sampled position; ``schema``: the JSON
-    schema each sample is decoded to."""
+    schema each sample is decoded to; ``field``: the request's field the prompt came in."""
     if prompt_len >= context:
-        raise ApiRefusal(400, f"the prompt has {prompt_len} tokens; the model's context is {context}", "messages")
+        raise ApiRefusal(400, f"the prompt has {prompt_len} tokens; the model's context is {context}", field)
     room = context - prompt_len
     if max_tokens is not None and max_tokens > room:
         raise ApiRefusal(
@@ -443,7 +451,10 @@ def completion_logprobs(policy: Policy, c: C.Completion, offset: int = 0) -> dic
     return {"tokens": texts, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, rid: str) -> dict[str, Any]:
+def completion_answer(
+    policy: Policy, done: list[C.Completion], logprobs: bool, rid: str, prompts: int = 1
+) -> dict[str, Any]:
+    """``done``: the choices of ``prompts`` prompts, a prompt's together (index ``p * n + j``)."""
     choices = []
     for i, c in enumerate(done):
         lp = completion_logprobs(policy, c) if logprobs else None
@@ -454,7 +465,7 @@ def completion_answer(policy: Policy, done: list[C.Completion], logprobs: bool, 
         "created": int(time.time()),
         "model": policy.name,
         "choices": choices,
-        "usage": _usage(done),
+        "usage": _usage(done, prompts),
     }
 
 
@@ -518,8 +529,35 @@ def chat_answer(
     }
 
 
-def _usage(done: list[C.Completion]) -> dict[str, int]:
-    prompt = len(done[0].prompt_token_ids) if done else 0
+def prompts_of(req: CompletionReq) -> list[str | list[int]]:
+    """A completions request's prompts: a text, token ids, or a batch of texts or of token-id
+    lists (OpenAI's four forms); a 400 naming ``prompt`` for anything else."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if all(type(t) is int for t in p):
+        return [list(p)]
+    if all(isinstance(t, str) for t in p):
+        batch: list[str | list[int]] = list(p)
+    elif all(isinstance(ids, list) and ids and all(type(t) is int for t in ids) for ids in p):
+        batch = [list(ids) for ids in p]
+    else:
+        raise ApiRefusal(400, "prompt must be a string, a list of token ids, or a list of either (a batch)", "prompt")
+    if len(batch) * req.n > MAX_PROMPTS:
+        raise ApiRefusal(
+            400, f"{len(batch)} prompts of n={req.n} choices each: over {MAX_PROMPTS} choices in one request", "prompt"
+        )
+    return batch
+
+
+def token_ids(model_path: str, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt as token ids (a text tokenized as the model's tokenizer does)."""
+    return [p if isinstance(p, list) else list(tokenizer(model_path)(p)["input_ids"]) for p in prompts]
+
+
+def _usage(done: list[C.Completion], prompts: int = 1) -> dict[str, int]:
+    """Tokens counted: each of the ``prompts`` prompts once (``done``: their choices, a prompt's together)."""
+    prompt = sum(len(c.prompt_token_ids) for c in done[:: max(1, len(done) // prompts)]) if done else 0
     completion = sum(len(c.token_ids) for c in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -734,22 +772,25 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                 want_logprobs, topk = req.logprobs, req.top_logprobs or 0
                 if topk and not want_logprobs:
                     raise ApiRefusal(400, "top_logprobs needs logprobs: true", "top_logprobs")
+                prompts = [prompt]
             else:
-                prompt = (
-                    list(req.prompt)
-                    if isinstance(req.prompt, list)
-                    else await run(lambda: list(tokenizer(policy.model_path)(req.prompt)["input_ids"]))
-                )
+                prompts = await run(token_ids, policy.model_path, prompts_of(req))
                 limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
-            sampling = sampling_of(req, len(prompt), policy.context, limit, topk, how.schema)
-            if req.stream and streams_tokens(backend, req, how, bool(chat and tools)):
+            samplings = [
+                sampling_of(req, len(p), policy.context, limit, topk, how.schema, "messages" if chat else "prompt")
+                for p in prompts
+            ]
+            if req.stream and len(prompts) == 1 and streams_tokens(backend, req, how, bool(chat and tools)):
                 await run(tokenizer, policy.model_path)  # loaded before the first token comes
                 return StreamingResponse(
-                    token_stream(backend, run, user, policy, prompt, sampling, chat, want_logprobs),
+                    token_stream(backend, run, user, policy, prompts[0], samplings[0], chat, want_logprobs),
                     media_type="text/event-stream",
                 )
-            try:
-                done = await run(backend.generate, user, policy, prompt, sampling)
+            try:  # a batch's prompts side by side, batched by the engine; a prompt's choices together
+                parts = await asyncio.gather(
+                    *(run(backend.generate, user, policy, p, sampling) for p, sampling in zip(prompts, samplings))
+                )
+                done = [c for part in parts for c in part]
             except UserError as e:
                 raise ApiRefusal(400, str(e), "response_format" if how.schema else None) from None
             if how.schema is not None and any(c.finish_reason == "error" for c in done):
@@ -762,7 +803,7 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             if chat:
                 made = chat_answer(policy, done, want_logprobs, rid, tools=bool(tools), how=how)
             else:
-                made = completion_answer(policy, done, want_logprobs, rid)
+                made = completion_answer(policy, done, want_logprobs, rid, len(prompts))
         except ApiRefusal as e:
             return await refuse(e.status, str(e), e.param)
         if req.stream:
