@@ -220,6 +220,25 @@ def test_a_batch_of_prompts_answers_each_as_it_would_alone(cluster: Cluster, tin
         for c in part.choices:
             pieces[c.index] = pieces.get(c.index, "") + c.text
     assert pieces == {i: a.choices[0].text for i, a in enumerate(alone)}
+    # echo: the prompt, then the sampled text; its tokens' log-probs, then the sampled ones' (None
+    # first): the sampled answer's, echoed in the prompt, are what sampling it gave
+    echoed = api.completions.create(model="base:tiny-arith", prompt=texts, echo=True, logprobs=1, **GREEDY)
+    for c, a, t in zip(echoed.choices, alone, texts):
+        head = a.choices[0]
+        assert c.text == t + head.text
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.tokens[-len(head.logprobs.tokens) :] == head.logprobs.tokens
+        assert lp.token_logprobs[-len(head.logprobs.tokens) :] == pytest.approx(head.logprobs.token_logprobs, abs=1e-4)
+        assert len(lp.top_logprobs) == len(lp.tokens) and all(len(row) == 1 for row in lp.top_logprobs[1:])
+        rescored = (
+            api.completions.create(
+                model="base:tiny-arith", prompt=t + head.text, echo=True, logprobs=0, max_tokens=1, temperature=0.0
+            )
+            .choices[0]
+            .logprobs
+        )
+        n = len(head.logprobs.tokens) - (head.finish_reason == "stop")  # its <eos> is not in the text
+        assert rescored.token_logprobs[-1 - n : -1] == pytest.approx(head.logprobs.token_logprobs[:n], abs=1e-4)
     for bad in ([1, "2"], [[1], "2"], [[]], [["a"]]):
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="base:tiny-arith", prompt=bad, max_tokens=1)
@@ -272,13 +291,29 @@ def test_lm_eval_harness_scores_a_trained_policy_as_the_docs_type_it(cluster: Cl
     env = {**cluster.env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     run = subprocess.run(["bash", "-c", typed], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    scored = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["tiny_arith"]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     prompts = [json.loads(line) for line in (REPO / ".plexrl" / "data" / "arith" / "eval.jsonl").open()][:20]
-    out = client(cluster).completions.create(
+    api = client(cluster)
+    out = api.completions.create(
         model=job, prompt=[p["prompt"] for p in prompts], temperature=0.0, max_tokens=3, stop=["\n"]
     )
     hits = [c.text == p["answer"] for c, p in zip(out.choices, prompts)]
-    assert scored["exact_match,none"] == pytest.approx(sum(hits) / len(hits)), (scored, [c.text for c in out.choices])
+    assert results["tiny_arith"]["exact_match,none"] == pytest.approx(sum(hits) / len(hits)), results
+    # by log-likelihood: the answer the job's policy scores highest of the 19, its log-probs the
+    # prompt's echoed with each answer after it
+    right = 0
+    for p in prompts:
+        scored = api.completions.create(
+            model=job, prompt=[p["prompt"] + str(a) for a in range(19)], echo=True, logprobs=0, max_tokens=1
+        )
+        assert all(c.logprobs.token_logprobs[0] is None for c in scored.choices)  # <bos>: nothing before it
+        sums = [  # the answer's tokens (a digit each), before the one token sampled after them
+            sum(c.logprobs.token_logprobs[len(c.logprobs.tokens) - 1 - len(str(a)) : -1])
+            for a, c in zip(range(19), scored.choices)
+        ]
+        right += max(range(19), key=sums.__getitem__) == int(p["answer"])
+    assert results["tiny_arith_choice"]["acc,none"] == pytest.approx(right / len(prompts)), results
+    print(f"lm-eval on {job}: exact_match {sum(hits) / len(hits):.2f}, acc {right / len(prompts):.2f}")
 
 
 def test_a_killed_front_end_comes_back_at_the_same_base_url_and_status_says_so_meanwhile(cluster: Cluster):

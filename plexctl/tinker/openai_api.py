@@ -165,7 +165,7 @@ class CompletionReq(_Sampled, kw_only=True):
     # a text, token ids, or a batch of either (``prompts_of``): msgspec takes one array type in a union
     prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None  # and the k likeliest at each
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before each choice's text (with logprobs, its tokens' log-probs first)
 
 
 class ChatReq(_Sampled, kw_only=True):
@@ -452,13 +452,19 @@ def completion_logprobs(policy: Policy, c: C.Completion, offset: int = 0) -> dic
 
 
 def completion_answer(
-    policy: Policy, done: list[C.Completion], logprobs: bool, rid: str, prompts: int = 1
+    policy: Policy, done: list[C.Completion], logprobs: bool, rid: str, prompts: int = 1, echo: list[str] | None = None
 ) -> dict[str, Any]:
-    """``done``: the choices of ``prompts`` prompts, a prompt's together (index ``p * n + j``)."""
+    """``done``: the choices of ``prompts`` prompts, a prompt's together (index ``p * n + j``);
+    ``echo``: each prompt's text, put before its choices' (their log-probs after its tokens')."""
     choices = []
+    per_prompt = max(1, len(done) // prompts)
     for i, c in enumerate(done):
-        lp = completion_logprobs(policy, c) if logprobs else None
-        choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": _finish(c.finish_reason)})
+        head = echo[i // per_prompt] if echo is not None else ""
+        lp = completion_logprobs(policy, c, len(head)) if logprobs else None
+        if lp is not None and echo is not None:
+            lp = _joined_logprobs(echoed_logprobs(policy, c), lp)
+        text = head + c.text
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(c.finish_reason)})
     return {
         "id": rid,
         "object": "text_completion",
@@ -466,6 +472,31 @@ def completion_answer(
         "model": policy.name,
         "choices": choices,
         "usage": _usage(done, prompts),
+    }
+
+
+def echoed_logprobs(policy: Policy, c: C.Completion) -> dict[str, Any]:
+    """The prompt's tokens' log-probs as the completions API gives them (None at the first: nothing
+    comes before it), for ``echo``."""
+    texts = _token_texts(policy.model_path, c.prompt_token_ids)
+    offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    top = (
+        [None if row is None else dict(_top_texts(policy, row)) for row in c.topk_prompt_logprobs]
+        if c.topk_prompt_logprobs
+        else None
+    )
+    return {"tokens": texts, "token_logprobs": list(c.prompt_logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _joined_logprobs(prompt: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's log-probs then the sampled tokens' (``echo``)."""
+    top = None
+    if prompt["top_logprobs"] is not None or sampled["top_logprobs"] is not None:
+        top = (prompt["top_logprobs"] or [None] * len(prompt["tokens"])) + (
+            sampled["top_logprobs"] or [None] * len(sampled["tokens"])
+        )
+    return {key: prompt[key] + sampled[key] for key in ("tokens", "token_logprobs", "text_offset")} | {
+        "top_logprobs": top
     }
 
 
@@ -553,6 +584,11 @@ def prompts_of(req: CompletionReq) -> list[str | list[int]]:
 def token_ids(model_path: str, prompts: list[str | list[int]]) -> list[list[int]]:
     """Each prompt as token ids (a text tokenized as the model's tokenizer does)."""
     return [p if isinstance(p, list) else list(tokenizer(model_path)(p)["input_ids"]) for p in prompts]
+
+
+def prompt_texts(model_path: str, prompts: list[str | list[int]]) -> list[str]:
+    """Each prompt as text (token ids decoded), for ``echo``."""
+    return [p if isinstance(p, str) else tokenizer(model_path).decode(p) for p in prompts]
 
 
 def _usage(done: list[C.Completion], prompts: int = 1) -> dict[str, int]:
@@ -765,6 +801,7 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             except UserError as e:
                 raise ApiRefusal(400, str(e), "model") from None
             how = Structure()
+            echo: list[str] | None = None
             if chat:
                 tools, rendered, how = chat_structure(req)
                 prompt = await run(chat_prompt, policy.model_path, req.messages, tools, rendered)
@@ -774,13 +811,21 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
                     raise ApiRefusal(400, "top_logprobs needs logprobs: true", "top_logprobs")
                 prompts = [prompt]
             else:
-                prompts = await run(token_ids, policy.model_path, prompts_of(req))
+                texts = prompts_of(req)
+                prompts = await run(token_ids, policy.model_path, texts)
+                if req.echo:
+                    echo = await run(prompt_texts, policy.model_path, texts)
                 limit, want_logprobs, topk = req.max_tokens, req.logprobs is not None, req.logprobs or 0
             samplings = [
                 sampling_of(req, len(p), policy.context, limit, topk, how.schema, "messages" if chat else "prompt")
                 for p in prompts
             ]
-            if req.stream and len(prompts) == 1 and streams_tokens(backend, req, how, bool(chat and tools)):
+            if echo is not None and want_logprobs:  # the prompt's own log-probs, scored by the same engine
+                samplings = [
+                    msgspec.structs.replace(x, prompt_logprobs=True, topk_prompt_logprobs=topk) for x in samplings
+                ]
+            whole = len(prompts) > 1 or echo is not None  # streamed a choice at a time, each whole
+            if req.stream and not whole and streams_tokens(backend, req, how, bool(chat and tools)):
                 await run(tokenizer, policy.model_path)  # loaded before the first token comes
                 return StreamingResponse(
                     token_stream(backend, run, user, policy, prompts[0], samplings[0], chat, want_logprobs),
@@ -803,7 +848,7 @@ def add_routes(app: Any, backend: PolicyBackend, run: Callable[..., Any]) -> Non
             if chat:
                 made = chat_answer(policy, done, want_logprobs, rid, tools=bool(tools), how=how)
             else:
-                made = completion_answer(policy, done, want_logprobs, rid, len(prompts))
+                made = completion_answer(policy, done, want_logprobs, rid, len(prompts), echo)
         except ApiRefusal as e:
             return await refuse(e.status, str(e), e.param)
         if req.stream:
