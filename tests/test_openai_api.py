@@ -239,6 +239,9 @@ def test_a_batch_of_prompts_answers_each_as_it_would_alone(cluster: Cluster, tin
         )
         n = len(head.logprobs.tokens) - (head.finish_reason == "stop")  # its <eos> is not in the text
         assert rescored.token_logprobs[-1 - n : -1] == pytest.approx(head.logprobs.token_logprobs[:n], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as refused:  # a prompt's length is the model's context's to bound
+        api.completions.create(model="base:tiny-arith", prompt=ids[0] * 40, max_tokens=1)
+    assert refused.value.body["param"] == "prompt" and "the model's context is" in refused.value.body["message"]
     for bad in ([1, "2"], [[1], "2"], [[]], [["a"]]):
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="base:tiny-arith", prompt=bad, max_tokens=1)

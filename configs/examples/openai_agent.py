@@ -12,12 +12,21 @@ policy, records each completion's token ids and log-probs, and the recorded turn
 episode scored by the job's reward on the agent's answer.
 """
 
+import functools
+
 from openai import OpenAI
+
+
+@functools.cache
+def client_of(base_url: str) -> OpenAI:
+    """One client (one connection pool) for every episode: a new ``OpenAI`` loads the system's CA
+    certificates, tens of milliseconds of CPU, as much as the rest of an episode here."""
+    return OpenAI(base_url=base_url, api_key="per-episode", max_retries=2)
 
 
 def arith_agent(record: dict, base_url: str, api_key: str) -> str:
     """One turn: the problem as the user's message, the model's reply as the answer."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=2)
+    client = client_of(base_url).with_options(api_key=api_key)  # the episode's own key, the shared pool
     reply = client.chat.completions.create(
         model="policy",
         messages=[{"role": "user", "content": record["prompt"]}],

@@ -41,7 +41,7 @@ from plexctl.common import calls as C
 from plexctl.tinker.backend import UserError
 
 MAX_N = 16  # choices per request
-MAX_PROMPTS = 64  # choices of a completions request's batch of prompts, all told
+MAX_BATCH_CHOICES = 64  # the choices of a completions request of several prompts, all told
 MAX_BODY_BYTES = 4 << 20  # a request's body
 MAX_STOPS = 4  # stop strings, as OpenAI allows
 MAX_TOOLS = 128  # tools a request offers, as OpenAI allows
@@ -163,7 +163,7 @@ class _Sampled(msgspec.Struct, kw_only=True):
 
 class CompletionReq(_Sampled, kw_only=True):
     # a text, token ids, or a batch of either (``prompts_of``): msgspec takes one array type in a union
-    prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: str | Annotated[list[Any], Meta(min_length=1)]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None  # and the k likeliest at each
     echo: bool = False  # the prompt before each choice's text (with logprobs, its tokens' log-probs first)
 
@@ -574,10 +574,9 @@ def prompts_of(req: CompletionReq) -> list[str | list[int]]:
         batch = [list(ids) for ids in p]
     else:
         raise ApiRefusal(400, "prompt must be a string, a list of token ids, or a list of either (a batch)", "prompt")
-    if len(batch) * req.n > MAX_PROMPTS:
-        raise ApiRefusal(
-            400, f"{len(batch)} prompts of n={req.n} choices each: over {MAX_PROMPTS} choices in one request", "prompt"
-        )
+    if len(batch) * req.n > MAX_BATCH_CHOICES:
+        many = f"{len(batch)} prompts of n={req.n} choices each: over {MAX_BATCH_CHOICES} choices in one request"
+        raise ApiRefusal(400, many, "prompt")
     return batch
 
 
