@@ -558,3 +558,40 @@ def test_a_step_whose_micro_batches_do_not_divide_among_the_ranks_runs_null_pass
         assert len(set(group.adapter_digests("j1"))) == 1
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
     assert all(torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-6) for k in one)
+
+
+LEARN_STEPS = {"tiny-arith.yaml": 100, "tiny-arith-full.yaml": 200}
+LEARN_GAIN = 0.04  # evaluation reward, last over first (one run: LoRA +0.088, as at width 1; full +0.078)
+
+
+def test_a_lora_job_and_a_full_one_learn_on_a_trainer_of_two_ranks(tiny_model: Path, tmp_path: Path) -> None:
+    """`plexctl up --local --trainer-width 2` and the two example specs submitted side by side,
+    as a user types them: both succeed, each one's evaluation reward rising by at least LEARN_GAIN
+    over its run (the LoRA job's steps split among the ranks, the full job's weights sharded over them)."""
+    from tests.conftest import Cluster
+
+    cluster = Cluster(tmp_path / "home").up(tiny_model, "--trainer-width", "2")
+    try:
+        jobs = {
+            spec: cluster.run(
+                "submit",
+                str(REPO / "configs" / spec),
+                "--set",
+                f"algo.steps={n}",
+                "--set",
+                "checkpoint.every=0",
+                "-q",
+                check=True,
+            ).stdout.strip()
+            for spec, n in LEARN_STEPS.items()
+        }
+        waited = cluster.run("wait", *jobs.values(), "--timeout", "900", timeout=960)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        for spec, job in jobs.items():
+            info = cluster.job(job)
+            gain = info["eval_last"] - info["eval_first"]
+            print(f"width 2, {spec}: eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} ({gain:+.3f})")
+            assert info["state"] == "succeeded" and info["step"] == LEARN_STEPS[spec], info
+            assert gain >= LEARN_GAIN, (spec, info)
+    finally:
+        cluster.run("down", timeout=300)
