@@ -15,8 +15,8 @@ order (only the summation order changes); no batch's full logits ever exist. Onl
 adapter is active and trainable during its call; LoRA dropout runs on the job's own saved RNG
 stream, each micro-batch's masks seeded from the step's draw of it and the micro-batch's index
 (``job_rng``): a job's update is bit-for-bit (on CPU) the one it would get alone, and its masks
-the same at any width. bfloat16 / float16
-engines run under autocast; adapters and AdamW stay float32.
+the same at any width. bfloat16 / float16 engines run under autocast; adapters and AdamW stay
+float32.
 
 ``train_group`` steps several ``groupable`` LoRA jobs of the base (no dropout) in one pass: rows
 in shared micro-batches, each row through its own job's adapter (``_segment_adapters``), each
@@ -358,12 +358,6 @@ class TrainingMath:
             yield 0, True
             for param, grad in held:  # the null pass's gradients undone, bit for bit
                 param.grad = grad
-
-    def split_of(self, job: JobState) -> RankSplit | None:
-        """This rank's place among those the job's passes split among (every job's: a LoRA
-        job's dropout masks are its micro-batch's, whichever rank runs it, ``job_rng``); None on
-        one rank."""
-        return self.split
 
     def reduce_gradients(self, job: JobState, split: RankSplit | None) -> None:
         """The job's whole parameters' gradients summed over the ranks that split its rows (a

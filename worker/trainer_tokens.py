@@ -169,7 +169,7 @@ class TokenLosses:
         check_call(call, self._vocab_size())
         config = loss_config(call.loss_fn, call.loss_fn_config)
         model = self.math.activate(job, train=False)
-        split = self.math.split_of(job)
+        split = self.math.split
         parts = list(self._token_micro_batches(call))
         found = _DataSums(call, self.device)
         with torch.no_grad(), self.math.job_weights(job, grad=False):
@@ -205,7 +205,7 @@ class TokenLosses:
             with self.math.job_rng(job) as masks:
                 for k, call in enumerate(calls):
                     losses.extend(self._accumulate_call(job, call, functools.partial(masks, k)))
-            self.math.reduce_gradients(job, self.math.split_of(job))
+            self.math.reduce_gradients(job, self.math.split)
             grad_norm = self.math.clip_gradients(job, adam.grad_clip_norm)
             skipped = not math.isfinite(grad_norm)
             if not skipped:
@@ -232,7 +232,7 @@ class TokenLosses:
         ``masks(index)`` seeds a micro-batch's dropout (``TrainingMath.job_rng``)."""
         config = loss_config(call.loss_fn, call.loss_fn_config)
         model = self.math.activate(job, train=job.lora is not None and job.lora.dropout > 0)
-        split = self.math.split_of(job)
+        split = self.math.split
         parts = list(self._token_micro_batches(call))
         found = _DataSums(call, self.device)
         for index, null in self.math.rank_passes(len(parts), split, [job]):
