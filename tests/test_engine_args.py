@@ -49,7 +49,7 @@ def test_a_gpu_node_gets_cuda_graphs_its_own_process_and_the_kv_cache_from_its_m
     assert not plan.in_process  # vLLM's engine core in its own process: nothing forces it in
     assert MULTIPROCESSING_ENV not in plan.env_forced and MULTIPROCESSING_ENV not in plan.env_defaults
     assert not any(name.startswith("VLLM_CPU_") for name in [*plan.env_forced, *plan.env_defaults])
-    assert not (plan.install_cpu_lora_ops or plan.pin_threads or plan.undo_cpu_worker_patches)
+    assert not (plan.install_cpu_lora_ops or plan.eager_sampler_ops or plan.pin_threads or plan.undo_cpu_worker_patches)
     # the KV cache size of CPU runs has no say on a GPU
     assert rollout_engine_args("cuda", "/m", kv_cache_gib=7.0) == rollout_engine_args("cuda", "/m", kv_cache_gib=1.0)
 
@@ -75,7 +75,7 @@ def test_what_runs_here_is_the_in_process_cpu_engine_with_its_workarounds() -> N
     }
     assert plan.in_process and plan.env_forced == {MULTIPROCESSING_ENV: "0"}
     assert plan.env_defaults == {CPU_KVCACHE_ENV: "1"}
-    assert plan.install_cpu_lora_ops and plan.pin_threads and plan.undo_cpu_worker_patches
+    assert plan.install_cpu_lora_ops and plan.eager_sampler_ops and plan.pin_threads and plan.undo_cpu_worker_patches
 
 
 def test_cpu_sizes_its_kv_cache_in_gib_and_ignores_the_gpu_memory_share() -> None:

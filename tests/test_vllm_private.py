@@ -130,6 +130,23 @@ def test_the_cpu_lora_ops_cpu_lora_ops_replaces_are_where_it_puts_its_own() -> N
         assert bgmv in resolve(defining, sgmv).__code__.co_names, f"{defining}.{sgmv} no longer calls {bgmv}"
 
 
+def test_the_samplers_compiled_ops_wrap_what_the_cpu_engine_calls_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    for module_name, name in vllm_private.COMPILED_SAMPLER_OPS:
+        module = importlib.import_module(module_name)
+        compiled = getattr(importlib.import_module(getattr(module, name).__module__), name)  # where vLLM defines it
+        assert hasattr(compiled, "_torchdynamo_orig_callable"), f"{module_name}.{name} is no longer torch.compile'd"
+        assert name in resolve(module_name, "Sampler").gather_logprobs.__code__.co_names
+        monkeypatch.setattr(module, name, compiled)  # as vLLM leaves it
+        vllm_private.eager_sampler_ops()
+        vllm_private.eager_sampler_ops()  # idempotent
+        eager = getattr(module, name)
+        assert eager is compiled._torchdynamo_orig_callable
+        x, values = torch.randn(5, 11), torch.randn(5, 1)
+        assert torch.equal(eager(x, values), (x >= values).sum(-1))
+
+
 def test_the_cpu_worker_still_replaces_torch_set_num_threads() -> None:
     init_device = resolve(*vllm_private.CPU_WORKER_PATCH_AT)
     assert assigns(init_device, "torch.set_num_threads"), (

@@ -50,6 +50,7 @@ class EngineArgsPlan:
     env_forced: dict[str, str]  # set while the engine is built, whatever the environment says
     env_defaults: dict[str, str]  # set while the engine is built where unset (the user's value wins)
     install_cpu_lora_ops: bool  # replace vLLM's CPU LoRA ops (worker/cpu_lora_ops.py)
+    eager_sampler_ops: bool  # run the sampler's compiled ops eagerly (vllm_private.eager_sampler_ops)
     pin_threads: bool  # run engine calls with ENGINE_THREADS torch threads, the caller's count restored
     undo_cpu_worker_patches: bool  # put back torch.set_num_threads and LD_PRELOAD after the build
 
@@ -179,6 +180,7 @@ def rollout_engine_args(
             env_forced={MULTIPROCESSING_ENV: "0"},
             env_defaults=kv_cache_env(kv_cache_gib),
             install_cpu_lora_ops=True,
+            eager_sampler_ops=True,
             pin_threads=True,
             undo_cpu_worker_patches=True,
         )
@@ -194,6 +196,7 @@ def rollout_engine_args(
         env_forced={},
         env_defaults={},
         install_cpu_lora_ops=False,
+        eager_sampler_ops=False,
         pin_threads=False,
         undo_cpu_worker_patches=False,
     )

@@ -372,6 +372,8 @@ class RolloutEngine:
 
         if plan.install_cpu_lora_ops:
             cpu_lora_ops.install()
+        if plan.eager_sampler_ops:
+            vllm_private.eager_sampler_ops()
         for name in plan.env_defaults:
             if name in os.environ:
                 log.info("%s=%s overrides the engine's default %s", name, os.environ[name], plan.env_defaults[name])

@@ -192,6 +192,22 @@ def cpu_lora_op_modules() -> list[ModuleType]:
     return [importlib.import_module(name) for name in CPU_LORA_OP_MODULES]
 
 
+# The sampler counts each sampled token's rank (whenever log-probs are asked, the warm-up's
+# included) with a ``torch.compile``d function: on CPU its first call compiles it with inductor,
+# about 2 s of every engine start. The CPU engine calls the function it wraps, the same
+# arithmetic run eagerly (``eager_sampler_ops``); a CUDA engine keeps the compiled kernel.
+COMPILED_SAMPLER_OPS = (("vllm.v1.sample.sampler", "batched_count_greater_than"),)
+
+
+def eager_sampler_ops() -> None:
+    """Replace each of ``COMPILED_SAMPLER_OPS`` where the sampler calls it by the function
+    ``torch.compile`` wrapped (idempotent)."""
+    for module_name, name in COMPILED_SAMPLER_OPS:
+        module = importlib.import_module(module_name)
+        compiled = getattr(module, name)
+        setattr(module, name, getattr(compiled, "_torchdynamo_orig_callable", compiled))
+
+
 # In-process, vLLM's CPUWorker.init_device replaces ``torch.set_num_threads`` with a no-op that
 # only warns; the engine keeps the real setter (torch's C binding) to pin its own threads, and
 # puts ``torch.set_num_threads`` back after the engine is built.
