@@ -124,6 +124,9 @@ class AgentEndpoint:
         self.base_url = ""
         self._server: Any = None
         self._threads: list[threading.Thread] = []
+        # the routes' blocking calls: a request waits on its generate in one of these threads, so
+        # as many as run agents at once (asyncio's default pool, a few a core, would cap the batch)
+        self._calls = cf.ThreadPoolExecutor(AGENTS_AT_ONCE, thread_name_prefix="agents-call")
 
     def __enter__(self) -> AgentEndpoint:
         import asyncio
@@ -136,7 +139,7 @@ class AgentEndpoint:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
         async def call(fn: Callable[..., Any], *args: Any) -> Any:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
 
         openai_api.add_routes(app, _Policies(self), call)
         sock = listen.bind("127.0.0.1", 0)
@@ -157,6 +160,7 @@ class AgentEndpoint:
             self._server.should_exit = True
         for t in self._threads:
             t.join(timeout=10)
+        self._calls.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self) -> None:
         """The agents' requests, joined into generate calls by sampling, one call at a time."""
