@@ -111,7 +111,8 @@ def test_status_json_reports_jobs_and_engines(cluster, learning_job):
     assert job["steps"] == 200 and job["name"] == "learn"
     kinds = sorted(e["kind"] for e in rep["engines"])
     assert kinds == ["rollout", "trainer"] and all(e["ready"] for e in rep["engines"])
-    assert "w0/rollout" in job["engine"] or job["state"] == "queued"
+    ran_on = cluster.wait_for(learning_job, lambda j: j["engine"], timeout=300, what="its first call")["engine"]
+    assert "w0/rollout" in ran_on.split(",")  # the engines its calls ran on
     ids = cluster.run("ls", "-q", check=True).stdout.split()
     assert learning_job in ids
 
