@@ -193,6 +193,35 @@ def test_tool_call_syntax() -> None:
             parse_tool_call(bad, ["call"])
 
 
+CALCULATOR_CASES = ["12*7", "(3+4)*5", "-3//2", "7%-3", "2**-2", "2.5*4", "0**0", "1**(10**100)", "(-2)**3",
+                    "2**10000", "10**4299+10**4299", "1/0", "0**-1", "2.0**10000", "1e308*10", "10**4300"]  # fmt: skip
+
+
+@pytest.mark.parametrize("expression", CALCULATOR_CASES)
+def test_the_calculator_answers_what_a_python_program_printing_the_expression_prints(expression: str) -> None:
+    """In the driver, without a sandboxed process, the same answer a sandboxed ``print`` of the
+    expression gives (``error`` where it fails)."""
+    env = PythonToolEnv()
+    env.reset({"prompt": "?", "answer": "0"})
+    env.max_observation_chars = 4000  # within what the sandbox keeps of a program's output
+    [sandboxed] = [env.run(f"print({expression})\n")]
+    assert env.step(f"call:{expression};").observation == f"={sandboxed[:4000]};"
+
+
+def test_the_calculator_refuses_a_result_past_its_digits_before_computing_it(monkeypatch) -> None:
+    from plexctl.envs import python_tool
+
+    monkeypatch.setattr(python_tool, "run_python", None)  # calculator calls run no program
+    env = PythonToolEnv()
+    env.reset({"prompt": "?", "answer": "0"})
+    for expression in ("9**9**9**9", "10**10**10", "(10**3000)*(10**3000)", "2**14300"):
+        t0 = time.perf_counter()
+        step = env.step(f"call:{expression};")
+        assert step.info["tool_timeout"] and "past the calculator's limit" in step.info["error"], step
+        assert time.perf_counter() - t0 < 0.5
+    assert env.step("call:10**4299;").observation == "=" + ("1" + "0" * 4299)[:16] + ";"
+
+
 def test_python_tool_episode_tokens_masks_and_logprobs(pool: SandboxPool) -> None:
     sample = {"prompt": "3*7=", "answer": "21"}
     model = ScriptedModel(tool_user)
