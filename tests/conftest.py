@@ -180,23 +180,31 @@ MARKS = {
 # The longest files first (``make test`` runs them on two processes, a file each at a time): the
 # last file to start is a short one, so neither process idles at the end while the other runs a
 # long one. The tool-learning file stays late: its model builds beside the first tests.
-LONGEST_FIRST = (
-    "test_bench_quick.py",
+LONGEST_FIRST = (  # by their time in a clean-clone run
     "test_slurm.py",
-    "test_faults.py",
-    "test_e2e.py",
+    "test_wide_trainer.py",
+    "test_bench_quick.py",
     "test_algos_learning.py",
-    "test_train_passes_e2e.py",
-    "test_hostile_user.py",
-    "test_trainer_levers.py",
-    "test_multi_base_e2e.py",
-    "test_tinker_e2e.py",
-    "test_bench_multiplex.py",
-    "test_multiplex.py",
+    "test_e2e.py",
+    "test_faults.py",
+    "test_trainer_group.py",
     "test_worker_stall.py",
-    "test_trainer_numerics.py",
-    "test_journey_tinker.py",
+    "test_openai_api.py",
+    "test_hostile_tree.py",
+    "test_hostile_user.py",
+    "test_tinker_e2e.py",
+    "test_multi_base_e2e.py",
+    "test_bench_multiplex.py",
     "test_journey_readme.py",
+    "test_multiplex.py",
+    "test_journey_tinker.py",
+    "test_journey_demo.py",
+    "test_tool_learning.py",
+    "test_trainer_numerics.py",
+    "test_journey_security.py",
+    "test_train_passes_e2e.py",
+    "test_trainer_levers.py",
+    "test_tinker_restart.py",
 )
 
 
