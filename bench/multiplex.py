@@ -252,7 +252,7 @@ def swap_summary(swaps: dict[str, dict[str, dict]], background: dict[str, float]
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", choices=list(CASES), default="classic", help="classic: one base; mixed: two bases")
-    ap.add_argument("--quick", action="store_true", help="3 jobs x 5 steps: keeps the benchmark working")
+    ap.add_argument("--quick", action="store_true", help="3 jobs x 8 steps: keeps the benchmark working")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument(
         "--repeat", type=int, default=1, help="run the two modes this many times, alternating; report the median pair"
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     args.device_slots = args.device_slots or max(1, len(jobs) // 2)
     args.host_mem = args.host_mem or "512K"
     tiers = [f"--device-slots={args.device_slots}", f"--host-mem={args.host_mem}"]
-    steps = 5 if args.quick else args.steps
+    steps = 8 if args.quick else args.steps  # quick: steps enough that the 3 jobs run at once
     for name in names:
         subprocess.run(
             [sys.executable, "-m", "plexctl.tiny_models", "--root", str(REPO / ".plexrl"), "--only", name],

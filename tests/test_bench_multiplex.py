@@ -32,7 +32,7 @@ def test_multiplex_quick_writes_both_modes(tiny_model, tmp_path):
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"isolated", "spread+backfill"}
     for mode in result["modes"].values():
-        assert mode["steps"] == 15 and mode["engine_s_per_step"] > 0 and 0 <= mode["bubble_ratio"] <= 1
+        assert mode["steps"] == 24 and mode["engine_s_per_step"] > 0 and 0 <= mode["bubble_ratio"] <= 1
     assert result["summary"]["engine_s_per_step_ratio"] > 0
     # the same seeds give the same samples in both modes, swaps included
     assert all(diff == 0.0 for diff in result["summary"]["max_reward_curve_diff"].values())
