@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny-arith.yaml")
 CUSTOM_LOOP = str(REPO / "configs" / "examples" / "custom-loop.yaml")
 AGENT_LOOP = str(REPO / "configs" / "examples" / "openai-agent.yaml")
-AGENT_RISE = (
-    0.03  # the agent's mean reward, last 20 steps over first 20 (one run: +0.073; the built-ins +0.04 to +0.06)
-)
+# The rise of the agent's mean episode reward over its run: a least-squares line through every
+# step's mean, its last step's value over its first. A step's mean varies by ~0.07 about the line
+# (its prompts' difficulty), so the mean of the last 20 steps over the first 20's of a 100-step run
+# came out +0.025 to +0.073 over four runs; the line through 150 steps, +0.056 +- 0.020 in one.
+AGENT_RISE = 0.03
+AGENT_STEPS = 150
 STEPS = 100
 ALGOS = {  # name -> extra --set overrides, and the gain it must clear over STEPS steps
     "dr_grpo": ((), 0.04),
@@ -58,7 +62,7 @@ def jobs(cluster) -> dict[str, str]:
         "submit", CUSTOM_LOOP, "--set", "algo.steps=30", "--set", "checkpoint.every=10", "-q", check=True
     ).stdout.strip()
     ids["agent"] = cluster.run(
-        "submit", AGENT_LOOP, "--set", f"algo.steps={STEPS}", "--set", "checkpoint.every=0", "-q", check=True
+        "submit", AGENT_LOOP, "--set", f"algo.steps={AGENT_STEPS}", "--set", "checkpoint.every=0", "-q", check=True
     ).stdout.strip()
     waited = cluster.run("wait", *ids.values(), "--timeout", "1500", timeout=1560)
     assert waited.returncode == 0, waited.stdout + waited.stderr
@@ -103,19 +107,19 @@ def test_an_agent_written_against_the_openai_api_learns_as_the_jobs_environment(
     """configs/examples/openai_agent.py: an agent that knows only the ``openai`` SDK, named in the
     spec (``algo.agent``), given the job's endpoint, trained by the built-in GRPO on its recorded
     turns; every episode recorded (one turn, its sampled tokens the trainer's to the behaviour
-    log-probs), and the reward of its episodes rises (the mean of its last 20 steps over its first
-    20's: 2,560 episodes each)."""
+    log-probs), and the reward of its episodes rises over the run (AGENT_RISE: 128 episodes a step)."""
     info = cluster.job(jobs["agent"])
-    assert info["state"] == "succeeded" and info["step"] == STEPS, info
+    assert info["state"] == "succeeded" and info["step"] == AGENT_STEPS, info
     gain = info["eval_last"] - info["eval_first"]
     print(f"openai agent: eval reward {info['eval_first']:.3f} -> {info['eval_last']:.3f} (gain {gain:+.3f})")
     rows = [m for m in metrics(cluster, jobs["agent"]) if "reward_mean" in m]
-    assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in rows] == list(range(1, AGENT_STEPS + 1))
     assert all(m["env/turns_mean"] == 1.0 and m["env/failed"] == 0 and m["train/tokens"] > 0 for m in rows)
     assert abs(rows[0]["train/ratio_mean"] - 1.0) < 1e-3  # the recorded log-probs are the policy's own
-    first, last = (sum(m["reward_mean"] for m in part) / len(part) for part in (rows[:20], rows[-20:]))
-    print(f"openai agent: episode reward {first:.3f} (steps 1-20) -> {last:.3f} (steps {STEPS - 19}-{STEPS})")
-    assert last - first >= AGENT_RISE
+    fit = statistics.linear_regression([m["step"] for m in rows], [m["reward_mean"] for m in rows])
+    rise = fit.slope * (AGENT_STEPS - 1)
+    print(f"openai agent: episode reward, its line over {AGENT_STEPS} steps, rises {rise:+.3f}")
+    assert rise >= AGENT_RISE
 
 
 @pytest.fixture(scope="module")
