@@ -47,9 +47,9 @@ def worker_pid(state_dir: Path, worker_id: str) -> int:
 
 
 def rank_pids(worker: int) -> list[int]:
-    """The pids of the trainer ranks past rank 0 that worker process ``worker`` started (its
-    children spawned by torch.multiprocessing; not multiprocessing's resource tracker)."""
-    pids = []
+    """The pids of the trainer ranks past rank 0 that worker process ``worker`` started: the
+    children of its rank fork server (``worker.trainer_group.rank_processes``)."""
+    procs: dict[int, tuple[int, str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -58,9 +58,9 @@ def rank_pids(worker: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace")
         except (OSError, IndexError, ValueError):
             continue
-        if parent == worker and "spawn_main" in argv:
-            pids.append(int(entry.name))
-    return sorted(pids)
+        procs[int(entry.name)] = (parent, argv)
+    servers = {pid for pid, (parent, argv) in procs.items() if parent == worker and "forkserver" in argv}
+    return sorted(pid for pid, (parent, _) in procs.items() if parent in servers)
 
 
 def driver_pid(state_dir: Path, job_id: str) -> int:

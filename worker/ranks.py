@@ -18,6 +18,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,11 +26,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from plexctl.common.cluster_config import ConfigError, read_config
 from worker.main import attach_rank
-from worker.trainer_group import follow, rendezvous_spec
+from worker.trainer_group import follow, rank_processes, rendezvous_spec
 
 log = logging.getLogger("plexrl-ranks")
 
@@ -51,9 +50,10 @@ def start_ranks(record: dict[str, Any], ranks: list[int], config: Any, scratch: 
         attach_rank, config=config, nvme_dir=scratch, info=extra.get("info", {}), eid=extra.get("eid", "")
     )
     spec = rendezvous_spec(record, attach)
-    context = mp.get_context("spawn")
+    context = rank_processes()
     procs: list[BaseProcess] = [
-        context.Process(target=follow, args=(spec, rank), name=f"trainer-rank-{rank}", daemon=True) for rank in ranks
+        context.Process(target=follow, args=(spec, rank, dict(os.environ)), name=f"trainer-rank-{rank}", daemon=True)
+        for rank in ranks
     ]
     for proc in procs:
         proc.start()

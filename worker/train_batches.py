@@ -91,22 +91,17 @@ def pad_rows(input_ids: list[list[int]], loss_mask: list[list[int]], device: tor
     """Right-pad rows with PAD_ID; shift the mask so column t refers to token t + 1."""
     lengths = [len(row) for row in input_ids]
     width = max(lengths)
-    ids = torch.full((len(input_ids), width), PAD_ID, dtype=torch.long)
-    attention = torch.zeros((len(input_ids), width), dtype=torch.long)
-    mask = torch.zeros((len(input_ids), width), dtype=torch.bool)
-    for i, (row, row_mask) in enumerate(zip(input_ids, loss_mask)):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        attention[i, : len(row)] = 1
-        mask[i, : len(row)] = torch.tensor(row_mask, dtype=torch.bool)
+    pads = [width - n for n in lengths]  # rows built as lists, one tensor each: no per-row tensor ops
+    ids = torch.tensor([[*row, *[PAD_ID] * pad] for row, pad in zip(input_ids, pads)], dtype=torch.long)
+    attention = torch.tensor([[1] * n + [0] * pad for n, pad in zip(lengths, pads)], dtype=torch.long)
+    mask = torch.tensor([[*row, *[0] * pad] for row, pad in zip(loss_mask, pads)], dtype=torch.bool)
     return Rows(ids.to(device), attention.to(device), mask[:, 1:].to(device), lengths)
 
 
 def pad_old_logprobs(old_logprobs: list[list[float]], rows: Rows) -> torch.Tensor:
     """Old log-probs aligned with ``rows.loss_mask``; masked entries are forced to 0."""
     width = rows.input_ids.shape[1]
-    old = torch.zeros((len(old_logprobs), width), dtype=torch.float32)
-    for i, row in enumerate(old_logprobs):
-        old[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    old = torch.tensor([[*row, *[0.0] * (width - len(row))] for row in old_logprobs], dtype=torch.float32)
     old = old[:, 1:].to(rows.loss_mask.device)
     old = torch.where(rows.loss_mask, old, 0.0)
     if not torch.isfinite(old).all():

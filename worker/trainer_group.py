@@ -1,15 +1,16 @@
 """A trainer engine of N ranks: N processes, one ``TrainerEngine`` each, one torch.distributed group.
 
 What it owns. ``TrainerGroup`` is rank 0, in the caller's process: it starts ranks 1..N-1
-(``torch.multiprocessing``, spawn), meets them at a ``TCPStore`` it serves on a free port, and
-speaks for the group. Every call is a ``GroupCall``: rank 0 checks it (``check``: a user's error is
-raised there, before any rank moves), sends it to the others with ``broadcast_object_list`` over a
-gloo control group, then every rank runs it (``run``) and rank 0 returns its own result, as vLLM's
-executor drives its tensor-parallel workers. The work group's backend is ``collective_backend``'s
-(NCCL with CUDA, gloo on CPU); its collectives time out after ``timeout_s``, so no call waits
-forever on a dead or hung peer. Ranks 1..N-1 wait for the next call on the control group, whose
-timeout is long (``IDLE_TIMEOUT``): an idle engine is not a dead one. They die with rank 0's process
-(a parent-death signal), however it ends.
+(``rank_processes``: forked from a server that imported the trainer once), meets them at a
+``TCPStore`` it serves on a free port, and speaks for the group. Every call is a ``GroupCall``:
+rank 0 checks it (``check``: a user's error is raised there, before any rank moves), sends it to
+the others with ``broadcast_object_list`` over a gloo control group, then every rank runs it
+(``run``) and rank 0 returns its own result, as vLLM's executor drives its tensor-parallel workers.
+The work group's backend is ``collective_backend``'s (NCCL with CUDA, gloo on CPU); its collectives
+time out after ``timeout_s``, so no call waits forever on a dead or hung peer. Ranks 1..N-1 wait
+for the next call on the control group, whose timeout is long (``IDLE_TIMEOUT``): an idle engine
+is not a dead one. They die with rank 0's process (a parent-death signal; the fork server they
+come from ends with rank 0's process), however it ends.
 
 Layout. Each rank's base model is sharded with FSDP2 (``TrainerEngine.shard_base``); a LoRA job's
 adapter and AdamW moments are replicated, a full fine-tuning job's weights and moments sharded as
@@ -89,7 +90,22 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a work collective waits at most this long for a peer (a step's longest pass)
-START_TIMEOUT_S = 300.0  # ranks 1..N-1 started (a process spawned, torch imported) before the group forms
+START_TIMEOUT_S = 300.0  # ranks 1..N-1 started (a process forked, the group's store reached) before the group forms
+RANK_PRELOAD = ["worker.main"]  # what a rank's process needs imported: torch, transformers, peft, the trainer
+
+
+def rank_processes() -> Any:
+    """The multiprocessing context that starts ranks: forked from a server process (one per
+    process that starts ranks, made at its first group) that imported ``RANK_PRELOAD`` once, so
+    a rank starts in a fraction of a second instead of importing torch, transformers and peft
+    again; the server only imports, so nothing is forked from a process whose threads (ZeroMQ,
+    gloo, OpenMP) run. A rank takes its starter's environment as it is when it starts
+    (``follow``'s ``environ``), as a spawned process would, not the server's."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
+
+
 IDLE_TIMEOUT = timedelta(days=7)  # ranks 1..N-1 wait this long for the next call (the control group)
 STOP_WAIT_S = 30.0  # ranks 1..N-1 get this long to leave after ``close`` before they are killed
 _ERROR_KEY = "plexrl/rank-error/{rank}"  # where a failing rank leaves its one-line error in the store
@@ -466,12 +482,16 @@ class Stop(GroupCall[None]):
 # ---------------------------------------------------------------- ranks 1..N-1
 
 
-def follow(spec: GroupSpec, rank: int) -> None:
+def follow(spec: GroupSpec, rank: int, environ: Mapping[str, str] | None = None) -> None:
     """Rank ``rank`` (> 0): join the group, then run every call rank 0 sends until ``Stop``. On
-    an error the rank leaves its one-line error in the store and exits with status 1."""
-    Libc().die_with_parent()  # rank 0 gone (killed, whatever the way): this rank goes too
+    an error the rank leaves its one-line error in the store and exits with status 1.
+    ``environ``: its starter's environment (``rank_processes``)."""
+    Libc().die_with_parent()  # its parent (rank 0's, or rank 0's fork server, which ends with it) gone: it goes too
     if os.getppid() == 1:
         os._exit(1)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
     try:
         store.set(f"started/{rank}", "1")  # rank 0 forms the group once every rank is this far
@@ -553,9 +573,11 @@ class TrainerGroup:
         )
         self._store = store
         self._closed = False
-        context = mp.get_context("spawn")
+        context = rank_processes()
         self._followers: list[BaseProcess] = [
-            context.Process(target=follow, args=(self.spec, rank), name=f"trainer-rank-{rank}", daemon=True)
+            context.Process(
+                target=follow, args=(self.spec, rank, dict(os.environ)), name=f"trainer-rank-{rank}", daemon=True
+            )
             for rank in range(1, local_ranks)
         ]
         for process in self._followers:
