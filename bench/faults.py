@@ -46,9 +46,8 @@ def worker_pid(state_dir: Path, worker_id: str) -> int:
     raise LookupError(f"no worker {worker_id} of the cluster at {state_dir}")
 
 
-def rank_pids(worker: int) -> list[int]:
-    """The pids of the trainer ranks past rank 0 that worker process ``worker`` started: the
-    children of its rank fork server (``worker.trainer_group.rank_processes``)."""
+def process_table() -> dict[int, tuple[int, str]]:
+    """Every process this user can see: pid -> (its parent's pid, its argv joined by NULs)."""
     procs: dict[int, tuple[int, str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -59,6 +58,13 @@ def rank_pids(worker: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         procs[int(entry.name)] = (parent, argv)
+    return procs
+
+
+def rank_pids(worker: int) -> list[int]:
+    """The pids of the trainer ranks past rank 0 that worker process ``worker`` started: the
+    children of its rank fork server (``worker.trainer_group.rank_processes``)."""
+    procs = process_table()
     servers = {pid for pid, (parent, argv) in procs.items() if parent == worker and "forkserver" in argv}
     return sorted(pid for pid, (parent, _) in procs.items() if parent in servers)
 

@@ -353,11 +353,6 @@ class RanksWithEnv(GroupCall[float]):
         return float(rank.all_reduce_sum(torch.tensor([float(os.environ.get(self.name) == self.value)])).item())
 
 
-def parent_and_argv(pid: int) -> tuple[int, str]:
-    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return parent, Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
-
-
 @pytest.mark.e2e
 def test_ranks_fork_from_one_server_and_have_their_starters_environment(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
@@ -365,14 +360,18 @@ def test_ranks_fork_from_one_server_and_have_their_starters_environment(
     """Each group's ranks are forked from the one server this process started, which imported
     the trainer once, and each rank has the environment its group's starter had when the group
     started (a variable set after the server started included), not the server's."""
+    from bench.faults import process_table
+
     servers = set()
     for value in ("first", "second"):
         monkeypatch.setenv("PLEXRL_TEST_RANK_ENV", value)
         with TrainerGroup(model_dir, width=3, engine_options=OPTIONS, timeout_s=60) as group:
             assert group.call(RanksWithEnv("PLEXRL_TEST_RANK_ENV", value)) == 3.0
-            servers |= {parent_and_argv(pid) for pid in group.pids}
-    [(server, argv)] = servers
-    assert server != os.getpid() and "forkserver" in argv and "worker.main" in argv
+            procs = process_table()
+            servers |= {procs[pid][0] for pid in group.pids}
+    [server] = servers
+    parent, argv = procs[server]
+    assert parent == os.getpid() and "forkserver" in argv and "worker.main" in argv
 
 
 def test_a_ranks_passes_are_its_share_of_the_micro_batches_then_null_passes() -> None:

@@ -90,7 +90,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a work collective waits at most this long for a peer (a step's longest pass)
-START_TIMEOUT_S = 300.0  # ranks 1..N-1 started (a process forked, the group's store reached) before the group forms
+START_TIMEOUT_S = 300.0  # ranks 1..N-1 started (forked; a process's first group: its fork server's imports too)
 RANK_PRELOAD = ["worker.main"]  # what a rank's process needs imported: torch, transformers, peft, the trainer
 
 
